@@ -1,0 +1,3 @@
+from llmtrace.cli import main
+
+main()

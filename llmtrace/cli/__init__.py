@@ -1,0 +1,60 @@
+"""Command-line entry point: one module per command, one place that turns errors into exit codes."""
+
+import os
+import sys
+
+import click
+
+from llmtrace.cli.app import app
+from llmtrace.errors import LlmtraceError
+
+# Importing a command module registers its commands on `app`.
+from llmtrace.cli import generate as _generate  # noqa: F401,E402
+from llmtrace.cli import tokenize as _tokenize  # noqa: F401,E402
+from llmtrace.cli import models as _models  # noqa: F401,E402
+from llmtrace.cli import explain as _explain  # noqa: F401,E402
+from llmtrace.cli import trace_files as _trace_files  # noqa: F401,E402
+
+
+def _fail(message: str, code: int) -> "NoReturn":  # noqa: F821
+    first = " ".join(str(message).split()) or "unknown error"
+    print(f"error: {first}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv=None) -> None:
+    """Run the CLI. User errors print one line on stderr (no traceback unless LLMTRACE_DEBUG=1)."""
+    debug = os.environ.get("LLMTRACE_DEBUG") == "1"
+    try:
+        app(args=argv, standalone_mode=False, prog_name="llmtrace")
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        _fail("interrupted", 130)
+    except click.exceptions.UsageError as e:
+        if debug:
+            raise
+        hint = f" (see 'llmtrace {e.ctx.info_name} --help')" if e.ctx is not None and e.ctx.info_name != "llmtrace" else ""
+        _fail(e.format_message() + hint, 2)
+    except click.exceptions.ClickException as e:
+        if debug:
+            raise
+        _fail(e.format_message(), e.exit_code or 1)
+    except LlmtraceError as e:
+        if debug:
+            raise
+        _fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except BrokenPipeError:
+        # The reader went away (`llmtrace ... | head -1`): end quietly, like other Unix tools.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        sys.exit(1)
+    except MemoryError:
+        if debug:
+            raise
+        _fail("out of memory; try a smaller --max-new-tokens, a shorter prompt or --dtype bfloat16", 1)

@@ -1,0 +1,3 @@
+"""Commands: explain (being written)."""
+
+from llmtrace.cli.app import app  # noqa: F401

@@ -1,0 +1,3 @@
+"""Commands: trace_files (being written)."""
+
+from llmtrace.cli.app import app  # noqa: F401

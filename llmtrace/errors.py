@@ -1,0 +1,17 @@
+"""Errors a user can cause, each with an exit code and a one-line message.
+
+Every problem that comes from user input (a bad path, a corrupt file, an out-of-range flag) is raised as one of these.
+The CLI prints `error: <message>` on stderr and exits with `exit_code`; only `LLMTRACE_DEBUG=1` shows a traceback.
+"""
+
+
+class LlmtraceError(Exception):
+    """A runtime problem the user can fix (exit code 1)."""
+
+    exit_code = 1
+
+
+class UsageError(LlmtraceError):
+    """The command line itself is wrong: a flag out of range, a malformed value (exit code 2)."""
+
+    exit_code = 2
