@@ -1,3 +1,191 @@
-"""Commands: generate (being written)."""
+"""`llmtrace generate`: run the model on a prompt and show every step from text to tokens."""
 
-from llmtrace.cli.app import app  # noqa: F401
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, app
+from llmtrace.errors import LlmtraceError, UsageError
+
+GENERATE_HELP = """Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
+
+The default model (smollm2-135m-instruct) is fetched on first use. Greedy decoding is the default (--temperature 0).
+
+Examples:
+
+  llmtrace generate "Quantum mechanics is a fundamental theory in physics that" -n 16
+
+  llmtrace generate "Write a haiku about rain" --chat --temperature 0.8 --top-p 0.9 --seed 1
+
+  llmtrace generate "The capital of France is" --trace full --layers 0,-1 --jsonl trace.jsonl
+
+  llmtrace generate "Once upon a time" --trace none -n 100
+
+  echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
+"""
+
+
+def read_prompt(prompt: Optional[str], file: Optional[Path], what: str = "prompt") -> str:
+    """The prompt from the argument, --file, or stdin (in that order). Errors name the problem in one line."""
+    if prompt is not None and file is not None:
+        raise UsageError(f"give the {what} either as an argument or with --file, not both")
+    if file is not None:
+        try:
+            data = file.read_bytes()
+        except FileNotFoundError:
+            raise LlmtraceError(f"{what} file not found: {file}") from None
+        except IsADirectoryError:
+            raise LlmtraceError(f"{what} file is a directory: {file}") from None
+        except PermissionError:
+            raise LlmtraceError(f"{what} file is not readable: {file}") from None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LlmtraceError(f"{file}: not valid UTF-8 (bad byte 0x{data[e.start]:02x} at byte offset {e.start})") from None
+    if prompt is not None:
+        return prompt
+    if sys.stdin is not None and not sys.stdin.isatty():
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LlmtraceError(f"stdin: not valid UTF-8 (bad byte 0x{data[e.start]:02x} at byte offset {e.start})") from None
+    raise UsageError(f"no {what}: give it as an argument, with --file, or on stdin")
+
+
+@app.command(help=GENERATE_HELP, no_args_is_help=False)
+def generate(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --file, or stdin).", show_default=False)] = None,
+    model: ModelOpt = None,
+    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this UTF-8 file.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")] = 32,
+    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).")] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × the top probability (0: off).")] = 0.0,
+    typical_p: Annotated[float, typer.Option("--typical-p", help="Locally typical sampling mass (1: off).")] = 1.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="HF-style penalty for seen tokens (1: off).")] = 1.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this × count of each seen token.")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from every seen token.")] = 0.0,
+    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).")] = None,
+    ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).")] = None,
+    sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' or a comma list.")] = "hf",
+    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed).")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-sequence token.")] = False,
+    trace: Annotated[str, typer.Option("--trace", help="Depth: none, steps, layers or full.")] = "steps",
+    layers: Annotated[Optional[str], typer.Option("--layers", help="Layers to record, e.g. 0,3,-1 or 2-5 (default: all).")] = None,
+    dump: Annotated[Optional[list[str]], typer.Option("--dump", help="Record the values of a point, e.g. logits or 3.probs (repeatable).")] = None,
+    topk: Annotated[int, typer.Option("--show-top", help="Candidates recorded per step.")] = 10,
+    jsonl: Annotated[Optional[str], typer.Option("--jsonl", help="Stream events, one JSON object per line, to FILE (- for stdout).")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for stdout).")] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")] = None,
+) -> None:
+    from llmtrace.fsutil import check_writable_target
+    from llmtrace.sampler import SamplerConfig, parse_order
+    from llmtrace.trace import TraceOptions
+
+    # Everything the user typed is checked before the (slow) model load.
+    if max_new_tokens < 0:
+        raise UsageError("--max-new-tokens must be ≥ 0")
+    if topk < 1:
+        raise UsageError("--show-top must be ≥ 1")
+    if jsonl == "-" and json_out == "-":
+        raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
+    for target in (jsonl, json_out):
+        if target not in (None, "-"):
+            check_writable_target(Path(target))
+    options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
+    scfg = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                         repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                         presence_penalty=presence_penalty, order=parse_order(sampler_order), seed=seed)
+    scfg.validate(vocab_size=sys.maxsize)  # ranges now; ids against the real vocabulary after the load
+    text = read_prompt(prompt, file)
+    if system is not None and not chat:
+        raise UsageError("--system only applies with --chat")
+
+    from llmtrace.loader import load_model, set_threads
+
+    set_threads(threads)
+    lm = load_model(model, device=device, dtype=dtype)
+    run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
+        ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl=jsonl, json_out=json_out)
+
+
+def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl,
+        json_out) -> None:
+    """Everything after the load: encode, generate with the chosen observers, write the outputs."""
+    from llmtrace.generate import generate as run_generation
+    from llmtrace.render import make_console, terminal_renderer
+    from llmtrace.sampler import Sampler, parse_logit_bias
+    from llmtrace.trace import JsonDocSink, JsonlSink, Recorder, parse_layers
+
+    tok = lm.tokenizer
+    options.layers = parse_layers(layers, lm.config.n_layers)
+    scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
+    scfg.ban = banned_sequences(tok, ban)
+    scfg.validate(lm.config.vocab_size)
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+        prompt_text = tok.render_chat(messages, add_generation_prompt=True)
+        ids = tok.encode(prompt_text, add_special_tokens=False)
+    else:
+        prompt_text = text
+        ids = tok.encode(text)
+    sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
+
+    machine_on_stdout = "-" in (jsonl, json_out)
+    view_console = None
+    if not machine_on_stdout:
+        view_console = make_console()
+    elif sys.stderr.isatty():
+        view_console = make_console(stderr=True)
+    sinks = []
+    jsonl_sink = JsonlSink(jsonl) if jsonl else None
+    doc_sink = JsonDocSink(json_out) if json_out else None
+    if jsonl_sink:
+        sinks.append(jsonl_sink)
+    if doc_sink:
+        sinks.append(doc_sink)
+    stream_text = options.level == "none"
+    if view_console is not None:
+        sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
+    recorder = Recorder(options, sinks, run_info={"prompt": prompt_text, "chat": chat})
+
+    on_text = None
+    if stream_text and view_console is not None:
+        def on_text(piece: str) -> None:
+            view_console.file.write(piece)
+            view_console.file.flush()
+
+    try:
+        result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
+                                observer=recorder, on_text=on_text)
+        if doc_sink is not None:
+            doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
+    finally:
+        if jsonl_sink is not None:
+            jsonl_sink.close()
+    if result.interrupted:
+        raise typer.Exit(130)
+
+
+def banned_sequences(tok, texts: list[str]) -> list[list[int]]:
+    """Token sequences for each --ban text, with and without a leading space (how words appear mid-sentence)."""
+    out: list[list[int]] = []
+    for t in texts:
+        if not t:
+            raise UsageError("--ban needs a non-empty text")
+        for variant in (t, " " + t.lstrip(" ")):
+            ids = tok.encode(variant, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out

@@ -1,0 +1,587 @@
+"""Checkpoint adapters: an HF directory (safetensors) or a GGUF file -> ModelConfig + weights + tokenizer.
+
+Each format maps onto one internal layout, the parameter names of llmtrace.model.Transformer. Key renames and the
+llama.cpp q/k row permutation are tables and small named transforms here, kept out of the model.
+
+A GGUF is converted once (read, dequantize, un-permute, fuse) and the result cached as safetensors in the user cache
+directory, so later loads are a memory-mapped read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.model import ModelConfig, Transformer
+
+CONVERT_VERSION = 1  # bump when the cached conversion format changes
+
+SUPPORTED_HF_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_GGUF_ARCHS = {"llama", "mistral", "qwen2"}
+
+
+@dataclass
+class LoadedModel:
+    name: str  # registry name or path, for display
+    source: str  # "gguf" or "hf"
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: "TextTokenizer"  # noqa: F821
+    device: torch.device
+    dtype: torch.dtype
+    load_s: float  # seconds spent loading (conversion included on a cold GGUF load)
+    converted: bool  # True if this load had to convert a GGUF (cold start)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# devices and dtypes
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_device(requested: Optional[str] = None) -> torch.device:
+    """CUDA if available, else MPS, else CPU; `requested` overrides and is checked."""
+    if requested is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    name = requested.lower()
+    kind = name.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise LlmtraceError("--device cuda was asked for, but this machine has no CUDA device (or torch is a CPU build); use --device cpu")
+    if kind == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise LlmtraceError("--device mps was asked for, but MPS is not available here; use --device cpu")
+    if kind not in ("cuda", "mps", "cpu"):
+        raise UsageError(f"unknown --device {requested!r}; choose cuda, mps or cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise UsageError(f"bad --device {requested!r}: {e}") from None
+
+
+def pick_dtype(requested: Optional[str], device: torch.device) -> torch.dtype:
+    if requested is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[requested.lower()]
+    except KeyError:
+        raise UsageError(f"unknown --dtype {requested!r}; choose float32, bfloat16 or float16") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF directories: config.json + safetensors
+
+
+def config_from_hf(cfg: dict, where: str) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else cfg.get("model_type", "unknown")
+    if arch not in SUPPORTED_HF_ARCHS:
+        names = ", ".join(SUPPORTED_HF_ARCHS)
+        raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs the LLaMA family: {names})")
+    kind = SUPPORTED_HF_ARCHS[arch]
+    if cfg.get("mlp_bias"):
+        raise LlmtraceError(f"{where}: mlp_bias = true is not supported")
+    try:
+        d, h = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+            scaling = None
+        if scaling is not None:
+            kind_s = scaling.get("rope_type", scaling.get("type"))
+            if kind_s not in ("linear", "llama3"):
+                raise LlmtraceError(f"{where}: rope_scaling type {kind_s!r} is not supported (linear and llama3 are)")
+        max_len = int(cfg.get("max_position_embeddings", 4096))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
+        if window:
+            max_len = min(max_len, int(window))  # within the window, sliding attention equals full attention
+        return ModelConfig(
+            arch=kind,
+            n_layers=int(cfg["num_hidden_layers"]),
+            d_model=d,
+            n_heads=h,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or h),
+            head_dim=int(cfg.get("head_dim") or d // h),
+            ffn_dim=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            max_seq_len=max_len,
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_bias=bool(cfg.get("attention_bias", kind == "qwen2")),
+        )
+    except KeyError as e:
+        raise LlmtraceError(f"{where}: config.json lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise LlmtraceError(f"{where}: config.json has a bad value: {e}") from None
+
+
+# HF parameter name -> llmtrace name, per layer ({i}); q/k/v and gate/up are fused after renaming.
+HF_LAYER_KEYS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn.q.weight",
+    "self_attn.k_proj.weight": "attn.k.weight",
+    "self_attn.v_proj.weight": "attn.v.weight",
+    "self_attn.q_proj.bias": "attn.q.bias",
+    "self_attn.k_proj.bias": "attn.k.bias",
+    "self_attn.v_proj.bias": "attn.v.bias",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+    "mlp.gate_proj.weight": "ffn.gate.weight",
+    "mlp.up_proj.weight": "ffn.up.weight",
+    "mlp.down_proj.weight": "ffn.w_down.weight",
+}
+HF_TOP_KEYS = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise LlmtraceError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        hint = f" (found {', '.join(found)}: pickle checkpoints are never loaded; convert them to safetensors)" if found else ""
+        raise LlmtraceError(f"{path}: no *.safetensors weight files{hint}")
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise LlmtraceError(f"{path}: weight file {missing[0]} named in the index is missing")
+    return files
+
+
+def read_hf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Read every tensor (memory-mapped) and rename it to llmtrace's names."""
+    from safetensors import SafetensorsError, safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    name = _rename_hf(key)
+                    if name is not None:
+                        out[name] = sf.get_tensor(key)
+        except (SafetensorsError, OSError, RuntimeError) as e:
+            raise LlmtraceError(f"{f}: cannot read safetensors file ({_one_line(e)}); it may be truncated or corrupt") from None
+    return out
+
+
+def _rename_hf(key: str) -> Optional[str]:
+    if key in HF_TOP_KEYS:
+        return HF_TOP_KEYS[key]
+    if key.startswith("model.layers."):
+        rest = key[len("model.layers."):]
+        i, _, sub = rest.partition(".")
+        if sub in HF_LAYER_KEYS:
+            return f"layers.{i}.{HF_LAYER_KEYS[sub]}"
+        if sub.endswith("rotary_emb.inv_freq"):
+            return None
+    return key  # unknown keys are kept so that check_weights can name them
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GGUF
+
+
+def _gguf_field(reader, key, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def config_from_gguf(reader, where: str) -> ModelConfig:
+    arch = _gguf_field(reader, "general.architecture", "unknown")
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs the LLaMA family: "
+                            f"{', '.join(sorted(SUPPORTED_GGUF_ARCHS))})")
+
+    def need(key):
+        v = _gguf_field(reader, f"{arch}.{key}")
+        if v is None:
+            raise LlmtraceError(f"{where}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    d, h = int(need("embedding_length")), int(need("attention.head_count"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    scaling = None
+    s_type = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    if s_type == "linear":
+        scaling = {"rope_type": "linear", "factor": float(_gguf_field(reader, f"{arch}.rope.scaling.factor"))}
+    elif s_type not in (None, "none"):
+        raise LlmtraceError(f"{where}: rope scaling {s_type!r} is not supported (linear and llama3 are)")
+    head_dim = _gguf_field(reader, f"{arch}.attention.key_length") or _gguf_field(reader, f"{arch}.rope.dimension_count") or d // h
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        arch=arch,
+        n_layers=int(need("block_count")),
+        d_model=d,
+        n_heads=h,
+        n_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv") or h),
+        head_dim=int(head_dim),
+        ffn_dim=int(need("feed_forward_length")),
+        vocab_size=int(vocab),
+        max_seq_len=int(_gguf_field(reader, f"{arch}.context_length", 4096)),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in names,
+        attn_bias="blk.0.attn_q.bias" in names,
+    )
+
+
+GGUF_LAYER_KEYS = {
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "attn_q.weight": "attn.q.weight",
+    "attn_k.weight": "attn.k.weight",
+    "attn_v.weight": "attn.v.weight",
+    "attn_q.bias": "attn.q.bias",
+    "attn_k.bias": "attn.k.bias",
+    "attn_v.bias": "attn.v.bias",
+    "attn_output.weight": "attn.wo.weight",
+    "ffn_gate.weight": "ffn.gate.weight",
+    "ffn_up.weight": "ffn.up.weight",
+    "ffn_down.weight": "ffn.w_down.weight",
+}
+GGUF_TOP_KEYS = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order. llama.cpp stores each head's rows interleaved (x0, x_half, x1, ...) for its
+    pairwise RoPE; HF and llmtrace rotate the halves (x_i, x_{i+Dh/2}). Works on weights (rows, D) and biases (rows,)."""
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf_weights(reader, config: ModelConfig, where: str, progress=None) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to float32 with the gguf package and rename it to llmtrace's names."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+
+    supported = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1, Q.Q8_K, Q.Q2_K, Q.Q3_K}
+    out: dict[str, torch.Tensor] = {}
+    for n, t in enumerate(reader.tensors):
+        name = _rename_gguf(t.name)
+        if name is None:
+            continue
+        if t.tensor_type not in supported:
+            raise LlmtraceError(f"{where}: tensor {t.name} uses quantization {t.tensor_type.name}, which llmtrace cannot "
+                                f"dequantize (supported: {', '.join(sorted(q.name for q in supported))})")
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
+        except (ValueError, IndexError) as e:
+            raise LlmtraceError(f"{where}: tensor {t.name} could not be read ({_one_line(e)}); the file may be truncated") from None
+        w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+        if config.arch in ("llama", "mistral"):  # converted with the q/k permutation; qwen2 was not
+            if name.endswith("attn.q.weight") or name.endswith("attn.q.bias"):
+                w = unpermute_rope_rows(w, config.n_heads)
+            elif name.endswith("attn.k.weight") or name.endswith("attn.k.bias"):
+                w = unpermute_rope_rows(w, config.n_kv_heads)
+        out[name] = w
+        if progress is not None:
+            progress(n + 1, len(reader.tensors))
+    return out
+
+
+def _rename_gguf(key: str) -> Optional[str]:
+    if key in GGUF_TOP_KEYS:
+        return GGUF_TOP_KEYS[key]
+    if key == "rope_freqs.weight":
+        return "rope_freqs"
+    if key.startswith("blk."):
+        i, _, sub = key[4:].partition(".")
+        if sub in GGUF_LAYER_KEYS:
+            return f"layers.{i}.{GGUF_LAYER_KEYS[sub]}"
+    return key
+
+
+def open_gguf(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path), "r")
+    except Exception as e:  # the gguf package raises ValueError, struct.error, IndexError, ... on bad files
+        raise LlmtraceError(f"{path}: not a readable GGUF file ({_one_line(e)}); it may be truncated or corrupt") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# from renamed tensors to a model
+
+
+def fuse_and_check(sd: dict[str, torch.Tensor], config: ModelConfig, where: str) -> dict[str, torch.Tensor]:
+    """Fuse q/k/v and gate/up, check every expected tensor is present with the shape the config implies."""
+    c = config
+    if "rope_freqs" in sd:  # llama3-style scaling stored as per-frequency divisors (GGUF)
+        c.rope_scaling = {"rope_type": "freq_factors", "factors": sd.pop("rope_freqs").flatten().tolist()}
+    expected = expected_shapes(c)
+    out: dict[str, torch.Tensor] = {}
+    for key in ("embed.weight", "norm.weight", "lm_head.weight"):
+        if key in sd:
+            out[key] = sd.pop(key)
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        parts = {}
+        for sub in ("attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.q.bias", "attn.k.bias", "attn.v.bias",
+                    "ffn.gate.weight", "ffn.up.weight"):
+            if p + sub in sd:
+                parts[sub] = sd.pop(p + sub)
+        for sub in ("attn.q.weight", "attn.k.weight", "attn.v.weight", "ffn.gate.weight", "ffn.up.weight"):
+            if sub not in parts:
+                raise LlmtraceError(f"{where}: tensor for layer {i} {sub} is missing from the checkpoint")
+        _check_shape(where, p + "attn.q.weight", parts["attn.q.weight"], (c.n_heads * c.head_dim, c.d_model))
+        _check_shape(where, p + "attn.k.weight", parts["attn.k.weight"], (c.n_kv_heads * c.head_dim, c.d_model))
+        _check_shape(where, p + "attn.v.weight", parts["attn.v.weight"], (c.n_kv_heads * c.head_dim, c.d_model))
+        _check_shape(where, p + "ffn.gate.weight", parts["ffn.gate.weight"], (c.ffn_dim, c.d_model))
+        _check_shape(where, p + "ffn.up.weight", parts["ffn.up.weight"], (c.ffn_dim, c.d_model))
+        out[p + "attn.wqkv.weight"] = torch.cat([parts["attn.q.weight"], parts["attn.k.weight"], parts["attn.v.weight"]])
+        if c.attn_bias:
+            out[p + "attn.wqkv.bias"] = torch.cat([parts[f"attn.{x}.bias"] for x in "qkv"])
+        out[p + "ffn.w_gate_up.weight"] = torch.cat([parts["ffn.gate.weight"], parts["ffn.up.weight"]])
+        del parts
+        for sub in ("attn_norm.weight", "ffn_norm.weight", "attn.wo.weight", "ffn.w_down.weight"):
+            if p + sub not in sd:
+                raise LlmtraceError(f"{where}: tensor for layer {i} {sub} is missing from the checkpoint")
+            out[p + sub] = sd.pop(p + sub)
+    if c.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    for key, shape in expected.items():
+        if key not in out:
+            raise LlmtraceError(f"{where}: tensor {key} is missing from the checkpoint")
+        _check_shape(where, key, out[key], shape)
+    if sd:
+        raise LlmtraceError(f"{where}: unexpected tensor {next(iter(sd))} (the config says {c.n_layers} layers)")
+    return out
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed.weight": (c.vocab_size, c.d_model), "norm.weight": (c.d_model,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
+    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (c.d_model,)
+        shapes[p + "ffn_norm.weight"] = (c.d_model,)
+        shapes[p + "attn.wqkv.weight"] = (qkv, c.d_model)
+        if c.attn_bias:
+            shapes[p + "attn.wqkv.bias"] = (qkv,)
+        shapes[p + "attn.wo.weight"] = (c.d_model, c.n_heads * c.head_dim)
+        shapes[p + "ffn.w_gate_up.weight"] = (2 * c.ffn_dim, c.d_model)
+        shapes[p + "ffn.w_down.weight"] = (c.d_model, c.ffn_dim)
+    return shapes
+
+
+def _check_shape(where, key, t, shape):
+    if tuple(t.shape) != tuple(shape):
+        raise LlmtraceError(f"{where}: tensor {key} has shape {list(t.shape)} but the config implies {list(shape)}")
+
+
+def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Transformer:
+    """Create the model without initialising random weights, then adopt the given tensors."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    if config.tie_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    model.load_state_dict(sd, assign=True, strict=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    for block in model.layers:
+        # On the CPU the spelled-out attention is as fast as the fused kernel at these sizes, and it makes scores and
+        # probabilities observable without changing a single bit of the result. Elsewhere the fused kernel is used.
+        block.attn.eager = device.type == "cpu"
+    return model.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the conversion cache for GGUF files
+
+
+def _convert_key(path: Path) -> str:
+    st = path.stat()
+    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERT_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def converted_dir(path: Path) -> Path:
+    from llmtrace.registry import cache_dir
+
+    return cache_dir() / "converted" / f"{path.stem}-{_convert_key(path)}"
+
+
+def _config_to_json(c: ModelConfig) -> str:
+    return json.dumps(asdict(c), indent=1)
+
+
+def _config_from_json(text: str) -> ModelConfig:
+    return ModelConfig(**json.loads(text))
+
+
+def _progress_to_stderr(label: str):
+    """A tiny progress callback for slow conversions: a rich bar on a terminal, silence otherwise."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                    transient=True, console=_stderr_console())
+    prog.start()
+    task = prog.add_task(label, total=None)
+
+    def update(done, total):
+        prog.update(task, completed=done, total=total)
+
+    return update, prog.stop
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def convert_gguf(path: Path, dest: Path) -> None:
+    """Read and dequantize a GGUF once; write config, float32 weights and tokenizer to `dest` atomically."""
+    from safetensors.torch import save_file
+
+    from llmtrace.fsutil import atomic_dir
+    from llmtrace.tokenizer import TextTokenizer
+
+    reader = open_gguf(path)
+    where = str(path)
+    config = config_from_gguf(reader, where)
+    tokenizer = TextTokenizer.from_gguf(reader)
+    progress, stop = _progress_to_stderr(f"converting {path.name}")
+    try:
+        sd = fuse_and_check(read_gguf_weights(reader, config, where, progress), config, where)
+    finally:
+        stop()
+    config.extra = {"format": "gguf", "file_type": _gguf_field(reader, "general.file_type"),
+                    "quantizations": sorted({t.tensor_type.name for t in reader.tensors}),
+                    "gguf_name": _gguf_field(reader, "general.name")}
+    del reader
+    with atomic_dir(dest) as tmp:
+        save_file(sd, str(tmp / "weights.safetensors"))
+        tokenizer.save_hf_dir(tmp / "tokenizer")
+        (tmp / "llmtrace_config.json").write_text(_config_to_json(config))
+
+
+def _load_converted(dest: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = _config_from_json((dest / "llmtrace_config.json").read_text())
+    return config, load_file(str(dest / "weights.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def _resolve(spec: Optional[str]):
+    from llmtrace.registry import resolve
+
+    return resolve(spec)
+
+
+def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None) -> LoadedModel:
+    """Resolve a model spec (registry name, hub id, HF directory or .gguf file) and load it ready to run."""
+    from llmtrace.tokenizer import TextTokenizer
+
+    resolved = _resolve(spec)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    t0 = time.perf_counter()
+    converted = False
+    if resolved.kind == "gguf":
+        dest = converted_dir(resolved.path)
+        if not (dest / "llmtrace_config.json").exists():
+            convert_gguf(resolved.path, dest)
+            converted = True
+        try:
+            config, sd = _load_converted(dest)
+            tokenizer = TextTokenizer.from_hf_dir(dest / "tokenizer")
+        except Exception as e:  # a damaged cache entry: convert again next time
+            import shutil
+
+            shutil.rmtree(dest, ignore_errors=True)
+            raise LlmtraceError(f"the cached conversion of {resolved.path.name} was unreadable ({_one_line(e)}) and "
+                                f"has been removed; run the command again") from None
+    else:
+        where = str(resolved.path)
+        cfg_path = resolved.path / "config.json"
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except FileNotFoundError:
+            raise LlmtraceError(f"{where}: no config.json in this directory") from None
+        except json.JSONDecodeError as e:
+            raise LlmtraceError(f"{cfg_path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        config = config_from_hf(raw, where)
+        config.extra = {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
+        sd = fuse_and_check(read_hf_weights(resolved.path, config), config, where)
+        tokenizer = TextTokenizer.from_hf_dir(resolved.path)
+    model = build_model(config, sd, dev, dt)
+    del sd
+    return LoadedModel(name=resolved.name, source=resolved.kind, path=resolved.path, config=config, model=model,
+                       tokenizer=tokenizer, device=dev, dtype=dt, load_s=time.perf_counter() - t0, converted=converted)
+
+
+def load_tokenizer(spec: Optional[str] = None):
+    """Only the tokenizer of a model (no weights are read for HF directories or already-converted GGUF files)."""
+    from llmtrace.tokenizer import TextTokenizer
+
+    resolved = _resolve(spec)
+    if resolved.kind == "gguf":
+        dest = converted_dir(resolved.path)
+        tok_dir = dest / "tokenizer"
+        if (dest / "llmtrace_config.json").exists():
+            return TextTokenizer.from_hf_dir(tok_dir)
+        reader = open_gguf(resolved.path)
+        config_from_gguf(reader, str(resolved.path))  # refuse unsupported architectures here too
+        return TextTokenizer.from_gguf(reader)
+    if not (resolved.path / "tokenizer.json").exists():
+        raise LlmtraceError(f"{resolved.path}: no tokenizer.json in this directory, so it has no tokenizer llmtrace can use")
+    return TextTokenizer.from_hf_dir(resolved.path)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
+
+
+def set_threads(n: Optional[int]) -> int:
+    """Pin torch's CPU threads: `n`, else $LLMTRACE_THREADS, else the number of CPUs this process may use."""
+    if n is None:
+        env = os.environ.get("LLMTRACE_THREADS")
+        n = int(env) if env and env.isdigit() else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = max(1, int(n))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n

@@ -1,0 +1,417 @@
+"""Recording a trace: the events of one run, as plain dicts following the schema `llmtrace.trace/1`.
+
+`Recorder` is both observers at once:
+- the model's observer (`model.observe(recorder)`), called at each named point of the forward pass; it keeps the shape,
+  dtype and summary statistics of the points it was asked for. Statistics stay on the device until the pass ends and
+  then cross to the host in one transfer;
+- the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
+
+Events go to sinks (JSONL stream, JSON document, terminal renderer). Renderers never see the model, only events, so a
+saved trace can be shown again without it (`llmtrace show`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from llmtrace import __version__
+from llmtrace.errors import UsageError
+
+SCHEMA_ID = "llmtrace.trace/1"
+LEVELS = ("none", "steps", "layers", "full")
+
+# The observable points of one decoder layer, in the order the forward pass reaches them (seed steps s6.1-s6.8).
+LAYER_POINTS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "kv_write", "k_repeated", "scores", "probs",
+                "attn_out", "o_proj", "resid_mid", "ffn_norm", "gate", "up", "act", "down", "resid_post")
+MODEL_POINTS = ("embed", "final_norm", "last", "logits")  # outside the layers
+SEED_STEP = {  # where each point sits in the seed table
+    "embed": "s4", "attn_norm": "s6.1", "q": "s6.1/s6.2", "k": "s6.1/s6.2", "v": "s6.1/s6.2", "q_rope": "s6.3",
+    "k_rope": "s6.3", "kv_write": "s6.8", "k_repeated": "s6.4", "scores": "s6.4", "probs": "s6.5", "attn_out": "s6.5",
+    "o_proj": "s6.6", "resid_mid": "s6.6", "ffn_norm": "s6.7", "gate": "s6.7", "up": "s6.7", "act": "s6.7",
+    "down": "s6.7", "resid_post": "s6.7", "final_norm": "s8", "last": "s7", "logits": "s9",
+}
+# At level "layers" each selected layer reports only its two residual-stream points.
+LAYER_LEVEL_POINTS = ("resid_mid", "resid_post")
+ATTENTION_INTERNALS = ("k_repeated", "scores", "probs")  # these exist only on the eager attention path
+
+
+def parse_layers(spec: Optional[str], n_layers: int) -> Optional[list[int]]:
+    """'0,3,-1' -> [0, 3, n-1]; ranges like '2-5' are accepted. None means every layer."""
+    if spec is None or spec.strip() in ("", "all"):
+        return None
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                a, b = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
+                lo, hi = int(a), int(b)
+                items = list(range(lo, hi + 1))
+            else:
+                items = [int(part)]
+        except ValueError:
+            raise UsageError(f"--layers: {part!r} is not a layer number (use e.g. 0,3,-1 or 2-5)") from None
+        for i in items:
+            j = i + n_layers if i < 0 else i
+            if not 0 <= j < n_layers:
+                raise UsageError(f"--layers: layer {i} is out of range; this model has {n_layers} layers (0..{n_layers - 1}, or -1 for the last)")
+            if j not in out:
+                out.append(j)
+    return sorted(out)
+
+
+@dataclass
+class TraceOptions:
+    level: str = "steps"
+    layers: Optional[list[int]] = None  # None: all layers
+    dump: tuple[str, ...] = ()  # point names ("logits") or "LAYER.name" ("3.probs") whose values are recorded
+    topk: int = 10
+
+    def __post_init__(self):
+        if self.level not in LEVELS:
+            raise UsageError(f"--trace must be one of {', '.join(LEVELS)}, not {self.level!r}")
+        known = set(LAYER_POINTS) | set(MODEL_POINTS)
+        for d in self.dump:
+            name = d.split(".", 1)[1] if "." in d and d.split(".", 1)[0].lstrip("-").isdigit() else d
+            if name not in known:
+                raise UsageError(f"--dump: unknown point {d!r}; known points: {', '.join(MODEL_POINTS + LAYER_POINTS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# statistics: a handful of reductions per tensor, kept on the device
+
+
+def _stat_vector(x: torch.Tensor, finite_only: bool) -> torch.Tensor:
+    """(sum, sum of squares, min, max, count) of x in float64, as one small device tensor."""
+    x = x.detach().reshape(-1)
+    if finite_only:  # masked attention scores hold -inf: summarise the entries that take part
+        ok = torch.isfinite(x)
+        xd = torch.where(ok, x, 0).double()
+        lo = torch.where(ok, x, float("inf")).min().double()
+        hi = torch.where(ok, x, float("-inf")).max().double()
+        n = ok.sum().double()
+    else:
+        xd = x.double()
+        lo, hi = torch.aminmax(x)
+        lo, hi = lo.double(), hi.double()
+        n = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
+    return torch.stack([xd.sum(), xd.dot(xd), lo, hi, n])
+
+
+def _stats_from(vec: list[float]) -> dict:
+    s1, s2, lo, hi, n = vec
+    mean = s1 / n if n else 0.0
+    var = max(s2 - s1 * s1 / n, 0.0) / (n - 1) if n > 1 else 0.0
+    return {"mean": mean, "std": math.sqrt(var), "min": lo, "max": hi, "norm": math.sqrt(max(s2, 0.0))}
+
+
+def tensor_stats(x: torch.Tensor) -> dict:
+    """Summary statistics of one tensor (mean, std, min, max, L2 norm); non-finite entries are left out."""
+    return _stats_from(_stat_vector(x, finite_only=True).tolist())
+
+
+def _round(x: float, digits: int = 7) -> Any:
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return None
+        return float(f"{x:.{digits}g}")
+    return x
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the recorder
+
+
+@dataclass
+class _Pending:
+    layer: Optional[int]
+    name: str
+    shape: list[int]
+    dtype: str
+    stat_index: Optional[int]
+    extra: dict = field(default_factory=dict)
+
+
+class Recorder:
+    """Records one generation run as events and passes each event to the sinks as it happens."""
+
+    def __init__(self, options: TraceOptions, sinks: list[Callable[[dict], None]], run_info: Optional[dict] = None):
+        self.options = options
+        self.sinks = sinks
+        self.run_info = run_info or {}
+        self.events: list[dict] = []
+        self.step = 0
+        self.phase = "prefill"
+        self._pending: list[_Pending] = []
+        self._stats: list[torch.Tensor] = []
+        self._shape_table: Optional[list[dict]] = None
+        self._t_start = time.perf_counter()
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def emit(self, event: dict) -> None:
+        self.events.append(event)
+        for sink in self.sinks:
+            sink(event)
+
+    def wants_ledger(self) -> bool:
+        return self.options.level != "none"
+
+    def _layer_selected(self, layer: int) -> bool:
+        return self.options.layers is None or layer in self.options.layers
+
+    def _wanted(self, layer: Optional[int], name: str) -> bool:
+        """Are statistics of this point recorded in the current pass?"""
+        level = self.options.level
+        if self._dumped(layer, name):
+            return True
+        if level == "full":
+            return layer is None or self._layer_selected(layer)
+        if level == "layers":
+            return layer is None or (name in LAYER_LEVEL_POINTS and self._layer_selected(layer))
+        if level == "steps":  # per-layer detail only for the prefill, and only if --layers narrowed it
+            return self.step == 0 and layer is not None and self.options.layers is not None and self._layer_selected(layer)
+        return False
+
+    def _dumped(self, layer: Optional[int], name: str) -> bool:
+        for d in self.options.dump:
+            if d == name:
+                return True
+            if "." in d:
+                lay, _, nm = d.partition(".")
+                if nm == name and layer is not None and lay.lstrip("-").isdigit():
+                    n_layers = self.run_info.get("n_layers", 0)
+                    li = int(lay) + n_layers if int(lay) < 0 else int(lay)
+                    if li == layer:
+                        return True
+        return False
+
+    # -- the model's observer ------------------------------------------------------------------------------------
+
+    def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
+        shape = list(x.shape[1:]) if name != "kv_write" else list(x.shape)  # drop the batch dimension
+        if self._shape_table is not None and (layer is None or layer == 0) and not any(
+            r["name"] == name and r["layer"] == layer for r in self._shape_table
+        ):
+            self._shape_table.append({"layer": layer, "name": name, "shape": shape, "dtype": _dtype_name(x.dtype)})
+        if not self._wanted(layer, name):
+            return
+        extra = {}
+        if name == "kv_write":
+            extra["positions"] = [int(x[0]), int(x[-1])] if x.numel() else []
+        stat_index = len(self._stats)
+        self._stats.append(_stat_vector(x, finite_only=(name == "scores")))
+        if self._dumped(layer, name):
+            extra["values"] = (x[0] if name != "kv_write" else x).detach().float().cpu()
+        self._pending.append(_Pending(layer, name, shape, _dtype_name(x.dtype), stat_index, extra))
+
+    # -- the generation loop's observer ------------------------------------------------------------------------
+
+    def on_start(self, lm, prompt_ids: list[int], sampler) -> None:
+        c = lm.config
+        self.run_info["n_layers"] = c.n_layers
+        self._lm = lm
+        self._tok = lm.tokenizer
+        self._saved_eager = [b.attn.eager for b in lm.model.layers]
+        if self.options.level == "full" or any(d.split(".")[-1] in ATTENTION_INTERNALS for d in self.options.dump):
+            # scores and probs exist only on the eager attention path (the CPU default): take it where recorded
+            for i in range(c.n_layers) if self.options.layers is None else self.options.layers:
+                lm.model.layers[i].attn.eager = True
+        self._observe_every_pass = self.options.level in ("layers", "full") or bool(self.options.dump)
+        self.emit({
+            "event": "run",
+            "schema": SCHEMA_ID,
+            "llmtrace_version": __version__,
+            "model": {
+                "name": lm.name, "source": lm.source, "arch": c.arch, "n_layers": c.n_layers, "d_model": c.d_model,
+                "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
+                "vocab_size": c.vocab_size, "rope_theta": c.rope_theta, "rope_scaling": _jsonable(c.rope_scaling),
+                "rms_eps": c.rms_eps, "tie_embeddings": c.tie_embeddings, "max_seq_len": c.max_seq_len,
+                "n_params": lm.model.num_params(),
+            },
+            "device": str(lm.device),
+            "dtype": _dtype_name(lm.dtype),
+            "sampling": sampler.config.to_dict() | {"seed": sampler.seed},
+            "prompt": self.run_info.get("prompt", ""),
+            "chat": self.run_info.get("chat", False),
+            "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
+        })
+        tokens = []
+        for i, tid in enumerate(prompt_ids):
+            tokens.append({"index": i, "id": tid, "piece": self._tok.piece(tid), "text": self._tok.decode([tid]),
+                           "special": self._tok.is_special(tid)})
+        self.emit({"event": "tokens", "tokens": tokens, "count": len(tokens)})
+
+    def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
+        self.step, self.phase = step, phase
+        self._start, self._n_tokens = start, n_tokens
+        if self.options.level == "none":
+            return
+        if step == 0:
+            self._shape_table = []
+        # the model is observed during the prefill (for the shape table) and on every pass only when asked
+        self._lm.model.observe(self if step == 0 or self._observe_every_pass else None)
+
+    def after_forward(self, step: int) -> None:
+        values = torch.stack(self._stats).tolist() if self._stats else []  # one transfer for the whole pass
+        for p in self._pending:
+            ev = {"event": "tensor", "step": step, "phase": self.phase, "layer": p.layer, "name": p.name,
+                  "seed_step": SEED_STEP.get(p.name), "shape": p.shape, "dtype": p.dtype,
+                  "stats": {k: _round(v) for k, v in _stats_from(values[p.stat_index]).items()}}
+            if p.name == "scores":
+                ev["masked"] = int(math.prod(p.shape) - values[p.stat_index][4])
+            if "positions" in p.extra:
+                ev["positions"] = p.extra["positions"]
+            if "values" in p.extra:
+                ev["values"] = p.extra["values"].tolist()
+            self.emit(ev)
+        self._pending.clear()
+        self._stats.clear()
+        if self._shape_table is not None:
+            c = self._lm.config
+            self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
+                       "n_layers": c.n_layers, "points": [dict(r, seed_step=SEED_STEP.get(r["name"]))
+                                                          for r in self._shape_table]})
+            self._shape_table = None
+
+    def on_step(self, rec) -> None:
+        lm, tok = self._lm, self._tok
+        cache = lm.model.cache
+        c = lm.config
+        bpt = cache.bytes_per_token
+        mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * cache.k.element_size()
+        ev: dict[str, Any] = {
+            "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
+            "token": {"id": rec.token, "piece": tok.piece(rec.token), "text": tok.decode([rec.token]),
+                      "special": tok.is_special(rec.token)},
+        }
+        led = rec.ledger
+        if led is not None:
+            ev["topk"] = [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
+                          for i, lg, p in led.topk[: self.options.topk]]
+            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob)}
+                             for s in led.stages]
+            ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
+                         "greedy": led.greedy}
+        ev["kv_cache"] = {
+            "seq_len": rec.kv_seq_len, "bytes_per_token": bpt, "bytes_used": rec.kv_seq_len * bpt,
+            "bytes_allocated": cache.bytes_allocated, "capacity": cache.max_len,
+            "mha_bytes_used": rec.kv_seq_len * mha_bpt,
+        }
+        ev["ms"] = round(rec.ms, 3)
+        self.emit(ev)
+
+    def on_end(self, result) -> None:
+        self._lm.model.observe(None)
+        for block, eager in zip(self._lm.model.layers, self._saved_eager):
+            block.attn.eager = eager
+        self.emit(summary_event(result))
+
+
+def summary_event(result) -> dict:
+    return {
+        "event": "summary",
+        "prompt_tokens": len(result.prompt_ids),
+        "generated_tokens": len(result.tokens),
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "stop_reason": result.stop_reason,
+        "ttft_ms": round(result.ttft_s * 1e3, 3),
+        "prefill_tok_s": round(result.prefill_tok_s, 3),
+        "decode_tok_s": round(result.decode_tok_s, 3),
+        "interrupted": result.interrupted,
+    }
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x)) if x is not None else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sinks
+
+
+class JsonlSink:
+    """One JSON object per line, flushed as each event happens. `-` is stdout."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.file = sys.stdout if target == "-" else open(target, "w", encoding="utf-8")
+
+    def __call__(self, event: dict) -> None:
+        self.file.write(json.dumps(event, ensure_ascii=False, allow_nan=False) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not sys.stdout:
+            self.file.close()
+
+
+class JsonDocSink:
+    """Collects every event; `write()` saves one JSON document atomically (never a half-written file)."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.events: list[dict] = []
+
+    def __call__(self, event: dict) -> None:
+        self.events.append(event)
+
+    def document(self) -> dict:
+        return {"schema": SCHEMA_ID, "events": self.events}
+
+    def write(self) -> None:
+        text = json.dumps(self.document(), ensure_ascii=False, allow_nan=False, indent=None)
+        if self.target == "-":
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+            return
+        from llmtrace.fsutil import write_text_atomic
+
+        write_text_atomic(Path(self.target), text + "\n")
+
+
+def schema_path() -> Path:
+    return Path(__file__).with_name("trace.schema.json")
+
+
+def load_trace(path: str) -> list[dict]:
+    """Read a saved trace: a JSON document ({"events": [...]}) or a JSONL stream. Raises LlmtraceError if unreadable."""
+    from llmtrace.errors import LlmtraceError
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LlmtraceError(f"no such trace file: {path}") from None
+    except UnicodeDecodeError as e:
+        raise LlmtraceError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    text = text.strip()
+    if not text:
+        raise LlmtraceError(f"{path}: the trace is empty")
+    try:
+        if text.startswith("{") and "\n" not in text or text.startswith('{"schema"'):
+            doc = json.loads(text)
+            events = doc.get("events") if isinstance(doc, dict) else None
+            if isinstance(events, list):
+                return events
+        events = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                events.append(json.loads(line))
+        if not all(isinstance(e, dict) and "event" in e for e in events):
+            raise LlmtraceError(f"{path}: not an llmtrace trace (objects without \"event\")")
+        return events
+    except json.JSONDecodeError as e:
+        raise LlmtraceError(f"{path}: not valid JSON or JSONL (line {e.lineno}: {e.msg})") from None
