@@ -164,26 +164,31 @@ class TerminalRenderer:
     def _on_step(self, ev: dict) -> None:
         self._last_kv = ev.get("kv_cache")
         if ev["step"] == 0:
-            self._flush_tensor_table(self._prefill_tensors, "prefill statistics per recorded point")
+            self._flush_tensor_table(self._prefill_tensors, "prefill (step 0): statistics at each recorded point")
             self._prefill_tensors = []
-        elif self._stats_rows:
-            self._flush_tensor_table(self._stats_rows, f"step {ev['step'] - 1} statistics")
-        self._stats_rows = []
-        if not self.show_steps:
-            return
-        if self._step_rows == 0:
+        if self.show_steps:
+            self._step_row(ev)
+        if self._stats_rows:
+            self._flush_tensor_table(self._stats_rows, f"step {ev['step']}: statistics at each recorded point")
+            self._stats_rows = []
+            self._step_rows = 0  # repeat the step header after a statistics table
+
+    def _step_row(self, ev: dict) -> None:
+        if self._step_rows == 0 and ev["step"] == 0:
             self._title("s7–s12 each step: last position → logits → sampler stages → token; the KV cache grows")
-        t = Table(box=None, padding=(0, 1), show_header=self._step_rows == 0, header_style="bold")
+        t = Table(box=None, padding=(0, 1), pad_edge=False, show_header=self._step_rows == 0, header_style="bold")
         widths = (("step", 4, "right"), ("pos", 4, "right"), ("token", 12, "left"), ("id", 6, "right"),
-                  ("top-3 candidates", 28, "left"), ("survivors", 14, "left"), ("KV len", 6, "right"),
-                  ("KV bytes", 10, "right"), ("ms", 7, "right"))
+                  ("top-3 candidates", 27, "left"), ("survivors", 13, "left"), ("KV len", 7, "right"),
+                  ("KV bytes", 9, "right"), ("ms", 6, "right"))
         for name, w, just in widths:
             t.add_column(name, width=w, justify=just, no_wrap=True, overflow="ellipsis")
         tok = ev["token"]
         topk = ev.get("topk") or []
         cands = "  ".join(f"{visible(c['text'])!s}:{c['prob']:.2f}" for c in topk[:3])
         stages = ev.get("sampler") or []
-        if stages:
+        if (ev.get("rng") or {}).get("greedy"):
+            surv = "greedy argmax"
+        elif stages:
             surv = "→".join(fmt_num(s["survivors"]) if s["survivors"] < 10000 else f"{s['survivors'] // 1000}k"
                             for s in stages)
         else:
@@ -198,9 +203,6 @@ class TerminalRenderer:
     # -- the end ---------------------------------------------------------------------------------------------------
 
     def _on_summary(self, ev: dict) -> None:
-        if self._stats_rows:
-            self._flush_tensor_table(self._stats_rows, "last step statistics")
-            self._stats_rows = []
         if self.stream_text:
             self.console.print()
         else:

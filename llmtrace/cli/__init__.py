@@ -26,7 +26,12 @@ def main(argv=None) -> None:
     """Run the CLI. User errors print one line on stderr (no traceback unless LLMTRACE_DEBUG=1)."""
     debug = os.environ.get("LLMTRACE_DEBUG") == "1"
     try:
-        app(args=argv, standalone_mode=False, prog_name="llmtrace")
+        rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
+        # Without standalone mode click returns (instead of raising) Ctrl-C as 130 and typer.Exit(n) as n.
+        if isinstance(rv, int) and rv != 0:
+            if rv == 130:
+                _fail("interrupted", 130)
+            sys.exit(rv)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.Abort:

