@@ -1,3 +1,408 @@
-"""Commands: tokenize (being written)."""
+"""Commands: tokenize (text → tokens, with bytes, spans and BPE merges) and detokenize (ids → text).
 
-from llmtrace.cli.app import app  # noqa: F401
+Both are thin: they read the input, call `TextTokenizer` / `llmtrace.bpe`, and render the result as a rich table
+(stdout), or as plain JSON / JSONL / ids for scripts. Notes and warnings go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtrace.cli.app import ModelOpt, app
+from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.tokenizer import TextTokenizer, TokenInfo, check_messages
+
+# ---------------------------------------------------------------------------------------------------------------------
+# loading and input
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(spec: str | None) -> TextTokenizer:
+    """The tokenizer for `-m` (a registry name, hub id, .gguf file or HF directory), via the shared loader."""
+    from llmtrace.loader import load_tokenizer as load
+
+    return load(spec)
+
+
+def _decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmtraceError(
+            f"{what} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} ({e.reason})"
+        ) from None
+
+
+def _read_file(path: str) -> str:
+    if path == "-":
+        return _decode_utf8(sys.stdin.buffer.read(), "stdin")
+    p = Path(path)
+    if not p.exists():
+        raise LlmtraceError(f"{path}: no such file")
+    if p.is_dir():
+        raise LlmtraceError(f"{path}: is a directory, not a text file")
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise LlmtraceError(f"cannot read {path}: {e.strerror}") from None
+    return _decode_utf8(data, path)
+
+
+def _read_text(text: str | None, file: str | None, allow_stdin: bool = True) -> str | None:
+    """TEXT, or the --file contents, or stdin when it is piped; None when there is none of them."""
+    if text is not None and file is not None:
+        raise UsageError("give either TEXT or --file, not both")
+    if file is not None:
+        return _read_file(file)
+    if text is not None:
+        # Bytes that are not UTF-8 in argv arrive as lone surrogates.
+        return _decode_utf8(text.encode("utf-8", errors="surrogateescape"), "TEXT")
+    if allow_stdin and not sys.stdin.isatty():
+        return _decode_utf8(sys.stdin.buffer.read(), "stdin")
+    return None
+
+
+def _read_messages(path: str) -> list[dict]:
+    raw = _read_file(path)
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise LlmtraceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    return [dict(m) for m in check_messages(data, where=path)]
+
+
+def _console(err: bool = False):
+    from rich.console import Console
+
+    stream = sys.stderr if err else sys.stdout
+    tty = stream.isatty()
+    return Console(
+        file=stream,
+        no_color=bool(os.environ.get("NO_COLOR")) or not tty,
+        highlight=False,
+        width=None if tty else 120,
+        soft_wrap=False,
+    )
+
+
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+def _check_one_format(**flags: bool) -> None:
+    chosen = [f"--{name}" for name, on in flags.items() if on]
+    if len(chosen) > 1:
+        raise UsageError(f"choose one output format, not {' and '.join(chosen)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _quoted(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _token_table(tokens: list[TokenInfo], title: str | None = None):
+    from rich.table import Table
+
+    from rich.text import Text
+
+    table = Table(title=title, show_lines=False, header_style="bold")
+    table.add_column("#", justify="right", style="dim")
+    table.add_column("id", justify="right", style="cyan")
+    table.add_column("piece")
+    table.add_column("text")
+    table.add_column("UTF-8 bytes")
+    table.add_column("chars", justify="right")
+    table.add_column("special")
+    for t in tokens:
+        span = "added" if t.span is None else f"{t.span[0]}–{t.span[1]}"
+        piece_style = "bold magenta" if t.special else ("yellow" if t.char_parts or t.byte_fallback else None)
+        table.add_row(
+            str(t.index),
+            str(t.id),
+            Text(t.visible, style=piece_style or ""),
+            _quoted(t.text),
+            t.bytes_label(),
+            span,
+            "yes" if t.special else "",
+        )
+    return table if tokens else Text("(no tokens)", style="dim")
+
+
+def _highlight_specials(tt: TextTokenizer, text: str):
+    """The templated prompt with control tokens in colour and newlines marked."""
+    import re
+
+    from rich.text import Text
+
+    out = Text()
+    specials = tt.special_texts
+    pattern = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
+    pos = 0
+
+    def plain(chunk: str) -> None:
+        for i, line in enumerate(chunk.split("\n")):
+            if i:
+                out.append("\\n", style="dim")
+                out.append("\n")
+            out.append(line)
+
+    for m in pattern.finditer(text) if pattern is not None else ():
+        plain(text[pos : m.start()])
+        out.append(m.group(), style="bold magenta")
+        pos = m.end()
+    plain(text[pos:])
+    return out
+
+
+def _merge_lines(tt: TextTokenizer, traces, total_words: int | None):
+    from rich.text import Text
+
+    def joined(pieces) -> str:
+        return "|".join(tt.visible(p) for p in pieces)
+
+    out = Text()
+    shown = len(traces)
+    head = f"BPE merges, word by word ({shown} of {total_words} words)" if total_words is not None else "BPE merges"
+    out.append(head + "\n", style="bold")
+    for n, w in enumerate(traces):
+        out.append(f"\nword {n} ", style="bold")
+        out.append(_quoted(w.text))
+        span = f" chars {w.span[0]}–{w.span[1]}"
+        if w.special:
+            out.append(f"{span}: special token ", style="dim")
+            out.append(w.word, style="bold magenta")
+            out.append(", matched whole (no merges)\n", style="dim")
+            continue
+        out.append(f"{span}\n", style="dim")
+        out.append(f"   start        {joined(w.start)}\n")
+        width = max((len(str(s.rank)) for s in w.steps), default=1)
+        for i, s in enumerate(w.steps, 1):
+            out.append(f"   {i:>2}. rank {s.rank:>{width}}  ", style="dim")
+            out.append(f"{tt.visible(s.pair[0])} + {tt.visible(s.pair[1])}", style="cyan")
+            out.append(f"  →  {joined(s.pieces)}\n")
+        n_final = len(w.final)
+        out.append(f"   = {joined(w.final)}", style="bold")
+        out.append(f"  ({n_final} token{'s' if n_final != 1 else ''}" + (f"; {w.note}" if w.note else "") + ")\n", style="dim")
+    return out
+
+
+def _bos_eos_summary(tt: TextTokenizer, tokens: list[TokenInfo], add_special: bool, chat: bool) -> dict:
+    added_ids = [t.id for t in tokens if t.span is None]
+    bos_added = tt.bos_id is not None and tt.bos_id in added_ids[:1]
+    eos_added = bool(added_ids) and added_ids[-1] in tt.eos_ids and (len(added_ids) > 1 or not bos_added)
+    if chat and not add_special:
+        why = "a chat prompt is encoded with add_special_tokens=False: the template writes its own control tokens"
+    elif not add_special:
+        why = "add_special_tokens=False"
+    else:
+        why = tt.add_bos_reason
+    return {"bos_id": tt.bos_id, "bos_added": bos_added, "eos_ids": tt.eos_ids, "eos_added": eos_added, "reason": why}
+
+
+def _summary_line(tt: TextTokenizer, text: str, tokens: list[TokenInfo], info: dict):
+    from rich.text import Text
+
+    n = len(tokens)
+    ratio = f"{len(text) / n:.2f} chars/token" if n else "– chars/token"
+    bos = tt.piece(tt.bos_id) if tt.bos_id is not None else None
+    out = Text()
+    out.append(f"{n} token{'s' if n != 1 else ''}", style="bold")
+    out.append(f" · {len(text)} chars · {len(text.encode('utf-8'))} bytes · {ratio}\n")
+    out.append(f"BOS {bos or '(none)'}: {'added' if info['bos_added'] else 'not added'} ({info['reason']})")
+    out.append(f" · EOS: {'added' if info['eos_added'] else 'not added'}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tokenize
+# ---------------------------------------------------------------------------------------------------------------------
+
+_TOKENIZE_EPILOG = """\b
+Examples:
+  llmtrace tokenize "Hello world"
+  llmtrace tokenize "你好 😀" --merges
+  llmtrace tokenize "<|im_start|>user" --no-special
+  llmtrace tokenize "What is 2+2?" --chat --system "Be brief."
+  llmtrace tokenize --messages chat.json --json
+  llmtrace tokenize --file notes.txt --ids
+  echo "piped text" | llmtrace tokenize --jsonl
+"""
+
+
+@app.command(epilog=_TOKENIZE_EPILOG)
+def tokenize(
+    text: Annotated[Optional[str], typer.Argument(metavar="[TEXT]", help="Text to tokenize (or use --file, or pipe it on stdin).", show_default=False)] = None,
+    model: ModelOpt = None,
+    file: Annotated[Optional[str], typer.Option("--file", "-f", metavar="PATH", help="Read the text from this UTF-8 file ('-' for stdin).", show_default=False)] = None,
+    special: Annotated[bool, typer.Option("--special/--no-special", help="Parse special-token text such as <|im_start|> as one control token (--no-special: as plain characters).")] = True,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap TEXT in the model's chat template as a user message first.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="System message for --chat.", show_default=False)] = None,
+    role: Annotated[Optional[str], typer.Option("--role", metavar="ROLE", help="Role of TEXT in the chat (default: user). Implies --chat.", show_default=False)] = None,
+    messages: Annotated[Optional[str], typer.Option("--messages", metavar="FILE", help='JSON file with a list of {"role", "content"} messages (multi-turn). Implies --chat; TEXT, if given, is appended.', show_default=False)] = None,
+    generation_prompt: Annotated[bool, typer.Option("--generation-prompt/--no-generation-prompt", help="With --chat: end with the assistant's turn header.")] = True,
+    merges: Annotated[bool, typer.Option("--merges", help="Show the BPE merges that build each word's tokens.")] = False,
+    words: Annotated[int, typer.Option("--words", metavar="N", help="With --merges: how many words to show.", min=1)] = 20,
+    ids: Annotated[bool, typer.Option("--ids", help="Print only the ids, space-separated.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    as_jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per token (and per merged word with --merges).")] = False,
+) -> None:
+    """Split text into tokens and show each one: id, piece, text, UTF-8 bytes, character span, special or not.
+
+    Tokens that hold only part of a character (CJK, emoji) say which bytes they carry, e.g. "e4 bd (1-2/3 of 你)".
+    """
+    _check_one_format(ids=ids, json=as_json, jsonl=as_jsonl)
+    chat = chat or system is not None or role is not None or messages is not None
+    source = _read_text(text, file, allow_stdin=messages is None)
+
+    conversation = None
+    if chat:
+        conversation = []
+        if system is not None:
+            conversation.append({"role": "system", "content": system})
+        if messages is not None:
+            conversation += _read_messages(messages)
+        if source is not None:
+            conversation.append({"role": role or "user", "content": source})
+        if not conversation:
+            raise UsageError("--chat needs a message: give TEXT, --file, --messages or pipe text on stdin")
+    elif source is None:
+        raise UsageError("nothing to tokenize: give TEXT, --file PATH, or pipe text on stdin")
+
+    tt = load_tokenizer(model)
+    for n in tt.notes:
+        _note(n)
+    if conversation is not None:
+        prompt = tt.render_chat(conversation, add_generation_prompt=generation_prompt)
+        add_special = False
+    else:
+        prompt, add_special = source, True
+    tokens = tt.encode_detailed(prompt, add_special_tokens=add_special, parse_special=special)
+    bos_eos = _bos_eos_summary(tt, tokens, add_special, conversation is not None)
+
+    traces, total_words = None, None
+    if merges:
+        from llmtrace.bpe import trace_merges
+
+        all_traces = trace_merges(tt, prompt, parse_special=special)
+        total_words = len(all_traces)
+        traces = all_traces[:words]
+
+    if ids:
+        print(" ".join(str(t.id) for t in tokens))
+        return
+    if as_json or as_jsonl:
+        head = {
+            "model": model,
+            "text": prompt,
+            "chat": None if conversation is None else {"messages": conversation, "add_generation_prompt": generation_prompt},
+            "parse_special": special,
+            "add_special_tokens": add_special,
+            "count": len(tokens),
+            "chars": len(prompt),
+            "bytes": len(prompt.encode("utf-8")),
+            "chars_per_token": round(len(prompt) / len(tokens), 4) if tokens else None,
+            **bos_eos,
+        }
+        if as_json:
+            doc = {**head, "tokens": [t.to_dict() for t in tokens]}
+            if traces is not None:
+                doc["merges"] = {"words_total": total_words, "words": [w.to_dict() for w in traces]}
+            print(json.dumps(doc, ensure_ascii=False))
+        else:
+            for t in tokens:
+                print(json.dumps({"kind": "token", **t.to_dict()}, ensure_ascii=False))
+            for w in traces or ():
+                print(json.dumps({"kind": "word", **w.to_dict()}, ensure_ascii=False))
+        return
+
+    con = _console()
+    if conversation is not None:
+        from rich.panel import Panel
+
+        con.print(Panel(_highlight_specials(tt, prompt), title="chat template output", title_align="left", expand=False))
+    con.print(_token_table(tokens))
+    con.print(_summary_line(tt, prompt, tokens, bos_eos))
+    if traces is not None:
+        con.print()
+        con.print(_merge_lines(tt, traces, total_words))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# detokenize
+# ---------------------------------------------------------------------------------------------------------------------
+
+_DETOKENIZE_EPILOG = """\b
+Examples:
+  llmtrace detokenize 19556 905
+  llmtrace tokenize "Hello world" --ids | llmtrace detokenize
+  llmtrace detokenize 1 4093 198 6004 2 --skip-special --json
+"""
+
+
+def _parse_ids(values: list[str]) -> list[int]:
+    out = []
+    for chunk in values:
+        for item in chunk.replace(",", " ").split():
+            try:
+                out.append(int(item))
+            except ValueError:
+                raise UsageError(f"{item!r} is not a token id (expected whole numbers)") from None
+    return out
+
+
+@app.command(epilog=_DETOKENIZE_EPILOG)
+def detokenize(
+    token_ids: Annotated[Optional[list[str]], typer.Argument(metavar="[IDS]...", help="Token ids (or pipe them on stdin, separated by spaces, commas or newlines).", show_default=False)] = None,
+    model: ModelOpt = None,
+    skip_special: Annotated[bool, typer.Option("--skip-special", help="Leave special tokens out of the joined text.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+) -> None:
+    """Turn token ids back into text: each id's piece and text, then the joined text."""
+    if token_ids:
+        values = list(token_ids)
+    elif not sys.stdin.isatty():
+        values = [_decode_utf8(sys.stdin.buffer.read(), "stdin")]
+    else:
+        raise UsageError("give token ids as arguments or on stdin")
+    id_list = _parse_ids(values)
+    tt = load_tokenizer(model)
+    for tid in id_list:
+        tt.check_id(tid)
+    joined = tt.decode(id_list, skip_special_tokens=skip_special)
+    rows = [
+        {
+            "index": i,
+            "id": tid,
+            "piece": tt.piece(tid),
+            "visible": tt.visible_piece(tid),
+            "text": tt.token_bytes(tid).decode("utf-8", errors="replace"),
+            "bytes": tt.token_bytes(tid).hex(" "),
+            "special": tt.is_special(tid),
+        }
+        for i, tid in enumerate(id_list)
+    ]
+    if as_json:
+        print(json.dumps({"model": model, "ids": id_list, "tokens": rows, "text": joined}, ensure_ascii=False))
+        return
+
+    from rich.table import Table
+    from rich.text import Text
+
+    con = _console()
+    table = Table(header_style="bold")
+    for name, justify in (("#", "right"), ("id", "right"), ("piece", "left"), ("text", "left"), ("UTF-8 bytes", "left"), ("special", "left")):
+        table.add_column(name, justify=justify)
+    for r in rows:
+        table.add_row(str(r["index"]), str(r["id"]), r["visible"], _quoted(r["text"]), r["bytes"], "yes" if r["special"] else "")
+    con.print(table if rows else Text("(no ids)", style="dim"))
+    con.print(Text("text: ", style="bold") + Text(joined))

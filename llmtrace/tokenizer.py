@@ -1,0 +1,738 @@
+"""Text ⇄ token ids, built from what a checkpoint ships: a GGUF's vocabulary metadata or an HF `tokenizer.json`.
+
+Step s1–s2 of the pipeline. One `TextTokenizer` wraps a `tokenizers.Tokenizer` and adds what a learner wants to see
+about each token: the raw vocabulary piece, the UTF-8 bytes it stands for, the characters of the input it covers (and
+which bytes of a multi-byte character, when BPE cut one apart), whether it is a special token, and why a BOS was or
+was not added.
+
+Two vocabulary kinds are understood:
+
+    byte_level     GPT-2 style byte-level BPE (GGUF `tokenizer.ggml.model = gpt2`). Every byte 0..255 is spelled as
+                   one printable character ('Ġ' is the space byte 0x20, 'Ċ' is 0x0A), so a piece is a string of
+                   those characters and maps back to bytes exactly.
+    sentencepiece  LLaMA-1/2 style BPE (GGUF `tokenizer.ggml.model = llama`): spaces are written '▁', a character
+                   missing from the vocabulary falls back to byte tokens '<0xE4>' '<0xBD>' '<0xA0>'.
+
+The ids are the ones HF transformers gives for the same file (tests/test_tokenize.py checks this on SmolLM2).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from llmtrace.errors import LlmtraceError, UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import gguf
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# byte-level alphabet
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """The GPT-2 byte → character table: printable Latin-1 bytes stand for themselves, the other 68 bytes (control
+    characters, space, NBSP, soft hyphen) are moved up to U+0100.. in byte order, so that every byte is visible."""
+    keeps_itself = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), 256))
+    table, moved = {}, 0
+    for b in range(256):
+        if b in keeps_itself:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + moved)
+            moved += 1
+    return table
+
+
+BYTE_TO_CHAR: dict[int, str] = _byte_alphabet()
+CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
+
+SPACE_MARK = "▁"  # how a space is shown (and how SentencePiece vocabularies spell it)
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+# GGUF token types (llama.cpp's llama_token_type).
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Split regexes of byte-level vocabularies, by `tokenizer.ggml.pre`. These are the patterns the models' own
+# tokenizer.json files use; the merges were learned on words cut this way.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral"], _LLAMA3_SPLIT),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], _QWEN2_SPLIT),
+}
+_GPT2_PRES = {None, "", "default", "gpt2", "gpt-2"}
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, str | None]:
+    """The pre-tokenizer for a byte-level vocabulary, and a note when `pre` is not one we know."""
+    if pre == "smollm":
+        # SmolLM's tokenizer.json: every digit on its own, then the GPT-2 split.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        ), None
+    if pre in _PRE_SPLITS:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        ), None
+    note = None
+    if pre not in _GPT2_PRES:
+        note = f"pre-tokenizer {pre!r} is not known to llmtrace; words are split the GPT-2 way, so ids may differ"
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), note
+
+
+def _post_processor(tok: Tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool):
+    """`[BOS] $A [EOS]` as asked: the only thing `add_special_tokens=True` adds."""
+    single, special = ["$A:0"], []
+    if add_bos and bos_id is not None:
+        bos = tok.id_to_token(bos_id)
+        single.insert(0, f"{bos}:0")
+        special.append((bos, bos_id))
+    if add_eos and eos_id is not None:
+        eos = tok.id_to_token(eos_id)
+        single.append(f"{eos}:0")
+        if (eos, eos_id) not in special:
+            special.append((eos, eos_id))
+    pair = single + [s.replace("$A", "$B").replace(":0", ":1") for s in single]
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=special)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# per-token facts
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CharPart:
+    """A token carries bytes `first..last` (1-based) of the `total` UTF-8 bytes of `char`, not the whole character."""
+
+    char: str
+    first: int
+    last: int
+    total: int
+
+    def __str__(self) -> str:
+        where = f"{self.first}" if self.first == self.last else f"{self.first}-{self.last}"
+        return f"{where}/{self.total} of {self.char}"
+
+    def to_dict(self) -> dict:
+        return {"char": self.char, "first": self.first, "last": self.last, "total": self.total}
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    index: int  # position in the id list
+    id: int
+    piece: str  # the raw vocabulary string, e.g. 'Ġworld'
+    visible: str  # the piece with whitespace made visible, e.g. '▁world'
+    text: str  # the UTF-8 text of its bytes ('�' where it holds only part of a character)
+    bytes: bytes  # the bytes of the input this token stands for
+    span: tuple[int, int] | None  # [start, end) in characters of the input; None for a BOS/EOS the tokenizer added
+    special: bool  # a control token such as <|im_start|>
+    byte_fallback: bool = False  # a SentencePiece '<0xNN>' token
+    char_parts: tuple[CharPart, ...] = ()  # characters it holds only part of
+
+    @property
+    def added(self) -> bool:
+        """Added by the tokenizer (BOS/EOS), not found in the input."""
+        return self.span is None
+
+    def bytes_hex(self) -> str:
+        return self.bytes.hex(" ")
+
+    def bytes_label(self) -> str:
+        """'e4 bd (1-2/3 of 你)': the bytes, and which part of a character they are when not all of it."""
+        notes = [str(p) for p in self.char_parts]
+        if self.byte_fallback:
+            notes.insert(0, "byte fallback")
+        return self.bytes_hex() + (f" ({'; '.join(notes)})" if notes else "")
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "id": self.id,
+            "piece": self.piece,
+            "visible": self.visible,
+            "text": self.text,
+            "bytes": self.bytes_hex(),
+            "span": list(self.span) if self.span is not None else None,
+            "special": self.special,
+            "added": self.added,
+            "byte_fallback": self.byte_fallback,
+            "char_parts": [p.to_dict() for p in self.char_parts],
+        }
+
+
+def visible_text(data: bytes) -> str:
+    """Bytes as text a reader can see: ' ' → '▁', '\\n' → '\\\\n', '\\t' → '\\\\t', other control characters as
+    '\\\\xNN', and bytes that are not (yet) a whole UTF-8 character as '<e4 bd>'."""
+    out: list[str] = []
+    raw: list[int] = []
+    for ch in data.decode("utf-8", errors="surrogateescape"):
+        if "\udc80" <= ch <= "\udcff":  # a byte that is not a complete character
+            raw.append(ord(ch) - 0xDC00)
+            continue
+        if raw:
+            out.append("<" + bytes(raw).hex(" ") + ">")
+            raw = []
+        if ch == " ":
+            out.append(SPACE_MARK)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    if raw:
+        out.append("<" + bytes(raw).hex(" ") + ">")
+    return "".join(out)
+
+
+def _char_parts(char_starts: list[int], text: str, b0: int, b1: int) -> tuple[CharPart, ...]:
+    """The characters that bytes [b0, b1) of the input cut into: at most one at each end."""
+    if b1 <= b0:
+        return ()
+    parts: list[CharPart] = []
+    first_char = bisect.bisect_right(char_starts, b0) - 1
+    last_char = bisect.bisect_right(char_starts, b1 - 1) - 1
+    for c in sorted({first_char, last_char}):
+        start, end = char_starts[c], char_starts[c + 1]
+        lo, hi = max(b0, start), min(b1, end)
+        if lo == start and hi == end:
+            continue  # the whole character is in this token
+        parts.append(CharPart(text[c], lo - start + 1, hi - start, end - start))
+    return tuple(parts)
+
+
+def check_messages(messages: Any, where: str = "messages") -> list[dict]:
+    """A chat as a list of {"role": str, "content": str}; anything else is a one-line LlmtraceError."""
+    if isinstance(messages, dict) and "messages" in messages:
+        messages = messages["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise LlmtraceError(f"{where}: expected a non-empty JSON list of {{\"role\": ..., \"content\": ...}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise LlmtraceError(f"{where}: message {i} is not an object")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise LlmtraceError(f"{where}: message {i} has no \"role\" string")
+        if not isinstance(m.get("content"), str):
+            raise LlmtraceError(f"{where}: message {i} has no \"content\" string")
+    return messages
+
+
+class _TemplateRaised(Exception):
+    pass
+
+
+def _raise_exception(message: str):
+    raise _TemplateRaised(message)
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` plus the facts about it that llmtrace shows (see the module docstring)."""
+
+    def __init__(
+        self,
+        tok: Tokenizer,
+        *,
+        kind: str,
+        bos_id: int | None,
+        eos_ids: list[int],
+        pad_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        add_bos_reason: str,
+        chat_template: str | None,
+        unk_id: int | None = None,
+        vocab_size: int | None = None,
+        source: str = "",
+        notes: Iterable[str] = (),
+    ):
+        self.tok = tok
+        self.kind = kind  # "byte_level", "sentencepiece" or "plain"
+        self.bos_id = bos_id
+        self.eos_ids = list(dict.fromkeys(eos_ids))
+        self.pad_id = pad_id
+        self.unk_id = unk_id
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.add_bos_reason = add_bos_reason
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size if vocab_size is not None else tok.get_vocab_size(with_added_tokens=True)
+        self.source = source  # where it was built from, for messages
+        self.notes = list(notes)  # things the user should know (an unknown pre-tokenizer, ...)
+        self._added: dict[int, AddedToken] = dict(tok.get_added_tokens_decoder())
+
+    # -- construction ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, reader: "gguf.GGUFReader") -> "TextTokenizer":
+        """Build the tokenizer a GGUF describes in its `tokenizer.ggml.*` metadata."""
+
+        def get(key, default=None):
+            f = reader.fields.get(key)
+            return f.contents() if f is not None else default
+
+        model = get("tokenizer.ggml.model")
+        tokens: list[str] | None = get("tokenizer.ggml.tokens")
+        if model is None or not tokens:
+            raise LlmtraceError("this GGUF has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+        types: list[int] = get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise LlmtraceError("this GGUF's tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
+        merges_raw: list[str] | None = get("tokenizer.ggml.merges")
+        bos_id, eos_id = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
+        notes: list[str] = []
+
+        if model == "gpt2":
+            kind = "byte_level"
+            alphabet = set(CHAR_TO_BYTE)
+
+            def spell(t: str) -> str:
+                # A normal token must be written in the byte alphabet; a few converters store raw text instead.
+                return t if set(t) <= alphabet else "".join(BYTE_TO_CHAR[b] for b in t.encode("utf-8"))
+
+            vocab_list = [t if ty in (CONTROL, USER_DEFINED) else spell(t) for t, ty in zip(tokens, types)]
+            if merges_raw is None:
+                raise LlmtraceError("this GGUF's byte-level (gpt2) tokenizer has no tokenizer.ggml.merges")
+            merges = [tuple(spell(p) for p in _split_merge(m)) for m in merges_raw]
+            vocab = _vocab_dict(vocab_list)
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+            tok.pre_tokenizer, note = _byte_level_pre_tokenizer(get("tokenizer.ggml.pre"))
+            if note:
+                notes.append(note)
+            tok.decoder = decoders.ByteLevel()
+            special_types = (CONTROL,)
+            default_bos, default_reason = False, "byte-level BPE adds no BOS unless told"
+        elif model == "llama":
+            kind = "sentencepiece"
+            scores: list[float] = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            vocab = _vocab_dict(tokens)
+            if merges_raw is not None:
+                merges = [_split_merge(m) for m in merges_raw]
+            else:
+                skip = {t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, BYTE)}
+                merges = _merges_from_scores(vocab, dict(zip(tokens, scores)), skip)
+            unk_id = get("tokenizer.ggml.unknown_token_id")
+            unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+            tok = Tokenizer(
+                models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+            )
+            space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement=SPACE_MARK, prepend_scheme="first" if space_prefix else "never", split=False
+            )
+            steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+            if space_prefix:
+                steps.append(decoders.Strip(content=" ", left=1, right=0))
+            tok.decoder = decoders.Sequence(steps)
+            special_types = (CONTROL, UNKNOWN)
+            default_bos, default_reason = True, "SentencePiece (llama) vocabularies add BOS unless told"
+        else:
+            raise LlmtraceError(
+                f"tokenizer model {model!r} in this GGUF is not supported (llmtrace reads 'gpt2' and 'llama')"
+            )
+
+        # Control tokens are matched whole in the text and are special; user-defined ones are matched whole too.
+        spelled = vocab_list if kind == "byte_level" else tokens
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in zip(spelled, types) if ty in special_types]
+        )
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(spelled, types) if ty == USER_DEFINED])
+
+        add_bos_field = get("tokenizer.ggml.add_bos_token")
+        if add_bos_field is None:
+            add_bos, reason = default_bos, f"tokenizer.ggml.add_bos_token not set; {default_reason}"
+        else:
+            add_bos, reason = bool(add_bos_field), f"tokenizer.ggml.add_bos_token = {str(bool(add_bos_field)).lower()}"
+        add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
+        if add_bos and bos_id is None:
+            add_bos, reason = False, "the GGUF asks for BOS but names no tokenizer.ggml.bos_token_id"
+        tok.post_processor = _post_processor(tok, bos_id, eos_id, add_bos, add_eos)
+
+        # Generation stops at EOS, and at end-of-turn / end-of-message tokens when the file names them.
+        stops = (eos_id, get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id"))
+        eos_ids = [i for i in stops if i is not None]
+        return cls(
+            tok,
+            kind=kind,
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            pad_id=get("tokenizer.ggml.padding_token_id"),
+            unk_id=get("tokenizer.ggml.unknown_token_id"),
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_bos_reason=reason,
+            chat_template=get("tokenizer.chat_template"),
+            vocab_size=len(tokens),
+            source="gguf",
+            notes=notes,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path) -> "TextTokenizer":
+        """Load `tokenizer.json` with `tokenizer_config.json` (and `chat_template.jinja`, `special_tokens_map.json`,
+        `generation_config.json` when present) from an HF model directory."""
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise LlmtraceError(f"{path} has no tokenizer.json")
+        try:
+            tok = Tokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises plain Exceptions on bad files
+            raise LlmtraceError(f"cannot read {tj}: {e}") from None
+        config = _read_json(path / "tokenizer_config.json")
+        special_map = _read_json(path / "special_tokens_map.json")
+        generation = _read_json(path / "generation_config.json")
+        ours = config.get("llmtrace") if isinstance(config.get("llmtrace"), dict) else {}
+
+        def token_id(key: str) -> int | None:
+            value = config.get(key, special_map.get(key))
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tok.token_to_id(value) if isinstance(value, str) else None
+
+        bos_id, eos_id, pad_id, unk_id = (token_id(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token"))
+        eos_ids = [eos_id] if eos_id is not None else []
+        gen_eos = generation.get("eos_token_id")
+        eos_ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
+        eos_ids += [i for i in ours.get("eos_token_ids", []) if isinstance(i, int)]
+
+        if "add_bos_token" in config or "add_eos_token" in config:
+            add_bos = bool(config.get("add_bos_token", False)) and bos_id is not None
+            add_eos = bool(config.get("add_eos_token", False)) and eos_id is not None
+            reason = f"tokenizer_config.json add_bos_token = {str(add_bos).lower()}"
+            tok.post_processor = _post_processor(tok, bos_id, eos_id, add_bos, add_eos)
+        else:  # the tokenizer.json post-processor decides
+            empty = tok.encode("", add_special_tokens=True).ids
+            add_bos = bos_id is not None and empty[:1] == [bos_id]
+            add_eos = eos_id is not None and empty[-1:] == [eos_id]
+            reason = "tokenizer.json post-processor " + ("adds " + tok.id_to_token(bos_id) if add_bos else "adds no BOS")
+        reason = ours.get("add_bos_reason", reason)
+
+        template = None
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+
+        return cls(
+            tok,
+            kind=ours.get("kind") or _detect_kind(tok),
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            pad_id=pad_id,
+            unk_id=unk_id,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_bos_reason=reason,
+            chat_template=template,
+            source=ours.get("source", str(path)),
+            notes=ours.get("notes", []),
+        )
+
+    def save_hf_dir(self, path) -> None:
+        """Write tokenizer.json and tokenizer_config.json so that `from_hf_dir(path)` gives the same tokenizer."""
+        from llmtrace.fsutil import write_text_atomic
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        piece = lambda i: self.tok.id_to_token(i) if i is not None else None  # noqa: E731
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": piece(self.bos_id),
+            "eos_token": piece(self.eos_ids[0]) if self.eos_ids else None,
+            "pad_token": piece(self.pad_id),
+            "unk_token": piece(self.unk_id),
+            "add_bos_token": self.add_bos,
+            "add_eos_token": self.add_eos,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": self.chat_template,
+            "llmtrace": {
+                "kind": self.kind,
+                "add_bos_reason": self.add_bos_reason,
+                "eos_token_ids": self.eos_ids,
+                "source": self.source,
+                "notes": self.notes,
+            },
+        }
+        write_text_atomic(path / "tokenizer.json", self.tok.to_str())
+        write_text_atomic(path / "tokenizer_config.json", json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+
+    # -- ids ---------------------------------------------------------------------------------------------------------
+
+    def _encoding(self, text: str, add_special_tokens: bool, parse_special: bool):
+        if not parse_special:
+            self.tok.encode_special_tokens = True  # special-token text is split like any other text
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens)
+        finally:
+            self.tok.encode_special_tokens = False
+
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids. `add_special_tokens` adds BOS/EOS when this model wants them; `parse_special=False` treats
+        '<|im_start|>' in the text as plain characters instead of one control token."""
+        return list(self._encoding(text, add_special_tokens, parse_special).ids)
+
+    def encode_detailed(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[TokenInfo]:
+        """One `TokenInfo` per id: piece, bytes, character span and which part of a character it holds."""
+        enc = self._encoding(text, add_special_tokens, parse_special)
+        text_bytes = text.encode("utf-8")
+        char_starts = [0]
+        for ch in text:
+            char_starts.append(char_starts[-1] + len(ch.encode("utf-8")))
+        out: list[TokenInfo] = []
+        cursor = 0  # byte offset in the input where the next token's bytes should start
+        for i, (tid, seq, (s, e)) in enumerate(zip(enc.ids, enc.sequence_ids, enc.offsets)):
+            data = self.token_bytes(tid)
+            span = None if seq is None else (s, e)
+            parts: tuple[CharPart, ...] = ()
+            if span is not None and not self.is_added(tid):
+                where = _locate(text_bytes, data, cursor, char_starts[s], self.kind == "sentencepiece")
+                if where is not None:
+                    parts = _char_parts(char_starts, text, *where)
+                    cursor = where[1]
+            elif span is not None:
+                cursor = char_starts[e]
+            out.append(
+                TokenInfo(
+                    index=i,
+                    id=tid,
+                    piece=self.piece(tid),
+                    visible=self.visible_piece(tid),
+                    text=data.decode("utf-8", errors="replace"),
+                    bytes=data,
+                    span=span,
+                    special=self.is_special(tid),
+                    byte_fallback=self.is_byte_fallback(tid),
+                    char_parts=parts,
+                )
+            )
+        return out
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- single tokens -----------------------------------------------------------------------------------------------
+
+    def check_id(self, tid: int) -> None:
+        if not 0 <= tid < self.vocab_size:
+            raise UsageError(f"token id {tid} is out of range: this vocabulary has ids 0..{self.vocab_size - 1}")
+
+    def piece(self, tid: int) -> str:
+        """The raw vocabulary string, e.g. 'Ġworld' (byte-level) or '▁world' (SentencePiece)."""
+        p = self.tok.id_to_token(tid)
+        if p is None:
+            self.check_id(tid)
+            return ""
+        return p
+
+    def is_added(self, tid: int) -> bool:
+        """An added token (special or user-defined): matched whole in the text, never built by merges."""
+        return tid in self._added
+
+    def is_special(self, tid: int) -> bool:
+        added = self._added.get(tid)
+        return bool(added is not None and added.special)
+
+    def is_byte_fallback(self, tid: int) -> bool:
+        return self.kind == "sentencepiece" and _BYTE_FALLBACK.match(self.piece(tid)) is not None
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes this token stands for when decoded (an added token: its own text)."""
+        return piece_bytes(self.piece(tid), self.kind if not self.is_added(tid) else "plain")
+
+    def visible_piece(self, tid: int) -> str:
+        """The piece as a reader should see it: '▁world', 'hello\\n', '<e4 bd>' for part of a character."""
+        if self.is_added(tid):
+            return self.piece(tid)
+        if self.is_byte_fallback(tid):
+            return self.piece(tid)
+        return visible_text(self.token_bytes(tid))
+
+    def visible(self, piece: str) -> str:
+        """`visible_piece` for a raw piece string (e.g. an intermediate piece of a merge trace)."""
+        if self.kind == "sentencepiece" and _BYTE_FALLBACK.match(piece):
+            return piece
+        return visible_text(piece_bytes(piece, self.kind))
+
+    @cached_property
+    def special_texts(self) -> list[str]:
+        """The text of every special token, longest first (for highlighting)."""
+        return sorted({a.content for a in self._added.values() if a.special}, key=len, reverse=True)
+
+    @cached_property
+    def merge_ranks(self) -> dict[tuple[str, str], int]:
+        """(left, right) → rank for every merge of a BPE model; lower ranks are applied first."""
+        model = json.loads(self.tok.to_str())["model"]
+        if model.get("type") != "BPE":
+            raise LlmtraceError(f"this tokenizer is a {model.get('type')} model, not BPE, so it has no merges")
+        ranks = {}
+        for rank, m in enumerate(model.get("merges", [])):
+            pair = tuple(m) if isinstance(m, list) else _split_merge(m)
+            ranks.setdefault(pair, rank)
+        return ranks
+
+    @cached_property
+    def model_options(self) -> dict:
+        model = json.loads(self.tok.to_str())["model"]
+        return {k: model.get(k) for k in ("byte_fallback", "ignore_merges", "unk_token", "fuse_unk")}
+
+    # -- chat --------------------------------------------------------------------------------------------------------
+
+    @cached_property
+    def _compiled_template(self):
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if not self.chat_template:
+            raise LlmtraceError("this model has no chat template; tokenize the text without --chat")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise LlmtraceError(f"the chat template has a syntax error on line {e.lineno}: {e.message}") from None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The prompt string the model's chat template makes of `messages` (the way HF's apply_chat_template does)."""
+        import jinja2
+
+        template = self._compiled_template
+        names = {}
+        for name, tid in (("bos_token", self.bos_id), ("eos_token", self.eos_ids[0] if self.eos_ids else None),
+                          ("pad_token", self.pad_id), ("unk_token", self.unk_id)):
+            if tid is not None:
+                names[name] = self.piece(tid)
+        try:
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **names, **extra)
+        except _TemplateRaised as e:
+            raise LlmtraceError(f"the chat template refused these messages: {e}") from None
+        except jinja2.TemplateError as e:
+            raise LlmtraceError(f"the chat template failed: {e}") from None
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer({self.kind}, vocab={self.vocab_size}, bos={self.bos_id}, eos={self.eos_ids})"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def piece_bytes(piece: str, kind: str) -> bytes:
+    """The bytes a vocabulary piece stands for."""
+    if kind == "byte_level":
+        try:
+            return bytes(CHAR_TO_BYTE[c] for c in piece)
+        except KeyError:  # not written in the byte alphabet (should not happen for a normal token)
+            return piece.encode("utf-8")
+    if kind == "sentencepiece":
+        m = _BYTE_FALLBACK.match(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace(SPACE_MARK, " ").encode("utf-8")
+    return piece.encode("utf-8")
+
+
+def _locate(
+    text_bytes: bytes, data: bytes, cursor: int, span_start: int, prefixed_space: bool
+) -> tuple[int, int] | None:
+    """The byte range [b0, b1) of the input a token's bytes came from: at the cursor if they match there, else at its
+    span's start. A SentencePiece piece may begin with a '▁' that was prepended, not typed; that byte is skipped."""
+    for at in (cursor, span_start):
+        if text_bytes.startswith(data, at):
+            return at, at + len(data)
+        if prefixed_space and data[:1] == b" " and text_bytes.startswith(data[1:], at):
+            return at, at + len(data) - 1
+    return None
+
+
+def _split_merge(m: str) -> tuple[str, str]:
+    parts = m.split(" ")
+    if len(parts) != 2:
+        raise LlmtraceError(f"malformed merge {m!r} in the tokenizer (expected 'left right')")
+    return parts[0], parts[1]
+
+
+def _vocab_dict(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a repeated string keeps its first id
+    return vocab
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float], skip: set[str]) -> list[tuple[str, str]]:
+    """SentencePiece BPE stores no merges: a pair may merge when their concatenation is a token, and the merged
+    token's score orders the merges (higher first; then longer left part, longer right part)."""
+    found = []
+    for token, score in scores.items():
+        if token in skip:
+            continue
+        pairs = [
+            (token[:k], token[k:])
+            for k in range(1, len(token))
+            if token[:k] in vocab and token[k:] in vocab and token[:k] not in skip and token[k:] not in skip
+        ]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        found.extend((left, right, score) for left, right in pairs)
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _detect_kind(tok: Tokenizer) -> str:
+    spec = json.loads(tok.to_str())
+    parts = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+    if '"ByteLevel"' in parts:
+        return "byte_level"
+    if spec.get("model", {}).get("byte_fallback") or SPACE_MARK in parts or SPACE_MARK in json.dumps(spec.get("normalizer")):
+        return "sentencepiece"
+    return "plain"
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LlmtraceError(f"cannot read {path}: {e}") from None
+    return data if isinstance(data, dict) else {}
