@@ -9,6 +9,7 @@ directory, so later loads are a memory-mapped read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.model import ModelConfig, Transformer
@@ -174,7 +176,7 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 def read_hf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Read every tensor (memory-mapped) and rename it to llmtrace's names."""
-    from safetensors import SafetensorsError, safe_open
+    from safetensors import SafetensorError, safe_open
 
     out: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(path):
@@ -184,7 +186,7 @@ def read_hf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
                     name = _rename_hf(key)
                     if name is not None:
                         out[name] = sf.get_tensor(key)
-        except (SafetensorsError, OSError, RuntimeError) as e:
+        except (SafetensorError, OSError, RuntimeError) as e:
             raise LlmtraceError(f"{f}: cannot read safetensors file ({_one_line(e)}); it may be truncated or corrupt") from None
     return out
 
@@ -405,9 +407,22 @@ def _check_shape(where, key, t, shape):
         raise LlmtraceError(f"{where}: tensor {key} has shape {list(t.shape)} but the config implies {list(shape)}")
 
 
+@contextlib.contextmanager
+def _skip_weight_init():
+    """Construct modules with uninitialised (never touched, so never paged in) parameters: they are replaced at once.
+
+    Random initialisation of 135M parameters would cost seconds; the meta device would cost a slow first import."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Transformer:
     """Create the model without initialising random weights, then adopt the given tensors."""
-    with torch.device("meta"):
+    with _skip_weight_init():
         model = Transformer(config)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     if config.tie_embeddings:
