@@ -91,6 +91,8 @@ class TerminalRenderer:
 
     def _on_run(self, ev: dict) -> None:
         self.run = ev
+        if not self.show_steps:  # --trace none: only the text and the timings
+            return
         m = ev["model"]
         gqa = f"GQA {m['n_heads']}q/{m['n_kv_heads']}kv" if m["n_kv_heads"] < m["n_heads"] else f"MHA {m['n_heads']} heads"
         params = f" · {m['n_params'] / 1e6:.1f}M params" if m.get("n_params") else ""
@@ -104,6 +106,8 @@ class TerminalRenderer:
                            f"trace {ev.get('trace', {}).get('level', '?')}")
 
     def _on_tokens(self, ev: dict) -> None:
+        if not self.show_steps:
+            return
         toks = ev["tokens"]
         self._title(f"s1–s3 prompt → {len(toks)} tokens (s3: one sequence, so no padding; every position is attended)")
         t = Table(box=None, padding=(0, 1), header_style="bold")
