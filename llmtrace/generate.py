@@ -118,13 +118,14 @@ def generate(
     t_start = time.perf_counter()
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=lm.device)  # (1, T)
     start, step = 0, 0
+    emitted = 0  # characters of text already passed to on_text
     try:
         while True:
             phase = "prefill" if step == 0 else "decode"
             t0 = time.perf_counter()
             if observer is not None:
                 observer.before_forward(step, phase, start, idx.size(1))
-            logits = model(idx, start=start, last_only=True)[0]  # (V,) s7-s9
+            logits = model(idx, start=start, last_only=True)[0].float()  # (V,) s7-s9; the sampler works in fp32
             if observer is not None:
                 observer.after_forward(step)
             token, ledger = sampler.sample(logits, history, ledger=want_ledger)  # s10-s12
@@ -149,7 +150,11 @@ def generate(
                 stream.text = stream.text[:hit]
                 break
             if on_text is not None and piece:
-                on_text(piece)
+                # hold back a tail that could still grow into a stop text
+                safe = len(stream.text) - _partial_stop(stream.text, stop_texts)
+                if safe > emitted:
+                    on_text(stream.text[emitted:safe])
+                    emitted = safe
             if len(result.tokens) >= max_new_tokens:
                 break
             idx = torch.tensor([[token]], dtype=torch.long, device=lm.device)  # (1, 1)
@@ -158,6 +163,8 @@ def generate(
         result.interrupted = True
         result.stop_reason = "interrupted"
     result.text = stream.text
+    if on_text is not None and len(result.text) > emitted:
+        on_text(result.text[emitted:])
     if observer is not None:
         observer.on_end(result)
     return result
@@ -166,3 +173,14 @@ def generate(
 def _find_stop(text: str, stops: tuple[str, ...]) -> Optional[int]:
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is the beginning of some stop text."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
