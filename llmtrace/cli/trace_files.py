@@ -29,4 +29,11 @@ def show(
     from llmtrace.trace import load_trace
 
     events = load_trace(trace)
-    render_events(events, make_console())
+    console = make_console()
+    first = next((e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
+    if first is not None:  # a trace written by `explain` or `lens`
+        from llmtrace.cli.explain import render_explain, render_lens
+
+        (render_lens if first.get("command") == "lens" else render_explain)(events, console)
+        return
+    render_events(events, console)
