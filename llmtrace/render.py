@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.trace import LAYER_POINTS, MODEL_POINTS
+from llmtrace.events import LAYER_POINTS
 
 
 def make_console(stderr: bool = False, file=None) -> Console:

@@ -2,8 +2,14 @@
 
 import os
 import sys
+from typing import NoReturn
 
-import click
+import typer
+
+try:  # newer typer carries its own copy of click and raises that copy's exceptions
+    from typer._click.exceptions import ClickException, UsageError as ClickUsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError as ClickUsageError
 
 from llmtrace.cli.app import app
 from llmtrace.errors import LlmtraceError
@@ -16,7 +22,7 @@ from llmtrace.cli import explain as _explain  # noqa: F401,E402
 from llmtrace.cli import trace_files as _trace_files  # noqa: F401,E402
 
 
-def _fail(message: str, code: int) -> "NoReturn":  # noqa: F821
+def _fail(message: str, code: int) -> NoReturn:
     first = " ".join(str(message).split()) or "unknown error"
     print(f"error: {first}", file=sys.stderr)
     sys.exit(code)
@@ -32,16 +38,16 @@ def main(argv=None) -> None:
             if rv == 130:
                 _fail("interrupted", 130)
             sys.exit(rv)
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         _fail("interrupted", 130)
-    except click.exceptions.UsageError as e:
+    except ClickUsageError as e:
         if debug:
             raise
         hint = f" (see 'llmtrace {e.ctx.info_name} --help')" if e.ctx is not None and e.ctx.info_name != "llmtrace" else ""
         _fail(e.format_message() + hint, 2)
-    except click.exceptions.ClickException as e:
+    except ClickException as e:
         if debug:
             raise
         _fail(e.format_message(), e.exit_code or 1)
@@ -59,6 +65,12 @@ def main(argv=None) -> None:
         except OSError:
             pass
         sys.exit(1)
+    except OSError as e:
+        # Whatever the checks did not foresee (a full disk, a file that vanished): still one line, not a traceback.
+        if debug:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        _fail(f"{e.strerror or e}{where}", 1)
     except MemoryError:
         if debug:
             raise

@@ -12,7 +12,7 @@ from llmtrace.cli.app import app
 
 @app.command(help="Print the JSON Schema of trace events (llmtrace.trace/1).\n\nExample:\n\n  llmtrace schema > trace.schema.json")
 def schema() -> None:
-    from llmtrace.trace import schema_path
+    from llmtrace.events import schema_path
 
     sys.stdout.write(schema_path().read_text(encoding="utf-8"))
 
@@ -26,7 +26,7 @@ def show(
     trace: Annotated[str, typer.Argument(help="The trace file, or - for stdin.")],
 ) -> None:
     from llmtrace.render import make_console, render_events
-    from llmtrace.trace import load_trace
+    from llmtrace.events import load_trace
 
     events = load_trace(trace)
     console = make_console()

@@ -1,0 +1,58 @@
+"""The trace's vocabulary without torch: schema id, trace levels, the names of the observable points and where each
+sits in the seed table, and reading saved traces. Renderers and `llmtrace show` need nothing more.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+SCHEMA_ID = "llmtrace.trace/1"
+LEVELS = ("none", "steps", "layers", "full")
+
+# The observable points of one decoder layer, in the order the forward pass reaches them (seed steps s6.1-s6.8).
+LAYER_POINTS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "kv_write", "k_repeated", "scores", "probs",
+                "attn_out", "o_proj", "resid_mid", "ffn_norm", "gate", "up", "act", "down", "resid_post")
+MODEL_POINTS = ("embed", "final_norm", "last", "logits")  # outside the layers
+SEED_STEP = {  # where each point sits in the seed table
+    "embed": "s4", "attn_norm": "s6.1", "q": "s6.1/s6.2", "k": "s6.1/s6.2", "v": "s6.1/s6.2", "q_rope": "s6.3",
+    "k_rope": "s6.3", "kv_write": "s6.8", "k_repeated": "s6.4", "scores": "s6.4", "probs": "s6.5", "attn_out": "s6.5",
+    "o_proj": "s6.6", "resid_mid": "s6.6", "ffn_norm": "s6.7", "gate": "s6.7", "up": "s6.7", "act": "s6.7",
+    "down": "s6.7", "resid_post": "s6.7", "final_norm": "s8", "last": "s7", "logits": "s9",
+}
+# At level "layers" each selected layer reports only its two residual-stream points.
+LAYER_LEVEL_POINTS = ("resid_mid", "resid_post")
+ATTENTION_INTERNALS = ("k_repeated", "scores", "probs")  # these exist only on the eager attention path
+
+
+def schema_path() -> Path:
+    return Path(__file__).with_name("trace.schema.json")
+
+
+def load_trace(path: str) -> list[dict]:
+    """Read a saved trace: a JSON document ({"events": [...]}) or a JSONL stream. Raises LlmtraceError if unreadable."""
+    from llmtrace.errors import LlmtraceError
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise LlmtraceError(f"no such trace file: {path}") from None
+    except UnicodeDecodeError as e:
+        raise LlmtraceError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    text = text.strip()
+    if not text:
+        raise LlmtraceError(f"{path}: the trace is empty")
+    try:
+        if text.startswith("{") and "\n" not in text or text.startswith('{"schema"'):
+            doc = json.loads(text)
+            events = doc.get("events") if isinstance(doc, dict) else None
+            if isinstance(events, list):
+                return events
+        events = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                events.append(json.loads(line))
+        if not all(isinstance(e, dict) and "event" in e for e in events):
+            raise LlmtraceError(f"{path}: not an llmtrace trace (objects without \"event\")")
+        return events
+    except json.JSONDecodeError as e:
+        raise LlmtraceError(f"{path}: not valid JSON or JSONL (line {e.lineno}: {e.msg})") from None
