@@ -1,47 +1,149 @@
 """Write files so that a crash or Ctrl-C never leaves a half-written one behind.
 
-Everything llmtrace saves (traces, converted models, downloads) goes through `atomic_path`: the data is written to a
-temporary name in the same directory, flushed, and renamed over the target only once it is complete. An existing file
-of the same name is replaced only then.
+Everything llmtrace saves (traces, converted models, downloads) is written to a temporary name in the same directory,
+flushed, and renamed over the target only once it is complete (`atomic_path`, `atomic_dir`, `AtomicFile`). An
+existing file of the same name is replaced only then. A device or a pipe (/dev/null, /dev/stdout) is written in place:
+there is nothing to rename over it.
 """
 
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from llmtrace.errors import LlmtraceError
 
 
+def _in_place(path: Path) -> bool:
+    """A device or a pipe (/dev/null, /dev/stdout, a FIFO): written where it is, never replaced by a renamed file."""
+    return path.exists() and not path.is_file() and not path.is_dir()
+
+
+def _file_mode() -> int:
+    """The mode an ordinary new file gets (0o666 less the umask); mkstemp alone would give 0o600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def check_writable_target(path: Path) -> None:
-    """Fail early (before any slow work) if `path` cannot be created: missing or unwritable directory."""
+    """Fail early (before any slow work) if `path` cannot be written: a missing or unwritable directory, or a
+    directory of that name. A file is created beside it and removed again, the one test that also holds for root and
+    for read-only file systems."""
+    path = Path(path)
+    if path.is_dir():
+        raise LlmtraceError(f"cannot write {path}: it is a directory; give a file name")
+    if _in_place(path):
+        if not os.access(path, os.W_OK):
+            raise LlmtraceError(f"cannot write {path}: permission denied")
+        return
     parent = path.resolve().parent
     if not parent.is_dir():
-        raise LlmtraceError(f"cannot write {path}: directory {parent} does not exist")
-    if path.is_dir():
-        raise LlmtraceError(f"cannot write {path}: it is a directory")
-    if not os.access(parent, os.W_OK):
-        raise LlmtraceError(f"cannot write {path}: directory {parent} is not writable")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise LlmtraceError(f"cannot write {path}: {parent} {what}; create the directory or choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        raise LlmtraceError(f"cannot write {path}: directory {parent} is not writable ({e.strerror}); "
+                            f"choose another path") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C until the block is done, then raise KeyboardInterrupt: a rename or a summary is never cut in half.
+
+    Only in the main thread and over Python's own SIGINT handler; anywhere else the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if held:
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it to `path` only if the block finishes without an exception."""
+    """Yield a temporary path beside `path`; rename it to `path` only if the block finishes without an exception.
+
+    A symlink is written through (its target is replaced, not the link); a device or a pipe is written in place."""
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    if _in_place(path):
+        yield path
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".partial", dir=path.parent)
+    os.fchmod(fd, _file_mode())
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        with open(tmp_path, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp_path, path)
+        with sigint_deferred():
+            with open(tmp_path, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+class AtomicFile:
+    """A text file written as a stream: under a temporary name beside `path`, then renamed over `path` by
+    `close(keep=True)` or deleted by `close(keep=False)`, so an existing file of that name is replaced only by a
+    finished one. A device or a pipe is written in place; a symlink is written through."""
+
+    def __init__(self, path: Path):
+        path = Path(path)
+        if path.is_symlink():
+            path = path.resolve()
+        self.path = path
+        self.tmp: Optional[Path] = None
+        try:
+            if _in_place(path):
+                self.file = open(path, "w", encoding="utf-8")
+                return
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+            self.tmp = Path(tmp)
+            os.fchmod(fd, _file_mode())
+            self.file = os.fdopen(fd, "w", encoding="utf-8")
+        except OSError as e:
+            raise LlmtraceError(f"cannot write {path}: {e.strerror}; choose another path") from None
+
+    def close(self, keep: bool = True) -> None:
+        """Finish: the file becomes `path` (keep) or is deleted. Ctrl-C waits until this is done."""
+        if self.file.closed:
+            return
+        with sigint_deferred():
+            try:
+                if not keep:
+                    with contextlib.suppress(OSError):  # a discarded file's last bytes do not matter
+                        self.file.close()
+                elif self.tmp is None:
+                    self.file.close()
+                else:
+                    self.file.flush()
+                    os.fsync(self.file.fileno())
+                    self.file.close()
+                    os.replace(self.tmp, self.path)
+            finally:
+                with contextlib.suppress(OSError):
+                    self.file.close()
+                if self.tmp is not None and self.tmp.exists():
+                    self.tmp.unlink()
 
 
 @contextlib.contextmanager
@@ -52,9 +154,10 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
     try:
         yield tmp
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        with sigint_deferred():
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -14,6 +14,7 @@ from typing import Optional, Protocol
 import torch
 
 from llmtrace.errors import LlmtraceError
+from llmtrace.fsutil import sigint_deferred
 from llmtrace.loader import LoadedModel
 from llmtrace.sampler import Ledger, Sampler
 
@@ -112,14 +113,16 @@ def generate(
     model.setup_cache(len(prompt_ids) + max_new_tokens)
     stream = TextStream(tok)
     history = list(prompt_ids)
-    if observer is not None:
-        observer.on_start(lm, list(prompt_ids), sampler)
-
-    t_start = time.perf_counter()
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=lm.device)  # (1, T)
-    start, step = 0, 0
     emitted = 0  # characters of text already passed to on_text
+    # Ctrl-C anywhere from here on ends the run as "interrupted", and the observer still gets its on_end. The start
+    # and the end are held whole (a Ctrl-C during them is taken once they are done), so their events are never cut.
     try:
+        if observer is not None:
+            with sigint_deferred():
+                observer.on_start(lm, list(prompt_ids), sampler)
+        t_start = time.perf_counter()
+        idx = torch.tensor([prompt_ids], dtype=torch.long, device=lm.device)  # (1, T)
+        start, step = 0, 0
         while True:
             phase = "prefill" if step == 0 else "decode"
             t0 = time.perf_counter()
@@ -166,7 +169,8 @@ def generate(
     if on_text is not None and len(result.text) > emitted:
         on_text(result.text[emitted:])
     if observer is not None:
-        observer.on_end(result)
+        with sigint_deferred():
+            observer.on_end(result)
     return result
 
 

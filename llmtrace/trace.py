@@ -25,23 +25,17 @@ import torch
 from llmtrace import __version__
 from llmtrace.errors import UsageError
 
-SCHEMA_ID = "llmtrace.trace/1"
-LEVELS = ("none", "steps", "layers", "full")
-
-# The observable points of one decoder layer, in the order the forward pass reaches them (seed steps s6.1-s6.8).
-LAYER_POINTS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "kv_write", "k_repeated", "scores", "probs",
-                "attn_out", "o_proj", "resid_mid", "ffn_norm", "gate", "up", "act", "down", "resid_post")
-MODEL_POINTS = ("embed", "final_norm", "last", "logits")  # outside the layers
-SEED_STEP = {  # where each point sits in the seed table
-    "embed": "s4", "attn_norm": "s6.1", "q": "s6.1/s6.2", "k": "s6.1/s6.2", "v": "s6.1/s6.2", "q_rope": "s6.3",
-    "k_rope": "s6.3", "kv_write": "s6.8", "k_repeated": "s6.4", "scores": "s6.4", "probs": "s6.5", "attn_out": "s6.5",
-    "o_proj": "s6.6", "resid_mid": "s6.6", "ffn_norm": "s6.7", "gate": "s6.7", "up": "s6.7", "act": "s6.7",
-    "down": "s6.7", "resid_post": "s6.7", "final_norm": "s8", "last": "s7", "logits": "s9",
-}
-# At level "layers" each selected layer reports only its two residual-stream points.
-LAYER_LEVEL_POINTS = ("resid_mid", "resid_post")
-ATTENTION_INTERNALS = ("k_repeated", "scores", "probs")  # these exist only on the eager attention path
-
+from llmtrace.events import (  # noqa: F401  (re-exported: the point names belong to the trace's vocabulary)
+    ATTENTION_INTERNALS,
+    LAYER_LEVEL_POINTS,
+    LAYER_POINTS,
+    LEVELS,
+    MODEL_POINTS,
+    SCHEMA_ID,
+    SEED_STEP,
+    load_trace,
+    schema_path,
+)
 
 def parse_layers(spec: Optional[str], n_layers: int) -> Optional[list[int]]:
     """'0,3,-1' -> [0, 3, n-1]; ranges like '2-5' are accepted. None means every layer."""
@@ -54,7 +48,11 @@ def parse_layers(spec: Optional[str], n_layers: int) -> Optional[list[int]]:
             if "-" in part[1:]:
                 a, b = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
                 lo, hi = int(a), int(b)
-                items = list(range(lo, hi + 1))
+                for end in (lo, hi):  # check the ends before building the range
+                    if not -n_layers <= end < n_layers:
+                        raise UsageError(f"--layers: layer {end} is out of range; this model has {n_layers} layers "
+                                         f"(0..{n_layers - 1}, or -1 for the last)")
+                items = list(range(lo + n_layers if lo < 0 else lo, (hi + n_layers if hi < 0 else hi) + 1))
             else:
                 items = [int(part)]
         except ValueError:
@@ -86,36 +84,46 @@ class TraceOptions:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# statistics: a handful of reductions per tensor, kept on the device
+# statistics: a few reductions over many tensors at once, kept on the device
+
+
+def _stat_rows(m: torch.Tensor, finite_only: bool) -> torch.Tensor:
+    """(sum, sum of squares, min, max, count) of each row of m (n, N), accumulated in float64: one (n, 5) tensor."""
+    if not m.is_floating_point():
+        m = m.double()
+    if finite_only:  # masked attention scores hold -inf: summarise the entries that take part
+        ok = torch.isfinite(m)
+        lo = torch.where(ok, m, float("inf")).amin(dim=1)
+        hi = torch.where(ok, m, float("-inf")).amax(dim=1)
+        m = torch.where(ok, m, 0)
+        n = ok.sum(dim=1, dtype=torch.float64)
+    else:
+        lo, hi = torch.aminmax(m, dim=1)
+        n = torch.full((m.size(0),), float(m.size(1)), dtype=torch.float64, device=m.device)
+    s1 = m.sum(dim=1, dtype=torch.float64)
+    s2 = torch.linalg.vector_norm(m, dim=1, dtype=torch.float64).square()
+    return torch.stack([s1, s2, lo.double(), hi.double(), n], dim=1)
 
 
 def _stat_vector(x: torch.Tensor, finite_only: bool) -> torch.Tensor:
-    """(sum, sum of squares, min, max, count) of x in float64, as one small device tensor."""
-    x = x.detach().reshape(-1)
-    if finite_only:  # masked attention scores hold -inf: summarise the entries that take part
-        ok = torch.isfinite(x)
-        xd = torch.where(ok, x, 0).double()
-        lo = torch.where(ok, x, float("inf")).min().double()
-        hi = torch.where(ok, x, float("-inf")).max().double()
-        n = ok.sum().double()
-    else:
-        xd = x.double()
-        lo, hi = torch.aminmax(x)
-        lo, hi = lo.double(), hi.double()
-        n = torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
-    return torch.stack([xd.sum(), xd.dot(xd), lo, hi, n])
+    """(sum, sum of squares, min, max, count) of one tensor, as one small device tensor."""
+    return _stat_rows(x.detach().reshape(1, -1), finite_only)[0]
 
 
-def _stats_from(vec: list[float]) -> dict:
-    s1, s2, lo, hi, n = vec
-    mean = s1 / n if n else 0.0
-    var = max(s2 - s1 * s1 / n, 0.0) / (n - 1) if n > 1 else 0.0
-    return {"mean": mean, "std": math.sqrt(var), "min": lo, "max": hi, "norm": math.sqrt(max(s2, 0.0))}
+STAT_NAMES = ("mean", "std", "min", "max", "norm")
+
+
+def _summaries(rows: torch.Tensor) -> torch.Tensor:
+    """(sum, sum of squares, min, max, count) rows -> (mean, std, min, max, L2 norm, count) rows, on the device."""
+    s1, s2, lo, hi, n = rows.unbind(dim=1)
+    mean = torch.where(n > 0, s1 / n, 0.0)
+    var = torch.where(n > 1, (s2 - s1 * s1 / n).clamp_min(0.0) / (n - 1), 0.0)  # sample variance
+    return torch.stack([mean, var.sqrt(), lo, hi, s2.clamp_min(0.0).sqrt(), n], dim=1)
 
 
 def tensor_stats(x: torch.Tensor) -> dict:
     """Summary statistics of one tensor (mean, std, min, max, L2 norm); non-finite entries are left out."""
-    return _stats_from(_stat_vector(x, finite_only=True).tolist())
+    return dict(zip(STAT_NAMES, _summaries(_stat_vector(x, finite_only=True)[None])[0].tolist()))
 
 
 def _round(x: float, digits: int = 7) -> Any:
@@ -151,18 +159,21 @@ class Recorder:
         self.options = options
         self.sinks = sinks
         self.run_info = run_info or {}
-        self.events: list[dict] = []
         self.step = 0
         self.phase = "prefill"
         self._pending: list[_Pending] = []
-        self._stats: list[torch.Tensor] = []
+        self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
+        self._queue: list[tuple[int, torch.Tensor, bool]] = []  # (stat index, tensor, finite only) not reduced yet
+        self._queued = 0  # elements in the queue
+        self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
+        self._stat_order: list[int] = []  # the stat index of each row of those blocks
+        self._n_stats = 0
         self._shape_table: Optional[list[dict]] = None
         self._t_start = time.perf_counter()
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
     def emit(self, event: dict) -> None:
-        self.events.append(event)
         for sink in self.sinks:
             sink(event)
 
@@ -200,22 +211,47 @@ class Recorder:
 
     # -- the model's observer ------------------------------------------------------------------------------------
 
+    # A pass queues the tensors it records and reduces them in batches: at the end of the pass, or sooner once the
+    # queue holds this many elements (which bounds the memory the queue keeps alive).
+    QUEUE_ELEMENTS = 1 << 22
+
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
         shape = list(x.shape[1:]) if name != "kv_write" else list(x.shape)  # drop the batch dimension
         if self._shape_table is not None and (layer is None or layer == 0) and not any(
             r["name"] == name and r["layer"] == layer for r in self._shape_table
         ):
             self._shape_table.append({"layer": layer, "name": name, "shape": shape, "dtype": _dtype_name(x.dtype)})
-        if not self._wanted(layer, name):
+        key = (layer, name, self.step == 0)
+        wanted = self._wanted_memo.get(key)
+        if wanted is None:
+            wanted = self._wanted_memo[key] = (self._wanted(layer, name), self._dumped(layer, name))
+        if not wanted[0]:
             return
         extra = {}
         if name == "kv_write":
             extra["positions"] = [int(x[0]), int(x[-1])] if x.numel() else []
-        stat_index = len(self._stats)
-        self._stats.append(_stat_vector(x, finite_only=(name == "scores")))
-        if self._dumped(layer, name):
+        stat_index = self._n_stats
+        self._n_stats += 1
+        self._queue.append((stat_index, x.detach(), name == "scores"))
+        self._queued += x.numel()
+        if self._queued >= self.QUEUE_ELEMENTS:
+            self._reduce_queue()
+        if wanted[1]:
             extra["values"] = (x[0] if name != "kv_write" else x).detach().float().cpu()
         self._pending.append(_Pending(layer, name, shape, _dtype_name(x.dtype), stat_index, extra))
+
+    def _reduce_queue(self) -> None:
+        """Statistics of every queued tensor. Tensors of one shape are stacked into a matrix and reduced along its rows,
+        so a pass costs a few reductions per distinct shape (about ten) rather than a few per tensor (hundreds)."""
+        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for i, x, finite_only in self._queue:
+            groups.setdefault((x.shape, x.dtype, x.device, finite_only), []).append((i, x))
+        for (_, _, _, finite_only), members in groups.items():
+            m = torch.stack([x for _, x in members]).reshape(len(members), -1)  # (n, numel)
+            self._stats.append(_stat_rows(m, finite_only))
+            self._stat_order.extend(i for i, _ in members)
+        self._queue.clear()
+        self._queued = 0
 
     # -- the generation loop's observer ------------------------------------------------------------------------
 
@@ -265,13 +301,18 @@ class Recorder:
         self._lm.model.observe(self if step == 0 or self._observe_every_pass else None)
 
     def after_forward(self, step: int) -> None:
-        values = torch.stack(self._stats).tolist() if self._stats else []  # one transfer for the whole pass
+        self._reduce_queue()
+        values: list = [None] * self._n_stats  # (mean, std, min, max, norm, count) of each recorded tensor
+        if self._stats:  # one transfer for the whole pass
+            for i, row in zip(self._stat_order, _summaries(torch.cat(self._stats)).tolist()):
+                values[i] = row
         for p in self._pending:
+            row = values[p.stat_index]
             ev = {"event": "tensor", "step": step, "phase": self.phase, "layer": p.layer, "name": p.name,
                   "seed_step": SEED_STEP.get(p.name), "shape": p.shape, "dtype": p.dtype,
-                  "stats": {k: _round(v) for k, v in _stats_from(values[p.stat_index]).items()}}
+                  "stats": dict(zip(STAT_NAMES, map(_round, row)))}
             if p.name == "scores":
-                ev["masked"] = int(math.prod(p.shape) - values[p.stat_index][4])
+                ev["masked"] = int(math.prod(p.shape) - row[5])
             if "positions" in p.extra:
                 ev["positions"] = p.extra["positions"]
             if "values" in p.extra:
@@ -279,6 +320,8 @@ class Recorder:
             self.emit(ev)
         self._pending.clear()
         self._stats.clear()
+        self._stat_order.clear()
+        self._n_stats = 0
         if self._shape_table is not None:
             c = self._lm.config
             self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
@@ -344,19 +387,27 @@ def _jsonable(x):
 
 
 class JsonlSink:
-    """One JSON object per line, flushed as each event happens. `-` is stdout."""
+    """One JSON object per line, flushed as each event happens. `-` is stdout.
+
+    A file is streamed under a temporary name beside FILE and renamed over it by `close()`; `close(keep=False)` (a run
+    that failed) deletes it instead. So a FILE that already exists is replaced only by a finished trace."""
 
     def __init__(self, target: str):
+        from llmtrace.fsutil import AtomicFile
+
         self.target = target
-        self.file = sys.stdout if target == "-" else open(target, "w", encoding="utf-8")
+        self.ended = False  # the last event written was the summary
+        self._out = None if target == "-" else AtomicFile(Path(target))
+        self.file = sys.stdout if self._out is None else self._out.file
 
     def __call__(self, event: dict) -> None:
         self.file.write(json.dumps(event, ensure_ascii=False, allow_nan=False) + "\n")
         self.file.flush()
+        self.ended = event.get("event") == "summary"
 
-    def close(self) -> None:
-        if self.file is not sys.stdout:
-            self.file.close()
+    def close(self, keep: bool = True) -> None:
+        if self._out is not None:
+            self._out.close(keep=keep)
 
 
 class JsonDocSink:
@@ -381,37 +432,3 @@ class JsonDocSink:
         from llmtrace.fsutil import write_text_atomic
 
         write_text_atomic(Path(self.target), text + "\n")
-
-
-def schema_path() -> Path:
-    return Path(__file__).with_name("trace.schema.json")
-
-
-def load_trace(path: str) -> list[dict]:
-    """Read a saved trace: a JSON document ({"events": [...]}) or a JSONL stream. Raises LlmtraceError if unreadable."""
-    from llmtrace.errors import LlmtraceError
-
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LlmtraceError(f"no such trace file: {path}") from None
-    except UnicodeDecodeError as e:
-        raise LlmtraceError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    text = text.strip()
-    if not text:
-        raise LlmtraceError(f"{path}: the trace is empty")
-    try:
-        if text.startswith("{") and "\n" not in text or text.startswith('{"schema"'):
-            doc = json.loads(text)
-            events = doc.get("events") if isinstance(doc, dict) else None
-            if isinstance(events, list):
-                return events
-        events = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                events.append(json.loads(line))
-        if not all(isinstance(e, dict) and "event" in e for e in events):
-            raise LlmtraceError(f"{path}: not an llmtrace trace (objects without \"event\")")
-        return events
-    except json.JSONDecodeError as e:
-        raise LlmtraceError(f"{path}: not valid JSON or JSONL (line {e.lineno}: {e.msg})") from None

@@ -37,7 +37,7 @@ def read_prompt(prompt: Optional[str], file: Optional[Path], what: str = "prompt
         try:
             data = file.read_bytes()
         except FileNotFoundError:
-            raise LlmtraceError(f"{what} file not found: {file}") from None
+            raise LlmtraceError(f"{what} file not found: {file}; check the path") from None
         except IsADirectoryError:
             raise LlmtraceError(f"{what} file is a directory: {file}") from None
         except PermissionError:
@@ -90,8 +90,8 @@ def generate(
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")] = None,
 ) -> None:
     from llmtrace.fsutil import check_writable_target
-    from llmtrace.sampler import SamplerConfig, parse_order
-    from llmtrace.trace import TraceOptions
+    from llmtrace.sampler import SamplerConfig, parse_logit_bias, parse_order
+    from llmtrace.trace import TraceOptions, parse_layers
 
     # Everything the user typed is checked before the (slow) model load.
     if max_new_tokens < 0:
@@ -100,6 +100,10 @@ def generate(
         raise UsageError("--show-top must be ≥ 1")
     if jsonl == "-" and json_out == "-":
         raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
+    if jsonl not in (None, "-") and json_out not in (None, "-"):
+        same = Path(jsonl).resolve()
+        if same == Path(json_out).resolve() and (same.is_file() or not same.exists()):  # /dev/null twice is fine
+            raise UsageError("--jsonl and --json name the same file; give them different names")
     for target in (jsonl, json_out):
         if target not in (None, "-"):
             check_writable_target(Path(target))
@@ -108,11 +112,15 @@ def generate(
                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                          presence_penalty=presence_penalty, order=parse_order(sampler_order), seed=seed)
     scfg.validate(vocab_size=sys.maxsize)  # ranges now; ids against the real vocabulary after the load
+    parse_logit_bias(logit_bias or [], sys.maxsize)  # the same for the syntax of --logit-bias and --layers
+    parse_layers(layers, sys.maxsize)
     text = read_prompt(prompt, file)
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
 
-    from llmtrace.loader import load_model, set_threads
+    from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
+
+    pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
 
     set_threads(threads)
     lm = load_model(model, device=device, dtype=dtype)
@@ -173,7 +181,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     finally:
         if jsonl_sink is not None:
-            jsonl_sink.close()
+            jsonl_sink.close(keep=jsonl_sink.ended)  # a stream that ends with its summary, or none at all
     if result.interrupted:
         raise typer.Exit(130)
 

@@ -1,0 +1,292 @@
+"""Nothing is lost on Ctrl-C: the outputs are finished first, and files are replaced only by finished ones.
+
+A real `python -m llmtrace generate` gets a real SIGINT halfway through a 2,000-token run. In-process runs (the
+session's model, a few tokens) place the Ctrl-C at the awkward moments: while the run's first events are written,
+while the summary is written. The model cache is checked the same way: a conversion cut short leaves nothing that
+could be taken for a whole one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtrace.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Once upon a time"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert lines, f"{path} is empty"
+    return [json.loads(line) for line in lines]  # every line is valid JSON on its own
+
+
+def check_interrupted_trace(events: list[dict]) -> dict:
+    """The stream is whole: run, tokens, consecutive steps, and a summary that says it was interrupted."""
+    kinds = [e["event"] for e in events]
+    assert kinds[:2] == ["run", "tokens"] and kinds[-1] == "summary" and kinds.count("summary") == 1
+    summary = events[-1]
+    assert summary["interrupted"] is True and summary["stop_reason"] == "interrupted"
+    steps = [e for e in events if e["event"] == "step"]
+    assert [s["step"] for s in steps] == list(range(len(steps)))
+    assert summary["tokens"] == [s["token"]["id"] for s in steps]
+    assert summary["generated_tokens"] == len(steps)
+    return summary
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".") or "partial" in p.name)
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            pytest.fail(f"llmtrace ended (exit {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def count_steps(path_glob, directory: Path) -> int:
+    n = 0
+    for p in directory.glob(path_glob):
+        try:
+            n += p.read_text(encoding="utf-8", errors="replace").count('"event": "step"')
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def start(argv: list[str], out_dir: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "LLMTRACE_DEBUG"} | {"PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "llmtrace", "generate", PROMPT, "-n", "2000", "--ignore-eos", "--device", "cpu",
+           "--threads", "1", *argv]
+    # Files, not pipes, for stdout and stderr: a pipe nobody reads would block the run's last writes.
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(out_dir / "stdout.txt", "w"),
+                            stderr=open(out_dir / "stderr.txt", "w"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a real process, a real SIGINT
+
+
+@pytest.mark.slow
+def test_sigint_during_generation_finishes_every_output(smollm_path, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    jsonl, doc = out / "run.jsonl", out / "run.json"
+    doc.write_text("OLD\n")  # replaced only by a finished document
+    proc = start(["--jsonl", str(jsonl), "--json", str(doc)], tmp_path)
+    try:
+        # the stream is written under a temporary name until it is finished
+        wait_for(lambda: count_steps(".run.jsonl.*.partial", out) >= 3, 300, proc, "three steps")
+        assert doc.read_text() == "OLD\n" and not jsonl.exists()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    stdout = (tmp_path / "stdout.txt").read_text()
+    assert rc == 130, stderr
+    assert stderr == "error: interrupted\n"
+    # the terminal view ends with the summary
+    tail = " ".join(" ".join(stdout.splitlines()[-6:]).split())  # the view wraps long lines
+    assert "stop: interrupted · interrupted (Ctrl-C)" in tail and tail.endswith("more"), tail
+    events = read_jsonl(jsonl)
+    summary = check_interrupted_trace(events)
+    assert 3 <= summary["generated_tokens"] < 2000
+    # the JSON document is complete (it could also have been absent, but never partial) and holds the same events
+    document = json.loads(doc.read_text())
+    assert document["schema"] == "llmtrace.trace/1" and document["events"] == events
+    assert leftovers(out) == []
+
+
+@pytest.mark.slow
+def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
+    proc = start(["--jsonl", "-", "--trace", "none"], tmp_path)
+    stdout = tmp_path / "stdout.txt"
+    try:
+        wait_for(lambda: stdout.read_text().count('"event": "step"') >= 3, 300, proc, "three steps")
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130 and (tmp_path / "stderr.txt").read_text() == "error: interrupted\n"
+    check_interrupted_trace(read_jsonl(stdout))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# in process: Ctrl-C at the awkward moments
+
+
+@pytest.fixture
+def real_model(monkeypatch, smollm):
+    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr("llmtrace.loader.set_threads", lambda n: torch.get_num_threads())
+    return smollm
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def sigint_on_event(monkeypatch, kind: str) -> None:
+    """Deliver a real SIGINT to this process while the JSONL sink writes the first event of this kind."""
+    from llmtrace.trace import JsonlSink
+
+    write = JsonlSink.__call__
+    sent = []
+
+    def call(self, event):
+        if event["event"] == kind and not sent:
+            sent.append(kind)
+            signal.raise_signal(signal.SIGINT)
+        write(self, event)
+
+    monkeypatch.setattr(JsonlSink, "__call__", call)
+
+
+def test_ctrl_c_in_a_forward_pass(capsys, monkeypatch, real_model, tmp_path):
+    forward = real_model.model.forward
+    calls = []
+
+    def interrupted_forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the prefill and two decode steps are done
+            signal.raise_signal(signal.SIGINT)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(real_model.model, "forward", interrupted_forward)
+    code, err = run_cli(capsys, "generate", PROMPT, "-n", "20", "--ignore-eos", "--jsonl", tmp_path / "t.jsonl",
+                        "--json", tmp_path / "t.json")
+    assert code == 130 and err == "error: interrupted\n"
+    events = read_jsonl(tmp_path / "t.jsonl")
+    assert check_interrupted_trace(events)["generated_tokens"] == 3
+    assert json.loads((tmp_path / "t.json").read_text())["events"] == events
+    assert leftovers(tmp_path) == []
+
+
+def test_ctrl_c_while_the_run_starts_still_gives_a_whole_stream(capsys, monkeypatch, real_model, tmp_path):
+    """The run and tokens events are written whole; the Ctrl-C is taken after them and the summary follows."""
+    sigint_on_event(monkeypatch, "run")
+    code, err = run_cli(capsys, "generate", PROMPT, "-n", "20", "--jsonl", tmp_path / "t.jsonl")
+    assert code == 130 and err == "error: interrupted\n"
+    events = read_jsonl(tmp_path / "t.jsonl")
+    assert [e["event"] for e in events] == ["run", "tokens", "summary"]
+    assert check_interrupted_trace(events)["generated_tokens"] == 0
+
+
+def test_ctrl_c_while_the_summary_is_written(capsys, monkeypatch, real_model, tmp_path):
+    """The summary is finished first. The run had ended, so the stream says so; the document is not started."""
+    doc = tmp_path / "t.json"
+    doc.write_text("OLD\n")
+    sigint_on_event(monkeypatch, "summary")
+    code, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--jsonl", tmp_path / "t.jsonl", "--json", doc)
+    assert code == 130 and err == "error: interrupted\n"
+    events = read_jsonl(tmp_path / "t.jsonl")
+    assert events[-1]["event"] == "summary" and events[-1]["generated_tokens"] == 3
+    assert doc.read_text() == "OLD\n"  # absent, never partial: the old file is still there
+    assert leftovers(tmp_path) == []
+
+
+def test_ctrl_c_while_the_document_is_renamed(capsys, monkeypatch, real_model, tmp_path):
+    """fsync and rename run with Ctrl-C held: the document lands whole, then the run ends with 130."""
+    import llmtrace.fsutil as fsutil
+
+    fsync = os.fsync
+    sent = []
+
+    def interrupted_fsync(fd):
+        if not sent:
+            sent.append(1)
+            signal.raise_signal(signal.SIGINT)
+        fsync(fd)
+
+    monkeypatch.setattr(fsutil.os, "fsync", interrupted_fsync)
+    code, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--json", tmp_path / "t.json")
+    assert sent and code == 130 and err == "error: interrupted\n"
+    assert json.loads((tmp_path / "t.json").read_text())["events"][-1]["event"] == "summary"
+    assert leftovers(tmp_path) == []
+
+
+def test_ctrl_c_before_generation_leaves_no_files(capsys, monkeypatch, tmp_path):
+    def interrupted_load(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("llmtrace.loader.load_model", interrupted_load)
+    code, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
+    assert code == 130 and err == "error: interrupted\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model cache
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    from tiny import TinySpec, make_hf_model, write_gguf
+
+    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, make_hf_model(TinySpec()))
+    return path
+
+
+def test_a_conversion_cut_short_leaves_nothing_behind(monkeypatch, tiny_gguf, tmp_path):
+    import safetensors.torch
+
+    from llmtrace.loader import converted_dir, load_model
+
+    save_file = safetensors.torch.save_file
+
+    def half_then_ctrl_c(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\0" * 1000)  # half a file on disk, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(str(tiny_gguf), device="cpu")
+    cache = converted_dir(tiny_gguf).parent
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    lm = load_model(str(tiny_gguf), device="cpu")
+    assert lm.converted and [p.name for p in cache.iterdir()] == [converted_dir(tiny_gguf).name]
+
+
+def test_a_damaged_cache_entry_is_never_used(tiny_gguf):
+    from llmtrace.errors import LlmtraceError
+    from llmtrace.loader import converted_dir, load_model
+
+    first = load_model(str(tiny_gguf), device="cpu")
+    weights = converted_dir(tiny_gguf) / "weights.safetensors"
+    damaged = weights.with_name("damaged")  # a new file: `first` still maps the old one
+    damaged.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    damaged.replace(weights)
+    with pytest.raises(LlmtraceError, match="unreadable .* removed; run the command again"):
+        load_model(str(tiny_gguf), device="cpu")
+    assert not converted_dir(tiny_gguf).exists()
+    again = load_model(str(tiny_gguf), device="cpu")
+    assert again.converted
+    ids = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(again.model(ids), first.model(ids), rtol=0, atol=0)
