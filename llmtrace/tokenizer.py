@@ -649,6 +649,15 @@ class TextTokenizer:
         except jinja2.TemplateError as e:
             raise LlmtraceError(f"the chat template failed: {e}") from None
 
+    def encode_prompt(self, text: str, chat: bool = False, system: str | None = None) -> tuple[str, list[int]]:
+        """The text the model reads and its ids: `text` as is (BOS as the tokenizer adds it), or with `chat` the
+        user message (after an optional system message) in the chat template, whose control tokens are its own."""
+        if not chat:
+            return text, self.encode(text)
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
+        prompt = self.render_chat(messages, add_generation_prompt=True)
+        return prompt, self.encode(prompt, add_special_tokens=False)
+
     def __repr__(self) -> str:
         return f"TextTokenizer({self.kind}, vocab={self.vocab_size}, bos={self.bos_id}, eos={self.eos_ids})"
 

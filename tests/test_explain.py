@@ -345,10 +345,11 @@ def test_too_long_prompt_is_refused(tiny):
 
 
 def test_chat_template_is_applied(smollm):
-    from llmtrace.cli.explain import encode_prompt
-
-    text, ids = encode_prompt(smollm.tokenizer, "Hi", chat=True, system=None)
-    assert "<|im_start|>" in text and ids[0] == smollm.tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
+    text, ids = smollm.tokenizer.encode_prompt("Hi", chat=True, system="Be brief.")
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ids[0] == smollm.tokenizer.encode("<|im_start|>", add_special_tokens=False)[0]
+    assert smollm.tokenizer.encode_prompt("Hi") == ("Hi", smollm.tokenizer.encode("Hi"))
 
 
 # ----------------------------------------------------------------------------------------------------------------

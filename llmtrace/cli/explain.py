@@ -88,7 +88,7 @@ def explain(
 
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out)
     lm = _load(model, device, dtype, threads)
-    prompt_text, ids = encode_prompt(lm.tokenizer, text, chat, system)
+    prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
     _output(events, render_explain, jsonl, json_out)
 
@@ -119,7 +119,7 @@ def lens(
     if last < 1:
         raise UsageError("--last must be ≥ 1")
     lm = _load(model, device, dtype, threads)
-    prompt_text, ids = encode_prompt(lm.tokenizer, text, chat, system)
+    prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     check_prompt_ids(ids, lm.config)
     rows = parse_layers(layers, lm.config.n_layers)
     cols = parse_positions(positions, len(ids), last)
@@ -152,15 +152,6 @@ def _load(model, device, dtype, threads):
 
     set_threads(threads)
     return load_model(model, device=device, dtype=dtype)
-
-
-def encode_prompt(tok, text: str, chat: bool, system: Optional[str]) -> tuple[str, list[int]]:
-    """The text the model reads and its ids, as `generate` makes them (chat template or plain, BOS as configured)."""
-    if chat:
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
-        prompt_text = tok.render_chat(messages, add_generation_prompt=True)
-        return prompt_text, tok.encode(prompt_text, add_special_tokens=False)
-    return text, tok.encode(text)
 
 
 def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str]) -> None:

@@ -141,13 +141,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
     scfg.ban = banned_sequences(tok, ban)
     scfg.validate(lm.config.vocab_size)
-    if chat:
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": text}]
-        prompt_text = tok.render_chat(messages, add_generation_prompt=True)
-        ids = tok.encode(prompt_text, add_special_tokens=False)
-    else:
-        prompt_text = text
-        ids = tok.encode(text)
+    prompt_text, ids = tok.encode_prompt(text, chat=chat, system=system)
     sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
 
     machine_on_stdout = "-" in (jsonl, json_out)
