@@ -146,8 +146,10 @@ def test_capture_leaves_the_model_as_it_was(smollm):
     assert m.layers[LAYER].attn.eager is False and m.cache is saved_cache
     assert all(b.attn.observer is None for b in m.layers)
     assert "scores" in cap.points and "probs" in cap.points  # eager was on for the pass
+    m.cache = None  # a plain full-sequence forward, whatever cache earlier tests left on the shared model
     with torch.no_grad():
         torch.testing.assert_close(m(torch.tensor([ids]))[0], cap.logits, atol=1e-4, rtol=0)
+    m.cache = saved_cache
     for b, e in zip(m.layers, before):
         b.attn.eager = e
 
