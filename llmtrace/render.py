@@ -210,7 +210,7 @@ class TerminalRenderer:
         if self.stream_text:
             self.console.print()
         else:
-            self.console.print(Text.assemble(("output ", "bold"), visible(ev["text"]) if "\n" in ev["text"] else ev["text"]))
+            self.console.print(Text.assemble(("output ", "bold"), ev["text"]))
         interrupted = " · interrupted (Ctrl-C)" if ev.get("interrupted") else ""
         line = (f"{ev['prompt_tokens']} prompt tokens · {ev['generated_tokens']} generated · stop: {ev['stop_reason']}"
                 f"{interrupted} · TTFT {ev['ttft_ms']:.0f} ms · prefill {ev['prefill_tok_s']:.1f} tok/s · "
