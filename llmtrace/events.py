@@ -5,6 +5,9 @@ sits in the seed table, and reading saved traces. Renderers and `llmtrace show` 
 import json
 import sys
 from pathlib import Path
+from typing import Optional
+
+from llmtrace.errors import UsageError
 
 SCHEMA_ID = "llmtrace.trace/1"
 LEVELS = ("none", "steps", "layers", "full")
@@ -56,3 +59,34 @@ def load_trace(path: str) -> list[dict]:
         return events
     except json.JSONDecodeError as e:
         raise LlmtraceError(f"{path}: not valid JSON or JSONL (line {e.lineno}: {e.msg})") from None
+
+
+def parse_indices(spec: str, n: int, flag: str, noun: str, of: str) -> list[int]:
+    """'0,3,-1' or '2-5' -> sorted distinct indices in [0, n); negative ones count from the end.
+
+    `flag`, `noun` and `of` word the errors: "--layers: layer 31 is out of range; this model has 30 layers"."""
+    out: list[int] = []
+    bounds = f"{of} {n} {noun}s (0..{n - 1}, or -1 for the last)"
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                cut = part.index("-", 1)
+                ends = [int(part[:cut]), int(part[cut + 1:])]
+            else:
+                ends = [int(part)]
+        except ValueError:
+            raise UsageError(f"{flag}: {part!r} is not a {noun} number (use e.g. 0,3,-1 or 2-5)") from None
+        for end in ends:  # check before building a range
+            if not -n <= end < n:
+                raise UsageError(f"{flag}: {noun} {end} is out of range; {bounds}")
+        lo, hi = (e + n if e < 0 else e for e in (ends[0], ends[-1]))
+        out.extend(i for i in range(lo, hi + 1) if i not in out)
+    return sorted(out)
+
+
+def parse_layers(spec: Optional[str], n_layers: int) -> Optional[list[int]]:
+    """--layers: '0,3,-1' -> [0, 3, n-1]; ranges like '2-5' are accepted. None (or 'all') means every layer."""
+    if spec is None or spec.strip() in ("", "all"):
+        return None
+    return parse_indices(spec, n_layers, "--layers", "layer", "this model has")

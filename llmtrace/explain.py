@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.model import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
+from llmtrace.events import parse_indices
 from llmtrace.trace import LAYER_POINTS, SEED_STEP, tensor_stats
 
 RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
@@ -68,26 +69,7 @@ def parse_positions(spec: Optional[str], n_tokens: int, last: int = 12) -> list[
         return list(range(max(0, n_tokens - last), n_tokens))
     if spec.strip() == "all":
         return list(range(n_tokens))
-    out: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            if "-" in part[1:]:
-                cut = part.index("-", 1)
-                lo, hi = int(part[:cut]), int(part[cut + 1:])
-                items = list(range(lo, hi + 1))
-            else:
-                items = [int(part)]
-        except ValueError:
-            raise UsageError(f"--positions: {part!r} is not a position (use e.g. 0,3,-1, 2-5 or all)") from None
-        for i in items:
-            j = i + n_tokens if i < 0 else i
-            if not 0 <= j < n_tokens:
-                raise UsageError(f"--positions: position {i} is out of range; the prompt has {n_tokens} tokens "
-                                 f"(0..{n_tokens - 1}, or -1 for the last)")
-            if j not in out:
-                out.append(j)
-    return sorted(out)
+    return parse_indices(spec, n_tokens, "--positions", "position", "the prompt has")
 
 
 def check_prompt_ids(ids: list[int], config: ModelConfig) -> None:

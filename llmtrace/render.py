@@ -23,22 +23,10 @@ def make_console(stderr: bool = False, file=None) -> Console:
 
 
 def visible(text: str) -> str:
-    """Whitespace made visible: spaces as ␣, newlines as \\n, tabs as \\t, other control characters as \\xNN."""
-    out = []
-    for ch in text:
-        if ch == " ":
-            out.append("␣")
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ord(ch) < 32 or ch == "\x7f":
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return "".join(out)
+    """Whitespace made visible the way `llmtrace tokenize` shows it: ▁ for a space, \\n, \\t, \\xNN."""
+    from llmtrace.tokenizer import visible_text
+
+    return visible_text(text.encode("utf-8", errors="surrogatepass"))
 
 
 def fmt_bytes(n: int) -> str:
