@@ -61,10 +61,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))  # gamma, (D,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # one call (its statistic is taken in float32); for float32 inputs the same bits as the formula spelled out
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -128,9 +126,10 @@ class KVCache(nn.Module):
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, Hkv, T, Dh) at positions [start, start+T); return all valid keys and values (B, Hkv, S, Dh)."""
         end = start + k.size(2)
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        k_all, v_all = self.k[layer], self.v[layer]  # (B, Hkv, S_max, Dh)
+        k_all[:, :, start:end] = k
+        v_all[:, :, start:end] = v
+        return k_all[:, :, :end], v_all[:, :, :end]
 
     @property
     def bytes_per_token(self) -> int:
@@ -173,16 +172,16 @@ class Attention(Tappable):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         # s6.1 project: Q = X Wq, K = X Wk, V = X Wv
-        q, k, v = self.wqkv(x).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-        # s6.2 split heads
-        q = q.view(B, T, H, Dh)  # (B, T, H, Dh)
-        k = k.view(B, T, Hkv, Dh)  # (B, T, Hkv, Dh)
+        qk, v = self.wqkv(x).split([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
+        # s6.2 split heads. q's and k's heads stay side by side, so that RoPE turns them in one go.
+        qk = qk.view(B, T, H + Hkv, Dh)  # (B, T, H+Hkv, Dh)
         v = v.view(B, T, Hkv, Dh)  # (B, T, Hkv, Dh)
+        q, k = qk.split([H, Hkv], dim=2)  # (B, T, H, Dh), (B, T, Hkv, Dh)
         self.tap("q", q)
         self.tap("k", k)
         self.tap("v", v)
         # s6.3 RoPE on q and k (v carries no position)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
         self.tap("q_rope", q)
         self.tap("k_rope", k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, Dh)
@@ -314,6 +313,8 @@ class Transformer(Tappable):
 
     def observe(self, observer: Optional[Observer]) -> None:
         """Attach (or, with None, detach) an observer to every observable point."""
+        if observer is self.observer:
+            return  # already attached, or already detached: the generation loop asks once per step
         for m in self.modules():
             if isinstance(m, Tappable):
                 m.observer = observer

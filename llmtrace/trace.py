@@ -12,6 +12,7 @@ saved trace can be shown again without it (`llmtrace show`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -34,37 +35,9 @@ from llmtrace.events import (  # noqa: F401  (re-exported: the point names belon
     SCHEMA_ID,
     SEED_STEP,
     load_trace,
+    parse_layers,
     schema_path,
 )
-
-def parse_layers(spec: Optional[str], n_layers: int) -> Optional[list[int]]:
-    """'0,3,-1' -> [0, 3, n-1]; ranges like '2-5' are accepted. None means every layer."""
-    if spec is None or spec.strip() in ("", "all"):
-        return None
-    out: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            if "-" in part[1:]:
-                a, b = part[0] + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1]
-                lo, hi = int(a), int(b)
-                for end in (lo, hi):  # check the ends before building the range
-                    if not -n_layers <= end < n_layers:
-                        raise UsageError(f"--layers: layer {end} is out of range; this model has {n_layers} layers "
-                                         f"(0..{n_layers - 1}, or -1 for the last)")
-                items = list(range(lo + n_layers if lo < 0 else lo, (hi + n_layers if hi < 0 else hi) + 1))
-            else:
-                items = [int(part)]
-        except ValueError:
-            raise UsageError(f"--layers: {part!r} is not a layer number (use e.g. 0,3,-1 or 2-5)") from None
-        for i in items:
-            j = i + n_layers if i < 0 else i
-            if not 0 <= j < n_layers:
-                raise UsageError(f"--layers: layer {i} is out of range; this model has {n_layers} layers (0..{n_layers - 1}, or -1 for the last)")
-            if j not in out:
-                out.append(j)
-    return sorted(out)
-
 
 @dataclass
 class TraceOptions:
@@ -89,8 +62,6 @@ class TraceOptions:
 
 def _stat_rows(m: torch.Tensor, finite_only: bool) -> torch.Tensor:
     """(sum, sum of squares, min, max, count) of each row of m (n, N), accumulated in float64: one (n, 5) tensor."""
-    if not m.is_floating_point():
-        m = m.double()
     if finite_only:  # masked attention scores hold -inf: summarise the entries that take part
         ok = torch.isfinite(m)
         lo = torch.where(ok, m, float("inf")).amin(dim=1)
@@ -100,8 +71,8 @@ def _stat_rows(m: torch.Tensor, finite_only: bool) -> torch.Tensor:
     else:
         lo, hi = torch.aminmax(m, dim=1)
         n = torch.full((m.size(0),), float(m.size(1)), dtype=torch.float64, device=m.device)
-    s1 = m.sum(dim=1, dtype=torch.float64)
-    s2 = torch.linalg.vector_norm(m, dim=1, dtype=torch.float64).square()
+    m = m.double()  # one float64 copy, read by both sums
+    s1, s2 = m.sum(dim=1), torch.linalg.vector_norm(m, dim=1).square()
     return torch.stack([s1, s2, lo.double(), hi.double(), n], dim=1)
 
 
@@ -134,6 +105,7 @@ def _round(x: float, digits: int = 7) -> Any:
     return x
 
 
+@functools.cache
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
@@ -216,15 +188,17 @@ class Recorder:
     QUEUE_ELEMENTS = 1 << 22
 
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
+        key = (layer, name, self.step == 0)
+        wanted = self._wanted_memo.get(key)
+        if wanted is None:
+            wanted = self._wanted_memo[key] = (self._wanted(layer, name), self._dumped(layer, name))
+        if not wanted[0] and self._shape_table is None:
+            return  # the common case of a point nobody asked for: a dictionary look-up
         shape = list(x.shape[1:]) if name != "kv_write" else list(x.shape)  # drop the batch dimension
         if self._shape_table is not None and (layer is None or layer == 0) and not any(
             r["name"] == name and r["layer"] == layer for r in self._shape_table
         ):
             self._shape_table.append({"layer": layer, "name": name, "shape": shape, "dtype": _dtype_name(x.dtype)})
-        key = (layer, name, self.step == 0)
-        wanted = self._wanted_memo.get(key)
-        if wanted is None:
-            wanted = self._wanted_memo[key] = (self._wanted(layer, name), self._dumped(layer, name))
         if not wanted[0]:
             return
         extra = {}
@@ -232,7 +206,7 @@ class Recorder:
             extra["positions"] = [int(x[0]), int(x[-1])] if x.numel() else []
         stat_index = self._n_stats
         self._n_stats += 1
-        self._queue.append((stat_index, x.detach(), name == "scores"))
+        self._queue.append((stat_index, x, name == "scores"))
         self._queued += x.numel()
         if self._queued >= self.QUEUE_ELEMENTS:
             self._reduce_queue()
@@ -246,10 +220,11 @@ class Recorder:
         groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         for i, x, finite_only in self._queue:
             groups.setdefault((x.shape, x.dtype, x.device, finite_only), []).append((i, x))
-        for (_, _, _, finite_only), members in groups.items():
-            m = torch.stack([x for _, x in members]).reshape(len(members), -1)  # (n, numel)
-            self._stats.append(_stat_rows(m, finite_only))
-            self._stat_order.extend(i for i, _ in members)
+        with torch.no_grad():  # the statistics are observations, never part of a graph
+            for (_, _, _, finite_only), members in groups.items():
+                m = torch.stack([x for _, x in members]).reshape(len(members), -1)  # (n, numel)
+                self._stats.append(_stat_rows(m, finite_only))
+                self._stat_order.extend(i for i, _ in members)
         self._queue.clear()
         self._queued = 0
 
