@@ -1,0 +1,242 @@
+"""The benchmark arms that run inside a fresh Python process: `python benchmarks/_arms.py ARM --spec JSON`.
+
+Each arm prints one JSON object on its last stdout line. bench.py starts every arm as a new process, so that imports,
+loads and first calls are paid the way a user pays them, and reads peak RSS from the kernel when the process ends.
+
+Arms:
+    hf        HF transformers: GGUF load, then greedy `generate` (eager attention, DynamicCache), timed per token
+    ceiling   one pass of matrix-vector products over every weight matrix the decode step reads (best of N)
+    cold      llmtrace's GGUF load with an empty cache directory (read, dequantize, fuse, cache), then a warm load
+    compile   llmtrace decode steps in one process: eager vs torch.compile'd, alternated, plus the compile time
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _emit(result: dict) -> None:
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# HF transformers: what a user would otherwise run
+
+
+class _TokenClock:
+    """A generate() streamer that only notes when each new token comes out (the first put() is the prompt)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.time())
+
+    def end(self) -> None:
+        pass
+
+
+def arm_hf(spec: dict) -> dict:
+    t0 = spec["t0"]  # wall clock when the parent started this process
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    gguf = spec["gguf"]
+    t_load = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=dtype,
+                                                 attn_implementation="eager").to(spec["device"]).eval()
+    _sync(spec["device"])
+    load_s = time.perf_counter() - t_load
+    ids = torch.tensor([spec["prompt_ids"]], device=spec["device"])
+    n = spec["new_tokens"]
+    clock = _TokenClock(spec["device"])
+    t_gen = time.time()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, streamer=clock, pad_token_id=model.config.eos_token_id)
+    _sync(spec["device"])
+    t_end = time.time()
+    times = clock.times
+    return {
+        "load_s": load_s,
+        "ttft_s": times[0] - t0,  # from process start
+        "prefill_tok_s": ids.size(1) / (times[0] - t_gen),
+        "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+        "gen_s": t_end - t_gen,
+        "tokens": out[0, ids.size(1):].tolist(),
+        "prompt_tokens": ids.size(1),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the memory-bandwidth ceiling of one decode step
+
+
+def decode_matrices(model) -> list:
+    """Every weight matrix one decode step multiplies a vector by: the fused projections of each layer and the head."""
+    mats = []
+    for block in model.layers:
+        mats += [block.attn.wqkv.weight, block.attn.wo.weight, block.ffn.w_gate_up.weight, block.ffn.w_down.weight]
+    mats.append(model.lm_head.weight)
+    return mats
+
+
+def arm_ceiling(spec: dict) -> dict:
+    import gc
+
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrace.loader import load_model, set_threads
+
+    set_threads(spec["threads"])
+    rss_before = _rss_mb()
+    lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
+    gc.collect()
+    rss_loaded = _rss_mb()
+    params = list(lm.model.parameters())
+    weight_bytes = sum(p.nbytes for p in params)
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    mats = decode_matrices(lm.model)
+    mat_bytes = sum(w.nbytes for w in mats)
+    xs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats]
+    times = []
+    with torch.inference_mode():
+        for r in range(spec.get("ceiling_passes", 40) + 5):
+            _sync(spec["device"])
+            t = time.perf_counter()
+            for x, w in zip(xs, mats):
+                F.linear(x, w)
+            _sync(spec["device"])
+            if r >= 5:  # the first passes warm the allocator and the caches
+                times.append(time.perf_counter() - t)
+    best = min(times)
+    rss_used = _rss_mb()  # every weight page has now been read: a second copy of the weights would show here
+    out = {
+        "pass_ms_best": best * 1e3,
+        "pass_ms_median": statistics.median(times) * 1e3,
+        "matrices": len(mats),
+        "matrix_bytes": mat_bytes,
+        "gb_s": mat_bytes / best / 1e9,
+        "ceiling_tok_s": 1.0 / best,
+        "weight_bytes": weight_bytes,
+        "n_params": lm.model.num_params(),
+        "distinct_storages": len(storages),
+        "n_parameters": len(params),
+        "rss_before_load_mb": rss_before,
+        "rss_after_load_mb": rss_loaded,
+        "rss_after_use_mb": rss_used,
+    }
+    if spec["device"].startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+        if clock_khz and bus_bits:
+            out["gpu_peak_gb_s"] = 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # double data rate
+        out["gpu_name"] = props.name
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# llmtrace's cold GGUF load
+
+
+def arm_cold(spec: dict) -> dict:
+    home = tempfile.mkdtemp(prefix="llmtrace-bench-home-")
+    os.environ["LLMTRACE_HOME"] = home  # an empty cache: this load must convert the GGUF
+    try:
+        from llmtrace.loader import load_model, set_threads
+
+        set_threads(spec["threads"])
+        lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
+        cold_s, converted = lm.load_s, lm.converted
+        rss_cold = _rss_mb()
+        del lm
+        lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
+        return {"cold_load_s": cold_s, "converted": converted, "warm_load_s": lm.load_s,
+                "warm_converted": lm.converted, "rss_after_cold_load_mb": rss_cold}
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch.compile of the decode step, measured against eager in the same process
+
+
+def arm_compile(spec: dict) -> dict:
+    import torch
+
+    from llmtrace.loader import load_model, set_threads
+
+    set_threads(spec["threads"])
+    lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
+    model, ids = lm.model, spec["prompt_ids"]
+    n = spec["new_tokens"]
+    compiled = torch.compile(model, dynamic=True)
+
+    def decode(fn, tok, start, steps):
+        _sync(spec["device"])
+        t = time.perf_counter()
+        for i in range(steps):
+            logits = fn(torch.tensor([[tok]], device=lm.device), start + i, last_only=True)
+            tok = int(logits[0].argmax())
+        _sync(spec["device"])
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        model.setup_cache(len(ids) + 2 * n + 8)
+        tok = int(model(torch.tensor([ids], device=lm.device), 0, last_only=True)[0].argmax())
+        compile_s = decode(compiled, tok, len(ids), 1)  # the first call compiles
+        decode(compiled, tok, len(ids) + 1, 2)  # a second shape specialisation, if any, is paid here
+        eager, comp = [], []
+        for r in range(spec.get("compile_rounds", 3)):  # alternate so that drift cancels
+            eager.append(n / decode(model, tok, len(ids), n))
+            comp.append(n / decode(compiled, tok, len(ids), n))
+    return {"compile_s": compile_s, "eager_decode_tok_s": eager, "compiled_decode_tok_s": comp,
+            "ratio_compiled_over_eager": [c / e for c, e in zip(comp, eager)]}
+
+
+ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold, "compile": arm_compile}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("arm", choices=sorted(ARMS))
+    p.add_argument("--spec", required=True, help="the arm's settings as JSON")
+    a = p.parse_args()
+    _emit(ARMS[a.arm](json.loads(a.spec)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Where the time of one decode step goes, measured with torch.profiler (the evidence behind benchmarks/RESULTS.md).
+
+    python benchmarks/profile_step.py --threads 2            # untraced decode steps, and --trace full steps
+    python benchmarks/profile_step.py --threads 2 --steps 20 --top 15
+
+For each mode it profiles --steps decode steps after a 64-token prompt and prints, per step: wall time, the time inside
+the matrix products (aten::mm/bmm), the time of all other aten ops, how many aten ops ran, and the time outside aten
+(Python: module calls, the trace's bookkeeping, event encoding). The matrix products alone are compared with the
+measured ceiling: one pass of matrix-vector products over the same weights, timed in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from llmtrace.generate import generate  # noqa: E402
+from llmtrace.loader import load_model, set_threads  # noqa: E402
+from llmtrace.sampler import Sampler, SamplerConfig  # noqa: E402
+from llmtrace.trace import Recorder, TraceOptions  # noqa: E402
+
+MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm"}
+
+
+def ceiling_ms(model, passes: int = 30) -> float:
+    """Best time of one pass of matrix-vector products over every weight matrix a decode step reads."""
+    mats = []
+    for block in model.layers:
+        mats += [block.attn.wqkv.weight, block.attn.wo.weight, block.ffn.w_gate_up.weight, block.ffn.w_down.weight]
+    mats.append(model.lm_head.weight)
+    xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in mats]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(passes):
+            t = time.perf_counter()
+            for x, w in zip(xs, mats):
+                F.linear(x, w)
+            best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def profile_decode(lm, ids: list[int], level: str, steps: int, warm: int):
+    """Run generate() with a recorder at `level`; profile the decode steps after `warm` of them."""
+    window = {"start": 1 + warm, "end": 1 + warm + steps}
+    prof = profile(activities=[ProfilerActivity.CPU])
+    wall: list[float] = []
+    null = open(os.devnull, "w")
+
+    def sink(event: dict) -> None:  # the JSONL sink's work, to a file that discards it
+        null.write(json.dumps(event, ensure_ascii=False, allow_nan=False) + "\n")
+
+    class Timed(Recorder):
+        def before_forward(self, step, phase, start, n_tokens):
+            if step == window["start"]:
+                prof.start()
+            if window["start"] <= step < window["end"]:
+                wall.append(time.perf_counter())
+            super().before_forward(step, phase, start, n_tokens)
+
+        def on_step(self, rec):
+            super().on_step(rec)
+            if window["start"] <= rec.step < window["end"]:
+                wall[-1] = time.perf_counter() - wall[-1]
+            if rec.step == window["end"] - 1:
+                prof.stop()
+
+    rec = Timed(TraceOptions(level=level), [sink], run_info={"prompt": ""})
+    sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
+    generate(lm, ids, sampler, window["end"] + 1, ignore_eos=True, observer=rec)
+    events = prof.events()
+    mm = sum(e.self_cpu_time_total for e in events if e.name in MATMUL_OPS) / 1e3 / steps
+    aten = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::")) / 1e3 / steps
+    n_ops = sum(1 for e in events if e.name.startswith("aten::")) / steps
+    n_top = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None) / steps
+    return {"wall_ms": statistics.median(wall) * 1e3, "matmul_ms": mm, "other_aten_ms": aten - mm,
+            "aten_ops": n_ops, "top_level_aten_ops": n_top, "table": prof.key_averages()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=12, help="rows of the per-op table to print")
+    p.add_argument("--levels", nargs="*", default=["none", "full"])
+    args = p.parse_args()
+    set_threads(args.threads)
+    lm = load_model(None, device="cpu", dtype="float32")
+    ids = lm.tokenizer.encode("Quantum mechanics is a fundamental theory in physics that " * 8)[:64]
+    ceil = ceiling_ms(lm.model)
+    print(f"threads {args.threads}; ceiling (matrix-vector products over all weights, best of 30): {ceil:.1f} ms")
+    for level in args.levels:
+        r = profile_decode(lm, ids, level, args.steps, warm=4)
+        python_ms = r["wall_ms"] - r["matmul_ms"] - r["other_aten_ms"]
+        print(f"\n--trace {level}: {r['wall_ms']:.1f} ms per decode step (median of {args.steps}, under the profiler)")
+        print(f"  matrix products {r['matmul_ms']:.1f} ms ({r['matmul_ms'] / ceil:.2f}x the ceiling pass) | other aten ops "
+              f"{r['other_aten_ms']:.1f} ms | outside aten (Python) {python_ms:.1f} ms")
+        print(f"  aten ops per step: {r['aten_ops']:.0f} ({r['top_level_aten_ops']:.0f} called from Python)")
+        print(r["table"].table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()
