@@ -9,8 +9,6 @@ them is memory that something else keeps per token.
     python benchmarks/long_run.py -n 500 --at 50    # shorter
     python benchmarks/long_run.py --every 250       # also a checkpoint every 250 tokens
     python benchmarks/long_run.py --json            # also keep a --json document in memory (it grows by design)
-    python benchmarks/long_run.py --drop-events     # the recorder keeps no list of past events (the difference is
-                                                    # what that list costs)
 
 Prints one line per checkpoint and a verdict. Exit code 1 if RSS grew by more than --limit-mb.
 """
@@ -54,15 +52,7 @@ class Probe:
             gc.collect()
             cache = self.lm.model.cache
             self.rows.append({"token": token, "rss": rss_bytes(), "kv_used": record.kv_seq_len * cache.bytes_per_token,
-                              "kv_allocated": cache.bytes_allocated, "ms": record.ms,
-                              "events": len(getattr(self.inner, "events", ()))})
-
-
-class _NoList(list):
-    """A list that keeps nothing (for --drop-events)."""
-
-    def append(self, item) -> None:
-        pass
+                              "kv_allocated": cache.bytes_allocated, "ms": record.ms})
 
 
 def mib(n: float) -> str:
@@ -78,7 +68,6 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", default="Once upon a time, in a small village by the sea,")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true", help="also collect a --json document (held in memory by design)")
-    ap.add_argument("--drop-events", action="store_true", help="the recorder keeps no list of past events")
     ap.add_argument("--limit-mb", type=float, default=4.0, help="allowed RSS growth between the checkpoints, MiB")
     args = ap.parse_args(argv)
 
@@ -95,8 +84,6 @@ def main(argv=None) -> int:
         jsonl = JsonlSink(str(Path(tmp) / "trace.jsonl"))
         sinks = [jsonl] + ([JsonDocSink(str(Path(tmp) / "trace.json"))] if args.json else [])
         recorder = Recorder(TraceOptions(level="steps"), sinks, run_info={"prompt": args.prompt})
-        if args.drop_events and hasattr(recorder, "events"):
-            recorder.events = _NoList()
         probe = Probe(recorder, lm, at)
         t0 = time.perf_counter()
         result = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), args.tokens,
@@ -107,13 +94,12 @@ def main(argv=None) -> int:
 
     print(f"model {lm.name} · {len(ids)} prompt tokens · {len(result.tokens)} generated in {wall:.1f} s "
           f"({result.decode_tok_s:.1f} tok/s) · trace steps · JSONL {mib(jsonl_bytes)}"
-          f"{' · --json document kept' if args.json else ''}"
-          f"{' · recorder keeps no events' if args.drop_events else ''}")
+          f"{' · --json document kept' if args.json else ''}")
     print(f"KV cache allocated whole before the first step: {mib(probe.rows[0]['kv_allocated'])} "
           f"({lm.model.cache.bytes_per_token:,} B per position)")
     for r in probe.rows:
         print(f"  token {r['token']:>5}: RSS {mib(r['rss']):>12} · KV cache used {mib(r['kv_used']):>10} · "
-              f"{r['events']:>5} events held by the recorder · {r['ms']:.1f} ms/step")
+              f"{r['ms']:.1f} ms/step")
     first, end = probe.rows[0], probe.rows[-1]
     grew, kv = end["rss"] - first["rss"], end["kv_used"] - first["kv_used"]
     per_token = grew / max(end["token"] - first["token"], 1)
