@@ -61,26 +61,32 @@ def load_trace(path: str) -> list[dict]:
         raise LlmtraceError(f"{path}: not valid JSON or JSONL (line {e.lineno}: {e.msg})") from None
 
 
-def parse_indices(spec: str, n: int, flag: str, noun: str, of: str) -> list[int]:
-    """'0,3,-1' or '2-5' -> sorted distinct indices in [0, n); negative ones count from the end.
-
-    `flag`, `noun` and `of` word the errors: "--layers: layer 31 is out of range; this model has 30 layers"."""
-    out: list[int] = []
-    bounds = f"{of} {n} {noun}s (0..{n - 1}, or -1 for the last)"
+def parse_index_ranges(spec: str, flag: str, noun: str) -> list[tuple[int, int]]:
+    """The syntax alone: '0,3,-1' -> [(0, 0), (3, 3), (-1, -1)], '2-5' -> [(2, 5)]. Checked before a model is loaded."""
+    ranges = []
     for part in spec.split(","):
         part = part.strip()
         try:
             if "-" in part[1:]:
                 cut = part.index("-", 1)
-                ends = [int(part[:cut]), int(part[cut + 1:])]
+                ranges.append((int(part[:cut]), int(part[cut + 1:])))
             else:
-                ends = [int(part)]
+                ranges.append((int(part), int(part)))
         except ValueError:
             raise UsageError(f"{flag}: {part!r} is not a {noun} number (use e.g. 0,3,-1 or 2-5)") from None
-        for end in ends:  # check before building a range
+    return ranges
+
+
+def parse_indices(spec: str, n: int, flag: str, noun: str, of: str) -> list[int]:
+    """'0,3,-1' or '2-5' -> sorted distinct indices in [0, n); negative ones count from the end.
+
+    `flag`, `noun` and `of` word the errors: "--layers: layer 31 is out of range; this model has 30 layers"."""
+    out: list[int] = []
+    for lo, hi in parse_index_ranges(spec, flag, noun):
+        for end in (lo, hi):  # check before building a range
             if not -n <= end < n:
-                raise UsageError(f"{flag}: {noun} {end} is out of range; {bounds}")
-        lo, hi = (e + n if e < 0 else e for e in (ends[0], ends[-1]))
+                raise UsageError(f"{flag}: {noun} {end} is out of range; {of} {n} {noun}s (0..{n - 1}, or -1 for the last)")
+        lo, hi = (e + n if e < 0 else e for e in (lo, hi))
         out.extend(i for i in range(lo, hi + 1) if i not in out)
     return sorted(out)
 

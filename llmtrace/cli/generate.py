@@ -91,7 +91,8 @@ def generate(
 ) -> None:
     from llmtrace.fsutil import check_writable_target
     from llmtrace.sampler import SamplerConfig, parse_logit_bias, parse_order
-    from llmtrace.trace import TraceOptions, parse_layers
+    from llmtrace.events import parse_index_ranges
+    from llmtrace.trace import TraceOptions
 
     # Everything the user typed is checked before the (slow) model load.
     if max_new_tokens < 0:
@@ -113,7 +114,8 @@ def generate(
                          presence_penalty=presence_penalty, order=parse_order(sampler_order), seed=seed)
     scfg.validate(vocab_size=sys.maxsize)  # ranges now; ids against the real vocabulary after the load
     parse_logit_bias(logit_bias or [], sys.maxsize)  # the same for the syntax of --logit-bias and --layers
-    parse_layers(layers, sys.maxsize)
+    if layers is not None and layers.strip() not in ("", "all"):
+        parse_index_ranges(layers, "--layers", "layer")
     text = read_prompt(prompt, file)
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
