@@ -309,7 +309,7 @@ def test_logit_bias_id_beyond_the_vocabulary(capsys, with_smollm):
 # layers
 
 
-@pytest.mark.parametrize("spec, bad", [("30", "30"), ("-31", "-31"), ("0,3,99", "99"), ("28-31", "31")])
+@pytest.mark.parametrize("spec, bad", [("30", "30"), ("-31", "-31"), ("0,3,99", "99"), ("28-31", "31"), ("0-9999999999", "9999999999")])
 def test_layers_out_of_range(capsys, with_smollm, spec, bad):
     fails(capsys, 2, "generate", "hi", "-n", "1", "--layers", spec, says=(f"layer {bad}", "30 layers", "0..29"))
 
