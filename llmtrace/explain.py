@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.events import LAYER_POINTS, SEED_STEP, parse_indices
 from llmtrace.model import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
-from llmtrace.events import parse_indices
-from llmtrace.trace import LAYER_POINTS, SEED_STEP, tensor_stats
+from llmtrace.trace import tensor_stats
 
 RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
 NEAR_ZERO = 0.05  # |silu(gate)| below this counts as a unit that is (nearly) switched off

@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -26,7 +25,7 @@ import torch
 from llmtrace import __version__
 from llmtrace.errors import UsageError
 
-from llmtrace.events import (  # noqa: F401  (re-exported: the point names belong to the trace's vocabulary)
+from llmtrace.events import (
     ATTENTION_INTERNALS,
     LAYER_LEVEL_POINTS,
     LAYER_POINTS,
@@ -34,9 +33,6 @@ from llmtrace.events import (  # noqa: F401  (re-exported: the point names belon
     MODEL_POINTS,
     SCHEMA_ID,
     SEED_STEP,
-    load_trace,
-    parse_layers,
-    schema_path,
 )
 
 @dataclass
@@ -141,7 +137,6 @@ class Recorder:
         self._stat_order: list[int] = []  # the stat index of each row of those blocks
         self._n_stats = 0
         self._shape_table: Optional[list[dict]] = None
-        self._t_start = time.perf_counter()
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -267,7 +262,7 @@ class Recorder:
 
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
-        self._start, self._n_tokens = start, n_tokens
+        self._n_tokens = n_tokens
         if self.options.level == "none":
             return
         if step == 0:

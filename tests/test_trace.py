@@ -10,7 +10,8 @@ import torch
 
 from llmtrace.generate import generate
 from llmtrace.sampler import Sampler, SamplerConfig
-from llmtrace.trace import LAYER_POINTS, Recorder, TraceOptions, schema_path
+from llmtrace.events import LAYER_POINTS, schema_path
+from llmtrace.trace import Recorder, TraceOptions
 
 PROMPT = "Quantum mechanics is a fundamental theory in physics that"
 

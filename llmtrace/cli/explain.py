@@ -113,7 +113,7 @@ def lens(
     threads: ThreadsOpt = None,
 ) -> None:
     from llmtrace.explain import check_prompt_ids, lens_events, parse_positions
-    from llmtrace.trace import parse_layers
+    from llmtrace.events import parse_layers
 
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out)
     if last < 1:

@@ -136,7 +136,8 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import make_console, terminal_renderer
     from llmtrace.sampler import Sampler, parse_logit_bias
-    from llmtrace.trace import JsonDocSink, JsonlSink, Recorder, parse_layers
+    from llmtrace.events import parse_layers
+    from llmtrace.trace import JsonDocSink, JsonlSink, Recorder
 
     tok = lm.tokenizer
     options.layers = parse_layers(layers, lm.config.n_layers)
