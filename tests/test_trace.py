@@ -183,3 +183,17 @@ def test_json_document_and_show_render_without_model(smollm_path, tmp_path):
     assert shown.returncode == 0, shown.stderr
     assert summary["text"].strip() in shown.stdout.replace("\n", " ") or summary["text"].strip()[:5] in shown.stdout
     assert "46,080" in shown.stdout  # the KV cache line: bytes per cached token
+
+
+def test_ban_removes_a_word_with_and_without_its_leading_space(smollm):
+    from llmtrace.cli.generate import banned_sequences
+
+    events, plain = traced_run(smollm, "steps", n=1)
+    word = smollm.tokenizer.decode([plain.tokens[0]]).strip()  # " describes" for this prompt
+    bans = banned_sequences(smollm.tokenizer, [word])
+    assert [plain.tokens[0]] in bans  # the space-prefixed form, as it appears mid-sentence
+    assert smollm.tokenizer.encode(word, add_special_tokens=False) in bans  # and the bare form
+    events, banned = traced_run(smollm, "steps", n=1, ban=bans)
+    assert banned.tokens[0] != plain.tokens[0]
+    step = next(e for e in events if e["event"] == "step")
+    assert step["topk"][0]["id"] == plain.tokens[0]  # the raw distribution still ranks it first: the ban is a stage
