@@ -93,17 +93,41 @@ def tensor_stats(x: torch.Tensor) -> dict:
     return dict(zip(STAT_NAMES, _summaries(_stat_vector(x, finite_only=True)[None])[0].tolist()))
 
 
-def _round(x: float, digits: int = 7) -> Any:
+def _round(x: float) -> Any:
+    """7 significant digits (float32 carries about 7), or None for inf and nan (JSON has neither)."""
     if isinstance(x, float):
         if math.isinf(x) or math.isnan(x):
             return None
-        return float(f"{x:.{digits}g}")
+        return float("%.7g" % x)
     return x
 
 
 @functools.cache
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
+
+
+def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
+    """A point may be tapped as a broadcast view: a stride-0 dimension that repeats the entries of the dimension before
+    it, as GQA's repeated keys (B, S, Hkv, group, Dh) do. Such a view is recorded as the tensor it stands for, each
+    broadcast dimension merged into the one before it, which is `repeat_interleave` ((B, S, H, Dh) for the keys). Its
+    statistics are taken over its distinct entries, each counted as often as it repeats, so nothing is copied.
+
+    Returns (the recorded shape, the distinct entries as a view, how often each repeats): (x.shape, x, 1) for a
+    tensor without broadcast dimensions.
+    """
+    if all(st != 0 or n == 1 for n, st in zip(x.shape[1:], x.stride()[1:])):
+        return x.shape, x, 1
+    sizes, kept_sizes, kept_strides, count = [x.size(0)], [x.size(0)], [x.stride(0)], 1
+    for n, st in zip(x.shape[1:], x.stride()[1:]):
+        if st == 0 and n > 1:
+            sizes[-1] *= n
+            count *= n
+        else:
+            sizes.append(n)
+            kept_sizes.append(n)
+            kept_strides.append(st)
+    return torch.Size(sizes), x.as_strided(kept_sizes, kept_strides), count
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -189,7 +213,8 @@ class Recorder:
             wanted = self._wanted_memo[key] = (self._wanted(layer, name), self._dumped(layer, name))
         if not wanted[0] and self._shape_table is None:
             return  # the common case of a point nobody asked for: a dictionary look-up
-        shape = list(x.shape[1:]) if name != "kv_write" else list(x.shape)  # drop the batch dimension
+        full_shape, distinct, repeats = _unbroadcast(x)
+        shape = list(full_shape[1:]) if name != "kv_write" else list(full_shape)  # drop the batch dimension
         if self._shape_table is not None and (layer is None or layer == 0) and not any(
             r["name"] == name and r["layer"] == layer for r in self._shape_table
         ):
@@ -201,25 +226,30 @@ class Recorder:
             extra["positions"] = [int(x[0]), int(x[-1])] if x.numel() else []
         stat_index = self._n_stats
         self._n_stats += 1
-        self._queue.append((stat_index, x, name == "scores"))
-        self._queued += x.numel()
+        self._queue.append((stat_index, distinct, name == "scores", repeats))
+        self._queued += distinct.numel()
         if self._queued >= self.QUEUE_ELEMENTS:
             self._reduce_queue()
         if wanted[1]:
-            extra["values"] = (x[0] if name != "kv_write" else x).detach().float().cpu()
+            values = x if repeats == 1 else x.reshape(full_shape)  # a dump holds every entry, repeats included
+            extra["values"] = (values[0] if name != "kv_write" else values).detach().float().cpu()
         self._pending.append(_Pending(layer, name, shape, _dtype_name(x.dtype), stat_index, extra))
 
     def _reduce_queue(self) -> None:
         """Statistics of every queued tensor. Tensors of one shape are stacked into a matrix and reduced along its rows,
         so a pass costs a few reductions per distinct shape (about ten) rather than a few per tensor (hundreds)."""
-        groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
-        for i, x, finite_only in self._queue:
-            groups.setdefault((x.shape, x.dtype, x.device, finite_only), []).append((i, x))
+        groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
+        for i, x, finite_only, count in self._queue:
+            groups.setdefault((x.shape, x.dtype, x.device, finite_only), []).append((i, x, count))
         with torch.no_grad():  # the statistics are observations, never part of a graph
             for (_, _, _, finite_only), members in groups.items():
-                m = torch.stack([x for _, x in members]).reshape(len(members), -1)  # (n, numel)
-                self._stats.append(_stat_rows(m, finite_only))
-                self._stat_order.extend(i for i, _ in members)
+                m = torch.stack([x for _, x, _ in members]).reshape(len(members), -1)  # (n, numel)
+                rows = _stat_rows(m, finite_only)
+                if any(c != 1 for _, _, c in members):  # broadcast views: every distinct element stands for c
+                    counts = torch.tensor([c for _, _, c in members], dtype=rows.dtype, device=rows.device)
+                    rows[:, [0, 1, 4]] *= counts[:, None]  # sum, sum of squares and count scale; min and max do not
+                self._stats.append(rows)
+                self._stat_order.extend(i for i, _, _ in members)
         self._queue.clear()
         self._queued = 0
 
@@ -252,6 +282,7 @@ class Recorder:
             "sampling": sampler.config.to_dict() | {"seed": sampler.seed},
             "prompt": self.run_info.get("prompt", ""),
             "chat": self.run_info.get("chat", False),
+            "compiled": self.run_info.get("compiled", {"decode_step": False}),
             "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
         })
         tokens = []
@@ -304,7 +335,7 @@ class Recorder:
         cache = lm.model.cache
         c = lm.config
         bpt = cache.bytes_per_token
-        mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * cache.k.element_size()
+        mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * cache.element_size
         ev: dict[str, Any] = {
             "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
             "token": {"id": rec.token, "piece": tok.piece(rec.token), "text": tok.decode([rec.token]),
@@ -356,8 +387,11 @@ def _jsonable(x):
 # sinks
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)  # one encoder: json.dumps with options builds one per call
+
+
 class JsonlSink:
-    """One JSON object per line, flushed as each event happens. `-` is stdout.
+    """One JSON object per line, flushed at every step (a reader sees each step as it happens). `-` is stdout.
 
     A file is streamed under a temporary name beside FILE and renamed over it by `close()`; `close(keep=False)` (a run
     that failed) deletes it instead. So a FILE that already exists is replaced only by a finished trace."""
@@ -371,9 +405,11 @@ class JsonlSink:
         self.file = sys.stdout if self._out is None else self._out.file
 
     def __call__(self, event: dict) -> None:
-        self.file.write(json.dumps(event, ensure_ascii=False, allow_nan=False) + "\n")
-        self.file.flush()
-        self.ended = event.get("event") == "summary"
+        self.file.write(_ENCODER.encode(event) + "\n")
+        kind = event.get("event")
+        if kind != "tensor":  # a pass's tensor events are flushed with the step event that follows them: one write
+            self.file.flush()  # per step instead of hundreds at --trace full
+        self.ended = kind == "summary"
 
     def close(self, keep: bool = True) -> None:
         if self._out is not None:

@@ -197,3 +197,40 @@ def test_ban_removes_a_word_with_and_without_its_leading_space(smollm):
     assert banned.tokens[0] != plain.tokens[0]
     step = next(e for e in events if e["event"] == "step")
     assert step["topk"][0]["id"] == plain.tokens[0]  # the raw distribution still ranks it first: the ban is a stage
+
+
+def test_repeated_keys_are_recorded_as_repeat_interleave_without_copying(smollm):
+    """k_repeated is tapped as a broadcast view of the cache; its recorded shape, values and statistics are those of
+    the materialised repeat_interleave of the cached keys."""
+    c = smollm.config
+    group = c.n_heads // c.n_kv_heads
+    events, _ = traced_run(smollm, "full", layers=[2], n=2, dump=("2.k_repeated",))
+    ev = next(e for e in events if e["event"] == "tensor" and e["name"] == "k_repeated" and e["step"] == 1)
+    S = len(smollm.tokenizer.encode(PROMPT)) + 1
+    assert ev["shape"] == [S, c.n_heads, c.head_dim]
+    values = torch.tensor(ev["values"], dtype=torch.float64)  # (S, H, Dh)
+    cached = smollm.model.cache.layers[2].k[0, :, :S].double()  # (Hkv, S, Dh), as left by the run
+    assert torch.equal(values, cached.repeat_interleave(group, dim=0).transpose(0, 1))
+    st = ev["stats"]
+    assert st["mean"] == pytest.approx(values.mean().item(), rel=1e-6, abs=1e-9)
+    assert st["std"] == pytest.approx(values.std().item(), rel=1e-6)
+    assert st["min"] == pytest.approx(values.min().item(), rel=1e-6)
+    assert st["max"] == pytest.approx(values.max().item(), rel=1e-6)
+    assert st["norm"] == pytest.approx(values.norm().item(), rel=1e-6)
+
+
+def test_broadcast_view_statistics_equal_the_materialised_tensor():
+    x = torch.randn(1, 5, 3, 1, 4, dtype=torch.float32)
+    view = x.expand(1, 5, 3, 6, 4)  # a stride-0 dimension: each of the 3 entries repeated 6 times
+    full = view.reshape(1, 5, 18, 4)  # what repeat_interleave(6, dim=2) makes
+    recorded = []
+    for t in (view, full):
+        events = []
+        rec = Recorder(TraceOptions(level="full"), [events.append])
+        rec.step, rec.phase, rec._n_tokens = 1, "decode", 1
+        rec(0, "k_repeated", t)
+        rec.after_forward(1)
+        recorded.append(events[0])
+    assert recorded[0]["shape"] == recorded[1]["shape"] == [5, 18, 4]
+    for k in ("mean", "std", "min", "max", "norm"):
+        assert recorded[0]["stats"][k] == pytest.approx(recorded[1]["stats"][k], rel=1e-6, abs=1e-9)
