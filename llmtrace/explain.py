@@ -137,7 +137,7 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> 
         model.setup_cache(len(ids))
         model.observe(observer)
         logits = model(idx, start=0)[0]  # (T, V)
-        element_size = model.cache.k.element_size()
+        element_size = model.cache.element_size
     finally:
         model.observe(None)
         model.cache = saved_cache

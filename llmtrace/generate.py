@@ -91,6 +91,38 @@ def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
     return min(max_new_tokens, ctx - n_prompt)
 
 
+def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> float:
+    """Compile the model's decode step (`Transformer.compile_decode`) and run it once, so that a generation of
+    `max_new_tokens` after `n_prompt` tokens starts with it ready. Returns the seconds this took: minutes on a small
+    CPU the first time, seconds once Inductor's cache ($TORCHINDUCTOR_CACHE_DIR) holds the compiled code.
+
+    The trial step runs on a scratch KV cache at the position the first real decode step will have (dynamic shapes
+    are marked there, and a first call at position 0 or 1 would specialise on it)."""
+    model = lm.model
+    max_new_tokens = check_context(lm, n_prompt, max_new_tokens)
+    model.compile_decode()
+    if max_new_tokens < 2:
+        return 0.0  # no decode step will run
+    t = time.perf_counter()
+    saved = model.cache
+    try:
+        with torch.inference_mode():
+            model.setup_cache(n_prompt + max_new_tokens)
+            model.step(torch.zeros((1, 1), dtype=torch.long, device=lm.device), max(n_prompt, 2))
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize()
+    except KeyboardInterrupt:
+        model.uncompile()
+        raise
+    except Exception as e:
+        model.uncompile()
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise LlmtraceError(f"torch.compile could not compile the decode step ({reason}); run without --compile") from None
+    finally:
+        model.cache = saved
+    return time.perf_counter() - t
+
+
 @torch.inference_mode()
 def generate(
     lm: LoadedModel,
@@ -128,7 +160,7 @@ def generate(
             t0 = time.perf_counter()
             if observer is not None:
                 observer.before_forward(step, phase, start, idx.size(1))
-            logits = model(idx, start=start, last_only=True)[0].float()  # (V,) s7-s9; the sampler works in fp32
+            logits = model.step(idx, start, next_of_same_run=step > 0)[0].float()  # (V,) s7-s9; sampler in fp32
             if observer is not None:
                 observer.after_forward(step)
             token, ledger = sampler.sample(logits, history, ledger=want_ledger)  # s10-s12

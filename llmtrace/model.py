@@ -114,32 +114,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # KV cache: preallocated buffers, written at the positions being computed (s6.8)
 
 
-class KVCache(nn.Module):
-    def __init__(self, n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        super().__init__()
-        shape = (n_layers, 1, n_kv_heads, max_len, head_dim)  # (L, B, Hkv, S_max, Dh)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.max_len = max_len
-        self.seq_len = 0  # positions [0, seq_len) hold valid keys and values
+class LayerKV:
+    """One layer's slice of the cache: views into the model-wide buffers, (B, Hkv, S_max, Dh) each."""
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, Hkv, T, Dh) at positions [start, start+T); return all valid keys and values (B, Hkv, S, Dh)."""
         end = start + k.size(2)
-        k_all, v_all = self.k[layer], self.v[layer]  # (B, Hkv, S_max, Dh)
-        k_all[:, :, start:end] = k
-        v_all[:, :, start:end] = v
-        return k_all[:, :, :end], v_all[:, :, :end]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: positions [0, seq_len) hold valid entries."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (1, n_kv_heads, max_len, head_dim)  # (B, Hkv, S_max, Dh) per layer
+        # One buffer per layer (not views of one big tensor): a layer reads and writes only its own, and handing it
+        # that (rather than its index) keeps the layers' code identical, which is what lets torch.compile treat the
+        # 30 layers alike (Transformer.compile_decode).
+        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       for _ in range(n_layers)]
+        self.max_len = max_len
+        self.dtype = dtype
+        self.seq_len = 0  # positions [0, seq_len) hold valid keys and values
+
+    @property
+    def element_size(self) -> int:
+        return self.layers[0].k.element_size()
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes one cached position takes across all layers: 2 (K and V) * L * Hkv * Dh * element size."""
-        L, B, Hkv, _, Dh = self.k.shape
-        return 2 * L * B * Hkv * Dh * self.k.element_size()
+        B, Hkv, _, Dh = self.layers[0].k.shape
+        return 2 * len(self.layers) * B * Hkv * Dh * self.element_size
 
     @property
     def bytes_allocated(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(kv.k.nbytes + kv.v.nbytes for kv in self.layers)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -168,7 +183,7 @@ class Attention(Tappable):
         # True: scores, mask, softmax and P.V spelled out (and observable); False: the fused SDPA kernel
         self.eager = False
 
-    def forward(self, x, cos, sin, cache: Optional[KVCache], start: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: Optional[LayerKV], start: int) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         # s6.1 project: Q = X Wq, K = X Wk, V = X Wv
@@ -187,7 +202,7 @@ class Attention(Tappable):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, Dh)
         # s6.8 write this call's keys and values into the cache; attend over everything cached so far
         if cache is not None:
-            k, v = cache.update(self.layer, start, k, v)  # (B, Hkv, S, Dh)
+            k, v = cache.update(start, k, v)  # (B, Hkv, S, Dh)
             if self.observer is not None:
                 self.tap("kv_write", torch.arange(start, start + T))  # the positions written
         if self.eager:
@@ -207,7 +222,8 @@ class Attention(Tappable):
         Hkv, S = k.size(1), k.size(2)
         group = H // Hkv  # GQA: query heads [g*group, (g+1)*group) all read KV head g
         if self.observer is not None:  # the repeated keys exist only to be looked at; the math below groups instead
-            self.tap("k_repeated", k.repeat_interleave(group, dim=1).transpose(1, 2))  # (B, S, H, Dh)
+            # what repeat_interleave(group) would make, as a broadcast view of the cache: recorded as (B, S, H, Dh)
+            self.tap("k_repeated", k.transpose(1, 2)[:, :, :, None].expand(B, S, Hkv, group, Dh))
         qg = q.reshape(B, Hkv, group * T, Dh)  # (B, Hkv, group*T, Dh): a KV head's query rows side by side
         scores = (qg @ k.transpose(-2, -1)).view(B, H, T, S) / math.sqrt(Dh)  # (B, H, T, S)
         # causal mask: the query at position start+i may see keys at positions <= start+i
@@ -293,6 +309,8 @@ class Transformer(Tappable):
             self.lm_head.weight = self.embed.weight
         self.cache: Optional[KVCache] = None
         self._rope_len = 0
+        self._compiled_step = None  # see compile_decode
+        self._guards_passed = False
 
     # -- set-up ------------------------------------------------------------------------------------------------
 
@@ -306,6 +324,9 @@ class Transformer(Tappable):
 
     def _ensure_rope(self, n_pos: int) -> None:
         if n_pos > self._rope_len:
+            # the table grows in powers of two from 4,096 positions, so its size (which a compiled step is specialised
+            # on) is the same for every run of ordinary length; each row depends only on its own position
+            n_pos = max(4096, 1 << (n_pos - 1).bit_length())
             cos, sin = rope_table(self.config, n_pos, self.embed.weight.device)
             self.register_buffer("rope_cos", cos, persistent=False)  # (n_pos, Dh)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -334,8 +355,9 @@ class Transformer(Tappable):
         cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, Dh)
         x = self.embed(idx)  # s4: (B, T, D)
         self.tap("embed", x)
-        for block in self.layers:  # s6: the layer loop
-            x = block(x, cos, sin, self.cache, start)
+        caches = self.cache.layers if self.cache is not None else [None] * len(self.layers)
+        for block, cache in zip(self.layers, caches):  # s6: the layer loop
+            x = block(x, cos, sin, cache, start)
         if self.cache is not None:
             self.cache.seq_len = start + T
         x = self.norm(x)  # s8: (B, T, D)
@@ -345,6 +367,48 @@ class Transformer(Tappable):
             self.tap("last", x)
         logits = self.lm_head(x)  # s9: (B, V), or (B, T, V) for every position
         self.tap("logits", logits)
+        return logits
+
+    # -- the compiled decode step ---------------------------------------------------------------------------------
+
+    def compile_decode(self) -> None:
+        """Compile the one-token decode step with torch.compile (TorchDynamo captures, Inductor fuses).
+
+        forward() stays as written: what gets compiled is that same code, captured whole (all layers, `fullgraph`) and
+        fused into a few kernels per layer, which removes most of eager PyTorch's per-op overhead (benchmarks/
+        RESULTS.md). It agrees with eager to float rounding, not bit for bit. `step` uses it only for one-token passes
+        that nothing observes; the prefill and every observed pass run eagerly, taps and all.
+        """
+        # On CPU, Inductor's C++ wrapper calls the kernels without a Python line per kernel (measured ~4% faster)
+        options = {"cpp_wrapper": True} if self.embed.weight.device.type == "cpu" else {}
+        # Python floats here are constants of the model (eps, scales); treated as dynamic inputs, one of them made
+        # TorchDynamo start over halfway, which doubled the compile time
+        torch._dynamo.config.specialize_float = True
+        self._compiled_step = torch.compile(self.forward, dynamic=True, fullgraph=True, options=options)
+        self._guards_passed = False
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled_step is not None
+
+    def uncompile(self) -> None:
+        self._compiled_step = None
+
+    def step(self, idx: torch.Tensor, start: int, *, next_of_same_run: bool = False) -> torch.Tensor:
+        """One generation pass over idx (B, T) at positions [start, start+T): logits (B, V) of the last position.
+
+        Runs the compiled decode step (compile_decode) when there is one, the pass is one token, and nothing observes
+        it. `next_of_same_run`: the caller vouches that this pass follows the previous one in the same generation
+        (same cache, position one further, only the token differs). If that previous pass was compiled too, its guard
+        check (TorchDynamo re-checking ~1,000 assumptions about the inputs, ~1 ms) is not repeated."""
+        if self._compiled_step is None or idx.size(1) != 1 or self.observer is not None:
+            self._guards_passed = False
+            return self(idx, start=start, last_only=True)
+        if next_of_same_run and self._guards_passed:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._compiled_step(idx, start, last_only=True)
+        logits = self._compiled_step(idx, start, last_only=True)
+        self._guards_passed = True
         return logits
 
     def hidden_states(self, idx: torch.Tensor) -> list[torch.Tensor]:

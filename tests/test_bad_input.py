@@ -293,6 +293,8 @@ def test_unknown_model_name_suggests_close_matches(capsys):
     (["--dtype", "float8"], ("--dtype", "float8", "float32")),
     (["--device", "tpu"], ("--device", "tpu", "cpu")),
     (["--no-such-flag"], ("--no-such-flag",)),
+    (["--compile", "--trace", "full"], ("--compile", "observed")),
+    (["--compile", "--dump", "logits"], ("--compile", "--dump")),
 ])  # fmt: skip
 def test_usage_errors_exit_2_before_the_model_loads(capsys, monkeypatch, flags, says):
     monkeypatch.setattr("llmtrace.loader.load_model", no_load)

@@ -113,10 +113,13 @@ def test_cache_contents(tiny):
         cache = model.setup_cache(20)
         model(token_ids(7, seed=33))
     assert cache.seq_len == 7
-    assert cache.k.shape == (c.n_layers, 1, c.n_kv_heads, 20, c.head_dim)
-    assert cache.k[:, :, :, :7].abs().amax(dim=-1).gt(0).all()  # every layer, head and position written
-    assert cache.v[:, :, :, :7].abs().amax(dim=-1).gt(0).all()
-    assert cache.k[:, :, :, 7:].eq(0).all() and cache.v[:, :, :, 7:].eq(0).all()
+    assert len(cache.layers) == c.n_layers
+    k = torch.stack([kv.k for kv in cache.layers])  # (L, B, Hkv, S_max, Dh)
+    v = torch.stack([kv.v for kv in cache.layers])
+    assert k.shape == v.shape == (c.n_layers, 1, c.n_kv_heads, 20, c.head_dim)
+    assert k[:, :, :, :7].abs().amax(dim=-1).gt(0).all()  # every layer, head and position written
+    assert v[:, :, :, :7].abs().amax(dim=-1).gt(0).all()
+    assert k[:, :, :, 7:].eq(0).all() and v[:, :, :, 7:].eq(0).all()
     assert cache.bytes_per_token == 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
     assert cache.bytes_allocated == 20 * cache.bytes_per_token
 

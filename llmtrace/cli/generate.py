@@ -88,6 +88,9 @@ def generate(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")] = None,
+    compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
+                                           "after a compile of minutes the first time (seconds once cached). Only "
+                                           "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
 ) -> None:
     from llmtrace.fsutil import check_writable_target
     from llmtrace.sampler import SamplerConfig, parse_logit_bias, parse_order
@@ -119,6 +122,9 @@ def generate(
     text = read_prompt(prompt, file)
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
+    if compile_ and (trace in ("layers", "full") or dump):
+        raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full or --dump every "
+                         "step is observed and runs eagerly, so leave --compile out")
 
     from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
 
@@ -127,11 +133,12 @@ def generate(
     set_threads(threads)
     lm = load_model(model, device=device, dtype=dtype)
     run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
-        ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl=jsonl, json_out=json_out)
+        ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl=jsonl, json_out=json_out,
+        compile_decode=compile_)
 
 
 def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl,
-        json_out) -> None:
+        json_out, compile_decode=False) -> None:
     """Everything after the load: encode, generate with the chosen observers, write the outputs."""
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import make_console, terminal_renderer
@@ -163,7 +170,10 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     stream_text = options.level == "none"
     if view_console is not None:
         sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
-    recorder = Recorder(options, sinks, run_info={"prompt": prompt_text, "chat": chat})
+    run_info = {"prompt": prompt_text, "chat": chat}
+    if compile_decode:
+        run_info["compiled"] = {"decode_step": True, "compile_s": round(compile_step(lm, len(ids), max_new_tokens), 3)}
+    recorder = Recorder(options, sinks, run_info=run_info)
 
     on_text = None
     if stream_text and view_console is not None:
@@ -181,6 +191,24 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             jsonl_sink.close(keep=jsonl_sink.ended)  # a stream that ends with its summary, or none at all
     if result.interrupted:
         raise typer.Exit(130)
+
+
+def compile_step(lm, n_prompt: int, max_new_tokens: int) -> float:
+    """torch.compile the decode step before the run starts, saying so on stderr (it can take minutes)."""
+    import os
+    import time
+
+    from llmtrace.generate import compile_decode
+    from llmtrace.registry import cache_dir
+
+    # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
+    where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    print(f"compiling the decode step with torch.compile (cache: {where}; minutes the first time on a small CPU)…",
+          file=sys.stderr, flush=True)
+    t = time.perf_counter()
+    seconds = compile_decode(lm, n_prompt, max_new_tokens)
+    print(f"compiled in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    return seconds
 
 
 def banned_sequences(tok, texts: list[str]) -> list[list[int]]:
