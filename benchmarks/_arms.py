@@ -7,7 +7,6 @@ Arms:
     hf        HF transformers: GGUF load, then greedy `generate` (eager attention, DynamicCache), timed per token
     ceiling   one pass of matrix-vector products over every weight matrix the decode step reads (best of N)
     cold      llmtrace's GGUF load with an empty cache directory (read, dequantize, fuse, cache), then a warm load
-    compile   llmtrace decode steps in one process: eager vs torch.compile'd, alternated, plus the compile time
 """
 
 from __future__ import annotations
@@ -194,40 +193,7 @@ def arm_cold(spec: dict) -> dict:
 # torch.compile of the decode step, measured against eager in the same process
 
 
-def arm_compile(spec: dict) -> dict:
-    import torch
-
-    from llmtrace.loader import load_model, set_threads
-
-    set_threads(spec["threads"])
-    lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
-    model, ids = lm.model, spec["prompt_ids"]
-    n = spec["new_tokens"]
-    compiled = torch.compile(model, dynamic=True)
-
-    def decode(fn, tok, start, steps):
-        _sync(spec["device"])
-        t = time.perf_counter()
-        for i in range(steps):
-            logits = fn(torch.tensor([[tok]], device=lm.device), start + i, last_only=True)
-            tok = int(logits[0].argmax())
-        _sync(spec["device"])
-        return time.perf_counter() - t
-
-    with torch.inference_mode():
-        model.setup_cache(len(ids) + 2 * n + 8)
-        tok = int(model(torch.tensor([ids], device=lm.device), 0, last_only=True)[0].argmax())
-        compile_s = decode(compiled, tok, len(ids), 1)  # the first call compiles
-        decode(compiled, tok, len(ids) + 1, 2)  # a second shape specialisation, if any, is paid here
-        eager, comp = [], []
-        for r in range(spec.get("compile_rounds", 3)):  # alternate so that drift cancels
-            eager.append(n / decode(model, tok, len(ids), n))
-            comp.append(n / decode(compiled, tok, len(ids), n))
-    return {"compile_s": compile_s, "eager_decode_tok_s": eager, "compiled_decode_tok_s": comp,
-            "ratio_compiled_over_eager": [c / e for c, e in zip(comp, eager)]}
-
-
-ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold, "compile": arm_compile}
+ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold}
 
 
 def main() -> None:
