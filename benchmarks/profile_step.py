@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --threads 2            # untraced decode steps, and --trace full steps
     python benchmarks/profile_step.py --threads 2 --steps 20 --top 15
+    python benchmarks/profile_step.py --threads 2 --levels none --compiled   # also the torch.compile'd step
 
 For each mode it profiles --steps decode steps after a 64-token prompt and prints, per step: wall time, the time inside
 the matrix products (aten::mm/bmm), the time of all other aten ops, how many aten ops ran, and the time outside aten
@@ -87,12 +88,28 @@ def profile_decode(lm, ids: list[int], level: str, steps: int, warm: int):
             "aten_ops": n_ops, "top_level_aten_ops": n_top, "table": prof.key_averages()}
 
 
+def decode_ms(lm, ids: list[int], steps: int) -> float:
+    """Mean time of one untraced decode step (forward and greedy pick), no profiler."""
+    result = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), steps + 1, ignore_eos=True)
+    return result.decode_s / steps * 1e3
+
+
+def report(label: str, r: dict, ceil: float, args) -> None:
+    python_ms = r["wall_ms"] - r["matmul_ms"] - r["other_aten_ms"]
+    print(f"\n{label}: {r['wall_ms']:.1f} ms per decode step (median of {args.steps}, under the profiler)")
+    print(f"  matrix products {r['matmul_ms']:.1f} ms ({r['matmul_ms'] / ceil:.2f}x the ceiling pass) | other aten ops "
+          f"{r['other_aten_ms']:.1f} ms | outside aten {python_ms:.1f} ms")
+    print(f"  aten ops per step: {r['aten_ops']:.0f} ({r['top_level_aten_ops']:.0f} called from Python)")
+    print(r["table"].table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=12, help="rows of the per-op table to print")
     p.add_argument("--levels", nargs="*", default=["none", "full"])
+    p.add_argument("--compiled", action="store_true", help="then compile the decode step (--compile) and profile it")
     args = p.parse_args()
     set_threads(args.threads)
     lm = load_model(None, device="cpu", dtype="float32")
@@ -100,14 +117,23 @@ def main() -> None:
     ceil = ceiling_ms(lm.model)
     print(f"threads {args.threads}; ceiling (matrix-vector products over all weights, best of 30): {ceil:.1f} ms")
     for level in args.levels:
-        r = profile_decode(lm, ids, level, args.steps, warm=4)
-        python_ms = r["wall_ms"] - r["matmul_ms"] - r["other_aten_ms"]
-        print(f"\n--trace {level}: {r['wall_ms']:.1f} ms per decode step (median of {args.steps}, under the profiler)")
-        print(f"  matrix products {r['matmul_ms']:.1f} ms ({r['matmul_ms'] / ceil:.2f}x the ceiling pass) | other aten ops "
-              f"{r['other_aten_ms']:.1f} ms | outside aten (Python) {python_ms:.1f} ms")
-        print(f"  aten ops per step: {r['aten_ops']:.0f} ({r['top_level_aten_ops']:.0f} called from Python)")
-        print(r["table"].table(sort_by="self_cpu_time_total", row_limit=args.top))
+        report(f"--trace {level}", profile_decode(lm, ids, level, args.steps, warm=4), ceil, args)
+    if args.compiled:
+        from llmtrace.generate import compile_decode
 
+        eager = [decode_ms(lm, ids, 32)]
+        print(f"\ncompiling the decode step: {compile_decode(lm, len(ids), 64):.1f} s")
+        compiled = [decode_ms(lm, ids, 32)]
+        for _ in range(2):  # alternate, so that drift on a shared machine cancels
+            lm.model.uncompile()
+            eager.append(decode_ms(lm, ids, 32))
+            lm.model.compile_decode()  # Dynamo's in-memory cache: no new compile
+            compiled.append(decode_ms(lm, ids, 32))
+        ceil = ceiling_ms(lm.model)
+        e, c = statistics.median(eager), statistics.median(compiled)
+        print(f"untraced decode step, no profiler (3 alternating runs of 32 steps, medians): eager {e:.1f} ms, compiled "
+              f"{c:.1f} ms ({e / c:.2f}x); ceiling pass now {ceil:.1f} ms: compiled step = {c / ceil:.2f}x the ceiling pass")
+        report("--trace none, compiled decode step", profile_decode(lm, ids, "none", args.steps, warm=4), ceil, args)
 
 if __name__ == "__main__":
     main()

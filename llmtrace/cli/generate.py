@@ -25,6 +25,8 @@ Examples:
 
   llmtrace generate "Once upon a time" --trace none -n 100
 
+  llmtrace generate "Once upon a time" --trace none -n 2000 --compile
+
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
 """
 
