@@ -7,6 +7,8 @@ Arms:
     hf        HF transformers: GGUF load, then greedy `generate` (eager attention, DynamicCache), timed per token
     ceiling   one pass of matrix-vector products over every weight matrix the decode step reads (best of N)
     cold      llmtrace's GGUF load with an empty cache directory (read, dequantize, fuse, cache), then a warm load
+    overhead  the trace levels against no trace in one process, one generation each in turn, repeated: the tracing
+              cost with the machine's minute-to-minute drift (which moves whole processes by 10-20%) cancelled out
 """
 
 from __future__ import annotations
@@ -193,7 +195,43 @@ def arm_cold(spec: dict) -> dict:
 # torch.compile of the decode step, measured against eager in the same process
 
 
-ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold}
+# ----------------------------------------------------------------------------------------------------------------
+# the cost of tracing, measured in one process
+
+
+def arm_overhead(spec: dict) -> dict:
+    import torch
+
+    from llmtrace.generate import generate
+    from llmtrace.loader import load_model, set_threads
+    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.trace import JsonlSink, Recorder, TraceOptions
+
+    set_threads(spec["threads"])
+    lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
+    levels = ["none", "steps", "layers", "full"]
+
+    def one(level: str) -> float:
+        sink = JsonlSink(os.devnull)  # every event encoded and written, as with --jsonl FILE
+        rec = Recorder(TraceOptions(level=level), [sink], run_info={"prompt": ""})
+        sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
+        _sync(spec["device"])
+        t = time.perf_counter()
+        generate(lm, spec["prompt_ids"], sampler, spec["new_tokens"], ignore_eos=True, observer=rec)
+        _sync(spec["device"])
+        return time.perf_counter() - t
+
+    for level in levels:  # warm-up: first calls, allocator
+        one(level)
+    times: dict[str, list[float]] = {lv: [] for lv in levels}
+    for r in range(spec.get("overhead_pairs", 8)):
+        for level in levels if r % 2 == 0 else levels[::-1]:
+            times[level].append(one(level))
+    ratios = {lv: [t / n for t, n in zip(times[lv], times["none"])] for lv in levels[1:]}
+    return {"seconds": times, "ratios": ratios, "median_ratio": {lv: statistics.median(v) for lv, v in ratios.items()}}
+
+
+ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold, "overhead": arm_overhead}
 
 
 def main() -> None:

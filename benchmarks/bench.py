@@ -360,7 +360,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
-    p.add_argument("--only", nargs="*", help="run only these arms: hf llmtrace llmtrace:steps ceiling cold warm_n1")
+    p.add_argument("--only", nargs="*",
+                   help="run only these arms: hf llmtrace llmtrace:steps llmtrace:compiled ceiling cold warm_n1 overhead")
+    p.add_argument("--overhead-pairs", type=int, default=8,
+                   help="alternations of the in-process trace-overhead arm (each runs every level once)")
     p.add_argument("--json", default=None, help="write every number to this file")
     args = p.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -395,12 +398,28 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             rounds.append(one_round(r, args, prompt_file, ids, env))
+        overhead = None
+        if not args.only or "overhead" in args.only:
+            spec = {"gguf": str(args.gguf), "threads": args.threads, "device": args.device, "dtype": args.dtype,
+                    "prompt_ids": ids, "new_tokens": NEW_TOKENS, "overhead_pairs": args.overhead_pairs}
+            t = time.time()
+            try:
+                overhead = run_arm("overhead", spec, env)
+            except RuntimeError as e:
+                print(f"  overhead arm failed: {e}", file=sys.stderr)
+            print(f"  overhead (one process)  {time.time() - t:6.1f} s", file=sys.stderr, flush=True)
         try:
             meta["machine"]["load_avg_end"] = os.getloadavg()
         except OSError:
             pass
         meta["wall_minutes"] = (datetime.now(timezone.utc) - started).total_seconds() / 60
     s = summarise(rounds, args)
+    if overhead is not None:
+        for lv, target in (("steps", 1.05), ("layers", None), ("full", 1.5)):
+            values = overhead["ratios"][lv]
+            s["ratios"][f"one process, alternating: {lv} / none"] = {
+                "per_round": values, "median": statistics.median(values), "target": target, "sense": "le"}
+        s["overhead"] = overhead
     text = report(s, meta)
     print(text)
     if args.json:

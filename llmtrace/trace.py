@@ -16,7 +16,7 @@ import functools
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -134,16 +134,6 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
 # the recorder
 
 
-@dataclass
-class _Pending:
-    layer: Optional[int]
-    name: str
-    shape: list[int]
-    dtype: str
-    stat_index: Optional[int]
-    extra: dict = field(default_factory=dict)
-
-
 class Recorder:
     """Records one generation run as events and passes each event to the sinks as it happens."""
 
@@ -153,7 +143,7 @@ class Recorder:
         self.run_info = run_info or {}
         self.step = 0
         self.phase = "prefill"
-        self._pending: list[_Pending] = []
+        self._pending: list[tuple[dict, int, dict]] = []  # (tensor event without its stats, stat index, extras)
         self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
         self._queue: list[tuple[int, torch.Tensor, bool]] = []  # (stat index, tensor, finite only) not reduced yet
         self._queued = 0  # elements in the queue
@@ -223,7 +213,7 @@ class Recorder:
             return
         extra = {}
         if name == "kv_write":
-            extra["positions"] = [int(x[0]), int(x[-1])] if x.numel() else []
+            extra["positions"] = x[[0, -1]].tolist() if x.numel() else []
         stat_index = self._n_stats
         self._n_stats += 1
         self._queue.append((stat_index, distinct, name == "scores", repeats))
@@ -233,17 +223,19 @@ class Recorder:
         if wanted[1]:
             values = x if repeats == 1 else x.reshape(full_shape)  # a dump holds every entry, repeats included
             extra["values"] = (values[0] if name != "kv_write" else values).detach().float().cpu()
-        self._pending.append(_Pending(layer, name, shape, _dtype_name(x.dtype), stat_index, extra))
+        event = {"event": "tensor", "step": self.step, "phase": self.phase, "layer": layer, "name": name,
+                 "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": _dtype_name(x.dtype)}
+        self._pending.append((event, stat_index, extra))
 
     def _reduce_queue(self) -> None:
-        """Statistics of every queued tensor. Tensors of one shape are stacked into a matrix and reduced along its rows,
-        so a pass costs a few reductions per distinct shape (about ten) rather than a few per tensor (hundreds)."""
+        """Statistics of every queued tensor. Tensors of one size are stacked into a matrix and reduced along its rows,
+        so a pass costs a few reductions per distinct size (about seven) rather than a few per tensor (hundreds)."""
         groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
-        for i, x, finite_only, count in self._queue:
-            groups.setdefault((x.shape, x.dtype, x.device, finite_only), []).append((i, x, count))
+        for i, x, finite_only, count in self._queue:  # same element count: q (9x64) goes with the 576-wide points
+            groups.setdefault((x.numel(), x.dtype, x.device, finite_only), []).append((i, x, count))
         with torch.no_grad():  # the statistics are observations, never part of a graph
-            for (_, _, _, finite_only), members in groups.items():
-                m = torch.stack([x for _, x, _ in members]).reshape(len(members), -1)  # (n, numel)
+            for (numel, _, _, finite_only), members in groups.items():
+                m = torch.stack([x.reshape(numel) for _, x, _ in members])  # (n, numel)
                 rows = _stat_rows(m, finite_only)
                 if any(c != 1 for _, _, c in members):  # broadcast views: every distinct element stands for c
                     counts = torch.tensor([c for _, _, c in members], dtype=rows.dtype, device=rows.device)
@@ -307,17 +299,16 @@ class Recorder:
         if self._stats:  # one transfer for the whole pass
             for i, row in zip(self._stat_order, _summaries(torch.cat(self._stats)).tolist()):
                 values[i] = row
-        for p in self._pending:
-            row = values[p.stat_index]
-            ev = {"event": "tensor", "step": step, "phase": self.phase, "layer": p.layer, "name": p.name,
-                  "seed_step": SEED_STEP.get(p.name), "shape": p.shape, "dtype": p.dtype,
-                  "stats": dict(zip(STAT_NAMES, map(_round, row)))}
-            if p.name == "scores":
-                ev["masked"] = int(math.prod(p.shape) - row[5])
-            if "positions" in p.extra:
-                ev["positions"] = p.extra["positions"]
-            if "values" in p.extra:
-                ev["values"] = p.extra["values"].tolist()
+        for ev, stat_index, extra in self._pending:
+            row = values[stat_index]
+            ev["stats"] = {"mean": _round(row[0]), "std": _round(row[1]), "min": _round(row[2]), "max": _round(row[3]),
+                           "norm": _round(row[4])}
+            if ev["name"] == "scores":
+                ev["masked"] = int(math.prod(ev["shape"]) - row[5])
+            if "positions" in extra:
+                ev["positions"] = extra["positions"]
+            if "values" in extra:
+                ev["values"] = extra["values"].tolist()
             self.emit(ev)
         self._pending.clear()
         self._stats.clear()
