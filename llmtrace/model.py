@@ -115,7 +115,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LayerKV:
-    """One layer's slice of the cache: views into the model-wide buffers, (B, Hkv, S_max, Dh) each."""
+    """One layer's cached keys and values: two preallocated buffers of (B, Hkv, S_max, Dh)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
@@ -139,7 +139,6 @@ class KVCache:
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(n_layers)]
         self.max_len = max_len
-        self.dtype = dtype
         self.seq_len = 0  # positions [0, seq_len) hold valid keys and values
 
     @property
@@ -399,8 +398,8 @@ class Transformer(Tappable):
 
         Runs the compiled decode step (compile_decode) when there is one, the pass is one token, and nothing observes
         it. `next_of_same_run`: the caller vouches that this pass follows the previous one in the same generation
-        (same cache, position one further, only the token differs). If that previous pass was compiled too, its guard
-        check (TorchDynamo re-checking ~1,000 assumptions about the inputs, ~1 ms) is not repeated."""
+        (same cache, position one further, only the token differs). If that previous pass was compiled too, TorchDynamo's
+        guard check (its assumptions about every input, re-checked on each call: ~1 ms a step here) is not repeated."""
         if self._compiled_step is None or idx.size(1) != 1 or self.observer is not None:
             self._guards_passed = False
             return self(idx, start=start, last_only=True)

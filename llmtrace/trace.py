@@ -145,7 +145,8 @@ class Recorder:
         self.phase = "prefill"
         self._pending: list[tuple[dict, int, dict]] = []  # (tensor event without its stats, stat index, extras)
         self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
-        self._queue: list[tuple[int, torch.Tensor, bool]] = []  # (stat index, tensor, finite only) not reduced yet
+        self._queue: list[tuple[int, torch.Tensor, bool, int]] = []  # (stat index, distinct entries, finite only,
+        #                                                                 repeats of each entry), not reduced yet
         self._queued = 0  # elements in the queue
         self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
         self._stat_order: list[int] = []  # the stat index of each row of those blocks

@@ -73,9 +73,12 @@ def start(argv: list[str], out_dir: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "LLMTRACE_DEBUG"} | {"PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "llmtrace", "generate", PROMPT, "-n", "2000", "--ignore-eos", "--device", "cpu",
            "--threads", "1", *argv]
-    # Files, not pipes, for stdout and stderr: a pipe nobody reads would block the run's last writes.
+    # Files, not pipes, for stdout and stderr: a pipe nobody reads would block the run's last writes. SIGINT gets its
+    # default disposition back in the child: a shell starts background jobs (a CI script run with `&`, nohup) with
+    # SIGINT ignored, the child would inherit that, and Python then never raises KeyboardInterrupt.
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(out_dir / "stdout.txt", "w"),
-                            stderr=open(out_dir / "stderr.txt", "w"))
+                            stderr=open(out_dir / "stderr.txt", "w"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 # ----------------------------------------------------------------------------------------------------------------
