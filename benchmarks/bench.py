@@ -254,9 +254,11 @@ def summarise(rounds: list[dict], args) -> dict:
                                                _get(rounds, "ceiling", "rss_before_load_mb"))] if weight_mb else [],
           1.1, "le")
     if ceil.get("gpu_peak_gb_s"):
-        ratio("decode bandwidth / GPU peak", [c["matrix_bytes"] * d["decode_tok_s"] / 1e9 / c["gpu_peak_gb_s"]
-                                              for c, d in ((rd["ceiling"], rd["llmtrace:none"]) for rd in rounds)
-                                              if "gpu_peak_gb_s" in c and "decode_tok_s" in d])
+        for arm in ("none", "compiled"):
+            ratio(f"decode bandwidth / GPU peak: {arm}",
+                  [c["matrix_bytes"] * d["decode_tok_s"] / 1e9 / c["gpu_peak_gb_s"]
+                   for c, d in ((rd.get("ceiling", {}), rd.get(f"llmtrace:{arm}", {})) for rd in rounds)
+                   if "gpu_peak_gb_s" in c and "decode_tok_s" in d])
     def agreement(arm_a, arm_b):  # per round: how many leading greedy tokens two arms share
         out = []
         for rd in rounds:
