@@ -48,6 +48,15 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith(".") or "partial" in p.name)
 
 
+@pytest.fixture(autouse=True)
+def sigint_raises_keyboard_interrupt():
+    """Python installs its Ctrl-C handler only when SIGINT is not ignored at start-up, and a test run started as a
+    background job (a CI script run with `&`, nohup) inherits it ignored. The in-process tests here need the handler."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def wait_for(predicate, timeout: float, proc: subprocess.Popen, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
