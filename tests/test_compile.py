@@ -4,8 +4,6 @@ Compiling takes minutes on a 2-core CPU the first time (seconds once Inductor's 
 is compiled once here, for every test in this file.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -56,9 +54,7 @@ def test_compiled_logits_match_eager_to_float_rounding(compiled_runs):
     for a, b in zip(eager_top, compiled_top):
         assert [c["id"] for c in a[:5]] == [c["id"] for c in b[:5]]
         worst = max(worst, max(abs(x["logit"] - y["logit"]) for x, y in zip(a[:5], b[:5])))
-    assert worst <= 1e-4
-    # the compiled step is a different kernel schedule: it is not expected to be bit-identical, and it is not
-    assert not math.isnan(worst)
+    assert worst <= 1e-4  # a different kernel schedule: equal to float rounding, not bit for bit (NaN fails here too)
 
 
 def test_observed_steps_run_eagerly_with_a_compiled_model(compiled_runs):
