@@ -133,9 +133,8 @@ class KVCache:
 
     def __init__(self, n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
         shape = (1, n_kv_heads, max_len, head_dim)  # (B, Hkv, S_max, Dh) per layer
-        # One buffer per layer (not views of one big tensor): a layer reads and writes only its own, and handing it
-        # that (rather than its index) keeps the layers' code identical, which is what lets torch.compile treat the
-        # 30 layers alike (Transformer.compile_decode).
+        # One buffer per layer, handed to the layer itself: the layer's code needs no layer index, and the compiled
+        # step (Transformer.compile_decode) gets separate inputs rather than views into one shared tensor.
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(n_layers)]
         self.max_len = max_len
@@ -385,10 +384,6 @@ class Transformer(Tappable):
         torch._dynamo.config.specialize_float = True
         self._compiled_step = torch.compile(self.forward, dynamic=True, fullgraph=True, options=options)
         self._guards_passed = False
-
-    @property
-    def compiled(self) -> bool:
-        return self._compiled_step is not None
 
     def uncompile(self) -> None:
         self._compiled_step = None

@@ -116,7 +116,7 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
     Returns (the recorded shape, the distinct entries as a view, how often each repeats): (x.shape, x, 1) for a
     tensor without broadcast dimensions.
     """
-    if 0 not in x.stride()[1:] or all(st != 0 or n == 1 for n, st in zip(x.shape[1:], x.stride()[1:])):
+    if 0 not in x.stride()[1:]:
         return x.shape, x, 1
     sizes, kept_sizes, kept_strides, count = [x.size(0)], [x.size(0)], [x.stride(0)], 1
     for n, st in zip(x.shape[1:], x.stride()[1:]):
