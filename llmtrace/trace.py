@@ -58,17 +58,20 @@ class TraceOptions:
 
 def _stat_rows(m: torch.Tensor, finite_only: bool) -> torch.Tensor:
     """(sum, sum of squares, min, max, count) of each row of m (n, N), accumulated in float64: one (n, 5) tensor."""
+    if not m.is_floating_point():  # kv_write's positions
+        m = m.double()
     if finite_only:  # masked attention scores hold -inf: summarise the entries that take part
         ok = torch.isfinite(m)
         lo = torch.where(ok, m, float("inf")).amin(dim=1)
         hi = torch.where(ok, m, float("-inf")).amax(dim=1)
         m = torch.where(ok, m, 0)
         n = ok.sum(dim=1, dtype=torch.float64)
-    else:
-        lo, hi = torch.aminmax(m, dim=1)
+    else:  # amin and amax apart: faster here than aminmax
+        lo, hi = m.amin(dim=1), m.amax(dim=1)
         n = torch.full((m.size(0),), float(m.size(1)), dtype=torch.float64, device=m.device)
-    m = m.double()  # one float64 copy, read by both sums
-    s1, s2 = m.sum(dim=1), torch.linalg.vector_norm(m, dim=1).square()
+    # both sums read m as it is and accumulate in float64 (no float64 copy of m is made)
+    s1 = m.sum(dim=1, dtype=torch.float64)
+    s2 = torch.linalg.vector_norm(m, dim=1, dtype=torch.float64).square()
     return torch.stack([s1, s2, lo.double(), hi.double(), n], dim=1)
 
 
@@ -100,6 +103,34 @@ def _round(x: float) -> Any:
             return None
         return float("%.7g" % x)
     return x
+
+
+
+def _round_tensor(x: torch.Tensor) -> torch.Tensor:
+    """_round for every entry of a float64 tensor at once: each finite x becomes n * 10^e with n a 7-digit integer,
+    computed so that the result is the double nearest to that decimal (the value `float("%.7g" % x)` gives). Entries
+    this cannot do exactly (magnitudes below 1e-15 or above 1e22) and non-finite ones are left as they are."""
+    mag = x.abs()
+    k = 6 - torch.floor(torch.log10(mag))  # x * 10^k has 7 digits before the point
+    k = torch.where(torch.isfinite(k), k, 0.0)
+    up = torch.pow(10.0, k.clamp(0, 22))  # powers of ten up to 1e22 are exact doubles
+    down = torch.pow(10.0, (-k).clamp(0, 22))
+    # n / 10^k (k >= 0) and n * 10^-k (k < 0) are single correctly rounded operations on exact operands
+    rounded = torch.where(k >= 0, torch.round(x * up) / up, torch.round(x / down) * down)
+    exact = torch.isfinite(x) & (mag > 1e-15) & (mag < 1e22)
+    return torch.where(exact, rounded, x)
+
+
+def _rounded_rows(rows: torch.Tensor) -> list[list]:
+    """(n, 6) float64 rows of (mean, std, min, max, norm, count) -> lists with the five statistics _round'ed, all
+    rounded in one batch; the count stays exact."""
+    rows = rows.cpu()
+    stats = rows[:, :5]
+    out = torch.cat([_round_tensor(stats), rows[:, 5:]], dim=1).tolist()
+    mag = stats.abs()
+    for r, c in ((stats != 0) & ~((mag > 1e-15) & (mag < 1e22))).nonzero().tolist():  # what _round_tensor left
+        out[r][c] = _round(out[r][c])
+    return out
 
 
 @functools.cache
@@ -134,6 +165,21 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
 # the recorder
 
 
+class TensorEvent(dict):
+    """A tensor event: a plain dict to every sink, which may also carry its own JSON text.
+
+    A full trace writes 574 of them per step, and json.dumps was a fifth of what tracing cost. For the common kind
+    (no dump, no mask count, finite statistics) the recorder writes the line itself from parts it encoded once per
+    pass, and `line` holds it: the same text `_ENCODER.encode(event)` gives (tests/test_trace.py checks every event
+    of a full trace). `line` is None otherwise, and must not be set on an event that is changed afterwards."""
+
+    __slots__ = ("line",)
+
+    def __init__(self, **fields):
+        super().__init__(**fields)
+        self.line: Optional[str] = None
+
+
 class Recorder:
     """Records one generation run as events and passes each event to the sinks as it happens."""
 
@@ -145,9 +191,10 @@ class Recorder:
         self.phase = "prefill"
         self._pending: list[tuple[dict, int, dict]] = []  # (tensor event without its stats, stat index, extras)
         self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
-        self._queue: list[tuple[int, torch.Tensor, bool, int]] = []  # (stat index, distinct entries, finite only,
-        #                                                                 repeats of each entry), not reduced yet
-        self._queued = 0  # elements in the queue
+        self._taps: list[tuple[Optional[int], str, torch.Tensor, bool]] = []  # (layer, name, tensor, dumped), kept
+        #                                                                         for _reduce_queue
+        self._queued = 0  # elements in self._taps
+        self._layouts: dict[tuple, tuple] = {}  # see _layout; cleared after each pass
         self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
         self._stat_order: list[int] = []  # the stat index of each row of those blocks
         self._n_stats = 0
@@ -193,58 +240,81 @@ class Recorder:
 
     # -- the model's observer ------------------------------------------------------------------------------------
 
-    # A pass queues the tensors it records and reduces them in batches: at the end of the pass, or sooner once the
-    # queue holds this many elements (which bounds the memory the queue keeps alive).
+    # A pass keeps the tensors it records and reduces them in batches: at the end of the pass, or sooner once they
+    # hold this many elements (which bounds the memory they keep alive).
     QUEUE_ELEMENTS = 1 << 22
 
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
-        key = (layer, name, self.step == 0)
-        wanted = self._wanted_memo.get(key)
+        # Called at every named point of every observed pass (574 per step at --trace full): it only keeps the tensor.
+        # Shapes, events and statistics are made for the whole batch in _reduce_queue.
+        wanted = self._wanted_memo.get((layer, name, self.step == 0))
         if wanted is None:
-            wanted = self._wanted_memo[key] = (self._wanted(layer, name), self._dumped(layer, name))
-        if not wanted[0] and self._shape_table is None:
-            return  # the common case of a point nobody asked for: a dictionary look-up
-        full_shape, distinct, repeats = _unbroadcast(x)
-        shape = list(full_shape[1:]) if name != "kv_write" else list(full_shape)  # drop the batch dimension
-        if self._shape_table is not None and (layer is None or layer == 0) and not any(
-            r["name"] == name and r["layer"] == layer for r in self._shape_table
-        ):
-            self._shape_table.append({"layer": layer, "name": name, "shape": shape, "dtype": _dtype_name(x.dtype)})
+            wanted = self._wanted_memo[(layer, name, self.step == 0)] = (self._wanted(layer, name), self._dumped(layer, name))
+        if self._shape_table is not None:
+            self._note_shape(layer, name, x)
         if not wanted[0]:
-            return
-        extra = {}
-        if name == "kv_write":
-            extra["positions"] = x[[0, -1]].tolist() if x.numel() else []
-        stat_index = self._n_stats
-        self._n_stats += 1
-        self._queue.append((stat_index, distinct, name == "scores", repeats))
-        self._queued += distinct.numel()
+            return  # the common case of a point nobody asked for: a dictionary look-up
+        self._taps.append((layer, name, x, wanted[1]))
+        self._queued += x.numel()
         if self._queued >= self.QUEUE_ELEMENTS:
             self._reduce_queue()
-        if wanted[1]:
-            values = x if repeats == 1 else x.reshape(full_shape)  # a dump holds every entry, repeats included
-            extra["values"] = (values[0] if name != "kv_write" else values).detach().float().cpu()
-        event = {"event": "tensor", "step": self.step, "phase": self.phase, "layer": layer, "name": name,
-                 "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": _dtype_name(x.dtype)}
-        self._pending.append((event, stat_index, extra))
+
+    def _note_shape(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
+        """The prefill's shape table: each point once, from the model-level points and layer 0."""
+        if (layer is None or layer == 0) and not any(r["name"] == name and r["layer"] == layer for r in self._shape_table):
+            self._shape_table.append({"layer": layer, "name": name, "shape": list(self._layout(name, x)[0]),
+                                      "dtype": _dtype_name(x.dtype)})
+
+    def _layout(self, name: str, x: torch.Tensor) -> tuple:
+        """What a point's tensor layout means for the trace, worked out once per pass for all the layers that share it:
+        (recorded shape, the view of its distinct entries or None, how often each repeats, statistics group key, dtype
+        name, the event's JSON from "name" to "dtype"). The recorded shape drops the batch dimension, except for
+        kv_write (its tensor is the positions written)."""
+        key = (name, x.shape, x.stride(), x.dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            full_shape, distinct, repeats = _unbroadcast(x)
+            shape = list(full_shape[1:]) if name != "kv_write" else list(full_shape)
+            view = None if distinct is x else (distinct.shape, distinct.stride())
+            # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
+            group = (distinct.shape, x.dtype, x.device, name == "scores")
+            dtype = _dtype_name(x.dtype)
+            part = {"name": name, "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": dtype}
+            layout = self._layouts[key] = (shape, view, repeats, group, dtype, _ENCODER.encode(part)[1:-1])
+        return layout
 
     def _reduce_queue(self) -> None:
-        """Statistics of every queued tensor. Tensors of one size are stacked into a matrix and reduced along its rows,
-        so a pass costs a few reductions per distinct size (about seven) rather than a few per tensor (hundreds)."""
+        """Events and statistics of every tensor kept since the last call. Tensors of one shape are stacked into a
+        matrix and reduced along its rows, so a pass costs a few reductions per distinct shape (about ten) rather than
+        a few per tensor (hundreds)."""
         groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
-        for i, x, finite_only, count in self._queue:  # same element count: q (9x64) goes with the 576-wide points
-            groups.setdefault((x.numel(), x.dtype, x.device, finite_only), []).append((i, x, count))
+        step, phase = self.step, self.phase
+        for layer, name, x, dumped in self._taps:
+            shape, view, repeats, group, dtype, json_part = self._layout(name, x)
+            i = self._n_stats
+            self._n_stats += 1
+            groups.setdefault(group, []).append((i, x if view is None else x.as_strided(*view), repeats))
+            extra = None
+            if name == "kv_write":
+                positions = x.tolist()
+                extra = {"positions": [positions[0], positions[-1]] if positions else []}
+            if dumped:
+                values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
+                extra = (extra or {}) | {"values": (values[0] if name != "kv_write" else values).detach().float().cpu()}
+            event = TensorEvent(event="tensor", step=step, phase=phase, layer=layer, name=name,
+                                seed_step=SEED_STEP.get(name), shape=list(shape), dtype=dtype)
+            self._pending.append((event, i, extra, json_part))
+        self._taps.clear()
+        self._queued = 0
         with torch.no_grad():  # the statistics are observations, never part of a graph
-            for (numel, _, _, finite_only), members in groups.items():
-                m = torch.stack([x.reshape(numel) for _, x, _ in members])  # (n, numel)
-                rows = _stat_rows(m, finite_only)
+            for (_, _, _, finite_only), members in groups.items():
+                m = torch.stack([x for _, x, _ in members])
+                rows = _stat_rows(m.view(len(members), -1), finite_only)
                 if any(c != 1 for _, _, c in members):  # broadcast views: every distinct element stands for c
                     counts = torch.tensor([c for _, _, c in members], dtype=rows.dtype, device=rows.device)
                     rows[:, [0, 1, 4]] *= counts[:, None]  # sum, sum of squares and count scale; min and max do not
                 self._stats.append(rows)
                 self._stat_order.extend(i for i, _, _ in members)
-        self._queue.clear()
-        self._queued = 0
 
     # -- the generation loop's observer ------------------------------------------------------------------------
 
@@ -297,21 +367,27 @@ class Recorder:
     def after_forward(self, step: int) -> None:
         self._reduce_queue()
         values: list = [None] * self._n_stats  # (mean, std, min, max, norm, count) of each recorded tensor
-        if self._stats:  # one transfer for the whole pass
-            for i, row in zip(self._stat_order, _summaries(torch.cat(self._stats)).tolist()):
+        if self._stats:  # one transfer for the whole pass, rounded on the device
+            for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
                 values[i] = row
-        for ev, stat_index, extra in self._pending:
-            row = values[stat_index]
-            ev["stats"] = {"mean": _round(row[0]), "std": _round(row[1]), "min": _round(row[2]), "max": _round(row[3]),
-                           "norm": _round(row[4])}
+        head = f'{{"event": "tensor", "step": {int(self.step)}, "phase": {_ENCODER.encode(self.phase)}, "layer": '
+        for ev, stat_index, extra, json_part in self._pending:
+            mean, std, lo, hi, norm, count = values[stat_index]
+            ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
             if ev["name"] == "scores":
-                ev["masked"] = int(math.prod(ev["shape"]) - row[5])
-            if "positions" in extra:
-                ev["positions"] = extra["positions"]
-            if "values" in extra:
-                ev["values"] = extra["values"].tolist()
+                ev["masked"] = int(math.prod(ev["shape"]) - count)
+            elif extra is not None:
+                if "positions" in extra:
+                    ev["positions"] = extra["positions"]
+                if "values" in extra:
+                    ev["values"] = extra["values"].tolist()
+            elif None not in (mean, std, lo, hi, norm):  # the common case, and the one JSON line made here
+                layer = "null" if ev["layer"] is None else int(ev["layer"])
+                ev.line = (f'{head}{layer}, {json_part}, "stats": {{"mean": {mean!r}, "std": {std!r}, "min": {lo!r}, '
+                           f'"max": {hi!r}, "norm": {norm!r}}}}}')
             self.emit(ev)
         self._pending.clear()
+        self._layouts.clear()
         self._stats.clear()
         self._stat_order.clear()
         self._n_stats = 0
@@ -397,7 +473,8 @@ class JsonlSink:
         self.file = sys.stdout if self._out is None else self._out.file
 
     def __call__(self, event: dict) -> None:
-        self.file.write(_ENCODER.encode(event) + "\n")
+        line = event.line if type(event) is TensorEvent and event.line is not None else _ENCODER.encode(event)
+        self.file.write(line + "\n")
         kind = event.get("event")
         if kind != "tensor":  # a pass's tensor events are flushed with the step event that follows them: one write
             self.file.flush()  # per step instead of hundreds at --trace full

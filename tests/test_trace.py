@@ -234,3 +234,40 @@ def test_broadcast_view_statistics_equal_the_materialised_tensor():
     assert recorded[0]["shape"] == recorded[1]["shape"] == [5, 18, 4]
     for k in ("mean", "std", "min", "max", "norm"):
         assert recorded[0]["stats"][k] == pytest.approx(recorded[1]["stats"][k], rel=1e-6, abs=1e-9)
+
+
+def test_prepared_json_lines_equal_the_encoder(smollm):
+    """The JSON lines the recorder writes itself (TensorEvent.line) are the text the JSON encoder gives the same event,
+    for every tensor event of a full trace with dumps: prefill (masked scores), decode, model- and layer-level points."""
+    from llmtrace.trace import _ENCODER, TensorEvent
+
+    events, _ = traced_run(smollm, "full", layers=[0, 5], n=3, dump=("logits", "5.probs"))
+    tensors = [e for e in events if e["event"] == "tensor"]
+    prepared = [e for e in tensors if e.line is not None]
+    assert all(type(e) is TensorEvent for e in tensors)
+    assert len(prepared) > 0.8 * len(tensors)
+    for ev in prepared:
+        assert ev.line == _ENCODER.encode(ev)
+        assert json.loads(ev.line) == ev
+    # what gets no prepared line: scores (their mask count), dumps and kv_write (extra fields)
+    assert {e["name"] for e in tensors if e.line is None} >= {"scores", "kv_write", "logits"}
+
+
+def test_statistics_rounded_on_the_device_equal_rounding_each_value():
+    """_rounded_rows rounds the (n, 6) statistics rows in one batch; each value must equal _round's "%.7g", across
+    magnitudes, for float32-derived values, zeros, the limits of the batched path and non-finite entries (None)."""
+    from llmtrace.trace import _round, _rounded_rows
+
+    gen = torch.Generator().manual_seed(0)
+    mags = torch.pow(10.0, torch.empty(30000, dtype=torch.float64).uniform_(-14, 21, generator=gen))
+    signs = torch.where(torch.rand(30000, generator=gen) < 0.5, -1.0, 1.0).double()
+    special = torch.tensor([0.0, -0.0, 1.0, 10.0, 1e-5, 9.9999999e-6, 9999999.5, 1e7, 1e22, 1e-15, 5e-324, 1e-300,
+                            1e300, float("inf"), float("-inf"), float("nan"), 2.0**-30, 0.15, 0.25], dtype=torch.float64)
+    f32 = torch.randn(10000, generator=gen).double()
+    vals = torch.cat([mags * signs, special, f32])
+    vals = vals[: len(vals) // 5 * 5].view(-1, 5)
+    rows = torch.cat([vals, torch.arange(len(vals), dtype=torch.float64)[:, None] * 1e9 + 123], dim=1)
+    got = _rounded_rows(rows)
+    for row, out in zip(rows.tolist(), got):
+        assert out[:5] == [_round(v) for v in row[:5]]
+        assert out[5] == row[5]  # the count is not rounded
