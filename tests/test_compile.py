@@ -33,9 +33,24 @@ def compiled_runs(smollm):
         with torch.compiler.set_stance("fail_on_recompile"):  # one compile serves every decode step
             compiled, compiled_top = greedy_run(smollm)
             full, _ = greedy_run(smollm, level="full")  # observed steps bypass the compiled step
+            copies = aten_ops_in_one_compiled_step(smollm, ids)
     finally:
         smollm.model.uncompile()
-    return {"eager": (eager, eager_top), "compiled": (compiled, compiled_top), "full": full, "seconds": seconds}
+    return {"eager": (eager, eager_top), "compiled": (compiled, compiled_top), "full": full, "seconds": seconds,
+            "ops": copies}
+
+
+def aten_ops_in_one_compiled_step(lm, ids) -> dict:
+    """Counts of the aten ops one compiled decode step runs, from torch.profiler."""
+    from torch.profiler import profile
+
+    model = lm.model
+    with torch.inference_mode():
+        model.setup_cache(len(ids) + 2)
+        model.step(torch.tensor([ids]), 0)  # the prefill, eager
+        with profile() as prof:
+            model.step(torch.tensor([[ids[-1]]]), len(ids))
+    return {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
 
 
 def test_compiled_greedy_tokens_equal_eager(compiled_runs):
@@ -60,3 +75,13 @@ def test_compiled_logits_match_eager_to_float_rounding(compiled_runs):
 def test_observed_steps_run_eagerly_with_a_compiled_model(compiled_runs):
     """A full trace with the compiled step present gives the eager tokens: observed passes do not use it."""
     assert compiled_runs["full"].tokens == compiled_runs["eager"][0].tokens
+
+
+def test_compiled_step_hands_the_matrix_products_dense_inputs(compiled_runs):
+    """model.Linear gives inputs explicit dense strides while compiling; without it the CPU matrix product copied 91
+    one-token inputs per step (Inductor's stride-0 views). The step still runs its matrix products."""
+    ops = compiled_runs["ops"]
+    # the C++ wrapper calls mm without the dispatcher, so the profiler sees only what mm dispatches itself: a
+    # resolve_conj per operand of each of the 121 matrix products and 60 attention bmm's, and the copies, if any
+    assert ops.get("aten::resolve_conj", 0) >= 2 * (4 * 30 + 1), ops
+    assert ops.get("aten::clone", 0) == 0, ops
