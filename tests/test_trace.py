@@ -241,8 +241,11 @@ def test_prepared_json_lines_equal_the_encoder(smollm):
     for every tensor event of a full trace with dumps: prefill (masked scores), decode, model- and layer-level points."""
     from llmtrace.trace import _ENCODER, TensorEvent
 
-    events, _ = traced_run(smollm, "full", layers=[0, 5], n=3, dump=("logits", "5.probs"))
+    events, _ = traced_run(smollm, "full", layers=[0, 5], n=3, dump=("logits", "5.probs", "0.scores"))
     tensors = [e for e in events if e["event"] == "tensor"]
+    dumped_scores = [e for e in tensors if e["name"] == "scores" and e["layer"] == 0]
+    assert len(dumped_scores) == 3 and all("values" in e and "masked" in e for e in dumped_scores)
+    assert dumped_scores[0]["masked"] > 0 and dumped_scores[1]["masked"] == 0  # the prefill's causal mask only
     prepared = [e for e in tensors if e.line is not None]
     assert all(type(e) is TensorEvent for e in tensors)
     assert len(prepared) > 0.8 * len(tensors)
