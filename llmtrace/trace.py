@@ -173,11 +173,7 @@ class TensorEvent(dict):
     holds it: the same text `_ENCODER.encode(event)` gives (tests/test_trace.py checks every event of a full trace).
     `line` is None otherwise, and must not be set on an event that is changed afterwards."""
 
-    __slots__ = ("line",)
-
-    def __init__(self, **fields):
-        super().__init__(**fields)
-        self.line: Optional[str] = None
+    line: Optional[str] = None  # (a class default: a Python __init__ would cost more than the dict itself)
 
 
 class Recorder:
