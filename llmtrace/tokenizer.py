@@ -523,10 +523,15 @@ class TextTokenizer:
             span = None if seq is None else (s, e)
             parts: tuple[CharPart, ...] = ()
             if span is not None and not self.is_added(tid):
-                where = _locate(text_bytes, data, cursor, char_starts[s], self.kind == "sentencepiece")
+                where = _locate(text_bytes, data, cursor, char_starts[s], self.kind == "sentencepiece",
+                                self.unencodable_bytes)
                 if where is not None:
                     parts = _char_parts(char_starts, text, *where)
                     cursor = where[1]
+                    if not char_starts[s] <= where[0] < max(char_starts[e], char_starts[s] + 1):
+                        # the tokenizer's offsets lose count after a byte it dropped: the span follows the bytes
+                        span = (bisect.bisect_right(char_starts, where[0]) - 1,
+                                bisect.bisect_right(char_starts, max(where[1] - 1, where[0])))
             elif span is not None:
                 cursor = char_starts[e]
             out.append(
@@ -544,6 +549,14 @@ class TextTokenizer:
                 )
             )
         return out
+
+    @cached_property
+    def unencodable_bytes(self) -> frozenset[int]:
+        """Bytes that no token stands for (a byte-level vocabulary may lack some: SmolLM2's lacks 21, e.g. 0x04). The
+        tokenizer drops them from the text, as the reference tokenizer does."""
+        if self.kind != "byte_level":
+            return frozenset()
+        return frozenset(b for b, ch in BYTE_TO_CHAR.items() if self.tok.token_to_id(ch) is None)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -683,15 +696,22 @@ def piece_bytes(piece: str, kind: str) -> bytes:
 
 
 def _locate(
-    text_bytes: bytes, data: bytes, cursor: int, span_start: int, prefixed_space: bool
+    text_bytes: bytes, data: bytes, cursor: int, span_start: int, prefixed_space: bool,
+    dropped: frozenset[int] = frozenset(),
 ) -> tuple[int, int] | None:
     """The byte range [b0, b1) of the input a token's bytes came from: at the cursor if they match there, else at its
-    span's start. A SentencePiece piece may begin with a '▁' that was prepended, not typed; that byte is skipped."""
+    span's start, else after bytes at the cursor that the tokenizer drops (`dropped`: no token stands for them). A
+    SentencePiece piece may begin with a '▁' that was prepended, not typed; that byte is skipped."""
     for at in (cursor, span_start):
         if text_bytes.startswith(data, at):
             return at, at + len(data)
         if prefixed_space and data[:1] == b" " and text_bytes.startswith(data[1:], at):
             return at, at + len(data) - 1
+    at = cursor
+    while at < len(text_bytes) and text_bytes[at] in dropped:
+        at += 1
+        if text_bytes.startswith(data, at):
+            return at, at + len(data)
     return None
 
 

@@ -516,3 +516,20 @@ def test_cli_usage_errors_and_help(gguf_path, monkeypatch, capsys):
     assert code == 2 and "not both" in err
     code, out, _ = run_cli(["tokenize", "--help"], monkeypatch, capsys)
     assert code == 0 and "Examples:" in out and "--merges" in out and "--no-special" in out
+
+
+def test_bytes_without_a_token_are_located_and_reported(gguf_path, tt, hf, monkeypatch, capsys):
+    """SmolLM2's byte-level vocabulary has no token for 21 byte values (0x04 among them): the tokenizer drops them,
+    as transformers' does. Spans after such a byte follow the bytes (the tokenizers library's offsets lose count), and
+    `tokenize` names the dropped characters on stderr."""
+    assert len(tt.unencodable_bytes) == 21 and 0x04 in tt.unencodable_bytes and 0x05 not in tt.unencodable_bytes
+    text = "a\x04\x05b\x04"
+    assert tt.encode(text) == hf.encode(text, add_special_tokens=False)
+    spans = [(t.bytes, t.span) for t in tt.encode_detailed(text)]
+    assert spans == [(b"a", (0, 1)), (b"\x05", (2, 3)), (b"b", (3, 4))]
+
+    code, out, err = run_cli(["tokenize", text, "-m", str(gguf_path), "--ids"], monkeypatch, capsys)
+    assert code == 0 and out.split() == [str(i) for i in tt.encode(text)]
+    assert "2 characters of the text have no token" in err and "U+0004 at char 1, U+0004 at char 4" in err
+    code, _, err = run_cli(["tokenize", "plain text, café 你好", "-m", str(gguf_path)], monkeypatch, capsys)
+    assert code == 0 and "no token" not in err
