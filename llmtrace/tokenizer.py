@@ -558,6 +558,24 @@ class TextTokenizer:
             return frozenset()
         return frozenset(b for b, ch in BYTE_TO_CHAR.items() if self.tok.token_to_id(ch) is None)
 
+    def dropped_chars(self, text: str) -> list[int]:
+        """Positions of the characters of `text` the tokenizer leaves out because a byte of theirs has no token."""
+        dropped = self.unencodable_bytes
+        if not dropped:
+            return []
+        return [i for i, ch in enumerate(text) if not dropped.isdisjoint(ch.encode("utf-8", errors="surrogatepass"))]
+
+    def dropped_note(self, text: str, what: str = "text") -> str | None:
+        """One line naming the characters `dropped_chars` finds, or None when there are none."""
+        found = self.dropped_chars(text)
+        if not found:
+            return None
+        n = len(found)
+        shown = ", ".join(f"U+{ord(text[i]):04X} at char {i}" for i in found[:5]) + (" …" if n > 5 else "")
+        return (f"{n} character{'s' if n != 1 else ''} of the {what} ha{'ve' if n != 1 else 's'} no token in this "
+                f"vocabulary and {'are' if n != 1 else 'is'} left out of the ids ({shown}); the model never sees "
+                f"{'them' if n != 1 else 'it'}")
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

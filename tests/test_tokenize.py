@@ -521,7 +521,7 @@ def test_cli_usage_errors_and_help(gguf_path, monkeypatch, capsys):
 def test_bytes_without_a_token_are_located_and_reported(gguf_path, tt, hf, monkeypatch, capsys):
     """SmolLM2's byte-level vocabulary has no token for 21 byte values (0x04 among them): the tokenizer drops them,
     as transformers' does. Spans after such a byte follow the bytes (the tokenizers library's offsets lose count), and
-    `tokenize` names the dropped characters on stderr."""
+    `tokenize` and `generate` name the dropped characters on stderr."""
     assert len(tt.unencodable_bytes) == 21 and 0x04 in tt.unencodable_bytes and 0x05 not in tt.unencodable_bytes
     text = "a\x04\x05b\x04"
     assert tt.encode(text) == hf.encode(text, add_special_tokens=False)
@@ -533,3 +533,8 @@ def test_bytes_without_a_token_are_located_and_reported(gguf_path, tt, hf, monke
     assert "2 characters of the text have no token" in err and "U+0004 at char 1, U+0004 at char 4" in err
     code, _, err = run_cli(["tokenize", "plain text, café 你好", "-m", str(gguf_path)], monkeypatch, capsys)
     assert code == 0 and "no token" not in err
+    assert tt.dropped_chars(text) == [1, 4] and tt.dropped_chars("plain text, café 你好") == []
+    # generate says it too, before the run (the prompt it prints is the text as given)
+    code, _, err = run_cli(["generate", "Hi\x04 there", "-m", str(gguf_path), "-n", "1", "--trace", "none"],
+                           monkeypatch, capsys)
+    assert code == 0 and "1 character of the prompt has no token" in err and "U+0004 at char 2" in err

@@ -154,6 +154,9 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     scfg.ban = banned_sequences(tok, ban)
     scfg.validate(lm.config.vocab_size)
     prompt_text, ids = tok.encode_prompt(text, chat=chat, system=system)
+    dropped = tok.dropped_note(prompt_text, "prompt")
+    if dropped:
+        print(f"note: {dropped}", file=sys.stderr)
     sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
 
     machine_on_stdout = "-" in (jsonl, json_out)

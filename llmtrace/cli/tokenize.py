@@ -196,16 +196,6 @@ def _merge_lines(tt: TextTokenizer, traces, total_words: int | None):
     return out
 
 
-def _uncovered_chars(text: str, tokens: list[TokenInfo]) -> list[int]:
-    """Positions of characters no token stands for. Byte-level vocabularies can lack a token for some bytes (SmolLM2's
-    has none for 21 of the 256, e.g. 0x04); the tokenizer then drops them, as the reference tokenizer does."""
-    covered = bytearray(len(text))
-    for t in tokens:
-        if t.span is not None:
-            covered[t.span[0] : t.span[1]] = b"\x01" * (t.span[1] - t.span[0])
-    return [i for i, c in enumerate(covered) if not c]
-
-
 def _bos_eos_summary(tt: TextTokenizer, tokens: list[TokenInfo], add_special: bool, chat: bool) -> dict:
     added_ids = [t.id for t in tokens if t.span is None]
     bos_added = tt.bos_id is not None and tt.bos_id in added_ids[:1]
@@ -298,12 +288,9 @@ def tokenize(
         prompt, add_special = source, True
     tokens = tt.encode_detailed(prompt, add_special_tokens=add_special, parse_special=special)
     bos_eos = _bos_eos_summary(tt, tokens, add_special, conversation is not None)
-    dropped = _uncovered_chars(prompt, tokens)
+    dropped = tt.dropped_note(prompt)
     if dropped:
-        shown = ", ".join(f"U+{ord(prompt[i]):04X} at char {i}" for i in dropped[:5]) + (" …" if len(dropped) > 5 else "")
-        _note(f"{len(dropped)} character{'s' if len(dropped) != 1 else ''} of the text ha{'ve' if len(dropped) != 1 else 's'} "
-              f"no token in this vocabulary and {'are' if len(dropped) != 1 else 'is'} left out of the ids ({shown}); "
-              f"the model never sees {'them' if len(dropped) != 1 else 'it'}")
+        _note(dropped)
 
     traces, total_words = None, None
     if merges:
