@@ -25,6 +25,14 @@ def traced_run(lm, level, layers=None, n=6, dump=(), **sampling):
     return events, result
 
 
+def assert_stats_of(st: dict, x: torch.Tensor, rel: float, abs_mean: float) -> None:
+    """A recorded statistics dict equals the statistics of x computed directly (in float64)."""
+    x = x.double()
+    assert st["mean"] == pytest.approx(x.mean().item(), rel=rel, abs=abs_mean)
+    for name, value in (("std", x.std()), ("min", x.min()), ("max", x.max()), ("norm", x.norm())):
+        assert st[name] == pytest.approx(value.item(), rel=rel), name
+
+
 @pytest.fixture(scope="module")
 def validator():
     jsonschema = pytest.importorskip("jsonschema")
@@ -83,12 +91,7 @@ def test_stats_are_the_tensors_statistics(smollm):
     smollm.model.cache = None
     with torch.inference_mode():
         logits = smollm.model(ids)[0, -1].double()
-    st = ev["stats"]
-    assert st["mean"] == pytest.approx(logits.mean().item(), rel=1e-5, abs=1e-5)
-    assert st["std"] == pytest.approx(logits.std().item(), rel=1e-5)
-    assert st["min"] == pytest.approx(logits.min().item(), rel=1e-5)
-    assert st["max"] == pytest.approx(logits.max().item(), rel=1e-5)
-    assert st["norm"] == pytest.approx(logits.norm().item(), rel=1e-5)
+    assert_stats_of(ev["stats"], logits, rel=1e-5, abs_mean=1e-5)
 
 
 def test_kv_bytes_grow_by_bytes_per_token(smollm):
@@ -211,12 +214,7 @@ def test_repeated_keys_are_recorded_as_repeat_interleave_without_copying(smollm)
     values = torch.tensor(ev["values"], dtype=torch.float64)  # (S, H, Dh)
     cached = smollm.model.cache.layers[2].k[0, :, :S].double()  # (Hkv, S, Dh), as left by the run
     assert torch.equal(values, cached.repeat_interleave(group, dim=0).transpose(0, 1))
-    st = ev["stats"]
-    assert st["mean"] == pytest.approx(values.mean().item(), rel=1e-6, abs=1e-9)
-    assert st["std"] == pytest.approx(values.std().item(), rel=1e-6)
-    assert st["min"] == pytest.approx(values.min().item(), rel=1e-6)
-    assert st["max"] == pytest.approx(values.max().item(), rel=1e-6)
-    assert st["norm"] == pytest.approx(values.norm().item(), rel=1e-6)
+    assert_stats_of(ev["stats"], values, rel=1e-6, abs_mean=1e-9)
 
 
 def test_broadcast_view_statistics_equal_the_materialised_tensor():
