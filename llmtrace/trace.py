@@ -284,6 +284,8 @@ class Recorder:
         """Events and statistics of every tensor kept since the last call. Tensors of one shape are stacked into a
         matrix and reduced along its rows, so a pass costs a few reductions per distinct shape (about ten) rather than
         a few per tensor (hundreds)."""
+        if not self._taps:
+            return  # a pass nothing recorded (every pass of --trace none and most of --trace steps)
         groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
         step, phase = self.step, self.phase
         for layer, name, x, dumped in self._taps:
