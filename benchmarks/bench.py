@@ -221,7 +221,8 @@ def summarise(rounds: list[dict], args) -> dict:
                                      ("prefill_tok_s", "decode_tok_s", "ttft_s", "gen_s", "process_wall_s", "peak_rss_mb",
                                       "load_s", "decode_tok_s_reported")}})
     ceil = {k: med(_get(rounds, "ceiling", k)) for k in
-            ("pass_ms_best", "pass_ms_median", "gb_s", "ceiling_tok_s", "matrix_bytes", "weight_bytes",
+            ("pass_ms_best", "pass_ms_median", "pass_ms_sustained", "ceiling_sustained_tok_s", "gb_s", "ceiling_tok_s",
+             "matrix_bytes", "weight_bytes",
              "rss_before_load_mb", "rss_after_load_mb", "rss_after_use_mb", "distinct_storages", "n_parameters",
              "gpu_peak_gb_s")}
     weight_mb = (ceil["weight_bytes"] or 0) / 2**20
@@ -231,12 +232,17 @@ def summarise(rounds: list[dict], args) -> dict:
         R[name] = {"per_round": values, "median": med(values), "target": target, "sense": sense}
 
     ratio("decode: compiled / HF", _ratio(rounds, "llmtrace:compiled", "decode_tok_s", "hf", "decode_tok_s"), 2.0)
-    ratio("decode: compiled / ceiling", _ratio(rounds, "llmtrace:compiled", "decode_tok_s", "ceiling", "ceiling_tok_s"),
-          0.85)
+    ratio("decode: compiled / ceiling (sustained)", _ratio(rounds, "llmtrace:compiled", "decode_tok_s", "ceiling",
+                                                            "ceiling_sustained_tok_s"), 0.85)
+    ratio("decode: compiled / ceiling (best single pass)", _ratio(rounds, "llmtrace:compiled", "decode_tok_s", "ceiling",
+                                                                  "ceiling_tok_s"), 0.85)
     ratio("decode: compiled / none", _ratio(rounds, "llmtrace:compiled", "decode_tok_s", "llmtrace:none", "decode_tok_s"))
     ratio("decode: none / HF", _ratio(rounds, "llmtrace:none", "decode_tok_s", "hf", "decode_tok_s"))
-    ratio("decode: none / ceiling", _ratio(rounds, "llmtrace:none", "decode_tok_s", "ceiling", "ceiling_tok_s"))
-    ratio("decode: HF / ceiling", _ratio(rounds, "hf", "decode_tok_s", "ceiling", "ceiling_tok_s"))
+    ratio("decode: none / ceiling (sustained)", _ratio(rounds, "llmtrace:none", "decode_tok_s", "ceiling",
+                                                        "ceiling_sustained_tok_s"))
+    ratio("decode: HF / ceiling (sustained)", _ratio(rounds, "hf", "decode_tok_s", "ceiling", "ceiling_sustained_tok_s"))
+    ratio("ceiling: sustained / best single pass", _ratio(rounds, "ceiling", "ceiling_sustained_tok_s", "ceiling",
+                                                          "ceiling_tok_s"))
     ratio("prefill: none / HF", _ratio(rounds, "llmtrace:none", "prefill_tok_s", "hf", "prefill_tok_s"))
     ratio("TTFT from process start: none / HF", _ratio(rounds, "llmtrace:none", "ttft_s", "hf", "ttft_s"))
     for lv, target in (("steps", 1.05), ("layers", None), ("full", 1.5)):
@@ -307,7 +313,9 @@ def report(s: dict, meta: dict) -> str:
     c, o = s["ceiling"], s["other"]
     lines += ["", f"Ceiling: one pass of matrix-vector products over the {_fmt((c['matrix_bytes'] or 0) / 2**20, 0)} MiB "
               f"of weight matrices a decode step reads: best {_fmt(c['pass_ms_best'], 2)} ms, median "
-              f"{_fmt(c['pass_ms_median'], 2)} ms ({_fmt(c['gb_s'], 1)} GB/s) → ceiling {_fmt(c['ceiling_tok_s'])} tok/s.",
+              f"{_fmt(c['pass_ms_median'], 2)} ms ({_fmt(c['gb_s'], 1)} GB/s) → ceiling {_fmt(c['ceiling_tok_s'])} tok/s; "
+              f"sustained over 63 passes back to back (as a 64-token decode runs 63 steps): "
+              f"{_fmt(c['pass_ms_sustained'], 2)} ms a pass → {_fmt(c['ceiling_sustained_tok_s'])} tok/s.",
               f"llmtrace GGUF load: cold (convert + cache) {_fmt(o['cold_load_s'], 2)} s, warm {_fmt(o['warm_load_s'], 2)} s; "
               f"`generate -n 1` warm, process start to exit: {_fmt(o['warm_n1_wall_s'], 2)} s; "
               f"fp32 weights {_fmt((c['weight_bytes'] or 0) / 2**20, 0)} MiB.",
