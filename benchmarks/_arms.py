@@ -10,6 +10,8 @@ Arms:
     cold      llmtrace's GGUF load with an empty cache directory (read, dequantize, fuse, cache), then a warm load
     overhead  the trace levels against no trace in one process, one generation each in turn, repeated: the tracing
               cost with the machine's minute-to-minute drift (which moves whole processes by 10-20%) cancelled out
+    decode    HF transformers, llmtrace (eager and --compile) and the ceiling's 63 passes in one process, one run each in
+              turn, repeated: the decode ratios with that drift cancelled out
 """
 
 from __future__ import annotations
@@ -209,10 +211,6 @@ def arm_cold(spec: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# torch.compile of the decode step, measured against eager in the same process
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # the cost of tracing, measured in one process
 
 
@@ -248,7 +246,104 @@ def arm_overhead(spec: dict) -> dict:
     return {"seconds": times, "ratios": ratios, "median_ratio": {lv: statistics.median(v) for lv, v in ratios.items()}}
 
 
-ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold, "overhead": arm_overhead}
+# ----------------------------------------------------------------------------------------------------------------
+# decode speed, HF / llmtrace / the ceiling, measured in one process
+
+
+class _StepClock:
+    """A generation observer that only notes when each token comes out, as _TokenClock does for HF."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def wants_ledger(self) -> bool:
+        return False
+
+    def on_start(self, lm, prompt_ids, sampler) -> None:
+        pass
+
+    def before_forward(self, step, phase, start, n_tokens) -> None:
+        pass
+
+    def after_forward(self, step) -> None:
+        pass
+
+    def on_step(self, record) -> None:
+        self.times.append(time.time())
+
+    def on_end(self, result) -> None:
+        pass
+
+
+def arm_decode(spec: dict) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    from llmtrace.generate import compile_decode, generate
+    from llmtrace.loader import load_model, set_threads
+    from llmtrace.sampler import Sampler, SamplerConfig
+
+    set_threads(spec["threads"])
+    transformers.logging.set_verbosity_error()
+    dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    gguf, dev, n = spec["gguf"], spec["device"], spec["new_tokens"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=dtype, attn_implementation="eager").to(dev).eval()
+    lm = load_model(gguf, device=dev, dtype=spec["dtype"])
+    compile_s = compile_decode(lm, len(spec["prompt_ids"]), n)  # Inductor's cache from the rounds: seconds
+    ids = torch.tensor([spec["prompt_ids"]], device=dev)
+    mats = decode_matrices(lm.model)
+    xs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats]
+    tokens = {}
+
+    def run_hf() -> float:
+        clock = _TokenClock(dev)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, streamer=clock, pad_token_id=hf.config.eos_token_id)
+        tokens["hf"] = out[0, ids.size(1):].tolist()
+        return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+
+    compiled_step = lm.model._compiled_step
+
+    def run_llmtrace(compiled: bool) -> float:
+        lm.model._compiled_step = compiled_step if compiled else None  # the same compiled code every time
+        clock = _StepClock()
+        res = generate(lm, spec["prompt_ids"], Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), n,
+                       ignore_eos=True, observer=clock)
+        tokens["compiled" if compiled else "none"] = res.tokens
+        return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+
+    def run_ceiling() -> float:  # n - 1 passes back to back, as the decode rates above count n - 1 steps
+        with torch.inference_mode():
+            _sync(dev)
+            t = time.time()
+            for _ in range(n - 1):
+                for x, w in zip(xs, mats):
+                    F.linear(x, w)
+            _sync(dev)
+        return (n - 1) / (time.time() - t)
+
+    arms = {"hf": run_hf, "compiled": lambda: run_llmtrace(True), "none": lambda: run_llmtrace(False),
+            "ceiling": run_ceiling}
+    for f in arms.values():  # warm-up: first calls, allocator
+        f()
+    rates: dict[str, list[float]] = {a: [] for a in arms}
+    for r in range(spec.get("decode_pairs", 6)):
+        for a in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+            rates[a].append(arms[a]())
+    ratios = {
+        "compiled / HF": [c / h for c, h in zip(rates["compiled"], rates["hf"])],
+        "compiled / ceiling (sustained)": [c / x for c, x in zip(rates["compiled"], rates["ceiling"])],
+        "none / HF": [c / h for c, h in zip(rates["none"], rates["hf"])],
+        "HF / ceiling (sustained)": [h / x for h, x in zip(rates["hf"], rates["ceiling"])],
+    }
+    return {"decode_tok_s": rates, "ratios": ratios, "compile_s": compile_s,
+            "tokens_equal": {a: tokens[a] == tokens["hf"] for a in ("compiled", "none")}}
+
+
+ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold, "overhead": arm_overhead, "decode": arm_decode}
 
 
 def main() -> None:

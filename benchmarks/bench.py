@@ -324,6 +324,12 @@ def report(s: dict, meta: dict) -> str:
               f"`--compile`: compiling the decode step took {_fmt(o['compile_s_cold'])} s with an empty Inductor cache, "
               f"{_fmt(o['compile_s_warm'])} s (median) once cached; per round "
               f"{' '.join(f'{v:.1f}' for v in o['compile_s_per_round'])} s.", ""]
+    if s.get("decode"):
+        d = s["decode"]
+        lines[-1:-1] = [f"In-process decode arm: tok/s medians "
+                        + ", ".join(f"{a} {statistics.median(v):.1f}" for a, v in d["decode_tok_s"].items())
+                        + f"; greedy tokens equal to HF's: {d['tokens_equal']}; compiled step ready in "
+                          f"{d['compile_s']:.1f} s."]
     lines += ["| ratio | median | per round | target |", "| --- | ---: | --- | --- |"]
     for name, r in s["ratios"].items():
         if r["median"] is None:
@@ -371,7 +377,10 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
     p.add_argument("--model", default=None, help="a GGUF file (default: the default model's)")
     p.add_argument("--only", nargs="*",
-                   help="run only these arms: hf llmtrace llmtrace:steps llmtrace:compiled ceiling cold warm_n1 overhead")
+                   help="run only these arms: hf llmtrace llmtrace:steps llmtrace:compiled ceiling cold warm_n1 overhead "
+                        "decode")
+    p.add_argument("--decode-pairs", type=int, default=6,
+                   help="alternations of the in-process decode arm (each runs HF, llmtrace eager and compiled, ceiling)")
     p.add_argument("--overhead-pairs", type=int, default=8,
                    help="alternations of the in-process trace-overhead arm (each runs every level once)")
     p.add_argument("--json", default=None, help="write every number to this file")
@@ -418,6 +427,16 @@ def main() -> None:
             except RuntimeError as e:
                 print(f"  overhead arm failed: {e}", file=sys.stderr)
             print(f"  overhead (one process)  {time.time() - t:6.1f} s", file=sys.stderr, flush=True)
+        decode = None
+        if not args.only or "decode" in args.only:
+            spec = {"gguf": str(args.gguf), "threads": args.threads, "device": args.device, "dtype": args.dtype,
+                    "prompt_ids": ids, "new_tokens": NEW_TOKENS, "decode_pairs": args.decode_pairs}
+            t = time.time()
+            try:
+                decode = run_arm("decode", spec, env)
+            except RuntimeError as e:
+                print(f"  decode arm failed: {e}", file=sys.stderr)
+            print(f"  decode (one process)    {time.time() - t:6.1f} s", file=sys.stderr, flush=True)
         try:
             meta["machine"]["load_avg_end"] = os.getloadavg()
         except OSError:
@@ -430,6 +449,13 @@ def main() -> None:
             s["ratios"][f"one process, alternating: {lv} / none"] = {
                 "per_round": values, "median": statistics.median(values), "target": target, "sense": "le"}
         s["overhead"] = overhead
+    if decode is not None:
+        for name, target in (("compiled / HF", 2.0), ("compiled / ceiling (sustained)", 0.85), ("none / HF", None),
+                             ("HF / ceiling (sustained)", None)):
+            values = decode["ratios"][name]
+            s["ratios"][f"one process, alternating: decode {name}"] = {
+                "per_round": values, "median": statistics.median(values), "target": target, "sense": "ge"}
+        s["decode"] = decode
     text = report(s, meta)
     print(text)
     if args.json:
