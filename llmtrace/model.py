@@ -226,7 +226,7 @@ class Attention(Tappable):
             k, v = cache.update(start, k, v)  # (B, Hkv, S, Dh)
             if self.observer is not None:
                 self.tap("kv_write", torch.arange(start, start + T))  # the positions written
-        if T == 1 and q.is_cpu and torch.compiler.is_compiling():  # the compiled decode step: _one_token_attention
+        if T == 1 and torch.compiler.is_compiling():  # the compiled decode step (see _one_token_attention)
             y = _one_token_attention(q, k, v)
         elif self.eager:
             y = self._attention_eager(q, k, v, start)
@@ -275,10 +275,10 @@ class Attention(Tappable):
 def _one_token_attention(q, k, v):
     """softmax(q K^T / sqrt(Dh)) V for one query token, as sums of products, for the compiled decode step.
 
-    Written this way, Inductor fuses RoPE, the cache write, scores, softmax and the weighted sum of V into one loop per
-    layer. Attention as the CPU otherwise runs it makes two batched matrix products per layer, which cost ~18 us each
-    at these tiny sizes: 60 per step, ~4% of a compiled step (benchmarks/RESULTS.md). Used on the CPU only, where it
-    was measured. q (B, H, 1, Dh), k and v (B, Hkv, S, Dh) -> (B, H, 1, Dh)."""
+    Written this way, Inductor fuses scores, softmax and the weighted sum of V into its own loops; the fused attention
+    it would otherwise call goes through two batched matrix products per layer, which cost ~18 us each on a CPU for
+    these tiny sizes (60 per step, 4% of a compiled step; benchmarks/RESULTS.md). q (B, H, 1, Dh), k and v (B, Hkv, S,
+    Dh) -> (B, H, 1, Dh)."""
     B, H, _, Dh = q.shape
     Hkv = k.size(1)
     qg = q.view(B, Hkv, H // Hkv, 1, Dh)  # a KV head's query heads side by side
