@@ -226,9 +226,7 @@ class Attention(Tappable):
             k, v = cache.update(start, k, v)  # (B, Hkv, S, Dh)
             if self.observer is not None:
                 self.tap("kv_write", torch.arange(start, start + T))  # the positions written
-        if T == 1 and torch.compiler.is_compiling():  # the compiled decode step (see _one_token_attention)
-            y = _one_token_attention(q, k, v)
-        elif self.eager:
+        if self.eager:
             y = self._attention_eager(q, k, v, start)
         else:
             y = self._attention_sdpa(q, k, v, start)
@@ -270,22 +268,6 @@ class Attention(Tappable):
         q_pos = torch.arange(start, start + T, device=q.device)[:, None]
         mask = torch.arange(S, device=q.device)[None, :] <= q_pos  # (T, S), True where attention is allowed
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def _one_token_attention(q, k, v):
-    """softmax(q K^T / sqrt(Dh)) V for one query token, as sums of products, for the compiled decode step.
-
-    Written this way, Inductor fuses scores, softmax and the weighted sum of V into its own loops; the fused attention
-    it would otherwise call goes through two batched matrix products per layer, which cost ~18 us each on a CPU for
-    these tiny sizes (60 per step, 4% of a compiled step; benchmarks/RESULTS.md). q (B, H, 1, Dh), k and v (B, Hkv, S,
-    Dh) -> (B, H, 1, Dh)."""
-    B, H, _, Dh = q.shape
-    Hkv = k.size(1)
-    qg = q.view(B, Hkv, H // Hkv, 1, Dh)  # a KV head's query heads side by side
-    scores = (qg * k[:, :, None]).sum(-1) / math.sqrt(Dh)  # (B, Hkv, group, S)
-    probs = F.softmax(scores, dim=-1)
-    y = (probs[..., None] * v[:, :, None]).sum(-2)  # (B, Hkv, group, Dh)
-    return y.view(B, H, 1, Dh)
 
 
 class FeedForward(Tappable):
