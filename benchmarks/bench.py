@@ -97,6 +97,20 @@ def run_arm(arm: str, spec: dict, env: dict) -> dict:
     return out
 
 
+def run_in_process_arm(arm: str, spec: dict, args, env: dict):
+    """One of the arms that alternate their contenders within one process (after the rounds); None if not run."""
+    if args.only and arm not in args.only:
+        return None
+    t = time.time()
+    out = None
+    try:
+        out = run_arm(arm, spec, env)
+    except RuntimeError as e:
+        print(f"  {arm} arm failed: {e}", file=sys.stderr)
+    print(f"  {arm + ' (one process)':<24} {time.time() - t:6.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
 def run_llmtrace(arm: str, args, prompt_file: Path, env: dict, new_tokens: int = NEW_TOKENS) -> dict:
     """`llmtrace generate` as a user runs it, with the event stream on stdout; timestamps are taken as lines arrive.
     `arm` is a trace level, or "compiled": no trace and `--compile` (the compile happens before the prefill)."""
@@ -417,26 +431,10 @@ def main() -> None:
         rounds = []
         for r in range(args.rounds):
             rounds.append(one_round(r, args, prompt_file, ids, env))
-        overhead = None
-        if not args.only or "overhead" in args.only:
-            spec = {"gguf": str(args.gguf), "threads": args.threads, "device": args.device, "dtype": args.dtype,
-                    "prompt_ids": ids, "new_tokens": NEW_TOKENS, "overhead_pairs": args.overhead_pairs}
-            t = time.time()
-            try:
-                overhead = run_arm("overhead", spec, env)
-            except RuntimeError as e:
-                print(f"  overhead arm failed: {e}", file=sys.stderr)
-            print(f"  overhead (one process)  {time.time() - t:6.1f} s", file=sys.stderr, flush=True)
-        decode = None
-        if not args.only or "decode" in args.only:
-            spec = {"gguf": str(args.gguf), "threads": args.threads, "device": args.device, "dtype": args.dtype,
-                    "prompt_ids": ids, "new_tokens": NEW_TOKENS, "decode_pairs": args.decode_pairs}
-            t = time.time()
-            try:
-                decode = run_arm("decode", spec, env)
-            except RuntimeError as e:
-                print(f"  decode arm failed: {e}", file=sys.stderr)
-            print(f"  decode (one process)    {time.time() - t:6.1f} s", file=sys.stderr, flush=True)
+        base = {"gguf": str(args.gguf), "threads": args.threads, "device": args.device, "dtype": args.dtype,
+                "prompt_ids": ids, "new_tokens": NEW_TOKENS}
+        overhead = run_in_process_arm("overhead", dict(base, overhead_pairs=args.overhead_pairs), args, env)
+        decode = run_in_process_arm("decode", dict(base, decode_pairs=args.decode_pairs), args, env)
         try:
             meta["machine"]["load_avg_end"] = os.getloadavg()
         except OSError:
