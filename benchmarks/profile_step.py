@@ -143,13 +143,14 @@ def main() -> None:
         torch._inductor.config.cpp.enable_kernel_profile = True
         lm.model._compiled_step = torch.compile(lm.model.forward, dynamic=True, fullgraph=True)
         print(f"\ncompiling it again with Inductor's Python wrapper, for the profile: "
-              f"{compile_decode_as_is(lm, len(ids)):.1f} s")
+              f"{first_compiled_step(lm, len(ids)):.1f} s")
         report("--trace none, compiled decode step (Python wrapper)", profile_decode(lm, ids, "none", args.steps, warm=4),
                ceil, args)
 
 
-def compile_decode_as_is(lm, n_prompt: int) -> float:
-    """Run the model's current compiled step once on a scratch cache (what compile_decode does after compiling)."""
+def first_compiled_step(lm, n_prompt: int) -> float:
+    """Run a freshly compiled step once on a scratch KV cache, as generate.compile_decode does; the compile happens
+    here. Returns the seconds it took."""
     t = time.perf_counter()
     saved = lm.model.cache
     with torch.inference_mode():
@@ -157,6 +158,7 @@ def compile_decode_as_is(lm, n_prompt: int) -> float:
         lm.model.step(torch.zeros((1, 1), dtype=torch.long), n_prompt)
     lm.model.cache = saved
     return time.perf_counter() - t
+
 
 if __name__ == "__main__":
     main()
