@@ -31,6 +31,7 @@ from llmtrace.generate import generate  # noqa: E402
 from llmtrace.loader import load_model, set_threads  # noqa: E402
 from llmtrace.sampler import Sampler, SamplerConfig  # noqa: E402
 from llmtrace.trace import Recorder, TraceOptions  # noqa: E402
+from _arms import decode_matrices  # noqa: E402  (benchmarks/, this script's directory)
 
 MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm"}
 
@@ -38,10 +39,7 @@ MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm"}
 def ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
     """One pass of matrix-vector products over every weight matrix a decode step reads: (best pass, mean pass of
     `passes` back to back), in ms."""
-    mats = []
-    for block in model.layers:
-        mats += [block.attn.wqkv.weight, block.attn.wo.weight, block.ffn.w_gate_up.weight, block.ffn.w_down.weight]
-    mats.append(model.lm_head.weight)
+    mats = decode_matrices(model)
     xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in mats]
     times = []
     with torch.inference_mode():

@@ -116,8 +116,13 @@ def _round_tensor(x: torch.Tensor) -> torch.Tensor:
     down = torch.pow(10.0, (-k).clamp(0, 22))
     # n / 10^k (k >= 0) and n * 10^-k (k < 0) are single correctly rounded operations on exact operands
     rounded = torch.where(k >= 0, torch.round(x * up) / up, torch.round(x / down) * down)
-    exact = torch.isfinite(x) & (mag > 1e-15) & (mag < 1e22)
-    return torch.where(exact, rounded, x)
+    return torch.where(_batch_roundable(x), rounded, x)
+
+
+def _batch_roundable(x: torch.Tensor) -> torch.Tensor:
+    """Where _round_tensor rounds exactly: finite, nonzero magnitudes in (1e-15, 1e22)."""
+    mag = x.abs()
+    return (mag > 1e-15) & (mag < 1e22)  # false for nan, and inf fails the upper bound
 
 
 def _rounded_rows(rows: torch.Tensor) -> list[list]:
@@ -126,8 +131,7 @@ def _rounded_rows(rows: torch.Tensor) -> list[list]:
     rows = rows.cpu()
     stats = rows[:, :5]
     out = torch.cat([_round_tensor(stats), rows[:, 5:]], dim=1).tolist()
-    mag = stats.abs()
-    for r, c in ((stats != 0) & ~((mag > 1e-15) & (mag < 1e22))).nonzero().tolist():  # what _round_tensor left
+    for r, c in ((stats != 0) & ~_batch_roundable(stats)).nonzero().tolist():  # what _round_tensor left
         out[r][c] = _round(out[r][c])
     return out
 
