@@ -706,15 +706,23 @@ def _skip_weight_init():
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
-def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Create the model without initialising random weights, then adopt the given tensors."""
+def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                modules: Optional[dict[str, nn.Module]] = None) -> Transformer:
+    """Create the model without initialising random weights, then adopt the given tensors. `modules` replace the
+    model's own by name first (--keep-quantized: llmtrace.quant's modules for the matrices); `sd` holds the rest."""
+    modules = modules or {}
     with _skip_weight_init():
         model = Transformer(config)
+    for name, m in modules.items():
+        model.set_submodule(name, m)
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-    if config.tie_embeddings:
+    tied = config.tie_embeddings and "lm_head" not in modules
+    if tied:
         sd["lm_head.weight"] = sd["embed.weight"]
-    model.load_state_dict(sd, assign=True, strict=True)
-    if config.tie_embeddings:
+    missing, unexpected = model.load_state_dict(sd, assign=True, strict=not modules)
+    if any(not k.startswith(tuple(n + "." for n in modules)) for k in [*missing, *unexpected]):
+        raise RuntimeError(f"weights left unset: {missing + unexpected}")  # a bug, not bad input
+    if tied:
         model.lm_head.weight = model.embed.weight
     for block in model.layers:
         # On the CPU the spelled-out attention is as fast as the fused kernel at these sizes, and it makes scores and

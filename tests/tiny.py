@@ -248,6 +248,7 @@ def write_gguf(
     w = gguf.GGUFWriter(str(path), arch)
     w.add_string("general.name", name)
     w.add_uint32(f"{arch}.block_count", c.num_hidden_layers)
+    w.add_uint32(f"{arch}.vocab_size", c.vocab_size)  # may exceed the tokenizer's list (benchmarks/scale.py)
     w.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
     w.add_uint32(f"{arch}.embedding_length", c.hidden_size)
     w.add_uint32(f"{arch}.feed_forward_length", c.intermediate_size)
