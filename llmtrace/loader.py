@@ -715,7 +715,7 @@ def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.
         model = Transformer(config)
     for name, m in modules.items():
         model.set_submodule(name, m)
-    sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    sd = {k: v.to(dtype=dtype) for k, v in sd.items()}  # read_weights put each on its device already
     tied = config.tie_embeddings and "lm_head" not in modules
     if tied:
         sd["lm_head.weight"] = sd["embed.weight"]

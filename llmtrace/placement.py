@@ -128,3 +128,128 @@ class Placement:
     max_memory: dict = field(default_factory=dict)  # accelerate's keys: GPU index, "mps", "cpu"
     offload_dir: Optional[Path] = None
     main_device: torch.device = torch.device("cpu")
+
+    def load(self, config, plan: dict[str, list], dtype: torch.dtype):
+        """The model with each tensor read straight to where accelerate's device map puts its module: a device, or
+        the offload folder (disk). Then accelerate's hooks move inputs and offloaded weights at each call."""
+        from accelerate import dispatch_model, infer_auto_device_map
+        from accelerate.utils import offload_weight, save_offload_index
+
+        from llmtrace.loader import build_model, read_weights
+        from llmtrace.model import Transformer
+
+        with torch.device("meta"):  # shapes only, to size the layers
+            skeleton = Transformer(config).to(dtype)
+        dmap = infer_auto_device_map(skeleton, max_memory=self.max_memory, no_split_module_classes=["Block"], dtype=dtype)
+        main = _accelerate_name(self.main_device)
+        # the embedding, the final norm and the head stay on the main device: the KV cache, the RoPE table and the
+        # logits live there (and a tied head is the embedding)
+        if "" in dmap:
+            dmap = {name: dmap[""] for name, _ in skeleton.named_children()}
+        for top in ("embed", "norm", "lm_head"):
+            if _device_of(dmap, top) == "disk":
+                dmap[top] = main
+        self.device_map = dmap
+        folder = self.offload_dir
+        sd, index = {}, {}
+        for name, parts in plan.items():
+            where = _device_of(dmap, name)
+            t = read_weights({name: parts}, dtype, torch.device("cpu" if where == "disk" else _torch_device(where)))[name]
+            if where == "disk":
+                offload_weight(t, name, str(folder), index=index)
+                t = torch.empty(t.shape, dtype=dtype, device="meta")
+            sd[name] = t
+        if index:
+            save_offload_index(index, str(folder))
+        model = build_model(config, sd, self.main_device, dtype)
+        return dispatch_model(model, device_map=dmap, main_device=main, offload_dir=str(folder) if index else None,
+                              offload_index=index or None)
+
+    def summary(self) -> dict:
+        """Where each top-level part went, for the trace: {"embed": "cpu", "layers.0": "disk", ...}."""
+        return {name: str(d) for name, d in getattr(self, "device_map", {}).items()}
+
+
+def _device_of(dmap: dict, name: str):
+    """The device a tensor's module was given: the entry for its longest prefix."""
+    best = None
+    for key, dev in dmap.items():
+        if key == "" or name == key or name.startswith(key + "."):
+            if best is None or len(key) > len(best[0]):
+                best = (key, dev)
+    return best[1] if best else "disk"
+
+
+def _accelerate_name(d: torch.device):
+    return d.index or 0 if d.type == "cuda" else d.type
+
+
+def _torch_device(d) -> torch.device:
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
+def parse_placement(device_map: Optional[str], max_memory: Optional[list[str]], offload_dir: Optional[Path],
+                    model_key: str) -> Optional[Placement]:
+    """--device-map / --max-memory / --offload-dir -> a Placement, or None. Every error is one line (UsageError)."""
+    if device_map is None and not max_memory:
+        if offload_dir is not None:
+            raise UsageError("--offload-dir applies with --device-map auto")
+        return None
+    if device_map not in (None, "auto"):
+        raise UsageError(f"unknown --device-map {device_map!r}; only 'auto' is supported (accelerate places the layers)")
+    limits: dict = {}
+    for item in max_memory or []:
+        dev, sep, size = item.partition("=")
+        if not sep or not dev.strip() or not size.strip():
+            raise UsageError(f"bad --max-memory {item!r}: write DEVICE=SIZE, e.g. cuda:0=20GiB or cpu=32GiB")
+        key = _device_key(dev.strip())
+        try:
+            limits[key] = parse_size(size)
+        except ValueError as e:
+            raise UsageError(f"bad --max-memory {item!r}: {e}") from None
+    if not limits:  # accelerate's own defaults: every GPU's free memory, then the CPU's
+        from accelerate.utils import get_max_memory
+
+        limits = get_max_memory()
+    if "cpu" not in limits:
+        limits["cpu"] = available_memory()
+    gpus = sorted(k for k in limits if isinstance(k, int))
+    main = torch.device("cuda", gpus[0]) if gpus else torch.device("mps") if "mps" in limits else torch.device("cpu")
+    return Placement(max_memory=limits, offload_dir=_offload_folder(offload_dir, model_key), main_device=main)
+
+
+def _device_key(dev: str):
+    """'cuda:1', 'cuda', '1', 'mps', 'cpu' -> accelerate's max_memory key, checked against this machine."""
+    name = dev.lower()
+    if name in ("cpu", "mps"):
+        if name == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+            raise UsageError("--max-memory names mps, but MPS is not available here")
+        return name
+    m = re.fullmatch(r"(?:cuda:?)?(\d*)", name)
+    if not m or (name != "cuda" and not m.group(1)):
+        raise UsageError(f"unknown device {dev!r} in --max-memory; use cpu, mps, cuda or cuda:N")
+    index = int(m.group(1) or 0)
+    if index >= torch.cuda.device_count():
+        have = torch.cuda.device_count()
+        raise UsageError(f"--max-memory names {dev!r}, but this machine has {have} CUDA device{'s' if have != 1 else ''}")
+    return index
+
+
+def _offload_folder(requested: Optional[Path], model_key: str) -> Path:
+    """A fresh folder for the layers written to disk (removed at exit), inside --offload-dir or the user cache; checked
+    writable before anything is loaded."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from llmtrace.registry import cache_dir
+
+    parent = requested if requested is not None else cache_dir() / "offload"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f"{model_key}-", dir=parent))
+    except OSError as e:
+        raise LlmtraceError(f"--offload-dir {parent}: not a writable directory ({e.strerror or e}); choose another "
+                            f"with --offload-dir") from None
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder

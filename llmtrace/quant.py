@@ -250,8 +250,11 @@ def storage_table(model: nn.Module) -> list[dict]:
     out = []
     for name, m in model.named_modules():
         if isinstance(m, QUANT_MODULES):
+            embed = getattr(model, "embed", None)
+            if name == "lm_head" and isinstance(embed, QuantEmbedding) and m.raw0 is embed.raw0:
+                continue  # tied: the embedding's row already says it
             n = m.weight.numel()
-            out.append({"name": name, "type": "+".join(s.kind for s in m.segments),
+            out.append({"name": name, "type": "+".join(dict.fromkeys(s.kind for s in m.segments)),
                         "bytes_per_weight": round(m.stored_bytes() / n, 4)})
         elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dim() == 2:
             if name == "lm_head" and getattr(model, "embed", None) is not None and m.weight is model.embed.weight:
@@ -311,3 +314,12 @@ def load_gguf_quantized(path, device: torch.device, dtype: torch.dtype):
         modules["lm_head"] = QuantLinear([e.raw0], e.segments, config.d_model, dtype)
     model = build_model(config, sd, device, dtype, modules)
     return config, model, tokenizer
+
+
+def storage_line(rows: list[dict]) -> str:
+    """One line for a storage table: 'Q4_1 0.625 B/weight ×120 · Q8_0 1.0625 B/weight ×1'."""
+    groups: dict[tuple, int] = {}
+    for r in rows:
+        key = (r["type"], r["bytes_per_weight"])
+        groups[key] = groups.get(key, 0) + 1
+    return " · ".join(f"{t} {b:g} B/weight ×{n}" for (t, b), n in groups.items())

@@ -87,6 +87,10 @@ class TerminalRenderer:
         self.console.print(Text.assemble(("model ", "bold"), f"{m['name']} · {m['arch']} · {m['n_layers']} layers · "
                                          f"D={m['d_model']} · {gqa} · Dh={m['head_dim']} · F={m['ffn_dim']} · "
                                          f"V={m['vocab_size']:,} · RoPE θ={m['rope_theta']:g}{params}"))
+        if m.get("storage"):
+            from llmtrace.quant import storage_line
+
+            self.console.print(Text.assemble(("weights ", "bold"), storage_line(m["storage"])))
         s = ev.get("sampling", {})
         mode = "greedy" if s.get("temperature") == 0 else "sampling " + ", ".join(
             f"{k}={v}" for k, v in s.items() if k in ("temperature", "top_k", "top_p", "min_p", "typical_p") and v not in (None,))

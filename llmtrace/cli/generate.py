@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, app
+from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, app,
+                              load_options)
 from llmtrace.errors import LlmtraceError, UsageError
 
 GENERATE_HELP = """Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
@@ -26,6 +27,10 @@ Examples:
   llmtrace generate "Once upon a time" --trace none -n 100
 
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
+
+  llmtrace generate "Once upon a time" -m model.Q4_K_M.gguf --keep-quantized
+
+  llmtrace generate "Once upon a time" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB
 
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
 """
@@ -89,6 +94,10 @@ def generate(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for stdout).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    keep_quantized: KeepQuantizedOpt = False,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadDirOpt = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
@@ -131,9 +140,10 @@ def generate(
     from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
 
     pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
+    scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir)
 
     set_threads(threads)
-    lm = load_model(model, device=device, dtype=dtype)
+    lm = load_model(model, device=device, dtype=dtype, **scale)
     run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
         ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl=jsonl, json_out=json_out,
         compile_decode=compile_)
