@@ -448,7 +448,7 @@ def open_gguf(path: Path) -> GGUFFile:
 # so a load never holds a second copy of the weights. Files are read with readinto, not memory-mapped: the pages of
 # a mapping count towards the process's resident memory for as long as it stays mapped.
 
-CHUNK_BYTES = 64 << 20  # a conversion (bfloat16 -> float32, dequantization) handles at most this much at a time
+CHUNK_BYTES = 16 << 20  # a conversion (bfloat16 -> float32, dequantization) handles at most this much at a time
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 

@@ -107,13 +107,16 @@ def choose_dtype(requested: Optional[str], device: torch.device, name: str, n_we
     dtype = pick_dtype(requested, device)
     if placement is not None:  # accelerate places what does not fit
         return dtype
+    note = None
     if requested is None and device.type == "cpu" and dtype == torch.float32:
         have = available_memory()
         if 4 * n_weights + BASELINE_BYTES > FP32_SHARE * have:
             dtype = torch.bfloat16
-            print(f"note: float32 weights would take {human(4 * n_weights)} of {human(have)} available; loading "
-                  f"in bfloat16 ({human(2 * n_weights)}) instead (--dtype float32 overrides)", file=sys.stderr)
+            note = (f"note: float32 weights would take {human(4 * n_weights)} of {human(have)} available; loading in "
+                    f"bfloat16 ({human(2 * n_weights)}) instead (--dtype float32 overrides)")
     check_fits(name, n_weights * dtype.itemsize, f"its weights in {str(dtype).replace('torch.', '')}", device)
+    if note:
+        print(note, file=sys.stderr)
     return dtype
 
 
