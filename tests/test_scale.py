@@ -264,19 +264,24 @@ def _peak(path, dtype, keep_quantized=False) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+FIXED = 48 << 20
+
+
 @pytest.mark.slow
 def test_peak_memory_of_a_load_is_the_weights_once(tmp_path):
     """bf16 safetensors (~170 MB) loaded in bf16 and in float32, and as a Q8_0 GGUF kept quantized: the peak above
-    the process's own baseline stays within 1.15x the weights (1.3x the file). Before, every weight was held twice."""
+    the process's own baseline stays within 1.15x the weights (1.3x the file), plus a fixed 48 MiB for what any load
+    allocates besides weights (a 16 MiB conversion chunk, the tokenizer's tables). Before, every weight was held twice
+    (1.6-1.8x)."""
     spec = TinySpec(n_layers=6, d_model=1024, n_heads=16, n_kv_heads=4, ffn_dim=4096, seed=1)
     hf = make_hf_model(spec)
     hf.to(torch.bfloat16).save_pretrained(str(tmp_path / "hf"))
     write_tokenizer(tmp_path / "hf", tiny_tokenizer())
     for dtype in ("bfloat16", "float32"):
         m = _peak(tmp_path / "hf", dtype)
-        assert m["peak"] - m["base"] <= 1.15 * m["stored"], (dtype, m)
+        assert m["peak"] - m["base"] <= 1.15 * m["stored"] + FIXED, (dtype, m)
     gguf_path = tmp_path / "q8.gguf"
     write_gguf(gguf_path, hf.float(), plan=lambda name, a: None if a.ndim == 1 else "Q8_0")
     del hf
     m = _peak(gguf_path, "float32", keep_quantized=True)
-    assert m["peak"] - m["base"] <= 1.3 * gguf_path.stat().st_size, m
+    assert m["peak"] - m["base"] <= 1.3 * gguf_path.stat().st_size + FIXED, m
