@@ -198,6 +198,10 @@ def parse_placement(device_map: Optional[str], max_memory: Optional[list[str]], 
         if offload_dir is not None:
             raise UsageError("--offload-dir applies with --device-map auto")
         return None
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise LlmtraceError("--device-map needs accelerate: pip install 'llmtrace[big]' (or pip install accelerate)") from None
     if device_map not in (None, "auto"):
         raise UsageError(f"unknown --device-map {device_map!r}; only 'auto' is supported (accelerate places the layers)")
     limits: dict = {}
