@@ -3,6 +3,7 @@
     python benchmarks/scale.py                       # Llama-3.2-1B shape (16 layers), bf16 safetensors + Q8_0 GGUF
     python benchmarks/scale.py --layers 4 --quant Q4_0 --json scale.json
     python benchmarks/scale.py --decode 16           # also decode tok/s: fp32 path vs --keep-quantized
+    python benchmarks/scale.py --kernels             # one head GEMV: fp32, torch's int8 kernel, dequantize + GEMV
 
 The checkpoint has random weights shaped like Llama-3.2-1B (D 2048, 32 query / 8 KV heads, F 8192, V 128256, tied
 embeddings, llama3 RoPE scaling), written as bf16 safetensors by transformers, and as a GGUF by the gguf package's
@@ -121,6 +122,48 @@ def run_arm(kind: str, path: Path, dtype: str, decode: int, env: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def kernels(threads: int, reps: int = 20) -> list[dict]:
+    """One decode GEMV on SmolLM2's 49152 x 576 head, best of `reps`: fp32 F.linear, torch's int8 weight-only kernel
+    (_weight_int8pack_mm), and --keep-quantized's dequantize-then-GEMV for Q8_0 and Q4_1 (the default model's types)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from llmtrace.quant import dequantize
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    w, x = torch.randn(49152, 576) * 0.05, torch.randn(1, 576)
+    w8 = (w / w.abs().amax(1, keepdim=True) * 127).round().to(torch.int8)
+    scales = w.abs().amax(1) / 127
+    q8 = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0))
+    q41 = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q4_1))
+    arms = {
+        "fp32 F.linear": lambda: F.linear(x, w),
+        "int8 _weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, w8, scales),
+        "Q8_0 dequantize + F.linear": lambda: F.linear(x, dequantize(q8, "Q8_0")),
+        "Q4_1 dequantize + F.linear": lambda: F.linear(x, dequantize(q41, "Q4_1")),
+        "Q4_1 dequantize only": lambda: dequantize(q41, "Q4_1"),
+    }
+    rows = []
+    for name, fn in arms.items():
+        fn()
+        best = min(_timed(fn) for _ in range(reps))
+        rows.append({"kernel": name, "ms": round(best * 1e3, 2)})
+    base = rows[0]["ms"]
+    for r in rows:
+        r["x_fp32"] = round(r["ms"] / base, 2)
+    return rows
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arm", nargs=4, help=argparse.SUPPRESS)
@@ -130,7 +173,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the rows to this file")
     ap.add_argument("--skip-hf", action="store_true", help="leave out the transformers arms")
+    ap.add_argument("--kernels", action="store_true", help="only time one head GEMV: fp32, torch int8, dequantize")
     args = ap.parse_args()
+    if args.kernels:
+        for r in kernels(args.threads):
+            print(f"{r['kernel']:30} {r['ms']:8.2f} ms  {r['x_fp32']:5.2f}x fp32")
+        return
     if args.arm:
         print(json.dumps(arm(args.arm[0], args.arm[1], args.arm[2], int(args.arm[3]))))
         return

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 QK_K = 256  # weights per super-block of the K-quants
+BAND_WEIGHTS = 1 << 22  # QuantLinear dequantizes at most this many weights at a time (16 MiB as float32)
 
 # type name -> (weights per block, bytes per block)
 BLOCKS = {
@@ -200,7 +201,15 @@ class QuantLinear(nn.Module):
         if fused_on(x.device):
             y = torch.cat([fused_linear(s.kind)(x, r) for r, s in zip(self.raws(), self.segments)], dim=-1)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantize(), self.bias)
+        # a band of rows at a time: the dequantized copy of a big matrix (the LM head) never exists whole, which keeps
+        # the memory near the file's size; each output column depends on its own row only
+        outs = []
+        for raw, seg in zip(self.raws(), self.segments):
+            step = max(1, BAND_WEIGHTS // self.in_features)
+            for r in range(0, raw.size(0), step):
+                outs.append(F.linear(x, dequantize(raw[r : r + step], seg.kind).to(self.compute)))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
 
     @property
     def weight(self) -> torch.Tensor:
