@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 QK_K = 256  # weights per super-block of the K-quants
-BAND_WEIGHTS = 1 << 22  # QuantLinear dequantizes at most this many weights at a time (16 MiB as float32)
+BAND_WEIGHTS = 1 << 20  # QuantLinear dequantizes at most this many weights at a time (4 MiB as float32)
 
 # type name -> (weights per block, bytes per block)
 BLOCKS = {
@@ -201,8 +201,8 @@ class QuantLinear(nn.Module):
         if fused_on(x.device):
             y = torch.cat([fused_linear(s.kind)(x, r) for r, s in zip(self.raws(), self.segments)], dim=-1)
             return y if self.bias is None else y + self.bias
-        # a band of rows at a time: the dequantized copy of a big matrix (the LM head) never exists whole, which keeps
-        # the memory near the file's size; each output column depends on its own row only
+        # a band of rows at a time (BAND_WEIGHTS): the dequantized copy of a big matrix (the LM head) never exists
+        # whole, which keeps the memory near the file's size; each output column depends on its own row only
         outs = []
         for raw, seg in zip(self.raws(), self.segments):
             step = max(1, BAND_WEIGHTS // self.in_features)
