@@ -860,7 +860,11 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
         config, plan, tokenizer, converted = _open_checkpoint(resolved)
         dt = place.choose_dtype(dtype, dev, resolved.name, place.weight_count(config), placement)
         if placement is None:
-            sd = read_weights(plan, dt, dev)
+            progress, stop = _progress_to_stderr(f"loading {resolved.name}")
+            try:
+                sd = read_weights(plan, dt, dev, progress)
+            finally:
+                stop()
             model = build_model(config, sd, dev, dt)
             del sd
         else:

@@ -165,6 +165,9 @@ class Placement:
         if index:
             save_offload_index(index, str(folder))
         model = build_model(config, sd, self.main_device, dtype)
+        import logging
+
+        logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)  # its note that offloaded weights are meta
         return dispatch_model(model, device_map=dmap, main_device=main, offload_dir=str(folder) if index else None,
                               offload_index=index or None)
 
