@@ -46,17 +46,17 @@ KeepQuantizedOpt = Annotated[
 ]
 DeviceMapOpt = Annotated[
     Optional[str],
-    typer.Option("--device-map", help="auto: accelerate spreads the layers over GPUs, CPU memory and disk "
+    typer.Option("--device-map", metavar="auto", help="auto: accelerate spreads the layers over GPUs, CPU memory and disk "
                  "(see --max-memory).", show_default=False),
 ]
 MaxMemoryOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--max-memory", help="DEVICE=SIZE a device may hold with --device-map, e.g. cuda:0=20GiB, "
+    typer.Option("--max-memory", metavar="DEV=SIZE", help="DEVICE=SIZE a device may hold with --device-map, e.g. cuda:0=20GiB, "
                  "cpu=32GiB (repeatable); what does not fit goes to disk.", show_default=False),
 ]
 OffloadDirOpt = Annotated[
     Optional[Path],
-    typer.Option("--offload-dir", help="Where --device-map writes layers that go to disk (default: the user cache; "
+    typer.Option("--offload-dir", metavar="DIR", help="Where --device-map writes layers that go to disk (default: the user cache; "
                  "removed at exit).", show_default=False),
 ]
 
