@@ -158,6 +158,25 @@ def fitted_table(console: Console, columns: list[Column], rows: list[list[Cell]]
     return t, [c.name for c, k in zip(columns, keep) if not k]
 
 
+def print_columns(console: Console, columns: list[Column], rows: list[list[str]]) -> list[str]:
+    """The plain-string form of `print_table` for the tables printed at every step of a deep trace: the same fitting
+    (columns dropped by priority, nothing cut), laid out as one Text. A rich Table of 30 rows costs ~40 ms to lay out,
+    a quarter of a traced decode step; this costs ~1 ms. Returns the names of the columns left out."""
+    widths = [max([len(col.name)] + [len(r[i]) for r in rows]) for i, col in enumerate(columns)]
+    keep = fit_columns(widths, [c.drop for c in columns], console.width)
+    cols = [(i, c, w) for i, (c, w, k) in enumerate(zip(columns, widths, keep)) if k]
+
+    def line(cells: list[str]) -> str:
+        return (" " * GAP).join(cells[i].rjust(w) if c.justify == "right" else cells[i].ljust(w)
+                                for i, c, w in cols).rstrip()
+
+    out = Text(line([c.name for c in columns]), style="bold")
+    for r in rows:
+        out.append("\n" + line(r), style="")
+    console.print(out, overflow="fold")
+    return [c.name for c, k in zip(columns, keep) if not k]
+
+
 def print_table(console: Console, columns: list[Column], rows: list[list[Cell]]) -> None:
     t, dropped = fitted_table(console, columns, rows)
     console.print(t)
@@ -435,7 +454,7 @@ class TerminalRenderer:
             return fmt_short(st.get(key))
 
         out = [[str(layer)] + [stat(by.get((layer, p)), s) for p, s, _, _ in cols] for layer in layers]
-        print_table(self.console, [Column("layer", "right")] + [Column(h, "right", drop=d) for _, _, h, d in cols], out)
+        print_columns(self.console, [Column("layer", "right")] + [Column(h, "right", drop=d) for _, _, h, d in cols], out)
         model = [(n, by[(None, n)]) for n in ("embed", "final_norm", "last", "logits") if (None, n) in by]
         if model:
             print_parts(self.console, [f"{n} ‖x‖ {fmt_short(st['norm'])}" if n != "logits" else
