@@ -184,6 +184,34 @@ def print_table(console: Console, columns: list[Column], rows: list[list[Cell]])
         console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
 
 
+def print_fitted(console: Console, table: Table) -> None:
+    """Print a Table already filled so that no number in it is cut: every column keeps its full width (min_width)
+    except token text, which gives way first; when that is not enough the rightmost columns are left out, with a note
+    that names them."""
+    def natural(col) -> int:
+        cells = [col.header] + list(col._cells)
+        return max(((c if isinstance(c, Text) else Text(str(c))).cell_len for c in cells if isinstance(c, (str, Text))),
+                   default=1)
+
+    def bends(col) -> bool:  # a column of token text may be shortened ('▁capit…'); numbers, shapes and names not
+        return "token" in str(col.header)
+
+    pad = table.padding[1] + table.padding[3] if len(table.padding) == 4 else 2
+    dropped = []
+    while True:
+        need = sum(min(natural(c), 8) if bends(c) else natural(c) for c in table.columns)
+        need += pad * len(table.columns)
+        if need <= console.width or len(table.columns) <= 2:
+            break
+        dropped.insert(0, str(table.columns.pop().header))
+    for col in table.columns:
+        if not bends(col):
+            col.min_width, col.no_wrap, col.overflow = natural(col), True, "fold"
+    console.print(table)
+    if dropped:
+        console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the sampler's effect on one step
 

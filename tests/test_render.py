@@ -160,3 +160,22 @@ def test_schema_says_what_the_statistics_are_computed_over(smollm):
     for words in ("all elements", "n−1", "float64", "−inf", "float32"):
         assert words in stats
     assert "top" in schema["$defs"]["step"]["properties"]["sampler"]["items"]["properties"]
+
+
+def test_explain_and_lens_views_keep_numbers_whole_at_80_columns(smollm, greedy_run, monkeypatch):
+    from llmtrace.cli.explain import render_explain, render_lens
+    from llmtrace.explain import explain_events, lens_events
+
+    ids = smollm.tokenizer.encode(PROMPT)
+    explained = explain_events(smollm, ids, 3, top=5, prompt=PROMPT, chat=False)
+    lensed = lens_events(smollm, ids, list(range(len(ids))), None, top=5, prompt=PROMPT, chat=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("NO_COLOR", "1")
+    for events, render_view in ((explained, render_explain), (lensed, render_lens)):
+        out = io.StringIO()
+        render_view(events, make_console(file=out))
+        assert cut_numbers(out.getvalue()) == []
+    # k_repeated has one shape in both commands: (T, H, Dh), the keys repeated for each query head
+    shape = next(e["shape"] for e in explained if e["event"] == "tensor" and e["name"] == "k_repeated")
+    shapes = next(e for e in greedy_run if e["event"] == "shapes")["points"]
+    assert shape == next(p["shape"] for p in shapes if p["name"] == "k_repeated") == [len(ids), 9, 64]
