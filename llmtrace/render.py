@@ -356,7 +356,7 @@ class TerminalRenderer:
         self._last_kv: Optional[dict] = None
         self._dropped_note = False
         self._compact_note = False
-        self._dump_points: list[str] = []
+        self._held_dumps: list[dict] = []  # --dump values under --trace none, shown after the streamed text
 
     def __call__(self, ev: dict) -> None:
         kind = ev.get("event")
@@ -427,11 +427,15 @@ class TerminalRenderer:
     def _on_tensor(self, ev: dict) -> None:
         self._tensors.append(ev)
 
-    def _flush_tensors(self, step: int) -> None:
+    def _flush_tensors(self) -> None:
         rows, self._tensors = self._tensors, []
         if not rows:
             return
+        step = rows[0].get("step", 0)
         dumps = [r for r in rows if "values" in r]
+        if not self.show_steps:  # --trace none streams the text: the dumps wait for its end, one line each
+            self._held_dumps += dumps
+            return
         if len(rows) <= DETAIL_ROWS:
             what = "prefill (step 0)" if step == 0 else f"step {step}"
             self._title(f"{what}: statistics at each recorded point")
@@ -517,7 +521,7 @@ class TerminalRenderer:
     def _on_step(self, ev: dict) -> None:
         self._last_kv = ev.get("kv_cache")
         if self._tensors:
-            self._flush_tensors(ev.get("step", 0))
+            self._flush_tensors()
             self._step_rows = 0  # repeat the step header after a statistics table
         if self.show_steps:
             self._step_row(ev)
@@ -561,9 +565,11 @@ class TerminalRenderer:
 
     def _on_summary(self, ev: dict) -> None:
         if self._tensors:  # a pass whose step never came (interrupted)
-            self._flush_tensors(-1)
+            self._flush_tensors()
         if self.stream_text:
             self.console.print()
+            for r in self._held_dumps:
+                self._dump_line(r)
         else:
             self.console.print(Text.assemble(("output ", "bold"), ev["text"]))
         n_gen = ev["generated_tokens"]
