@@ -416,7 +416,7 @@ class Recorder:
         if led is not None:
             ev["topk"] = [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
                           for i, lg, p in led.topk[: self.options.topk]]
-            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob)}
+            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob), "top": s.top}
                              for s in led.stages]
             ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
                          "greedy": led.greedy}

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, app
 from llmtrace.errors import UsageError
-from llmtrace.render import fmt_bytes, fmt_num, make_console, visible
+from llmtrace.render import fmt_bytes, fmt_num, make_console, print_fitted, visible
 
 EXPLAIN_HELP = """Take one decoder layer apart on your prompt: every step of s6.1–s6.8 with real numbers.
 
@@ -302,7 +302,7 @@ def _layer(console: Console, ev: dict) -> None:
     for p in ev["params"]:
         t.add_row(p["seed_step"], p["name"], _shape(p["shape"]), f"{p['numel']:,}", f"{p['numel'] / ev['layer_params']:.1%}")
     t.add_row("", Text("layer total", style="bold"), "", Text(f"{ev['layer_params']:,}", style="bold"), "100%")
-    console.print(t)
+    print_fitted(console, t)
     _note(console, f"= {ev['share']:.2%} of the model's {ev['model_params']:,} parameters "
                    f"({ev['share_of_layers']:.2%} of the weights outside the embedding and final norm; the embedding "
                    f"table holds {ev['embedding_params']:,})")
@@ -314,7 +314,7 @@ def _layer(console: Console, ev: dict) -> None:
                                 ("o", "output projection", "2·T·H·Dh·D"), ("ffn", "SwiGLU FFN", "2·T·D·2F + 2·T·F·D")):
         t.add_row(label, formula, f"{f[key]:,}")
     t.add_row(Text("layer total", style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))
-    console.print(t)
+    print_fitted(console, t)
     _note(console, "2 FLOPs per multiply-add; the scores count the full T×T square the eager path computes "
                    "(the causal mask then discards the upper half)")
 
@@ -337,7 +337,7 @@ def _rmsnorm(console: Console, evs: list[dict], toks: list[str]) -> None:
         r, s = a["tokens"][i], f["tokens"][i]
         t.add_row(str(i), _tok(toks[i]), fmt_num(r["rms"]), fmt_num(r["norm_in"]), fmt_num(r["norm_unit"]),
                   fmt_num(r["norm_out"]), fmt_num(s["rms"]), fmt_num(s["norm_in"]), fmt_num(s["norm_out"]))
-    console.print(t)
+    print_fitted(console, t)
     _note(console, f"dividing by the RMS gives every token the same length √D = {a['d_model'] ** 0.5:.2f}, whatever "
                    f"its scale; γ then re-weights each of the D dimensions (learned), which sets the final length")
 
@@ -349,7 +349,7 @@ def _qkv(console: Console, ev: dict) -> None:
     for s in ev["shapes"]:
         t.add_row(s["name"], _shape(s["shape"]), _shape(s["split"]) if "split" in s else "",
                   _shape(s["heads_first"]) if "heads_first" in s else "")
-    console.print(t)
+    print_fitted(console, t)
     if Hkv < H:
         console.print(Text(f"grouped-query attention (GQA): {ev['group_size']} query heads share each KV head", style="bold"))
         for g, qs in enumerate(ev["groups"]):
@@ -374,7 +374,7 @@ def _rope(console: Console, ev: dict) -> None:
     for p in ev["pairs"]:
         t.add_row(str(p["i"]), f"{p['dims'][0]}, {p['dims'][1]}", f"{p['theta_i']:.3g}", f"{p['wavelength']:.3g} pos",
                   *[f"{p['angles'][c]:.3g}" for c in cols])
-    console.print(t)
+    print_fitted(console, t)
     _note(console, "angles in radians; fast pairs (small i) turn in a few positions and see nearby order, slow pairs "
                    "barely turn and carry long-range position. V is not rotated.")
     r = ev["relative"]
@@ -383,7 +383,7 @@ def _rope(console: Console, ev: dict) -> None:
     t = _table(("d = m − n", "right"), *[(f"n = {s}", "right") for s in r["shifts"]], ("spread", "right"))
     for d, row, dev in zip(r["distances"], r["scores"], r["deviation_by_distance"]):
         t.add_row(str(d), *[f"{v:.6f}" for v in row], fmt_num(dev))
-    console.print(t)
+    print_fitted(console, t)
     ok = r["max_deviation"] <= 1e-4
     console.print(Text(("✓" if ok else "✗") + f" q·k/√Dh is the same wherever the pair sits, given d "
                        f"(largest spread {fmt_num(r['max_deviation'])}); it changes when d changes", style="green" if ok else "red"))
@@ -417,10 +417,15 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
                    f"{fmt_num(ev['post_mask']['max'])}; every softmax row sums to 1 (largest error "
                    f"{fmt_num(ev['row_sum_max_error'])})")
     ex = ev["example"]
-    grid = Table.grid(padding=(0, 3))
-    grid.add_row(_matrix_table(f"head {ex['head']}: Q·Kᵀ/√Dh, masked →−∞", ex["scores"], ex["masked_scores"]),
-                 _matrix_table("softmax P", ex["probs"]))
-    console.print(grid)
+    scores = _matrix_table(f"head {ex['head']}: Q·Kᵀ/√Dh, masked →−∞", ex["scores"], ex["masked_scores"])
+    probs = _matrix_table("softmax P", ex["probs"])
+    if console.measure(scores).maximum + console.measure(probs).maximum + 3 <= console.width:
+        grid = Table.grid(padding=(0, 3))  # side by side when they fit
+        grid.add_row(scores, probs)
+        console.print(grid)
+    else:
+        print_fitted(console, scores)
+        print_fitted(console, probs)
     if ex["positions"] < T:
         _note(console, f"(the first {ex['positions']} positions of {T})")
     # for each head, the position each query attends to most
@@ -434,7 +439,7 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
                 continue
             t.add_row(str(i), _tok(toks[i], 10), *[f"{h['argmax'][i]}:{h['weight'][i]:.2f}" for h in chunk])
         t.add_row("", Text("mean on 0", style="dim"), *[Text(f"{h['first_token_weight']:.2f}", style="dim") for h in chunk])
-        console.print(t)
+        print_fitted(console, t)
     _heatmap(console, amap, toks)
 
 
@@ -478,7 +483,7 @@ def _residual(console: Console, ev: dict, toks: list[str]) -> None:
         r = ev["tokens"][i]
         t.add_row(str(i), _tok(toks[i]), fmt_num(r["norm_in"]), fmt_num(r["norm_attn"]), fmt_num(r["attn_to_stream"]),
                   _f(r["cos_attn_stream"], 3), _f(r["cos_attn"], 5), fmt_num(r["rel_change_layer"]), _f(r["cos_layer"], 5))
-    console.print(t)
+    print_fitted(console, t)
     _note(console, "x enters the layer; attn = concat(heads)·Wo; x' = x + attn (so ‖x'−x‖/‖x‖ = ‖attn‖/‖x‖); "
                    "x'' = x' + FFN(x') leaves the layer. A cosine near 1: the layer nudged the token's vector "
                    "rather than replacing it")
@@ -502,14 +507,14 @@ def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
         r = ev["tokens"][i]
         t.add_row(str(i), _tok(toks[i]), f"{r['near_zero_fraction']:.1%}", fmt_num(r["norm_act"]), fmt_num(r["norm_down"]),
                   fmt_num(r["rel_change"]), _f(r["cos"], 5))
-    console.print(t)
+    print_fitted(console, t)
     tu = ev["top_units"]
     console.print(Text(f"the most active units for the last token (position {tu['position']}, "
                        f"{_tok(toks[tu['position']])}), by |act|", style="bold"))
     t = _table(("unit", "right"), ("gate", "right"), ("silu(gate)", "right"), ("up", "right"), ("act", "right"))
     for u in tu["units"]:
         t.add_row(str(u["unit"]), fmt_num(u["gate"]), fmt_num(u["silu_gate"]), fmt_num(u["up"]), fmt_num(u["act"]))
-    console.print(t)
+    print_fitted(console, t)
 
 
 def _kv(console: Console, ev: dict) -> None:
@@ -537,7 +542,7 @@ def _lens_here(console: Console, rows: list[dict], m: dict) -> None:
                (f"real output (after layer {L - 1})", "left"))
     for k in range(len(final["topk"])):
         t.add_row(str(k + 1), _cand(mid["topk"][k]), _cand(post["topk"][k]), _cand(final["topk"][k]))
-    console.print(t)
+    print_fitted(console, t)
 
 
 def _tensors(console: Console, tensors: list[dict]) -> None:
@@ -550,7 +555,7 @@ def _tensors(console: Console, tensors: list[dict]) -> None:
         s = ev["stats"]
         t.add_row(ev.get("seed_step") or "", ev["name"], _shape(ev["shape"]), fmt_num(s["mean"]), fmt_num(s["std"]),
                   fmt_num(s["min"]), fmt_num(s["max"]), fmt_num(s["norm"]))
-    console.print(t)
+    print_fitted(console, t)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -585,7 +590,7 @@ def render_lens(events: list[dict], console: Console) -> None:
             style = _prob_style(c["prob"]) + (" underline" if c["id"] == nxt else "")
             line.append(Text(_tok(c["text"], w), style=style))
         t.add_row(str(layer), *line)
-    console.print(t)
+    print_fitted(console, t)
     legend = Text("probability of the top-1 token: ")
     for lo, style in PROB_STYLES:
         legend.append(f"≥{lo:.0%} " if lo else "<5%", style=style)

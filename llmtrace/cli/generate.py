@@ -15,9 +15,28 @@ GENERATE_HELP = """Generate text and trace every step: tokens, shapes, top-k, sa
 
 The default model (smollm2-135m-instruct) is fetched on first use. Greedy decoding is the default (--temperature 0).
 
+The steps of the view (s1–s12, the seed table), one line each:
+
+\b
+  s1   tokenize: the text split into pieces
+  s2   ids: each piece's vocabulary id
+  s3   padding and attention mask (one sequence: no padding)
+  s4   embedding: ids → X [T, D]
+  s5   position: RoPE, applied to q and k inside attention (s6.3)
+  s6   each layer: norm, Q/K/V, RoPE, scores, softmax, ·V, FFN, KV cache
+  s7   the last position: the row that predicts the next token
+  s8   final RMSNorm (LLaMA normalizes every position, then takes the last)
+  s9   LM head: one logit per vocabulary entry
+  s10  temperature, penalties, logit bias, bans (row marked * if they
+       changed the most likely token)
+  s11  top-k, top-p, min-p, typical-p: the survivors column
+  s12  sample (greedy: argmax), then detokenize
+
 Examples:
 
   llmtrace generate "Quantum mechanics is a fundamental theory in physics that" -n 16
+
+  llmtrace generate "The capital of France is" --ban " Paris" -n 4
 
   llmtrace generate "Write a haiku about rain" --chat --temperature 0.8 --top-p 0.9 --seed 1
 

@@ -78,17 +78,9 @@ def _read_messages(path: str) -> list[dict]:
 
 
 def _console(err: bool = False):
-    from rich.console import Console
+    from llmtrace.render import make_console  # the one console factory: terminal width, else $COLUMNS, else 100
 
-    stream = sys.stderr if err else sys.stdout
-    tty = stream.isatty()
-    return Console(
-        file=stream,
-        no_color=bool(os.environ.get("NO_COLOR")) or not tty,
-        highlight=False,
-        width=None if tty else 120,
-        soft_wrap=False,
-    )
+    return make_console(stderr=err)
 
 
 def _note(message: str) -> None:
