@@ -90,7 +90,9 @@ class TerminalRenderer:
         s = ev.get("sampling", {})
         mode = "greedy" if s.get("temperature") == 0 else "sampling " + ", ".join(
             f"{k}={v}" for k, v in s.items() if k in ("temperature", "top_k", "top_p", "min_p", "typical_p") and v not in (None,))
-        self.console.print(f"[bold]run[/bold]   {ev['device']} · {ev['dtype']} · {mode} · seed {s.get('seed')} · "
+        n = ev.get("threads") if ev["device"] == "cpu" else None
+        threads = f" · {n} thread{'' if n == 1 else 's'}" if n else ""
+        self.console.print(f"[bold]run[/bold]   {ev['device']}{threads} · {ev['dtype']} · {mode} · seed {s.get('seed')} · "
                            f"trace {ev.get('trace', {}).get('level', '?')}")
 
     def _on_tokens(self, ev: dict) -> None:
