@@ -10,7 +10,6 @@ directory, so later loads are a memory-mapped read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -26,8 +25,8 @@ import torch.nn as nn
 
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.model import ModelConfig, Transformer
-
-CONVERT_VERSION = 1  # bump when the cached conversion format changes
+from llmtrace.registry import converted_dir  # where conversions live is the cache's business
+from llmtrace.tokenizer import load_tokenizer  # noqa: F401  (it needs no torch, so `tokenize` loads it from there)
 
 SUPPORTED_HF_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -555,18 +554,6 @@ def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.
 # the conversion cache for GGUF files
 
 
-def _convert_key(path: Path) -> str:
-    st = path.stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERT_VERSION}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
-def converted_dir(path: Path) -> Path:
-    from llmtrace.registry import cache_dir
-
-    return cache_dir() / "converted" / f"{path.stem}-{_convert_key(path)}"
-
-
 def _config_to_json(c: ModelConfig) -> str:
     return json.dumps(asdict(c), indent=1)
 
@@ -681,24 +668,6 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
     del sd
     return LoadedModel(name=resolved.name, source=resolved.kind, path=resolved.path, config=config, model=model,
                        tokenizer=tokenizer, device=dev, dtype=dt, load_s=time.perf_counter() - t0, converted=converted)
-
-
-def load_tokenizer(spec: Optional[str] = None):
-    """Only the tokenizer of a model (no weights are read for HF directories or already-converted GGUF files)."""
-    from llmtrace.tokenizer import TextTokenizer
-
-    resolved = _resolve(spec)
-    if resolved.kind == "gguf":
-        dest = converted_dir(resolved.path)
-        tok_dir = dest / "tokenizer"
-        if (dest / "llmtrace_config.json").exists():
-            return TextTokenizer.from_hf_dir(tok_dir)
-        reader = open_gguf(resolved.path)
-        config_from_gguf(reader, str(resolved.path))  # refuse unsupported architectures here too
-        return TextTokenizer.from_gguf(reader)
-    if not (resolved.path / "tokenizer.json").exists():
-        raise LlmtraceError(f"{resolved.path}: no tokenizer.json in this directory, so it has no tokenizer llmtrace can use")
-    return TextTokenizer.from_hf_dir(resolved.path)
 
 
 def _one_line(e: BaseException) -> str:

@@ -64,6 +64,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 SHIPPED_REGISTRY = Path(__file__).with_name("models.toml")
 MANIFEST_NAME = "llmtrace-manifest.json"
 MANIFEST_VERSION = 1
+CONVERT_VERSION = 1  # bump when the cached conversion format of GGUF files changes
 
 HUB_ENDPOINT = "https://huggingface.co"
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
@@ -289,6 +290,13 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     raise AssertionError
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where the float32 conversion of a GGUF file is cached: named after the file's path, size and mtime."""
+    st = gguf.stat()
+    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERT_VERSION}"
+    return cache_dir() / "converted" / f"{gguf.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
 def _model_dir(key: str) -> Path:

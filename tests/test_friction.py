@@ -179,3 +179,50 @@ def test_help_says_what_happens_to_the_newline_and_threads(capsys, monkeypatch):
     assert "LLMTRACE_THREADS" in flat and "physical cores" in flat
     code, out, _ = cli(capsys, monkeypatch, "tokenize", "--help")
     assert "One trailing newline of a file or stdin" in " ".join(out.split())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# start-up: only the commands that run the model import torch
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tiny import TinySpec, make_hf_model, write_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(path, make_hf_model(TinySpec()))
+    return path
+
+
+def imports_torch(*argv, env: dict, stdin: str = "") -> tuple[bool, subprocess.CompletedProcess]:
+    """Run `llmtrace ARGV` in a fresh interpreter; whether it imported torch, and the process."""
+    code = ("import sys\nfrom llmtrace.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    code = e.code\nelse:\n    code = 0\nprint('torch' in sys.modules, file=sys.stderr)\nsys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, input=stdin,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env}, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.strip().splitlines()[-1] == "True", proc
+
+
+def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tmp_path, capsys, monkeypatch):
+    from llmtrace.loader import load_model
+
+    load_model(str(tiny_gguf))  # converts it into this test's cache, as the first `generate` would
+    trace = tmp_path / "run.json"
+    code, _, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_gguf, "-n", "2", "--json", trace)
+    assert code == 0, err
+    env = {"LLMTRACE_HOME": os.environ["LLMTRACE_HOME"], "LLMTRACE_CONFIG_DIR": os.environ["LLMTRACE_CONFIG_DIR"]}
+    for argv in [
+        ("tokenize", "Hello", "--ids", "-m", tiny_gguf),
+        ("tokenize", "Hello", "--merges", "-m", tiny_dir),
+        ("detokenize", "5", "6", "-m", tiny_gguf),
+        ("models",),
+        ("models", "--json"),
+        ("schema",),
+        ("show", trace),
+    ]:
+        torch_imported, proc = imports_torch(*argv, env=env)
+        assert proc.stdout and not torch_imported, argv
+    # the control: a command that runs the model does import it, so the check above can fail
+    torch_imported, _ = imports_torch("generate", "hi", "-m", tiny_gguf, "-n", "1", "--trace", "none", env=env)
+    assert torch_imported

@@ -24,8 +24,8 @@ from llmtrace.tokenizer import TextTokenizer, TokenInfo, check_messages
 
 
 def load_tokenizer(spec: str | None) -> TextTokenizer:
-    """The tokenizer for `-m` (a registry name, hub id, .gguf file or HF directory), via the shared loader."""
-    from llmtrace.loader import load_tokenizer as load
+    """The tokenizer for `-m` (a registry name, hub id, .gguf file or HF directory), without torch when it can."""
+    from llmtrace.tokenizer import load_tokenizer as load
 
     return load(spec)
 
