@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.model import ModelConfig, Transformer
-from llmtrace.registry import converted_dir  # where conversions live is the cache's business
+from llmtrace.registry import CONVERSION_SOURCE, conversion_source, converted_dir  # the cache's business
 from llmtrace.tokenizer import load_tokenizer  # noqa: F401  (it needs no torch, so `tokenize` loads it from there)
 
 SUPPORTED_HF_ARCHS = {
@@ -609,6 +609,7 @@ def convert_gguf(path: Path, dest: Path) -> None:
         save_file(sd, str(tmp / "weights.safetensors"))
         tokenizer.save_hf_dir(tmp / "tokenizer")
         (tmp / "llmtrace_config.json").write_text(_config_to_json(config))
+        (tmp / CONVERSION_SOURCE).write_text(conversion_source(path))  # whose conversion this is, for models/rm
 
 
 def _load_converted(dest: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
