@@ -289,18 +289,17 @@ class TtyStdin(io.StringIO):
 
 
 def test_pull_force_replaces_the_model_and_its_conversion(tiny_model, capfd):
-    from llmtrace.loader import load_model
+    from llmtrace.loader import converted_dir, load_model
 
     model = registry.resolve("fake")
     load_model("fake")
     (first,) = conversions()
-    assert json.loads((registry.converted_dir(model.path) / "source.json").read_text())["path"] == str(model.path)
     # one made before conversions named their source, known by the file's stem; and another file's, not ours
     legacy = registry.cache_dir() / "converted" / "tiny-0123456789abcdef"
-    shutil.copytree(registry.converted_dir(model.path), legacy)
-    (legacy / "source.json").unlink()
+    shutil.copytree(converted_dir(model.path), legacy)
+    (legacy / "source.json").unlink(missing_ok=True)
     load_model(str(tiny_model))
-    other = registry.converted_dir(tiny_model).name
+    other = converted_dir(tiny_model).name
     assert conversions() == sorted([first, legacy.name, other])
 
     code, _, err = run_cli(capfd, "pull", "fake", "--force")
@@ -308,13 +307,14 @@ def test_pull_force_replaces_the_model_and_its_conversion(tiny_model, capfd):
     assert conversions() == [other]  # the old copy's conversions went with it; the other file's stays
     new = registry.resolve("fake")
     load_model("fake")
-    assert conversions() == sorted([registry.converted_dir(new.path).name, other]) and first not in conversions()
+    assert conversions() == sorted([converted_dir(new.path).name, other]) and first not in conversions()
+    assert json.loads((converted_dir(new.path) / "source.json").read_text())["path"] == str(new.path)
     code, _, _ = run_cli(capfd, "pull", "fake", "--force")
     assert code == 0 and conversions() == [other]
 
 
 def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
-    from llmtrace.loader import load_model
+    from llmtrace.loader import converted_dir, load_model
 
     model = registry.resolve("fake")
     code, out, _ = run_cli(capfd, "models", "--json")
@@ -324,7 +324,7 @@ def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
     assert row["bytes"] == tiny_model.stat().st_size  # the manifest's files
 
     load_model("fake")
-    conversion = registry.converted_dir(model.path)
+    conversion = converted_dir(model.path)
     code, out, _ = run_cli(capfd, "models", "--json")
     row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
     assert row["conversions"] == [str(conversion)]
@@ -336,12 +336,12 @@ def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
 
 
 def test_rm_asks_then_removes_the_model_and_its_conversions(tiny_model, capfd, monkeypatch):
-    from llmtrace.loader import load_model
+    from llmtrace.loader import converted_dir, load_model
 
     registry.resolve("fake")
     load_model("fake")
     load_model(str(tiny_model))
-    other = registry.converted_dir(tiny_model).name
+    other = converted_dir(tiny_model).name
     models = registry.cache_dir() / "models"
     (models / ".fake.abcd_123.partial").mkdir()  # what a killed download left
 
