@@ -10,7 +10,6 @@ directory, so later loads are a memory-mapped read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -26,8 +25,8 @@ import torch.nn as nn
 
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.model import ModelConfig, Transformer
-
-CONVERT_VERSION = 1  # bump when the cached conversion format changes
+from llmtrace.registry import CONVERSION_SOURCE, conversion_source, converted_dir  # the cache's business
+from llmtrace.tokenizer import load_tokenizer  # noqa: F401  (it needs no torch, so `tokenize` loads it from there)
 
 SUPPORTED_HF_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -555,18 +554,6 @@ def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.
 # the conversion cache for GGUF files
 
 
-def _convert_key(path: Path) -> str:
-    st = path.stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERT_VERSION}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
-def converted_dir(path: Path) -> Path:
-    from llmtrace.registry import cache_dir
-
-    return cache_dir() / "converted" / f"{path.stem}-{_convert_key(path)}"
-
-
 def _config_to_json(c: ModelConfig) -> str:
     return json.dumps(asdict(c), indent=1)
 
@@ -622,6 +609,7 @@ def convert_gguf(path: Path, dest: Path) -> None:
         save_file(sd, str(tmp / "weights.safetensors"))
         tokenizer.save_hf_dir(tmp / "tokenizer")
         (tmp / "llmtrace_config.json").write_text(_config_to_json(config))
+        (tmp / CONVERSION_SOURCE).write_text(conversion_source(path))  # whose conversion this is, for models/rm
 
 
 def _load_converted(dest: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -683,34 +671,73 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
                        tokenizer=tokenizer, device=dev, dtype=dt, load_s=time.perf_counter() - t0, converted=converted)
 
 
-def load_tokenizer(spec: Optional[str] = None):
-    """Only the tokenizer of a model (no weights are read for HF directories or already-converted GGUF files)."""
-    from llmtrace.tokenizer import TextTokenizer
-
-    resolved = _resolve(spec)
-    if resolved.kind == "gguf":
-        dest = converted_dir(resolved.path)
-        tok_dir = dest / "tokenizer"
-        if (dest / "llmtrace_config.json").exists():
-            return TextTokenizer.from_hf_dir(tok_dir)
-        reader = open_gguf(resolved.path)
-        config_from_gguf(reader, str(resolved.path))  # refuse unsupported architectures here too
-        return TextTokenizer.from_gguf(reader)
-    if not (resolved.path / "tokenizer.json").exists():
-        raise LlmtraceError(f"{resolved.path}: no tokenizer.json in this directory, so it has no tokenizer llmtrace can use")
-    return TextTokenizer.from_hf_dir(resolved.path)
-
-
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:200] or type(e).__name__
 
 
-def set_threads(n: Optional[int]) -> int:
-    """Pin torch's CPU threads: `n`, else $LLMTRACE_THREADS, else the number of CPUs this process may use."""
+def physical_cores() -> int:
+    """The physical cores this process may run on: hyperthread siblings count once, as they share one core's FPUs.
+
+    Linux: the (package, core) ids in /sys of the CPUs in our affinity set, else /proc/cpuinfo; elsewhere psutil when
+    it is installed; else every logical CPU.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    cores = set()
+    for cpu in allowed or ():
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
+                       topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.clear()
+            break
+    if not cores and allowed:
+        try:
+            cores = cpuinfo_cores(Path("/proc/cpuinfo").read_text(), set(allowed))
+        except OSError:
+            pass
+    if cores:
+        return len(cores)
+    logical = len(allowed) if allowed else os.cpu_count() or 1
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)  # the whole machine's cores, so capped by the CPUs we may use
+    except ImportError:
+        n = None
+    return min(n, logical) if n else logical
+
+
+def cpuinfo_cores(text: str, allowed: set[int]) -> set[tuple[str, str]]:
+    """(physical id, core id) of each allowed CPU in the text of /proc/cpuinfo; empty when it does not say."""
+    cores = set()
+    for block in text.split("\n\n"):
+        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
+        if fields.get("processor", "").isdigit() and "core id" in fields and int(fields["processor"]) in allowed:
+            cores.add((fields.get("physical id", "0"), fields["core id"]))
+    return cores
+
+
+def thread_count(n: Optional[int] = None) -> int:
+    """The CPU threads to use: `n` (--threads), else $LLMTRACE_THREADS, else the physical cores."""
     if n is None:
-        env = os.environ.get("LLMTRACE_THREADS")
-        n = int(env) if env and env.isdigit() else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    n = max(1, int(n))
+        env = os.environ.get("LLMTRACE_THREADS", "").strip()
+        if env:
+            if not env.isdigit() or int(env) < 1:
+                raise UsageError(f"LLMTRACE_THREADS must be a whole number ≥ 1, not {env!r}")
+            n = int(env)
+    elif n < 1:
+        raise UsageError("--threads must be ≥ 1")
+    return n if n is not None else physical_cores()
+
+
+def set_threads(n: Optional[int] = None) -> int:
+    """Pin torch's CPU threads to thread_count(n) and return that number.
+
+    Physical cores, not logical CPUs, by default: two threads on one core's hyperthreads, or more threads than the
+    cores left free by a busy machine, make every matrix product wait for the slowest thread.
+    """
+    n = thread_count(n)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -381,7 +381,8 @@ class TerminalRenderer:
             parts.append(f"{m['n_params'] / 1e6:.1f}M params")
         print_parts(self.console, parts)
         trace = ev.get("trace", {})
-        print_parts(self.console, [f"run {ev.get('device', '?')}", ev.get("dtype", "?"),
+        n = ev.get("threads") if ev.get("device") == "cpu" else None
+        print_parts(self.console, [f"run {ev.get('device', '?')}", *([plural(n, "thread")] if n else []), ev.get("dtype", "?"),
                                    *sampler_settings(ev.get("sampling", {})), f"trace {trace.get('level', '?')}"])
 
     def _on_tokens(self, ev: dict) -> None:

@@ -783,3 +783,23 @@ def _read_json(path: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LlmtraceError(f"cannot read {path}: {e}") from None
     return data if isinstance(data, dict) else {}
+
+
+def load_tokenizer(spec: str | None = None) -> TextTokenizer:
+    """Only the tokenizer of a model (`spec` as --model takes it). No weights are read, and torch is imported only
+    the first time a GGUF file is used, when its conversion is not cached yet."""
+    from llmtrace.registry import converted_dir, resolve
+
+    resolved = resolve(spec)
+    if resolved.kind == "gguf":
+        dest = converted_dir(resolved.path)
+        if (dest / "llmtrace_config.json").exists():
+            return TextTokenizer.from_hf_dir(dest / "tokenizer")
+        from llmtrace.loader import config_from_gguf, open_gguf
+
+        reader = open_gguf(resolved.path)
+        config_from_gguf(reader, str(resolved.path))  # refuse unsupported architectures here too
+        return TextTokenizer.from_gguf(reader)
+    if not (resolved.path / "tokenizer.json").exists():
+        raise LlmtraceError(f"{resolved.path}: no tokenizer.json in this directory, so it has no tokenizer llmtrace can use")
+    return TextTokenizer.from_hf_dir(resolved.path)

@@ -345,6 +345,7 @@ class Recorder:
             },
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),
+            "threads": self.run_info.get("threads"),  # torch's CPU threads, as the CLI set them
             "sampling": sampler.config.to_dict() | {"seed": sampler.seed},
             "prompt": self.run_info.get("prompt", ""),
             "chat": self.run_info.get("chat", False),

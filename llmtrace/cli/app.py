@@ -36,3 +36,12 @@ DtypeOpt = Annotated[
     Optional[str],
     typer.Option("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).", show_default=False),
 ]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        help="CPU threads for torch (default: $LLMTRACE_THREADS, else the number of physical cores; on a busy "
+        "machine fewer threads can be much faster).",
+        show_default=False,
+    ),
+]

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, app
+from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, app
 from llmtrace.errors import UsageError
 from llmtrace.render import fmt_bytes, fmt_num, make_console, print_fitted, visible
 
@@ -60,7 +60,6 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System messa
 JsonlOpt = Annotated[Optional[str], typer.Option(
     "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout).")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the events as one JSON document to FILE (- for stdout).")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")]
 
 
 # ----------------------------------------------------------------------------------------------------------------

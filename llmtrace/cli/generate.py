@@ -8,12 +8,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, app
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, app
+from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
+from llmtrace.errors import UsageError
 
-GENERATE_HELP = """Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
+GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
 The default model (smollm2-135m-instruct) is fetched on first use. Greedy decoding is the default (--temperature 0).
+The prompt is the argument, else --file, else stdin. {NEWLINE_NOTE}
+
+CPU threads: --threads, else $LLMTRACE_THREADS, else one per physical core; the run header shows the count.
 
 The steps of the view (s1–s12, the seed table), one line each:
 
@@ -50,34 +54,6 @@ Examples:
 """
 
 
-def read_prompt(prompt: Optional[str], file: Optional[Path], what: str = "prompt") -> str:
-    """The prompt from the argument, --file, or stdin (in that order). Errors name the problem in one line."""
-    if prompt is not None and file is not None:
-        raise UsageError(f"give the {what} either as an argument or with --file, not both")
-    if file is not None:
-        try:
-            data = file.read_bytes()
-        except FileNotFoundError:
-            raise LlmtraceError(f"{what} file not found: {file}; check the path") from None
-        except IsADirectoryError:
-            raise LlmtraceError(f"{what} file is a directory: {file}") from None
-        except PermissionError:
-            raise LlmtraceError(f"{what} file is not readable: {file}") from None
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise LlmtraceError(f"{file}: not valid UTF-8 (bad byte 0x{data[e.start]:02x} at byte offset {e.start})") from None
-    if prompt is not None:
-        return prompt
-    if sys.stdin is not None and not sys.stdin.isatty():
-        data = sys.stdin.buffer.read()
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise LlmtraceError(f"stdin: not valid UTF-8 (bad byte 0x{data[e.start]:02x} at byte offset {e.start})") from None
-    raise UsageError(f"no {what}: give it as an argument, with --file, or on stdin")
-
-
 @app.command(help=GENERATE_HELP, no_args_is_help=False)
 def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --file, or stdin).", show_default=False)] = None,
@@ -108,7 +84,7 @@ def generate(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for stdout).")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")] = None,
+    threads: ThreadsOpt = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
@@ -194,7 +170,9 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     stream_text = options.level == "none"
     if view_console is not None:
         sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
-    run_info = {"prompt": prompt_text, "chat": chat}
+    import torch
+
+    run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}
     if compile_decode:
         run_info["compiled"] = {"decode_step": True, "compile_s": round(compile_step(lm, len(ids), max_new_tokens), 3)}
     recorder = Recorder(options, sinks, run_info=run_info)
