@@ -156,13 +156,15 @@ def _load(model, device, dtype, threads):
 
 def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str]) -> None:
     """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
-    from llmtrace.trace import JsonDocSink, JsonlSink
+    from llmtrace.fsutil import sigint_deferred
+    from llmtrace.sinks import JsonDocSink, JsonlSink
 
     if jsonl:
         sink = JsonlSink(jsonl)
         try:
-            for ev in events:
-                sink(ev)
+            with sigint_deferred():  # the events exist already: the stream is written whole
+                for ev in events:
+                    sink(ev)
         finally:
             sink.close()
     if json_out:
