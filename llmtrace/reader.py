@@ -22,8 +22,10 @@ from typing import Any, Callable, Optional
 from llmtrace.errors import LlmtraceError
 from llmtrace.events import SCHEMA_ID, schema_path
 
-# A check returns None, or (the path to the bad value, what is wrong with it). The path is built only on failure.
-Problem = Optional[tuple[list, str]]
+# A check returns None, or (the path to the bad value, a function that says what is wrong with it). Both are built
+# only on failure, and the words only for the failure that is reported: most checks that fail are the `if` of an
+# if/then, which fail for every event kind but one.
+Problem = Optional[tuple[list, Callable[[], str]]]
 Check = Callable[[Any], Problem]
 
 KEYWORDS = {"type", "required", "properties", "additionalProperties", "items", "minItems", "maxItems", "const", "enum",
@@ -110,7 +112,7 @@ def _checked(ev: Any, where: str) -> dict:
         path, what = problem
         kind = ev["event"]
         event = f"the {json.dumps(kind, ensure_ascii=False)} event" if isinstance(kind, str) else "the event"
-        raise LlmtraceError(f"{where}: {event} {what.replace('{field}', _field(path))}")
+        raise LlmtraceError(f"{where}: {event} {what().replace('{field}', _field(path))}")
     return ev
 
 
@@ -147,15 +149,14 @@ def _event_check() -> Check:
     return ref("#/$defs/event")
 
 
-TYPES = {
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-    "string": lambda v: isinstance(v, str),
-    "boolean": lambda v: isinstance(v, bool),
-    "null": lambda v: v is None,
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
-}
+JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", int: "integer",
+             float: "number"}  # what json.loads makes
+
+
+def _has_type(v, allowed: frozenset) -> bool:
+    kind = JSON_TYPE.get(type(v))
+    return kind in allowed or (kind == "integer" and "number" in allowed) or (
+        kind == "number" and "integer" in allowed and v.is_integer())
 
 
 def _compile(schema: dict, ref: Callable[[str], Check]) -> Check:
@@ -166,23 +167,8 @@ def _compile(schema: dict, ref: Callable[[str], Check]) -> Check:
         raise AssertionError(f"trace.schema.json uses {sorted(unknown)}, which the reader does not check")
     if "$ref" in schema:
         checks.append(ref(schema["$ref"]))
-    if "type" in schema:
-        names = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
-        tests = [TYPES[t] for t in names]
-        wanted = " or ".join(names)
-        checks.append(lambda v: None if any(t(v) for t in tests) else
-                      ([], f"has {{field}} as {_kind(v)}, not {wanted}"))
-    if "const" in schema:
-        const = schema["const"]
-        checks.append(lambda v: None if v == const else ([], f"has {{field}} = {_short(v)}, not {_short(const)}"))
-    if "enum" in schema:
-        options = schema["enum"]
-        checks.append(lambda v: None if v in options else
-                      ([], f"has {{field}} = {_short(v)}, not one of {', '.join(map(_short, options))}"))
-    for key, ok, says in (("minimum", lambda v, b: v >= b, "below"), ("maximum", lambda v, b: v <= b, "above"),
-                          ("exclusiveMinimum", lambda v, b: v > b, "not above")):
-        if key in schema:
-            checks.append(functools.partial(_bound, bound=schema[key], ok=ok, says=says))
+    if set(schema) & {"type", "const", "enum", "minimum", "maximum", "exclusiveMinimum"}:
+        checks.append(_scalar_check(schema))
     if "required" in schema:
         checks.append(functools.partial(_required, keys=tuple(schema["required"])))
     if "properties" in schema or "additionalProperties" in schema:
@@ -194,15 +180,49 @@ def _compile(schema: dict, ref: Callable[[str], Check]) -> Check:
         item = _compile(schema["items"], ref) if "items" in schema else None
         checks.append(functools.partial(_items, item=item, lo=schema.get("minItems", 0),
                                         hi=schema.get("maxItems", float("inf"))))
+    by_value: dict[str, dict] = {}  # if/then on one property's const (the event kind, the explain section)
     for part in schema.get("allOf", ()):
-        if "if" in part:
-            checks.append(functools.partial(_if_then, when=_compile(part["if"], ref),
-                                            then=_compile(part.get("then", {}), ref)))
+        cond = part.get("if", {})
+        if set(cond) == {"properties"} and len(cond["properties"]) == 1 and \
+                set(next(iter(cond["properties"].values()))) == {"const"}:
+            (key, value), = ((k, c["const"]) for k, c in cond["properties"].items())
+            by_value.setdefault(key, {}).setdefault(value, []).append(_compile(part.get("then", {}), ref))
+        elif "if" in part:
+            checks.append(functools.partial(_if_then, when=_compile(cond, ref), then=_compile(part.get("then", {}), ref)))
         else:
             checks.append(_compile(part, ref))
+    for key, thens in by_value.items():
+        checks.append(functools.partial(_switch, key=key, thens=thens))
     if len(checks) == 1:
         return checks[0]
     return functools.partial(_all, checks=tuple(checks))
+
+
+def _scalar_check(schema: dict) -> Check:
+    """type, const, enum and bounds in one function: most of a trace's values are leaves checked by nothing else."""
+    names = schema.get("type")
+    names = names if isinstance(names, list) else [names] if names else []
+    allowed, wanted = frozenset(names), " or ".join(names)
+    has_const, const = "const" in schema, schema.get("const")
+    options = schema.get("enum")
+    bounds = [(schema[key], ok, says) for key, ok, says in (
+        ("minimum", lambda v, b: v >= b, "below"), ("maximum", lambda v, b: v <= b, "above"),
+        ("exclusiveMinimum", lambda v, b: v > b, "not above")) if key in schema]
+
+    def check(v) -> Problem:
+        if allowed and not _has_type(v, allowed):
+            return [], lambda: f"has {{field}} as {_kind(v)}, not {wanted}"
+        if has_const and v != const:
+            return [], lambda: f"has {{field}} = {_short(v)}, not {_short(const)}"
+        if options is not None and v not in options:
+            return [], lambda: f"has {{field}} = {_short(v)}, not one of {', '.join(map(_short, options))}"
+        if bounds and type(v) in (int, float):
+            for bound, ok, says in bounds:
+                if not ok(v, bound):
+                    return [], lambda: f"has {{field}} = {_short(v)}, {says} {bound}"
+        return None
+
+    return check
 
 
 def _all(v, checks) -> Problem:
@@ -217,13 +237,7 @@ def _required(v, keys) -> Problem:
     if isinstance(v, dict):
         for key in keys:
             if key not in v:
-                return [key], "lacks {field}"
-    return None
-
-
-def _bound(v, bound, ok, says) -> Problem:
-    if TYPES["number"](v) and not ok(v, bound):
-        return [], f"has {{field}} = {_short(v)}, {says} {bound}"
+                return [key], lambda: "lacks {field}"
     return None
 
 
@@ -243,12 +257,29 @@ def _items(v, item, lo, hi) -> Problem:
     if not isinstance(v, list):
         return None
     if not lo <= len(v) <= hi:
-        return [], f"has {{field}} with {len(v)} items, not {lo}" + ("" if lo == hi else f" to {hi}")
+        return [], lambda: f"has {{field}} with {len(v)} items, not {lo}" + ("" if lo == hi else f" to {hi}")
     if item is not None:
         for i, value in enumerate(v):
             problem = item(value)
             if problem is not None:
                 return [i] + problem[0], problem[1]
+    return None
+
+
+def _switch(v, key, thens: dict) -> Problem:
+    """The `then` of each `if: {properties: {key: {const: value}}}`, found by the value instead of tried in turn. As in
+    JSON Schema, such an `if` holds for a value that is no object or lacks the key, so then every `then` applies."""
+    if isinstance(v, dict) and key in v:
+        try:
+            chosen = thens.get(v[key], ())
+        except TypeError:  # an unhashable value equals no const
+            chosen = ()
+    else:
+        chosen = [check for checks in thens.values() for check in checks]
+    for check in chosen:
+        problem = check(v)
+        if problem is not None:
+            return problem
     return None
 
 
