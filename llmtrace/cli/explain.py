@@ -58,7 +58,7 @@ FileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the 
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")]
 JsonlOpt = Annotated[Optional[str], typer.Option(
-    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout).")]
+    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout); an existing FILE is replaced.")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the events as one JSON document to FILE (- for stdout).")]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")]
 
