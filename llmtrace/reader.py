@@ -47,11 +47,12 @@ def load_trace(path: str, warn: Callable[[str], None] = lambda msg: print(f"warn
     name = "stdin" if path == "-" else path
     if not data.strip():
         raise LlmtraceError(f"{name}: the trace is empty")
+    error: Optional[ValueError] = None
     try:
         whole = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        whole, error = None, e
-    if whole is not None:
+        error = e
+    if error is None:  # the whole text is one JSON value
         if isinstance(whole, dict) and "events" in whole:
             return _document_events(whole, name)
         if isinstance(whole, dict) and "event" in whole:  # a stream of one event
@@ -92,11 +93,13 @@ def _stream_events(lines: list[bytes], name: str, ends_cleanly: bool, warn: Call
                     f"byte {e.start} of the line is not UTF-8"
                 raise LlmtraceError(f"{where}: not valid JSON ({detail})") from None
             # the last line: a stream cut off mid-line (a run killed while writing, a copy cut short)
-            how = "is cut off" if not ends_cleanly else "is not valid JSON"
-            warn(f"{where} {how}; showing the {len(events)} complete event{'s' if len(events) != 1 else ''} "
-                 f"before it")
+            cut = not ends_cleanly and not (isinstance(e, UnicodeDecodeError) and e.reason != "unexpected end of data")
+            how = "is cut off" if cut else "is not valid JSON" if isinstance(e, json.JSONDecodeError) else \
+                "is not UTF-8 text"
             if not events:
                 raise LlmtraceError(f"{name}: no complete event (line {i + 1} {how})")
+            warn(f"{where} {how}; showing the {len(events)} complete event{'s' if len(events) != 1 else ''} "
+                 f"before it")
             break
         events.append(_checked(ev, where))
     return events
