@@ -172,6 +172,45 @@ def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the stream as a reader sees it
+
+
+def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkeypatch, real_model, tmp_path):
+    """Every write call carries whole lines; a pass's tensor events go out with its step event, before the next
+    forward pass begins. So a reader following the file sees each step as it ends, and never half a line."""
+    import llmtrace.sinks as sinks
+
+    target = tmp_path / "t.jsonl"
+    writes: list[bytes] = []
+    on_disk_at_forward: list[int] = []
+    write = os.write
+
+    def recording_write(fd, data):
+        writes.append(bytes(data))
+        return write(fd, data)
+
+    forward = real_model.model.forward
+
+    def observed_forward(*args, **kwargs):
+        on_disk_at_forward.append(len(complete_lines(target)))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(sinks.os, "write", recording_write)
+    monkeypatch.setattr(real_model.model, "forward", observed_forward)
+    code, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--ignore-eos", "--trace", "layers", "--layers", "0",
+                        "--jsonl", target)
+    assert code == 0, err
+    assert all(w.endswith(b"\n") for w in writes) and b"".join(writes) == target.read_bytes()
+    events = read_jsonl(target)
+    steps = [i for i, e in enumerate(events) if e["event"] == "step"]
+    # before each decode pass, everything up to the previous step is on disk
+    assert on_disk_at_forward[1:] == [i + 1 for i in steps[:-1]]
+    # one write per step: the step's tensor events and the step event together
+    assert sum(w.count(b'"event": "step"') for w in writes) == len(steps) == 3
+    assert all(w.count(b'"event": "step"') <= 1 for w in writes)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # in process: Ctrl-C at the awkward moments
 
 

@@ -145,6 +145,8 @@ def test_a_damaged_pretty_document_names_its_line(capsys, traces, tmp_path):
     ('{"schema":"llmtrace.trace/1","events":[{"event":"step"}]}', 'event 1: the "step" event lacks "step"'),
     ('"just a string"', "valid JSON but not an llmtrace trace"),
     ("  \n", "the trace is empty"),
+    ("null", "valid JSON but not an llmtrace trace"),
+    ('{"event":"summary","prompt', "no complete event (line 1 is cut off)"),
 ])
 def test_a_malformed_trace_is_one_line(capsys, tmp_path, text, says):
     path = tmp_path / "t.jsonl"
