@@ -58,7 +58,7 @@ FileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the 
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")]
 JsonlOpt = Annotated[Optional[str], typer.Option(
-    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout).")]
+    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout); an existing FILE is replaced.")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the events as one JSON document to FILE (- for stdout).")]
 
 
@@ -155,13 +155,15 @@ def _load(model, device, dtype, threads):
 
 def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str]) -> None:
     """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
-    from llmtrace.trace import JsonDocSink, JsonlSink
+    from llmtrace.fsutil import sigint_deferred
+    from llmtrace.sinks import JsonDocSink, JsonlSink
 
     if jsonl:
         sink = JsonlSink(jsonl)
         try:
-            for ev in events:
-                sink(ev)
+            with sigint_deferred():  # the events exist already: the stream is written whole
+                for ev in events:
+                    sink(ev)
         finally:
             sink.close()
     if json_out:

@@ -80,8 +80,13 @@ def generate(
     layers: Annotated[Optional[str], typer.Option("--layers", help="Layers to record, e.g. 0,3,-1 or 2-5 (default: all).")] = None,
     dump: Annotated[Optional[list[str]], typer.Option("--dump", help="Record the values of a point, e.g. logits or 3.probs (repeatable).")] = None,
     topk: Annotated[int, typer.Option("--show-top", help="Candidates recorded per step.")] = 10,
-    jsonl: Annotated[Optional[str], typer.Option("--jsonl", help="Stream events, one JSON object per line, to FILE (- for stdout).")] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for stdout).")] = None,
+    jsonl: Annotated[Optional[str], typer.Option("--jsonl", help="Stream events, one JSON object per line, to FILE (- for "
+                                                 "stdout) as they happen: `tail -f FILE` follows the run. An existing "
+                                                 "FILE is replaced (emptied) when the run starts. A killed run leaves "
+                                                 "the lines written so far; after Ctrl-C the last line is the summary.")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for "
+                                                    "stdout), at the end and all at once: an existing FILE is kept "
+                                                    "until the new document is complete.")] = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
@@ -123,25 +128,43 @@ def generate(
         raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full or --dump every "
                          "step is observed and runs eagerly, so leave --compile out")
 
-    from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
+    from llmtrace.events import NOT_STARTED, summary_event
+    from llmtrace.fsutil import sigint_deferred
+    from llmtrace.sinks import JsonlSink
 
-    pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
+    # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
+    # (or a compile) still ends it with a summary.
+    jsonl_sink = JsonlSink(jsonl) if jsonl else None
+    try:
+        from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
 
-    set_threads(threads)
-    lm = load_model(model, device=device, dtype=dtype)
-    run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
-        ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl=jsonl, json_out=json_out,
-        compile_decode=compile_)
+        pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
+
+        set_threads(threads)
+        lm = load_model(model, device=device, dtype=dtype)
+        run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
+            ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl_sink=jsonl_sink,
+            json_out=json_out, compile_decode=compile_)
+    except KeyboardInterrupt:
+        if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
+            with sigint_deferred():
+                jsonl_sink(summary_event(NOT_STARTED))
+        raise
+    finally:
+        if jsonl_sink is not None:
+            jsonl_sink.close()
 
 
-def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl,
+def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
         json_out, compile_decode=False) -> None:
-    """Everything after the load: encode, generate with the chosen observers, write the outputs."""
+    """Everything after the load: encode, generate with the chosen observers, write the outputs. `jsonl_sink` (a
+    `sinks.JsonlSink` or None) is opened and closed by the caller."""
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import make_console, terminal_renderer
     from llmtrace.sampler import Sampler, parse_logit_bias
     from llmtrace.events import parse_layers
-    from llmtrace.trace import JsonDocSink, JsonlSink, Recorder
+    from llmtrace.sinks import JsonDocSink
+    from llmtrace.trace import Recorder
 
     tok = lm.tokenizer
     options.layers = parse_layers(layers, lm.config.n_layers)
@@ -154,14 +177,13 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         print(f"note: {dropped}", file=sys.stderr)
     sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
 
-    machine_on_stdout = "-" in (jsonl, json_out)
+    machine_on_stdout = json_out == "-" or (jsonl_sink is not None and jsonl_sink.target == "-")
     view_console = None
     if not machine_on_stdout:
         view_console = make_console()
     elif sys.stderr.isatty():
         view_console = make_console(stderr=True)
     sinks = []
-    jsonl_sink = JsonlSink(jsonl) if jsonl else None
     doc_sink = JsonDocSink(json_out) if json_out else None
     if jsonl_sink:
         sinks.append(jsonl_sink)
@@ -183,14 +205,10 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             view_console.file.write(piece)
             view_console.file.flush()
 
-    try:
-        result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
-                                observer=recorder, on_text=on_text)
-        if doc_sink is not None:
-            doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
-    finally:
-        if jsonl_sink is not None:
-            jsonl_sink.close(keep=jsonl_sink.ended)  # a stream that ends with its summary, or none at all
+    result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
+                            observer=recorder, on_text=on_text)
+    if doc_sink is not None:
+        doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if result.interrupted:
         raise typer.Exit(130)
 
