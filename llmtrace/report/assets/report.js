@@ -228,4 +228,5 @@
   });
 
   setStep(0);
+  if (!steps.length) drawAttention();
 })();
