@@ -172,7 +172,7 @@ def test_report_of_bad_input_is_one_line_and_keeps_the_old_page(tmp_path, conten
 def test_html_of_a_64_token_full_run_fits_3mb_and_equals_report_of_its_trace(smollm_path, tmp_path):
     html, doc = tmp_path / "run.html", tmp_path / "run.json"
     r = llmtrace("generate", PROMPT, "-m", str(smollm_path), "-n", "64", "--ignore-eos", "--trace", "full",
-                 "--layers", "0,-1", "--html", str(html), "--json", str(doc))
+                 "--layers", "0,-1", "--threads", "1", "--html", str(html), "--json", str(doc))
     assert r.returncode == 0, r.stderr
     size = html.stat().st_size
     assert size <= 3_000_000, size
@@ -286,9 +286,9 @@ def test_choosing_a_step_changes_the_topk_chart_and_the_marks(opened):
     assert [m for m in opened.messages if m[0] in ("error", "pageerror")] == []
 
 
-def test_screenshot_is_not_blank(opened):
+def test_screenshot_is_not_blank(opened, browser):
     png = opened.page.screenshot(full_page=False)
-    probe = opened.page.context.new_page()
+    probe = browser.new_page()
     colours = probe.evaluate("""async (src) => {
         const img = new Image(); img.src = src; await img.decode();
         const c = document.createElement('canvas'); c.width = img.width; c.height = img.height;
