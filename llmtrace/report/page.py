@@ -9,6 +9,7 @@ interaction: the attention heatmap on a canvas, the per-layer statistics of a pi
 from __future__ import annotations
 
 import json
+import math
 from html import escape
 from importlib import resources
 from typing import Any, Optional
@@ -164,9 +165,14 @@ def chip(t: dict) -> str:
             f'<span class="bytes">{e(bytes_)}</span>{prob}</button>')
 
 
-def legend() -> str:
+def ramp() -> str:
+    """The palette as a strip of eleven swatches."""
     stops = "".join(f'<span style="background:{colour(i / 10)}"></span>' for i in range(11))
-    return f'<span class="legend">p = 0 <span class="ramp">{stops}</span> 1</span>'
+    return f'<span class="ramp">{stops}</span>'
+
+
+def legend() -> str:
+    return f'<span class="legend">p = 0 {ramp()} 1</span>'
 
 
 def section_tokens(d: dict) -> str:
@@ -233,12 +239,12 @@ def funnel(step: dict, vocab: int) -> str:
     rows = []
     prev = None
     for s in stages:
-        frac = s["survivors"] / vocab if vocab else 0
+        frac = math.log(max(1, s["survivors"])) / math.log(vocab) if vocab > 1 else 0  # a log scale: 1 .. V
         kept = ""
         if prev is not None and s["survivors"] < prev["survivors"] and s["pick_prob"] > 0:
             kept = f'{prev["pick_prob"] / s["pick_prob"]:.4f}'  # a truncation renormalises: p_after = p_before / mass kept
         rows.append(f'<tr><th scope=row>{e(s["stage"])}</th><td class="num">{s["survivors"]:,}</td>'
-                    f'<td><span class="fbar" style="width:{max(0.5, 100 * frac):.1f}%"></span></td>'
+                    f'<td><span class="fbar" style="width:{max(1.0, 100 * frac):.1f}%"></span></td>'
                     f'<td class="num">{s["pick_prob"]:.6g}</td><td class="num">{kept or "—"}</td></tr>')
         prev = s
     tok = step["token"]
@@ -254,7 +260,7 @@ def funnel(step: dict, vocab: int) -> str:
                 f'<rect x="0" y="8" width="400" height="10" class="unit"/>'
                 f'<line x1="{400 * u:.1f}" x2="{400 * u:.1f}" y1="2" y2="24" class="u"/>'
                 f'<text x="2" y="7" class="cap">0</text><text x="390" y="7" class="cap">1</text></svg>')
-    head = ("<tr><th>stage (in the order run)</th><th>candidates</th><th>of the vocabulary</th>"
+    head = ("<tr><th>stage (in the order run)</th><th>candidates</th><th>of the vocabulary (log)</th>"
             "<th>p of the chosen token</th><th>mass kept</th></tr>")
     note = ('<p class="note">Mass kept by a truncation = p(chosen) before ÷ after it (the survivors are renormalised). '
             'Stages that change values (temperature, penalties) keep every candidate.</p>')
@@ -317,7 +323,8 @@ def section_attention(d: dict) -> str:
             f'<div class="controls"><label>layer <select id="att-layer">{layer_opts}</select></label> '
             f'<label>head <select id="att-head">{head_opts}</select></label> '
             f'<label>scale <select id="att-scale"><option value="log">log</option><option value="linear">linear</option>'
-            f'<option value="rank">rank per row</option></select></label></div>'
+            f'<option value="rank">rank per row</option></select></label> <span class="legend"><span id="att-lo"></span> '
+            f'{ramp()} <span id="att-hi"></span></span></div>'
             f'<div class="att"><canvas id="att-canvas" width="480" height="480" tabindex="0" role="img" '
             f'aria-label="attention heatmap; arrow keys move the cursor"></canvas>'
             f'<div><p id="att-readout" aria-live="polite">The heatmap needs JavaScript.</p>{gqa}</div></div>')
@@ -345,7 +352,8 @@ def section_lens(d: dict) -> str:
         label = "output" if r["stage"] == "logits" else f'layer {r["label"]}'
         rows.append(f'<tr><th scope=row>{e(label)}</th>{"".join(cells)}</tr>')
     return (f'<p>The final norm and the LM head applied to the residual stream after each layer: what the model '
-            f'would predict if it stopped there. Each cell shows the top-1 token, coloured by its probability '
+            f'would predict if it stopped there. Columns are prompt positions, headed by the token there; each cell is the '
+            f'top-1 prediction of the token after it, coloured by its probability '
             f'{legend()}; hover or select a cell for the top-{len(lens["rows"][0]["cells"][str(pos[0])])}.</p>'
             f'<div class="scroll"><table class="lens"><tr><th></th>{head}</tr>{"".join(rows)}</table></div>'
             f'<div id="lens-panel" class="panel" aria-live="polite"></div>')

@@ -166,6 +166,8 @@
     canvas.dataset.rows = String(B); canvas.dataset.cols = String(B); canvas.dataset.cells = String(drawn);
     canvas.dataset.layer = layer; canvas.dataset.head = String(A.heads[hi]);
     canvas.dataset.cell = String(cell);
+    const ends = { log: ["p \u2264 0.0001", "1"], linear: ["p = 0", "1"], rank: ["lowest in its row", "highest"] }[scale];
+    $("#att-lo").textContent = ends[0]; $("#att-hi").textContent = ends[1];
     const h = A.heads[hi];
     $$(".gqa .qh, .gqa .link").forEach((el) => el.classList.toggle("on", h !== "mean" && Number(el.dataset.head) === h));
     $$(".gqa .kvh").forEach((el) => el.classList.toggle("on", h !== "mean" && A.groups[Number(el.dataset.kv)].includes(h)));
