@@ -21,17 +21,25 @@ would record them. No model is loaded; the model's tokenizer is read, when it is
 Examples:
 
   llmtrace generate "Quantum mechanics is" -n 32 --trace full --layers 0,-1 --json run.json
+
   llmtrace report run.json -o report.html
 
   llmtrace lens "The capital of France is" --positions all --jsonl lens.jsonl
+
   llmtrace report lens.jsonl -o lens.html
 
   llmtrace generate "Once upon a time" -n 16 --html story.html
 """
 
+def _html_target(value: Optional[str]) -> Optional[str]:
+    if value == "-":
+        raise typer.BadParameter("the report is a file; give it a name such as report.html")
+    return value
+
+
 HtmlOpt = Annotated[Optional[str], typer.Option(
     "--html", help="Also write the run as a self-contained HTML report to FILE (see 'llmtrace report --help').",
-    show_default=False)]
+    show_default=False, callback=_html_target)]
 
 
 def declared_schema(path: str) -> Optional[str]:
@@ -65,7 +73,7 @@ def tokenizer_for(events: list[dict]):
 @app.command(help=REPORT_HELP)
 def report(
     trace: Annotated[str, typer.Argument(help="The trace file (JSON document or JSONL stream), or - for stdin.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="The HTML file to write.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="The HTML file to write.", callback=_html_target)],
     merges: Annotated[bool, typer.Option("--merges/--no-merges",
                                          help="Read the model's tokenizer for the BPE merge story.")] = True,
 ) -> None:

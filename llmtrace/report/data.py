@@ -25,17 +25,6 @@ ATTENTION_BUDGET = 600_000  # most attention cells embedded (2 bytes each): keep
 TENSOR_BUDGET = 12_000  # most tensor-statistics rows embedded; beyond it, steps are kept evenly spaced
 Q16 = 65535  # attention probabilities are stored as round(p * Q16)
 
-# Where generate's flags fill each section (the page names them when a section is empty).
-FLAGS = {
-    "steps": "llmtrace generate PROMPT --html report.html (any --trace but none)",
-    "attention": "--html (it records the attention probabilities of --layers, or of the first and last layer), "
-                 "or --dump LAYER.probs",
-    "lens": "llmtrace lens PROMPT --positions all --html lens.html",
-    "pipeline": "--trace full (every point, every step) or --trace layers (the residual stream)",
-    "residual": "--trace layers or --trace full",
-}
-
-
 def check_schema(events: list[dict], declared: Optional[str] = None) -> str:
     """The trace's kind ("generate", "explain" or "lens"); raises LlmtraceError for a trace this version cannot read."""
     for schema in [declared] + [e.get("schema") for e in events if e.get("event") == "run"]:
