@@ -438,9 +438,12 @@ def section_residual(d: dict) -> str:
         series.append((f"resid s{step}", pts, f"step {step}"))
     chart = line_chart(series, "layer (−1: the embedding)", "‖x‖ per token", fmt=lambda y: f"{y:.4g}",
                        dots=len(xs) < 40)
-    return (f'<p>The norm of the residual stream after every recorded layer ({len(xs)} layers), one line per step; the '
-            f'chosen step is drawn bold. For the prefill (many tokens at once) it is the root mean square of the '
-            f'per-token norms.</p>{chart}')
+    n_layers = d["run"]["model"]["n_layers"]
+    more = (f' Only layers {", ".join(map(str, xs))} of {n_layers} were recorded; <code>--trace layers</code> without '
+            f'<code>--layers</code> records them all.' if len(xs) < n_layers else "")
+    return (f'<p>The norm of the residual stream after every recorded layer, one line per step; the chosen step is '
+            f'drawn bold. For the prefill (many tokens at once) it is the root mean square of the per-token '
+            f'norms.{more}</p>{chart}')
 
 
 SECTIONS = (
