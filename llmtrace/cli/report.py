@@ -55,11 +55,11 @@ def declared_schema(path: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def tokenizer_for(events: list[dict]):
-    """The tokenizer of the model a trace names, if it can be read here without a download: (tokenizer, note)."""
+def tokenizer_for(events: list[dict], model: Optional[str] = None):
+    """The tokenizer of `model`, else of the model the trace names, if it can be read here: (tokenizer, note)."""
     head = next((e for e in events if e.get("event") == "run"), None) or next(
         (e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
-    name = head["model"].get("name") if head else None
+    name = model or (head["model"].get("name") if head else None)
     if not name:
         return None, "the trace names no model, so the merge story cannot be drawn"
     try:
@@ -74,6 +74,9 @@ def tokenizer_for(events: list[dict]):
 def report(
     trace: Annotated[str, typer.Argument(help="The trace file (JSON document or JSONL stream), or - for stdin.")],
     output: Annotated[str, typer.Option("--output", "-o", help="The HTML file to write.", callback=_html_target)],
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="The model whose tokenizer draws the BPE merge story (default: the one the trace "
+        "names; give the path for a model loaded from a file).", show_default=False)] = None,
     merges: Annotated[bool, typer.Option("--merges/--no-merges",
                                          help="Read the model's tokenizer for the BPE merge story.")] = True,
 ) -> None:
@@ -89,7 +92,7 @@ def report(
         check_schema(events, declared_schema(trace))
     except LlmtraceError as e:
         raise LlmtraceError(f"{trace}: {e}") from None
-    tok, note = tokenizer_for(events) if merges else (None, "made with --no-merges")
+    tok, note = tokenizer_for(events, model) if merges else (None, "made with --no-merges")
     n = write_report(events, output, tokenizer=tok, merges_note=note)
     print(f"wrote {output} ({n / 1e6:.2f} MB)", file=sys.stderr)
 
