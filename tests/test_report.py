@@ -315,3 +315,15 @@ def test_lens_page_shows_the_topk_of_a_cell(browser, smollm, tmp_path):
     assert str(top[0]["id"]) in panel and str(top[4]["id"]) in panel
     assert o.messages == [] and o.requests == [o.url]
     o.page.close()
+
+
+def test_static_content_is_readable_without_scripts(browser, opened):
+    context = browser.new_context(java_script_enabled=False)
+    pg = context.new_page()
+    pg.route("**/*", lambda r: r.continue_() if r.request.url == opened.url else r.abort())
+    pg.goto(opened.url)
+    assert pg.locator("#chips .chip").count() == opened.page.locator("#chips .chip").count()
+    assert pg.locator(".step-panel:not([hidden]) svg.topk rect.bar").count() == 10  # step 0's top-k chart
+    assert pg.locator("#kv svg.chart polyline").count() == 2 and pg.locator("ol.pipeline button").count() == 19
+    assert "no merges" not in pg.inner_text("#tokens") and pg.locator(".merge:not([hidden])").count() == 1
+    context.close()
