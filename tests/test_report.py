@@ -267,7 +267,10 @@ def test_heatmap_has_t_by_s_cells_and_shows_the_mask(opened, events):
     first = pg.evaluate(pixel, [cell // 2, cell // 2])
     assert masked[0] == masked[1] == masked[2] and masked[0] >= 200
     assert first == [253, 231, 37]  # the palette's top: attention 1.0
-    assert H == 9
+    assert H == 9 and pg.locator("button.thumb").count() == 2 * H  # the layers × heads overview
+    pg.click("button.thumb[data-layer='0'][data-hi='7']")
+    c = pg.eval_on_selector("#att-canvas", "c => c.dataset")
+    assert (c["layer"], c["head"], c["cells"]) == ("0", "7", str(T * S))
 
 
 def test_choosing_a_step_changes_the_topk_chart_and_the_marks(opened):

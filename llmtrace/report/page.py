@@ -303,6 +303,22 @@ def gqa_svg(d: dict) -> str:
             f'aria-label="grouped-query attention: which query heads read which KV head">{"".join(parts)}</svg>')
 
 
+def overview(a: dict) -> str:
+    """Every recorded layer and head as a thumbnail (drawn by the script), heads grouped by the KV head they read."""
+    if len(a["heads"]) < 2:
+        return ""
+    rows = []
+    for layer in a["layers"]:
+        groups = "".join(
+            '<span class="kvgroup">' + "".join(
+                f'<button class="thumb" data-layer="{layer}" data-hi="{h}" aria-pressed="false" '
+                f'aria-label="layer {layer} head {h}"><canvas width="64" height="64"></canvas><span>h{h}</span></button>'
+                for h in g) + "</span>" for g in a["groups"])
+        rows.append(f'<div class="thumbs"><span class="tl">layer {layer}</span>{groups}</div>')
+    return (f'<h3>Every recorded layer and head</h3><p>Query heads are grouped by the KV head they share; select one '
+            f'to open it above.</p>{"".join(rows)}')
+
+
 def section_attention(d: dict) -> str:
     a = d["attention"]
     gqa = f'<p>Grouped-query attention: the query heads above share the KV head below them.</p>{gqa_svg(d)}'
@@ -327,7 +343,8 @@ def section_attention(d: dict) -> str:
             f'{ramp()} <span id="att-hi"></span></span></div>'
             f'<div class="att"><canvas id="att-canvas" width="480" height="480" tabindex="0" role="img" '
             f'aria-label="attention heatmap; arrow keys move the cursor"></canvas>'
-            f'<div><p id="att-readout" aria-live="polite">The heatmap needs JavaScript.</p>{gqa}</div></div>')
+            f'<div><p id="att-readout" aria-live="polite">The heatmap needs JavaScript.</p>{gqa}</div></div>'
+            f'{overview(a)}')
 
 
 def section_lens(d: dict) -> str:

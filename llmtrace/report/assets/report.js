@@ -124,13 +124,10 @@
     const q = steps[cur].position - 1;
     return A.bins.findIndex((b) => b[0] <= q && q < b[1]);
   }
-  function drawAttention() {
-    if (!canvas || !A.layers.length) return;
-    const layer = $("#att-layer").value, hi = Number($("#att-head").value), scale = $("#att-scale").value;
-    const B = A.bins.length, m = mapOf(layer), off = hi * B * B;
-    const cell = Math.max(1, Math.floor(480 / B)), size = cell * B;
-    canvas.width = size; canvas.height = size;
-    const ctx = canvas.getContext("2d");
+  function paint(target, layer, hi, scale, cell) { // one head's map on a canvas, cell × cell pixels per cell
+    const B = A.bins.length, m = mapOf(layer), off = hi * B * B, size = cell * B;
+    target.width = size; target.height = size;
+    const ctx = target.getContext("2d");
     const img = ctx.createImageData(size, size);
     let drawn = 0;
     for (let r = 0; r < B; r++) {
@@ -160,6 +157,14 @@
       }
     }
     ctx.putImageData(img, 0, 0);
+    return drawn;
+  }
+  function drawAttention() {
+    if (!canvas || !A.layers.length) return;
+    const layer = $("#att-layer").value, hi = Number($("#att-head").value), scale = $("#att-scale").value;
+    const B = A.bins.length, cell = Math.max(1, Math.floor(480 / B)), size = cell * B;
+    const drawn = paint(canvas, layer, hi, scale, cell);
+    const ctx = canvas.getContext("2d");
     const qr = queryRow();
     if (qr !== null && qr >= 0) { ctx.strokeStyle = "#d62728"; ctx.lineWidth = 2; ctx.strokeRect(1, qr * cell, size - 2, cell); }
     if (cursor) { ctx.strokeStyle = "#000"; ctx.lineWidth = 1; ctx.strokeRect(cursor[1] * cell + 0.5, cursor[0] * cell + 0.5, cell - 1, cell - 1); }
@@ -171,8 +176,20 @@
     const h = A.heads[hi];
     $$(".gqa .qh, .gqa .link").forEach((el) => el.classList.toggle("on", h !== "mean" && Number(el.dataset.head) === h));
     $$(".gqa .kvh").forEach((el) => el.classList.toggle("on", h !== "mean" && A.groups[Number(el.dataset.kv)].includes(h)));
+    $$("button.thumb").forEach((b) => b.setAttribute("aria-pressed", String(b.dataset.layer === layer && Number(b.dataset.hi) === hi)));
     readout();
   }
+  let thumbScale = null;
+  function drawThumbs() { // the layers × heads overview, in the chosen scale
+    const scale = $("#att-scale") ? $("#att-scale").value : "log";
+    if (scale === thumbScale) return;
+    thumbScale = scale;
+    const cell = Math.max(1, Math.floor(64 / A.bins.length));
+    $$("button.thumb").forEach((b) => paint($("canvas", b), b.dataset.layer, Number(b.dataset.hi), scale, cell));
+  }
+  $$("button.thumb").forEach((b) => b.addEventListener("click", () => {
+    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention();
+  }));
   function label(bin) {
     const b = A.bins[bin];
     if (b[1] - b[0] > 1) return "positions " + b[0] + "\u2013" + (b[1] - 1);
@@ -194,7 +211,8 @@
     out.textContent = text;
   }
   if (canvas && A.layers.length) {
-    ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", drawAttention));
+    ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); }));
+    drawThumbs();
     canvas.addEventListener("mousemove", (ev) => {
       const cell = Number(canvas.dataset.cell), rect = canvas.getBoundingClientRect();
       const k = canvas.width / rect.width;
