@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli.report import HtmlOpt
 from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, app
+from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
 from llmtrace.render import fmt_bytes, fmt_num, make_console, visible
 

@@ -92,7 +92,7 @@ def report(
         check_schema(events, declared_schema(trace))
     except LlmtraceError as e:
         raise LlmtraceError(f"{trace}: {e}") from None
-    tok, note = tokenizer_for(events, model) if merges else (None, "made with --no-merges")
+    tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
     n = write_report(events, output, tokenizer=tok, merges_note=note)
     print(f"wrote {output} ({n / 1e6:.2f} MB)", file=sys.stderr)
 
