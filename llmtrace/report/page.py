@@ -323,7 +323,8 @@ def section_attention(d: dict) -> str:
     a = d["attention"]
     gqa = f'<p>Grouped-query attention: the query heads above share the KV head below them.</p>{gqa_svg(d)}'
     if not a["maps"]:
-        return missing("attention probabilities", "--html (records the probabilities of --layers) or --dump 0.probs") + gqa
+        return missing("attention probabilities",
+                       "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs") + gqa
     layer_opts = "".join(f'<option value="{l}">layer {l}</option>' for l in a["layers"])
     head_opts = "".join(f'<option value="{i}">{"head " + str(h) if h != "mean" else "mean over heads"}</option>'
                         for i, h in enumerate(a["heads"]))
