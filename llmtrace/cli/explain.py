@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, app
+from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
 from llmtrace.render import fmt_bytes, fmt_num, make_console, print_fitted, visible
 
@@ -35,6 +36,8 @@ Examples:
   llmtrace explain "Write a haiku" --chat --layer 10 --json - | jq '.events[] | select(.section == "ffn")'
 
   llmtrace explain -f prompt.txt --layer 0 --jsonl explain.jsonl
+
+  llmtrace explain "The capital of France is" --layer 3 --html explain.html
 """
 
 LENS_HELP = """The logit lens: what the model would predict after each layer, at each position.
@@ -50,6 +53,8 @@ Examples:
   llmtrace lens "The capital of France is" --positions all --layers 20-29
 
   llmtrace lens "Once upon a time there was" --last 4 --top 10 --jsonl -
+
+  llmtrace lens "The capital of France is" --positions all --html lens.html
 """
 
 PromptArg = Annotated[Optional[str], typer.Argument(
@@ -79,17 +84,18 @@ def explain(
     top: Annotated[int, typer.Option("--top", help="Candidates shown by the logit lens.")] = 5,
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
+    html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     from llmtrace.explain import explain_events
 
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out)
+    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
     lm = _load(model, device, dtype, threads)
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
-    _output(events, render_explain, jsonl, json_out)
+    _output(events, render_explain, jsonl, json_out, html, lm.tokenizer)
 
 
 @app.command(help=LENS_HELP)
@@ -107,6 +113,7 @@ def lens(
     top: Annotated[int, typer.Option("--top", help="Candidates recorded per cell in --json/--jsonl.")] = 5,
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
+    html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
@@ -114,7 +121,7 @@ def lens(
     from llmtrace.explain import check_prompt_ids, lens_events, parse_positions
     from llmtrace.events import parse_layers
 
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out)
+    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
     if last < 1:
         raise UsageError("--last must be ≥ 1")
     lm = _load(model, device, dtype, threads)
@@ -123,10 +130,10 @@ def lens(
     rows = parse_layers(layers, lm.config.n_layers)
     cols = parse_positions(positions, len(ids), last)
     events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat)
-    _output(events, render_lens, jsonl, json_out)
+    _output(events, render_lens, jsonl, json_out, html, lm.tokenizer)
 
 
-def _check_common(prompt, file, chat, system, top, jsonl, json_out) -> str:
+def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None) -> str:
     """Everything the user typed that can be checked before the (slow) model load. Returns the prompt text."""
     from llmtrace.cli.generate import read_prompt
     from llmtrace.fsutil import check_writable_target
@@ -135,7 +142,7 @@ def _check_common(prompt, file, chat, system, top, jsonl, json_out) -> str:
         raise UsageError("--top must be between 1 and 100")
     if jsonl == "-" and json_out == "-":
         raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
-    for target in (jsonl, json_out):
+    for target in (jsonl, json_out, html):
         if target not in (None, "-"):
             check_writable_target(Path(target))
     if system is not None and not chat:
@@ -153,7 +160,8 @@ def _load(model, device, dtype, threads):
     return load_model(model, device=device, dtype=dtype)
 
 
-def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str]) -> None:
+def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None,
+            tokenizer=None) -> None:
     """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
     from llmtrace.fsutil import sigint_deferred
     from llmtrace.sinks import JsonDocSink, JsonlSink
@@ -171,6 +179,10 @@ def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional
         for ev in events:
             doc(ev)
         doc.write()
+    if html:
+        from llmtrace.cli.report import write_html
+
+        write_html(events, html, tokenizer)
     if "-" not in (jsonl, json_out):
         render(events, make_console())
     elif sys.stderr.isatty():

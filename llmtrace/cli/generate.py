@@ -11,6 +11,7 @@ import typer
 from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, app
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
+from llmtrace.cli.report import HtmlOpt
 
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
@@ -47,6 +48,8 @@ Examples:
   llmtrace generate "The capital of France is" --trace full --layers 0,-1 --jsonl trace.jsonl
 
   llmtrace generate "Once upon a time" --trace none -n 100
+
+  llmtrace generate "The capital of France is" -n 16 --trace full --layers 0,-1 --html report.html
 
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
 
@@ -87,6 +90,7 @@ def generate(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for "
                                                     "stdout), at the end and all at once: an existing FILE is kept "
                                                     "until the new document is complete.")] = None,
+    html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     threads: ThreadsOpt = None,
@@ -110,7 +114,7 @@ def generate(
         same = Path(jsonl).resolve()
         if same == Path(json_out).resolve() and (same.is_file() or not same.exists()):  # /dev/null twice is fine
             raise UsageError("--jsonl and --json name the same file; give them different names")
-    for target in (jsonl, json_out):
+    for target in (jsonl, json_out, html):
         if target not in (None, "-"):
             check_writable_target(Path(target))
     options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
@@ -144,7 +148,7 @@ def generate(
         lm = load_model(model, device=device, dtype=dtype)
         run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
             ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl_sink=jsonl_sink,
-            json_out=json_out, compile_decode=compile_)
+            json_out=json_out, compile_decode=compile_, html=html)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -156,7 +160,7 @@ def generate(
 
 
 def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
-        json_out, compile_decode=False) -> None:
+        json_out, compile_decode=False, html=None) -> None:
     """Everything after the load: encode, generate with the chosen observers, write the outputs. `jsonl_sink` (a
     `sinks.JsonlSink` or None) is opened and closed by the caller."""
     from llmtrace.generate import generate as run_generation
@@ -168,6 +172,10 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
 
     tok = lm.tokenizer
     options.layers = parse_layers(layers, lm.config.n_layers)
+    if html:  # the report's attention maps need the probabilities of the recorded layers
+        from llmtrace.cli.report import report_dumps
+
+        options.dump = tuple(dict.fromkeys(options.dump + report_dumps(options.layers, lm.config.n_layers)))
     scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
     scfg.ban = banned_sequences(tok, ban)
     scfg.validate(lm.config.vocab_size)
@@ -189,6 +197,9 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         sinks.append(jsonl_sink)
     if doc_sink:
         sinks.append(doc_sink)
+    recorded: list[dict] = []
+    if html:
+        sinks.append(recorded.append)
     stream_text = options.level == "none"
     if view_console is not None:
         sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
@@ -209,6 +220,10 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
                             observer=recorder, on_text=on_text)
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
+    if html:
+        from llmtrace.cli.report import write_html
+
+        write_html(recorded, html, tok)
     if result.interrupted:
         raise typer.Exit(130)
 
