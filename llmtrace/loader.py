@@ -233,6 +233,8 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
     d, h = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.contents()) if tokens is not None else None)
+    if vocab is None:
+        raise LlmtraceError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     scaling = None
     s_type = _gguf_field(reader, f"{arch}.rope.scaling.type")
     if s_type == "linear":
@@ -608,7 +610,7 @@ def convert_gguf(path: Path, dest: Path) -> None:
     reader = open_gguf(path)
     where = str(path)
     config = config_from_gguf(reader, where)
-    tokenizer = TextTokenizer.from_gguf(reader)
+    tokenizer = TextTokenizer.from_gguf(reader, where)
     progress, stop = _progress_to_stderr(f"converting {path.name}")
     try:
         sd = fuse_and_check(read_gguf_weights(reader, config, where, progress), config, where)
@@ -695,7 +697,7 @@ def load_tokenizer(spec: Optional[str] = None):
             return TextTokenizer.from_hf_dir(tok_dir)
         reader = open_gguf(resolved.path)
         config_from_gguf(reader, str(resolved.path))  # refuse unsupported architectures here too
-        return TextTokenizer.from_gguf(reader)
+        return TextTokenizer.from_gguf(reader, str(resolved.path))
     if not (resolved.path / "tokenizer.json").exists():
         raise LlmtraceError(f"{resolved.path}: no tokenizer.json in this directory, so it has no tokenizer llmtrace can use")
     return TextTokenizer.from_hf_dir(resolved.path)
