@@ -679,6 +679,7 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
         config.extra = {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
         sd = fuse_and_check(read_hf_weights(resolved.path, config), config, where)
         tokenizer = TextTokenizer.from_hf_dir(resolved.path)
+    tokenizer.check_fits(config.vocab_size, str(resolved.path))
     model = build_model(config, sd, dev, dt)
     del sd
     return LoadedModel(name=resolved.name, source=resolved.kind, path=resolved.path, config=config, model=model,

@@ -598,6 +598,14 @@ class TextTokenizer:
 
     # -- single tokens -----------------------------------------------------------------------------------------------
 
+    def check_fits(self, n_rows: int, where: str) -> None:
+        """The model has an embedding row for every id this tokenizer can produce (its files may not belong together:
+        a tokenizer.json with an added token past the model's vocab_size would crash the embedding lookup)."""
+        highest = max(self.vocab_size - 1, max(self._added, default=-1))
+        if highest >= n_rows:
+            raise LlmtraceError(f"{where}: the tokenizer has ids up to {highest} but the model has {n_rows} token rows "
+                                f"(vocab_size); the tokenizer and the weights do not belong together")
+
     def check_id(self, tid: int) -> None:
         if not 0 <= tid < self.vocab_size:
             raise UsageError(f"token id {tid} is out of range: this vocabulary has ids 0..{self.vocab_size - 1}")
