@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import LlmtraceError, UsageError, one_line
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -299,10 +299,11 @@ class TextTokenizer:
     # -- construction ------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: "gguf.GGUFReader", where: str = "this GGUF") -> "TextTokenizer":
-        """Build the tokenizer a GGUF describes in its `tokenizer.ggml.*` metadata. `where` names the file in errors:
+    def from_gguf(cls, reader: "gguf.GGUFReader", path: str | None = None) -> "TextTokenizer":
+        """Build the tokenizer a GGUF describes in its `tokenizer.ggml.*` metadata. `path` names the file in errors:
         a vocabulary the tokenizer cannot be built from (a merge naming a missing token, a duplicate token, a token
         type or special id out of range) is one LlmtraceError that says what is inconsistent."""
+        where = path or "this GGUF"
 
         def get(key, default=None):
             f = reader.fields.get(key)
@@ -318,10 +319,11 @@ class TextTokenizer:
         bos_id, eos_id = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
         notes: list[str] = []
         with _library_errors(where, "the tokenizer could not be built from its vocabulary"):
-            return cls._from_gguf_vocab(get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where)
+            return cls._from_gguf_vocab(get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where,
+                                        source=path or "gguf")
 
     @classmethod
-    def _from_gguf_vocab(cls, get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where) -> "TextTokenizer":
+    def _from_gguf_vocab(cls, get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where, source):
         if model == "gpt2":
             kind = "byte_level"
             alphabet = set(CHAR_TO_BYTE)
@@ -402,7 +404,7 @@ class TextTokenizer:
             add_bos_reason=reason,
             chat_template=get("tokenizer.chat_template"),
             vocab_size=len(tokens),
-            source=where,
+            source=source,
             notes=notes,
         )
 
@@ -421,7 +423,7 @@ class TextTokenizer:
             if not _from_library(e):
                 raise
             _check_tokenizer_json(_parse_json(text, tj, unique_keys=True), tj)  # names the inconsistency if it can
-            raise LlmtraceError(f"{tj}: the tokenizers library cannot read it ({_one_line(e)})") from None
+            raise LlmtraceError(f"{tj}: the tokenizers library cannot read it ({one_line(e)})") from None
         problem = _post_processor_problem(tok)
         if problem:
             raise LlmtraceError(f"{tj}: {problem}; {_DAMAGED}")
@@ -445,7 +447,7 @@ class TextTokenizer:
         eos_ids = [eos_id] if eos_id is not None else []
         gen_eos = generation.get("eos_token_id")
         eos_ids += gen_eos if isinstance(gen_eos, list) else [gen_eos] if isinstance(gen_eos, int) else []
-        eos_ids += [i for i in ours.get("eos_token_ids", []) if isinstance(i, int)] if isinstance(ours.get("eos_token_ids"), list) else []
+        eos_ids += [i for i in ours.get("eos_token_ids", []) if isinstance(i, int)]
 
         if "add_bos_token" in config or "add_eos_token" in config:
             add_bos = bool(config.get("add_bos_token", False)) and bos_id is not None
@@ -690,12 +692,12 @@ class TextTokenizer:
                                 f"{e.message}") from None
         except Exception as e:  # jinja2's compiler on a template it cannot take (too deeply nested, ...)
             raise LlmtraceError(f"{self._template_where}the chat template cannot be compiled "
-                                f"({type(e).__name__}: {_one_line(e)})") from None
+                                f"({type(e).__name__}: {one_line(e)})") from None
 
     @property
     def _template_where(self) -> str:
         """'FILE: ' for messages about the chat template, when the file it came from is known."""
-        return f"{self.source}: " if self.source not in ("", "gguf", "this GGUF") else ""
+        return f"{self.source}: " if self.source not in ("", "gguf") else ""
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The prompt string the model's chat template makes of `messages` (the way HF's apply_chat_template does)."""
@@ -712,10 +714,10 @@ class TextTokenizer:
         except _TemplateRaised as e:
             raise LlmtraceError(f"{self._template_where}the chat template refused these messages: {e}") from None
         except jinja2.TemplateError as e:
-            raise LlmtraceError(f"{self._template_where}the chat template failed: {_one_line(e)}") from None
+            raise LlmtraceError(f"{self._template_where}the chat template failed: {one_line(e)}") from None
         except Exception as e:  # the template's own expressions: 1/0, a bad format, a runaway recursion, ...
             raise LlmtraceError(f"{self._template_where}the chat template failed on these messages "
-                                f"({type(e).__name__}: {_one_line(e)})") from None
+                                f"({type(e).__name__}: {one_line(e)})") from None
 
     def encode_prompt(self, text: str, chat: bool = False, system: str | None = None) -> tuple[str, list[int]]:
         """The text the model reads and its ids: `text` as is (BOS as the tokenizer adds it), or with `chat` the
@@ -826,7 +828,7 @@ def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], shown: list | Non
         return Tokenizer(models.BPE(vocab=vocab, merges=merges, **options))
     except Exception as e:
         _check_merges(vocab, merges, shown, where)
-        raise LlmtraceError(f"{where}: the BPE model cannot be built ({_one_line(e)}); {_DAMAGED}") from None
+        raise LlmtraceError(f"{where}: the BPE model cannot be built ({one_line(e)}); {_DAMAGED}") from None
 
 
 def _check_merges(vocab: dict, merges: list[tuple[str, str]], shown: list | None, where: str) -> None:
@@ -856,11 +858,7 @@ def _library_errors(where: str, doing: str):
     except BaseException as e:
         if not _from_library(e):
             raise
-        raise LlmtraceError(f"{where}: {doing} ({_one_line(e)})") from None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300] or type(e).__name__
+        raise LlmtraceError(f"{where}: {doing} ({one_line(e)})") from None
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float], skip: set[str]) -> list[tuple[str, str]]:
