@@ -801,7 +801,7 @@ def _check_gguf_vocab(get, tokens: list, types: list, merges: list | None, where
         raise bad(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
     for i, ty in enumerate(types):
         if not UNDEFINED <= ty <= BYTE:
-            raise bad(f"token {i} ({tokens[i]!r}) has type {ty} in tokenizer.ggml.token_type; the types are 0..6")
+            raise bad(f"token {i} ({tokens[i]!r}) has type {ty} in tokenizer.ggml.token_type (types are 0..6)")
     for name in _SPECIAL_ID_KEYS:
         value = get(f"tokenizer.ggml.{name}_token_id")
         if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
