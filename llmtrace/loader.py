@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import LlmtraceError, UsageError, one_line
 from llmtrace.model import ModelConfig, Transformer
 from llmtrace.registry import CONVERSION_SOURCE, conversion_source, converted_dir  # the cache's business
 from llmtrace.tokenizer import load_tokenizer  # noqa: F401  (it needs no torch, so `tokenize` loads it from there)
@@ -188,7 +188,7 @@ def read_hf_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
                     if name is not None:
                         out[name] = sf.get_tensor(key)
         except (SafetensorError, OSError, RuntimeError) as e:
-            raise LlmtraceError(f"{f}: cannot read safetensors file ({_one_line(e)}); it may be truncated or corrupt: "
+            raise LlmtraceError(f"{f}: cannot read safetensors file ({one_line(e)}); it may be truncated or corrupt: "
                                 f"download it again") from None
     return out
 
@@ -232,6 +232,8 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
     d, h = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.contents()) if tokens is not None else None)
+    if vocab is None:
+        raise LlmtraceError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     scaling = None
     s_type = _gguf_field(reader, f"{arch}.rope.scaling.type")
     if s_type == "linear":
@@ -303,7 +305,7 @@ def read_gguf_weights(reader, config: ModelConfig, where: str, progress=None) ->
             arr = dequantize(t.data, t.tensor_type)
             arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
         except (ValueError, IndexError) as e:
-            raise LlmtraceError(f"{where}: tensor {t.name} could not be read ({_one_line(e)}); the file may be "
+            raise LlmtraceError(f"{where}: tensor {t.name} could not be read ({one_line(e)}); the file may be "
                                 f"truncated: download it again") from None
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
         if config.arch in ("llama", "mistral"):  # converted with the q/k permutation; qwen2 was not
@@ -443,7 +445,7 @@ def open_gguf(path: Path) -> GGUFFile:
     try:
         return GGUFFile(path)
     except Exception as e:  # struct.error, ValueError, KeyError, IndexError, ... on bad files
-        raise LlmtraceError(f"{path}: not a readable GGUF file ({_one_line(e)}); it may be truncated or corrupt: "
+        raise LlmtraceError(f"{path}: not a readable GGUF file ({one_line(e)}); it may be truncated or corrupt: "
                             f"download it again") from None
 
 
@@ -595,7 +597,7 @@ def convert_gguf(path: Path, dest: Path) -> None:
     reader = open_gguf(path)
     where = str(path)
     config = config_from_gguf(reader, where)
-    tokenizer = TextTokenizer.from_gguf(reader)
+    tokenizer = TextTokenizer.from_gguf(reader, where)
     progress, stop = _progress_to_stderr(f"converting {path.name}")
     try:
         sd = fuse_and_check(read_gguf_weights(reader, config, where, progress), config, where)
@@ -650,7 +652,7 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
             import shutil
 
             shutil.rmtree(dest, ignore_errors=True)
-            raise LlmtraceError(f"the cached conversion of {resolved.path.name} was unreadable ({_one_line(e)}) and "
+            raise LlmtraceError(f"the cached conversion of {resolved.path.name} was unreadable ({one_line(e)}) and "
                                 f"has been removed; run the command again") from None
     else:
         where = str(resolved.path)
@@ -665,14 +667,11 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
         config.extra = {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
         sd = fuse_and_check(read_hf_weights(resolved.path, config), config, where)
         tokenizer = TextTokenizer.from_hf_dir(resolved.path)
+    tokenizer.check_fits(config.vocab_size, str(resolved.path))
     model = build_model(config, sd, dev, dt)
     del sd
     return LoadedModel(name=resolved.name, source=resolved.kind, path=resolved.path, config=config, model=model,
                        tokenizer=tokenizer, device=dev, dtype=dt, load_s=time.perf_counter() - t0, converted=converted)
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 def physical_cores() -> int:

@@ -80,7 +80,7 @@ def report(
     merges: Annotated[bool, typer.Option("--merges/--no-merges",
                                          help="Read the model's tokenizer for the BPE merge story.")] = True,
 ) -> None:
-    from llmtrace.events import load_trace
+    from llmtrace.reader import load_trace
     from llmtrace.fsutil import check_writable_target
     from llmtrace.report import write_report
     from llmtrace.report.data import check_schema
