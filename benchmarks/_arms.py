@@ -220,7 +220,8 @@ def arm_overhead(spec: dict) -> dict:
     from llmtrace.generate import generate
     from llmtrace.loader import load_model, set_threads
     from llmtrace.sampler import Sampler, SamplerConfig
-    from llmtrace.trace import JsonlSink, Recorder, TraceOptions
+    from llmtrace.sinks import JsonlSink
+    from llmtrace.trace import Recorder, TraceOptions
 
     set_threads(spec["threads"])
     lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])

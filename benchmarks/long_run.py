@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     from llmtrace.generate import generate
     from llmtrace.loader import load_model, set_threads
     from llmtrace.sampler import Sampler, SamplerConfig
-    from llmtrace.trace import JsonDocSink, JsonlSink, Recorder, TraceOptions
+    from llmtrace.sinks import JsonDocSink, JsonlSink
+    from llmtrace.trace import Recorder, TraceOptions
 
     set_threads(args.threads)
     lm = load_model(args.model, device="cpu", dtype="float32")

@@ -15,3 +15,8 @@ class UsageError(LlmtraceError):
     """The command line itself is wrong: a flag out of range, a malformed value (exit code 2)."""
 
     exit_code = 2
+
+
+def one_line(e: BaseException) -> str:
+    """A library's exception text on one line, for an LlmtraceError message that quotes it."""
+    return " ".join(str(e).split())[:200] or type(e).__name__

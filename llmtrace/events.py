@@ -1,10 +1,9 @@
 """The trace's vocabulary without torch: schema id, trace levels, the names of the observable points and where each
-sits in the seed table, and reading saved traces. Renderers and `llmtrace show` need nothing more.
+sits in the seed table, the summary event. Renderers, sinks and `llmtrace show` need nothing more.
 """
 
-import json
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 from llmtrace.errors import UsageError
@@ -31,34 +30,25 @@ def schema_path() -> Path:
     return Path(__file__).with_name("trace.schema.json")
 
 
-def load_trace(path: str) -> list[dict]:
-    """Read a saved trace: a JSON document ({"events": [...]}) or a JSONL stream. Raises LlmtraceError if unreadable."""
-    from llmtrace.errors import LlmtraceError
+def summary_event(result) -> dict:
+    """The last event of a run, from its `generate.GenerationResult` (or NOT_STARTED)."""
+    return {
+        "event": "summary",
+        "prompt_tokens": len(result.prompt_ids),
+        "generated_tokens": len(result.tokens),
+        "tokens": list(result.tokens),
+        "text": result.text,
+        "stop_reason": result.stop_reason,
+        "ttft_ms": round(result.ttft_s * 1e3, 3),
+        "prefill_tok_s": round(result.prefill_tok_s, 3),
+        "decode_tok_s": round(result.decode_tok_s, 3),
+        "interrupted": result.interrupted,
+    }
 
-    try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LlmtraceError(f"no such trace file: {path}") from None
-    except UnicodeDecodeError as e:
-        raise LlmtraceError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    text = text.strip()
-    if not text:
-        raise LlmtraceError(f"{path}: the trace is empty")
-    try:
-        if text.startswith("{") and "\n" not in text or text.startswith('{"schema"'):
-            doc = json.loads(text)
-            events = doc.get("events") if isinstance(doc, dict) else None
-            if isinstance(events, list):
-                return events
-        events = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                events.append(json.loads(line))
-        if not all(isinstance(e, dict) and "event" in e for e in events):
-            raise LlmtraceError(f"{path}: not an llmtrace trace (objects without \"event\")")
-        return events
-    except json.JSONDecodeError as e:
-        raise LlmtraceError(f"{path}: not valid JSON or JSONL (line {e.lineno}: {e.msg})") from None
+
+# The result of a run stopped before it started (Ctrl-C while the model loaded), for summary_event.
+NOT_STARTED = SimpleNamespace(prompt_ids=(), tokens=(), text="", stop_reason="interrupted", interrupted=True,
+                              ttft_s=0.0, prefill_tok_s=0.0, decode_tok_s=0.0)
 
 
 def parse_index_ranges(spec: str, flag: str, noun: str) -> list[tuple[int, int]]:

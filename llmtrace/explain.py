@@ -204,8 +204,11 @@ def tensor_events(cap: Capture) -> list[dict]:
         x = cap.points.get(name)
         if x is None:
             continue
+        shape = list(x.shape)
+        if name == "k_repeated" and x.dim() == 4:  # (T, Hkv, group, Dh) -> (T, H, Dh), the shape `generate` records
+            shape = [shape[0], shape[1] * shape[2], shape[3]]
         ev = {"event": "tensor", "step": 0, "phase": "prefill", "layer": cap.layer, "name": name,
-              "seed_step": SEED_STEP.get(name), "shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")}
+              "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": str(x.dtype).replace("torch.", "")}
         if name == "kv_write":
             ev["stats"] = _stats(x.double())
             ev["positions"] = [int(x[0]), int(x[-1])]

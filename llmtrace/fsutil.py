@@ -1,8 +1,9 @@
 """Write files so that a crash or Ctrl-C never leaves a half-written one behind.
 
-Everything llmtrace saves (traces, converted models, downloads) is written to a temporary name in the same directory,
-flushed, and renamed over the target only once it is complete (`atomic_path`, `atomic_dir`, `AtomicFile`). An
-existing file of the same name is replaced only then. A device or a pipe (/dev/null, /dev/stdout) is written in place:
+Everything llmtrace saves whole (JSON documents, converted models, downloads) is written to a temporary name in the
+same directory, flushed, and renamed over the target only once it is complete (`atomic_path`, `atomic_dir`). An
+existing file of the same name is replaced only then. (A JSONL stream is the exception: it is written in place, line by
+line, so that it can be followed; see `sinks.JsonlSink`.) A device or a pipe (/dev/null, /dev/stdout) is written in place:
 there is nothing to rename over it.
 """
 
@@ -99,51 +100,6 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
-
-
-class AtomicFile:
-    """A text file written as a stream: under a temporary name beside `path`, then renamed over `path` by
-    `close(keep=True)` or deleted by `close(keep=False)`, so an existing file of that name is replaced only by a
-    finished one. A device or a pipe is written in place; a symlink is written through."""
-
-    def __init__(self, path: Path):
-        path = Path(path)
-        if path.is_symlink():
-            path = path.resolve()
-        self.path = path
-        self.tmp: Optional[Path] = None
-        try:
-            if _in_place(path):
-                self.file = open(path, "w", encoding="utf-8")
-                return
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-            self.tmp = Path(tmp)
-            os.fchmod(fd, _file_mode())
-            self.file = os.fdopen(fd, "w", encoding="utf-8")
-        except OSError as e:
-            raise LlmtraceError(f"cannot write {path}: {e.strerror}; choose another path") from None
-
-    def close(self, keep: bool = True) -> None:
-        """Finish: the file becomes `path` (keep) or is deleted. Ctrl-C waits until this is done."""
-        if self.file.closed:
-            return
-        with sigint_deferred():
-            try:
-                if not keep:
-                    with contextlib.suppress(OSError):  # a discarded file's last bytes do not matter
-                        self.file.close()
-                elif self.tmp is None:
-                    self.file.close()
-                else:
-                    self.file.flush()
-                    os.fsync(self.file.fileno())
-                    self.file.close()
-                    os.replace(self.tmp, self.path)
-            finally:
-                with contextlib.suppress(OSError):
-                    self.file.close()
-                if self.tmp is not None and self.tmp.exists():
-                    self.tmp.unlink()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ directory, so later loads are a memory-mapped read.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -24,10 +23,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import LlmtraceError, UsageError, one_line
 from llmtrace.model import ModelConfig, Transformer
-
-CONVERT_VERSION = 1  # bump when the cached conversion format changes
+from llmtrace.registry import CONVERSION_SOURCE, conversion_source, converted_dir  # the cache's business
+from llmtrace.tokenizer import load_tokenizer  # noqa: F401  (it needs no torch, so `tokenize` loads it from there)
 
 SUPPORTED_HF_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -226,6 +225,8 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
     d, h = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.contents()) if tokens is not None else None)
+    if vocab is None:
+        raise LlmtraceError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     scaling = None
     s_type = _gguf_field(reader, f"{arch}.rope.scaling.type")
     if s_type == "linear":
@@ -439,7 +440,7 @@ def open_gguf(path: Path) -> GGUFFile:
     try:
         return GGUFFile(path)
     except Exception as e:  # struct.error, ValueError, KeyError, IndexError, ... on bad files
-        raise LlmtraceError(f"{path}: not a readable GGUF file ({_one_line(e)}); it may be truncated or corrupt: "
+        raise LlmtraceError(f"{path}: not a readable GGUF file ({one_line(e)}); it may be truncated or corrupt: "
                             f"download it again") from None
 
 
@@ -517,7 +518,7 @@ def safetensors_entries(f: Path) -> dict[str, FileTensor]:
             out[key] = FileTensor(f, key, dtype, info["dtype"], shape, 8 + n + start)
         return out
     except (ValueError, KeyError, TypeError, OSError, struct.error) as e:
-        raise LlmtraceError(f"{f}: cannot read safetensors file ({_one_line(e)}); it may be truncated or corrupt: "
+        raise LlmtraceError(f"{f}: cannot read safetensors file ({one_line(e)}); it may be truncated or corrupt: "
                             f"download it again") from None
 
 
@@ -561,7 +562,7 @@ class GGUFEntry(NamedTuple):
             try:
                 w = torch.from_numpy(dequantize(raw.numpy(), kind).astype("float32", copy=False).reshape(n, -1))
             except (ValueError, IndexError, NotImplementedError) as e:
-                raise LlmtraceError(f"{self.path}: tensor {self.key} could not be read ({_one_line(e)}); the file may "
+                raise LlmtraceError(f"{self.path}: tensor {self.key} could not be read ({one_line(e)}); the file may "
                                     f"be truncated: download it again") from None
             if self.heads is not None:
                 w = unpermute_rope_rows(w, self.heads)
@@ -735,18 +736,6 @@ def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.
 # the conversion cache for GGUF files
 
 
-def _convert_key(path: Path) -> str:
-    st = path.stat()
-    ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERT_VERSION}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
-
-
-def converted_dir(path: Path) -> Path:
-    from llmtrace.registry import cache_dir
-
-    return cache_dir() / "converted" / f"{path.stem}-{_convert_key(path)}"
-
-
 def _config_to_json(c: ModelConfig) -> str:
     return json.dumps(asdict(c), indent=1)
 
@@ -787,7 +776,7 @@ def convert_gguf(path: Path, dest: Path) -> None:
     reader = open_gguf(path)
     where = str(path)
     config = config_from_gguf(reader, where)
-    tokenizer = TextTokenizer.from_gguf(reader)
+    tokenizer = TextTokenizer.from_gguf(reader, where)
     plan = plan_layout(gguf_entries(reader, config, where), config, where)
     config.extra = gguf_facts(reader)
     del reader
@@ -797,6 +786,7 @@ def convert_gguf(path: Path, dest: Path) -> None:
             write_safetensors(plan, tmp / "weights.safetensors", progress)
             tokenizer.save_hf_dir(tmp / "tokenizer")
             (tmp / "llmtrace_config.json").write_text(_config_to_json(config))
+            (tmp / CONVERSION_SOURCE).write_text(conversion_source(path))  # whose conversion this is, for models/rm
     finally:
         stop()
 
@@ -856,8 +846,10 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
         dt = pick_dtype(dtype, dev)
         place.check_fits(resolved.name, resolved.path.stat().st_size, "its quantized blocks", dev)
         config, model, tokenizer = load_gguf_quantized(resolved.path, dev, dt)
+        tokenizer.check_fits(config.vocab_size, str(resolved.path))
     else:
         config, plan, tokenizer, converted = _open_checkpoint(resolved)
+        tokenizer.check_fits(config.vocab_size, str(resolved.path))
         dt = place.choose_dtype(dtype, dev, resolved.name, place.weight_count(config), placement)
         if placement is None:
             progress, stop = _progress_to_stderr(f"loading {resolved.name}")
@@ -888,7 +880,7 @@ def _open_checkpoint(resolved) -> tuple[ModelConfig, dict[str, list], "TextToken
             import shutil
 
             shutil.rmtree(dest, ignore_errors=True)
-            raise LlmtraceError(f"the cached conversion of {resolved.path.name} was unreadable ({_one_line(e)}) and "
+            raise LlmtraceError(f"the cached conversion of {resolved.path.name} was unreadable ({one_line(e)}) and "
                                 f"has been removed; run the command again") from None
         return config, plan, tokenizer, converted
     where = str(resolved.path)
@@ -905,34 +897,69 @@ def _open_checkpoint(resolved) -> tuple[ModelConfig, dict[str, list], "TextToken
     return config, plan, TextTokenizer.from_hf_dir(resolved.path), False
 
 
-def load_tokenizer(spec: Optional[str] = None):
-    """Only the tokenizer of a model (no weights are read for HF directories or already-converted GGUF files)."""
-    from llmtrace.tokenizer import TextTokenizer
+def physical_cores() -> int:
+    """The physical cores this process may run on: hyperthread siblings count once, as they share one core's FPUs.
 
-    resolved = _resolve(spec)
-    if resolved.kind == "gguf":
-        dest = converted_dir(resolved.path)
-        tok_dir = dest / "tokenizer"
-        if (dest / "llmtrace_config.json").exists():
-            return TextTokenizer.from_hf_dir(tok_dir)
-        reader = open_gguf(resolved.path)
-        config_from_gguf(reader, str(resolved.path))  # refuse unsupported architectures here too
-        return TextTokenizer.from_gguf(reader)
-    if not (resolved.path / "tokenizer.json").exists():
-        raise LlmtraceError(f"{resolved.path}: no tokenizer.json in this directory, so it has no tokenizer llmtrace can use")
-    return TextTokenizer.from_hf_dir(resolved.path)
+    Linux: the (package, core) ids in /sys of the CPUs in our affinity set, else /proc/cpuinfo; elsewhere psutil when
+    it is installed; else every logical CPU.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    cores = set()
+    for cpu in allowed or ():
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
+                       topology.joinpath("core_id").read_text().strip()))
+        except OSError:
+            cores.clear()
+            break
+    if not cores and allowed:
+        try:
+            cores = cpuinfo_cores(Path("/proc/cpuinfo").read_text(), set(allowed))
+        except OSError:
+            pass
+    if cores:
+        return len(cores)
+    logical = len(allowed) if allowed else os.cpu_count() or 1
+    try:
+        import psutil
+
+        n = psutil.cpu_count(logical=False)  # the whole machine's cores, so capped by the CPUs we may use
+    except ImportError:
+        n = None
+    return min(n, logical) if n else logical
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
+def cpuinfo_cores(text: str, allowed: set[int]) -> set[tuple[str, str]]:
+    """(physical id, core id) of each allowed CPU in the text of /proc/cpuinfo; empty when it does not say."""
+    cores = set()
+    for block in text.split("\n\n"):
+        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
+        if fields.get("processor", "").isdigit() and "core id" in fields and int(fields["processor"]) in allowed:
+            cores.add((fields.get("physical id", "0"), fields["core id"]))
+    return cores
 
 
-def set_threads(n: Optional[int]) -> int:
-    """Pin torch's CPU threads: `n`, else $LLMTRACE_THREADS, else the number of CPUs this process may use."""
+def thread_count(n: Optional[int] = None) -> int:
+    """The CPU threads to use: `n` (--threads), else $LLMTRACE_THREADS, else the physical cores."""
     if n is None:
-        env = os.environ.get("LLMTRACE_THREADS")
-        n = int(env) if env and env.isdigit() else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    n = max(1, int(n))
+        env = os.environ.get("LLMTRACE_THREADS", "").strip()
+        if env:
+            if not env.isdigit() or int(env) < 1:
+                raise UsageError(f"LLMTRACE_THREADS must be a whole number ≥ 1, not {env!r}")
+            n = int(env)
+    elif n < 1:
+        raise UsageError("--threads must be ≥ 1")
+    return n if n is not None else physical_cores()
+
+
+def set_threads(n: Optional[int] = None) -> int:
+    """Pin torch's CPU threads to thread_count(n) and return that number.
+
+    Physical cores, not logical CPUs, by default: two threads on one core's hyperthreads, or more threads than the
+    cores left free by a busy machine, make every matrix product wait for the slowest thread.
+    """
+    n = thread_count(n)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n

@@ -57,13 +57,14 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.fsutil import atomic_dir
+from llmtrace.fsutil import atomic_dir, sigint_deferred
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 SHIPPED_REGISTRY = Path(__file__).with_name("models.toml")
 MANIFEST_NAME = "llmtrace-manifest.json"
 MANIFEST_VERSION = 1
+CONVERT_VERSION = 1  # bump when the cached conversion format of GGUF files changes
 
 HUB_ENDPOINT = "https://huggingface.co"
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
@@ -291,6 +292,13 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
+def converted_dir(gguf: Path) -> Path:
+    """Where the float32 conversion of a GGUF file is cached: named after the file's path, size and mtime."""
+    st = gguf.stat()
+    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{CONVERT_VERSION}"
+    return cache_dir() / "converted" / f"{gguf.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
 def _model_dir(key: str) -> Path:
     """The cache directory of a registry name, or of a hub id ("org/name")."""
     if "/" in key:
@@ -353,6 +361,147 @@ def _write_manifest(directory: Path, key: str, kind: str, main: str, source: Sou
         "files": files,
     }
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# conversions and disk use: what a cached model takes, and removing it
+#
+# A GGUF model is converted to float32 safetensors on first load, under converted/<stem>-<key>/ (converted_dir).
+# That copy is several times the GGUF's size, and it belongs to the model: `models` counts it, `rm` removes it, and a
+# new copy of the GGUF (`pull --force`) removes the conversions of the old one, which nothing would open again.
+
+CONVERSION_SOURCE = "source.json"  # in a conversion directory: the GGUF file it was made from
+_CONVERSION_NAME_RE = re.compile(r"(?P<stem>.+)-[0-9a-f]{16}\Z")
+
+
+def conversion_source(gguf: Path) -> str:
+    """The text of a conversion's source.json: the path, size and mtime of the GGUF file it is made from."""
+    st = gguf.stat()
+    return json.dumps({"path": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n"
+
+
+def conversions_of(gguf: Path) -> list[Path]:
+    """Every cached conversion of the file at `gguf`'s path: the current one and those of earlier copies of it.
+
+    A conversion names its source in source.json; one made before llmtrace wrote that is known by the stem alone.
+    """
+    root = cache_dir() / "converted"
+    if not root.is_dir():
+        return []
+    target = str(gguf.resolve())
+    found = []
+    for directory in sorted(root.iterdir()):
+        named = _CONVERSION_NAME_RE.match(directory.name)
+        if not named or not directory.is_dir():
+            continue
+        try:
+            record = json.loads((directory / CONVERSION_SOURCE).read_text(encoding="utf-8"))
+            ours = isinstance(record, dict) and record.get("path") == target
+        except FileNotFoundError:
+            ours = named["stem"] == gguf.stem
+        except (OSError, ValueError):
+            ours = False
+        if ours:
+            found.append(directory)
+    return found
+
+
+def disk_bytes(path: Path) -> int:
+    """The bytes of the files under `path` (symbolic links not followed), or of the file itself."""
+    if not path.is_dir():
+        return path.lstat().st_size if path.exists() else 0
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # a file that went away while we counted
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total
+
+
+@dataclass
+class CachedFiles:
+    """Everything on disk that belongs to one cache key."""
+
+    key: str
+    directory: Optional[Path]  # the model's directory (whole or not), if there is one
+    leftovers: list[Path]  # temporary directories of downloads that were cut off
+    conversions: list[Path]  # float32 conversions of its GGUF file
+
+    @property
+    def paths(self) -> list[Path]:
+        return [*self.conversions, *self.leftovers, *([self.directory] if self.directory else [])]
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(disk_bytes(p) for p in [*self.leftovers, *([self.directory] if self.directory else [])])
+
+    @property
+    def converted_bytes(self) -> int:
+        return sum(disk_bytes(p) for p in self.conversions)
+
+
+def _leftovers(target: Path) -> list[Path]:
+    """Temporary directories that downloads of `target` left behind: ".NAME.<8 chars>.partial", ".NAME.download-<8>"."""
+    stale = re.compile(rf"\.{re.escape(target.name)}\.([a-z0-9_]{{8}}\.partial|download-[a-z0-9_]{{8}})\Z")
+    if not target.parent.is_dir():
+        return []
+    return sorted(p for p in target.parent.iterdir() if stale.match(p.name) and p.is_dir())
+
+
+def cached_files(key: str) -> CachedFiles:
+    """What the cache holds for `key` (a registry name or hub id), whole or not."""
+    directory = _model_dir(key)
+    status = cache_status(key)
+    if status.model is not None:
+        ggufs = [status.model.path] if status.model.kind == "gguf" else []
+    else:
+        ggufs = sorted(directory.glob("*.gguf")) if directory.is_dir() else []
+    conversions = sorted({c for g in ggufs for c in conversions_of(g)})
+    return CachedFiles(key, directory if directory.exists() else None, _leftovers(directory), conversions)
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a directory by renaming it to a temporary name first, so that no half-removed copy is ever in place."""
+    if not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    doomed = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    os.replace(path, doomed / path.name)
+    shutil.rmtree(doomed)
+
+
+def _prune_conversions(gguf: Path) -> None:
+    """Remove the conversions of earlier copies of `gguf`: a new file at its path is never read through them."""
+    current = converted_dir(gguf)
+    for conversion in conversions_of(gguf):
+        if conversion != current:
+            with sigint_deferred():
+                _remove_tree(conversion)
+
+
+def cache_key(name: Optional[str]) -> str:
+    """The cache key of a registry name or hub id (None: the default model); a path has none."""
+    key, local, _ = _lookup(name)
+    if local is not None:
+        raise UsageError(f"{name} is a path, not a model in llmtrace's cache; remove it yourself if you want it gone")
+    return key
+
+
+def remove(key: str) -> int:
+    """Remove everything the cache holds for `key`: the model, what downloads of it left, its conversions.
+
+    Returns the bytes freed. Holds the download lock, so that it never removes a copy another llmtrace is writing.
+    """
+    target = _model_dir(key)
+    if not target.parent.is_dir():
+        return 0
+    before = cached_files(key)
+    freed = before.model_bytes + before.converted_bytes
+    with _download_lock(target):  # taking it removes the leftovers of killed downloads
+        with sigint_deferred():
+            for path in cached_files(key).paths:
+                _remove_tree(path)
+    return freed  # the empty lock file stays: another llmtrace may be waiting on it
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -549,11 +698,8 @@ def _download_lock(target: Path) -> Iterator[None]:
             except BlockingIOError:
                 _say(f"waiting for another llmtrace that is downloading {target.name}…")
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            # Temporary directories are ".NAME.<8 random chars>.partial" (atomic_dir) and ".NAME.download-<8>" (pip).
-            stale = re.compile(rf"\.{re.escape(target.name)}\.([a-z0-9_]{{8}}\.partial|download-[a-z0-9_]{{8}})\Z")
-            for leftover in target.parent.iterdir():
-                if stale.match(leftover.name) and leftover.is_dir():
-                    shutil.rmtree(leftover, ignore_errors=True)
+            for leftover in _leftovers(target):
+                shutil.rmtree(leftover, ignore_errors=True)
         yield
 
 
@@ -584,6 +730,8 @@ def _fetch(key: str, sources: list[Source], *, force: bool = False) -> ResolvedM
             status = cache_status(key)
             if status.model is None:
                 raise LlmtraceError(f"{key} was downloaded but the cache copy does not check out: {status.reason}")
+            if status.model.kind == "gguf":
+                _prune_conversions(status.model.path)  # `pull --force` replaces the model; its old conversion goes too
             status.model.downloaded = True
             return status.model
     raise LlmtraceError(f"could not get {key}: " + "; ".join(failures))

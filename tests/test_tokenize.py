@@ -6,6 +6,7 @@ Also a tiny SentencePiece-style ('llama') GGUF written here, to cover byte fallb
 import io
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def hf(gguf_path):
     return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
-def _write_gguf(path: Path, tokenizer_model: str, tokens, types, scores=None, add_bos=None, template=None):
+def _write_gguf(path: Path, tokenizer_model: str, tokens, types, scores=None, add_bos=None, template=None, merges=None,
+                bos=1):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(64)
@@ -106,7 +108,9 @@ def _write_gguf(path: Path, tokenizer_model: str, tokens, types, scores=None, ad
     w.add_token_types(types)
     if scores is not None:
         w.add_token_scores(scores)
-    w.add_bos_token_id(1)
+    if merges is not None:
+        w.add_token_merges(merges)
+    w.add_bos_token_id(bos)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     if add_bos is not None:
@@ -360,6 +364,135 @@ def test_unknown_tokenizer_model(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# damaged vocabularies: one LlmtraceError that names the file and what is inconsistent
+# ---------------------------------------------------------------------------------------------------------------------
+
+BPE_TOKENS = ["<unk>", "<s>", "</s>", "a", "b", "c", "ab", "abc"]
+BPE_TYPES = [2, 3, 3, 1, 1, 1, 1, 1]
+BPE_MERGES = ["a b", "ab c"]
+
+
+def _replaced(items, at, value):
+    return [value if i == at else x for i, x in enumerate(items)]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ({"merges": ["a b", "ab d"]}, "tokenizer.ggml.merges: merge 1 'ab d' names 'd', which is not in the vocabulary"),
+        ({"merges": ["b c", "a b"]}, "merge 0 'b c' makes 'bc', which is not in the vocabulary"),
+        ({"merges": ["a b", "abc"]}, "merge 1 'abc' is malformed"),
+        ({"tokens": _replaced(BPE_TOKENS, 7, "ab")}, "token 'ab' appears twice in tokenizer.ggml.tokens (ids 6 and 7)"),
+        ({"types": _replaced(BPE_TYPES, 4, 9)}, "token 4 ('b') has type 9 in tokenizer.ggml.token_type"),
+        ({"types": BPE_TYPES[:-1]}, "tokenizer.ggml.token_type has 7 entries for 8 tokens"),
+        ({"bos": 99}, "tokenizer.ggml.bos_token_id = 99 is not a token id (ids are 0..7)"),
+    ],
+)
+def test_damaged_gguf_vocabulary_is_named(tmp_path, monkeypatch, damage, message):
+    from llmtrace.loader import load_tokenizer
+
+    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
+    good = tmp_path / "good.gguf"
+    _write_gguf(good, "gpt2", BPE_TOKENS, BPE_TYPES, merges=BPE_MERGES)
+    assert load_tokenizer(str(good)).encode("abcab", add_special_tokens=False) == [7, 6]
+    bad = tmp_path / "bad.gguf"
+    args = {"tokens": BPE_TOKENS, "types": BPE_TYPES, "merges": BPE_MERGES, **damage}
+    _write_gguf(bad, "gpt2", args.pop("tokens"), args.pop("types"), **args)
+    with pytest.raises(LlmtraceError) as caught:
+        load_tokenizer(str(bad))
+    text = str(caught.value)
+    assert text.startswith(f"{bad}: ") and message in text and "\n" not in text
+
+
+def test_damaged_sentencepiece_vocabulary_is_named(tmp_path):
+    path = tmp_path / "sp.gguf"
+    _write_gguf(path, "llama", ["<unk>", "<s>", "</s>", "▁a", "▁a"], [2, 3, 3, 1, 1], scores=[0.0] * 5)
+    with pytest.raises(LlmtraceError, match=r"sp.gguf: token '▁a' appears twice .*\(ids 3 and 4\)"):
+        TextTokenizer.from_gguf(gguf.GGUFReader(path), str(path))
+
+
+def _saved_tiny(sp_tt, path: Path) -> Path:
+    sp_tt.save_hf_dir(path)
+    return path / "tokenizer.json"
+
+
+def _edit_json(path: Path, edit) -> None:
+    spec = json.loads(path.read_text())
+    edit(spec)
+    path.write_text(json.dumps(spec))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s["model"].update(merges=[["▁", "zz"]]), "model.merges: merge 0 ['▁', 'zz'] names 'zz'"),
+        (lambda s: s["model"]["vocab"].pop("▁hello"), "makes '▁hello', which is not in the vocabulary"),
+        (lambda s: s["model"].update(merges=[["a", "b", "c"]]), "model.merges entry 0 ['a', 'b', 'c'] is not"),
+        (lambda s: s["post_processor"]["single"].insert(0, {"SpecialToken": {"id": "<zz>", "type_id": 0}}),
+         "post_processor.single uses the special token '<zz>', which post_processor.special_tokens lacks"),
+        (lambda s: s["post_processor"]["special_tokens"]["<s>"].update(ids=[5000]),
+         "post_processor.special_tokens gives '<s>' the id 5000, past the vocabulary's"),
+    ],
+)
+def test_damaged_tokenizer_json_is_named(sp_tt, tmp_path, edit, message):
+    """What the tokenizers library refuses, panics on (a template naming an undefined special token), or accepts and
+    then hands the model an id past its rows, is one error naming tokenizer.json and the inconsistency."""
+    tj = _saved_tiny(sp_tt, tmp_path / "tok")
+    _edit_json(tj, edit)
+    with pytest.raises(LlmtraceError) as caught:
+        TextTokenizer.from_hf_dir(tmp_path / "tok").encode("hello")
+    assert str(caught.value).startswith(f"{tj}: ") and message in str(caught.value)
+
+
+def test_duplicate_token_in_tokenizer_json_is_named(sp_tt, tmp_path):
+    """A damaged vocabulary key that now spells another token: the duplicate is the cause named (not the merge that
+    lost its token)."""
+    tj = _saved_tiny(sp_tt, tmp_path / "tok")
+    text = tj.read_text()
+    assert text.count('"▁hello":') == 1
+    tj.write_text(text.replace('"▁hello":', '"▁world":'))
+    with pytest.raises(LlmtraceError, match=r"tokenizer.json: token '▁world' appears twice \(ids \d+ and \d+\)"):
+        TextTokenizer.from_hf_dir(tmp_path / "tok")
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("tokenizer.json", b'{"model": ', "tokenizer.json: not valid JSON (line 1, column 11"),
+        ("tokenizer.json", b'{"model": "\xff"}', "tokenizer.json: not UTF-8 text (byte offset 11)"),
+        ("tokenizer_config.json", b"[1, 2", "tokenizer_config.json: not valid JSON"),
+        ("chat_template.jinja", b"{{ '\xe4' }}", "chat_template.jinja: not UTF-8 text (byte offset 4)"),
+    ],
+)
+def test_unreadable_tokenizer_files_are_named(sp_tt, tmp_path, name, data, message):
+    _saved_tiny(sp_tt, tmp_path / "tok")
+    (tmp_path / "tok" / name).write_bytes(data)
+    with pytest.raises(LlmtraceError, match=re.escape(message)):
+        TextTokenizer.from_hf_dir(tmp_path / "tok")
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{{ 1 / 0 }}", "the chat template failed on these messages (ZeroDivisionError: division by zero)"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "(RecursionError: maximum recursion depth exceeded"),
+        ("{% for i in range(10**9) %}{% endfor %}", "(OverflowError: Range too big."),
+        ("{{ messages[0].content.nope() }}", "the chat template failed: 'str object' has no attribute 'nope'"),
+        ("{{ 2**100000 }}", "the chat template cannot be compiled (ValueError: "),
+        ("{% if %}", "the chat template has a syntax error on line 1"),
+    ],
+)
+def test_chat_template_errors_name_the_file(tmp_path, template, message):
+    """Whatever a chat template raises, at compile time or while rendering, is one error naming the model file."""
+    path = tmp_path / "tpl.gguf"
+    _write_gguf(path, "gpt2", BPE_TOKENS, BPE_TYPES, merges=BPE_MERGES, template=template)
+    tok = TextTokenizer.from_gguf(gguf.GGUFReader(path), str(path))
+    with pytest.raises(LlmtraceError) as caught:
+        tok.encode_prompt("hi", chat=True)
+    assert str(caught.value).startswith(f"{path}: ") and message in str(caught.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -421,8 +554,8 @@ def test_cli_merges_json_and_table(gguf_path, tt, monkeypatch, capsys):
 
 
 def test_cli_ids_jsonl_and_stdin(gguf_path, tt, monkeypatch, capsys):
-    code, out, _ = run_cli(["tokenize", "-m", str(gguf_path), "--ids"], monkeypatch, capsys, stdin="a b\n".encode())
-    assert code == 0 and out == " ".join(map(str, tt.encode("a b\n"))) + "\n"
+    code, out, _ = run_cli(["tokenize", "-m", str(gguf_path), "--ids"], monkeypatch, capsys, stdin="a b\n\n".encode())
+    assert code == 0 and out == " ".join(map(str, tt.encode("a b\n"))) + "\n"  # only echo's newline is dropped
     code, out, _ = run_cli(["tokenize", "x<|im_end|>", "-m", str(gguf_path), "--jsonl", "--no-special"], monkeypatch, capsys)
     lines = [json.loads(line) for line in out.splitlines()]
     assert [d["id"] for d in lines] == tt.encode("x<|im_end|>", parse_special=False)
@@ -451,7 +584,7 @@ def test_cli_invalid_utf8_and_missing_file(gguf_path, tmp_path, monkeypatch, cap
     assert code == 1 and out == ""
     assert err.startswith("error: ") and "byte offset 3" in err and len(err.strip().splitlines()) == 1
     code, _, err = run_cli(["tokenize", "-m", str(gguf_path), "--file", str(tmp_path / "nope.txt")], monkeypatch, capsys)
-    assert code == 1 and "nope.txt: no such file" in err
+    assert code == 1 and "text file not found: " in err and "nope.txt" in err
     code, _, err = run_cli(["tokenize", "-m", str(gguf_path)], monkeypatch, capsys, stdin=b"\x80", tty=False)
     assert code == 1 and "stdin is not valid UTF-8" in err and "byte offset 0" in err
     code, _, err = run_cli(["tokenize", "-m", str(gguf_path)], monkeypatch, capsys, tty=True)
@@ -507,6 +640,23 @@ def test_cli_detokenize(gguf_path, monkeypatch, capsys):
     assert code == 2 and "49152 is out of range" in err
     code, _, err = run_cli(["detokenize", "abc", "-m", str(gguf_path)], monkeypatch, capsys)
     assert code == 2 and "'abc' is not a token id" in err
+
+
+@pytest.mark.parametrize(
+    "args, write, message",
+    [
+        (["tokenize", "abc"], {"merges": ["a b", "ab d"]}, "merge 1 'ab d' names 'd'"),
+        (["tokenize", "hi", "--chat"], {"merges": BPE_MERGES, "template": "{{ 1 / 0 }}"}, "ZeroDivisionError"),
+    ],
+)
+def test_cli_damaged_tokenizer_is_one_line(tmp_path, monkeypatch, capsys, args, write, message):
+    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("LLMTRACE_DEBUG", raising=False)
+    path = tmp_path / "damaged.gguf"
+    _write_gguf(path, "gpt2", BPE_TOKENS, BPE_TYPES, **write)
+    code, out, err = run_cli([*args, "-m", str(path)], monkeypatch, capsys)
+    assert code == 1 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {path}: ") and message in err
 
 
 def test_cli_usage_errors_and_help(gguf_path, monkeypatch, capsys):

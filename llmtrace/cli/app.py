@@ -39,6 +39,15 @@ DtypeOpt = Annotated[
     Optional[str],
     typer.Option("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).", show_default=False),
 ]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        help="CPU threads for torch (default: $LLMTRACE_THREADS, else the number of physical cores; on a busy "
+        "machine fewer threads can be much faster).",
+        show_default=False,
+    ),
+]
 KeepQuantizedOpt = Annotated[
     bool,
     typer.Option("--keep-quantized", help="GGUF only: keep the matrices in their quantized blocks (Q4_0 … Q8_0, "

@@ -15,10 +15,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, app,
-                              load_options)
+from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
+                              ThreadsOpt, app, load_options)
+from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
-from llmtrace.render import fmt_bytes, fmt_num, make_console, visible
+from llmtrace.render import fmt_bytes, fmt_num, make_console, print_fitted, visible
 
 EXPLAIN_HELP = """Take one decoder layer apart on your prompt: every step of s6.1–s6.8 with real numbers.
 
@@ -36,6 +37,8 @@ Examples:
   llmtrace explain "Write a haiku" --chat --layer 10 --json - | jq '.events[] | select(.section == "ffn")'
 
   llmtrace explain -f prompt.txt --layer 0 --jsonl explain.jsonl
+
+  llmtrace explain "The capital of France is" --layer 3 --html explain.html
 """
 
 LENS_HELP = """The logit lens: what the model would predict after each layer, at each position.
@@ -51,6 +54,8 @@ Examples:
   llmtrace lens "The capital of France is" --positions all --layers 20-29
 
   llmtrace lens "Once upon a time there was" --last 4 --top 10 --jsonl -
+
+  llmtrace lens "The capital of France is" --positions all --html lens.html
 """
 
 PromptArg = Annotated[Optional[str], typer.Argument(
@@ -59,9 +64,8 @@ FileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the 
 ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
 SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")]
 JsonlOpt = Annotated[Optional[str], typer.Option(
-    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout).")]
+    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout); an existing FILE is replaced.")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the events as one JSON document to FILE (- for stdout).")]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,6 +85,7 @@ def explain(
     top: Annotated[int, typer.Option("--top", help="Candidates shown by the logit lens.")] = 5,
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
+    html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
@@ -91,11 +96,11 @@ def explain(
 ) -> None:
     from llmtrace.explain import explain_events
 
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out)
+    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
-    _output(events, render_explain, jsonl, json_out)
+    _output(events, render_explain, jsonl, json_out, html, lm.tokenizer)
 
 
 @app.command(help=LENS_HELP)
@@ -113,6 +118,7 @@ def lens(
     top: Annotated[int, typer.Option("--top", help="Candidates recorded per cell in --json/--jsonl.")] = 5,
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
+    html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
@@ -124,7 +130,7 @@ def lens(
     from llmtrace.explain import check_prompt_ids, lens_events, parse_positions
     from llmtrace.events import parse_layers
 
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out)
+    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
     if last < 1:
         raise UsageError("--last must be ≥ 1")
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
@@ -133,10 +139,10 @@ def lens(
     rows = parse_layers(layers, lm.config.n_layers)
     cols = parse_positions(positions, len(ids), last)
     events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat)
-    _output(events, render_lens, jsonl, json_out)
+    _output(events, render_lens, jsonl, json_out, html, lm.tokenizer)
 
 
-def _check_common(prompt, file, chat, system, top, jsonl, json_out) -> str:
+def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None) -> str:
     """Everything the user typed that can be checked before the (slow) model load. Returns the prompt text."""
     from llmtrace.cli.generate import read_prompt
     from llmtrace.fsutil import check_writable_target
@@ -145,7 +151,7 @@ def _check_common(prompt, file, chat, system, top, jsonl, json_out) -> str:
         raise UsageError("--top must be between 1 and 100")
     if jsonl == "-" and json_out == "-":
         raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
-    for target in (jsonl, json_out):
+    for target in (jsonl, json_out, html):
         if target not in (None, "-"):
             check_writable_target(Path(target))
     if system is not None and not chat:
@@ -163,15 +169,18 @@ def _load(model, device, dtype, threads, scale: dict):
     return load_model(model, device=device, dtype=dtype, **scale)
 
 
-def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str]) -> None:
+def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None,
+            tokenizer=None) -> None:
     """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
-    from llmtrace.trace import JsonDocSink, JsonlSink
+    from llmtrace.fsutil import sigint_deferred
+    from llmtrace.sinks import JsonDocSink, JsonlSink
 
     if jsonl:
         sink = JsonlSink(jsonl)
         try:
-            for ev in events:
-                sink(ev)
+            with sigint_deferred():  # the events exist already: the stream is written whole
+                for ev in events:
+                    sink(ev)
         finally:
             sink.close()
     if json_out:
@@ -179,6 +188,10 @@ def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional
         for ev in events:
             doc(ev)
         doc.write()
+    if html:
+        from llmtrace.cli.report import write_html
+
+        write_html(events, html, tokenizer)
     if "-" not in (jsonl, json_out):
         render(events, make_console())
     elif sys.stderr.isatty():
@@ -315,7 +328,7 @@ def _layer(console: Console, ev: dict) -> None:
     for p in ev["params"]:
         t.add_row(p["seed_step"], p["name"], _shape(p["shape"]), f"{p['numel']:,}", f"{p['numel'] / ev['layer_params']:.1%}")
     t.add_row("", Text("layer total", style="bold"), "", Text(f"{ev['layer_params']:,}", style="bold"), "100%")
-    console.print(t)
+    print_fitted(console, t)
     _note(console, f"= {ev['share']:.2%} of the model's {ev['model_params']:,} parameters "
                    f"({ev['share_of_layers']:.2%} of the weights outside the embedding and final norm; the embedding "
                    f"table holds {ev['embedding_params']:,})")
@@ -327,7 +340,7 @@ def _layer(console: Console, ev: dict) -> None:
                                 ("o", "output projection", "2·T·H·Dh·D"), ("ffn", "SwiGLU FFN", "2·T·D·2F + 2·T·F·D")):
         t.add_row(label, formula, f"{f[key]:,}")
     t.add_row(Text("layer total", style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))
-    console.print(t)
+    print_fitted(console, t)
     _note(console, "2 FLOPs per multiply-add; the scores count the full T×T square the eager path computes "
                    "(the causal mask then discards the upper half)")
 
@@ -350,7 +363,7 @@ def _rmsnorm(console: Console, evs: list[dict], toks: list[str]) -> None:
         r, s = a["tokens"][i], f["tokens"][i]
         t.add_row(str(i), _tok(toks[i]), fmt_num(r["rms"]), fmt_num(r["norm_in"]), fmt_num(r["norm_unit"]),
                   fmt_num(r["norm_out"]), fmt_num(s["rms"]), fmt_num(s["norm_in"]), fmt_num(s["norm_out"]))
-    console.print(t)
+    print_fitted(console, t)
     _note(console, f"dividing by the RMS gives every token the same length √D = {a['d_model'] ** 0.5:.2f}, whatever "
                    f"its scale; γ then re-weights each of the D dimensions (learned), which sets the final length")
 
@@ -362,7 +375,7 @@ def _qkv(console: Console, ev: dict) -> None:
     for s in ev["shapes"]:
         t.add_row(s["name"], _shape(s["shape"]), _shape(s["split"]) if "split" in s else "",
                   _shape(s["heads_first"]) if "heads_first" in s else "")
-    console.print(t)
+    print_fitted(console, t)
     if Hkv < H:
         console.print(Text(f"grouped-query attention (GQA): {ev['group_size']} query heads share each KV head", style="bold"))
         for g, qs in enumerate(ev["groups"]):
@@ -387,7 +400,7 @@ def _rope(console: Console, ev: dict) -> None:
     for p in ev["pairs"]:
         t.add_row(str(p["i"]), f"{p['dims'][0]}, {p['dims'][1]}", f"{p['theta_i']:.3g}", f"{p['wavelength']:.3g} pos",
                   *[f"{p['angles'][c]:.3g}" for c in cols])
-    console.print(t)
+    print_fitted(console, t)
     _note(console, "angles in radians; fast pairs (small i) turn in a few positions and see nearby order, slow pairs "
                    "barely turn and carry long-range position. V is not rotated.")
     r = ev["relative"]
@@ -396,7 +409,7 @@ def _rope(console: Console, ev: dict) -> None:
     t = _table(("d = m − n", "right"), *[(f"n = {s}", "right") for s in r["shifts"]], ("spread", "right"))
     for d, row, dev in zip(r["distances"], r["scores"], r["deviation_by_distance"]):
         t.add_row(str(d), *[f"{v:.6f}" for v in row], fmt_num(dev))
-    console.print(t)
+    print_fitted(console, t)
     ok = r["max_deviation"] <= 1e-4
     console.print(Text(("✓" if ok else "✗") + f" q·k/√Dh is the same wherever the pair sits, given d "
                        f"(largest spread {fmt_num(r['max_deviation'])}); it changes when d changes", style="green" if ok else "red"))
@@ -430,10 +443,15 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
                    f"{fmt_num(ev['post_mask']['max'])}; every softmax row sums to 1 (largest error "
                    f"{fmt_num(ev['row_sum_max_error'])})")
     ex = ev["example"]
-    grid = Table.grid(padding=(0, 3))
-    grid.add_row(_matrix_table(f"head {ex['head']}: Q·Kᵀ/√Dh, masked →−∞", ex["scores"], ex["masked_scores"]),
-                 _matrix_table("softmax P", ex["probs"]))
-    console.print(grid)
+    scores = _matrix_table(f"head {ex['head']}: Q·Kᵀ/√Dh, masked →−∞", ex["scores"], ex["masked_scores"])
+    probs = _matrix_table("softmax P", ex["probs"])
+    if console.measure(scores).maximum + console.measure(probs).maximum + 3 <= console.width:
+        grid = Table.grid(padding=(0, 3))  # side by side when they fit
+        grid.add_row(scores, probs)
+        console.print(grid)
+    else:
+        print_fitted(console, scores)
+        print_fitted(console, probs)
     if ex["positions"] < T:
         _note(console, f"(the first {ex['positions']} positions of {T})")
     # for each head, the position each query attends to most
@@ -447,7 +465,7 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
                 continue
             t.add_row(str(i), _tok(toks[i], 10), *[f"{h['argmax'][i]}:{h['weight'][i]:.2f}" for h in chunk])
         t.add_row("", Text("mean on 0", style="dim"), *[Text(f"{h['first_token_weight']:.2f}", style="dim") for h in chunk])
-        console.print(t)
+        print_fitted(console, t)
     _heatmap(console, amap, toks)
 
 
@@ -491,7 +509,7 @@ def _residual(console: Console, ev: dict, toks: list[str]) -> None:
         r = ev["tokens"][i]
         t.add_row(str(i), _tok(toks[i]), fmt_num(r["norm_in"]), fmt_num(r["norm_attn"]), fmt_num(r["attn_to_stream"]),
                   _f(r["cos_attn_stream"], 3), _f(r["cos_attn"], 5), fmt_num(r["rel_change_layer"]), _f(r["cos_layer"], 5))
-    console.print(t)
+    print_fitted(console, t)
     _note(console, "x enters the layer; attn = concat(heads)·Wo; x' = x + attn (so ‖x'−x‖/‖x‖ = ‖attn‖/‖x‖); "
                    "x'' = x' + FFN(x') leaves the layer. A cosine near 1: the layer nudged the token's vector "
                    "rather than replacing it")
@@ -515,14 +533,14 @@ def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
         r = ev["tokens"][i]
         t.add_row(str(i), _tok(toks[i]), f"{r['near_zero_fraction']:.1%}", fmt_num(r["norm_act"]), fmt_num(r["norm_down"]),
                   fmt_num(r["rel_change"]), _f(r["cos"], 5))
-    console.print(t)
+    print_fitted(console, t)
     tu = ev["top_units"]
     console.print(Text(f"the most active units for the last token (position {tu['position']}, "
                        f"{_tok(toks[tu['position']])}), by |act|", style="bold"))
     t = _table(("unit", "right"), ("gate", "right"), ("silu(gate)", "right"), ("up", "right"), ("act", "right"))
     for u in tu["units"]:
         t.add_row(str(u["unit"]), fmt_num(u["gate"]), fmt_num(u["silu_gate"]), fmt_num(u["up"]), fmt_num(u["act"]))
-    console.print(t)
+    print_fitted(console, t)
 
 
 def _kv(console: Console, ev: dict) -> None:
@@ -550,7 +568,7 @@ def _lens_here(console: Console, rows: list[dict], m: dict) -> None:
                (f"real output (after layer {L - 1})", "left"))
     for k in range(len(final["topk"])):
         t.add_row(str(k + 1), _cand(mid["topk"][k]), _cand(post["topk"][k]), _cand(final["topk"][k]))
-    console.print(t)
+    print_fitted(console, t)
 
 
 def _tensors(console: Console, tensors: list[dict]) -> None:
@@ -563,7 +581,7 @@ def _tensors(console: Console, tensors: list[dict]) -> None:
         s = ev["stats"]
         t.add_row(ev.get("seed_step") or "", ev["name"], _shape(ev["shape"]), fmt_num(s["mean"]), fmt_num(s["std"]),
                   fmt_num(s["min"]), fmt_num(s["max"]), fmt_num(s["norm"]))
-    console.print(t)
+    print_fitted(console, t)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -598,7 +616,7 @@ def render_lens(events: list[dict], console: Console) -> None:
             style = _prob_style(c["prob"]) + (" underline" if c["id"] == nxt else "")
             line.append(Text(_tok(c["text"], w), style=style))
         t.add_row(str(layer), *line)
-    console.print(t)
+    print_fitted(console, t)
     legend = Text("probability of the top-1 token: ")
     for lo, style in PROB_STYLES:
         legend.append(f"≥{lo:.0%} " if lo else "<5%", style=style)

@@ -8,23 +8,49 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, app,
-                              load_options)
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
+                              ThreadsOpt, app, load_options)
+from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
+from llmtrace.errors import UsageError
+from llmtrace.cli.report import HtmlOpt
 
-GENERATE_HELP = """Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
+GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
 The default model (smollm2-135m-instruct) is fetched on first use. Greedy decoding is the default (--temperature 0).
+The prompt is the argument, else --file, else stdin. {NEWLINE_NOTE}
+
+CPU threads: --threads, else $LLMTRACE_THREADS, else one per physical core; the run header shows the count.
+
+The steps of the view (s1–s12, the seed table), one line each:
+
+\b
+  s1   tokenize: the text split into pieces
+  s2   ids: each piece's vocabulary id
+  s3   padding and attention mask (one sequence: no padding)
+  s4   embedding: ids → X [T, D]
+  s5   position: RoPE, applied to q and k inside attention (s6.3)
+  s6   each layer: norm, Q/K/V, RoPE, scores, softmax, ·V, FFN, KV cache
+  s7   the last position: the row that predicts the next token
+  s8   final RMSNorm (LLaMA normalizes every position, then takes the last)
+  s9   LM head: one logit per vocabulary entry
+  s10  temperature, penalties, logit bias, bans (row marked * if they
+       changed the most likely token)
+  s11  top-k, top-p, min-p, typical-p: the survivors column
+  s12  sample (greedy: argmax), then detokenize
 
 Examples:
 
   llmtrace generate "Quantum mechanics is a fundamental theory in physics that" -n 16
+
+  llmtrace generate "The capital of France is" --ban " Paris" -n 4
 
   llmtrace generate "Write a haiku about rain" --chat --temperature 0.8 --top-p 0.9 --seed 1
 
   llmtrace generate "The capital of France is" --trace full --layers 0,-1 --jsonl trace.jsonl
 
   llmtrace generate "Once upon a time" --trace none -n 100
+
+  llmtrace generate "The capital of France is" -n 16 --trace full --layers 0,-1 --html report.html
 
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
 
@@ -34,34 +60,6 @@ Examples:
 
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
 """
-
-
-def read_prompt(prompt: Optional[str], file: Optional[Path], what: str = "prompt") -> str:
-    """The prompt from the argument, --file, or stdin (in that order). Errors name the problem in one line."""
-    if prompt is not None and file is not None:
-        raise UsageError(f"give the {what} either as an argument or with --file, not both")
-    if file is not None:
-        try:
-            data = file.read_bytes()
-        except FileNotFoundError:
-            raise LlmtraceError(f"{what} file not found: {file}; check the path") from None
-        except IsADirectoryError:
-            raise LlmtraceError(f"{what} file is a directory: {file}") from None
-        except PermissionError:
-            raise LlmtraceError(f"{what} file is not readable: {file}") from None
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise LlmtraceError(f"{file}: not valid UTF-8 (bad byte 0x{data[e.start]:02x} at byte offset {e.start})") from None
-    if prompt is not None:
-        return prompt
-    if sys.stdin is not None and not sys.stdin.isatty():
-        data = sys.stdin.buffer.read()
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise LlmtraceError(f"stdin: not valid UTF-8 (bad byte 0x{data[e.start]:02x} at byte offset {e.start})") from None
-    raise UsageError(f"no {what}: give it as an argument, with --file, or on stdin")
 
 
 @app.command(help=GENERATE_HELP, no_args_is_help=False)
@@ -90,15 +88,21 @@ def generate(
     layers: Annotated[Optional[str], typer.Option("--layers", help="Layers to record, e.g. 0,3,-1 or 2-5 (default: all).")] = None,
     dump: Annotated[Optional[list[str]], typer.Option("--dump", help="Record the values of a point, e.g. logits or 3.probs (repeatable).")] = None,
     topk: Annotated[int, typer.Option("--show-top", help="Candidates recorded per step.")] = 10,
-    jsonl: Annotated[Optional[str], typer.Option("--jsonl", help="Stream events, one JSON object per line, to FILE (- for stdout).")] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for stdout).")] = None,
+    jsonl: Annotated[Optional[str], typer.Option("--jsonl", help="Stream events, one JSON object per line, to FILE (- for "
+                                                 "stdout) as they happen: `tail -f FILE` follows the run. An existing "
+                                                 "FILE is replaced (emptied) when the run starts. A killed run leaves "
+                                                 "the lines written so far; after Ctrl-C the last line is the summary.")] = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for "
+                                                    "stdout), at the end and all at once: an existing FILE is kept "
+                                                    "until the new document is complete.")] = None,
+    html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch (default: all CPUs).")] = None,
+    threads: ThreadsOpt = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
@@ -119,7 +123,7 @@ def generate(
         same = Path(jsonl).resolve()
         if same == Path(json_out).resolve() and (same.is_file() or not same.exists()):  # /dev/null twice is fine
             raise UsageError("--jsonl and --json name the same file; give them different names")
-    for target in (jsonl, json_out):
+    for target in (jsonl, json_out, html):
         if target not in (None, "-"):
             check_writable_target(Path(target))
     options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
@@ -137,29 +141,51 @@ def generate(
         raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full or --dump every "
                          "step is observed and runs eagerly, so leave --compile out")
 
-    from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
+    from llmtrace.events import NOT_STARTED, summary_event
+    from llmtrace.fsutil import sigint_deferred
+    from llmtrace.sinks import JsonlSink
 
-    pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
-    scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir)
+    scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir)  # checked before the stream starts
+    # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
+    # (or a compile) still ends it with a summary.
+    jsonl_sink = JsonlSink(jsonl) if jsonl else None
+    try:
+        from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
 
-    set_threads(threads)
-    lm = load_model(model, device=device, dtype=dtype, **scale)
-    run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
-        ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl=jsonl, json_out=json_out,
-        compile_decode=compile_)
+        pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
+
+        set_threads(threads)
+        lm = load_model(model, device=device, dtype=dtype, **scale)
+        run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
+            ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl_sink=jsonl_sink,
+            json_out=json_out, compile_decode=compile_, html=html)
+    except KeyboardInterrupt:
+        if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
+            with sigint_deferred():
+                jsonl_sink(summary_event(NOT_STARTED))
+        raise
+    finally:
+        if jsonl_sink is not None:
+            jsonl_sink.close()
 
 
-def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl,
-        json_out, compile_decode=False) -> None:
-    """Everything after the load: encode, generate with the chosen observers, write the outputs."""
+def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
+        json_out, compile_decode=False, html=None) -> None:
+    """Everything after the load: encode, generate with the chosen observers, write the outputs. `jsonl_sink` (a
+    `sinks.JsonlSink` or None) is opened and closed by the caller."""
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import make_console, terminal_renderer
     from llmtrace.sampler import Sampler, parse_logit_bias
     from llmtrace.events import parse_layers
-    from llmtrace.trace import JsonDocSink, JsonlSink, Recorder
+    from llmtrace.sinks import JsonDocSink
+    from llmtrace.trace import Recorder
 
     tok = lm.tokenizer
     options.layers = parse_layers(layers, lm.config.n_layers)
+    if html:  # the report's attention maps need the probabilities of the recorded layers
+        from llmtrace.cli.report import report_dumps
+
+        options.dump = tuple(dict.fromkeys(options.dump + report_dumps(options.layers, lm.config.n_layers)))
     scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
     scfg.ban = banned_sequences(tok, ban)
     scfg.validate(lm.config.vocab_size)
@@ -169,23 +195,27 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         print(f"note: {dropped}", file=sys.stderr)
     sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
 
-    machine_on_stdout = "-" in (jsonl, json_out)
+    machine_on_stdout = json_out == "-" or (jsonl_sink is not None and jsonl_sink.target == "-")
     view_console = None
     if not machine_on_stdout:
         view_console = make_console()
     elif sys.stderr.isatty():
         view_console = make_console(stderr=True)
     sinks = []
-    jsonl_sink = JsonlSink(jsonl) if jsonl else None
     doc_sink = JsonDocSink(json_out) if json_out else None
     if jsonl_sink:
         sinks.append(jsonl_sink)
     if doc_sink:
         sinks.append(doc_sink)
+    recorded: list[dict] = []
+    if html:
+        sinks.append(recorded.append)
     stream_text = options.level == "none"
     if view_console is not None:
         sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
-    run_info = {"prompt": prompt_text, "chat": chat}
+    import torch
+
+    run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}
     if compile_decode:
         run_info["compiled"] = {"decode_step": True, "compile_s": round(compile_step(lm, len(ids), max_new_tokens), 3)}
     recorder = Recorder(options, sinks, run_info=run_info)
@@ -196,14 +226,14 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             view_console.file.write(piece)
             view_console.file.flush()
 
-    try:
-        result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
-                                observer=recorder, on_text=on_text)
-        if doc_sink is not None:
-            doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
-    finally:
-        if jsonl_sink is not None:
-            jsonl_sink.close(keep=jsonl_sink.ended)  # a stream that ends with its summary, or none at all
+    result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
+                            observer=recorder, on_text=on_text)
+    if doc_sink is not None:
+        doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
+    if html:
+        from llmtrace.cli.report import write_html
+
+        write_html(recorded, html, tok)
     if result.interrupted:
         raise typer.Exit(130)
 

@@ -1,4 +1,5 @@
-"""Commands: models (list the registry and what is in the cache) and pull (download a model into the cache)."""
+"""Commands: models (list the registry and what is in the cache), pull (download a model into the cache) and rm
+(remove a model's files from the cache)."""
 
 import json
 import sys
@@ -9,12 +10,14 @@ import typer
 
 from llmtrace import registry
 from llmtrace.cli.app import app
+from llmtrace.errors import UsageError
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
 
 
 def _model_row(entry: registry.ModelEntry, default: str) -> dict:
     status = registry.cache_status(entry.name)
+    files = registry.cached_files(entry.name)
     return {
         "name": entry.name,
         "default": entry.name == default,
@@ -27,7 +30,10 @@ def _model_row(entry: registry.ModelEntry, default: str) -> dict:
         "state": status.state,  # present, absent or incomplete
         "kind": status.model.kind if status.model else None,
         "path": str(status.model.path) if status.model else None,
-        "bytes": status.bytes if status.model else None,
+        "bytes": status.bytes if status.model else None,  # the model's files, as its manifest lists them
+        "disk_bytes": files.model_bytes + files.converted_bytes,  # all it takes on disk, conversions included
+        "converted_bytes": files.converted_bytes,
+        "conversions": [str(c) for c in files.conversions],
         "defined_in": str(entry.defined_in),
     }
 
@@ -37,7 +43,9 @@ def _model_row(entry: registry.ModelEntry, default: str) -> dict:
     help=(
         "List the models llmtrace knows by name, and which of them are in the local cache.\n\n"
         "Names come from the models.toml shipped with llmtrace plus the one in the config directory "
-        "($LLMTRACE_CONFIG_DIR, else ~/.config/llmtrace). The cache is $LLMTRACE_HOME, else ~/.cache/llmtrace.\n\n"
+        "($LLMTRACE_CONFIG_DIR, else ~/.config/llmtrace). The cache is $LLMTRACE_HOME, else ~/.cache/llmtrace. "
+        "A model's disk use includes the float32 conversion of a GGUF file (made on first load, several times the "
+        "GGUF's size); 'llmtrace rm NAME' removes both.\n\n"
         "Examples:\n\n"
         "  llmtrace models\n\n"
         "  llmtrace models --json | jq -r '.models[] | select(.state == \"present\") | .path'"
@@ -52,10 +60,10 @@ def models_command(json_out: JsonOpt = False) -> None:
         print(json.dumps(out, indent=2))
         return
     if not sys.stdout.isatty():
-        # A pipe gets one tab-separated line per model: name, params, sources, state, path.
+        # A pipe gets one tab-separated line per model: name, params, sources, state, path, bytes on disk.
         for row in rows:
             kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
-            print("\t".join([row["name"], row["params"], kinds, row["state"], row["path"] or "-"]))
+            print("\t".join([row["name"], row["params"], kinds, row["state"], row["path"] or "-", str(row["disk_bytes"])]))
         return
     from rich.console import Console
     from rich.table import Table
@@ -65,12 +73,12 @@ def models_command(json_out: JsonOpt = False) -> None:
     table.add_column("model", no_wrap=True)
     table.add_column("sources")
     table.add_column("tested")
-    table.add_column("cached")
+    table.add_column("cached", no_wrap=True)
     table.add_column("where", overflow="fold")
     cache = registry.cache_dir().resolve()
     for row in rows:
         kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
-        cached = {"present": registry.human_bytes(row["bytes"] or 0), "absent": "no"}.get(row["state"], "incomplete")
+        cached = _disk_use(row)
         where = "-"
         if row["path"]:
             path = Path(row["path"])
@@ -81,9 +89,20 @@ def models_command(json_out: JsonOpt = False) -> None:
     Console().print(table)
     user = registry.user_registry_path()
     print("* default model", file=sys.stderr)
+    converted = [f"{row['name']} {registry.human_bytes(row['converted_bytes'])}" for row in rows if row["converted_bytes"]]
+    if converted:
+        print(f"disk use includes float32 conversions of GGUF files: {', '.join(converted)}", file=sys.stderr)
     print(f"cache (where paths start): {registry.cache_dir()}", file=sys.stderr)
     print(f"user models.toml: {user}{'' if user.is_file() else ' (none)'}", file=sys.stderr)
-    print("get one with: llmtrace pull NAME", file=sys.stderr)
+    print("get one with: llmtrace pull NAME; remove one with: llmtrace rm NAME", file=sys.stderr)
+
+
+def _disk_use(row: dict) -> str:
+    """'no', or what the model takes on disk, conversions included; 'incomplete' marks a copy that is not whole."""
+    if row["state"] == "absent" and not row["disk_bytes"]:
+        return "no"
+    text = registry.human_bytes(row["disk_bytes"])
+    return text if row["state"] == "present" else f"incomplete {text}"
 
 
 @app.command(
@@ -122,3 +141,52 @@ def pull_command(
         print(json.dumps({"name": model.name, "kind": model.kind, "path": str(model.path), "downloaded": model.downloaded}))
     else:
         print(model.path)
+
+
+@app.command(
+    "rm",
+    help=(
+        "Remove models from the local cache: the downloaded files, what a cut-off download left, and the float32 "
+        "conversion of a GGUF file. Nothing outside the cache is touched.\n\n"
+        "NAME is a name from 'llmtrace models' or a hub id (org/name). What would be removed, and the space it frees, "
+        "is listed first; on a terminal you are asked to confirm, elsewhere pass --yes. 'llmtrace pull NAME' gets a "
+        "model back.\n\n"
+        "Examples:\n\n"
+        "  llmtrace rm tinyllama-1.1b-chat\n\n"
+        "  llmtrace rm smollm2-135m-instruct --yes"
+    ),
+)
+def rm_command(
+    names: Annotated[list[str], typer.Argument(metavar="NAME", help="Registry names or hub ids.", show_default=False)],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking.")] = False,
+) -> None:
+    keys = list(dict.fromkeys(registry.cache_key(name) for name in names))
+    found = [registry.cached_files(key) for key in keys]
+    for files in found:
+        if not files.paths:
+            print(f"{files.key}: not in the cache ({registry.cache_dir()}), nothing to remove", file=sys.stderr)
+    found = [files for files in found if files.paths]
+    if not found:
+        return
+    total = 0
+    for files in found:
+        size = files.model_bytes + files.converted_bytes
+        total += size
+        print(f"{files.key}: {registry.human_bytes(size)}", file=sys.stderr)
+        for path in files.paths:
+            print(f"  {path}", file=sys.stderr)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError("rm asks before it removes anything; pass --yes to remove without asking")
+        if not _confirm(f"Remove {len(found)} model{'s' if len(found) > 1 else ''} ({registry.human_bytes(total)})?"):
+            print("nothing removed", file=sys.stderr)
+            raise typer.Exit(1)
+    for files in found:
+        freed = registry.remove(files.key)
+        print(f"removed {files.key} ({registry.human_bytes(freed)} freed)", file=sys.stderr)
+
+
+def _confirm(question: str) -> bool:
+    """Ask on stderr (stdout stays data) and read the answer from stdin; only y or yes says yes."""
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")

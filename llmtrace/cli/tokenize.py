@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from llmtrace.cli.app import ModelOpt, app
+from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.tokenizer import TextTokenizer, TokenInfo, check_messages
 
@@ -24,52 +24,14 @@ from llmtrace.tokenizer import TextTokenizer, TokenInfo, check_messages
 
 
 def load_tokenizer(spec: str | None) -> TextTokenizer:
-    """The tokenizer for `-m` (a registry name, hub id, .gguf file or HF directory), via the shared loader."""
-    from llmtrace.loader import load_tokenizer as load
+    """The tokenizer for `-m` (a registry name, hub id, .gguf file or HF directory), without torch when it can."""
+    from llmtrace.tokenizer import load_tokenizer as load
 
     return load(spec)
 
 
-def _decode_utf8(data: bytes, what: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LlmtraceError(
-            f"{what} is not valid UTF-8: byte 0x{data[e.start]:02x} at byte offset {e.start} ({e.reason})"
-        ) from None
-
-
-def _read_file(path: str) -> str:
-    if path == "-":
-        return _decode_utf8(sys.stdin.buffer.read(), "stdin")
-    p = Path(path)
-    if not p.exists():
-        raise LlmtraceError(f"{path}: no such file")
-    if p.is_dir():
-        raise LlmtraceError(f"{path}: is a directory, not a text file")
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise LlmtraceError(f"cannot read {path}: {e.strerror}") from None
-    return _decode_utf8(data, path)
-
-
-def _read_text(text: str | None, file: str | None, allow_stdin: bool = True) -> str | None:
-    """TEXT, or the --file contents, or stdin when it is piped; None when there is none of them."""
-    if text is not None and file is not None:
-        raise UsageError("give either TEXT or --file, not both")
-    if file is not None:
-        return _read_file(file)
-    if text is not None:
-        # Bytes that are not UTF-8 in argv arrive as lone surrogates.
-        return _decode_utf8(text.encode("utf-8", errors="surrogateescape"), "TEXT")
-    if allow_stdin and not sys.stdin.isatty():
-        return _decode_utf8(sys.stdin.buffer.read(), "stdin")
-    return None
-
-
 def _read_messages(path: str) -> list[dict]:
-    raw = _read_file(path)
+    raw = read_file(path, "messages")
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -78,17 +40,9 @@ def _read_messages(path: str) -> list[dict]:
 
 
 def _console(err: bool = False):
-    from rich.console import Console
+    from llmtrace.render import make_console  # the one console factory: terminal width, else $COLUMNS, else 100
 
-    stream = sys.stderr if err else sys.stdout
-    tty = stream.isatty()
-    return Console(
-        file=stream,
-        no_color=bool(os.environ.get("NO_COLOR")) or not tty,
-        highlight=False,
-        width=None if tty else 120,
-        soft_wrap=False,
-    )
+    return make_console(stderr=err)
 
 
 def _note(message: str) -> None:
@@ -227,7 +181,7 @@ def _summary_line(tt: TextTokenizer, text: str, tokens: list[TokenInfo], info: d
 # tokenize
 # ---------------------------------------------------------------------------------------------------------------------
 
-_TOKENIZE_EPILOG = """\b
+_TOKENIZE_EPILOG = f"""\b
 Examples:
   llmtrace tokenize "Hello world"
   llmtrace tokenize "你好 😀" --merges
@@ -236,6 +190,8 @@ Examples:
   llmtrace tokenize --messages chat.json --json
   llmtrace tokenize --file notes.txt --ids
   echo "piped text" | llmtrace tokenize --jsonl
+
+{NEWLINE_NOTE}
 """
 
 
@@ -262,7 +218,7 @@ def tokenize(
     """
     _check_one_format(ids=ids, json=as_json, jsonl=as_jsonl)
     chat = chat or system is not None or role is not None or messages is not None
-    source = _read_text(text, file, allow_stdin=messages is None)
+    source = read_text(text, file, "text", stdin=messages is None)
 
     conversation = None
     if chat:
@@ -374,7 +330,7 @@ def detokenize(
     if token_ids:
         values = list(token_ids)
     elif not sys.stdin.isatty():
-        values = [_decode_utf8(sys.stdin.buffer.read(), "stdin")]
+        values = [read_stdin()]
     else:
         raise UsageError("give token ids as arguments or on stdin")
     id_list = _parse_ids(values)

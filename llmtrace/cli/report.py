@@ -1,0 +1,112 @@
+"""`llmtrace report`: a saved trace as one self-contained HTML page, and the `--html` option of the run commands."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtrace.cli.app import app
+
+REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page.
+
+The page is a single file that loads nothing from the network: open it from disk in any browser. Its sections
+follow the seed table: the run, the pipeline s1-s12, tokens, each step (top-k and the sampler funnel), attention,
+the logit lens, the KV cache and the residual stream. A section the trace has no values for says which flags
+would record them. No model is loaded; the model's tokenizer is read, when it is at hand, for the BPE merges.
+
+Examples:
+
+  llmtrace generate "Quantum mechanics is" -n 32 --trace full --layers 0,-1 --json run.json
+
+  llmtrace report run.json -o report.html
+
+  llmtrace lens "The capital of France is" --positions all --jsonl lens.jsonl
+
+  llmtrace report lens.jsonl -o lens.html
+
+  llmtrace generate "Once upon a time" -n 16 --html story.html
+"""
+
+def _html_target(value: Optional[str]) -> Optional[str]:
+    if value == "-":
+        raise typer.BadParameter("the report is a file; give it a name such as report.html")
+    return value
+
+
+HtmlOpt = Annotated[Optional[str], typer.Option(
+    "--html", help="Also write the run as a self-contained HTML report to FILE (see 'llmtrace report --help').",
+    show_default=False, callback=_html_target)]
+
+
+def declared_schema(path: str) -> Optional[str]:
+    """The schema a JSON document names at its start ({"schema": ...}), without parsing the whole file."""
+    if path == "-":
+        return None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(200).decode("utf-8", "replace")
+    except OSError:
+        return None
+    m = re.match(r'\s*\{\s*"schema"\s*:\s*"([^"]*)"', head)
+    return m.group(1) if m else None
+
+
+def tokenizer_for(events: list[dict], model: Optional[str] = None):
+    """The tokenizer of `model`, else of the model the trace names, if it can be read here: (tokenizer, note)."""
+    head = next((e for e in events if e.get("event") == "run"), None) or next(
+        (e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
+    name = model or (head["model"].get("name") if head else None)
+    if not name:
+        return None, "the trace names no model, so the merge story cannot be drawn"
+    try:
+        from llmtrace.loader import load_tokenizer
+
+        return load_tokenizer(name), None
+    except Exception as e:  # not in the cache, not reachable: the page is made without the merge story
+        return None, f"the tokenizer of {name} could not be read here ({' '.join(str(e).split())[:120]})"
+
+
+@app.command(help=REPORT_HELP)
+def report(
+    trace: Annotated[str, typer.Argument(help="The trace file (JSON document or JSONL stream), or - for stdin.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="The HTML file to write.", callback=_html_target)],
+    model: Annotated[Optional[str], typer.Option(
+        "--model", "-m", help="The model whose tokenizer draws the BPE merge story (default: the one the trace "
+        "names; give the path for a model loaded from a file).", show_default=False)] = None,
+    merges: Annotated[bool, typer.Option("--merges/--no-merges",
+                                         help="Read the model's tokenizer for the BPE merge story.")] = True,
+) -> None:
+    from llmtrace.reader import load_trace
+    from llmtrace.fsutil import check_writable_target
+    from llmtrace.report import write_report
+    from llmtrace.report.data import check_schema
+    from llmtrace.errors import LlmtraceError
+
+    check_writable_target(Path(output))
+    events = load_trace(trace)
+    try:
+        check_schema(events, declared_schema(trace))
+    except LlmtraceError as e:
+        raise LlmtraceError(f"{trace}: {e}") from None
+    tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
+    n = write_report(events, output, tokenizer=tok, merges_note=note)
+    print(f"wrote {output} ({n / 1e6:.2f} MB)", file=sys.stderr)
+
+
+def write_html(events: list[dict], target: str, tokenizer) -> None:
+    """--html of generate, explain and lens: the report of the events just recorded."""
+    from llmtrace.report import write_report
+
+    n = write_report(events, target, tokenizer=tokenizer)
+    print(f"wrote {target} ({n / 1e6:.2f} MB)", file=sys.stderr)
+
+
+def report_dumps(layers: Optional[list[int]], n_layers: int) -> tuple[str, ...]:
+    """What --html adds to a generate trace: the attention probabilities of the recorded layers (--layers), or of the
+    first and last layer when every layer is recorded (all of them would make a page of many MB)."""
+    chosen = layers if layers is not None else sorted({0, n_layers - 1})
+    return tuple(f"{i}.probs" for i in chosen)

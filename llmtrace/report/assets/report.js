@@ -1,0 +1,252 @@
+// llmtrace report: the interactive parts. Plain JavaScript, no library, no network: the page stays one small file
+// that any browser opens from disk. Everything drawn here comes from the JSON embedded in the page (#data).
+"use strict";
+(function () {
+  const D = JSON.parse(document.getElementById("data").textContent);
+  const PAL = window.PALETTE.map((h) => [1, 3, 5].map((k) => parseInt(h.slice(k, k + 2), 16)));
+  const $ = (sel, root) => (root || document).querySelector(sel);
+  const $$ = (sel, root) => Array.from((root || document).querySelectorAll(sel));
+
+  function rgb(x) { // a value in [0, 1] on the palette, as [r, g, b]
+    x = Math.min(1, Math.max(0, x)) * (PAL.length - 1);
+    const i = Math.min(Math.floor(x), PAL.length - 2), f = x - i;
+    return [0, 1, 2].map((k) => Math.round(PAL[i][k] * (1 - f) + PAL[i + 1][k] * f));
+  }
+  function vis(t) { return (t || "").replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205"; }
+  function fmt(x, d) { return x === null || x === undefined ? "\u2014" : Number(x).toPrecision(d || 4); }
+  function esc(s) { const t = document.createElement("span"); t.textContent = s; return t.innerHTML; }
+
+  // ---------------------------------------------------------------------------------------------- the chosen step
+  let cur = 0;
+  const steps = D.steps;
+  function setStep(i) {
+    if (!steps.length) return;
+    cur = Math.max(0, Math.min(steps.length - 1, i));
+    const s = steps[cur];
+    $$(".step-panel").forEach((p) => { p.hidden = Number(p.dataset.step) !== s.step; });
+    const range = $("#step");
+    if (range) range.value = String(cur);
+    const label = $("#step-label");
+    if (label) label.textContent = "step " + s.step + " of " + steps.length + " \u00b7 " + s.phase + " \u00b7 chose " + vis(s.token.text);
+    $$(".chip.gen").forEach((c) => c.classList.toggle("current", Number(c.dataset.step) === s.step));
+    const mk = $("#kv .marker");
+    if (mk) {
+      const x0 = Number(mk.dataset.x0), x1 = Number(mk.dataset.x1);
+      const x = Number(mk.dataset.l) + Number(mk.dataset.w) * (x1 > x0 ? (s.step - x0) / (x1 - x0) : 0.5);
+      mk.setAttribute("x1", x); mk.setAttribute("x2", x);
+    }
+    const now = $("#kv-now");
+    if (now) now.textContent = "step " + s.step + ": " + s.kv.seq_len + " positions, " + s.kv.bytes_used.toLocaleString("en") +
+      " bytes (MHA: " + s.kv.mha_bytes_used.toLocaleString("en") + ")";
+    $$("#residual polyline, #residual circle").forEach((p) => p.classList.toggle("current", p.classList.contains("s" + s.step)));
+    drawAttention();
+    if (stage) showStage(stage);
+  }
+  const range = $("#step");
+  if (range) range.addEventListener("input", () => setStep(Number(range.value)));
+  const prev = $("#step-prev"), next = $("#step-next");
+  if (prev) prev.addEventListener("click", () => setStep(cur - 1));
+  if (next) next.addEventListener("click", () => setStep(cur + 1));
+  $$(".chip.gen").forEach((c) => c.addEventListener("click", () => {
+    setStep(steps.findIndex((s) => s.step === Number(c.dataset.step)));
+  }));
+  document.addEventListener("keydown", (ev) => {
+    const tag = (ev.target.tagName || "").toLowerCase();
+    if (tag === "input" || tag === "select" || tag === "textarea" || ev.target.id === "att-canvas") return;
+    if (ev.key === "[") { setStep(cur - 1); ev.preventDefault(); }
+    if (ev.key === "]") { setStep(cur + 1); ev.preventDefault(); }
+  });
+
+  // ---------------------------------------------------------------------------------------------- the pipeline
+  let stage = null;
+  function showStage(id) {
+    stage = id;
+    $$("button.stage").forEach((b) => b.setAttribute("aria-pressed", String(b.dataset.stage === id)));
+    const st = D.pipeline.stages.find((x) => x.id === id);
+    const panel = $("#stage-panel");
+    const pts = D.tensors.points;
+    const want = steps.length ? steps[cur].step : 0;
+    const kept = D.tensors.steps;
+    let at = kept.length ? kept.reduce((a, b) => (Math.abs(b - want) < Math.abs(a - want) ? b : a)) : null;
+    let html = "<h3>" + esc(st.id + " " + st.title) + "</h3>";
+    if (st.sampler) {
+      html += "<p>Stages in this group, in the order run: " + esc(st.sampler.join(" \u2192 ") || "none") +
+        ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel in section 4.</p>";
+    }
+    if (st.id === "s1" || st.id === "s2") {
+      html += "<p>" + D.tokens.filter((t) => t.step === null).length + " prompt tokens: see section 3.</p>";
+    }
+    const names = st.points.map((p) => p.name).filter((n) => pts[n]);
+    if (!st.sampler && st.points.length && !names.length) {
+      html += "<p class=\"missing\">No statistics of these points in this trace. To record them: <code>--trace full</code> (with <code>--layers</code> to choose layers).</p>";
+    }
+    if (names.length && at !== want && at !== null) html += "<p class=\"note\">Statistics of step " + at + " (the nearest step kept).</p>";
+    names.forEach((n) => {
+      const rows = pts[n].filter((r) => r[0] === at);
+      if (!rows.length) return;
+      const nmax = Math.max(...rows.map((r) => Math.abs(r[6] || 0))) || 1;
+      html += "<table class=\"stats\"><caption>" + esc(n) + " " + esc("[" + rows[0][7].join(", ") + "]") +
+        "</caption><tr><th>layer</th><th>mean</th><th>std</th><th>min</th><th>max</th><th>norm</th><th></th></tr>";
+      rows.forEach((r) => {
+        html += "<tr><th scope=row>" + (r[1] === null ? "\u2014" : r[1]) + "</th>" + [2, 3, 4, 5, 6].map((k) => "<td class=num>" + fmt(r[k]) + "</td>").join("") +
+          "<td><span class=\"nbar\" style=\"width:" + (100 * Math.abs(r[6] || 0) / nmax).toFixed(1) + "px\"></span></td></tr>";
+      });
+      html += "</table>";
+    });
+    panel.innerHTML = html;
+  }
+  $$("button.stage").forEach((b) => b.addEventListener("click", () => showStage(b.dataset.stage)));
+
+  // ---------------------------------------------------------------------------------------------- BPE merges
+  $$("button.word").forEach((b) => b.addEventListener("click", () => {
+    $$("button.word").forEach((x) => x.setAttribute("aria-pressed", String(x === b)));
+    $$(".merge").forEach((m) => { m.hidden = m.dataset.word !== b.dataset.word; });
+  }));
+
+  // ---------------------------------------------------------------------------------------------- attention
+  const A = D.attention;
+  const maps = {};
+  function mapOf(layer) { // (heads, B, B) fixed-point values of one layer, decoded once
+    if (!maps[layer]) {
+      const bin = atob(A.maps[layer]);
+      const view = new DataView(new ArrayBuffer(bin.length));
+      for (let i = 0; i < bin.length; i++) view.setUint8(i, bin.charCodeAt(i));
+      const out = new Float64Array(bin.length / 2);
+      for (let i = 0; i < out.length; i++) out[i] = view.getUint16(2 * i, true) / A.quant;
+      maps[layer] = out;
+    }
+    return maps[layer];
+  }
+  const canvas = $("#att-canvas");
+  let cursor = null; // [row, col] under the mouse or the keyboard
+  function queryRow() { // the bin of the query that produced the chosen step's token
+    if (!steps.length || A.source !== "probs") return null;
+    const q = steps[cur].position - 1;
+    return A.bins.findIndex((b) => b[0] <= q && q < b[1]);
+  }
+  function paint(target, layer, hi, scale, cell) { // one head's map on a canvas, cell × cell pixels per cell
+    const B = A.bins.length, m = mapOf(layer), off = hi * B * B, size = cell * B;
+    target.width = size; target.height = size;
+    const ctx = target.getContext("2d");
+    const img = ctx.createImageData(size, size);
+    let drawn = 0;
+    for (let r = 0; r < B; r++) {
+      let ranks = null;
+      if (scale === "rank") {
+        const vis = [];
+        for (let c = 0; c < B; c++) if (A.bins[c][0] < A.bins[r][1]) vis.push(c);
+        vis.sort((a, b) => m[off + r * B + a] - m[off + r * B + b]);
+        ranks = new Map(vis.map((c, k) => [c, vis.length > 1 ? k / (vis.length - 1) : 1]));
+      }
+      for (let c = 0; c < B; c++) {
+        const masked = A.bins[c][0] >= A.bins[r][1]; // every key of the column comes after every query of the row
+        const v = m[off + r * B + c];
+        let col;
+        if (!masked) {
+          let x = v;
+          if (scale === "log") x = (Math.log10(Math.max(v, 1e-4)) + 4) / 4;
+          if (scale === "rank") x = ranks.get(c);
+          col = rgb(x);
+        }
+        for (let y = 0; y < cell; y++) for (let x = 0; x < cell; x++) {
+          const p = ((r * cell + y) * size + c * cell + x) * 4;
+          const c2 = masked ? (((x + y) % 4 < 2) ? [214, 214, 214] : [246, 246, 246]) : col;
+          img.data[p] = c2[0]; img.data[p + 1] = c2[1]; img.data[p + 2] = c2[2]; img.data[p + 3] = 255;
+        }
+        drawn++;
+      }
+    }
+    ctx.putImageData(img, 0, 0);
+    return drawn;
+  }
+  function drawAttention() {
+    if (!canvas || !A.layers.length) return;
+    const layer = $("#att-layer").value, hi = Number($("#att-head").value), scale = $("#att-scale").value;
+    const B = A.bins.length, cell = Math.max(1, Math.floor(480 / B)), size = cell * B;
+    const drawn = paint(canvas, layer, hi, scale, cell);
+    const ctx = canvas.getContext("2d");
+    const qr = queryRow();
+    if (qr !== null && qr >= 0) { ctx.strokeStyle = "#d62728"; ctx.lineWidth = 2; ctx.strokeRect(1, qr * cell, size - 2, cell); }
+    if (cursor) { ctx.strokeStyle = "#000"; ctx.lineWidth = 1; ctx.strokeRect(cursor[1] * cell + 0.5, cursor[0] * cell + 0.5, cell - 1, cell - 1); }
+    canvas.dataset.rows = String(B); canvas.dataset.cols = String(B); canvas.dataset.cells = String(drawn);
+    canvas.dataset.layer = layer; canvas.dataset.head = String(A.heads[hi]);
+    canvas.dataset.cell = String(cell);
+    const ends = { log: ["p \u2264 0.0001", "1"], linear: ["p = 0", "1"], rank: ["lowest in its row", "highest"] }[scale];
+    $("#att-lo").textContent = ends[0]; $("#att-hi").textContent = ends[1];
+    const h = A.heads[hi];
+    $$(".gqa .qh, .gqa .link").forEach((el) => el.classList.toggle("on", h !== "mean" && Number(el.dataset.head) === h));
+    $$(".gqa .kvh").forEach((el) => el.classList.toggle("on", h !== "mean" && A.groups[Number(el.dataset.kv)].includes(h)));
+    $$("button.thumb").forEach((b) => b.setAttribute("aria-pressed", String(b.dataset.layer === layer && Number(b.dataset.hi) === hi)));
+    readout();
+  }
+  let thumbScale = null;
+  function drawThumbs() { // the layers × heads overview, in the chosen scale
+    const scale = $("#att-scale") ? $("#att-scale").value : "log";
+    if (scale === thumbScale) return;
+    thumbScale = scale;
+    const cell = Math.max(1, Math.floor(64 / A.bins.length));
+    $$("button.thumb").forEach((b) => paint($("canvas", b), b.dataset.layer, Number(b.dataset.hi), scale, cell));
+  }
+  $$("button.thumb").forEach((b) => b.addEventListener("click", () => {
+    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention();
+  }));
+  function label(bin) {
+    const b = A.bins[bin];
+    if (b[1] - b[0] > 1) return "positions " + b[0] + "\u2013" + (b[1] - 1);
+    const t = D.tokens[b[0]];
+    return "position " + b[0] + (t ? " (" + vis(t.text) + ")" : "");
+  }
+  function readout() {
+    const out = $("#att-readout");
+    const h = A.heads[Number($("#att-head").value)];
+    let text = "layer " + $("#att-layer").value + ", " + (h === "mean" ? "mean over heads" : "head " + h + " (reads KV head " +
+      A.groups.findIndex((g) => g.includes(h)) + ")") + ": " + A.bins.length + " \u00d7 " + A.bins.length + " cells.";
+    if (steps.length && A.source === "probs") text += " Red outline: the query row of step " + steps[cur].step + ".";
+    if (cursor) {
+      const [r, c] = cursor, B = A.bins.length;
+      const masked = A.bins[c][0] >= A.bins[r][1];
+      const v = mapOf($("#att-layer").value)[Number($("#att-head").value) * B * B + r * B + c];
+      text += " Query " + label(r) + " \u2192 key " + label(c) + ": " + (masked ? "masked (a later token)" : v.toFixed(5));
+    }
+    out.textContent = text;
+  }
+  if (canvas && A.layers.length) {
+    ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); }));
+    drawThumbs();
+    canvas.addEventListener("mousemove", (ev) => {
+      const cell = Number(canvas.dataset.cell), rect = canvas.getBoundingClientRect();
+      const k = canvas.width / rect.width;
+      const c = Math.floor((ev.clientX - rect.left) * k / cell), r = Math.floor((ev.clientY - rect.top) * k / cell);
+      if (r >= 0 && c >= 0 && r < A.bins.length && c < A.bins.length) { cursor = [r, c]; drawAttention(); }
+    });
+    canvas.addEventListener("keydown", (ev) => {
+      const B = A.bins.length, moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+      if (!moves[ev.key]) return;
+      cursor = cursor || [0, 0];
+      cursor = [Math.max(0, Math.min(B - 1, cursor[0] + moves[ev.key][0])), Math.max(0, Math.min(B - 1, cursor[1] + moves[ev.key][1]))];
+      ev.preventDefault(); drawAttention();
+    });
+  }
+
+  // ---------------------------------------------------------------------------------------------- logit lens
+  function lensCell(td) {
+    const row = D.lens.rows[Number(td.dataset.row)], top = row.cells[td.dataset.pos];
+    const where = (row.stage === "logits" ? "the model's output" : "after layer " + row.label) + ", position " + td.dataset.pos;
+    let html = "<h3>" + esc(where) + "</h3><table class=\"stats\"><tr><th>token</th><th>id</th><th>p</th><th>logit</th><th></th></tr>";
+    top.forEach((c) => {
+      html += "<tr><td>" + esc(vis(c.text)) + "</td><td class=num>" + c.id + "</td><td class=num>" + fmt(c.prob, 4) +
+        "</td><td class=num>" + fmt(c.logit, 5) + "</td><td><span class=\"nbar\" style=\"width:" + (100 * c.prob).toFixed(1) + "px\"></span></td></tr>";
+    });
+    $("#lens-panel").innerHTML = html + "</table>";
+    $$("table.lens td.sel").forEach((x) => x.classList.remove("sel"));
+    td.classList.add("sel");
+  }
+  $$("table.lens td[data-row]").forEach((td) => {
+    td.addEventListener("click", () => lensCell(td));
+    td.addEventListener("focus", () => lensCell(td));
+    td.addEventListener("mouseenter", () => lensCell(td));
+  });
+
+  setStep(0);
+  if (!steps.length) drawAttention();
+})();

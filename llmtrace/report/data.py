@@ -1,0 +1,366 @@
+"""What the report shows, taken from a trace's events: one plain dict, the page's only source of numbers.
+
+`extract(events)` reads the events once and returns the data of every section. A section whose events are missing
+gets a `missing` note naming the flags that would record them. Numbers are copied from the events as they are, except
+the attention probabilities: they are binned when the sequence is long and stored as 16-bit fixed point (see
+`pack_attention`); the page says so where it shows them.
+
+Traces of batched runs will carry a "row" on step and tensor events; an event without one is row 0. `extract` reads
+one row (`row=0`), so a batch is one more argument, not a new reader.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from llmtrace.errors import LlmtraceError
+from llmtrace.events import SCHEMA_ID
+
+MAX_POSITIONS = 128  # attention maps wider than this many positions are binned to this many bins
+ATTENTION_BUDGET = 600_000  # most attention cells embedded (2 bytes each): keeps a report within a few MB
+TENSOR_BUDGET = 12_000  # most tensor-statistics rows embedded; beyond it, steps are kept evenly spaced
+Q16 = 65535  # attention probabilities are stored as round(p * Q16)
+
+def check_schema(events: list[dict], declared: Optional[str] = None) -> str:
+    """The trace's kind ("generate", "explain" or "lens"); raises LlmtraceError for a trace this version cannot read."""
+    for schema in [declared] + [e.get("schema") for e in events if e.get("event") == "run"]:
+        if schema is not None and schema != SCHEMA_ID:
+            raise LlmtraceError(f"trace schema {schema!r} is not {SCHEMA_ID!r}, the one this llmtrace reads; "
+                                f"render it with the llmtrace version that wrote it")
+    if any(e.get("event") == "run" for e in events):
+        return "generate"
+    head = next((e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
+    if head is not None:
+        return "lens" if head.get("command") == "lens" else "explain"
+    raise LlmtraceError("not an llmtrace trace: it has no run event (generate) and no model section (explain, lens)")
+
+
+def _row(ev: dict) -> int:
+    return ev.get("row", 0)
+
+
+def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = None,
+            merges_note: Optional[str] = None) -> dict:
+    """The data of every section of the report, from the events of one trace (one batch row)."""
+    kind = check_schema(events)
+    by_kind: dict[str, list[dict]] = {}
+    for ev in events:
+        if ev.get("event") in ("step", "tensor") and _row(ev) != row:
+            continue
+        by_kind.setdefault(ev.get("event"), []).append(ev)
+    run = (by_kind.get("run") or [None])[0]
+    explain = [e for e in by_kind.get("explain", [])]
+    head = next((e for e in explain if e.get("section") == "model"), None)
+    model = dict(run["model"]) if run else dict(head["model"])
+    steps = sorted(by_kind.get("step", []), key=lambda e: e["step"])
+    tensors = by_kind.get("tensor", [])
+    tokens = (by_kind.get("tokens") or [{"tokens": []}])[0]["tokens"]
+    summary = (by_kind.get("summary") or [None])[0]
+    data: dict[str, Any] = {
+        "kind": kind,
+        "run": _run_facts(run, head, model, summary),
+        "tokens": _tokens(tokens, steps),
+        "steps": [_step(e) for e in steps],
+        "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens),
+        "attention": _attention(tensors, explain, model, len(tokens)),
+        "lens": _lens(by_kind.get("lens", []), head, tokens),
+        "kv": _kv(steps, model),
+        "residual": _residual(tensors, model),
+        "merges": {"words": merges, "note": merges_note} if merges is not None else {"words": None, "note": merges_note},
+    }
+    data["tensors"] = _tensor_table(tensors)
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run, the tokens and the steps
+
+
+def gqa_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
+    """Query heads reading each KV head (head h reads KV head h // (H / Hkv))."""
+    g = n_heads // n_kv_heads
+    return [list(range(k * g, (k + 1) * g)) for k in range(n_kv_heads)]
+
+
+def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: Optional[dict]) -> dict:
+    src = run or head
+    facts = {
+        "model": model,
+        "groups": gqa_groups(model["n_heads"], model["n_kv_heads"]),
+        "device": src.get("device", model.get("device")),
+        "dtype": src.get("dtype", model.get("dtype")),
+        "threads": src.get("threads"),
+        "prompt": src.get("prompt", ""),
+        "chat": src.get("chat", False),
+        "sampling": run.get("sampling") if run else None,
+        "trace": run.get("trace") if run else None,
+        "compiled": run.get("compiled") if run else None,
+        "version": run.get("llmtrace_version") if run else None,
+        "command": head.get("command") if head and not run else "generate",
+        "layer": head.get("layer") if head and not run else None,
+        "summary": None,
+    }
+    if summary is not None:
+        facts["summary"] = {k: summary.get(k) for k in ("prompt_tokens", "generated_tokens", "stop_reason", "ttft_ms",
+                                                         "prefill_tok_s", "decode_tok_s", "interrupted", "text")}
+    return facts
+
+
+_BYTE_OF_CHAR: Optional[dict[str, int]] = None
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte (Ġ for the space)."""
+    global _BYTE_OF_CHAR
+    if _BYTE_OF_CHAR is None:
+        keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+        chars, n = {}, 0
+        for b in range(256):
+            if b in keep:
+                chars[chr(b)] = b
+            else:
+                chars[chr(256 + n)] = b
+                n += 1
+        _BYTE_OF_CHAR = chars
+    return _BYTE_OF_CHAR
+
+
+def piece_bytes(piece: str, text: str) -> list[int]:
+    """The UTF-8 bytes a token stands for: from its byte-level piece ('Ġthe'), its byte-fallback piece ('<0xE4>'),
+    else from its decoded text (a sentencepiece '▁' is a space)."""
+    if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+        try:
+            return [int(piece[3:5], 16)]
+        except ValueError:
+            pass
+    m = _byte_level_map()
+    if piece and all(ch in m for ch in piece):
+        return [m[ch] for ch in piece]
+    return list(piece.replace("▁", " ").encode("utf-8")) if piece else list(text.encode("utf-8"))
+
+
+def _tokens(prompt: list[dict], steps: list[dict]) -> list[dict]:
+    out = []
+    for t in prompt:
+        out.append({"index": t["index"], "id": t["id"], "piece": t["piece"], "text": t["text"],
+                    "bytes": piece_bytes(t["piece"], t["text"]), "special": bool(t.get("special")), "step": None,
+                    "prob": None})
+    n = len(out)
+    for e in steps:
+        tok = e["token"]
+        stages = e.get("sampler") or []
+        prob = stages[0]["pick_prob"] if stages else None  # what the model gave it, before any sampler stage
+        out.append({"index": n + e["step"], "id": tok["id"], "piece": tok["piece"], "text": tok["text"],
+                    "bytes": piece_bytes(tok["piece"], tok["text"]), "special": bool(tok.get("special")),
+                    "step": e["step"], "prob": prob})
+    return out
+
+
+def _step(e: dict) -> dict:
+    return {"step": e["step"], "phase": e["phase"], "position": e["position"], "token": e["token"],
+            "topk": e.get("topk"), "sampler": e.get("sampler"), "rng": e.get("rng"), "kv": e["kv_cache"],
+            "ms": e.get("ms")}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the pipeline s1-s12
+
+# (seed step, title, the trace's points at that step)
+PIPELINE = (
+    ("s1", "tokenize", ()),
+    ("s2", "token ids", ()),
+    ("s3", "attention mask", ("scores",)),
+    ("s4", "embedding", ("embed",)),
+    ("s5", "position (RoPE, inside attention)", ("q_rope", "k_rope")),
+    ("s6.1", "pre-norm, Q/K/V", ("attn_norm", "q", "k", "v")),
+    ("s6.2", "split into heads", ("q", "k", "v")),
+    ("s6.3", "RoPE on Q and K", ("q_rope", "k_rope")),
+    ("s6.4", "scores QKᵀ/√d + causal mask", ("k_repeated", "scores")),
+    ("s6.5", "softmax, O = A·V", ("probs", "attn_out")),
+    ("s6.6", "output projection + residual", ("o_proj", "resid_mid")),
+    ("s6.7", "SwiGLU FFN + residual", ("ffn_norm", "gate", "up", "act", "down", "resid_post")),
+    ("s6.8", "K/V written to the cache", ("kv_write",)),
+    ("s7", "last position", ("last",)),
+    ("s8", "final norm", ("final_norm",)),
+    ("s9", "LM head → logits", ("logits",)),
+    ("s10", "logit processing", ()),
+    ("s11", "truncation", ()),
+    ("s12", "sample or greedy, detokenize", ()),
+)
+VALUE_STAGES = ("temperature", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ban")
+
+
+def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: Optional[dict],
+              tokens: list[dict]) -> dict:
+    shapes: dict[str, list[int]] = {}
+    for ev in shapes_events[:1]:
+        for p in ev["points"]:
+            shapes.setdefault(p["name"], p["shape"])
+    for ev in tensors:  # explain traces (and points the shape table lacks) carry shapes on their tensor events
+        if ev.get("step", 0) == 0:
+            shapes.setdefault(ev["name"], ev["shape"])
+    masked = next((ev.get("masked") for ev in tensors if ev["name"] == "scores" and ev.get("step", 0) == 0), None)
+    order = run["sampling"].get("order", []) if run else []
+    active = set(run["sampling"].get("stages", [])) if run else set()
+    stages = []
+    for sid, title, points in PIPELINE:
+        row: dict[str, Any] = {"id": sid, "title": title, "points": [{"name": p, "shape": shapes.get(p)} for p in points]}
+        if sid in ("s1", "s2"):
+            row["shape"] = [len(tokens)]
+        if sid == "s3":
+            row["masked"] = masked
+        if sid == "s10":
+            row["sampler"] = [s for s in order if s in VALUE_STAGES]
+        if sid == "s11":
+            row["sampler"] = [s for s in order if s not in VALUE_STAGES]
+        if sid in ("s10", "s11"):
+            row["active"] = [s for s in row["sampler"] if s in active]
+        stages.append(row)
+    return {"stages": stages, "n_layers": model["n_layers"]}
+
+
+def _tensor_table(tensors: list[dict]) -> dict:
+    """Statistics of every recorded point: {name: [[step, layer, mean, std, min, max, norm], ...]}. Past
+    TENSOR_BUDGET rows, only evenly spaced steps are kept (always the first and the last)."""
+    steps = sorted({ev.get("step", 0) for ev in tensors})
+    kept = set(steps)
+    if len(tensors) > TENSOR_BUDGET and steps:
+        per_step = max(1, len(tensors) // len(steps))
+        n = max(2, TENSOR_BUDGET // per_step)
+        kept = {steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)} if n < len(steps) else set(steps)
+    table: dict[str, list] = {}
+    for ev in tensors:
+        step = ev.get("step", 0)
+        if step not in kept:
+            continue
+        s = ev["stats"]
+        table.setdefault(ev["name"], []).append([step, ev["layer"], s["mean"], s["std"], s["min"], s["max"], s["norm"],
+                                                 ev["shape"]])
+    return {"points": table, "steps": sorted(kept), "all_steps": len(steps)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# attention
+
+
+def bins_for(n: int, max_bins: int = MAX_POSITIONS) -> list[tuple[int, int]]:
+    """[lo, hi) position ranges: one per position up to max_bins positions, else max_bins nearly equal bins."""
+    if n <= max_bins:
+        return [(i, i + 1) for i in range(n)]
+    edges = [round(i * n / max_bins) for i in range(max_bins + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(max_bins)]
+
+
+def bin_matrix(m: np.ndarray, bins: list[tuple[int, int]]) -> np.ndarray:
+    """(H, N, N) probabilities -> (H, B, B): each query bin is the mean of its rows, each key bin the sum of its
+    columns, so every binned row still sums to 1."""
+    if len(bins) == m.shape[-1]:
+        return m
+    cols = np.stack([m[..., lo:hi].sum(axis=-1) for lo, hi in bins], axis=-1)  # (H, N, B)
+    return np.stack([cols[:, lo:hi].mean(axis=1) for lo, hi in bins], axis=1)  # (H, B, B)
+
+
+def pack_attention(m: np.ndarray) -> str:
+    """Probabilities in [0, 1] as little-endian uint16 round(p * 65535), base64: within 1/131070 of each value."""
+    q = np.rint(np.clip(m, 0.0, 1.0) * Q16).astype("<u2")
+    return base64.b64encode(q.tobytes()).decode("ascii")
+
+
+def unpack_attention(text: str, shape: tuple[int, ...]) -> np.ndarray:
+    return (np.frombuffer(base64.b64decode(text), dtype="<u2").astype(np.float64) / Q16).reshape(shape)
+
+
+def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: int) -> dict:
+    H = model["n_heads"]
+    out: dict[str, Any] = {"n_heads": H, "groups": gqa_groups(H, model["n_kv_heads"]), "layers": [], "maps": {},
+                           "heads": list(range(H)), "binned": False, "bins": None, "n": 0, "source": None,
+                           "quant": Q16, "notes": []}
+    rows_of: dict[int, dict[int, np.ndarray]] = {}  # layer -> query position -> (H, S) probabilities
+    for ev in tensors:
+        if ev["name"] != "probs" or "values" not in ev:
+            continue
+        v = np.asarray(ev["values"], dtype=np.float64)  # (H, T, S): T new queries over S keys
+        if v.ndim != 3:
+            continue
+        T, S = v.shape[1], v.shape[2]
+        for t in range(T):
+            rows_of.setdefault(ev["layer"], {})[S - T + t] = v[:, t, :]
+    if rows_of:
+        n = max(max(r) + 1 for r in rows_of.values())
+        bins = bins_for(n)
+        maps = {}
+        for layer, rows in sorted(rows_of.items()):
+            m = np.zeros((H, n, n))
+            for q, vec in rows.items():
+                m[:, q, : vec.shape[1]] = vec
+            maps[layer] = bin_matrix(m, bins)
+        out.update(source="probs", n=n, layers=sorted(maps), bins=[list(b) for b in bins], binned=len(bins) < n)
+        if H * len(bins) ** 2 * len(maps) > ATTENTION_BUDGET:  # many layers: keep the first ones that fit
+            keep = max(1, ATTENTION_BUDGET // (H * len(bins) ** 2))
+            out["notes"].append(f"only {keep} of the {len(maps)} recorded layers are embedded (size)")
+            maps = dict(list(maps.items())[:keep])
+            out["layers"] = sorted(maps)
+        out["maps"] = {str(k): pack_attention(v) for k, v in maps.items()}
+        return out
+    amaps = [e for e in explain if e.get("section") == "attention_map"]
+    if amaps:  # explain: one binned map of its layer, the mean over heads or one head
+        e = amaps[0]
+        m = np.asarray([[x if x is not None else 0.0 for x in r] for r in e["matrix"]], dtype=np.float64)[None]
+        head = e.get("head")
+        out.update(source="explain", n=e["n_tokens"], layers=[e["layer"]], bins=e["bins"], binned=e["binned"],
+                   heads=[head if head is not None else "mean"])
+        out["maps"] = {str(e["layer"]): pack_attention(m)}
+        out["notes"].append("explain records one map: " + ("the mean over all heads" if head is None else f"head {head}"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# logit lens, KV cache, residual stream
+
+
+def _lens(lens: list[dict], head: Optional[dict], tokens: list[dict]) -> Optional[dict]:
+    if not lens:
+        return None
+    positions = sorted({e["position"] for e in lens})
+    rows: dict[str, dict] = {}
+    for e in lens:
+        key = "output" if e["stage"] == "logits" else f'{e["layer"]}' + ("" if e["stage"] == "resid_post" else " (mid)")
+        r = rows.setdefault(key, {"label": key, "layer": e["layer"], "stage": e["stage"], "cells": {}})
+        r["cells"][str(e["position"])] = e["topk"]
+
+    def order(r):
+        return (r["layer"] if r["layer"] is not None else 10 ** 6, r["stage"] != "resid_mid")
+
+    return {"positions": positions, "rows": sorted(rows.values(), key=order),
+            "pieces": {str(t["index"]): t["text"] for t in tokens}}
+
+
+def _kv(steps: list[dict], model: dict) -> Optional[dict]:
+    if not steps:
+        return None
+    kv = [{"step": e["step"], **e["kv_cache"]} for e in steps]
+    bpt = kv[0]["bytes_per_token"]
+    L, Hkv, Dh = model["n_layers"], model["n_kv_heads"], model["head_dim"]
+    element = bpt / (2 * L * Hkv * Dh)  # bytes per stored number (K and V, every layer)
+    return {"steps": kv, "bytes_per_token": bpt, "per_layer": bpt / L, "element_size": element,
+            "mha_bytes_per_token": kv[0]["mha_bytes_used"] // max(1, kv[0]["seq_len"]) if kv[0]["seq_len"] else None}
+
+
+def _residual(tensors: list[dict], model: dict) -> Optional[dict]:
+    """Norm of each token's residual stream after every layer: a pass over T tokens reports the norm of the whole
+    (T, D) tensor, so it is divided by √T, the root mean square of the per-token norms (exact for one token)."""
+    series: dict[int, dict[str, float]] = {}
+    for ev in tensors:
+        if ev["name"] not in ("resid_post", "embed") or ev["stats"]["norm"] is None:
+            continue
+        t = ev["shape"][0] if len(ev["shape"]) == 2 else 1
+        key = "embed" if ev["name"] == "embed" else str(ev["layer"])
+        series.setdefault(ev.get("step", 0), {})[key] = ev["stats"]["norm"] / math.sqrt(t)
+    if not any(len([k for k in s if k != "embed"]) for s in series.values()):
+        return None
+    layers = sorted({int(k) for s in series.values() for k in s if k != "embed"})
+    return {"layers": layers, "steps": sorted(series), "norms": {str(k): v for k, v in sorted(series.items())}}

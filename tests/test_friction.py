@@ -1,0 +1,228 @@
+"""Everyday friction (issue 13, part 5): thread count, the shell's trailing newline, start-up imports, the cache.
+
+The model runs here are the tiny checkpoint of tests/tiny.py; the cache tests use a temporary $LLMTRACE_HOME and
+never touch the user's cache.
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtrace.cli import main
+from llmtrace.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class FakeStdin(io.TextIOWrapper):
+    """Piped stdin holding `data`."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+
+    def isatty(self):
+        return False
+
+
+def cli(capsys, monkeypatch, *argv, stdin: bytes | None = None) -> tuple[int, str, str]:
+    """Run the CLI in this process: (exit code, stdout, stderr)."""
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", FakeStdin(stdin))
+    capsys.readouterr()
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """A cache and config directory of this test's own, no $LLMTRACE_THREADS, torch's thread count restored after."""
+    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("LLMTRACE_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("LLMTRACE_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    yield tmp_path
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny import TinySpec, write_hf_dir
+
+    path = tmp_path_factory.mktemp("tiny") / "hf"
+    write_hf_dir(path, TinySpec())
+    return path
+
+
+def run_event(out: str) -> dict:
+    return next(e for e in map(json.loads, out.splitlines()) if e["event"] == "run")
+
+
+def prompt_ids(out: str) -> list[int]:
+    tokens = next(e for e in map(json.loads, out.splitlines()) if e["event"] == "tokens")
+    return [t["id"] for t in tokens["tokens"]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# threads
+
+
+CPUINFO_2_CORES_4_THREADS = "\n\n".join(
+    f"processor\t: {cpu}\nvendor_id\t: AuthenticAMD\nphysical id\t: 0\nsiblings\t: 4\ncore id\t\t: {cpu % 2}\ncpu cores\t: 2"
+    for cpu in range(4)
+)
+
+
+def test_hyperthread_siblings_count_as_one_core():
+    from llmtrace.loader import cpuinfo_cores
+
+    assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 1, 2, 3})) == 2
+    assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 2})) == 1  # two siblings of core 0
+    assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {1})) == 1
+    assert cpuinfo_cores("processor : 0\nflags : fpu\n", {0}) == set()  # no core ids: the caller falls back
+
+
+def test_default_threads_are_the_physical_cores_of_our_cpus():
+    from llmtrace.loader import physical_cores, thread_count
+
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert 1 <= physical_cores() <= logical
+    assert thread_count() == physical_cores()
+
+
+def test_threads_flag_then_environment(monkeypatch):
+    from llmtrace.loader import thread_count
+
+    monkeypatch.setenv("LLMTRACE_THREADS", "3")
+    assert thread_count() == 3
+    assert thread_count(1) == 1  # --threads wins over the environment
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("LLMTRACE_THREADS", bad)
+        with pytest.raises(UsageError, match="LLMTRACE_THREADS"):
+            thread_count()
+    with pytest.raises(UsageError, match="--threads"):
+        thread_count(0)
+
+
+def test_run_event_and_header_show_the_thread_count(tiny_dir, capsys, monkeypatch):
+    monkeypatch.setenv("LLMTRACE_THREADS", "1")
+    code, out, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_dir, "-n", "1", "--jsonl", "-")
+    assert code == 0, err
+    assert run_event(out)["threads"] == 1 == torch.get_num_threads()
+    code, out, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_dir, "-n", "1", "--threads", "2", "--jsonl", "-")
+    assert code == 0, err
+    assert run_event(out)["threads"] == 2 == torch.get_num_threads()
+
+    from llmtrace.render import make_console, render_events
+
+    console = make_console()
+    events = [json.loads(line) for line in out.splitlines()]
+    render_events(events, console)
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run"))
+    assert "cpu · 2 threads · float32" in header
+
+    code, _, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_dir, "--threads", "0")
+    assert code == 2 and "--threads must be ≥ 1" in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the trailing newline of stdin and --file
+
+
+def test_strip_one_newline():
+    from llmtrace.cli.text_input import strip_one_newline
+
+    assert strip_one_newline("a\n") == "a"
+    assert strip_one_newline("a\r\n") == "a"
+    assert strip_one_newline("a\n\n") == "a\n"
+    assert strip_one_newline("a\r\n\r\n") == "a\r\n"
+    assert strip_one_newline("a\r") == "a\r"
+    assert strip_one_newline("") == "" and strip_one_newline("\n") == ""
+
+
+def test_echo_into_generate_is_the_same_prompt_as_the_argument(tiny_dir, tmp_path, capsys, monkeypatch):
+    text = "The capital of France is"
+    args = ("generate", "-m", tiny_dir, "-n", "1", "--trace", "none", "--jsonl", "-")
+    code, out, err = cli(capsys, monkeypatch, *args, text)
+    assert code == 0, err
+    expected = prompt_ids(out)
+    code, out, err = cli(capsys, monkeypatch, *args, stdin=(text + "\n").encode())
+    assert code == 0, err
+    assert prompt_ids(out) == expected
+    assert run_event(out)["prompt"] == text
+    for ending in ("\n", "\r\n"):
+        (tmp_path / "prompt.txt").write_bytes((text + ending).encode())
+        code, out, err = cli(capsys, monkeypatch, *args, "--file", tmp_path / "prompt.txt")
+        assert code == 0, err
+        assert prompt_ids(out) == expected
+    # a newline that is not the shell's stays: a second one, or one in the argument
+    code, out, err = cli(capsys, monkeypatch, *args, stdin=(text + "\n\n").encode())
+    assert run_event(out)["prompt"] == text + "\n"
+    code, out, err = cli(capsys, monkeypatch, *args, text + "\n")
+    assert run_event(out)["prompt"] == text + "\n" and prompt_ids(out) != expected
+
+
+def test_help_says_what_happens_to_the_newline_and_threads(capsys, monkeypatch):
+    code, out, _ = cli(capsys, monkeypatch, "generate", "--help")
+    flat = " ".join(out.split())
+    assert code == 0 and "One trailing newline of a file or stdin" in flat
+    assert "LLMTRACE_THREADS" in flat and "physical cores" in flat
+    code, out, _ = cli(capsys, monkeypatch, "tokenize", "--help")
+    assert "One trailing newline of a file or stdin" in " ".join(out.split())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# start-up: only the commands that run the model import torch
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tiny import TinySpec, make_hf_model, write_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(path, make_hf_model(TinySpec()))
+    return path
+
+
+def imports_torch(*argv, env: dict, stdin: str = "") -> tuple[bool, subprocess.CompletedProcess]:
+    """Run `llmtrace ARGV` in a fresh interpreter; whether it imported torch, and the process."""
+    code = ("import sys\nfrom llmtrace.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    code = e.code\nelse:\n    code = 0\nprint('torch' in sys.modules, file=sys.stderr)\nsys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, input=stdin,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env}, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr.strip().splitlines()[-1] == "True", proc
+
+
+def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tmp_path, capsys, monkeypatch):
+    from llmtrace.loader import load_model
+
+    load_model(str(tiny_gguf))  # converts it into this test's cache, as the first `generate` would
+    trace = tmp_path / "run.json"
+    code, _, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_gguf, "-n", "2", "--json", trace)
+    assert code == 0, err
+    env = {"LLMTRACE_HOME": os.environ["LLMTRACE_HOME"], "LLMTRACE_CONFIG_DIR": os.environ["LLMTRACE_CONFIG_DIR"]}
+    for argv in [
+        ("tokenize", "Hello", "--ids", "-m", tiny_gguf),
+        ("tokenize", "Hello", "--merges", "-m", tiny_dir),
+        ("detokenize", "5", "6", "-m", tiny_gguf),
+        ("models",),
+        ("models", "--json"),
+        ("schema",),
+        ("show", trace),
+    ]:
+        torch_imported, proc = imports_torch(*argv, env=env)
+        assert proc.stdout and not torch_imported, argv
+    # the control: a command that runs the model does import it, so the check above can fail
+    torch_imported, _ = imports_torch("generate", "hi", "-m", tiny_gguf, "-n", "1", "--trace", "none", env=env)
+    assert torch_imported

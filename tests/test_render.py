@@ -1,0 +1,181 @@
+"""The terminal view at 80, 100 and 200 columns, rendered from the events of real runs of the default model.
+
+Each run is recorded once (module fixtures); the tests render its events again, as `llmtrace show` does, into a
+console that is not a terminal, so $COLUMNS sets its width."""
+
+import io
+import json
+import re
+
+import pytest
+
+from llmtrace.events import schema_path
+from llmtrace.generate import generate
+from llmtrace.render import make_console, render_events, survivors_chain, visible
+from llmtrace.sampler import Sampler, SamplerConfig
+from llmtrace.trace import Recorder, TraceOptions
+
+PROMPT = "The capital of France is"
+PARIS = 7042  # " Paris", the greedy first token after PROMPT
+
+
+def record(lm, prompt=PROMPT, n=3, level="steps", dump=(), **sampling):
+    events = []
+    rec = Recorder(TraceOptions(level=level, dump=dump), [events.append], run_info={"prompt": prompt})
+    cfg = SamplerConfig(**({"temperature": 0.0, "seed": 0} | sampling))
+    result = generate(lm, lm.tokenizer.encode(prompt), Sampler(cfg, lm.config.vocab_size), n, ignore_eos=True,
+                      observer=rec)
+    return events, result
+
+
+def render(events, columns, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("NO_COLOR", "1")
+    out = io.StringIO()
+    console = make_console(file=out)
+    assert console.width == columns  # $COLUMNS is honoured when the output is not a terminal
+    render_events(events, console)
+    return out.getvalue()
+
+
+def cut_numbers(text: str) -> list[str]:
+    """Places where an ellipsis touches a digit: a number cut short."""
+    return re.findall(r"\d…|…\d", text)
+
+
+@pytest.fixture(scope="module")
+def greedy_run(smollm):
+    """12 greedy steps (so step numbers reach 10), one of them made to take 2,723 ms as a slow machine would."""
+    events, _ = record(smollm, n=12)
+    steps = [e for e in events if e["event"] == "step"]
+    steps[3]["ms"] = 2723.456
+    return events
+
+
+@pytest.fixture(scope="module")
+def sampling_run(smollm):
+    events, _ = record(smollm, n=4, temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.3, seed=1)
+    return events
+
+
+@pytest.mark.parametrize("columns", [80, 100, 200])
+def test_step_table_fits_and_never_cuts_a_number(greedy_run, sampling_run, columns, monkeypatch):
+    for events in (greedy_run, sampling_run):
+        text = render(events, columns, monkeypatch)
+        assert cut_numbers(text) == []
+        assert all(len(line) <= columns for line in text.splitlines()), max(text.splitlines(), key=len)
+        table = text[text.index("s7–s12"):text.index("output")]
+        header = next(line for line in table.splitlines() if line.startswith("step"))
+        assert header.split()[:2] == ["step", "pos"]
+        for ev in (e for e in events if e["event"] == "step"):
+            row = next(line for line in table.splitlines() if line.split()[:2] == [str(ev["step"]), str(ev["position"])])
+            assert f"{visible(ev['topk'][0]['text'])}:{ev['topk'][0]['prob']:.2f}" in row
+            if "ms" in header:
+                assert f"{ev['ms']:.1f}" in row
+    assert "2723.5" in render(greedy_run, 100, monkeypatch)  # the slow step's time, whole
+
+
+def test_wide_console_shows_full_survivors_chain_and_top_candidates(sampling_run, monkeypatch):
+    text = render(sampling_run, 200, monkeypatch)
+    for ev in (e for e in sampling_run if e["event"] == "step"):
+        chain = survivors_chain(ev["sampler"])
+        assert chain.count("→") == len(ev["sampler"]) - 1 and "…" not in chain
+        assert chain in text
+        row = next(line for line in text.splitlines() if line.split()[:2] == [str(ev["step"]), str(ev["position"])])
+        for c in ev["topk"][:5]:
+            assert f"{visible(c['text'])}:{c['prob']:.2f}" in row
+
+
+def test_narrow_console_drops_columns_and_says_which(sampling_run, monkeypatch):
+    text = render(sampling_run, 80, monkeypatch)
+    assert "narrow console: " in text and "KV len" in text.split("narrow console: ")[1].splitlines()[0]
+
+
+def test_header_lists_every_non_default_sampler_setting(sampling_run, monkeypatch):
+    text = " ".join(render(sampling_run, 100, monkeypatch).split())
+    for setting in ("temperature 0.7", "top-k 40", "top-p 0.9", "repetition-penalty 1.3", "seed 1"):
+        assert setting in text
+
+
+@pytest.mark.parametrize("how", ["ban", "logit_bias"])
+def test_row_marked_when_the_sampler_changed_the_winner(smollm, how, monkeypatch):
+    from llmtrace.cli.generate import banned_sequences
+
+    plain, _ = record(smollm, n=1)
+    assert next(e for e in plain if e["event"] == "step")["token"]["id"] == PARIS
+    if how == "ban":
+        events, result = record(smollm, n=2, ban=banned_sequences(smollm.tokenizer, [" Paris"]))
+    else:
+        events, result = record(smollm, n=2, logit_bias={PARIS: -100.0})
+    assert result.tokens[0] != PARIS
+    step = next(e for e in events if e["event"] == "step")
+    assert [s["top"] for s in step["sampler"]] == [PARIS, result.tokens[0]]  # the ledger knows the winner moved
+    text = render(events, 100, monkeypatch)
+    assert f"* {how} changed the most likely token: ▁Paris (p 0.77) → " in text
+    assert len(re.findall(r"changed the most likely token", text)) == 1  # only the step it happened in
+    assert "changed the most likely token" not in render(plain, 100, monkeypatch)
+
+
+def test_plurals_and_no_decode_rate_without_a_decode_step(smollm, monkeypatch):
+    events, _ = record(smollm, prompt="Hello", n=1)
+    assert len(next(e for e in events if e["event"] == "tokens")["tokens"]) == 1
+    text = " ".join(render(events, 100, monkeypatch).split())
+    assert "prompt → 1 token " in text and "1 prompt token ·" in text and "1 layers" not in text
+    assert "decode – tok/s" in text and "0.0 tok/s" not in text
+    assert "1 positions" not in text
+
+
+def test_full_trace_is_compact_on_the_terminal_and_whole_in_the_events(smollm, monkeypatch):
+    n = 3
+    events, result = record(smollm, n=n, level="full")
+    L = smollm.config.n_layers
+    tensors = [e for e in events if e["event"] == "tensor"]
+    assert len(tensors) == n * (19 * L + 4)  # every point of every layer, every step: the JSON keeps them all
+    text = render(events, 100, monkeypatch)
+    assert len(text.splitlines()) <= 2 * L * n + 80  # about one line per layer per step, not one per point
+    post = {e["layer"]: e["stats"]["norm"] for e in tensors if e["name"] == "resid_post" and e["step"] == n - 1}
+    lines = text[text.index(f"step {n - 1}: one line per layer"):].splitlines()
+    for layer, norm in post.items():
+        row = next(line for line in lines if line.split()[:1] == [str(layer)])
+        assert f"{norm:.4g}" in row.split()
+
+
+def test_dump_without_a_file_prints_values_compactly_and_says_where_they_are(smollm, monkeypatch):
+    events, _ = record(smollm, n=1, dump=("logits",))
+    text = " ".join(render(events, 100, monkeypatch).split())
+    assert f"all {smollm.config.vocab_size:,} values are in --json/--jsonl" in text
+    first = next(e for e in events if e["event"] == "tensor" and e["name"] == "logits")["values"][0]
+    assert f"[{first:.4g}," in text
+
+
+def test_piece_and_text_columns_follow_tokenize(greedy_run, monkeypatch):
+    text = render(greedy_run, 100, monkeypatch)
+    row = next(line for line in text.splitlines() if line.split()[:2] == ["1", "3575"])
+    assert row.split()[2:] == ["▁capital", '"', 'capital"']  # piece made visible, text as a JSON string
+
+
+def test_schema_says_what_the_statistics_are_computed_over(smollm):
+    schema = json.loads(schema_path().read_text())
+    stats = schema["$defs"]["tensor"]["properties"]["stats"]["description"]
+    for words in ("all elements", "n−1", "float64", "−inf", "float32"):
+        assert words in stats
+    assert "top" in schema["$defs"]["step"]["properties"]["sampler"]["items"]["properties"]
+
+
+def test_explain_and_lens_views_keep_numbers_whole_at_80_columns(smollm, greedy_run, monkeypatch):
+    from llmtrace.cli.explain import render_explain, render_lens
+    from llmtrace.explain import explain_events, lens_events
+
+    ids = smollm.tokenizer.encode(PROMPT)
+    explained = explain_events(smollm, ids, 3, top=5, prompt=PROMPT, chat=False)
+    lensed = lens_events(smollm, ids, list(range(len(ids))), None, top=5, prompt=PROMPT, chat=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("NO_COLOR", "1")
+    for events, render_view in ((explained, render_explain), (lensed, render_lens)):
+        out = io.StringIO()
+        render_view(events, make_console(file=out))
+        assert cut_numbers(out.getvalue()) == []
+    # k_repeated has one shape in both commands: (T, H, Dh), the keys repeated for each query head
+    shape = next(e["shape"] for e in explained if e["event"] == "tensor" and e["name"] == "k_repeated")
+    shapes = next(e for e in greedy_run if e["event"] == "shapes")["points"]
+    assert shape == next(p["shape"] for p in shapes if p["name"] == "k_repeated") == [len(ids), 9, 64]

@@ -1,0 +1,332 @@
+"""The HTML report: its embedded numbers equal the trace's, bad input fails in one line, and the page works in a real
+browser (Debian's chromium, driven by playwright): no console errors, no network, one chip per token, a T × S heatmap,
+a step choice that changes the top-k chart, and a screenshot that is not blank."""
+
+import base64
+import filecmp
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmtrace.explain import lens_events
+from llmtrace.generate import generate
+from llmtrace.report import build
+from llmtrace.report.data import Q16, bin_matrix, bins_for, unpack_attention
+from llmtrace.sampler import Sampler, SamplerConfig
+from llmtrace.trace import Recorder, TraceOptions
+
+PROMPT = "Quantum mechanics is a fundamental theory in physics that"
+CHROMIUM = "/usr/bin/chromium"
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def run_events(lm, level="full", layers=(0, 29), n=6, dump=("0.probs", "29.probs")):
+    """A sampled run (temperature, top-k and top-p all act), as the events the recorder emits."""
+    events = []
+    rec = Recorder(TraceOptions(level=level, layers=list(layers) if layers else None, dump=dump), [events.append],
+                   run_info={"prompt": PROMPT})
+    cfg = SamplerConfig(temperature=0.8, top_k=40, top_p=0.9, seed=7)
+    ids = lm.tokenizer.encode(PROMPT)
+    generate(lm, ids, Sampler(cfg, lm.config.vocab_size), n, ignore_eos=True, observer=rec)
+    return json.loads(json.dumps(events))  # as a saved trace reads back
+
+
+def embedded(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+@pytest.fixture(scope="module")
+def events(smollm):
+    return run_events(smollm)
+
+
+@pytest.fixture(scope="module")
+def page(events, smollm):
+    return build(events, tokenizer=smollm.tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the data in the page
+
+
+def test_tokens_and_steps_in_the_page_are_the_traces(events, page):
+    d = embedded(page)
+    prompt = next(e for e in events if e["event"] == "tokens")["tokens"]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [t["id"] for t in d["tokens"]] == [t["id"] for t in prompt] + [s["token"]["id"] for s in steps]
+    for t in d["tokens"]:  # a byte-level piece stands for its bytes: they decode to the token's text
+        if "\ufffd" not in t["text"]:
+            assert bytes(t["bytes"]).decode("utf-8") == t["text"]
+    for got, s in zip(d["steps"], steps):
+        assert got["topk"] == s["topk"] and got["sampler"] == s["sampler"] and got["rng"] == s["rng"]
+        assert got["kv"] == s["kv_cache"]
+    gen = [t for t in d["tokens"] if t["step"] is not None]
+    assert [t["prob"] for t in gen] == [s["sampler"][0]["pick_prob"] for s in steps]
+    assert len(steps) == 6 and any(len(s["sampler"]) > 2 for s in steps)  # the funnel has stages to show
+
+
+def test_attention_maps_are_the_recorded_probabilities(events, page):
+    d = embedded(page)["attention"]
+    probs = [e for e in events if e["event"] == "tensor" and e["name"] == "probs"]
+    n = max(len(e["values"][0][-1]) for e in probs)  # keys of the last step = every position seen
+    assert d["layers"] == [0, 29] and d["n"] == n and not d["binned"] and len(d["bins"]) == n
+    H = d["n_heads"]
+    for layer in (0, 29):
+        m = unpack_attention(d["maps"][str(layer)], (H, n, n))
+        for e in (e for e in probs if e["layer"] == layer):
+            v = np.asarray(e["values"])  # (H, T, S): the new queries of this step over all keys so far
+            T, S = v.shape[1:]
+            np.testing.assert_allclose(m[:, S - T:S, :S], v, atol=0.5 / Q16 + 1e-12)
+        assert np.all(m[:, np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]] == 0)  # the causal mask
+
+
+def test_residual_norms_and_kv_are_the_traces(events, page):
+    d = embedded(page)
+    post = [e for e in events if e["event"] == "tensor" and e["name"] == "resid_post"]
+    for e in post:
+        T = e["shape"][0]
+        assert d["residual"]["norms"][str(e["step"])][str(e["layer"])] == e["stats"]["norm"] / math.sqrt(T)
+    steps = [e for e in events if e["event"] == "step"]
+    assert [s["bytes_used"] for s in d["kv"]["steps"]] == [e["kv_cache"]["bytes_used"] for e in steps]
+    assert d["kv"]["bytes_per_token"] == 46080 and d["kv"]["per_layer"] == 46080 / 30
+    stats = {(r[0], r[1]): r[6] for r in d["tensors"]["points"]["q"]}
+    for e in (e for e in events if e["event"] == "tensor" and e["name"] == "q"):
+        assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
+
+
+def test_merges_of_the_prompt_end_in_its_tokens(page):
+    d = embedded(page)
+    words = d["merges"]["words"]
+    finals = [p for w in words for p in w["final"]]
+    assert finals == [t["piece"] for t in d["tokens"] if t["step"] is None]
+    assert "Quantum" in page and "merged" in page
+
+
+def test_binned_rows_still_sum_to_one():
+    n = 300
+    rng = np.random.default_rng(0)
+    m = np.tril(rng.random((2, n, n)))
+    m /= m.sum(axis=-1, keepdims=True)
+    bins = bins_for(n)
+    assert len(bins) == 128 and bins[0][0] == 0 and bins[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(bins, bins[1:]))
+    b = bin_matrix(m, bins)
+    assert b.shape == (2, 128, 128)
+    np.testing.assert_allclose(b.sum(axis=-1), 1.0, atol=1e-12)
+
+
+def test_a_section_without_its_values_names_the_flags(smollm):
+    page = build(run_events(smollm, level="steps", layers=None, n=2, dump=()))
+    attention = page.split('id="attention"')[1].split("</section>")[0]
+    residual = page.split('id="residual"')[1].split("</section>")[0]
+    lens = page.split('id="lens"')[1].split("</section>")[0]
+    assert "Not in this trace" in attention and "--dump 0.probs" in attention
+    assert "Not in this trace" in residual and "--trace layers" in residual
+    assert "llmtrace lens" in lens
+    assert "BPE merges" in page and "without it" in page  # no tokenizer given
+
+
+def test_the_page_loads_nothing_from_anywhere(page):
+    assert not re.search(r'\b(src|href)="(https?:)?//', page)
+    assert "@import" not in page and "url(" not in page
+    assert "default-src 'none'" in page  # and the browser is told to refuse anything else
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line
+
+
+def llmtrace(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "llmtrace", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("content, says", [
+    ('{"hello": 1}\n', "not an llmtrace trace"),
+    ("", "empty"),
+    ("not json at all\n", "not valid JSON"),
+    ('{"schema": "llmtrace.trace/2", "events": [{"event": "run", "schema": "llmtrace.trace/2"}]}\n', "llmtrace.trace/2"),
+    ('{"event": "run", "schema": "llmtrace.trace/2", "model": {}}\n{"event": "summary"}\n', "llmtrace.trace/2"),
+])
+def test_report_of_bad_input_is_one_line_and_keeps_the_old_page(tmp_path, content, says):
+    trace = tmp_path / "trace.json"
+    trace.write_text(content)
+    out = tmp_path / "report.html"
+    out.write_text("an earlier report")
+    r = llmtrace("report", str(trace), "-o", str(out))
+    assert r.returncode != 0
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
+    assert out.read_text() == "an earlier report"
+    assert [p.name for p in tmp_path.iterdir()] != [] and len(list(tmp_path.iterdir())) == 2  # no temporary left
+
+
+@pytest.mark.slow
+def test_html_of_a_64_token_full_run_fits_3mb_and_equals_report_of_its_trace(smollm_path, tmp_path):
+    html, doc = tmp_path / "run.html", tmp_path / "run.json"
+    r = llmtrace("generate", PROMPT, "-m", str(smollm_path), "-n", "64", "--ignore-eos", "--trace", "full",
+                 "--layers", "0,-1", "--threads", "1", "--html", str(html), "--json", str(doc))
+    assert r.returncode == 0, r.stderr
+    size = html.stat().st_size
+    assert size <= 3_000_000, size
+    page = html.read_text()
+    d = embedded(page)
+    assert d["attention"]["layers"] == [0, 29]  # --html recorded the probabilities of the chosen layers
+    assert len(d["steps"]) == 64 and d["attention"]["n"] == 9 + 63
+    again = tmp_path / "again.html"
+    r = llmtrace("report", str(doc), "-o", str(again), "-m", str(smollm_path))
+    assert r.returncode == 0, r.stderr
+    assert filecmp.cmp(again, html, shallow=False)  # the same page from the saved trace
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# in a real browser
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("playwright is missing in CI: pip install -e .[test]")
+        pytest.skip("playwright is not installed (pip install playwright)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        yield b
+        b.close()
+
+
+class Opened:
+    """A page opened from file://, with every console message, page error and request it made."""
+
+    def __init__(self, browser, path: Path):
+        self.page = browser.new_page(viewport={"width": 1280, "height": 900})
+        self.messages, self.requests = [], []
+        self.page.on("console", lambda m: self.messages.append((m.type, m.text)))
+        self.page.on("pageerror", lambda e: self.messages.append(("pageerror", str(e))))
+        self.page.route("**/*", self._route)
+        self.url = path.resolve().as_uri()
+        self.page.goto(self.url)
+
+    def _route(self, route):
+        self.requests.append(route.request.url)
+        if route.request.url == self.url:
+            route.continue_()
+        else:
+            route.abort()
+
+
+@pytest.fixture(scope="module")
+def opened(browser, page, tmp_path_factory):
+    path = tmp_path_factory.mktemp("report") / "report.html"
+    path.write_text(page, encoding="utf-8")
+    o = Opened(browser, path)
+    yield o
+    o.page.close()
+
+
+def test_page_loads_without_errors_or_network(opened):
+    assert opened.messages == []
+    assert opened.requests == [opened.url]
+
+
+def test_one_chip_per_token(opened, events):
+    n = len(next(e for e in events if e["event"] == "tokens")["tokens"]) + sum(e["event"] == "step" for e in events)
+    assert opened.page.locator("#chips .chip").count() == n
+
+
+def test_heatmap_has_t_by_s_cells_and_shows_the_mask(opened, events):
+    pg = opened.page
+    pg.select_option("#att-layer", "29")
+    pg.select_option("#att-head", "4")
+    pg.select_option("#att-scale", "linear")
+    c = pg.eval_on_selector("#att-canvas", "c => ({...c.dataset, w: c.width})")
+    last = [e for e in events if e["event"] == "tensor" and e["name"] == "probs" and e["layer"] == 29][-1]
+    H, T, S = len(last["values"]), None, len(last["values"][0][-1])
+    T = S  # every query position over every key position
+    assert (int(c["rows"]), int(c["cols"]), int(c["cells"])) == (T, S, T * S)
+    assert (c["layer"], c["head"]) == ("29", "4")
+    cell = int(c["cell"])
+    # a masked cell (first query, last key) is hatched grey; the first query's own key is coloured (p = 1)
+    pixel = ("([x, y]) => Array.from(document.getElementById('att-canvas').getContext('2d')"
+             ".getImageData(x, y, 1, 1).data.slice(0, 3))")
+    masked = pg.evaluate(pixel, [S * cell - cell // 2, cell // 2])
+    first = pg.evaluate(pixel, [cell // 2, cell // 2])
+    assert masked[0] == masked[1] == masked[2] and masked[0] >= 200
+    assert first == [253, 231, 37]  # the palette's top: attention 1.0
+    assert H == 9 and pg.locator("button.thumb").count() == 2 * H  # the layers × heads overview
+    pg.click("button.thumb[data-layer='0'][data-hi='7']")
+    c = pg.eval_on_selector("#att-canvas", "c => c.dataset")
+    assert (c["layer"], c["head"], c["cells"]) == ("0", "7", str(T * S))
+
+
+def test_choosing_a_step_changes_the_topk_chart_and_the_marks(opened):
+    pg = opened.page
+    shown = lambda: pg.eval_on_selector(".step-panel:not([hidden]) svg.topk", "s => s.outerHTML")
+    first = shown()
+    pg.focus("#step")
+    pg.keyboard.press("ArrowRight")  # keyboard: the step slider
+    second = shown()
+    assert second != first
+    assert pg.eval_on_selector(".step-panel:not([hidden])", "p => p.dataset.step") == "1"
+    pg.click("#chips .chip.gen >> nth=3")  # a generated token's chip selects its step
+    assert pg.eval_on_selector(".step-panel:not([hidden])", "p => p.dataset.step") == "3"
+    assert pg.locator(".chip.gen.current").count() == 1
+    pg.click("button.stage[data-stage='s6.1']")
+    assert pg.locator("#stage-panel table.stats").count() == 4  # attn_norm, q, k, v per layer
+    assert [m for m in opened.messages if m[0] in ("error", "pageerror")] == []
+
+
+def test_screenshot_is_not_blank(opened, browser):
+    png = opened.page.screenshot(full_page=False)
+    probe = browser.new_page()
+    colours = probe.evaluate("""async (src) => {
+        const img = new Image(); img.src = src; await img.decode();
+        const c = document.createElement('canvas'); c.width = img.width; c.height = img.height;
+        const g = c.getContext('2d'); g.drawImage(img, 0, 0);
+        const d = g.getImageData(0, 0, c.width, c.height).data, seen = new Set();
+        for (let i = 0; i < d.length; i += 4 * 7) seen.add((d[i] << 16) | (d[i + 1] << 8) | d[i + 2]);
+        return seen.size; }""", "data:image/png;base64," + base64.b64encode(png).decode())
+    probe.close()
+    assert colours > 50
+
+
+def test_lens_page_shows_the_topk_of_a_cell(browser, smollm, tmp_path):
+    ids = smollm.tokenizer.encode(PROMPT)
+    ev = json.loads(json.dumps(lens_events(smollm, ids, list(range(len(ids))), None, top=5, prompt=PROMPT)))
+    path = tmp_path / "lens.html"
+    path.write_text(build(ev), encoding="utf-8")
+    o = Opened(browser, path)
+    cells = o.page.locator("table.lens td[data-row]")
+    assert cells.count() == 31 * len(ids)  # 30 layers and the output, every position
+    o.page.focus("table.lens td[data-row='29'][data-pos='8']")
+    top = [e for e in ev if e["event"] == "lens" and e["layer"] == 29 and e["position"] == 8][0]["topk"]
+    panel = o.page.inner_text("#lens-panel")
+    assert str(top[0]["id"]) in panel and str(top[4]["id"]) in panel
+    assert o.messages == [] and o.requests == [o.url]
+    o.page.close()
+
+
+def test_static_content_is_readable_without_scripts(browser, opened):
+    context = browser.new_context(java_script_enabled=False)
+    pg = context.new_page()
+    pg.route("**/*", lambda r: r.continue_() if r.request.url == opened.url else r.abort())
+    pg.goto(opened.url)
+    assert pg.locator("#chips .chip").count() == opened.page.locator("#chips .chip").count()
+    assert pg.locator(".step-panel:not([hidden]) svg.topk rect.bar").count() == 10  # step 0's top-k chart
+    assert pg.locator("#kv svg.chart polyline").count() == 2 and pg.locator("ol.pipeline button").count() == 19
+    assert "no merges" not in pg.inner_text("#tokens") and pg.locator(".merge:not([hidden])").count() == 1
+    context.close()
