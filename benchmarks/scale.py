@@ -60,7 +60,7 @@ def make_checkpoints(where: Path, layers: int, quant: str) -> tuple[Path, Path]:
     model.save_pretrained(str(hf_dir))
     write_tokenizer(hf_dir, tiny_tokenizer())
     write_gguf(gguf_path, model, plan=lambda name, a: None if a.ndim == 1 else quant, tokenizer=tiny_tokenizer(),
-               name="llama-1b-shape")
+               name="llama-1b-shape", vocab_metadata=True)
     return hf_dir, gguf_path
 
 

@@ -346,12 +346,3 @@ def load_gguf_quantized(path, device: torch.device, dtype: torch.dtype):
         modules["lm_head"] = QuantLinear([e.raw0], e.segments, config.d_model, dtype)
     model = build_model(config, sd, device, dtype, modules)
     return config, model, tokenizer
-
-
-def storage_line(rows: list[dict]) -> str:
-    """One line for a storage table: 'Q4_1 0.625 B/weight ×120 · Q8_0 1.0625 B/weight ×1'."""
-    groups: dict[tuple, int] = {}
-    for r in rows:
-        key = (r["type"], r["bytes_per_weight"])
-        groups[key] = groups.get(key, 0) + 1
-    return " · ".join(f"{t} {b:g} B/weight ×{n}" for (t, b), n in groups.items())

@@ -304,9 +304,9 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
                                 f"Hkv={info['n_kv_heads']} · Dh={info['head_dim']} · F={info['ffn_dim']} · "
                                 f"{info['device']} {info['dtype']}" + (" · chat template" if m.get("chat") else "")))
     if info.get("storage"):
-        from llmtrace.quant import storage_line
+        from llmtrace.render import print_parts, storage_parts
 
-        console.print(Text.assemble(("weights ", "bold"), storage_line(info["storage"])))
+        print_parts(console, ["weights", *storage_parts(info["storage"])])
     toks = tokens["tokens"]
     shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
     line = Text(f"{len(toks)} tokens: ", style="bold")
