@@ -176,8 +176,10 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     if view_console is not None:
         sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
     run_info = {"prompt": prompt_text, "chat": chat}
+    compiled = None
     if compile_decode:
-        run_info["compiled"] = {"decode_step": True, "compile_s": round(compile_step(lm, len(ids), max_new_tokens), 3)}
+        compiled = compile_step(lm, len(ids), max_new_tokens)
+        run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3)}
     recorder = Recorder(options, sinks, run_info=run_info)
 
     on_text = None
@@ -188,7 +190,8 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
 
     try:
         result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
-                                observer=recorder, on_text=on_text)
+                                observer=recorder, on_text=on_text, compiled=compiled,
+                                on_prefill_progress=prefill_progress())
         if doc_sink is not None:
             doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     finally:
@@ -198,7 +201,26 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         raise typer.Exit(130)
 
 
-def compile_step(lm, n_prompt: int, max_new_tokens: int) -> float:
+def prefill_progress(after_s: float = 2.0):
+    """A progress callback for a chunked prefill: on stderr once the prefill looks like taking more than `after_s`."""
+    import time
+
+    t0 = time.perf_counter()
+    shown = [False]
+
+    def show(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - t0
+        if not shown[0] and elapsed * total / done < after_s:
+            return
+        shown[0] = True
+        end = "\n" if done == total or not sys.stderr.isatty() else ""
+        print(f"\rprefill: {done:,}/{total:,} prompt tokens ({100 * done // total}%), {elapsed:.1f} s", end=end,
+              file=sys.stderr, flush=True)
+
+    return show
+
+
+def compile_step(lm, n_prompt: int, max_new_tokens: int):
     """torch.compile the decode step before the run starts, saying so on stderr (it can take minutes)."""
     import os
 
@@ -209,9 +231,9 @@ def compile_step(lm, n_prompt: int, max_new_tokens: int) -> float:
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     print(f"compiling the decode step with torch.compile (cache: {where}; minutes the first time on a small CPU)…",
           file=sys.stderr, flush=True)
-    seconds = compile_decode(lm, n_prompt, max_new_tokens)
-    print(f"compiled in {seconds:.1f} s", file=sys.stderr, flush=True)
-    return seconds
+    compiled = compile_decode(lm, n_prompt, max_new_tokens)
+    print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
+    return compiled
 
 
 def banned_sequences(tok, texts: list[str]) -> list[list[int]]:
