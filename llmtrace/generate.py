@@ -58,7 +58,7 @@ class GenerationResult:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = "max_tokens"  # "eos", "stop_text", "max_tokens", "prefill_only" or "interrupted"
+    stop_reason: str = "max_tokens"  # "eos", "stop_text", "max_tokens" (also for a prefill-only run) or "interrupted"
     interrupted: bool = False
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -235,7 +235,6 @@ def generate(
                     observer.after_forward(step)
                 if max_new_tokens == 0:
                     result.prefill_s = result.ttft_s = time.perf_counter() - t_start
-                    result.stop_reason = "prefill_only"
                     if observer is not None:
                         _, ledger = sampler.sample(logits, history, ledger=True)  # what it would take: s10-s12
                         observer.on_prediction(ledger, len(prompt_ids), kv_facts(cache))

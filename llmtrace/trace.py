@@ -232,17 +232,15 @@ class Recorder:
         return False
 
     def _dumped(self, layer: Optional[int], name: str) -> bool:
-        for d in self.options.dump:
-            if d == name:
-                return True
-            if "." in d:
-                lay, _, nm = d.partition(".")
-                if nm == name and layer is not None and lay.lstrip("-").isdigit():
-                    n_layers = self.run_info.get("n_layers", 0)
-                    li = int(lay) + n_layers if int(lay) < 0 else int(lay)
-                    if li == layer:
-                        return True
-        return False
+        return any(d == name or (layer is not None and self._dump_target(d) == (layer, name)) for d in self.options.dump)
+
+    def _dump_target(self, dump: str) -> Optional[tuple[int, str]]:
+        """(layer, point) of a --dump entry that names a layer ("3.probs", "-1.q"), else None."""
+        lay, dot, name = dump.partition(".")
+        if not dot or not lay.lstrip("-").isdigit():
+            return None
+        n_layers = self.run_info.get("n_layers", 0)
+        return (int(lay) + n_layers if int(lay) < 0 else int(lay)), name
 
     # -- the model's observer ------------------------------------------------------------------------------------
 
@@ -352,10 +350,9 @@ class Recorder:
         """The layers a list of --dump points names; None: every layer (a layer point named without a layer)."""
         out = set()
         for d in dumps:
-            lay, dot, name = d.partition(".")
-            if dot and lay.lstrip("-").isdigit():
-                n_layers = self.run_info.get("n_layers", 0)
-                out.add(int(lay) + n_layers if int(lay) < 0 else int(lay))
+            target = self._dump_target(d)
+            if target is not None:
+                out.add(target[0])
             elif d in LAYER_POINTS:
                 return None
         return out

@@ -272,3 +272,30 @@ def test_statistics_rounded_on_the_device_equal_rounding_each_value():
     for row, out in zip(rows.tolist(), got):
         assert out[:5] == [_round(v) for v in row[:5]]
         assert out[5] == row[5]  # the count is not rounded
+
+
+def test_prefill_only_run_reports_shapes_prediction_and_summary(smollm):
+    """-n 0: the prompt, the prefill's shape table, what the model would predict next (top-k of the real logits), and
+    a summary with no token taken."""
+    events, result = traced_run(smollm, "steps", n=0)
+    kinds = [e["event"] for e in events]
+    assert kinds[:3] == ["run", "tokens", "shapes"] and kinds[-2:] == ["prediction", "summary"]
+    assert "step" not in kinds and result.tokens == []
+    ids = smollm.tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        logits = smollm.model(torch.tensor([ids]))[0, -1]
+    pred = events[-2]
+    assert pred["position"] == len(ids)
+    assert [c["id"] for c in pred["topk"][:5]] == logits.topk(5).indices.tolist()
+    assert pred["kv_cache"]["seq_len"] == len(ids)
+    assert events[-1]["generated_tokens"] == 0 and events[-1]["prompt_tokens"] == len(ids)
+
+
+def test_the_recorder_keeps_no_model_and_leaves_nothing_attached(smollm):
+    """A pure observer: after a full trace no module of the recorder's state is the model (or any module), and no
+    point of the model still reports to it."""
+    rec = Recorder(TraceOptions(level="full", layers=[1]), [lambda ev: None], run_info={"prompt": PROMPT})
+    generate(smollm, smollm.tokenizer.encode(PROMPT), Sampler(SamplerConfig(temperature=0.0), smollm.config.vocab_size),
+             2, ignore_eos=True, observer=rec)
+    assert not any(isinstance(v, torch.nn.Module) for v in vars(rec).values())
+    assert all(getattr(m, "observer", None) is None for m in smollm.model.modules())

@@ -25,6 +25,8 @@ Examples:
 
   llmtrace generate "Once upon a time" --trace none -n 100
 
+  llmtrace generate "The capital of France is" -n 0        # prefill only: shapes and the predicted next tokens
+
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
 
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
@@ -64,7 +66,7 @@ def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --file, or stdin).", show_default=False)] = None,
     model: ModelOpt = None,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this UTF-8 file.")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate. 0: prefill only (the prompt, the shape table and the top-k the model would predict next).")] = 32,
     temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).")] = 1.0,
