@@ -115,8 +115,8 @@ def rope_table(config: ModelConfig, n_pos: int, device=None) -> tuple[torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, nh, Dh) for nh heads; cos, sin: (T, Dh), or (B, T, Dh) for per-row positions. Rotates pairs
-    (x_i, x_{i+Dh/2})."""
+    """x: (B, T, heads, Dh), any number of heads (q's H and k's Hkv side by side); cos, sin: (T, Dh), or (B, T, Dh)
+    for per-row positions. Rotates pairs (x_i, x_{i+Dh/2})."""
     cos = cos.unsqueeze(-2).to(x.dtype)  # (T, 1, Dh) or (B, T, 1, Dh): broadcast over heads
     sin = sin.unsqueeze(-2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
@@ -204,8 +204,13 @@ class KVCache:
 class Tappable(nn.Module):
     """A module with named observable points. `observer` is None unless `Transformer.observed` attached one."""
 
-    observer: Optional[Observer] = None
     layer: Optional[int] = None
+
+    def __init__(self):
+        super().__init__()
+        # an attribute of every instance, so that attaching and detaching changes its value only (a compiled step
+        # guards on it)
+        self.observer: Optional[Observer] = None
 
     def tap(self, name: str, x: torch.Tensor) -> None:
         if self.observer is not None:
