@@ -215,9 +215,9 @@ def prefill_progress(after_s: float = 2.0):
         if not shown[0] and elapsed * total / done < after_s:
             return
         shown[0] = True
-        end = "\n" if done == total or not sys.stderr.isatty() else ""
-        print(f"\rprefill: {done:,}/{total:,} prompt tokens ({100 * done // total}%), {elapsed:.1f} s", end=end,
-              file=sys.stderr, flush=True)
+        tty = sys.stderr.isatty()  # a terminal gets one line rewritten in place, a file one line per pass
+        print(f"{chr(13) if tty else ''}prefill: {done:,}/{total:,} prompt tokens ({100 * done // total}%), "
+              f"{elapsed:.1f} s", end="\n" if done == total or not tty else "", file=sys.stderr, flush=True)
 
     return show
 
