@@ -123,7 +123,8 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> 
         elif name == "resid_post":
             post[lay] = x[0].clone()
         if lay == layer:
-            points[name] = (x if name == "kv_write" else x[0]).clone()
+            x = x if name == "kv_write" else x[0]
+            points[name] = (x.flatten(0, 1) if name == "k_repeated" else x).clone()  # (Hkv, G, S, Dh) -> (H, S, Dh)
 
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     cache = model.new_cache(len(ids))

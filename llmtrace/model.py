@@ -124,12 +124,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
-    """GQA made explicit: (B, Hkv, S, Dh) -> (B, H, S, Dh), KV head g copied for query heads [g*G, (g+1)*G)."""
+def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """GQA made explicit, HF's repeat_kv in two steps: (B, Hkv, S, Dh) -> (B, Hkv, G, S, Dh), KV head g seen by its
+    G query heads [g*G, (g+1)*G). A view (nothing copied); `.reshape(B, H, S, Dh)` then lays the repeats out."""
     B, Hkv, S, Dh = x.shape
-    if group == 1:
-        return x
-    return x[:, :, None].expand(B, Hkv, group, S, Dh).reshape(B, Hkv * group, S, Dh)
+    return x[:, :, None].expand(B, Hkv, group, S, Dh)
 
 
 def allowed_keys(T: int, start: int, padding: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
@@ -262,9 +261,10 @@ class Attention(Tappable):
     def _attention_spelled_out(self, q, k, v, mask):
         """softmax(Q K^T / sqrt(Dh) + mask) V, step by step (s6.4, s6.5): the path an observed layer takes."""
         B, H, T, Dh = q.shape
-        G = H // k.size(1)
-        k, v = repeat_kv(k, G), repeat_kv(v, G)  # GQA: (B, H, S, Dh), query head h reads KV head h // G
-        self.tap("k_repeated", k)
+        Hkv, S = k.size(1), k.size(2)
+        k_groups = expand_kv(k, H // Hkv)  # (B, Hkv, G, S, Dh): GQA, query head h reads KV head h // G
+        self.tap("k_repeated", k_groups)  # recorded as the (H, S, Dh) it lays out, without a copy
+        k, v = k_groups.reshape(B, H, S, Dh), expand_kv(v, H // Hkv).reshape(B, H, S, Dh)  # (B, H, S, Dh) each
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # (B, H, T, S)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))  # (B, H, T, S): -inf where a key is not attended

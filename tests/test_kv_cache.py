@@ -129,14 +129,14 @@ def test_eager_equals_sdpa_tiny(tiny):
 
 @torch.no_grad()
 def test_observed_scope_spells_out_the_chosen_layers_and_restores(tiny):
-    """`observed` reports only the chosen layers (their attention spelled out: k_repeated (B, H, S, Dh) as repeat_kv
-    makes it) and leaves every observer as it was; a pass without it reports nothing."""
+    """`observed` reports only the chosen layers (their attention spelled out: k_repeated, each KV head expanded for
+    its G query heads as repeat_kv does) and leaves every observer as it was; a pass without it reports nothing."""
     model, c = tiny.model, tiny.config
     seen = []
     with model.observed(lambda lay, name, x: seen.append((lay, name, tuple(x.shape))), layers=[1]):
         model(token_ids(6, seed=35))
     assert {lay for lay, _, _ in seen} == {None, 1}
-    assert (1, "k_repeated", (1, c.n_heads, 6, c.head_dim)) in seen
+    assert (1, "k_repeated", (1, c.n_kv_heads, c.n_heads // c.n_kv_heads, 6, c.head_dim)) in seen
     assert (1, "scores", (1, c.n_heads, 6, 6)) in seen
     seen.clear()
     with model.observed(lambda lay, name, x: seen.append((lay, name)), layers=[0], attention=[]):
