@@ -545,11 +545,7 @@ def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.
     model.load_state_dict(sd, assign=True, strict=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    for block in model.layers:
-        # On the CPU the spelled-out attention is as fast as the fused kernel at these sizes, and it makes scores and
-        # probabilities observable without changing a single bit of the result. Elsewhere the fused kernel is used.
-        block.attn.eager = device.type == "cpu"
-    return model.eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)  # .to: the RoPE frequencies, the one buffer
 
 
 # ----------------------------------------------------------------------------------------------------------------
