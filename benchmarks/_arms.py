@@ -260,6 +260,9 @@ class _StepClock:
     def wants_ledger(self) -> bool:
         return False
 
+    def observation(self, phase):
+        return None  # observes no pass
+
     def on_start(self, lm, prompt_ids, sampler) -> None:
         pass
 
@@ -292,7 +295,8 @@ def arm_decode(spec: dict) -> dict:
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=dtype, attn_implementation="eager").to(dev).eval()
     lm = load_model(gguf, device=dev, dtype=spec["dtype"])
-    compile_s = compile_decode(lm, len(spec["prompt_ids"]), n)  # Inductor's cache from the rounds: seconds
+    compiled_step = compile_decode(lm, len(spec["prompt_ids"]), n)  # Inductor's cache from the rounds: seconds
+    compile_s = compiled_step.compile_s
     ids = torch.tensor([spec["prompt_ids"]], device=dev)
     mats = decode_matrices(lm.model)
     xs = [torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats]
@@ -306,13 +310,10 @@ def arm_decode(spec: dict) -> dict:
         tokens["hf"] = out[0, ids.size(1):].tolist()
         return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
 
-    compiled_step = lm.model._compiled_step
-
     def run_llmtrace(compiled: bool) -> float:
-        lm.model._compiled_step = compiled_step if compiled else None  # the same compiled code every time
         clock = _StepClock()
         res = generate(lm, spec["prompt_ids"], Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), n,
-                       ignore_eos=True, observer=clock)
+                       ignore_eos=True, observer=clock, compiled=compiled_step if compiled else None)
         tokens["compiled" if compiled else "none"] = res.tokens
         return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
 

@@ -38,8 +38,8 @@ def rss_bytes() -> int:
 class Probe:
     """Wraps the run's observer; at the chosen steps reads RSS and the KV cache's bytes (no extra work otherwise)."""
 
-    def __init__(self, inner, lm, at: set[int]):
-        self.inner, self.lm, self.at = inner, lm, at
+    def __init__(self, inner, at: set[int]):
+        self.inner, self.at = inner, at
         self.rows: list[dict] = []
 
     def __getattr__(self, name):
@@ -50,9 +50,10 @@ class Probe:
         token = record.step + 1  # step 0 (the prefill) gives token 1
         if token in self.at:
             gc.collect()
-            cache = self.lm.model.cache
-            self.rows.append({"token": token, "rss": rss_bytes(), "kv_used": record.kv_seq_len * cache.bytes_per_token,
-                              "kv_allocated": cache.bytes_allocated, "ms": record.ms})
+            kv = record.kv  # what the generation loop reports of its cache
+            self.rows.append({"token": token, "rss": rss_bytes(), "kv_used": kv.seq_len * kv.bytes_per_token,
+                              "kv_allocated": kv.bytes_allocated, "kv_bytes_per_token": kv.bytes_per_token,
+                              "ms": record.ms})
 
 
 def mib(n: float) -> str:
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
         jsonl = JsonlSink(str(Path(tmp) / "trace.jsonl"))
         sinks = [jsonl] + ([JsonDocSink(str(Path(tmp) / "trace.json"))] if args.json else [])
         recorder = Recorder(TraceOptions(level="steps"), sinks, run_info={"prompt": args.prompt})
-        probe = Probe(recorder, lm, at)
+        probe = Probe(recorder, at)
         t0 = time.perf_counter()
         result = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), args.tokens,
                           ignore_eos=True, observer=probe)
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
           f"({result.decode_tok_s:.1f} tok/s) · trace steps · JSONL {mib(jsonl_bytes)}"
           f"{' · --json document kept' if args.json else ''}")
     print(f"KV cache allocated whole before the first step: {mib(probe.rows[0]['kv_allocated'])} "
-          f"({lm.model.cache.bytes_per_token:,} B per position)")
+          f"({probe.rows[0]['kv_bytes_per_token']:,} B per position)")
     for r in probe.rows:
         print(f"  token {r['token']:>5}: RSS {mib(r['rss']):>12} · KV cache used {mib(r['kv_used']):>10} · "
               f"{r['ms']:.1f} ms/step")

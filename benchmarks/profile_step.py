@@ -51,7 +51,7 @@ def ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
     return min(times) * 1e3, statistics.mean(times) * 1e3
 
 
-def profile_decode(lm, ids: list[int], level: str, steps: int, warm: int):
+def profile_decode(lm, ids: list[int], level: str, steps: int, warm: int, compiled=None):
     """Run generate() with a recorder at `level`; profile the decode steps after `warm` of them."""
     window = {"start": 1 + warm, "end": 1 + warm + steps}
     prof = profile(activities=[ProfilerActivity.CPU])
@@ -78,7 +78,7 @@ def profile_decode(lm, ids: list[int], level: str, steps: int, warm: int):
 
     rec = Timed(TraceOptions(level=level), [sink], run_info={"prompt": ""})
     sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
-    generate(lm, ids, sampler, window["end"] + 1, ignore_eos=True, observer=rec)
+    generate(lm, ids, sampler, window["end"] + 1, ignore_eos=True, observer=rec, compiled=compiled)
     events = prof.events()
     mm = sum(e.self_cpu_time_total for e in events if e.name in MATMUL_OPS) / 1e3 / steps
     aten = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::")) / 1e3 / steps
@@ -88,9 +88,10 @@ def profile_decode(lm, ids: list[int], level: str, steps: int, warm: int):
             "aten_ops": n_ops, "top_level_aten_ops": n_top, "table": prof.key_averages()}
 
 
-def decode_ms(lm, ids: list[int], steps: int) -> float:
+def decode_ms(lm, ids: list[int], steps: int, compiled=None) -> float:
     """Mean time of one untraced decode step (forward and greedy pick), no profiler."""
-    result = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), steps + 1, ignore_eos=True)
+    result = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), steps + 1, ignore_eos=True,
+                      compiled=compiled)
     return result.decode_s / steps * 1e3
 
 
@@ -120,16 +121,16 @@ def main() -> None:
     for level in args.levels:
         report(f"--trace {level}", profile_decode(lm, ids, level, args.steps, warm=4), ceil, args)
     if args.compiled:
+        from llmtrace.compiled import CompiledDecode
         from llmtrace.generate import compile_decode
 
         eager = [decode_ms(lm, ids, 32)]
-        print(f"\ncompiling the decode step: {compile_decode(lm, len(ids), 64):.1f} s")
-        compiled = [decode_ms(lm, ids, 32)]
+        step = compile_decode(lm, len(ids), 64)
+        print(f"\ncompiling the decode step: {step.compile_s:.1f} s")
+        compiled = [decode_ms(lm, ids, 32, step)]
         for _ in range(2):  # alternate, so that drift on a shared machine cancels
-            lm.model.uncompile()
             eager.append(decode_ms(lm, ids, 32))
-            lm.model.compile_decode()  # Dynamo's in-memory cache: no new compile
-            compiled.append(decode_ms(lm, ids, 32))
+            compiled.append(decode_ms(lm, ids, 32, step))
         ceil, sustained = ceiling_ms(lm.model)
         e, c = statistics.median(eager), statistics.median(compiled)
         print(f"untraced decode step, no profiler (3 alternating runs of 32 steps, medians): eager {e:.1f} ms, compiled "
@@ -139,22 +140,20 @@ def main() -> None:
         # them; for the profile, the same step is compiled with Inductor's Python wrapper and a record per kernel.
         torch._dynamo.reset()
         torch._inductor.config.cpp.enable_kernel_profile = True
-        lm.model._compiled_step = torch.compile(lm.model.forward, dynamic=True, fullgraph=True)
+        step = CompiledDecode(lm.model)
+        step._fn = torch.compile(lm.model.forward, dynamic=True, fullgraph=True)  # without the C++ wrapper option
         print(f"\ncompiling it again with Inductor's Python wrapper, for the profile: "
-              f"{first_compiled_step(lm, len(ids)):.1f} s")
-        report("--trace none, compiled decode step (Python wrapper)", profile_decode(lm, ids, "none", args.steps, warm=4),
-               ceil, args)
+              f"{first_compiled_step(lm, len(ids), step):.1f} s")
+        report("--trace none, compiled decode step (Python wrapper)",
+               profile_decode(lm, ids, "none", args.steps, warm=4, compiled=step), ceil, args)
 
 
-def first_compiled_step(lm, n_prompt: int) -> float:
+def first_compiled_step(lm, n_prompt: int, step) -> float:
     """Run a freshly compiled step once on a scratch KV cache, as generate.compile_decode does; the compile happens
     here. Returns the seconds it took."""
     t = time.perf_counter()
-    saved = lm.model.cache
     with torch.inference_mode():
-        lm.model.setup_cache(n_prompt + 64)
-        lm.model.step(torch.zeros((1, 1), dtype=torch.long), n_prompt)
-    lm.model.cache = saved
+        step(torch.zeros((1, 1), dtype=torch.long), lm.model.new_cache(n_prompt + 64), n_prompt)
     return time.perf_counter() - t
 
 

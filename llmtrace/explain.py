@@ -2,7 +2,7 @@
 
 Everything comes from ONE forward pass over the prompt: the prefill that `generate` runs, on the same model and the same
 KV-cache path. An observer clones the chosen layer's named points and the residual stream after each sub-layer of every
-layer; the chosen layer takes the eager attention path for that pass, so its scores and probabilities exist.
+layer; the chosen layer's attention is observed, so it is spelled out and its scores and probabilities exist.
 
 The functions here compute and return plain dicts (the `explain` and `lens` events of the trace schema); they never
 print. The terminal view (llmtrace.cli.explain) renders those events, so the screen and `--json` show the same facts.
@@ -106,9 +106,7 @@ class Capture:
 
 @torch.inference_mode()
 def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> Capture:
-    """Run the prefill over `ids` once, as `generate` does (a fresh KV cache, start 0), and keep what explain needs.
-
-    The model's own cache, observer and attention path are restored afterwards."""
+    """Run the prefill over `ids` once, as `generate` does (a fresh KV cache, start 0), and keep what explain needs."""
     L = model.config.n_layers
     device = model.embed.weight.device
     points: dict[str, torch.Tensor] = {}
@@ -126,24 +124,15 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> 
         elif name == "resid_post":
             post[lay] = x[0].clone()
         if lay == layer:
-            points[name] = (x if name == "kv_write" else x[0]).clone()
+            x = x if name == "kv_write" else x[0]
+            points[name] = (x.flatten(0, 1) if name == "k_repeated" else x).clone()  # (Hkv, G, S, Dh) -> (H, S, Dh)
 
-    attn = model.layers[layer].attn if layer is not None else None
-    saved_eager = attn.eager if attn is not None else None
-    saved_cache = model.cache
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
-    try:
-        if attn is not None:
-            attn.eager = True  # scores and probs are spelled out (same numbers as the fused kernel, within rounding)
-        model.setup_cache(len(ids))
-        model.observe(observer)
-        logits = model(idx, start=0)[0]  # (T, V)
-        element_size = model.cache.element_size
-    finally:
-        model.observe(None)
-        model.cache = saved_cache
-        if attn is not None:
-            attn.eager = saved_eager
+    cache = model.new_cache(len(ids))
+    # every layer's residual stream; the chosen layer's attention is observed too, so it is spelled out
+    with model.observed(observer, attention=[] if layer is None else [layer]):
+        logits = model(idx, cache, 0)[0]  # (T, V)
+    element_size = cache.element_size
     return Capture(ids=list(ids), layer=layer, points=points, embed=embed[0], resid_mid=mid, resid_post=post,
                    logits=logits, kv_element_size=element_size)
 

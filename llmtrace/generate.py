@@ -1,22 +1,42 @@
-"""The generation loop: prefill the prompt in one pass, then decode one token at a time (s6-s12, repeated).
+"""The generation loop: prefill the prompt (in chunks when it is long), then decode one token at a time (s6-s12).
 
-The loop is the one place where a trace plugs in. It calls a `GenerationObserver` at fixed moments (start, around
-each forward pass, each token, end); the observer decides what to record. With `observer=None` nothing is recorded
-and nothing is computed for a trace.
+The loop is the one place where a trace plugs in. It asks a `GenerationObserver` once which passes and layers it
+observes, opens that scope (`Transformer.observed`) around those passes, and calls it at fixed moments (start, around
+each forward pass, each token, end) with everything it reports: the token, the sampler's ledger, the KV cache's
+facts, timings. With `observer=None` nothing is recorded and nothing is computed for a trace. The loop owns the KV
+cache and passes it to every forward pass.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
+from llmtrace.compiled import CompiledDecode, decode_step
 from llmtrace.errors import LlmtraceError
 from llmtrace.fsutil import sigint_deferred
 from llmtrace.loader import LoadedModel
+from llmtrace.model import KVCache, Transformer
 from llmtrace.sampler import Ledger, Sampler
+
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the (H, T, S) attention scores a long prompt makes
+
+
+@dataclass
+class KVFacts:
+    """The KV cache as one step left it, handed to the observer (which never reads the model)."""
+
+    seq_len: int  # filled slots
+    capacity: int  # slots allocated
+    bytes_per_token: int  # one slot of one row, all layers, K and V
+    bytes_allocated: int
+    element_size: int  # bytes per cached number
 
 
 @dataclass
@@ -29,7 +49,7 @@ class StepRecord:
     token: int
     text: str  # the token's text as it joins the output (may be "" while a multi-byte character is incomplete)
     ledger: Optional[Ledger]  # the sampler's record, when the observer asked for one
-    kv_seq_len: int  # cached positions after this step's forward pass
+    kv: KVFacts  # the cache after this step's forward pass
     ms: float  # forward pass + sampling, milliseconds
 
 
@@ -38,7 +58,7 @@ class GenerationResult:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = "max_tokens"  # "eos", "stop_text", "max_tokens" or "interrupted"
+    stop_reason: str = "max_tokens"  # "eos", "stop_text", "max_tokens" (also for a prefill-only run) or "interrupted"
     interrupted: bool = False
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -55,11 +75,19 @@ class GenerationResult:
 
 
 class GenerationObserver(Protocol):
+    """What the loop tells an observer, and the one thing it asks: which layers of which passes to observe."""
+
     def wants_ledger(self) -> bool: ...
+    def observation(self, phase: str) -> Optional[dict]:
+        """None: passes of this phase ("prefill", "decode") are not observed; else the keyword arguments of
+        `Transformer.observed` (layers, attention) for each of them. Asked once per phase, at the start."""
+    def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None: ...  # the model's observer
     def on_start(self, lm: LoadedModel, prompt_ids: list[int], sampler: Sampler) -> None: ...
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None: ...
     def after_forward(self, step: int) -> None: ...
     def on_step(self, record: StepRecord) -> None: ...
+    def on_prediction(self, ledger: Ledger, position: int, kv: KVFacts) -> None:
+        """A prefill-only run (max_new_tokens 0): what the model would predict next, no token taken."""
     def on_end(self, result: GenerationResult) -> None: ...
 
 
@@ -91,36 +119,63 @@ def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
     return min(max_new_tokens, ctx - n_prompt)
 
 
-def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> float:
-    """Compile the model's decode step (`Transformer.compile_decode`) and run it once, so that a generation of
-    `max_new_tokens` after `n_prompt` tokens starts with it ready. Returns the seconds this took: minutes on a small
-    CPU the first time, seconds once Inductor's cache ($TORCHINDUCTOR_CACHE_DIR) holds the compiled code.
+def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> CompiledDecode:
+    """Compile the model's decode step (llmtrace.compiled) and run it once, so that a generation of `max_new_tokens`
+    after `n_prompt` tokens starts with it ready; pass it to `generate(compiled=...)`. Its `compile_s` is the seconds
+    this took: minutes on a small CPU the first time, seconds once Inductor's cache ($TORCHINDUCTOR_CACHE_DIR) holds
+    the compiled code.
 
-    The trial step runs on a scratch KV cache at the position the first real decode step will have (dynamic shapes
-    are marked there, and a first call at position 0 or 1 would specialise on it)."""
-    model = lm.model
+    The trial step runs on a scratch KV cache at the slot the first real decode step will have (dynamic shapes are
+    marked there, and a first call at slot 0 or 1 would specialise on it)."""
     max_new_tokens = check_context(lm, n_prompt, max_new_tokens)
-    model.compile_decode()
+    compiled = CompiledDecode(lm.model)
     if max_new_tokens < 2:
-        return 0.0  # no decode step will run
+        return compiled  # no decode step will run
     t = time.perf_counter()
-    saved = model.cache
     try:
         with torch.inference_mode():
-            model.setup_cache(n_prompt + max_new_tokens)
-            model.step(torch.zeros((1, 1), dtype=torch.long, device=lm.device), max(n_prompt, 2))
+            scratch = lm.model.new_cache(n_prompt + max_new_tokens)
+            compiled(torch.zeros((1, 1), dtype=torch.long, device=lm.device), scratch, max(n_prompt, 2))
             if lm.device.type == "cuda":
                 torch.cuda.synchronize()
     except KeyboardInterrupt:
-        model.uncompile()
         raise
     except Exception as e:
-        model.uncompile()
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         raise LlmtraceError(f"torch.compile could not compile the decode step ({reason}); run without --compile") from None
-    finally:
-        model.cache = saved
-    return time.perf_counter() - t
+    compiled.compile_s = time.perf_counter() - t
+    return compiled
+
+
+def kv_facts(cache: KVCache) -> KVFacts:
+    return KVFacts(seq_len=cache.seq_len, capacity=cache.max_len, bytes_per_token=cache.bytes_per_token,
+                   bytes_allocated=cache.bytes_allocated, element_size=cache.element_size)
+
+
+def prefill_split(n_prompt: int, chunk: int = PREFILL_CHUNK) -> int:
+    """The first slot of a prefill's last pass (0 when the prompt fits in one)."""
+    return (n_prompt - 1) // chunk * chunk
+
+
+def prefill(model: Transformer, idx: torch.Tensor, cache: KVCache, observed=contextlib.nullcontext,
+            on_progress: Optional[Callable[[int, int], None]] = None, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Run the prompt idx (B, T) into the empty cache; the logits (B, V) of its last position.
+
+    A prompt longer than `chunk` tokens goes through in passes of `chunk` (each attends to the slots cached before
+    it), so memory stays bounded however long the prompt. Only the last pass is observed (`observed()`: the scope
+    the observer asked for): it is the one whose logits the first token comes from. `on_progress(done, total)` is
+    called after each pass of a chunked prefill."""
+    T = idx.size(1)
+    last = prefill_split(T, chunk)  # the last pass covers [last, T)
+    for s in range(0, last, chunk):
+        model(idx[:, s : s + chunk], cache, s)
+        if on_progress is not None:
+            on_progress(s + chunk, T)
+    with observed():
+        logits = model(idx[:, last:], cache, last, last_only=True)
+    if on_progress is not None and last > 0:
+        on_progress(T, T)
+    return logits
 
 
 @torch.inference_mode()
@@ -133,16 +188,19 @@ def generate(
     ignore_eos: bool = False,
     observer: Optional[GenerationObserver] = None,
     on_text=None,
+    compiled: Optional[CompiledDecode] = None,
+    on_prefill_progress: Optional[Callable[[int, int], None]] = None,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams."""
+    """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams.
+
+    `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
+    prefill-only run: the observer gets `on_prediction` (what the model would predict next) and no token is taken."""
     model, tok = lm.model, lm.tokenizer
     max_new_tokens = check_context(lm, len(prompt_ids), max_new_tokens)
     result = GenerationResult(prompt_ids=list(prompt_ids))
-    if max_new_tokens <= 0:
-        return result
     eos = set() if ignore_eos else set(tok.eos_ids)
     want_ledger = observer is not None and observer.wants_ledger()
-    model.setup_cache(len(prompt_ids) + max_new_tokens)
+    cache = model.new_cache(len(prompt_ids) + max(max_new_tokens, 1))
     stream = TextStream(tok)
     history = list(prompt_ids)
     emitted = 0  # characters of text already passed to on_text
@@ -152,48 +210,66 @@ def generate(
         if observer is not None:
             with sigint_deferred():
                 observer.on_start(lm, list(prompt_ids), sampler)
+        scopes = {phase: _scope(model, observer, phase) for phase in ("prefill", "decode")}
         t_start = time.perf_counter()
         idx = torch.tensor([prompt_ids], dtype=torch.long, device=lm.device)  # (1, T)
         start, step = 0, 0
-        while True:
-            phase = "prefill" if step == 0 else "decode"
-            t0 = time.perf_counter()
-            if observer is not None:
-                observer.before_forward(step, phase, start, idx.size(1))
-            logits = model.step(idx, start, next_of_same_run=step > 0)[0].float()  # (V,) s7-s9; sampler in fp32
-            if observer is not None:
-                observer.after_forward(step)
-            token, ledger = sampler.sample(logits, history, ledger=want_ledger)  # s10-s12
-            t1 = time.perf_counter()
-            if step == 0:
-                result.prefill_s = result.ttft_s = t1 - t_start
-            else:
-                result.decode_s += t1 - t0
-            start += idx.size(1)
-            history.append(token)
-            result.tokens.append(token)
-            piece = "" if token in eos else stream.push(token)  # the end-of-sequence marker is not output text
-            if observer is not None:
-                observer.on_step(StepRecord(step=step, phase=phase, position=start, token=token, text=piece,
-                                            ledger=ledger, kv_seq_len=start, ms=(t1 - t0) * 1e3))
-            if token in eos:
-                result.stop_reason = "eos"
-                break
-            hit = _find_stop(stream.text, stop_texts)
-            if hit is not None:
-                result.stop_reason = "stop_text"
-                stream.text = stream.text[:hit]
-                break
-            if on_text is not None and piece:
-                # hold back a tail that could still grow into a stop text
-                safe = len(stream.text) - _partial_stop(stream.text, stop_texts)
-                if safe > emitted:
-                    on_text(stream.text[emitted:safe])
-                    emitted = safe
-            if len(result.tokens) >= max_new_tokens:
-                break
-            idx = torch.tensor([[token]], dtype=torch.long, device=lm.device)  # (1, 1)
-            step += 1
+        decode_scope = scopes["decode"]
+        with contextlib.ExitStack() as held:
+            while True:
+                phase = "prefill" if step == 0 else "decode"
+                t0 = time.perf_counter()
+                if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
+                    first = prefill_split(idx.size(1)) if step == 0 else start
+                    observer.before_forward(step, phase, first, start + idx.size(1) - first)
+                if step == 0:  # s6-s9 over the prompt
+                    logits = prefill(model, idx, cache, scopes["prefill"], on_prefill_progress)
+                    if decode_scope is not contextlib.nullcontext:
+                        held.enter_context(decode_scope())  # one scope for every decode pass
+                elif decode_scope is contextlib.nullcontext:  # s6-s9 for one token; nothing observes it
+                    logits = decode_step(model, compiled, idx, cache, start, next_of_same_run=step > 1)
+                else:
+                    logits = model(idx, cache, start, last_only=True)
+                logits = logits[0].float()  # (V,): the sampler works in float32
+                if observer is not None:
+                    observer.after_forward(step)
+                if max_new_tokens == 0:
+                    result.prefill_s = result.ttft_s = time.perf_counter() - t_start
+                    if observer is not None:
+                        _, ledger = sampler.sample(logits, history, ledger=True)  # what it would take: s10-s12
+                        observer.on_prediction(ledger, len(prompt_ids), kv_facts(cache))
+                    break
+                token, ledger = sampler.sample(logits, history, ledger=want_ledger)  # s10-s12
+                t1 = time.perf_counter()
+                if step == 0:
+                    result.prefill_s = result.ttft_s = t1 - t_start
+                else:
+                    result.decode_s += t1 - t0
+                start += idx.size(1)
+                history.append(token)
+                result.tokens.append(token)
+                piece = "" if token in eos else stream.push(token)  # the end-of-sequence marker is not output text
+                if observer is not None:
+                    observer.on_step(StepRecord(step=step, phase=phase, position=start, token=token, text=piece,
+                                                ledger=ledger, kv=kv_facts(cache), ms=(t1 - t0) * 1e3))
+                if token in eos:
+                    result.stop_reason = "eos"
+                    break
+                hit = _find_stop(stream.text, stop_texts)
+                if hit is not None:
+                    result.stop_reason = "stop_text"
+                    stream.text = stream.text[:hit]
+                    break
+                if on_text is not None and piece:
+                    # hold back a tail that could still grow into a stop text
+                    safe = len(stream.text) - _partial_stop(stream.text, stop_texts)
+                    if safe > emitted:
+                        on_text(stream.text[emitted:safe])
+                        emitted = safe
+                if len(result.tokens) >= max_new_tokens:
+                    break
+                idx = torch.tensor([[token]], dtype=torch.long, device=lm.device)  # (1, 1)
+                step += 1
     except KeyboardInterrupt:
         result.interrupted = True
         result.stop_reason = "interrupted"
@@ -204,6 +280,14 @@ def generate(
         with sigint_deferred():
             observer.on_end(result)
     return result
+
+
+def _scope(model: Transformer, observer: Optional[GenerationObserver], phase: str):
+    """A factory of the observation scope for the passes of `phase`: what the observer asked for, or nothing."""
+    wanted = observer.observation(phase) if observer is not None else None
+    if wanted is None:
+        return contextlib.nullcontext
+    return functools.partial(model.observed, observer, **wanted)
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> Optional[int]:

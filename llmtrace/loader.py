@@ -707,10 +707,11 @@ def _skip_weight_init():
         nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
-def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: Optional[torch.device], dtype: torch.dtype,
                 modules: Optional[dict[str, nn.Module]] = None) -> Transformer:
     """Create the model without initialising random weights, then adopt the given tensors. `modules` replace the
-    model's own by name first (--keep-quantized: llmtrace.quant's modules for the matrices); `sd` holds the rest."""
+    model's own by name first (--keep-quantized: llmtrace.quant's modules for the matrices); `sd` holds the rest.
+    device None: leave every tensor where it is (llmtrace.placement)."""
     modules = modules or {}
     with _skip_weight_init():
         model = Transformer(config)
@@ -725,11 +726,7 @@ def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: torch.
         raise RuntimeError(f"weights left unset: {missing + unexpected}")  # a bug, not bad input
     if tied:
         model.lm_head.weight = model.embed.weight
-    for block in model.layers:
-        # On the CPU the spelled-out attention is as fast as the fused kernel at these sizes, and it makes scores and
-        # probabilities observable without changing a single bit of the result. Elsewhere the fused kernel is used.
-        block.attn.eager = device.type == "cpu"
-    return model.eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False)  # .to: the RoPE frequencies, the one buffer
 
 
 # ----------------------------------------------------------------------------------------------------------------

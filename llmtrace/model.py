@@ -1,22 +1,31 @@
 """The LLaMA-family decoder, written out so it can be read beside the seed table (s4-s9).
 
 Notation, used in every shape comment:
-    B  batch (always 1 in llmtrace, kept for clarity)
-    T  tokens in this forward call (the prompt during prefill, 1 during decode)
-    S  tokens in the KV cache after this call (T_kv)
-    D  model width (d_model)          H    query heads         Hkv  key/value heads (GQA when Hkv < H)
-    Dh head width (D / H usually)     F    FFN width            V    vocabulary size
+    B   batch: rows run side by side (1 for a single prompt)
+    T   tokens per row in this forward call (the prompt, or a chunk of it, during prefill; 1 during decode)
+    S   key/value slots attended after this call: the cache's filled slots plus T (just T without a cache)
+    D   model width (d_model)          V    vocabulary size        L   decoder layers
+    H   query heads                    Hkv  key/value heads (GQA when Hkv < H)      G  = H / Hkv, query heads per KV head
+    Dh  head width (D / H usually)     F    FFN width
 
-Observable points. The forward pass names what it computes with `self.tap(name, tensor)`. A tap costs one attribute
-check when nothing observes the model; `Transformer.observe(observer)` attaches an observer (see llmtrace.trace) only
-for the duration of a traced call. The model never formats, stores or prints anything itself.
+Positions. A call writes cache slots [start, start+T) (the same slots for every row). Each token's position, which
+RoPE turns into angles, is `input_pos` (B, T): by default start + [0, T) for every row; a left-padded batch gives each
+row positions that start at 0 at its first real token. `attention_mask` (B, S) is False at pad slots; a query attends
+to the slots at or before its own that are not pad.
+
+Observable points. The forward pass names what it computes with `self.tap(name, tensor)`; a tap costs one attribute
+check when nothing observes the model. `with model.observed(observer, layers=...)` attaches an observer (see
+llmtrace.trace) for the duration of a block. Observed layers spell attention out (scores, mask, softmax, P·V, with
+the GQA repetition as its own step) so those tensors exist; unobserved ones use the fused kernel. The model never
+formats, stores or prints anything itself, and holds no state between calls: the KV cache is passed in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -32,7 +41,7 @@ class ModelConfig:
     n_layers: int = 30  # L: number of decoder layers
     d_model: int = 576  # D: width of the residual stream
     n_heads: int = 9  # H: query heads
-    n_kv_heads: int = 3  # Hkv: key/value heads; H % Hkv == 0, H // Hkv query heads share one KV head
+    n_kv_heads: int = 3  # Hkv: key/value heads; H % Hkv == 0, G = H // Hkv query heads share one KV head
     head_dim: int = 64  # Dh: width of one head
     ffn_dim: int = 1536  # F: hidden width of the SwiGLU feed-forward block
     vocab_size: int = 49152  # V
@@ -46,7 +55,7 @@ class ModelConfig:
 
     @property
     def group_size(self) -> int:
-        """Query heads per KV head."""
+        """G: query heads per KV head."""
         return self.n_heads // self.n_kv_heads
 
 
@@ -66,7 +75,7 @@ class RMSNorm(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# RoPE: rotate each (i, i + Dh/2) pair of q and k by the angle pos * theta_i
+# s5 RoPE: rotate each (i, i + Dh/2) pair of q and k by the angle pos * theta_i (applied inside attention, s6.3)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -93,25 +102,52 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_table(config: ModelConfig, n_pos: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for positions [0, n_pos), each (n_pos, Dh), float32."""
-    inv_freq = rope_inv_freq(config).to(device)
-    angles = torch.outer(torch.arange(n_pos, device=device, dtype=torch.float32), inv_freq)  # (n_pos, Dh/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (n_pos, Dh): pair i and i + Dh/2 share an angle
+def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of pos * theta_i for each position: positions (...,) -> two (..., Dh) float32 tensors."""
+    angles = positions.float()[..., None] * inv_freq  # (..., Dh/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (..., Dh): pair i and i + Dh/2 share an angle
     return angles.cos(), angles.sin()
 
 
+def rope_table(config: ModelConfig, n_pos: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for positions [0, n_pos), each (n_pos, Dh), float32."""
+    return rope_angles(rope_inv_freq(config).to(device), torch.arange(n_pos, device=device))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, nh, Dh); cos, sin: (T, Dh). Rotates pairs (x_i, x_{i+Dh/2})."""
-    cos = cos[:, None, :].to(x.dtype)  # (T, 1, Dh), broadcast over heads
-    sin = sin[:, None, :].to(x.dtype)
+    """x: (B, T, heads, Dh), any number of heads (q's H and k's Hkv side by side); cos, sin: (T, Dh), or (B, T, Dh)
+    for per-row positions. Rotates pairs (x_i, x_{i+Dh/2})."""
+    cos = cos.unsqueeze(-2).to(x.dtype)  # (T, 1, Dh) or (B, T, 1, Dh): broadcast over heads
+    sin = sin.unsqueeze(-2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
 
 
+def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """GQA made explicit, HF's repeat_kv in two steps: (B, Hkv, S, Dh) -> (B, Hkv, G, S, Dh), KV head g seen by its
+    G query heads [g*G, (g+1)*G). A view (nothing copied); `.reshape(B, H, S, Dh)` then lays the repeats out."""
+    B, Hkv, S, Dh = x.shape
+    return x[:, :, None].expand(B, Hkv, group, S, Dh)
+
+
+def allowed_keys(T: int, start: int, padding: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+    """Which keys each query may attend: (B or 1, 1, T, S) bool, True where allowed; None when every query sees every
+    key (one new token and no padding). Causal over slots: the query in slot start+i sees slots <= start+i. `padding`
+    (B, S) is False at pad slots; a pad query still sees its own slot, so that no softmax row is empty."""
+    if padding is None and T == 1:
+        return None
+    S = start + T
+    q_slot = torch.arange(start, S, device=device)[:, None]  # (T, 1)
+    k_slot = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = k_slot <= q_slot  # (T, S)
+    if padding is not None:
+        allowed = (allowed & padding[:, None, :S]) | (k_slot == q_slot)  # (B, T, S)
+    return allowed.view(-1, 1, T, S)  # (B or 1, 1, T, S): broadcast over heads
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# KV cache: preallocated buffers, written at the positions being computed (s6.8)
+# s6.8 KV cache: preallocated buffers, written at the slots being computed
 
 
 class LayerKV:
@@ -121,7 +157,8 @@ class LayerKV:
         self.k, self.v = k, v
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, Hkv, T, Dh) at positions [start, start+T); return all valid keys and values (B, Hkv, S, Dh)."""
+        """Write k, v (B, Hkv, T, Dh) at slots [start, start+T); return every filled slot's keys and values
+        (B, Hkv, S, Dh)."""
         end = start + k.size(2)
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
@@ -129,16 +166,20 @@ class LayerKV:
 
 
 class KVCache:
-    """Preallocated keys and values for every layer: positions [0, seq_len) hold valid entries."""
+    """Preallocated keys and values of B rows for every layer; slots [0, seq_len) hold valid entries.
 
-    def __init__(self, n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (1, n_kv_heads, max_len, head_dim)  # (B, Hkv, S_max, Dh) per layer
-        # One buffer per layer, handed to the layer itself: the layer's code needs no layer index, and the compiled
-        # step (Transformer.compile_decode) gets separate inputs rather than views into one shared tensor.
+    The caller owns it and passes it to `Transformer.forward`; a forward without one is a plain pass from position 0.
+    Every row has the same slots; which of a row's slots are padding is the caller's `attention_mask`."""
+
+    def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None):
+        shape = (batch, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, S_max, Dh) per layer
+        # One buffer per layer, handed to the layer itself: the layer's code needs no layer index, and a compiled step
+        # gets separate inputs rather than views into one shared tensor.
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(n_layers)]
+                       for _ in range(config.n_layers)]
+        self.batch = batch
         self.max_len = max_len
-        self.seq_len = 0  # positions [0, seq_len) hold valid keys and values
+        self.seq_len = 0  # slots [0, seq_len) hold valid keys and values
 
     @property
     def element_size(self) -> int:
@@ -146,9 +187,9 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached position takes across all layers: 2 (K and V) * L * Hkv * Dh * element size."""
-        B, Hkv, _, Dh = self.layers[0].k.shape
-        return 2 * len(self.layers) * B * Hkv * Dh * self.element_size
+        """Bytes one cached position of one row takes across all layers: 2 (K and V) * L * Hkv * Dh * element size."""
+        _, Hkv, _, Dh = self.layers[0].k.shape
+        return 2 * len(self.layers) * Hkv * Dh * self.element_size
 
     @property
     def bytes_allocated(self) -> int:
@@ -159,34 +200,16 @@ class KVCache:
 # The decoder layer
 
 
-class Linear(nn.Linear):
-    """nn.Linear, plus one detail for the compiled decode step (Transformer.compile_decode).
-
-    Inductor hands a one-token input to the matrix product as a (1, K) view whose size-1 dimension has stride 0, and
-    the CPU matrix product copies such an input before it multiplies (91 copies per decode step here). Giving the
-    input its dense strides explicitly while compiling removes the copies: the compiled step got 6.5% faster
-    (benchmarks/RESULTS.md). Eager PyTorch does not take this branch."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and x.is_contiguous():
-            x = x.as_strided(x.shape, _dense_strides(x.shape))
-        return super().forward(x)
-
-
-def _dense_strides(shape) -> tuple:
-    """The strides of a contiguous tensor of this shape, size-1 dimensions included (row-major)."""
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
 class Tappable(nn.Module):
-    """A module with named observable points. `observer` is None unless a trace is being recorded."""
+    """A module with named observable points. `observer` is None unless `Transformer.observed` attached one."""
 
-    observer: Optional[Observer] = None
     layer: Optional[int] = None
+
+    def __init__(self):
+        super().__init__()
+        # an attribute of every instance, so that attaching and detaching changes its value only (a compiled step
+        # guards on it)
+        self.observer: Optional[Observer] = None
 
     def tap(self, name: str, x: torch.Tensor) -> None:
         if self.observer is not None:
@@ -199,12 +222,10 @@ class Attention(Tappable):
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
         # Wq, Wk, Wv as one matrix: one matmul instead of three. Rows [0, q_dim) are Wq, then Wk, then Wv.
-        self.wqkv = Linear(config.d_model, q_dim + 2 * kv_dim, bias=config.attn_bias)  # (H*Dh + 2*Hkv*Dh, D)
-        self.wo = Linear(q_dim, config.d_model, bias=False)  # (D, H*Dh)
-        # True: scores, mask, softmax and P.V spelled out (and observable); False: the fused SDPA kernel
-        self.eager = False
+        self.wqkv = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=config.attn_bias)  # (H*Dh + 2*Hkv*Dh, D)
+        self.wo = nn.Linear(q_dim, config.d_model, bias=False)  # (D, H*Dh)
 
-    def forward(self, x, cos, sin, cache: Optional[LayerKV], start: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: Optional[LayerKV], start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         # s6.1 project: Q = X Wq, K = X Wk, V = X Wv
@@ -220,16 +241,16 @@ class Attention(Tappable):
         q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
         self.tap("q_rope", q)
         self.tap("k_rope", k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, Dh)
-        # s6.8 write this call's keys and values into the cache; attend over everything cached so far
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, Dh), (B, Hkv, T, Dh) twice
+        # s6.8 write this call's keys and values into the cache; attend over every filled slot
         if cache is not None:
             k, v = cache.update(start, k, v)  # (B, Hkv, S, Dh)
             if self.observer is not None:
-                self.tap("kv_write", torch.arange(start, start + T))  # the positions written
-        if self.eager:
-            y = self._attention_eager(q, k, v, start)
+                self.tap("kv_write", torch.arange(start, start + T))  # the slots written
+        if self.observer is not None:
+            y = self._attention_spelled_out(q, k, v, mask)
         else:
-            y = self._attention_sdpa(q, k, v, start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=True)
         y = y.transpose(1, 2)  # (B, T, H, Dh)
         self.tap("attn_out", y)
         # s6.6 concatenate heads and project back to D
@@ -237,37 +258,20 @@ class Attention(Tappable):
         self.tap("o_proj", out)
         return out
 
-    def _attention_eager(self, q, k, v, start):
-        """softmax(Q K^T / sqrt(Dh) + causal mask) V, step by step (s6.4, s6.5)."""
+    def _attention_spelled_out(self, q, k, v, mask):
+        """softmax(Q K^T / sqrt(Dh) + mask) V, step by step (s6.4, s6.5): the path an observed layer takes."""
         B, H, T, Dh = q.shape
         Hkv, S = k.size(1), k.size(2)
-        group = H // Hkv  # GQA: query heads [g*group, (g+1)*group) all read KV head g
-        if self.observer is not None:  # the repeated keys exist only to be looked at; the math below groups instead
-            # what repeat_interleave(group) would make, as a broadcast view of the cache: recorded as (B, S, H, Dh)
-            self.tap("k_repeated", k.transpose(1, 2)[:, :, :, None].expand(B, S, Hkv, group, Dh))
-        qg = q.reshape(B, Hkv, group * T, Dh)  # (B, Hkv, group*T, Dh): a KV head's query rows side by side
-        scores = (qg @ k.transpose(-2, -1)).view(B, H, T, S) / math.sqrt(Dh)  # (B, H, T, S)
-        # causal mask: the query at position start+i may see keys at positions <= start+i
-        if T > 1:
-            q_pos = torch.arange(start, start + T, device=q.device)[:, None]
-            k_pos = torch.arange(S, device=q.device)[None, :]
-            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))  # (B, H, T, S)
+        k_groups = expand_kv(k, H // Hkv)  # (B, Hkv, G, S, Dh): GQA, query head h reads KV head h // G
+        self.tap("k_repeated", k_groups)  # recorded as the (H, S, Dh) it lays out, without a copy
+        k, v = k_groups.reshape(B, H, S, Dh), expand_kv(v, H // Hkv).reshape(B, H, S, Dh)  # (B, H, S, Dh) each
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # (B, H, T, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))  # (B, H, T, S): -inf where a key is not attended
         self.tap("scores", scores)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, T, S), each row sums to 1
         self.tap("probs", probs)
-        y = probs.view(B, Hkv, group * T, S) @ v  # (B, Hkv, group*T, Dh)
-        return y.view(B, H, T, Dh)
-
-    def _attention_sdpa(self, q, k, v, start):
-        """The same computation in one fused kernel."""
-        T, S = q.size(2), k.size(2)
-        if T == 1:  # one new token sees every cached position: no mask needed
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        if start == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        q_pos = torch.arange(start, start + T, device=q.device)[:, None]
-        mask = torch.arange(S, device=q.device)[None, :] <= q_pos  # (T, S), True where attention is allowed
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return probs @ v  # (B, H, T, Dh)
 
 
 class FeedForward(Tappable):
@@ -276,8 +280,8 @@ class FeedForward(Tappable):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.ffn_dim = config.ffn_dim
-        self.w_gate_up = Linear(config.d_model, 2 * config.ffn_dim, bias=False)  # (2F, D): W_gate rows, then W_up
-        self.w_down = Linear(config.ffn_dim, config.d_model, bias=False)  # (D, F)
+        self.w_gate_up = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)  # (2F, D): W_gate rows, then W_up
+        self.w_down = nn.Linear(config.ffn_dim, config.d_model, bias=False)  # (D, F)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)  # (B, T, F) each
@@ -302,10 +306,10 @@ class Block(Tappable):
         self.ffn = FeedForward(config)
         self.attn.layer = self.ffn.layer = layer
 
-    def forward(self, x, cos, sin, cache, start) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, start, mask) -> torch.Tensor:
         h = self.attn_norm(x)  # (B, T, D)
         self.tap("attn_norm", h)
-        x = x + self.attn(h, cos, sin, cache, start)  # s6.6 residual 1
+        x = x + self.attn(h, cos, sin, cache, start, mask)  # s6.6 residual 1
         self.tap("resid_mid", x)
         h = self.ffn_norm(x)
         self.tap("ffn_norm", h)
@@ -325,62 +329,41 @@ class Transformer(Tappable):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # (V, D)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_eps)
-        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)  # (V, D)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)  # (V, D)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.cache: Optional[KVCache] = None
-        self._rope_len = 0
-        self._compiled_step = None  # see compile_decode
-        self._guards_passed = False
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (Dh/2,) RoPE's theta_i
 
-    # -- set-up ------------------------------------------------------------------------------------------------
-
-    def setup_cache(self, max_len: int) -> KVCache:
-        """Allocate a KV cache for `max_len` positions (prompt + new tokens)."""
-        c = self.config
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """An empty KV cache for `batch` rows of up to `max_len` slots (prompt + new tokens), in the model's dtype."""
         p = self.embed.weight
-        self.cache = KVCache(c.n_layers, c.n_kv_heads, max_len, c.head_dim, p.dtype, p.device)
-        self._ensure_rope(max_len)
-        return self.cache
-
-    def _ensure_rope(self, n_pos: int) -> None:
-        if n_pos > self._rope_len:
-            # the table grows in powers of two from 4,096 positions, so its size (which a compiled step is specialised
-            # on) is the same for every run of ordinary length; each row depends only on its own position
-            n_pos = max(4096, 1 << (n_pos - 1).bit_length())
-            cos, sin = rope_table(self.config, n_pos, self.embed.weight.device)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (n_pos, Dh)
-            self.register_buffer("rope_sin", sin, persistent=False)
-            self._rope_len = n_pos
-
-    def observe(self, observer: Optional[Observer]) -> None:
-        """Attach (or, with None, detach) an observer to every observable point."""
-        if observer is self.observer:
-            return  # already attached, or already detached: the generation loop asks once per step
-        for m in self.modules():
-            if isinstance(m, Tappable):
-                m.observer = observer
+        return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=p.device)
 
     # -- forward -----------------------------------------------------------------------------------------------
 
-    def forward(self, idx: torch.Tensor, start: int = 0, last_only: bool = False) -> torch.Tensor:
-        """idx (B, T) token ids at positions [start, start+T) -> logits (B, T, V), or (B, V) with last_only.
+    def forward(self, idx: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0, *,
+                input_pos: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                last_only: bool = False) -> torch.Tensor:
+        """idx (B, T) token ids for cache slots [start, start+T) -> logits (B, T, V), or (B, V) with last_only.
 
-        With a cache set up (setup_cache), keys and values are written to it and earlier positions are read from it;
-        without one, this is a plain full-sequence forward from position 0.
+        With a cache, keys and values are written to it and earlier slots are read from it; without one, this is a
+        plain full-sequence pass (start 0). input_pos (B, T): each token's position, start + [0, T) by default.
+        attention_mask (B, S): False at pad slots, None when no row is padded.
         """
         B, T = idx.shape
-        if self.cache is None and start != 0:
-            raise ValueError("start > 0 needs a KV cache (call setup_cache first)")
-        self._ensure_rope(start + T)
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # (T, Dh)
+        if cache is None and start != 0:
+            raise ValueError("start > 0 needs a KV cache holding slots [0, start)")
+        if input_pos is None:
+            input_pos = torch.arange(start, start + T, device=idx.device)  # (T,): the same positions in every row
+        cos, sin = rope_angles(self.inv_freq, input_pos)  # (T, Dh) or (B, T, Dh), s5: RoPE's angles
+        mask = allowed_keys(T, start, attention_mask, idx.device)  # (B or 1, 1, T, S) or None
         x = self.embed(idx)  # s4: (B, T, D)
         self.tap("embed", x)
-        caches = self.cache.layers if self.cache is not None else [None] * len(self.layers)
-        for block, cache in zip(self.layers, caches):  # s6: the layer loop
-            x = block(x, cos, sin, cache, start)
-        if self.cache is not None:
-            self.cache.seq_len = start + T
+        caches = cache.layers if cache is not None else [None] * len(self.layers)
+        for block, layer_cache in zip(self.layers, caches):  # s6: the layer loop
+            x = block(x, cos, sin, layer_cache, start, mask)
+        if cache is not None:
+            cache.seq_len = start + T
         x = self.norm(x)  # s8: (B, T, D)
         self.tap("final_norm", x)
         if last_only:
@@ -390,60 +373,28 @@ class Transformer(Tappable):
         self.tap("logits", logits)
         return logits
 
-    # -- the compiled decode step ---------------------------------------------------------------------------------
+    # -- observation -------------------------------------------------------------------------------------------
 
-    def compile_decode(self) -> None:
-        """Compile the one-token decode step with torch.compile (TorchDynamo captures, Inductor fuses).
-
-        forward() stays as written: what gets compiled is that same code, captured whole (all layers, `fullgraph`) and
-        fused into a few kernels per layer, which removes most of eager PyTorch's per-op overhead (benchmarks/
-        RESULTS.md). It agrees with eager to float rounding, not bit for bit. `step` uses it only for one-token passes
-        that nothing observes; the prefill and every observed pass run eagerly, taps and all.
-        """
-        # On CPU, Inductor's C++ wrapper calls the kernels without a Python line per kernel (measured ~4% faster)
-        options = {"cpp_wrapper": True} if self.embed.weight.device.type == "cpu" else {}
-        # Python floats here are constants of the model (eps, scales); treated as dynamic inputs, one of them made
-        # TorchDynamo start over halfway, which doubled the compile time
-        torch._dynamo.config.specialize_float = True
-        self._compiled_step = torch.compile(self.forward, dynamic=True, fullgraph=True, options=options)
-        self._guards_passed = False
-
-    def uncompile(self) -> None:
-        self._compiled_step = None
-
-    def step(self, idx: torch.Tensor, start: int, *, next_of_same_run: bool = False) -> torch.Tensor:
-        """One generation pass over idx (B, T) at positions [start, start+T): logits (B, V) of the last position.
-
-        Runs the compiled decode step (compile_decode) when there is one, the pass is one token, and nothing observes
-        it. `next_of_same_run`: the caller vouches that this pass follows the previous one in the same generation
-        (same cache, position one further, only the token differs). If that previous pass was compiled too, TorchDynamo's
-        guard check (its assumptions about every input, re-checked on each call: ~1 ms a step here) is not repeated."""
-        if self._compiled_step is None or idx.size(1) != 1 or self.observer is not None:
-            self._guards_passed = False
-            return self(idx, start=start, last_only=True)
-        if next_of_same_run and self._guards_passed:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self._compiled_step(idx, start, last_only=True)
-        logits = self._compiled_step(idx, start, last_only=True)
-        self._guards_passed = True
-        return logits
-
-    def hidden_states(self, idx: torch.Tensor) -> list[torch.Tensor]:
-        """The residual stream before layer 0 and after every layer (L+1 tensors of (B, T, D)), no cache."""
-        captured: list[torch.Tensor] = []
-
-        def grab(layer, name, x):
-            if name == "embed" or name == "resid_post":
-                captured.append(x)
-
-        saved_cache, self.cache = self.cache, None
-        self.observe(grab)
+    @contextlib.contextmanager
+    def observed(self, observer: Observer, layers: Optional[Iterable[int]] = None,
+                 attention: Optional[Iterable[int]] = None):
+        """Report the model-level points and the points of `layers` (None: every layer) to `observer` within the
+        block; on exit the model is as before. `attention` (None: the same layers) names the layers whose attention
+        sub-layer is observed too: those spell attention out, so that their k_repeated, scores and probs exist. Every
+        other layer keeps the fused kernel; a layer observed without its attention reports its norms, residual stream
+        and feed-forward points."""
+        layers = range(self.config.n_layers) if layers is None else list(layers)
+        attention = layers if attention is None else attention
+        modules = [self] + [m for i in layers for m in (self.layers[i], self.layers[i].ffn)]
+        modules += [self.layers[i].attn for i in attention]
+        saved = [m.observer for m in modules]
+        for m in modules:
+            m.observer = observer
         try:
-            self.forward(idx)
+            yield self
         finally:
-            self.observe(None)
-            self.cache = saved_cache
-        return captured
+            for m, before in zip(modules, saved):
+                m.observer = before
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -164,7 +164,9 @@ class Placement:
             sd[name] = t
         if index:
             save_offload_index(index, str(folder))
-        model = build_model(config, sd, self.main_device, dtype)
+        model = build_model(config, sd, None, dtype)  # None: every tensor stays where it was read to (meta: on disk)
+        for name, buf in list(model.named_buffers(recurse=False)):  # the model's own (RoPE), on the main device
+            setattr(model, name, buf.to(self.main_device))
         import logging
 
         logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)  # its note that offloaded weights are meta

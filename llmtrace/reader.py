@@ -110,6 +110,9 @@ def _checked(ev: Any, where: str) -> dict:
         raise LlmtraceError(f"{where}: {_kind(ev)}, not an event (a JSON object with \"event\")")
     if "event" not in ev:
         raise LlmtraceError(f"{where}: an object without \"event\"; not an llmtrace event")
+    if ev["event"] == "run" and isinstance(ev.get("schema"), str) and ev["schema"] != SCHEMA_ID:
+        # a newer (or older) contract: say so, rather than name the first field this version misses
+        raise LlmtraceError(f"{where}: a trace of schema {ev['schema']!r}; this llmtrace reads {SCHEMA_ID}")
     problem = _event_check()(ev)
     if problem is not None:
         path, what = problem

@@ -573,6 +573,18 @@ class TerminalRenderer:
                                     f"{_token_name(ev, after)}", style="red"))
         self._step_rows += 1
 
+    def _on_prediction(self, ev: dict) -> None:
+        """A prefill-only run (-n 0): the next-token candidates, no token taken."""
+        self._last_kv = ev.get("kv_cache")
+        self._flush_tensors()  # the prefill's recorded points, if any
+        self._title(f"s7–s9 prefill only (-n 0): what the model would predict at position {ev['position']}")
+        t = Table(box=None, padding=(0, 1), header_style="bold")
+        for col, just in (("#", "right"), ("id", "right"), ("token", "left"), ("logit", "right"), ("prob", "right")):
+            t.add_column(col, justify=just)
+        for rank, c in enumerate(ev.get("topk") or [], 1):
+            t.add_row(str(rank), str(c["id"]), Text(visible(c["text"])), fmt_num(c["logit"]), f"{c['prob']:.4f}")
+        self.console.print(t)
+
     # -- the end ---------------------------------------------------------------------------------------------------
 
     def _on_summary(self, ev: dict) -> None:

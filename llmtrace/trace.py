@@ -1,9 +1,9 @@
 """Recording a trace: the events of one run, as plain dicts following the schema `llmtrace.trace/1`.
 
 `Recorder` is both observers at once:
-- the model's observer (`model.observe(recorder)`), called at each named point of the forward pass; it keeps the shape,
-  dtype and summary statistics of the points it was asked for. Statistics stay on the device until the pass ends and
-  then cross to the host in one transfer;
+- the model's observer (`with model.observed(recorder, ...)`, opened by the generation loop), called at each named
+  point of the forward pass; it keeps the shape, dtype and summary statistics of the points it was asked for.
+  Statistics stay on the device until the pass ends and then cross to the host in one transfer;
 - the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
 
 Events go to sinks (the JSONL stream and JSON document of `sinks.py`, the terminal renderer). Renderers never see the
@@ -24,7 +24,6 @@ from llmtrace import __version__
 from llmtrace.errors import UsageError
 
 from llmtrace.events import (
-    ATTENTION_INTERNALS,
     LAYER_LEVEL_POINTS,
     LAYER_POINTS,
     LEVELS,
@@ -181,8 +180,13 @@ class TensorEvent(dict):
     line: Optional[str] = None  # (a class default: a Python __init__ would cost more than the dict itself)
 
 
+# The points the attention sub-layer reports (Attention's taps): observing any of them observes that sub-layer.
+ATTENTION_POINTS = ("q", "k", "v", "q_rope", "k_rope", "kv_write", "k_repeated", "scores", "probs", "attn_out", "o_proj")
+
+
 class Recorder:
-    """Records one generation run as events and passes each event to the sinks as it happens."""
+    """Records one generation run as events and passes each event to the sinks as it happens. A pure observer: the
+    generation loop opens the observation scope it asks for (`observation`) and hands it every fact it reports."""
 
     def __init__(self, options: TraceOptions, sinks: list[Callable[[dict], None]], run_info: Optional[dict] = None):
         self.options = options
@@ -201,6 +205,7 @@ class Recorder:
         self._stat_order: list[int] = []  # the stat index of each row of those blocks
         self._n_stats = 0
         self._shape_table: Optional[list[dict]] = None
+        self._config = None  # the model's config, from on_start
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -228,17 +233,15 @@ class Recorder:
         return False
 
     def _dumped(self, layer: Optional[int], name: str) -> bool:
-        for d in self.options.dump:
-            if d == name:
-                return True
-            if "." in d:
-                lay, _, nm = d.partition(".")
-                if nm == name and layer is not None and lay.lstrip("-").isdigit():
-                    n_layers = self.run_info.get("n_layers", 0)
-                    li = int(lay) + n_layers if int(lay) < 0 else int(lay)
-                    if li == layer:
-                        return True
-        return False
+        return any(d == name or (layer is not None and self._dump_target(d) == (layer, name)) for d in self.options.dump)
+
+    def _dump_target(self, dump: str) -> Optional[tuple[int, str]]:
+        """(layer, point) of a --dump entry that names a layer ("3.probs", "-1.q"), else None."""
+        lay, dot, name = dump.partition(".")
+        if not dot or not lay.lstrip("-").isdigit():
+            return None
+        n_layers = self.run_info.get("n_layers", 0)
+        return (int(lay) + n_layers if int(lay) < 0 else int(lay)), name
 
     # -- the model's observer ------------------------------------------------------------------------------------
 
@@ -322,17 +325,44 @@ class Recorder:
 
     # -- the generation loop's observer ------------------------------------------------------------------------
 
+    def observation(self, phase: str) -> Optional[dict]:
+        """Which passes and layers the generation loop should let this recorder observe (`Transformer.observed`'s
+        keyword arguments), or None. The prefill is observed for its shape table (model-level points and layer 0);
+        decode passes only at --trace layers/full or with --dump."""
+        o = self.options
+        every = o.level in ("layers", "full")
+        if o.level == "none" or (phase == "decode" and not every and not o.dump):
+            return None
+        if every:
+            layers = None if o.layers is None else set(o.layers)
+        else:  # steps: layer detail only in the prefill, and only where --layers asked for it
+            layers = set(o.layers or ()) if phase == "prefill" else set()
+        if phase == "prefill" and layers is not None:
+            layers.add(0)  # the shape table's layer
+        dumped = self._dump_layers(o.dump)
+        layers = None if layers is None or dumped is None else sorted(layers | dumped)
+        if phase == "prefill" or o.level == "full":
+            return {"layers": layers}  # attention too: spelled out where observed
+        # decode at --trace layers/steps: the residual stream, and the attention of layers whose attention is dumped
+        attention = self._dump_layers([d for d in o.dump if d.split(".")[-1] in ATTENTION_POINTS])
+        return {"layers": layers, "attention": attention if attention is None else sorted(attention)}
+
+    def _dump_layers(self, dumps) -> Optional[set[int]]:
+        """The layers a list of --dump points names; None: every layer (a layer point named without a layer)."""
+        out = set()
+        for d in dumps:
+            target = self._dump_target(d)
+            if target is not None:
+                out.add(target[0])
+            elif d in LAYER_POINTS:
+                return None
+        return out
+
     def on_start(self, lm, prompt_ids: list[int], sampler) -> None:
-        c = lm.config
+        """The run's facts: read once, nothing kept but the config and the tokenizer (for token pieces)."""
+        c = self._config = lm.config
         self.run_info["n_layers"] = c.n_layers
-        self._lm = lm
         self._tok = lm.tokenizer
-        self._saved_eager = [b.attn.eager for b in lm.model.layers]
-        if self.options.level == "full" or any(d.split(".")[-1] in ATTENTION_INTERNALS for d in self.options.dump):
-            # scores and probs exist only on the eager attention path (the CPU default): take it where recorded
-            for i in range(c.n_layers) if self.options.layers is None else self.options.layers:
-                lm.model.layers[i].attn.eager = True
-        self._observe_every_pass = self.options.level in ("layers", "full") or bool(self.options.dump)
         self.emit({
             "event": "run",
             "schema": SCHEMA_ID,
@@ -362,12 +392,8 @@ class Recorder:
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
         self._n_tokens = n_tokens
-        if self.options.level == "none":
-            return
-        if step == 0:
+        if step == 0 and self.options.level != "none":
             self._shape_table = []
-        # the model is observed during the prefill (for the shape table) and on every pass only when asked
-        self._lm.model.observe(self if step == 0 or self._observe_every_pass else None)
 
     def after_forward(self, step: int) -> None:
         self._reduce_queue()
@@ -397,18 +423,25 @@ class Recorder:
         self._stat_order.clear()
         self._n_stats = 0
         if self._shape_table is not None:
-            c = self._lm.config
             self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
-                       "n_layers": c.n_layers, "points": [dict(r, seed_step=SEED_STEP.get(r["name"]))
-                                                          for r in self._shape_table]})
+                       "n_layers": self._config.n_layers, "points": [dict(r, seed_step=SEED_STEP.get(r["name"]))
+                                                                     for r in self._shape_table]})
             self._shape_table = None
 
+    def _topk(self, led) -> list[dict]:
+        tok = self._tok
+        return [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
+                for i, lg, p in led.topk[: self.options.topk]]
+
+    def _kv_event(self, kv) -> dict:
+        """The step event's kv_cache record, from the facts the generation loop handed over."""
+        c = self._config
+        mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * kv.element_size  # the same cache without GQA
+        return {"seq_len": kv.seq_len, "bytes_per_token": kv.bytes_per_token, "bytes_used": kv.seq_len * kv.bytes_per_token,
+                "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "mha_bytes_used": kv.seq_len * mha_bpt}
+
     def on_step(self, rec) -> None:
-        lm, tok = self._lm, self._tok
-        cache = lm.model.cache
-        c = lm.config
-        bpt = cache.bytes_per_token
-        mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * cache.element_size
+        tok = self._tok
         ev: dict[str, Any] = {
             "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
             "token": {"id": rec.token, "piece": tok.piece(rec.token), "text": tok.decode([rec.token]),
@@ -416,24 +449,21 @@ class Recorder:
         }
         led = rec.ledger
         if led is not None:
-            ev["topk"] = [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
-                          for i, lg, p in led.topk[: self.options.topk]]
+            ev["topk"] = self._topk(led)
             ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob), "top": s.top}
                              for s in led.stages]
             ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
                          "greedy": led.greedy}
-        ev["kv_cache"] = {
-            "seq_len": rec.kv_seq_len, "bytes_per_token": bpt, "bytes_used": rec.kv_seq_len * bpt,
-            "bytes_allocated": cache.bytes_allocated, "capacity": cache.max_len,
-            "mha_bytes_used": rec.kv_seq_len * mha_bpt,
-        }
+        ev["kv_cache"] = self._kv_event(rec.kv)
         ev["ms"] = round(rec.ms, 3)
         self.emit(ev)
 
+    def on_prediction(self, ledger, position: int, kv) -> None:
+        """A prefill-only run (-n 0): what the model would predict at `position`; no token was taken."""
+        self.emit({"event": "prediction", "step": 0, "phase": "prefill", "position": position,
+                   "topk": self._topk(ledger), "kv_cache": self._kv_event(kv)})
+
     def on_end(self, result) -> None:
-        self._lm.model.observe(None)
-        for block, eager in zip(self._lm.model.layers, self._saved_eager):
-            block.attn.eager = eager
         self.emit(summary_event(result))
 
 

@@ -43,12 +43,17 @@ def test_logits_match_transformers(case):
     spec, hf, lm = case
     idx = token_ids(T, seed=spec.seed)
     ref = hf(idx).logits  # (1, T, V)
-    ours = lm.model(idx)
+    with lm.model.observed(lambda layer, name, x: None):  # attention spelled out, in transformers' eager order
+        ours = lm.model(idx)
     assert ours.shape == (1, T, spec.vocab_size)
     assert ref.std() > 0.5  # the random weights give logits far from zero, so a match means something
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    # the fused kernel (unobserved layers) sums in another order: float32 rounding, grown through these large weights
+    # to a few 1e-5, so it is held to the project's bound
+    fused = lm.model(idx)
+    torch.testing.assert_close(fused, ref, atol=1e-4, rtol=0)
     # the last-position shortcut used by generation is the same row
-    torch.testing.assert_close(lm.model(idx, last_only=True), ref[:, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(lm.model(idx, last_only=True), fused[:, -1], atol=1e-5, rtol=0)
 
 
 @torch.no_grad()
@@ -56,7 +61,10 @@ def test_hidden_states_match_transformers(case):
     spec, hf, lm = case
     idx = token_ids(T, seed=spec.seed + 10)
     ref = hf(idx, output_hidden_states=True).hidden_states  # L+1; transformers' last one is after the final norm
-    ours = lm.model.hidden_states(idx)
+    ours = []  # the residual stream before layer 0 and after every layer: L+1 tensors of (1, T, D)
+    grab = lambda layer, name, x: ours.append(x) if name in ("embed", "resid_post") else None  # noqa: E731
+    with lm.model.observed(grab, attention=[]):
+        lm.model(idx)
     assert len(ours) == len(ref) == spec.n_layers + 1
     # The residual stream grows to |x| ~ 25, where one float32 ulp is 2e-6: allow a few ulps of summation order.
     for layer, (a, b) in enumerate(zip(ours[:-1], ref[:-1])):

@@ -32,12 +32,8 @@ def chat_ids(lm) -> list[int]:
 
 @torch.no_grad()
 def forward_no_cache(model, ids, last_only=False):
-    """A plain forward from position 0; the cache a previous generate() left on the shared model is kept aside."""
-    saved, model.cache = model.cache, None
-    try:
-        return model(torch.tensor([ids]), last_only=last_only)
-    finally:
-        model.cache = saved
+    """A plain forward from position 0, no cache."""
+    return model(torch.tensor([ids]), last_only=last_only)
 
 
 @torch.no_grad()

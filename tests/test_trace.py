@@ -69,7 +69,7 @@ def test_shapes_equal_the_model_dimensions(smollm):
         s = T + ev["step"]  # keys cached after this pass
         expected = {
             "embed": [t, D], "attn_norm": [t, D], "q": [t, H, Dh], "k": [t, Hkv, Dh], "v": [t, Hkv, Dh],
-            "q_rope": [t, H, Dh], "k_rope": [t, Hkv, Dh], "kv_write": [t], "k_repeated": [s, H, Dh],
+            "q_rope": [t, H, Dh], "k_rope": [t, Hkv, Dh], "kv_write": [t], "k_repeated": [H, s, Dh],
             "scores": [H, t, s], "probs": [H, t, s], "attn_out": [t, H, Dh], "o_proj": [t, D], "resid_mid": [t, D],
             "ffn_norm": [t, D], "gate": [t, F], "up": [t, F], "act": [t, F], "down": [t, D], "resid_post": [t, D],
             "final_norm": [t, D], "last": [D], "logits": [V],
@@ -88,7 +88,6 @@ def test_stats_are_the_tensors_statistics(smollm):
     events, _ = traced_run(smollm, "layers", layers=[0], n=1)
     ev = next(e for e in events if e["event"] == "tensor" and e["name"] == "logits" and e["step"] == 0)
     ids = torch.tensor([smollm.tokenizer.encode(PROMPT)])
-    smollm.model.cache = None
     with torch.inference_mode():
         logits = smollm.model(ids)[0, -1].double()
     assert_stats_of(ev["stats"], logits, rel=1e-5, abs_mean=1e-5)
@@ -127,7 +126,6 @@ def test_sampled_output_is_reproducible_and_ledger_matches_direct_computation(sm
     first = next(e for e in events_a if e["event"] == "step")
     # direct computation of step 0: softmax of the raw logits, then temperature, top-k and top-p by hand
     ids = torch.tensor([smollm.tokenizer.encode(PROMPT)])
-    smollm.model.cache = None
     with torch.inference_mode():
         logits = smollm.model(ids)[0, -1].double()
     probs = torch.softmax(logits, -1)
@@ -202,18 +200,20 @@ def test_ban_removes_a_word_with_and_without_its_leading_space(smollm):
     assert step["topk"][0]["id"] == plain.tokens[0]  # the raw distribution still ranks it first: the ban is a stage
 
 
-def test_repeated_keys_are_recorded_as_repeat_interleave_without_copying(smollm):
-    """k_repeated is tapped as a broadcast view of the cache; its recorded shape, values and statistics are those of
-    the materialised repeat_interleave of the cached keys."""
+def test_repeated_keys_are_the_keys_attention_used(smollm):
+    """k_repeated is what the spelled-out attention multiplies with: the keys written by this pass and the ones cached
+    before it (k_rope of every earlier pass), each KV head repeated for its G query heads, as repeat_kv lays them out."""
     c = smollm.config
     group = c.n_heads // c.n_kv_heads
-    events, _ = traced_run(smollm, "full", layers=[2], n=2, dump=("2.k_repeated",))
+    events, _ = traced_run(smollm, "full", layers=[2], n=2, dump=("2.k_repeated", "2.k_rope"))
     ev = next(e for e in events if e["event"] == "tensor" and e["name"] == "k_repeated" and e["step"] == 1)
     S = len(smollm.tokenizer.encode(PROMPT)) + 1
-    assert ev["shape"] == [S, c.n_heads, c.head_dim]
-    values = torch.tensor(ev["values"], dtype=torch.float64)  # (S, H, Dh)
-    cached = smollm.model.cache.layers[2].k[0, :, :S].double()  # (Hkv, S, Dh), as left by the run
-    assert torch.equal(values, cached.repeat_interleave(group, dim=0).transpose(0, 1))
+    assert ev["shape"] == [c.n_heads, S, c.head_dim]
+    values = torch.tensor(ev["values"], dtype=torch.float64)  # (H, S, Dh)
+    k_rope = [torch.tensor(e["values"], dtype=torch.float64) for e in events  # (t, Hkv, Dh) per pass
+              if e["event"] == "tensor" and e["name"] == "k_rope"]
+    keys = torch.cat(k_rope).transpose(0, 1)  # (Hkv, S, Dh)
+    assert torch.equal(values, keys.repeat_interleave(group, dim=0))
     assert_stats_of(ev["stats"], values, rel=1e-6, abs_mean=1e-9)
 
 
@@ -272,3 +272,30 @@ def test_statistics_rounded_on_the_device_equal_rounding_each_value():
     for row, out in zip(rows.tolist(), got):
         assert out[:5] == [_round(v) for v in row[:5]]
         assert out[5] == row[5]  # the count is not rounded
+
+
+def test_prefill_only_run_reports_shapes_prediction_and_summary(smollm):
+    """-n 0: the prompt, the prefill's shape table, what the model would predict next (top-k of the real logits), and
+    a summary with no token taken."""
+    events, result = traced_run(smollm, "steps", n=0)
+    kinds = [e["event"] for e in events]
+    assert kinds[:3] == ["run", "tokens", "shapes"] and kinds[-2:] == ["prediction", "summary"]
+    assert "step" not in kinds and result.tokens == []
+    ids = smollm.tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        logits = smollm.model(torch.tensor([ids]))[0, -1]
+    pred = events[-2]
+    assert pred["position"] == len(ids)
+    assert [c["id"] for c in pred["topk"][:5]] == logits.topk(5).indices.tolist()
+    assert pred["kv_cache"]["seq_len"] == len(ids)
+    assert events[-1]["generated_tokens"] == 0 and events[-1]["prompt_tokens"] == len(ids)
+
+
+def test_the_recorder_keeps_no_model_and_leaves_nothing_attached(smollm):
+    """A pure observer: after a full trace no module of the recorder's state is the model (or any module), and no
+    point of the model still reports to it."""
+    rec = Recorder(TraceOptions(level="full", layers=[1]), [lambda ev: None], run_info={"prompt": PROMPT})
+    generate(smollm, smollm.tokenizer.encode(PROMPT), Sampler(SamplerConfig(temperature=0.0), smollm.config.vocab_size),
+             2, ignore_eos=True, observer=rec)
+    assert not any(isinstance(v, torch.nn.Module) for v in vars(rec).values())
+    assert all(getattr(m, "observer", None) is None for m in smollm.model.modules())

@@ -51,6 +51,7 @@ Examples:
   llmtrace generate "Once upon a time" --trace none -n 100
 
   llmtrace generate "The capital of France is" -n 16 --trace full --layers 0,-1 --html report.html
+  llmtrace generate "The capital of France is" -n 0        # prefill only: shapes and the predicted next tokens
 
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
 
@@ -67,7 +68,7 @@ def generate(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --file, or stdin).", show_default=False)] = None,
     model: ModelOpt = None,
     file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this UTF-8 file.")] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate. 0: prefill only (the prompt, the shape table and the top-k the model would predict next).")] = 32,
     temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")] = 0,
     top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).")] = 1.0,
@@ -216,8 +217,10 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     import torch
 
     run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}
+    compiled = None
     if compile_decode:
-        run_info["compiled"] = {"decode_step": True, "compile_s": round(compile_step(lm, len(ids), max_new_tokens), 3)}
+        compiled = compile_step(lm, len(ids), max_new_tokens)
+        run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3)}
     recorder = Recorder(options, sinks, run_info=run_info)
 
     on_text = None
@@ -227,7 +230,8 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             view_console.file.flush()
 
     result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
-                            observer=recorder, on_text=on_text)
+                            observer=recorder, on_text=on_text, compiled=compiled,
+                            on_prefill_progress=prefill_progress())
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:
@@ -238,7 +242,26 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         raise typer.Exit(130)
 
 
-def compile_step(lm, n_prompt: int, max_new_tokens: int) -> float:
+def prefill_progress(after_s: float = 2.0):
+    """A progress callback for a chunked prefill: on stderr once the prefill looks like taking more than `after_s`."""
+    import time
+
+    t0 = time.perf_counter()
+    shown = [False]
+
+    def show(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - t0
+        if not shown[0] and elapsed * total / done < after_s:
+            return
+        shown[0] = True
+        tty = sys.stderr.isatty()  # a terminal gets one line rewritten in place, a file one line per pass
+        print(f"{chr(13) if tty else ''}prefill: {done:,}/{total:,} prompt tokens ({100 * done // total}%), "
+              f"{elapsed:.1f} s", end="\n" if done == total or not tty else "", file=sys.stderr, flush=True)
+
+    return show
+
+
+def compile_step(lm, n_prompt: int, max_new_tokens: int):
     """torch.compile the decode step before the run starts, saying so on stderr (it can take minutes)."""
     import os
 
@@ -249,9 +272,9 @@ def compile_step(lm, n_prompt: int, max_new_tokens: int) -> float:
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     print(f"compiling the decode step with torch.compile (cache: {where}; minutes the first time on a small CPU)…",
           file=sys.stderr, flush=True)
-    seconds = compile_decode(lm, n_prompt, max_new_tokens)
-    print(f"compiled in {seconds:.1f} s", file=sys.stderr, flush=True)
-    return seconds
+    compiled = compile_decode(lm, n_prompt, max_new_tokens)
+    print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
+    return compiled
 
 
 def banned_sequences(tok, texts: list[str]) -> list[list[int]]:
