@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.events import LAYER_POINTS, SEED_STEP, parse_indices
 from llmtrace.model import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
+from llmtrace.quant import storage_table, weight_count
 from llmtrace.trace import tensor_stats
 
 RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
@@ -178,7 +179,7 @@ def model_info(lm) -> dict:
     return {"name": lm.name, "source": lm.source, "arch": c.arch, "n_layers": c.n_layers, "d_model": c.d_model,
             "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
             "vocab_size": c.vocab_size, "rope_theta": c.rope_theta, "rms_eps": _r(c.rms_eps),
-            "tie_embeddings": c.tie_embeddings, "n_params": lm.model.num_params(),
+            "tie_embeddings": c.tie_embeddings, "n_params": weight_count(lm.model), "storage": storage_table(lm.model),
             "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", "")}
 
 

@@ -101,6 +101,15 @@ def _shape(s) -> str:
     return "[" + ", ".join(str(d) for d in s) + "]"
 
 
+def storage_parts(rows: list[dict]) -> list[str]:
+    """The model's matrices grouped by storage: ['Q4_1 0.625 B/weight ×120', 'Q8_0 1.0625 B/weight ×1']."""
+    groups: dict[tuple, int] = {}
+    for r in rows:
+        key = (r["type"], r["bytes_per_weight"])
+        groups[key] = groups.get(key, 0) + 1
+    return [f"{t} {b:g} B/weight ×{n}" for (t, b), n in groups.items()]
+
+
 def print_parts(console: Console, parts: list[str], style: Optional[str] = None, sep: str = " · ") -> None:
     """Print `parts` joined by `sep`, breaking lines only between parts, so that '14.4 tok/s' is never split."""
     line = ""
@@ -384,6 +393,8 @@ class TerminalRenderer:
         n = ev.get("threads") if ev.get("device") == "cpu" else None
         print_parts(self.console, [f"run {ev.get('device', '?')}", *([plural(n, "thread")] if n else []), ev.get("dtype", "?"),
                                    *sampler_settings(ev.get("sampling", {})), f"trace {trace.get('level', '?')}"])
+        if m.get("storage"):
+            print_parts(self.console, ["weights", *storage_parts(m["storage"])])
 
     def _on_tokens(self, ev: dict) -> None:
         if not self.show_steps:

@@ -32,6 +32,7 @@ from llmtrace.events import (
     SEED_STEP,
     summary_event,
 )
+from llmtrace.quant import storage_table, weight_count
 from llmtrace.sinks import ENCODER as _ENCODER
 
 @dataclass
@@ -371,7 +372,7 @@ class Recorder:
                 "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
                 "vocab_size": c.vocab_size, "rope_theta": c.rope_theta, "rope_scaling": _jsonable(c.rope_scaling),
                 "rms_eps": c.rms_eps, "tie_embeddings": c.tie_embeddings, "max_seq_len": c.max_seq_len,
-                "n_params": lm.model.num_params(),
+                "n_params": weight_count(lm.model), "storage": storage_table(lm.model),
             },
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),

@@ -235,6 +235,7 @@ def write_gguf(
     tokenizer=None,
     rope_freqs: Optional[np.ndarray] = None,
     name: str = "tiny",
+    vocab_metadata: bool = False,
 ) -> dict[str, tuple[str, np.ndarray]]:
     """Write `hf_model` as a GGUF file the way llama.cpp's converter would. Returns {gguf name: (type, float32 values
     the file holds after dequantization, in the file's row order)}."""
@@ -248,6 +249,8 @@ def write_gguf(
     w = gguf.GGUFWriter(str(path), arch)
     w.add_string("general.name", name)
     w.add_uint32(f"{arch}.block_count", c.num_hidden_layers)
+    if vocab_metadata:  # a vocabulary larger than the tokenizer's list (benchmarks/scale.py)
+        w.add_uint32(f"{arch}.vocab_size", c.vocab_size)
     w.add_uint32(f"{arch}.context_length", c.max_position_embeddings)
     w.add_uint32(f"{arch}.embedding_length", c.hidden_size)
     w.add_uint32(f"{arch}.feed_forward_length", c.intermediate_size)

@@ -1,5 +1,6 @@
 """The typer application and the option aliases that several commands share."""
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -12,7 +13,9 @@ app = typer.Typer(
         "  llmtrace generate \"Quantum mechanics is\" -n 8\n\n"
         "  llmtrace tokenize \"Hello world\" --merges\n\n"
         "  llmtrace explain \"The capital of France is\" --layer 3\n\n"
-        "  llmtrace generate \"Hi\" --jsonl - | jq .event"
+        "  llmtrace generate \"Hi\" --jsonl - | jq .event\n\n"
+        "  llmtrace generate \"Hi\" -m model.Q4_K_M.gguf --keep-quantized\n\n"
+        "  llmtrace generate \"Hi\" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB"
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -45,3 +48,32 @@ ThreadsOpt = Annotated[
         show_default=False,
     ),
 ]
+KeepQuantizedOpt = Annotated[
+    bool,
+    typer.Option("--keep-quantized", help="GGUF only: keep the matrices in their quantized blocks (Q4_0 … Q8_0, "
+                 "K-quants) and dequantize each when used; memory stays near the file's size, steps are slower."),
+]
+DeviceMapOpt = Annotated[
+    Optional[str],
+    typer.Option("--device-map", metavar="auto", help="auto: accelerate spreads the layers over GPUs, CPU memory and disk "
+                 "(see --max-memory).", show_default=False),
+]
+MaxMemoryOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--max-memory", metavar="DEV=SIZE", help="DEVICE=SIZE a device may hold with --device-map, e.g. cuda:0=20GiB, "
+                 "cpu=32GiB (repeatable); what does not fit goes to disk.", show_default=False),
+]
+OffloadDirOpt = Annotated[
+    Optional[Path],
+    typer.Option("--offload-dir", metavar="DIR", help="Where --device-map writes layers that go to disk (default: the user cache; "
+                 "removed at exit).", show_default=False),
+]
+
+
+def load_options(model: Optional[str], keep_quantized: bool, device_map: Optional[str], max_memory: Optional[list[str]],
+                 offload_dir: Optional[Path]) -> dict:
+    """The scale options as load_model's keyword arguments, checked before the load (one-line errors)."""
+    from llmtrace.placement import parse_placement
+
+    key = Path(model).name if model else "default"
+    return {"keep_quantized": keep_quantized, "placement": parse_placement(device_map, max_memory, offload_dir, key)}

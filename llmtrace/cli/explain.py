@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, app
+from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
+                              ThreadsOpt, app, load_options)
 from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
 from llmtrace.render import fmt_bytes, fmt_num, make_console, print_fitted, visible
@@ -87,12 +88,16 @@ def explain(
     html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    keep_quantized: KeepQuantizedOpt = False,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadDirOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     from llmtrace.explain import explain_events
 
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
-    lm = _load(model, device, dtype, threads)
+    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
     _output(events, render_explain, jsonl, json_out, html, lm.tokenizer)
@@ -116,6 +121,10 @@ def lens(
     html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    keep_quantized: KeepQuantizedOpt = False,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadDirOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     from llmtrace.explain import check_prompt_ids, lens_events, parse_positions
@@ -124,7 +133,7 @@ def lens(
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
     if last < 1:
         raise UsageError("--last must be ≥ 1")
-    lm = _load(model, device, dtype, threads)
+    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     check_prompt_ids(ids, lm.config)
     rows = parse_layers(layers, lm.config.n_layers)
@@ -153,11 +162,11 @@ def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None) -
     return text
 
 
-def _load(model, device, dtype, threads):
+def _load(model, device, dtype, threads, scale: dict):
     from llmtrace.loader import load_model, set_threads
 
     set_threads(threads)
-    return load_model(model, device=device, dtype=dtype)
+    return load_model(model, device=device, dtype=dtype, **scale)
 
 
 def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None,
@@ -294,6 +303,10 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
                                 f" · {info['name']} · {info['arch']} · D={info['d_model']} · H={info['n_heads']} · "
                                 f"Hkv={info['n_kv_heads']} · Dh={info['head_dim']} · F={info['ffn_dim']} · "
                                 f"{info['device']} {info['dtype']}" + (" · chat template" if m.get("chat") else "")))
+    if info.get("storage"):
+        from llmtrace.render import print_parts, storage_parts
+
+        print_parts(console, ["weights", *storage_parts(info["storage"])])
     toks = tokens["tokens"]
     shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
     line = Text(f"{len(toks)} tokens: ", style="bold")

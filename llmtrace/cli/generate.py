@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import DeviceOpt, DtypeOpt, ModelOpt, ThreadsOpt, app
+from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
+                              ThreadsOpt, app, load_options)
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
 from llmtrace.cli.report import HtmlOpt
@@ -54,6 +55,10 @@ Examples:
 
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
 
+  llmtrace generate "Once upon a time" -m model.Q4_K_M.gguf --keep-quantized
+
+  llmtrace generate "Once upon a time" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB
+
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
 """
 
@@ -94,6 +99,10 @@ def generate(
     html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
+    keep_quantized: KeepQuantizedOpt = False,
+    device_map: DeviceMapOpt = None,
+    max_memory: MaxMemoryOpt = None,
+    offload_dir: OffloadDirOpt = None,
     threads: ThreadsOpt = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
@@ -137,6 +146,7 @@ def generate(
     from llmtrace.fsutil import sigint_deferred
     from llmtrace.sinks import JsonlSink
 
+    scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir)  # checked before the stream starts
     # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
     # (or a compile) still ends it with a summary.
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
@@ -146,7 +156,7 @@ def generate(
         pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
 
         set_threads(threads)
-        lm = load_model(model, device=device, dtype=dtype)
+        lm = load_model(model, device=device, dtype=dtype, **scale)
         run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
             ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl_sink=jsonl_sink,
             json_out=json_out, compile_decode=compile_, html=html)
