@@ -175,7 +175,7 @@ def test_explain_and_lens_views_keep_numbers_whole_at_80_columns(smollm, greedy_
         out = io.StringIO()
         render_view(events, make_console(file=out))
         assert cut_numbers(out.getvalue()) == []
-    # k_repeated has one shape in both commands: (T, H, Dh), the keys repeated for each query head
+    # k_repeated has one shape in both commands: (H, S, Dh), repeat_kv's keys, one copy per query head
     shape = next(e["shape"] for e in explained if e["event"] == "tensor" and e["name"] == "k_repeated")
     shapes = next(e for e in greedy_run if e["event"] == "shapes")["points"]
-    assert shape == next(p["shape"] for p in shapes if p["name"] == "k_repeated") == [len(ids), 9, 64]
+    assert shape == next(p["shape"] for p in shapes if p["name"] == "k_repeated") == [9, len(ids), 64]
