@@ -174,9 +174,10 @@ class KVCache:
     def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None):
         shape = (batch, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, S_max, Dh) per layer
         # One buffer per layer, handed to the layer itself: the layer's code needs no layer index, and a compiled step
-        # gets separate inputs rather than views into one shared tensor.
-        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       for _ in range(config.n_layers)]
+        # gets separate inputs rather than views into one shared tensor. `device` may name one device per layer.
+        devices = device if isinstance(device, (list, tuple)) else [device] * config.n_layers
+        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
+                       for d in devices]
         self.batch = batch
         self.max_len = max_len
         self.seq_len = 0  # slots [0, seq_len) hold valid keys and values
@@ -333,11 +334,13 @@ class Transformer(Tappable):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (Dh/2,) RoPE's theta_i
+        self.layer_devices: Optional[list[torch.device]] = None  # where each layer runs, when placed over several
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        """An empty KV cache for `batch` rows of up to `max_len` slots (prompt + new tokens), in the model's dtype."""
+        """An empty KV cache for `batch` rows of up to `max_len` slots (prompt + new tokens), in the model's dtype.
+        Each layer's keys and values sit where that layer runs."""
         p = self.embed.weight
-        return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=p.device)
+        return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=self.layer_devices or p.device)
 
     # -- forward -----------------------------------------------------------------------------------------------
 

@@ -170,6 +170,9 @@ class Placement:
         import logging
 
         logging.getLogger("accelerate.big_modeling").setLevel(logging.ERROR)  # its note that offloaded weights are meta
+        # each layer's KV cache sits where the layer runs (a layer on disk runs on the main device)
+        model.layer_devices = [self.main_device if _device_of(dmap, f"layers.{i}") == "disk"
+                               else _torch_device(_device_of(dmap, f"layers.{i}")) for i in range(config.n_layers)]
         return dispatch_model(model, device_map=dmap, main_device=main, offload_dir=str(folder) if index else None,
                               offload_index=index or None)
 

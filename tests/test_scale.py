@@ -181,6 +181,9 @@ def test_layers_offloaded_to_disk_give_the_same_logits(tiny_hf, tmp_path):
     assert where["embed"] == "cpu" and "disk" in where.values()
     assert any(f.suffix == ".dat" for f in placement.offload_dir.iterdir())  # accelerate wrote the layers there
     assert lm.model.layers[0].attn.wqkv.weight.device.type == "meta"  # not in memory between calls
+    # each layer's KV cache is made where the layer runs; a layer kept on disk runs on the main device
+    assert lm.model.layer_devices == [torch.device("cpu")] * lm.config.n_layers
+    assert [kv.k.device for kv in lm.model.new_cache(24).layers] == lm.model.layer_devices
     idx = token_ids(20, seed=8)
     assert torch.equal(lm.model(idx), ref.model(idx))
 
