@@ -408,6 +408,7 @@ def generate_batch(
     streams = [TextStream(tok) for _ in range(B)]
     histories = [list(p) for p in prompts]
     live = list(range(B))  # rows still generating
+    masked = not all(all(m) for m in layout.attention_mask)  # some row is padded
     try:
         if observer is not None:
             with sigint_deferred():
@@ -431,9 +432,10 @@ def generate_batch(
                                            on_prefill_progress)
                     if scopes["decode"] is not contextlib.nullcontext:
                         held.enter_context(scopes["decode"]())
-                else:
-                    logits = model(idx, cache, start, input_pos=input_pos, attention_mask=mask[:, : start + 1],
-                                   last_only=True)
+                else:  # no pad slot anywhere (rows of one length, none finished): no mask to apply
+                    padded = masked or len(live) < B
+                    logits = model(idx, cache, start, input_pos=input_pos,
+                                   attention_mask=mask[:, : start + 1] if padded else None, last_only=True)
                 logits = logits.float()  # (B, V)
                 if observer is not None:
                     observer.after_forward(step)

@@ -390,7 +390,7 @@ class Recorder:
             "chat": self.run_info.get("chat", False),
             "compiled": self.run_info.get("compiled", {"decode_step": False}),
             "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
-        } | ({"batch": self._rows, "prompts": self.run_info.get("prompts", []),
+        } | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
               "row_seeds": [s.seed for s in samplers]} if batch is not None else {}))
         for row, ids in enumerate(batch) if batch is not None else [(None, prompt_ids)]:
             tokens = []

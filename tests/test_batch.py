@@ -213,3 +213,26 @@ def test_padded_length_plus_n_beyond_context(capsys, smollm, monkeypatch):
     ctx = smollm.config.max_seq_len
     msg = one_error(capsys, "generate", "-p", "Hi", "-p", "The capital of France is", "-n", ctx, "--trace", "none")
     assert "padded to 5 tokens" in msg and "context window" in msg
+
+
+def test_rows_of_one_length_take_the_unmasked_path_and_still_match(smollm):
+    prompts = encode(smollm, ["The capital of France is", "The capital of Spain is"])
+    assert len(prompts[0]) == len(prompts[1])  # no pad slot: the batch runs without a mask
+    result = generate_batch(smollm, prompts, samplers(smollm, GREEDY, 2), 4)
+    for r, p in enumerate(prompts):
+        assert result.rows[r].tokens == generate(smollm, p, Sampler(GREEDY, smollm.config.vocab_size), 4).tokens
+
+
+def test_report_and_show_read_a_batch_trace(batch_run, tmp_path):
+    from llmtrace.reader import load_trace
+    from llmtrace.report.data import extract
+
+    _, result, events = batch_run
+    for row in (0, 2):
+        data = extract(events, row=row)
+        assert data["run"]["prompt"] == TEXTS[row]
+        assert f"shows row {row}" in data["run"]["command"]
+        assert [s["token"]["id"] for s in data["steps"]] == result.rows[row].tokens
+    f = tmp_path / "batch.jsonl"
+    f.write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert [e["event"] for e in load_trace(str(f))].count("step") == 3 * N_NEW
