@@ -596,7 +596,8 @@ class TerminalRenderer:
         """A prefill-only run (-n 0): the next-token candidates, no token taken."""
         self._last_kv = ev.get("kv_cache")
         self._flush_tensors()  # the prefill's recorded points, if any
-        self._title(f"s7–s9 prefill only (-n 0): what the model would predict at position {ev['position']}")
+        row = f"row {ev['row']} " if "row" in ev else ""
+        self._title(f"s7–s9 prefill only (-n 0): what the model would predict at {row}position {ev['position']}")
         t = Table(box=None, padding=(0, 1), header_style="bold")
         for col, just in (("#", "right"), ("id", "right"), ("token", "left"), ("logit", "right"), ("prob", "right")):
             t.add_column(col, justify=just)
