@@ -89,6 +89,8 @@ class GenerationObserver(Protocol):
     def on_prediction(self, ledger: Ledger, position: int, kv: KVFacts) -> None:
         """A prefill-only run (max_new_tokens 0): what the model would predict next, no token taken."""
     def on_end(self, result: GenerationResult) -> None: ...
+    # A batch (generate_batch) also calls on_start(..., batch=every row's prompt ids, samplers=every row's sampler),
+    # on_batch(BatchLayout) once before the first pass, on_step / on_prediction with row=r, and on_end(BatchResult).
 
 
 class TextStream:
