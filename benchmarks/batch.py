@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,4,8,16", help="batch sizes, comma-separated (at most 16)")
     ap.add_argument("-n", "--new-tokens", type=int, default=16, help="tokens generated per row")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads, pinned for every arm")
-    ap.add_argument("--repeat", type=int, default=1, help="runs of each arm; the fastest is kept")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds, each running both arms; the fastest of each is kept")
     args = ap.parse_args()
 
     import torch
