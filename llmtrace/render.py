@@ -416,10 +416,12 @@ class TerminalRenderer:
         source = "the tokenizer's pad token" if ev.get("pad_source") == "pad" else "EOS (the checkpoint has no pad token)"
         self._title(f"s3 batch: {B} rows left-padded to T={T} with id {ev['pad_id']}, {source}; pad slots (·) are "
                     f"masked, positions start at 0 at each row's first real token")
-        shown = list(range(T)) if T <= 16 else list(range(8)) + [None] + list(range(T - 7, T))
         for title, matrix in (("ids", ids), ("attention_mask", mask), ("position_ids", pos)):
             self.console.print(Text(f"{title} [{B}, {T}]", style="bold"))
             width = max(len(str(v)) for row in matrix for v in row) if T else 1
+            fit = max(4, (self.console.width - len(str(B)) - 10) // (width + 2))  # slots one console line holds
+            head = fit // 3
+            shown = list(range(T)) if T <= fit else list(range(head)) + [None] + list(range(T - (fit - head - 1), T))
             for r in range(B):
                 line = Text(f"  row {r:>{len(str(B - 1))}}  ")
                 for j in shown:

@@ -236,3 +236,25 @@ def test_report_and_show_read_a_batch_trace(batch_run, tmp_path):
     f = tmp_path / "batch.jsonl"
     f.write_text("".join(json.dumps(e) + "\n" for e in events))
     assert [e["event"] for e in load_trace(str(f))].count("step") == 3 * N_NEW
+
+
+def test_terminal_shows_s3_with_pads_marked_and_a_row_column(batch_run):
+    import io
+
+    from rich.console import Console
+
+    from llmtrace.render import render_events
+
+    prompts, _, events = batch_run
+    out = io.StringIO()
+    render_events(events, Console(file=out, width=200))  # wide enough for all 17 slots of 5-digit ids
+    text = out.getvalue()
+    T = max(len(p) for p in prompts)
+    lines = text.splitlines()
+    at = lines.index(next(x for x in lines if x.startswith(f"ids [3, {T}]")))
+    for r, p in enumerate(prompts):  # the ids matrix: one line per row, each pad slot marked with ·
+        assert lines[at + 1 + r].split()[:2] == ["row", str(r)]
+        assert lines[at + 1 + r].count("·") == T - len(p)
+    header = next(x for x in lines if x.lstrip().startswith("step") and "row" in x.split())
+    assert header.split()[:3] == ["step", "row", "pos"]
+    assert "batch of 3 rows" in text
