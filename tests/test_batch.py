@@ -258,3 +258,22 @@ def test_terminal_shows_s3_with_pads_marked_and_a_row_column(batch_run):
     header = next(x for x in lines if x.lstrip().startswith("step") and "row" in x.split())
     assert header.split()[:3] == ["step", "row", "pos"]
     assert "batch of 3 rows" in text
+
+
+def test_cli_batch_rows_use_seed_plus_row(capsys, smollm, monkeypatch, tmp_path):
+    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    common = ["-n", "3", "--temperature", "0.9", "--trace", "none"]
+
+    def run(*argv):
+        f = tmp_path / "t.jsonl"
+        code, _, err = cli(capsys, "generate", *argv, *common, "--jsonl", f)
+        assert code == 0, err
+        return [json.loads(line) for line in f.read_text().splitlines()]
+
+    batch = run("-p", "The capital of France is", "-p", "Once upon a time", "--seed", "5")
+    assert batch[0]["row_seeds"] == [5, 6] and batch[0]["batch"] == 2
+    alone = run("Once upon a time", "--seed", "6")
+    assert batch[-1]["rows"][1]["tokens"] == alone[-1]["tokens"]
+    one = run("-p", "Once upon a time", "--seed", "6")  # a single -p is the one-prompt run, row-free
+    assert one[-1]["tokens"] == alone[-1]["tokens"]
+    assert not any("row" in e or "rows" in e for e in one)
