@@ -165,10 +165,10 @@ def generate(
 
         set_threads(threads)
         lm = load_model(model, device=device, dtype=dtype)
-        batch_texts = texts if texts is not None and len(texts) > 1 else None
-        run(lm, batch_texts or text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
-            ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl_sink=jsonl_sink,
-            json_out=json_out, compile_decode=compile_, html=html)
+        batch = texts if texts is not None and len(texts) > 1 else None  # a single -p is a one-prompt run
+        run(lm, batch or text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system,
+            stop=tuple(stop or ()), ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [],
+            jsonl_sink=jsonl_sink, json_out=json_out, compile_decode=compile_, html=html)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -182,8 +182,8 @@ def generate(
 def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
         json_out, compile_decode=False, html=None) -> None:
     """Everything after the load: encode, generate with the chosen observers, write the outputs. `text` is one
-    prompt, or a list of several run as one batch. `jsonl_sink` (a
-    `sinks.JsonlSink` or None) is opened and closed by the caller."""
+    prompt, or a list of several run as one batch. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed
+    by the caller."""
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import make_console, terminal_renderer
     from llmtrace.sampler import Sampler, parse_logit_bias
