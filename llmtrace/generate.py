@@ -406,7 +406,7 @@ def generate_batch(
     cache = model.new_cache(S, batch=B)
     mask = torch.zeros((B, S), dtype=torch.bool, device=device)  # (B, S): True at the slots a row really fills
     mask[:, :T] = torch.tensor(layout.attention_mask, dtype=torch.bool, device=device)
-    next_pos = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)  # (B,) each row's next position
+    next_pos = [len(p) for p in prompts]  # each row's position of the token it takes next
     streams = [TextStream(tok) for _ in range(B)]
     histories = [list(p) for p in prompts]
     live = list(range(B))  # rows still generating
@@ -466,7 +466,7 @@ def generate_batch(
                     rows[r].tokens.append(token)
                     piece = "" if token in eos else streams[r].push(token)
                     if observer is not None:
-                        observer.on_step(StepRecord(step=step, phase=phase, position=int(next_pos[r]), token=token,
+                        observer.on_step(StepRecord(step=step, phase=phase, position=next_pos[r], token=token,
                                                     text=piece, ledger=ledger, kv=kv_facts(cache), ms=ms), row=r)
                     hit = _find_stop(streams[r].text, stop_texts)
                     if token in eos:
@@ -484,8 +484,8 @@ def generate_batch(
                     step_ids[r] = rows[r].tokens[-1]
                     mask[r, start] = True
                 idx = torch.tensor(step_ids, dtype=torch.long, device=device)[:, None]  # (B, 1)
-                input_pos = next_pos[:, None].clone()  # (B, 1)
-                next_pos += 1
+                input_pos = torch.tensor(next_pos, dtype=torch.long, device=device)[:, None]  # (B, 1)
+                next_pos = [n + 1 for n in next_pos]
                 step += 1
     except KeyboardInterrupt:
         result.interrupted = True
