@@ -277,3 +277,20 @@ def test_cli_batch_rows_use_seed_plus_row(capsys, smollm, monkeypatch, tmp_path)
     one = run("-p", "Once upon a time", "--seed", "6")  # a single -p is the one-prompt run, row-free
     assert one[-1]["tokens"] == alone[-1]["tokens"]
     assert not any("row" in e or "rows" in e for e in one)
+
+
+def test_lens_shows_each_rows_combined_causal_and_padding_mask(capsys, smollm, monkeypatch, tmp_path):
+    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    f = tmp_path / "lens.jsonl"
+    code, out, err = cli(capsys, "lens", "-p", "The capital of France is", "-p", "Hi", "--row", "1", "--last", "1",
+                         "--jsonl", f)
+    assert code == 0, err
+    events = [json.loads(line) for line in f.read_text().splitlines()]
+    batch = next(e for e in events if e["event"] == "batch")
+    assert batch["explained_row"] == 1
+    for r, pad in enumerate(batch["attention_mask"]):
+        T = len(pad)
+        want = [[int((j <= i and pad[j] == 1) or i == j) for j in range(T)] for i in range(T)]
+        assert batch["combined_mask"][r] == want
+    assert next(e for e in events if e["event"] == "tokens")["count"] == 1  # row 1 ("Hi") is the one taken apart
+    assert "row 1: 1 real token" in out and "░" in out
