@@ -639,3 +639,20 @@ def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[
                "positions": positions, "layers": layers if layers is not None else list(range(lm.config.n_layers))},
               tokens_event(lm.tokenizer, ids)]
     return events + lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)
+
+
+def batch_event(tok, prompts: list[list[int]], row: int) -> dict:
+    """s3 for explain and lens given several prompts: the padded batch (generate.pad_batch) and, for every row, the
+    combined causal and padding mask the model applies to it, (T, T) with 1 where query i may attend key j (the
+    model's own `allowed_keys`). `row` is the row the other events explain: its prompt alone, which is what the
+    padded row computes at its real positions."""
+    from llmtrace.generate import pad_batch
+    from llmtrace.model import allowed_keys
+
+    layout = pad_batch(prompts, tok)
+    T = len(layout.ids[0])
+    padding = torch.tensor(layout.attention_mask, dtype=torch.bool)  # (B, T)
+    combined = allowed_keys(T, 0, padding, None)[:, 0]  # (B, T, T)
+    return {"event": "batch", "rows": len(prompts), "ids": layout.ids, "attention_mask": layout.attention_mask,
+            "position_ids": layout.position_ids, "pad_id": layout.pad_id, "pad_source": layout.pad_source,
+            "pad_piece": tok.piece(layout.pad_id), "combined_mask": combined.int().tolist(), "explained_row": row}

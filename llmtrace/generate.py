@@ -89,6 +89,8 @@ class GenerationObserver(Protocol):
     def on_prediction(self, ledger: Ledger, position: int, kv: KVFacts) -> None:
         """A prefill-only run (max_new_tokens 0): what the model would predict next, no token taken."""
     def on_end(self, result: GenerationResult) -> None: ...
+    # A batch (generate_batch) also calls on_start(..., batch=every row's prompt ids, samplers=every row's sampler),
+    # on_batch(BatchLayout) once before the first pass, on_step / on_prediction with row=r, and on_end(BatchResult).
 
 
 class TextStream:
@@ -304,3 +306,212 @@ def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
                 best = k
                 break
     return best
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# s3: several prompts as one batch
+
+
+MAX_BATCH = 64  # rows a run takes unless told otherwise (--max-batch)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of batch row `row` when the run's seed is `seed`: seed + row (mod 2**64). Row 0 keeps the run's seed,
+    so a batch's row r samples exactly what a run of that prompt alone with --seed seed+r samples."""
+    return (seed + row) % 2**64
+
+
+@dataclass
+class BatchLayout:
+    """s3: B prompts left-padded to one length T, as the first forward pass sees them."""
+
+    ids: list[list[int]]  # (B, T) token ids, pad_id in front of the shorter rows
+    attention_mask: list[list[int]]  # (B, T) 1 at real tokens, 0 at pad slots
+    position_ids: list[list[int]]  # (B, T) each row's positions, 0 at its first real token (0 at pad slots too)
+    pad_id: int
+    pad_source: str  # "pad": the tokenizer's padding token; "eos": the checkpoint has none, so its end-of-sequence
+
+
+def pad_batch(prompts: list[list[int]], tokenizer) -> BatchLayout:
+    """Left-pad the prompts to the longest one, so that every row's last prompt token sits in the same slot and
+    the first new token of every row is predicted by one pass. A pad slot is never attended (attention_mask 0)."""
+    pad_id, source = (tokenizer.pad_id, "pad") if tokenizer.pad_id is not None else (tokenizer.eos_ids[0], "eos")
+    T = max(len(p) for p in prompts)
+    ids, mask, pos = [], [], []
+    for p in prompts:
+        n_pad = T - len(p)
+        ids.append([pad_id] * n_pad + list(p))
+        mask.append([0] * n_pad + [1] * len(p))
+        pos.append([0] * n_pad + list(range(len(p))))
+    return BatchLayout(ids=ids, attention_mask=mask, position_ids=pos, pad_id=pad_id, pad_source=source)
+
+
+def check_batch_context(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse a batch whose padded length plus max_new_tokens does not fit the context window (one line)."""
+    ctx = lm.config.max_seq_len
+    for r, p in enumerate(prompts):
+        if not p:
+            raise LlmtraceError(f"prompt {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
+    T = max(len(p) for p in prompts)
+    if T + max_new_tokens > ctx:
+        raise LlmtraceError(f"the batch is padded to {T} tokens and -n {max_new_tokens} asks for {T + max_new_tokens} "
+                            f"slots, but the context window of {lm.name} is {ctx} tokens; shorten the longest prompt "
+                            f"or lower -n")
+
+
+@dataclass
+class BatchResult:
+    layout: BatchLayout
+    rows: list[GenerationResult]  # one per row, its own tokens, text and stop reason
+    interrupted: bool = False
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens of every row after the first, per second of decode: the batch's aggregate throughput."""
+        n = sum(max(len(r.tokens) - 1, 0) for r in self.rows)
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+@torch.inference_mode()
+def generate_batch(
+    lm: LoadedModel,
+    prompts: list[list[int]],
+    samplers: list[Sampler],
+    max_new_tokens: int,
+    stop_texts: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    observer=None,
+    on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+) -> BatchResult:
+    """Generate after each of B prompts at once: one forward pass per step for the whole batch.
+
+    The prompts are left-padded (pad_batch); the attention mask hides pad slots from every query and each row's
+    RoPE positions start at 0 at its first real token, so each row computes what it would alone. Row r samples with
+    samplers[r] (its own seed and history). A row stops at its own EOS, stop text or limit; after that it is fed
+    the pad id at slots its mask hides, and it reports nothing more. The observer (a GenerationObserver with
+    `on_batch`) gets `on_start` with row 0's prompt and all rows, `on_batch(layout)`, then each row's StepRecord
+    with `row` set."""
+    model, tok, device = lm.model, lm.tokenizer, lm.device
+    B = len(prompts)
+    check_batch_context(lm, prompts, max_new_tokens)
+    layout = pad_batch(prompts, tok)
+    T = len(layout.ids[0])
+    rows = [GenerationResult(prompt_ids=list(p)) for p in prompts]
+    result = BatchResult(layout=layout, rows=rows)
+    eos = set() if ignore_eos else set(tok.eos_ids)
+    want_ledger = observer is not None and observer.wants_ledger()
+    S = T + max(max_new_tokens, 1)
+    cache = model.new_cache(S, batch=B)
+    mask = torch.zeros((B, S), dtype=torch.bool, device=device)  # (B, S): True at the slots a row really fills
+    mask[:, :T] = torch.tensor(layout.attention_mask, dtype=torch.bool, device=device)
+    next_pos = [len(p) for p in prompts]  # each row's position of the token it takes next
+    streams = [TextStream(tok) for _ in range(B)]
+    histories = [list(p) for p in prompts]
+    live = list(range(B))  # rows still generating
+    masked = not all(all(m) for m in layout.attention_mask)  # some row is padded
+    try:
+        if observer is not None:
+            with sigint_deferred():
+                observer.on_start(lm, list(prompts[0]), samplers[0], batch=[list(p) for p in prompts],
+                                  samplers=samplers)
+                observer.on_batch(layout)
+        scopes = {phase: _scope(model, observer, phase) for phase in ("prefill", "decode")}
+        t_start = time.perf_counter()
+        idx = torch.tensor(layout.ids, dtype=torch.long, device=device)  # (B, T)
+        input_pos = torch.tensor(layout.position_ids, dtype=torch.long, device=device)  # (B, T)
+        start, step = 0, 0
+        with contextlib.ExitStack() as held:
+            while True:
+                phase = "prefill" if step == 0 else "decode"
+                t0 = time.perf_counter()
+                if observer is not None:
+                    first = prefill_split(T) if step == 0 else start
+                    observer.before_forward(step, phase, first, start + idx.size(1) - first)
+                if step == 0:
+                    logits = _prefill_rows(model, idx, input_pos, mask[:, :T], cache, scopes["prefill"],
+                                           on_prefill_progress)
+                    if scopes["decode"] is not contextlib.nullcontext:
+                        held.enter_context(scopes["decode"]())
+                else:  # no pad slot anywhere (rows of one length, none finished): no mask to apply
+                    padded = masked or len(live) < B
+                    logits = model(idx, cache, start, input_pos=input_pos,
+                                   attention_mask=mask[:, : start + 1] if padded else None, last_only=True)
+                logits = logits.float()  # (B, V)
+                if observer is not None:
+                    observer.after_forward(step)
+                if max_new_tokens == 0:
+                    result.prefill_s = time.perf_counter() - t_start
+                    for r in range(B):
+                        rows[r].prefill_s = rows[r].ttft_s = result.prefill_s
+                    if observer is not None:
+                        for r in range(B):
+                            _, ledger = samplers[r].sample(logits[r], histories[r], ledger=True)
+                            observer.on_prediction(ledger, len(prompts[r]), kv_facts(cache), row=r)
+                    break
+                picked = {r: samplers[r].sample(logits[r], histories[r], ledger=want_ledger) for r in live}
+                t1 = time.perf_counter()
+                if step == 0:
+                    result.prefill_s = t1 - t_start
+                    for r in range(B):
+                        rows[r].prefill_s = rows[r].ttft_s = result.prefill_s
+                else:
+                    result.decode_s += t1 - t0
+                start += idx.size(1)
+                ms = (t1 - t0) * 1e3
+                for r in list(live):
+                    token, ledger = picked[r]
+                    histories[r].append(token)
+                    rows[r].tokens.append(token)
+                    piece = "" if token in eos else streams[r].push(token)
+                    if observer is not None:
+                        observer.on_step(StepRecord(step=step, phase=phase, position=next_pos[r], token=token,
+                                                    text=piece, ledger=ledger, kv=kv_facts(cache), ms=ms), row=r)
+                    hit = _find_stop(streams[r].text, stop_texts)
+                    if token in eos:
+                        rows[r].stop_reason = "eos"
+                    elif hit is not None:
+                        rows[r].stop_reason = "stop_text"
+                        streams[r].text = streams[r].text[:hit]
+                    elif len(rows[r].tokens) < max_new_tokens:
+                        continue
+                    live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
+                if not live:
+                    break
+                step_ids = [layout.pad_id] * B
+                for r in live:
+                    step_ids[r] = rows[r].tokens[-1]
+                    mask[r, start] = True
+                idx = torch.tensor(step_ids, dtype=torch.long, device=device)[:, None]  # (B, 1)
+                input_pos = torch.tensor(next_pos, dtype=torch.long, device=device)[:, None]  # (B, 1)
+                next_pos = [n + 1 for n in next_pos]
+                step += 1
+    except KeyboardInterrupt:
+        result.interrupted = True
+        for r in live:
+            rows[r].interrupted = True
+            rows[r].stop_reason = "interrupted"
+    for r in range(B):
+        rows[r].text = streams[r].text
+        rows[r].decode_s = result.decode_s
+    if observer is not None:
+        with sigint_deferred():
+            observer.on_end(result)
+    return result
+
+
+def _prefill_rows(model: Transformer, idx: torch.Tensor, input_pos: torch.Tensor, padding: torch.Tensor,
+                  cache: KVCache, observed, on_progress, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """`prefill` for a padded batch: idx, input_pos, padding (B, T). The logits (B, V) of the last slot."""
+    T = idx.size(1)
+    last = prefill_split(T, chunk)
+    for s in range(0, last, chunk):
+        model(idx[:, s : s + chunk], cache, s, input_pos=input_pos[:, s : s + chunk], attention_mask=padding[:, : s + chunk])
+        if on_progress is not None:
+            on_progress(s + chunk, T)
+    with observed():
+        logits = model(idx[:, last:], cache, last, input_pos=input_pos[:, last:], attention_mask=padding, last_only=True)
+    if on_progress is not None and last > 0:
+        on_progress(T, T)
+    return logits

@@ -290,7 +290,7 @@ class StepLayout:
 
     keep: dict[str, int]  # column name -> width, in display order
 
-    JUSTIFY = {"step": "right", "pos": "right", "id": "right", "KV len": "right", "KV bytes": "right", "ms": "right"}
+    JUSTIFY = {"step": "right", "row": "right", "pos": "right", "id": "right", "KV len": "right", "KV bytes": "right", "ms": "right"}
 
     @classmethod
     def for_step(cls, ev: dict, run: Optional[dict], width: int) -> "StepLayout":
@@ -313,6 +313,8 @@ class StepLayout:
                 ("survivors", max(9, min(len(merged) + 1, 16)), len(full) + 2, 3 if greedy else 4),
                 ("KV len", max(6, len(str(capacity))), None, 1),
                 ("KV bytes", max(8, len(f"{capacity * kv['bytes_per_token']:,}")), None, 2), ("ms", 7, None, 5)]
+        if "row" in ev:  # a batch: which row the token belongs to
+            cols.insert(1, ("row", 3, None, None))
         keep = fit_columns([c[1] for c in cols], [c[3] for c in cols], width)
         kept = [c for c, k in zip(cols, keep) if k]
         widths = {name: lo for name, lo, _, _ in kept}
@@ -400,8 +402,11 @@ class TerminalRenderer:
         if not self.show_steps:
             return
         toks = ev["tokens"]
-        self._title(f"s1–s3 prompt → {plural(len(toks), 'token')} (s3: one sequence, so no padding; every position is "
-                    f"attended)")
+        if "row" in ev:
+            self._title(f"s1–s2 row {ev['row']} prompt → {plural(len(toks), 'token')}")
+        else:
+            self._title(f"s1–s3 prompt → {plural(len(toks), 'token')} (s3: one sequence, so no padding; every "
+                        f"position is attended)")
         shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
         rows = []
         for tok in shown:
@@ -412,6 +417,33 @@ class TerminalRenderer:
             rows.append([str(tok["index"]), str(tok["id"]), Text(piece_view(tok), style=style),
                          Text(quoted(tok["text"]), style=style)])
         print_table(self.console, [Column("#", "right"), Column("id", "right"), Column("piece"), Column("text")], rows)
+
+    def _on_batch(self, ev: dict) -> None:
+        """s3: the padded ids [B, T], the attention mask and the position ids, one line per row; pads dim."""
+        if not self.show_steps:
+            return
+        ids, mask, pos = ev["ids"], ev["attention_mask"], ev["position_ids"]
+        B, T = len(ids), len(ids[0]) if ids else 0
+        source = "the tokenizer's pad token" if ev.get("pad_source") == "pad" else "EOS (the checkpoint has no pad token)"
+        self._title(f"s3 batch: {B} rows left-padded to T={T} with id {ev['pad_id']}, {source}; pad slots (·) are "
+                    f"masked, positions start at 0 at each row's first real token")
+        for title, matrix in (("ids", ids), ("attention_mask", mask), ("position_ids", pos)):
+            self.console.print(Text(f"{title} [{B}, {T}]", style="bold"))
+            width = max(len(str(v)) for row in matrix for v in row) if T else 1
+            fit = max(4, (self.console.width - len(str(B)) - 10) // (width + 2))  # slots one console line holds
+            head = fit // 3
+            shown = list(range(T)) if T <= fit else list(range(head)) + [None] + list(range(T - (fit - head - 1), T))
+            for r in range(B):
+                line = Text(f"  row {r:>{len(str(B - 1))}}  ")
+                for j in shown:
+                    if j is None:
+                        line.append("…  ")
+                        continue
+                    pad = not mask[r][j]
+                    line.append(f"{matrix[r][j]:>{width}}", style="dim" if pad else "bold" if title == "ids" else "")
+                    line.append("·" if pad else " ")
+                    line.append(" ")
+                self.console.print(line)
 
     # -- the prefill's shapes and per-layer statistics -------------------------------------------------------------
 
@@ -556,7 +588,7 @@ class TerminalRenderer:
         token = Text(piece_view(tok), style="magenta" if tok.get("special") else "bold")
         if changes:
             token.append(" *", style="bold red")
-        cells = {"step": str(ev["step"]), "pos": str(ev["position"]), "token": token, "id": str(tok["id"]),
+        cells = {"step": str(ev["step"]), "row": str(ev.get("row", "")), "pos": str(ev["position"]), "token": token, "id": str(tok["id"]),
                  "top candidates (p)": _candidates(ev.get("topk") or [], lay.keep.get("top candidates (p)", 0)),
                  "survivors": surv, "KV len": str(kv["seq_len"]), "KV bytes": f"{kv['bytes_used']:,}",
                  "ms": f"{ev['ms']:.1f}"}
@@ -577,7 +609,8 @@ class TerminalRenderer:
         """A prefill-only run (-n 0): the next-token candidates, no token taken."""
         self._last_kv = ev.get("kv_cache")
         self._flush_tensors()  # the prefill's recorded points, if any
-        self._title(f"s7–s9 prefill only (-n 0): what the model would predict at position {ev['position']}")
+        row = f"row {ev['row']} " if "row" in ev else ""
+        self._title(f"s7–s9 prefill only (-n 0): what the model would predict at {row}position {ev['position']}")
         t = Table(box=None, padding=(0, 1), header_style="bold")
         for col, just in (("#", "right"), ("id", "right"), ("token", "left"), ("logit", "right"), ("prob", "right")):
             t.add_column(col, justify=just)
@@ -594,8 +627,23 @@ class TerminalRenderer:
             self.console.print()
             for r in self._held_dumps:
                 self._dump_line(r)
+        elif "rows" in ev:
+            for r in ev["rows"]:
+                self.console.print(Text.assemble((f"row {r['row']} ", "bold"), (f"[{r['stop_reason']}, "
+                                                 f"{plural(len(r['tokens']), 'token')}] ", "dim"), r["text"]))
         else:
             self.console.print(Text.assemble(("output ", "bold"), ev["text"]))
+        if "rows" in ev:
+            n = sum(len(r["tokens"]) for r in ev["rows"])
+            print_parts(self.console, [f"batch of {len(ev['rows'])} rows", f"{n:,} generated", f"stop: {ev['stop_reason']} (row 0)",
+                                       f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s",
+                                       f"decode {ev['decode_tok_s']:.1f} tok/s (all rows)"], style="dim")
+            kv = self._last_kv
+            if kv is not None and "batch_bytes_used" in kv:
+                print_parts(self.console, [f"KV cache: {ev['batch']} rows × {plural(kv['batch_seq_len'], 'slot')} × "
+                                           f"{kv['bytes_per_token']:,} B = {fmt_bytes(kv['batch_bytes_used'])} "
+                                           f"(allocated {fmt_bytes(kv['bytes_allocated'])})"], style="dim")
+            return
         n_gen = ev["generated_tokens"]
         decode = f"decode {ev['decode_tok_s']:.1f} tok/s" if n_gen > 1 and ev.get("decode_tok_s") else "decode – tok/s"
         parts = [plural(ev["prompt_tokens"], "prompt token"), f"{n_gen:,} generated", f"stop: {ev['stop_reason']}"]

@@ -197,8 +197,7 @@ class Recorder:
         self._pending: list[tuple[TensorEvent, int, Optional[dict], str]] = []  # (tensor event without its stats,
         #                                           stat index, extra fields or None, its JSON from "name" to "dtype")
         self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
-        self._taps: list[tuple[Optional[int], str, torch.Tensor, bool]] = []  # (layer, name, tensor, dumped), kept
-        #                                                                         for _reduce_queue
+        self._taps: list[tuple] = []  # (layer, name, tensor, dumped, row or None), kept for _reduce_queue
         self._queued = 0  # elements in self._taps
         self._layouts: dict[tuple, tuple] = {}  # see _layout; cleared after each pass
         self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
@@ -206,6 +205,7 @@ class Recorder:
         self._n_stats = 0
         self._shape_table: Optional[list[dict]] = None
         self._config = None  # the model's config, from on_start
+        self._rows = 1  # rows of the batch (on_start): with more than one, every tensor is recorded per row
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -259,7 +259,11 @@ class Recorder:
             self._note_shape(layer, name, x)
         if not wanted[0]:
             return  # the common case of a point nobody asked for: a dictionary look-up
-        self._taps.append((layer, name, x, wanted[1]))
+        if self._rows > 1:  # a batch: one event per row (kv_write's positions are the same slots for every row)
+            for r in range(self._rows):
+                self._taps.append((layer, name, x if name == "kv_write" else x[r : r + 1], wanted[1], r))
+        else:
+            self._taps.append((layer, name, x, wanted[1], None))
         self._queued += x.numel()
         if self._queued >= self.QUEUE_ELEMENTS:
             self._reduce_queue()
@@ -296,7 +300,7 @@ class Recorder:
             return  # a pass nothing recorded (every pass of --trace none and most of --trace steps)
         groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
         step, phase = self.step, self.phase
-        for layer, name, x, dumped in self._taps:
+        for layer, name, x, dumped, row in self._taps:
             shape, view, repeats, group, dtype, json_part = self._layout(name, x)
             i = self._n_stats
             self._n_stats += 1
@@ -310,6 +314,8 @@ class Recorder:
                 extra = (extra or {}) | {"values": (values[0] if name != "kv_write" else values).detach().float().cpu()}
             event = TensorEvent(event="tensor", step=step, phase=phase, layer=layer, name=name,
                                 seed_step=SEED_STEP.get(name), shape=list(shape), dtype=dtype)
+            if row is not None:
+                event["row"] = row
             self._pending.append((event, i, extra, json_part))
         self._taps.clear()
         self._queued = 0
@@ -358,9 +364,12 @@ class Recorder:
                 return None
         return out
 
-    def on_start(self, lm, prompt_ids: list[int], sampler) -> None:
-        """The run's facts: read once, nothing kept but the config and the tokenizer (for token pieces)."""
+    def on_start(self, lm, prompt_ids: list[int], sampler, batch: Optional[list[list[int]]] = None,
+                 samplers: Optional[list] = None) -> None:
+        """The run's facts: read once, nothing kept but the config and the tokenizer (for token pieces). A batch
+        (`batch`: every row's prompt ids, `samplers` their samplers) gets one tokens event per row, with "row"."""
         c = self._config = lm.config
+        self._rows = len(batch) if batch is not None else 1
         self.run_info["n_layers"] = c.n_layers
         self._tok = lm.tokenizer
         self.emit({
@@ -382,12 +391,20 @@ class Recorder:
             "chat": self.run_info.get("chat", False),
             "compiled": self.run_info.get("compiled", {"decode_step": False}),
             "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
-        })
-        tokens = []
-        for i, tid in enumerate(prompt_ids):
-            tokens.append({"index": i, "id": tid, "piece": self._tok.piece(tid), "text": self._tok.decode([tid]),
-                           "special": self._tok.is_special(tid)})
-        self.emit({"event": "tokens", "tokens": tokens, "count": len(tokens)})
+        } | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
+              "row_seeds": [s.seed for s in samplers]} if batch is not None else {}))
+        for row, ids in enumerate(batch) if batch is not None else [(None, prompt_ids)]:
+            tokens = []
+            for i, tid in enumerate(ids):
+                tokens.append({"index": i, "id": tid, "piece": self._tok.piece(tid), "text": self._tok.decode([tid]),
+                               "special": self._tok.is_special(tid)})
+            self.emit({"event": "tokens", "tokens": tokens, "count": len(tokens)} | ({} if row is None else {"row": row}))
+
+    def on_batch(self, layout) -> None:
+        """s3: the padded batch as the first pass sees it (generate.BatchLayout)."""
+        self.emit({"event": "batch", "rows": len(layout.ids), "ids": layout.ids, "attention_mask": layout.attention_mask,
+                   "position_ids": layout.position_ids, "pad_id": layout.pad_id, "pad_source": layout.pad_source,
+                   "pad_piece": self._tok.piece(layout.pad_id)})
 
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
@@ -433,17 +450,25 @@ class Recorder:
         return [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
                 for i, lg, p in led.topk[: self.options.topk]]
 
-    def _kv_event(self, kv) -> dict:
-        """The step event's kv_cache record, from the facts the generation loop handed over."""
+    def _kv_event(self, kv, row_len: Optional[int] = None) -> dict:
+        """The step event's kv_cache record, from the facts the generation loop handed over. In a batch (row_len:
+        the row's real tokens cached) bytes_used counts that row's real tokens, and batch_bytes_used every row's
+        slots, pads included (bytes_allocated is the whole batch's)."""
         c = self._config
         mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * kv.element_size  # the same cache without GQA
+        if row_len is not None:
+            return {"seq_len": row_len, "bytes_per_token": kv.bytes_per_token, "bytes_used": row_len * kv.bytes_per_token,
+                    "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "mha_bytes_used": row_len * mha_bpt,
+                    "batch": self._rows, "batch_seq_len": kv.seq_len,
+                    "batch_bytes_used": self._rows * kv.seq_len * kv.bytes_per_token}
         return {"seq_len": kv.seq_len, "bytes_per_token": kv.bytes_per_token, "bytes_used": kv.seq_len * kv.bytes_per_token,
                 "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "mha_bytes_used": kv.seq_len * mha_bpt}
 
-    def on_step(self, rec) -> None:
+    def on_step(self, rec, row: Optional[int] = None) -> None:
         tok = self._tok
         ev: dict[str, Any] = {
             "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
+            **({} if row is None else {"row": row}),
             "token": {"id": rec.token, "piece": tok.piece(rec.token), "text": tok.decode([rec.token]),
                       "special": tok.is_special(rec.token)},
         }
@@ -454,17 +479,31 @@ class Recorder:
                              for s in led.stages]
             ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
                          "greedy": led.greedy}
-        ev["kv_cache"] = self._kv_event(rec.kv)
+        ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
         ev["ms"] = round(rec.ms, 3)
         self.emit(ev)
 
-    def on_prediction(self, ledger, position: int, kv) -> None:
+    def on_prediction(self, ledger, position: int, kv, row: Optional[int] = None) -> None:
         """A prefill-only run (-n 0): what the model would predict at `position`; no token was taken."""
         self.emit({"event": "prediction", "step": 0, "phase": "prefill", "position": position,
-                   "topk": self._topk(ledger), "kv_cache": self._kv_event(kv)})
+                   **({} if row is None else {"row": row}),
+                   "topk": self._topk(ledger), "kv_cache": self._kv_event(kv, position if row is not None else None)})
 
     def on_end(self, result) -> None:
-        self.emit(summary_event(result))
+        self.emit(summary_event(result) if not hasattr(result, "rows") else batch_summary_event(result))
+
+
+def batch_summary_event(result) -> dict:
+    """The summary of a batch (generate.BatchResult): the fields of a one-prompt summary describe row 0, except the
+    speeds, which are the whole batch's; "rows" has every row's tokens, text and stop reason."""
+    ev = summary_event(result.rows[0])
+    n_prompt = sum(len(r.prompt_ids) for r in result.rows)
+    ev.update(
+        prefill_tok_s=round(n_prompt / result.prefill_s, 3) if result.prefill_s > 0 else 0.0,
+        decode_tok_s=round(result.decode_tok_s, 3), interrupted=result.interrupted, batch=len(result.rows),
+        rows=[{"row": r, "prompt_tokens": len(x.prompt_ids), "tokens": list(x.tokens), "text": x.text,
+               "stop_reason": x.stop_reason} for r, x in enumerate(result.rows)])
+    return ev
 
 
 def _jsonable(x):

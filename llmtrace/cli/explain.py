@@ -17,9 +17,10 @@ from rich.text import Text
 
 from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
                               ThreadsOpt, app, load_options)
+from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
-from llmtrace.render import fmt_bytes, fmt_num, make_console, print_fitted, visible
+from llmtrace.render import fmt_bytes, fmt_num, make_console, plural, print_fitted, visible
 
 EXPLAIN_HELP = """Take one decoder layer apart on your prompt: every step of s6.1–s6.8 with real numbers.
 
@@ -39,6 +40,8 @@ Examples:
   llmtrace explain -f prompt.txt --layer 0 --jsonl explain.jsonl
 
   llmtrace explain "The capital of France is" --layer 3 --html explain.html
+
+  llmtrace explain -p "The capital of France is" -p "Hi" --row 1 --layer 0   # s3: each row's padded mask
 """
 
 LENS_HELP = """The logit lens: what the model would predict after each layer, at each position.
@@ -56,6 +59,8 @@ Examples:
   llmtrace lens "Once upon a time there was" --last 4 --top 10 --jsonl -
 
   llmtrace lens "The capital of France is" --positions all --html lens.html
+
+  llmtrace lens -p "The capital of France is" -p "Hi" --row 0   # s3: each row's padded mask, then row 0's lens
 """
 
 PromptArg = Annotated[Optional[str], typer.Argument(
@@ -66,6 +71,8 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System messa
 JsonlOpt = Annotated[Optional[str], typer.Option(
     "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout); an existing FILE is replaced.")]
 JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the events as one JSON document to FILE (- for stdout).")]
+RowOpt = Annotated[int, typer.Option("--row", help="With several prompts (-p … -p …, --prompts): the row to take apart, "
+                                     "0-based. Every row's combined causal and padding mask is shown first (s3).")]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -93,13 +100,19 @@ def explain(
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
     threads: ThreadsOpt = None,
+    prompt_list: PromptsOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    max_batch: MaxBatchOpt = 64,
+    row: RowOpt = 0,
 ) -> None:
     from llmtrace.explain import explain_events
 
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
+    texts = read_prompt_list(prompt_list, prompts_file, max_batch)
+    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
+    events = _with_batch(lm, texts, row, chat, system, events)
     _output(events, render_explain, jsonl, json_out, html, lm.tokenizer)
 
 
@@ -126,11 +139,16 @@ def lens(
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
     threads: ThreadsOpt = None,
+    prompt_list: PromptsOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    max_batch: MaxBatchOpt = 64,
+    row: RowOpt = 0,
 ) -> None:
     from llmtrace.explain import check_prompt_ids, lens_events, parse_positions
     from llmtrace.events import parse_layers
 
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
+    texts = read_prompt_list(prompt_list, prompts_file, max_batch)
+    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
     if last < 1:
         raise UsageError("--last must be ≥ 1")
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
@@ -139,11 +157,26 @@ def lens(
     rows = parse_layers(layers, lm.config.n_layers)
     cols = parse_positions(positions, len(ids), last)
     events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat)
+    events = _with_batch(lm, texts, row, chat, system, events)
     _output(events, render_lens, jsonl, json_out, html, lm.tokenizer)
 
 
-def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None) -> str:
-    """Everything the user typed that can be checked before the (slow) model load. Returns the prompt text."""
+def _with_batch(lm, texts: Optional[list[str]], row: int, chat: bool, system: Optional[str], events: list[dict]):
+    """Several prompts: the s3 batch event (every row's padded ids and combined mask) before the row's events."""
+    if texts is None or len(texts) < 2:
+        return events
+    from llmtrace.explain import batch_event
+
+    prompts = [lm.tokenizer.encode_prompt(t, chat=chat, system=system)[1] for t in texts]
+    for r, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"prompt {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
+    return events[:1] + [batch_event(lm.tokenizer, prompts, row)] + events[1:]
+
+
+def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None, texts=None, row=0) -> str:
+    """Everything the user typed that can be checked before the (slow) model load. Returns the prompt text (with
+    several prompts, `texts`, the one of --row)."""
     from llmtrace.cli.generate import read_prompt
     from llmtrace.fsutil import check_writable_target
 
@@ -156,6 +189,14 @@ def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None) -
             check_writable_target(Path(target))
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
+    if texts is not None:
+        if prompt is not None or file is not None:
+            raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
+        if not 0 <= row < len(texts):
+            raise UsageError(f"--row {row} is out of range; the batch has {len(texts)} prompts (rows 0..{len(texts) - 1})")
+        return texts[row]
+    if row != 0:
+        raise UsageError("--row picks one of several prompts; give them with -p … -p … or --prompts")
     text = read_prompt(prompt, file)
     if text == "":
         raise UsageError("the prompt is empty; give some text")
@@ -283,6 +324,7 @@ def render_explain(events: list[dict], console: Console) -> None:
             lens_rows.append(ev)
     toks = [t["text"] for t in by["tokens"]["tokens"]]
     _header(console, by["model"], by["tokens"])
+    _batch_masks(console, events)
     _layer(console, by["layer"])
     _rmsnorm(console, by["rmsnorm"], toks)
     _qkv(console, by["qkv"])
@@ -293,6 +335,31 @@ def render_explain(events: list[dict], console: Console) -> None:
     _kv(console, by["kv_cache"])
     _lens_here(console, lens_rows, by["model"])
     _tensors(console, tensors)
+
+
+def _batch_masks(console: Console, events: list[dict], most: int = 24) -> None:
+    """s3 with several prompts: each row's combined causal and padding mask, query rows × key columns (the last
+    `most` slots of a longer batch): █ attended, · in the future (causal), ░ a pad slot (padding)."""
+    ev = next((e for e in events if e["event"] == "batch"), None)
+    if ev is None:
+        return
+    T = len(ev["ids"][0])
+    cut = max(0, T - most)
+    source = "the tokenizer's pad token" if ev["pad_source"] == "pad" else "EOS (no pad token in this checkpoint)"
+    _title(console, f"s3 batch of {ev['rows']} prompts, left-padded to T={T} with id {ev['pad_id']} ({source}): "
+                    f"each row's causal + padding mask (█ attended, · future, ░ pad)"
+                    + (f", slots {cut}..{T - 1}" if cut else ""))
+    for r, (mask, pad) in enumerate(zip(ev["combined_mask"], ev["attention_mask"])):
+        here = " ← explained below" if r == ev.get("explained_row") else ""
+        console.print(Text(f"row {r}: {plural(sum(pad), 'real token')}, positions 0..{sum(pad) - 1}{here}", style="bold"))
+        for i in range(cut, T):
+            line = Text("  ")
+            for j in range(cut, T):
+                if not pad[j] or not pad[i]:
+                    line.append("░", style="grey42")
+                else:
+                    line.append("█" if mask[i][j] else "·", style="gold1" if mask[i][j] else "grey42")
+            console.print(line)
 
 
 def _header(console: Console, m: dict, tokens: dict) -> None:
@@ -596,6 +663,7 @@ def render_lens(events: list[dict], console: Console) -> None:
         if ev["event"] == "lens":
             cells[(ev["layer"] if ev["stage"] != "logits" else "out", ev["position"])] = ev
     _header(console, m, {"tokens": toks})
+    _batch_masks(console, events)
     positions, layers = m["positions"], m["layers"]
     L = m["model"]["n_layers"]
     T = len(toks)

@@ -10,6 +10,7 @@ import typer
 
 from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
                               ThreadsOpt, app, load_options)
+from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
 from llmtrace.cli.report import HtmlOpt
@@ -26,7 +27,7 @@ The steps of the view (s1–s12, the seed table), one line each:
 \b
   s1   tokenize: the text split into pieces
   s2   ids: each piece's vocabulary id
-  s3   padding and attention mask (one sequence: no padding)
+  s3   padding and attention mask (several prompts: -p … -p …)
   s4   embedding: ids → X [T, D]
   s5   position: RoPE, applied to q and k inside attention (s6.3)
   s6   each layer: norm, Q/K/V, RoPE, scores, softmax, ·V, FFN, KV cache
@@ -60,6 +61,15 @@ Examples:
   llmtrace generate "Once upon a time" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB
 
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
+
+Several prompts as one batch (s3): each row is left-padded to the longest with the tokenizer's pad token (its EOS
+when it has none), pad slots are masked, and each row's positions start at 0 at its first real token, so every row
+generates what it would alone. Row r samples with seed + r (row 0 with --seed itself), so a row equals a run of its
+prompt alone with --seed seed+r. Each row stops at its own EOS, --stop text or -n.
+
+  llmtrace generate -p "The capital of France is" -p "Hi" -p "Once upon a time" -n 8
+
+  llmtrace generate --prompts prompts.txt --chat --trace none      # one prompt per line, or JSONL {{"prompt": …}}
 """
 
 
@@ -80,7 +90,7 @@ def generate(
     logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).")] = None,
     ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).")] = None,
     sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' or a comma list.")] = "hf",
-    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
@@ -104,6 +114,9 @@ def generate(
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
     threads: ThreadsOpt = None,
+    prompt_list: PromptsOpt = None,
+    prompts_file: PromptsFileOpt = None,
+    max_batch: MaxBatchOpt = 64,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
@@ -135,7 +148,12 @@ def generate(
     parse_logit_bias(logit_bias or [], sys.maxsize)  # the same for the syntax of --logit-bias and --layers
     if layers is not None and layers.strip() not in ("", "all"):
         parse_index_ranges(layers, "--layers", "layer")
-    text = read_prompt(prompt, file)
+    texts = read_prompt_list(prompt_list, prompts_file, max_batch)
+    if texts is not None and (prompt is not None or file is not None):
+        raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
+    if texts is not None and len(texts) > 1 and compile_:
+        raise UsageError("--compile runs one prompt; leave it out for a batch of several prompts")
+    text = read_prompt(prompt, file) if texts is None else texts[0]
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
     if compile_ and (trace in ("layers", "full") or dump):
@@ -157,9 +175,10 @@ def generate(
 
         set_threads(threads)
         lm = load_model(model, device=device, dtype=dtype, **scale)
-        run(lm, text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system, stop=tuple(stop or ()),
-            ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [], jsonl_sink=jsonl_sink,
-            json_out=json_out, compile_decode=compile_, html=html)
+        batch = texts if texts is not None and len(texts) > 1 else None  # a single -p is a one-prompt run
+        run(lm, batch or text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system,
+            stop=tuple(stop or ()), ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [],
+            jsonl_sink=jsonl_sink, json_out=json_out, compile_decode=compile_, html=html)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -172,8 +191,9 @@ def generate(
 
 def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
         json_out, compile_decode=False, html=None) -> None:
-    """Everything after the load: encode, generate with the chosen observers, write the outputs. `jsonl_sink` (a
-    `sinks.JsonlSink` or None) is opened and closed by the caller."""
+    """Everything after the load: encode, generate with the chosen observers, write the outputs. `text` is one
+    prompt, or a list of several run as one batch. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed
+    by the caller."""
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import make_console, terminal_renderer
     from llmtrace.sampler import Sampler, parse_logit_bias
@@ -182,6 +202,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     from llmtrace.trace import Recorder
 
     tok = lm.tokenizer
+    batch = isinstance(text, list)  # several prompts: one batch
     options.layers = parse_layers(layers, lm.config.n_layers)
     if html:  # the report's attention maps need the probabilities of the recorded layers
         from llmtrace.cli.report import report_dumps
@@ -190,11 +211,21 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
     scfg.ban = banned_sequences(tok, ban)
     scfg.validate(lm.config.vocab_size)
-    prompt_text, ids = tok.encode_prompt(text, chat=chat, system=system)
-    dropped = tok.dropped_note(prompt_text, "prompt")
-    if dropped:
-        print(f"note: {dropped}", file=sys.stderr)
+    encoded = [tok.encode_prompt(t, chat=chat, system=system) for t in (text if batch else [text])]
+    for r, (prompt_text, _) in enumerate(encoded):
+        dropped = tok.dropped_note(prompt_text, f"prompt {r + 1}" if batch else "prompt")
+        if dropped:
+            print(f"note: {dropped}", file=sys.stderr)
+    prompt_text, ids = encoded[0]
     sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
+    if batch:
+        from dataclasses import replace
+
+        from llmtrace.generate import check_batch_context, row_seed
+
+        check_batch_context(lm, [i for _, i in encoded], max_new_tokens)  # before any output
+        samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=options.topk)
+                    for r in range(len(encoded))]
 
     machine_on_stdout = json_out == "-" or (jsonl_sink is not None and jsonl_sink.target == "-")
     view_console = None
@@ -211,12 +242,14 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     recorded: list[dict] = []
     if html:
         sinks.append(recorded.append)
-    stream_text = options.level == "none"
+    stream_text = options.level == "none" and not batch  # a batch's texts are printed at the end, row by row
     if view_console is not None:
         sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
     import torch
 
     run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}
+    if batch:
+        run_info["prompts"] = [p for p, _ in encoded]
     compiled = None
     if compile_decode:
         compiled = compile_step(lm, len(ids), max_new_tokens)
@@ -229,9 +262,15 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             view_console.file.write(piece)
             view_console.file.flush()
 
-    result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
-                            observer=recorder, on_text=on_text, compiled=compiled,
-                            on_prefill_progress=prefill_progress())
+    if batch:
+        from llmtrace.generate import generate_batch
+
+        result = generate_batch(lm, [i for _, i in encoded], samplers, max_new_tokens, stop_texts=stop,
+                                ignore_eos=ignore_eos, observer=recorder, on_prefill_progress=prefill_progress())
+    else:
+        result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
+                                observer=recorder, on_text=on_text, compiled=compiled,
+                                on_prefill_progress=prefill_progress())
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:

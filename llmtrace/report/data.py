@@ -49,7 +49,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
     kind = check_schema(events)
     by_kind: dict[str, list[dict]] = {}
     for ev in events:
-        if ev.get("event") in ("step", "tensor") and _row(ev) != row:
+        if ev.get("event") in ("step", "tensor", "tokens", "prediction") and _row(ev) != row:
             continue
         by_kind.setdefault(ev.get("event"), []).append(ev)
     run = (by_kind.get("run") or [None])[0]
@@ -62,7 +62,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
     summary = (by_kind.get("summary") or [None])[0]
     data: dict[str, Any] = {
         "kind": kind,
-        "run": _run_facts(run, head, model, summary),
+        "run": _run_facts(run, head, model, summary, row),
         "tokens": _tokens(tokens, steps),
         "steps": [_step(e) for e in steps],
         "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens),
@@ -86,8 +86,9 @@ def gqa_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
     return [list(range(k * g, (k + 1) * g)) for k in range(n_kv_heads)]
 
 
-def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: Optional[dict]) -> dict:
+def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: Optional[dict], row: int = 0) -> dict:
     src = run or head
+    batch = run.get("batch") if run else None  # a batch of prompts: the page shows one row
     facts = {
         "model": model,
         "groups": gqa_groups(model["n_heads"], model["n_kv_heads"]),
@@ -107,6 +108,13 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
     if summary is not None:
         facts["summary"] = {k: summary.get(k) for k in ("prompt_tokens", "generated_tokens", "stop_reason", "ttft_ms",
                                                          "prefill_tok_s", "decode_tok_s", "interrupted", "text")}
+    if batch:
+        facts["command"] = f"generate, a batch of {batch} prompts: this report shows row {row}"
+        facts["prompt"] = (run.get("prompts") or [""] * batch)[row]
+        entry = next((r for r in (summary or {}).get("rows", []) if r["row"] == row), None)
+        if entry is not None:
+            facts["summary"].update(prompt_tokens=entry.get("prompt_tokens"), generated_tokens=len(entry["tokens"]),
+                                    stop_reason=entry["stop_reason"], text=entry["text"])
     return facts
 
 

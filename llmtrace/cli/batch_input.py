@@ -1,0 +1,81 @@
+"""Several prompts for one batch (s3): repeated -p/--prompt, or a --prompts file, checked before the model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from llmtrace.cli.text_input import decode_utf8, read_file
+from llmtrace.errors import LlmtraceError, UsageError
+
+PromptsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--prompt", "-p", help="A prompt; repeat it to run several prompts as one batch (left-padded, s3).",
+    show_default=False)]
+PromptsFileOpt = Annotated[Optional[Path], typer.Option(
+    "--prompts", help="A batch of prompts from FILE: one per line, or JSON Lines objects with a \"prompt\" field.",
+    show_default=False)]
+MaxBatchOpt = Annotated[int, typer.Option(
+    "--max-batch", help="Most prompts run as one batch; more is refused (a batch's memory grows with its rows).")]
+
+
+def read_prompt_list(prompts: Optional[list[str]], prompts_file: Optional[Path], max_batch: int) -> Optional[list[str]]:
+    """The texts of -p/--prompt and --prompts FILE, in that order; None when neither was given. Each error names the
+    prompt (its -p number or the file's line) and is one line."""
+    if not prompts and prompts_file is None:
+        return None
+    if max_batch < 1:
+        raise UsageError("--max-batch must be ≥ 1")
+    texts: list[str] = []
+    for i, p in enumerate(prompts or [], 1):
+        if not p:
+            raise UsageError(f"prompt {i} (-p number {i}) is empty; give some text")
+        texts.append(decode_utf8(p.encode("utf-8", errors="surrogateescape"), f"prompt {i} (-p number {i})"))
+    if prompts_file is not None:
+        texts += _read_prompts_file(prompts_file)
+    if len(texts) > max_batch:
+        raise UsageError(f"{len(texts)} prompts, but a batch takes at most {max_batch}; pass --max-batch {len(texts)} "
+                         f"to run them all as one batch")
+    return texts
+
+
+def _read_prompts_file(path: Path) -> list[str]:
+    if str(path) == "-":
+        data = read_file(path, "prompts").encode("utf-8")
+    else:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise LlmtraceError(f"prompts file not found: {path}; check the path") from None
+        except IsADirectoryError:
+            raise LlmtraceError(f"prompts file is a directory: {path}") from None
+        except OSError as e:
+            raise LlmtraceError(f"cannot read prompts file {path}: {e.strerror}") from None
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the file's final newline
+    if not lines:
+        raise LlmtraceError(f"prompts file {path} is empty; give one prompt per line")
+    texts = []
+    jsonl = lines[0].lstrip().startswith(b"{")
+    for n, raw in enumerate(lines, 1):
+        raw = raw[:-1] if raw.endswith(b"\r") else raw
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LlmtraceError(f"{path} line {n} is not valid UTF-8: byte 0x{raw[e.start]:02x} at column {e.start + 1}") from None
+        if jsonl:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise LlmtraceError(f"{path} line {n} is not a JSON object ({e.msg}); the file's first line is, so "
+                                    f"every line must be") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise LlmtraceError(f'{path} line {n} has no "prompt" string field')
+            line = obj["prompt"]
+        if not line:
+            raise LlmtraceError(f"{path} line {n} is an empty prompt; remove the line or give some text")
+        texts.append(line)
+    return texts
