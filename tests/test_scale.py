@@ -91,7 +91,9 @@ def test_keep_quantized_default_model_equals_the_float32_path(smollm_path, smoll
     raw_bytes = sum(b.nbytes for b in lm.model.buffers() if b.dtype == torch.uint8)  # buffers(): a tied one once
     assert raw_bytes < 0.25 * 4 * smollm.model.num_params()  # Q4_1 layers, a Q8_0 embedding: not float32
     ids = torch.tensor([lm.tokenizer.encode("The capital of France is", add_special_tokens=False)])
-    torch.testing.assert_close(lm.model(ids), smollm.model(ids), atol=1e-5, rtol=0)
+    # the same weights, multiplied band by band: with 2 threads the BLAS splits the sums differently than for the
+    # whole matrix (measured up to 3.1e-5 on logits near 17), so equal to float rounding, the project's 1e-4
+    torch.testing.assert_close(lm.model(ids), smollm.model(ids), atol=1e-4, rtol=0)
     runs = []
     for m in (lm, smollm):
         res = generate(m, ids[0].tolist(), Sampler(SamplerConfig(temperature=0.0), m.config.vocab_size), 6, ignore_eos=True)
