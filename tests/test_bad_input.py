@@ -20,36 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrace.cli import main
+from conftest import fails, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # helpers
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run the CLI in this process: (exit code, stdout, stderr)."""
-    code = 0
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def fails(capsys, code: int, *argv: str, says: tuple[str, ...] = ()) -> str:
-    """Run the CLI and check the failure contract; returns the one message line."""
-    got, _, err = cli(capsys, *argv)
-    lines = err.splitlines()
-    assert got == code, f"exit {got}, expected {code}; stderr: {err!r}"
-    assert len(lines) == 1 and lines[0].startswith("error: "), f"not one error line: {err!r}"
-    assert "Traceback" not in err
-    for fragment in says:
-        assert fragment.lower() in lines[0].lower(), f"{fragment!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 def no_load(*args, **kwargs):
@@ -398,7 +375,7 @@ def test_a_failed_run_leaves_existing_outputs_alone(capsys, with_smollm, tmp_pat
 
 def test_outputs_to_devices_are_written_in_place(capsys, with_smollm, tmp_path):
     """--json /dev/null must not be replaced by a renamed file (as root, a rename would succeed)."""
-    code, _, err = cli(capsys, "generate", "hi", "-n", "2", "--json", os.devnull, "--jsonl", os.devnull)
+    code, _, err = run_cli(capsys, "generate", "hi", "-n", "2", "--json", os.devnull, "--jsonl", os.devnull)
     assert code == 0, err
     assert Path(os.devnull).is_char_device()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmtrace import registry
-from llmtrace.cli import main
+from conftest import run_cli
 from llmtrace.errors import LlmtraceError
 
 
@@ -35,16 +35,6 @@ def write_user_registry(text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
-
-
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------------------------------------------------------
