@@ -68,6 +68,13 @@ def assert_one_line_error(err: str, *says: str) -> str:
     return lines[0]
 
 
+def assert_no_conversion_left(home) -> None:
+    """A failed load leaves no (half-)converted model behind in the cache HOME."""
+    converted = home / "converted"
+    if converted.exists():
+        assert not list(converted.rglob("llmtrace_config.json")), list(converted.iterdir())
+
+
 def fails(capsys, code: int | None, *argv, says: tuple[str, ...] = ()) -> str:
     """Run the CLI and check the failure contract (exit CODE, or any non-zero one when None); returns the line."""
     got, _, err = run_cli(capsys, *argv)
