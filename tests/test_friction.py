@@ -192,7 +192,7 @@ def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tm
         ("tokenize", "Hello", "--merges", "-m", tiny_dir),
         ("detokenize", "5", "6", "-m", tiny_gguf),
         ("models",),
-        ("models", "--json"),
+        ("models", "--json", "-"),
         ("schema",),
         ("show", trace),
     ]:

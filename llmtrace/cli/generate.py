@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
-                              ThreadsOpt, app, load_options)
+from llmtrace.cli.app import app
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
+                                  ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, load_options)
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
 from llmtrace.cli.report import HtmlOpt
@@ -65,9 +65,9 @@ Examples:
 
 @app.command(help=GENERATE_HELP, no_args_is_help=False)
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --file, or stdin).", show_default=False)] = None,
+    prompt: PromptArg = None,
     model: ModelOpt = None,
-    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this UTF-8 file.")] = None,
+    file: FileOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate. 0: prefill only (the prompt, the shape table and the top-k the model would predict next).")] = 32,
     temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")] = 0,
@@ -81,8 +81,8 @@ def generate(
     ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).")] = None,
     sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' or a comma list.")] = "hf",
     seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed).")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
-    system: Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")] = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-sequence token.")] = False,
     trace: Annotated[str, typer.Option("--trace", help="Depth: none, steps, layers or full.")] = "steps",
@@ -108,7 +108,6 @@ def generate(
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
 ) -> None:
-    from llmtrace.fsutil import check_writable_target
     from llmtrace.sampler import SamplerConfig, parse_logit_bias, parse_order
     from llmtrace.events import parse_index_ranges
     from llmtrace.trace import TraceOptions
@@ -118,15 +117,7 @@ def generate(
         raise UsageError("--max-new-tokens must be ≥ 0")
     if topk < 1:
         raise UsageError("--show-top must be ≥ 1")
-    if jsonl == "-" and json_out == "-":
-        raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
-    if jsonl not in (None, "-") and json_out not in (None, "-"):
-        same = Path(jsonl).resolve()
-        if same == Path(json_out).resolve() and (same.is_file() or not same.exists()):  # /dev/null twice is fine
-            raise UsageError("--jsonl and --json name the same file; give them different names")
-    for target in (jsonl, json_out, html):
-        if target not in (None, "-"):
-            check_writable_target(Path(target))
+    check_outputs(json_out, jsonl, html)
     options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
     scfg = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,

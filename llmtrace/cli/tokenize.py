@@ -7,13 +7,13 @@ Both are thin: they read the input, call `TextTokenizer` / `llmtrace.bpe`, and r
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import ModelOpt, app
+from llmtrace.cli.app import app
+from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.tokenizer import TextTokenizer, TokenInfo, check_messages
@@ -187,9 +187,10 @@ Examples:
   llmtrace tokenize "你好 😀" --merges
   llmtrace tokenize "<|im_start|>user" --no-special
   llmtrace tokenize "What is 2+2?" --chat --system "Be brief."
-  llmtrace tokenize --messages chat.json --json
+  llmtrace tokenize --messages chat.json --json -
   llmtrace tokenize --file notes.txt --ids
-  echo "piped text" | llmtrace tokenize --jsonl
+  echo "piped text" | llmtrace tokenize --jsonl -
+  llmtrace tokenize "Hello world" --merges --json tokens.json
 
 {NEWLINE_NOTE}
 """
@@ -209,14 +210,15 @@ def tokenize(
     merges: Annotated[bool, typer.Option("--merges", help="Show the BPE merges that build each word's tokens.")] = False,
     words: Annotated[int, typer.Option("--words", metavar="N", help="With --merges: how many words to show.", min=1)] = 20,
     ids: Annotated[bool, typer.Option("--ids", help="Print only the ids, space-separated.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
-    as_jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per token (and per merged word with --merges).")] = False,
+    as_json: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write one JSON document to FILE (- for stdout).", show_default=False)] = None,
+    as_jsonl: Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help="Write one JSON object per token (and per merged word with --merges) to FILE (- for stdout).", show_default=False)] = None,
 ) -> None:
     """Split text into tokens and show each one: id, piece, text, UTF-8 bytes, character span, special or not.
 
     Tokens that hold only part of a character (CJK, emoji) say which bytes they carry, e.g. "e4 bd (1-2/3 of 你)".
     """
-    _check_one_format(ids=ids, json=as_json, jsonl=as_jsonl)
+    _check_one_format(ids=ids, json=as_json == "-", jsonl=as_jsonl == "-")
+    check_outputs(as_json, as_jsonl)
     chat = chat or system is not None or role is not None or messages is not None
     source = read_text(text, file, "text", stdin=messages is None)
 
@@ -256,9 +258,6 @@ def tokenize(
         total_words = len(all_traces)
         traces = all_traces[:words]
 
-    if ids:
-        print(" ".join(str(t.id) for t in tokens))
-        return
     if as_json or as_jsonl:
         head = {
             "model": model,
@@ -276,15 +275,18 @@ def tokenize(
             doc = {**head, "tokens": [t.to_dict() for t in tokens]}
             if traces is not None:
                 doc["merges"] = {"words_total": total_words, "words": [w.to_dict() for w in traces]}
-            print(json.dumps(doc, ensure_ascii=False))
-        else:
-            for t in tokens:
-                print(json.dumps({"kind": "token", **t.to_dict()}, ensure_ascii=False))
-            for w in traces or ():
-                print(json.dumps({"kind": "word", **w.to_dict()}, ensure_ascii=False))
+            write_output(as_json, json.dumps(doc, ensure_ascii=False) + "\n")
+        if as_jsonl:
+            lines = [json.dumps({"kind": "token", **t.to_dict()}, ensure_ascii=False) for t in tokens]
+            lines += [json.dumps({"kind": "word", **w.to_dict()}, ensure_ascii=False) for w in traces or ()]
+            write_output(as_jsonl, "".join(line + "\n" for line in lines))
+    if ids:
+        print(" ".join(str(t.id) for t in tokens))
+        return
+    if "-" in (as_json, as_jsonl) and not sys.stderr.isatty():
         return
 
-    con = _console()
+    con = _console(err="-" in (as_json, as_jsonl))
     if conversation is not None:
         from rich.panel import Panel
 
@@ -304,7 +306,7 @@ _DETOKENIZE_EPILOG = """\b
 Examples:
   llmtrace detokenize 19556 905
   llmtrace tokenize "Hello world" --ids | llmtrace detokenize
-  llmtrace detokenize 1 4093 198 6004 2 --skip-special --json
+  llmtrace detokenize 1 4093 198 6004 2 --skip-special --json -
 """
 
 
@@ -324,9 +326,10 @@ def detokenize(
     token_ids: Annotated[Optional[list[str]], typer.Argument(metavar="[IDS]...", help="Token ids (or pipe them on stdin, separated by spaces, commas or newlines).", show_default=False)] = None,
     model: ModelOpt = None,
     skip_special: Annotated[bool, typer.Option("--skip-special", help="Leave special tokens out of the joined text.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    as_json: JsonOpt = None,
 ) -> None:
     """Turn token ids back into text: each id's piece and text, then the joined text."""
+    check_outputs(as_json, None)
     if token_ids:
         values = list(token_ids)
     elif not sys.stdin.isatty():
@@ -351,13 +354,15 @@ def detokenize(
         for i, tid in enumerate(id_list)
     ]
     if as_json:
-        print(json.dumps({"model": model, "ids": id_list, "tokens": rows, "text": joined}, ensure_ascii=False))
-        return
+        doc = {"model": model, "ids": id_list, "tokens": rows, "text": joined}
+        write_output(as_json, json.dumps(doc, ensure_ascii=False) + "\n")
+        if as_json == "-" and not sys.stderr.isatty():
+            return
 
     from rich.table import Table
     from rich.text import Text
 
-    con = _console()
+    con = _console(err=as_json == "-")
     table = Table(header_style="bold")
     for name, justify in (("#", "right"), ("id", "right"), ("piece", "left"), ("text", "left"), ("UTF-8 bytes", "left"), ("special", "left")):
         table.add_column(name, justify=justify)
