@@ -23,7 +23,6 @@ SEED_STEP = {  # where each point sits in the seed table
 }
 # At level "layers" each selected layer reports only its two residual-stream points.
 LAYER_LEVEL_POINTS = ("resid_mid", "resid_post")
-ATTENTION_INTERNALS = ("k_repeated", "scores", "probs")  # these exist only on the eager attention path
 
 
 def schema_path() -> Path:

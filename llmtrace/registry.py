@@ -336,16 +336,6 @@ def cache_status(key: str, *, verify: bool = False) -> CacheStatus:
     return CacheStatus("present", model=model, bytes=total)
 
 
-def is_present(name: str) -> bool:
-    """True when `name` (a registry name, a hub id or a path) can be used without downloading anything."""
-    name = name.strip()
-    if name in load_registry():
-        return cache_status(name).state == "present"
-    if _looks_like_path(name):
-        return Path(name).expanduser().exists()
-    return bool(_HUB_ID_RE.match(name)) and cache_status(name).state == "present"
-
-
 def _write_manifest(directory: Path, key: str, kind: str, main: str, source: Source, known: dict[str, str]) -> None:
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):

