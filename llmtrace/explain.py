@@ -31,8 +31,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from llmtrace.errors import UsageError
-from llmtrace.events import LAYER_POINTS, SEED_STEP, parse_indices
+from llmtrace.errors import BadValue
+from llmtrace.events import LAYER_POINTS, SEED_STEP
+from llmtrace.indices import parse_indices
 from llmtrace.generate import check_context
 from llmtrace.model import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
 from llmtrace.quant import storage_table, weight_count
@@ -48,10 +49,10 @@ MAP_CELLS = 40  # an attention map wider than this many positions is summarised 
 
 
 def resolve_layer(layer: int, n_layers: int) -> int:
-    """--layer N with negative N counting from the end (-1 is the last layer)."""
+    """Layer N, with negative N counting from the end (-1 is the last layer)."""
     if not -n_layers <= layer < n_layers:
-        raise UsageError(f"--layer {layer} is out of range: this model has {n_layers} layers "
-                         f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
+        raise BadValue("layer", f" {layer} is out of range: this model has {n_layers} layers "
+                       f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
     return layer % n_layers
 
 
@@ -59,19 +60,19 @@ def resolve_head(head: Optional[int], n_heads: int) -> Optional[int]:
     if head is None:
         return None
     if not -n_heads <= head < n_heads:
-        raise UsageError(f"--head {head} is out of range: this model has {n_heads} query heads (0..{n_heads - 1})")
+        raise BadValue("head", f" {head} is out of range: this model has {n_heads} query heads (0..{n_heads - 1})")
     return head % n_heads
 
 
 def parse_positions(spec: Optional[str], n_tokens: int, last: int = 12) -> list[int]:
     """Prompt positions for the lens columns: 'all', '0,3,-1', '2-5'; None means the last `last` positions."""
     if last < 1:
-        raise UsageError("--last must be ≥ 1")
+        raise BadValue("last", " must be ≥ 1")
     if spec is None:
         return list(range(max(0, n_tokens - last), n_tokens))
     if spec.strip() == "all":
         return list(range(n_tokens))
-    return parse_indices(spec, n_tokens, "--positions", "position", "the prompt has")
+    return parse_indices(spec, n_tokens, "positions", "position", "the prompt has")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from llmtrace import __version__
-from llmtrace.errors import UsageError
+from llmtrace.errors import BadValue
 
 from llmtrace.events import (
     LAYER_LEVEL_POINTS,
@@ -44,12 +44,12 @@ class TraceOptions:
 
     def __post_init__(self):
         if self.level not in LEVELS:
-            raise UsageError(f"--trace must be one of {', '.join(LEVELS)}, not {self.level!r}")
+            raise BadValue("level", f" must be one of {', '.join(LEVELS)}, not {self.level!r}")
         known = set(LAYER_POINTS) | set(MODEL_POINTS)
         for d in self.dump:
             name = d.split(".", 1)[1] if "." in d and d.split(".", 1)[0].lstrip("-").isdigit() else d
             if name not in known:
-                raise UsageError(f"--dump: unknown point {d!r}; known points: {', '.join(MODEL_POINTS + LAYER_POINTS)}")
+                raise BadValue("dump", f": unknown point {d!r}; known points: {', '.join(MODEL_POINTS + LAYER_POINTS)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

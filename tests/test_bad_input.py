@@ -255,7 +255,7 @@ def test_models_toml_syntax_error_names_the_line(capsys, monkeypatch, tmp_path):
     (["--logit-bias", "1234=strong"], ("--logit-bias", "1234=strong")),
     (["--logit-bias", "=5"], ("--logit-bias", "ID=BIAS")),
     (["--logit-bias", "-3=1"], ("--logit-bias", "outside the vocabulary")),
-    (["--logit-bias", "12=inf"], ("--logit-bias", "finite", "--ban")),
+    (["--logit-bias", "12=inf"], ("--logit-bias", "finite", "a ban forbids")),
     (["--logit-bias", "12=1", "--logit-bias", "12=2"], ("given twice",)),
     (["--sampler-order", "top_k,warp"], ("warp",)),
     (["--max-new-tokens", "-1"], ("--max-new-tokens",)),

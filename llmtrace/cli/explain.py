@@ -120,7 +120,7 @@ def lens(
 ) -> None:
     from llmtrace.explain import lens_events, parse_positions
     from llmtrace.generate import check_context
-    from llmtrace.events import parse_layers
+    from llmtrace.indices import parse_layers
 
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html)
     if last < 1:

@@ -110,7 +110,7 @@ def generate(
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
 ) -> None:
     from llmtrace.sampler import SamplerConfig, parse_logit_bias, parse_order
-    from llmtrace.events import parse_index_ranges
+    from llmtrace.indices import parse_index_ranges
     from llmtrace.trace import TraceOptions
 
     # Everything the user typed is checked before the (slow) model load.
@@ -126,7 +126,7 @@ def generate(
     scfg.validate(vocab_size=sys.maxsize)  # ranges now; ids against the real vocabulary after the load
     parse_logit_bias(logit_bias or [], sys.maxsize)  # the same for the syntax of --logit-bias and --layers
     if layers is not None and layers.strip() not in ("", "all"):
-        parse_index_ranges(layers, "--layers", "layer")
+        parse_index_ranges(layers, "layers", "layer")
     text = read_prompt(prompt, file)
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
@@ -169,7 +169,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import TerminalRenderer, make_console
     from llmtrace.sampler import Sampler, parse_logit_bias
-    from llmtrace.events import parse_layers
+    from llmtrace.indices import parse_layers
     from llmtrace.sinks import JsonDocSink
     from llmtrace.trace import Recorder
 

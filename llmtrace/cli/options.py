@@ -80,6 +80,15 @@ OffloadDirOpt = Annotated[
 ]
 
 
+# A value's flag, where it is not the field's name with dashes ("top_p" -> --top-p).
+FLAG_OF_FIELD = {"order": "--sampler-order", "level": "--trace"}
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag that gives a library field: a BadValue's message names the flag, not the field."""
+    return FLAG_OF_FIELD.get(field) or "--" + field.replace("_", "-")
+
+
 def load_options(model: Optional[str], keep_quantized: bool, device_map: Optional[str], max_memory: Optional[list[str]],
                  offload_dir: Optional[Path]) -> dict:
     """The scale options as load_model's keyword arguments, checked before the load (one-line errors)."""
