@@ -36,8 +36,8 @@ from llmtrace.events import LAYER_POINTS, SEED_STEP
 from llmtrace.indices import parse_indices
 from llmtrace.generate import check_context
 from llmtrace.model import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
-from llmtrace.quant import storage_table, weight_count
-from llmtrace.trace import tensor_stats
+from llmtrace.records import SIGNIFICANT_DIGITS, explain_model_record, rounded, tokens_event
+from llmtrace.stats import tensor_stats
 
 RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
 NEAR_ZERO = 0.05  # |silu(gate)| below this counts as a unit that is (nearly) switched off
@@ -135,15 +135,12 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> 
 # small helpers
 
 
-def _r(x: float, digits: int = 6):
-    """A float for JSON: rounded to `digits` significant digits; inf and nan become None."""
-    x = float(x)
-    if math.isinf(x) or math.isnan(x):
-        return None
-    return float(f"{x:.{digits}g}")
+def _r(x, digits: int = SIGNIFICANT_DIGITS):
+    """A number (a float, or a one-element tensor) for JSON, by the trace's one rounding rule (records.rounded)."""
+    return rounded(float(x), digits)
 
 
-def _rl(t: torch.Tensor, digits: int = 6) -> list:
+def _rl(t: torch.Tensor, digits: int = SIGNIFICANT_DIGITS) -> list:
     """A tensor as (nested) lists of rounded floats."""
     if t.dim() == 0:
         return _r(t.item(), digits)
@@ -157,24 +154,6 @@ def _stats(x: torch.Tensor) -> dict:
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise cosine similarity of (T, D) tensors, float32."""
     return F.cosine_similarity(a.float(), b.float(), dim=-1)
-
-
-def token_dict(tok, index: int, tid: int) -> dict:
-    return {"index": index, "id": tid, "piece": tok.piece(tid), "text": tok.decode([tid]), "special": tok.is_special(tid)}
-
-
-def tokens_event(tok, ids: list[int]) -> dict:
-    """The schema's `tokens` event, as `generate` writes it."""
-    return {"event": "tokens", "tokens": [token_dict(tok, i, t) for i, t in enumerate(ids)], "count": len(ids)}
-
-
-def model_info(lm) -> dict:
-    c = lm.config
-    return {"name": lm.name, "source": lm.source, "arch": c.arch, "n_layers": c.n_layers, "d_model": c.d_model,
-            "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
-            "vocab_size": c.vocab_size, "rope_theta": c.rope_theta, "rms_eps": _r(c.rms_eps),
-            "tie_embeddings": c.tie_embeddings, "n_params": weight_count(lm.model), "storage": storage_table(lm.model),
-            "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", "")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -607,7 +586,7 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
     head = resolve_head(head, c.n_heads)
     cap = capture(lm.model, ids, layer)
     events = [{"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
-               "model": model_info(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids)},
+               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids)},
               tokens_event(lm.tokenizer, ids)]
     events += tensor_events(cap)
     events.append(layer_section(lm.model, layer, len(ids)))
@@ -629,7 +608,7 @@ def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[
     check_context(lm, len(ids), 0)
     cap = capture(lm.model, ids, None)
     events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
-               "model": model_info(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
+               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
                "positions": positions, "layers": layers if layers is not None else list(range(lm.config.n_layers))},
               tokens_event(lm.tokenizer, ids)]
     return events + lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)

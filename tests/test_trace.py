@@ -255,9 +255,11 @@ def test_prepared_json_lines_equal_the_encoder(smollm):
 
 
 def test_statistics_rounded_on_the_device_equal_rounding_each_value():
-    """_rounded_rows rounds the (n, 6) statistics rows in one batch; each value must equal _round's "%.7g", across
-    magnitudes, for float32-derived values, zeros, the limits of the batched path and non-finite entries (None)."""
-    from llmtrace.trace import _round, _rounded_rows
+    """stats.rounded_rows rounds the (n, 6) statistics rows in one batch; each value must equal records.rounded's
+    "%.7g", across magnitudes, for float32-derived values, zeros, the limits of the batched path and non-finite
+    entries (None)."""
+    from llmtrace.records import rounded as _round
+    from llmtrace.stats import rounded_rows as _rounded_rows
 
     gen = torch.Generator().manual_seed(0)
     mags = torch.pow(10.0, torch.empty(30000, dtype=torch.float64).uniform_(-14, 21, generator=gen))
@@ -272,6 +274,35 @@ def test_statistics_rounded_on_the_device_equal_rounding_each_value():
     for row, out in zip(rows.tolist(), got):
         assert out[:5] == [_round(v) for v in row[:5]]
         assert out[5] == row[5]  # the count is not rounded
+
+
+def test_the_records_and_the_schema_name_the_same_fields():
+    """records.py defines the records once; the schema must know every field they write and require none they lack."""
+    from llmtrace import records
+
+    defs = json.loads(schema_path().read_text())["$defs"]
+    explain_model = next(c["then"] for c in defs["explain"]["allOf"] if "model" in c["then"].get("properties", {}))
+    pairs = [
+        (records.TokensEvent, defs["tokens"]),
+        (records.TokenRecord, defs["tokens"]["properties"]["tokens"]["items"]),
+        (records.StatsRecord, defs["tensor"]["properties"]["stats"]),
+        (records.ModelRecord, defs["run"]["properties"]["model"]),
+        (records.ExplainModelRecord, explain_model["properties"]["model"]),
+    ]
+    for record, schema in pairs:
+        fields = set(record.__annotations__) - {"event"}  # `event` is each event's discriminator, checked by its $def
+        assert fields <= set(schema["properties"]), (record.__name__, fields - set(schema["properties"]))
+        assert set(schema.get("required", ())) - {"event"} <= set(record.__required_keys__), record.__name__
+
+
+def test_one_rounding_rule_for_generate_and_explain():
+    """Both commands write 7 significant digits: a value in an explain section rounds as the recorder rounds."""
+    from llmtrace.explain import _r
+    from llmtrace.records import rounded
+
+    x = 0.123456789123
+    assert _r(x) == rounded(x) == 0.1234568
+    assert _r(torch.tensor(x)) == rounded(float(torch.tensor(x)))
 
 
 def test_prefill_only_run_reports_shapes_prediction_and_summary(smollm):
