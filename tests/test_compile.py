@@ -13,6 +13,8 @@ from llmtrace.generate import compile_decode, generate
 from llmtrace.sampler import Sampler, SamplerConfig
 from llmtrace.trace import Recorder, TraceOptions
 
+pytestmark = pytest.mark.slow  # compares with transformers or compiles: minutes on a small CPU
+
 PROMPT = "The three laws of thermodynamics state that"
 N = 16
 

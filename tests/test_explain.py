@@ -104,6 +104,7 @@ def _hf_run(hf, ids):
         return hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny", "smollm"])
 def test_layer_output_and_probs_equal_transformers(which, request):
     if which == "tiny":
@@ -386,6 +387,7 @@ def test_cli_explain_json_validates(smollm_path, validator):
     assert [e["stage"] for e in events if e["event"] == "lens"] == ["resid_mid", "resid_post", "logits"]
 
 
+@pytest.mark.slow
 def test_cli_lens_jsonl_validates_and_explain_renders(tiny, validator):
     _, _, path = tiny
     r = _cli("lens", PROMPT, "-m", str(path), "--positions", "0,-1", "--top", "3", "--jsonl", "-")
@@ -402,6 +404,7 @@ def test_cli_lens_jsonl_validates_and_explain_renders(tiny, validator):
     assert "rope_type=linear" in out
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line(smollm_path, tiny):
     r = _cli("explain", PROMPT, "--layer", "30", "-m", str(smollm_path))
     assert r.returncode == 2

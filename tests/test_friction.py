@@ -179,6 +179,7 @@ def imports_torch(*argv, env: dict, stdin: str = "") -> tuple[bool, subprocess.C
     return proc.stderr.strip().splitlines()[-1] == "True", proc
 
 
+@pytest.mark.slow
 def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tmp_path, capsys, monkeypatch):
     from llmtrace.loader import load_model
 

@@ -175,6 +175,7 @@ def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
 # the stream as a reader sees it
 
 
+@pytest.mark.slow
 def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkeypatch, real_model, tmp_path):
     """Every write call carries whole lines; a pass's tensor events go out with its step event, before the next
     forward pass begins. So a reader following the file sees each step as it ends, and never half a line."""
@@ -257,6 +258,7 @@ def test_ctrl_c_in_a_forward_pass(capsys, monkeypatch, real_model, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_run_starts_still_gives_a_whole_stream(capsys, monkeypatch, real_model, tmp_path):
     """The run and tokens events are written whole; the Ctrl-C is taken after them and the summary follows."""
     sigint_on_event(monkeypatch, "run")
@@ -267,6 +269,7 @@ def test_ctrl_c_while_the_run_starts_still_gives_a_whole_stream(capsys, monkeypa
     assert check_interrupted_trace(events)["generated_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_summary_is_written(capsys, monkeypatch, real_model, tmp_path):
     """The summary is finished first. The run had ended, so the stream says so; the document is not started."""
     doc = tmp_path / "t.json"
@@ -280,6 +283,7 @@ def test_ctrl_c_while_the_summary_is_written(capsys, monkeypatch, real_model, tm
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_document_is_renamed(capsys, monkeypatch, real_model, tmp_path):
     """fsync and rename run with Ctrl-C held: the document lands whole, then the run ends with 130."""
     import llmtrace.fsutil as fsutil

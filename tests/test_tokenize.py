@@ -151,6 +151,7 @@ def sp_tt(sp_gguf) -> TextTokenizer:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", STRINGS)
 def test_ids_match_transformers(tt, hf, text):
     assert tt.encode(text) == hf.encode(text)
@@ -254,6 +255,7 @@ def test_merge_word_leftmost_first():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_matches_transformers(tt, hf, messages, add_generation_prompt):
@@ -289,6 +291,7 @@ def test_chat_template_errors(tt):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_save_and_load_hf_dir_round_trip(tt, hf, tmp_path):
     tt.save_hf_dir(tmp_path / "tok")
     back = TextTokenizer.from_hf_dir(tmp_path / "tok")
@@ -302,6 +305,7 @@ def test_save_and_load_hf_dir_round_trip(tt, hf, tmp_path):
     assert [p for w in trace_merges(back, STRINGS[1]) for p in w.final] == [tt.piece(i) for i in tt.encode(STRINGS[1])]
 
 
+@pytest.mark.slow
 def test_reads_a_transformers_saved_dir(tt, hf, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     loaded = TextTokenizer.from_hf_dir(tmp_path / "hf")
@@ -565,6 +569,7 @@ def test_cli_invalid_utf8_and_missing_file(gguf_path, tmp_path, monkeypatch, cap
     assert code == 2 and "nothing to tokenize" in err
 
 
+@pytest.mark.slow
 def test_cli_chat(gguf_path, hf, monkeypatch, capsys, tmp_path):
     code, out, err = run_cli(capsys, *["tokenize", "Hi!", "--system", "Be brief.", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     assert code == 0, err
@@ -641,6 +646,7 @@ def test_cli_usage_errors_and_help(gguf_path, monkeypatch, capsys):
     assert code == 0 and "Examples:" in out and "--merges" in out and "--no-special" in out
 
 
+@pytest.mark.slow
 def test_bytes_without_a_token_are_located_and_reported(gguf_path, tt, hf, monkeypatch, capsys):
     """SmolLM2's byte-level vocabulary has no token for 21 byte values (0x04 among them): the tokenizer drops them,
     as transformers' does. Spans after such a byte follow the bytes (the tokenizers library's offsets lose count), and

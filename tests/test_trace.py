@@ -160,6 +160,7 @@ def test_dump_records_values(smollm):
             assert math.fsum(row) == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_jsonl_on_stdout_reads_line_by_line(smollm_path, tmp_path):
     cmd = [sys.executable, "-m", "llmtrace", "generate", PROMPT, "-m", str(smollm_path), "-n", "3", "--jsonl", "-"]
     reader = "import sys, json; ev = [json.loads(l) for l in sys.stdin]; print(len(ev), ev[0]['event'], ev[-1]['event'])"
