@@ -20,7 +20,7 @@ import torch
 from llmtrace.compiled import CompiledDecode, decode_step
 from llmtrace.errors import LlmtraceError
 from llmtrace.fsutil import sigint_deferred
-from llmtrace.loader import LoadedModel
+from llmtrace.loaded import LoadedModel
 from llmtrace.model import KVCache, Transformer
 from llmtrace.sampler import Ledger, Sampler
 

@@ -12,18 +12,21 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import struct
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
+from llmtrace.devices import (DTYPES, cpuinfo_cores, physical_cores, pick_device, pick_dtype,  # noqa: F401
+                              set_threads, thread_count)
 from llmtrace.errors import LlmtraceError, UsageError, one_line
+from llmtrace.gguf_file import GGUFField, GGUFFile, GGUFTensor, open_gguf  # noqa: F401
+from llmtrace.loaded import LoadedModel
 from llmtrace.model import ModelConfig, Transformer
 from llmtrace.registry import CONVERSION_SOURCE, conversion_source, converted_dir  # the cache's business
 from llmtrace.tokenizer import load_tokenizer  # noqa: F401  (it needs no torch, so `tokenize` loads it from there)
@@ -34,58 +37,6 @@ SUPPORTED_HF_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_GGUF_ARCHS = {"llama", "mistral", "qwen2"}
-
-
-@dataclass
-class LoadedModel:
-    name: str  # registry name or path, for display
-    source: str  # "gguf" or "hf"
-    path: Path
-    config: ModelConfig
-    model: Transformer
-    tokenizer: "TextTokenizer"  # noqa: F821
-    device: torch.device
-    dtype: torch.dtype
-    load_s: float  # seconds spent loading (conversion included on a cold GGUF load)
-    converted: bool  # True if this load had to convert a GGUF (cold start)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# devices and dtypes
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def pick_device(requested: Optional[str] = None) -> torch.device:
-    """CUDA if available, else MPS, else CPU; `requested` overrides and is checked."""
-    if requested is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    name = requested.lower()
-    kind = name.split(":")[0]
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise LlmtraceError("--device cuda was asked for, but this machine has no CUDA device (or torch is a CPU build); use --device cpu")
-    if kind == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-        raise LlmtraceError("--device mps was asked for, but MPS is not available here; use --device cpu")
-    if kind not in ("cuda", "mps", "cpu"):
-        raise UsageError(f"unknown --device {requested!r}; choose cuda, mps or cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as e:
-        raise UsageError(f"bad --device {requested!r}: {e}") from None
-
-
-def pick_dtype(requested: Optional[str], device: torch.device) -> torch.dtype:
-    if requested is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return DTYPES[requested.lower()]
-    except KeyError:
-        raise UsageError(f"unknown --dtype {requested!r}; choose float32, bfloat16 or float16") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -321,127 +272,6 @@ def _rename_gguf(key: str) -> Optional[str]:
         if sub in GGUF_LAYER_KEYS:
             return f"layers.{i}.{GGUF_LAYER_KEYS[sub]}"
     return key
-
-
-class GGUFField(NamedTuple):
-    """One metadata value; `contents()` as in the gguf package's reader (tokenizer.from_gguf reads either)."""
-
-    value: Any
-
-    def contents(self) -> Any:
-        return self.value
-
-
-class GGUFTensor(NamedTuple):
-    name: str
-    tensor_type: "GGMLQuantizationType"  # noqa: F821
-    shape: tuple[int, ...]  # GGUF order: innermost dimension first
-    data: Any  # numpy view of the file's bytes: typed for float types, (rows..., bytes per row) uint8 for quantized
-    file_offset: int = 0  # where its bytes start in the file
-    nbytes: int = 0
-
-
-class GGUFFile:
-    """The metadata and tensor directory of a GGUF file, read with `struct` from one memory map.
-
-    The layout (little-endian): magic "GGUF", version (u32), tensor count (u64), metadata count (u64); then each
-    metadata entry as key (u64 length + UTF-8), value type (u32), value; then each tensor as name, n_dims (u32),
-    dims (u64 each, innermost first), type (u32), offset (u64); then, aligned to `general.alignment`, the data.
-    The gguf package's own reader builds numpy views of every metadata element, which takes seconds for a
-    50,000-entry vocabulary; this reads the same values directly. Dequantization stays with the gguf package.
-    """
-
-    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-    _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-    _STRING, _ARRAY = 8, 9
-
-    def __init__(self, path: Path):
-        import mmap
-
-        import numpy as np
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-        from gguf.quants import quant_shape_to_byte_shape
-
-        self.path = Path(path)
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        buf, self._pos = self._map, 0
-        if buf[:4] != b"GGUF":
-            raise ValueError("no GGUF magic number")
-        version, n_tensors, n_fields = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} (big-endian or unknown; versions 2 and 3 are read)")
-        self._pos = 24
-        self.fields: dict[str, GGUFField] = {}
-        for _ in range(n_fields):
-            key = self._string()
-            self.fields[key] = GGUFField(self._value(self._u32()))
-        infos = []
-        for _ in range(n_tensors):
-            name = self._string()
-            n_dims = self._u32()
-            dims = struct.unpack_from(f"<{n_dims}Q", buf, self._pos)
-            self._pos += 8 * n_dims
-            kind, offset = struct.unpack_from("<IQ", buf, self._pos)
-            self._pos += 12
-            infos.append((name, dims, GGMLQuantizationType(kind), offset))
-        align = int(self.fields.get("general.alignment", GGUFField(32)).value)
-        data_start = -(-self._pos // align) * align
-        self.tensors: list[GGUFTensor] = []
-        for name, dims, kind, offset in infos:
-            n = math.prod(dims)
-            block, type_size = GGML_QUANT_SIZES[kind]
-            np_shape = tuple(reversed(dims))
-            float_types = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
-            if kind.name in float_types:
-                dtype, count = float_types[kind.name], n
-            else:
-                dtype, count, np_shape = "<u1", n * type_size // block, quant_shape_to_byte_shape(np_shape, kind)
-            start = data_start + offset
-            if start + n * type_size // block > len(buf):
-                raise ValueError(f"tensor {name} ends past the end of the file")
-            data = np.frombuffer(buf, dtype=dtype, count=count, offset=start).reshape(np_shape)
-            self.tensors.append(GGUFTensor(name, kind, dims, data, start, n * type_size // block))
-
-    def _u32(self) -> int:
-        (v,) = struct.unpack_from("<I", self._map, self._pos)
-        self._pos += 4
-        return v
-
-    def _string(self) -> str:
-        (n,) = struct.unpack_from("<Q", self._map, self._pos)
-        start, self._pos = self._pos + 8, self._pos + 8 + n
-        if self._pos > len(self._map):
-            raise ValueError("a string runs past the end of the file")
-        return str(self._map[start : self._pos], "utf-8")
-
-    def _value(self, kind: int) -> Any:
-        if kind == self._STRING:
-            return self._string()
-        if kind == self._ARRAY:
-            item, count = struct.unpack_from("<IQ", self._map, self._pos)
-            self._pos += 12
-            if item == self._STRING:
-                return [self._string() for _ in range(count)]
-            if item in self._NUMPY:  # numbers: one numpy read for the whole array
-                import numpy as np
-
-                arr = np.frombuffer(self._map, dtype=self._NUMPY[item], count=count, offset=self._pos)
-                self._pos += arr.nbytes
-                return arr.tolist()
-            return [self._value(item) for _ in range(count)]  # arrays of arrays
-        fmt = self._SCALARS[kind]
-        (v,) = struct.unpack_from(fmt, self._map, self._pos)
-        self._pos += struct.calcsize(fmt)
-        return v
-
-
-def open_gguf(path: Path) -> GGUFFile:
-    try:
-        return GGUFFile(path)
-    except Exception as e:  # struct.error, ValueError, KeyError, IndexError, ... on bad files
-        raise LlmtraceError(f"{path}: not a readable GGUF file ({one_line(e)}); it may be truncated or corrupt: "
-                            f"download it again") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -888,71 +718,3 @@ def _open_checkpoint(resolved) -> tuple[ModelConfig, dict[str, list], "TextToken
     config.extra = {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
     plan = plan_layout(hf_entries(resolved.path), config, where)
     return config, plan, TextTokenizer.from_hf_dir(resolved.path), False
-
-
-def physical_cores() -> int:
-    """The physical cores this process may run on: hyperthread siblings count once, as they share one core's FPUs.
-
-    Linux: the (package, core) ids in /sys of the CPUs in our affinity set, else /proc/cpuinfo; elsewhere psutil when
-    it is installed; else every logical CPU.
-    """
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    cores = set()
-    for cpu in allowed or ():
-        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add((topology.joinpath("physical_package_id").read_text().strip(),
-                       topology.joinpath("core_id").read_text().strip()))
-        except OSError:
-            cores.clear()
-            break
-    if not cores and allowed:
-        try:
-            cores = cpuinfo_cores(Path("/proc/cpuinfo").read_text(), set(allowed))
-        except OSError:
-            pass
-    if cores:
-        return len(cores)
-    logical = len(allowed) if allowed else os.cpu_count() or 1
-    try:
-        import psutil
-
-        n = psutil.cpu_count(logical=False)  # the whole machine's cores, so capped by the CPUs we may use
-    except ImportError:
-        n = None
-    return min(n, logical) if n else logical
-
-
-def cpuinfo_cores(text: str, allowed: set[int]) -> set[tuple[str, str]]:
-    """(physical id, core id) of each allowed CPU in the text of /proc/cpuinfo; empty when it does not say."""
-    cores = set()
-    for block in text.split("\n\n"):
-        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
-        if fields.get("processor", "").isdigit() and "core id" in fields and int(fields["processor"]) in allowed:
-            cores.add((fields.get("physical id", "0"), fields["core id"]))
-    return cores
-
-
-def thread_count(n: Optional[int] = None) -> int:
-    """The CPU threads to use: `n` (--threads), else $LLMTRACE_THREADS, else the physical cores."""
-    if n is None:
-        env = os.environ.get("LLMTRACE_THREADS", "").strip()
-        if env:
-            if not env.isdigit() or int(env) < 1:
-                raise UsageError(f"LLMTRACE_THREADS must be a whole number ≥ 1, not {env!r}")
-            n = int(env)
-    elif n < 1:
-        raise UsageError("--threads must be ≥ 1")
-    return n if n is not None else physical_cores()
-
-
-def set_threads(n: Optional[int] = None) -> int:
-    """Pin torch's CPU threads to thread_count(n) and return that number.
-
-    Physical cores, not logical CPUs, by default: two threads on one core's hyperthreads, or more threads than the
-    cores left free by a busy machine, make every matrix product wait for the slowest thread.
-    """
-    n = thread_count(n)
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)
-    return n

@@ -59,7 +59,7 @@ CPUINFO_2_CORES_4_THREADS = "\n\n".join(
 
 
 def test_hyperthread_siblings_count_as_one_core():
-    from llmtrace.loader import cpuinfo_cores
+    from llmtrace.devices import cpuinfo_cores
 
     assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 1, 2, 3})) == 2
     assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 2})) == 1  # two siblings of core 0
