@@ -190,7 +190,7 @@ def test_half_written_cache_is_not_taken_as_whole():
 
     # With a manifest written last, the copy counts; a file that then shrinks or changes does not.
     source = registry.Source(kind="pypi", package="p", version="1", member="m.gguf")
-    registry._write_manifest(model_dir, registry.DEFAULT_MODEL, "gguf", gguf.name, source, {})
+    registry.write_manifest(model_dir, registry.DEFAULT_MODEL, "gguf", gguf.name, source, {})
     assert registry.resolve(None, download=False) == registry.ResolvedModel(registry.DEFAULT_MODEL, "gguf", gguf.resolve())
     gguf.write_bytes(b"GGUF" + bytes(999))
     assert "wrong size" in registry.cache_status(registry.DEFAULT_MODEL).reason
