@@ -364,22 +364,22 @@ def tiny_gguf(tmp_path, monkeypatch):
 
 
 def test_a_conversion_cut_short_leaves_nothing_behind(monkeypatch, tiny_gguf, tmp_path):
-    from llmtrace import loader
+    from llmtrace import conversion
     from llmtrace.loader import converted_dir, load_model
 
-    save_file = loader.write_safetensors
+    save_file = conversion.write_safetensors
 
     def half_then_ctrl_c(plan, filename, *args, **kwargs):
         Path(filename).write_bytes(b"\0" * 1000)  # half a file on disk, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "write_safetensors", half_then_ctrl_c)
+    monkeypatch.setattr(conversion, "write_safetensors", half_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         load_model(str(tiny_gguf), device="cpu")
     cache = converted_dir(tiny_gguf).parent
     assert not cache.exists() or list(cache.iterdir()) == []
 
-    monkeypatch.setattr(loader, "write_safetensors", save_file)
+    monkeypatch.setattr(conversion, "write_safetensors", save_file)
     lm = load_model(str(tiny_gguf), device="cpu")
     assert lm.converted and [p.name for p in cache.iterdir()] == [converted_dir(tiny_gguf).name]
 
