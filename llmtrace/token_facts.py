@@ -154,3 +154,17 @@ def _locate(
         if text_bytes.startswith(data, at):
             return at, at + len(data)
     return None
+
+
+def bos_eos_summary(tt, tokens: list[TokenInfo], add_special: bool, chat: bool) -> dict:
+    """Whether BOS and EOS were added to TOKENS, and why (the `tokenize` summary line and its JSON)."""
+    added_ids = [t.id for t in tokens if t.span is None]
+    bos_added = tt.bos_id is not None and tt.bos_id in added_ids[:1]
+    eos_added = bool(added_ids) and added_ids[-1] in tt.eos_ids and (len(added_ids) > 1 or not bos_added)
+    if chat and not add_special:
+        why = "a chat prompt is encoded with add_special_tokens=False: the template writes its own control tokens"
+    elif not add_special:
+        why = "add_special_tokens=False"
+    else:
+        why = tt.add_bos_reason
+    return {"bos_id": tt.bos_id, "bos_added": bos_added, "eos_ids": tt.eos_ids, "eos_added": eos_added, "reason": why}
