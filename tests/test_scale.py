@@ -62,6 +62,7 @@ def test_dequantize_is_the_gguf_reference_bit_for_bit(kind):
 # --keep-quantized on the default model: the same values, so the same logits and tokens
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_keep_quantized_default_model_equals_the_float32_path(smollm_path, smollm):
     from llmtrace.generate import generate

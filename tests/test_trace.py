@@ -111,6 +111,7 @@ def test_kv_bytes_grow_by_bytes_per_token(smollm):
     assert [s["phase"] for s in steps] == ["prefill"] + ["decode"] * 5
 
 
+@pytest.mark.slow
 def test_greedy_output_is_the_same_with_and_without_tracing(smollm):
     ids = smollm.tokenizer.encode(PROMPT)
     plain = generate(smollm, ids, Sampler(SamplerConfig(temperature=0.0), smollm.config.vocab_size), 12, ignore_eos=True)
@@ -119,6 +120,7 @@ def test_greedy_output_is_the_same_with_and_without_tracing(smollm):
         assert traced.tokens == plain.tokens, level
 
 
+@pytest.mark.slow
 def test_sampled_output_is_reproducible_and_ledger_matches_direct_computation(smollm):
     events_a, res_a = traced_run(smollm, "steps", n=5, temperature=0.7, top_k=20, top_p=0.9, seed=1234)
     _, res_b = traced_run(smollm, "steps", n=5, temperature=0.7, top_k=20, top_p=0.9, seed=1234)
