@@ -17,6 +17,19 @@ class UsageError(LlmtraceError):
     exit_code = 2
 
 
+class BadValue(UsageError):
+    """A value out of range or malformed, named as the library knows it: `field` ("temperature", "layers") starts the
+    message, `rest` is what follows ("temperature must be >= 0 ..."). A front end that took the value from a flag says
+    which one with `named("--temperature")`; the library never names a flag itself."""
+
+    def __init__(self, field: str, rest: str):
+        super().__init__(f"{field}{rest}")
+        self.field, self.rest = field, rest
+
+    def named(self, label: str) -> str:
+        return f"{label}{self.rest}"
+
+
 def one_line(e: BaseException) -> str:
     """A library's exception text on one line, for an LlmtraceError message that quotes it."""
     return " ".join(str(e).split())[:200] or type(e).__name__

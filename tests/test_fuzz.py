@@ -288,7 +288,7 @@ def flip_in_string(data: bytes, key: bytes, text: bytes, index: int, mask: int) 
 
 def test_damaged_token_and_merge_of_tiny_gguf(tiny_files, tmp_path, fresh_home):
     """The failure hypothesis once found at random, made explicit: a token that a merge makes, and a merge, damaged."""
-    from llmtrace.loader import open_gguf
+    from llmtrace.gguf_file import open_gguf
 
     data = tiny_files["gguf"]
     merges = open_gguf(damaged_gguf(tmp_path, data)).fields["tokenizer.ggml.merges"].value

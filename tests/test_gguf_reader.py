@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from llmtrace.loader import open_gguf
+from llmtrace.gguf_file import open_gguf
 from tests.tiny import TinySpec, make_hf_model, write_gguf
 
 

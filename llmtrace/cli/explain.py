@@ -1,26 +1,25 @@
 """Commands: `explain` (one decoder layer taken apart, step by step) and `lens` (the logit lens across all layers).
 
 Both are thin: read the prompt, load the model, ask llmtrace.explain for the events of one forward pass, and render
-those events (rich, on stdout) or write them (`--json` / `--jsonl`). The view below reads only events, never the model.
+those events (llmtrace.render.explain, on stdout) or write them (`--json` / `--jsonl`).
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
-                              ThreadsOpt, app, load_options)
+from llmtrace.cli.app import app
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
+                                  MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs,
+                                  load_options)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
-from llmtrace.render import fmt_bytes, fmt_num, make_console, plural, print_fitted, visible
+from llmtrace.render import make_console
+from llmtrace.render.explain import render_explain, render_lens
 
 EXPLAIN_HELP = """Take one decoder layer apart on your prompt: every step of s6.1–s6.8 with real numbers.
 
@@ -40,8 +39,6 @@ Examples:
   llmtrace explain -f prompt.txt --layer 0 --jsonl explain.jsonl
 
   llmtrace explain "The capital of France is" --layer 3 --html explain.html
-
-  llmtrace explain -p "The capital of France is" -p "Hi" --row 1 --layer 0   # s3: each row's padded mask
 """
 
 LENS_HELP = """The logit lens: what the model would predict after each layer, at each position.
@@ -63,17 +60,8 @@ Examples:
   llmtrace lens -p "The capital of France is" -p "Hi" --row 0   # s3: each row's padded mask, then row 0's lens
 """
 
-PromptArg = Annotated[Optional[str], typer.Argument(
-    help="The prompt text (or use --file, or stdin).", show_default=False)]
-FileOpt = Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this UTF-8 file.")]
-ChatOpt = Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")]
-SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")]
-JsonlOpt = Annotated[Optional[str], typer.Option(
-    "--jsonl", help="Write the events, one JSON object per line, to FILE (- for stdout); an existing FILE is replaced.")]
-JsonOpt = Annotated[Optional[str], typer.Option("--json", help="Write the events as one JSON document to FILE (- for stdout).")]
 RowOpt = Annotated[int, typer.Option("--row", help="With several prompts (-p … -p …, --prompts): the row to take apart, "
                                      "0-based. Every row's combined causal and padding mask is shown first (s3).")]
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # the commands
@@ -144,8 +132,9 @@ def lens(
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
 ) -> None:
-    from llmtrace.explain import check_prompt_ids, lens_events, parse_positions
-    from llmtrace.events import parse_layers
+    from llmtrace.explain import lens_events, parse_positions
+    from llmtrace.generate import check_context
+    from llmtrace.indices import parse_layers
 
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
@@ -153,7 +142,7 @@ def lens(
         raise UsageError("--last must be ≥ 1")
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
-    check_prompt_ids(ids, lm.config)
+    check_context(lm, len(ids), 0)
     rows = parse_layers(layers, lm.config.n_layers)
     cols = parse_positions(positions, len(ids), last)
     events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat)
@@ -177,16 +166,11 @@ def _with_batch(lm, texts: Optional[list[str]], row: int, chat: bool, system: Op
 def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None, texts=None, row=0) -> str:
     """Everything the user typed that can be checked before the (slow) model load. Returns the prompt text (with
     several prompts, `texts`, the one of --row)."""
-    from llmtrace.cli.generate import read_prompt
-    from llmtrace.fsutil import check_writable_target
+    from llmtrace.cli.text_input import read_prompt
 
     if not 1 <= top <= 100:
         raise UsageError("--top must be between 1 and 100")
-    if jsonl == "-" and json_out == "-":
-        raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
-    for target in (jsonl, json_out, html):
-        if target not in (None, "-"):
-            check_writable_target(Path(target))
+    check_outputs(json_out, jsonl, html)
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
     if texts is not None:
@@ -237,463 +221,3 @@ def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional
         render(events, make_console())
     elif sys.stderr.isatty():
         render(events, make_console(stderr=True))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the view: small helpers
-
-SHADES = ((0.6, "█", "gold1"), (0.3, "▓", "orange1"), (0.1, "▒", "dark_orange3"), (0.02, "░", "deep_sky_blue4"),
-          (0.0, "·", "grey42"))  # attention weight ≥ threshold → character and colour; readable without colour too
-PROB_STYLES = ((0.8, "bold bright_green"), (0.5, "green"), (0.2, "yellow"), (0.05, "dark_orange"), (0.0, "grey50"))
-
-
-def _title(console: Console, text: str) -> None:
-    console.print()
-    console.print(Text(text, style="bold cyan"))
-
-
-def _note(console: Console, text: str) -> None:
-    console.print(Text(text, style="dim"))
-
-
-def _tok(text: str, width: int = 12) -> str:
-    v = visible(text)
-    return v if len(v) <= width else v[: width - 1] + "…"
-
-
-def _shape(s) -> str:
-    return "[" + ", ".join(str(d) for d in s) + "]"
-
-
-def _si(n: float) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{unit}"
-    return f"{n:.0f}"
-
-
-def _f(x, digits: int = 4) -> str:
-    return "—" if x is None else f"{x:.{digits}f}"
-
-
-def _sample_rows(n: int, head: int = 3, tail: int = 6) -> list[Optional[int]]:
-    """Row indices to show for per-token tables: all of a short prompt, else the first few, a gap (None), the last."""
-    if n <= head + tail + 1:
-        return list(range(n))
-    return list(range(head)) + [None] + list(range(n - tail, n))
-
-
-def _table(*cols: tuple[str, str]) -> Table:
-    t = Table(box=None, padding=(0, 1), header_style="bold")
-    for name, just in cols:
-        t.add_column(name, justify=just)
-    return t
-
-
-def _prob_style(p: float) -> str:
-    return next(style for lo, style in PROB_STYLES if p >= lo)
-
-
-def _shade(w: Optional[float]) -> Text:
-    if w is None:
-        return Text("  ")
-    ch, colour = next((c, col) for lo, c, col in SHADES if w >= lo)
-    return Text(ch * 2, style=colour)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the explain view
-
-
-def render_explain(events: list[dict], console: Console) -> None:
-    by = {}
-    heads, tensors, lens_rows = [], [], []
-    for ev in events:
-        kind = ev["event"]
-        if kind == "explain" and ev["section"] == "attention_head":
-            heads.append(ev)
-        elif kind == "explain" and ev["section"] == "rmsnorm":
-            by.setdefault("rmsnorm", []).append(ev)
-        elif kind == "explain":
-            by[ev["section"]] = ev
-        elif kind == "tokens":
-            by["tokens"] = ev
-        elif kind == "tensor":
-            tensors.append(ev)
-        elif kind == "lens":
-            lens_rows.append(ev)
-    toks = [t["text"] for t in by["tokens"]["tokens"]]
-    _header(console, by["model"], by["tokens"])
-    _batch_masks(console, events)
-    _layer(console, by["layer"])
-    _rmsnorm(console, by["rmsnorm"], toks)
-    _qkv(console, by["qkv"])
-    _rope(console, by["rope"])
-    _attention(console, by["attention"], heads, by["attention_map"], toks)
-    _residual(console, by["residual"], toks)
-    _ffn(console, by["ffn"], toks)
-    _kv(console, by["kv_cache"])
-    _lens_here(console, lens_rows, by["model"])
-    _tensors(console, tensors)
-
-
-def _batch_masks(console: Console, events: list[dict], most: int = 24) -> None:
-    """s3 with several prompts: each row's combined causal and padding mask, query rows × key columns (the last
-    `most` slots of a longer batch): █ attended, · in the future (causal), ░ a pad slot (padding)."""
-    ev = next((e for e in events if e["event"] == "batch"), None)
-    if ev is None:
-        return
-    T = len(ev["ids"][0])
-    cut = max(0, T - most)
-    source = "the tokenizer's pad token" if ev["pad_source"] == "pad" else "EOS (no pad token in this checkpoint)"
-    _title(console, f"s3 batch of {ev['rows']} prompts, left-padded to T={T} with id {ev['pad_id']} ({source}): "
-                    f"each row's causal + padding mask (█ attended, · future, ░ pad)"
-                    + (f", slots {cut}..{T - 1}" if cut else ""))
-    for r, (mask, pad) in enumerate(zip(ev["combined_mask"], ev["attention_mask"])):
-        here = " ← explained below" if r == ev.get("explained_row") else ""
-        console.print(Text(f"row {r}: {plural(sum(pad), 'real token')}, positions 0..{sum(pad) - 1}{here}", style="bold"))
-        for i in range(cut, T):
-            line = Text("  ")
-            for j in range(cut, T):
-                if not pad[j] or not pad[i]:
-                    line.append("░", style="grey42")
-                else:
-                    line.append("█" if mask[i][j] else "·", style="gold1" if mask[i][j] else "grey42")
-            console.print(line)
-
-
-def _header(console: Console, m: dict, tokens: dict) -> None:
-    info = m["model"]
-    L = info["n_layers"]
-    where = f" · layer {m['layer']} of 0..{L - 1}" if m.get("layer") is not None else ""
-    console.print(Text.assemble((f"llmtrace {m['command']}", "bold"), where,
-                                f" · {info['name']} · {info['arch']} · D={info['d_model']} · H={info['n_heads']} · "
-                                f"Hkv={info['n_kv_heads']} · Dh={info['head_dim']} · F={info['ffn_dim']} · "
-                                f"{info['device']} {info['dtype']}" + (" · chat template" if m.get("chat") else "")))
-    if info.get("storage"):
-        from llmtrace.render import print_parts, storage_parts
-
-        print_parts(console, ["weights", *storage_parts(info["storage"])])
-    toks = tokens["tokens"]
-    shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
-    line = Text(f"{len(toks)} tokens: ", style="bold")
-    for i, t in enumerate(shown):
-        if i:
-            line.append(" · ", style="dim")
-        if t is None:
-            line.append(f"… {len(toks) - 39} more …", style="dim")
-            continue
-        line.append(f"{t['index']}:", style="dim")
-        line.append(_tok(t["text"], 16), style="magenta" if t.get("special") else None)
-    console.print(line)
-
-
-def _layer(console: Console, ev: dict) -> None:
-    n = ev["layer"]
-    _title(console, f"① s6  where the layer sits: layer {n} is decoder layer {n + 1} of {ev['n_layers']}")
-    t = _table(("step", "left"), ("weight", "left"), ("shape (x @ W)", "left"), ("parameters", "right"), ("of layer", "right"))
-    for p in ev["params"]:
-        t.add_row(p["seed_step"], p["name"], _shape(p["shape"]), f"{p['numel']:,}", f"{p['numel'] / ev['layer_params']:.1%}")
-    t.add_row("", Text("layer total", style="bold"), "", Text(f"{ev['layer_params']:,}", style="bold"), "100%")
-    print_fitted(console, t)
-    _note(console, f"= {ev['share']:.2%} of the model's {ev['model_params']:,} parameters "
-                   f"({ev['share_of_layers']:.2%} of the weights outside the embedding and final norm; the embedding "
-                   f"table holds {ev['embedding_params']:,})")
-    f = ev["flops"]
-    T = ev["n_tokens"]
-    t = _table(("FLOPs for this prompt", "left"), ("formula (T = " + str(T) + ")", "left"), ("FLOPs", "right"))
-    for key, label, formula in (("qkv", "Q, K, V projections", "2·T·D·(H + 2·Hkv)·Dh"),
-                                ("scores", "scores Q·Kᵀ", "2·H·T·T·Dh"), ("pv", "weighted sum P·V", "2·H·T·T·Dh"),
-                                ("o", "output projection", "2·T·H·Dh·D"), ("ffn", "SwiGLU FFN", "2·T·D·2F + 2·T·F·D")):
-        t.add_row(label, formula, f"{f[key]:,}")
-    t.add_row(Text("layer total", style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))
-    print_fitted(console, t)
-    _note(console, "2 FLOPs per multiply-add; the scores count the full T×T square the eager path computes "
-                   "(the causal mask then discards the upper half)")
-
-
-def _rmsnorm(console: Console, evs: list[dict], toks: list[str]) -> None:
-    a, f = evs[0], evs[1]
-    _title(console, f"② s6.1 / s6.7  RMSNorm (before attention, before the FFN): {a['formula']}")
-    _note(console, f"ε = {a['eps']:g}; γ is learned, one weight per dimension")
-    for ev in evs:
-        g = ev["gamma"]
-        dims = ", ".join(f"{d}:{v:.3f}" for d, v in zip(g["top_dims"][:3], g["top_values"][:3]))
-        _note(console, f"{ev['norm']} γ: mean {g['mean']:.4f}, min {g['min']:.4f}, max {g['max']:.4f} "
-                       f"(largest |γ| at dims {dims}); max |y − forward pass| = {fmt_num(ev['check_max_abs_diff'])}")
-    t = _table(("pos", "right"), ("token", "left"), ("RMS(x)", "right"), ("‖x‖", "right"), ("‖x/RMS‖", "right"),
-               ("‖γ⊙x/RMS‖", "right"), ("│ ffn: RMS(x')", "right"), ("‖x'‖", "right"), ("‖γ⊙x'/RMS‖", "right"))
-    for i in _sample_rows(len(a["tokens"])):
-        if i is None:
-            t.add_row("…", "", *[""] * 7)
-            continue
-        r, s = a["tokens"][i], f["tokens"][i]
-        t.add_row(str(i), _tok(toks[i]), fmt_num(r["rms"]), fmt_num(r["norm_in"]), fmt_num(r["norm_unit"]),
-                  fmt_num(r["norm_out"]), fmt_num(s["rms"]), fmt_num(s["norm_in"]), fmt_num(s["norm_out"]))
-    print_fitted(console, t)
-    _note(console, f"dividing by the RMS gives every token the same length √D = {a['d_model'] ** 0.5:.2f}, whatever "
-                   f"its scale; γ then re-weights each of the D dimensions (learned), which sets the final length")
-
-
-def _qkv(console: Console, ev: dict) -> None:
-    H, Hkv, Dh = ev["n_heads"], ev["n_kv_heads"], ev["head_dim"]
-    _title(console, f"③ s6.1–s6.2  Q, K, V and the head split: H = {H} query heads, Hkv = {Hkv}, Dh = {Dh}")
-    t = _table(("projection", "left"), ("shape", "left"), ("split into heads", "left"), ("heads first", "left"))
-    for s in ev["shapes"]:
-        t.add_row(s["name"], _shape(s["shape"]), _shape(s["split"]) if "split" in s else "",
-                  _shape(s["heads_first"]) if "heads_first" in s else "")
-    print_fitted(console, t)
-    if Hkv < H:
-        console.print(Text(f"grouped-query attention (GQA): {ev['group_size']} query heads share each KV head", style="bold"))
-        for g, qs in enumerate(ev["groups"]):
-            console.print(f"  KV head {g} ← query heads {', '.join(map(str, qs))}")
-    else:
-        console.print("multi-head attention: every query head has its own K and V (no sharing)")
-    c = ev["cache"]
-    _note(console, f"KV cache per position per layer: 2 × {Hkv} × {Dh} × {c['element_size']} B = "
-                   f"{c['bytes_per_position_layer']:,} B instead of {c['mha_bytes_per_position_layer']:,} B with one "
-                   f"KV head per query head: {c['saving']:g}× smaller (this prompt, all layers: "
-                   f"{fmt_bytes(c['bytes_prompt_model'])} instead of {fmt_bytes(c['mha_bytes_prompt_model'])})")
-
-
-def _rope(console: Console, ev: dict) -> None:
-    scaling = "no scaling" if not ev["scaling"] else "scaling " + ", ".join(f"{k}={v}" for k, v in ev["scaling"].items())
-    _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:g}, {scaling}")
-    _note(console, ev["formula"])
-    n = len(ev["pairs"][0]["angles"])
-    cols = list(range(min(n, 6))) + ([n - 1] if n > 6 else [])
-    t = _table(("pair i", "right"), ("dims", "left"), ("θ_i rad/pos", "right"), ("turn every", "right"),
-               *[(f"pos {p}", "right") for p in cols])
-    for p in ev["pairs"]:
-        t.add_row(str(p["i"]), f"{p['dims'][0]}, {p['dims'][1]}", f"{p['theta_i']:.3g}", f"{p['wavelength']:.3g} pos",
-                  *[f"{p['angles'][c]:.3g}" for c in cols])
-    print_fitted(console, t)
-    _note(console, "angles in radians; fast pairs (small i) turn in a few positions and see nearby order, slow pairs "
-                   "barely turn and carry long-range position. V is not rotated.")
-    r = ev["relative"]
-    console.print(Text(f"relative distance: the real q of head {r['head']} (last token) and k of KV head "
-                       f"{r['kv_head']} (first token), placed at positions m = n + d and n", style="bold"))
-    t = _table(("d = m − n", "right"), *[(f"n = {s}", "right") for s in r["shifts"]], ("spread", "right"))
-    for d, row, dev in zip(r["distances"], r["scores"], r["deviation_by_distance"]):
-        t.add_row(str(d), *[f"{v:.6f}" for v in row], fmt_num(dev))
-    print_fitted(console, t)
-    ok = r["max_deviation"] <= 1e-4
-    console.print(Text(("✓" if ok else "✗") + f" q·k/√Dh is the same wherever the pair sits, given d "
-                       f"(largest spread {fmt_num(r['max_deviation'])}); it changes when d changes", style="green" if ok else "red"))
-    _note(console, f"the model's RoPE tables reproduce its q_rope / k_rope to {fmt_num(ev['check_q_rope_max_abs_diff'])} / "
-                   f"{fmt_num(ev['check_k_rope_max_abs_diff'])}")
-
-
-def _matrix_table(title: str, rows: list[list], masked: Optional[list[list]] = None) -> Table:
-    n = len(rows)
-    t = Table(title=title, box=None, padding=(0, 1), header_style="bold", title_style="bold")
-    t.add_column("q\\k", justify="right")
-    for j in range(n):
-        t.add_column(str(j), justify="right")
-    for i, row in enumerate(rows):
-        cells = []
-        for j, v in enumerate(row):
-            if masked is not None and masked[i][j] is None:
-                cells.append(Text(f"{v:.2f}→−∞", style="dim"))
-            else:
-                cells.append(f"{v:.2f}")
-        t.add_row(str(i), *cells)
-    return t
-
-
-def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: list[str]) -> None:
-    H, T, _ = ev["shape"]
-    _title(console, f"⑤ s6.4–s6.5  attention: scores {_shape(ev['shape'])} → causal mask → softmax → P·V")
-    _note(console, f"{ev['formula']}; the mask sets {ev['masked']:,} entries (every key after its query) to −∞")
-    _note(console, f"scores before the mask: min {fmt_num(ev['pre_mask']['min'])}, max {fmt_num(ev['pre_mask']['max'])}; "
-                   f"after (the entries a position may see): min {fmt_num(ev['post_mask']['min'])}, max "
-                   f"{fmt_num(ev['post_mask']['max'])}; every softmax row sums to 1 (largest error "
-                   f"{fmt_num(ev['row_sum_max_error'])})")
-    ex = ev["example"]
-    scores = _matrix_table(f"head {ex['head']}: Q·Kᵀ/√Dh, masked →−∞", ex["scores"], ex["masked_scores"])
-    probs = _matrix_table("softmax P", ex["probs"])
-    if console.measure(scores).maximum + console.measure(probs).maximum + 3 <= console.width:
-        grid = Table.grid(padding=(0, 3))  # side by side when they fit
-        grid.add_row(scores, probs)
-        console.print(grid)
-    else:
-        print_fitted(console, scores)
-        print_fitted(console, probs)
-    if ex["positions"] < T:
-        _note(console, f"(the first {ex['positions']} positions of {T})")
-    # for each head, the position each query attends to most
-    console.print(Text("the key each position attends to most, per head (position:weight)", style="bold"))
-    for lo in range(0, H, 10):
-        chunk = heads[lo:lo + 10]
-        t = _table(("pos", "right"), ("token", "left"), *[(f"h{h['head']}", "right") for h in chunk])
-        for i in _sample_rows(T):
-            if i is None:
-                t.add_row("…", "", *[""] * len(chunk))
-                continue
-            t.add_row(str(i), _tok(toks[i], 10), *[f"{h['argmax'][i]}:{h['weight'][i]:.2f}" for h in chunk])
-        t.add_row("", Text("mean on 0", style="dim"), *[Text(f"{h['first_token_weight']:.2f}", style="dim") for h in chunk])
-        print_fitted(console, t)
-    _heatmap(console, amap, toks)
-
-
-def _heatmap(console: Console, amap: dict, toks: list[str]) -> None:
-    bins, m = amap["bins"], amap["matrix"]
-    how = (f"{amap['n_tokens']} positions in {len(bins)} bins (keys summed, queries averaged per bin)"
-           if amap["binned"] else f"{amap['n_tokens']} positions")
-    console.print(Text(f"attention map, {amap['what']} ({how}): rows are queries, columns keys; pick a head with --head",
-                       style="bold"))
-    label_w = 16
-    head = Text(" " * label_w)
-    j = 0
-    while j < len(bins):  # a key label every 5 columns
-        lab = str(bins[j][0])
-        head.append(lab.ljust(10)[: 2 * min(5, len(bins) - j)])
-        j += 5
-    console.print(head)
-    for i, (lo, hi) in enumerate(bins):
-        label = f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
-        name = _tok(toks[lo], label_w - len(label) - 2) if hi - lo == 1 else ""
-        line = Text(f"{label} {name}".ljust(label_w)[:label_w], style="dim")
-        for j, w in enumerate(m[i]):
-            line.append_text(_shade(None if bins[j][0] > hi - 1 else w))  # keys after the query: masked
-        console.print(line)
-    legend = Text("  ")
-    for lo, ch, colour in reversed(SHADES):
-        legend.append(ch * 2, style=colour)
-        legend.append(f" ≥{lo:.0%}  " if lo else " <2%  ", style="dim")
-    legend.append("(blank: masked, in the future)", style="dim")
-    console.print(legend)
-
-
-def _residual(console: Console, ev: dict, toks: list[str]) -> None:
-    _title(console, "⑥ s6.6  output projection and residual: x' = x + concat(heads)·Wo")
-    t = _table(("pos", "right"), ("token", "left"), ("‖x‖", "right"), ("‖attn‖", "right"), ("‖attn‖/‖x‖", "right"),
-               ("cos(x,attn)", "right"), ("cos(x,x')", "right"), ("‖x''−x‖/‖x‖", "right"), ("cos(x,x'')", "right"))
-    for i in _sample_rows(len(ev["tokens"])):
-        if i is None:
-            t.add_row("…", "", *[""] * 7)
-            continue
-        r = ev["tokens"][i]
-        t.add_row(str(i), _tok(toks[i]), fmt_num(r["norm_in"]), fmt_num(r["norm_attn"]), fmt_num(r["attn_to_stream"]),
-                  _f(r["cos_attn_stream"], 3), _f(r["cos_attn"], 5), fmt_num(r["rel_change_layer"]), _f(r["cos_layer"], 5))
-    print_fitted(console, t)
-    _note(console, "x enters the layer; attn = concat(heads)·Wo; x' = x + attn (so ‖x'−x‖/‖x‖ = ‖attn‖/‖x‖); "
-                   "x'' = x' + FFN(x') leaves the layer. A cosine near 1: the layer nudged the token's vector "
-                   "rather than replacing it")
-
-
-def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
-    chain = " → ".join(f"{s['name']} {_shape(s['shape'])}" for s in ev["shapes"])
-    _title(console, f"⑦ s6.7  SwiGLU feed-forward, D → F → D")
-    _note(console, ev["formula"])
-    console.print(chain)
-    _note(console, f"silu(gate) near zero (|·| < {ev['near_zero_threshold']:g}): {ev['near_zero_fraction']:.1%} of all "
-                   f"units; gate < 0 for {ev['negative_gate_fraction']:.1%}; silu(gate) mean "
-                   f"{fmt_num(ev['silu_gate']['mean'])}, max {fmt_num(ev['silu_gate']['max'])}; "
-                   f"act = silu(gate)⊙up matches the forward pass to {fmt_num(ev['check_act_max_abs_diff'])}")
-    t = _table(("pos", "right"), ("token", "left"), ("units ≈ 0", "right"), ("‖act‖", "right"), ("‖down‖", "right"),
-               ("‖down‖/‖x'‖", "right"), ("cos(x', x'')", "right"))
-    for i in _sample_rows(len(ev["tokens"])):
-        if i is None:
-            t.add_row("…", "", *[""] * 5)
-            continue
-        r = ev["tokens"][i]
-        t.add_row(str(i), _tok(toks[i]), f"{r['near_zero_fraction']:.1%}", fmt_num(r["norm_act"]), fmt_num(r["norm_down"]),
-                  fmt_num(r["rel_change"]), _f(r["cos"], 5))
-    print_fitted(console, t)
-    tu = ev["top_units"]
-    console.print(Text(f"the most active units for the last token (position {tu['position']}, "
-                       f"{_tok(toks[tu['position']])}), by |act|", style="bold"))
-    t = _table(("unit", "right"), ("gate", "right"), ("silu(gate)", "right"), ("up", "right"), ("act", "right"))
-    for u in tu["units"]:
-        t.add_row(str(u["unit"]), fmt_num(u["gate"]), fmt_num(u["silu_gate"]), fmt_num(u["up"]), fmt_num(u["act"]))
-    print_fitted(console, t)
-
-
-def _kv(console: Console, ev: dict) -> None:
-    lo, hi = ev["positions"]
-    _title(console, f"⑧ s6.8  KV cache write: this layer stores K and V for positions {lo}..{hi}")
-    console.print(f"K {_shape(ev['shape_k'])} and V {_shape(ev['shape_v'])} × {ev['element_size']} B = "
-                  f"{ev['bytes']:,} B ({ev['bytes_per_position']:,} B per position); every layer together: "
-                  f"{fmt_bytes(ev['all_layers_bytes'])}")
-    _note(console, f"with one KV head per query head this layer would write {ev['mha_bytes']:,} B; later decode steps "
-                   f"read these instead of recomputing them")
-
-
-def _cand(c: dict) -> Text:
-    return Text.assemble((_tok(c["text"], 14), _prob_style(c["prob"])), (f" {c['prob']:.3f}", "dim"))
-
-
-def _lens_here(console: Console, rows: list[dict], m: dict) -> None:
-    mid = next(r for r in rows if r["stage"] == "resid_mid")
-    post = next(r for r in rows if r["stage"] == "resid_post")
-    final = next(r for r in rows if r["stage"] == "logits")
-    L = m["model"]["n_layers"]
-    _title(console, f"⑨ s8–s9 early  logit lens at layer {mid['layer']}, last position ({mid['position']})")
-    _note(console, "what the model would predict if it stopped here: the final norm and the LM head applied to the stream")
-    t = _table(("rank", "right"), (f"after attention (x')", "left"), (f"after the FFN (x'')", "left"),
-               (f"real output (after layer {L - 1})", "left"))
-    for k in range(len(final["topk"])):
-        t.add_row(str(k + 1), _cand(mid["topk"][k]), _cand(post["topk"][k]), _cand(final["topk"][k]))
-    print_fitted(console, t)
-
-
-def _tensors(console: Console, tensors: list[dict]) -> None:
-    if not tensors:
-        return
-    _title(console, f"every observed point of layer {tensors[0]['layer']} (the tensor events of --json)")
-    t = _table(("step", "left"), ("point", "left"), ("shape", "left"), ("mean", "right"), ("std", "right"),
-               ("min", "right"), ("max", "right"), ("‖x‖", "right"))
-    for ev in tensors:
-        s = ev["stats"]
-        t.add_row(ev.get("seed_step") or "", ev["name"], _shape(ev["shape"]), fmt_num(s["mean"]), fmt_num(s["std"]),
-                  fmt_num(s["min"]), fmt_num(s["max"]), fmt_num(s["norm"]))
-    print_fitted(console, t)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the lens view
-
-
-def render_lens(events: list[dict], console: Console) -> None:
-    m = next(e for e in events if e["event"] == "explain" and e["section"] == "model")
-    toks = next(e for e in events if e["event"] == "tokens")["tokens"]
-    cells: dict[tuple, dict] = {}
-    for ev in events:
-        if ev["event"] == "lens":
-            cells[(ev["layer"] if ev["stage"] != "logits" else "out", ev["position"])] = ev
-    _header(console, m, {"tokens": toks})
-    _batch_masks(console, events)
-    positions, layers = m["positions"], m["layers"]
-    L = m["model"]["n_layers"]
-    T = len(toks)
-    _title(console, f"logit lens: final norm + LM head applied after every layer; top-1 token per cell "
-                    f"(positions {positions[0]}..{positions[-1]} of 0..{T - 1})")
-    # one space between columns; cells as wide as the console allows (6 characters for 12 columns at 100), 4 to 12
-    w = max(4, min(12, (console.width - 6) // len(positions) - 1))
-    t = Table(box=None, padding=(0, 0, 0, 1), header_style="bold", pad_edge=False)
-    t.add_column("layer", justify="right")
-    for p in positions:
-        t.add_column(Text(f"{p}\n{_tok(toks[p]['text'], w)}"), width=w, no_wrap=True, overflow="ellipsis")
-    rows = list(layers) + ([] if L - 1 in layers else ["out"])
-    for layer in rows:
-        line = []
-        for p in positions:
-            c = cells[(layer, p)]["topk"][0]
-            nxt = toks[p + 1]["id"] if p + 1 < T else None
-            style = _prob_style(c["prob"]) + (" underline" if c["id"] == nxt else "")
-            line.append(Text(_tok(c["text"], w), style=style))
-        t.add_row(str(layer), *line)
-    print_fitted(console, t)
-    legend = Text("probability of the top-1 token: ")
-    for lo, style in PROB_STYLES:
-        legend.append(f"≥{lo:.0%} " if lo else "<5%", style=style)
-        legend.append("  ")
-    legend.append("underlined: already the prompt's next token", style="underline")
-    console.print(legend)
-    last = positions[-1]
-    fin = cells[("out", last)] if ("out", last) in cells else None
-    if fin is not None:
-        top = ", ".join(f"{visible(c['text'])} {c['prob']:.3f}" for c in fin["topk"][:5])
-        row = f"the row of layer {L - 1} is exactly this" if L - 1 in layers else "row 'out'"
-        _note(console, f"the model's real prediction after position {last}: {top} ({row})")

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt,
-                              ThreadsOpt, app, load_options)
+from llmtrace.cli.app import app
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
+                                  ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, load_options)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
+from llmtrace.registry import DEFAULT_MODEL
 from llmtrace.cli.report import HtmlOpt
 
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
-The default model (smollm2-135m-instruct) is fetched on first use. Greedy decoding is the default (--temperature 0).
+The default model ({DEFAULT_MODEL}) is fetched on first use. Greedy decoding is the default (--temperature 0).
 The prompt is the argument, else --file, else stdin. {NEWLINE_NOTE}
 
 CPU threads: --threads, else $LLMTRACE_THREADS, else one per physical core; the run header shows the count.
@@ -75,9 +76,9 @@ prompt alone with --seed seed+r. Each row stops at its own EOS, --stop text or -
 
 @app.command(help=GENERATE_HELP, no_args_is_help=False)
 def generate(
-    prompt: Annotated[Optional[str], typer.Argument(help="The prompt text (or use --file, or stdin).", show_default=False)] = None,
+    prompt: PromptArg = None,
     model: ModelOpt = None,
-    file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the prompt from this UTF-8 file.")] = None,
+    file: FileOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate. 0: prefill only (the prompt, the shape table and the top-k the model would predict next).")] = 32,
     temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).")] = 0.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")] = 0,
@@ -91,8 +92,8 @@ def generate(
     ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).")] = None,
     sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' or a comma list.")] = "hf",
     seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
-    system: Annotated[Optional[str], typer.Option("--system", help="System message for --chat.")] = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past the end-of-sequence token.")] = False,
     trace: Annotated[str, typer.Option("--trace", help="Depth: none, steps, layers or full.")] = "steps",
@@ -121,9 +122,8 @@ def generate(
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
 ) -> None:
-    from llmtrace.fsutil import check_writable_target
     from llmtrace.sampler import SamplerConfig, parse_logit_bias, parse_order
-    from llmtrace.events import parse_index_ranges
+    from llmtrace.indices import parse_index_ranges
     from llmtrace.trace import TraceOptions
 
     # Everything the user typed is checked before the (slow) model load.
@@ -131,15 +131,7 @@ def generate(
         raise UsageError("--max-new-tokens must be ≥ 0")
     if topk < 1:
         raise UsageError("--show-top must be ≥ 1")
-    if jsonl == "-" and json_out == "-":
-        raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
-    if jsonl not in (None, "-") and json_out not in (None, "-"):
-        same = Path(jsonl).resolve()
-        if same == Path(json_out).resolve() and (same.is_file() or not same.exists()):  # /dev/null twice is fine
-            raise UsageError("--jsonl and --json name the same file; give them different names")
-    for target in (jsonl, json_out, html):
-        if target not in (None, "-"):
-            check_writable_target(Path(target))
+    check_outputs(json_out, jsonl, html)
     options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
     scfg = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
@@ -147,7 +139,7 @@ def generate(
     scfg.validate(vocab_size=sys.maxsize)  # ranges now; ids against the real vocabulary after the load
     parse_logit_bias(logit_bias or [], sys.maxsize)  # the same for the syntax of --logit-bias and --layers
     if layers is not None and layers.strip() not in ("", "all"):
-        parse_index_ranges(layers, "--layers", "layer")
+        parse_index_ranges(layers, "layers", "layer")
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     if texts is not None and (prompt is not None or file is not None):
         raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
@@ -195,9 +187,9 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     prompt, or a list of several run as one batch. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed
     by the caller."""
     from llmtrace.generate import generate as run_generation
-    from llmtrace.render import make_console, terminal_renderer
+    from llmtrace.render import TerminalRenderer, make_console
     from llmtrace.sampler import Sampler, parse_logit_bias
-    from llmtrace.events import parse_layers
+    from llmtrace.indices import parse_layers
     from llmtrace.sinks import JsonDocSink
     from llmtrace.trace import Recorder
 
@@ -244,7 +236,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         sinks.append(recorded.append)
     stream_text = options.level == "none" and not batch  # a batch's texts are printed at the end, row by row
     if view_console is not None:
-        sinks.append(terminal_renderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
+        sinks.append(TerminalRenderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
     import torch
 
     run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}

@@ -10,9 +10,8 @@ import typer
 
 from llmtrace import registry
 from llmtrace.cli.app import app
+from llmtrace.cli.options import JsonOpt, check_outputs, write_output
 from llmtrace.errors import UsageError
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout.")]
 
 
 def _model_row(entry: registry.ModelEntry, default: str) -> dict:
@@ -48,25 +47,28 @@ def _model_row(entry: registry.ModelEntry, default: str) -> dict:
         "GGUF's size); 'llmtrace rm NAME' removes both.\n\n"
         "Examples:\n\n"
         "  llmtrace models\n\n"
-        "  llmtrace models --json | jq -r '.models[] | select(.state == \"present\") | .path'"
+        "  llmtrace models --json - | jq -r '.models[] | select(.state == \"present\") | .path'"
     ),
 )
-def models_command(json_out: JsonOpt = False) -> None:
+def models_command(json_out: JsonOpt = None) -> None:
+    check_outputs(json_out, None)
     entries = registry.load_registry()
     default = registry.default_model()
     rows = [_model_row(entry, default) for entry in entries.values()]
     if json_out:
         out = {"cache_dir": str(registry.cache_dir()), "user_registry": str(registry.user_registry_path()), "models": rows}
-        print(json.dumps(out, indent=2))
-        return
+        write_output(json_out, json.dumps(out, indent=2) + "\n")
+        if json_out == "-":
+            return
     if not sys.stdout.isatty():
         # A pipe gets one tab-separated line per model: name, params, sources, state, path, bytes on disk.
         for row in rows:
             kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
             print("\t".join([row["name"], row["params"], kinds, row["state"], row["path"] or "-", str(row["disk_bytes"])]))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from llmtrace.render import make_console
 
     table = Table()
     table.add_column("name", no_wrap=True)
@@ -86,7 +88,7 @@ def models_command(json_out: JsonOpt = False) -> None:
         name = row["name"] + (" *" if row["default"] else "")
         tested = "yes" if row["tested"] else "no"
         table.add_row(name, f"{row['architecture']} {row['params']}", kinds, tested, cached, where)
-    Console().print(table)
+    make_console().print(table)
     user = registry.user_registry_path()
     print("* default model", file=sys.stderr)
     converted = [f"{row['name']} {registry.human_bytes(row['converted_bytes'])}" for row in rows if row["converted_bytes"]]
@@ -116,8 +118,8 @@ def _disk_use(row: dict) -> str:
         "Examples:\n\n"
         "  llmtrace pull\n\n"
         "  llmtrace pull tinyllama-1.1b-chat\n\n"
-        "  HF_HUB_OFFLINE=1 llmtrace pull smollm2-135m-instruct --force\n\n"
-        "  llmtrace pull --json | jq -r .path"
+        f"  HF_HUB_OFFLINE=1 llmtrace pull {registry.DEFAULT_MODEL} --force\n\n"
+        "  llmtrace pull --json - | jq -r .path"
     ),
 )
 def pull_command(
@@ -127,8 +129,9 @@ def pull_command(
         )
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Download again even if a whole copy is cached.")] = False,
-    json_out: JsonOpt = False,
+    json_out: JsonOpt = None,
 ) -> None:
+    check_outputs(json_out, None)
     model = registry.pull(name, force=force)
     if model.downloaded:
         what = "downloaded"
@@ -138,8 +141,9 @@ def pull_command(
         what = "a local path, nothing to download"
     print(f"{model.name}: {what} ({model.kind})", file=sys.stderr)
     if json_out:
-        print(json.dumps({"name": model.name, "kind": model.kind, "path": str(model.path), "downloaded": model.downloaded}))
-    else:
+        doc = {"name": model.name, "kind": model.kind, "path": str(model.path), "downloaded": model.downloaded}
+        write_output(json_out, json.dumps(doc) + "\n")
+    if json_out != "-":
         print(model.path)
 
 
@@ -153,7 +157,7 @@ def pull_command(
         "model back.\n\n"
         "Examples:\n\n"
         "  llmtrace rm tinyllama-1.1b-chat\n\n"
-        "  llmtrace rm smollm2-135m-instruct --yes"
+        f"  llmtrace rm {registry.DEFAULT_MODEL} --yes"
     ),
 )
 def rm_command(

@@ -7,16 +7,18 @@ Both are thin: they read the input, call `TextTokenizer` / `llmtrace.bpe`, and r
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.app import ModelOpt, app
+from llmtrace.cli.app import app
+from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.tokenizer import TextTokenizer, TokenInfo, check_messages
+from llmtrace.render.tokenize import highlight_specials, merge_lines, quoted, summary_line, token_table
+from llmtrace.token_facts import bos_eos_summary
+from llmtrace.tokenizer import TextTokenizer, check_messages
 
 # ---------------------------------------------------------------------------------------------------------------------
 # loading and input
@@ -56,128 +58,6 @@ def _check_one_format(**flags: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# rendering
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _quoted(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
-
-
-def _token_table(tokens: list[TokenInfo], title: str | None = None):
-    from rich.table import Table
-
-    from rich.text import Text
-
-    table = Table(title=title, show_lines=False, header_style="bold")
-    table.add_column("#", justify="right", style="dim")
-    table.add_column("id", justify="right", style="cyan")
-    table.add_column("piece")
-    table.add_column("text")
-    table.add_column("UTF-8 bytes")
-    table.add_column("chars", justify="right")
-    table.add_column("special")
-    for t in tokens:
-        span = "added" if t.span is None else f"{t.span[0]}–{t.span[1]}"
-        piece_style = "bold magenta" if t.special else ("yellow" if t.char_parts or t.byte_fallback else None)
-        table.add_row(
-            str(t.index),
-            str(t.id),
-            Text(t.visible, style=piece_style or ""),
-            _quoted(t.text),
-            t.bytes_label(),
-            span,
-            "yes" if t.special else "",
-        )
-    return table if tokens else Text("(no tokens)", style="dim")
-
-
-def _highlight_specials(tt: TextTokenizer, text: str):
-    """The templated prompt with control tokens in colour and newlines marked."""
-    import re
-
-    from rich.text import Text
-
-    out = Text()
-    specials = tt.special_texts
-    pattern = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
-    pos = 0
-
-    def plain(chunk: str) -> None:
-        for i, line in enumerate(chunk.split("\n")):
-            if i:
-                out.append("\\n", style="dim")
-                out.append("\n")
-            out.append(line)
-
-    for m in pattern.finditer(text) if pattern is not None else ():
-        plain(text[pos : m.start()])
-        out.append(m.group(), style="bold magenta")
-        pos = m.end()
-    plain(text[pos:])
-    return out
-
-
-def _merge_lines(tt: TextTokenizer, traces, total_words: int | None):
-    from rich.text import Text
-
-    def joined(pieces) -> str:
-        return "|".join(tt.visible(p) for p in pieces)
-
-    out = Text()
-    shown = len(traces)
-    head = f"BPE merges, word by word ({shown} of {total_words} words)" if total_words is not None else "BPE merges"
-    out.append(head + "\n", style="bold")
-    for n, w in enumerate(traces):
-        out.append(f"\nword {n} ", style="bold")
-        out.append(_quoted(w.text))
-        span = f" chars {w.span[0]}–{w.span[1]}"
-        if w.special:
-            out.append(f"{span}: special token ", style="dim")
-            out.append(w.word, style="bold magenta")
-            out.append(", matched whole (no merges)\n", style="dim")
-            continue
-        out.append(f"{span}\n", style="dim")
-        out.append(f"   start        {joined(w.start)}\n")
-        width = max((len(str(s.rank)) for s in w.steps), default=1)
-        for i, s in enumerate(w.steps, 1):
-            out.append(f"   {i:>2}. rank {s.rank:>{width}}  ", style="dim")
-            out.append(f"{tt.visible(s.pair[0])} + {tt.visible(s.pair[1])}", style="cyan")
-            out.append(f"  →  {joined(s.pieces)}\n")
-        n_final = len(w.final)
-        out.append(f"   = {joined(w.final)}", style="bold")
-        out.append(f"  ({n_final} token{'s' if n_final != 1 else ''}" + (f"; {w.note}" if w.note else "") + ")\n", style="dim")
-    return out
-
-
-def _bos_eos_summary(tt: TextTokenizer, tokens: list[TokenInfo], add_special: bool, chat: bool) -> dict:
-    added_ids = [t.id for t in tokens if t.span is None]
-    bos_added = tt.bos_id is not None and tt.bos_id in added_ids[:1]
-    eos_added = bool(added_ids) and added_ids[-1] in tt.eos_ids and (len(added_ids) > 1 or not bos_added)
-    if chat and not add_special:
-        why = "a chat prompt is encoded with add_special_tokens=False: the template writes its own control tokens"
-    elif not add_special:
-        why = "add_special_tokens=False"
-    else:
-        why = tt.add_bos_reason
-    return {"bos_id": tt.bos_id, "bos_added": bos_added, "eos_ids": tt.eos_ids, "eos_added": eos_added, "reason": why}
-
-
-def _summary_line(tt: TextTokenizer, text: str, tokens: list[TokenInfo], info: dict):
-    from rich.text import Text
-
-    n = len(tokens)
-    ratio = f"{len(text) / n:.2f} chars/token" if n else "– chars/token"
-    bos = tt.piece(tt.bos_id) if tt.bos_id is not None else None
-    out = Text()
-    out.append(f"{n} token{'s' if n != 1 else ''}", style="bold")
-    out.append(f" · {len(text)} chars · {len(text.encode('utf-8'))} bytes · {ratio}\n")
-    out.append(f"BOS {bos or '(none)'}: {'added' if info['bos_added'] else 'not added'} ({info['reason']})")
-    out.append(f" · EOS: {'added' if info['eos_added'] else 'not added'}")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # tokenize
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -187,9 +67,10 @@ Examples:
   llmtrace tokenize "你好 😀" --merges
   llmtrace tokenize "<|im_start|>user" --no-special
   llmtrace tokenize "What is 2+2?" --chat --system "Be brief."
-  llmtrace tokenize --messages chat.json --json
+  llmtrace tokenize --messages chat.json --json -
   llmtrace tokenize --file notes.txt --ids
-  echo "piped text" | llmtrace tokenize --jsonl
+  echo "piped text" | llmtrace tokenize --jsonl -
+  llmtrace tokenize "Hello world" --merges --json tokens.json
 
 {NEWLINE_NOTE}
 """
@@ -209,14 +90,15 @@ def tokenize(
     merges: Annotated[bool, typer.Option("--merges", help="Show the BPE merges that build each word's tokens.")] = False,
     words: Annotated[int, typer.Option("--words", metavar="N", help="With --merges: how many words to show.", min=1)] = 20,
     ids: Annotated[bool, typer.Option("--ids", help="Print only the ids, space-separated.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
-    as_jsonl: Annotated[bool, typer.Option("--jsonl", help="Print one JSON object per token (and per merged word with --merges).")] = False,
+    as_json: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write one JSON document to FILE (- for stdout).", show_default=False)] = None,
+    as_jsonl: Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help="Write one JSON object per token (and per merged word with --merges) to FILE (- for stdout).", show_default=False)] = None,
 ) -> None:
     """Split text into tokens and show each one: id, piece, text, UTF-8 bytes, character span, special or not.
 
     Tokens that hold only part of a character (CJK, emoji) say which bytes they carry, e.g. "e4 bd (1-2/3 of 你)".
     """
-    _check_one_format(ids=ids, json=as_json, jsonl=as_jsonl)
+    _check_one_format(ids=ids, json=as_json == "-", jsonl=as_jsonl == "-")
+    check_outputs(as_json, as_jsonl)
     chat = chat or system is not None or role is not None or messages is not None
     source = read_text(text, file, "text", stdin=messages is None)
 
@@ -243,7 +125,7 @@ def tokenize(
     else:
         prompt, add_special = source, True
     tokens = tt.encode_detailed(prompt, add_special_tokens=add_special, parse_special=special)
-    bos_eos = _bos_eos_summary(tt, tokens, add_special, conversation is not None)
+    bos_eos = bos_eos_summary(tt, tokens, add_special, conversation is not None)
     dropped = tt.dropped_note(prompt)
     if dropped:
         _note(dropped)
@@ -256,9 +138,6 @@ def tokenize(
         total_words = len(all_traces)
         traces = all_traces[:words]
 
-    if ids:
-        print(" ".join(str(t.id) for t in tokens))
-        return
     if as_json or as_jsonl:
         head = {
             "model": model,
@@ -276,24 +155,27 @@ def tokenize(
             doc = {**head, "tokens": [t.to_dict() for t in tokens]}
             if traces is not None:
                 doc["merges"] = {"words_total": total_words, "words": [w.to_dict() for w in traces]}
-            print(json.dumps(doc, ensure_ascii=False))
-        else:
-            for t in tokens:
-                print(json.dumps({"kind": "token", **t.to_dict()}, ensure_ascii=False))
-            for w in traces or ():
-                print(json.dumps({"kind": "word", **w.to_dict()}, ensure_ascii=False))
+            write_output(as_json, json.dumps(doc, ensure_ascii=False) + "\n")
+        if as_jsonl:
+            lines = [json.dumps({"kind": "token", **t.to_dict()}, ensure_ascii=False) for t in tokens]
+            lines += [json.dumps({"kind": "word", **w.to_dict()}, ensure_ascii=False) for w in traces or ()]
+            write_output(as_jsonl, "".join(line + "\n" for line in lines))
+    if ids:
+        print(" ".join(str(t.id) for t in tokens))
+        return
+    if "-" in (as_json, as_jsonl) and not sys.stderr.isatty():
         return
 
-    con = _console()
+    con = _console(err="-" in (as_json, as_jsonl))
     if conversation is not None:
         from rich.panel import Panel
 
-        con.print(Panel(_highlight_specials(tt, prompt), title="chat template output", title_align="left", expand=False))
-    con.print(_token_table(tokens))
-    con.print(_summary_line(tt, prompt, tokens, bos_eos))
+        con.print(Panel(highlight_specials(tt, prompt), title="chat template output", title_align="left", expand=False))
+    con.print(token_table(tokens))
+    con.print(summary_line(tt, prompt, tokens, bos_eos))
     if traces is not None:
         con.print()
-        con.print(_merge_lines(tt, traces, total_words))
+        con.print(merge_lines(tt, traces, total_words))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -304,7 +186,7 @@ _DETOKENIZE_EPILOG = """\b
 Examples:
   llmtrace detokenize 19556 905
   llmtrace tokenize "Hello world" --ids | llmtrace detokenize
-  llmtrace detokenize 1 4093 198 6004 2 --skip-special --json
+  llmtrace detokenize 1 4093 198 6004 2 --skip-special --json -
 """
 
 
@@ -324,9 +206,10 @@ def detokenize(
     token_ids: Annotated[Optional[list[str]], typer.Argument(metavar="[IDS]...", help="Token ids (or pipe them on stdin, separated by spaces, commas or newlines).", show_default=False)] = None,
     model: ModelOpt = None,
     skip_special: Annotated[bool, typer.Option("--skip-special", help="Leave special tokens out of the joined text.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+    as_json: JsonOpt = None,
 ) -> None:
     """Turn token ids back into text: each id's piece and text, then the joined text."""
+    check_outputs(as_json, None)
     if token_ids:
         values = list(token_ids)
     elif not sys.stdin.isatty():
@@ -351,17 +234,19 @@ def detokenize(
         for i, tid in enumerate(id_list)
     ]
     if as_json:
-        print(json.dumps({"model": model, "ids": id_list, "tokens": rows, "text": joined}, ensure_ascii=False))
-        return
+        doc = {"model": model, "ids": id_list, "tokens": rows, "text": joined}
+        write_output(as_json, json.dumps(doc, ensure_ascii=False) + "\n")
+        if as_json == "-" and not sys.stderr.isatty():
+            return
 
     from rich.table import Table
     from rich.text import Text
 
-    con = _console()
+    con = _console(err=as_json == "-")
     table = Table(header_style="bold")
     for name, justify in (("#", "right"), ("id", "right"), ("piece", "left"), ("text", "left"), ("UTF-8 bytes", "left"), ("special", "left")):
         table.add_column(name, justify=justify)
     for r in rows:
-        table.add_row(str(r["index"]), str(r["id"]), r["visible"], _quoted(r["text"]), r["bytes"], "yes" if r["special"] else "")
+        table.add_row(str(r["index"]), str(r["id"]), r["visible"], quoted(r["text"]), r["bytes"], "yes" if r["special"] else "")
     con.print(table if rows else Text("(no ids)", style="dim"))
     con.print(Text("text: ", style="bold") + Text(joined))

@@ -38,7 +38,7 @@ def show(
     first = next((e for e in events if e["event"] == "explain" and e["section"] == "model"), None)
     try:
         if first is not None:  # a trace written by `explain` or `lens`
-            from llmtrace.cli.explain import render_explain, render_lens
+            from llmtrace.render.explain import render_explain, render_lens
 
             (render_lens if first["command"] == "lens" else render_explain)(events, console)
             return

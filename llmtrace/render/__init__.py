@@ -661,11 +661,7 @@ class TerminalRenderer:
                 style="dim", sep="; ")
 
 
-def terminal_renderer(console: Console, show_steps: bool = True, stream_text: bool = False) -> TerminalRenderer:
-    return TerminalRenderer(console, show_steps=show_steps, stream_text=stream_text)
-
-
 def render_events(events: list[dict], console: Console) -> None:
-    r = terminal_renderer(console)
+    r = TerminalRenderer(console)
     for ev in events:
         r(ev)
