@@ -417,12 +417,10 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
                     live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
                 if not live:
                     break
-                step_ids = [layout.pad_id] * B
-                for r in live:
-                    step_ids[r] = rows[r].tokens[-1]
-                    if mask is not None:
-                        mask[r, start] = True
-                idx = torch.tensor(step_ids, dtype=torch.long, device=device)[:, None]  # (B, 1)
+                if mask is not None:
+                    mask[live, start] = True
+                fed = [[rows[r].tokens[-1]] if r in live else [layout.pad_id] for r in range(B)]
+                idx = torch.tensor(fed, dtype=torch.long, device=device)  # (B, 1)
                 step += 1
     except KeyboardInterrupt:
         result.interrupted = True
