@@ -1,4 +1,10 @@
-"""The generation loop: prefill the prompt (in chunks when it is long), then decode one token at a time (s6-s12).
+"""The generation loop: prefill the prompts (in chunks when they are long), then decode one token at a time (s6-s12).
+
+There is one loop, `_generate`, for B rows. `generate` (one prompt) and `generate_batch` (several, s3) check the
+context window, each in its own way (one prompt is shortened to fit, a batch is refused), and call it. A single
+prompt is a batch of one row without padding: no attention mask, the default positions, the decode step that
+`--compile` compiles. Only a batch with pad slots (rows of different lengths, or a row that ended early) passes
+each row's positions and the mask of its real slots to the model.
 
 The loop is the one place where a trace plugs in. It asks a `GenerationObserver` once which passes and layers it
 observes, opens that scope (`Transformer.observed`) around those passes, and calls it at fixed moments (start, around
@@ -89,8 +95,9 @@ class GenerationObserver(Protocol):
     def on_prediction(self, ledger: Ledger, position: int, kv: KVFacts) -> None:
         """A prefill-only run (max_new_tokens 0): what the model would predict next, no token taken."""
     def on_end(self, result: GenerationResult) -> None: ...
-    # A batch (generate_batch) also calls on_start(..., batch=every row's prompt ids, samplers=every row's sampler),
-    # on_batch(BatchLayout) once before the first pass, on_step / on_prediction with row=r, and on_end(BatchResult).
+    # A batch (generate_batch) is told of its rows: on_start(..., batch=every row's prompt ids, samplers=every
+    # row's sampler), on_batch(BatchLayout) once before the first pass, on_step / on_prediction with row=r, and
+    # on_end(BatchResult). A one-prompt run (generate) is told none of that.
 
 
 class TextStream:
@@ -120,6 +127,20 @@ def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
         raise LlmtraceError(f"the prompt has {n_prompt} tokens but the context window of {lm.name} is {ctx} tokens; "
                             f"shorten the prompt")
     return min(max_new_tokens, ctx - n_prompt)
+
+
+def check_batch_context(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse a batch whose padded length plus max_new_tokens does not fit the context window (one line). Unlike a
+    single prompt, a batch is not shortened: its rows would get fewer tokens than asked without saying so."""
+    ctx = lm.config.max_seq_len
+    for r, p in enumerate(prompts):
+        if not p:
+            raise LlmtraceError(f"prompt {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
+    T = max(len(p) for p in prompts)
+    if T + max_new_tokens > ctx:
+        raise LlmtraceError(f"the batch is padded to {T} tokens and -n {max_new_tokens} asks for {T + max_new_tokens} "
+                            f"slots, but the context window of {lm.name} is {ctx} tokens; shorten the longest prompt "
+                            f"or lower -n")
 
 
 def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> CompiledDecode:
@@ -160,157 +181,8 @@ def prefill_split(n_prompt: int, chunk: int = PREFILL_CHUNK) -> int:
     return (n_prompt - 1) // chunk * chunk
 
 
-def prefill(model: Transformer, idx: torch.Tensor, cache: KVCache, observed=contextlib.nullcontext,
-            on_progress: Optional[Callable[[int, int], None]] = None, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
-    """Run the prompt idx (B, T) into the empty cache; the logits (B, V) of its last position.
-
-    A prompt longer than `chunk` tokens goes through in passes of `chunk` (each attends to the slots cached before
-    it), so memory stays bounded however long the prompt. Only the last pass is observed (`observed()`: the scope
-    the observer asked for): it is the one whose logits the first token comes from. `on_progress(done, total)` is
-    called after each pass of a chunked prefill."""
-    T = idx.size(1)
-    last = prefill_split(T, chunk)  # the last pass covers [last, T)
-    for s in range(0, last, chunk):
-        model(idx[:, s : s + chunk], cache, s)
-        if on_progress is not None:
-            on_progress(s + chunk, T)
-    with observed():
-        logits = model(idx[:, last:], cache, last, last_only=True)
-    if on_progress is not None and last > 0:
-        on_progress(T, T)
-    return logits
-
-
-@torch.inference_mode()
-def generate(
-    lm: LoadedModel,
-    prompt_ids: list[int],
-    sampler: Sampler,
-    max_new_tokens: int,
-    stop_texts: tuple[str, ...] = (),
-    ignore_eos: bool = False,
-    observer: Optional[GenerationObserver] = None,
-    on_text=None,
-    compiled: Optional[CompiledDecode] = None,
-    on_prefill_progress: Optional[Callable[[int, int], None]] = None,
-) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams.
-
-    `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
-    prefill-only run: the observer gets `on_prediction` (what the model would predict next) and no token is taken."""
-    model, tok = lm.model, lm.tokenizer
-    max_new_tokens = check_context(lm, len(prompt_ids), max_new_tokens)
-    result = GenerationResult(prompt_ids=list(prompt_ids))
-    eos = set() if ignore_eos else set(tok.eos_ids)
-    want_ledger = observer is not None and observer.wants_ledger()
-    cache = model.new_cache(len(prompt_ids) + max(max_new_tokens, 1))
-    stream = TextStream(tok)
-    history = list(prompt_ids)
-    emitted = 0  # characters of text already passed to on_text
-    # Ctrl-C anywhere from here on ends the run as "interrupted", and the observer still gets its on_end. The start
-    # and the end are held whole (a Ctrl-C during them is taken once they are done), so their events are never cut.
-    try:
-        if observer is not None:
-            with sigint_deferred():
-                observer.on_start(lm, list(prompt_ids), sampler)
-        scopes = {phase: _scope(model, observer, phase) for phase in ("prefill", "decode")}
-        t_start = time.perf_counter()
-        idx = torch.tensor([prompt_ids], dtype=torch.long, device=lm.device)  # (1, T)
-        start, step = 0, 0
-        decode_scope = scopes["decode"]
-        with contextlib.ExitStack() as held:
-            while True:
-                phase = "prefill" if step == 0 else "decode"
-                t0 = time.perf_counter()
-                if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
-                    first = prefill_split(idx.size(1)) if step == 0 else start
-                    observer.before_forward(step, phase, first, start + idx.size(1) - first)
-                if step == 0:  # s6-s9 over the prompt
-                    logits = prefill(model, idx, cache, scopes["prefill"], on_prefill_progress)
-                    if decode_scope is not contextlib.nullcontext:
-                        held.enter_context(decode_scope())  # one scope for every decode pass
-                elif decode_scope is contextlib.nullcontext:  # s6-s9 for one token; nothing observes it
-                    logits = decode_step(model, compiled, idx, cache, start, next_of_same_run=step > 1)
-                else:
-                    logits = model(idx, cache, start, last_only=True)
-                logits = logits[0].float()  # (V,): the sampler works in float32
-                if observer is not None:
-                    observer.after_forward(step)
-                if max_new_tokens == 0:
-                    result.prefill_s = result.ttft_s = time.perf_counter() - t_start
-                    if observer is not None:
-                        _, ledger = sampler.sample(logits, history, ledger=True)  # what it would take: s10-s12
-                        observer.on_prediction(ledger, len(prompt_ids), kv_facts(cache))
-                    break
-                token, ledger = sampler.sample(logits, history, ledger=want_ledger)  # s10-s12
-                t1 = time.perf_counter()
-                if step == 0:
-                    result.prefill_s = result.ttft_s = t1 - t_start
-                else:
-                    result.decode_s += t1 - t0
-                start += idx.size(1)
-                history.append(token)
-                result.tokens.append(token)
-                piece = "" if token in eos else stream.push(token)  # the end-of-sequence marker is not output text
-                if observer is not None:
-                    observer.on_step(StepRecord(step=step, phase=phase, position=start, token=token, text=piece,
-                                                ledger=ledger, kv=kv_facts(cache), ms=(t1 - t0) * 1e3))
-                if token in eos:
-                    result.stop_reason = "eos"
-                    break
-                hit = _find_stop(stream.text, stop_texts)
-                if hit is not None:
-                    result.stop_reason = "stop_text"
-                    stream.text = stream.text[:hit]
-                    break
-                if on_text is not None and piece:
-                    # hold back a tail that could still grow into a stop text
-                    safe = len(stream.text) - _partial_stop(stream.text, stop_texts)
-                    if safe > emitted:
-                        on_text(stream.text[emitted:safe])
-                        emitted = safe
-                if len(result.tokens) >= max_new_tokens:
-                    break
-                idx = torch.tensor([[token]], dtype=torch.long, device=lm.device)  # (1, 1)
-                step += 1
-    except KeyboardInterrupt:
-        result.interrupted = True
-        result.stop_reason = "interrupted"
-    result.text = stream.text
-    if on_text is not None and len(result.text) > emitted:
-        on_text(result.text[emitted:])
-    if observer is not None:
-        with sigint_deferred():
-            observer.on_end(result)
-    return result
-
-
-def _scope(model: Transformer, observer: Optional[GenerationObserver], phase: str):
-    """A factory of the observation scope for the passes of `phase`: what the observer asked for, or nothing."""
-    wanted = observer.observation(phase) if observer is not None else None
-    if wanted is None:
-        return contextlib.nullcontext
-    return functools.partial(model.observed, observer, **wanted)
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> Optional[int]:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
-
-
-def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest tail of `text` that is the beginning of some stop text."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# s3: several prompts as one batch
+# s3: several prompts as one batch (one prompt is a batch of one row)
 
 
 MAX_BATCH = 64  # rows a run takes unless told otherwise (--max-batch)
@@ -336,7 +208,10 @@ class BatchLayout:
 def pad_batch(prompts: list[list[int]], tokenizer) -> BatchLayout:
     """Left-pad the prompts to the longest one, so that every row's last prompt token sits in the same slot and
     the first new token of every row is predicted by one pass. A pad slot is never attended (attention_mask 0)."""
-    pad_id, source = (tokenizer.pad_id, "pad") if tokenizer.pad_id is not None else (tokenizer.eos_ids[0], "eos")
+    if tokenizer.pad_id is not None:
+        pad_id, source = tokenizer.pad_id, "pad"
+    else:  # a tokenizer without EOS either (one prompt, never padded): any id does, no query attends a pad slot
+        pad_id, source = (tokenizer.eos_ids or [0])[0], "eos"
     T = max(len(p) for p in prompts)
     ids, mask, pos = [], [], []
     for p in prompts:
@@ -345,19 +220,6 @@ def pad_batch(prompts: list[list[int]], tokenizer) -> BatchLayout:
         mask.append([0] * n_pad + [1] * len(p))
         pos.append([0] * n_pad + list(range(len(p))))
     return BatchLayout(ids=ids, attention_mask=mask, position_ids=pos, pad_id=pad_id, pad_source=source)
-
-
-def check_batch_context(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """Refuse a batch whose padded length plus max_new_tokens does not fit the context window (one line)."""
-    ctx = lm.config.max_seq_len
-    for r, p in enumerate(prompts):
-        if not p:
-            raise LlmtraceError(f"prompt {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
-    T = max(len(p) for p in prompts)
-    if T + max_new_tokens > ctx:
-        raise LlmtraceError(f"the batch is padded to {T} tokens and -n {max_new_tokens} asks for {T + max_new_tokens} "
-                            f"slots, but the context window of {lm.name} is {ctx} tokens; shorten the longest prompt "
-                            f"or lower -n")
 
 
 @dataclass
@@ -373,6 +235,62 @@ class BatchResult:
         """Tokens of every row after the first, per second of decode: the batch's aggregate throughput."""
         n = sum(max(len(r.tokens) - 1, 0) for r in self.rows)
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the generation loop: s6-s9 (prefill, decode), s10-s12 (sample), for every row at once
+
+
+def prefill(model: Transformer, idx: torch.Tensor, cache: KVCache, observed=contextlib.nullcontext,
+            on_progress: Optional[Callable[[int, int], None]] = None, chunk: int = PREFILL_CHUNK, *,
+            input_pos: Optional[torch.Tensor] = None, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run the prompts idx (B, T) into the empty cache; the logits (B, V) of their last slot.
+
+    A prompt longer than `chunk` tokens goes through in passes of `chunk` (each attends to the slots cached before
+    it), so memory stays bounded however long the prompt. Only the last pass is observed (`observed()`: the scope
+    the observer asked for): it is the one whose logits the first token comes from. `on_progress(done, total)` is
+    called after each pass of a chunked prefill. A left-padded batch gives its rows' positions `input_pos` (B, T)
+    and `padding` (B, T), False at pad slots; None (the default) for rows without padding."""
+    T = idx.size(1)
+    last = prefill_split(T, chunk)  # the last pass covers [last, T)
+    for s in range(0, last, chunk):
+        model(idx[:, s : s + chunk], cache, s, input_pos=_cols(input_pos, s, s + chunk),
+              attention_mask=_cols(padding, 0, s + chunk))
+        if on_progress is not None:
+            on_progress(s + chunk, T)
+    with observed():
+        logits = model(idx[:, last:], cache, last, input_pos=_cols(input_pos, last, T), attention_mask=padding,
+                       last_only=True)
+    if on_progress is not None and last > 0:
+        on_progress(T, T)
+    return logits
+
+
+def _cols(x: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+    return None if x is None else x[:, a:b]
+
+
+@torch.inference_mode()
+def generate(
+    lm: LoadedModel,
+    prompt_ids: list[int],
+    sampler: Sampler,
+    max_new_tokens: int,
+    stop_texts: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    observer: Optional[GenerationObserver] = None,
+    on_text=None,
+    compiled: Optional[CompiledDecode] = None,
+    on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams.
+
+    `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
+    prefill-only run: the observer gets `on_prediction` (what the model would predict next) and no token is taken.
+    A prompt that leaves less room in the context window than max_new_tokens gets what is left."""
+    max_new_tokens = check_context(lm, len(prompt_ids), max_new_tokens)
+    return _generate(lm, [list(prompt_ids)], [sampler], max_new_tokens, stop_texts, ignore_eos, observer,
+                     on_prefill_progress, batched=False, on_text=on_text, compiled=compiled).rows[0]
 
 
 @torch.inference_mode()
@@ -393,100 +311,117 @@ def generate_batch(
     samplers[r] (its own seed and history). A row stops at its own EOS, stop text or limit; after that it is fed
     the pad id at slots its mask hides, and it reports nothing more. The observer (a GenerationObserver with
     `on_batch`) gets `on_start` with row 0's prompt and all rows, `on_batch(layout)`, then each row's StepRecord
-    with `row` set."""
+    with `row` set. A batch that does not fit the context window is refused (check_batch_context)."""
+    check_batch_context(lm, prompts, max_new_tokens)
+    return _generate(lm, prompts, samplers, max_new_tokens, stop_texts, ignore_eos, observer, on_prefill_progress,
+                     batched=True)
+
+
+def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler], max_new_tokens: int,
+              stop_texts: tuple[str, ...], ignore_eos: bool, observer, on_prefill_progress, *, batched: bool,
+              on_text=None, compiled: Optional[CompiledDecode] = None) -> BatchResult:
+    """The one generation loop, for B rows (B = 1: one prompt). `batched`: the observer hears of rows (on_batch,
+    "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has."""
     model, tok, device = lm.model, lm.tokenizer, lm.device
     B = len(prompts)
-    check_batch_context(lm, prompts, max_new_tokens)
-    layout = pad_batch(prompts, tok)
+    layout = pad_batch(prompts, tok)  # s3; one prompt is a row without padding
     T = len(layout.ids[0])
+    pads = [T - len(p) for p in prompts]  # a row's position is its slot less its pad slots
+    padded = any(pads)
     rows = [GenerationResult(prompt_ids=list(p)) for p in prompts]
     result = BatchResult(layout=layout, rows=rows)
     eos = set() if ignore_eos else set(tok.eos_ids)
     want_ledger = observer is not None and observer.wants_ledger()
     S = T + max(max_new_tokens, 1)
     cache = model.new_cache(S, batch=B)
-    mask = torch.zeros((B, S), dtype=torch.bool, device=device)  # (B, S): True at the slots a row really fills
-    mask[:, :T] = torch.tensor(layout.attention_mask, dtype=torch.bool, device=device)
-    next_pos = [len(p) for p in prompts]  # each row's position of the token it takes next
+    mask = None  # (B, S): True at the slots a row really fills; a row that ends early makes pad slots of the rest
+    if B > 1:
+        mask = torch.zeros((B, S), dtype=torch.bool, device=device)
+        mask[:, :T] = torch.tensor(layout.attention_mask, dtype=torch.bool, device=device)
     streams = [TextStream(tok) for _ in range(B)]
     histories = [list(p) for p in prompts]
     live = list(range(B))  # rows still generating
-    masked = not all(all(m) for m in layout.attention_mask)  # some row is padded
+    emitted = 0  # characters of text already passed to on_text (a one-prompt run's)
+    tag = (lambda r: {"row": r}) if batched else (lambda r: {})  # what the observer's records say of the row
+    # Ctrl-C anywhere from here on ends the run as "interrupted", and the observer still gets its on_end. The start
+    # and the end are held whole (a Ctrl-C during them is taken once they are done), so their events are never cut.
     try:
         if observer is not None:
             with sigint_deferred():
-                observer.on_start(lm, list(prompts[0]), samplers[0], batch=[list(p) for p in prompts],
-                                  samplers=samplers)
-                observer.on_batch(layout)
+                if batched:
+                    observer.on_start(lm, list(prompts[0]), samplers[0], batch=[list(p) for p in prompts],
+                                      samplers=samplers)
+                    observer.on_batch(layout)
+                else:
+                    observer.on_start(lm, list(prompts[0]), samplers[0])
         scopes = {phase: _scope(model, observer, phase) for phase in ("prefill", "decode")}
+        decode_scope = scopes["decode"]
         t_start = time.perf_counter()
         idx = torch.tensor(layout.ids, dtype=torch.long, device=device)  # (B, T)
-        input_pos = torch.tensor(layout.position_ids, dtype=torch.long, device=device)  # (B, T)
         start, step = 0, 0
         with contextlib.ExitStack() as held:
             while True:
                 phase = "prefill" if step == 0 else "decode"
                 t0 = time.perf_counter()
-                if observer is not None:
+                if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
                     first = prefill_split(T) if step == 0 else start
                     observer.before_forward(step, phase, first, start + idx.size(1) - first)
-                if step == 0:
-                    logits = _prefill_rows(model, idx, input_pos, mask[:, :T], cache, scopes["prefill"],
-                                           on_prefill_progress)
-                    if scopes["decode"] is not contextlib.nullcontext:
-                        held.enter_context(scopes["decode"]())
-                else:  # no pad slot anywhere (rows of one length, none finished): no mask to apply
-                    padded = masked or len(live) < B
-                    logits = model(idx, cache, start, input_pos=input_pos,
-                                   attention_mask=mask[:, : start + 1] if padded else None, last_only=True)
-                logits = logits.float()  # (B, V)
+                if step == 0:  # s6-s9 over the prompts
+                    logits = prefill(model, idx, cache, scopes["prefill"], on_prefill_progress,
+                                     **_padding(layout, mask, T, device) if padded else {})
+                    if decode_scope is not contextlib.nullcontext:
+                        held.enter_context(decode_scope())  # one scope for every decode pass
+                elif padded or len(live) < B:  # s6-s9 for one token a row, some rows with pad slots to hide
+                    input_pos = torch.tensor([start - n for n in pads], dtype=torch.long, device=device)[:, None]
+                    logits = model(idx, cache, start, input_pos=input_pos, attention_mask=mask[:, : start + 1],
+                                   last_only=True)
+                elif decode_scope is contextlib.nullcontext:  # the same, no padding, nothing observes it
+                    logits = decode_step(model, compiled, idx, cache, start, next_of_same_run=step > 1)
+                else:
+                    logits = model(idx, cache, start, last_only=True)
+                logits = logits.float()  # (B, V): the sampler works in float32
                 if observer is not None:
                     observer.after_forward(step)
                 if max_new_tokens == 0:
                     result.prefill_s = time.perf_counter() - t_start
-                    for r in range(B):
-                        rows[r].prefill_s = rows[r].ttft_s = result.prefill_s
                     if observer is not None:
-                        for r in range(B):
+                        for r in range(B):  # what each row would take: s10-s12
                             _, ledger = samplers[r].sample(logits[r], histories[r], ledger=True)
-                            observer.on_prediction(ledger, len(prompts[r]), kv_facts(cache), row=r)
+                            observer.on_prediction(ledger, len(prompts[r]), kv_facts(cache), **tag(r))
                     break
-                picked = {r: samplers[r].sample(logits[r], histories[r], ledger=want_ledger) for r in live}
-                t1 = time.perf_counter()
+                picked = [(r, *samplers[r].sample(logits[r], histories[r], ledger=want_ledger)) for r in live]
+                t1 = time.perf_counter()  # s10-s12 done
                 if step == 0:
                     result.prefill_s = t1 - t_start
-                    for r in range(B):
-                        rows[r].prefill_s = rows[r].ttft_s = result.prefill_s
                 else:
                     result.decode_s += t1 - t0
                 start += idx.size(1)
-                ms = (t1 - t0) * 1e3
-                for r in list(live):
-                    token, ledger = picked[r]
+                for r, token, ledger in picked:
                     histories[r].append(token)
                     rows[r].tokens.append(token)
-                    piece = "" if token in eos else streams[r].push(token)
+                    piece = "" if token in eos else streams[r].push(token)  # the EOS marker is not output text
                     if observer is not None:
-                        observer.on_step(StepRecord(step=step, phase=phase, position=next_pos[r], token=token,
-                                                    text=piece, ledger=ledger, kv=kv_facts(cache), ms=ms), row=r)
+                        observer.on_step(StepRecord(step=step, phase=phase, position=start - pads[r], token=token,
+                                                    text=piece, ledger=ledger, kv=kv_facts(cache),
+                                                    ms=(t1 - t0) * 1e3), **tag(r))
                     hit = _find_stop(streams[r].text, stop_texts)
                     if token in eos:
                         rows[r].stop_reason = "eos"
                     elif hit is not None:
                         rows[r].stop_reason = "stop_text"
                         streams[r].text = streams[r].text[:hit]
-                    elif len(rows[r].tokens) < max_new_tokens:
-                        continue
+                    else:
+                        if on_text is not None and piece:
+                            emitted = _stream(on_text, streams[r].text, emitted, stop_texts)
+                        if len(rows[r].tokens) < max_new_tokens:
+                            continue
                     live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
                 if not live:
                     break
-                step_ids = [layout.pad_id] * B
-                for r in live:
-                    step_ids[r] = rows[r].tokens[-1]
-                    mask[r, start] = True
-                idx = torch.tensor(step_ids, dtype=torch.long, device=device)[:, None]  # (B, 1)
-                input_pos = torch.tensor(next_pos, dtype=torch.long, device=device)[:, None]  # (B, 1)
-                next_pos = [n + 1 for n in next_pos]
+                if mask is not None:
+                    mask[live, start] = True
+                fed = [[rows[r].tokens[-1]] if r in live else [layout.pad_id] for r in range(B)]
+                idx = torch.tensor(fed, dtype=torch.long, device=device)  # (B, 1)
                 step += 1
     except KeyboardInterrupt:
         result.interrupted = True
@@ -495,24 +430,50 @@ def generate_batch(
             rows[r].stop_reason = "interrupted"
     for r in range(B):
         rows[r].text = streams[r].text
+        rows[r].prefill_s = rows[r].ttft_s = result.prefill_s
         rows[r].decode_s = result.decode_s
+    if on_text is not None and len(rows[0].text) > emitted:
+        on_text(rows[0].text[emitted:])
     if observer is not None:
         with sigint_deferred():
-            observer.on_end(result)
+            observer.on_end(result if batched else rows[0])
     return result
 
 
-def _prefill_rows(model: Transformer, idx: torch.Tensor, input_pos: torch.Tensor, padding: torch.Tensor,
-                  cache: KVCache, observed, on_progress, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
-    """`prefill` for a padded batch: idx, input_pos, padding (B, T). The logits (B, V) of the last slot."""
-    T = idx.size(1)
-    last = prefill_split(T, chunk)
-    for s in range(0, last, chunk):
-        model(idx[:, s : s + chunk], cache, s, input_pos=input_pos[:, s : s + chunk], attention_mask=padding[:, : s + chunk])
-        if on_progress is not None:
-            on_progress(s + chunk, T)
-    with observed():
-        logits = model(idx[:, last:], cache, last, input_pos=input_pos[:, last:], attention_mask=padding, last_only=True)
-    if on_progress is not None and last > 0:
-        on_progress(T, T)
-    return logits
+def _padding(layout: BatchLayout, mask: torch.Tensor, T: int, device) -> dict:
+    """prefill's arguments for a left-padded batch: each row's positions and its pad slots, (B, T) each."""
+    return {"input_pos": torch.tensor(layout.position_ids, dtype=torch.long, device=device), "padding": mask[:, :T]}
+
+
+def _stream(on_text, text: str, emitted: int, stop_texts: tuple[str, ...]) -> int:
+    """Pass on_text the text after `emitted`, holding back a tail that could still grow into a stop text; the
+    characters passed on so far."""
+    safe = len(text) - _partial_stop(text, stop_texts)
+    if safe > emitted:
+        on_text(text[emitted:safe])
+        return safe
+    return emitted
+
+
+def _scope(model: Transformer, observer: Optional[GenerationObserver], phase: str):
+    """A factory of the observation scope for the passes of `phase`: what the observer asked for, or nothing."""
+    wanted = observer.observation(phase) if observer is not None else None
+    if wanted is None:
+        return contextlib.nullcontext
+    return functools.partial(model.observed, observer, **wanted)
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> Optional[int]:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is the beginning of some stop text."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
