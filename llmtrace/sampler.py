@@ -489,3 +489,17 @@ class Sampler:
             token=token,
             greedy=u is None,
         )
+
+
+def banned_sequences(tok, texts: list[str]) -> list[list[int]]:
+    """The token sequences the ban stage refuses for each text: the text as given and with one leading space (how a
+    word appears mid-sentence), each encoded without special tokens. `tok` is a llmtrace TextTokenizer."""
+    out: list[list[int]] = []
+    for t in texts:
+        if not t:
+            raise BadValue("ban", " needs a non-empty text")
+        for variant in (t, " " + t.lstrip(" ")):
+            ids = tok.encode(variant, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out

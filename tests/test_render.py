@@ -99,7 +99,7 @@ def test_header_lists_every_non_default_sampler_setting(sampling_run, monkeypatc
 
 @pytest.mark.parametrize("how", ["ban", "logit_bias"])
 def test_row_marked_when_the_sampler_changed_the_winner(smollm, how, monkeypatch):
-    from llmtrace.cli.generate import banned_sequences
+    from llmtrace.sampler import banned_sequences
 
     plain, _ = record(smollm, n=1)
     assert next(e for e in plain if e["event"] == "step")["token"]["id"] == PARIS

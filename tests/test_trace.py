@@ -190,7 +190,7 @@ def test_json_document_and_show_render_without_model(smollm_path, tmp_path):
 
 
 def test_ban_removes_a_word_with_and_without_its_leading_space(smollm):
-    from llmtrace.cli.generate import banned_sequences
+    from llmtrace.sampler import banned_sequences
 
     events, plain = traced_run(smollm, "steps", n=1)
     word = smollm.tokenizer.decode([plain.tokens[0]]).strip()  # " describes" for this prompt

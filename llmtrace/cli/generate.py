@@ -188,7 +188,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     by the caller."""
     from llmtrace.generate import generate as run_generation
     from llmtrace.render import TerminalRenderer, make_console
-    from llmtrace.sampler import Sampler, parse_logit_bias
+    from llmtrace.sampler import Sampler, banned_sequences, parse_logit_bias
     from llmtrace.indices import parse_layers
     from llmtrace.sinks import JsonDocSink
     from llmtrace.trace import Recorder
@@ -306,16 +306,3 @@ def compile_step(lm, n_prompt: int, max_new_tokens: int):
     compiled = compile_decode(lm, n_prompt, max_new_tokens)
     print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
     return compiled
-
-
-def banned_sequences(tok, texts: list[str]) -> list[list[int]]:
-    """Token sequences for each --ban text, with and without a leading space (how words appear mid-sentence)."""
-    out: list[list[int]] = []
-    for t in texts:
-        if not t:
-            raise UsageError("--ban needs a non-empty text")
-        for variant in (t, " " + t.lstrip(" ")):
-            ids = tok.encode(variant, add_special_tokens=False)
-            if ids and ids not in out:
-                out.append(ids)
-    return out
