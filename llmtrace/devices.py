@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import BadValue, LlmtraceError, UsageError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -29,11 +29,11 @@ def pick_device(requested: Optional[str] = None) -> torch.device:
     if kind == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
         raise LlmtraceError("--device mps was asked for, but MPS is not available here; use --device cpu")
     if kind not in ("cuda", "mps", "cpu"):
-        raise UsageError(f"unknown --device {requested!r}; choose cuda, mps or cpu")
+        raise BadValue("device", f" {requested!r} is unknown; choose cuda, mps or cpu")
     try:
         return torch.device(name)
     except RuntimeError as e:
-        raise UsageError(f"bad --device {requested!r}: {e}") from None
+        raise BadValue("device", f" {requested!r} is malformed: {e}") from None
 
 
 def pick_dtype(requested: Optional[str], device: torch.device) -> torch.dtype:
@@ -42,7 +42,7 @@ def pick_dtype(requested: Optional[str], device: torch.device) -> torch.dtype:
     try:
         return DTYPES[requested.lower()]
     except KeyError:
-        raise UsageError(f"unknown --dtype {requested!r}; choose float32, bfloat16 or float16") from None
+        raise BadValue("dtype", f" {requested!r} is unknown; choose float32, bfloat16 or float16") from None
 
 
 def physical_cores() -> int:
@@ -97,7 +97,7 @@ def thread_count(n: Optional[int] = None) -> int:
                 raise UsageError(f"LLMTRACE_THREADS must be a whole number ≥ 1, not {env!r}")
             n = int(env)
     elif n < 1:
-        raise UsageError("--threads must be ≥ 1")
+        raise BadValue("threads", " must be ≥ 1")
     return n if n is not None else physical_cores()
 
 

@@ -85,8 +85,9 @@ def test_threads_flag_then_environment(monkeypatch):
         monkeypatch.setenv("LLMTRACE_THREADS", bad)
         with pytest.raises(UsageError, match="LLMTRACE_THREADS"):
             thread_count()
-    with pytest.raises(UsageError, match="--threads"):
+    with pytest.raises(UsageError, match="^threads must be") as e:  # the library names the value; the CLI the flag
         thread_count(0)
+    assert e.value.named("--threads") == "--threads must be ≥ 1"
 
 
 def test_run_event_and_header_show_the_thread_count(tiny_dir, capsys, monkeypatch):
