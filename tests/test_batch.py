@@ -238,6 +238,20 @@ def test_report_and_show_read_a_batch_trace(batch_run, tmp_path):
     assert [e["event"] for e in load_trace(str(f))].count("step") == 3 * N_NEW
 
 
+def test_report_row_option_draws_the_chosen_row(batch_run, tmp_path, capsys):
+    _, result, events = batch_run
+    f = tmp_path / "batch.jsonl"
+    f.write_text("".join(json.dumps(e) + "\n" for e in events))
+    page = tmp_path / "row2.html"
+    code, _, err = cli(capsys, "report", f, "-o", page, "--row", "2", "--no-merges")
+    assert code == 0, err
+    html = page.read_text()
+    assert "shows row 2" in html and TEXTS[2] in html
+    msg = one_error(capsys, "report", f, "-o", tmp_path / "x.html", "--row", "3", "--no-merges")
+    assert "--row 3 is out of range" in msg and "3 rows" in msg
+    assert not (tmp_path / "x.html").exists()
+
+
 def test_terminal_shows_s3_with_pads_marked_and_a_row_column(batch_run):
     import io
 

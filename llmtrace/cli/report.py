@@ -28,6 +28,10 @@ Examples:
 
   llmtrace report lens.jsonl -o lens.html
 
+  llmtrace generate -p "The capital of France is" -p "Hi" -n 8 --json batch.json
+
+  llmtrace report batch.json -o row1.html --row 1      # a batch: one page per row
+
   llmtrace generate "Once upon a time" -n 16 --html story.html
 """
 
@@ -79,6 +83,8 @@ def report(
         "names; give the path for a model loaded from a file).", show_default=False)] = None,
     merges: Annotated[bool, typer.Option("--merges/--no-merges",
                                          help="Read the model's tokenizer for the BPE merge story.")] = True,
+    row: Annotated[int, typer.Option("--row", help="For a trace of several prompts (generate -p … -p …): the row "
+                                     "the page shows, 0-based.")] = 0,
 ) -> None:
     from llmtrace.reader import load_trace
     from llmtrace.fsutil import check_writable_target
@@ -93,7 +99,7 @@ def report(
     except LlmtraceError as e:
         raise LlmtraceError(f"{trace}: {e}") from None
     tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
-    n = write_report(events, output, tokenizer=tok, merges_note=note)
+    n = write_report(events, output, tokenizer=tok, merges_note=note, row=row)
     print(f"wrote {output} ({n / 1e6:.2f} MB)", file=sys.stderr)
 
 

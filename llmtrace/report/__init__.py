@@ -26,23 +26,34 @@ def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[
         return None, f"the merge story is not available for this tokenizer ({' '.join(str(e).split())[:120]})"
 
 
-def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None) -> str:
-    """The report page of a trace, as a string. `tokenizer` (the model's) adds the BPE merge story."""
+def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0) -> str:
+    """The report page of a trace, as a string: of one row when the trace is a batch of prompts. `tokenizer` (the
+    model's) adds the BPE merge story."""
+    from llmtrace.errors import BadValue
     from llmtrace.report.data import check_schema, extract
     from llmtrace.report.page import render
 
     check_schema(events)
-    prompt = next((e.get("prompt", "") for e in events
-                   if e.get("event") == "run" or (e.get("event") == "explain" and e.get("section") == "model")), "")
+    run = next((e for e in events if e.get("event") == "run"), None)
+    rows = (run or {}).get("batch") or 1
+    if not 0 <= row < rows:
+        raise BadValue("row", f" {row} is out of range: the trace has {rows} row{'s' if rows != 1 else ''} "
+                              f"(0..{rows - 1})")
+    if run is not None and run.get("batch"):
+        prompt = (run.get("prompts") or [""] * rows)[row]
+    else:
+        prompt = next((e.get("prompt", "") for e in events
+                       if e.get("event") == "run" or (e.get("event") == "explain" and e.get("section") == "model")), "")
     words, why = merge_story(tokenizer, prompt)
     note = why or merges_note or ("the merge story needs the model's tokenizer, and this report was made without it")
-    return render(extract(events, merges=words, merges_note=note))
+    return render(extract(events, row=row, merges=words, merges_note=note))
 
 
-def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None) -> int:
+def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,
+                 row: int = 0) -> int:
     """Write the page to `path` atomically (an existing file is replaced only by a complete one). Returns its bytes."""
     from llmtrace.fsutil import write_text_atomic
 
-    page = build(events, tokenizer, merges_note)
+    page = build(events, tokenizer, merges_note, row)
     write_text_atomic(Path(path), page)
     return len(page.encode("utf-8"))

@@ -109,7 +109,8 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
         facts["summary"] = {k: summary.get(k) for k in ("prompt_tokens", "generated_tokens", "stop_reason", "ttft_ms",
                                                          "prefill_tok_s", "decode_tok_s", "interrupted", "text")}
     if batch:
-        facts["command"] = f"generate, a batch of {batch} prompts: this report shows row {row}"
+        facts["command"] = (f"generate, a batch of {batch} prompts: this report shows row {row} "
+                            f"(llmtrace report TRACE --row N shows another)")
         facts["prompt"] = (run.get("prompts") or [""] * batch)[row]
         entry = next((r for r in (summary or {}).get("rows", []) if r["row"] == row), None)
         if entry is not None:
