@@ -231,10 +231,10 @@ class Recorder:
     def observation(self, phase: str) -> Optional[dict]:
         """Which passes and layers the generation loop should let this recorder observe (`Transformer.observed`'s
         keyword arguments), or None. The prefill is observed for its shape table (model-level points and layer 0);
-        decode passes only at --trace layers/full or with --dump."""
+        decode passes only at --trace layers/full or with --dump (which records at every level, none included)."""
         o = self.options
         every = o.level in ("layers", "full")
-        if o.level == "none" or (phase == "decode" and not every and not o.dump):
+        if (o.level == "none" and not o.dump) or (phase == "decode" and not every and not o.dump):
             return None
         if every:
             layers = None if o.layers is None else set(o.layers)

@@ -24,3 +24,11 @@ class TraceOptions:
             name = d.split(".", 1)[1] if "." in d and d.split(".", 1)[0].lstrip("-").isdigit() else d
             if name not in known:
                 raise BadValue("dump", f": unknown point {d!r}; known points: {', '.join(MODEL_POINTS + LAYER_POINTS)}")
+
+    def check_dump_layers(self, n_layers: int) -> None:
+        """Each "LAYER.name" dump names a layer of the model (negative counts from the end), known once it is loaded."""
+        for d in self.dump:
+            head = d.split(".", 1)[0]
+            if "." in d and head.lstrip("-").isdigit() and not -n_layers <= int(head) < n_layers:
+                raise BadValue("dump", f": layer {head} of {d!r} is out of range; this model has {n_layers} layers "
+                                       f"(0..{n_layers - 1}, or -1 for the last)")

@@ -268,6 +268,7 @@ def test_models_toml_syntax_error_names_the_line(capsys, monkeypatch, tmp_path):
     (["--no-such-flag"], ("--no-such-flag",)),
     (["--compile", "--trace", "full"], ("--compile", "observed")),
     (["--compile", "--dump", "logits"], ("--compile", "--dump")),
+    (["--compile", "--html", "/tmp/llmtrace-never-written.html"], ("--compile", "--html")),
 ])  # fmt: skip
 def test_usage_errors_exit_2_before_the_model_loads(capsys, monkeypatch, flags, says):
     monkeypatch.setattr("llmtrace.loader.load_model", no_load)
@@ -287,6 +288,11 @@ def test_logit_bias_id_beyond_the_vocabulary(capsys, with_smollm):
 @pytest.mark.parametrize("spec, bad", [("30", "30"), ("-31", "-31"), ("0,3,99", "99"), ("28-31", "31"), ("0-9999999999", "9999999999")])
 def test_layers_out_of_range(capsys, with_smollm, spec, bad):
     fails(capsys, 2, "generate", "hi", "-n", "1", "--layers", spec, says=(f"layer {bad}", "30 layers", "0..29"))
+
+
+@pytest.mark.parametrize("spec", ["30.probs", "-31.scores"])
+def test_dump_layer_out_of_range(capsys, with_smollm, spec):
+    fails(capsys, 2, "generate", "hi", "-n", "1", "--dump", spec, says=("--dump", spec.split(".")[0], "30 layers"))
 
 
 @pytest.mark.parametrize("command, flags", [("explain", ["--layer", "30"]), ("explain", ["--layer", "-31"]),

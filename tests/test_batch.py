@@ -232,6 +232,8 @@ def test_report_and_show_read_a_batch_trace(batch_run, tmp_path):
         data = extract(events, row=row)
         assert data["run"]["prompt"] == TEXTS[row]
         assert f"shows row {row}" in data["run"]["command"]
+        run = next(e for e in events if e["event"] == "run")
+        assert data["run"]["sampling"]["seed"] == run["row_seeds"][row] == run["row_seeds"][0] + row  # the row's own
         assert [s["token"]["id"] for s in data["steps"]] == result.rows[row].tokens
     f = tmp_path / "batch.jsonl"
     f.write_text("".join(json.dumps(e) + "\n" for e in events))

@@ -148,6 +148,30 @@ def test_dump_without_a_file_prints_values_compactly_and_says_where_they_are(smo
     assert f"[{first:.4g}," in text
 
 
+def test_dump_under_trace_none_is_recorded_and_shown_after_the_text(smollm, monkeypatch):
+    events, _ = record(smollm, n=2, level="none", dump=("logits",))
+    dumps = [e for e in events if e["event"] == "tensor" and e["name"] == "logits"]
+    assert [e["step"] for e in dumps] == [0, 1] and len(dumps[0]["values"]) == smollm.config.vocab_size
+    monkeypatch.setenv("COLUMNS", "100")
+    out = io.StringIO()
+    from llmtrace.render import TerminalRenderer
+
+    view = TerminalRenderer(make_console(file=out), show_steps=False, stream_text=True)
+    for ev in events:
+        view(ev)
+    assert f"all {smollm.config.vocab_size:,} values are in --json/--jsonl" in " ".join(out.getvalue().split())
+
+
+def test_batch_summary_says_when_nothing_was_decoded(monkeypatch):
+    summary = {"event": "summary", "prompt_tokens": 5, "generated_tokens": 1, "tokens": [7], "text": " x",
+               "stop_reason": "max_tokens", "ttft_ms": 10.0, "prefill_tok_s": 50.0, "decode_tok_s": 0.0,
+               "interrupted": True, "batch": 2,
+               "rows": [{"row": r, "prompt_tokens": 5, "tokens": [7], "text": " x", "stop_reason": "max_tokens"}
+                        for r in range(2)]}
+    text = " ".join(render([summary], 100, monkeypatch).split())
+    assert "decode – tok/s" in text and "decode 0.0" not in text and "interrupted (Ctrl-C)" in text
+
+
 def test_piece_and_text_columns_follow_tokenize(greedy_run, monkeypatch):
     text = render(greedy_run, 100, monkeypatch)
     row = next(line for line in text.splitlines() if line.split()[:2] == ["1", "3575"])

@@ -148,9 +148,9 @@ def generate(
     text = read_prompt(prompt, file) if texts is None else texts[0]
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
-    if compile_ and (trace in ("layers", "full") or dump):
-        raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full or --dump every "
-                         "step is observed and runs eagerly, so leave --compile out")
+    if compile_ and (trace in ("layers", "full") or dump or html):
+        raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full, --dump or "
+                         "--html (which records attention) every step is observed and runs eagerly, so leave --compile out")
 
     from llmtrace.events import NOT_STARTED, summary_event
     from llmtrace.fsutil import sigint_deferred
@@ -196,6 +196,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     tok = lm.tokenizer
     batch = isinstance(text, list)  # several prompts: one batch
     options.layers = parse_layers(layers, lm.config.n_layers)
+    options.check_dump_layers(lm.config.n_layers)
     if html:  # the report's attention maps need the probabilities of the recorded layers
         from llmtrace.cli.report import report_dumps
 

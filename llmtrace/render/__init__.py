@@ -225,8 +225,9 @@ def print_fitted(console: Console, table: Table) -> None:
 # the sampler's effect on one step
 
 
-def sampler_settings(s: dict) -> list[str]:
-    """Every sampler setting that differs from its default, in words, and the stages that run in their order."""
+def sampler_settings(s: dict, row_seeds: Optional[list] = None) -> list[str]:
+    """Every sampler setting that differs from its default, in words, and the stages that run in their order. A batch
+    (`row_seeds`) names each row's seed."""
     parts = ["greedy (temperature 0)" if s.get("temperature") == 0 else f"sampling, temperature {s.get('temperature', 1):g}"]
     for key, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("typical_p", 1.0), ("repetition_penalty", 1.0),
                          ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
@@ -242,7 +243,10 @@ def sampler_settings(s: dict) -> list[str]:
     stages = s.get("stages") or []
     if stages:
         parts.append("stages " + " → ".join(stages))
-    parts.append(f"seed {s.get('seed')}")
+    if row_seeds and len(row_seeds) > 1:
+        parts.append(f"seeds {row_seeds[0]}…{row_seeds[-1]} (row r: seed + r)")
+    else:
+        parts.append(f"seed {s.get('seed')}")
     return parts
 
 
@@ -394,7 +398,7 @@ class TerminalRenderer:
         trace = ev.get("trace", {})
         n = ev.get("threads") if ev.get("device") == "cpu" else None
         print_parts(self.console, [f"run {ev.get('device', '?')}", *([plural(n, "thread")] if n else []), ev.get("dtype", "?"),
-                                   *sampler_settings(ev.get("sampling", {})), f"trace {trace.get('level', '?')}"])
+                                   *sampler_settings(ev.get("sampling", {}), ev.get("row_seeds")), f"trace {trace.get('level', '?')}"])
         if m.get("storage"):
             print_parts(self.console, ["weights", *storage_parts(m["storage"])])
 
@@ -635,9 +639,13 @@ class TerminalRenderer:
             self.console.print(Text.assemble(("output ", "bold"), ev["text"]))
         if "rows" in ev:
             n = sum(len(r["tokens"]) for r in ev["rows"])
-            print_parts(self.console, [f"batch of {len(ev['rows'])} rows", f"{n:,} generated", f"stop: {ev['stop_reason']} (row 0)",
-                                       f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s",
-                                       f"decode {ev['decode_tok_s']:.1f} tok/s (all rows)"], style="dim")
+            decoded = any(len(r["tokens"]) > 1 for r in ev["rows"]) and ev.get("decode_tok_s")
+            parts = [f"batch of {len(ev['rows'])} rows", f"{n:,} generated", f"stop: {ev['stop_reason']} (row 0)"]
+            if ev.get("interrupted"):
+                parts.append("interrupted (Ctrl-C)")
+            parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s",
+                      f"decode {ev['decode_tok_s']:.1f} tok/s (all rows)" if decoded else "decode – tok/s"]
+            print_parts(self.console, parts, style="dim")
             kv = self._last_kv
             if kv is not None and "batch_bytes_used" in kv:
                 print_parts(self.console, [f"KV cache: {ev['batch']} rows × {plural(kv['batch_seq_len'], 'slot')} × "

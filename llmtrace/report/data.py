@@ -86,6 +86,14 @@ def gqa_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
     return [list(range(k * g, (k + 1) * g)) for k in range(n_kv_heads)]
 
 
+def _row_sampling(run: Optional[dict], row: int) -> Optional[dict]:
+    """The run's sampler settings as row `row` used them: in a batch, each row has its own seed (run.row_seeds)."""
+    if not run or run.get("sampling") is None:
+        return None
+    seeds = run.get("row_seeds")
+    return run["sampling"] | ({"seed": seeds[row]} if seeds and row < len(seeds) else {})
+
+
 def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: Optional[dict], row: int = 0) -> dict:
     src = run or head
     batch = run.get("batch") if run else None  # a batch of prompts: the page shows one row
@@ -97,7 +105,7 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
         "threads": src.get("threads"),
         "prompt": src.get("prompt", ""),
         "chat": src.get("chat", False),
-        "sampling": run.get("sampling") if run else None,
+        "sampling": _row_sampling(run, row),
         "trace": run.get("trace") if run else None,
         "compiled": run.get("compiled") if run else None,
         "version": run.get("llmtrace_version") if run else None,
