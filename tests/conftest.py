@@ -112,3 +112,18 @@ def hf_smollm(smollm_path):
 def hf_smollm_tokenizer(smollm_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+
+
+def undeclared_fields(events: list[dict]) -> list[str]:
+    """Top-level fields of EVENTS that the schema's definition of their kind does not declare ("step.foo"): the
+    schema allows extra fields, so validation alone would not notice a field written but never documented."""
+    import json
+
+    from llmtrace.events import schema_path
+
+    defs = json.loads(schema_path().read_text())["$defs"]
+    out = []
+    for ev in events:
+        declared = defs.get(ev["event"], {}).get("properties", {})
+        out += [f"{ev['event']}.{k}" for k in ev if k != "event" and k not in declared and f"{ev['event']}.{k}" not in out]
+    return out

@@ -10,6 +10,7 @@ import json
 from dataclasses import replace
 
 import pytest
+from conftest import undeclared_fields
 import torch
 
 from llmtrace.generate import generate, generate_batch, pad_batch, row_seed
@@ -120,6 +121,7 @@ def test_batch_trace_is_valid_for_the_schema(batch_run):
     for e in events:
         e = json.loads(json.dumps(e))
         assert not list(validator.iter_errors(e)), e["event"]
+    assert undeclared_fields(events) == []  # every field written is documented
 
 
 def test_row_that_ends_early_stops_while_others_continue(smollm):

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import undeclared_fields
 import torch
 
 from llmtrace.generate import generate
@@ -47,6 +48,7 @@ def test_real_trace_validates_against_schema(smollm, validator, level):
     for ev in events:
         validator.validate(ev)
     validator.validate({"schema": "llmtrace.trace/1", "events": events})
+    assert undeclared_fields(events) == []  # every field written is documented
     kinds = [e["event"] for e in events]
     assert kinds[0] == "run" and kinds[1] == "tokens" and kinds[-1] == "summary"
     assert kinds.count("step") == 3
