@@ -122,7 +122,10 @@ def _batch_masks(console: Console, events: list[dict], most: int = 24) -> None:
     _title(console, f"s3 batch of {ev['rows']} prompts, left-padded to T={T} with id {ev['pad_id']} ({source}): "
                     f"each row's causal + padding mask (█ attended, · future, ░ pad)"
                     + (f", slots {cut}..{T - 1}" if cut else ""))
-    for r, (mask, pad) in enumerate(zip(ev["combined_mask"], ev["attention_mask"])):
+    # explain's batch event carries each row's combined mask; generate's has only the padding, so causal is added here
+    combined = ev.get("combined_mask") or [[[bool(pad[j]) and j <= i for j in range(T)] for i in range(T)]
+                                           for pad in ev["attention_mask"]]
+    for r, (mask, pad) in enumerate(zip(combined, ev["attention_mask"])):
         here = " ← explained below" if r == ev.get("explained_row") else ""
         console.print(Text(f"row {r}: {plural(sum(pad), 'real token')}, positions 0..{sum(pad) - 1}{here}", style="bold"))
         for i in range(cut, T):
