@@ -5,7 +5,7 @@ KV-cache path. An observer clones the chosen layer's named points and the residu
 layer; the chosen layer's attention is observed, so it is spelled out and its scores and probabilities exist.
 
 The functions here compute and return plain dicts (the `explain` and `lens` events of the trace schema); they never
-print. The terminal view (llmtrace.cli.explain) renders those events, so the screen and `--json` show the same facts.
+print. The terminal view (llmtrace.render.explain) renders those events, so the screen and `--json` show the same facts.
 
 Notation as in llmtrace.model: T tokens, D model width, H query heads, Hkv KV heads, Dh head width, F FFN width,
 V vocabulary, L layers. Tensors keep the model's dtype while captured; every statistic is computed in float32 or above.

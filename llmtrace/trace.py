@@ -40,8 +40,8 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
     """A point may be tapped as a broadcast view: a stride-0 dimension that repeats the entries of the dimension before
-    it, as GQA's repeated keys (B, S, Hkv, group, Dh) do. Such a view is recorded as the tensor it stands for, each
-    broadcast dimension merged into the one before it, which is `repeat_interleave` ((B, S, H, Dh) for the keys). Its
+    it, as GQA's repeated keys (B, Hkv, G, S, Dh) do (repeat_kv's expand). Such a view is recorded as the tensor it
+    stands for, each broadcast dimension merged into the one before it ((B, H, S, Dh) for the keys). Its
     statistics are taken over its distinct entries, each counted as often as it repeats, so nothing is copied.
 
     Returns (the recorded shape, the distinct entries as a view, how often each repeats): (x.shape, x, 1) for a
