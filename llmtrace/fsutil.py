@@ -128,3 +128,18 @@ def env_dir(var: str) -> Optional[Path]:
     """The directory an environment variable names (~ expanded, made absolute), or None when it is unset or empty."""
     value = os.environ.get(var, "").strip()
     return Path(value).expanduser().absolute() if value else None
+
+
+def read_user_file(path: Path, what: str) -> bytes:
+    """The bytes of a file the user named (`what`: "prompt", "prompts", "trace" …); every failure is one line that
+    names the file and why."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise LlmtraceError(f"{what} file not found: {path}; check the path") from None
+    except IsADirectoryError:
+        raise LlmtraceError(f"{what} file is a directory: {path}") from None
+    except PermissionError:
+        raise LlmtraceError(f"{what} file is not readable: {path}") from None
+    except OSError as e:
+        raise LlmtraceError(f"cannot read {what} file {path}: {e.strerror or e}") from None

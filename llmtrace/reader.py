@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.events import SCHEMA_ID, schema_path
+from llmtrace.fsutil import read_user_file
 
 # A check returns None, or (the path to the bad value, a function that says what is wrong with it). Both are built
 # only on failure, and the words only for the failure that is reported: most checks that fail are the `if` of an
@@ -36,14 +37,7 @@ IGNORED = {"$schema", "$id", "$defs", "title", "description", "oneOf"}  # annota
 def load_trace(path: str, warn: Callable[[str], None] = lambda msg: print(f"warning: {msg}", file=sys.stderr)
                ) -> list[dict]:
     """The events of a saved trace, each checked against the schema. Raises LlmtraceError naming the file and place."""
-    try:
-        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
-    except FileNotFoundError:
-        raise LlmtraceError(f"no such trace file: {path}") from None
-    except IsADirectoryError:
-        raise LlmtraceError(f"{path} is a directory; give a trace file") from None
-    except PermissionError:
-        raise LlmtraceError(f"{path}: permission denied") from None
+    data = sys.stdin.buffer.read() if path == "-" else read_user_file(Path(path), "trace")
     name = "stdin" if path == "-" else path
     if not data.strip():
         raise LlmtraceError(f"{name}: the trace is empty")

@@ -10,6 +10,7 @@ import typer
 
 from llmtrace.cli.text_input import decode_utf8, read_file
 from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.fsutil import read_user_file
 
 PromptsOpt = Annotated[Optional[list[str]], typer.Option(
     "--prompt", "-p", help="A prompt; repeat it to run several prompts as one batch (left-padded, s3).",
@@ -45,14 +46,7 @@ def _read_prompts_file(path: Path) -> list[str]:
     if str(path) == "-":
         data = read_file(path, "prompts").encode("utf-8")
     else:
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise LlmtraceError(f"prompts file not found: {path}; check the path") from None
-        except IsADirectoryError:
-            raise LlmtraceError(f"prompts file is a directory: {path}") from None
-        except OSError as e:
-            raise LlmtraceError(f"cannot read prompts file {path}: {e.strerror}") from None
+        data = read_user_file(path, "prompts")
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the file's final newline

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.fsutil import read_user_file
 
 NEWLINE_NOTE = "One trailing newline of a file or stdin (the one echo adds) is dropped; a second one is kept."
 
@@ -40,17 +41,7 @@ def read_file(path: Union[str, Path], what: str = "text") -> str:
     """A whole UTF-8 file, as it is ("-" is stdin). Errors say which file and why, in one line."""
     if str(path) == "-":
         return read_stdin()
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise LlmtraceError(f"{what} file not found: {path}; check the path") from None
-    except IsADirectoryError:
-        raise LlmtraceError(f"{what} file is a directory: {path}") from None
-    except PermissionError:
-        raise LlmtraceError(f"{what} file is not readable: {path}") from None
-    except OSError as e:
-        raise LlmtraceError(f"cannot read {what} file {path}: {e.strerror}") from None
-    return decode_utf8(data, str(path))
+    return decode_utf8(read_user_file(Path(path), what), str(path))
 
 
 def read_text(
