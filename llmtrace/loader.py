@@ -47,6 +47,9 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
     Before any weight is read, the memory they need is checked against what is available (placement.check_fits)."""
     from llmtrace import placement as place
 
+    if placement is not None and device is not None:
+        raise UsageError("--device and --device-map both place the model; give one (with --device-map, --max-memory "
+                         "names the devices)")
     resolved = _resolve(spec)
     dev = pick_device(device) if placement is None else placement.main_device
     t0 = time.perf_counter()

@@ -189,6 +189,7 @@ def test_device_map_traces_every_layer(tiny_hf, tmp_path, capsys):
     (["--max-memory", "tpu=1GiB"], ("unknown device 'tpu'",)),
     (["--max-memory", "cuda:3=1GiB"], ("cuda:3",)),
     (["--device-map", "balanced"], ("unknown --device-map",)),
+    (["--device", "cpu", "--device-map", "auto"], ("--device and --device-map",)),
 ])  # fmt: skip
 def test_bad_placement_is_one_line(capsys, tiny_hf, argv, says):
     fails(capsys, None, "generate", "hi", "-m", tiny_hf, "-n", "1", *argv, says=says)

@@ -188,8 +188,9 @@ def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None, t
 
 
 def _load(model, device, dtype, threads, scale: dict):
-    from llmtrace.loader import load_model, set_threads
+    from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
 
+    pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load, as in generate
     set_threads(threads)
     return load_model(model, device=device, dtype=dtype, **scale)
 
