@@ -396,26 +396,29 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
                 else:
                     result.decode_s += t1 - t0
                 start += idx.size(1)
-                for r, token, ledger in picked:
-                    histories[r].append(token)
-                    rows[r].tokens.append(token)
-                    piece = "" if token in eos else streams[r].push(token)  # the EOS marker is not output text
-                    if observer is not None:
-                        observer.on_step(StepRecord(step=step, phase=phase, position=start - pads[r], token=token,
-                                                    text=piece, ledger=ledger, kv=kv_facts(cache),
-                                                    ms=(t1 - t0) * 1e3), **tag(r))
-                    hit = _find_stop(streams[r].text, stop_texts)
-                    if token in eos:
-                        rows[r].stop_reason = "eos"
-                    elif hit is not None:
-                        rows[r].stop_reason = "stop_text"
-                        streams[r].text = streams[r].text[:hit]
-                    else:
-                        if on_text is not None and piece:
-                            emitted = _stream(on_text, streams[r].text, emitted, stop_texts)
-                        if len(rows[r].tokens) < max_new_tokens:
-                            continue
-                    live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
+                # a token, its step event and the row's bookkeeping go together: a Ctrl-C here waits for them, so the
+                # summary never lists a token whose step was not reported
+                with sigint_deferred():
+                    for r, token, ledger in picked:
+                        histories[r].append(token)
+                        rows[r].tokens.append(token)
+                        piece = "" if token in eos else streams[r].push(token)  # the EOS marker is not output text
+                        if observer is not None:
+                            observer.on_step(StepRecord(step=step, phase=phase, position=start - pads[r], token=token,
+                                                        text=piece, ledger=ledger, kv=kv_facts(cache),
+                                                        ms=(t1 - t0) * 1e3), **tag(r))
+                        hit = _find_stop(streams[r].text, stop_texts)
+                        if token in eos:
+                            rows[r].stop_reason = "eos"
+                        elif hit is not None:
+                            rows[r].stop_reason = "stop_text"
+                            streams[r].text = streams[r].text[:hit]
+                        else:
+                            if on_text is not None and piece:
+                                emitted = _stream(on_text, streams[r].text, emitted, stop_texts)
+                            if len(rows[r].tokens) < max_new_tokens:
+                                continue
+                        live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
                 if not live:
                     break
                 if mask is not None:
