@@ -14,9 +14,8 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
                                   MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs,
-                                  load_options)
+                                  HtmlOpt, load_options, write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
-from llmtrace.cli.report import HtmlOpt
 from llmtrace.errors import UsageError
 from llmtrace.render import make_console
 from llmtrace.render.explain import render_explain, render_lens
@@ -215,8 +214,6 @@ def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional
             doc(ev)
         doc.write()
     if html:
-        from llmtrace.cli.report import write_html
-
         write_html(events, html, tokenizer)
     if "-" not in (jsonl, json_out):
         render(events, make_console())

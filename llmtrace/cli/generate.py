@@ -9,12 +9,12 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
-                                  ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, load_options)
+                                  ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, HtmlOpt, check_outputs, load_options,
+                                  write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
 from llmtrace.registry import DEFAULT_MODEL
-from llmtrace.cli.report import HtmlOpt
 
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
@@ -198,7 +198,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     options.layers = parse_layers(layers, lm.config.n_layers)
     options.check_dump_layers(lm.config.n_layers)
     if html:  # the report's attention maps need the probabilities of the recorded layers
-        from llmtrace.cli.report import report_dumps
+        from llmtrace.report import report_dumps
 
         options.dump = tuple(dict.fromkeys(options.dump + report_dumps(options.layers, lm.config.n_layers)))
     scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
@@ -267,8 +267,6 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:
-        from llmtrace.cli.report import write_html
-
         write_html(recorded, html, tok)
     if result.interrupted:
         raise typer.Exit(130)

@@ -122,3 +122,26 @@ def write_output(target: str, text: str) -> None:
     from llmtrace.fsutil import write_text_atomic
 
     write_text_atomic(Path(target), text)
+
+
+# -- the HTML report (--html of generate, explain and lens; `llmtrace report -o`)
+
+
+def html_target(value: Optional[str]) -> Optional[str]:
+    if value == "-":
+        raise typer.BadParameter("the report is a file; give it a name such as report.html")
+    return value
+
+
+HtmlOpt = Annotated[Optional[str], typer.Option(
+    "--html", help="Also write the run as a self-contained HTML report to FILE (see 'llmtrace report --help').",
+    show_default=False, callback=html_target)]
+
+
+def write_html(events: list[dict], target: str, tokenizer, **kwargs) -> None:
+    """Write the HTML report of `events` (llmtrace.report) and say where on stderr: `report`, and --html of generate,
+    explain and lens."""
+    from llmtrace.report import write_report
+
+    n = write_report(events, target, tokenizer=tokenizer, **kwargs)
+    print(f"wrote {target} ({n / 1e6:.2f} MB)", file=sys.stderr)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.options import html_target, write_html
 
 REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page.
 
@@ -34,16 +34,6 @@ Examples:
 
   llmtrace generate "Once upon a time" -n 16 --html story.html
 """
-
-def _html_target(value: Optional[str]) -> Optional[str]:
-    if value == "-":
-        raise typer.BadParameter("the report is a file; give it a name such as report.html")
-    return value
-
-
-HtmlOpt = Annotated[Optional[str], typer.Option(
-    "--html", help="Also write the run as a self-contained HTML report to FILE (see 'llmtrace report --help').",
-    show_default=False, callback=_html_target)]
 
 
 def declared_schema(path: str) -> Optional[str]:
@@ -77,7 +67,7 @@ def tokenizer_for(events: list[dict], model: Optional[str] = None):
 @app.command(help=REPORT_HELP)
 def report(
     trace: Annotated[str, typer.Argument(help="The trace file (JSON document or JSONL stream), or - for stdin.")],
-    output: Annotated[str, typer.Option("--output", "-o", help="The HTML file to write.", callback=_html_target)],
+    output: Annotated[str, typer.Option("--output", "-o", help="The HTML file to write.", callback=html_target)],
     model: Annotated[Optional[str], typer.Option(
         "--model", "-m", help="The model whose tokenizer draws the BPE merge story (default: the one the trace "
         "names; give the path for a model loaded from a file).", show_default=False)] = None,
@@ -88,7 +78,6 @@ def report(
 ) -> None:
     from llmtrace.reader import load_trace
     from llmtrace.fsutil import check_writable_target
-    from llmtrace.report import write_report
     from llmtrace.report.data import check_schema
     from llmtrace.errors import LlmtraceError
 
@@ -99,20 +88,4 @@ def report(
     except LlmtraceError as e:
         raise LlmtraceError(f"{trace}: {e}") from None
     tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
-    n = write_report(events, output, tokenizer=tok, merges_note=note, row=row)
-    print(f"wrote {output} ({n / 1e6:.2f} MB)", file=sys.stderr)
-
-
-def write_html(events: list[dict], target: str, tokenizer) -> None:
-    """--html of generate, explain and lens: the report of the events just recorded."""
-    from llmtrace.report import write_report
-
-    n = write_report(events, target, tokenizer=tokenizer)
-    print(f"wrote {target} ({n / 1e6:.2f} MB)", file=sys.stderr)
-
-
-def report_dumps(layers: Optional[list[int]], n_layers: int) -> tuple[str, ...]:
-    """What --html adds to a generate trace: the attention probabilities of the recorded layers (--layers), or of the
-    first and last layer when every layer is recorded (all of them would make a page of many MB)."""
-    chosen = layers if layers is not None else sorted({0, n_layers - 1})
-    return tuple(f"{i}.probs" for i in chosen)
+    write_html(events, output, tok, merges_note=note, row=row)

@@ -57,3 +57,10 @@ def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_no
     page = build(events, tokenizer, merges_note, row)
     write_text_atomic(Path(path), page)
     return len(page.encode("utf-8"))
+
+
+def report_dumps(layers: Optional[list[int]], n_layers: int) -> tuple[str, ...]:
+    """What --html adds to a generate trace: the attention probabilities of the recorded layers (--layers), or of the
+    first and last layer when every layer is recorded (all of them would make a page of many MB)."""
+    chosen = layers if layers is not None else sorted({0, n_layers - 1})
+    return tuple(f"{i}.probs" for i in chosen)
