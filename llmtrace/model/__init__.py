@@ -1,0 +1,1 @@
+"""Layer model: the transformer's forward pass, its compiled decode step and the quantized linear layers."""

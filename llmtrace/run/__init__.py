@@ -1,0 +1,1 @@
+"""Layer run: running a loaded model (the generation loop, the sampler, explain and lens)."""

@@ -1,0 +1,1 @@
+"""Layer render: terminal views of events (generate/show, explain/lens, tokenize)."""

@@ -1,0 +1,1 @@
+"""Layer report: the HTML report page drawn from a trace's events."""
