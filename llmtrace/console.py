@@ -19,3 +19,20 @@ def make_console(stderr: bool = False, file=None) -> Console:
         width = int(columns) if columns.isdigit() and int(columns) > 0 else DEFAULT_WIDTH
     return Console(stderr=stderr, file=file, no_color="NO_COLOR" in os.environ, highlight=False, soft_wrap=False,
                    width=width)
+
+
+def progress_to_stderr(label: str):
+    """A tiny progress callback for slow work (conversion, loading): a rich bar on a terminal, silence otherwise."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                    transient=True, console=make_console(stderr=True))
+    prog.start()
+    task = prog.add_task(label, total=None)
+
+    def update(done, total):
+        prog.update(task, completed=done, total=total)
+
+    return update, prog.stop

@@ -21,7 +21,7 @@ SUPPORTED_GGUF_ARCHS = {"llama", "mistral", "qwen2"}
 # GGUF
 
 
-def _gguf_field(reader, key, default=None):
+def gguf_field(reader, key, default=None):
     field = reader.fields.get(key)
     if field is None:
         return default
@@ -29,43 +29,43 @@ def _gguf_field(reader, key, default=None):
 
 
 def config_from_gguf(reader, where: str) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture", "unknown")
+    arch = gguf_field(reader, "general.architecture", "unknown")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs the LLaMA family: "
                             f"{', '.join(sorted(SUPPORTED_GGUF_ARCHS))})")
 
     def need(key):
-        v = _gguf_field(reader, f"{arch}.{key}")
+        v = gguf_field(reader, f"{arch}.{key}")
         if v is None:
             raise LlmtraceError(f"{where}: GGUF metadata lacks {arch}.{key}")
         return v
 
     d, h = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.contents()) if tokens is not None else None)
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.contents()) if tokens is not None else None)
     if vocab is None:
         raise LlmtraceError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     scaling = None
-    s_type = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    s_type = gguf_field(reader, f"{arch}.rope.scaling.type")
     if s_type == "linear":
-        scaling = {"rope_type": "linear", "factor": float(_gguf_field(reader, f"{arch}.rope.scaling.factor"))}
+        scaling = {"rope_type": "linear", "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor"))}
     elif s_type not in (None, "none"):
         raise LlmtraceError(f"{where}: rope scaling {s_type!r} is not supported (linear and llama3 are)")
-    head_dim = _gguf_field(reader, f"{arch}.attention.key_length") or _gguf_field(reader, f"{arch}.rope.dimension_count") or d // h
+    head_dim = gguf_field(reader, f"{arch}.attention.key_length") or gguf_field(reader, f"{arch}.rope.dimension_count") or d // h
     names = {t.name for t in reader.tensors}
     return ModelConfig(
         arch=arch,
         n_layers=int(need("block_count")),
         d_model=d,
         n_heads=h,
-        n_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv") or h),
+        n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv") or h),
         head_dim=int(head_dim),
         ffn_dim=int(need("feed_forward_length")),
         vocab_size=int(vocab),
-        max_seq_len=int(_gguf_field(reader, f"{arch}.context_length", 4096)),
-        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_seq_len=int(gguf_field(reader, f"{arch}.context_length", 4096)),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        rms_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         attn_bias="blk.0.attn_q.bias" in names,
     )

@@ -15,7 +15,8 @@ from typing import Optional
 
 from llmtrace.checkpoint.devices import pick_device, pick_dtype
 from llmtrace.errors import LlmtraceError, UsageError, one_line
-from llmtrace.checkpoint.conversion import _open_converted, _progress_to_stderr, convert_gguf
+from llmtrace.checkpoint.conversion import convert_gguf, open_converted
+from llmtrace.console import progress_to_stderr
 from llmtrace.checkpoint.hf_checkpoint import config_from_hf, hf_entries
 from llmtrace.checkpoint.weights import build_model, plan_layout, read_weights
 from llmtrace.checkpoint.loaded import LoadedModel
@@ -65,7 +66,7 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
         tokenizer.check_fits(config.vocab_size, str(resolved.path))
         dt = place.choose_dtype(dtype, dev, resolved.name, place.weight_count(config), placement)
         if placement is None:
-            progress, stop = _progress_to_stderr(f"loading {resolved.name}")
+            progress, stop = progress_to_stderr(f"loading {resolved.name}")
             try:
                 sd = read_weights(plan, dt, dev, progress)
             finally:
@@ -88,7 +89,7 @@ def _open_checkpoint(resolved) -> tuple[ModelConfig, dict[str, list], "TextToken
         if converted:
             convert_gguf(resolved.path, dest)
         try:
-            config, plan, tokenizer = _open_converted(dest)
+            config, plan, tokenizer = open_converted(dest)
         except Exception as e:  # a damaged cache entry: convert again next time
             import shutil
 

@@ -168,7 +168,7 @@ def plan_layout(entries: dict[str, Any], config: ModelConfig, where: str) -> dic
                 if p + sub not in sd:
                     raise LlmtraceError(f"{where}: tensor for layer {i} {sub} is missing from the checkpoint; download it again")
                 if sub in part_shapes:
-                    _check_shape(where, p + sub, sd[p + sub], part_shapes[sub])
+                    check_shape(where, p + sub, sd[p + sub], part_shapes[sub])
             out[p + whole] = [sd.pop(p + sub) for sub in subs]
         for sub in ("attn_norm.weight", "ffn_norm.weight", "attn.wo.weight", "ffn.w_down.weight"):
             if p + sub not in sd:
@@ -179,7 +179,7 @@ def plan_layout(entries: dict[str, Any], config: ModelConfig, where: str) -> dic
     for key, shape in expected_shapes(c).items():
         if key not in out:
             raise LlmtraceError(f"{where}: tensor {key} is missing from the checkpoint; download it again")
-        _check_shape(where, key, _Stacked(out[key]), shape)
+        check_shape(where, key, _Stacked(out[key]), shape)
     if sd:
         raise LlmtraceError(f"{where}: unexpected tensor {next(iter(sd))} (the config says {c.n_layers} layers)")
     return out
@@ -213,7 +213,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_shape(where, key, t, shape):
+def check_shape(where, key, t, shape):
     if tuple(t.shape) != tuple(shape):
         raise LlmtraceError(f"{where}: tensor {key} has shape {list(t.shape)} but the config implies {list(shape)}; the "
                         f"config and the weights do not belong together")

@@ -34,7 +34,7 @@ from typing import Optional
 
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.registry.fetchers import fetch
-from llmtrace.registry.cache import ResolvedModel, cache_dir, cache_status, remove, say
+from llmtrace.registry.cache import ResolvedModel, cache_status, say
 from llmtrace.registry.models_toml import HUB_ID_RE, Source, load_entries, load_registry
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ At --trace layers/full the statistics of a pass are shown one line per layer; ev
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 

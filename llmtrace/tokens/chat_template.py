@@ -26,13 +26,13 @@ def check_messages(messages: Any, where: str = "messages") -> list[dict]:
     return messages
 
 
-class _TemplateRaised(Exception):
+class TemplateRaised(Exception):
     pass
 
 
-def _raise_exception(message: str):
-    raise _TemplateRaised(message)
+def raise_exception(message: str):
+    raise TemplateRaised(message)
 
 
-def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+def tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)

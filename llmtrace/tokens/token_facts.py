@@ -7,7 +7,7 @@ import bisect
 from dataclasses import dataclass
 
 
-from llmtrace.tokens.vocab import _BYTE_FALLBACK, CHAR_TO_BYTE, SPACE_MARK
+from llmtrace.tokens.vocab import BYTE_FALLBACK, CHAR_TO_BYTE, SPACE_MARK
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def visible_text(data: bytes) -> str:
     return "".join(out)
 
 
-def _char_parts(char_starts: list[int], text: str, b0: int, b1: int) -> tuple[CharPart, ...]:
+def char_parts_of(char_starts: list[int], text: str, b0: int, b1: int) -> tuple[CharPart, ...]:
     """The characters that bytes [b0, b1) of the input cut into: at most one at each end."""
     if b1 <= b0:
         return ()
@@ -129,14 +129,14 @@ def piece_bytes(piece: str, kind: str) -> bytes:
         except KeyError:  # not written in the byte alphabet (should not happen for a normal token)
             return piece.encode("utf-8")
     if kind == "sentencepiece":
-        m = _BYTE_FALLBACK.match(piece)
+        m = BYTE_FALLBACK.match(piece)
         if m:
             return bytes([int(m.group(1), 16)])
         return piece.replace(SPACE_MARK, " ").encode("utf-8")
     return piece.encode("utf-8")
 
 
-def _locate(
+def locate(
     text_bytes: bytes, data: bytes, cursor: int, span_start: int, prefixed_space: bool,
     dropped: frozenset[int] = frozenset(),
 ) -> tuple[int, int] | None:

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Iterable
 from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 
 from llmtrace.errors import LlmtraceError, UsageError, one_line
-from llmtrace.tokens.chat_template import _raise_exception, _TemplateRaised, _tojson
-from llmtrace.tokens.token_facts import CharPart, TokenInfo, _char_parts, _locate, piece_bytes, visible_text
-from llmtrace.tokens.vocab import (_BYTE_FALLBACK, _DAMAGED, BYTE, BYTE_TO_CHAR, CHAR_TO_BYTE, CONTROL, NORMAL,
-                                   SPACE_MARK, UNKNOWN, USER_DEFINED, _bpe, _byte_level_pre_tokenizer,
-                                   _check_gguf_vocab, _check_tokenizer_json, _detect_kind, _from_library, _gguf_vocab,
-                                   _library_errors, _merges_from_scores, _parse_json, _post_processor,
-                                   _post_processor_problem, _read_json, _read_text, _split_merge)
+from llmtrace.tokens.chat_template import raise_exception, TemplateRaised, tojson
+from llmtrace.tokens.token_facts import CharPart, TokenInfo, char_parts_of, locate, piece_bytes, visible_text
+from llmtrace.tokens.vocab import (BYTE_FALLBACK, DAMAGED, BYTE, BYTE_TO_CHAR, CHAR_TO_BYTE, CONTROL, NORMAL,
+                                   SPACE_MARK, UNKNOWN, USER_DEFINED, bpe_model, byte_level_pre_tokenizer,
+                                   check_gguf_vocab, check_tokenizer_json, detect_kind, from_library, gguf_vocab,
+                                   library_errors, merges_from_scores, parse_json, post_processor_of,
+                                   post_processor_problem, read_json, read_text_file, split_merge)
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -103,10 +103,10 @@ class TextTokenizer:
             raise LlmtraceError(f"{where} has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
         types: list[int] = get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
         merges_raw: list[str] | None = get("tokenizer.ggml.merges")
-        _check_gguf_vocab(get, tokens, types, merges_raw, where)
+        check_gguf_vocab(get, tokens, types, merges_raw, where)
         bos_id, eos_id = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
         notes: list[str] = []
-        with _library_errors(where, "the tokenizer could not be built from its vocabulary"):
+        with library_errors(where, "the tokenizer could not be built from its vocabulary"):
             return cls._from_gguf_vocab(get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where,
                                         source=path or "gguf")
 
@@ -123,10 +123,10 @@ class TextTokenizer:
             vocab_list = [t if ty in (CONTROL, USER_DEFINED) else spell(t) for t, ty in zip(tokens, types)]
             if merges_raw is None:
                 raise LlmtraceError(f"{where}: its byte-level (gpt2) tokenizer has no tokenizer.ggml.merges")
-            merges = [tuple(spell(p) for p in _split_merge(m, where, i)) for i, m in enumerate(merges_raw)]
-            vocab = _gguf_vocab(vocab_list, where)
-            tok = _bpe(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", fuse_unk=False, byte_fallback=False)
-            tok.pre_tokenizer, note = _byte_level_pre_tokenizer(get("tokenizer.ggml.pre"))
+            merges = [tuple(spell(p) for p in split_merge(m, where, i)) for i, m in enumerate(merges_raw)]
+            vocab = gguf_vocab(vocab_list, where)
+            tok = bpe_model(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", fuse_unk=False, byte_fallback=False)
+            tok.pre_tokenizer, note = byte_level_pre_tokenizer(get("tokenizer.ggml.pre"))
             if note:
                 notes.append(note)
             tok.decoder = decoders.ByteLevel()
@@ -135,15 +135,15 @@ class TextTokenizer:
         elif model == "llama":
             kind = "sentencepiece"
             scores: list[float] = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            vocab = _gguf_vocab(tokens, where)
+            vocab = gguf_vocab(tokens, where)
             if merges_raw is not None:
-                merges = [_split_merge(m, where, i) for i, m in enumerate(merges_raw)]
+                merges = [split_merge(m, where, i) for i, m in enumerate(merges_raw)]
             else:
                 skip = {t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, BYTE)}
-                merges = _merges_from_scores(vocab, dict(zip(tokens, scores)), skip)
+                merges = merges_from_scores(vocab, dict(zip(tokens, scores)), skip)
             unk_id = get("tokenizer.ggml.unknown_token_id")
             unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-            tok = _bpe(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", unk_token=unk, fuse_unk=True,
+            tok = bpe_model(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", unk_token=unk, fuse_unk=True,
                        byte_fallback=True)
             space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
             tok.pre_tokenizer = pre_tokenizers.Metaspace(
@@ -175,7 +175,7 @@ class TextTokenizer:
         add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
         if add_bos and bos_id is None:
             add_bos, reason = False, "the GGUF asks for BOS but names no tokenizer.ggml.bos_token_id"
-        tok.post_processor = _post_processor(tok, bos_id, eos_id, add_bos, add_eos)
+        tok.post_processor = post_processor_of(tok, bos_id, eos_id, add_bos, add_eos)
 
         # Generation stops at EOS, and at end-of-turn / end-of-message tokens when the file names them.
         stops = (eos_id, get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id"))
@@ -204,25 +204,25 @@ class TextTokenizer:
         tj = path / "tokenizer.json"
         if not tj.is_file():
             raise LlmtraceError(f"{path} has no tokenizer.json")
-        text = _read_text(tj)
+        text = read_text_file(tj)
         try:
             tok = Tokenizer.from_str(text)
         except BaseException as e:
-            if not _from_library(e):
+            if not from_library(e):
                 raise
-            _check_tokenizer_json(_parse_json(text, tj, unique_keys=True), tj)  # names the inconsistency if it can
+            check_tokenizer_json(parse_json(text, tj, unique_keys=True), tj)  # names the inconsistency if it can
             raise LlmtraceError(f"{tj}: the tokenizers library cannot read it ({one_line(e)})") from None
-        problem = _post_processor_problem(tok)
+        problem = post_processor_problem(tok)
         if problem:
-            raise LlmtraceError(f"{tj}: {problem}; {_DAMAGED}")
-        with _library_errors(str(tj), "the tokenizer cannot be set up"):
+            raise LlmtraceError(f"{tj}: {problem}; {DAMAGED}")
+        with library_errors(str(tj), "the tokenizer cannot be set up"):
             return cls._from_hf_parts(tok, path)
 
     @classmethod
     def _from_hf_parts(cls, tok: Tokenizer, path: Path) -> "TextTokenizer":
-        config = _read_json(path / "tokenizer_config.json")
-        special_map = _read_json(path / "special_tokens_map.json")
-        generation = _read_json(path / "generation_config.json")
+        config = read_json(path / "tokenizer_config.json")
+        special_map = read_json(path / "special_tokens_map.json")
+        generation = read_json(path / "generation_config.json")
         ours = config.get("llmtrace") if isinstance(config.get("llmtrace"), dict) else {}
 
         def token_id(key: str) -> int | None:
@@ -241,7 +241,7 @@ class TextTokenizer:
             add_bos = bool(config.get("add_bos_token", False)) and bos_id is not None
             add_eos = bool(config.get("add_eos_token", False)) and eos_id is not None
             reason = f"tokenizer_config.json add_bos_token = {str(add_bos).lower()}"
-            tok.post_processor = _post_processor(tok, bos_id, eos_id, add_bos, add_eos)
+            tok.post_processor = post_processor_of(tok, bos_id, eos_id, add_bos, add_eos)
         else:  # the tokenizer.json post-processor decides
             empty = tok.encode("", add_special_tokens=True).ids
             add_bos = bos_id is not None and empty[:1] == [bos_id]
@@ -251,7 +251,7 @@ class TextTokenizer:
 
         template = None
         if (path / "chat_template.jinja").is_file():
-            template = _read_text(path / "chat_template.jinja")
+            template = read_text_file(path / "chat_template.jinja")
         elif isinstance(config.get("chat_template"), str):
             template = config["chat_template"]
         elif isinstance(config.get("chat_template"), list):  # [{"name": ..., "template": ...}, ...]
@@ -260,7 +260,7 @@ class TextTokenizer:
 
         return cls(
             tok,
-            kind=ours.get("kind") or _detect_kind(tok),
+            kind=ours.get("kind") or detect_kind(tok),
             bos_id=bos_id,
             eos_ids=eos_ids,
             pad_id=pad_id,
@@ -330,10 +330,10 @@ class TextTokenizer:
             span = None if seq is None else (s, e)
             parts: tuple[CharPart, ...] = ()
             if span is not None and not self.is_added(tid):
-                where = _locate(text_bytes, data, cursor, char_starts[s], self.kind == "sentencepiece",
+                where = locate(text_bytes, data, cursor, char_starts[s], self.kind == "sentencepiece",
                                 self.unencodable_bytes)
                 if where is not None:
-                    parts = _char_parts(char_starts, text, *where)
+                    parts = char_parts_of(char_starts, text, *where)
                     cursor = where[1]
                     if not char_starts[s] <= where[0] < max(char_starts[e], char_starts[s] + 1):
                         # the tokenizer's offsets lose count after a byte it dropped: the span follows the bytes
@@ -417,7 +417,7 @@ class TextTokenizer:
         return bool(added is not None and added.special)
 
     def is_byte_fallback(self, tid: int) -> bool:
-        return self.kind == "sentencepiece" and _BYTE_FALLBACK.match(self.piece(tid)) is not None
+        return self.kind == "sentencepiece" and BYTE_FALLBACK.match(self.piece(tid)) is not None
 
     def token_bytes(self, tid: int) -> bytes:
         """The bytes this token stands for when decoded (an added token: its own text)."""
@@ -433,7 +433,7 @@ class TextTokenizer:
 
     def visible(self, piece: str) -> str:
         """`visible_piece` for a raw piece string (e.g. an intermediate piece of a merge trace)."""
-        if self.kind == "sentencepiece" and _BYTE_FALLBACK.match(piece):
+        if self.kind == "sentencepiece" and BYTE_FALLBACK.match(piece):
             return piece
         return visible_text(piece_bytes(piece, self.kind))
 
@@ -450,7 +450,7 @@ class TextTokenizer:
             raise LlmtraceError(f"this tokenizer is a {model.get('type')} model, not BPE, so it has no merges")
         ranks = {}
         for rank, m in enumerate(model.get("merges", [])):
-            pair = tuple(m) if isinstance(m, list) else _split_merge(m)
+            pair = tuple(m) if isinstance(m, list) else split_merge(m)
             ranks.setdefault(pair, rank)
         return ranks
 
@@ -470,8 +470,8 @@ class TextTokenizer:
         if not self.chat_template:
             raise LlmtraceError("this model has no chat template; tokenize the text without --chat")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             return env.from_string(self.chat_template)
@@ -499,7 +499,7 @@ class TextTokenizer:
                 names[name] = self.piece(tid)
         try:
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt, **names, **extra)
-        except _TemplateRaised as e:
+        except TemplateRaised as e:
             raise LlmtraceError(f"{self._template_where}the chat template refused these messages: {e}") from None
         except jinja2.TemplateError as e:
             raise LlmtraceError(f"{self._template_where}the chat template failed: {one_line(e)}") from None

@@ -39,7 +39,7 @@ BYTE_TO_CHAR: dict[int, str] = _byte_alphabet()
 CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 SPACE_MARK = "▁"  # how a space is shown (and how SentencePiece vocabularies spell it)
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 # GGUF token types (llama.cpp's llama_token_type; 0 is 'undefined', read as normal).
 UNDEFINED, NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 0, 1, 2, 3, 4, 5, 6
@@ -61,7 +61,7 @@ _PRE_SPLITS = {
 _GPT2_PRES = {None, "", "default", "gpt2", "gpt-2"}
 
 
-def _byte_level_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, str | None]:
+def byte_level_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokenizer, str | None]:
     """The pre-tokenizer for a byte-level vocabulary, and a note when `pre` is not one we know."""
     if pre == "smollm":
         # SmolLM's tokenizer.json: every digit on its own, then the GPT-2 split.
@@ -81,7 +81,7 @@ def _byte_level_pre_tokenizer(pre: str | None) -> tuple[pre_tokenizers.PreTokeni
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), note
 
 
-def _post_processor(tok: Tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool):
+def post_processor_of(tok: Tokenizer, bos_id: int | None, eos_id: int | None, add_bos: bool, add_eos: bool):
     """`[BOS] $A [EOS]` as asked: the only thing `add_special_tokens=True` adds."""
     single, special = ["$A:0"], []
     if add_bos and bos_id is not None:
@@ -97,11 +97,11 @@ def _post_processor(tok: Tokenizer, bos_id: int | None, eos_id: int | None, add_
     return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=special)
 
 
-def _split_merge(m: str, where: str = "the tokenizer", index: int | None = None) -> tuple[str, str]:
+def split_merge(m: str, where: str = "the tokenizer", index: int | None = None) -> tuple[str, str]:
     parts = m.split(" ")
     if len(parts) != 2:
         which = f"merge {index}" if index is not None else "merge"
-        raise LlmtraceError(f"{where}: {which} {m!r} is malformed (expected 'left right'); {_DAMAGED}")
+        raise LlmtraceError(f"{where}: {which} {m!r} is malformed (expected 'left right'); {DAMAGED}")
     return parts[0], parts[1]
 
 
@@ -109,15 +109,15 @@ def _split_merge(m: str, where: str = "the tokenizer", index: int | None = None)
 # consistency checks: what makes a vocabulary unusable is named here, before the tokenizers library refuses it
 # ---------------------------------------------------------------------------------------------------------------------
 
-_DAMAGED = "the file may be damaged: download it again"
+DAMAGED = "the file may be damaged: download it again"
 _SPECIAL_ID_KEYS = ("bos", "eos", "eot", "eom", "padding", "unknown")
 
 
-def _check_gguf_vocab(get, tokens: list, types: list, merges: list | None, where: str) -> None:
+def check_gguf_vocab(get, tokens: list, types: list, merges: list | None, where: str) -> None:
     """The `tokenizer.ggml.*` values have the types and ranges a tokenizer can be built from."""
 
     def bad(what: str) -> LlmtraceError:
-        return LlmtraceError(f"{where}: {what}; {_DAMAGED}")
+        return LlmtraceError(f"{where}: {what}; {DAMAGED}")
 
     for key, values, kind in (("tokens", tokens, str), ("token_type", types, int), ("merges", merges or [], str)):
         if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
@@ -136,24 +136,24 @@ def _check_gguf_vocab(get, tokens: list, types: list, merges: list | None, where
         raise bad(f"tokenizer.chat_template is a {type(template).__name__}, not text")
 
 
-def _gguf_vocab(tokens: list[str], where: str) -> dict[str, int]:
+def gguf_vocab(tokens: list[str], where: str) -> dict[str, int]:
     """piece -> id. Two ids with one string cannot both be looked up (llama.cpp refuses such a file too)."""
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if t in vocab:
             raise LlmtraceError(f"{where}: token {t!r} appears twice in tokenizer.ggml.tokens (ids {vocab[t]} and {i}); "
-                                f"{_DAMAGED}")
+                                f"{DAMAGED}")
         vocab[t] = i
     return vocab
 
 
-def _bpe(vocab: dict[str, int], merges: list[tuple[str, str]], shown: list | None, where: str, **options) -> Tokenizer:
+def bpe_model(vocab: dict[str, int], merges: list[tuple[str, str]], shown: list | None, where: str, **options) -> Tokenizer:
     """A BPE tokenizer. When the library refuses the vocabulary, the merge at fault is named."""
     try:
         return Tokenizer(models.BPE(vocab=vocab, merges=merges, **options))
     except Exception as e:
         _check_merges(vocab, merges, shown, where)
-        raise LlmtraceError(f"{where}: the BPE model cannot be built ({one_line(e)}); {_DAMAGED}") from None
+        raise LlmtraceError(f"{where}: the BPE model cannot be built ({one_line(e)}); {DAMAGED}") from None
 
 
 def _check_merges(vocab: dict, merges: list[tuple[str, str]], shown: list | None, where: str) -> None:
@@ -164,29 +164,29 @@ def _check_merges(vocab: dict, merges: list[tuple[str, str]], shown: list | None
             if piece not in vocab:
                 merge = shown[i] if shown is not None else f"{left} {right}"
                 raise LlmtraceError(f"{where}: merge {i} {merge!r} {role} {piece!r}, which is not in the vocabulary; "
-                                    f"{_DAMAGED}")
+                                    f"{DAMAGED}")
 
 
-def _from_library(e: BaseException) -> bool:
+def from_library(e: BaseException) -> bool:
     """An error the tokenizers library raises on bad input: a plain Exception, or pyo3's PanicException (which is a
     BaseException, so that `except Exception` lets it through)."""
     return isinstance(e, Exception) or type(e).__name__ == "PanicException"
 
 
 @contextlib.contextmanager
-def _library_errors(where: str, doing: str):
+def library_errors(where: str, doing: str):
     """Whatever the tokenizers library raises in this block becomes one LlmtraceError naming the file."""
     try:
         yield
     except LlmtraceError:
         raise
     except BaseException as e:
-        if not _from_library(e):
+        if not from_library(e):
             raise
         raise LlmtraceError(f"{where}: {doing} ({one_line(e)})") from None
 
 
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float], skip: set[str]) -> list[tuple[str, str]]:
+def merges_from_scores(vocab: dict[str, int], scores: dict[str, float], skip: set[str]) -> list[tuple[str, str]]:
     """SentencePiece BPE stores no merges: a pair may merge when their concatenation is a token, and the merged
     token's score orders the merges (higher first; then longer left part, longer right part)."""
     found = []
@@ -204,7 +204,7 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float], skip: s
     return [(left, right) for left, right, _ in found]
 
 
-def _detect_kind(tok: Tokenizer) -> str:
+def detect_kind(tok: Tokenizer) -> str:
     spec = json.loads(tok.to_str())
     parts = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
     if '"ByteLevel"' in parts:
@@ -214,11 +214,11 @@ def _detect_kind(tok: Tokenizer) -> str:
     return "plain"
 
 
-def _read_text(path: Path) -> str:
+def read_text_file(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise LlmtraceError(f"{path}: not UTF-8 text (byte offset {e.start}); {_DAMAGED}") from None
+        raise LlmtraceError(f"{path}: not UTF-8 text (byte offset {e.start}); {DAMAGED}") from None
 
 
 class _DuplicateKey(ValueError):
@@ -236,28 +236,28 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return found
 
 
-def _parse_json(text: str, path: Path, unique_keys: bool = False) -> Any:
+def parse_json(text: str, path: Path, unique_keys: bool = False) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicate_keys if unique_keys else None)
     except json.JSONDecodeError as e:
         raise LlmtraceError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
     except _DuplicateKey as e:
-        raise LlmtraceError(f"{path}: {e}; {_DAMAGED}") from None
+        raise LlmtraceError(f"{path}: {e}; {DAMAGED}") from None
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
-    data = _parse_json(_read_text(path), path)
+    data = parse_json(read_text_file(path), path)
     return data if isinstance(data, dict) else {}
 
 
-def _check_tokenizer_json(spec: Any, path: Path) -> None:
+def check_tokenizer_json(spec: Any, path: Path) -> None:
     """Why the tokenizers library refused a tokenizer.json, when it is one of these: a token or an id given twice, a
     merge naming (or making) a piece the vocabulary lacks. Run only after a refusal: it costs a full JSON parse."""
 
     def bad(what: str) -> LlmtraceError:
-        return LlmtraceError(f"{path}: {what}; {_DAMAGED}")
+        return LlmtraceError(f"{path}: {what}; {DAMAGED}")
 
     model = spec.get("model") if isinstance(spec, dict) else None
     if not isinstance(model, dict):
@@ -282,7 +282,7 @@ def _check_tokenizer_json(spec: Any, path: Path) -> None:
         _check_merges(vocab, pairs, raw, f"{path}: model.merges")
 
 
-def _post_processor_problem(tok: Tokenizer) -> str | None:
+def post_processor_problem(tok: Tokenizer) -> str | None:
     """A TemplateProcessing that uses a special token its `special_tokens` lacks makes the tokenizers library panic at
     the first encode (the library builds it without a word); one that adds an id past the vocabulary hands the model
     a token it has no row for. Find both first."""

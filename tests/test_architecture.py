@@ -1,0 +1,216 @@
+"""The package's architecture, checked from the source with `ast` (nothing is imported):
+
+- each module belongs to a layer (its folder; the base modules at the top of the package), and imports only from its
+  own layer or the layers below it;
+- there is no import circle, counting the imports inside functions (they run too);
+- no `_private` name is imported from another module;
+- nothing is re-exported: a name is imported from the module that defines it, and every imported name is used;
+- the layer packages' `__init__.py` files hold a docstring and nothing else, and `llmtrace/__init__.py` (the public
+  face) imports nothing when it is imported: its names are looked up lazily.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "llmtrace"
+
+# Bottom to top. A module may import from its own layer and the layers before it in this list.
+LAYERS = (
+    "base",  # errors.py, fsutil.py, console.py, version.py: used by every layer
+    "tokens",  # text <-> ids, no torch
+    "registry",  # a model spec -> files on disk, no torch
+    "model",  # the forward pass
+    "checkpoint",  # files -> a built model (needs model, tokens, registry)
+    "trace",  # what a run records, writes and reads back
+    "run",  # generate, sampler, explain and lens
+    "render",  # terminal views of events
+    "report",  # the HTML page of events
+    "api",  # llmtrace/api.py: the Python API the CLI stands on
+    "cli",  # the commands
+)
+BASE = {"errors", "fsutil", "console", "version"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "face"
+    if parts[1] in BASE:
+        return "base"
+    if parts[1] == "api":
+        return "api"
+    if parts[1] == "__main__":
+        return "cli"
+    assert parts[1] in LAYERS, f"{module} is in no layer: add its folder to LAYERS (or its file to BASE)"
+    return parts[1]
+
+
+SOURCES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+TREES = {m: ast.parse(p.read_text(encoding="utf-8"), filename=str(p)) for m, p in SOURCES.items()}
+
+
+def imports(module: str):
+    """(line, imported module, name or None) for every llmtrace import in `module`, at any depth."""
+    for node in ast.walk(TREES[module]):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "llmtrace":
+                    yield node.lineno, alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{module}:{node.lineno}: a relative import; write the full module path"
+            if node.module and node.module.split(".")[0] == "llmtrace":
+                for alias in node.names:
+                    yield node.lineno, node.module, alias
+
+
+def target(imported: str, alias) -> str:
+    """The module an import runs: `from pkg import submodule` runs pkg.submodule."""
+    if alias is not None and f"{imported}.{alias.name}" in SOURCES:
+        return f"{imported}.{alias.name}"
+    return imported
+
+
+def defined_names(module: str) -> set[str]:
+    """Names a module defines at its top level (also inside top-level if/try), imports from outside llmtrace included:
+    those are its own dependencies, not re-exports of llmtrace names."""
+    names: set[str] = set()
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                names.update(a.asname or a.name.split(".")[0] for a in node.names if not a.name.startswith("llmtrace"))
+            elif isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("llmtrace"):
+                names.update(a.asname or a.name for a in node.names)
+
+    visit(TREES[module].body)
+    return names
+
+
+def used_names(module: str) -> set[str]:
+    """Every identifier a module reads, also inside string annotations ("TextTokenizer")."""
+    used: set[str] = set()
+    for node in ast.walk(TREES[module]):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            used.add(node.value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "[" in node.value:
+            try:  # an annotation such as "Optional[TextTokenizer]"
+                used.update(n.id for n in ast.walk(ast.parse(node.value, mode="eval")) if isinstance(n, ast.Name))
+            except SyntaxError:
+                pass
+    return used
+
+
+def test_every_module_is_in_a_layer():
+    for module in SOURCES:
+        layer_of(module)
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    upward = []
+    for module in SOURCES:
+        mine = layer_of(module)
+        if mine == "face":
+            continue
+        for line, imported, alias in imports(module):
+            theirs = layer_of(target(imported, alias))
+            if theirs == "face" or LAYERS.index(theirs) > LAYERS.index(mine):
+                upward.append(f"{module}:{line} ({mine}) imports {target(imported, alias)} ({theirs})")
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_there_is_no_import_circle_counting_imports_inside_functions():
+    graph = {m: {target(i, a) for _, i, a in imports(m)} & set(SOURCES) for m in SOURCES if layer_of(m) != "face"}
+    # Tarjan's strongly connected components: a circle is a component of two or more modules, or a self-import.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_private_name_is_imported_from_another_module():
+    crossing = [f"{m}:{line} imports {alias.name} from {imported}"
+                for m in SOURCES for line, imported, alias in imports(m)
+                if alias is not None and alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not crossing, "private names crossing modules:\n" + "\n".join(crossing)
+
+
+def test_names_are_imported_from_the_module_that_defines_them_and_used():
+    problems = []
+    for module in SOURCES:
+        if layer_of(module) == "face":
+            continue
+        used = used_names(module)
+        for line, imported, alias in imports(module):
+            if alias is None:  # `import llmtrace.cli.generate`: runs a module (registers its commands)
+                continue
+            if target(imported, alias) != imported:  # `from llmtrace.checkpoint import placement`: a module
+                name = alias.asname or alias.name
+            else:
+                if imported not in SOURCES:
+                    problems.append(f"{module}:{line}: no module {imported}")
+                    continue
+                if alias.name not in defined_names(imported):
+                    problems.append(f"{module}:{line} imports {alias.name} from {imported}, which does not define it")
+                name = alias.asname or alias.name
+            if name not in used:
+                problems.append(f"{module}:{line} imports {name} from {imported} and never uses it (a re-export?)")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in SOURCES if SOURCES[m].name == "__init__.py" and "." in m))
+def test_layer_packages_init_files_hold_only_a_docstring(module):
+    body = TREES[module].body
+    assert len(body) <= 1 and all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body), \
+        f"{SOURCES[module]} holds code; put it in a module named for its job"
+
+
+def test_the_package_face_imports_nothing_when_imported():
+    """`import llmtrace` must stay light (no torch for `tokenize`): its public names are imported on first use."""
+    top_level = [n for n in TREES["llmtrace"].body if isinstance(n, (ast.Import, ast.ImportFrom))
+                 and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+    assert not top_level, f"llmtrace/__init__.py imports at its top level (line {top_level[0].lineno})"
