@@ -6,19 +6,19 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from llmtrace.checkpoint.conversion import gguf_facts
+from llmtrace.checkpoint.gguf_checkpoint import config_from_gguf, gguf_entries
+from llmtrace.checkpoint.gguf_file import open_gguf
+from llmtrace.checkpoint.weights import build_model, plan_layout, read_weights
+from llmtrace.errors import LlmtraceError
 from llmtrace.model.quant import BLOCKS, QuantEmbedding, QuantLinear, Segment
+from llmtrace.model.transformer import ModelConfig, Transformer
+from llmtrace.tokens.tokenizer import TextTokenizer
 
 
-def load_gguf_quantized(path, device: torch.device, dtype: torch.dtype):
-    """Config, model and tokenizer of a GGUF file whose matrices stay in their blocks. The q/k rows are put in HF order
-    (rows are whole blocks, so this moves bytes, not values) and QKV and gate/up are fused as row segments."""
-    from llmtrace.errors import LlmtraceError
-    from llmtrace.checkpoint.weights import build_model, plan_layout, read_weights
-    from llmtrace.checkpoint.gguf_checkpoint import config_from_gguf, gguf_entries
-    from llmtrace.checkpoint.conversion import gguf_facts
-    from llmtrace.checkpoint.gguf_file import open_gguf
-    from llmtrace.tokens.tokenizer import TextTokenizer
-
+def open_gguf_blocks(path) -> tuple[ModelConfig, dict[str, list], TextTokenizer]:
+    """Config, tensor plan (nothing read yet) and tokenizer of a GGUF file whose matrices will stay in their blocks.
+    A matrix of a type that cannot be kept is refused here, before anything is read."""
     where = str(path)
     reader = open_gguf(path)
     config = config_from_gguf(reader, where)
@@ -26,12 +26,18 @@ def load_gguf_quantized(path, device: torch.device, dtype: torch.dtype):
     plan = plan_layout(gguf_entries(reader, config, where), config, where)
     config.extra = gguf_facts(reader) | {"keep_quantized": True}
     del reader
-    matrices = {name: parts for name, parts in plan.items() if len(parts[0].shape) == 2}
-    for parts in matrices.values():
+    for parts in plan.values():
         for p in parts:
-            if p.kind not in BLOCKS:
+            if len(p.shape) == 2 and p.kind not in BLOCKS:
                 raise LlmtraceError(f"{where}: --keep-quantized cannot keep tensor {p.key} of type {p.kind} (it keeps "
                                     f"{', '.join(BLOCKS)}); leave out --keep-quantized to dequantize the file once")
+    return config, plan, tokenizer
+
+
+def build_quantized(config: ModelConfig, plan: dict[str, list], device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The model with its matrices as blocks. The q/k rows are put in HF order (rows are whole blocks, so this moves
+    bytes, not values) and QKV and gate/up are fused as row segments."""
+    matrices = {name: parts for name, parts in plan.items() if len(parts[0].shape) == 2}
     sd = read_weights({n: ps for n, ps in plan.items() if n not in matrices}, dtype, device)
     modules: dict[str, nn.Module] = {}
     for name, parts in matrices.items():
@@ -45,5 +51,4 @@ def load_gguf_quantized(path, device: torch.device, dtype: torch.dtype):
     if config.tie_embeddings:  # the head multiplies by the embedding's own blocks
         e = modules["embed"]
         modules["lm_head"] = QuantLinear([e.raw0], e.segments, config.d_model, dtype)
-    model = build_model(config, sd, device, dtype, modules)
-    return config, model, tokenizer
+    return build_model(config, sd, device, dtype, modules)
