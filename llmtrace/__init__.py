@@ -6,6 +6,19 @@ This module is the package's public face. Its names are looked up lazily (module
 
 _PUBLIC = {  # public name -> the module that defines it
     "__version__": "llmtrace.version",
+    # the Python API (llmtrace/api.py): load a model, run it, read traces
+    "load": "llmtrace.api",
+    "read_trace": "llmtrace.api",
+    "Model": "llmtrace.api",
+    "Trace": "llmtrace.api",
+    "LoadOptions": "llmtrace.api",
+    "GenerateOptions": "llmtrace.api",
+    "ExplainOptions": "llmtrace.api",
+    "LensOptions": "llmtrace.api",
+    # what it raises: a user's mistake (BadValue names the keyword), a problem with a file or a model
+    "LlmtraceError": "llmtrace.errors",
+    "UsageError": "llmtrace.errors",
+    "BadValue": "llmtrace.errors",
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from rich.console import Console
 
@@ -36,3 +37,20 @@ def progress_to_stderr(label: str):
         prog.update(task, completed=done, total=total)
 
     return update, prog.stop
+
+
+def prefill_progress(after_s: float = 2.0):
+    """A progress callback for a chunked prefill: on stderr once the prefill looks like taking more than `after_s`."""
+    t0 = time.perf_counter()
+    shown = [False]
+
+    def show(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - t0
+        if not shown[0] and elapsed * total / done < after_s:
+            return
+        shown[0] = True
+        tty = sys.stderr.isatty()  # a terminal gets one line rewritten in place, a file one line per pass
+        print(f"{chr(13) if tty else ''}prefill: {done:,}/{total:,} prompt tokens ({100 * done // total}%), "
+              f"{elapsed:.1f} s", end="\n" if done == total or not tty else "", file=sys.stderr, flush=True)
+
+    return show

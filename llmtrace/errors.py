@@ -20,14 +20,21 @@ class UsageError(LlmtraceError):
 class BadValue(UsageError):
     """A value out of range or malformed, named as the library knows it: `field` ("temperature", "layers") starts the
     message, `rest` is what follows ("temperature must be >= 0 ..."). A front end that took the value from a flag says
-    which one with `named("--temperature")`; the library never names a flag itself."""
+    which one with `named("--temperature")`; the library never names a flag itself. `also`: other fields the message
+    names by their field names ("system only applies with chat"), which `named` renames too."""
 
-    def __init__(self, field: str, rest: str):
+    def __init__(self, field: str, rest: str, also: tuple[str, ...] = ()):
         super().__init__(f"{field}{rest}")
-        self.field, self.rest = field, rest
+        self.field, self.rest, self.also = field, rest, tuple(also)
 
-    def named(self, label: str) -> str:
-        return f"{label}{self.rest}"
+    def named(self, label: str, rename=None) -> str:
+        """The message with `label` for the field, and `rename(other)` for each field in `also`."""
+        import re
+
+        rest = self.rest
+        for other in self.also if rename is not None else ():
+            rest = re.sub(rf"(?<![\w-]){re.escape(other)}(?![\w-])", rename(other), rest)
+        return f"{label}{rest}"
 
 
 def one_line(e: BaseException) -> str:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.cli.text_input import decode_utf8, read_file
+from llmtrace.cli.text_input import decode_utf8, read_file, read_prompt
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.fsutil import read_user_file
 
@@ -40,6 +40,26 @@ def read_prompt_list(prompts: Optional[list[str]], prompts_file: Optional[Path],
         raise UsageError(f"{len(texts)} prompts, but a batch takes at most {max_batch}; pass --max-batch {len(texts)} "
                          f"to run them all as one batch")
     return texts
+
+
+def read_prompts(prompt: Optional[str], file: Optional[Path], prompts: Optional[list[str]],
+                 prompts_file: Optional[Path], max_batch: int, row: Optional[int] = None):
+    """The one reader of a command's prompts: the argument, --file or stdin (one prompt, a str), or -p/--prompts
+    (several, a list), never both. `row` (explain, lens): the one taken apart, checked against the list; an empty
+    single prompt is refused there too (one forward pass needs a token)."""
+    texts = read_prompt_list(prompts, prompts_file, max_batch)
+    if texts is not None and (prompt is not None or file is not None):
+        raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
+    if row is not None and texts is not None and not 0 <= row < len(texts):
+        raise UsageError(f"--row {row} is out of range; the batch has {len(texts)} prompts (rows 0..{len(texts) - 1})")
+    if row not in (None, 0) and texts is None:
+        raise UsageError("--row picks one of several prompts; give them with -p … -p … or --prompts")
+    if texts is not None:
+        return texts
+    text = read_prompt(prompt, file)
+    if row is not None and text == "":
+        raise UsageError("the prompt is empty; give some text")
+    return text
 
 
 def _read_prompts_file(path: Path) -> list[str]:

@@ -12,11 +12,10 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, JsonlOpt, JsonOpt,
+from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
-                                  ThreadsOpt, check_outputs, HtmlOpt, load_options, write_html)
-from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
-from llmtrace.errors import UsageError
+                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace.console import make_console
 from llmtrace.render.explain import render_explain, render_lens
 
@@ -92,15 +91,13 @@ def explain(
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
 ) -> None:
-    from llmtrace.run.explain import explain_events
+    from llmtrace.api import ExplainOptions
 
-    texts = read_prompt_list(prompt_list, prompts_file, max_batch)
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
-    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
-    prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
-    events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
-    events = _with_batch(lm, texts, row, chat, system, events)
-    _output(events, render_explain, jsonl, json_out, html, lm.tokenizer)
+    options = ExplainOptions(layer=layer, head=head, top=top, chat=chat, system=system, row=row)
+    check_outputs(json_out, jsonl, html)
+    prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
+    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads))
+    _output(model_.explain_with(prompts, options), render_explain, jsonl, json_out, html)
 
 
 @app.command(help=LENS_HELP)
@@ -131,76 +128,21 @@ def lens(
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
 ) -> None:
-    from llmtrace.run.explain import lens_events, parse_positions
-    from llmtrace.run.generate import check_context
-    from llmtrace.trace.indices import parse_layers
+    from llmtrace.api import LensOptions
 
-    texts = read_prompt_list(prompt_list, prompts_file, max_batch)
-    text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
-    if last < 1:
-        raise UsageError("--last must be ≥ 1")
-    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
-    prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
-    check_context(lm, len(ids), 0)
-    rows = parse_layers(layers, lm.config.n_layers)
-    cols = parse_positions(positions, len(ids), last)
-    events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat)
-    events = _with_batch(lm, texts, row, chat, system, events)
-    _output(events, render_lens, jsonl, json_out, html, lm.tokenizer)
-
-
-def _with_batch(lm, texts: Optional[list[str]], row: int, chat: bool, system: Optional[str], events: list[dict]):
-    """Several prompts: the s3 batch event (every row's padded ids and combined mask) before the row's events."""
-    if texts is None or len(texts) < 2:
-        return events
-    from llmtrace.run.explain import batch_event
-
-    prompts = [lm.tokenizer.encode_prompt(t, chat=chat, system=system)[1] for t in texts]
-    for r, p in enumerate(prompts):
-        if not p:
-            raise UsageError(f"prompt {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
-    return events[:1] + [batch_event(lm.tokenizer, prompts, row)] + events[1:]
-
-
-def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None, texts=None, row=0) -> str:
-    """Everything the user typed that can be checked before the (slow) model load. Returns the prompt text (with
-    several prompts, `texts`, the one of --row)."""
-    from llmtrace.cli.text_input import read_prompt
-
-    if not 1 <= top <= 100:
-        raise UsageError("--top must be between 1 and 100")
+    options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row)
     check_outputs(json_out, jsonl, html)
-    if system is not None and not chat:
-        raise UsageError("--system only applies with --chat")
-    if texts is not None:
-        if prompt is not None or file is not None:
-            raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
-        if not 0 <= row < len(texts):
-            raise UsageError(f"--row {row} is out of range; the batch has {len(texts)} prompts (rows 0..{len(texts) - 1})")
-        return texts[row]
-    if row != 0:
-        raise UsageError("--row picks one of several prompts; give them with -p … -p … or --prompts")
-    text = read_prompt(prompt, file)
-    if text == "":
-        raise UsageError("the prompt is empty; give some text")
-    return text
+    prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
+    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads))
+    _output(model_.lens_with(prompts, options), render_lens, jsonl, json_out, html)
 
 
-def _load(model, device, dtype, threads, scale: dict):
-    from llmtrace.checkpoint.load import load_model
-    from llmtrace.checkpoint.devices import pick_device, pick_dtype, set_threads
-
-    pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load, as in generate
-    set_threads(threads)
-    return load_model(model, device=device, dtype=dtype, **scale)
-
-
-def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None,
-            tokenizer=None) -> None:
+def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None) -> None:
     """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
     from llmtrace.fsutil import sigint_deferred
     from llmtrace.trace.sinks import JsonDocSink, JsonlSink
 
+    events = trace.events
     if jsonl:
         sink = JsonlSink(jsonl)
         try:
@@ -215,7 +157,7 @@ def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional
             doc(ev)
         doc.write()
     if html:
-        write_html(events, html, tokenizer)
+        write_html(events, html, trace.tokenizer)
     if "-" not in (jsonl, json_out):
         render(events, make_console())
     elif sys.stderr.isatty():

@@ -8,12 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
-                                  ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, HtmlOpt, check_outputs,
-                                  load_options, write_html)
-from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
-from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
-from llmtrace.errors import UsageError
+from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
+                                  KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
+                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
+from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace.registry.models_toml import DEFAULT_MODEL
 
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
@@ -99,14 +98,9 @@ def generate(
     trace: Annotated[str, typer.Option("--trace", help="Depth: none, steps, layers or full.")] = "steps",
     layers: Annotated[Optional[str], typer.Option("--layers", help="Layers to record, e.g. 0,3,-1 or 2-5 (default: all).")] = None,
     dump: Annotated[Optional[list[str]], typer.Option("--dump", help="Record the values of a point, e.g. logits or 3.probs (repeatable).")] = None,
-    topk: Annotated[int, typer.Option("--show-top", help="Candidates recorded per step.")] = 10,
-    jsonl: Annotated[Optional[str], typer.Option("--jsonl", help="Stream events, one JSON object per line, to FILE (- for "
-                                                 "stdout) as they happen: `tail -f FILE` follows the run. An existing "
-                                                 "FILE is replaced (emptied) when the run starts. A killed run leaves "
-                                                 "the lines written so far; after Ctrl-C the last line is the summary.")] = None,
-    json_out: Annotated[Optional[str], typer.Option("--json", help="Write the whole trace as one JSON document to FILE (- for "
-                                                    "stdout), at the end and all at once: an existing FILE is kept "
-                                                    "until the new document is complete.")] = None,
+    show_top: Annotated[int, typer.Option("--show-top", help="Candidates recorded per step.")] = 10,
+    jsonl: JsonlOpt = None,
+    json_out: JsonOpt = None,
     html: HtmlOpt = None,
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
@@ -122,56 +116,30 @@ def generate(
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
 ) -> None:
-    from llmtrace.run.sampler import SamplerConfig, parse_logit_bias, parse_order
-    from llmtrace.trace.indices import parse_index_ranges
-    from llmtrace.trace.options import TraceOptions
+    from llmtrace.api import GenerateOptions
 
     # Everything the user typed is checked before the (slow) model load.
-    if max_new_tokens < 0:
-        raise UsageError("--max-new-tokens must be ≥ 0")
-    if topk < 1:
-        raise UsageError("--show-top must be ≥ 1")
+    options = GenerateOptions(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        typical_p=typical_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, logit_bias=logit_bias or [], ban=ban or [], sampler_order=sampler_order,
+        seed=seed, chat=chat, system=system, stop=tuple(stop or ()), ignore_eos=ignore_eos, trace=trace,
+        layers=layers, dump=tuple(dump or ()), show_top=show_top, for_report=html is not None, compile=compile_)
     check_outputs(json_out, jsonl, html)
-    options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
-    scfg = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
-                         repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                         presence_penalty=presence_penalty, order=parse_order(sampler_order), seed=seed)
-    scfg.validate(vocab_size=sys.maxsize)  # ranges now; ids against the real vocabulary after the load
-    parse_logit_bias(logit_bias or [], sys.maxsize)  # the same for the syntax of --logit-bias and --layers
-    if layers is not None and layers.strip() not in ("", "all"):
-        parse_index_ranges(layers, "layers", "layer")
-    texts = read_prompt_list(prompt_list, prompts_file, max_batch)
-    if texts is not None and (prompt is not None or file is not None):
-        raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
-    if texts is not None and len(texts) > 1 and compile_:
-        raise UsageError("--compile runs one prompt; leave it out for a batch of several prompts")
-    text = read_prompt(prompt, file) if texts is None else texts[0]
-    if system is not None and not chat:
-        raise UsageError("--system only applies with --chat")
-    if compile_ and (trace in ("layers", "full") or dump or html):
-        raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full, --dump or "
-                         "--html (which records attention) every step is observed and runs eagerly, so leave --compile out")
+    prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch)
+    options.check_prompts(prompts)
+    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads)
 
-    from llmtrace.trace.events import NOT_STARTED, summary_event
     from llmtrace.fsutil import sigint_deferred
+    from llmtrace.trace.events import NOT_STARTED, summary_event
     from llmtrace.trace.sinks import JsonlSink
 
-    scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir)  # checked before the stream starts
     # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
     # (or a compile) still ends it with a summary.
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
     try:
-        from llmtrace.checkpoint.load import load_model
-        from llmtrace.checkpoint.devices import pick_device, pick_dtype, set_threads
-
-        pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
-
-        set_threads(threads)
-        lm = load_model(model, device=device, dtype=dtype, **scale)
-        batch = texts if texts is not None and len(texts) > 1 else None  # a single -p is a one-prompt run
-        run(lm, batch or text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system,
-            stop=tuple(stop or ()), ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [],
-            jsonl_sink=jsonl_sink, json_out=json_out, compile_decode=compile_, html=html)
+        model_ = load_for_cli(load_args)
+        run(model_, prompts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -182,46 +150,14 @@ def generate(
             jsonl_sink.close()
 
 
-def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
-        json_out, compile_decode=False, html=None) -> None:
-    """Everything after the load: encode, generate with the chosen observers, write the outputs. `text` is one
-    prompt, or a list of several run as one batch. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed
-    by the caller."""
-    from llmtrace.run.generate import generate as run_generation
-    from llmtrace.render.generate import TerminalRenderer
+def run(model, prompts, options, *, jsonl_sink, json_out, html=None) -> None:
+    """Everything after the load: the API's generate with the CLI's sinks (the stream, the document, the view), then
+    the outputs. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed by the caller."""
     from llmtrace.console import make_console
-    from llmtrace.run.sampler import Sampler, banned_sequences, parse_logit_bias
-    from llmtrace.trace.indices import parse_layers
+    from llmtrace.render.generate import TerminalRenderer
     from llmtrace.trace.sinks import JsonDocSink
-    from llmtrace.trace.recorder import Recorder
 
-    tok = lm.tokenizer
-    batch = isinstance(text, list)  # several prompts: one batch
-    options.layers = parse_layers(layers, lm.config.n_layers)
-    options.check_dump_layers(lm.config.n_layers)
-    if html:  # the report's attention maps need the probabilities of the recorded layers
-        from llmtrace.report.write import report_dumps
-
-        options.dump = tuple(dict.fromkeys(options.dump + report_dumps(options.layers, lm.config.n_layers)))
-    scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
-    scfg.ban = banned_sequences(tok, ban)
-    scfg.validate(lm.config.vocab_size)
-    encoded = [tok.encode_prompt(t, chat=chat, system=system) for t in (text if batch else [text])]
-    for r, (prompt_text, _) in enumerate(encoded):
-        dropped = tok.dropped_note(prompt_text, f"prompt {r + 1}" if batch else "prompt")
-        if dropped:
-            print(f"note: {dropped}", file=sys.stderr)
-    prompt_text, ids = encoded[0]
-    sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
-    if batch:
-        from dataclasses import replace
-
-        from llmtrace.run.generate import check_batch_context, row_seed
-
-        check_batch_context(lm, [i for _, i in encoded], max_new_tokens)  # before any output
-        samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=options.topk)
-                    for r in range(len(encoded))]
-
+    batch = isinstance(prompts, list) and len(prompts) > 1
     machine_on_stdout = json_out == "-" or (jsonl_sink is not None and jsonl_sink.target == "-")
     view_console = None
     if not machine_on_stdout:
@@ -234,22 +170,9 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         sinks.append(jsonl_sink)
     if doc_sink:
         sinks.append(doc_sink)
-    recorded: list[dict] = []
-    if html:
-        sinks.append(recorded.append)
-    stream_text = options.level == "none" and not batch  # a batch's texts are printed at the end, row by row
+    stream_text = options.trace == "none" and not batch  # a batch's texts are printed at the end, row by row
     if view_console is not None:
-        sinks.append(TerminalRenderer(view_console, show_steps=options.level != "none", stream_text=stream_text))
-    import torch
-
-    run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}
-    if batch:
-        run_info["prompts"] = [p for p, _ in encoded]
-    compiled = None
-    if compile_decode:
-        compiled = compile_step(lm, len(ids), max_new_tokens)
-        run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3)}
-    recorder = Recorder(options, sinks, run_info=run_info)
+        sinks.append(TerminalRenderer(view_console, show_steps=options.trace != "none", stream_text=stream_text))
 
     on_text = None
     if stream_text and view_console is not None:
@@ -257,53 +180,10 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             view_console.file.write(piece)
             view_console.file.flush()
 
-    if batch:
-        from llmtrace.run.generate import generate_batch
-
-        result = generate_batch(lm, [i for _, i in encoded], samplers, max_new_tokens, stop_texts=stop,
-                                ignore_eos=ignore_eos, observer=recorder, on_prefill_progress=prefill_progress())
-    else:
-        result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
-                                observer=recorder, on_text=on_text, compiled=compiled,
-                                on_prefill_progress=prefill_progress())
+    trace = model.generate_with(prompts, options, sinks=sinks, on_text=on_text, keep_events=html is not None)
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:
-        write_html(recorded, html, tok)
-    if result.interrupted:
+        write_html(trace.events, html, model.tokenizer)
+    if trace.interrupted:
         raise typer.Exit(130)
-
-
-def prefill_progress(after_s: float = 2.0):
-    """A progress callback for a chunked prefill: on stderr once the prefill looks like taking more than `after_s`."""
-    import time
-
-    t0 = time.perf_counter()
-    shown = [False]
-
-    def show(done: int, total: int) -> None:
-        elapsed = time.perf_counter() - t0
-        if not shown[0] and elapsed * total / done < after_s:
-            return
-        shown[0] = True
-        tty = sys.stderr.isatty()  # a terminal gets one line rewritten in place, a file one line per pass
-        print(f"{chr(13) if tty else ''}prefill: {done:,}/{total:,} prompt tokens ({100 * done // total}%), "
-              f"{elapsed:.1f} s", end="\n" if done == total or not tty else "", file=sys.stderr, flush=True)
-
-    return show
-
-
-def compile_step(lm, n_prompt: int, max_new_tokens: int):
-    """torch.compile the decode step before the run starts, saying so on stderr (it can take minutes)."""
-    import os
-
-    from llmtrace.run.generate import compile_decode
-    from llmtrace.registry.cache import cache_dir
-
-    # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
-    where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    print(f"compiling the decode step with torch.compile (cache: {where}; minutes the first time on a small CPU)…",
-          file=sys.stderr, flush=True)
-    compiled = compile_decode(lm, n_prompt, max_new_tokens)
-    print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
-    return compiled

@@ -57,7 +57,7 @@ def main(argv=None) -> None:
             raise
         from llmtrace.cli.options import flag_of
 
-        _fail(e.named(flag_of(e.field)), e.exit_code)
+        _fail(e.named(flag_of(e.field), flag_of), e.exit_code)
     except LlmtraceError as e:
         if debug:
             raise

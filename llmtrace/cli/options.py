@@ -26,10 +26,12 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System messa
 # -- where the output goes
 
 JsonOpt = Annotated[Optional[str], typer.Option(
-    "--json", metavar="FILE", help="Write the output as one JSON document to FILE (- for stdout).", show_default=False)]
+    "--json", metavar="FILE", help="Write the output as one JSON document to FILE (- for stdout), all at once at the "
+    "end: an existing FILE is kept until the new document is complete.", show_default=False)]
 JsonlOpt = Annotated[Optional[str], typer.Option(
-    "--jsonl", metavar="FILE", help="Write the output as one JSON object per line to FILE (- for stdout); an existing "
-    "FILE is replaced.", show_default=False)]
+    "--jsonl", metavar="FILE", help="Write the output as one JSON object per line to FILE (- for stdout), as it is "
+    "made: `tail -f FILE` follows a run. An existing FILE is replaced (emptied) when the command starts. A killed run "
+    "leaves the lines written so far; after Ctrl-C the last line is the summary.", show_default=False)]
 
 # -- the model and where it runs
 
@@ -81,7 +83,7 @@ OffloadDirOpt = Annotated[
 
 
 # A value's flag, where it is not the field's name with dashes ("top_p" -> --top-p).
-FLAG_OF_FIELD = {"order": "--sampler-order", "level": "--trace"}
+FLAG_OF_FIELD = {"order": "--sampler-order", "level": "--trace", "for_report": "--html", "spec": "--model"}
 
 
 def flag_of(field: str) -> str:
@@ -89,13 +91,23 @@ def flag_of(field: str) -> str:
     return FLAG_OF_FIELD.get(field) or "--" + field.replace("_", "-")
 
 
-def load_options(model: Optional[str], keep_quantized: bool, device_map: Optional[str], max_memory: Optional[list[str]],
-                 offload_dir: Optional[Path]) -> dict:
-    """The scale options as load_model's keyword arguments, checked before the load (one-line errors)."""
-    from llmtrace.checkpoint.placement import parse_placement
+def check_load(model: Optional[str], device: Optional[str], dtype: Optional[str], keep_quantized: bool,
+               device_map: Optional[str], max_memory: Optional[list[str]], offload_dir: Optional[Path],
+               threads: Optional[int]):
+    """The load flags as one value (api.LoadOptions), its placement checked before the load (one-line errors)."""
+    from llmtrace.api import LoadOptions
 
-    key = Path(model).name if model else "default"
-    return {"keep_quantized": keep_quantized, "placement": parse_placement(device_map, max_memory, offload_dir, key)}
+    args = LoadOptions(spec=model, device=device, dtype=dtype, keep_quantized=keep_quantized, device_map=device_map,
+                       max_memory=max_memory, offload_dir=offload_dir, threads=threads)
+    args.placement()
+    return args
+
+
+def load_for_cli(args):
+    """The model of checked load flags (check_load): --device checked before a download, then the load."""
+    from llmtrace.api import load_with
+
+    return load_with(args)
 
 
 def check_outputs(json_out: Optional[str], jsonl: Optional[str], *others: Optional[str]) -> None:
