@@ -18,6 +18,7 @@ from typing import Any, Optional
 import numpy as np
 
 from llmtrace.errors import LlmtraceError
+from llmtrace.tokens.vocab import CHAR_TO_BYTE
 from llmtrace.trace.events import SCHEMA_ID
 
 MAX_POSITIONS = 128  # attention maps wider than this many positions are binned to this many bins
@@ -127,25 +128,6 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
     return facts
 
 
-_BYTE_OF_CHAR: Optional[dict[str, int]] = None
-
-
-def _byte_level_map() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte (Ġ for the space)."""
-    global _BYTE_OF_CHAR
-    if _BYTE_OF_CHAR is None:
-        keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-        chars, n = {}, 0
-        for b in range(256):
-            if b in keep:
-                chars[chr(b)] = b
-            else:
-                chars[chr(256 + n)] = b
-                n += 1
-        _BYTE_OF_CHAR = chars
-    return _BYTE_OF_CHAR
-
-
 def piece_bytes(piece: str, text: str) -> list[int]:
     """The UTF-8 bytes a token stands for: from its byte-level piece ('Ġthe'), its byte-fallback piece ('<0xE4>'),
     else from its decoded text (a sentencepiece '▁' is a space)."""
@@ -154,9 +136,8 @@ def piece_bytes(piece: str, text: str) -> list[int]:
             return [int(piece[3:5], 16)]
         except ValueError:
             pass
-    m = _byte_level_map()
-    if piece and all(ch in m for ch in piece):
-        return [m[ch] for ch in piece]
+    if piece and all(ch in CHAR_TO_BYTE for ch in piece):  # GPT-2's byte-level alphabet (Ġ for the space)
+        return [CHAR_TO_BYTE[ch] for ch in piece]
     return list(piece.replace("▁", " ").encode("utf-8")) if piece else list(text.encode("utf-8"))
 
 

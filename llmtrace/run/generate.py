@@ -4,7 +4,10 @@ There is one loop, `_generate`, for B rows. `generate` (one prompt) and `generat
 context window, each in its own way (one prompt is shortened to fit, a batch is refused), and call it. A single
 prompt is a batch of one row without padding: no attention mask, the default positions, the decode step that
 `--compile` compiles. Only a batch with pad slots (rows of different lengths, or a row that ended early) passes
-each row's positions and the mask of its real slots to the model.
+each row's positions and the mask of its real slots to the model. Each step of the loop is two calls, as in
+gpt-fast's `prefill` / `decode_one_token`: `forward_step` runs the model (s6-s9), whichever path the step takes
+(prefill, padded decode, compiled or observed decode), and `next_tokens` turns the logits into each row's next
+token (s10-s12).
 
 The loop is the one place where a trace plugs in. It asks a `GenerationObserver` once which passes and layers it
 observes, opens that scope (`Transformer.observed`) around those passes, and calls it at fixed moments (start, around
@@ -19,7 +22,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import torch
 
@@ -81,23 +84,26 @@ class GenerationResult:
 
 
 class GenerationObserver(Protocol):
-    """What the loop tells an observer, and the one thing it asks: which layers of which passes to observe."""
+    """What the loop tells an observer, and the one thing it asks: which layers of which passes to observe.
+
+    A batch (generate_batch) is told of its rows: on_start(..., batch=every row's prompt ids, samplers=every row's
+    sampler), on_batch(BatchLayout) once before the first pass, on_step / on_prediction with row=r, and
+    on_end(BatchResult). A one-prompt run (generate) gets batch=None, no on_batch, row=None, a GenerationResult."""
 
     def wants_ledger(self) -> bool: ...
     def observation(self, phase: str) -> Optional[dict]:
         """None: passes of this phase ("prefill", "decode") are not observed; else the keyword arguments of
         `Transformer.observed` (layers, attention) for each of them. Asked once per phase, at the start."""
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None: ...  # the model's observer
-    def on_start(self, lm: LoadedModel, prompt_ids: list[int], sampler: Sampler) -> None: ...
+    def on_start(self, lm: LoadedModel, prompt_ids: list[int], sampler: Sampler,
+                 batch: Optional[list[list[int]]] = None, samplers: Optional[list[Sampler]] = None) -> None: ...
+    def on_batch(self, layout: BatchLayout) -> None: ...
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None: ...
     def after_forward(self, step: int) -> None: ...
-    def on_step(self, record: StepRecord) -> None: ...
-    def on_prediction(self, ledger: Ledger, position: int, kv: KVFacts) -> None:
+    def on_step(self, record: StepRecord, row: Optional[int] = None) -> None: ...
+    def on_prediction(self, ledger: Ledger, position: int, kv: KVFacts, row: Optional[int] = None) -> None:
         """A prefill-only run (max_new_tokens 0): what the model would predict next, no token taken."""
-    def on_end(self, result: GenerationResult) -> None: ...
-    # A batch (generate_batch) is told of its rows: on_start(..., batch=every row's prompt ids, samplers=every
-    # row's sampler), on_batch(BatchLayout) once before the first pass, on_step / on_prediction with row=r, and
-    # on_end(BatchResult). A one-prompt run (generate) is told none of that.
+    def on_end(self, result: Union[GenerationResult, BatchResult]) -> None: ...
 
 
 class TextStream:
@@ -266,6 +272,33 @@ def prefill(model: Transformer, idx: torch.Tensor, cache: KVCache, observed=cont
     return logits
 
 
+def forward_step(model: Transformer, idx: torch.Tensor, cache: KVCache, start: int, *, is_prefill: bool,
+                 padding: Optional[dict] = None, observed=contextlib.nullcontext,
+                 on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+                 compiled: Optional[CompiledDecode] = None, next_of_same_run: bool = False) -> torch.Tensor:
+    """s6-s9 for one step of the loop, whichever path it takes: the (B, V) float32 logits of each row's last slot.
+
+    The prefill runs the prompts (chunked; `observed` is the scope of its last pass). A decode step feeds one token a
+    row: with `padding` (pad slots to hide) the model masks them; with nothing observing it (`observed` is the null
+    scope) it is the compiled or plain decode step; else the eager pass, inside the observer's decode scope, which
+    the caller holds open for every decode pass."""
+    if is_prefill:
+        logits = prefill(model, idx, cache, observed, on_prefill_progress, **(padding or {}))
+    elif padding is not None:
+        logits = model(idx, cache, start, last_only=True, **padding)
+    elif observed is contextlib.nullcontext:
+        logits = decode_step(model, compiled, idx, cache, start, next_of_same_run=next_of_same_run)
+    else:
+        logits = model(idx, cache, start, last_only=True)
+    return logits.float()  # the sampler works in float32
+
+
+def next_tokens(logits: torch.Tensor, samplers: list[Sampler], histories: list[list[int]], rows, *,
+                ledger: bool) -> list[tuple[int, int, Optional[Ledger]]]:
+    """s10-s12 for each of `rows`: (row, its next token, the sampler's ledger when `ledger`)."""
+    return [(r, *samplers[r].sample(logits[r], histories[r], ledger=ledger)) for r in rows]
+
+
 def _cols(x: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
     return None if x is None else x[:, a:b]
 
@@ -366,30 +399,27 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
                 if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
                     first = prefill_split(T) if step == 0 else start
                     observer.before_forward(step, phase, first, start + idx.size(1) - first)
-                if step == 0:  # s6-s9 over the prompts
-                    logits = prefill(model, idx, cache, scopes["prefill"], on_prefill_progress,
-                                     **_padding(layout, mask, T, device) if padded else {})
-                    if decode_scope is not contextlib.nullcontext:
-                        held.enter_context(decode_scope())  # one scope for every decode pass
-                elif padded or len(live) < B:  # s6-s9 for one token a row, some rows with pad slots to hide
-                    input_pos = torch.tensor([start - n for n in pads], dtype=torch.long, device=device)[:, None]
-                    logits = model(idx, cache, start, input_pos=input_pos, attention_mask=mask[:, : start + 1],
-                                   last_only=True)
-                elif decode_scope is contextlib.nullcontext:  # the same, no padding, nothing observes it
-                    logits = decode_step(model, compiled, idx, cache, start, next_of_same_run=step > 1)
-                else:
-                    logits = model(idx, cache, start, last_only=True)
-                logits = logits.float()  # (B, V): the sampler works in float32
+                padding = None  # the pad slots to hide: a left-padded batch, or rows that have ended
+                if step == 0 and padded:
+                    padding = _padding(layout, mask, T, device)
+                elif step > 0 and (padded or len(live) < B):
+                    padding = {"input_pos": torch.tensor([start - n for n in pads], dtype=torch.long,
+                                                         device=device)[:, None],
+                               "attention_mask": mask[:, : start + 1]}
+                logits = forward_step(model, idx, cache, start, is_prefill=step == 0, padding=padding,
+                                      observed=scopes[phase], on_prefill_progress=on_prefill_progress,
+                                      compiled=compiled, next_of_same_run=step > 1)  # (B, V) float32
+                if step == 0 and decode_scope is not contextlib.nullcontext:
+                    held.enter_context(decode_scope())  # one scope for every decode pass
                 if observer is not None:
                     observer.after_forward(step)
                 if max_new_tokens == 0:
                     result.prefill_s = time.perf_counter() - t_start
                     if observer is not None:
-                        for r in range(B):  # what each row would take: s10-s12
-                            _, ledger = samplers[r].sample(logits[r], histories[r], ledger=True)
-                            observer.on_prediction(ledger, len(prompts[r]), kv_facts(cache), **tag(r))
+                        for r, _, ledger in next_tokens(logits, samplers, histories, range(B), ledger=True):
+                            observer.on_prediction(ledger, len(prompts[r]), kv_facts(cache), **tag(r))  # s10-s12
                     break
-                picked = [(r, *samplers[r].sample(logits[r], histories[r], ledger=want_ledger)) for r in live]
+                picked = next_tokens(logits, samplers, histories, live, ledger=want_ledger)
                 t1 = time.perf_counter()  # s10-s12 done
                 if step == 0:
                     result.prefill_s = t1 - t_start

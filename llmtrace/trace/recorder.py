@@ -97,6 +97,7 @@ class Recorder:
         self._shape_table: Optional[list[dict]] = None
         self._config = None  # the model's config, from on_start
         self._rows = 1  # rows of the batch (on_start): with more than one, every tensor is recorded per row
+        self._batched = False  # on_start was told of a batch (generate_batch): on_end gets a BatchResult
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -124,15 +125,9 @@ class Recorder:
         return False
 
     def _dumped(self, layer: Optional[int], name: str) -> bool:
-        return any(d == name or (layer is not None and self._dump_target(d) == (layer, name)) for d in self.options.dump)
-
-    def _dump_target(self, dump: str) -> Optional[tuple[int, str]]:
-        """(layer, point) of a --dump entry that names a layer ("3.probs", "-1.q"), else None."""
-        lay, dot, name = dump.partition(".")
-        if not dot or not lay.lstrip("-").isdigit():
-            return None
         n_layers = self.run_info.get("n_layers", 0)
-        return (int(lay) + n_layers if int(lay) < 0 else int(lay)), name
+        return any(d.point == name and (d.layer is None or (layer is not None and d.layer_index(n_layers) == layer))
+                   for d in self.options.dumps)
 
     # -- the model's observer ------------------------------------------------------------------------------------
 
@@ -236,22 +231,21 @@ class Recorder:
             layers = set(o.layers or ()) if phase == "prefill" else set()
         if phase == "prefill" and layers is not None:
             layers.add(0)  # the shape table's layer
-        dumped = self._dump_layers(o.dump)
+        dumped = self._dump_layers(o.dumps)
         layers = None if layers is None or dumped is None else sorted(layers | dumped)
         if phase == "prefill" or o.level == "full":
             return {"layers": layers}  # attention too: spelled out where observed
         # decode at --trace layers/steps: the residual stream, and the attention of layers whose attention is dumped
-        attention = self._dump_layers([d for d in o.dump if d.split(".")[-1] in ATTENTION_POINTS])
+        attention = self._dump_layers([d for d in o.dumps if d.point in ATTENTION_POINTS])
         return {"layers": layers, "attention": attention if attention is None else sorted(attention)}
 
     def _dump_layers(self, dumps) -> Optional[set[int]]:
         """The layers a list of --dump points names; None: every layer (a layer point named without a layer)."""
         out = set()
         for d in dumps:
-            target = self._dump_target(d)
-            if target is not None:
-                out.add(target[0])
-            elif d in LAYER_POINTS:
+            if d.layer is not None:
+                out.add(d.layer_index(self.run_info.get("n_layers", 0)))
+            elif d.point in LAYER_POINTS:
                 return None
         return out
 
@@ -261,6 +255,7 @@ class Recorder:
         (`batch`: every row's prompt ids, `samplers` their samplers) gets one tokens event per row, with "row"."""
         c = self._config = lm.config
         self._rows = len(batch) if batch is not None else 1
+        self._batched = batch is not None
         self.run_info["n_layers"] = c.n_layers
         self._tok = lm.tokenizer
         self.emit({
@@ -371,7 +366,7 @@ class Recorder:
                    "topk": self._topk(ledger), "kv_cache": self._kv_event(kv, position if row is not None else None)})
 
     def on_end(self, result) -> None:
-        self.emit(summary_event(result) if not hasattr(result, "rows") else batch_summary_event(result))
+        self.emit(batch_summary_event(result) if self._batched else summary_event(result))
 
 
 def batch_summary_event(result) -> dict:
