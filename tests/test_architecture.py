@@ -214,3 +214,17 @@ def test_the_package_face_imports_nothing_when_imported():
     top_level = [n for n in TREES["llmtrace"].body if isinstance(n, (ast.Import, ast.ImportFrom))
                  and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
     assert not top_level, f"llmtrace/__init__.py imports at its top level (line {top_level[0].lineno})"
+
+
+# The newest torch feature each of these needs: pyproject's lower bound must be the highest one the source uses.
+TORCH_FEATURES = {"F.rms_norm(": (2, 4), "enable_gqa=": (2, 5), "torch.compiler.set_stance(": (2, 6)}
+
+
+def test_pyproject_states_the_torch_version_the_source_needs():
+    import re
+
+    text = "\n".join(p.read_text(encoding="utf-8") for p in SOURCES.values())
+    used = [version for feature, version in TORCH_FEATURES.items() if feature in text]
+    assert used, "none of the features found: update TORCH_FEATURES"
+    stated = re.search(r'"torch>=(\d+)\.(\d+)"', (PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert stated and (int(stated[1]), int(stated[2])) == max(used), f"torch>={max(used)} is what the source needs"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_no_conversion_left, fails, run_cli
+from helpers import assert_no_conversion_left, fails, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,14 +47,6 @@ def with_smollm(monkeypatch, smollm):
     """`load_model` returns the session's real model instead of loading it again."""
     monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
     return smollm
-
-
-@pytest.fixture
-def fresh_home(monkeypatch, tmp_path):
-    """A model cache of this test's own, so converted test checkpoints never land in the user's cache."""
-    home = tmp_path / "home"
-    monkeypatch.setenv("LLMTRACE_HOME", str(home))
-    return home
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import undeclared_fields
+from helpers import undeclared_fields
 import torch
 
 from llmtrace.run.generate import generate, generate_batch, pad_batch, row_seed

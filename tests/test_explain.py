@@ -10,13 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import llmtrace
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.run.explain import (NEAR_ZERO, attention_sections, bin_edges, capture, explain_events, gqa_groups,
                                   lens_events, lens_logits, parse_positions, resolve_layer)
@@ -79,8 +77,9 @@ def _section(events, name):
 def validator():
     """The shipped schema, which holds the explain and lens records."""
     jsonschema = pytest.importorskip("jsonschema")
-    pkg = Path(llmtrace.__file__).parent
-    schema = json.loads((pkg / "trace.schema.json").read_text())
+    from llmtrace.trace.events import schema_path
+
+    schema = json.loads(schema_path().read_text())
     assert {"explain", "lens"} <= set(schema["$defs"])
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)

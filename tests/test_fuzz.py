@@ -224,12 +224,6 @@ def tiny_files(tmp_path_factory):
             "model": model}
 
 
-@pytest.fixture
-def fresh_home(monkeypatch, tmp_path):
-    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
-
-
 def damage(data: bytes, cut: int | None = None, flip: tuple[int, int] | None = None) -> bytes:
     if cut is not None:
         data = data[:cut]

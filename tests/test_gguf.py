@@ -19,11 +19,7 @@ from tiny import (PROMPT, TinySpec, gguf_tensors, llama3_rope_freqs, make_hf_mod
 WRITABLE = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 T = 40
 
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    """GGUF conversions are cached under $LLMTRACE_HOME: give every test an empty one."""
-    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("fresh_home")  # GGUF conversions are cached: each test gets an empty cache
 
 
 def hf_from_gguf(path):

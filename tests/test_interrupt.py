@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli
+from helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"

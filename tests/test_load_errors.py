@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import assert_no_conversion_left, assert_one_line_error
+from helpers import assert_no_conversion_left, assert_one_line_error
 from tiny import TinySpec, write_gguf, write_hf_dir
 
 RUNTIME_ERROR = 1

@@ -19,17 +19,10 @@ import pytest
 from llmtrace.registry.cache import MANIFEST_NAME, ResolvedModel, cache_dir, cache_status, write_manifest
 from llmtrace.registry.models_toml import DEFAULT_MODEL, SHIPPED_REGISTRY, Source, config_dir, default_model, load_registry
 from llmtrace.registry.resolve import resolve
-from conftest import run_cli
+from helpers import run_cli
 from llmtrace.errors import LlmtraceError
 
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """An empty cache and config directory; the hub off, so that no test reaches it by accident."""
-    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("LLMTRACE_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("isolated")  # conftest: a cache and config of each test's own
 
 
 def write_user_registry(text: str) -> Path:

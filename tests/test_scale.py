@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import fails, run_cli
+from helpers import fails, run_cli
 from llmtrace.errors import LlmtraceError
 from llmtrace.checkpoint.load import load_model
 from llmtrace.model.quant import BLOCKS, QuantLinear, dequantize, storage_table

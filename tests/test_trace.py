@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import undeclared_fields
+from helpers import undeclared_fields
 import torch
 
 from llmtrace.run.generate import generate

@@ -1,0 +1,77 @@
+"""Helpers the tests import (`from helpers import run_cli, fails`): running the CLI in this process, and checks of
+its failures and of the trace's schema. Fixtures live in conftest.py."""
+
+import io
+import sys
+
+# ----------------------------------------------------------------------------------------------------------------
+# running the CLI in this process
+
+
+class FakeStdin(io.TextIOWrapper):
+    """Standard input holding DATA; a terminal or not."""
+
+    def __init__(self, data: bytes, tty: bool = False):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._tty = tty
+
+    def isatty(self):
+        return self._tty
+
+
+def run_cli(capsys, *argv, stdin: bytes | None = None, tty: bool = False) -> tuple[int, str, str]:
+    """Run `llmtrace ARGV` in this process: (exit code, stdout, stderr). STDIN, when given, replaces standard input."""
+    from llmtrace.cli.main import main
+
+    capsys.readouterr()  # what fixtures printed before (transformers' progress bars) is not the command's
+    saved = sys.stdin
+    if stdin is not None:
+        sys.stdin = FakeStdin(stdin, tty)
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as e:
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.stdin = saved
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str, *says: str) -> str:
+    """ERR is exactly one `error: ...` line, no traceback, holding every fragment of SAYS (any case); returns it."""
+    lines = err.splitlines()
+    assert "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and err.endswith("\n"), f"not one error line: {err!r}"
+    for fragment in says:
+        assert fragment.lower() in lines[0].lower(), f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def assert_no_conversion_left(home) -> None:
+    """A failed load leaves no (half-)converted model behind in the cache HOME."""
+    converted = home / "converted"
+    if converted.exists():
+        assert not list(converted.rglob("llmtrace_config.json")), list(converted.iterdir())
+
+
+def fails(capsys, code: int | None, *argv, says: tuple[str, ...] = ()) -> str:
+    """Run the CLI and check the failure contract (exit CODE, or any non-zero one when None); returns the line."""
+    got, _, err = run_cli(capsys, *argv)
+    assert got == code if code is not None else got != 0, f"exit {got}, expected {code}; stderr: {err!r}"
+    return assert_one_line_error(err, *says)
+
+
+def undeclared_fields(events: list[dict]) -> list[str]:
+    """Top-level fields of EVENTS that the schema's definition of their kind does not declare ("step.foo"): the
+    schema allows extra fields, so validation alone would not notice a field written but never documented."""
+    import json
+
+    from llmtrace.trace.events import schema_path
+
+    defs = json.loads(schema_path().read_text())["$defs"]
+    out = []
+    for ev in events:
+        declared = defs.get(ev["event"], {}).get("properties", {})
+        out += [f"{ev['event']}.{k}" for k in ev if k != "event" and k not in declared and f"{ev['event']}.{k}" not in out]
+    return out
