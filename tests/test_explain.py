@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.run.explain import (NEAR_ZERO, attention_sections, bin_edges, capture, explain_events, gqa_groups,
+from llmtrace.model.gqa import gqa_groups
+from llmtrace.run.explain import (NEAR_ZERO, attention_sections, bin_edges, capture, explain_events,
                                   lens_events, lens_logits, parse_positions, resolve_layer)
 
 PROMPT = "The capital of France is"

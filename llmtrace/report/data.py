@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from llmtrace.model.gqa import gqa_groups
 from llmtrace.errors import LlmtraceError
 from llmtrace.tokens.vocab import CHAR_TO_BYTE
 from llmtrace.trace.events import SCHEMA_ID
@@ -80,11 +81,6 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
 # ----------------------------------------------------------------------------------------------------------------
 # the run, the tokens and the steps
 
-
-def gqa_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
-    """Query heads reading each KV head (head h reads KV head h // (H / Hkv))."""
-    g = n_heads // n_kv_heads
-    return [list(range(k * g, (k + 1) * g)) for k in range(n_kv_heads)]
 
 
 def _row_sampling(run: Optional[dict], row: int) -> Optional[dict]:

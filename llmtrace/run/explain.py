@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from llmtrace.model.gqa import gqa_groups
 from llmtrace.errors import BadValue
 from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
 from llmtrace.trace.indices import parse_indices
@@ -285,11 +286,6 @@ def rmsnorm_section(cap: Capture, model: Transformer, which: str) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # 3. Q, K, V and grouped-query attention
 
-
-def gqa_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
-    """Query heads reading each KV head: head h uses KV head h // (H / Hkv), as repeat_interleave lays them out."""
-    g = n_heads // n_kv_heads
-    return [list(range(k * g, (k + 1) * g)) for k in range(n_kv_heads)]
 
 
 def qkv_section(cap: Capture, config: ModelConfig) -> dict:
