@@ -16,6 +16,8 @@ from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
 from llmtrace.registry import DEFAULT_MODEL
 
+SAMPLING = "Sampling (s10–s12)"
+
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
 The default model ({DEFAULT_MODEL}) is fetched on first use. Greedy decoding is the default (--temperature 0).
@@ -37,7 +39,9 @@ The steps of the view (s1–s12, the seed table), one line each:
   s9   LM head: one logit per vocabulary entry
   s10  temperature, penalties, logit bias, bans (row marked * if they
        changed the most likely token)
-  s11  top-k, top-p, min-p, typical-p: the survivors column
+  s11  top-k, top-p, min-p, typical-p, top-nσ, XTC, mirostat: the survivors
+       column; DRY, top-nσ, XTC and mirostat say on a line of their own
+       what they did and why
   s12  sample (greedy: argmax), then detokenize
 
 Examples:
@@ -47,6 +51,9 @@ Examples:
   llmtrace generate "The capital of France is" --ban " Paris" -n 4
 
   llmtrace generate "Write a haiku about rain" --chat --temperature 0.8 --top-p 0.9 --seed 1
+
+  llmtrace generate "Once upon a time" --temperature 1 --mirostat 2 --seed 1      # llama.cpp's samplers: also
+  --dry-multiplier 0.8, --xtc-probability 0.5, --top-n-sigma 1, --sampler-order llama.cpp
 
   llmtrace generate "The capital of France is" --trace full --layers 0,-1 --jsonl trace.jsonl
 
@@ -80,18 +87,29 @@ def generate(
     model: ModelOpt = None,
     file: FileOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate. 0: prefill only (the prompt, the shape table and the top-k the model would predict next).")] = 32,
-    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).")] = 1.0,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × the top probability (0: off).")] = 0.0,
-    typical_p: Annotated[float, typer.Option("--typical-p", help="Locally typical sampling mass (1: off).")] = 1.0,
-    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="HF-style penalty for seen tokens (1: off).")] = 1.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this × count of each seen token.")] = 0.0,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from every seen token.")] = 0.0,
-    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).")] = None,
-    ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).")] = None,
-    sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' or a comma list.")] = "hf",
-    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.")] = None,
+    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).", rich_help_panel=SAMPLING)] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).", rich_help_panel=SAMPLING)] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × the top probability (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    typical_p: Annotated[float, typer.Option("--typical-p", help="Locally typical sampling mass (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="HF-style penalty for seen tokens (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this × count of each seen token.", rich_help_panel=SAMPLING)] = 0.0,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from every seen token.", rich_help_panel=SAMPLING)] = 0.0,
+    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).", rich_help_panel=SAMPLING)] = None,
+    ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).", rich_help_panel=SAMPLING)] = None,
+    sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' (its default chain: penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature) or a comma list.", rich_help_panel=SAMPLING)] = "hf",
+    top_n_sigma: Annotated[float, typer.Option("--top-n-sigma", help="Keep tokens with logit ≥ max − N·σ of the logits; the same set at any temperature (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    xtc_probability: Annotated[float, typer.Option("--xtc-probability", help="XTC: at each step, with this chance, remove every token with p ≥ --xtc-threshold except the least likely of them (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    xtc_threshold: Annotated[float, typer.Option("--xtc-threshold", help="XTC's threshold probability (above 0.5 XTC never acts).", rich_help_panel=SAMPLING)] = 0.1,
+    dry_multiplier: Annotated[float, typer.Option("--dry-multiplier", help="DRY: a token that would extend a repeat of n ≥ --dry-allowed-length tokens loses M × base^(n − allowed) from its logit (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    dry_base: Annotated[float, typer.Option("--dry-base", help="DRY's base (≥ 1).", rich_help_panel=SAMPLING)] = 1.75,
+    dry_allowed_length: Annotated[int, typer.Option("--dry-allowed-length", help="DRY: repeats this long go unpenalised.", rich_help_panel=SAMPLING)] = 2,
+    dry_penalty_last_n: Annotated[int, typer.Option("--dry-penalty-last-n", help="DRY scans this many last tokens (prompt included); -1: all, 0: off.", rich_help_panel=SAMPLING)] = 64,
+    dry_sequence_breaker: Annotated[Optional[list[str]], typer.Option("--dry-sequence-breaker", help="Text that ends a repeat for DRY (repeatable; \\n and \\t are escapes; 'none': no breakers). Default: llama.cpp's \\n : \" *", rich_help_panel=SAMPLING, show_default=False)] = None,
+    mirostat: Annotated[int, typer.Option("--mirostat", help="Mirostat 1 or 2 (0: off): aims at --mirostat-tau bits of surprise per token; replaces penalties, DRY and truncation, as in llama.cpp.", rich_help_panel=SAMPLING)] = 0,
+    mirostat_tau: Annotated[float, typer.Option("--mirostat-tau", help="Mirostat's target surprise τ in bits (μ starts at 2τ).", rich_help_panel=SAMPLING)] = 5.0,
+    mirostat_eta: Annotated[float, typer.Option("--mirostat-eta", help="Mirostat's learning rate η.", rich_help_panel=SAMPLING)] = 0.1,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.", rich_help_panel=SAMPLING)] = None,
     chat: ChatOpt = False,
     system: SystemOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
@@ -135,7 +153,13 @@ def generate(
     options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
     scfg = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                         presence_penalty=presence_penalty, order=parse_order(sampler_order), seed=seed)
+                         presence_penalty=presence_penalty, order=parse_order(sampler_order), seed=seed,
+                         top_n_sigma=top_n_sigma, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                         dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
+                         dry_penalty_last_n=dry_penalty_last_n, mirostat=mirostat, mirostat_tau=mirostat_tau,
+                         mirostat_eta=mirostat_eta)
+    if dry_sequence_breaker is not None:
+        scfg.dry_sequence_breakers = breaker_texts(dry_sequence_breaker)
     scfg.validate(vocab_size=sys.maxsize)  # ranges now; ids against the real vocabulary after the load
     parse_logit_bias(logit_bias or [], sys.maxsize)  # the same for the syntax of --logit-bias and --layers
     if layers is not None and layers.strip() not in ("", "all"):
@@ -151,6 +175,8 @@ def generate(
     if compile_ and (trace in ("layers", "full") or dump or html):
         raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full, --dump or "
                          "--html (which records attention) every step is observed and runs eagerly, so leave --compile out")
+    for note in sampler_notes(scfg, bool(logit_bias or ban)):
+        print(f"note: {note}", file=sys.stderr)
 
     from llmtrace.events import NOT_STARTED, summary_event
     from llmtrace.fsutil import sigint_deferred
@@ -210,15 +236,15 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         if dropped:
             print(f"note: {dropped}", file=sys.stderr)
     prompt_text, ids = encoded[0]
-    sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
+    sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk, tokenizer=tok)
     if batch:
         from dataclasses import replace
 
         from llmtrace.generate import check_batch_context, row_seed
 
         check_batch_context(lm, [i for _, i in encoded], max_new_tokens)  # before any output
-        samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=options.topk)
-                    for r in range(len(encoded))]
+        samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=options.topk,
+                            tokenizer=tok) for r in range(len(encoded))]
 
     machine_on_stdout = json_out == "-" or (jsonl_sink is not None and jsonl_sink.target == "-")
     view_console = None
@@ -270,6 +296,36 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         write_html(recorded, html, tok)
     if result.interrupted:
         raise typer.Exit(130)
+
+
+def breaker_texts(values: list[str]) -> list[str]:
+    """--dry-sequence-breaker values as texts: \\n, \\t, \\r, \\" and \\\\ are escapes (a shell passes them
+    literally); the single value 'none' means no breakers."""
+    import re
+
+    if values == ["none"]:
+        return []
+    escapes = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
+    return [re.sub(r'\\([ntr"\\])', lambda m: escapes[m.group(1)], v) for v in values]
+
+
+def sampler_notes(scfg, bias_or_ban: bool = False) -> list[str]:
+    """What the sampler settings leave unused, in words naming the flags: one line each (printed as `note:`)."""
+    from llmtrace.cli.options import flag_of
+
+    notes = []
+    ignored = scfg.ignored_by_mirostat()
+    if ignored:
+        flags = ", ".join(flag_of(f) for f in ignored)
+        kept = "--logit-bias, --ban and --temperature" if bias_or_ban else "--temperature"
+        notes.append(f"--mirostat {scfg.mirostat} replaces the sampler chain, as in llama.cpp: {flags} "
+                     f"{'is' if len(ignored) == 1 else 'are'} ignored (only {kept} apply before it)")
+    greedy = scfg.ignored_by_greedy()
+    if greedy:
+        flags = ", ".join(flag_of(f) for f in greedy)
+        notes.append(f"--temperature 0 is greedy (the argmax), so {flags} {'does' if len(greedy) == 1 else 'do'} "
+                     f"nothing; give --temperature (llama.cpp's default is 0.8)")
+    return notes
 
 
 def prefill_progress(after_s: float = 2.0):
