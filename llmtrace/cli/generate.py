@@ -317,9 +317,9 @@ def sampler_notes(scfg, bias_or_ban: bool = False) -> list[str]:
     ignored = scfg.ignored_by_mirostat()
     if ignored:
         flags = ", ".join(flag_of(f) for f in ignored)
-        kept = "--logit-bias, --ban and --temperature" if bias_or_ban else "--temperature"
+        kept = "--logit-bias, --ban and --temperature apply" if bias_or_ban else "--temperature applies"
         notes.append(f"--mirostat {scfg.mirostat} replaces the sampler chain, as in llama.cpp: {flags} "
-                     f"{'is' if len(ignored) == 1 else 'are'} ignored (only {kept} apply before it)")
+                     f"{'is' if len(ignored) == 1 else 'are'} ignored (only {kept} before it)")
     greedy = scfg.ignored_by_greedy()
     if greedy:
         flags = ", ".join(flag_of(f) for f in greedy)
