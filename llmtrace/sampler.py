@@ -527,6 +527,7 @@ def dry(logits: torch.Tensor, context: list[int], multiplier: float, base: float
             e = max_exp
         hits.append((multiplier * base**e, tid, nt))
     hits.sort(key=lambda h: (-h[0], h[1]))
+    detail["exempt"] = detail["exempt"][:DETAIL_TOKENS]
     detail["n_penalised"] = len(hits)
     detail["penalised"] = [{"id": tid, "n": nt, "penalty": pen} for pen, tid, nt in hits[:DETAIL_TOKENS]]
     if not hits:

@@ -313,11 +313,10 @@ def stage_lines(ev: dict) -> list[str]:
         if name == "dry":
             out.append(_dry_line(d))
         elif name == "top_n_sigma":
-            line = (f"top-nσ: kept {plural(s['survivors'], 'token')} with logit ≥ max − n·σ = {fmt_short(d.get('max'))} − "
-                    f"{d['n']:g}×{fmt_short(d.get('sigma'))} = {fmt_short(d.get('threshold'))} (σ over "
-                    f"{d['candidates']:,} logits)")
-            if "temperature" in names:
-                line += "; temperature scales the logits, max and σ alike, so the same tokens survive at any temperature"
+            n, sigma = d["n"], d.get("sigma") or 0.0
+            line = (f"top-nσ: kept {plural(s['survivors'], 'token')} with logit ≥ max − {n:g}σ = {fmt_short(d.get('max'))}"
+                    f" − {fmt_short(n * sigma)} = {fmt_short(d.get('threshold'))} (σ of {d['candidates']:,} logits"
+                    + ("; the same tokens at any temperature)" if "temperature" in names else ")"))
             out.append(line)
         elif name == "xtc":
             out.append(_xtc_line(d))
