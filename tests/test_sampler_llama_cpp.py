@@ -4,6 +4,7 @@ Each is checked against a transcription of its definition written here independe
 Python over lists, on fixed logits, as llama.cpp's src/llama-sampling.cpp and the papers define it. The stages that
 are off change nothing (tests/test_sampler.py runs unchanged)."""
 
+import json
 import math
 import random
 
@@ -434,3 +435,130 @@ def test_dry_breakers_need_the_tokenizer():
     with pytest.raises(ValueError, match="tokenizer"):
         Sampler(SamplerConfig(dry_multiplier=1.0), V)
     Sampler(SamplerConfig(dry_multiplier=1.0, dry_sequence_breakers=[]), V)  # no breakers: no tokenizer needed
+
+
+# -----------------------------------------------------------------------------
+# end to end on the real SmolLM2: the CLI's trace, its survivors recomputed from the dumped logits, batches, `show`
+
+
+@pytest.fixture
+def cli_run(capsys, smollm, monkeypatch, tmp_path):
+    """Run `llmtrace generate ARGV --jsonl FILE` on the session's model: (events, stderr)."""
+    from conftest import run_cli
+
+    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+
+    def run(*argv):
+        f = tmp_path / "t.jsonl"
+        code, _, err = run_cli(capsys, "generate", *argv, "--jsonl", f)
+        assert code == 0, err
+        return [json.loads(line) for line in f.read_text().splitlines()], err
+
+    return run
+
+
+REPEATS = "one two three, one two three, one two three, one two"
+
+
+def test_cli_trace_survivors_match_our_computation_on_the_dumped_logits(cli_run, smollm):
+    events, _ = cli_run(REPEATS, "-n", "6", "--temperature", "1.3", "--seed", "4", "--dry-multiplier", "0.8",
+                        "--dry-penalty-last-n", "-1", "--top-n-sigma", "1.5", "--xtc-probability", "0.7",
+                        "--xtc-threshold", "0.05", "--dump", "logits", "--sampler-order", "llama.cpp")
+    run = events[0]
+    assert run["sampling"]["stages"] == ["dry", "top_n_sigma", "xtc", "temperature"]
+    logits = {e["step"]: e["values"] for e in events if e["event"] == "tensor" and e["name"] == "logits"}
+    steps = [e for e in events if e["event"] == "step"]
+    history = smollm.tokenizer.encode(REPEATS)
+    breakers = dry_breakers(smollm.tokenizer, tuple(DRY_BREAKERS), smollm.config.vocab_size)
+    single = {t for t, tails in breakers.items() if () in tails}
+    acted = set()
+    for ev in steps:
+        raw = logits[ev["step"]]  # rounded to 7 digits: compare with room at the cuts
+        by = {s["stage"]: s for s in ev["sampler"]}
+        # DRY: the penalised tokens and their n, by the definition (no multi-token breakers are in this context)
+        assert not any(t in breakers and t not in single for t in history)
+        after_dry = ref_dry(raw, history, 0.8, 1.75, 2, single)
+        changed = {i: raw[i] - after_dry[i] for i in range(len(raw)) if after_dry[i] != raw[i]}
+        d = by["dry"]["detail"]
+        assert d["n_penalised"] == len(changed)
+        for e in d["penalised"]:
+            assert e["penalty"] == pytest.approx(changed[e["id"]], rel=1e-5)
+            assert e["penalty"] == pytest.approx(0.8 * 1.75 ** (e["n"] - 2), rel=1e-6)
+        acted.add("dry") if changed else None
+        # top-nσ over the penalised logits
+        fin = after_dry
+        mean = sum(fin) / len(fin)
+        sigma = math.sqrt(sum((x - mean) ** 2 for x in fin) / len(fin))
+        cut = max(fin) - 1.5 * sigma
+        kept = {i for i, x in enumerate(fin) if x >= cut}
+        assert by["top_n_sigma"]["detail"]["threshold"] == pytest.approx(cut, abs=1e-4)
+        near = {i for i, x in enumerate(fin) if abs(x - cut) < 1e-4}
+        assert abs(by["top_n_sigma"]["survivors"] - len(kept)) <= len(near)
+        # XTC over those survivors: p renormalised over them
+        x = by["xtc"]["detail"]
+        if x["fired"]:
+            p = ref_softmax([v if i in kept else float("-inf") for i, v in enumerate(fin)])
+            over = sorted((i for i in kept if p[i] >= 0.05), key=lambda i: -p[i])
+            assert x["over"] == len(over)
+            if len(over) >= 2:
+                acted.add("xtc")
+                assert {r["id"] for r in x["removed"]} == set(over[:-1]) and x["kept"]["id"] == over[-1]
+                assert by["xtc"]["survivors"] == len(kept) - len(over) + 1
+        assert ev["token"]["id"] in kept
+        history.append(ev["token"]["id"])
+    assert acted == {"dry", "xtc"}  # the run shows both acting (seed and settings chosen so)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cli_mirostat_carries_mu_and_names_what_it_ignores(cli_run, version):
+    events, err = cli_run("Once upon a time", "-n", "8", "--temperature", "0.9", "--seed", "2", "--mirostat",
+                          str(version), "--top-k", "40", "--dry-multiplier", "0.5", "--mirostat-tau", "3")
+    assert err.count("note:") == 1 and "--dry-multiplier, --top-k are ignored" in err
+    run = events[0]["sampling"]
+    assert run["stages"] == ["temperature", "mirostat"] and run["ignored"] == ["dry_multiplier", "top_k"]
+    mu = 6.0
+    for ev in (e for e in events if e["event"] == "step"):
+        d = ev["sampler"][-1]["detail"]
+        assert ev["sampler"][-1]["stage"] == "mirostat" and d["version"] == version
+        assert d["mu"] == pytest.approx(mu, rel=1e-6)
+        assert d["mu_after"] == pytest.approx(mu - 0.1 * (d["surprise"] - 3.0), rel=1e-5)
+        assert d["surprise"] == pytest.approx(-math.log2(ev["sampler"][-1]["pick_prob"]), abs=1e-4)
+        mu = d["mu_after"]
+
+
+def test_batch_rows_carry_their_own_mu_and_dry_context(smollm):
+    from dataclasses import replace
+
+    from llmtrace.generate import generate, generate_batch, row_seed
+
+    texts = [REPEATS, "Hi", "Once upon a time"]
+    prompts = [smollm.tokenizer.encode_prompt(t, chat=False, system=None)[1] for t in texts]
+    V = smollm.config.vocab_size
+    for cfg in (SamplerConfig(temperature=1.0, mirostat=2, mirostat_tau=3.0, seed=9),
+                SamplerConfig(temperature=1.0, dry_multiplier=1.5, dry_allowed_length=1, xtc_probability=0.5,
+                              xtc_threshold=0.05, top_n_sigma=2.0, seed=9)):
+        rows = [Sampler(replace(cfg, seed=row_seed(9, r)), V, tokenizer=smollm.tokenizer) for r in range(3)]
+        result = generate_batch(smollm, prompts, rows, 5)
+        for r, p in enumerate(prompts):
+            alone = Sampler(replace(cfg, seed=9 + r), V, tokenizer=smollm.tokenizer)
+            assert result.rows[r].tokens == generate(smollm, p, alone, 5).tokens, (cfg, r)
+            assert rows[r].mu == (None if alone.mu is None else pytest.approx(alone.mu, rel=1e-4))  # the logits agree to ~1e-4
+        if cfg.mirostat:
+            assert len({s.mu for s in rows}) == 3
+
+
+def test_show_renders_each_stage_line_from_a_saved_trace(cli_run, capsys, tmp_path, monkeypatch):
+    from conftest import run_cli
+
+    monkeypatch.setenv("COLUMNS", "250")  # one line per stage, unwrapped
+
+    events, _ = cli_run(REPEATS, "-n", "4", "--temperature", "1.3", "--seed", "4", "--dry-multiplier", "0.8",
+                        "--top-n-sigma", "1.5", "--xtc-probability", "1", "--xtc-threshold", "0.05")
+    f = tmp_path / "saved.jsonl"
+    f.write_text("".join(json.dumps(e) + "\n" for e in events))
+    code, out, err = run_cli(capsys, "show", f)
+    assert code == 0, err
+    assert "dry-multiplier 0.8" in out and "stages dry → temperature → top_n_sigma → xtc" in out
+    for head in ("  dry: ", "  top-nσ: kept ", "  xtc: draw "):
+        assert out.count(head) == 4, head
+    assert "the same tokens at any temperature" in out
