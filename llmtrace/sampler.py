@@ -555,11 +555,13 @@ def dry_breakers(tokenizer, texts: tuple[str, ...], vocab_size: int) -> dict[int
                 seqs = [()]
             else:  # every position from which the rest of the word is a proper prefix of the breaker
                 seqs = []
-                for pos in range(len(word)):
+                pos = word.find(s[:1])
+                while pos != -1:
                     rest = word[pos:]
                     if s.startswith(rest):
                         more = s[len(rest) :].decode("utf-8", errors="ignore")
                         seqs.append(tuple(tokenizer.encode(more, add_special_tokens=False)[:DRY_MAX_TAIL]))
+                    pos = word.find(s[:1], pos + 1)
             for seq in seqs:
                 if seq not in table.setdefault(tid, []):
                     table[tid].append(seq)

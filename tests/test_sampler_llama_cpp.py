@@ -306,7 +306,8 @@ def ref_draw(probs: list[float], u: float) -> int:
 def ref_softmax(xs: list[float]) -> list[float]:
     m = max(x for x in xs if math.isfinite(x))
     e = [math.exp(x - m) if math.isfinite(x) else 0.0 for x in xs]
-    return [v / sum(e) for v in e]
+    total = sum(e)
+    return [v / total for v in e]
 
 
 def ref_mirostat_v2_step(logits: list[float], mu: float, u: float, tau: float, eta: float):
