@@ -1,6 +1,6 @@
 """The samplers llama.cpp has and transformers lacks (issue 25): DRY, XTC, top-nσ and mirostat v1/v2.
 
-Each is checked against a transcription of its definition written here independently of llmtrace.sampler: plain
+Each is checked against a transcription of its definition written here independently of llmtrace.run.sampler: plain
 Python over lists, on fixed logits, as llama.cpp's src/llama-sampling.cpp and the papers define it. The stages that
 are off change nothing (tests/test_sampler.py runs unchanged)."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmtrace.errors import UsageError
-from llmtrace.sampler import (
+from llmtrace.run.sampler import (
     DRY_BREAKERS,
     LLAMA_CPP_ORDER,
     HF_ORDER,
@@ -447,7 +447,7 @@ def cli_run(capsys, smollm, monkeypatch, tmp_path):
     """Run `llmtrace generate ARGV --jsonl FILE` on the session's model: (events, stderr)."""
     from conftest import run_cli
 
-    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
 
     def run(*argv):
         f = tmp_path / "t.jsonl"
@@ -530,7 +530,7 @@ def test_cli_mirostat_carries_mu_and_names_what_it_ignores(cli_run, version):
 def test_batch_rows_carry_their_own_mu_and_dry_context(smollm):
     from dataclasses import replace
 
-    from llmtrace.generate import generate, generate_batch, row_seed
+    from llmtrace.run.generate import generate, generate_batch, row_seed
 
     texts = [REPEATS, "Hi", "Once upon a time"]
     prompts = [smollm.tokenizer.encode_prompt(t, chat=False, system=None)[1] for t in texts]
