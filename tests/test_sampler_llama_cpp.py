@@ -563,3 +563,13 @@ def test_show_renders_each_stage_line_from_a_saved_trace(cli_run, capsys, tmp_pa
     for head in ("  dry: ", "  top-nσ: kept ", "  xtc: draw "):
         assert out.count(head) == 4, head
     assert "the same tokens at any temperature" in out
+
+
+def test_report_funnel_says_what_each_new_stage_did(cli_run, tmp_path):
+    html = tmp_path / "r.html"
+    events, _ = cli_run(REPEATS, "-n", "3", "--temperature", "1.3", "--seed", "4", "--dry-multiplier", "0.8",
+                        "--top-n-sigma", "1.5", "--xtc-probability", "1", "--xtc-threshold", "0.05", "--html", html)
+    page = html.read_text()
+    assert page.count('<tr class="why">') == 3 * 3  # dry, top-nσ and xtc at each of the 3 steps
+    assert "llama.cpp samplers</th><td>top-n-sigma 1.5; xtc-probability 1; dry-multiplier 0.8" in page
+    assert "dry: " in page and "top-nσ: kept" in page and "xtc: draw" in page

@@ -229,25 +229,8 @@ def sampler_settings(s: dict, row_seeds: Optional[list] = None) -> list[str]:
     ban = s.get("ban") or []
     if ban:
         parts.append(f"ban {plural(len(ban), 'sequence')} (ids " + "; ".join(" ".join(map(str, q)) for q in ban) + ")")
-    for key, default in (("top_n_sigma", 0.0), ("xtc_probability", 0.0), ("dry_multiplier", 0.0)):
-        v = s.get(key)
-        if v is not None and v != default:
-            parts.append(f"{key.replace('_', '-')} {v:g}")
-    if s.get("xtc_probability"):
-        parts.append(f"xtc-threshold {s.get('xtc_threshold', 0.1):g}")
+    parts += llama_cpp_settings(s)
     stages = s.get("stages") or []
-    if "dry" in stages:
-        last_n = s.get("dry_penalty_last_n")
-        breakers = " ".join(json_text(b) for b in s.get("dry_sequence_breakers") or []) or "none"
-        parts.append(f"dry-base {s.get('dry_base', 1.75):g}, dry-allowed-length {s.get('dry_allowed_length', 2)}, "
-                     f"dry-penalty-last-n {'all' if last_n == -1 else last_n}, breakers {breakers}")
-    ignored = ", ".join(i.replace("_", "-") for i in s.get("ignored") or [])
-    if s.get("mirostat"):
-        tau = s.get("mirostat_tau", 5.0)
-        parts.append(f"mirostat {s['mirostat']} (τ {tau:g} bits, η {s.get('mirostat_eta', 0.1):g}, μ from {2 * tau:g}) "
-                     f"replaces penalties, DRY and truncation as in llama.cpp" + (f": ignores {ignored}" if ignored else ""))
-    elif ignored:
-        parts.append(f"greedy ignores {ignored}")
     if stages:
         parts.append("stages " + " → ".join(stages))
     if row_seeds and len(row_seeds) > 1:
@@ -291,27 +274,52 @@ def _named(entry: dict) -> str:
 def stage_lines(ev: dict) -> list[str]:
     """One line for each stage of this step that records what it did (DRY, top-nσ, XTC, mirostat): its numbers over
     the whole vocabulary and, when it did nothing, why."""
-    stages = ev.get("sampler") or []
-    names = [s["stage"] for s in stages]
-    out = []
-    for s in stages:
-        d = s.get("detail")
-        if d is None:
-            continue
-        name = s["stage"]
-        if name == "dry":
-            out.append(_dry_line(d))
-        elif name == "top_n_sigma":
-            n, sigma = d["n"], d.get("sigma") or 0.0
-            line = (f"top-nσ: kept {plural(s['survivors'], 'token')} with logit ≥ max − {n:g}σ = {fmt_short(d.get('max'))}"
-                    f" − {fmt_short(n * sigma)} = {fmt_short(d.get('threshold'))} (σ of {d['candidates']:,} logits"
-                    + ("; the same tokens at any temperature)" if "temperature" in names else ")"))
-            out.append(line)
-        elif name == "xtc":
-            out.append(_xtc_line(d))
-        elif name == "mirostat":
-            out.append(_mirostat_line(d, s["survivors"], ev.get("token") or {}))
-    return out
+    return [line for s in ev.get("sampler") or [] if (line := stage_line(s, ev)) is not None]
+
+
+def stage_line(s: dict, ev: dict) -> Optional[str]:
+    """`stage_lines` for one stage entry `s` of the step event `ev` (None for a stage without a detail)."""
+    d = s.get("detail")
+    if d is None:
+        return None
+    name = s["stage"]
+    if name == "dry":
+        return _dry_line(d)
+    if name == "top_n_sigma":
+        n, sigma = d["n"], d.get("sigma") or 0.0
+        names = [x["stage"] for x in ev.get("sampler") or []]
+        return (f"top-nσ: kept {plural(s['survivors'], 'token')} with logit ≥ max − {n:g}σ = {fmt_short(d.get('max'))}"
+                f" − {fmt_short(n * sigma)} = {fmt_short(d.get('threshold'))} (σ of {d['candidates']:,} logits"
+                + ("; the same tokens at any temperature)" if "temperature" in names else ")"))
+    if name == "xtc":
+        return _xtc_line(d)
+    if name == "mirostat":
+        return _mirostat_line(d, s["survivors"], ev.get("token") or {})
+    return None
+
+
+def llama_cpp_settings(s: dict) -> list[str]:
+    """The settings of DRY, top-nσ, XTC and mirostat that differ from off, and what mirostat or greedy ignores."""
+    parts = []
+    for key, default in (("top_n_sigma", 0.0), ("xtc_probability", 0.0), ("dry_multiplier", 0.0)):
+        v = s.get(key)
+        if v is not None and v != default:
+            parts.append(f"{key.replace('_', '-')} {v:g}")
+    if s.get("xtc_probability"):
+        parts.append(f"xtc-threshold {s.get('xtc_threshold', 0.1):g}")
+    if "dry" in (s.get("stages") or []):
+        last_n = s.get("dry_penalty_last_n")
+        breakers = " ".join(json_text(b) for b in s.get("dry_sequence_breakers") or []) or "none"
+        parts.append(f"dry-base {s.get('dry_base', 1.75):g}, dry-allowed-length {s.get('dry_allowed_length', 2)}, "
+                     f"dry-penalty-last-n {'all' if last_n == -1 else last_n}, breakers {breakers}")
+    ignored = ", ".join(i.replace("_", "-") for i in s.get("ignored") or [])
+    if s.get("mirostat"):
+        tau = s.get("mirostat_tau", 5.0)
+        parts.append(f"mirostat {s['mirostat']} (τ {tau:g} bits, η {s.get('mirostat_eta', 0.1):g}, μ from {2 * tau:g}) "
+                     f"replaces penalties, DRY and truncation as in llama.cpp" + (f": ignores {ignored}" if ignored else ""))
+    elif ignored:
+        parts.append(f"greedy ignores {ignored}")
+    return parts
 
 
 def _dry_line(d: dict) -> str:
