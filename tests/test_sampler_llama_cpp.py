@@ -573,3 +573,68 @@ def test_report_funnel_says_what_each_new_stage_did(cli_run, tmp_path):
     assert page.count('<tr class="why">') == 3 * 3  # dry, top-nσ and xtc at each of the 3 steps
     assert "llama.cpp samplers</th><td>top-n-sigma 1.5; xtc-probability 1; dry-multiplier 0.8" in page
     assert "dry: " in page and "top-nσ: kept" in page and "xtc: draw" in page
+
+
+# -----------------------------------------------------------------------------
+# the CLI: bad input in one line before the load, notes, --help
+
+
+def _no_load(*args, **kwargs):
+    raise AssertionError("the model was loaded, but this error should have been found before the load")
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--xtc-probability", "1.5"], ("--xtc-probability", "[0, 1]", "1.5")),
+    (["--xtc-probability", "-0.1"], ("--xtc-probability", "[0, 1]")),
+    (["--xtc-threshold", "2"], ("--xtc-threshold", "[0, 1]")),
+    (["--dry-multiplier", "-0.8"], ("--dry-multiplier", ">= 0")),
+    (["--dry-base", "0.5"], ("--dry-base", ">= 1")),
+    (["--dry-allowed-length", "-1"], ("--dry-allowed-length", ">= 0")),
+    (["--dry-penalty-last-n", "-5"], ("--dry-penalty-last-n", "-1")),
+    (["--dry-sequence-breaker", ""], ("--dry-sequence-breaker", "non-empty")),
+    (["--mirostat", "3"], ("--mirostat", "0 (off), 1 or 2", "3")),
+    (["--mirostat-tau", "-1"], ("--mirostat-tau",)),
+    (["--mirostat-eta", "-0.1"], ("--mirostat-eta",)),
+    (["--top-n-sigma", "-1"], ("--top-n-sigma", ">= 0")),
+])  # fmt: skip
+def test_bad_values_exit_2_before_the_model_loads(capsys, monkeypatch, flags, says):
+    from conftest import fails
+
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", _no_load)
+    fails(capsys, 2, "generate", "hi", *flags, says=says)
+
+
+def test_breaker_escapes_and_none():
+    from llmtrace.cli.generate import breaker_texts
+
+    assert breaker_texts(["\\n", "a\\tb", ":", '\\"', "\\\\"]) == ["\n", "a\tb", ":", '"', "\\"]
+    assert breaker_texts(["none"]) == []
+
+
+def test_notes_name_what_mirostat_and_greedy_ignore():
+    from llmtrace.cli.generate import sampler_notes
+
+    notes = sampler_notes(SamplerConfig(temperature=0.8, mirostat=2, top_p=0.9, presence_penalty=0.5), False)
+    assert notes == ["--mirostat 2 replaces the sampler chain, as in llama.cpp: --presence-penalty, --top-p are "
+                     "ignored (only --temperature applies before it)"]
+    notes = sampler_notes(SamplerConfig(temperature=0, xtc_probability=0.5), False)
+    assert notes == ["--temperature 0 is greedy (the argmax), so --xtc-probability does nothing; give --temperature "
+                     "(llama.cpp's default is 0.8)"]
+    assert sampler_notes(SamplerConfig(temperature=0, dry_multiplier=0.8)) == []  # DRY is a penalty: greedy keeps it
+
+
+def test_help_groups_the_sampler_options(capsys, monkeypatch):
+    from conftest import run_cli
+
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run_cli(capsys, "generate", "--help")
+    assert code == 0
+    options, panel = out.split("Sampling (s10–s12):")  # the panel comes last, after the general options
+    options = options[options.index("\nOptions:"):]  # (the examples above use sampler flags)
+    assert "--max-new-tokens" in options and "--jsonl" in options
+    for flag in ("--temperature", "--top-k", "--top-p", "--min-p", "--typical-p", "--repetition-penalty", "--ban",
+                 "--logit-bias", "--sampler-order", "--seed", "--top-n-sigma", "--xtc-probability", "--xtc-threshold",
+                 "--dry-multiplier", "--dry-base", "--dry-allowed-length", "--dry-penalty-last-n",
+                 "--dry-sequence-breaker", "--mirostat", "--mirostat-tau", "--mirostat-eta"):
+        assert flag in panel, flag
+    assert "--max-new-tokens" not in panel and "--temperature" not in options

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
+from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
                                   ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, HtmlOpt, check_outputs,
                                   load_options, write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
@@ -81,7 +81,7 @@ prompt alone with --seed seed+r. Each row stops at its own EOS, --stop text or -
 """
 
 
-@app.command(help=GENERATE_HELP, no_args_is_help=False)
+@app.command(help=GENERATE_HELP, no_args_is_help=False, cls=PanelCommand)
 def generate(
     prompt: PromptArg = None,
     model: ModelOpt = None,
