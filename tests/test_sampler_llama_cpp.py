@@ -432,6 +432,11 @@ def test_validation_errors(kwargs, needle):
     assert err.value.exit_code == 2 and str(err.value).startswith(err.value.field)
 
 
+def test_mirostat_is_not_an_order_stage():
+    with pytest.raises(UsageError, match="always runs last"):
+        parse_order("top_k,mirostat")
+
+
 def test_dry_breakers_need_the_tokenizer():
     with pytest.raises(ValueError, match="tokenizer"):
         Sampler(SamplerConfig(dry_multiplier=1.0), V)

@@ -332,8 +332,8 @@ def _dry_line(d: dict) -> str:
     exempt = d.get("exempt") or []
     tail = f"; {', '.join(_named(e) for e in exempt[:4])} exempt (sequence breaker)" if exempt else ""
     if not d["n_penalised"]:
-        return (f"dry: no penalty: the longest repeat a token could extend is {d['longest']} "
-                f"(allowed length {allowed}; {plural(d['scanned'], 'token')} scanned){tail}")
+        return (f"dry: no penalty: the longest repeat a token could extend is {d['longest']} < allowed length "
+                f"{allowed} ({plural(d['scanned'], 'token')} scanned){tail}")
     hits = ", ".join(f"{_named(e)} n={e['n']} −{fmt_short(e['penalty'])}" for e in d["penalised"][:5])
     more = "…" if d["n_penalised"] > 5 else ""
     return (f"dry: {plural(d['n_penalised'], 'token')} penalised by {fmt_short(d['multiplier'])}×"
@@ -359,8 +359,7 @@ def _xtc_line(d: dict) -> str:
 def _mirostat_line(d: dict, kept: int, token: dict) -> str:
     after = ""
     if d.get("mu_after") is not None:  # (a surprise of -0.00 is p = 1 rounded)
-        after = (f"; {visible(token.get('text', ''))}: {max(d['surprise'], 0.0):.2f} bits, μ → {d['mu_after']:.3f} "
-                 f"(τ {d['tau']:g}, η {d['eta']:g})")
+        after = f"; {visible(token.get('text', ''))}: {max(d['surprise'], 0.0) + 0.0:.2f} bits, μ → {d['mu_after']:.3f}"
     if d["version"] == 1:
         k = "k not a number: all kept" if d.get("k") is None else f"k = {fmt_short(d['k'])}"
         s_hat = "–" if d.get("s_hat") is None else f"{d['s_hat']:.3f}"

@@ -249,6 +249,9 @@ def _check_order(names: list[str]) -> None:
     if not names:
         raise BadValue("order", f" is empty; give presets hf or llama.cpp, or stage names from: {valid}")
     for name in names:
+        if name == "mirostat":
+            raise BadValue("order", ": mirostat has no place in the order; when on (mirostat 1 or 2) it replaces the "
+                                    "truncation chain and always runs last")
         if name not in STAGES:
             raise BadValue("order", f": unknown sampler stage '{name}'; valid: {valid} (or a preset: hf, llama.cpp)")
     dup = next((n for i, n in enumerate(names) if n in names[:i]), None)
