@@ -37,8 +37,8 @@ The steps of the view (s1–s12, the seed table), one line each:
   s7   the last position: the row that predicts the next token
   s8   final RMSNorm (LLaMA normalizes every position, then takes the last)
   s9   LM head: one logit per vocabulary entry
-  s10  temperature, penalties, logit bias, bans (row marked * if they
-       changed the most likely token)
+  s10  temperature, penalties, logit bias, bans, DRY (row marked * if
+       they changed the most likely token)
   s11  top-k, top-p, min-p, typical-p, top-nσ, XTC, mirostat: the survivors
        column; DRY, top-nσ, XTC and mirostat say on a line of their own
        what they did and why
@@ -52,8 +52,9 @@ Examples:
 
   llmtrace generate "Write a haiku about rain" --chat --temperature 0.8 --top-p 0.9 --seed 1
 
-  llmtrace generate "Once upon a time" --temperature 1 --mirostat 2 --seed 1      # llama.cpp's samplers: also
-  --dry-multiplier 0.8, --xtc-probability 0.5, --top-n-sigma 1, --sampler-order llama.cpp
+  llmtrace generate "Once upon a time" --temperature 1 --mirostat 2 --seed 1
+
+  llmtrace generate "The cat sat on the mat. The cat sat on the" --temperature 1 --dry-multiplier 0.8 --top-n-sigma 2 --xtc-probability 0.5 --sampler-order llama.cpp
 
   llmtrace generate "The capital of France is" --trace full --layers 0,-1 --jsonl trace.jsonl
 
