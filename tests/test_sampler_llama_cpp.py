@@ -466,12 +466,31 @@ def cli_run(capsys, smollm, monkeypatch, tmp_path):
 REPEATS = "one two three, one two three, one two three, one two"
 
 
+def _check_schema(events):
+    """The events validate against trace.schema.json, and every field a stage detail writes is declared there."""
+    from conftest import undeclared_fields
+
+    from llmtrace.trace.events import schema_path
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(schema_path().read_text())
+    jsonschema.Draft202012Validator(schema).validate({"schema": "llmtrace.trace/1", "events": events})
+    assert undeclared_fields(events) == []
+    declared = schema["$defs"]["step"]["properties"]["sampler"]["items"]["properties"]["detail"]["properties"]
+    sampling = schema["$defs"]["run"]["properties"]["sampling"]["properties"]
+    assert set(events[0]["sampling"]) <= set(sampling), set(events[0]["sampling"]) - set(sampling)
+    for ev in events:
+        for st in ev.get("sampler") or []:
+            assert set(st.get("detail", {})) <= set(declared), set(st["detail"]) - set(declared)
+
+
 def test_cli_trace_survivors_match_our_computation_on_the_dumped_logits(cli_run, smollm):
     events, _ = cli_run(REPEATS, "-n", "6", "--temperature", "1.3", "--seed", "4", "--dry-multiplier", "0.8",
                         "--dry-penalty-last-n", "-1", "--top-n-sigma", "1.5", "--xtc-probability", "0.7",
                         "--xtc-threshold", "0.05", "--dump", "logits", "--sampler-order", "llama.cpp")
     run = events[0]
     assert run["sampling"]["stages"] == ["dry", "top_n_sigma", "xtc", "temperature"]
+    _check_schema(events)
     logits = {e["step"]: e["values"] for e in events if e["event"] == "tensor" and e["name"] == "logits"}
     steps = [e for e in events if e["event"] == "step"]
     history = smollm.tokenizer.encode(REPEATS)
@@ -520,6 +539,7 @@ def test_cli_mirostat_carries_mu_and_names_what_it_ignores(cli_run, version):
     events, err = cli_run("Once upon a time", "-n", "8", "--temperature", "0.9", "--seed", "2", "--mirostat",
                           str(version), "--top-k", "40", "--dry-multiplier", "0.5", "--mirostat-tau", "3")
     assert err.count("note:") == 1 and "--dry-multiplier, --top-k are ignored" in err
+    _check_schema(events)
     run = events[0]["sampling"]
     assert run["stages"] == ["temperature", "mirostat"] and run["ignored"] == ["dry_multiplier", "top_k"]
     mu = 6.0
