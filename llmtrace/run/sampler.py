@@ -16,9 +16,15 @@ and truncation then have nothing to do and are skipped.
 The draw is reproducible and checkable by hand: one uniform u in [0, 1) from a seeded `torch.Generator`, then the
 first token id whose cumulative probability (summed in id order, in float64) exceeds u times the total.
 
-The samplers llama.cpp has and transformers lacks are stages too: DRY (a penalty, so it also runs when greedy),
-top-nσ and XTC (truncations), and mirostat, which replaces the truncation chain as in llama.cpp. Each of them also
-leaves a `detail` in the ledger: what it computed over the full vocabulary and why it did or did not act.
+The samplers llama.cpp has and transformers lacks are stages too, read from llama.cpp's src/llama-sampling.cpp,
+common/sampling.cpp and common/common.h and from the papers (each function cites its sources): DRY (a penalty, so it
+also runs when greedy), top-nσ and XTC (truncations; XTC takes a draw of its own from the row's generator, before
+the final one), and mirostat, which is no part of the order: when on it replaces penalties, DRY and truncation, as
+llama.cpp's mirostat chain does (logit bias and ban, temperature, mirostat), runs last, and carries its state μ from
+step to step in the Sampler (one Sampler per batch row). Each of them also leaves a `detail` in the ledger: what it
+computed over the full vocabulary and why it did or did not act. Decisions where llama.cpp leaves a choice: p is
+float64 here (float32 there); dry_penalty_last_n defaults to llama.cpp's current 64 (it was -1, the whole context,
+before); ties are broken by id; XTC has no min_keep (llama.cpp's common default is 0).
 
 Notation: V vocab size, T history length.
 """
