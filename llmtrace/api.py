@@ -88,6 +88,18 @@ class GenerateOptions:
     ban: Sequence[str] = ()  # texts never generated
     sampler_order: Union[str, Sequence[str]] = "hf"  # "hf", "llama.cpp", "a,b,c" or a list of stage names
     seed: Optional[int] = None  # None: random (and recorded); row r of a batch uses seed + r
+    # llama.cpp's samplers (defaults are llama.cpp's; see run/sampler.py)
+    top_n_sigma: float = 0.0  # 0: off
+    xtc_probability: float = 0.0  # 0: off
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0  # 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = 64  # -1: the whole context, 0: off
+    dry_sequence_breakers: Optional[Sequence[str]] = None  # None: llama.cpp's "\n", ":", "\"", "*"
+    mirostat: int = 0  # 0: off, 1 or 2
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     # the prompt
     chat: bool = False
     system: Optional[str] = None
@@ -132,7 +144,14 @@ class GenerateOptions:
                              typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
                              frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
                              order=order, seed=self.seed, logit_bias=bias,
-                             ban=banned_sequences(tokenizer, list(self.ban)) if tokenizer is not None else [])
+                             ban=banned_sequences(tokenizer, list(self.ban)) if tokenizer is not None else [],
+                             top_n_sigma=self.top_n_sigma, xtc_probability=self.xtc_probability,
+                             xtc_threshold=self.xtc_threshold, dry_multiplier=self.dry_multiplier,
+                             dry_base=self.dry_base, dry_allowed_length=self.dry_allowed_length,
+                             dry_penalty_last_n=self.dry_penalty_last_n, mirostat=self.mirostat,
+                             mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta,
+                             **({} if self.dry_sequence_breakers is None
+                                else {"dry_sequence_breakers": list(self.dry_sequence_breakers)}))
 
     def check_prompts(self, prompt: Prompt) -> list[str]:
         """The prompts of a run with these options (before any model loads): a list of several is one batch."""
@@ -386,11 +405,11 @@ class Model:
             if dropped:
                 print(f"note: {dropped}", file=sys.stderr)
         ids = encoded[0][1]
-        sampler = Sampler(scfg, lm.config.vocab_size, k_show=trace.topk)
+        sampler = Sampler(scfg, lm.config.vocab_size, k_show=trace.topk, tokenizer=tok)
         if batch:
             check_batch_context(lm, [i for _, i in encoded], options.max_new_tokens)  # before any output
-            samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=trace.topk)
-                        for r in range(len(encoded))]
+            samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=trace.topk,
+                                tokenizer=tok) for r in range(len(encoded))]
 
         events: list[dict] = []
         kept: Sink = events.append if keep_events else (lambda ev: ev.get("event") == "summary" and events.append(ev))

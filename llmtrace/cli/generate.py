@@ -9,11 +9,13 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
+from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace.registry.models_toml import DEFAULT_MODEL
+
+SAMPLING = "Sampling (s10–s12)"
 
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
@@ -34,9 +36,11 @@ The steps of the view (s1–s12, the seed table), one line each:
   s7   the last position: the row that predicts the next token
   s8   final RMSNorm (LLaMA normalizes every position, then takes the last)
   s9   LM head: one logit per vocabulary entry
-  s10  temperature, penalties, logit bias, bans (row marked * if they
-       changed the most likely token)
-  s11  top-k, top-p, min-p, typical-p: the survivors column
+  s10  temperature, penalties, logit bias, bans, DRY (row marked * if
+       they changed the most likely token)
+  s11  top-k, top-p, min-p, typical-p, top-nσ, XTC, mirostat: the survivors
+       column; DRY, top-nσ, XTC and mirostat say on a line of their own
+       what they did and why
   s12  sample (greedy: argmax), then detokenize
 
 Examples:
@@ -46,6 +50,10 @@ Examples:
   llmtrace generate "The capital of France is" --ban " Paris" -n 4
 
   llmtrace generate "Write a haiku about rain" --chat --temperature 0.8 --top-p 0.9 --seed 1
+
+  llmtrace generate "Once upon a time" --temperature 1 --mirostat 2 --seed 1
+
+  llmtrace generate "The cat sat on the mat. The cat sat on the" --temperature 1 --dry-multiplier 0.8 --top-n-sigma 2 --xtc-probability 0.5 --sampler-order llama.cpp
 
   llmtrace generate "The capital of France is" --trace full --layers 0,-1 --jsonl trace.jsonl
 
@@ -73,24 +81,35 @@ prompt alone with --seed seed+r. Each row stops at its own EOS, --stop text or -
 """
 
 
-@app.command(help=GENERATE_HELP, no_args_is_help=False)
+@app.command(help=GENERATE_HELP, no_args_is_help=False, cls=PanelCommand)
 def generate(
     prompt: PromptArg = None,
     model: ModelOpt = None,
     file: FileOpt = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate. 0: prefill only (the prompt, the shape table and the top-k the model would predict next).")] = 32,
-    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).")] = 1.0,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × the top probability (0: off).")] = 0.0,
-    typical_p: Annotated[float, typer.Option("--typical-p", help="Locally typical sampling mass (1: off).")] = 1.0,
-    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="HF-style penalty for seen tokens (1: off).")] = 1.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this × count of each seen token.")] = 0.0,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from every seen token.")] = 0.0,
-    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).")] = None,
-    ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).")] = None,
-    sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' or a comma list.")] = "hf",
-    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.")] = None,
+    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).", rich_help_panel=SAMPLING)] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).", rich_help_panel=SAMPLING)] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × the top probability (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    typical_p: Annotated[float, typer.Option("--typical-p", help="Locally typical sampling mass (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="HF-style penalty for seen tokens (1: off).", rich_help_panel=SAMPLING)] = 1.0,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this × count of each seen token.", rich_help_panel=SAMPLING)] = 0.0,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from every seen token.", rich_help_panel=SAMPLING)] = 0.0,
+    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).", rich_help_panel=SAMPLING)] = None,
+    ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).", rich_help_panel=SAMPLING)] = None,
+    sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' (its default chain: penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature) or a comma list.", rich_help_panel=SAMPLING)] = "hf",
+    top_n_sigma: Annotated[float, typer.Option("--top-n-sigma", help="Keep tokens with logit ≥ max − N·σ of the logits; the same set at any temperature (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    xtc_probability: Annotated[float, typer.Option("--xtc-probability", help="XTC: at each step, with this chance, remove every token with p ≥ --xtc-threshold except the least likely of them (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    xtc_threshold: Annotated[float, typer.Option("--xtc-threshold", help="XTC's threshold probability (above 0.5 XTC never acts).", rich_help_panel=SAMPLING)] = 0.1,
+    dry_multiplier: Annotated[float, typer.Option("--dry-multiplier", help="DRY: a token that would extend a repeat of n ≥ --dry-allowed-length tokens loses M × base^(n − allowed) from its logit (0: off).", rich_help_panel=SAMPLING)] = 0.0,
+    dry_base: Annotated[float, typer.Option("--dry-base", help="DRY's base (≥ 1).", rich_help_panel=SAMPLING)] = 1.75,
+    dry_allowed_length: Annotated[int, typer.Option("--dry-allowed-length", help="DRY: repeats this long go unpenalised.", rich_help_panel=SAMPLING)] = 2,
+    dry_penalty_last_n: Annotated[int, typer.Option("--dry-penalty-last-n", help="DRY scans this many last tokens (prompt included); -1: all, 0: off.", rich_help_panel=SAMPLING)] = 64,
+    dry_sequence_breaker: Annotated[Optional[list[str]], typer.Option("--dry-sequence-breaker", help="Text that ends a repeat for DRY (repeatable; \\n and \\t are escapes; 'none': no breakers). Default: llama.cpp's \\n : \" *", rich_help_panel=SAMPLING, show_default=False)] = None,
+    mirostat: Annotated[int, typer.Option("--mirostat", help="Mirostat 1 or 2 (0: off): aims at --mirostat-tau bits of surprise per token; replaces penalties, DRY and truncation, as in llama.cpp.", rich_help_panel=SAMPLING)] = 0,
+    mirostat_tau: Annotated[float, typer.Option("--mirostat-tau", help="Mirostat's target surprise τ in bits (μ starts at 2τ).", rich_help_panel=SAMPLING)] = 5.0,
+    mirostat_eta: Annotated[float, typer.Option("--mirostat-eta", help="Mirostat's learning rate η.", rich_help_panel=SAMPLING)] = 0.1,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.", rich_help_panel=SAMPLING)] = None,
     chat: ChatOpt = False,
     system: SystemOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
@@ -124,11 +143,18 @@ def generate(
         typical_p=typical_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, logit_bias=logit_bias or [], ban=ban or [], sampler_order=sampler_order,
         seed=seed, chat=chat, system=system, stop=tuple(stop or ()), ignore_eos=ignore_eos, trace=trace,
-        layers=layers, dump=tuple(dump or ()), show_top=show_top, for_report=html is not None, compile=compile_)
+        layers=layers, dump=tuple(dump or ()), show_top=show_top, for_report=html is not None, compile=compile_,
+        top_n_sigma=top_n_sigma, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+        dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
+        dry_penalty_last_n=dry_penalty_last_n,
+        dry_sequence_breakers=None if dry_sequence_breaker is None else breaker_texts(dry_sequence_breaker),
+        mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch)
     options.check_prompts(prompts)
     load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads)
+    for note in sampler_notes(options.sampler_config(), bool(logit_bias or ban)):
+        print(f"note: {note}", file=sys.stderr)
 
     from llmtrace.fsutil import sigint_deferred
     from llmtrace.trace.events import NOT_STARTED, summary_event
@@ -187,3 +213,33 @@ def run(model, prompts, options, *, jsonl_sink, json_out, html=None) -> None:
         write_html(trace.events, html, model.tokenizer)
     if trace.interrupted:
         raise typer.Exit(130)
+
+
+def breaker_texts(values: list[str]) -> list[str]:
+    """--dry-sequence-breaker values as texts: \\n, \\t, \\r, \\" and \\\\ are escapes (a shell passes them
+    literally); the single value 'none' means no breakers."""
+    import re
+
+    if values == ["none"]:
+        return []
+    escapes = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
+    return [re.sub(r'\\([ntr"\\])', lambda m: escapes[m.group(1)], v) for v in values]
+
+
+def sampler_notes(scfg, bias_or_ban: bool = False) -> list[str]:
+    """What the sampler settings leave unused, in words naming the flags: one line each (printed as `note:`)."""
+    from llmtrace.cli.options import flag_of
+
+    notes = []
+    ignored = scfg.ignored_by_mirostat()
+    if ignored:
+        flags = ", ".join(flag_of(f) for f in ignored)
+        kept = "--logit-bias, --ban and --temperature apply" if bias_or_ban else "--temperature applies"
+        notes.append(f"--mirostat {scfg.mirostat} replaces the sampler chain, as in llama.cpp: {flags} "
+                     f"{'is' if len(ignored) == 1 else 'are'} ignored (only {kept} before it)")
+    greedy = scfg.ignored_by_greedy()
+    if greedy:
+        flags = ", ".join(flag_of(f) for f in greedy)
+        notes.append(f"--temperature 0 is greedy (the argmax), so {flags} {'does' if len(greedy) == 1 else 'do'} "
+                     f"nothing; give --temperature (llama.cpp's default is 0.8)")
+    return notes

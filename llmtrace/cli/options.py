@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from llmtrace.errors import UsageError
 from llmtrace.registry.models_toml import DEFAULT_MODEL
@@ -157,3 +158,28 @@ def write_html(events: list[dict], target: str, tokenizer, **kwargs) -> None:
 
     n = write_report(events, target, tokenizer=tokenizer, **kwargs)
     print(f"wrote {target} ({n / 1e6:.2f} MB)", file=sys.stderr)
+
+
+# -- help: options grouped by panel
+
+
+class PanelCommand(TyperCommand):
+    """A command whose --help lists its options in sections by their `rich_help_panel`: the app's help is plain text
+    (rich_markup_mode=None), where typer itself puts every option under one "Options" heading. Options without a
+    panel come first, under "Options"; then each panel in the order its first option appears."""
+
+    def format_options(self, ctx, formatter) -> None:
+        args: list = []
+        groups: dict[str, list] = {"Options": []}
+        for param in self.get_params(ctx):
+            rv = param.get_help_record(ctx)
+            if rv is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append(rv)
+            else:
+                groups.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(rv)
+        for title, rows in [("Arguments", args), *groups.items()]:
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)

@@ -228,6 +228,7 @@ def sampler_settings(s: dict, row_seeds: Optional[list] = None) -> list[str]:
     ban = s.get("ban") or []
     if ban:
         parts.append(f"ban {plural(len(ban), 'sequence')} (ids " + "; ".join(" ".join(map(str, q)) for q in ban) + ")")
+    parts += llama_cpp_settings(s)
     stages = s.get("stages") or []
     if stages:
         parts.append("stages " + " → ".join(stages))
@@ -256,6 +257,113 @@ def _token_name(ev: dict, tid: int) -> str:
     if ev["token"]["id"] == tid:
         return visible(ev["token"]["text"])
     return f"id {tid}"
+
+
+def json_text(text: str) -> str:
+    """A short text as a JSON string ("\\n", ":"): what a breaker is, whitespace included."""
+    import json
+
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _named(entry: dict) -> str:
+    return visible(entry.get("text", "")) or f"id {entry['id']}"
+
+
+def stage_lines(ev: dict) -> list[str]:
+    """One line for each stage of this step that records what it did (DRY, top-nσ, XTC, mirostat): its numbers over
+    the whole vocabulary and, when it did nothing, why."""
+    return [line for s in ev.get("sampler") or [] if (line := stage_line(s, ev)) is not None]
+
+
+def stage_line(s: dict, ev: dict) -> Optional[str]:
+    """`stage_lines` for one stage entry `s` of the step event `ev` (None for a stage without a detail)."""
+    d = s.get("detail")
+    if d is None:
+        return None
+    name = s["stage"]
+    if name == "dry":
+        return _dry_line(d)
+    if name == "top_n_sigma":
+        n, sigma = d["n"], d.get("sigma") or 0.0
+        names = [x["stage"] for x in ev.get("sampler") or []]
+        return (f"top-nσ: kept {plural(s['survivors'], 'token')} with logit ≥ max − {n:g}σ = {fmt_short(d.get('max'))}"
+                f" − {fmt_short(n * sigma)} = {fmt_short(d.get('threshold'))} (σ of {d['candidates']:,} logits"
+                + ("; the same tokens at any temperature)" if "temperature" in names else ")"))
+    if name == "xtc":
+        return _xtc_line(d)
+    if name == "mirostat":
+        return _mirostat_line(d, s["survivors"], ev.get("token") or {})
+    return None
+
+
+def llama_cpp_settings(s: dict) -> list[str]:
+    """The settings of DRY, top-nσ, XTC and mirostat that differ from off, and what mirostat or greedy ignores."""
+    parts = []
+    for key, default in (("top_n_sigma", 0.0), ("xtc_probability", 0.0), ("dry_multiplier", 0.0)):
+        v = s.get(key)
+        if v is not None and v != default:
+            parts.append(f"{key.replace('_', '-')} {v:g}")
+    if s.get("xtc_probability"):
+        parts.append(f"xtc-threshold {s.get('xtc_threshold', 0.1):g}")
+    if "dry" in (s.get("stages") or []):
+        last_n = s.get("dry_penalty_last_n")
+        breakers = " ".join(json_text(b) for b in s.get("dry_sequence_breakers") or []) or "none"
+        parts.append(f"dry-base {s.get('dry_base', 1.75):g}, dry-allowed-length {s.get('dry_allowed_length', 2)}, "
+                     f"dry-penalty-last-n {'all' if last_n == -1 else last_n}, breakers {breakers}")
+    ignored = ", ".join(i.replace("_", "-") for i in s.get("ignored") or [])
+    if s.get("mirostat"):
+        tau = s.get("mirostat_tau", 5.0)
+        parts.append(f"mirostat {s['mirostat']} (τ {tau:g} bits, η {s.get('mirostat_eta', 0.1):g}, μ from {2 * tau:g}) "
+                     f"replaces penalties, DRY and truncation as in llama.cpp" + (f": ignores {ignored}" if ignored else ""))
+    elif ignored:
+        parts.append(f"greedy ignores {ignored}")
+    return parts
+
+
+def _dry_line(d: dict) -> str:
+    allowed = d["allowed_length"]
+    if d.get("limit") is None:
+        return f"dry: no penalty: the context has {plural(d['scanned'], 'token')}, not more than the allowed length {allowed}"
+    if d["limit"] < allowed:
+        return (f"dry: no penalty: a sequence breaker {plural(d['breaker_distance'], 'token')} from the end limits "
+                f"repeats to {d['limit']} (allowed length {allowed})")
+    exempt = d.get("exempt") or []
+    tail = f"; {', '.join(_named(e) for e in exempt[:4])} exempt (sequence breaker)" if exempt else ""
+    if not d["n_penalised"]:
+        return (f"dry: no penalty: the longest repeat a token could extend is {d['longest']} < allowed length "
+                f"{allowed} ({plural(d['scanned'], 'token')} scanned){tail}")
+    hits = ", ".join(f"{_named(e)} n={e['n']} −{fmt_short(e['penalty'])}" for e in d["penalised"][:5])
+    more = "…" if d["n_penalised"] > 5 else ""
+    return (f"dry: {plural(d['n_penalised'], 'token')} penalised by {fmt_short(d['multiplier'])}×"
+            f"{fmt_short(d['base'])}^(n−{allowed}), n the repeat it would extend: {hits}{more}{tail}")
+
+
+def _xtc_line(d: dict) -> str:
+    p, t = d["probability"], d["threshold"]
+    if d.get("draw") is None:
+        why = f"threshold {t:g} > 0.5, no two tokens can reach it" if t > 0.5 else "fewer than 2 candidates"
+        return f"xtc: no draw: {why}"
+    u = f"draw {d['draw']:.4f}"
+    if not d["fired"]:
+        return f"xtc: {u} ≥ {p:g}: did not act this step"
+    if not d.get("n_removed"):
+        return f"xtc: {u} < {p:g}: acted, but only {plural(d['over'], 'token')} had p ≥ {t:g}: nothing removed"
+    gone = ", ".join(f"{_named(e)} {e['p']:.3f}" for e in d["removed"][:5]) + ("…" if d["n_removed"] > 5 else "")
+    kept = d["kept"]
+    return (f"xtc: {u} < {p:g}: removed {plural(d['n_removed'], 'token')} with p ≥ {t:g} ({gone}); kept the least "
+            f"likely of them, {_named(kept)} {kept['p']:.3f}")
+
+
+def _mirostat_line(d: dict, kept: int, token: dict) -> str:
+    after = ""
+    if d.get("mu_after") is not None:  # (a surprise of -0.00 is p = 1 rounded)
+        after = f"; {visible(token.get('text', ''))}: {max(d['surprise'], 0.0) + 0.0:.2f} bits, μ → {d['mu_after']:.3f}"
+    if d["version"] == 1:
+        k = "k not a number: all kept" if d.get("k") is None else f"k = {fmt_short(d['k'])}"
+        s_hat = "–" if d.get("s_hat") is None else f"{d['s_hat']:.3f}"
+        return f"mirostat v1: Zipf ŝ {s_hat} (top 100), μ {d['mu']:.3f} → {k}: kept {kept}{after}"
+    return f"mirostat v2: kept {plural(kept, 'token')} with surprise −log₂p ≤ μ {d['mu']:.3f}{after}"
 
 
 def survivors_chain(stages: list[dict], width: Optional[int] = None) -> str:
@@ -595,6 +703,8 @@ class TerminalRenderer:
         for stage, before, after in changes:
             self.console.print(Text(f"  * {stage} changed the most likely token: {_token_name(ev, before)} → "
                                     f"{_token_name(ev, after)}", style="red"))
+        for line in stage_lines(ev):
+            self.console.print(Text(f"  {line}", style="dim"))
         self._step_rows += 1
 
     def _on_prediction(self, ev: dict) -> None:

@@ -185,7 +185,7 @@ PIPELINE = (
     ("s11", "truncation", ()),
     ("s12", "sample or greedy, detokenize", ()),
 )
-VALUE_STAGES = ("temperature", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ban")
+VALUE_STAGES = ("temperature", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ban", "dry")
 
 
 def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: Optional[dict],
@@ -209,8 +209,8 @@ def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: 
             row["masked"] = masked
         if sid == "s10":
             row["sampler"] = [s for s in order if s in VALUE_STAGES]
-        if sid == "s11":
-            row["sampler"] = [s for s in order if s not in VALUE_STAGES]
+        if sid == "s11":  # mirostat is in no order: it replaces the truncation chain, last
+            row["sampler"] = [s for s in order if s not in VALUE_STAGES] + (["mirostat"] if "mirostat" in active else [])
         if sid in ("s10", "s11"):
             row["active"] = [s for s in row["sampler"] if s in active]
         stages.append(row)

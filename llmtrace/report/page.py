@@ -100,6 +100,11 @@ def section_run(d: dict) -> str:
                                  f'{s.get("top_p")}, min-p {s.get("min_p")}, typical-p {s.get("typical_p")}; '
                                  f'active stages: {on}; seed {s.get("seed")}'))
         rows.append(("stage order", " → ".join(s.get("order") or [])))
+        from llmtrace.render.generate import llama_cpp_settings
+
+        extra = llama_cpp_settings(s)
+        if extra:
+            rows.append(("llama.cpp samplers", "; ".join(extra)))
     if r["trace"] is not None:
         t = r["trace"]
         rows.append(("trace", f'--trace {t.get("level")}, layers {t.get("layers") or "all"}, '
@@ -234,6 +239,8 @@ def topk_svg(step: dict) -> str:
 
 
 def funnel(step: dict, vocab: int) -> str:
+    from llmtrace.render.generate import stage_line
+
     stages = step["sampler"] or []
     rng = step["rng"] or {}
     rows = []
@@ -246,6 +253,9 @@ def funnel(step: dict, vocab: int) -> str:
         rows.append(f'<tr><th scope=row>{e(s["stage"])}</th><td class="num">{s["survivors"]:,}</td>'
                     f'<td><span class="fbar" style="width:{max(1.0, 100 * frac):.1f}%"></span></td>'
                     f'<td class="num">{s["pick_prob"]:.6g}</td><td class="num">{kept or "—"}</td></tr>')
+        why = stage_line(s, step)  # DRY, top-nσ, XTC, mirostat: what it did over the vocabulary, and why
+        if why is not None:
+            rows.append(f'<tr class="why"><td colspan="5">{e(why)}</td></tr>')
         prev = s
     tok = step["token"]
     if rng.get("greedy") or rng.get("draw") is None:

@@ -326,6 +326,18 @@ class Recorder:
         return [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
                 for i, lg, p in led.topk[: self.options.topk]]
 
+    def _detail(self, d: Any) -> Any:
+        """A sampler stage's ledger detail as the event writes it: floats rounded, and every token named by its id
+        ({"id": ...}) also given its text."""
+        if isinstance(d, dict):
+            out = {k: self._detail(v) for k, v in d.items()}
+            if isinstance(d.get("id"), int):
+                out["text"] = self._tok.decode([d["id"]])
+            return out
+        if isinstance(d, list):
+            return [self._detail(v) for v in d]
+        return _round(d)
+
     def _kv_event(self, kv, row_len: Optional[int] = None) -> dict:
         """The step event's kv_cache record, from the facts the generation loop handed over. In a batch (row_len:
         the row's real tokens cached) bytes_used counts that row's real tokens, and batch_bytes_used every row's
@@ -351,8 +363,8 @@ class Recorder:
         led = rec.ledger
         if led is not None:
             ev["topk"] = self._topk(led)
-            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob), "top": s.top}
-                             for s in led.stages]
+            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob), "top": s.top,
+                              **({} if s.detail is None else {"detail": self._detail(s.detail)})} for s in led.stages]
             ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
                          "greedy": led.greedy}
         ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
