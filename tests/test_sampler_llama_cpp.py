@@ -450,7 +450,7 @@ def test_dry_breakers_need_the_tokenizer():
 @pytest.fixture
 def cli_run(capsys, smollm, monkeypatch, tmp_path):
     """Run `llmtrace generate ARGV --jsonl FILE` on the session's model: (events, stderr)."""
-    from conftest import run_cli
+    from helpers import run_cli
 
     monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
 
@@ -468,7 +468,7 @@ REPEATS = "one two three, one two three, one two three, one two"
 
 def _check_schema(events):
     """The events validate against trace.schema.json, and every field a stage detail writes is declared there."""
-    from conftest import undeclared_fields
+    from helpers import undeclared_fields
 
     from llmtrace.trace.events import schema_path
 
@@ -574,7 +574,7 @@ def test_batch_rows_carry_their_own_mu_and_dry_context(smollm):
 
 
 def test_show_renders_each_stage_line_from_a_saved_trace(cli_run, capsys, tmp_path, monkeypatch):
-    from conftest import run_cli
+    from helpers import run_cli
 
     monkeypatch.setenv("COLUMNS", "250")  # one line per stage, unwrapped
 
@@ -623,7 +623,7 @@ def _no_load(*args, **kwargs):
     (["--top-n-sigma", "-1"], ("--top-n-sigma", ">= 0")),
 ])  # fmt: skip
 def test_bad_values_exit_2_before_the_model_loads(capsys, monkeypatch, flags, says):
-    from conftest import fails
+    from helpers import fails
 
     monkeypatch.setattr("llmtrace.checkpoint.load.load_model", _no_load)
     fails(capsys, 2, "generate", "hi", *flags, says=says)
@@ -649,7 +649,7 @@ def test_notes_name_what_mirostat_and_greedy_ignore():
 
 
 def test_help_groups_the_sampler_options(capsys, monkeypatch):
-    from conftest import run_cli
+    from helpers import run_cli
 
     monkeypatch.setenv("COLUMNS", "200")
     code, out, _ = run_cli(capsys, "generate", "--help")
