@@ -11,6 +11,7 @@ try:  # newer typer carries its own copy of click and raises that copy's excepti
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError as ClickUsageError
 
+from llmtrace import sigint
 from llmtrace.cli.app import app
 from llmtrace.errors import BadValue, LlmtraceError
 
@@ -34,6 +35,7 @@ def main(argv=None) -> None:
     debug = os.environ.get("LLMTRACE_DEBUG") == "1"
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
+        sigint.release()  # a Ctrl-C held by a command that ended before it released the hold (--help) is not lost
         # Without standalone mode click returns (instead of raising) Ctrl-C as 130 and typer.Exit(n) as n.
         if isinstance(rv, int) and rv != 0:
             if rv == 130:

@@ -16,6 +16,7 @@ from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, Fi
                                   MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs,
                                   HtmlOpt, load_options, write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
+from llmtrace import sigint
 from llmtrace.errors import UsageError
 from llmtrace.render import make_console
 from llmtrace.render.explain import render_explain, render_lens
@@ -93,9 +94,11 @@ def explain(
     row: RowOpt = 0,
 ) -> None:
     from llmtrace.explain import explain_events
+    import llmtrace.loader  # noqa: F401  (imported while Ctrl-C is held: llmtrace/sigint.py)
 
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
+    sigint.release()  # checked and imported while Ctrl-C was held (llmtrace/sigint.py); interruptible from here on
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
@@ -134,11 +137,13 @@ def lens(
     from llmtrace.explain import lens_events, parse_positions
     from llmtrace.generate import check_context
     from llmtrace.indices import parse_layers
+    import llmtrace.loader  # noqa: F401  (as in explain)
 
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
     if last < 1:
         raise UsageError("--last must be ≥ 1")
+    sigint.release()  # as in explain
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     check_context(lm, len(ids), 0)

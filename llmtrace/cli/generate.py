@@ -13,6 +13,7 @@ from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, Fi
                                   write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
+from llmtrace import sigint
 from llmtrace.errors import UsageError
 from llmtrace.registry import DEFAULT_MODEL
 
@@ -162,7 +163,10 @@ def generate(
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
     try:
         from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
+        import llmtrace.generate  # noqa: F401  (imported while Ctrl-C is held, as everything before: llmtrace/sigint.py)
+        import llmtrace.render  # noqa: F401
 
+        sigint.release()  # the stream can end with a summary now: a Ctrl-C held since the first line is raised here
         pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
 
         set_threads(threads)
