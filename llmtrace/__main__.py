@@ -6,7 +6,7 @@ llmtrace.sigint.hold()  # before any other import: see llmtrace/sigint.py
 
 
 def entry() -> None:
-    from llmtrace.cli import main
+    from llmtrace.cli.main import main
 
     main()
 

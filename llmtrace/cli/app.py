@@ -20,11 +20,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-# The shared options live in llmtrace.cli.options; they are also importable from here.
-from llmtrace.cli.options import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt,  # noqa: E402,F401
-                                  ModelOpt, OffloadDirOpt, ThreadsOpt, load_options)
-
-
 # generate, explain and lens end the hold of Ctrl-C themselves, once their imports are done and their outputs can be
 # finished; every other command is interruptible from its start (llmtrace/sigint.py).
 RELEASE_CTRL_C_THEMSELVES = ("generate", "explain", "lens")
