@@ -164,7 +164,7 @@ def generate(
     try:
         from llmtrace.checkpoint.load import load_model
         from llmtrace.checkpoint.devices import pick_device, pick_dtype, set_threads
-        import llmtrace.run.generate  # noqa: F401  (imported while Ctrl-C is held, as everything before: llmtrace/sigint.py)
+        import llmtrace.run.generate  # noqa: F401  (imported while Ctrl-C is held, as all before: llmtrace/sigint.py)
         import llmtrace.render.generate  # noqa: F401
 
         sigint.release()  # the stream can end with a summary now: a Ctrl-C held since the first line is raised here
@@ -216,13 +216,18 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         if dropped:
             print(f"note: {dropped}", file=sys.stderr)
     prompt_text, ids = encoded[0]
+    from llmtrace.run.generate import check_batch_context, context_note
+
+    check_batch_context(lm, [i for _, i in encoded], max_new_tokens)  # before any output
+    cut = context_note(lm, [len(i) for _, i in encoded], max_new_tokens)
+    if cut:
+        print(f"note: {cut}", file=sys.stderr)
     sampler = Sampler(scfg, lm.config.vocab_size, k_show=options.topk)
     if batch:
         from dataclasses import replace
 
-        from llmtrace.run.generate import check_batch_context, row_seed
+        from llmtrace.run.generate import row_seed
 
-        check_batch_context(lm, [i for _, i in encoded], max_new_tokens)  # before any output
         samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=options.topk)
                     for r in range(len(encoded))]
 
