@@ -314,8 +314,14 @@ def test_prompt_longer_than_the_context_window(capsys, with_smollm):
                 "shorten the prompt"))
 
 
-def test_empty_prompt(capsys, with_smollm):
-    fails(capsys, 1, "generate", "", says=("empty",))
+@pytest.mark.parametrize("argv", [("generate", ""), ("explain", ""), ("lens", ""), ("generate", "-p", ""),
+                                  ("generate", "--file", "EMPTY")], ids=lambda a: " ".join(a))
+def test_empty_prompt_is_a_usage_error_found_before_the_load(capsys, tmp_path, argv):
+    """Exit 2 and one line, whatever the command; the model named (which does not exist) is never looked at."""
+    (tmp_path / "EMPTY").write_text("\n")  # one trailing newline is dropped: an empty prompt
+    argv = [str(tmp_path / a) if a == "EMPTY" else a for a in argv]
+    line = fails(capsys, 2, *argv, "-m", tmp_path / "never-loaded")
+    assert line in ("error: the prompt is empty; give some text", "error: prompt 1 (-p number 1) is empty; give some text")
 
 
 def test_prompt_file_missing_or_not_utf8(capsys, monkeypatch, tmp_path):

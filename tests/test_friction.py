@@ -204,3 +204,33 @@ def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tm
     # the control: a command that runs the model does import it, so the check above can fail
     torch_imported, _ = imports_torch("generate", "hi", "-m", tiny_gguf, "-n", "1", "--trace", "none", env=env)
     assert torch_imported
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# help (issue 20)
+
+COMMANDS = ["generate", "tokenize", "detokenize", "models", "pull", "rm", "explain", "lens", "schema", "show", "report"]
+
+
+def test_llmtrace_alone_prints_the_help_as_help_prints_it(capsys):
+    code, out, err = run_cli(capsys)
+    _, help_out, _ = run_cli(capsys, "--help")
+    assert code == 2 and out == ""
+    assert err == help_out  # the same lines as --help, not squashed into one error line
+    assert err.startswith("Usage: llmtrace [OPTIONS] COMMAND [ARGS]...\n") and "\nCommands:\n" in err
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_help_examples_are_one_per_line_and_help_uses_the_width(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    widest = 0
+    for command in COMMANDS:
+        code, out, _ = run_cli(capsys, command, "--help")
+        assert code == 0
+        for line in out.splitlines():
+            widest = max(widest, len(line))
+            # a pipe or && joins commands on purpose; otherwise one `llmtrace …` per line
+            for part in line.replace("&&", "|").split("|"):
+                assert part.count("llmtrace ") <= 1, f"{command} --help runs two examples together: {line!r}"
+    if columns == 200:
+        assert widest > 120  # paragraphs use the room (click's default stops at 80)

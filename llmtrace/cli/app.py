@@ -15,6 +15,8 @@ app = typer.Typer(
         "  llmtrace generate \"Hi\" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB"
     ),
     no_args_is_help=True,
+    # help uses the terminal's width (or $COLUMNS) up to 200 columns; click's default stops at 80
+    context_settings={"max_content_width": 200},
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,

@@ -185,10 +185,7 @@ def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None, t
         return texts[row]
     if row != 0:
         raise UsageError("--row picks one of several prompts; give them with -p … -p … or --prompts")
-    text = read_prompt(prompt, file)
-    if text == "":
-        raise UsageError("the prompt is empty; give some text")
-    return text
+    return read_prompt(prompt, file)
 
 
 def _load(model, device, dtype, threads, scale: dict):

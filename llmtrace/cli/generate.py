@@ -54,6 +54,7 @@ Examples:
   llmtrace generate "Once upon a time" --trace none -n 100
 
   llmtrace generate "The capital of France is" -n 16 --trace full --layers 0,-1 --html report.html
+
   llmtrace generate "The capital of France is" -n 0        # prefill only: shapes and the predicted next tokens
 
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile

@@ -7,9 +7,9 @@ from typing import NoReturn
 import typer
 
 try:  # newer typer carries its own copy of click and raises that copy's exceptions
-    from typer._click.exceptions import ClickException, UsageError as ClickUsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError as ClickUsageError
 except ImportError:  # older typer runs on click itself
-    from click.exceptions import ClickException, UsageError as ClickUsageError
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError as ClickUsageError
 
 from llmtrace import sigint
 from llmtrace.cli.app import app
@@ -45,6 +45,11 @@ def main(argv=None) -> None:
         sys.exit(e.exit_code)
     except typer.Abort:
         _fail("interrupted", 130)
+    except NoArgsIsHelpError as e:
+        # `llmtrace` (or a command) with nothing after it: the help as --help prints it, but on stderr with exit 2,
+        # as click does, since no command ran
+        print(e.ctx.get_help(), file=sys.stderr)
+        sys.exit(2)
     except ClickUsageError as e:
         if debug:
             raise
