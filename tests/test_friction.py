@@ -234,3 +234,45 @@ def test_help_examples_are_one_per_line_and_help_uses_the_width(capsys, monkeypa
                 assert part.count("llmtrace ") <= 1, f"{command} --help runs two examples together: {line!r}"
     if columns == 200:
         assert widest > 120  # paragraphs use the room (click's default stops at 80)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --json and --jsonl in every command the README names (issue 20)
+
+
+def test_every_command_the_readme_names_takes_json_and_jsonl(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    sentence = readme[readme.index("`--json FILE` and `--jsonl FILE` mean the same in every command"):][:200]
+    named = [c for c in COMMANDS if f"`{c}`" in sentence]
+    assert named == ["generate", "tokenize", "detokenize", "models", "pull", "explain", "lens"]
+    for command in named:
+        _, out, _ = run_cli(capsys, command, "--help")
+        assert "--json " in out and "--jsonl " in out, command
+
+
+def test_detokenize_models_and_pull_write_jsonl(capsys, monkeypatch, tmp_path, smollm_path):
+    from llmtrace.registry.models_toml import load_registry
+
+    monkeypatch.setenv("LLMTRACE_HOME", str(smollm_path.parents[2]))  # the tests' cache, which holds the model
+
+    code, _, err = run_cli(capsys, "detokenize", "19556", "905", "--jsonl", tmp_path / "d.jsonl")
+    assert code == 0, err
+    lines = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [(d["kind"], d["index"], d["id"], d["text"]) for d in lines] == [("token", 0, 19556, "Hello"),
+                                                                           ("token", 1, 905, " world")]
+    code, _, err = run_cli(capsys, "models", "--jsonl", tmp_path / "m.jsonl")
+    assert code == 0, err
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [m["name"] for m in lines] == list(load_registry())
+    code, out, err = run_cli(capsys, "pull", "--jsonl", "-")
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert lines == [{"name": "smollm2-135m-instruct", "kind": "gguf", "file": str(smollm_path),
+                      "bytes": smollm_path.stat().st_size}]
+
+
+def test_json_names_the_default_model(capsys, monkeypatch, smollm_path):
+    monkeypatch.setenv("LLMTRACE_HOME", str(smollm_path.parents[2]))
+    for argv in (("tokenize", "Hello", "--json", "-"), ("detokenize", "19556", "--json", "-")):
+        code, out, _ = run_cli(capsys, *argv)
+        assert code == 0 and json.loads(out)["model"] == "smollm2-135m-instruct"
