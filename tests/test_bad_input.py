@@ -237,7 +237,9 @@ def test_models_toml_syntax_error_names_the_line(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("flags, says", [
     (["--temperature", "-0.5"], ("--temperature", ">= 0", "-0.5")),
-    (["--temperature", "nan"], ("--temperature",)),
+    (["--temperature", "nan"], ("--temperature", "finite", "nan")),
+    (["--temperature", "inf"], ("--temperature", "must be a finite number >= 0", "got inf")),
+    (["--repetition-penalty", "inf"], ("--repetition-penalty", "finite", "got inf")),
     (["--temperature", "hot"], ("--temperature", "number")),
     (["--top-p", "0"], ("--top-p", "(0, 1]")),
     (["--top-p", "1.5"], ("--top-p", "(0, 1]", "1.5")),
@@ -431,3 +433,10 @@ def test_jsonl_into_a_closed_pipe_ends_quietly(smollm_path):
     assert r.returncode == 0
     assert json.loads(r.stdout)["event"] == "run"
     assert r.stderr == ""
+
+
+def test_a_full_disk_names_the_stream(capsys, with_smollm):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    fails(capsys, 1, "generate", "hi", "-n", "2", "--jsonl", "/dev/full",
+          says=("cannot write /dev/full", "no space left on device"))
