@@ -276,3 +276,27 @@ def test_json_names_the_default_model(capsys, monkeypatch, smollm_path):
     for argv in (("tokenize", "Hello", "--json", "-"), ("detokenize", "19556", "--json", "-")):
         code, out, _ = run_cli(capsys, *argv)
         assert code == 0 and json.loads(out)["model"] == "smollm2-135m-instruct"
+
+
+def test_version(capsys):
+    from llmtrace.version import __version__
+
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0 and out == f"llmtrace {__version__}\n" and err == ""
+
+
+def test_a_one_token_prompt_is_one_prompt_token_in_the_report(smollm):
+    from llmtrace.report.write import build
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+    from llmtrace.trace.options import TraceOptions
+    from llmtrace.trace.recorder import Recorder
+
+    events = []
+    rec = Recorder(TraceOptions(level="steps"), [events.append], run_info={"prompt": "Hi"})
+    ids = smollm.tokenizer.encode("Hi")
+    assert len(ids) == 1
+    generate(smollm, ids, Sampler(SamplerConfig(temperature=0), smollm.config.vocab_size), 2, ignore_eos=True,
+             observer=rec)
+    page = build(json.loads(json.dumps(events)))
+    assert "<p>1 prompt token and 2 generated tokens, coloured" in page and "1 prompt tokens" not in page

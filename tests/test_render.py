@@ -88,9 +88,16 @@ def test_wide_console_shows_full_survivors_chain_and_top_candidates(sampling_run
             assert f"{visible(c['text'])}:{c['prob']:.2f}" in row
 
 
-def test_narrow_console_drops_columns_and_says_which(sampling_run, monkeypatch):
-    text = render(sampling_run, 80, monkeypatch)
-    assert "narrow console: " in text and "KV len" in text.split("narrow console: ")[1].splitlines()[0]
+def test_narrow_output_drops_columns_and_says_which_in_words_that_fit_a_pipe(sampling_run, monkeypatch):
+    text = render(sampling_run, 80, monkeypatch)  # a StringIO: no console is involved
+    note = next(line for line in text.splitlines() if "left out" in line)
+    assert note == "(left out to fit 80 columns: id, survivors, KV len, KV bytes; see --json)"
+    assert "narrow console" not in text
+
+
+def test_a_greedy_run_prints_no_seed(greedy_run, sampling_run, monkeypatch):
+    assert " seed " not in " ".join(render(greedy_run, 100, monkeypatch).split())
+    assert " seed 1 " in " ".join(render(sampling_run, 100, monkeypatch).split())
 
 
 def test_header_lists_every_non_default_sampler_setting(sampling_run, monkeypatch):

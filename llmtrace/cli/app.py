@@ -1,5 +1,7 @@
 """The typer application that every command registers on."""
 
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(
@@ -27,8 +29,17 @@ app = typer.Typer(
 RELEASE_CTRL_C_THEMSELVES = ("generate", "explain", "lens")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from llmtrace.version import __version__
+
+        print(f"llmtrace {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _start(ctx: typer.Context) -> None:
+def _start(ctx: typer.Context, version: Annotated[bool, typer.Option(
+        "--version", help="Print llmtrace's version and exit.", is_eager=True, callback=_print_version)] = False) -> None:
     from llmtrace import sigint
 
     if ctx.invoked_subcommand not in RELEASE_CTRL_C_THEMSELVES:

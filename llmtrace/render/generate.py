@@ -175,11 +175,19 @@ def print_columns(console: Console, columns: list[Column], rows: list[list[str]]
     return [c.name for c, k in zip(columns, keep) if not k]
 
 
+def columns_left_out(console: Console, names: list[str]) -> Text:
+    """The note under a table that had to leave columns out: a terminal can be widened; a pipe or a file has the
+    width of $COLUMNS, else 100 (the README says so), and the note just says what that width left out."""
+    if console.is_terminal:
+        return Text(f"(narrow console: {', '.join(names)} left out; widen it, or see --json)", style="dim")
+    return Text(f"(left out to fit {console.width} columns: {', '.join(names)}; see --json)", style="dim")
+
+
 def print_table(console: Console, columns: list[Column], rows: list[list[Cell]]) -> None:
     t, dropped = fitted_table(console, columns, rows)
     console.print(t)
     if dropped:
-        console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
+        console.print(columns_left_out(console, dropped))
 
 
 def print_fitted(console: Console, table: Table) -> None:
@@ -207,7 +215,7 @@ def print_fitted(console: Console, table: Table) -> None:
             col.min_width, col.no_wrap, col.overflow = natural(col), True, "fold"
     console.print(table)
     if dropped:
-        console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
+        console.print(columns_left_out(console, dropped))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,7 +240,9 @@ def sampler_settings(s: dict, row_seeds: Optional[list] = None) -> list[str]:
     stages = s.get("stages") or []
     if stages:
         parts.append("stages " + " → ".join(stages))
-    if row_seeds and len(row_seeds) > 1:
+    if s.get("temperature") == 0:
+        pass  # greedy draws nothing: a seed would be a number that nothing used
+    elif row_seeds and len(row_seeds) > 1:
         parts.append(f"seeds {row_seeds[0]}…{row_seeds[-1]} (row r: seed + r)")
     else:
         parts.append(f"seed {s.get('seed')}")
@@ -590,8 +600,7 @@ class TerminalRenderer:
         if self._step_rows == 0 and not self._dropped_note:
             left = [n for n in ("id", "survivors", "KV len", "KV bytes", "ms") if n not in lay.keep]
             if left:
-                self.console.print(Text(f"(narrow console: {', '.join(left)} left out; widen it, or see --json)",
-                                        style="dim"))
+                self.console.print(columns_left_out(self.console, left))
             self._dropped_note = True
         for stage, before, after in changes:
             self.console.print(Text(f"  * {stage} changed the most likely token: {_token_name(ev, before)} → "

@@ -179,7 +179,8 @@ def section_tokens(d: dict) -> str:
     toks = d["tokens"]
     prompt = [t for t in toks if t["step"] is None]
     gen = [t for t in toks if t["step"] is not None]
-    out = [f'<p>{len(prompt)} prompt tokens' + (f' and {len(gen)} generated tokens, coloured by the probability the '
+    count = lambda n, what: f"{n} {what} token{'' if n == 1 else 's'}"  # noqa: E731
+    out = [f'<p>{count(len(prompt), "prompt")}' + (f' and {count(len(gen), "generated")}, coloured by the probability the '
                                                 f'model gave each one (before the sampler). {legend()}' if gen else ".")
            + ' Each chip shows the text, the id and the UTF-8 bytes. Select a generated token to choose its step.</p>',
            '<div class="chips" id="chips">', "".join(chip(t) for t in toks), "</div>"]

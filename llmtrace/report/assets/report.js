@@ -74,7 +74,8 @@
         ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel in section 4.</p>";
     }
     if (st.id === "s1" || st.id === "s2") {
-      html += "<p>" + D.tokens.filter((t) => t.step === null).length + " prompt tokens: see section 3.</p>";
+      const n = D.tokens.filter((t) => t.step === null).length;
+      html += "<p>" + n + (n === 1 ? " prompt token" : " prompt tokens") + ": see section 3.</p>";
     }
     const names = st.points.map((p) => p.name).filter((n) => pts[n]);
     if (!st.sampler && st.points.length && !names.length) {
