@@ -105,12 +105,17 @@ def test_residual_norms_and_kv_are_the_traces(events, page):
         assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
 
 
-def test_merges_of_the_prompt_end_in_its_tokens(page):
+def test_merges_of_the_prompt_end_in_its_tokens(page, smollm):
     d = embedded(page)
     words = d["merges"]["words"]
     finals = [p for w in words for p in w["final"]]
-    assert finals == [t["piece"] for t in d["tokens"] if t["step"] is None]
+    assert finals == [smollm.tokenizer.visible(t["piece"]) for t in d["tokens"] if t["step"] is None]
     assert "Quantum" in page and "merged" in page
+    # one glyph for a space, as in the terminal: ▁, never the vocabulary's Ġ or the chips' old ␣
+    tokens_section = page.split('id="tokens"')[1].split("</section>")[0]
+    assert "▁mechanics" in tokens_section and "␣" not in page
+    # the raw piece stays only where it is labelled as the vocabulary's own
+    assert tokens_section.count("Ġ") == tokens_section.count("vocabulary piece &#x27;Ġ") > 0
 
 
 def test_binned_rows_still_sum_to_one():

@@ -509,6 +509,15 @@ class TerminalRenderer:
                   ("down", "norm", "‖ffn‖ s6.7", None), ("resid_post", "norm", "‖x''‖ out", None),
                   ("resid_post", "absmax", "max|x''|", 2), ("scores", "max", "score max", 4),
                   ("probs", "max", "attn p max", 1))
+    LAYER_LEGEND = {
+        "‖attn‖ s6.6": "‖attn‖: the L2 norm of what attention adds to the residual stream",
+        "‖x'‖": "‖x'‖: the L2 norm of the residual stream after attention's add",
+        "‖ffn‖ s6.7": "‖ffn‖: the norm of what the FFN adds",
+        "‖x''‖ out": "‖x''‖: the norm of the stream leaving the layer",
+        "max|x''|": "max|x''|: its largest magnitude",
+        "score max": "score max: the largest unmasked q·k/√Dh",
+        "attn p max": "attn p max: the sharpest attention weight",
+    }
 
     def _layer_lines(self, rows: list[dict], step: int) -> None:
         by: dict[tuple, dict] = {(r["layer"], r["name"]): r["stats"] for r in rows}
@@ -518,11 +527,6 @@ class TerminalRenderer:
         what = "prefill (step 0)" if step == 0 else f"step {step}"
         self._title(f"{what}: one line per layer ({plural(len(rows), 'recorded point')}; every statistic is in "
                     f"--json/--jsonl)")
-        if not self._compact_note:
-            self.console.print(Text("‖attn‖ and ‖ffn‖: the L2 norm of what attention and the FFN add to the residual "
-                                     "stream; ‖x''‖: the stream leaving the layer; score max: the largest unmasked "
-                                     "q·k/√Dh; attn p max: the sharpest attention weight", style="dim"))
-            self._compact_note = True
 
         def stat(st: Optional[dict], key: str) -> str:
             if st is None:
@@ -533,7 +537,14 @@ class TerminalRenderer:
             return fmt_short(st.get(key))
 
         out = [[str(layer)] + [stat(by.get((layer, p)), s) for p, s, _, _ in cols] for layer in layers]
-        print_columns(self.console, [Column("layer", "right")] + [Column(h, "right", drop=d) for _, _, h, d in cols], out)
+        left = print_columns(self.console, [Column("layer", "right")] + [Column(h, "right", drop=d) for _, _, h, d in cols],
+                             out)
+        if not self._compact_note:  # once: what the columns shown mean, and which ones did not fit
+            shown = [h for _, _, h, _ in cols if h not in left]
+            self.console.print(Text("; ".join(self.LAYER_LEGEND[h] for h in shown), style="dim"))
+            if left:
+                self.console.print(columns_left_out(self.console, left))
+            self._compact_note = True
         model = [(n, by[(None, n)]) for n in ("embed", "final_norm", "last", "logits") if (None, n) in by]
         if model:
             print_parts(self.console, [f"{n} ‖x‖ {fmt_short(st['norm'])}" if n != "logits" else

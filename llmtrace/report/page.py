@@ -41,8 +41,11 @@ def e(x: Any) -> str:
 
 
 def visible(text: str) -> str:
-    """A token's text with its whitespace made visible."""
-    return (text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")) or "∅"
+    """A token's text as the terminal shows it (▁ for a space, \\n, <U+00A0>: tokens.token_facts.visible_text); ∅ when
+    empty."""
+    from llmtrace.tokens.token_facts import visible_text
+
+    return visible_text(text.encode("utf-8", errors="surrogatepass")) or "∅"
 
 
 def num(x: Any, digits: int = 4) -> str:
@@ -154,7 +157,7 @@ def chip(t: dict) -> str:
     style = f' style="background:{colour(p)};color:{ink(p)}"' if gen else ""
     bytes_ = " ".join(f"{b:02x}" for b in t["bytes"])
     label = (f'{"generated at step " + str(t["step"]) if gen else "prompt"} token {t["index"]}: id {t["id"]}, '
-             f'piece {t["piece"]!r}, bytes {bytes_}' + (f", p = {p:.4g}" if p is not None else ""))
+             f'vocabulary piece {t["piece"]!r}, bytes {bytes_}' + (f", p = {p:.4g}" if p is not None else ""))
     attrs = f' data-step="{t["step"]}"' if gen else ""
     cls = "chip gen" if gen else "chip"
     if t["special"]:
@@ -193,7 +196,7 @@ def section_tokens(d: dict) -> str:
     default = max(range(len(words)), key=lambda i: len(words[i]["steps"]))
     buttons = "".join(f'<button class="word" data-word="{i}" aria-pressed="{str(i == default).lower()}">'
                       f'{e(visible(w["text"]))}</button>' for i, w in enumerate(words))
-    out.append(f'<p>Each word starts as single bytes (shown as the byte-level alphabet: Ġ is a space); the pair with '
+    out.append(f'<p>Each word starts as single bytes (▁ is a space, as everywhere on this page); the pair with '
                f'the lowest merge rank is glued again and again until no pair is in the merge table.</p>'
                f'<div class="words" role="group" aria-label="words">{buttons}</div>')
     for i, w in enumerate(words):
