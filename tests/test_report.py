@@ -105,6 +105,17 @@ def test_residual_norms_and_kv_are_the_traces(events, page):
         assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
 
 
+def test_the_residual_chart_joins_only_neighbouring_recorded_layers(events, page):
+    """Layers 0 and 29 recorded (and the embedding, x = -1): a line may join the embedding to layer 0, never layer 0
+    to layer 29, which would draw 28 layers that were not recorded. Layer 29 is a dot of its own at every step."""
+    section = page.split('id="residual"')[1].split("</section>")[0]
+    steps = sorted({e["step"] for e in events if e["event"] == "tensor" and e["name"] == "resid_post"})
+    lines = re.findall(r'<polyline points="([^"]+)"', section)
+    assert len(lines) == len(steps) and all(len(pts.split()) == 2 for pts in lines)  # -1 → 0 only
+    assert len(re.findall(r"<circle ", section)) == 3 * len(steps)  # -1, 0 and 29: every recorded value a dot
+    assert "only neighbouring layers are joined" in section
+
+
 def test_merges_of_the_prompt_end_in_its_tokens(page, smollm):
     d = embedded(page)
     words = d["merges"]["words"]

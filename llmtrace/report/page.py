@@ -382,8 +382,10 @@ def section_lens(d: dict) -> str:
 
 
 def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel: str, ylabel: str, *,
-               marker: bool = False, dots: bool = False, w: int = 560, h: int = 240, ylog: bool = False, fmt=num) -> str:
-    """A small SVG line chart: series of (class, points, title)."""
+               marker: bool = False, dots: bool = False, w: int = 560, h: int = 240, ylog: bool = False, fmt=num,
+               join: Optional[float] = None) -> str:
+    """A small SVG line chart: series of (class, points, title). `join`: points further apart in x than this are not
+    joined by a line (a line would show values between them that were never recorded); their dots are drawn."""
     xs = [x for _, pts, _ in series for x, _ in pts]
     ys = [y for _, pts, _ in series for _, y in pts]
     if not xs:
@@ -408,8 +410,17 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel:
     out.append(f'<text x="{(L + w - R) / 2:.0f}" y="{h - 4}" text-anchor="middle" class="cap">{e(xlabel)}</text>')
     out.append(f'<text x="{L - 60}" y="12" class="cap">{e(ylabel)}</text>')
     for cls, pts, title in series:
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline points="{path}" class="{cls}" fill="none"><title>{e(title)}</title></polyline>')
+        runs: list[list[tuple[float, float]]] = []
+        for x, y in pts:
+            if runs and (join is None or x - runs[-1][-1][0] <= join):
+                runs[-1].append((x, y))
+            else:
+                runs.append([(x, y)])
+        for run in runs:
+            if len(run) > 1:
+                path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
+                out.append(f'<polyline points="{path}" class="{cls}" fill="none"><title>{e(title)}</title></polyline>')
+        dots = dots or any(len(run) == 1 for run in runs)
         if dots:
             out.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" class="{cls}"><title>{e(title)}: {e(fmt(y))}'
                        f'</title></circle>' for x, y in pts)
@@ -459,10 +470,11 @@ def section_residual(d: dict) -> str:
         pts = ([(-1, n["embed"])] if "embed" in n else []) + [(l, n[str(l)]) for l in xs if str(l) in n]
         series.append((f"resid s{step}", pts, f"step {step}"))
     chart = line_chart(series, "layer (−1: the embedding)", "‖x‖ per token", fmt=lambda y: f"{y:.4g}",
-                       dots=len(xs) < 40)
+                       dots=len(xs) < 40, join=1)  # only neighbouring layers are joined: nothing drawn is unrecorded
     n_layers = d["run"]["model"]["n_layers"]
-    more = (f' Only layers {", ".join(map(str, xs))} of {n_layers} were recorded; <code>--trace layers</code> without '
-            f'<code>--layers</code> records them all.' if len(xs) < n_layers else "")
+    more = (f' Only layers {", ".join(map(str, xs))} of {n_layers} were recorded, so only neighbouring layers are '
+            f'joined by a line; <code>--trace layers</code> without <code>--layers</code> records them all.'
+            if len(xs) < n_layers else "")
     return (f'<p>The norm of the residual stream after every recorded layer, one line per step; the chosen step is '
             f'drawn bold. For the prefill (many tokens at once) it is the root mean square of the per-token '
             f'norms.{more}</p>{chart}')
