@@ -300,6 +300,20 @@ def test_report_and_show_read_a_batch_trace(batch_run, tmp_path):
     assert [e["event"] for e in load_trace(str(f))].count("step") == 3 * N_NEW
 
 
+def test_a_short_rows_page_says_its_padding_at_s3(batch_run, tmp_path):
+    """Row 1 ("Hi", 1 token) is padded to the longest row: its s3 says so instead of a bare "causal"."""
+    from llmtrace.report.write import build
+
+    prompts, _, events = batch_run
+    slots = max(len(p) for p in prompts)
+    page = build(json.loads(json.dumps(events)), row=1)
+    s3 = page.split('data-stage="s3"')[1].split("</button>")[0]
+    assert (f"causal + padding: this row is {slots - 1} pad slots then 1 token, {slots} slots like every row of the "
+            f"batch (the shapes below are the padded ones)") in s3
+    one = build(json.loads(json.dumps([e for e in events if e.get("row", 0) == 0 and e["event"] != "batch"])))
+    assert "padding" not in one.split('data-stage="s3"')[1].split("</button>")[0]
+
+
 def test_report_row_option_draws_the_chosen_row(batch_run, tmp_path, capsys):
     _, result, events = batch_run
     f = tmp_path / "batch.jsonl"

@@ -347,3 +347,11 @@ def test_static_content_is_readable_without_scripts(browser, opened):
     assert pg.locator("#kv svg.chart polyline").count() == 2 and pg.locator("ol.pipeline button").count() == 19
     assert "no merges" not in pg.inner_text("#tokens") and pg.locator(".merge:not([hidden])").count() == 1
     context.close()
+
+
+def test_explain_and_lens_pages_say_the_threads(smollm):
+    import torch
+
+    ids = smollm.tokenizer.encode("The capital of France is")
+    page = build(json.loads(json.dumps(lens_events(smollm, ids, [0, 1], [0], prompt="The capital of France is"))))
+    assert f"<th scope=row>threads</th><td>{torch.get_num_threads()}</td>" in page and "not recorded in" not in page

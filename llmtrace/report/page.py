@@ -122,6 +122,10 @@ def section_run(d: dict) -> str:
     return f'{prompt}{out}<table class="facts">{body}</table>'
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def _shape(s: Optional[list]) -> str:
     return "[" + ", ".join(map(str, s)) + "]" if s is not None else "not recorded"
 
@@ -133,6 +137,12 @@ def section_pipeline(d: dict) -> str:
         detail = ""
         if "shape" in st:
             detail = _shape(st["shape"])
+        elif st["id"] == "s3" and st.get("padding"):
+            pad = st["padding"]
+            real = pad["slots"] - pad["pad_slots"]
+            detail = (f'causal + padding: this row is {plural(pad["pad_slots"], "pad slot")} then '
+                      f'{plural(real, "token")}, {pad["slots"]} slots like every row of the batch (the shapes below '
+                      f'are the padded ones)')
         elif st["id"] == "s3":
             detail = "causal" + (f', {st["masked"]:,} scores masked' if st.get("masked") is not None else "")
         elif "sampler" in st:
@@ -182,8 +192,7 @@ def section_tokens(d: dict) -> str:
     toks = d["tokens"]
     prompt = [t for t in toks if t["step"] is None]
     gen = [t for t in toks if t["step"] is not None]
-    count = lambda n, what: f"{n} {what} token{'' if n == 1 else 's'}"  # noqa: E731
-    out = [f'<p>{count(len(prompt), "prompt")}' + (f' and {count(len(gen), "generated")}, coloured by the probability the '
+    out = [f'<p>{plural(len(prompt), "prompt token")}' + (f' and {plural(len(gen), "generated token")}, coloured by the probability the '
                                                 f'model gave each one (before the sampler). {legend()}' if gen else ".")
            + ' Each chip shows the text, the id and the UTF-8 bytes. Select a generated token to choose its step.</p>',
            '<div class="chips" id="chips">', "".join(chip(t) for t in toks), "</div>"]
