@@ -167,7 +167,22 @@ def test_non_llama_architecture_is_named(capsys, tmp_path, arch, model_type):
     d = tmp_path / model_type
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, "n_layer": 2}))
-    fails(capsys, 1, "generate", "hi", "-m", d, says=(arch, "not supported", "LlamaForCausalLM"))
+    line = fails(capsys, 1, "generate", "hi", "-m", d, says=(arch, "not supported", "LlamaForCausalLM"))
+    assert line == (f"error: {d}: model_type {model_type!r}, architectures [{arch!r}] is not supported; "
+                    f"llmtrace runs the LLaMA family: model_type llama, mistral, qwen2 (LlamaForCausalLM, "
+                    f"MistralForCausalLM, Qwen2ForCausalLM)")
+
+
+def test_a_config_with_model_type_and_no_architectures_loads_as_transformers_does(tiny_copy):
+    """transformers' auto classes read model_type; `architectures` may be missing (issue 20, item 4)."""
+    from llmtrace.checkpoint.load import load_model
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = load_model(str(tiny_copy), device="cpu").model(ids)
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    assert cfg.pop("architectures") == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    (tiny_copy / "config.json").write_text(json.dumps(cfg))
+    torch.testing.assert_close(load_model(str(tiny_copy), device="cpu").model(ids), before, rtol=0, atol=0)
 
 
 def test_non_llama_gguf_is_named(capsys, tmp_path, fresh_home):
