@@ -65,8 +65,48 @@ def size(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-def missing(what: str, flags: str) -> str:
-    return f'<p class="missing">Not in this trace: {e(what)}. To record it: <code>{e(flags)}</code>.</p>'
+def fill_command(d: dict, command: str) -> str:
+    """The exact command that records what this trace lacks, for its prompt and model: `generate` (steps, per-layer
+    statistics, attention, the KV cache, the residual stream), `lens` or `explain`."""
+    import shlex
+
+    from llmtrace.registry.models_toml import default_model, load_registry
+
+    r = d["run"]
+    prompt = "PROMPT --chat" if r["chat"] else shlex.quote(r["prompt"])  # a chat trace keeps only the templated text
+    name = r["model"]["name"]
+    try:
+        known = name in load_registry()
+    except Exception:  # a broken user models.toml must not stop a report
+        known = False
+    # a model loaded from a file or a directory is named by its file's stem in the trace, not by its path
+    model = "" if name == default_model() else f" -m {shlex.quote(name)}" if known else " -m MODEL_PATH"
+    if command == "lens":
+        return f"llmtrace lens {prompt}{model} --positions all --html lens.html"
+    if command == "explain":
+        return f"llmtrace explain {prompt}{model} --layer 0 --html explain.html"
+    layers = r["layer"] if r.get("layer") is not None else "0,-1"
+    return f"llmtrace generate {prompt}{model} -n 8 --trace full --layers {layers} --html report.html"
+
+
+def missing(d: dict, what: str, flags: Optional[str] = None, command: str = "generate") -> str:
+    """What this trace lacks. A generate page says so where the section stands, with generate's own `flags` or the
+    exact command of another (`command`); an explain or lens page leads with what it has and collects what it
+    lacks for the one note at its end (`render`), each with the exact command that records it."""
+    how = flags if flags and command == d["kind"] == "generate" else fill_command(d, command)
+    if d["kind"] != "generate":
+        d["lacking"].append((what, fill_command(d, command)))
+        return ""
+    return f'<p class="missing">Not in this trace: {e(what)}. To record it: <code>{e(how)}</code>.</p>'
+
+
+def lacking_note(d: dict) -> str:
+    """The explain and lens pages' closing note: what the trace lacks, grouped by the command that records it."""
+    by: dict[str, list[str]] = {}
+    for what, command in d["lacking"]:
+        by.setdefault(command, []).append(what)
+    items = "".join(f'<li>{e(", ".join(whats))}: <code>{e(command)}</code></li>' for command, whats in by.items())
+    return f'<p>This page shows what <code>llmtrace {e(d["kind"])}</code> records. Not in this trace:</p><ul>{items}</ul>'
 
 
 def _asset(name: str) -> str:
@@ -101,7 +141,7 @@ def section_run(d: dict) -> str:
         mode = "greedy (argmax)" if s.get("greedy") else "sampling"
         rows.append(("sampling", f'{mode}; temperature {s.get("temperature")}, top-k {s.get("top_k")}, top-p '
                                  f'{s.get("top_p")}, min-p {s.get("min_p")}, typical-p {s.get("typical_p")}; '
-                                 f'active stages: {on}; seed {s.get("seed")}'))
+                                 f'active stages: {on}' + ("" if s.get("greedy") else f'; seed {s.get("seed")}')))
         rows.append(("stage order", " → ".join(s.get("order") or [])))
     if r["trace"] is not None:
         t = r["trace"]
@@ -157,7 +197,7 @@ def section_pipeline(d: dict) -> str:
             "prefill has T. Select a stage to see its statistics per layer at the chosen step.</p>")
     panel = '<div id="stage-panel" class="panel" aria-live="polite"><p>Select a stage.</p></div>'
     if not d["tensors"]["points"]:
-        panel = missing("per-layer statistics", "--trace full") + panel
+        panel = missing(d, "per-layer statistics", "--trace full") + panel
     return f'{note}<ol class="pipeline">{"".join(items)}</ol>{panel}'
 
 
@@ -283,7 +323,7 @@ def funnel(step: dict, vocab: int) -> str:
 def section_steps(d: dict) -> str:
     steps = d["steps"]
     if not steps:
-        return missing("generation steps", "llmtrace generate PROMPT --html report.html")
+        return missing(d, "generation steps") or None
     vocab = d["run"]["model"]["vocab_size"]
     panels = []
     for i, s in enumerate(steps):
@@ -291,7 +331,7 @@ def section_steps(d: dict) -> str:
         title = (f'Step {s["step"]} ({s["phase"]}, position {s["position"]}): chose '
                  f'<b>{e(visible(s["token"]["text"]))}</b> (id {s["token"]["id"]}) · {num(s["ms"])} ms')
         if s["topk"] is None:
-            body = missing("top-k and sampler ledger", "--trace steps (or deeper)")
+            body = missing(d, "top-k and sampler ledger", "--trace steps (or deeper)")
         else:
             body = f'<div class="two"><div>{topk_svg(s)}</div><div>{funnel(s, vocab)}</div></div>'
         panels.append(f'<div class="step-panel" data-step="{s["step"]}"{hidden}><h3>{title}</h3>{body}</div>')
@@ -332,12 +372,53 @@ def overview(a: dict) -> str:
             f'to open it above.</p>{"".join(rows)}')
 
 
+HEATMAP_PX = 480  # the canvas's side; report.js draws B cells of floor(480 / B) pixels each way
+LABEL_PX = 11  # the least pixels a label needs across its line: rows (and columns) narrower than this share one
+
+
+def heatmap_axes(d: dict) -> str:
+    """The heatmap's canvas with its axes labelled in SVG (readable before any script runs): keys along the top,
+    queries down the left. Each row and column is a position (its token, made visible) where a label fits the cell;
+    where cells are too small, or a cell is a bin of several positions, every k-th cell is labelled with its
+    positions instead ("16–31")."""
+    bins = d["attention"]["bins"]
+    tokens = d["tokens"]
+    B = len(bins)
+    cell = max(1, HEATMAP_PX // B)
+    size = cell * B
+    single = all(b1 - b0 == 1 for b0, b1 in bins)
+    every = 1 if cell >= LABEL_PX else -(-LABEL_PX // cell)
+
+    def text(i: int) -> str:  # a label covers its cell and the unlabelled ones after it, up to the next label
+        b0, b1 = bins[i][0], bins[min(i + every, B) - 1][1]
+        if single and every == 1:
+            t = visible(tokens[b0]["text"]) if b0 < len(tokens) else ""
+            return f"{b0} {t[:9] + '…' if len(t) > 10 else t}"
+        return str(b0) if b1 - b0 == 1 else f"{b0}–{b1 - 1}"
+
+    marks = range(0, B, every)
+    side = 96
+    left = "".join(f'<text x="{side - 4}" y="{(i + 0.5) * cell + 4:.1f}" text-anchor="end" class="cap">{e(text(i))}</text>'
+                   for i in marks)
+    top = "".join(f'<text transform="translate({(i + 0.5) * cell + 4:.1f},{side - 4}) rotate(-60)" class="cap">'
+                  f'{e(text(i))}</text>' for i in marks)
+    what = "tokens" if single and every == 1 else "positions"
+    return (f'<div class="att-axes" style="grid-template-columns:{side}px {size + 2}px" '
+            f'aria-label="keys and queries labelled by {e(what)}">'
+            f'<span class="att-corner cap">query ↓ · key →</span>'
+            f'<svg class="att-keys" width="{size + 2}" height="{side}" viewBox="-1 0 {size + 2} {side}">{top}</svg>'
+            f'<svg class="att-queries" width="{side}" height="{size + 2}" viewBox="0 -1 {side} {size + 2}">{left}</svg>'
+            f'<canvas id="att-canvas" width="{size}" height="{size}" tabindex="0" role="img" '
+            f'aria-label="attention heatmap; arrow keys move the cursor"></canvas></div>')
+
+
 def section_attention(d: dict) -> str:
     a = d["attention"]
     gqa = f'<p>Grouped-query attention: the query heads above share the KV head below them.</p>{gqa_svg(d)}'
     if not a["maps"]:
-        return missing("attention probabilities",
-                       "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs") + gqa
+        note = missing(d, "attention probabilities",
+                       "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs")
+        return note + gqa if note else None
     layer_opts = "".join(f'<option value="{l}">layer {l}</option>' for l in a["layers"])
     head_opts = "".join(f'<option value="{i}">{"head " + str(h) if h != "mean" else "mean over heads"}</option>'
                         for i, h in enumerate(a["heads"]))
@@ -355,8 +436,7 @@ def section_attention(d: dict) -> str:
             f'<label>scale <select id="att-scale"><option value="log">log</option><option value="linear">linear</option>'
             f'<option value="rank">rank per row</option></select></label> <span class="legend"><span id="att-lo"></span> '
             f'{ramp()} <span id="att-hi"></span></span></div>'
-            f'<div class="att"><canvas id="att-canvas" width="480" height="480" tabindex="0" role="img" '
-            f'aria-label="attention heatmap; arrow keys move the cursor"></canvas>'
+            f'<div class="att">{heatmap_axes(d)}'
             f'<div><p id="att-readout" aria-live="polite">The heatmap needs JavaScript.</p>{gqa}</div></div>'
             f'{overview(a)}')
 
@@ -364,7 +444,7 @@ def section_attention(d: dict) -> str:
 def section_lens(d: dict) -> str:
     lens = d["lens"]
     if lens is None:
-        return missing("the logit lens", "llmtrace lens PROMPT --positions all --html lens.html")
+        return missing(d, "the logit lens", command="lens") or None
     pos = lens["positions"]
     head = "".join(f'<th scope=col>{p}<br><span class="tok">{e(visible(lens["pieces"].get(str(p), "")))}</span></th>'
                    for p in pos)
@@ -442,7 +522,7 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel:
 def section_kv(d: dict) -> str:
     kv = d["kv"]
     if kv is None:
-        return missing("the KV cache per step", "llmtrace generate PROMPT --html report.html")
+        return missing(d, "the KV cache per step") or None
     m = d["run"]["model"]
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
@@ -471,7 +551,7 @@ def section_kv(d: dict) -> str:
 def section_residual(d: dict) -> str:
     r = d["residual"]
     if r is None:
-        return missing("the residual stream per layer", "--trace layers or --trace full")
+        return missing(d, "the residual stream per layer", "--trace layers or --trace full") or None
     xs = r["layers"]
     series = []
     for step in r["steps"]:
@@ -490,14 +570,14 @@ def section_residual(d: dict) -> str:
 
 
 SECTIONS = (
-    ("run", "1 · The run", section_run),
-    ("pipeline", "2 · The pipeline s1–s12", section_pipeline),
-    ("tokens", "3 · Tokens", section_tokens),
-    ("steps", "4 · Each step: top-k and the sampler", section_steps),
-    ("attention", "5 · Attention", section_attention),
-    ("lens", "6 · Logit lens", section_lens),
-    ("kv", "7 · The KV cache", section_kv),
-    ("residual", "8 · The residual stream", section_residual),
+    ("run", "The run", section_run),
+    ("pipeline", "The pipeline s1–s12", section_pipeline),
+    ("tokens", "Tokens", section_tokens),
+    ("steps", "Each step: top-k and the sampler", section_steps),
+    ("attention", "Attention", section_attention),
+    ("lens", "Logit lens", section_lens),
+    ("kv", "The KV cache", section_kv),
+    ("residual", "The residual stream", section_residual),
 )
 
 
@@ -512,11 +592,20 @@ def step_bar(d: dict) -> str:
 
 
 def render(d: dict) -> str:
-    """The whole page as one string."""
+    """The whole page as one string. A section a trace has nothing for (None) is left out: an explain or lens page
+    leads with what it has and ends with one note on what it lacks (`lacking_note`); a generate page keeps every
+    section and says in place what is missing."""
+    d = dict(d, lacking=[], fill=None)
+    d["fill"] = fill_command(d, "generate")  # report.js names it where a stage has no statistics
     title = f'llmtrace report · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}'
-    nav = " ".join(f'<a href="#{sid}">{e(name.split(" · ")[1])}</a>' for sid, name, _ in SECTIONS)
-    body = "".join(f'<section id="{sid}" aria-labelledby="{sid}-h"><h2 id="{sid}-h">{e(name)}</h2>{fn(d)}</section>'
-                   for sid, name, fn in SECTIONS)
+    shown = [(sid, name, html) for sid, name, fn in SECTIONS if (html := fn(d)) is not None]
+    if d["lacking"]:
+        shown.append(("lacking", "Not in this trace", lacking_note(d)))
+    shown = [(sid, f"{i} · {name}", html) for i, (sid, name, html) in enumerate(shown, 1)]
+    nav = " ".join(f'<a href="#{sid}">{e(name.split(" · ")[1])}</a>' for sid, name, _ in shown)
+    body = "".join(f'<section id="{sid}" aria-labelledby="{sid}-h"><h2 id="{sid}-h">{e(name)}</h2>{html}</section>'
+                   for sid, name, html in shown)
+    del d["lacking"]
     data = json.dumps(d, ensure_ascii=False, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'

@@ -83,15 +83,16 @@
     let html = "<h3>" + esc(st.id + " " + st.title) + "</h3>";
     if (st.sampler) {
       html += "<p>Stages in this group, in the order run: " + esc(st.sampler.join(" \u2192 ") || "none") +
-        ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel in section 4.</p>";
+        ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel under \u201cEach step\u201d.</p>";
     }
     if (st.id === "s1" || st.id === "s2") {
       const n = D.tokens.filter((t) => t.step === null).length;
-      html += "<p>" + n + (n === 1 ? " prompt token" : " prompt tokens") + ": see section 3.</p>";
+      html += "<p>" + n + (n === 1 ? " prompt token" : " prompt tokens") + ": see Tokens.</p>";
     }
     const names = st.points.map((p) => p.name).filter((n) => pts[n]);
     if (!st.sampler && st.points.length && !names.length) {
-      html += "<p class=\"missing\">No statistics of these points in this trace. To record them: <code>--trace full</code> (with <code>--layers</code> to choose layers).</p>";
+      html += "<p class=\"missing\">No statistics of these points in this trace. To record them: <code>" +
+        (D.kind === "generate" ? "--trace full</code> (with <code>--layers</code> to choose layers)" : esc(D.fill) + "</code>") + ".</p>";
     }
     if (names.length && at !== want && at !== null) html += "<p class=\"note\">Statistics of step " + at + " (the nearest step kept).</p>";
     names.forEach((n) => {
