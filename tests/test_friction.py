@@ -300,3 +300,17 @@ def test_a_one_token_prompt_is_one_prompt_token_in_the_report(smollm):
              observer=rec)
     page = build(json.loads(json.dumps(events)))
     assert "<p>1 prompt token and 2 generated tokens, coloured" in page and "1 prompt tokens" not in page
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--top-p", "2"], ["--sampler-order", "x"],
+                                   ["--logit-bias", "abc"], ["--layers", "a,b"], ["-n", "-1"], ["--trace", "deep"],
+                                   ["--compile", "--trace", "full"]], ids=lambda f: " ".join(f))
+def test_generate_usage_errors_are_found_before_torch_is_imported(flags):
+    """Not a timing: the import of torch is what took 2-3 s before a usage error was said; -X importtime lists every
+    module imported, and torch is not among them."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmtrace", "generate", "hi", *flags],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert result.returncode == 2 and len(said) == 1 and said[0].startswith("error: "), result.stderr[-500:]
+    assert "torch" not in imported and "llmtrace.cli.generate" in imported

@@ -26,9 +26,22 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-import torch
-
 from llmtrace.errors import BadValue, LlmtraceError
+
+
+class _Torch:
+    """torch, imported when a stage first runs: the CLI checks sampler settings (SamplerConfig.validate, parse_order,
+    parse_logit_bias) before it imports torch, so that a usage error is said at once, not after 2-3 s of `import
+    torch`. The first attribute looked up replaces this stand-in by the module itself."""
+
+    def __getattr__(self, name: str):
+        import torch as module
+
+        globals()["torch"] = module
+        return getattr(module, name)
+
+
+torch = _Torch()
 
 NEG_INF = float("-inf")
 
