@@ -381,7 +381,7 @@ class Model:
         import torch
 
         from llmtrace.console import prefill_progress
-        from llmtrace.run.generate import check_batch_context, generate, generate_batch, row_seed
+        from llmtrace.run.generate import check_batch_context, context_note, generate, generate_batch, row_seed
         from llmtrace.run.sampler import Sampler
         from llmtrace.trace.indices import parse_layers
         from llmtrace.trace.recorder import Recorder
@@ -405,6 +405,9 @@ class Model:
             if dropped:
                 print(f"note: {dropped}", file=sys.stderr)
         ids = encoded[0][1]
+        cut = context_note(lm, [len(i) for _, i in encoded], options.max_new_tokens)
+        if cut:  # -n cut short by the context window: generate what fits and say so (stop reason "context")
+            print(f"note: {cut}", file=sys.stderr)
         sampler = Sampler(scfg, lm.config.vocab_size, k_show=trace.topk, tokenizer=tok)
         if batch:
             check_batch_context(lm, [i for _, i in encoded], options.max_new_tokens)  # before any output

@@ -159,7 +159,22 @@ def test_non_llama_architecture_is_named(capsys, tmp_path, arch, model_type):
     d = tmp_path / model_type
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, "n_layer": 2}))
-    fails(capsys, 1, "generate", "hi", "-m", d, says=(arch, "not supported", "LlamaForCausalLM"))
+    line = fails(capsys, 1, "generate", "hi", "-m", d, says=(arch, "not supported", "LlamaForCausalLM"))
+    assert line == (f"error: {d}: model_type {model_type!r}, architectures [{arch!r}] is not supported; "
+                    f"llmtrace runs the LLaMA family: model_type llama, mistral, qwen2 (LlamaForCausalLM, "
+                    f"MistralForCausalLM, Qwen2ForCausalLM)")
+
+
+def test_a_config_with_model_type_and_no_architectures_loads_as_transformers_does(tiny_copy):
+    """transformers' auto classes read model_type; `architectures` may be missing (issue 20, item 4)."""
+    from llmtrace.checkpoint.load import load_model
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = load_model(str(tiny_copy), device="cpu").model(ids)
+    cfg = json.loads((tiny_copy / "config.json").read_text())
+    assert cfg.pop("architectures") == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    (tiny_copy / "config.json").write_text(json.dumps(cfg))
+    torch.testing.assert_close(load_model(str(tiny_copy), device="cpu").model(ids), before, rtol=0, atol=0)
 
 
 def test_non_llama_gguf_is_named(capsys, tmp_path, fresh_home):
@@ -229,7 +244,9 @@ def test_models_toml_syntax_error_names_the_line(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("flags, says", [
     (["--temperature", "-0.5"], ("--temperature", ">= 0", "-0.5")),
-    (["--temperature", "nan"], ("--temperature",)),
+    (["--temperature", "nan"], ("--temperature", "finite", "nan")),
+    (["--temperature", "inf"], ("--temperature", "must be a finite number >= 0", "got inf")),
+    (["--repetition-penalty", "inf"], ("--repetition-penalty", "finite", "got inf")),
     (["--temperature", "hot"], ("--temperature", "number")),
     (["--top-p", "0"], ("--top-p", "(0, 1]")),
     (["--top-p", "1.5"], ("--top-p", "(0, 1]", "1.5")),
@@ -306,8 +323,14 @@ def test_prompt_longer_than_the_context_window(capsys, with_smollm):
                 "shorten the prompt"))
 
 
-def test_empty_prompt(capsys, with_smollm):
-    fails(capsys, 1, "generate", "", says=("empty",))
+@pytest.mark.parametrize("argv", [("generate", ""), ("explain", ""), ("lens", ""), ("generate", "-p", ""),
+                                  ("generate", "--file", "EMPTY")], ids=lambda a: " ".join(a))
+def test_empty_prompt_is_a_usage_error_found_before_the_load(capsys, tmp_path, argv):
+    """Exit 2 and one line, whatever the command; the model named (which does not exist) is never looked at."""
+    (tmp_path / "EMPTY").write_text("\n")  # one trailing newline is dropped: an empty prompt
+    argv = [str(tmp_path / a) if a == "EMPTY" else a for a in argv]
+    line = fails(capsys, 2, *argv, "-m", tmp_path / "never-loaded")
+    assert line in ("error: the prompt is empty; give some text", "error: prompt 1 (-p number 1) is empty; give some text")
 
 
 def test_prompt_file_missing_or_not_utf8(capsys, monkeypatch, tmp_path):
@@ -417,3 +440,10 @@ def test_jsonl_into_a_closed_pipe_ends_quietly(smollm_path):
     assert r.returncode == 0
     assert json.loads(r.stdout)["event"] == "run"
     assert r.stderr == ""
+
+
+def test_a_full_disk_names_the_stream(capsys, with_smollm):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    fails(capsys, 1, "generate", "hi", "-n", "2", "--jsonl", "/dev/full",
+          says=("cannot write /dev/full", "no space left on device"))

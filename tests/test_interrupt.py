@@ -402,3 +402,88 @@ def test_a_damaged_cache_entry_is_never_used(tiny_gguf):
     assert again.converted
     ids = torch.tensor([[5, 6, 7]])
     torch.testing.assert_close(again.model(ids), first.model(ids), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a real SIGINT while the command starts (llmtrace/sigint.py)
+
+
+def start_traced_imports(argv: list[str], out_dir: Path) -> subprocess.Popen:
+    """`python -X importtime -m llmtrace generate …`: stderr names each module as its import ends, so the test can
+    place a SIGINT at a known point of the start-up, whatever the machine's speed."""
+    env = {k: v for k, v in os.environ.items() if k != "LLMTRACE_DEBUG"} | {"PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-X", "importtime", "-m", "llmtrace", "generate", PROMPT, "-n", "2000", "--ignore-eos",
+           "--device", "cpu", "--threads", "1", *argv]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(out_dir / "stdout.txt", "w"),
+                            stderr=open(out_dir / "stderr.txt", "w"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def imported(out_dir: Path, module: str) -> bool:
+    text = (out_dir / "stderr.txt").read_text(errors="replace")
+    return any(line.startswith("import time:") and line.rsplit("|", 1)[-1].strip() == module
+               for line in text.splitlines())
+
+
+def check_interrupted_stream(path: Path) -> dict:
+    """The stream of a run stopped at any moment: every line parses, the last is the only summary, interrupted. A
+    run stopped before it began is that summary alone; one stopped later is whole up to it."""
+    events = read_jsonl(path)
+    if len(events) == 1:
+        summary = events[0]
+        assert summary["event"] == "summary" and summary["interrupted"] is True
+        assert summary["stop_reason"] == "interrupted" and summary["generated_tokens"] == 0
+        return summary
+    return check_interrupted_trace(events)
+
+
+# The points of the start-up, each a module whose import has just ended, and a further delay after it (seconds).
+# llmtrace.sigint: the entry point's first line. numpy.version: inside `import numpy`, which torch's C++ start-up
+# runs inside `import torch` and whose KeyboardInterrupt it used to swallow (the run then generated every token).
+START_POINTS = [
+    ("llmtrace.sigint", 0.0),
+    ("typer", 0.0),
+    ("numpy.version", 0.0),
+    ("torch._utils_internal", 0.0),
+    ("llmtrace.sigint", 1.0),
+    ("llmtrace.sigint", 2.5),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module,delay", START_POINTS, ids=[f"{m}+{d}s" for m, d in START_POINTS])
+def test_sigint_at_any_moment_of_the_start_up_ends_the_stream_with_a_summary(smollm_path, tmp_path, module, delay):
+    out = tmp_path / "out"
+    out.mkdir()
+    jsonl = out / "run.jsonl"
+    jsonl.write_text("OLD\n")
+    proc = start_traced_imports(["--jsonl", str(jsonl)], tmp_path)
+    try:
+        wait_for(lambda: imported(tmp_path, module), 300, proc, f"the import of {module}")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = [line for line in (tmp_path / "stderr.txt").read_text().splitlines() if not line.startswith("import time:")]
+    assert rc == 130, stderr
+    assert stderr == ["error: interrupted"]
+    summary = check_interrupted_stream(jsonl)
+    assert summary["generated_tokens"] < 2000
+    assert leftovers(out) == []
+
+
+@pytest.mark.slow
+def test_sigint_during_import_torch_without_jsonl(smollm_path, tmp_path):
+    proc = start_traced_imports(["--trace", "none"], tmp_path)
+    try:
+        wait_for(lambda: imported(tmp_path, "numpy.version"), 300, proc, "the import of numpy")
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = [line for line in (tmp_path / "stderr.txt").read_text().splitlines() if not line.startswith("import time:")]
+    assert rc == 130 and stderr == ["error: interrupted"]
+    assert (tmp_path / "stdout.txt").read_text() == ""  # stopped before the run: nothing generated

@@ -88,9 +88,16 @@ def test_wide_console_shows_full_survivors_chain_and_top_candidates(sampling_run
             assert f"{visible(c['text'])}:{c['prob']:.2f}" in row
 
 
-def test_narrow_console_drops_columns_and_says_which(sampling_run, monkeypatch):
-    text = render(sampling_run, 80, monkeypatch)
-    assert "narrow console: " in text and "KV len" in text.split("narrow console: ")[1].splitlines()[0]
+def test_narrow_output_drops_columns_and_says_which_in_words_that_fit_a_pipe(sampling_run, monkeypatch):
+    text = render(sampling_run, 80, monkeypatch)  # a StringIO: no console is involved
+    note = next(line for line in text.splitlines() if "left out" in line)
+    assert note == "(left out to fit 80 columns: id, survivors, KV len, KV bytes; see --json)"
+    assert "narrow console" not in text
+
+
+def test_a_greedy_run_prints_no_seed(greedy_run, sampling_run, monkeypatch):
+    assert " seed " not in " ".join(render(greedy_run, 100, monkeypatch).split())
+    assert " seed 1 " in " ".join(render(sampling_run, 100, monkeypatch).split())
 
 
 def test_header_lists_every_non_default_sampler_setting(sampling_run, monkeypatch):
@@ -205,3 +212,61 @@ def test_explain_and_lens_views_keep_numbers_whole_at_80_columns(smollm, greedy_
     shape = next(e["shape"] for e in explained if e["event"] == "tensor" and e["name"] == "k_repeated")
     shapes = next(e for e in greedy_run if e["event"] == "shapes")["points"]
     assert shape == next(p["shape"] for p in shapes if p["name"] == "k_repeated") == [9, len(ids), 64]
+
+
+@pytest.mark.parametrize("level", ["layers", "full"])
+def test_the_per_layer_legend_explains_exactly_the_columns_shown_and_names_those_left_out(smollm, monkeypatch, level):
+    events, _ = record(smollm, n=1, level=level)  # every layer: one line per layer
+    for columns in (80, 200):
+        lines = render(events, columns, monkeypatch).splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("layer ") and "‖x''‖ out" in line)
+        headers = re.split(r"\s{2,}", lines[at].strip())[1:]
+        legend_at = next(i for i in range(at, len(lines)) if lines[i].startswith("‖"))
+        legend = " ".join(lines[legend_at:legend_at + 4])
+        explained = {"‖attn‖ s6.6": "‖attn‖:", "‖x'‖": "‖x'‖:", "‖ffn‖ s6.7": "‖ffn‖:", "‖x''‖ out": "‖x''‖:",
+                     "max|x''|": "max|x''|:", "score max": "score max:", "attn p max": "attn p max:"}
+        for header, term in explained.items():
+            assert (term in legend) == (header in headers), (level, columns, header)
+        wanted = ["‖x'‖", "‖x''‖ out", "max|x''|"] + (["‖attn‖ s6.6", "‖ffn‖ s6.7", "score max", "attn p max"]
+                                                     if level == "full" else [])
+        missing = [h for h in wanted if h not in headers]
+        if missing:  # said in the note under the legend
+            assert any(line.startswith("(left out to fit") and all(h in line for h in missing) for line in lines)
+
+
+def test_an_invisible_character_is_shown_by_its_code_point(smollm, monkeypatch):
+    from llmtrace.tokens.token_facts import visible_text
+
+    assert visible(" a\u00a0b\u200b\n") == "▁a<U+00A0>b<U+200B>\\n"
+    assert smollm.tokenizer.visible_piece(15442) == "<U+00A0>"  # the no-break space, a token of its own
+    assert visible_text("é".encode()) == "é"
+
+
+def test_piped_lens_marks_hits_with_a_star_and_names_no_colour(smollm, monkeypatch):
+    from llmtrace.render.explain import render_lens
+    from llmtrace.run.explain import lens_events
+
+    ids = smollm.tokenizer.encode(PROMPT)
+    events = json.loads(json.dumps(lens_events(smollm, ids, list(range(len(ids))), [27, 28, 29], prompt=PROMPT)))
+    monkeypatch.setenv("COLUMNS", "100")
+    out = io.StringIO()
+    render_lens(events, make_console(file=out))
+    text = out.getvalue()
+    assert "underline" not in text and "colour" not in text.replace("without colour", "")
+    assert "*: the top-1 token is already the prompt's next token (without colour the probabilities are" in text
+    hits = {(e["layer"], e["position"]) for e in events if e["event"] == "lens" and e["stage"] != "logits"
+            and e["position"] + 1 < len(ids) and e["topk"][0]["id"] == ids[e["position"] + 1]}
+    rows = {int(line.split()[0]): line for line in text.splitlines() if line.split() and line.split()[0] in ("27", "28", "29")}
+    for layer, line in rows.items():
+        assert line.count("*") == sum(1 for (l, _) in hits if l == layer)
+
+
+def test_tokenize_and_detokenize_show_the_no_break_space(capsys, monkeypatch, smollm_path):
+    from conftest import run_cli
+
+    monkeypatch.setenv("COLUMNS", "120")
+    code, out, _ = run_cli(capsys, "detokenize", "15442")
+    row = next(line for line in out.splitlines() if "15442" in line)
+    assert "<U+00A0>" in row and '"\\u00a0"' in row and "c2 a0" in row
+    code, out, _ = run_cli(capsys, "tokenize", "a\u00a0b")
+    assert code == 0 and "<U+00A0>" in out and "\u00a0" not in out

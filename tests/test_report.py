@@ -105,12 +105,28 @@ def test_residual_norms_and_kv_are_the_traces(events, page):
         assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
 
 
-def test_merges_of_the_prompt_end_in_its_tokens(page):
+def test_the_residual_chart_joins_only_neighbouring_recorded_layers(events, page):
+    """Layers 0 and 29 recorded (and the embedding, x = -1): a line may join the embedding to layer 0, never layer 0
+    to layer 29, which would draw 28 layers that were not recorded. Layer 29 is a dot of its own at every step."""
+    section = page.split('id="residual"')[1].split("</section>")[0]
+    steps = sorted({e["step"] for e in events if e["event"] == "tensor" and e["name"] == "resid_post"})
+    lines = re.findall(r'<polyline points="([^"]+)"', section)
+    assert len(lines) == len(steps) and all(len(pts.split()) == 2 for pts in lines)  # -1 → 0 only
+    assert len(re.findall(r"<circle ", section)) == 3 * len(steps)  # -1, 0 and 29: every recorded value a dot
+    assert "only neighbouring layers are joined" in section
+
+
+def test_merges_of_the_prompt_end_in_its_tokens(page, smollm):
     d = embedded(page)
     words = d["merges"]["words"]
     finals = [p for w in words for p in w["final"]]
-    assert finals == [t["piece"] for t in d["tokens"] if t["step"] is None]
+    assert finals == [smollm.tokenizer.visible(t["piece"]) for t in d["tokens"] if t["step"] is None]
     assert "Quantum" in page and "merged" in page
+    # one glyph for a space, as in the terminal: ▁, never the vocabulary's Ġ or the chips' old ␣
+    tokens_section = page.split('id="tokens"')[1].split("</section>")[0]
+    assert "▁mechanics" in tokens_section and "␣" not in page
+    # the raw piece stays only where it is labelled as the vocabulary's own
+    assert tokens_section.count("Ġ") == tokens_section.count("vocabulary piece &#x27;Ġ") > 0
 
 
 def test_binned_rows_still_sum_to_one():
@@ -331,3 +347,98 @@ def test_static_content_is_readable_without_scripts(browser, opened):
     assert pg.locator("#kv svg.chart polyline").count() == 2 and pg.locator("ol.pipeline button").count() == 19
     assert "no merges" not in pg.inner_text("#tokens") and pg.locator(".merge:not([hidden])").count() == 1
     context.close()
+
+
+def test_explain_and_lens_pages_say_the_threads(smollm):
+    import torch
+
+    ids = smollm.tokenizer.encode("The capital of France is")
+    page = build(json.loads(json.dumps(lens_events(smollm, ids, [0, 1], [0], prompt="The capital of France is"))))
+    assert f"<th scope=row>threads</th><td>{torch.get_num_threads()}</td>" in page and "not recorded in" not in page
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# explain and lens pages lead with what they have; the heatmap's axes are labelled (issue 20, item 5)
+
+
+def as_default_model(events: list[dict]) -> list[dict]:
+    """The session's model is loaded from its GGUF file, so its events name the file's stem; a `llmtrace explain`
+    of the default model names it by its registry name, as here."""
+    from llmtrace.registry.models_toml import DEFAULT_MODEL
+
+    for ev in events:
+        if "model" in ev and isinstance(ev["model"], dict):
+            ev["model"]["name"] = DEFAULT_MODEL
+    return events
+
+
+def explain_page(smollm, prompt="The capital of France is"):
+    from llmtrace.run.explain import explain_events
+
+    ids = smollm.tokenizer.encode(prompt)
+    events = as_default_model(json.loads(json.dumps(explain_events(smollm, ids, 3, prompt=prompt))))
+    return build(events, tokenizer=smollm.tokenizer), ids
+
+
+def headings(page: str) -> list[str]:
+    return re.findall(r'<h2 id="[^"]+">([^<]+)</h2>', page)
+
+
+def test_explain_and_lens_pages_lead_with_what_they_have_and_end_with_the_command_for_the_rest(smollm):
+    page, ids = explain_page(smollm)
+    assert headings(page) == ["1 · The run", "2 · The pipeline s1–s12", "3 · Tokens", "4 · Attention", "5 · Logit lens",
+                              "6 · The residual stream", "7 · Not in this trace"]
+    note = page.split('id="lacking"')[1].split("</section>")[0]
+    assert note.count("<li>") == 1 and ("generation steps, the KV cache per step: <code>llmtrace generate "
+                                        "&#x27;The capital of France is&#x27; -n 8 --trace full --layers 3 --html "
+                                        "report.html</code>") in note
+    assert page.count('class="missing"') == 0  # nothing lacking is said anywhere else
+
+    lens = build(as_default_model(json.loads(json.dumps(lens_events(smollm, ids, [0, 4], [0, 29],
+                                                                     prompt="The capital of France is")))))
+    assert headings(lens) == ["1 · The run", "2 · The pipeline s1–s12", "3 · Tokens", "4 · Logit lens",
+                              "5 · Not in this trace"]
+    note = lens.split('id="lacking"')[1].split("</section>")[0]
+    codes = re.findall(r"<li>.*?<code>([^<]+)</code>", note)
+    assert codes == ["llmtrace generate &#x27;The capital of France is&#x27; -n 8 --trace full --layers 0,-1 "
+                     "--html report.html"]
+    assert "per-layer statistics" in note and "attention probabilities" in note
+    # every hint on a lens page is a whole command, never a flag lens does not have (it said --trace full)
+    hints = re.findall(r'class="missing"[^>]*>.*?</p>', lens) + [note]
+    assert all("--trace" not in h.split("llmtrace generate")[0] for h in hints)
+    assert embedded(lens)["fill"] == codes[0].replace("&#x27;", "'")  # report.js names it for a stage's statistics
+    # a model loaded from a file: the trace has its stem, not its path, so the command says where the path goes
+    file_page = build(json.loads(json.dumps(lens_events(smollm, ids, [0], [0], prompt="Hi"))))
+    assert "llmtrace generate Hi -m MODEL_PATH -n 8" in file_page
+
+
+def test_heatmap_axes_name_the_tokens_where_they_fit_and_bins_where_not(smollm, events):
+    page, ids = explain_page(smollm)
+    keys = page.split('class="att-keys"')[1].split("</svg>")[0]
+    labels = [re.sub(r"&#x27;", "'", t) for t in re.findall(r">([^<]+)</text>", keys)]
+    assert labels == [f"{i} {smollm.tokenizer.visible_piece(t)}" for i, t in enumerate(ids)]
+    queries = page.split('class="att-queries"')[1].split("</svg>")[0]
+    assert re.findall(r">([^<]+)</text>", queries) == re.findall(r">([^<]+)</text>", keys)
+    # 128 bins of a long run: a label per group of cells, naming its positions, covering them all
+    from llmtrace.report.page import heatmap_axes
+
+    d = {"attention": {"bins": [[2 * i, 2 * i + 2] for i in range(128)]}, "tokens": []}
+    labels = re.findall(r">([^<]+)</text>", heatmap_axes(d).split('class="att-keys"')[1].split("</svg>")[0])
+    assert labels[0] == "0–7" and labels[1] == "8–15" and labels[-1] == "248–255" and len(labels) == 32
+
+
+def test_explain_page_in_the_browser_labels_the_heatmap_beside_its_cells(browser, smollm, tmp_path):
+    page, ids = explain_page(smollm)
+    path = tmp_path / "explain.html"
+    path.write_text(page, encoding="utf-8")
+    o = Opened(browser, path)
+    canvas = o.page.locator("#att-canvas").bounding_box()
+    labels = o.page.locator(".att-queries text")
+    assert labels.count() == len(ids) and o.page.locator("#att-canvas").get_attribute("data-rows") == str(len(ids))
+    for i in range(len(ids)):  # each query label sits level with its row of cells, left of the canvas
+        box = labels.nth(i).bounding_box()
+        row_mid = canvas["y"] + (i + 0.5) * canvas["height"] / len(ids)
+        assert abs(box["y"] + box["height"] / 2 - row_mid) < canvas["height"] / len(ids) / 2
+        assert box["x"] + box["width"] <= canvas["x"] + 1
+    assert o.messages == [] and o.requests == [o.url]
+    o.page.close()

@@ -98,6 +98,20 @@ def test_truncated_stream_renders_the_complete_lines_and_names_the_cut_one(capsy
     assert [int(r[3]) for r in rows if len(r) > 3 and r[0] in ("0", "1", "2") and r[3].isdigit()] == first_two
 
 
+def test_a_stream_cut_at_a_line_boundary_says_it_is_incomplete(capsys, traces, tmp_path):
+    """Every line whole, but no summary: a run killed between two writes. The warning says so; the steps show."""
+    lines = traces["steps"].with_suffix(".jsonl").read_bytes().splitlines(keepends=True)
+    steps = [i for i, line in enumerate(lines) if b'"event": "step"' in line]
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes(b"".join(lines[: steps[2]]))
+    code, out, err = show(capsys, cut)
+    assert code == 0
+    assert err == (f"warning: {cut} ends after {steps[2]} events without a summary: the trace is incomplete (the run "
+                   f"was killed, or the file was cut); showing what it has\n")
+    code, _, err = show(capsys, traces["steps"].with_suffix(".jsonl"))  # the whole stream: no warning
+    assert code == 0 and err == ""
+
+
 def test_a_cut_inside_a_multibyte_character_is_still_a_cut(capsys, tmp_path):
     """The cut can fall inside a UTF-8 character; only the last line is affected."""
     summary = {"event": "summary", "prompt_tokens": 1, "generated_tokens": 0, "text": "", "stop_reason": "eos",

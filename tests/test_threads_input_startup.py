@@ -195,3 +195,113 @@ def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tm
     # the control: a command that runs the model does import it, so the check above can fail
     torch_imported, _ = imports_torch("generate", "hi", "-m", tiny_gguf, "-n", "1", "--trace", "none", env=env)
     assert torch_imported
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# help (issue 20)
+
+COMMANDS = ["generate", "tokenize", "detokenize", "models", "pull", "rm", "explain", "lens", "schema", "show", "report"]
+
+
+def test_llmtrace_alone_prints_the_help_as_help_prints_it(capsys):
+    code, out, err = run_cli(capsys)
+    _, help_out, _ = run_cli(capsys, "--help")
+    assert code == 2 and out == ""
+    assert err == help_out  # the same lines as --help, not squashed into one error line
+    assert err.startswith("Usage: llmtrace [OPTIONS] COMMAND [ARGS]...\n") and "\nCommands:\n" in err
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_help_examples_are_one_per_line_and_help_uses_the_width(capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    widest = 0
+    for command in COMMANDS:
+        code, out, _ = run_cli(capsys, command, "--help")
+        assert code == 0
+        for line in out.splitlines():
+            widest = max(widest, len(line))
+            # a pipe or && joins commands on purpose; otherwise one `llmtrace …` per line
+            for part in line.replace("&&", "|").split("|"):
+                assert part.count("llmtrace ") <= 1, f"{command} --help runs two examples together: {line!r}"
+    if columns == 200:
+        assert widest > 120  # paragraphs use the room (click's default stops at 80)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --json and --jsonl in every command the README names (issue 20)
+
+
+def test_every_command_the_readme_names_takes_json_and_jsonl(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    sentence = readme[readme.index("`--json FILE` and `--jsonl FILE` mean the same in every command"):][:200]
+    named = [c for c in COMMANDS if f"`{c}`" in sentence]
+    assert named == ["generate", "tokenize", "detokenize", "models", "pull", "explain", "lens"]
+    for command in named:
+        _, out, _ = run_cli(capsys, command, "--help")
+        assert "--json " in out and "--jsonl " in out, command
+
+
+def test_detokenize_models_and_pull_write_jsonl(capsys, monkeypatch, tmp_path, smollm_path):
+    from llmtrace.registry.models_toml import load_registry
+
+    monkeypatch.setenv("LLMTRACE_HOME", str(smollm_path.parents[2]))  # the tests' cache, which holds the model
+
+    code, _, err = run_cli(capsys, "detokenize", "19556", "905", "--jsonl", tmp_path / "d.jsonl")
+    assert code == 0, err
+    lines = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert [(d["kind"], d["index"], d["id"], d["text"]) for d in lines] == [("token", 0, 19556, "Hello"),
+                                                                           ("token", 1, 905, " world")]
+    code, _, err = run_cli(capsys, "models", "--jsonl", tmp_path / "m.jsonl")
+    assert code == 0, err
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [m["name"] for m in lines] == list(load_registry())
+    code, out, err = run_cli(capsys, "pull", "--jsonl", "-")
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert lines == [{"name": "smollm2-135m-instruct", "kind": "gguf", "file": str(smollm_path),
+                      "bytes": smollm_path.stat().st_size}]
+
+
+def test_json_names_the_default_model(capsys, monkeypatch, smollm_path):
+    monkeypatch.setenv("LLMTRACE_HOME", str(smollm_path.parents[2]))
+    for argv in (("tokenize", "Hello", "--json", "-"), ("detokenize", "19556", "--json", "-")):
+        code, out, _ = run_cli(capsys, *argv)
+        assert code == 0 and json.loads(out)["model"] == "smollm2-135m-instruct"
+
+
+def test_version(capsys):
+    from llmtrace.version import __version__
+
+    code, out, err = run_cli(capsys, "--version")
+    assert code == 0 and out == f"llmtrace {__version__}\n" and err == ""
+
+
+def test_a_one_token_prompt_is_one_prompt_token_in_the_report(smollm):
+    from llmtrace.report.write import build
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+    from llmtrace.trace.options import TraceOptions
+    from llmtrace.trace.recorder import Recorder
+
+    events = []
+    rec = Recorder(TraceOptions(level="steps"), [events.append], run_info={"prompt": "Hi"})
+    ids = smollm.tokenizer.encode("Hi")
+    assert len(ids) == 1
+    generate(smollm, ids, Sampler(SamplerConfig(temperature=0), smollm.config.vocab_size), 2, ignore_eos=True,
+             observer=rec)
+    page = build(json.loads(json.dumps(events)))
+    assert "<p>1 prompt token and 2 generated tokens, coloured" in page and "1 prompt tokens" not in page
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "-1"], ["--top-p", "2"], ["--sampler-order", "x"],
+                                   ["--logit-bias", "abc"], ["--layers", "a,b"], ["-n", "-1"], ["--trace", "deep"],
+                                   ["--compile", "--trace", "full"]], ids=lambda f: " ".join(f))
+def test_generate_usage_errors_are_found_before_torch_is_imported(flags):
+    """Not a timing: the import of torch is what took 2-3 s before a usage error was said; -X importtime lists every
+    module imported, and torch is not among them."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "llmtrace", "generate", "hi", *flags],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    said = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert result.returncode == 2 and len(said) == 1 and said[0].startswith("error: "), result.stderr[-500:]
+    assert "torch" not in imported and "llmtrace.cli.generate" in imported

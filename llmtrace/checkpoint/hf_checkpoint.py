@@ -16,6 +16,23 @@ SUPPORTED_HF_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+SUPPORTED_MODEL_TYPES = set(SUPPORTED_HF_ARCHS.values())
+
+
+def hf_family(cfg: dict, where: str) -> str:
+    """The model family of a config.json, decided as transformers' auto classes decide it: by `model_type` (its
+    `architectures` list only names the head a checkpoint was saved with, and may be absent). A config without
+    `model_type` is read by its first architecture."""
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if isinstance(model_type, str) and model_type in SUPPORTED_MODEL_TYPES:
+        return model_type
+    if model_type is None and archs and archs[0] in SUPPORTED_HF_ARCHS:
+        return SUPPORTED_HF_ARCHS[archs[0]]
+    said = ", ".join(f"{key} {value!r}" for key, value in (("model_type", model_type), ("architectures", archs or None))
+                     if value is not None) or "neither model_type nor architectures"
+    raise LlmtraceError(f"{where}: {said} is not supported; llmtrace runs the LLaMA family: model_type "
+                        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} ({', '.join(SUPPORTED_HF_ARCHS)})")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -23,12 +40,7 @@ SUPPORTED_HF_ARCHS = {
 
 
 def config_from_hf(cfg: dict, where: str) -> ModelConfig:
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else cfg.get("model_type", "unknown")
-    if arch not in SUPPORTED_HF_ARCHS:
-        names = ", ".join(SUPPORTED_HF_ARCHS)
-        raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs the LLaMA family: {names})")
-    kind = SUPPORTED_HF_ARCHS[arch]
+    kind = hf_family(cfg, where)
     if cfg.get("mlp_bias"):
         raise LlmtraceError(f"{where}: mlp_bias = true is not supported")
     try:

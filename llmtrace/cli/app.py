@@ -1,5 +1,7 @@
 """The typer application that every command registers on."""
 
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(
@@ -15,7 +17,30 @@ app = typer.Typer(
         "  llmtrace generate \"Hi\" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB"
     ),
     no_args_is_help=True,
+    # help uses the terminal's width (or $COLUMNS) up to 200 columns; click's default stops at 80
+    context_settings={"max_content_width": 200},
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+# generate, explain and lens end the hold of Ctrl-C themselves, once their imports are done and their outputs can be
+# finished; every other command is interruptible from its start (llmtrace/sigint.py).
+RELEASE_CTRL_C_THEMSELVES = ("generate", "explain", "lens")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from llmtrace.version import __version__
+
+        print(f"llmtrace {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _start(ctx: typer.Context, version: Annotated[bool, typer.Option(
+        "--version", help="Print llmtrace's version and exit.", is_eager=True, callback=_print_version)] = False) -> None:
+    from llmtrace import sigint
+
+    if ctx.invoked_subcommand not in RELEASE_CTRL_C_THEMSELVES:
+        sigint.release()

@@ -16,6 +16,7 @@ from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, re
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
+from llmtrace import sigint
 from llmtrace.console import make_console
 from llmtrace.render.explain import render_explain, render_lens
 
@@ -96,6 +97,7 @@ def explain(
     options = ExplainOptions(layer=layer, head=head, top=top, chat=chat, system=system, row=row)
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
+    _release()
     model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads))
     _output(model_.explain_with(prompts, options), render_explain, jsonl, json_out, html)
 
@@ -133,8 +135,18 @@ def lens(
     options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row)
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
+    _release()
     model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads))
     _output(model_.lens_with(prompts, options), render_lens, jsonl, json_out, html)
+
+
+def _release() -> None:
+    """Everything the run needs imported while Ctrl-C is held (llmtrace/sigint.py); interruptible from here on."""
+    import llmtrace.api  # noqa: F401
+    import llmtrace.checkpoint.load  # noqa: F401
+    import llmtrace.run.explain  # noqa: F401
+
+    sigint.release()
 
 
 def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None) -> None:

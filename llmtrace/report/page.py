@@ -41,8 +41,11 @@ def e(x: Any) -> str:
 
 
 def visible(text: str) -> str:
-    """A token's text with its whitespace made visible."""
-    return (text.replace(" ", "␣").replace("\n", "↵").replace("\t", "⇥").replace("\r", "␍")) or "∅"
+    """A token's text as the terminal shows it (▁ for a space, \\n, <U+00A0>: tokens.token_facts.visible_text); ∅ when
+    empty."""
+    from llmtrace.tokens.token_facts import visible_text
+
+    return visible_text(text.encode("utf-8", errors="surrogatepass")) or "∅"
 
 
 def num(x: Any, digits: int = 4) -> str:
@@ -62,8 +65,48 @@ def size(n: Optional[float]) -> str:
     return f"{int(n)} B"
 
 
-def missing(what: str, flags: str) -> str:
-    return f'<p class="missing">Not in this trace: {e(what)}. To record it: <code>{e(flags)}</code>.</p>'
+def fill_command(d: dict, command: str) -> str:
+    """The exact command that records what this trace lacks, for its prompt and model: `generate` (steps, per-layer
+    statistics, attention, the KV cache, the residual stream), `lens` or `explain`."""
+    import shlex
+
+    from llmtrace.registry.models_toml import default_model, load_registry
+
+    r = d["run"]
+    prompt = "PROMPT --chat" if r["chat"] else shlex.quote(r["prompt"])  # a chat trace keeps only the templated text
+    name = r["model"]["name"]
+    try:
+        known = name in load_registry()
+    except Exception:  # a broken user models.toml must not stop a report
+        known = False
+    # a model loaded from a file or a directory is named by its file's stem in the trace, not by its path
+    model = "" if name == default_model() else f" -m {shlex.quote(name)}" if known else " -m MODEL_PATH"
+    if command == "lens":
+        return f"llmtrace lens {prompt}{model} --positions all --html lens.html"
+    if command == "explain":
+        return f"llmtrace explain {prompt}{model} --layer 0 --html explain.html"
+    layers = r["layer"] if r.get("layer") is not None else "0,-1"
+    return f"llmtrace generate {prompt}{model} -n 8 --trace full --layers {layers} --html report.html"
+
+
+def missing(d: dict, what: str, flags: Optional[str] = None, command: str = "generate") -> str:
+    """What this trace lacks. A generate page says so where the section stands, with generate's own `flags` or the
+    exact command of another (`command`); an explain or lens page leads with what it has and collects what it
+    lacks for the one note at its end (`render`), each with the exact command that records it."""
+    how = flags if flags and command == d["kind"] == "generate" else fill_command(d, command)
+    if d["kind"] != "generate":
+        d["lacking"].append((what, fill_command(d, command)))
+        return ""
+    return f'<p class="missing">Not in this trace: {e(what)}. To record it: <code>{e(how)}</code>.</p>'
+
+
+def lacking_note(d: dict) -> str:
+    """The explain and lens pages' closing note: what the trace lacks, grouped by the command that records it."""
+    by: dict[str, list[str]] = {}
+    for what, command in d["lacking"]:
+        by.setdefault(command, []).append(what)
+    items = "".join(f'<li>{e(", ".join(whats))}: <code>{e(command)}</code></li>' for command, whats in by.items())
+    return f'<p>This page shows what <code>llmtrace {e(d["kind"])}</code> records. Not in this trace:</p><ul>{items}</ul>'
 
 
 def _asset(name: str) -> str:
@@ -98,7 +141,7 @@ def section_run(d: dict) -> str:
         mode = "greedy (argmax)" if s.get("greedy") else "sampling"
         rows.append(("sampling", f'{mode}; temperature {s.get("temperature")}, top-k {s.get("top_k")}, top-p '
                                  f'{s.get("top_p")}, min-p {s.get("min_p")}, typical-p {s.get("typical_p")}; '
-                                 f'active stages: {on}; seed {s.get("seed")}'))
+                                 f'active stages: {on}' + ("" if s.get("greedy") else f'; seed {s.get("seed")}')))
         rows.append(("stage order", " → ".join(s.get("order") or [])))
         from llmtrace.render.generate import llama_cpp_settings
 
@@ -124,6 +167,10 @@ def section_run(d: dict) -> str:
     return f'{prompt}{out}<table class="facts">{body}</table>'
 
 
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def _shape(s: Optional[list]) -> str:
     return "[" + ", ".join(map(str, s)) + "]" if s is not None else "not recorded"
 
@@ -135,6 +182,12 @@ def section_pipeline(d: dict) -> str:
         detail = ""
         if "shape" in st:
             detail = _shape(st["shape"])
+        elif st["id"] == "s3" and st.get("padding"):
+            pad = st["padding"]
+            real = pad["slots"] - pad["pad_slots"]
+            detail = (f'causal + padding: this row is {plural(pad["pad_slots"], "pad slot")} then '
+                      f'{plural(real, "token")}, {pad["slots"]} slots like every row of the batch (the shapes below '
+                      f'are the padded ones)')
         elif st["id"] == "s3":
             detail = "causal" + (f', {st["masked"]:,} scores masked' if st.get("masked") is not None else "")
         elif "sampler" in st:
@@ -149,7 +202,7 @@ def section_pipeline(d: dict) -> str:
             "prefill has T. Select a stage to see its statistics per layer at the chosen step.</p>")
     panel = '<div id="stage-panel" class="panel" aria-live="polite"><p>Select a stage.</p></div>'
     if not d["tensors"]["points"]:
-        panel = missing("per-layer statistics", "--trace full") + panel
+        panel = missing(d, "per-layer statistics", "--trace full") + panel
     return f'{note}<ol class="pipeline">{"".join(items)}</ol>{panel}'
 
 
@@ -159,7 +212,7 @@ def chip(t: dict) -> str:
     style = f' style="background:{colour(p)};color:{ink(p)}"' if gen else ""
     bytes_ = " ".join(f"{b:02x}" for b in t["bytes"])
     label = (f'{"generated at step " + str(t["step"]) if gen else "prompt"} token {t["index"]}: id {t["id"]}, '
-             f'piece {t["piece"]!r}, bytes {bytes_}' + (f", p = {p:.4g}" if p is not None else ""))
+             f'vocabulary piece {t["piece"]!r}, bytes {bytes_}' + (f", p = {p:.4g}" if p is not None else ""))
     attrs = f' data-step="{t["step"]}"' if gen else ""
     cls = "chip gen" if gen else "chip"
     if t["special"]:
@@ -184,7 +237,7 @@ def section_tokens(d: dict) -> str:
     toks = d["tokens"]
     prompt = [t for t in toks if t["step"] is None]
     gen = [t for t in toks if t["step"] is not None]
-    out = [f'<p>{len(prompt)} prompt tokens' + (f' and {len(gen)} generated tokens, coloured by the probability the '
+    out = [f'<p>{plural(len(prompt), "prompt token")}' + (f' and {plural(len(gen), "generated token")}, coloured by the probability the '
                                                 f'model gave each one (before the sampler). {legend()}' if gen else ".")
            + ' Each chip shows the text, the id and the UTF-8 bytes. Select a generated token to choose its step.</p>',
            '<div class="chips" id="chips">', "".join(chip(t) for t in toks), "</div>"]
@@ -197,7 +250,7 @@ def section_tokens(d: dict) -> str:
     default = max(range(len(words)), key=lambda i: len(words[i]["steps"]))
     buttons = "".join(f'<button class="word" data-word="{i}" aria-pressed="{str(i == default).lower()}">'
                       f'{e(visible(w["text"]))}</button>' for i, w in enumerate(words))
-    out.append(f'<p>Each word starts as single bytes (shown as the byte-level alphabet: Ġ is a space); the pair with '
+    out.append(f'<p>Each word starts as single bytes (▁ is a space, as everywhere on this page); the pair with '
                f'the lowest merge rank is glued again and again until no pair is in the merge table.</p>'
                f'<div class="words" role="group" aria-label="words">{buttons}</div>')
     for i, w in enumerate(words):
@@ -280,7 +333,7 @@ def funnel(step: dict, vocab: int) -> str:
 def section_steps(d: dict) -> str:
     steps = d["steps"]
     if not steps:
-        return missing("generation steps", "llmtrace generate PROMPT --html report.html")
+        return missing(d, "generation steps") or None
     vocab = d["run"]["model"]["vocab_size"]
     panels = []
     for i, s in enumerate(steps):
@@ -288,7 +341,7 @@ def section_steps(d: dict) -> str:
         title = (f'Step {s["step"]} ({s["phase"]}, position {s["position"]}): chose '
                  f'<b>{e(visible(s["token"]["text"]))}</b> (id {s["token"]["id"]}) · {num(s["ms"])} ms')
         if s["topk"] is None:
-            body = missing("top-k and sampler ledger", "--trace steps (or deeper)")
+            body = missing(d, "top-k and sampler ledger", "--trace steps (or deeper)")
         else:
             body = f'<div class="two"><div>{topk_svg(s)}</div><div>{funnel(s, vocab)}</div></div>'
         panels.append(f'<div class="step-panel" data-step="{s["step"]}"{hidden}><h3>{title}</h3>{body}</div>')
@@ -329,12 +382,53 @@ def overview(a: dict) -> str:
             f'to open it above.</p>{"".join(rows)}')
 
 
+HEATMAP_PX = 480  # the canvas's side; report.js draws B cells of floor(480 / B) pixels each way
+LABEL_PX = 11  # the least pixels a label needs across its line: rows (and columns) narrower than this share one
+
+
+def heatmap_axes(d: dict) -> str:
+    """The heatmap's canvas with its axes labelled in SVG (readable before any script runs): keys along the top,
+    queries down the left. Each row and column is a position (its token, made visible) where a label fits the cell;
+    where cells are too small, or a cell is a bin of several positions, every k-th cell is labelled with its
+    positions instead ("16–31")."""
+    bins = d["attention"]["bins"]
+    tokens = d["tokens"]
+    B = len(bins)
+    cell = max(1, HEATMAP_PX // B)
+    size = cell * B
+    single = all(b1 - b0 == 1 for b0, b1 in bins)
+    every = 1 if cell >= LABEL_PX else -(-LABEL_PX // cell)
+
+    def text(i: int) -> str:  # a label covers its cell and the unlabelled ones after it, up to the next label
+        b0, b1 = bins[i][0], bins[min(i + every, B) - 1][1]
+        if single and every == 1:
+            t = visible(tokens[b0]["text"]) if b0 < len(tokens) else ""
+            return f"{b0} {t[:9] + '…' if len(t) > 10 else t}"
+        return str(b0) if b1 - b0 == 1 else f"{b0}–{b1 - 1}"
+
+    marks = range(0, B, every)
+    side = 96
+    left = "".join(f'<text x="{side - 4}" y="{(i + 0.5) * cell + 4:.1f}" text-anchor="end" class="cap">{e(text(i))}</text>'
+                   for i in marks)
+    top = "".join(f'<text transform="translate({(i + 0.5) * cell + 4:.1f},{side - 4}) rotate(-60)" class="cap">'
+                  f'{e(text(i))}</text>' for i in marks)
+    what = "tokens" if single and every == 1 else "positions"
+    return (f'<div class="att-axes" style="grid-template-columns:{side}px {size + 2}px" '
+            f'aria-label="keys and queries labelled by {e(what)}">'
+            f'<span class="att-corner cap">query ↓ · key →</span>'
+            f'<svg class="att-keys" width="{size + 2}" height="{side}" viewBox="-1 0 {size + 2} {side}">{top}</svg>'
+            f'<svg class="att-queries" width="{side}" height="{size + 2}" viewBox="0 -1 {side} {size + 2}">{left}</svg>'
+            f'<canvas id="att-canvas" width="{size}" height="{size}" tabindex="0" role="img" '
+            f'aria-label="attention heatmap; arrow keys move the cursor"></canvas></div>')
+
+
 def section_attention(d: dict) -> str:
     a = d["attention"]
     gqa = f'<p>Grouped-query attention: the query heads above share the KV head below them.</p>{gqa_svg(d)}'
     if not a["maps"]:
-        return missing("attention probabilities",
-                       "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs") + gqa
+        note = missing(d, "attention probabilities",
+                       "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs")
+        return note + gqa if note else None
     layer_opts = "".join(f'<option value="{l}">layer {l}</option>' for l in a["layers"])
     head_opts = "".join(f'<option value="{i}">{"head " + str(h) if h != "mean" else "mean over heads"}</option>'
                         for i, h in enumerate(a["heads"]))
@@ -352,8 +446,7 @@ def section_attention(d: dict) -> str:
             f'<label>scale <select id="att-scale"><option value="log">log</option><option value="linear">linear</option>'
             f'<option value="rank">rank per row</option></select></label> <span class="legend"><span id="att-lo"></span> '
             f'{ramp()} <span id="att-hi"></span></span></div>'
-            f'<div class="att"><canvas id="att-canvas" width="480" height="480" tabindex="0" role="img" '
-            f'aria-label="attention heatmap; arrow keys move the cursor"></canvas>'
+            f'<div class="att">{heatmap_axes(d)}'
             f'<div><p id="att-readout" aria-live="polite">The heatmap needs JavaScript.</p>{gqa}</div></div>'
             f'{overview(a)}')
 
@@ -361,7 +454,7 @@ def section_attention(d: dict) -> str:
 def section_lens(d: dict) -> str:
     lens = d["lens"]
     if lens is None:
-        return missing("the logit lens", "llmtrace lens PROMPT --positions all --html lens.html")
+        return missing(d, "the logit lens", command="lens") or None
     pos = lens["positions"]
     head = "".join(f'<th scope=col>{p}<br><span class="tok">{e(visible(lens["pieces"].get(str(p), "")))}</span></th>'
                    for p in pos)
@@ -388,8 +481,10 @@ def section_lens(d: dict) -> str:
 
 
 def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel: str, ylabel: str, *,
-               marker: bool = False, dots: bool = False, w: int = 560, h: int = 240, ylog: bool = False, fmt=num) -> str:
-    """A small SVG line chart: series of (class, points, title)."""
+               marker: bool = False, dots: bool = False, w: int = 560, h: int = 240, ylog: bool = False, fmt=num,
+               join: Optional[float] = None) -> str:
+    """A small SVG line chart: series of (class, points, title). `join`: points further apart in x than this are not
+    joined by a line (a line would show values between them that were never recorded); their dots are drawn."""
     xs = [x for _, pts, _ in series for x, _ in pts]
     ys = [y for _, pts, _ in series for _, y in pts]
     if not xs:
@@ -414,8 +509,17 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel:
     out.append(f'<text x="{(L + w - R) / 2:.0f}" y="{h - 4}" text-anchor="middle" class="cap">{e(xlabel)}</text>')
     out.append(f'<text x="{L - 60}" y="12" class="cap">{e(ylabel)}</text>')
     for cls, pts, title in series:
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-        out.append(f'<polyline points="{path}" class="{cls}" fill="none"><title>{e(title)}</title></polyline>')
+        runs: list[list[tuple[float, float]]] = []
+        for x, y in pts:
+            if runs and (join is None or x - runs[-1][-1][0] <= join):
+                runs[-1].append((x, y))
+            else:
+                runs.append([(x, y)])
+        for run in runs:
+            if len(run) > 1:
+                path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in run)
+                out.append(f'<polyline points="{path}" class="{cls}" fill="none"><title>{e(title)}</title></polyline>')
+        dots = dots or any(len(run) == 1 for run in runs)
         if dots:
             out.extend(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" class="{cls}"><title>{e(title)}: {e(fmt(y))}'
                        f'</title></circle>' for x, y in pts)
@@ -428,7 +532,7 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel:
 def section_kv(d: dict) -> str:
     kv = d["kv"]
     if kv is None:
-        return missing("the KV cache per step", "llmtrace generate PROMPT --html report.html")
+        return missing(d, "the KV cache per step") or None
     m = d["run"]["model"]
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
@@ -457,7 +561,7 @@ def section_kv(d: dict) -> str:
 def section_residual(d: dict) -> str:
     r = d["residual"]
     if r is None:
-        return missing("the residual stream per layer", "--trace layers or --trace full")
+        return missing(d, "the residual stream per layer", "--trace layers or --trace full") or None
     xs = r["layers"]
     series = []
     for step in r["steps"]:
@@ -465,24 +569,25 @@ def section_residual(d: dict) -> str:
         pts = ([(-1, n["embed"])] if "embed" in n else []) + [(l, n[str(l)]) for l in xs if str(l) in n]
         series.append((f"resid s{step}", pts, f"step {step}"))
     chart = line_chart(series, "layer (−1: the embedding)", "‖x‖ per token", fmt=lambda y: f"{y:.4g}",
-                       dots=len(xs) < 40)
+                       dots=len(xs) < 40, join=1)  # only neighbouring layers are joined: nothing drawn is unrecorded
     n_layers = d["run"]["model"]["n_layers"]
-    more = (f' Only layers {", ".join(map(str, xs))} of {n_layers} were recorded; <code>--trace layers</code> without '
-            f'<code>--layers</code> records them all.' if len(xs) < n_layers else "")
+    more = (f' Only layers {", ".join(map(str, xs))} of {n_layers} were recorded, so only neighbouring layers are '
+            f'joined by a line; <code>--trace layers</code> without <code>--layers</code> records them all.'
+            if len(xs) < n_layers else "")
     return (f'<p>The norm of the residual stream after every recorded layer, one line per step; the chosen step is '
             f'drawn bold. For the prefill (many tokens at once) it is the root mean square of the per-token '
             f'norms.{more}</p>{chart}')
 
 
 SECTIONS = (
-    ("run", "1 · The run", section_run),
-    ("pipeline", "2 · The pipeline s1–s12", section_pipeline),
-    ("tokens", "3 · Tokens", section_tokens),
-    ("steps", "4 · Each step: top-k and the sampler", section_steps),
-    ("attention", "5 · Attention", section_attention),
-    ("lens", "6 · Logit lens", section_lens),
-    ("kv", "7 · The KV cache", section_kv),
-    ("residual", "8 · The residual stream", section_residual),
+    ("run", "The run", section_run),
+    ("pipeline", "The pipeline s1–s12", section_pipeline),
+    ("tokens", "Tokens", section_tokens),
+    ("steps", "Each step: top-k and the sampler", section_steps),
+    ("attention", "Attention", section_attention),
+    ("lens", "Logit lens", section_lens),
+    ("kv", "The KV cache", section_kv),
+    ("residual", "The residual stream", section_residual),
 )
 
 
@@ -497,11 +602,20 @@ def step_bar(d: dict) -> str:
 
 
 def render(d: dict) -> str:
-    """The whole page as one string."""
+    """The whole page as one string. A section a trace has nothing for (None) is left out: an explain or lens page
+    leads with what it has and ends with one note on what it lacks (`lacking_note`); a generate page keeps every
+    section and says in place what is missing."""
+    d = dict(d, lacking=[], fill=None)
+    d["fill"] = fill_command(d, "generate")  # report.js names it where a stage has no statistics
     title = f'llmtrace report · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}'
-    nav = " ".join(f'<a href="#{sid}">{e(name.split(" · ")[1])}</a>' for sid, name, _ in SECTIONS)
-    body = "".join(f'<section id="{sid}" aria-labelledby="{sid}-h"><h2 id="{sid}-h">{e(name)}</h2>{fn(d)}</section>'
-                   for sid, name, fn in SECTIONS)
+    shown = [(sid, name, html) for sid, name, fn in SECTIONS if (html := fn(d)) is not None]
+    if d["lacking"]:
+        shown.append(("lacking", "Not in this trace", lacking_note(d)))
+    shown = [(sid, f"{i} · {name}", html) for i, (sid, name, html) in enumerate(shown, 1)]
+    nav = " ".join(f'<a href="#{sid}">{e(name.split(" · ")[1])}</a>' for sid, name, _ in shown)
+    body = "".join(f'<section id="{sid}" aria-labelledby="{sid}-h"><h2 id="{sid}-h">{e(name)}</h2>{html}</section>'
+                   for sid, name, html in shown)
+    del d["lacking"]
     data = json.dumps(d, ensure_ascii=False, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'

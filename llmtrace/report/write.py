@@ -21,9 +21,17 @@ def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[
     try:
         from llmtrace.tokens.bpe import trace_merges
 
-        return [w.to_dict() for w in trace_merges(tokenizer, prompt, max_words=MAX_MERGE_WORDS)], None
+        words = [w.to_dict() for w in trace_merges(tokenizer, prompt, max_words=MAX_MERGE_WORDS)]
     except Exception as e:  # a tokenizer without a merge table (not BPE): the section says so, the page is still made
         return None, f"the merge story is not available for this tokenizer ({' '.join(str(e).split())[:120]})"
+    # the pieces as the reader sees them everywhere else (▁ for a space), not in the vocabulary's own alphabet (Ġ)
+    for w in words:
+        w["start"] = [tokenizer.visible(p) for p in w["start"]]
+        for step in w["steps"]:
+            step["pieces"] = [tokenizer.visible(p) for p in step["pieces"]]
+            step["pair"] = [tokenizer.visible(p) for p in step["pair"]]
+        w["final"] = [tokenizer.visible(p) for p in w["final"]]
+    return words, None
 
 
 def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0) -> str:

@@ -582,7 +582,8 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
     head = resolve_head(head, c.n_heads)
     cap = capture(lm.model, ids, layer)
     events = [{"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
-               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids)},
+               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
+               "threads": torch.get_num_threads()},
               tokens_event(lm.tokenizer, ids)]
     events += tensor_events(cap)
     events.append(layer_section(lm.model, layer, len(ids)))
@@ -605,7 +606,8 @@ def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[
     cap = capture(lm.model, ids, None)
     events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
                "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
-               "positions": positions, "layers": layers if layers is not None else list(range(lm.config.n_layers))},
+               "threads": torch.get_num_threads(), "positions": positions,
+               "layers": layers if layers is not None else list(range(lm.config.n_layers))},
               tokens_event(lm.tokenizer, ids)]
     return events + lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)
 

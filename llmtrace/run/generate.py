@@ -67,7 +67,7 @@ class GenerationResult:
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = "max_tokens"  # "eos", "stop_text", "max_tokens" (also for a prefill-only run) or "interrupted"
+    stop_reason: str = "max_tokens"  # "eos", "stop_text", "max_tokens" (also prefill-only), "context" or "interrupted"
     interrupted: bool = False
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -124,8 +124,9 @@ class TextStream:
 
 
 def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
-    """Refuse prompts that do not fit; shorten max_new_tokens to what the context window leaves. A prompt of the whole
-    window can be prefilled (-n 0, explain, lens: max_new_tokens 0) but leaves no room to generate."""
+    """Refuse prompts that do not fit; return the tokens the context window leaves room for, at most max_new_tokens
+    (fewer: the run stops with stop reason "context"). A prompt of the whole window can be prefilled (-n 0, explain,
+    lens: max_new_tokens 0) but leaves no room to generate."""
     ctx = lm.config.max_seq_len
     if n_prompt == 0:
         raise LlmtraceError("the prompt is empty (it encodes to zero tokens); give some text")
@@ -135,18 +136,34 @@ def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
     return min(max_new_tokens, ctx - n_prompt)
 
 
-def check_batch_context(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
-    """Refuse a batch whose padded length plus max_new_tokens does not fit the context window (one line). Unlike a
-    single prompt, a batch is not shortened: its rows would get fewer tokens than asked without saying so."""
-    ctx = lm.config.max_seq_len
+def check_batch_context(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[int]:
+    """check_context for each row of a batch (the message names the row); returns each row's room, as check_context.
+    A row's positions count its own tokens only (its pad slots are not positions), so each row stops at the context
+    window on its own, as it would alone."""
+    limits = []
     for r, p in enumerate(prompts):
-        if not p:
-            raise LlmtraceError(f"prompt {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
-    T = max(len(p) for p in prompts)
-    if T + max_new_tokens > ctx:
-        raise LlmtraceError(f"the batch is padded to {T} tokens and -n {max_new_tokens} asks for {T + max_new_tokens} "
-                            f"slots, but the context window of {lm.name} is {ctx} tokens; shorten the longest prompt "
-                            f"or lower -n")
+        try:
+            limits.append(check_context(lm, len(p), max_new_tokens))
+        except LlmtraceError as e:
+            if len(prompts) == 1:
+                raise
+            raise LlmtraceError(f"prompt {r + 1} of the batch: {e}") from None
+    return limits
+
+
+def context_note(lm: LoadedModel, prompt_lengths: list[int], max_new_tokens: int) -> Optional[str]:
+    """One line saying which runs the context window cuts short of max_new_tokens (None when none is): a prompt of
+    8,189 tokens in a window of 8,192 gets 3 tokens, not -n 8."""
+    ctx = lm.config.max_seq_len
+    cut = [(r, ctx - n) for r, n in enumerate(prompt_lengths) if 0 <= ctx - n < max_new_tokens]
+    if not cut:
+        return None
+    if len(prompt_lengths) == 1:
+        return (f"the prompt has {prompt_lengths[0]:,} tokens and the context window of {lm.name} is {ctx:,}: "
+                f"{cut[0][1]:,} tokens fit, not {max_new_tokens:,} (stop reason: context)")
+    rows = ", ".join(f"row {r}: {room:,}" for r, room in cut)
+    return (f"the context window of {lm.name} ({ctx:,} tokens) leaves fewer than {max_new_tokens:,} tokens to "
+            f"{len(cut)} of {len(prompt_lengths)} rows ({rows}); they stop there (stop reason: context)")
 
 
 def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> CompiledDecode:
@@ -320,8 +337,8 @@ def generate(
 
     `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
     prefill-only run: the observer gets `on_prediction` (what the model would predict next) and no token is taken.
-    A prompt that leaves less room in the context window than max_new_tokens gets what is left."""
-    max_new_tokens = check_context(lm, len(prompt_ids), max_new_tokens)
+    A prompt that leaves less room in the context window than max_new_tokens gets what is left, and stops with
+    stop reason "context"."""
     return _generate(lm, [list(prompt_ids)], [sampler], max_new_tokens, stop_texts, ignore_eos, observer,
                      on_prefill_progress, batched=False, on_text=on_text, compiled=compiled).rows[0]
 
@@ -344,8 +361,7 @@ def generate_batch(
     samplers[r] (its own seed and history). A row stops at its own EOS, stop text or limit; after that it is fed
     the pad id at slots its mask hides, and it reports nothing more. The observer (a GenerationObserver with
     `on_batch`) gets `on_start` with row 0's prompt and all rows, `on_batch(layout)`, then each row's StepRecord
-    with `row` set. A batch that does not fit the context window is refused (check_batch_context)."""
-    check_batch_context(lm, prompts, max_new_tokens)
+    with `row` set. Each row stops at the context window as it would alone (stop reason "context")."""
     return _generate(lm, prompts, samplers, max_new_tokens, stop_texts, ignore_eos, observer, on_prefill_progress,
                      batched=True)
 
@@ -362,6 +378,9 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
     pads = [T - len(p) for p in prompts]  # a row's position is its slot less its pad slots
     padded = any(pads)
     rows = [GenerationResult(prompt_ids=list(p)) for p in prompts]
+    requested = max_new_tokens
+    limits = check_batch_context(lm, prompts, requested)  # each row's room: -n, or less near the context window
+    max_new_tokens = max(limits)
     result = BatchResult(layout=layout, rows=rows)
     eos = set() if ignore_eos else set(tok.eos_ids)
     want_ledger = observer is not None and observer.wants_ledger()
@@ -446,8 +465,10 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
                         else:
                             if on_text is not None and piece:
                                 emitted = _stream(on_text, streams[r].text, emitted, stop_texts)
-                            if len(rows[r].tokens) < max_new_tokens:
+                            if len(rows[r].tokens) < limits[r]:
                                 continue
+                            if limits[r] < requested:
+                                rows[r].stop_reason = "context"
                         live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
                 if not live:
                     break

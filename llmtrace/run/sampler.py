@@ -37,9 +37,22 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-import torch
-
 from llmtrace.errors import BadValue, LlmtraceError
+
+
+class _Torch:
+    """torch, imported when a stage first runs: the CLI checks sampler settings (SamplerConfig.validate, parse_order,
+    parse_logit_bias) before it imports torch, so that a usage error is said at once, not after 2-3 s of `import
+    torch`. The first attribute looked up replaces this stand-in by the module itself."""
+
+    def __getattr__(self, name: str):
+        import torch as module
+
+        globals()["torch"] = module
+        return getattr(module, name)
+
+
+torch = _Torch()
 
 NEG_INF = float("-inf")
 
@@ -146,7 +159,9 @@ class SamplerConfig:
     def validate(self, vocab_size: int) -> None:
         """Raise BadValue, naming the field, for the first out-of-range setting."""
         t = self.temperature
-        if not math.isfinite(t) or t < 0:
+        if not math.isfinite(t):
+            raise BadValue("temperature", f" must be a finite number >= 0 (0 = greedy), got {t}")
+        if t < 0:
             raise BadValue("temperature", f" must be >= 0 (0 = greedy), got {t}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise BadValue("top_k", f" must be an integer >= 0 (0 = off), got {self.top_k}")
@@ -158,7 +173,7 @@ class SamplerConfig:
             raise BadValue("typical_p", f" must be in (0, 1], got {self.typical_p}")
         r = self.repetition_penalty
         if not math.isfinite(r) or r <= 0:
-            raise BadValue("repetition_penalty", f" must be > 0 (1 = off), got {r}")
+            raise BadValue("repetition_penalty", f" must be a finite number > 0 (1 = off), got {r}")
         penalties = {"frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty}
         for name, value in penalties.items():
             if not math.isfinite(value):

@@ -4,6 +4,7 @@ multi-byte character, when BPE cut one apart), whether it is special; and whites
 from __future__ import annotations
 
 import bisect
+import unicodedata
 from dataclasses import dataclass
 
 
@@ -76,9 +77,17 @@ class TokenInfo:
         }
 
 
+def invisible(ch: str) -> bool:
+    """A character a reader cannot see or tell from a space: other spaces (U+00A0, U+2009, U+3000), line and paragraph
+    separators, format characters (zero-width space U+200B, joiners, U+FEFF, the soft hyphen), private-use and
+    unassigned code points, and C1 controls."""
+    return ch != " " and unicodedata.category(ch) in ("Zs", "Zl", "Zp", "Cf", "Cc", "Co", "Cn")
+
+
 def visible_text(data: bytes) -> str:
-    """Bytes as text a reader can see: ' ' → '▁', '\\n' → '\\\\n', '\\t' → '\\\\t', other control characters as
-    '\\\\xNN', and bytes that are not (yet) a whole UTF-8 character as '<e4 bd>'."""
+    """Bytes as text a reader can see: ' ' → '▁', '\\n' → '\\\\n', '\\t' → '\\\\t', other control characters below
+    0x80 as '\\\\xNN', every other invisible character (`invisible`) as '<U+00A0>', and bytes that are not (yet) a
+    whole UTF-8 character as '<e4 bd>'. (The same rules, in the report's script: `vis` in report/assets/report.js.)"""
     out: list[str] = []
     raw: list[int] = []
     for ch in data.decode("utf-8", errors="surrogateescape"):
@@ -98,6 +107,8 @@ def visible_text(data: bytes) -> str:
             out.append("\\r")
         elif ord(ch) < 0x20 or ord(ch) == 0x7F:
             out.append(f"\\x{ord(ch):02x}")
+        elif invisible(ch):
+            out.append(f"<U+{ord(ch):04X}>")
         else:
             out.append(ch)
     if raw:

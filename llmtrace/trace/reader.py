@@ -94,8 +94,11 @@ def _stream_events(lines: list[bytes], name: str, ends_cleanly: bool, warn: Call
                 raise LlmtraceError(f"{name}: no complete event (line {i + 1} {how})")
             warn(f"{where} {how}; showing the {len(events)} complete event{'s' if len(events) != 1 else ''} "
                  f"before it")
-            break
+            return events
         events.append(_checked(ev, where))
+    if events[0]["event"] == "run" and events[-1]["event"] != "summary":  # generate's stream ends with its summary
+        warn(f"{name} ends after {len(events)} event{'s' if len(events) != 1 else ''} without a summary: the trace is "
+             f"incomplete (the run was killed, or the file was cut); showing what it has")
     return events
 
 

@@ -61,8 +61,11 @@ class JsonlSink:
             if self._fd is None:
                 self._fd = self._open()
             data = memoryview(text.encode("utf-8"))
-            while data:  # one call writes it all, but a write may legally stop short
-                data = data[os.write(self._fd, data):]
+            try:
+                while data:  # one call writes it all, but a write may legally stop short
+                    data = data[os.write(self._fd, data):]
+            except OSError as e:  # a full disk (/dev/full), a lost mount: say which file
+                raise LlmtraceError(f"cannot write {self.target}: {e.strerror}") from None
 
     def _open(self) -> int:
         try:  # through a symlink, and in place for a device or a pipe (/dev/null, a FIFO)

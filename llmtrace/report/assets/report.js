@@ -12,7 +12,19 @@
     const i = Math.min(Math.floor(x), PAL.length - 2), f = x - i;
     return [0, 1, 2].map((k) => Math.round(PAL[i][k] * (1 - f) + PAL[i + 1][k] * f));
   }
-  function vis(t) { return (t || "").replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u2205"; }
+  // a token's text as the terminal shows it (tokens/token_facts.py visible_text): ▁ a space, \n \t \r, \xNN a
+  // control character, <U+00A0> any other invisible one; ∅ when empty
+  function vis(t) {
+    return (t || "").replace(/[\p{Zs}\p{Zl}\p{Zp}\p{Cf}\p{Cc}\p{Co}\p{Cn}]/gu, (c) => {
+      const n = c.codePointAt(0);
+      if (c === " ") return "\u2581";
+      if (c === "\n") return "\\n";
+      if (c === "\t") return "\\t";
+      if (c === "\r") return "\\r";
+      if (n < 0x20 || n === 0x7f) return "\\x" + n.toString(16).padStart(2, "0");
+      return "<U+" + n.toString(16).toUpperCase().padStart(4, "0") + ">";
+    }) || "\u2205";
+  }
   function fmt(x, d) { return x === null || x === undefined ? "\u2014" : Number(x).toPrecision(d || 4); }
   function esc(s) { const t = document.createElement("span"); t.textContent = s; return t.innerHTML; }
 
@@ -71,14 +83,16 @@
     let html = "<h3>" + esc(st.id + " " + st.title) + "</h3>";
     if (st.sampler) {
       html += "<p>Stages in this group, in the order run: " + esc(st.sampler.join(" \u2192 ") || "none") +
-        ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel in section 4.</p>";
+        ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel under \u201cEach step\u201d.</p>";
     }
     if (st.id === "s1" || st.id === "s2") {
-      html += "<p>" + D.tokens.filter((t) => t.step === null).length + " prompt tokens: see section 3.</p>";
+      const n = D.tokens.filter((t) => t.step === null).length;
+      html += "<p>" + n + (n === 1 ? " prompt token" : " prompt tokens") + ": see Tokens.</p>";
     }
     const names = st.points.map((p) => p.name).filter((n) => pts[n]);
     if (!st.sampler && st.points.length && !names.length) {
-      html += "<p class=\"missing\">No statistics of these points in this trace. To record them: <code>--trace full</code> (with <code>--layers</code> to choose layers).</p>";
+      html += "<p class=\"missing\">No statistics of these points in this trace. To record them: <code>" +
+        (D.kind === "generate" ? "--trace full</code> (with <code>--layers</code> to choose layers)" : esc(D.fill) + "</code>") + ".</p>";
     }
     if (names.length && at !== want && at !== null) html += "<p class=\"note\">Statistics of step " + at + " (the nearest step kept).</p>";
     names.forEach((n) => {
