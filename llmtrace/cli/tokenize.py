@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import JsonlOpt, JsonOpt, ModelOpt, check_outputs, write_output
+from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.render.tokenize import highlight_specials, merge_lines, quoted, summary_line, token_table
