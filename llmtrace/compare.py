@@ -277,12 +277,7 @@ class CompareResult:
                 "model_points": self.model_points, "notes": self.notes}
 
     def to_jsonl_events(self) -> list[dict]:
-        """The same content as events, one JSON object per line: "compare" (everything but the layers and
-        positions), one "compare_layer" per layer, one "compare_position" per position."""
-        doc = self.to_json()
-        head = {"event": "compare"} | {k: v for k, v in doc.items() if k not in ("layers", "positions")}
-        return ([head] + [{"event": "compare_layer"} | lay for lay in self.layers]
-                + [{"event": "compare_position"} | p for p in self.positions])
+        return jsonl_events(self.to_json())
 
     def save(self, path: Union[str, Path]) -> None:
         """The JSON object to `path`, written whole or not at all."""
@@ -298,32 +293,21 @@ class CompareResult:
 
     def summary_line(self) -> str:
         """The answer in one line: where the runs part, or that they do not."""
-        fd = self.first_divergence
-        tol = f"{self.tolerance:g}"
-        if fd is None:
-            worst = "identical" if self.max_rel_err_before == 0 else f"largest rel. error {self.max_rel_err_before:.1e}"
-            return f"runs agree within {tol} at every point and position ({worst})"
-        where = f"layer {fd['layer']}, " if fd["layer"] is not None else ""
-        step = f" ({fd['seed_step']})" if fd.get("seed_step") else ""
-        if (fd["layer"], fd["point"]) == (None, "embed"):
-            before = "the first point"
-        elif self.max_rel_err_before == 0:
-            before = "everything before it identical"
-        else:
-            before = f"everything before it equal within {_ceil_decade(self.max_rel_err_before)}"
-        if "prompt" in fd:
-            where = f"prompt {fd['prompt']}, " + where
-        return (f"runs part at {where}{fd['point']}{step}, position {fd['position']}: rel. error {fd['rel_err']:.1e} "
-                f"> {tol}; {before}")
+        from llmtrace.render.compare import summary_line
+
+        return summary_line(self.to_json())
 
     @property
     def different_top(self) -> list[dict]:
         return [p for p in self.positions if not p["same_top"]]
 
 
-def _ceil_decade(x: float) -> str:
-    """The smallest power of ten >= x, as "1e-06" (0 -> "0")."""
-    return f"1e{math.ceil(math.log10(x)):+03d}".replace("+", "")
+def jsonl_events(doc: dict) -> list[dict]:
+    """A comparison's JSON object as events, one JSON object per line: "compare" (everything but the layers and the
+    positions), one "compare_layer" per layer, one "compare_position" per position."""
+    head = {"event": "compare"} | {k: v for k, v in doc.items() if k not in ("layers", "positions")}
+    return ([head] + [{"event": "compare_layer"} | lay for lay in doc["layers"]]
+            + [{"event": "compare_position"} | p for p in doc["positions"]])
 
 
 def position_records(tok_a, tok_b, ids: list[int], n_prompt: int, m: dict) -> list[dict]:

@@ -21,6 +21,7 @@ from llmtrace.cli import models as _models  # noqa: F401,E402
 from llmtrace.cli import explain as _explain  # noqa: F401,E402
 from llmtrace.cli import trace_files as _trace_files  # noqa: F401,E402
 from llmtrace.cli import report as _report  # noqa: F401,E402
+from llmtrace.cli import compare as _compare  # noqa: F401,E402
 
 
 def _fail(message: str, code: int) -> NoReturn:

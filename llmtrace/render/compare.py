@@ -1,0 +1,178 @@
+"""The terminal view of a comparison (`llmtrace compare`, `llmtrace diff`), drawn from its JSON object alone.
+
+    first line      where the runs part (or that they agree), the answer to the question
+    the sides       model, dtype, device of A and B; positions and tolerance
+    the matrix      layers x points, each cell the decade of the largest relative error at any position, shaded on
+                    a log scale; then each layer's accumulated and added error (its output, resid_post)
+    the answers     KLD mean/max, same top, mean |dp|; the positions whose top-1 differs, with both tokens
+
+The matrix is 4 + 3 x 17 + 18 = 73 columns wide, so it fits 80.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from rich.console import Console
+from rich.text import Text
+
+from llmtrace.render import visible
+
+# two-letter column heads of the compared points, in forward order
+SHORT = {"attn_norm": "an", "q": "q", "k": "k", "v": "v", "q_rope": "qr", "k_rope": "kr", "scores": "sc",
+         "probs": "pr", "attn_out": "ao", "o_proj": "o", "resid_mid": "rm", "ffn_norm": "fn", "gate": "g", "up": "u",
+         "act": "ac", "down": "d", "resid_post": "rp", "embed": "em", "final_norm": "nf", "logits": "lg"}
+# shades from small to large error (log scale, 1e-9 .. 1e-1): dim to bright red
+SHADES = ("grey30", "grey50", "blue", "cyan", "green", "yellow", "dark_orange", "red", "bold red")
+MAX_DIFFERING_ROWS = 20
+
+
+def decade_cell(x: Optional[float]) -> str:
+    """A relative error as one character: its decade d for an error about 1e-d (3e-4 -> "4"), "·" for none at all,
+    "!" for 1e-1 and more, "-" for a point not compared."""
+    if x is None:
+        return "-"
+    if x == 0:
+        return "·"
+    d = -math.floor(math.log10(x))
+    if d <= 1:
+        return "!"
+    return str(d) if d <= 9 else "0"  # "0": below 1e-9 (a decade of 10 or more)
+
+
+def shade(x: Optional[float]) -> str:
+    if not x:
+        return "grey23"
+    level = min(len(SHADES) - 1, max(0, int(round(math.log10(x) + 9))))
+    return SHADES[level]
+
+
+def _e(x: Optional[float]) -> str:
+    return "—" if x is None else ("0" if x == 0 else f"{x:.1e}")
+
+
+def summary_line(doc: dict) -> str:
+    """The answer in one line: where the runs part, or that they do not."""
+    fd = doc["first_divergence"]
+    tol = f"{doc['tolerance']:g}"
+    before = doc.get("max_rel_err_before") or 0.0
+    if fd is None:
+        worst = "identical" if before == 0 else f"largest rel. error {before:.1e}"
+        return f"runs agree within {tol} at every point and position ({worst})"
+    where = (f"prompt {fd['prompt']}, " if "prompt" in fd else "") + (
+        f"layer {fd['layer']}, " if fd["layer"] is not None else "")
+    step = f" ({fd['seed_step']})" if fd.get("seed_step") else ""
+    if (fd["layer"], fd["point"]) == (None, "embed"):
+        rest = "the first point"
+    elif before == 0:
+        rest = "everything before it identical"
+    else:
+        rest = f"everything before it equal within {_ceil_decade(before)}"
+    return f"runs part at {where}{fd['point']}{step}, position {fd['position']}: rel. error {_sci(fd['rel_err'])}; {rest}"
+
+
+def _sci(x: float) -> str:
+    """3.1e-3, not 3.1e-03."""
+    m, _, ex = f"{x:.1e}".partition("e")
+    return f"{m}e{int(ex)}"
+
+
+def _ceil_decade(x: float) -> str:
+    """The smallest power of ten >= x > 0, as "1e-06"."""
+    return f"1e{math.ceil(math.log10(x))}"
+
+
+def render_compare(doc: dict, console: Console) -> None:
+    """Print the comparison `doc` (CompareResult.to_json()) on `console`."""
+    first = doc["first_divergence"]
+    console.print(Text(summary_line(doc), style="bold"))
+    for key in ("a", "b"):
+        s = doc[key]
+        extra = ", quantized blocks" if s.get("keep_quantized") else ""
+        console.print(f"{key.upper()}  {s['model']}  ({s['dtype']}, {s['device']}{extra})")
+    n = len(doc["positions"])
+    n_prompt = doc["n_prompt"] if isinstance(doc["n_prompt"], int) else sum(doc["n_prompt"])
+    console.print(f"{n} positions ({n_prompt} prompt, {n - n_prompt} decode), tolerance {doc['tolerance']:g}"
+                  + (f"; {doc['source']}" if doc.get("source") == "diff" else ""))
+    for note in doc.get("notes", []):
+        console.print(f"note: {note}", style="yellow")
+    if doc["layers"] and any(lay["points"] for lay in doc["layers"]):
+        console.print()
+        _matrix(doc, first, console)
+    console.print()
+    _answers(doc, console)
+
+
+def _matrix(doc: dict, first: Optional[dict], console: Console) -> None:
+    points = []
+    for lay in doc["layers"]:
+        for p in lay["points"]:
+            if p["point"] not in points:
+                points.append(p["point"])
+    console.print("largest relative error ‖a−b‖/‖a‖ at any position: digit d ≈ 1e-d, · identical, ! ≥ 1e-1; "
+                  "boxed: first divergence", style="dim")
+    head = Text("      ")
+    for name in points:
+        head.append(f"{SHORT.get(name, name[:2]):<3}")
+    head.append("   accum.   added")
+    console.print(head, style="bold")
+    mp = doc.get("model_points") or {}
+    if "embed" in mp:
+        row = Text(" emb  ")
+        v = mp["embed"]["max_rel_err"]
+        if first is not None and first["layer"] is None and first["point"] == "embed":
+            row.append(f"[{decade_cell(v)}]", style="bold reverse red")
+        else:
+            row.append(f"{decade_cell(v):<3}", style=shade(v))
+        console.print(row)
+    for lay in doc["layers"]:
+        by_name = {p["point"]: p for p in lay["points"]}
+        row = Text(f"{lay['layer']:>4}  ")
+        for name in points:
+            p = by_name.get(name)
+            v = p["max_rel_err"] if p else None
+            is_first = first is not None and first["layer"] == lay["layer"] and first["point"] == name
+            cell = decade_cell(v) if p else " "
+            if is_first:
+                row.append(f"[{cell}]", style="bold reverse red")
+            else:
+                over = v is not None and v > doc["tolerance"]
+                row.append(f"{cell:<3}", style=shade(v) + (" bold" if over else ""))
+        row.append(f"{_e(lay.get('rel_err')):>9}{_e(lay.get('added_rel_err')):>8}",
+                   style="bold" if (lay.get("added_rel_err") or 0) > doc["tolerance"] else "")
+        console.print(row)
+    tail = [f"{name} {_e(mp[name]['max_rel_err'])} (added {_e(mp[name]['added_rel_err'])})"
+            for name in ("final_norm", "logits") if name in mp]
+    if tail:
+        console.print("after the layers: " + ", ".join(tail))
+    legend = " ".join(f"{SHORT.get(n, n)}={n}" for n in points)
+    console.print(Text(legend, style="dim"), overflow="fold")
+    console.print(Text("accum.: error of the layer's output (resid_post); added: B's layer run on A's input against "
+                       "A's layer, the error this layer adds by itself", style="dim"), overflow="fold")
+
+
+def _answers(doc: dict, console: Console) -> None:
+    n = len(doc["positions"])
+    if not n:
+        return
+    same = round((doc["same_top"] or 0) * n)
+    console.print(f"answers: KLD mean {_e(doc['kld_mean'])}, max {_e(doc['kld_max'])}; same top "
+                  f"{100 * (doc['same_top'] or 0):.1f}% ({same}/{n}); mean |Δp| {_e(doc.get('dp_mean_abs'))}")
+    differing = [p for p in doc["positions"] if not p["same_top"]]
+    if not differing:
+        console.print("the top-1 token agrees at every position")
+        return
+    console.print(f"top-1 differs at {len(differing)} position{'s' if len(differing) != 1 else ''}:")
+    console.print(Text(f"{'pos':>5}  {'token':<14} {'A top':<16} {'B top':<16} {'KLD':>8} {'Δp':>9}", style="bold"))
+    for p in differing[:MAX_DIFFERING_ROWS]:
+        where = f"{p['prompt']}:{p['position']}" if "prompt" in p else str(p["position"])
+        console.print(f"{where:>5}  {_clip(p['text']):<14} {_clip(p['top_a']['text']):<16} "
+                      f"{_clip(p['top_b']['text']):<16} {_e(p.get('kld')):>8} {_e(p.get('dp')):>9}")
+    if len(differing) > MAX_DIFFERING_ROWS:
+        console.print(f"… and {len(differing) - MAX_DIFFERING_ROWS} more (all of them in --json)", style="dim")
+
+
+def _clip(text: Optional[str], width: int = 14) -> str:
+    s = visible(text or "")
+    return s if len(s) <= width else s[: width - 1] + "…"
