@@ -49,13 +49,13 @@ def perturbed_copy(layer: int, param: str, amount: float = 1e-2, spec: TinySpec 
 @pytest.fixture(scope="module")
 def tiny_a(tmp_path_factory):
     path = save_hf(tmp_path_factory.mktemp("cmp") / "a", make_hf_model(SPEC))
-    from llmtrace.loader import load_model
+    from llmtrace.checkpoint.load import load_model
 
     return path, load_model(str(path), device="cpu", dtype="float32")
 
 
 def load(path, **kw):
-    from llmtrace.loader import load_model
+    from llmtrace.checkpoint.load import load_model
 
     return load_model(str(path), device="cpu", **({"dtype": "float32"} | kw))
 
@@ -63,7 +63,7 @@ def load(path, **kw):
 @pytest.mark.parametrize("layer", [0, 2])
 @pytest.mark.parametrize("param,point", PERTURBED, ids=[p for _, p in PERTURBED])
 def test_one_perturbed_matrix_is_found_at_its_layer_and_point(tiny_a, tmp_path, layer, param, point):
-    from llmtrace.compare import compare
+    from llmtrace.run.compare import compare
 
     _, lm_a = tiny_a
     lm_b = load(save_hf(tmp_path / "b", perturbed_copy(layer, param)))
@@ -88,7 +88,7 @@ def test_one_perturbed_matrix_is_found_at_its_layer_and_point(tiny_a, tmp_path, 
 
 
 def test_a_model_against_itself_agrees_everywhere(tiny_a):
-    from llmtrace.compare import compare
+    from llmtrace.run.compare import compare
 
     _, lm = tiny_a
     r = compare(lm, lm, PROMPT, max_new_tokens=3)
@@ -102,7 +102,7 @@ def test_a_model_against_itself_agrees_everywhere(tiny_a):
 def test_side_by_side_pieces_are_the_models_own_forward(tiny_a):
     """The layer-by-layer run uses forward's own pieces: A's logits are bit for bit those of an observed forward pass
     (observed layers spell attention out, as every layer of a compared run is observed)."""
-    from llmtrace.compare import run_side_by_side
+    from llmtrace.run.compare import run_side_by_side
 
     _, lm = tiny_a
     ids = lm.tokenizer.encode(PROMPT)
@@ -117,9 +117,9 @@ def test_side_by_side_pieces_are_the_models_own_forward(tiny_a):
 
 def test_decode_positions_are_as_greedy_generation(tiny_a):
     """-n N: the compared sequence is the prompt followed by A's own greedy tokens, as generate picks them."""
-    from llmtrace.compare import compare
-    from llmtrace.generate import generate
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.compare import compare
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     _, lm = tiny_a
     r = compare(lm, lm, PROMPT, max_new_tokens=4)
@@ -131,7 +131,7 @@ def test_decode_positions_are_as_greedy_generation(tiny_a):
 
 def test_answers_match_our_own_computation_on_transformers_logits(tiny_a, tmp_path):
     """KLD, same top and Δp per position, from transformers' logits of both models over the same ids."""
-    from llmtrace.compare import compare
+    from llmtrace.run.compare import compare
 
     path_a, lm_a = tiny_a
     hf_b = perturbed_copy(1, "mlp.down_proj.weight", amount=3.0)
@@ -159,7 +159,7 @@ def test_answers_match_our_own_computation_on_transformers_logits(tiny_a, tmp_pa
 
 
 def test_several_prompts_are_summarized_together(tiny_a, tmp_path):
-    from llmtrace.compare import compare
+    from llmtrace.run.compare import compare
 
     _, lm_a = tiny_a
     lm_b = load(save_hf(tmp_path / "b", perturbed_copy(1, "mlp.up_proj.weight")))
@@ -177,7 +177,7 @@ def test_several_prompts_are_summarized_together(tiny_a, tmp_path):
 
 
 def test_cli_json_jsonl_and_view(tiny_a, tmp_path, capsys):
-    from llmtrace.compare import COMPARE_SCHEMA
+    from llmtrace.run.compare import COMPARE_SCHEMA
 
     path_a, _ = tiny_a
     path_b = save_hf(tmp_path / "b", perturbed_copy(2, "self_attn.v_proj.weight"))
@@ -206,7 +206,7 @@ def test_cli_json_jsonl_and_view(tiny_a, tmp_path, capsys):
 
 def check_against_schema(doc: dict, events: list[dict]) -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    from llmtrace.events import schema_path
+    from llmtrace.trace.events import schema_path
 
     schema = json.loads(schema_path().read_text())
     compare_def = {"$ref": "#/$defs/compare_document", "$defs": schema["$defs"]}
@@ -247,7 +247,7 @@ def test_b_options_override_a(tiny_a, tmp_path, capsys):
 
 
 def test_side_changes_are_one_dataclass():
-    from llmtrace.compare import Side
+    from llmtrace.run.compare import Side
 
     a = Side(model="x.gguf", dtype="float32", keep_quantized=True)
     b = a.with_changes(dtype="bfloat16", keep_quantized=None, device=None)
@@ -305,7 +305,7 @@ def test_incomparable_shapes_name_the_first_mismatch(tiny_a, tmp_path, capsys, c
 
 @pytest.fixture(scope="module")
 def smollm_bf16(smollm_path):
-    from llmtrace.loader import load_model
+    from llmtrace.checkpoint.load import load_model
 
     return load_model(str(smollm_path), device="cpu", dtype="bfloat16")
 
@@ -315,7 +315,7 @@ REAL_PROMPT = "The capital of France is Paris, and the capital of Germany is"
 
 @pytest.mark.slow
 def test_real_model_against_itself_in_bfloat16(smollm, smollm_bf16):
-    from llmtrace.compare import compare
+    from llmtrace.run.compare import compare
 
     r = compare(smollm, smollm_bf16, REAL_PROMPT, max_new_tokens=4)
     # bfloat16 keeps 8 bits of mantissa: rounding the embedding table alone is an error of about 2^-9 relative
@@ -330,8 +330,8 @@ def test_real_model_against_itself_in_bfloat16(smollm, smollm_bf16):
 @pytest.mark.slow
 def test_real_model_against_its_quantized_blocks(smollm, smollm_path):
     """--keep-quantized dequantizes the same Q4_1 blocks at each use: float32 against float32, the runs agree."""
-    from llmtrace.compare import compare
-    from llmtrace.loader import load_model
+    from llmtrace.run.compare import compare
+    from llmtrace.checkpoint.load import load_model
 
     quantized = load_model(str(smollm_path), device="cpu", dtype="float32", keep_quantized=True)
     r = compare(smollm, quantized, REAL_PROMPT, max_new_tokens=2)

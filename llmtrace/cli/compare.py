@@ -74,7 +74,7 @@ def compare(
     html: HtmlOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
-    from llmtrace.compare import Side, compare as run_compare
+    from llmtrace.run.compare import Side, compare as run_compare
 
     b_changes = {k: v for k, v in (("dtype", b_dtype), ("device", b_device), ("keep_quantized", b_keep_quantized))
                  if v is not None}
@@ -95,7 +95,7 @@ def compare(
     side_a = Side(model=spec_a, dtype=dtype, device=device, keep_quantized=keep_quantized)
     side_b = side_a.with_changes(model=spec_b, **b_changes)
 
-    from llmtrace.loader import set_threads
+    from llmtrace.checkpoint.devices import set_threads
 
     set_threads(threads)
     result = run_compare(side_a, side_b, text, max_new_tokens=max_new_tokens, chat=chat, system=system,
@@ -112,13 +112,13 @@ def _progress(message: str) -> None:
 
 def show(doc: dict, json_out: Optional[str], jsonl: Optional[str]) -> None:
     """The terminal view (stdout, or stderr when stdout carries JSON and stderr is a terminal), --json, --jsonl."""
-    from llmtrace.render import make_console
+    from llmtrace.console import make_console
     from llmtrace.render.compare import render_compare
 
     if json_out:
         write_output(json_out, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     if jsonl:
-        from llmtrace.compare import jsonl_events
+        from llmtrace.run.compare import jsonl_events
 
         write_output(jsonl, "".join(json.dumps(ev, ensure_ascii=False) + "\n" for ev in jsonl_events(doc)))
     if "-" not in (json_out, jsonl):
@@ -157,7 +157,7 @@ def diff(
     jsonl: JsonlOpt = None,
     html: HtmlOpt = None,
 ) -> None:
-    from llmtrace.diff import diff_traces
+    from llmtrace.run.diff import diff_traces
 
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, not {tolerance:g}")

@@ -17,7 +17,8 @@ from typing import Optional
 from rich.console import Console
 from rich.text import Text
 
-from llmtrace.render import visible
+from llmtrace.render.generate import visible
+from llmtrace.run.compare import summary_line
 
 # two-letter column heads of the compared points, in forward order
 SHORT = {"attn_norm": "an", "q": "q", "k": "k", "v": "v", "q_rope": "qr", "k_rope": "kr", "scores": "sc",
@@ -50,37 +51,6 @@ def shade(x: Optional[float]) -> str:
 
 def _e(x: Optional[float]) -> str:
     return "—" if x is None else ("0" if x == 0 else f"{x:.1e}")
-
-
-def summary_line(doc: dict) -> str:
-    """The answer in one line: where the runs part, or that they do not."""
-    fd = doc["first_divergence"]
-    tol = f"{doc['tolerance']:g}"
-    before = doc.get("max_rel_err_before") or 0.0
-    if fd is None:
-        worst = "identical" if before == 0 else f"largest rel. error {before:.1e}"
-        return f"runs agree within {tol} at every point and position ({worst})"
-    where = (f"prompt {fd['prompt']}, " if "prompt" in fd else "") + (
-        f"layer {fd['layer']}, " if fd["layer"] is not None else "")
-    step = f" ({fd['seed_step']})" if fd.get("seed_step") else ""
-    if (fd["layer"], fd["point"]) == (None, "embed"):
-        rest = "the first point"
-    elif before == 0:
-        rest = "everything before it identical"
-    else:
-        rest = f"everything before it equal within {_ceil_decade(before)}"
-    return f"runs part at {where}{fd['point']}{step}, position {fd['position']}: rel. error {_sci(fd['rel_err'])}; {rest}"
-
-
-def _sci(x: float) -> str:
-    """3.1e-3, not 3.1e-03."""
-    m, _, ex = f"{x:.1e}".partition("e")
-    return f"{m}e{int(ex)}"
-
-
-def _ceil_decade(x: float) -> str:
-    """The smallest power of ten >= x > 0, as "1e-06"."""
-    return f"1e{math.ceil(math.log10(x))}"
 
 
 def render_compare(doc: dict, console: Console) -> None:
