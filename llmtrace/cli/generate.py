@@ -118,6 +118,10 @@ def generate(
     prompt_list: PromptsOpt = None,
     prompts_file: PromptsFileOpt = None,
     max_batch: MaxBatchOpt = 64,
+    save_tensors: Annotated[Optional[str], typer.Option("--save-tensors", metavar="FILE.safetensors", help="Also store the full "
+                            "values of the points the trace records (--trace, --layers choose them) in FILE, tied to "
+                            "this trace by a key in its run event: `llmtrace diff` compares two such runs point by "
+                            "point.", show_default=False)] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
@@ -131,7 +135,12 @@ def generate(
         raise UsageError("--max-new-tokens must be ≥ 0")
     if topk < 1:
         raise UsageError("--show-top must be ≥ 1")
-    check_outputs(json_out, jsonl, html)
+    check_outputs(json_out, jsonl, html, save_tensors)
+    if save_tensors is not None and not save_tensors.endswith(".safetensors"):
+        raise UsageError(f"--save-tensors writes a .safetensors file; give a name ending in .safetensors, not "
+                         f"{save_tensors!r}")
+    if save_tensors is not None and json_out is None and jsonl in (None, "-"):
+        raise UsageError("--save-tensors stores tensors beside a trace file; give --json FILE or --jsonl FILE too")
     options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
     scfg = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
@@ -143,6 +152,8 @@ def generate(
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     if texts is not None and (prompt is not None or file is not None):
         raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
+    if texts is not None and len(texts) > 1 and save_tensors:
+        raise UsageError("--save-tensors records one prompt's run; leave it out for a batch of several prompts")
     if texts is not None and len(texts) > 1 and compile_:
         raise UsageError("--compile runs one prompt; leave it out for a batch of several prompts")
     text = read_prompt(prompt, file) if texts is None else texts[0]
@@ -171,7 +182,7 @@ def generate(
         batch = texts if texts is not None and len(texts) > 1 else None  # a single -p is a one-prompt run
         run(lm, batch or text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system,
             stop=tuple(stop or ()), ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [],
-            jsonl_sink=jsonl_sink, json_out=json_out, compile_decode=compile_, html=html)
+            jsonl_sink=jsonl_sink, json_out=json_out, compile_decode=compile_, html=html, save_tensors=save_tensors)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -183,7 +194,7 @@ def generate(
 
 
 def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
-        json_out, compile_decode=False, html=None) -> None:
+        json_out, compile_decode=False, html=None, save_tensors=None) -> None:
     """Everything after the load: encode, generate with the chosen observers, write the outputs. `text` is one
     prompt, or a list of several run as one batch. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed
     by the caller."""
@@ -249,7 +260,14 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     if compile_decode:
         compiled = compile_step(lm, len(ids), max_new_tokens)
         run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3)}
-    recorder = Recorder(options, sinks, run_info=run_info)
+    store = None
+    if save_tensors:
+        from pathlib import Path
+
+        from llmtrace.trace.tensors import TensorStore
+
+        store = TensorStore(Path(save_tensors))
+    recorder = Recorder(options, sinks, run_info=run_info, tensors=store)
 
     on_text = None
     if stream_text and view_console is not None:
@@ -266,6 +284,8 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
                                 observer=recorder, on_text=on_text, compiled=compiled,
                                 on_prefill_progress=prefill_progress())
+    if store is not None:
+        store.write()  # before the trace document, which names it
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:

@@ -62,9 +62,9 @@ def render_compare(doc: dict, console: Console) -> None:
         extra = ", quantized blocks" if s.get("keep_quantized") else ""
         console.print(f"{key.upper()}  {s['model']}  ({s['dtype']}, {s['device']}{extra})")
     n = len(doc["positions"])
-    n_prompt = doc["n_prompt"] if isinstance(doc["n_prompt"], int) else sum(doc["n_prompt"])
-    console.print(f"{n} positions ({n_prompt} prompt, {n - n_prompt} decode), tolerance {doc['tolerance']:g}"
-                  + (f"; {doc['source']}" if doc.get("source") == "diff" else ""))
+    n_decode = sum(p.get("phase") == "decode" for p in doc["positions"])
+    console.print(f"{n} positions ({n - n_decode} prompt, {n_decode} decode), tolerance {doc['tolerance']:g}"
+                  + ("; from two saved traces" if doc.get("source") == "diff" else ""))
     for note in doc.get("notes", []):
         console.print(f"note: {note}", style="yellow")
     if doc["layers"] and any(lay["points"] for lay in doc["layers"]):
@@ -122,14 +122,38 @@ def _matrix(doc: dict, first: Optional[dict], console: Console) -> None:
                        "A's layer, the error this layer adds by itself", style="dim"), overflow="fold")
 
 
+def _holdings(d: dict, console: Console) -> None:
+    """diff: what the traces hold besides tensors."""
+    t = d["tokens"]
+    if t["same"]:
+        console.print(f"tokens: the same {len(t['a'])} generated tokens")
+    else:
+        console.print(f"tokens: part at step {t['first_different_step']} (A {len(t['a'])} tokens, B {len(t['b'])})")
+    ledger = [s for s in d["steps"] if s.get("sampler_differs")]
+    if ledger:
+        console.print(f"sampler ledger: survivors differ at {len(ledger)} step(s), first at step {ledger[0]['step']} "
+                      f"({', '.join(x['stage'] for x in ledger[0]['sampler_differs'])})")
+    st = d["statistics"]
+    if st["compared"]:
+        fd = st["first_difference"]
+        where = ("none over the tolerance" if fd is None else
+                 f"first over the tolerance: step {fd['step']}, " + (f"layer {fd['layer']}, " if fd["layer"] is not None
+                                                                      else "") + f"{fd['point']} ({_e(fd['rel_err'])})")
+        console.print(f"statistics: {st['compared']} recorded points in common; norms: {where}")
+
+
 def _answers(doc: dict, console: Console) -> None:
+    if doc.get("diff"):
+        _holdings(doc["diff"], console)
     n = len(doc["positions"])
     if not n:
         return
-    same = round((doc["same_top"] or 0) * n)
-    console.print(f"answers: KLD mean {_e(doc['kld_mean'])}, max {_e(doc['kld_max'])}; same top "
-                  f"{100 * (doc['same_top'] or 0):.1f}% ({same}/{n}); mean |Δp| {_e(doc.get('dp_mean_abs'))}")
-    differing = [p for p in doc["positions"] if not p["same_top"]]
+    known = [p for p in doc["positions"] if p.get("same_top") is not None]
+    same = sum(p["same_top"] for p in known)
+    share = f"{100 * same / len(known):.1f}% ({same}/{len(known)})" if known else "—"
+    console.print(f"answers: KLD mean {_e(doc['kld_mean'])}, max {_e(doc['kld_max'])}; same top {share}; "
+                  f"mean |Δp| {_e(doc.get('dp_mean_abs'))}")
+    differing = [p for p in known if not p["same_top"]]
     if not differing:
         console.print("the top-1 token agrees at every position")
         return

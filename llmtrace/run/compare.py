@@ -170,8 +170,6 @@ def position_sums(a, b, axis: int):
     dev = a.device if a.device.type != "mps" else torch.device("cpu")  # MPS has no float64
     a = a.detach().to(dev, torch.float64)
     b = b.detach().to(dev, torch.float64)
-    if a.dim() > 1 and a.size(0) == 1:
-        a, b, axis = a[0], b[0], axis - 1  # one row: drop the batch dimension
     a = a.movedim(axis, 0).reshape(a.size(axis), -1)  # (P, N)
     b = b.movedim(axis, 0).reshape(b.size(axis), -1)
     both_masked = torch.isneginf(a) & torch.isneginf(b)
@@ -287,6 +285,7 @@ class CompareResult:
     dp_mean_abs: float
     source: str = "compare"  # "compare" (two models run here) or "diff" (two saved traces)
     notes: list[str] = field(default_factory=list)
+    diff: Optional[dict] = None  # diff: what the traces hold besides tensors (tokens, top-k, ledger, statistics)
 
     def to_json(self) -> dict:
         return {"schema": COMPARE_SCHEMA, "source": self.source, "a": self.a, "b": self.b, "prompt": self.prompt,
@@ -294,7 +293,8 @@ class CompareResult:
                 "first_divergence": self.first_divergence, "max_rel_err_before": _round(self.max_rel_err_before),
                 "kld_mean": _round(self.kld_mean), "kld_max": _round(self.kld_max), "same_top": _round(self.same_top),
                 "dp_mean_abs": _round(self.dp_mean_abs), "positions": self.positions, "layers": self.layers,
-                "model_points": self.model_points, "notes": self.notes}
+                "model_points": self.model_points, "notes": self.notes} | (
+                    {"diff": {k: v for k, v in self.diff.items() if not k.startswith("_")}} if self.diff else {})
 
     def to_jsonl_events(self) -> list[dict]:
         return jsonl_events(self.to_json())
@@ -337,7 +337,9 @@ def summary_line(doc: dict) -> str:
         rest = "everything before it identical"
     else:
         rest = f"everything before it equal within {_ceil_decade(before)}"
-    return f"runs part at {where}{fd['point']}{step}, position {fd['position']}: rel. error {_sci(fd['rel_err'])}; {rest}"
+    at = f"position {fd['position']}" if fd.get("position") is not None else f"step {fd.get('step', 0)}"
+    basis = " (from the norms)" if fd.get("basis") == "norm" else ""
+    return f"runs part at {where}{fd['point']}{step}, {at}: rel. error{basis} {_sci(fd['rel_err'])}; {rest}"
 
 
 def _sci(x: float) -> str:
