@@ -162,22 +162,39 @@ def _id_text(tok, ids: list[int], i: int) -> str:
 # metrics
 
 
-def position_sums(a, b, axis: int):
-    """Per position (the tensors' `axis`), in float64: sum of (a-b)^2, of a^2, of b^2, of a*b, and max |a-b|.
-    Entries that are -inf on both sides (masked attention scores) count as equal. Returns five (P,) tensors."""
+def as_rows(x, axis: int):
+    """A point's tensor as float64 rows, one per position (the tensor's `axis`): (P, N). MPS has no float64, so there
+    the rows are made on the CPU."""
     import torch
 
-    dev = a.device if a.device.type != "mps" else torch.device("cpu")  # MPS has no float64
-    a = a.detach().to(dev, torch.float64)
-    b = b.detach().to(dev, torch.float64)
-    a = a.movedim(axis, 0).reshape(a.size(axis), -1)  # (P, N)
-    b = b.movedim(axis, 0).reshape(b.size(axis), -1)
-    both_masked = torch.isneginf(a) & torch.isneginf(b)
-    if both_masked.any():
-        a, b = a.masked_fill(both_masked, 0.0), b.masked_fill(both_masked, 0.0)
+    dev = x.device if x.device.type != "mps" else torch.device("cpu")
+    x = x.detach().movedim(axis, 0)
+    return x.reshape(x.size(0), -1).to(dev, torch.float64)
+
+
+def _rows(x, axis: int):
+    """A point's tensor as one row per position, in its own dtype and device: (P, N)."""
+    x = x.detach().movedim(axis, 0)
+    return x.reshape(x.size(0), -1)
+
+
+def position_sums(a, b, masked: bool = False):
+    """Per position, from two (..., P, N) float64 row matrices: sum of (a-b)^2, of a^2, of b^2, of a*b, and max
+    |a-b| over the last dimension, as one (5, ..., P) tensor. `masked`: entries that are -inf on both sides (masked
+    attention scores) count as equal."""
+    import torch
+
+    if masked:
+        both = torch.isneginf(a) & torch.isneginf(b)
+        if both.any():
+            a, b = a.masked_fill(both, 0.0), b.masked_fill(both, 0.0)
     d = a - b
-    return ((d * d).sum(1), (a * a).sum(1), (b * b).sum(1), (a * b).sum(1),
-            d.abs().amax(1) if d.size(1) else d.new_zeros(d.size(0)))
+    vecdot = torch.linalg.vecdot
+    d2, a2, b2 = vecdot(d, d), vecdot(a, a), vecdot(b, b)
+    max_abs = torch.linalg.vector_norm(d, ord=math.inf, dim=-1) if d.size(-1) else d.new_zeros(d.shape[:-1])
+    # a.b from the three sums (one pass fewer): in float64 its rounding is ~1e-16 of |a|^2 + |b|^2, far below any
+    # cosine worth showing
+    return torch.stack([d2, a2, b2, (a2 + b2 - d2) / 2, max_abs])
 
 
 def _rel(d2: float, a2: float) -> float:
@@ -203,8 +220,24 @@ class PointSums:
     max_abs: list[float] = field(default_factory=list)
 
     def add(self, a, b, axis: int) -> "PointSums":
-        for mine, got in zip((self.d2, self.a2, self.b2, self.dot, self.max_abs), position_sums(a, b, axis)):
-            mine.extend(got.tolist())
+        """Add the positions of tensors a and b (any dtype and device; `axis` is the position axis)."""
+        return self.add_rows(as_rows(a, axis), as_rows(b, axis), masked=a.dtype.is_floating_point)
+
+    def add_rows(self, a, b, masked: bool = False) -> "PointSums":
+        for mine, got in zip((self.d2, self.a2, self.b2, self.dot, self.max_abs), position_sums(a, b, masked).tolist()):
+            mine.extend(got)
+        return self
+
+    def extend_sums(self, sums: list) -> "PointSums":
+        """Add positions from five lists: (a-b)^2, a^2, b^2, a.b sums and max |a-b|."""
+        for mine, got in zip((self.d2, self.a2, self.b2, self.dot, self.max_abs), sums):
+            mine.extend(got)
+        return self
+
+    def extend(self, other: "PointSums") -> "PointSums":
+        for mine, got in zip((self.d2, self.a2, self.b2, self.dot, self.max_abs),
+                             (other.d2, other.a2, other.b2, other.dot, other.max_abs)):
+            mine.extend(got)
         return self
 
     def record(self, name: str, positions: Optional[list[int]] = None, added: Optional["PointSums"] = None) -> dict:
@@ -533,16 +566,34 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None)
             out = fn()
         return out, cap.points
 
-    def add(layer, name, ta, tb, tz):
-        axis = POSITION_AXIS.get(name, 1)
-        same, added = acc.setdefault((layer, name), (PointSums(), PointSums()))
-        same.add(ta, tb, axis)
-        added.add(ta, tz, axis)
+    def add(layer, points_a: dict, points_b: dict, points_z: dict):
+        """Each point of A against B, and against B on A's input (`points_z` is `points_b` itself when B's input was
+        A's, bit for bit). Points whose rows have one width are stacked and reduced together: a few reductions per
+        layer rather than a few per point."""
+        groups: dict[tuple, list] = {}
+        for name, ta in points_a.items():  # forward order
+            if name not in points_b:
+                continue
+            axis = POSITION_AXIS.get(name, 1)
+            acc.setdefault((layer, name), (PointSums(), PointSums()))
+            ra, rb = _rows(ta, axis), _rows(points_b[name], axis)
+            rz = rb if points_z is points_b else _rows(points_z[name], axis)
+            groups.setdefault((ra.shape, rb.shape, rz.shape, name == "scores"), []).append((name, ra, rb, rz))
+        for (_, _, _, masked), items in groups.items():
+            stack = lambda k: torch.stack([it[k] for it in items]).to(dtype=torch.float64)  # noqa: E731 (G, P, N)
+            a64 = stack(1)
+            same = position_sums(a64, stack(2), masked).tolist()  # (5, G, P)
+            added = same if points_z is points_b else position_sums(a64, stack(3), masked).tolist()
+            for g, (name, *_) in enumerate(items):
+                s_acc, a_acc = acc[(layer, name)]
+                s_acc.extend_sums([row[g] for row in same])
+                a_acc.extend_sums([row[g] for row in added])
 
     # s4: the embeddings (nothing feeds them, so the error B adds is its whole error)
     xa, pa = run(model_a, lambda: model_a.embed(idx_a), None)
     xb, pb = run(model_b, lambda: model_b.embed(idx_b), None)
-    add(None, "embed", xa, xb, xb)
+    embed_b = {"embed": xb}
+    add(None, {"embed": xa}, embed_b, embed_b)
     n_layers = len(model_a.layers)
     for i in range(n_layers):
         if i % 10 == 0:
@@ -550,18 +601,19 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None)
         ya, pa = run(model_a, lambda: model_a.layers[i](xa, *rope_a[:2], None, 0, rope_a[2]), i)
         yb, pb = run(model_b, lambda: model_b.layers[i](xb, *rope_b[:2], None, 0, rope_b[2]), i)
         x_in = xa.to(device_b, dtype_b)
-        _, pz = run(model_b, lambda: model_b.layers[i](x_in, *rope_b[:2], None, 0, rope_b[2]), i)
-        for name, ta in pa.items():  # forward order
-            if name in pb:
-                add(i, name, ta, pb[name], pz[name])
+        if torch.equal(x_in, xb):  # B's input is A's: B's layer on it is the run just made (saves a third pass)
+            pz = pb
+        else:
+            _, pz = run(model_b, lambda: model_b.layers[i](x_in, *rope_b[:2], None, 0, rope_b[2]), i)
+        add(i, pa, pb, pz)
         del pa, pb, pz, x_in
         xa, xb = ya, yb
     # s8, s9: the final norm and the LM head; B's on A's input gives the error they add
     la, pa = run(model_a, lambda: model_a.head(xa), None)
     lb, pb = run(model_b, lambda: model_b.head(xb), None)
-    _, pz = run(model_b, lambda: model_b.head(xa.to(device_b, dtype_b)), None)
-    for name in ("final_norm", "logits"):
-        add(None, name, pa[name], pb[name], pz[name])
+    x_in = xa.to(device_b, dtype_b)
+    pz = pb if torch.equal(x_in, xb) else run(model_b, lambda: model_b.head(x_in), None)[1]
+    add(None, pa, pb, pz)
     return la[0], lb[0]
 
 
