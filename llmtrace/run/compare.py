@@ -580,7 +580,9 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None)
             rz = rb if points_z is points_b else _rows(points_z[name], axis)
             groups.setdefault((ra.shape, rb.shape, rz.shape, name == "scores"), []).append((name, ra, rb, rz))
         for (_, _, _, masked), items in groups.items():
-            stack = lambda k: torch.stack([it[k] for it in items]).to(dtype=torch.float64)  # noqa: E731 (G, P, N)
+            dev = items[0][1].device if items[0][1].device.type != "mps" else torch.device("cpu")  # MPS: no float64
+            # (G, P, N) float64 on A's device (B's tensors cross over when B runs elsewhere)
+            stack = lambda k: torch.stack([it[k] for it in items]).to(dev, torch.float64)  # noqa: E731
             a64 = stack(1)
             same = position_sums(a64, stack(2), masked).tolist()  # (5, G, P)
             added = same if points_z is points_b else position_sums(a64, stack(3), masked).tolist()
