@@ -45,14 +45,7 @@ def diff_traces(trace_a: str, trace_b: str, *, tolerance: float = 1e-4, tensors:
         notes.append(f"the generated tokens part at step {same_gen + 1}; later steps read different inputs and are "
                      f"compared only by what they chose")
     files = [_tensors_file(run_a, trace_a), _tensors_file(run_b, trace_b)] if tensors else [None, None]
-    side = lambda run, trace, f: {"model": run["model"]["name"], "source": run["model"].get("source", ""),  # noqa: E731
-                                  "arch": run["model"].get("arch", ""), "dtype": run.get("dtype", ""),
-                                  "device": run.get("device", ""), "keep_quantized": False,
-                                  "n_layers": run["model"]["n_layers"], "d_model": run["model"]["d_model"],
-                                  "n_heads": run["model"]["n_heads"], "n_kv_heads": run["model"]["n_kv_heads"],
-                                  "vocab_size": run["model"]["vocab_size"], "trace": trace,
-                                  "tensors": str(f[0]) if f else None}
-    a, b = side(run_a, trace_a, files[0]), side(run_b, trace_b, files[1])
+    a, b = _side(run_a, trace_a, files[0]), _side(run_b, trace_b, files[1])
     for what, key in (("layers", "n_layers"), ("width (d_model)", "d_model"), ("vocabulary", "vocab_size")):
         if a[key] != b[key]:
             raise LlmtraceError(f"the runs cannot be compared point by point: their models' {what} differ "
@@ -71,6 +64,15 @@ def diff_traces(trace_a: str, trace_b: str, *, tolerance: float = 1e-4, tensors:
 
 # ----------------------------------------------------------------------------------------------------------------
 # reading the traces
+
+
+def _side(run: dict, trace: str, tensors: Optional[tuple[Path, str]]) -> dict:
+    """What the output says about one side: its run event's model, dtype and device, the trace and tensors files."""
+    m = run["model"]
+    return {"model": m["name"], "source": m.get("source", ""), "arch": m.get("arch", ""), "dtype": run.get("dtype", ""),
+            "device": run.get("device", ""), "n_layers": m["n_layers"], "d_model": m["d_model"],
+            "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"], "vocab_size": m["vocab_size"], "trace": trace,
+            "tensors": str(tensors[0]) if tensors else None}
 
 
 def _single_run(events: list[dict], trace: str) -> dict:
