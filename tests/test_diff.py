@@ -141,3 +141,14 @@ def test_save_tensors_bad_input(dirs, tmp_path, capsys):
           tmp_path / "t.json", says=("batch",))
     fails(capsys, 2, "diff", "a.json", "b.json", "--tolerance", "-1", says=("--tolerance",))
     fails(capsys, 1, "diff", tmp_path / "nothing.json", tmp_path / "nothing.json", says=("nothing.json",))
+
+
+def test_diff_of_partial_traces_names_the_layers_not_recorded(dirs, tmp_path, capsys):
+    from llmtrace.run.diff import diff_traces
+
+    a, _ = saved_run(capsys, dirs[0], tmp_path, "a", "--layers", "0,-1")
+    b, _ = saved_run(capsys, dirs[1], tmp_path, "b", "--layers", "0,-1")
+    d = diff_traces(str(a), str(b))
+    assert (d.first_divergence["layer"], d.first_divergence["point"]) == (2, "attn_norm")  # layer 1 was not recorded
+    assert any("not recorded by both runs (1)" in n for n in d.notes)
+    assert d.layers[1]["points"] == [] and d.layers[1]["rel_err"] is None

@@ -186,6 +186,10 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
         lay.update(rel_err=out["rel_err"] if out else None, added_rel_err=None,
                    max_rel_err=max((p["max_rel_err"] or 0.0 for p in pts), default=None), max_added_rel_err=None,
                    points=pts)
+    unrecorded = [lay["layer"] for lay in layers if not lay["points"]]
+    if unrecorded:
+        notes.append(f"{len(unrecorded)} of {n_layers} layers were not recorded by both runs "
+                     f"({_spans(unrecorded)}): the first divergence is the first among the recorded points")
     first, before = find_first_divergence(model_points, layers, tolerance)
     if first is not None:
         first["position"] = order[first["position"]]
@@ -197,6 +201,18 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
                          tolerance=tolerance, layers=layers, model_points=model_points, positions=positions,
                          first_divergence=first, max_rel_err_before=before, source="diff", notes=notes, diff=holds,
                          **summary)
+
+
+def _spans(xs: list[int]) -> str:
+    """[1, 2, 3, 7] -> "1-3, 7"."""
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
 
 
 def _scattered(point: str, sums: dict, index: dict, n: int) -> dict:
