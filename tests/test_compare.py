@@ -6,7 +6,6 @@ and Δp checked against a computation of our own on transformers' logits. Bad in
 """
 
 import json
-import shutil
 
 import pytest
 import torch

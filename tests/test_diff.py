@@ -4,7 +4,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from conftest import fails, run_cli, undeclared_fields
 from test_compare import SPEC, perturbed_copy, save_hf

@@ -21,7 +21,7 @@ from typing import Optional
 from llmtrace.errors import LlmtraceError
 from llmtrace.run.compare import (COMPARED_POINTS, POSITION_AXIS, CompareResult, PointSums, _round, answer_metrics,
                                   find_first_divergence, summarize_answers)
-from llmtrace.trace.events import LAYER_POINTS, MODEL_POINTS, SEED_STEP
+from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
 
 POINT_ORDER = {name: i for i, name in enumerate(("embed",) + LAYER_POINTS + ("final_norm", "last", "logits"))}
 
