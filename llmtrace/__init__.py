@@ -19,6 +19,9 @@ _PUBLIC = {  # public name -> the module that defines it
     "LlmtraceError": "llmtrace.errors",
     "UsageError": "llmtrace.errors",
     "BadValue": "llmtrace.errors",
+    # comparing two runs (llmtrace/run/compare.py)
+    "compare": "llmtrace.run.compare",  # compare(a, b, prompt, ...) -> CompareResult
+    "Side": "llmtrace.run.compare",  # how one side of a comparison is loaded and run
 }
 
 

@@ -113,6 +113,7 @@ class GenerateOptions:
     show_top: int = 10  # candidates recorded per step
     for_report: bool = False  # also record the attention probabilities the HTML report draws (what --html adds)
     compile: bool = False  # torch.compile the decode step (steps nothing observes)
+    save_tensors: Optional[str] = None  # FILE.safetensors: the full values of the recorded points (`llmtrace diff`)
 
     def __post_init__(self):
         from llmtrace.trace.indices import parse_index_ranges
@@ -126,6 +127,9 @@ class GenerateOptions:
         self.trace_options()
         if isinstance(self.layers, str) and self.layers.strip() not in ("", "all"):
             parse_index_ranges(self.layers, "layers", "layer")
+        if self.save_tensors is not None and not str(self.save_tensors).endswith(".safetensors"):
+            raise BadValue("save_tensors", f" writes a .safetensors file; give a name ending in .safetensors, not "
+                           f"{str(self.save_tensors)!r}")
         if self.compile and (self.trace in ("layers", "full") or self.dump or self.for_report):
             raise BadValue("compile", " speeds up decode steps that nothing observes; with trace layers/full, dump or "
                            "for_report (which records attention) every step is observed and runs eagerly, so leave "
@@ -158,6 +162,8 @@ class GenerateOptions:
         texts = check_prompts(prompt)
         if self.compile and not isinstance(prompt, str) and len(texts) > 1:
             raise BadValue("compile", " runs one prompt; leave it out for a batch of several prompts")
+        if self.save_tensors and not isinstance(prompt, str) and len(texts) > 1:
+            raise BadValue("save_tensors", " records one prompt's run; leave it out for a batch of several prompts")
         return texts
 
     def trace_options(self):
@@ -423,7 +429,12 @@ class Model:
         if options.compile:
             compiled = _compile_step(lm, len(ids), options.max_new_tokens)
             run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3)}
-        recorder = Recorder(trace, [*sinks, kept], run_info=run_info)
+        store = None
+        if options.save_tensors:
+            from llmtrace.trace.tensors import TensorStore
+
+            store = TensorStore(Path(options.save_tensors))
+        recorder = Recorder(trace, [*sinks, kept], run_info=run_info, tensors=store)
         if batch:
             result = generate_batch(lm, [i for _, i in encoded], samplers, options.max_new_tokens,
                                     stop_texts=tuple(options.stop), ignore_eos=options.ignore_eos, observer=recorder,
@@ -432,6 +443,8 @@ class Model:
             result = generate(lm, ids, sampler, options.max_new_tokens, stop_texts=tuple(options.stop),
                               ignore_eos=options.ignore_eos, observer=recorder, on_text=on_text, compiled=compiled,
                               on_prefill_progress=prefill_progress())
+        if store is not None:
+            store.write()  # before the caller writes the trace document, which names it
         return Trace(events, tokenizer=tok, result=result)
 
     # -- explain and lens

@@ -14,6 +14,7 @@ from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace import sigint
+from llmtrace.errors import UsageError
 from llmtrace.registry.models_toml import DEFAULT_MODEL
 
 SAMPLING = "Sampling (s10–s12)"
@@ -133,6 +134,10 @@ def generate(
     prompt_list: PromptsOpt = None,
     prompts_file: PromptsFileOpt = None,
     max_batch: MaxBatchOpt = 64,
+    save_tensors: Annotated[Optional[str], typer.Option("--save-tensors", metavar="FILE.safetensors", help="Also store the full "
+                            "values of the points the trace records (--trace, --layers choose them) in FILE, tied to "
+                            "this trace by a key in its run event: `llmtrace diff` compares two such runs point by "
+                            "point.", show_default=False)] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
@@ -146,12 +151,15 @@ def generate(
         presence_penalty=presence_penalty, logit_bias=logit_bias or [], ban=ban or [], sampler_order=sampler_order,
         seed=seed, chat=chat, system=system, stop=tuple(stop or ()), ignore_eos=ignore_eos, trace=trace,
         layers=layers, dump=tuple(dump or ()), show_top=show_top, for_report=html is not None, compile=compile_,
+        save_tensors=save_tensors,
         top_n_sigma=top_n_sigma, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
         dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
         dry_penalty_last_n=dry_penalty_last_n,
         dry_sequence_breakers=None if dry_sequence_breaker is None else breaker_texts(dry_sequence_breaker),
         mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
-    check_outputs(json_out, jsonl, html)
+    check_outputs(json_out, jsonl, html, save_tensors)
+    if save_tensors is not None and json_out is None and jsonl in (None, "-"):
+        raise UsageError("--save-tensors stores tensors beside a trace file; give --json FILE or --jsonl FILE too")
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch)
     options.check_prompts(prompts)
     load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads)

@@ -84,7 +84,7 @@ OffloadDirOpt = Annotated[
 
 
 # A value's flag, where it is not the field's name with dashes ("top_p" -> --top-p).
-FLAG_OF_FIELD = {"order": "--sampler-order", "level": "--trace", "for_report": "--html", "spec": "--model"}
+FLAG_OF_FIELD = {"order": "--sampler-order", "dry_sequence_breakers": "--dry-sequence-breaker", "level": "--trace", "for_report": "--html", "spec": "--model"}
 
 
 def flag_of(field: str) -> str:

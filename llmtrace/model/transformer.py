@@ -356,10 +356,7 @@ class Transformer(Tappable):
         B, T = idx.shape
         if cache is None and start != 0:
             raise ValueError("start > 0 needs a KV cache holding slots [0, start)")
-        if input_pos is None:
-            input_pos = torch.arange(start, start + T, device=idx.device)  # (T,): the same positions in every row
-        cos, sin = rope_angles(self.inv_freq, input_pos)  # (T, Dh) or (B, T, Dh), s5: RoPE's angles
-        mask = allowed_keys(T, start, attention_mask, idx.device)  # (B or 1, 1, T, S) or None
+        cos, sin, mask = self.rope_and_mask(idx, start, input_pos, attention_mask)  # s5, and who attends to whom
         x = self.embed(idx)  # s4: (B, T, D)
         self.tap("embed", x)
         caches = cache.layers if cache is not None else [None] * len(self.layers)
@@ -367,6 +364,23 @@ class Transformer(Tappable):
             x = block(x, cos, sin, layer_cache, start, mask)
         if cache is not None:
             cache.seq_len = start + T
+        return self.head(x, last_only)  # s7-s9
+
+    # The two pieces of forward around the layer loop, callable on their own by code that runs the layers one at a
+    # time (llmtrace.compare runs two models side by side, layer by layer).
+
+    def rope_and_mask(self, idx: torch.Tensor, start: int = 0, input_pos: Optional[torch.Tensor] = None,
+                      attention_mask: Optional[torch.Tensor] = None):
+        """What every layer of a forward call shares: RoPE's cos and sin, (T, Dh) or (B, T, Dh), and the allowed keys
+        (B or 1, 1, T, S), or None."""
+        T = idx.size(1)
+        if input_pos is None:
+            input_pos = torch.arange(start, start + T, device=idx.device)  # (T,): the same positions in every row
+        cos, sin = rope_angles(self.inv_freq, input_pos)  # s5: RoPE's angles
+        return cos, sin, allowed_keys(T, start, attention_mask, idx.device)
+
+    def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """The residual stream after the last layer (B, T, D) -> logits (B, T, V), or (B, V) with last_only."""
         x = self.norm(x)  # s8: (B, T, D)
         self.tap("final_norm", x)
         if last_only:

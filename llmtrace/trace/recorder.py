@@ -79,8 +79,10 @@ class Recorder:
     """Records one generation run as events and passes each event to the sinks as it happens. A pure observer: the
     generation loop opens the observation scope it asks for (`observation`) and hands it every fact it reports."""
 
-    def __init__(self, options: TraceOptions, sinks: list[Callable[[dict], None]], run_info: Optional[dict] = None):
+    def __init__(self, options: TraceOptions, sinks: list[Callable[[dict], None]], run_info: Optional[dict] = None,
+                 tensors=None):
         self.options = options
+        self.tensors = tensors  # a trace.tensors.TensorStore keeping the full values (--save-tensors), or None
         self.sinks = sinks
         self.run_info = run_info or {}
         self.step = 0
@@ -145,6 +147,8 @@ class Recorder:
             self._note_shape(layer, name, x)
         if not wanted[0]:
             return  # the common case of a point nobody asked for: a dictionary look-up
+        if self.tensors is not None:
+            self.tensors.keep(self.step, layer, name, x)
         if self._rows > 1:  # a batch: one event per row (kv_write's positions are the same slots for every row)
             for r in range(self._rows):
                 self._taps.append((layer, name, x if name == "kv_write" else x[r : r + 1], wanted[1], r))
@@ -271,7 +275,7 @@ class Recorder:
             "chat": self.run_info.get("chat", False),
             "compiled": self.run_info.get("compiled", {"decode_step": False}),
             "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
-        } | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
+        } | ({"tensors": self.tensors.begin(lm.name, prompt_ids)} if self.tensors is not None else {}) | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
               "row_seeds": [s.seed for s in samplers]} if batch is not None else {}))
         for row, ids in enumerate(batch) if batch is not None else [(None, prompt_ids)]:
             self.emit(tokens_event(self._tok, ids) | ({} if row is None else {"row": row}))

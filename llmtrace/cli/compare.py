@@ -1,0 +1,169 @@
+"""`llmtrace compare` (two models, or one under two settings, on one prompt) and `llmtrace diff` (two saved traces)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from llmtrace.cli.app import app
+from llmtrace.cli.batch_input import PromptsFileOpt, read_prompt_list
+from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
+                                  PromptArg, SystemOpt, ThreadsOpt, check_outputs, write_output)
+from llmtrace.cli.text_input import read_prompt
+from llmtrace.errors import UsageError
+
+COMPARE_HELP = """Run one prompt through two models (or one model under two settings) and find where they part.
+
+At every point of every layer (attn_norm, q, k, v, q_rope, …, resid_post; then final_norm and logits) and at every
+position: relative error ‖a−b‖/‖a‖, max |a−b| and cosine, in float64. The first line names the first point, in
+forward order, whose error exceeds --tolerance. Each layer's error is shown twice: accumulated (its output) and added
+(B's layer run on A's input, against A's layer: zero for a layer whose weights and maths agree). Then the answers:
+KL(P_A‖P_B) per position, same top-1, Δp = P_B(A's top) − P_A(A's top).
+
+Side B is side A with B's options changed: give -m twice, or -m once and a --b-… option (--b-dtype, --b-device,
+--b-keep-quantized). With -n N, both sides also read A's N greedy tokens (teacher forcing), so positions line up.
+
+Examples:
+
+  llmtrace compare "The capital of France is" -m model.gguf --b-dtype bfloat16
+
+  llmtrace compare "Hello" -m model.Q4_1.gguf --b-keep-quantized -n 8
+
+  llmtrace compare "Hello" -m ./Llama-3.2-1B -m llama-3.2-1b.Q8_0.gguf --ids-from a --json out.json --html out.html
+
+  llmtrace compare -p "One" -p "Two" -m A -m B --tolerance 1e-3
+"""
+
+
+def _model_list(models: Optional[list[str]], b_changes: dict) -> tuple[Optional[str], Optional[str]]:
+    models = models or []
+    if len(models) > 2:
+        raise UsageError(f"compare takes two models, -m A -m B; {len(models)} were given")
+    if len(models) == 2:
+        return models[0], models[1]
+    if not b_changes:
+        what = f"-m {models[0]}" if models else "no -m"
+        raise UsageError(f"compare needs two sides: with {what} they would be the same; give a second -m, or a --b-… "
+                         f"option that changes side B (e.g. --b-dtype bfloat16)")
+    return (models[0] if models else None), None
+
+
+@app.command(help=COMPARE_HELP, no_args_is_help=False)
+def compare(
+    prompt: PromptArg = None,
+    model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="Side A's model, then side B's (repeat: -m A -m B). One -m: both sides, B changed by --b-… options.", show_default=False)] = None,
+    file: FileOpt = None,
+    prompt_list: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="A prompt; repeat it to compare over several prompts (summarized together).", show_default=False)] = None,
+    prompts_file: PromptsFileOpt = None,
+    chat: ChatOpt = False,
+    system: SystemOpt = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Also compare this many decode steps (A's greedy tokens fed to both sides). 0: the prompt only.")] = 0,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Relative error above which two tensors differ.")] = 1e-4,
+    ids_from: Annotated[Optional[str], typer.Option("--ids-from", metavar="a", help="a: feed A's token ids to both sides when the tokenizers disagree.", show_default=False)] = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    keep_quantized: KeepQuantizedOpt = False,
+    b_dtype: Annotated[Optional[str], typer.Option("--b-dtype", help="Side B's dtype (default: side A's).", show_default=False)] = None,
+    b_device: Annotated[Optional[str], typer.Option("--b-device", help="Side B's device (default: side A's).", show_default=False)] = None,
+    b_keep_quantized: Annotated[Optional[bool], typer.Option("--b-keep-quantized/--b-dequantized", help="Side B keeps a GGUF's quantized blocks, or not (default: as side A).", show_default=False)] = None,
+    json_out: JsonOpt = None,
+    jsonl: JsonlOpt = None,
+    html: HtmlOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    from llmtrace.run.compare import Side, compare as run_compare
+
+    b_changes = {k: v for k, v in (("dtype", b_dtype), ("device", b_device), ("keep_quantized", b_keep_quantized))
+                 if v is not None}
+    spec_a, spec_b = _model_list(model, b_changes)
+    if max_new_tokens < 0:
+        raise UsageError("--max-new-tokens must be ≥ 0")
+    if not tolerance > 0:
+        raise UsageError(f"--tolerance must be > 0, not {tolerance:g}")
+    if ids_from not in (None, "a"):
+        raise UsageError(f"--ids-from takes a (A's ids for both sides), not {ids_from!r}")
+    if system is not None and not chat:
+        raise UsageError("--system only applies with --chat")
+    check_outputs(json_out, jsonl, html)
+    texts = read_prompt_list(prompt_list, prompts_file, sys.maxsize)
+    if texts is not None and (prompt is not None or file is not None):
+        raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
+    text = read_prompt(prompt, file) if texts is None else texts
+    side_a = Side(model=spec_a, dtype=dtype, device=device, keep_quantized=keep_quantized)
+    side_b = side_a.with_changes(model=spec_b, **b_changes)
+
+    from llmtrace.checkpoint.devices import set_threads
+
+    set_threads(threads)
+    result = run_compare(side_a, side_b, text, max_new_tokens=max_new_tokens, chat=chat, system=system,
+                         tolerance=tolerance, ids_from=ids_from, progress=_progress)
+    show(result.to_json(), json_out, jsonl)
+    if html:
+        n = result.report(html)
+        print(f"wrote {html} ({n / 1e6:.2f} MB)", file=sys.stderr)
+
+
+def _progress(message: str) -> None:
+    print(f"compare: {message}", file=sys.stderr, flush=True)
+
+
+def show(doc: dict, json_out: Optional[str], jsonl: Optional[str]) -> None:
+    """The terminal view (stdout, or stderr when stdout carries JSON and stderr is a terminal), --json, --jsonl."""
+    from llmtrace.console import make_console
+    from llmtrace.render.compare import render_compare
+
+    if json_out:
+        write_output(json_out, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    if jsonl:
+        from llmtrace.run.compare import jsonl_events
+
+        write_output(jsonl, "".join(json.dumps(ev, ensure_ascii=False) + "\n" for ev in jsonl_events(doc)))
+    if "-" not in (json_out, jsonl):
+        render_compare(doc, make_console())
+    elif sys.stderr.isatty():
+        render_compare(doc, make_console(stderr=True))
+
+
+DIFF_HELP = """Compare two saved runs of the same prompt (traces written by generate --json or --jsonl).
+
+With the tensors of both runs (generate --save-tensors FILE.safetensors, which the trace names), the same figures as
+`llmtrace compare`: relative error, max |a−b| and cosine at every recorded point and position, the first divergence,
+and KLD / same top / Δp where the logits were saved (--dump logits or --trace full). Runs on two machines become
+comparable (CUDA against CPU). Decode steps are compared while both runs had generated the same tokens.
+
+Without tensors, what the traces hold: the tokens, the top-k of each step, the sampler ledger, and each recorded
+point's statistics (mean, std, min, max, norm).
+
+Examples:
+
+  llmtrace generate "Hello" --trace full -n 4 --json cpu.json --save-tensors cpu.safetensors
+
+  llmtrace generate "Hello" --trace full -n 4 --json gpu.json --save-tensors gpu.safetensors --device cuda
+
+  llmtrace diff cpu.json gpu.json --html diff.html
+"""
+
+
+@app.command(help=DIFF_HELP)
+def diff(
+    trace_a: Annotated[str, typer.Argument(help="The first trace (A).")],
+    trace_b: Annotated[str, typer.Argument(help="The second trace (B).")],
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Relative error above which two tensors differ.")] = 1e-4,
+    no_tensors: Annotated[bool, typer.Option("--no-tensors", help="Compare what the traces hold, even when their tensors were saved.")] = False,
+    json_out: JsonOpt = None,
+    jsonl: JsonlOpt = None,
+    html: HtmlOpt = None,
+) -> None:
+    from llmtrace.run.diff import diff_traces
+
+    if not tolerance > 0:
+        raise UsageError(f"--tolerance must be > 0, not {tolerance:g}")
+    check_outputs(json_out, jsonl, html)
+    result = diff_traces(trace_a, trace_b, tolerance=tolerance, tensors=not no_tensors)
+    show(result.to_json(), json_out, jsonl)
+    if html:
+        n = result.report(html)
+        print(f"wrote {html} ({n / 1e6:.2f} MB)", file=sys.stderr)

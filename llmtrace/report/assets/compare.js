@@ -1,0 +1,60 @@
+// The comparison page's one interaction: choose a point (a cell of the heat strip) and see its error per position.
+// The geometry is the page's: bar heights come as 0..1 fractions of the log scale (fields h_rel, h_added), computed
+// in Python; this script only places them. It reads the JSON in #compare-data and changes nothing else.
+(function () {
+  "use strict";
+  const data = JSON.parse(document.getElementById("compare-data").textContent);
+  const svg = document.getElementById("point-svg");
+  const label = document.getElementById("point-label");
+  const numbers = document.getElementById("point-numbers");
+  const NS = "http://www.w3.org/2000/svg";
+  const W = data.bar, H = data.height;
+
+  function el(name, attrs, text) {
+    const e = document.createElementNS(NS, name);
+    for (const k in attrs) e.setAttribute(k, attrs[k]);
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+  function fmt(x) { return x === null || x === undefined ? "—" : (x === 0 ? "0" : x.toExponential(2)); }
+
+  function choose(key) {
+    const p = data.points[key];
+    if (!p) return;
+    document.querySelectorAll("rect.cell.chosen").forEach((c) => c.classList.remove("chosen"));
+    document.querySelectorAll('rect.cell[data-key="' + key + '"]').forEach((c) => c.classList.add("chosen"));
+    label.textContent = p.label;
+    svg.dataset.key = key;
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    const half = p.h_added.length ? (W - 4) / 2 : W - 4;
+    let worst = 0;
+    p.rel.forEach((v, i) => {
+      if (v !== null && v > p.rel[worst]) worst = i;
+    });
+    p.h_rel.forEach((f, i) => {
+      if (f === null) return;
+      const h = Math.max(f > 0 ? 1 : 0, f * H);
+      const r = el("rect", { class: "bar", x: i * W + 2, y: H - h, width: half, height: h });
+      r.appendChild(el("title", {}, "position " + data.positions[i].position + " " + data.positions[i].token +
+        ": rel. error " + fmt(p.rel[i]) + ", max |a−b| " + fmt(p.max_abs[i]) + ", cos " + p.cos[i] +
+        (p.added.length ? ", added " + fmt(p.added[i]) : "")));
+      svg.appendChild(r);
+      if (p.h_added.length && p.h_added[i] !== null) {
+        const ha = Math.max(p.h_added[i] > 0 ? 1 : 0, p.h_added[i] * H);
+        svg.appendChild(el("rect", { class: "bar added", x: i * W + 2 + half, y: H - ha, width: half, height: ha }));
+      }
+    });
+    data.positions.forEach((pos, i) => {
+      svg.appendChild(el("text", { class: "token", transform: "translate(" + (i * W + W / 2 + 3) + "," + (H + 8) +
+        ") rotate(60)" }, pos.token));
+    });
+    svg.dataset.bars = String(svg.querySelectorAll("rect.bar:not(.added)").length);
+    numbers.textContent = p.rel.length ? "largest: position " + data.positions[worst].position + ", rel. error " +
+      fmt(p.rel[worst]) + "; max |a−b| " + fmt(p.max_abs[worst]) + "; cosine " + p.cos[worst] : "";
+  }
+
+  document.querySelectorAll("rect.cell[data-key]").forEach((c) => {
+    c.addEventListener("click", () => choose(c.dataset.key));
+  });
+  if (data.chosen) choose(data.chosen);
+})();

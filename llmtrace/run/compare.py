@@ -1,0 +1,640 @@
+"""Comparing two runs of one prompt: where they part, the error each layer adds, and how far the answers drift.
+
+    compare(a, b, prompt) -> CompareResult      .to_json() .save(path) .report(path) .summary_line()
+
+Two models (or one model under two settings, `Side`) read the same token ids. They run side by side, layer by layer:
+each layer of A, then the same layer of B, then B's layer once more on A's input to that layer. Only one layer's
+activations of each side are held at a time, never two full traces, so two models fit where one fits twice.
+
+Every metric is computed in float64 from the two sides' tensors, at every point (the `tap` names of the forward pass,
+in the order the maths runs) and at every position:
+
+    relative error  ||a - b||_2 / ||a||_2   (||a - b||_2 where ||a||_2 is 0)
+    max |a - b|
+    cosine similarity   a.b / (||a|| ||b||)  (1 where both are 0)
+
+A point's `rel_err` is taken over all compared positions at once; `max_rel_err` is its largest error at one position,
+and `position` names that position. The first divergence is the first point, in forward order, whose error at some
+position exceeds the tolerance. The error a layer *adds* is that of B's layer run on A's input against A's layer: zero
+for a layer whose weights and maths are the same on both sides, whatever came before it.
+
+Decode steps (`max_new_tokens`). A's greedy tokens are generated first (A alone, with a KV cache), then both sides
+read the prompt followed by those tokens in one pass. Attention is causal, so the activations at position p depend
+only on the tokens at positions <= p: one pass over prompt + N tokens computes what the prefill and N decode steps
+compute, position by position, and both sides are fed the same tokens, so positions line up (teacher forcing). The
+one pass is what lets the sides run layer by layer; the decode steps' own kernels (one query row at a time) differ from
+it only in the order of floating-point sums, the same on both sides. The tokens are A's argmax at each step, past an
+end-of-sequence token too: the comparison is of the maths, not of the text.
+
+The answers, per position: KL(P_A || P_B) over the whole vocabulary (softmax at temperature 1 of each side's float32
+logits), whether the top-1 tokens agree, and dp = P_B(A's top token) - P_A(A's top token). Summaries: mean and max
+KLD, the share of positions whose top-1 agrees (llama.cpp's "same top") and the mean |dp|.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
+
+COMPARE_SCHEMA = "llmtrace.compare/1"
+DEFAULT_TOLERANCE = 1e-4
+DIGITS = 4  # significant digits of every float written
+
+# The points compared in each layer, in forward order. kv_write is the slots written (not an activation) and
+# k_repeated is k_rope laid out for the query heads (its error is k_rope's), so neither is compared.
+COMPARED_POINTS = tuple(p for p in LAYER_POINTS if p not in ("kv_write", "k_repeated"))
+MODEL_LEVEL_POINTS = ("embed", "final_norm", "logits")
+# Which axis of a point's tensor is the (query) position; every other point is (B, T, ...).
+POSITION_AXIS = {"scores": 2, "probs": 2}  # (B, H, T, S)
+
+
+def _round(x: Optional[float]) -> Optional[float]:
+    if x is None or math.isinf(x) or math.isnan(x):
+        return None
+    return float(f"%.{DIGITS}g" % x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the two sides
+
+
+@dataclass
+class Side:
+    """How one side of a comparison is loaded and run. Side B starts as a copy of side A with the options given for B
+    replaced (`A.with_changes(...)`); a new way of running a model is a new field here."""
+
+    model: Optional[str] = None  # a spec as -m takes it; None: the default model
+    dtype: Optional[str] = None
+    device: Optional[str] = None
+    keep_quantized: bool = False
+
+    def with_changes(self, **changes: Any) -> "Side":
+        """This side with the fields that `changes` gives (not None) replaced."""
+        known = {f.name for f in fields(self)}
+        unknown = set(changes) - known
+        if unknown:
+            raise TypeError(f"Side has no field {sorted(unknown)[0]!r}")
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def load(self):
+        from llmtrace.checkpoint.load import load_model
+
+        return load_model(self.model, device=self.device, dtype=self.dtype, keep_quantized=self.keep_quantized)
+
+    def check(self) -> None:
+        """The options' values, before anything is loaded."""
+        from llmtrace.checkpoint.devices import pick_device, pick_dtype
+
+        pick_dtype(self.dtype, pick_device(self.device))
+
+
+def side_record(lm, side: Optional[Side]) -> dict:
+    """What the output says about one side: the model, its shape, where and how it ran."""
+    from llmtrace.trace.records import dtype_name
+
+    c = lm.config
+    return {"model": lm.name, "source": lm.source, "arch": c.arch, "dtype": dtype_name(lm.dtype),
+            "device": str(lm.device), "keep_quantized": bool(side.keep_quantized) if side else _is_quantized(lm),
+            "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+            "vocab_size": c.vocab_size}
+
+
+def _is_quantized(lm) -> bool:
+    from llmtrace.model.quant import QuantLinear
+
+    return any(isinstance(m, QuantLinear) for m in lm.model.modules())
+
+
+def check_comparable(ca, cb) -> None:
+    """Refuse two configs whose tensors cannot be compared point by point, naming the first mismatch."""
+    for what, key in (("layers", "n_layers"), ("width (d_model)", "d_model"), ("query heads", "n_heads"),
+                      ("key/value heads", "n_kv_heads"), ("head width", "head_dim"), ("FFN width", "ffn_dim"),
+                      ("vocabulary", "vocab_size")):
+        va, vb = getattr(ca, key), getattr(cb, key)
+        if va != vb:
+            raise LlmtraceError(f"the models cannot be compared point by point: their {what} differ (A {va}, B {vb})")
+
+
+def read_config(spec: Optional[str]):
+    """A model's config from its metadata alone (config.json, or a GGUF file's header): no weight is read."""
+    from llmtrace.registry.resolve import resolve
+
+    resolved = resolve(spec)
+    if resolved.kind == "gguf":
+        from llmtrace.checkpoint.gguf_checkpoint import config_from_gguf
+        from llmtrace.checkpoint.gguf_file import open_gguf
+
+        return config_from_gguf(open_gguf(resolved.path), str(resolved.path))
+    from llmtrace.checkpoint.hf_checkpoint import config_from_hf
+
+    path = resolved.path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise LlmtraceError(f"{path}: cannot read the model's config ({type(e).__name__}: {e})") from None
+    return config_from_hf(raw, str(resolved.path))
+
+
+def check_ids(tok_a, tok_b, ids_a: list[int], ids_b: list[int], ids_from: Optional[str]) -> list[int]:
+    """The ids both sides read: the prompt's ids when both tokenizers agree, A's with ids_from="a", else an error."""
+    if ids_from not in (None, "a"):
+        raise UsageError(f"--ids-from takes a (A's ids for both sides), not {ids_from!r}")
+    if ids_a == ids_b or ids_from == "a":
+        return ids_a
+    i = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
+    what = (f"at position {i} A has {_id_text(tok_a, ids_a, i)} and B {_id_text(tok_b, ids_b, i)}"
+            if i < min(len(ids_a), len(ids_b)) else f"A gives {len(ids_a)} tokens and B {len(ids_b)}")
+    raise LlmtraceError(f"the two tokenizers give different ids for the prompt ({what}); --ids-from a feeds A's ids "
+                        f"to both sides")
+
+
+def _id_text(tok, ids: list[int], i: int) -> str:
+    return f"id {ids[i]} {tok.piece(ids[i])!r}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# metrics
+
+
+def as_rows(x, axis: int):
+    """A point's tensor as float64 rows, one per position (the tensor's `axis`): (P, N). MPS has no float64, so there
+    the rows are made on the CPU."""
+    import torch
+
+    dev = x.device if x.device.type != "mps" else torch.device("cpu")
+    x = x.detach().movedim(axis, 0)
+    return x.reshape(x.size(0), -1).to(dev, torch.float64)
+
+
+def _rows(x, axis: int):
+    """A point's tensor as one row per position, in its own dtype and device: (P, N)."""
+    x = x.detach().movedim(axis, 0)
+    return x.reshape(x.size(0), -1)
+
+
+def position_sums(a, b, masked: bool = False):
+    """Per position, from two (..., P, N) float64 row matrices: sum of (a-b)^2, of a^2, of b^2, of a*b, and max
+    |a-b| over the last dimension, as one (5, ..., P) tensor. `masked`: entries that are -inf on both sides (masked
+    attention scores) count as equal."""
+    import torch
+
+    if masked:
+        both = torch.isneginf(a) & torch.isneginf(b)
+        if both.any():
+            a, b = a.masked_fill(both, 0.0), b.masked_fill(both, 0.0)
+    d = a - b
+    vecdot = torch.linalg.vecdot
+    d2, a2, b2 = vecdot(d, d), vecdot(a, a), vecdot(b, b)
+    max_abs = torch.linalg.vector_norm(d, ord=math.inf, dim=-1) if d.size(-1) else d.new_zeros(d.shape[:-1])
+    # a.b from the three sums (one pass fewer): in float64 its rounding is ~1e-16 of |a|^2 + |b|^2, far below any
+    # cosine worth showing
+    return torch.stack([d2, a2, b2, (a2 + b2 - d2) / 2, max_abs])
+
+
+def _rel(d2: float, a2: float) -> float:
+    return math.sqrt(d2) / math.sqrt(a2) if a2 > 0 else math.sqrt(d2)
+
+
+def _cos(dot: float, a2: float, b2: float) -> float:
+    if a2 == 0 and b2 == 0:
+        return 1.0
+    if a2 == 0 or b2 == 0:
+        return 0.0
+    return dot / math.sqrt(a2 * b2)
+
+
+@dataclass
+class PointSums:
+    """The per-position sums of one point, possibly gathered over several passes (diff: one per step)."""
+
+    d2: list[float] = field(default_factory=list)
+    a2: list[float] = field(default_factory=list)
+    b2: list[float] = field(default_factory=list)
+    dot: list[float] = field(default_factory=list)
+    max_abs: list[float] = field(default_factory=list)
+
+    def add(self, a, b, axis: int) -> "PointSums":
+        """Add the positions of tensors a and b (any dtype and device; `axis` is the position axis)."""
+        return self.add_rows(as_rows(a, axis), as_rows(b, axis), masked=a.dtype.is_floating_point)
+
+    def add_rows(self, a, b, masked: bool = False) -> "PointSums":
+        for mine, got in zip((self.d2, self.a2, self.b2, self.dot, self.max_abs), position_sums(a, b, masked).tolist()):
+            mine.extend(got)
+        return self
+
+    def extend_sums(self, sums: list) -> "PointSums":
+        """Add positions from five lists: (a-b)^2, a^2, b^2, a.b sums and max |a-b|."""
+        for mine, got in zip((self.d2, self.a2, self.b2, self.dot, self.max_abs), sums):
+            mine.extend(got)
+        return self
+
+    def extend(self, other: "PointSums") -> "PointSums":
+        for mine, got in zip((self.d2, self.a2, self.b2, self.dot, self.max_abs),
+                             (other.d2, other.a2, other.b2, other.dot, other.max_abs)):
+            mine.extend(got)
+        return self
+
+    def record(self, name: str, positions: Optional[list[int]] = None, added: Optional["PointSums"] = None) -> dict:
+        """The point's JSON record: whole-tensor figures, the worst position, and the per-position lists."""
+        positions = positions if positions is not None else list(range(len(self.d2)))
+        rel = [_rel(d, a) for d, a in zip(self.d2, self.a2)]
+        cos = [_cos(x, a, b) for x, a, b in zip(self.dot, self.a2, self.b2)]
+        worst = max(range(len(rel)), key=rel.__getitem__) if rel else None
+        rec = {"point": name, "seed_step": SEED_STEP.get(name), "rel_err": _round(_rel(sum(self.d2), sum(self.a2))),
+               "max_rel_err": _round(rel[worst]) if rel else None,
+               "position": positions[worst] if worst is not None else None,
+               "max_abs": _round(max(self.max_abs, default=0.0)), "cos_min": _round(min(cos, default=1.0)),
+               "added_rel_err": None,
+               "per_position": {"rel_err": [_round(x) for x in rel], "max_abs": [_round(x) for x in self.max_abs],
+                                "cos": [_round(x) for x in cos]}}
+        if added is not None:
+            rec["added_rel_err"] = _round(_rel(sum(added.d2), sum(added.a2)))
+            rec["per_position"]["added_rel_err"] = [_round(_rel(d, a)) for d, a in zip(added.d2, added.a2)]
+        return rec
+
+
+def find_first_divergence(model_points: dict, layers: list[dict], tolerance: float) -> tuple[Optional[dict], float]:
+    """The first point in forward order (embed, each layer's points, final_norm, logits) whose error at some position
+    exceeds `tolerance`, as {"layer", "point", "position", "rel_err"}, or None; and the largest error of any point
+    before it."""
+    order = [(None, model_points["embed"])] if "embed" in model_points else []
+    order += [(lay["layer"], p) for lay in layers for p in lay["points"]]
+    order += [(None, model_points[n]) for n in ("final_norm", "logits") if n in model_points]
+    before = 0.0
+    for layer, p in order:
+        worst = p["max_rel_err"]
+        if worst is not None and worst > tolerance:
+            return {"layer": layer, "point": p["point"], "seed_step": p["seed_step"], "position": p["position"],
+                    "rel_err": worst}, before
+        before = max(before, worst or 0.0)
+    return None, before
+
+
+def answer_metrics(logits_a, logits_b) -> dict:
+    """Per position and in summary: KL(P_A || P_B), same top-1, dp, from (P, V) logits of each side. P_X is the
+    softmax at temperature 1 of side X's logits taken as float32, computed in float64."""
+    import torch
+
+    la = torch.log_softmax(logits_a.detach().float().double().cpu(), dim=-1)  # (P, V)
+    lb = torch.log_softmax(logits_b.detach().float().double().cpu(), dim=-1)
+    pa = la.exp()
+    kld = (pa * (la - lb)).nansum(-1)  # (P,); 0 * (-inf) terms of a zero probability count as 0
+    top_a, top_b = la.argmax(-1), lb.argmax(-1)  # (P,)
+    p_top_a = pa.gather(1, top_a[:, None])[:, 0]
+    p_b_top_a = lb.gather(1, top_a[:, None])[:, 0].exp()
+    return {"kld": kld.tolist(), "top_a": top_a.tolist(), "top_b": top_b.tolist(), "p_a": p_top_a.tolist(),
+            "p_b": p_b_top_a.tolist(), "dp": (p_b_top_a - p_top_a).tolist()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the result
+
+
+@dataclass
+class CompareResult:
+    """Everything one comparison found. `to_json()` is the output's one object (schema: trace.schema.json's
+    "compare" definition)."""
+
+    a: dict  # side_record of A and B
+    b: dict
+    prompt: Union[str, list[str]]  # the text the model read (a list for several prompts)
+    ids: list  # every position's token: the prompt, then A's greedy tokens (a list per prompt for several)
+    n_prompt: Union[int, list[int]]  # the prompt's tokens (of each prompt)
+    tolerance: float
+    layers: list[dict]
+    model_points: dict  # embed, final_norm, logits: point records
+    positions: list[dict]
+    first_divergence: Optional[dict]
+    max_rel_err_before: float  # the largest error of any point before the first divergence (or anywhere, if none)
+    kld_mean: float
+    kld_max: float
+    same_top: float
+    dp_mean_abs: float
+    source: str = "compare"  # "compare" (two models run here) or "diff" (two saved traces)
+    notes: list[str] = field(default_factory=list)
+    diff: Optional[dict] = None  # diff: what the traces hold besides tensors (tokens, top-k, ledger, statistics)
+
+    def to_json(self) -> dict:
+        return {"schema": COMPARE_SCHEMA, "source": self.source, "a": self.a, "b": self.b, "prompt": self.prompt,
+                "ids": self.ids, "n_prompt": self.n_prompt, "tolerance": self.tolerance,
+                "first_divergence": self.first_divergence, "max_rel_err_before": _round(self.max_rel_err_before),
+                "kld_mean": _round(self.kld_mean), "kld_max": _round(self.kld_max), "same_top": _round(self.same_top),
+                "dp_mean_abs": _round(self.dp_mean_abs), "positions": self.positions, "layers": self.layers,
+                "model_points": self.model_points, "notes": self.notes} | (
+                    {"diff": {k: v for k, v in self.diff.items() if not k.startswith("_")}} if self.diff else {})
+
+    def to_jsonl_events(self) -> list[dict]:
+        return jsonl_events(self.to_json())
+
+    def save(self, path: Union[str, Path]) -> None:
+        """The JSON object to `path`, written whole or not at all."""
+        from llmtrace.fsutil import write_text_atomic
+
+        write_text_atomic(Path(path), json.dumps(self.to_json(), indent=1) + "\n")
+
+    def report(self, path: Union[str, Path]) -> int:
+        """The HTML comparison page to `path` (atomically). Returns its size in bytes."""
+        from llmtrace.report.compare import write_compare_page
+
+        return write_compare_page(self, path)
+
+    def summary_line(self) -> str:
+        """The answer in one line: where the runs part, or that they do not."""
+        return summary_line(self.to_json())
+
+    @property
+    def different_top(self) -> list[dict]:
+        return [p for p in self.positions if not p["same_top"]]
+
+
+def summary_line(doc: dict) -> str:
+    """The answer in one line: where the runs part, or that they do not."""
+    fd = doc["first_divergence"]
+    tol = f"{doc['tolerance']:g}"
+    before = doc.get("max_rel_err_before") or 0.0
+    if fd is None:
+        worst = "identical" if before == 0 else f"largest rel. error {before:.1e}"
+        return f"runs agree within {tol} at every point and position ({worst})"
+    where = (f"prompt {fd['prompt']}, " if "prompt" in fd else "") + (
+        f"layer {fd['layer']}, " if fd["layer"] is not None else "")
+    step = f" ({fd['seed_step']})" if fd.get("seed_step") else ""
+    if (fd["layer"], fd["point"]) == (None, "embed"):
+        rest = "the first point"
+    elif before == 0:
+        rest = "everything before it identical"
+    else:
+        rest = f"everything before it equal within {_ceil_decade(before)}"
+    at = f"position {fd['position']}" if fd.get("position") is not None else f"step {fd.get('step', 0)}"
+    basis = " (from the norms)" if fd.get("basis") == "norm" else ""
+    return f"runs part at {where}{fd['point']}{step}, {at}: rel. error{basis} {_sci(fd['rel_err'])}; {rest}"
+
+
+def _sci(x: float) -> str:
+    """3.1e-3, not 3.1e-03."""
+    m, _, ex = f"{x:.1e}".partition("e")
+    return f"{m}e{int(ex)}"
+
+
+def _ceil_decade(x: float) -> str:
+    """The smallest power of ten >= x > 0, as "1e-06"."""
+    return f"1e{math.ceil(math.log10(x))}"
+
+
+def jsonl_events(doc: dict) -> list[dict]:
+    """A comparison's JSON object as events, one JSON object per line: "compare" (everything but the layers and the
+    positions), one "compare_layer" per layer, one "compare_position" per position."""
+    head = {"event": "compare"} | {k: v for k, v in doc.items() if k not in ("layers", "positions")}
+    return ([head] + [{"event": "compare_layer"} | lay for lay in doc["layers"]]
+            + [{"event": "compare_position"} | p for p in doc["positions"]])
+
+
+def position_records(tok_a, tok_b, ids: list[int], n_prompt: int, m: dict) -> list[dict]:
+    out = []
+    for i, t in enumerate(ids):
+        ta, tb = m["top_a"][i], m["top_b"][i]
+        out.append({"position": i, "phase": "prompt" if i < n_prompt else "decode", "token": t,
+                    "text": tok_a.decode([t]), "kld": _round(max(m["kld"][i], 0.0)), "same_top": ta == tb,
+                    "top_a": {"id": ta, "text": tok_a.decode([ta])}, "top_b": {"id": tb, "text": tok_b.decode([tb])},
+                    "p_a": _round(m["p_a"][i]), "p_b": _round(m["p_b"][i]), "dp": _round(m["dp"][i])})
+    return out
+
+
+def summarize_answers(m: dict) -> dict:
+    n = len(m["kld"]) or 1
+    return {"kld_mean": sum(max(k, 0.0) for k in m["kld"]) / n, "kld_max": max((max(k, 0.0) for k in m["kld"]), default=0.0),
+            "same_top": sum(a == b for a, b in zip(m["top_a"], m["top_b"])) / n,
+            "dp_mean_abs": sum(abs(d) for d in m["dp"]) / n}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# running two models side by side
+
+
+ModelLike = Union[str, Side, Any]  # a spec, a Side, or a loaded model (llmtrace.loaded.LoadedModel)
+
+
+def _as_side(x: ModelLike) -> tuple[Optional[Side], Any]:
+    """(Side, None) for a spec or a Side; (None, the model) for a model already loaded."""
+    if x is None or isinstance(x, str):
+        return Side(model=x), None
+    if isinstance(x, Side):
+        return x, None
+    return None, x
+
+
+def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_new_tokens: int = 0, chat: bool = False,
+            system: Optional[str] = None, tolerance: float = DEFAULT_TOLERANCE, ids_from: Optional[str] = None,
+            progress: Optional[Callable[[str], None]] = None) -> CompareResult:
+    """Run `prompt` through A and B side by side and compare them at every point, layer and position.
+
+    `a`, `b`: a model spec (as -m takes it), a `Side` (a spec and how to run it) or a loaded model. With a spec or a
+    Side, the tokenizers are checked before any weight is read. `prompt`: one text, or a list of texts compared one
+    after the other and summarized together (each position record names its prompt). `max_new_tokens`: besides the
+    prompt, compare this many decode steps, both sides fed A's greedy tokens. `ids_from="a"`: feed A's ids to both
+    sides even when B's tokenizer reads the prompt differently. `progress(message)` hears what is happening."""
+    if not tolerance > 0:
+        raise UsageError(f"--tolerance must be > 0, not {tolerance}")
+    if max_new_tokens < 0:
+        raise UsageError("--max-new-tokens must be ≥ 0")
+    if ids_from not in (None, "a"):
+        raise UsageError(f"--ids-from takes a (A's ids for both sides), not {ids_from!r}")
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    side_a, lm_a = _as_side(a)
+    side_b, lm_b = _as_side(b)
+    say = progress or (lambda _msg: None)
+    for side in (side_a, side_b):
+        if side is not None:
+            side.check()
+    # the prompts' ids, from the tokenizers alone when the models are not loaded yet
+    from llmtrace.checkpoint.tokenizer_only import load_tokenizer
+
+    tok_a = lm_a.tokenizer if lm_a is not None else load_tokenizer(side_a.model)
+    tok_b = lm_b.tokenizer if lm_b is not None else load_tokenizer(side_b.model)
+    prompts, all_ids, notes = [], [], []
+    for k, text in enumerate(texts):
+        text_a, ids_a = tok_a.encode_prompt(text, chat=chat, system=system)
+        _, ids_b = tok_b.encode_prompt(text, chat=chat, system=system)
+        ids = check_ids(tok_a, tok_b, ids_a, ids_b, ids_from)
+        if not ids:
+            raise UsageError(f"prompt {k + 1} has no tokens; give some text" if len(texts) > 1
+                             else "the prompt has no tokens; give some text")
+        if ids_a != ids_b and not notes:
+            notes.append("B's tokenizer reads the prompt differently; both sides were fed A's ids (--ids-from a)")
+        prompts.append(text_a)
+        all_ids.append(ids)
+    check_comparable(lm_a.config if lm_a is not None else read_config(side_a.model),
+                     lm_b.config if lm_b is not None else read_config(side_b.model))  # before any weight is read
+    if lm_a is None:
+        say(f"loading A: {side_a.model or 'the default model'}")
+        lm_a = side_a.load()
+    if lm_b is None:
+        say(f"loading B: {side_b.model or 'the default model'}")
+        lm_b = side_b.load()
+    check_comparable(lm_a.config, lm_b.config)
+    top_id = max(max(ids) for ids in all_ids)
+    if top_id >= lm_b.config.vocab_size:
+        raise LlmtraceError(f"A's id {top_id} is outside B's vocabulary of {lm_b.config.vocab_size}")
+    limit = min(lm_a.config.max_seq_len, lm_b.config.max_seq_len)
+    longest = max(len(ids) for ids in all_ids)
+    if longest + max_new_tokens > limit:
+        raise UsageError(f"the prompt's {longest} tokens + --max-new-tokens {max_new_tokens} exceed the context "
+                         f"window of {limit} tokens")
+
+    import torch
+
+    acc: dict = {}
+    positions: list[dict] = []
+    answers: dict = {}
+    seqs = []
+    with torch.inference_mode():
+        for k, ids in enumerate(all_ids):
+            generated = greedy_tokens(lm_a.model, ids, max_new_tokens, lm_a.device) if max_new_tokens else []
+            seq = ids + generated
+            seqs.append(seq)
+            logits_a, logits_b = run_side_by_side(lm_a, lm_b, seq, acc, say)
+            m = answer_metrics(logits_a, logits_b)
+            del logits_a, logits_b
+            for key, v in m.items():
+                answers.setdefault(key, []).extend(v)
+            recs = position_records(tok_a, tok_b, seq, len(ids), m)
+            for r in recs:
+                r["index"] = len(positions)
+                if len(texts) > 1:
+                    r["prompt"] = k
+                positions.append(r)
+    labels = [(p.get("prompt"), p["position"]) for p in positions]
+    layers, model_points = build_records(acc, lm_a.config.n_layers)
+    first, before = find_first_divergence(model_points, layers, tolerance)
+    if first is not None:
+        k, pos = labels[first["position"]]
+        first["position"] = pos
+        if k is not None:
+            first["prompt"] = k
+    return CompareResult(a=side_record(lm_a, side_a), b=side_record(lm_b, side_b),
+                         prompt=prompts[0] if len(prompts) == 1 else prompts, ids=seqs[0] if len(seqs) == 1 else seqs,
+                         n_prompt=len(all_ids[0]) if len(all_ids) == 1 else [len(i) for i in all_ids],
+                         tolerance=tolerance, layers=layers, model_points=model_points, positions=positions,
+                         first_divergence=first, max_rel_err_before=before, **summarize_answers(answers), notes=notes)
+
+
+def greedy_tokens(model, ids: list[int], n: int, device) -> list[int]:
+    """A's greedy continuation of `ids`: n tokens, each the argmax of the last position's logits (KV cache)."""
+    import torch
+
+    cache = model.new_cache(len(ids) + n)
+    logits = model(torch.tensor([ids], device=device), cache, 0, last_only=True)  # (1, V)
+    out: list[int] = []
+    for k in range(n):
+        out.append(int(logits[0].argmax()))
+        if k + 1 < n:
+            logits = model(torch.tensor([[out[-1]]], device=device), cache, len(ids) + k, last_only=True)
+    return out
+
+
+class _Capture:
+    """An observer keeping the tensors of one pass by point name, in the order the forward pass reports them."""
+
+    def __init__(self):
+        self.points: dict[str, Any] = {}
+
+    def __call__(self, layer, name, x) -> None:
+        if name in COMPARED_POINTS or name in MODEL_LEVEL_POINTS:
+            self.points[name] = x
+
+
+def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None):
+    """Run both loaded models over `ids` layer by layer, and B's layer once more on A's input, adding each point's
+    per-position sums to `acc` ({(layer, point): (A against B, A against B on A's input)}, in forward order).
+    Returns A's and B's logits, (P, V) each."""
+    import torch
+
+    model_a, model_b, device_b, dtype_b = lm_a.model, lm_b.model, lm_b.device, lm_b.dtype
+    idx_a = torch.tensor([ids], device=lm_a.device)  # (1, P)
+    idx_b = torch.tensor([ids], device=device_b)
+    rope_a = model_a.rope_and_mask(idx_a)  # (cos, sin, mask)
+    rope_b = model_b.rope_and_mask(idx_b)
+
+    def run(model, fn, layer: Optional[int]):
+        cap = _Capture()
+        with model.observed(cap, layers=[] if layer is None else [layer]):
+            out = fn()
+        return out, cap.points
+
+    def add(layer, points_a: dict, points_b: dict, points_z: dict):
+        """Each point of A against B, and against B on A's input (`points_z` is `points_b` itself when B's input was
+        A's, bit for bit). Points whose rows have one width are stacked and reduced together: a few reductions per
+        layer rather than a few per point."""
+        groups: dict[tuple, list] = {}
+        for name, ta in points_a.items():  # forward order
+            if name not in points_b:
+                continue
+            axis = POSITION_AXIS.get(name, 1)
+            acc.setdefault((layer, name), (PointSums(), PointSums()))
+            ra, rb = _rows(ta, axis), _rows(points_b[name], axis)
+            rz = rb if points_z is points_b else _rows(points_z[name], axis)
+            groups.setdefault((ra.shape, rb.shape, rz.shape, name == "scores"), []).append((name, ra, rb, rz))
+        for (_, _, _, masked), items in groups.items():
+            dev = items[0][1].device if items[0][1].device.type != "mps" else torch.device("cpu")  # MPS: no float64
+            # (G, P, N) float64 on A's device (B's tensors cross over when B runs elsewhere)
+            stack = lambda k: torch.stack([it[k] for it in items]).to(dev, torch.float64)  # noqa: E731
+            a64 = stack(1)
+            same = position_sums(a64, stack(2), masked).tolist()  # (5, G, P)
+            added = same if points_z is points_b else position_sums(a64, stack(3), masked).tolist()
+            for g, (name, *_) in enumerate(items):
+                s_acc, a_acc = acc[(layer, name)]
+                s_acc.extend_sums([row[g] for row in same])
+                a_acc.extend_sums([row[g] for row in added])
+
+    # s4: the embeddings (nothing feeds them, so the error B adds is its whole error)
+    xa, pa = run(model_a, lambda: model_a.embed(idx_a), None)
+    xb, pb = run(model_b, lambda: model_b.embed(idx_b), None)
+    embed_b = {"embed": xb}
+    add(None, {"embed": xa}, embed_b, embed_b)
+    n_layers = len(model_a.layers)
+    for i in range(n_layers):
+        if i % 10 == 0:
+            say(f"layer {i}/{n_layers}")
+        ya, pa = run(model_a, lambda: model_a.layers[i](xa, *rope_a[:2], None, 0, rope_a[2]), i)
+        yb, pb = run(model_b, lambda: model_b.layers[i](xb, *rope_b[:2], None, 0, rope_b[2]), i)
+        x_in = xa.to(device_b, dtype_b)
+        if torch.equal(x_in, xb):  # B's input is A's: B's layer on it is the run just made (saves a third pass)
+            pz = pb
+        else:
+            _, pz = run(model_b, lambda: model_b.layers[i](x_in, *rope_b[:2], None, 0, rope_b[2]), i)
+        add(i, pa, pb, pz)
+        del pa, pb, pz, x_in
+        xa, xb = ya, yb
+    # s8, s9: the final norm and the LM head; B's on A's input gives the error they add
+    la, pa = run(model_a, lambda: model_a.head(xa), None)
+    lb, pb = run(model_b, lambda: model_b.head(xb), None)
+    x_in = xa.to(device_b, dtype_b)
+    pz = pb if torch.equal(x_in, xb) else run(model_b, lambda: model_b.head(x_in), None)[1]
+    add(None, pa, pb, pz)
+    return la[0], lb[0]
+
+
+def build_records(acc: dict, n_layers: int) -> tuple[list[dict], dict]:
+    """The layer records and the model-level point records from the accumulated sums."""
+    layers = [{"layer": i, "points": []} for i in range(n_layers)]
+    model_points = {}
+    for (layer, name), (same, added) in acc.items():
+        rec = same.record(name, added=added)
+        if layer is None:
+            model_points[name] = rec
+        else:
+            layers[layer]["points"].append(rec)
+    for lay in layers:
+        points = lay["points"]
+        out = next((p for p in points if p["point"] == "resid_post"), None)
+        lay["rel_err"] = out["rel_err"] if out else None
+        lay["added_rel_err"] = out["added_rel_err"] if out else None
+        lay["max_rel_err"] = max((p["max_rel_err"] or 0.0 for p in points), default=None)
+        lay["max_added_rel_err"] = max((p["added_rel_err"] or 0.0 for p in points), default=None)
+        lay["points"] = lay.pop("points")  # last, after the summary fields
+    return layers, model_points
