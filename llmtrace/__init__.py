@@ -20,7 +20,8 @@ _PUBLIC = {  # public name -> the module that defines it
     "UsageError": "llmtrace.errors",
     "BadValue": "llmtrace.errors",
     # comparing two runs (llmtrace/run/compare.py)
-    "compare": "llmtrace.run.compare",  # compare(a, b, prompt, ...) -> CompareResult
+    "compare": "llmtrace.api",  # compare(a, b, prompt, ...) -> Comparison
+    "Comparison": "llmtrace.api",
     "Side": "llmtrace.run.compare",  # how one side of a comparison is loaded and run
 }
 

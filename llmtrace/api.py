@@ -520,3 +520,48 @@ def _compile_step(lm, n_prompt: int, max_new_tokens: int):
     compiled = compile_decode(lm, n_prompt, max_new_tokens)
     print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
     return compiled
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparing two runs
+
+
+def compare(a, b, prompt: Prompt, **options) -> "Comparison":
+    """Run `prompt` through A and B side by side and compare them at every point, layer and position (`llmtrace
+    compare`). `a`, `b`: a model spec, a `Side` (a spec and how to run it: dtype=, device=, keep_quantized=) or a
+    loaded `Model`. Keywords: max_new_tokens=, chat=, system=, tolerance=, ids_from=, progress= (run/compare.py)."""
+    from llmtrace.run.compare import compare as run_compare
+
+    a, b = (x.loaded if isinstance(x, Model) else x for x in (a, b))
+    return Comparison(run_compare(a, b, prompt, **options))
+
+
+class Comparison:
+    """What `compare` found (run.compare.CompareResult: `.first_divergence`, `.layers`, `.kld_mean`, `.to_json()`,
+    `.save(path)`, ...) with the views a notebook needs: `.report(path)` and the page inline."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def __getattr__(self, name: str):
+        return getattr(self.result, name)
+
+    def html(self) -> str:
+        from llmtrace.report.compare import render_compare_page
+
+        return render_compare_page(self.result.to_json())
+
+    def report(self, path: Union[str, Path]) -> int:
+        """The HTML comparison page to `path` (atomically). Returns its size in bytes."""
+        from llmtrace.report.compare import write_compare_page
+
+        return write_compare_page(self.result, path)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return (f'<iframe sandbox="allow-scripts" style="width:100%;height:640px;border:1px solid #ddd" '
+                f'srcdoc="{html.escape(self.html(), quote=True)}"></iframe>')
+
+    def __repr__(self) -> str:
+        return f"Comparison({self.result.summary_line()!r})"

@@ -24,7 +24,7 @@ def made(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compared(made):
-    from llmtrace.run.compare import compare
+    from llmtrace import compare
 
     root, a, b = made
     result = compare(str(a), str(b), PROMPT, max_new_tokens=4)

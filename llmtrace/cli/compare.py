@@ -74,7 +74,8 @@ def compare(
     html: HtmlOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
-    from llmtrace.run.compare import Side, compare as run_compare
+    from llmtrace.api import compare as run_compare
+    from llmtrace.run.compare import Side
 
     b_changes = {k: v for k, v in (("dtype", b_dtype), ("device", b_device), ("keep_quantized", b_keep_quantized))
                  if v is not None}

@@ -338,12 +338,6 @@ class CompareResult:
 
         write_text_atomic(Path(path), json.dumps(self.to_json(), indent=1) + "\n")
 
-    def report(self, path: Union[str, Path]) -> int:
-        """The HTML comparison page to `path` (atomically). Returns its size in bytes."""
-        from llmtrace.report.compare import write_compare_page
-
-        return write_compare_page(self, path)
-
     def summary_line(self) -> str:
         """The answer in one line: where the runs part, or that they do not."""
         return summary_line(self.to_json())
