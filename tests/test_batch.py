@@ -236,7 +236,7 @@ def summary_of(path):
 
 
 def test_n_cut_by_the_context_window_is_said_and_is_the_stop_reason(capsys, tiny_ctx, tmp_path):
-    from conftest import run_cli
+    from helpers import run_cli
 
     path, lm, long = tiny_ctx
     code, _, err = run_cli(capsys, "generate", long, "-m", path, "-n", 8, "--ignore-eos", "--trace", "none",
@@ -254,7 +254,7 @@ def test_n_cut_by_the_context_window_is_said_and_is_the_stop_reason(capsys, tiny
 
 
 def test_each_row_of_a_batch_stops_at_the_context_window_as_it_would_alone(capsys, tiny_ctx, tmp_path):
-    from conftest import run_cli
+    from helpers import run_cli
 
     path, lm, long = tiny_ctx
     code, _, err = run_cli(capsys, "generate", "-p", long, "-p", "Hello world", "-m", path, "-n", 8, "--ignore-eos",

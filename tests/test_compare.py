@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import fails, run_cli, undeclared_fields
+from helpers import fails, run_cli, undeclared_fields
 from tiny import PROMPT, TinySpec, make_hf_model, tiny_tokenizer, write_tokenizer
 
 # HF parameter of layer i -> the point where a change to it first shows

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 from test_compare import SPEC, perturbed_copy, save_hf
 from test_report import Opened, browser  # noqa: F401  (the module's chromium fixture)
 from tiny import make_hf_model

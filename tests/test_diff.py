@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import fails, run_cli, undeclared_fields
+from helpers import fails, run_cli, undeclared_fields
 from test_compare import SPEC, perturbed_copy, save_hf
 from tiny import PROMPT, make_hf_model
 

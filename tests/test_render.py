@@ -262,7 +262,7 @@ def test_piped_lens_marks_hits_with_a_star_and_names_no_colour(smollm, monkeypat
 
 
 def test_tokenize_and_detokenize_show_the_no_break_space(capsys, monkeypatch, smollm_path):
-    from conftest import run_cli
+    from helpers import run_cli
 
     monkeypatch.setenv("COLUMNS", "120")
     code, out, _ = run_cli(capsys, "detokenize", "15442")

@@ -54,7 +54,7 @@ MODEL_LEVEL_POINTS = ("embed", "final_norm", "logits")
 POSITION_AXIS = {"scores": 2, "probs": 2}  # (B, H, T, S)
 
 
-def _round(x: Optional[float]) -> Optional[float]:
+def round_sig(x: Optional[float]) -> Optional[float]:
     if x is None or math.isinf(x) or math.isnan(x):
         return None
     return float(f"%.{DIGITS}g" % x)
@@ -246,16 +246,16 @@ class PointSums:
         rel = [_rel(d, a) for d, a in zip(self.d2, self.a2)]
         cos = [_cos(x, a, b) for x, a, b in zip(self.dot, self.a2, self.b2)]
         worst = max(range(len(rel)), key=rel.__getitem__) if rel else None
-        rec = {"point": name, "seed_step": SEED_STEP.get(name), "rel_err": _round(_rel(sum(self.d2), sum(self.a2))),
-               "max_rel_err": _round(rel[worst]) if rel else None,
+        rec = {"point": name, "seed_step": SEED_STEP.get(name), "rel_err": round_sig(_rel(sum(self.d2), sum(self.a2))),
+               "max_rel_err": round_sig(rel[worst]) if rel else None,
                "position": positions[worst] if worst is not None else None,
-               "max_abs": _round(max(self.max_abs, default=0.0)), "cos_min": _round(min(cos, default=1.0)),
+               "max_abs": round_sig(max(self.max_abs, default=0.0)), "cos_min": round_sig(min(cos, default=1.0)),
                "added_rel_err": None,
-               "per_position": {"rel_err": [_round(x) for x in rel], "max_abs": [_round(x) for x in self.max_abs],
-                                "cos": [_round(x) for x in cos]}}
+               "per_position": {"rel_err": [round_sig(x) for x in rel], "max_abs": [round_sig(x) for x in self.max_abs],
+                                "cos": [round_sig(x) for x in cos]}}
         if added is not None:
-            rec["added_rel_err"] = _round(_rel(sum(added.d2), sum(added.a2)))
-            rec["per_position"]["added_rel_err"] = [_round(_rel(d, a)) for d, a in zip(added.d2, added.a2)]
+            rec["added_rel_err"] = round_sig(_rel(sum(added.d2), sum(added.a2)))
+            rec["per_position"]["added_rel_err"] = [round_sig(_rel(d, a)) for d, a in zip(added.d2, added.a2)]
         return rec
 
 
@@ -323,9 +323,9 @@ class CompareResult:
     def to_json(self) -> dict:
         return {"schema": COMPARE_SCHEMA, "source": self.source, "a": self.a, "b": self.b, "prompt": self.prompt,
                 "ids": self.ids, "n_prompt": self.n_prompt, "tolerance": self.tolerance,
-                "first_divergence": self.first_divergence, "max_rel_err_before": _round(self.max_rel_err_before),
-                "kld_mean": _round(self.kld_mean), "kld_max": _round(self.kld_max), "same_top": _round(self.same_top),
-                "dp_mean_abs": _round(self.dp_mean_abs), "positions": self.positions, "layers": self.layers,
+                "first_divergence": self.first_divergence, "max_rel_err_before": round_sig(self.max_rel_err_before),
+                "kld_mean": round_sig(self.kld_mean), "kld_max": round_sig(self.kld_max), "same_top": round_sig(self.same_top),
+                "dp_mean_abs": round_sig(self.dp_mean_abs), "positions": self.positions, "layers": self.layers,
                 "model_points": self.model_points, "notes": self.notes} | (
                     {"diff": {k: v for k, v in self.diff.items() if not k.startswith("_")}} if self.diff else {})
 
@@ -393,9 +393,9 @@ def position_records(tok_a, tok_b, ids: list[int], n_prompt: int, m: dict) -> li
     for i, t in enumerate(ids):
         ta, tb = m["top_a"][i], m["top_b"][i]
         out.append({"position": i, "phase": "prompt" if i < n_prompt else "decode", "token": t,
-                    "text": tok_a.decode([t]), "kld": _round(max(m["kld"][i], 0.0)), "same_top": ta == tb,
+                    "text": tok_a.decode([t]), "kld": round_sig(max(m["kld"][i], 0.0)), "same_top": ta == tb,
                     "top_a": {"id": ta, "text": tok_a.decode([ta])}, "top_b": {"id": tb, "text": tok_b.decode([tb])},
-                    "p_a": _round(m["p_a"][i]), "p_b": _round(m["p_b"][i]), "dp": _round(m["dp"][i])})
+                    "p_a": round_sig(m["p_a"][i]), "p_b": round_sig(m["p_b"][i]), "dp": round_sig(m["dp"][i])})
     return out
 
 

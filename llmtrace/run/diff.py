@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.run.compare import (COMPARED_POINTS, POSITION_AXIS, CompareResult, PointSums, _round, answer_metrics,
+from llmtrace.run.compare import (COMPARED_POINTS, POSITION_AXIS, CompareResult, PointSums, round_sig, answer_metrics,
                                   find_first_divergence, summarize_answers)
 from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
 
@@ -166,9 +166,9 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
         rec = {"index": index[p], "position": p, "phase": "prompt" if p < n_prompt else "decode",
                "token": seq[p] if p < len(seq) else None, "text": "", "kld": None, "same_top": None}
         if j is not None:
-            rec.update(kld=_round(max(answers["kld"][j], 0.0)), same_top=answers["top_a"][j] == answers["top_b"][j],
+            rec.update(kld=round_sig(max(answers["kld"][j], 0.0)), same_top=answers["top_a"][j] == answers["top_b"][j],
                        top_a={"id": answers["top_a"][j], "text": ""}, top_b={"id": answers["top_b"][j], "text": ""},
-                       p_a=_round(answers["p_a"][j]), p_b=_round(answers["p_b"][j]), dp=_round(answers["dp"][j]))
+                       p_a=round_sig(answers["p_a"][j]), p_b=round_sig(answers["p_b"][j]), dp=round_sig(answers["dp"][j]))
         positions.append(rec)
     _texts(positions, holds)
     n_layers = a["n_layers"]
@@ -268,7 +268,7 @@ def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen) -> dict:
                        p_a=ka[0]["prob"], p_b=b_prob.get(ka[0]["id"]),
                        topk_overlap=len({c["id"] for c in ka} & set(b_prob)) / max(len(ka), 1))
             if rec["p_b"] is not None and rec["p_a"] is not None:
-                rec["dp"] = _round(rec["p_b"] - rec["p_a"])
+                rec["dp"] = round_sig(rec["p_b"] - rec["p_a"])
         la, lb = ea.get("sampler") or [], eb.get("sampler") or []
         differing = [{"stage": x["stage"], "survivors_a": x["survivors"], "survivors_b": y["survivors"]}
                      for x, y in zip(la, lb) if x["stage"] == y["stage"] and x["survivors"] != y["survivors"]]
@@ -287,13 +287,13 @@ def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen) -> dict:
         sa, sb = stats_a[k], stats_b[k]
         na, nb = sa.get("norm"), sb.get("norm")
         rel = (abs(na - nb) / na if na else abs(nb or 0)) if na is not None and nb is not None else None
-        rec = {"step": k[0], "layer": k[1], "point": k[2], "seed_step": SEED_STEP.get(k[2]), "norm_rel_diff": _round(rel),
+        rec = {"step": k[0], "layer": k[1], "point": k[2], "seed_step": SEED_STEP.get(k[2]), "norm_rel_diff": round_sig(rel),
                **{f"{s}_a": sa.get(s) for s in ("mean", "std", "min", "max", "norm")},
                **{f"{s}_b": sb.get(s) for s in ("mean", "std", "min", "max", "norm")}}
         points.append(rec)
         if first is None and rel is not None and rel > tolerance and k[0] <= same_gen:
             first = {"layer": k[1], "point": k[2], "seed_step": SEED_STEP.get(k[2]), "position": None,
-                     "step": k[0], "rel_err": _round(rel), "basis": "norm"}
+                     "step": k[0], "rel_err": round_sig(rel), "basis": "norm"}
     part = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
     return {"tokens": {"a": gen_a, "b": gen_b, "first_different_step": None if part is None else part + 1,
                        "same": gen_a == gen_b},
