@@ -19,13 +19,14 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from llmtrace.compiled import CompiledDecode, decode_step
 from llmtrace.errors import LlmtraceError
 from llmtrace.fsutil import sigint_deferred
+from llmtrace.interventions import prepare
 from llmtrace.loaded import LoadedModel
 from llmtrace.model import KVCache, Transformer
 from llmtrace.sampler import Ledger, Sampler
@@ -282,15 +283,19 @@ def generate(
     on_text=None,
     compiled: Optional[CompiledDecode] = None,
     on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+    interventions: Sequence = (),
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams.
+    `interventions`: a list of llmtrace.interventions objects (Ablate, Scale, Patch, Steer, ControlVector) applied to
+    every pass of the run.
 
     `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
     prefill-only run: the observer gets `on_prediction` (what the model would predict next) and no token is taken.
     A prompt that leaves less room in the context window than max_new_tokens gets what is left."""
     max_new_tokens = check_context(lm, len(prompt_ids), max_new_tokens)
     return _generate(lm, [list(prompt_ids)], [sampler], max_new_tokens, stop_texts, ignore_eos, observer,
-                     on_prefill_progress, batched=False, on_text=on_text, compiled=compiled).rows[0]
+                     on_prefill_progress, batched=False, on_text=on_text, compiled=compiled,
+                     interventions=interventions).rows[0]
 
 
 @torch.inference_mode()
@@ -303,6 +308,7 @@ def generate_batch(
     ignore_eos: bool = False,
     observer=None,
     on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+    interventions: Sequence = (),
 ) -> BatchResult:
     """Generate after each of B prompts at once: one forward pass per step for the whole batch.
 
@@ -314,19 +320,24 @@ def generate_batch(
     with `row` set. A batch that does not fit the context window is refused (check_batch_context)."""
     check_batch_context(lm, prompts, max_new_tokens)
     return _generate(lm, prompts, samplers, max_new_tokens, stop_texts, ignore_eos, observer, on_prefill_progress,
-                     batched=True)
+                     batched=True, interventions=interventions)
 
 
 def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler], max_new_tokens: int,
               stop_texts: tuple[str, ...], ignore_eos: bool, observer, on_prefill_progress, *, batched: bool,
-              on_text=None, compiled: Optional[CompiledDecode] = None) -> BatchResult:
+              on_text=None, compiled: Optional[CompiledDecode] = None, interventions: Sequence = ()) -> BatchResult:
     """The one generation loop, for B rows (B = 1: one prompt). `batched`: the observer hears of rows (on_batch,
-    "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has."""
+    "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has.
+    With interventions the prompt is prefilled in one pass and the compiled step is not used (llmtrace.interventions)."""
     model, tok, device = lm.model, lm.tokenizer, lm.device
     B = len(prompts)
     layout = pad_batch(prompts, tok)  # s3; one prompt is a row without padding
     T = len(layout.ids[0])
     pads = [T - len(p) for p in prompts]  # a row's position is its slot less its pad slots
+    edits = prepare(lm, interventions, [len(p) for p in prompts])  # None without interventions
+    chunk = PREFILL_CHUNK if edits is None else T
+    if edits is not None:
+        compiled = None
     padded = any(pads)
     rows = [GenerationResult(prompt_ids=list(p)) for p in prompts]
     result = BatchResult(layout=layout, rows=rows)
@@ -360,14 +371,18 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
         idx = torch.tensor(layout.ids, dtype=torch.long, device=device)  # (B, T)
         start, step = 0, 0
         with contextlib.ExitStack() as held:
+            if edits is not None:
+                held.enter_context(model.edited(edits, edits.layers))
             while True:
                 phase = "prefill" if step == 0 else "decode"
                 t0 = time.perf_counter()
                 if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
-                    first = prefill_split(T) if step == 0 else start
+                    first = prefill_split(T, chunk) if step == 0 else start
                     observer.before_forward(step, phase, first, start + idx.size(1) - first)
+                if edits is not None:
+                    edits.begin_pass(prompt=step == 0, pads=pads)
                 if step == 0:  # s6-s9 over the prompts
-                    logits = prefill(model, idx, cache, scopes["prefill"], on_prefill_progress,
+                    logits = prefill(model, idx, cache, scopes["prefill"], on_prefill_progress, chunk,
                                      **_padding(layout, mask, T, device) if padded else {})
                     if decode_scope is not contextlib.nullcontext:
                         held.enter_context(decode_scope())  # one scope for every decode pass
