@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from llmtrace.errors import BadValue, LlmtraceError
-from llmtrace.generate import generate
-from llmtrace.interventions import (Ablate, ControlVector, Patch, Scale, Steer, parse_ablate, parse_interventions,
+from llmtrace.run.generate import generate
+from llmtrace.run.interventions import (Ablate, ControlVector, Patch, Scale, Steer, parse_ablate, parse_interventions,
                                     parse_patch, parse_scale, prepare)
-from llmtrace.sampler import Sampler, SamplerConfig
-from llmtrace.trace import Recorder, TraceOptions
+from llmtrace.run.sampler import Sampler, SamplerConfig
+from llmtrace.trace.recorder import Recorder
+from llmtrace.trace.options import TraceOptions
 
 pytestmark = pytest.mark.slow  # compares with transformers: minutes on a small CPU
 
@@ -283,7 +284,7 @@ def test_control_vector_of_another_model(smollm, tmp_path):
 
 def test_batch_rows_equal_runs_alone(smollm):
     """A left-padded batch: each row with the interventions equals its prompt alone with them (positions per row)."""
-    from llmtrace.generate import generate_batch
+    from llmtrace.run.generate import generate_batch
 
     ivs = [Ablate(3, head=2), Patch(8, "resid_post", 1, SOURCE), Ablate(4, head=7, mean=True)]
     prompts = ["The capital of France is", "Hello there"]

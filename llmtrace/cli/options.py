@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.errors import UsageError
-from llmtrace.registry import DEFAULT_MODEL
+from llmtrace.registry.models_toml import DEFAULT_MODEL
 
 # -- what the model reads
 
@@ -92,7 +92,7 @@ def flag_of(field: str) -> str:
 def load_options(model: Optional[str], keep_quantized: bool, device_map: Optional[str], max_memory: Optional[list[str]],
                  offload_dir: Optional[Path]) -> dict:
     """The scale options as load_model's keyword arguments, checked before the load (one-line errors)."""
-    from llmtrace.placement import parse_placement
+    from llmtrace.checkpoint.placement import parse_placement
 
     key = Path(model).name if model else "default"
     return {"keep_quantized": keep_quantized, "placement": parse_placement(device_map, max_memory, offload_dir, key)}
@@ -141,7 +141,7 @@ HtmlOpt = Annotated[Optional[str], typer.Option(
 def write_html(events: list[dict], target: str, tokenizer, **kwargs) -> None:
     """Write the HTML report of `events` (llmtrace.report) and say where on stderr: `report`, and --html of generate,
     explain and lens."""
-    from llmtrace.report import write_report
+    from llmtrace.report.write import write_report
 
     n = write_report(events, target, tokenizer=tokenizer, **kwargs)
     print(f"wrote {target} ({n / 1e6:.2f} MB)", file=sys.stderr)

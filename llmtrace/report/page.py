@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from html import escape
-from importlib import resources
+from pathlib import Path
 from typing import Any, Optional
 
 # viridis: perceptually even and readable with the common colour-vision deficiencies
@@ -67,7 +67,7 @@ def missing(what: str, flags: str) -> str:
 
 
 def _asset(name: str) -> str:
-    return resources.files("llmtrace.report").joinpath("assets", name).read_text(encoding="utf-8")
+    return (Path(__file__).with_name("assets") / name).read_text(encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------------------------------------------
