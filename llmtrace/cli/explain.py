@@ -12,6 +12,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
+                                  SteerOpt, StrengthOpt, TowardOpt, interventions_from)
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
                                   ThreadsOpt, check_outputs, HtmlOpt, load_options, write_html)
@@ -38,7 +40,10 @@ Examples:
   llmtrace explain -f prompt.txt --layer 0 --jsonl explain.jsonl
 
   llmtrace explain "The capital of France is" --layer 3 --html explain.html
-"""
+
+  llmtrace explain "The capital of France is" --layer 4 --ablate 3.h2      # layer 4 with a head of layer 3 ablated
+
+""" + INTERVENTIONS_HELP
 
 LENS_HELP = """The logit lens: what the model would predict after each layer, at each position.
 
@@ -57,7 +62,10 @@ Examples:
   llmtrace lens "The capital of France is" --positions all --html lens.html
 
   llmtrace lens -p "The capital of France is" -p "Hi" --row 0   # s3: each row's padded mask, then row 0's lens
-"""
+
+  llmtrace lens "The capital of France is" --patch 10.resid_post@-1 --from "The capital of Italy is"
+
+""" + INTERVENTIONS_HELP
 
 RowOpt = Annotated[int, typer.Option("--row", help="With several prompts (-p … -p …, --prompts): the row to take apart, "
                                      "0-based. Every row's combined causal and padding mask is shown first (s3).")]
@@ -91,14 +99,25 @@ def explain(
     prompts_file: PromptsFileOpt = None,
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
+    ablate: AblateOpt = None,
+    scale: ScaleOpt = None,
+    patch: PatchOpt = None,
+    source: FromOpt = None,
+    steer: SteerOpt = None,
+    toward: TowardOpt = None,
+    away_from: AwayOpt = None,
+    strength: StrengthOpt = 1.0,
+    control_vector: ControlVectorOpt = None,
 ) -> None:
     from llmtrace.run.explain import explain_events
 
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
+    interventions = interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector)
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
-    events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
+    events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat,
+                            interventions=interventions)
     events = _with_batch(lm, texts, row, chat, system, events)
     _output(events, render_explain, jsonl, json_out, html, lm.tokenizer)
 
@@ -130,6 +149,15 @@ def lens(
     prompts_file: PromptsFileOpt = None,
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
+    ablate: AblateOpt = None,
+    scale: ScaleOpt = None,
+    patch: PatchOpt = None,
+    source: FromOpt = None,
+    steer: SteerOpt = None,
+    toward: TowardOpt = None,
+    away_from: AwayOpt = None,
+    strength: StrengthOpt = 1.0,
+    control_vector: ControlVectorOpt = None,
 ) -> None:
     from llmtrace.run.explain import lens_events, parse_positions
     from llmtrace.run.generate import check_context
@@ -139,12 +167,13 @@ def lens(
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
     if last < 1:
         raise UsageError("--last must be ≥ 1")
+    interventions = interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector)
     lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     check_context(lm, len(ids), 0)
     rows = parse_layers(layers, lm.config.n_layers)
     cols = parse_positions(positions, len(ids), last)
-    events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat)
+    events = lens_events(lm, ids, cols, rows, top=top, prompt=prompt_text, chat=chat, interventions=interventions)
     events = _with_batch(lm, texts, row, chat, system, events)
     _output(events, render_lens, jsonl, json_out, html, lm.tokenizer)
 

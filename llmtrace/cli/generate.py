@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
+from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
+                                  SteerOpt, StrengthOpt, TowardOpt, interventions_from)
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
                                   ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, HtmlOpt, check_outputs,
                                   load_options, write_html)
@@ -71,7 +73,8 @@ prompt alone with --seed seed+r. Each row stops at its own EOS, --stop text or -
   llmtrace generate -p "The capital of France is" -p "Hi" -p "Once upon a time" -n 8
 
   llmtrace generate --prompts prompts.txt --chat --trace none      # one prompt per line, or JSONL {{"prompt": …}}
-"""
+
+""" + INTERVENTIONS_HELP
 
 
 @app.command(help=GENERATE_HELP, no_args_is_help=False)
@@ -121,6 +124,15 @@ def generate(
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
+    ablate: AblateOpt = None,
+    scale: ScaleOpt = None,
+    patch: PatchOpt = None,
+    source: FromOpt = None,
+    steer: SteerOpt = None,
+    toward: TowardOpt = None,
+    away_from: AwayOpt = None,
+    strength: StrengthOpt = 1.0,
+    control_vector: ControlVectorOpt = None,
 ) -> None:
     from llmtrace.run.sampler import SamplerConfig, parse_logit_bias, parse_order
     from llmtrace.trace.indices import parse_index_ranges
@@ -132,6 +144,9 @@ def generate(
     if topk < 1:
         raise UsageError("--show-top must be ≥ 1")
     check_outputs(json_out, jsonl, html)
+    interventions = interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector)
+    if compile_ and interventions:
+        raise UsageError("--compile runs the model as it is; a run with interventions runs eagerly, so leave --compile out")
     options = TraceOptions(level=trace, dump=tuple(dump or ()), topk=topk)
     scfg = SamplerConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
@@ -171,7 +186,7 @@ def generate(
         batch = texts if texts is not None and len(texts) > 1 else None  # a single -p is a one-prompt run
         run(lm, batch or text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system,
             stop=tuple(stop or ()), ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [],
-            jsonl_sink=jsonl_sink, json_out=json_out, compile_decode=compile_, html=html)
+            jsonl_sink=jsonl_sink, json_out=json_out, compile_decode=compile_, html=html, interventions=interventions)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -183,7 +198,7 @@ def generate(
 
 
 def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_eos, layers, logit_bias, ban, jsonl_sink,
-        json_out, compile_decode=False, html=None) -> None:
+        json_out, compile_decode=False, html=None, interventions=()) -> None:
     """Everything after the load: encode, generate with the chosen observers, write the outputs. `text` is one
     prompt, or a list of several run as one batch. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed
     by the caller."""
@@ -243,6 +258,11 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     import torch
 
     run_info = {"prompt": prompt_text, "chat": chat, "threads": torch.get_num_threads()}
+    if interventions:
+        from llmtrace.run.interventions import check, record
+
+        check(interventions, lm.config, [len(i) for _, i in encoded])  # before any output
+        run_info["interventions"] = [record(iv) for iv in interventions]
     if batch:
         run_info["prompts"] = [p for p, _ in encoded]
     compiled = None
@@ -261,11 +281,12 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
         from llmtrace.run.generate import generate_batch
 
         result = generate_batch(lm, [i for _, i in encoded], samplers, max_new_tokens, stop_texts=stop,
-                                ignore_eos=ignore_eos, observer=recorder, on_prefill_progress=prefill_progress())
+                                ignore_eos=ignore_eos, observer=recorder, on_prefill_progress=prefill_progress(),
+                                interventions=interventions)
     else:
         result = run_generation(lm, ids, sampler, max_new_tokens, stop_texts=stop, ignore_eos=ignore_eos,
                                 observer=recorder, on_text=on_text, compiled=compiled,
-                                on_prefill_progress=prefill_progress())
+                                on_prefill_progress=prefill_progress(), interventions=interventions)
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:

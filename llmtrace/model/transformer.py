@@ -19,7 +19,7 @@ llmtrace.trace) for the duration of a block. Observed layers spell attention out
 the GQA repetition as its own step) so those tensors exist; unobserved ones use the fused kernel. The model never
 formats, stores or prints anything itself, and holds no state between calls: the KV cache is passed in.
 
-Edit points. Tracing observes and never steers; an intervention (llmtrace.interventions: ablate, scale, patch, steer)
+Edit points. Tracing observes and never steers; an intervention (llmtrace.run.interventions: ablate, scale, patch, steer)
 is the one thing allowed to change a value, and only where the forward pass says so with `x = self.edit(name, x)`:
 the concatenated head outputs before Wo (attn_out), the attention output after Wo (o_proj), the FFN's output (down)
 and the residual stream entering, inside and leaving a layer (resid_pre, resid_mid, resid_post). Each returns x itself,
@@ -415,7 +415,7 @@ class Transformer(Tappable):
     @contextlib.contextmanager
     def edited(self, editor: Editor, layers: Optional[Iterable[int]] = None):
         """Pass the values at the edit points of `layers` (None: every layer) through `editor` within the block; on
-        exit the model is as before. Used by interventions only (llmtrace.interventions)."""
+        exit the model is as before. Used by interventions only (llmtrace.run.interventions)."""
         layers = range(self.config.n_layers) if layers is None else list(layers)
         modules = [m for i in layers for m in (self.layers[i], self.layers[i].attn, self.layers[i].ffn)]
         saved = [m.editor for m in modules]

@@ -286,7 +286,7 @@ def generate(
     interventions: Sequence = (),
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams.
-    `interventions`: a list of llmtrace.interventions objects (Ablate, Scale, Patch, Steer, ControlVector) applied to
+    `interventions`: a list of llmtrace.run.interventions objects (Ablate, Scale, Patch, Steer, ControlVector) applied to
     every pass of the run.
 
     `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
@@ -328,7 +328,7 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
               on_text=None, compiled: Optional[CompiledDecode] = None, interventions: Sequence = ()) -> BatchResult:
     """The one generation loop, for B rows (B = 1: one prompt). `batched`: the observer hears of rows (on_batch,
     "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has.
-    With interventions the prompt is prefilled in one pass and the compiled step is not used (llmtrace.interventions)."""
+    With interventions the prompt is prefilled in one pass and the compiled step is not used (llmtrace.run.interventions)."""
     model, tok, device = lm.model, lm.tokenizer, lm.device
     B = len(prompts)
     layout = pad_batch(prompts, tok)  # s3; one prompt is a row without padding

@@ -3,7 +3,7 @@
 An intervention is a small frozen dataclass (`Ablate`, `Scale`, `Patch`, `Steer`, `ControlVector`); a run takes a plain
 list of them (`generate(..., interventions=[Ablate(3, head=2)])`, explain, lens). `prepare` checks them against the
 model and the prompts, runs the texts some of them need (each alone, without interventions) and returns an `Edits`,
-the editor that `Transformer.edited` attaches to the model's edit points (llmtrace.model). `parse_*` turn the
+the editor that `Transformer.edited` attaches to the model's edit points (llmtrace.model.transformer). `parse_*` turn the
 command line's strings into the same objects, in one place, with one-line errors.
 
 Definitions (tests/test_interventions.py checks each one against forward hooks on transformers' Llama):
@@ -39,7 +39,7 @@ from llmtrace.errors import BadValue, LlmtraceError
 
 RESID_POINTS = ("resid_pre", "resid_mid", "resid_post")
 PARTS = ("head", "attn", "ffn")
-# where each part's output is edited (llmtrace.model's edit points)
+# where each part's output is edited (llmtrace.model.transformer's edit points)
 PART_POINT = {"head": "attn_out", "attn": "o_proj", "ffn": "down"}
 
 
@@ -133,7 +133,7 @@ class Steer:
 
     @property
     def spec(self) -> str:
-        return f"{self.layer} ×{self.strength:g}"
+        return str(self.layer)
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,9 @@ Intervention = Union[Ablate, Scale, Patch, Steer, ControlVector]
 
 
 def record(iv: Intervention) -> dict:
-    """The intervention as the `run` event lists it (the schema's `intervention`)."""
-    out = {"kind": iv.kind, "spec": iv.spec}
+    """The intervention as the `run` event lists it (the schema's `intervention`): kind, spec (its command-line
+    spelling), label (the terminal's line), then its fields."""
+    out = {"kind": iv.kind, "spec": iv.spec, "label": label(iv)}
     for name in ("layer", "head", "part", "mean", "factor", "point", "position", "source", "toward", "away_from",
                  "strength", "path", "scale"):
         if hasattr(iv, name):
@@ -238,6 +239,8 @@ def parse_patch(text: str, source: Optional[str]) -> Patch:
     if not m:
         raise BadValue("patch", f" {text!r}: expected L.POINT@P, e.g. 5.resid_post@-1 or 3.h2@4 "
                                 f"(points: {', '.join(RESID_POINTS)}, hH)")
+    if m[2] not in RESID_POINTS and not m[2].startswith("h"):
+        raise BadValue("patch", f" {text}: unknown point {m[2]!r}; points: {', '.join(RESID_POINTS)} or hH (a head)")
     if source is None:
         raise BadValue("patch", f" {text}: needs --from TEXT, the text whose activation is patched in")
     return Patch(int(m[1]), m[2], int(m[3]), source)
@@ -447,9 +450,10 @@ def _source_ids(iv, encode, what: str, text: str, ctx: int) -> list[int]:
     return ids
 
 
-def grab(model, ids: list[int], points: Sequence[tuple[int, str]]) -> dict:
+def grab(model, ids: list[int], points: Sequence[tuple[int, str]], logits: Optional[list] = None) -> dict:
     """The values at edit points (layer, name) of one pass over ids alone (no cache, no intervention), batch dimension
-    dropped: {(layer, name): tensor}. Read through the edit points, so resid_pre exists too; nothing is changed."""
+    dropped: {(layer, name): tensor}. Read through the edit points, so resid_pre exists too; nothing is changed.
+    `logits`, a list, receives the pass's last-position logits (V,)."""
     import torch
 
     wanted, out = set(points), {}
@@ -461,7 +465,9 @@ def grab(model, ids: list[int], points: Sequence[tuple[int, str]]) -> dict:
 
     idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)
     with torch.inference_mode(), model.edited(keep, sorted({layer for layer, _ in wanted})):
-        model(idx, last_only=True)
+        last = model(idx, last_only=True)[0]
+    if logits is not None:
+        logits.append(last)
     return out
 
 
