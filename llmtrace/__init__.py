@@ -6,6 +6,13 @@ This module is the package's public face. Its names are looked up lazily (module
 
 _PUBLIC = {  # public name -> the module that defines it
     "__version__": "llmtrace.version",
+    # interventions (a list of them is the `interventions=` of generate, explain and lens) and the patching sweep
+    "Ablate": "llmtrace.run.interventions",
+    "Scale": "llmtrace.run.interventions",
+    "Patch": "llmtrace.run.interventions",
+    "Steer": "llmtrace.run.interventions",
+    "ControlVector": "llmtrace.run.interventions",
+    "patch_sweep": "llmtrace.run.patching",
 }
 
 

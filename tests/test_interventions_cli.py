@@ -50,7 +50,7 @@ def test_bad_intervention_after_the_load(capsys, argv, says):
 @pytest.mark.slow
 def test_patch_bad_tokens(capsys):
     fails(capsys, 2, "patch", "--clean", "The Eiffel Tower is in", "--corrupt", "The Colosseum is in", "--answer",
-          " Parisian", "--against", " Rome", says=("--answer ' Parisian' must be one token", "'▁Paris', 'ian'"))
+          " Parisian", "--against", " Rome", says=("--answer ' Parisian' must be one token", "' Paris', 'ian'"))
     fails(capsys, 1, "patch", "--clean", "The Eiffel Tower is in Paris", "--corrupt", "Rome", "--answer", " Paris",
           "--against", " Rome", says=("clean prompt has 7 tokens", "corrupt prompt 1"))
 

@@ -178,23 +178,6 @@ def _quote(text: str, width: int = 24) -> str:
     return repr(text if len(text) <= width else text[: width - 1] + "…")
 
 
-def marked_layers(interventions: Sequence[Intervention], n_layers: int) -> dict[int, list[str]]:
-    """layer -> what intervenes there ("h2", "attn", "resid_post", ...), for a report that marks intervened layers.
-    Control vectors are left out (they touch every layer they hold)."""
-    out: dict[int, list[str]] = {}
-    for iv in interventions:
-        if isinstance(iv, (Ablate, Scale)):
-            what = f"h{iv.head}" if iv.part == "head" else iv.part
-        elif isinstance(iv, Patch):
-            what = f"h{iv.head}" if iv.point == "head" else iv.point
-        elif isinstance(iv, Steer):
-            what = "resid_post"
-        else:
-            continue
-        out.setdefault(iv.layer % n_layers, []).append(what)
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the command line's spellings
 

@@ -31,7 +31,7 @@ def answer_token(tok, text: str, field_name: str) -> int:
     """The one token `text` encodes to (without BOS), or a one-line error that shows its tokens."""
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) != 1:
-        pieces = ", ".join(repr(tok.piece(i)) for i in ids) or "none"
+        pieces = ", ".join(repr(tok.decode([i])) for i in ids) or "none"
         raise BadValue(field_name, f" {text!r} must be one token; it is {len(ids)}: {pieces}. Try another spelling "
                                    f"(a leading space is often part of a word's token)")
     return ids[0]
