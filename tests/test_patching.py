@@ -58,7 +58,7 @@ def test_the_sweep_shows_the_known_pattern(sweeps):
     T, L = sw["n_positions"], sw["n_layers"]
     cell = {(c["layer"], c["position"]): c["recovery"] for c in sw["cells"]}
     assert cell[(L - 1, T - 1)] == pytest.approx(1.0, abs=1e-3)  # the last layer's last position is the clean run's
-    assert abs(cell[(0, 0)]) < 1e-6  # position 0 (BOS-less "The") is the same token in both prompts
+    assert abs(cell[(0, 0)]) < 1e-4  # position 0 (BOS-less "The") is the same token in both prompts
     diff = [p for p in range(T) if sw["clean_tokens"][p] != sw["corrupt_tokens"][p]]
     assert max(cell[(0, p)] for p in diff) > 0.5
 
