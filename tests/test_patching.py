@@ -66,7 +66,7 @@ def test_the_sweep_shows_the_known_pattern(sweeps):
 def test_bad_input(smollm):
     with pytest.raises(BadValue, match=r"' Parisian' must be one token; it is 2: ' Paris', 'ian'"):
         patch_sweep(smollm, CLEAN, CORRUPT, " Parisian", AGAINST)
-    with pytest.raises(LlmtraceError, match="clean prompt has 9 tokens and the corrupt prompt 5"):
+    with pytest.raises(LlmtraceError, match="clean prompt has 9 tokens and the corrupt prompt 4"):
         patch_sweep(smollm, CLEAN, "The city of Rome", ANSWER, AGAINST)
     with pytest.raises(BadValue, match="not a residual-stream point"):
         patch_sweep(smollm, CLEAN, CORRUPT, ANSWER, AGAINST, at="attn")

@@ -28,25 +28,25 @@ def _style(recovery: Optional[float]) -> str:
 
 
 def _cell(recovery: Optional[float], w: int) -> Text:
+    """One cell of w ≥ 3 characters: a space, then the recovery in w − 1 (0.81, .8, or tenths: 8)."""
     if recovery is None:
-        return Text("·".center(w))
-    s = f"{recovery:.2f}" if w >= 5 else f"{recovery:.1f}"
-    s = s.replace("0.", ".", 1) if len(s) > w else s
-    return Text(s.rjust(w)[:w] if w >= 3 else " " * w, style=_style(recovery))
+        return Text("·".rjust(w))
+    n = w - 1
+    s = f"{recovery:.2f}" if n >= 4 else f"{recovery:.1f}".replace("0.", ".", 1) if n == 3 else f"{round(recovery * 10)}"
+    return Text(" ") + Text(s.rjust(n)[-n:], style=_style(recovery))
 
 
 def render_patch(ev: dict, console: Console) -> None:
     L, T = ev["n_layers"], ev["n_positions"]
     rec = {(c["layer"], c["position"]): c["recovery"] for c in ev["cells"]}
-    console.print(Text(f"activation patching at {ev['at']}: {L} layers × {T} positions = {L * T} patched runs of the "
-                       f"corrupt prompt ({ev['seconds']:.1f} s)", style="bold cyan"))
+    console.print(Text(f"activation patching at {ev['at']}: {L} layers × {T} positions, {L * T} runs, "
+                       f"{ev['seconds']:.1f} s", style="bold cyan"))
     console.print(Text.assemble(("clean   ", "bold"), repr(ev["clean"])))
     console.print(Text.assemble(("corrupt ", "bold"), repr(ev["corrupt"])))
     a, b = ev["answer"]["text"], ev["against"]["text"]
-    console.print(f"m = logit({a!r}) − logit({b!r}) at the last position: clean {ev['clean_metric']:.3f}, "
+    console.print(f"m = logit({a!r}) − logit({b!r}), last position: clean {ev['clean_metric']:.3f}, "
                   f"corrupt {ev['corrupt_metric']:.3f}")
-    console.print(Text("cell = recovery (m − m_corrupt) / (m_clean − m_corrupt): 1 restores the clean run, 0 changes "
-                       "nothing", style="dim"))
+    console.print(Text("cell = (m − m_corrupt)/(m_clean − m_corrupt): 1 = the clean run, 0 = no change", style="dim"))
     width = console.width
     w = min(8, (width - LABEL) // T)
     if w >= 3:
