@@ -85,3 +85,19 @@ def test_patch_command(capsys, tmp_path):
     html = page.read_text()
     assert "<script" not in html and "http" not in html.replace("http-equiv", "")
     assert html.count("<td style") == len(ev["cells"])
+
+
+@pytest.mark.slow
+def test_lens_takes_interventions(capsys, tmp_path):
+    """lens with layer 0's attention ablated: the model section lists it and the last layer's prediction changes."""
+    plain, ablated = tmp_path / "plain.json", tmp_path / "ablated.json"
+    assert run_cli(capsys, "lens", P, "--layers", "29", "--json", plain)[0] == 0
+    code, stdout, err = run_cli(capsys, "lens", P, "--layers", "29", "--ablate", "0.attn", "--json", ablated)
+    assert code == 0, err
+    events = json.loads(ablated.read_text())["events"]
+    assert events[0]["interventions"][0]["spec"] == "0.attn"
+
+    def last_top(path):
+        evs = json.loads(path.read_text())["events"]
+        return [e["topk"][0]["text"] for e in evs if e["event"] == "lens" and e["stage"] == "logits"][-1]
+    assert last_top(plain) == " Paris" and last_top(ablated) != " Paris"
