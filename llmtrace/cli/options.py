@@ -178,17 +178,16 @@ ControlVectorOpt = Annotated[Optional[list[str]], typer.Option(
 
 INTERVENTIONS_HELP = """Interventions (repeatable, they combine; listed in the header and the run event):
 
-  --ablate 3.h2              head 2 of layer 3 contributes nothing (3.attn, 3.ffn: the whole sub-layer)
-
-  --ablate 3.h2=mean         the head's output is its mean over the prompt's positions
-
-  --scale 3.h2=0.5           head (or 3.attn=α, 3.ffn=α) output multiplied by α
-
-  --patch 8.resid_post@-1 --from "The capital of Italy is"   that activation taken from the other text
-
+\b
+  --ablate 3.h2          head 2 of layer 3 adds nothing (also 3.attn, 3.ffn)
+  --ablate 3.h2=mean     the head's output: its mean over the prompt
+  --scale 3.h2=0.5       that output × 0.5 (also 3.attn=α, 3.ffn=α)
+  --patch 8.resid_post@-1 --from "The capital of Italy is"
+                         that activation from the other text (run alone)
   --steer 6 --toward "I love it" --away-from "I hate it" --strength 4
-
-  --control-vector happy.gguf:0.8                              a llama.cpp control vector, scaled
+                         adds 4·(v_toward − v_away) to layer 6's output
+  --control-vector happy.gguf:0.8
+                         a llama.cpp control vector (GGUF), scaled by 0.8
 """
 
 

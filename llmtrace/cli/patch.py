@@ -24,12 +24,11 @@ is usually part of a word's token: " Paris"). The prompts are read as plain text
 
 Examples:
 
-  llmtrace patch --clean "The Eiffel Tower is in the city of" --corrupt "The Colosseum is in the city of" \\
-      --answer " Paris" --against " Rome"
-
-  llmtrace patch --clean "…" --corrupt "…" --answer " Paris" --against " Rome" --at resid_pre --json sweep.json
-
-  llmtrace patch --clean "…" --corrupt "…" --answer " Paris" --against " Rome" --html sweep.html
+\b
+  llmtrace patch --clean "The Eiffel Tower is in the city of" \\
+      --corrupt "The Colosseum is in the city of" --answer " Paris" --against " Rome"
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" --at resid_pre --json sweep.json
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" --html sweep.html
 
 One cell equals `llmtrace generate CORRUPT -n 0 --patch L.AT@P --from CLEAN` (the same run, alone).
 """
