@@ -23,6 +23,13 @@ _PUBLIC = {  # public name -> the module that defines it
     "compare": "llmtrace.api",  # compare(a, b, prompt, ...) -> Comparison
     "Comparison": "llmtrace.api",
     "Side": "llmtrace.run.compare",  # how one side of a comparison is loaded and run
+    # interventions (a list of them is the `interventions=` of generate, explain and lens) and the patching sweep
+    "Ablate": "llmtrace.run.interventions",
+    "Scale": "llmtrace.run.interventions",
+    "Patch": "llmtrace.run.interventions",
+    "Steer": "llmtrace.run.interventions",
+    "ControlVector": "llmtrace.run.interventions",
+    "patch_sweep": "llmtrace.run.patching",
 }
 
 

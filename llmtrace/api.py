@@ -114,6 +114,8 @@ class GenerateOptions:
     for_report: bool = False  # also record the attention probabilities the HTML report draws (what --html adds)
     compile: bool = False  # torch.compile the decode step (steps nothing observes)
     save_tensors: Optional[str] = None  # FILE.safetensors: the full values of the recorded points (`llmtrace diff`)
+    # interventions (run/interventions.py: Ablate, Scale, Patch, Steer, ControlVector), applied to every pass
+    interventions: Sequence[Any] = ()
 
     def __post_init__(self):
         from llmtrace.trace.indices import parse_index_ranges
@@ -130,6 +132,9 @@ class GenerateOptions:
         if self.save_tensors is not None and not str(self.save_tensors).endswith(".safetensors"):
             raise BadValue("save_tensors", f" writes a .safetensors file; give a name ending in .safetensors, not "
                            f"{str(self.save_tensors)!r}")
+        if self.compile and self.interventions:
+            raise BadValue("compile", " runs the model as it is; a run with interventions runs eagerly, so leave "
+                           "compile out", also=("interventions", "compile"))
         if self.compile and (self.trace in ("layers", "full") or self.dump or self.for_report):
             raise BadValue("compile", " speeds up decode steps that nothing observes; with trace layers/full, dump or "
                            "for_report (which records attention) every step is observed and runs eagerly, so leave "
@@ -182,6 +187,7 @@ class ExplainOptions:
     chat: bool = False
     system: Optional[str] = None
     row: int = 0  # with several prompts: the row taken apart
+    interventions: Sequence[Any] = ()  # run/interventions.py, applied to the pass taken apart
 
     def __post_init__(self):
         check_top(self.top)
@@ -199,6 +205,7 @@ class LensOptions:
     chat: bool = False
     system: Optional[str] = None
     row: int = 0
+    interventions: Sequence[Any] = ()  # run/interventions.py, applied to the pass
 
     def __post_init__(self):
         check_top(self.top)
@@ -423,6 +430,12 @@ class Model:
         events: list[dict] = []
         kept: Sink = events.append if keep_events else (lambda ev: ev.get("event") == "summary" and events.append(ev))
         run_info = {"prompt": encoded[0][0], "chat": options.chat, "threads": torch.get_num_threads()}
+        interventions = list(options.interventions)
+        if interventions:
+            from llmtrace.run.interventions import check, record
+
+            check(interventions, lm.config, [len(i) for _, i in encoded])  # before any output
+            run_info["interventions"] = [record(iv) for iv in interventions]
         if batch:
             run_info["prompts"] = [p for p, _ in encoded]
         compiled = None
@@ -438,11 +451,11 @@ class Model:
         if batch:
             result = generate_batch(lm, [i for _, i in encoded], samplers, options.max_new_tokens,
                                     stop_texts=tuple(options.stop), ignore_eos=options.ignore_eos, observer=recorder,
-                                    on_prefill_progress=prefill_progress())
+                                    on_prefill_progress=prefill_progress(), interventions=interventions)
         else:
             result = generate(lm, ids, sampler, options.max_new_tokens, stop_texts=tuple(options.stop),
                               ignore_eos=options.ignore_eos, observer=recorder, on_text=on_text, compiled=compiled,
-                              on_prefill_progress=prefill_progress())
+                              on_prefill_progress=prefill_progress(), interventions=interventions)
         if store is not None:
             store.write()  # before the caller writes the trace document, which names it
         return Trace(events, tokenizer=tok, result=result)
@@ -467,7 +480,7 @@ class Model:
 
         prompt_text, ids, texts = self._encoded(prompt, options)
         events = explain_events(self.loaded, ids, options.layer, head=options.head, top=options.top,
-                                prompt=prompt_text, chat=options.chat)
+                                prompt=prompt_text, chat=options.chat, interventions=list(options.interventions))
         return Trace(self._with_batch(texts, options, events), tokenizer=self.tokenizer)
 
     def lens(self, prompt: Prompt, **options) -> Trace:
@@ -483,7 +496,8 @@ class Model:
         check_context(self.loaded, len(ids), 0)
         rows = parse_layers(_layer_spec(options.layers), self.config.n_layers)
         cols = parse_positions(options.positions, len(ids), options.last)
-        events = lens_events(self.loaded, ids, cols, rows, top=options.top, prompt=prompt_text, chat=options.chat)
+        events = lens_events(self.loaded, ids, cols, rows, top=options.top, prompt=prompt_text, chat=options.chat,
+                             interventions=list(options.interventions))
         return Trace(self._with_batch(texts, options, events), tokenizer=self.tokenizer)
 
     def _with_batch(self, texts: list[str], options, events: list[dict]) -> list[dict]:

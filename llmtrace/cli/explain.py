@@ -14,6 +14,8 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
+from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
+                                  SteerOpt, StrengthOpt, TowardOpt, interventions_from)
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace import sigint
@@ -38,7 +40,10 @@ Examples:
   llmtrace explain -f prompt.txt --layer 0 --jsonl explain.jsonl
 
   llmtrace explain "The capital of France is" --layer 3 --html explain.html
-"""
+
+  llmtrace explain "The capital of France is" --layer 4 --ablate 3.h2      # layer 4 with a head of layer 3 ablated
+
+""" + INTERVENTIONS_HELP
 
 LENS_HELP = """The logit lens: what the model would predict after each layer, at each position.
 
@@ -57,7 +62,10 @@ Examples:
   llmtrace lens "The capital of France is" --positions all --html lens.html
 
   llmtrace lens -p "The capital of France is" -p "Hi" --row 0   # s3: each row's padded mask, then row 0's lens
-"""
+
+  llmtrace lens "The capital of France is" --patch 10.resid_post@-1 --from "The capital of Italy is"
+
+""" + INTERVENTIONS_HELP
 
 RowOpt = Annotated[int, typer.Option("--row", help="With several prompts (-p … -p …, --prompts): the row to take apart, "
                                      "0-based. Every row's combined causal and padding mask is shown first (s3).")]
@@ -91,10 +99,20 @@ def explain(
     prompts_file: PromptsFileOpt = None,
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
+    ablate: AblateOpt = None,
+    scale: ScaleOpt = None,
+    patch: PatchOpt = None,
+    source: FromOpt = None,
+    steer: SteerOpt = None,
+    toward: TowardOpt = None,
+    away_from: AwayOpt = None,
+    strength: StrengthOpt = 1.0,
+    control_vector: ControlVectorOpt = None,
 ) -> None:
     from llmtrace.api import ExplainOptions
 
-    options = ExplainOptions(layer=layer, head=head, top=top, chat=chat, system=system, row=row)
+    options = ExplainOptions(layer=layer, head=head, top=top, chat=chat, system=system, row=row,
+                             interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
     _release()
@@ -129,10 +147,20 @@ def lens(
     prompts_file: PromptsFileOpt = None,
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
+    ablate: AblateOpt = None,
+    scale: ScaleOpt = None,
+    patch: PatchOpt = None,
+    source: FromOpt = None,
+    steer: SteerOpt = None,
+    toward: TowardOpt = None,
+    away_from: AwayOpt = None,
+    strength: StrengthOpt = 1.0,
+    control_vector: ControlVectorOpt = None,
 ) -> None:
     from llmtrace.api import LensOptions
 
-    options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row)
+    options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row,
+                          interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
     _release()

@@ -14,6 +14,8 @@ from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace import sigint
+from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
+                                  SteerOpt, StrengthOpt, TowardOpt, interventions_from)
 from llmtrace.errors import UsageError
 from llmtrace.registry.models_toml import DEFAULT_MODEL
 
@@ -81,7 +83,8 @@ prompt alone with --seed seed+r. Each row stops at its own EOS, --stop text or -
   llmtrace generate -p "The capital of France is" -p "Hi" -p "Once upon a time" -n 8
 
   llmtrace generate --prompts prompts.txt --chat --trace none      # one prompt per line, or JSONL {{"prompt": …}}
-"""
+
+""" + INTERVENTIONS_HELP
 
 
 @app.command(help=GENERATE_HELP, no_args_is_help=False, cls=PanelCommand)
@@ -141,6 +144,15 @@ def generate(
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
+    ablate: AblateOpt = None,
+    scale: ScaleOpt = None,
+    patch: PatchOpt = None,
+    source: FromOpt = None,
+    steer: SteerOpt = None,
+    toward: TowardOpt = None,
+    away_from: AwayOpt = None,
+    strength: StrengthOpt = 1.0,
+    control_vector: ControlVectorOpt = None,
 ) -> None:
     from llmtrace.api import GenerateOptions
 
@@ -156,7 +168,8 @@ def generate(
         dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
         dry_penalty_last_n=dry_penalty_last_n,
         dry_sequence_breakers=None if dry_sequence_breaker is None else breaker_texts(dry_sequence_breaker),
-        mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
+        mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+        interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
     check_outputs(json_out, jsonl, html, save_tensors)
     if save_tensors is not None and json_out is None and jsonl in (None, "-"):
         raise UsageError("--save-tensors stores tensors beside a trace file; give --json FILE or --jsonl FILE too")

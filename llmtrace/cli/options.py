@@ -183,3 +183,54 @@ class PanelCommand(TyperCommand):
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
+
+
+# -- interventions (generate, explain, lens): llmtrace.run.interventions
+
+AblateOpt = Annotated[Optional[list[str]], typer.Option(
+    "--ablate", metavar="L.hH|L.attn|L.ffn", help="Zero head H of layer L (its slice of the input of Wo), or that "
+    "layer's attention or FFN output; L.hH=mean: the head's mean over the prompt instead (repeatable).",
+    show_default=False)]
+ScaleOpt = Annotated[Optional[list[str]], typer.Option(
+    "--scale", metavar="L.hH=α", help="Multiply head H's output (or L.attn=α, L.ffn=α) by α (repeatable).",
+    show_default=False)]
+PatchOpt = Annotated[Optional[list[str]], typer.Option(
+    "--patch", metavar="L.POINT@P", help="Replace the activation at layer L, POINT (resid_pre, resid_mid, resid_post "
+    "or hH), position P (negative: from the end) by the --from text's, in the prompt's pass (repeatable).",
+    show_default=False)]
+FromOpt = Annotated[Optional[str], typer.Option(
+    "--from", metavar="TEXT", help="The text --patch takes its activations from (run alone, as plain text).",
+    show_default=False)]
+SteerOpt = Annotated[Optional[int], typer.Option(
+    "--steer", metavar="L", help="Add --strength × v to layer L's output at every position; v = L's output at the "
+    "last token of --toward minus that of --away-from.", show_default=False)]
+TowardOpt = Annotated[Optional[str], typer.Option("--toward", metavar="TEXT", help="--steer's positive text.",
+                                                  show_default=False)]
+AwayOpt = Annotated[Optional[str], typer.Option("--away-from", metavar="TEXT", help="--steer's negative text.",
+                                                show_default=False)]
+StrengthOpt = Annotated[float, typer.Option("--strength", metavar="α", help="--steer's factor α.")]
+ControlVectorOpt = Annotated[Optional[list[str]], typer.Option(
+    "--control-vector", metavar="FILE[:SCALE]", help="Add a llama.cpp control vector (GGUF, as llama-cvector-generator "
+    "writes it) × SCALE (default 1) to the layers' outputs, as llama.cpp does (repeatable; they add up).",
+    show_default=False)]
+
+INTERVENTIONS_HELP = """Interventions (repeatable, they combine; listed in the header and the run event):
+
+\b
+  --ablate 3.h2          head 2 of layer 3 adds nothing (also 3.attn, 3.ffn)
+  --ablate 3.h2=mean     the head's output: its mean over the prompt
+  --scale 3.h2=0.5       that output × 0.5 (also 3.attn=α, 3.ffn=α)
+  --patch 8.resid_post@-1 --from "The capital of Italy is"
+                         that activation from the other text (run alone)
+  --steer 6 --toward "I love it" --away-from "I hate it" --strength 4
+                         adds 4·(v_toward − v_away) to layer 6's output
+  --control-vector happy.gguf:0.8
+                         a llama.cpp control vector (GGUF), scaled by 0.8
+"""
+
+
+def interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector) -> list:
+    """The command line's interventions as llmtrace.run.interventions objects, checked before the model loads."""
+    from llmtrace.run.interventions import parse_interventions
+
+    return parse_interventions(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector)

@@ -18,6 +18,12 @@ check when nothing observes the model. `with model.observed(observer, layers=...
 llmtrace.trace) for the duration of a block. Observed layers spell attention out (scores, mask, softmax, P·V, with
 the GQA repetition as its own step) so those tensors exist; unobserved ones use the fused kernel. The model never
 formats, stores or prints anything itself, and holds no state between calls: the KV cache is passed in.
+
+Edit points. Tracing observes and never steers; an intervention (llmtrace.run.interventions: ablate, scale, patch, steer)
+is the one thing allowed to change a value, and only where the forward pass says so with `x = self.edit(name, x)`:
+the concatenated head outputs before Wo (attn_out), the attention output after Wo (o_proj), the FFN's output (down)
+and the residual stream entering, inside and leaving a layer (resid_pre, resid_mid, resid_post). Each returns x itself,
+for one attribute check, unless `with model.edited(editor):` attached an editor for the block.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import torch.nn.functional as F
 
 # An observer is called as observer(layer, name, tensor); layer is None outside the decoder layers.
 Observer = Callable[[Optional[int], str, torch.Tensor], None]
+# An editor is called as editor(layer, name, tensor) at an edit point and returns the tensor the pass goes on with.
+Editor = Callable[[int, str, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -211,10 +219,14 @@ class Tappable(nn.Module):
         # an attribute of every instance, so that attaching and detaching changes its value only (a compiled step
         # guards on it)
         self.observer: Optional[Observer] = None
+        self.editor: Optional[Editor] = None  # the same for `Transformer.edited`
 
     def tap(self, name: str, x: torch.Tensor) -> None:
         if self.observer is not None:
             self.observer(self.layer, name, x)
+
+    def edit(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return x if self.editor is None else self.editor(self.layer, name, x)
 
 
 class Attention(Tappable):
@@ -252,10 +264,10 @@ class Attention(Tappable):
             y = self._attention_spelled_out(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=True)
-        y = y.transpose(1, 2)  # (B, T, H, Dh)
+        y = self.edit("attn_out", y.transpose(1, 2))  # (B, T, H, Dh): head h's output is y[:, :, h]
         self.tap("attn_out", y)
         # s6.6 concatenate heads and project back to D
-        out = self.wo(y.reshape(B, T, H * Dh))  # (B, T, D)
+        out = self.edit("o_proj", self.wo(y.reshape(B, T, H * Dh)))  # (B, T, D)
         self.tap("o_proj", out)
         return out
 
@@ -290,7 +302,7 @@ class FeedForward(Tappable):
         self.tap("up", up)
         act = F.silu(gate) * up  # (B, T, F)
         self.tap("act", act)
-        down = self.w_down(act)  # (B, T, D)
+        down = self.edit("down", self.w_down(act))  # (B, T, D)
         self.tap("down", down)
         return down
 
@@ -308,13 +320,14 @@ class Block(Tappable):
         self.attn.layer = self.ffn.layer = layer
 
     def forward(self, x, cos, sin, cache, start, mask) -> torch.Tensor:
+        x = self.edit("resid_pre", x)  # (B, T, D)
         h = self.attn_norm(x)  # (B, T, D)
         self.tap("attn_norm", h)
-        x = x + self.attn(h, cos, sin, cache, start, mask)  # s6.6 residual 1
+        x = self.edit("resid_mid", x + self.attn(h, cos, sin, cache, start, mask))  # s6.6 residual 1
         self.tap("resid_mid", x)
         h = self.ffn_norm(x)
         self.tap("ffn_norm", h)
-        x = x + self.ffn(h)  # s6.7 residual 2
+        x = self.edit("resid_post", x + self.ffn(h))  # s6.7 residual 2
         self.tap("resid_post", x)
         return x
 
@@ -412,6 +425,21 @@ class Transformer(Tappable):
         finally:
             for m, before in zip(modules, saved):
                 m.observer = before
+
+    @contextlib.contextmanager
+    def edited(self, editor: Editor, layers: Optional[Iterable[int]] = None):
+        """Pass the values at the edit points of `layers` (None: every layer) through `editor` within the block; on
+        exit the model is as before. Used by interventions only (llmtrace.run.interventions)."""
+        layers = range(self.config.n_layers) if layers is None else list(layers)
+        modules = [m for i in layers for m in (self.layers[i], self.layers[i].attn, self.layers[i].ffn)]
+        saved = [m.editor for m in modules]
+        for m in modules:
+            m.editor = editor
+        try:
+            yield self
+        finally:
+            for m, before in zip(modules, saved):
+                m.editor = before
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -146,10 +146,12 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
                                 f" · {info['name']} · {info['arch']} · D={info['d_model']} · H={info['n_heads']} · "
                                 f"Hkv={info['n_kv_heads']} · Dh={info['head_dim']} · F={info['ffn_dim']} · "
                                 f"{info['device']} {info['dtype']}" + (" · chat template" if m.get("chat") else "")))
-    if info.get("storage"):
-        from llmtrace.render.generate import print_parts, storage_parts
+    from llmtrace.render.generate import print_parts, storage_parts
 
+    if info.get("storage"):
         print_parts(console, ["weights", *storage_parts(info["storage"])])
+    if m.get("interventions"):
+        print_parts(console, ["interventions", *(iv["label"] for iv in m["interventions"])], style="yellow")
     toks = tokens["tokens"]
     shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
     line = Text(f"{len(toks)} tokens: ", style="bold")

@@ -505,6 +505,8 @@ class TerminalRenderer:
         n = ev.get("threads") if ev.get("device") == "cpu" else None
         print_parts(self.console, [f"run {ev.get('device', '?')}", *([plural(n, "thread")] if n else []), ev.get("dtype", "?"),
                                    *sampler_settings(ev.get("sampling", {}), ev.get("row_seeds")), f"trace {trace.get('level', '?')}"])
+        if ev.get("interventions"):
+            print_parts(self.console, ["interventions", *(iv["label"] for iv in ev["interventions"])], style="yellow")
         if m.get("storage"):
             print_parts(self.console, ["weights", *storage_parts(m["storage"])])
 

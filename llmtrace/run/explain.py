@@ -24,9 +24,10 @@ Sections, in the order of the seed table (s6.1-s6.8, then s8-s9 applied early):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from llmtrace.errors import BadValue
 from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
+from llmtrace.run.interventions import prepare, record
 from llmtrace.model.transformer import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
 from llmtrace.trace.records import SIGNIFICANT_DIGITS, explain_model_record, rounded, tokens_event
 from llmtrace.trace.stats import tensor_stats
@@ -100,8 +102,9 @@ class Capture:
 
 
 @torch.inference_mode()
-def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> Capture:
-    """Run the prefill over `ids` once, as `generate` does (a fresh KV cache, start 0), and keep what explain needs."""
+def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edits=None) -> Capture:
+    """Run the prefill over `ids` once, as `generate` does (a fresh KV cache, start 0), and keep what explain needs.
+    `edits` (llmtrace.run.interventions.prepare): the interventions of this pass, or None."""
     L = model.config.n_layers
     device = model.embed.weight.device
     points: dict[str, torch.Tensor] = {}
@@ -125,7 +128,9 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> 
     idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     cache = model.new_cache(len(ids))
     # every layer's residual stream; the chosen layer's attention is observed too, so it is spelled out
-    with model.observed(observer, attention=[] if layer is None else [layer]):
+    with model.observed(observer, attention=[] if layer is None else [layer]), contextlib.ExitStack() as held:
+        if edits is not None:
+            held.enter_context(model.edited(edits, edits.layers))
         logits = model(idx, cache, 0)[0]  # (T, V)
     element_size = cache.element_size
     return Capture(ids=list(ids), layer=layer, points=points, embed=embed[0], resid_mid=mid, resid_post=post,
@@ -574,16 +579,18 @@ def lens_table(cap: Capture, model: Transformer, tok, positions: list[int], laye
 
 
 def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, top: int = 5, prompt: str = "",
-                   chat: bool = False) -> list[dict]:
-    """Every record `llmtrace explain` shows, from one forward pass. `layer` may be negative; `head` picks the map."""
+                   chat: bool = False, interventions: Sequence = ()) -> list[dict]:
+    """Every record `llmtrace explain` shows, from one forward pass. `layer` may be negative; `head` picks the map.
+    `interventions` (llmtrace.run.interventions) apply to that pass."""
     c = lm.config
     check_context(lm, len(ids), 0)
     layer = resolve_layer(layer, c.n_layers)
     head = resolve_head(head, c.n_heads)
-    cap = capture(lm.model, ids, layer)
+    cap = capture(lm.model, ids, layer, prepare(lm, interventions, [len(ids)]))
     events = [{"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
                "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
-               "threads": torch.get_num_threads()},
+               "threads": torch.get_num_threads()}
+              | _interventions(interventions),
               tokens_event(lm.tokenizer, ids)]
     events += tensor_events(cap)
     events.append(layer_section(lm.model, layer, len(ids)))
@@ -600,16 +607,23 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
 
 
 def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[int]] = None, top: int = 5,
-                prompt: str = "", chat: bool = False) -> list[dict]:
-    """Every record `llmtrace lens` shows: the top-k after each layer at each chosen position, from one pass."""
+                prompt: str = "", chat: bool = False, interventions: Sequence = ()) -> list[dict]:
+    """Every record `llmtrace lens` shows: the top-k after each layer at each chosen position, from one pass (with
+    `interventions` applied to it)."""
     check_context(lm, len(ids), 0)
-    cap = capture(lm.model, ids, None)
+    cap = capture(lm.model, ids, None, prepare(lm, interventions, [len(ids)]))
     events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
                "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
                "threads": torch.get_num_threads(), "positions": positions,
-               "layers": layers if layers is not None else list(range(lm.config.n_layers))},
+               "layers": layers if layers is not None else list(range(lm.config.n_layers))}
+              | _interventions(interventions),
               tokens_event(lm.tokenizer, ids)]
     return events + lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)
+
+
+def _interventions(interventions: Sequence) -> dict:
+    """The model section's `interventions` field: present only when there are some."""
+    return {"interventions": [record(iv) for iv in interventions]} if interventions else {}
 
 
 def batch_event(tok, prompts: list[list[int]], row: int) -> dict:

@@ -22,7 +22,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -31,6 +31,7 @@ from llmtrace.errors import LlmtraceError
 from llmtrace.fsutil import sigint_deferred
 from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.model.transformer import KVCache, Transformer
+from llmtrace.run.interventions import prepare
 from llmtrace.run.sampler import Ledger, Sampler
 
 
@@ -292,7 +293,8 @@ def prefill(model: Transformer, idx: torch.Tensor, cache: KVCache, observed=cont
 def forward_step(model: Transformer, idx: torch.Tensor, cache: KVCache, start: int, *, is_prefill: bool,
                  padding: Optional[dict] = None, observed=contextlib.nullcontext,
                  on_prefill_progress: Optional[Callable[[int, int], None]] = None,
-                 compiled: Optional[CompiledDecode] = None, next_of_same_run: bool = False) -> torch.Tensor:
+                 compiled: Optional[CompiledDecode] = None, next_of_same_run: bool = False,
+                 chunk: int = PREFILL_CHUNK) -> torch.Tensor:
     """s6-s9 for one step of the loop, whichever path it takes: the (B, V) float32 logits of each row's last slot.
 
     The prefill runs the prompts (chunked; `observed` is the scope of its last pass). A decode step feeds one token a
@@ -300,7 +302,7 @@ def forward_step(model: Transformer, idx: torch.Tensor, cache: KVCache, start: i
     scope) it is the compiled or plain decode step; else the eager pass, inside the observer's decode scope, which
     the caller holds open for every decode pass."""
     if is_prefill:
-        logits = prefill(model, idx, cache, observed, on_prefill_progress, **(padding or {}))
+        logits = prefill(model, idx, cache, observed, on_prefill_progress, chunk, **(padding or {}))
     elif padding is not None:
         logits = model(idx, cache, start, last_only=True, **padding)
     elif observed is contextlib.nullcontext:
@@ -332,15 +334,19 @@ def generate(
     on_text=None,
     compiled: Optional[CompiledDecode] = None,
     on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+    interventions: Sequence = (),
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams.
+    `interventions`: a list of llmtrace.run.interventions objects (Ablate, Scale, Patch, Steer, ControlVector) applied to
+    every pass of the run.
 
     `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
     prefill-only run: the observer gets `on_prediction` (what the model would predict next) and no token is taken.
     A prompt that leaves less room in the context window than max_new_tokens gets what is left, and stops with
     stop reason "context"."""
     return _generate(lm, [list(prompt_ids)], [sampler], max_new_tokens, stop_texts, ignore_eos, observer,
-                     on_prefill_progress, batched=False, on_text=on_text, compiled=compiled).rows[0]
+                     on_prefill_progress, batched=False, on_text=on_text, compiled=compiled,
+                     interventions=interventions).rows[0]
 
 
 @torch.inference_mode()
@@ -353,6 +359,7 @@ def generate_batch(
     ignore_eos: bool = False,
     observer=None,
     on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+    interventions: Sequence = (),
 ) -> BatchResult:
     """Generate after each of B prompts at once: one forward pass per step for the whole batch.
 
@@ -363,19 +370,24 @@ def generate_batch(
     `on_batch`) gets `on_start` with row 0's prompt and all rows, `on_batch(layout)`, then each row's StepRecord
     with `row` set. Each row stops at the context window as it would alone (stop reason "context")."""
     return _generate(lm, prompts, samplers, max_new_tokens, stop_texts, ignore_eos, observer, on_prefill_progress,
-                     batched=True)
+                     batched=True, interventions=interventions)
 
 
 def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler], max_new_tokens: int,
               stop_texts: tuple[str, ...], ignore_eos: bool, observer, on_prefill_progress, *, batched: bool,
-              on_text=None, compiled: Optional[CompiledDecode] = None) -> BatchResult:
+              on_text=None, compiled: Optional[CompiledDecode] = None, interventions: Sequence = ()) -> BatchResult:
     """The one generation loop, for B rows (B = 1: one prompt). `batched`: the observer hears of rows (on_batch,
-    "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has."""
+    "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has.
+    With interventions the prompt is prefilled in one pass and the compiled step is not used (llmtrace.run.interventions)."""
     model, tok, device = lm.model, lm.tokenizer, lm.device
     B = len(prompts)
     layout = pad_batch(prompts, tok)  # s3; one prompt is a row without padding
     T = len(layout.ids[0])
     pads = [T - len(p) for p in prompts]  # a row's position is its slot less its pad slots
+    edits = prepare(lm, interventions, [len(p) for p in prompts])  # None without interventions
+    chunk = PREFILL_CHUNK if edits is None else T
+    if edits is not None:
+        compiled = None
     padded = any(pads)
     rows = [GenerationResult(prompt_ids=list(p)) for p in prompts]
     requested = max_new_tokens
@@ -412,12 +424,16 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
         idx = torch.tensor(layout.ids, dtype=torch.long, device=device)  # (B, T)
         start, step = 0, 0
         with contextlib.ExitStack() as held:
+            if edits is not None:
+                held.enter_context(model.edited(edits, edits.layers))
             while True:
                 phase = "prefill" if step == 0 else "decode"
                 t0 = time.perf_counter()
                 if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
-                    first = prefill_split(T) if step == 0 else start
+                    first = prefill_split(T, chunk) if step == 0 else start
                     observer.before_forward(step, phase, first, start + idx.size(1) - first)
+                if edits is not None:
+                    edits.begin_pass(prompt=step == 0, pads=pads)
                 padding = None  # the pad slots to hide: a left-padded batch, or rows that have ended
                 if step == 0 and padded:
                     padding = _padding(layout, mask, T, device)
@@ -427,7 +443,7 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
                                "attention_mask": mask[:, : start + 1]}
                 logits = forward_step(model, idx, cache, start, is_prefill=step == 0, padding=padding,
                                       observed=scopes[phase], on_prefill_progress=on_prefill_progress,
-                                      compiled=compiled, next_of_same_run=step > 1)  # (B, V) float32
+                                      compiled=compiled, next_of_same_run=step > 1, chunk=chunk)  # (B, V) float32
                 if step == 0 and decode_scope is not contextlib.nullcontext:
                     held.enter_context(decode_scope())  # one scope for every decode pass
                 if observer is not None:

@@ -275,7 +275,7 @@ class Recorder:
             "chat": self.run_info.get("chat", False),
             "compiled": self.run_info.get("compiled", {"decode_step": False}),
             "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
-        } | ({"tensors": self.tensors.begin(lm.name, prompt_ids)} if self.tensors is not None else {}) | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
+        } | ({"interventions": self.run_info["interventions"]} if self.run_info.get("interventions") else {}) | ({"tensors": self.tensors.begin(lm.name, prompt_ids)} if self.tensors is not None else {}) | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
               "row_seeds": [s.seed for s in samplers]} if batch is not None else {}))
         for row, ids in enumerate(batch) if batch is not None else [(None, prompt_ids)]:
             self.emit(tokens_event(self._tok, ids) | ({} if row is None else {"row": row}))

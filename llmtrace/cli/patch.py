@@ -1,0 +1,105 @@
+"""`llmtrace patch`: the activation-patching sweep (llmtrace.run.patching), as a heatmap, JSON or an HTML page."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from llmtrace.cli.app import app
+from llmtrace.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KeepQuantizedOpt, ModelOpt, ThreadsOpt, check_outputs,
+                                  html_target, write_output)
+from llmtrace.errors import UsageError
+
+PATCH_HELP = """The activation-patching sweep: which layer and position carry the answer.
+
+Runs the corrupt prompt once for every layer and every position, with the clean prompt's activation (--at, a
+residual-stream point) patched in there, and measures m = logit(--answer) − logit(--against) at the last position.
+Each cell shows the recovery (m − m_corrupt) / (m_clean − m_corrupt): 1 where the patch restores the clean run's
+answer, 0 where it changes nothing. This is ROME's causal tracing and TransformerLens's activation patching.
+
+The two prompts must have the same number of tokens; --answer and --against must each be one token (a leading space
+is usually part of a word's token: " Paris"). The prompts are read as plain text (no chat template).
+
+Examples:
+
+\b
+  llmtrace patch --clean "The Eiffel Tower is in the city of" \\
+      --corrupt "The Colosseum is in the city of" --answer " Paris" --against " Rome"
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" --at resid_pre --json sweep.json
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" --html sweep.html
+
+One cell equals `llmtrace generate CORRUPT -n 0 --patch L.AT@P --from CLEAN` (the same run, alone).
+"""
+
+
+@app.command(help=PATCH_HELP)
+def patch(
+    clean: Annotated[str, typer.Option("--clean", metavar="TEXT", help="The prompt whose activations are patched in.",
+                                       show_default=False)],
+    corrupt: Annotated[str, typer.Option("--corrupt", metavar="TEXT", help="The prompt that runs, patched.",
+                                         show_default=False)],
+    answer: Annotated[str, typer.Option("--answer", metavar="TEXT", help="The clean prompt's answer (one token).",
+                                        show_default=False)],
+    against: Annotated[str, typer.Option("--against", metavar="TEXT", help="The corrupt prompt's answer (one token).",
+                                         show_default=False)],
+    at: Annotated[str, typer.Option("--at", help="Where to patch: resid_pre, resid_mid or resid_post.")] = "resid_post",
+    model: ModelOpt = None,
+    json_out: JsonOpt = None,
+    html: Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Also write the heatmap as a "
+                                                "self-contained HTML page.", show_default=False,
+                                                callback=html_target)] = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    keep_quantized: KeepQuantizedOpt = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    from llmtrace.run.patching import SWEEP_POINTS
+
+    if at not in SWEEP_POINTS:
+        raise UsageError(f"--at {at!r} is not a residual-stream point; one of {', '.join(SWEEP_POINTS)}")
+    for flag, text in (("--clean", clean), ("--corrupt", corrupt), ("--answer", answer), ("--against", against)):
+        if text == "":
+            raise UsageError(f"{flag} is empty; give some text")
+    check_outputs(json_out, None, html)
+
+    from llmtrace.checkpoint.devices import pick_device, pick_dtype, set_threads
+    from llmtrace.checkpoint.load import load_model
+
+    pick_dtype(dtype, pick_device(device))
+    set_threads(threads)
+    lm = load_model(model, device=device, dtype=dtype, keep_quantized=keep_quantized)
+
+    from llmtrace.run.patching import patch_sweep
+    from llmtrace.trace.records import model_record
+
+    event = patch_sweep(lm, clean, corrupt, answer, against, at=at, on_progress=_progress())
+    event["model"] = model_record(lm)
+    if json_out:
+        import json
+
+        from llmtrace.trace.events import SCHEMA_ID
+
+        write_output(json_out, json.dumps({"schema": SCHEMA_ID, "events": [event]}, ensure_ascii=False) + "\n")
+    if html:
+        from llmtrace.report.patch import write_patch_html
+
+        n = write_patch_html(event, html)
+        print(f"wrote {html} ({n / 1e3:.0f} kB)", file=sys.stderr)
+    if json_out != "-" or sys.stderr.isatty():
+        from llmtrace.console import make_console
+        from llmtrace.render.patch import render_patch
+
+        render_patch(event, make_console(stderr=json_out == "-"))
+
+
+def _progress():
+    """Progress on stderr, one line rewritten in place on a terminal (the sweep takes seconds to minutes)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def show(done: int, total: int) -> None:
+        print(f"\rpatching: position {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    return show

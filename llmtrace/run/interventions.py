@@ -1,0 +1,510 @@
+"""Interventions: ablate, scale, patch and steer the forward pass, and read llama.cpp's control vectors.
+
+An intervention is a small frozen dataclass (`Ablate`, `Scale`, `Patch`, `Steer`, `ControlVector`); a run takes a plain
+list of them (`generate(..., interventions=[Ablate(3, head=2)])`, explain, lens). `prepare` checks them against the
+model and the prompts, runs the texts some of them need (each alone, without interventions) and returns an `Edits`,
+the editor that `Transformer.edited` attaches to the model's edit points (llmtrace.model.transformer). `parse_*` turn the
+command line's strings into the same objects, in one place, with one-line errors.
+
+Definitions (tests/test_interventions.py checks each one against forward hooks on transformers' Llama):
+    Ablate(L, head=h)          head h's slice of the concatenated head outputs (the input of Wo, s6.6) is zero, at every
+                               position, in the prompt's pass and in every decode step
+    Ablate(L, part="attn"|"ffn") that sub-layer's output (after Wo, after W_down) is zero: it adds nothing to the stream
+    Ablate(L, head=h, mean=True) head h's output is replaced by its mean over the prompt's positions (each row its own)
+    Scale(L, α, head=h | part=)  the same outputs multiplied by α
+    Patch(L, point, P, source)   `source` runs alone; its activation at layer L, `point` (resid_pre, resid_mid,
+                               resid_post or head h's output), position P replaces the run's at the same place, in
+                               the prompt's pass. P counts from 0; negative P from the end of each prompt (and of
+                               the source)
+    Steer(L, toward, away, α)  v = layer L's output (resid_post) at the last token of `toward` minus the same for
+                               `away`, each run alone; α·v is added to layer L's output at every position, in every pass
+    ControlVector(path, scale) llama.cpp's control-vector GGUF: tensor `direction.N` (N ≥ 1, float32, one per layer) is
+                               added, times scale, to the output of layer N (0-based), as llama.cpp's build_cvec adds
+                               it after the layer's FFN residual; several files add up. Layer 0 has no direction
+
+Texts an intervention runs (--from, --toward, --away-from) are encoded as plain text (the tokenizer's own BOS), never in
+the chat template. A run with interventions prefills its prompt in one pass (no chunks), so that a patch position and a
+mean over the prompt see the whole prompt at once, and does not use the compiled decode step.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+from llmtrace.errors import BadValue, LlmtraceError
+
+RESID_POINTS = ("resid_pre", "resid_mid", "resid_post")
+PARTS = ("head", "attn", "ffn")
+# where each part's output is edited (llmtrace.model.transformer's edit points)
+PART_POINT = {"head": "attn_out", "attn": "o_proj", "ffn": "down"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the interventions
+
+
+def _target(layer: int, part: str, head: Optional[int]) -> str:
+    return f"{layer}.h{head}" if part == "head" else f"{layer}.{part}"
+
+
+def _part(obj, field_name: str) -> None:
+    """Fill in `part` from `head` (a head given means part "head") and check the pair."""
+    part = obj.part if obj.part is not None else ("head" if obj.head is not None else None)
+    if part not in PARTS:
+        raise BadValue(field_name, f": part must be one of {', '.join(PARTS)} (a head needs head=H), not {part!r}")
+    if (part == "head") != (obj.head is not None):
+        raise BadValue(field_name, f": part {part!r} {'needs' if part == 'head' else 'takes no'} head")
+    object.__setattr__(obj, "part", part)
+
+
+@dataclass(frozen=True)
+class Ablate:
+    layer: int
+    head: Optional[int] = None
+    part: Optional[str] = None  # "head" (with head=), "attn" or "ffn"
+    mean: bool = False  # a head's output replaced by its mean over the prompt's positions, not zero
+
+    def __post_init__(self):
+        _part(self, "ablate")
+        if self.mean and self.part != "head":
+            raise BadValue("ablate", f" {self.spec}: =mean applies to a head (L.hH=mean)")
+
+    kind = "ablate"
+
+    @property
+    def spec(self) -> str:
+        return _target(self.layer, self.part, self.head) + ("=mean" if self.mean else "")
+
+
+@dataclass(frozen=True)
+class Scale:
+    layer: int
+    factor: float
+    head: Optional[int] = None
+    part: Optional[str] = None
+
+    def __post_init__(self):
+        _part(self, "scale")
+        if not math.isfinite(self.factor):
+            raise BadValue("scale", f" {self.spec}: the factor must be a finite number")
+
+    kind = "scale"
+
+    @property
+    def spec(self) -> str:
+        return f"{_target(self.layer, self.part, self.head)}={self.factor:g}"
+
+
+@dataclass(frozen=True)
+class Patch:
+    layer: int
+    point: str  # resid_pre, resid_mid, resid_post, or "head" with head=
+    position: int
+    source: str  # the text whose activation is patched in
+    head: Optional[int] = None
+
+    def __post_init__(self):
+        if self.point.startswith("h") and self.point[1:].isdigit():  # Patch(3, "h2", ...) reads as head 2
+            object.__setattr__(self, "head", int(self.point[1:]))
+            object.__setattr__(self, "point", "head")
+        if self.point not in RESID_POINTS + ("head",) or (self.point == "head") != (self.head is not None):
+            raise BadValue("patch", f": unknown point {self.point!r}; points: {', '.join(RESID_POINTS)} or hH (a head)")
+
+    kind = "patch"
+
+    @property
+    def spec(self) -> str:
+        where = f"h{self.head}" if self.point == "head" else self.point
+        return f"{self.layer}.{where}@{self.position}"
+
+
+@dataclass(frozen=True)
+class Steer:
+    layer: int
+    toward: str
+    away_from: str
+    strength: float = 1.0
+
+    kind = "steer"
+
+    @property
+    def spec(self) -> str:
+        return str(self.layer)
+
+
+@dataclass(frozen=True)
+class ControlVector:
+    path: str
+    scale: float = 1.0
+
+    kind = "control_vector"
+
+    @property
+    def spec(self) -> str:
+        return f"{self.path}:{self.scale:g}"
+
+
+Intervention = Union[Ablate, Scale, Patch, Steer, ControlVector]
+
+
+def record(iv: Intervention) -> dict:
+    """The intervention as the `run` event lists it (the schema's `intervention`): kind, spec (its command-line
+    spelling), label (the terminal's line), then its fields."""
+    out = {"kind": iv.kind, "spec": iv.spec, "label": label(iv)}
+    for name in ("layer", "head", "part", "mean", "factor", "point", "position", "source", "toward", "away_from",
+                 "strength", "path", "scale"):
+        if hasattr(iv, name):
+            out[name] = getattr(iv, name)
+    return out
+
+
+def label(iv: Intervention) -> str:
+    """One short line for the terminal header: 'ablate 3.h2', 'patch 5.resid_post@-1 from "…"'."""
+    if isinstance(iv, Patch):
+        return f"patch {iv.spec} from {_quote(iv.source)}"
+    if isinstance(iv, Steer):
+        return f"steer {iv.layer} {iv.strength:+g}·({_quote(iv.toward)} − {_quote(iv.away_from)})"
+    if isinstance(iv, ControlVector):
+        return f"control vector {Path(iv.path).name} ×{iv.scale:g}"
+    return f"{iv.kind} {iv.spec}"
+
+
+def _quote(text: str, width: int = 24) -> str:
+    text = " ".join(text.split())
+    return repr(text if len(text) <= width else text[: width - 1] + "…")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line's spellings
+
+
+_TARGET = re.compile(r"^(-?\d+)\.(?:h(\d+)|(attn|ffn))$")
+
+
+def _parse_target(field_name: str, text: str) -> tuple[int, Optional[int], str]:
+    m = _TARGET.match(text.strip())
+    if not m:
+        raise BadValue(field_name, f" {text!r}: expected L.hH (a head), L.attn or L.ffn, e.g. 3.h2")
+    layer, head, part = int(m[1]), m[2], m[3]
+    return layer, (int(head) if head is not None else None), part or "head"
+
+
+def parse_ablate(text: str) -> Ablate:
+    """'3.h2', '3.attn', '3.ffn', '3.h2=mean'."""
+    target, eq, how = text.partition("=")
+    if eq and how.strip() != "mean":
+        raise BadValue("ablate", f" {text!r}: the only value after '=' is mean (L.hH=mean)")
+    layer, head, part = _parse_target("ablate", target)
+    return Ablate(layer, head=head, part=part, mean=bool(eq))
+
+
+def parse_scale(text: str) -> Scale:
+    """'3.h2=0.5', '3.attn=2', '3.ffn=0'."""
+    target, eq, factor = text.partition("=")
+    try:
+        value = float(factor)
+    except ValueError:
+        raise BadValue("scale", f" {text!r}: expected L.hH=α, L.attn=α or L.ffn=α with a number α, e.g. 3.h2=0.5") from None
+    layer, head, part = _parse_target("scale", target)
+    return Scale(layer, value, head=head, part=part)
+
+
+_PATCH = re.compile(r"^(-?\d+)\.([a-z_]+|h\d+)@(-?\d+)$")
+
+
+def parse_patch(text: str, source: Optional[str]) -> Patch:
+    """'5.resid_post@-1', '3.h2@4', with the text of --from."""
+    m = _PATCH.match(text.strip())
+    if not m:
+        raise BadValue("patch", f" {text!r}: expected L.POINT@P, e.g. 5.resid_post@-1 or 3.h2@4 "
+                                f"(points: {', '.join(RESID_POINTS)}, hH)")
+    if m[2] not in RESID_POINTS and not m[2].startswith("h"):
+        raise BadValue("patch", f" {text}: unknown point {m[2]!r}; points: {', '.join(RESID_POINTS)} or hH (a head)")
+    if source is None:
+        raise BadValue("patch", f" {text}: needs --from TEXT, the text whose activation is patched in")
+    return Patch(int(m[1]), m[2], int(m[3]), source)
+
+
+def parse_steer(layer: Optional[int], toward: Optional[str], away_from: Optional[str], strength: float) -> Optional[Steer]:
+    """--steer L --toward TEXT --away-from TEXT --strength α; None when none of them is given."""
+    if layer is None and toward is None and away_from is None:
+        return None
+    if layer is None:
+        raise BadValue("steer", " is missing: --toward and --away-from steer the output of one layer, --steer L")
+    if toward is None or away_from is None:
+        missing = " and ".join(n for n, v in (("--toward", toward), ("--away-from", away_from)) if v is None)
+        raise BadValue("steer", f" {layer} needs both texts: {missing} missing (v = layer output for --toward − "
+                                f"for --away-from)")
+    if not math.isfinite(strength):
+        raise BadValue("strength", " must be a finite number")
+    return Steer(layer, toward, away_from, strength)
+
+
+def parse_control_vector(text: str) -> ControlVector:
+    """'FILE' or 'FILE:SCALE' (a suffix that is not a number belongs to the file name)."""
+    path, colon, scale = text.rpartition(":")
+    if colon:
+        try:
+            return ControlVector(path, float(scale))
+        except ValueError:
+            pass
+    return ControlVector(text, 1.0)
+
+
+def parse_interventions(ablate=(), scale=(), patch=(), source: Optional[str] = None, steer: Optional[int] = None,
+                        toward: Optional[str] = None, away_from: Optional[str] = None, strength: float = 1.0,
+                        control_vector=()) -> list[Intervention]:
+    """The interventions of a command line, in one list: ablations, scalings, patches, the steer, control vectors."""
+    if source is not None and not patch:
+        raise BadValue("from", " is the source of a --patch; give --patch L.POINT@P too")
+    out: list[Intervention] = [parse_ablate(a) for a in ablate or ()]
+    out += [parse_scale(s) for s in scale or ()]
+    out += [parse_patch(p, source) for p in patch or ()]
+    st = parse_steer(steer, toward, away_from, strength)
+    out += [st] if st is not None else []
+    out += [parse_control_vector(c) for c in control_vector or ()]
+    for cv in out:
+        if isinstance(cv, ControlVector) and not Path(cv.path).is_file():
+            raise BadValue("control_vector", f" {cv.path}: no such file")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks against the model
+
+
+def _layer(field_name: str, iv, layer: int, n_layers: int) -> int:
+    if not -n_layers <= layer < n_layers:
+        raise BadValue(field_name, f" {iv.spec}: layer {layer} is out of range; this model has {n_layers} layers "
+                                   f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
+    return layer % n_layers
+
+
+def _head(field_name: str, iv, head: int, n_heads: int) -> int:
+    if not 0 <= head < n_heads:
+        raise BadValue(field_name, f" {iv.spec}: head {head} is out of range; this model has {n_heads} query heads "
+                                   f"(0..{n_heads - 1})")
+    return head
+
+
+def position_slot(field_name: str, iv, position: int, n_tokens: int, what: str) -> int:
+    """Position P (negative: from the end) of a text of n_tokens as 0-based, or a one-line error naming the range."""
+    if not -n_tokens <= position < n_tokens:
+        raise BadValue(field_name, f" {iv.spec}: position {position} is out of range; {what} has {n_tokens} token"
+                                   f"{'s' if n_tokens != 1 else ''} (0..{n_tokens - 1}, or -1..-{n_tokens} from the end)")
+    return position % n_tokens
+
+
+def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequence[int] = ()) -> None:
+    """Layers, heads and positions against the model and the prompts (one line each); files are read in `prepare`."""
+    for iv in interventions:
+        name = iv.kind
+        if isinstance(iv, ControlVector):
+            continue
+        _layer(name, iv, iv.layer, config.n_layers)
+        if getattr(iv, "head", None) is not None:
+            _head(name, iv, iv.head, config.n_heads)
+        if isinstance(iv, Patch):
+            for r, n in enumerate(prompt_lengths):
+                position_slot(name, iv, iv.position, n, "the prompt" if len(prompt_lengths) == 1 else f"prompt {r + 1}")
+
+
+def read_control_vector(path, d_model: int, n_layers: int) -> dict[int, "object"]:
+    """llama.cpp's control-vector GGUF -> {layer: direction (D,) float32 numpy}. As llama.cpp's loader
+    (common_control_vector_load_one) reads it: every tensor is `direction.N` with N ≥ 1, float32, one dimension, all of
+    one width. That width must be the model's D, and N a layer of the model (llama.cpp ignores N ≥ its layer count;
+    here that is an error: the file was made for another model)."""
+    import numpy as np
+
+    p = Path(path)
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(p))
+    except Exception as e:  # a file gguf cannot read: one line
+        raise LlmtraceError(f"control vector {p}: not a readable GGUF file ({' '.join(str(e).split())[:120]})") from None
+    out: dict[int, np.ndarray] = {}
+    for t in reader.tensors:
+        m = re.fullmatch(r"direction\.(\d+)", t.name)
+        if not m or int(m[1]) == 0:
+            raise LlmtraceError(f"control vector {p}: tensor {t.name!r} is not a direction.N with N ≥ 1 "
+                                f"(the names llama-cvector-generator writes)")
+        data = np.asarray(t.data)
+        if t.tensor_type.name != "F32" or data.ndim != 1:
+            raise LlmtraceError(f"control vector {p}: {t.name} must be one float32 vector, not {t.tensor_type.name} "
+                                f"of shape {list(data.shape)}")
+        out[int(m[1])] = data.astype(np.float32)
+    if not out:
+        raise LlmtraceError(f"control vector {p}: no direction.N tensors in the file")
+    widths = sorted({v.shape[0] for v in out.values()})
+    if widths != [d_model]:
+        raise LlmtraceError(f"control vector {p} has directions of width {', '.join(map(str, widths))}, but this "
+                            f"model's width is {d_model}; it was made for another model")
+    top = max(out)
+    if top >= n_layers:
+        raise LlmtraceError(f"control vector {p} has directions up to direction.{top} ({top} layers), but this model "
+                            f"has {n_layers} layers (directions 1..{n_layers - 1}); it was made for another model")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# applying them: the editor of the model's edit points
+
+
+class Edits:
+    """The editor that `Transformer.edited` attaches: for each (layer, edit point), the edits made there, in the
+    order the interventions were given. The generation loop tells it of each pass (`begin_pass`): whether it is the
+    prompt's pass (patches apply there only; a mean ablation takes its mean there) and each row's pad slots (a left-
+    padded batch), so that position P of a row is slot pads[row] + P."""
+
+    def __init__(self, interventions: Sequence[Intervention]):
+        self.interventions = list(interventions)
+        self.ops: dict[tuple[int, str], list[Callable]] = {}
+        self.prompt_pass = True
+        self.pads: list[int] = [0]
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({layer for layer, _ in self.ops})
+
+    def add(self, layer: int, point: str, op: Callable) -> None:
+        self.ops.setdefault((layer, point), []).append(op)
+
+    def begin_pass(self, prompt: bool, pads: Optional[Sequence[int]] = None) -> None:
+        self.prompt_pass = prompt
+        self.pads = list(pads) if pads is not None else [0]
+
+    def __call__(self, layer: int, name: str, x):
+        for op in self.ops.get((layer, name), ()):
+            x = op(x)
+        return x
+
+    def slots(self, position: int, T: int) -> list[int]:
+        """Each row's slot of prompt position P (P ≥ 0 after its pads; negative P from the end, where rows align)."""
+        return [T + position if position < 0 else pad + position for pad in self.pads]
+
+
+def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[int],
+            encode: Optional[Callable[[str], list[int]]] = None) -> Optional[Edits]:
+    """Check the interventions against the model and the prompts, compute what they need (the source activations of
+    patches, the steering vectors, the control vectors' directions) and return the editor; None for no intervention.
+    `encode` turns a text an intervention runs into ids (default: the tokenizer's plain encoding)."""
+    if not interventions:
+        return None
+    import torch
+
+    c = lm.config
+    check(interventions, c, prompt_lengths)
+    encode = encode or (lambda text: lm.tokenizer.encode_prompt(text)[1])
+    edits = Edits(interventions)
+    for iv in interventions:
+        if isinstance(iv, (Ablate, Scale)):
+            layer = iv.layer % c.n_layers
+            edits.add(layer, PART_POINT[iv.part], _ablate_or_scale(edits, iv))
+        elif isinstance(iv, Patch):
+            layer = iv.layer % c.n_layers
+            point = "attn_out" if iv.point == "head" else iv.point
+            ids = _source_ids(iv, encode, "source (--from)", iv.source, c.max_seq_len)
+            pos = position_slot("patch", iv, iv.position, len(ids), "the --from text")
+            acts = grab(lm.model, ids, [(layer, point)])[(layer, point)]  # (T_src, D) or (T_src, H, Dh)
+            vec = acts[pos] if iv.head is None else acts[pos, iv.head]
+            edits.add(layer, point, _patch(edits, iv, vec))
+        elif isinstance(iv, Steer):
+            layer = iv.layer % c.n_layers
+            v = steering_vector(lm, layer, _source_ids(iv, encode, "--toward text", iv.toward, c.max_seq_len),
+                                _source_ids(iv, encode, "--away-from text", iv.away_from, c.max_seq_len))
+            edits.add(layer, "resid_post", _add(iv.strength * v))
+        else:
+            for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items():
+                edits.add(layer, "resid_post", _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
+    return edits
+
+
+def _source_ids(iv, encode, what: str, text: str, ctx: int) -> list[int]:
+    ids = encode(text)
+    if not ids:
+        raise BadValue(iv.kind, f" {iv.spec}: the {what} is empty (it encodes to zero tokens)")
+    if len(ids) > ctx:
+        raise BadValue(iv.kind, f" {iv.spec}: the {what} has {len(ids)} tokens, more than the context window ({ctx})")
+    return ids
+
+
+def grab(model, ids: list[int], points: Sequence[tuple[int, str]], logits: Optional[list] = None) -> dict:
+    """The values at edit points (layer, name) of one pass over ids alone (no cache, no intervention), batch dimension
+    dropped: {(layer, name): tensor}. Read through the edit points, so resid_pre exists too; nothing is changed.
+    `logits`, a list, receives the pass's last-position logits (V,)."""
+    import torch
+
+    wanted, out = set(points), {}
+
+    def keep(layer, name, x):
+        if (layer, name) in wanted:
+            out[(layer, name)] = x[0].clone()
+        return x
+
+    idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)
+    with torch.inference_mode(), model.edited(keep, sorted({layer for layer, _ in wanted})):
+        last = model(idx, last_only=True)[0]
+    if logits is not None:
+        logits.append(last)
+    return out
+
+
+def steering_vector(lm, layer: int, toward: list[int], away: list[int]):
+    """v = layer's output (resid_post) at the last token of `toward` minus the same for `away`, each run alone. (D,)"""
+    a = grab(lm.model, toward, [(layer, "resid_post")])[(layer, "resid_post")][-1]
+    b = grab(lm.model, away, [(layer, "resid_post")])[(layer, "resid_post")][-1]
+    return a - b
+
+
+def _ablate_or_scale(edits: Edits, iv):
+    """The edit of Ablate / Scale at its part's output point."""
+    import torch
+
+    factor = 0.0 if isinstance(iv, Ablate) else iv.factor
+    if iv.part != "head":  # o_proj or down, (B, T, D)
+        return (lambda x: x * factor) if factor != 0.0 else (lambda x: x.new_zeros(x.shape))
+    h = iv.head
+    if not getattr(iv, "mean", False):
+        def head_op(x):  # (B, T, H, Dh)
+            x = x.clone()
+            x[:, :, h] = 0.0 if factor == 0.0 else x[:, :, h] * factor
+            return x
+        return head_op
+    means = {}  # the mean over the prompt's positions, (B, Dh), taken in the prompt's pass and kept for decode steps
+
+    def mean_op(x):  # (B, T, H, Dh)
+        if edits.prompt_pass:
+            means["m"] = torch.stack([x[r, pad:, h].mean(0) for r, pad in enumerate(edits.pads)])
+        x = x.clone()
+        x[:, :, h] = means["m"][:, None]
+        return x
+    return mean_op
+
+
+def _patch(edits: Edits, iv: Patch, vec):
+    """Replace the value at prompt position P by `vec` (D,) or (Dh,) in the prompt's pass only."""
+    head = iv.head
+
+    def op(x):  # (B, T, D), or (B, T, H, Dh) for a head
+        if not edits.prompt_pass:
+            return x
+        x = x.clone()
+        for r, slot in enumerate(edits.slots(iv.position, x.size(1))):
+            if head is None:
+                x[r, slot] = vec.to(x.dtype)
+            else:
+                x[r, slot, head] = vec.to(x.dtype)
+        return x
+    return op
+
+
+def _add(v):
+    """Add v (D,) at every position of every pass."""
+    def op(x):
+        return x + v.to(x.dtype)
+    return op
