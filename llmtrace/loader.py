@@ -39,22 +39,38 @@ def _resolve(spec: Optional[str]):
 
 
 def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, *,
-               keep_quantized: bool = False, placement: Optional["Placement"] = None) -> LoadedModel:  # noqa: F821
+               keep_quantized: bool = False, placement: Optional["Placement"] = None,  # noqa: F821
+               fast: bool = False) -> LoadedModel:
     """Resolve a model spec (registry name, hub id, HF directory or .gguf file) and load it ready to run.
 
     Weights are read tensor by tensor straight into the run dtype. `keep_quantized`: a GGUF's matrices stay in their
-    blocks (llmtrace.quant). `placement`: layers spread over devices and disk by accelerate (llmtrace.placement).
+    blocks (llmtrace.quant). `fast`: a GGUF's matrices run from their blocks on torch's int4 kernel, activations in
+    bfloat16 (llmtrace.fast; approximate, and traces say so). `placement`: layers spread over devices and disk by accelerate (llmtrace.placement).
     Before any weight is read, the memory they need is checked against what is available (placement.check_fits)."""
     from llmtrace import placement as place
 
     if placement is not None and device is not None:
         raise UsageError("--device and --device-map both place the model; give one (with --device-map, --max-memory "
                          "names the devices)")
+    if fast:
+        check_fast(keep_quantized, placement, dtype, device)
     resolved = _resolve(spec)
     dev = pick_device(device) if placement is None else placement.main_device
     t0 = time.perf_counter()
     converted = False
-    if keep_quantized:
+    if fast:
+        if resolved.kind != "gguf":
+            raise UsageError(f"--fast runs a GGUF file's quantized blocks on int4 kernels; {resolved.name} is not a GGUF "
+                             f"file (--dtype bfloat16 gives it the fast path's bfloat16 compute)")
+        if dev.type not in ("cpu", "cuda"):
+            raise UsageError(f"--fast runs on cpu and cuda, not {dev.type}; leave out --fast or give --device cpu")
+        from llmtrace.fast import COMPUTE, load_gguf_fast
+
+        dt = COMPUTE
+        place.check_fits(resolved.name, resolved.path.stat().st_size, "its quantized blocks", dev)
+        config, model, tokenizer = load_gguf_fast(resolved.path, dev)
+        tokenizer.check_fits(config.vocab_size, str(resolved.path))
+    elif keep_quantized:
         if resolved.kind != "gguf":
             raise UsageError(f"--keep-quantized keeps a GGUF file's blocks; {resolved.name} is not a GGUF file "
                              f"(use --dtype bfloat16 to halve its memory)")
@@ -82,6 +98,18 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
             model = placement.load(config, plan, dt)
     return LoadedModel(name=resolved.name, source=resolved.kind, path=resolved.path, config=config, model=model,
                        tokenizer=tokenizer, device=dev, dtype=dt, load_s=time.perf_counter() - t0, converted=converted)
+
+
+def check_fast(keep_quantized: bool, placement, dtype: Optional[str], device: Optional[str] = None) -> None:
+    """--fast with options it does not combine with: one line each, before anything is resolved or loaded."""
+    if keep_quantized:
+        raise UsageError("--fast and --keep-quantized do not combine: --fast already runs from the quantized blocks "
+                         "(approximately, on int4 kernels); --keep-quantized gives the exact values; choose one")
+    if placement is not None:
+        raise UsageError("--fast and --device-map do not combine yet: --fast runs the whole model on one device; "
+                         "choose one")
+    if dtype not in (None, "bfloat16", "bf16"):
+        raise UsageError(f"--fast computes in bfloat16; leave out --dtype {dtype}")
 
 
 def _open_checkpoint(resolved) -> tuple[ModelConfig, dict[str, list], "TextTokenizer", bool]:  # noqa: F821

@@ -26,7 +26,7 @@ from llmtrace.events import (
     SEED_STEP,
     summary_event,
 )
-from llmtrace.records import model_record, rounded as _round, tokens_event
+from llmtrace.records import model_record, path_record, rounded as _round, tokens_event
 from llmtrace.sinks import ENCODER as _ENCODER
 from llmtrace.stats import rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
 from llmtrace.trace_options import TraceOptions
@@ -276,6 +276,7 @@ class Recorder:
             "model": model_record(lm),
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),
+            **path_record(lm),  # "exact", and on the fast path what it computes with
             "threads": self.run_info.get("threads"),  # torch's CPU threads, as the CLI set them
             "sampling": sampler.config.to_dict() | {"seed": sampler.seed},
             "prompt": self.run_info.get("prompt", ""),

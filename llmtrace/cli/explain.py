@@ -12,9 +12,9 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
                                   MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs,
-                                  HtmlOpt, load_options, write_html)
+                                  HtmlOpt, load_options, say_fast_note, write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.errors import UsageError
 from llmtrace.render import make_console
@@ -83,6 +83,7 @@ def explain(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
+    fast: FastOpt = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
@@ -96,7 +97,7 @@ def explain(
 
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
-    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
+    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir, fast))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     events = explain_events(lm, ids, layer, head=head, top=top, prompt=prompt_text, chat=chat)
     events = _with_batch(lm, texts, row, chat, system, events)
@@ -122,6 +123,7 @@ def lens(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
+    fast: FastOpt = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
@@ -139,7 +141,7 @@ def lens(
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
     if last < 1:
         raise UsageError("--last must be ≥ 1")
-    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir))
+    lm = _load(model, device, dtype, threads, load_options(model, keep_quantized, device_map, max_memory, offload_dir, fast))
     prompt_text, ids = lm.tokenizer.encode_prompt(text, chat=chat, system=system)
     check_context(lm, len(ids), 0)
     rows = parse_layers(layers, lm.config.n_layers)
@@ -191,7 +193,9 @@ def _load(model, device, dtype, threads, scale: dict):
 
     pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load, as in generate
     set_threads(threads)
-    return load_model(model, device=device, dtype=dtype, **scale)
+    lm = load_model(model, device=device, dtype=dtype, **scale)
+    say_fast_note(lm)
+    return lm
 
 
 def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None,

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
                                   ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, HtmlOpt, check_outputs, load_options,
-                                  write_html)
+                                  say_fast_note, write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
@@ -58,6 +58,8 @@ Examples:
   llmtrace generate "Once upon a time" --trace none -n 2000 --compile
 
   llmtrace generate "Once upon a time" -m model.Q4_K_M.gguf --keep-quantized
+
+  llmtrace generate "Once upon a time" --fast --compile --trace none -n 200   # int4 kernels, bf16: approximate
 
   llmtrace generate "Once upon a time" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB
 
@@ -111,6 +113,7 @@ def generate(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
+    fast: FastOpt = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
@@ -156,7 +159,7 @@ def generate(
     from llmtrace.fsutil import sigint_deferred
     from llmtrace.sinks import JsonlSink
 
-    scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir)  # checked before the stream starts
+    scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir, fast)  # checked before the stream starts
     # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
     # (or a compile) still ends it with a summary.
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
@@ -167,6 +170,7 @@ def generate(
 
         set_threads(threads)
         lm = load_model(model, device=device, dtype=dtype, **scale)
+        say_fast_note(lm)
         batch = texts if texts is not None and len(texts) > 1 else None  # a single -p is a one-prompt run
         run(lm, batch or text, scfg, options, max_new_tokens=max_new_tokens, chat=chat, system=system,
             stop=tuple(stop or ()), ignore_eos=ignore_eos, layers=layers, logit_bias=logit_bias or [], ban=ban or [],

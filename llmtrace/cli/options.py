@@ -63,6 +63,12 @@ KeepQuantizedOpt = Annotated[
     typer.Option("--keep-quantized", help="GGUF only: keep the matrices in their quantized blocks (Q4_0 … Q8_0, "
                  "K-quants) and dequantize each when used; memory stays near the file's size, steps are slower."),
 ]
+FastOpt = Annotated[
+    bool,
+    typer.Option("--fast", help="GGUF only: run the matrices straight from their quantized blocks on torch's int4 "
+                 "kernel, activations in bfloat16. Several times faster, and approximate: the trace says "
+                 "\"exact\": false (README: how far it drifts)."),
+]
 DeviceMapOpt = Annotated[
     Optional[str],
     typer.Option("--device-map", metavar="auto", help="auto: accelerate spreads the layers over GPUs, CPU memory and disk "
@@ -90,12 +96,26 @@ def flag_of(field: str) -> str:
 
 
 def load_options(model: Optional[str], keep_quantized: bool, device_map: Optional[str], max_memory: Optional[list[str]],
-                 offload_dir: Optional[Path]) -> dict:
-    """The scale options as load_model's keyword arguments, checked before the load (one-line errors)."""
+                 offload_dir: Optional[Path], fast: bool = False) -> dict:
+    """The scale options and --fast as load_model's keyword arguments, checked before the load (one-line errors)."""
+    from llmtrace.loader import check_fast
     from llmtrace.placement import parse_placement
 
     key = Path(model).name if model else "default"
-    return {"keep_quantized": keep_quantized, "placement": parse_placement(device_map, max_memory, offload_dir, key)}
+    placement = parse_placement(device_map, max_memory, offload_dir, key)
+    if fast:
+        check_fast(keep_quantized, placement, None)
+    return {"keep_quantized": keep_quantized, "placement": placement, "fast": fast}
+
+
+def say_fast_note(lm) -> None:
+    """--fast: one line on stderr naming the matrices that run in bfloat16 because their type has no int4 form."""
+    if lm.config.extra.get("fast"):
+        from llmtrace.fast import bf16_note
+
+        note = bf16_note(lm)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
 
 
 def check_outputs(json_out: Optional[str], jsonl: Optional[str], *others: Optional[str]) -> None:

@@ -150,6 +150,11 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
         from llmtrace.render import print_parts, storage_parts
 
         print_parts(console, ["weights", *storage_parts(info["storage"])])
+    if info.get("exact") is False:
+        from llmtrace.records import fast_parts
+        from llmtrace.render import print_parts
+
+        print_parts(console, fast_parts(info["fast"]), style="yellow")
     toks = tokens["tokens"]
     shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
     line = Text(f"{len(toks)} tokens: ", style="bold")
