@@ -123,7 +123,8 @@ def arm_ceiling(spec: dict) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from llmtrace.loader import load_model, set_threads
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.checkpoint.devices import set_threads
 
     set_threads(spec["threads"])
     rss_before = _rss_mb()
@@ -196,7 +197,8 @@ def arm_cold(spec: dict) -> dict:
     home = tempfile.mkdtemp(prefix="llmtrace-bench-home-")
     os.environ["LLMTRACE_HOME"] = home  # an empty cache: this load must convert the GGUF
     try:
-        from llmtrace.loader import load_model, set_threads
+        from llmtrace.checkpoint.load import load_model
+        from llmtrace.checkpoint.devices import set_threads
 
         set_threads(spec["threads"])
         lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
@@ -217,11 +219,13 @@ def arm_cold(spec: dict) -> dict:
 def arm_overhead(spec: dict) -> dict:
     import torch
 
-    from llmtrace.generate import generate
-    from llmtrace.loader import load_model, set_threads
-    from llmtrace.sampler import Sampler, SamplerConfig
-    from llmtrace.sinks import JsonlSink
-    from llmtrace.trace import Recorder, TraceOptions
+    from llmtrace.run.generate import generate
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.checkpoint.devices import set_threads
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+    from llmtrace.trace.sinks import JsonlSink
+    from llmtrace.trace.recorder import Recorder
+    from llmtrace.trace.options import TraceOptions
 
     set_threads(spec["threads"])
     lm = load_model(spec["gguf"], device=spec["device"], dtype=spec["dtype"])
@@ -284,9 +288,10 @@ def arm_decode(spec: dict) -> dict:
     import torch.nn.functional as F
     import transformers
 
-    from llmtrace.generate import compile_decode, generate
-    from llmtrace.loader import load_model, set_threads
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.generate import compile_decode, generate
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.checkpoint.devices import set_threads
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     set_threads(spec["threads"])
     transformers.logging.set_verbosity_error()

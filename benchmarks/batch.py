@@ -39,9 +39,9 @@ def main() -> None:
 
     import torch
 
-    from llmtrace.generate import generate, generate_batch
-    from llmtrace.loader import load_model
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.generate import generate, generate_batch
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, device="cpu", dtype="float32")

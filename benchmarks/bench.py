@@ -166,7 +166,7 @@ def run_warm_n1(args, prompt_file: Path, env: dict) -> dict:
 
 def prepare_prompt(gguf: Path, workdir: Path) -> tuple[Path, list[int]]:
     """Cut PROMPT_TEXT to PROMPT_TOKENS tokens and check that the text re-encodes to exactly those ids."""
-    from llmtrace.loader import load_tokenizer
+    from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 
     tok = load_tokenizer(str(gguf))
     ids = tok.encode(PROMPT_TEXT)[:PROMPT_TOKENS]
@@ -404,7 +404,7 @@ def main() -> None:
     if args.model:
         args.gguf = Path(args.model).resolve()
     else:
-        from llmtrace.registry import resolve
+        from llmtrace.registry.resolve import resolve
 
         args.gguf = resolve(None).path
     import tempfile

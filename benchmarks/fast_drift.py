@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
-    from llmtrace.loader import load_model, set_threads
+    from llmtrace.checkpoint.devices import set_threads
+    from llmtrace.checkpoint.load import load_model
 
     set_threads(args.threads)
     text = args.passage.read_text()

@@ -52,9 +52,9 @@ def hwm(key):
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-import torch, llmtrace.loader, llmtrace.generate  # the baseline: what a run holds before its weights
+import torch, llmtrace.checkpoint.load, llmtrace.run.generate  # the baseline: what a run holds before its weights
 base = hwm("VmRSS:")
-from llmtrace.cli import main
+from llmtrace.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
@@ -98,8 +98,8 @@ def llama_1b_gguf(where: Path, layers: int) -> Path:
 
 def long_prompt(gguf: str, n: int) -> str:
     """The first n tokens of benchmarks/passage.txt (repeated as needed), as text."""
-    from llmtrace.loader import open_gguf
-    from llmtrace.tokenizer import TextTokenizer
+    from llmtrace.checkpoint.gguf_file import open_gguf
+    from llmtrace.tokens.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_gguf(open_gguf(gguf))
     text = (HERE / "passage.txt").read_text()
@@ -133,7 +133,7 @@ def main() -> None:
         elif args.model:
             gguf = args.model
         else:
-            from llmtrace.registry import resolve
+            from llmtrace.registry.resolve import resolve
 
             gguf = str(resolve(None).path)
         run(args, gguf)

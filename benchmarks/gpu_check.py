@@ -50,10 +50,10 @@ def main() -> None:
     args = ap.parse_args()
     import transformers
 
-    from llmtrace.generate import generate
-    from llmtrace.loader import load_model
-    from llmtrace.registry import resolve
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.generate import generate
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.registry.resolve import resolve
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"

@@ -5,7 +5,7 @@ as gpt-fast uses it) on each block type, then the default model's drift and deco
     python benchmarks/gpu_fast_check.py --device cpu         # the same checks on the CPU kernel, anywhere
 
 1. Each type that maps onto int4 groups (Q4_0, Q4_1, Q4_K, Q5_*, Q8_0): FastLinear on the device against x W^T with W
-   the mapping's matrix (llmtrace.fast.int4_reference, scale and zero in bf16), within bf16 output rounding.
+   the mapping's matrix (llmtrace.model.fast.int4_reference, scale and zero in bf16), within bf16 output rounding.
 2. The default model: --fast against the exact float32 path over benchmarks/passage.txt (mean KLD, same top-1;
    targets 0.01 and 0.97), and decode tok/s of --fast eager, --fast with the compiled step, and exact bf16 eager.
 Exit status: non-zero if a check failed.
@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def kernel_checks(device: torch.device) -> dict:
-    from llmtrace.fast import fast_linear, int4_groups, int4_reference
-    from llmtrace.quant import BLOCKS, GROUP_KINDS, Segment
+    from llmtrace.model.fast import fast_linear, int4_groups, int4_reference
+    from llmtrace.model.quant import BLOCKS, GROUP_KINDS, Segment
 
     out = {}
     rng = np.random.default_rng(0)
@@ -53,9 +53,9 @@ def kernel_checks(device: torch.device) -> dict:
 @torch.inference_mode()
 def model_checks(device: torch.device, tokens: int) -> dict:
     from fast_drift import drift
-    from llmtrace.generate import compile_decode, generate
-    from llmtrace.loader import load_model
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.generate import compile_decode, generate
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     text = (ROOT / "benchmarks" / "passage.txt").read_text()
     exact = load_model(None, device="cpu", dtype="float32")

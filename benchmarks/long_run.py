@@ -72,11 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--limit-mb", type=float, default=4.0, help="allowed RSS growth between the checkpoints, MiB")
     args = ap.parse_args(argv)
 
-    from llmtrace.generate import generate
-    from llmtrace.loader import load_model, set_threads
-    from llmtrace.sampler import Sampler, SamplerConfig
-    from llmtrace.sinks import JsonDocSink, JsonlSink
-    from llmtrace.trace import Recorder, TraceOptions
+    from llmtrace.run.generate import generate
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.checkpoint.devices import set_threads
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+    from llmtrace.trace.sinks import JsonDocSink, JsonlSink
+    from llmtrace.trace.recorder import Recorder
+    from llmtrace.trace.options import TraceOptions
 
     set_threads(args.threads)
     lm = load_model(args.model, device="cpu", dtype="float32")

@@ -1,6 +1,6 @@
 """A long prompt's prefill: time and peak memory, llmtrace against HF transformers on the same weights.
 
-llmtrace prefills a long prompt in chunks of `llmtrace.generate.PREFILL_CHUNK` tokens through the KV cache, so the
+llmtrace prefills a long prompt in chunks of `llmtrace.run.generate.PREFILL_CHUNK` tokens through the KV cache, so the
 attention scores of a pass are (H, chunk, S) rather than (H, T, T). This measures what that costs and saves on a real
 prompt of ~8k tokens (prose repeated to length), each side in a fresh process with torch pinned to `--threads`:
 
@@ -50,7 +50,7 @@ def arm(side: str, gguf: str, n_tokens: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from llmtrace.loader import load_model
+    from llmtrace.checkpoint.load import load_model
 
     lm = load_model(gguf, device="cpu", dtype="float32")  # llmtrace's tokenizer gives both sides the same ids
     ids = lm.tokenizer.encode(PROSE * (n_tokens // 30 + 1), add_special_tokens=False)[:n_tokens]
@@ -74,8 +74,8 @@ def arm(side: str, gguf: str, n_tokens: int, threads: int) -> dict:
             model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
             seconds = time.perf_counter() - t
         else:
-            from llmtrace.generate import generate
-            from llmtrace.sampler import Sampler, SamplerConfig
+            from llmtrace.run.generate import generate
+            from llmtrace.run.sampler import Sampler, SamplerConfig
 
             result = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), 1)
             seconds = result.prefill_s
@@ -95,7 +95,7 @@ def main() -> int:
         print(json.dumps(arm(args.arm, args.model, args.tokens, args.threads)))
         return 0
     if args.model is None:
-        from llmtrace.registry import resolve
+        from llmtrace.registry.resolve import resolve
 
         args.model = str(resolve(None).path)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))

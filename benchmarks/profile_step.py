@@ -27,10 +27,12 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from llmtrace.generate import generate  # noqa: E402
-from llmtrace.loader import load_model, set_threads  # noqa: E402
-from llmtrace.sampler import Sampler, SamplerConfig  # noqa: E402
-from llmtrace.trace import Recorder, TraceOptions  # noqa: E402
+from llmtrace.run.generate import generate  # noqa: E402
+from llmtrace.checkpoint.load import load_model  # noqa: E402
+from llmtrace.checkpoint.devices import set_threads
+from llmtrace.run.sampler import Sampler, SamplerConfig  # noqa: E402
+from llmtrace.trace.recorder import Recorder  # noqa: E402
+from llmtrace.trace.options import TraceOptions
 from _arms import decode_matrices  # noqa: E402  (benchmarks/, this script's directory)
 
 MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm"}
@@ -121,8 +123,8 @@ def main() -> None:
     for level in args.levels:
         report(f"--trace {level}", profile_decode(lm, ids, level, args.steps, warm=4), ceil, args)
     if args.compiled:
-        from llmtrace.compiled import CompiledDecode
-        from llmtrace.generate import compile_decode
+        from llmtrace.model.compiled import CompiledDecode
+        from llmtrace.run.generate import compile_decode
 
         eager = [decode_ms(lm, ids, 32)]
         step = compile_decode(lm, len(ids), 64)

@@ -37,11 +37,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from rich.console import Console
 
-    from llmtrace.generate import generate
-    from llmtrace.loader import load_model
-    from llmtrace.render import render_events
-    from llmtrace.sampler import Sampler, SamplerConfig
-    from llmtrace.trace import Recorder, TraceOptions
+    from llmtrace.run.generate import generate
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.render.generate import render_events
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+    from llmtrace.trace.recorder import Recorder
+    from llmtrace.trace.options import TraceOptions
 
     lm = load_model(None, device="cpu", dtype="float32")
     ids = lm.tokenizer.encode(PROMPT)

@@ -75,7 +75,7 @@ def arm(kind: str, path: str, dtype: str, decode: int) -> dict:
     if kind.startswith("hf"):
         import transformers  # noqa: F401  (imported before the baseline, like llmtrace below)
     else:
-        from llmtrace.loader import load_model
+        from llmtrace.checkpoint.load import load_model
     base = rss_bytes()
     t0 = time.perf_counter()
     if kind.startswith("hf"):
@@ -88,7 +88,7 @@ def arm(kind: str, path: str, dtype: str, decode: int) -> dict:
         forward = lambda idx: model(idx).logits  # noqa: E731
     else:
         lm = load_model(path, device="cpu", dtype=dtype, keep_quantized=kind == "llmtrace-quantized")
-        from llmtrace.quant import QUANT_MODULES
+        from llmtrace.model.quant import QUANT_MODULES
 
         seen, weights = set(), 0
         for m in lm.model.modules():
@@ -102,8 +102,8 @@ def arm(kind: str, path: str, dtype: str, decode: int) -> dict:
            "peak_bytes": rss_bytes(), "weight_bytes": weights}
     out["ratio"] = round((out["peak_bytes"] - base) / weights, 3)
     if decode and not kind.startswith("hf"):
-        from llmtrace.generate import generate
-        from llmtrace.sampler import Sampler, SamplerConfig
+        from llmtrace.run.generate import generate
+        from llmtrace.run.sampler import Sampler, SamplerConfig
 
         ids = lm.tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
         sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
@@ -131,7 +131,7 @@ def kernels(threads: int, reps: int = 20) -> list[dict]:
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
-    from llmtrace.quant import dequantize
+    from llmtrace.model.quant import dequantize
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

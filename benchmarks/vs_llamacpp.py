@@ -61,7 +61,7 @@ def main() -> None:
         sys.exit("this benchmark needs llama.cpp's library: pip install xllamacpp")
     gguf = args.model
     if gguf is None:
-        from llmtrace.registry import resolve
+        from llmtrace.registry.resolve import resolve
 
         gguf = str(resolve(None).path)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))

@@ -1,3 +1,3 @@
-from llmtrace.cli import main
+from llmtrace.cli.main import main
 
 main()

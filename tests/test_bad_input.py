@@ -2,7 +2,7 @@
 one `error: ...` line on stderr that names the problem, and no traceback.
 
 Most cases call `llmtrace.cli.main` in this process (one torch import for all). Where a case needs the real model,
-`llmtrace.loader.load_model` hands back the session's `smollm` instead of loading it again; tiny checkpoints go
+`llmtrace.checkpoint.load.load_model` hands back the session's `smollm` instead of loading it again; tiny checkpoints go
 through the real loader. A few cases run `python -m llmtrace` in a subprocess: the exit codes as a shell sees them,
 LLMTRACE_DEBUG=1, and a closed pipe.
 """
@@ -39,13 +39,13 @@ def _isolated(monkeypatch, tmp_path):
     cfg = tmp_path / "config"
     cfg.mkdir()
     monkeypatch.setenv("LLMTRACE_CONFIG_DIR", str(cfg))
-    monkeypatch.setattr("llmtrace.loader.set_threads", lambda n: torch.get_num_threads())
+    monkeypatch.setattr("llmtrace.checkpoint.devices.set_threads", lambda n: torch.get_num_threads())
 
 
 @pytest.fixture
 def with_smollm(monkeypatch, smollm):
     """`load_model` returns the session's real model instead of loading it again."""
-    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
     return smollm
 
 
@@ -271,7 +271,7 @@ def test_models_toml_syntax_error_names_the_line(capsys, monkeypatch, tmp_path):
     (["--compile", "--html", "/tmp/llmtrace-never-written.html"], ("--compile", "--html")),
 ])  # fmt: skip
 def test_usage_errors_exit_2_before_the_model_loads(capsys, monkeypatch, flags, says):
-    monkeypatch.setattr("llmtrace.loader.load_model", no_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", no_load)
     line = fails(capsys, 2, "generate", "hi", *flags, says=says)
     assert not line.endswith(":"), line
 
@@ -319,7 +319,7 @@ def test_empty_prompt(capsys, with_smollm):
 
 
 def test_prompt_file_missing_or_not_utf8(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("llmtrace.loader.load_model", no_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", no_load)
     fails(capsys, 1, "generate", "-f", tmp_path / "prompt.txt", says=("prompt file not found", "prompt.txt"))
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("café au lait".encode("latin-1"))
@@ -331,7 +331,7 @@ def test_prompt_file_missing_or_not_utf8(capsys, monkeypatch, tmp_path):
 def test_prompt_on_stdin_that_is_not_utf8(capsys, monkeypatch):
     import io
 
-    monkeypatch.setattr("llmtrace.loader.load_model", no_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", no_load)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff\xfe")))
     fails(capsys, 1, "generate", says=("stdin", "not valid UTF-8", "0xff", "byte offset 3"))
 
@@ -342,7 +342,7 @@ def test_prompt_on_stdin_that_is_not_utf8(capsys, monkeypatch):
 
 @pytest.mark.parametrize("flag", ["--json", "--jsonl"])
 def test_output_into_a_missing_directory_fails_before_the_load(capsys, monkeypatch, tmp_path, flag):
-    monkeypatch.setattr("llmtrace.loader.load_model", no_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", no_load)
     target = tmp_path / "no" / "such" / "dir" / "trace.json"
     fails(capsys, 1, "generate", "hi", flag, target, says=(str(target), "does not exist", "create the directory"))
     fails(capsys, 1, "generate", "hi", flag, tmp_path, says=("is a directory",))
@@ -351,7 +351,7 @@ def test_output_into_a_missing_directory_fails_before_the_load(capsys, monkeypat
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
 def test_output_into_an_unwritable_directory_fails_before_the_load(capsys, monkeypatch, tmp_path):
     """/proc refuses new files even to root; a mode-0555 directory refuses them to everyone else."""
-    monkeypatch.setattr("llmtrace.loader.load_model", no_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", no_load)
     fails(capsys, 1, "generate", "hi", "--json", "/proc/trace.json", says=("/proc", "not writable", "another path"))
     if os.geteuid() != 0:
         locked = tmp_path / "locked"
@@ -360,7 +360,7 @@ def test_output_into_an_unwritable_directory_fails_before_the_load(capsys, monke
 
 
 def test_same_file_for_json_and_jsonl(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("llmtrace.loader.load_model", no_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", no_load)
     fails(capsys, 2, "generate", "hi", "--json", tmp_path / "t", "--jsonl", tmp_path / "t", says=("same file",))
     fails(capsys, 2, "generate", "hi", "--json", "-", "--jsonl", "-", says=("stdout",))
 
@@ -388,7 +388,7 @@ def test_outputs_to_devices_are_written_in_place(capsys, with_smollm, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda(capsys, monkeypatch):
-    monkeypatch.setattr("llmtrace.loader.load_model", no_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", no_load)
     fails(capsys, 1, "generate", "hi", "--device", "cuda", says=("--device cuda", "no CUDA", "--device cpu"))
 
 

@@ -13,9 +13,10 @@ import pytest
 from conftest import undeclared_fields
 import torch
 
-from llmtrace.generate import generate, generate_batch, pad_batch, row_seed
-from llmtrace.sampler import Sampler, SamplerConfig
-from llmtrace.trace import Recorder, TraceOptions
+from llmtrace.run.generate import generate, generate_batch, pad_batch, row_seed
+from llmtrace.run.sampler import Sampler, SamplerConfig
+from llmtrace.trace.recorder import Recorder
+from llmtrace.trace.options import TraceOptions
 
 # very different lengths, one of them a single token ("Hi")
 TEXTS = ["The capital of France is", "Hi", "Once upon a time, in a small village by the sea, there lived an old"]
@@ -114,7 +115,7 @@ def test_batch_event_holds_s3_matrices(smollm, batch_run):
 
 def test_batch_trace_is_valid_for_the_schema(batch_run):
     jsonschema = pytest.importorskip("jsonschema")
-    from llmtrace.events import schema_path
+    from llmtrace.trace.events import schema_path
 
     _, _, events = batch_run
     validator = jsonschema.Draft202012Validator(json.loads(schema_path().read_text()))
@@ -163,7 +164,7 @@ def test_pad_batch_falls_back_to_eos():
 
 
 def cli(capsys, *argv):
-    from llmtrace.cli import main
+    from llmtrace.cli.main import main
 
     code = 0
     try:
@@ -211,7 +212,7 @@ def test_more_than_max_batch_rows(capsys, tmp_path):
 
 
 def test_padded_length_plus_n_beyond_context(capsys, smollm, monkeypatch):
-    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
     ctx = smollm.config.max_seq_len
     msg = one_error(capsys, "generate", "-p", "Hi", "-p", "The capital of France is", "-n", ctx, "--trace", "none")
     assert "padded to 5 tokens" in msg and "context window" in msg
@@ -226,7 +227,7 @@ def test_rows_of_one_length_take_the_unmasked_path_and_still_match(smollm):
 
 
 def test_report_and_show_read_a_batch_trace(batch_run, tmp_path):
-    from llmtrace.reader import load_trace
+    from llmtrace.trace.reader import load_trace
     from llmtrace.report.data import extract
 
     _, result, events = batch_run
@@ -261,7 +262,7 @@ def test_terminal_shows_s3_with_pads_marked_and_a_row_column(batch_run):
 
     from rich.console import Console
 
-    from llmtrace.render import render_events
+    from llmtrace.render.generate import render_events
 
     prompts, _, events = batch_run
     out = io.StringIO()
@@ -279,7 +280,7 @@ def test_terminal_shows_s3_with_pads_marked_and_a_row_column(batch_run):
 
 
 def test_cli_batch_rows_use_seed_plus_row(capsys, smollm, monkeypatch, tmp_path):
-    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
     common = ["-n", "3", "--temperature", "0.9", "--trace", "none"]
 
     def run(*argv):
@@ -298,7 +299,7 @@ def test_cli_batch_rows_use_seed_plus_row(capsys, smollm, monkeypatch, tmp_path)
 
 
 def test_lens_shows_each_rows_combined_causal_and_padding_mask(capsys, smollm, monkeypatch, tmp_path):
-    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
     f = tmp_path / "lens.jsonl"
     code, out, err = cli(capsys, "lens", "-p", "The capital of France is", "-p", "Hi", "--row", "1", "--last", "1",
                          "--jsonl", f)

@@ -9,9 +9,10 @@ benchmarks/bench.py, not an op count here, which would test a torch version.
 import pytest
 import torch
 
-from llmtrace.generate import compile_decode, generate
-from llmtrace.sampler import Sampler, SamplerConfig
-from llmtrace.trace import Recorder, TraceOptions
+from llmtrace.run.generate import compile_decode, generate
+from llmtrace.run.sampler import Sampler, SamplerConfig
+from llmtrace.trace.recorder import Recorder
+from llmtrace.trace.options import TraceOptions
 
 pytestmark = pytest.mark.slow  # compares with transformers or compiles: minutes on a small CPU
 

@@ -18,18 +18,8 @@ import torch.nn.functional as F
 
 import llmtrace
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.explain import (
-    NEAR_ZERO,
-    attention_sections,
-    bin_edges,
-    capture,
-    explain_events,
-    gqa_groups,
-    lens_events,
-    lens_logits,
-    parse_positions,
-    resolve_layer,
-)
+from llmtrace.run.explain import (NEAR_ZERO, attention_sections, bin_edges, capture, explain_events, gqa_groups,
+                                  lens_events, lens_logits, parse_positions, resolve_layer)
 
 PROMPT = "The capital of France is"
 LONG = ("Quantum mechanics is a fundamental theory in physics that describes the behavior of nature at and below the "
@@ -46,7 +36,8 @@ LAYER = 3
 def tiny(tmp_path_factory, smollm, smollm_path):
     """(llmtrace's load, transformers' load) of a tiny random GQA LLaMA: 3 layers, D 64, 4 q heads on 2 KV heads."""
     transformers = pytest.importorskip("transformers")
-    from llmtrace.loader import converted_dir, load_model
+    from llmtrace.registry.cache import converted_dir
+    from llmtrace.checkpoint.load import load_model
 
     path = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
@@ -342,7 +333,7 @@ def test_too_long_prompt_is_refused(tiny):
 
 def test_a_prompt_of_the_whole_window_is_prefilled_but_leaves_no_room_to_generate(tiny):
     """One rule for every command: explain, lens and generate -n 0 take max_seq_len tokens; generating needs room."""
-    from llmtrace.generate import check_context
+    from llmtrace.run.generate import check_context
 
     lm = tiny[0]
     ctx = lm.config.max_seq_len

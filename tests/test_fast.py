@@ -12,10 +12,10 @@ import torch
 
 from conftest import fails, run_cli
 from tiny import TinySpec, make_hf_model, token_ids, write_gguf
-from llmtrace.fast import (DENSE, INT4_CPU, FastLinear, choose_kernel, fast_linear, int4_groups, int4_reference,
-                           kernel_table)
-from llmtrace.loader import load_model
-from llmtrace.quant import BLOCKS, GROUP_KINDS, Segment, dequantize
+from llmtrace.checkpoint.load import load_model
+from llmtrace.model.fast import (DENSE, INT4_CPU, choose_kernel, fast_linear, int4_groups, int4_reference,
+                                 kernel_table)
+from llmtrace.model.quant import BLOCKS, GROUP_KINDS, Segment, dequantize
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: bfloat16 keeps 8 significant bits; a rounding is within eps/2, relative
 
@@ -131,7 +131,7 @@ def test_a_cpu_without_avx512_measures_and_says_which_kernels(mixed_gguf):
     choice = choose_kernel(torch.device("cpu"), capability="AVX2")
     assert choice["by"] == "measured at load" and choice["int4_ms"] > 0 and choice["bf16_ms"] > 0
     assert choice["int4"] == (choice["int4_ms"] < choice["bf16_ms"])
-    from llmtrace.fast import load_gguf_fast
+    from llmtrace.checkpoint.fast import load_gguf_fast
 
     off = {"int4": False, "by": "measured at load", "capability": "AVX2", "int4_ms": 2.0, "bf16_ms": 1.0}
     config, model, _ = load_gguf_fast(mixed_gguf, torch.device("cpu"), choice=off)
@@ -181,8 +181,8 @@ def test_fast_greedy_tokens_against_the_exact_path(smollm, fast_smollm):
     4, 32+ and 3 tokens; once one token differs the texts part. So the test pins the two long agreements at 16
     tokens, and the agreement that does not compound: teacher-forced on the exact path's own 32-token greedy
     continuations, the fast path picks the same top-1 at >= 0.95 of the 160 positions (measured 0.99)."""
-    from llmtrace.generate import generate
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     def greedy(lm, prompt, n):
         ids = lm.tokenizer.encode(prompt)
@@ -207,7 +207,7 @@ def test_fast_greedy_tokens_against_the_exact_path(smollm, fast_smollm):
 @pytest.mark.slow
 def test_fast_full_trace_is_valid_and_says_it_is_not_exact(capsys, smollm_path, tmp_path):
     jsonschema = pytest.importorskip("jsonschema")
-    from llmtrace.events import schema_path
+    from llmtrace.trace.events import schema_path
 
     trace = tmp_path / "t.jsonl"
     code, out, err = run_cli(capsys, "generate", "The capital of France is", "-n", "3", "--fast", "--trace", "full",
@@ -244,8 +244,8 @@ def test_fast_compile_runs_and_agrees_with_eager_fast(capsys, fast_smollm, tmp_p
     assert code == 0, err
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     assert events[0]["compiled"]["decode_step"] is True and events[0]["exact"] is False
-    from llmtrace.generate import generate
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     ids = fast_smollm.tokenizer.encode("The capital of France is")
     eager = generate(fast_smollm, ids, Sampler(SamplerConfig(temperature=0.0), fast_smollm.config.vocab_size), 12,

@@ -59,7 +59,7 @@ CPUINFO_2_CORES_4_THREADS = "\n\n".join(
 
 
 def test_hyperthread_siblings_count_as_one_core():
-    from llmtrace.devices import cpuinfo_cores
+    from llmtrace.checkpoint.devices import cpuinfo_cores
 
     assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 1, 2, 3})) == 2
     assert len(cpuinfo_cores(CPUINFO_2_CORES_4_THREADS, {0, 2})) == 1  # two siblings of core 0
@@ -68,7 +68,7 @@ def test_hyperthread_siblings_count_as_one_core():
 
 
 def test_default_threads_are_the_physical_cores_of_our_cpus():
-    from llmtrace.loader import physical_cores, thread_count
+    from llmtrace.checkpoint.devices import physical_cores, thread_count
 
     logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert 1 <= physical_cores() <= logical
@@ -76,7 +76,7 @@ def test_default_threads_are_the_physical_cores_of_our_cpus():
 
 
 def test_threads_flag_then_environment(monkeypatch):
-    from llmtrace.loader import thread_count
+    from llmtrace.checkpoint.devices import thread_count
 
     monkeypatch.setenv("LLMTRACE_THREADS", "3")
     assert thread_count() == 3
@@ -99,7 +99,8 @@ def test_run_event_and_header_show_the_thread_count(tiny_dir, capsys, monkeypatc
     assert code == 0, err
     assert run_event(out)["threads"] == 2 == torch.get_num_threads()
 
-    from llmtrace.render import make_console, render_events
+    from llmtrace.console import make_console
+    from llmtrace.render.generate import render_events
 
     console = make_console()
     events = [json.loads(line) for line in out.splitlines()]
@@ -172,7 +173,7 @@ def tiny_gguf(tmp_path_factory):
 
 def imports_torch(*argv, env: dict, stdin: str = "") -> tuple[bool, subprocess.CompletedProcess]:
     """Run `llmtrace ARGV` in a fresh interpreter; whether it imported torch, and the process."""
-    code = ("import sys\nfrom llmtrace.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+    code = ("import sys\nfrom llmtrace.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    code = e.code\nelse:\n    code = 0\nprint('torch' in sys.modules, file=sys.stderr)\nsys.exit(code)\n")
     proc = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, input=stdin,
                           env={**os.environ, "PYTHONPATH": str(REPO), **env}, cwd=REPO, timeout=120)
@@ -182,7 +183,7 @@ def imports_torch(*argv, env: dict, stdin: str = "") -> tuple[bool, subprocess.C
 
 @pytest.mark.slow
 def test_tokenizer_and_file_commands_do_not_import_torch(tiny_gguf, tiny_dir, tmp_path, capsys, monkeypatch):
-    from llmtrace.loader import load_model
+    from llmtrace.checkpoint.load import load_model
 
     load_model(str(tiny_gguf))  # converts it into this test's cache, as the first `generate` would
     trace = tmp_path / "run.json"

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.sampler import STAGES, Sampler, SamplerConfig
+from llmtrace.run.sampler import STAGES, Sampler, SamplerConfig
 
 _BASE = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                                        HealthCheck.data_too_large])
@@ -46,7 +46,7 @@ def test_examples_are_the_same_on_every_run():
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm_path):
-    from llmtrace.loader import load_tokenizer
+    from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 
     return load_tokenizer(str(smollm_path))
 
@@ -55,7 +55,7 @@ def tokenizer(smollm_path):
 def spellable(tokenizer) -> set[int]:
     """The bytes the vocabulary has a token for. SmolLM2's lacks 21 of the 256 (0x04, 0xc0, 0xf1, 0xff, ...), so text
     holding them cannot round-trip: those bytes are dropped, by transformers' tokenizer just the same."""
-    from llmtrace.tokenizer import BYTE_TO_CHAR
+    from llmtrace.tokens.vocab import BYTE_TO_CHAR
 
     vocab = tokenizer.tok.get_vocab()
     return {b for b, c in BYTE_TO_CHAR.items() if c in vocab}
@@ -98,7 +98,7 @@ def test_round_trip_with_special_tokens_parsed(tokenizer, spellable, parts):
 @example(text="naïve café 你好 🤖")
 def test_streamed_text_adds_up_to_the_decoded_text(tokenizer, spellable, text):
     """What generate's TextStream hands out piece by piece is the whole text, once every character is complete."""
-    from llmtrace.generate import TextStream
+    from llmtrace.run.generate import TextStream
 
     assume(allowed(text, spellable))
     assume(not text.endswith("\ufffd"))  # a real U+FFFD at the end looks like an unfinished character: held back
@@ -132,7 +132,7 @@ def sampler_cases(draw):
         ban=draw(st.lists(st.lists(ids, min_size=1, max_size=2), max_size=2)),
         seed=draw(st.integers(0, 2**32)),
     )
-    from llmtrace.sampler import parse_order
+    from llmtrace.run.sampler import parse_order
 
     config.order = parse_order(order)
     history = draw(st.lists(ids, max_size=12))
@@ -195,7 +195,7 @@ def deadline(seconds: int):
 
 def load_or_clean_error(path: Path, seconds: int = 60, run: bool = True) -> str:
     """Load a (damaged) checkpoint: a clean LlmtraceError, or a model that runs. Anything else fails the test."""
-    from llmtrace.loader import load_model
+    from llmtrace.checkpoint.load import load_model
 
     with deadline(seconds):
         try:
@@ -288,7 +288,7 @@ def flip_in_string(data: bytes, key: bytes, text: bytes, index: int, mask: int) 
 
 def test_damaged_token_and_merge_of_tiny_gguf(tiny_files, tmp_path, fresh_home):
     """The failure hypothesis once found at random, made explicit: a token that a merge makes, and a merge, damaged."""
-    from llmtrace.gguf_file import open_gguf
+    from llmtrace.checkpoint.gguf_file import open_gguf
 
     data = tiny_files["gguf"]
     merges = open_gguf(damaged_gguf(tmp_path, data)).fields["tokenizer.ggml.merges"].value
@@ -330,7 +330,7 @@ def test_corrupted_tiny_safetensors(tiny_files, hf_copy, at, mask, in_header):
 @given(at=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255))
 def test_corrupted_tiny_tokenizer_json(tiny_files, hf_copy, at, mask):
     """A flipped byte in tokenizer.json: it loads and round-trips text, or the error names tokenizer.json."""
-    from llmtrace.loader import load_tokenizer
+    from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 
     path = hf_copy / "tokenizer.json"
     data = (tiny_files["hf"] / "tokenizer.json").read_bytes()
@@ -395,7 +395,7 @@ def test_corrupted_real_gguf_header(smollm_path, tmp_path, fresh_home):
 @pytest.mark.slow
 def test_truncated_real_converted_safetensors(smollm, smollm_path, tmp_path, monkeypatch):
     """The cached conversion of the real model, cut off: a clean error, and the damaged entry is removed."""
-    from llmtrace.loader import converted_dir
+    from llmtrace.registry.cache import converted_dir
 
     real = converted_dir(smollm_path)
     assert (real / "weights.safetensors").is_file()

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmtrace.gguf_file import open_gguf
-from llmtrace.loader import config_from_gguf, load_model, read_gguf_weights
+from llmtrace.checkpoint.gguf_file import open_gguf
+from llmtrace.checkpoint.gguf_checkpoint import config_from_gguf, read_gguf_weights
+from llmtrace.checkpoint.load import load_model
 from tiny import (PROMPT, TinySpec, gguf_tensors, llama3_rope_freqs, make_hf_model, permute_rope_rows, tiny_tokenizer,
                   token_ids, write_gguf)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from llmtrace.gguf_file import open_gguf
+from llmtrace.checkpoint.gguf_file import open_gguf
 from tests.tiny import TinySpec, make_hf_model, write_gguf
 
 

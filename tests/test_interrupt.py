@@ -179,7 +179,7 @@ def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
 def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkeypatch, real_model, tmp_path):
     """Every write call carries whole lines; a pass's tensor events go out with its step event, before the next
     forward pass begins. So a reader following the file sees each step as it ends, and never half a line."""
-    import llmtrace.sinks as sinks
+    import llmtrace.trace.sinks as sinks
 
     target = tmp_path / "t.jsonl"
     writes: list[bytes] = []
@@ -217,14 +217,14 @@ def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkey
 
 @pytest.fixture
 def real_model(monkeypatch, smollm):
-    monkeypatch.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
-    monkeypatch.setattr("llmtrace.loader.set_threads", lambda n: torch.get_num_threads())
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
+    monkeypatch.setattr("llmtrace.checkpoint.devices.set_threads", lambda n: torch.get_num_threads())
     return smollm
 
 
 def sigint_on_event(monkeypatch, kind: str) -> None:
     """Deliver a real SIGINT to this process while the JSONL sink writes the first event of this kind."""
-    from llmtrace.sinks import JsonlSink
+    from llmtrace.trace.sinks import JsonlSink
 
     write = JsonlSink.__call__
     sent = []
@@ -311,7 +311,7 @@ def test_ctrl_c_during_the_load_ends_the_stream_with_a_summary(capsys, monkeypat
         signal.raise_signal(signal.SIGINT)
         pytest.fail("SIGINT did not interrupt the load")
 
-    monkeypatch.setattr("llmtrace.loader.load_model", interrupted_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", interrupted_load)
     (tmp_path / "t.jsonl").write_text("OLD\n")
     (tmp_path / "t.json").write_text("OLD\n")
     code, _, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
@@ -330,7 +330,7 @@ def test_ctrl_c_during_the_load_with_the_stream_on_stdout(capsys, monkeypatch):
     def interrupted_load(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("llmtrace.loader.load_model", interrupted_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", interrupted_load)
     code, out, _ = run_cli(capsys, "generate", PROMPT, "--jsonl", "-")
     assert code == 130 and [json.loads(line)["event"] for line in out.splitlines()] == ["summary"]
 
@@ -343,7 +343,7 @@ def test_an_error_before_the_run_leaves_no_stream(capsys, monkeypatch, tmp_path)
     def failed_load(*args, **kwargs):
         raise LlmtraceError("no such model")
 
-    monkeypatch.setattr("llmtrace.loader.load_model", failed_load)
+    monkeypatch.setattr("llmtrace.checkpoint.load.load_model", failed_load)
     code, _, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl")
     assert code == 1 and err == "error: no such model\n"
     assert list(tmp_path.iterdir()) == []
@@ -364,8 +364,9 @@ def tiny_gguf(tmp_path, monkeypatch):
 
 
 def test_a_conversion_cut_short_leaves_nothing_behind(monkeypatch, tiny_gguf, tmp_path):
-    from llmtrace import conversion
-    from llmtrace.loader import converted_dir, load_model
+    from llmtrace.checkpoint import conversion
+    from llmtrace.registry.cache import converted_dir
+    from llmtrace.checkpoint.load import load_model
 
     save_file = conversion.write_safetensors
 
@@ -386,7 +387,8 @@ def test_a_conversion_cut_short_leaves_nothing_behind(monkeypatch, tiny_gguf, tm
 
 def test_a_damaged_cache_entry_is_never_used(tiny_gguf):
     from llmtrace.errors import LlmtraceError
-    from llmtrace.loader import converted_dir, load_model
+    from llmtrace.registry.cache import converted_dir
+    from llmtrace.checkpoint.load import load_model
 
     first = load_model(str(tiny_gguf), device="cpu")
     weights = converted_dir(tiny_gguf) / "weights.safetensors"

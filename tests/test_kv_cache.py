@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
-from llmtrace.generate import prefill
-from llmtrace.loader import load_model
+from llmtrace.run.generate import prefill
+from llmtrace.checkpoint.load import load_model
 from tiny import TinySpec, token_ids, write_hf_dir
 
 

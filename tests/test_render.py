@@ -9,11 +9,13 @@ import re
 
 import pytest
 
-from llmtrace.events import schema_path
-from llmtrace.generate import generate
-from llmtrace.render import make_console, render_events, survivors_chain, visible
-from llmtrace.sampler import Sampler, SamplerConfig
-from llmtrace.trace import Recorder, TraceOptions
+from llmtrace.trace.events import schema_path
+from llmtrace.run.generate import generate
+from llmtrace.console import make_console
+from llmtrace.render.generate import render_events, survivors_chain, visible
+from llmtrace.run.sampler import Sampler, SamplerConfig
+from llmtrace.trace.recorder import Recorder
+from llmtrace.trace.options import TraceOptions
 
 PROMPT = "The capital of France is"
 PARIS = 7042  # " Paris", the greedy first token after PROMPT
@@ -99,7 +101,7 @@ def test_header_lists_every_non_default_sampler_setting(sampling_run, monkeypatc
 
 @pytest.mark.parametrize("how", ["ban", "logit_bias"])
 def test_row_marked_when_the_sampler_changed_the_winner(smollm, how, monkeypatch):
-    from llmtrace.sampler import banned_sequences
+    from llmtrace.run.sampler import banned_sequences
 
     plain, _ = record(smollm, n=1)
     assert next(e for e in plain if e["event"] == "step")["token"]["id"] == PARIS
@@ -154,7 +156,7 @@ def test_dump_under_trace_none_is_recorded_and_shown_after_the_text(smollm, monk
     assert [e["step"] for e in dumps] == [0, 1] and len(dumps[0]["values"]) == smollm.config.vocab_size
     monkeypatch.setenv("COLUMNS", "100")
     out = io.StringIO()
-    from llmtrace.render import TerminalRenderer
+    from llmtrace.render.generate import TerminalRenderer
 
     view = TerminalRenderer(make_console(file=out), show_steps=False, stream_text=True)
     for ev in events:
@@ -188,7 +190,7 @@ def test_schema_says_what_the_statistics_are_computed_over(smollm):
 
 def test_explain_and_lens_views_keep_numbers_whole_at_80_columns(smollm, greedy_run, monkeypatch):
     from llmtrace.render.explain import render_explain, render_lens
-    from llmtrace.explain import explain_events, lens_events
+    from llmtrace.run.explain import explain_events, lens_events
 
     ids = smollm.tokenizer.encode(PROMPT)
     explained = explain_events(smollm, ids, 3, top=5, prompt=PROMPT, chat=False)

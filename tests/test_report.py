@@ -16,12 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmtrace.explain import lens_events
-from llmtrace.generate import generate
-from llmtrace.report import build
+from llmtrace.run.explain import lens_events
+from llmtrace.run.generate import generate
+from llmtrace.report.write import build
 from llmtrace.report.data import Q16, bin_matrix, bins_for, unpack_attention
-from llmtrace.sampler import Sampler, SamplerConfig
-from llmtrace.trace import Recorder, TraceOptions
+from llmtrace.run.sampler import Sampler, SamplerConfig
+from llmtrace.trace.recorder import Recorder
+from llmtrace.trace.options import TraceOptions
 
 PROMPT = "Quantum mechanics is a fundamental theory in physics that"
 CHROMIUM = "/usr/bin/chromium"

@@ -9,17 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.sampler import (
-    HF_ORDER,
-    LLAMA_CPP_ORDER,
-    STAGES,
-    Sampler,
-    SamplerConfig,
-    banned_ids,
-    inverse_cdf,
-    parse_logit_bias,
-    parse_order,
-)
+from llmtrace.run.sampler import (HF_ORDER, LLAMA_CPP_ORDER, STAGES, Sampler, SamplerConfig, banned_ids, inverse_cdf,
+                                  parse_logit_bias, parse_order)
 
 torch.set_num_threads(1)
 

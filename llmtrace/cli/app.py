@@ -19,7 +19,3 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-# The shared options live in llmtrace.cli.options; they are also importable from here.
-from llmtrace.cli.options import (DeviceMapOpt, DeviceOpt, DtypeOpt, KeepQuantizedOpt, MaxMemoryOpt,  # noqa: E402,F401
-                                  ModelOpt, OffloadDirOpt, ThreadsOpt, load_options)

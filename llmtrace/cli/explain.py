@@ -1,6 +1,6 @@
 """Commands: `explain` (one decoder layer taken apart, step by step) and `lens` (the logit lens across all layers).
 
-Both are thin: read the prompt, load the model, ask llmtrace.explain for the events of one forward pass, and render
+Both are thin: read the prompt, load the model, ask llmtrace.run.explain for the events of one forward pass, and render
 those events (llmtrace.render.explain, on stdout) or write them (`--json` / `--jsonl`).
 """
 
@@ -12,12 +12,13 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
-                                  MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs,
-                                  HtmlOpt, load_options, say_fast_note, write_html)
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, JsonlOpt, JsonOpt,
+                                  KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
+                                  ThreadsOpt, check_outputs, HtmlOpt, load_options, say_fast_note,
+                                  write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.errors import UsageError
-from llmtrace.render import make_console
+from llmtrace.console import make_console
 from llmtrace.render.explain import render_explain, render_lens
 
 EXPLAIN_HELP = """Take one decoder layer apart on your prompt: every step of s6.1–s6.8 with real numbers.
@@ -93,7 +94,7 @@ def explain(
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
 ) -> None:
-    from llmtrace.explain import explain_events
+    from llmtrace.run.explain import explain_events
 
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
@@ -133,9 +134,9 @@ def lens(
     max_batch: MaxBatchOpt = 64,
     row: RowOpt = 0,
 ) -> None:
-    from llmtrace.explain import lens_events, parse_positions
-    from llmtrace.generate import check_context
-    from llmtrace.indices import parse_layers
+    from llmtrace.run.explain import lens_events, parse_positions
+    from llmtrace.run.generate import check_context
+    from llmtrace.trace.indices import parse_layers
 
     texts = read_prompt_list(prompt_list, prompts_file, max_batch)
     text = _check_common(prompt, file, chat, system, top, jsonl, json_out, html, texts, row)
@@ -155,7 +156,7 @@ def _with_batch(lm, texts: Optional[list[str]], row: int, chat: bool, system: Op
     """Several prompts: the s3 batch event (every row's padded ids and combined mask) before the row's events."""
     if texts is None or len(texts) < 2:
         return events
-    from llmtrace.explain import batch_event
+    from llmtrace.run.explain import batch_event
 
     prompts = [lm.tokenizer.encode_prompt(t, chat=chat, system=system)[1] for t in texts]
     for r, p in enumerate(prompts):
@@ -189,7 +190,8 @@ def _check_common(prompt, file, chat, system, top, jsonl, json_out, html=None, t
 
 
 def _load(model, device, dtype, threads, scale: dict):
-    from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.checkpoint.devices import pick_device, pick_dtype, set_threads
 
     pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load, as in generate
     set_threads(threads)
@@ -202,7 +204,7 @@ def _output(events: list[dict], render, jsonl: Optional[str], json_out: Optional
             tokenizer=None) -> None:
     """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
     from llmtrace.fsutil import sigint_deferred
-    from llmtrace.sinks import JsonDocSink, JsonlSink
+    from llmtrace.trace.sinks import JsonDocSink, JsonlSink
 
     if jsonl:
         sink = JsonlSink(jsonl)

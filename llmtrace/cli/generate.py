@@ -9,12 +9,13 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, KeepQuantizedOpt, MaxMemoryOpt,
-                                  ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, HtmlOpt, check_outputs, load_options,
-                                  say_fast_note, write_html)
+                                  ModelOpt, OffloadDirOpt, PromptArg, SystemOpt, ThreadsOpt, HtmlOpt, check_outputs,
+                                  load_options, say_fast_note,
+                                  write_html)
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompt_list
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_prompt
 from llmtrace.errors import UsageError
-from llmtrace.registry import DEFAULT_MODEL
+from llmtrace.registry.models_toml import DEFAULT_MODEL
 
 GENERATE_HELP = f"""Generate text and trace every step: tokens, shapes, top-k, sampler stages, KV cache.
 
@@ -125,9 +126,9 @@ def generate(
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
 ) -> None:
-    from llmtrace.sampler import SamplerConfig, parse_logit_bias, parse_order
-    from llmtrace.indices import parse_index_ranges
-    from llmtrace.trace import TraceOptions
+    from llmtrace.run.sampler import SamplerConfig, parse_logit_bias, parse_order
+    from llmtrace.trace.indices import parse_index_ranges
+    from llmtrace.trace.options import TraceOptions
 
     # Everything the user typed is checked before the (slow) model load.
     if max_new_tokens < 0:
@@ -155,16 +156,17 @@ def generate(
         raise UsageError("--compile speeds up decode steps that nothing observes; with --trace layers/full, --dump or "
                          "--html (which records attention) every step is observed and runs eagerly, so leave --compile out")
 
-    from llmtrace.events import NOT_STARTED, summary_event
+    from llmtrace.trace.events import NOT_STARTED, summary_event
     from llmtrace.fsutil import sigint_deferred
-    from llmtrace.sinks import JsonlSink
+    from llmtrace.trace.sinks import JsonlSink
 
     scale = load_options(model, keep_quantized, device_map, max_memory, offload_dir, fast)  # checked before the stream starts
     # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
     # (or a compile) still ends it with a summary.
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
     try:
-        from llmtrace.loader import load_model, pick_device, pick_dtype, set_threads
+        from llmtrace.checkpoint.load import load_model
+        from llmtrace.checkpoint.devices import pick_device, pick_dtype, set_threads
 
         pick_dtype(dtype, pick_device(device))  # --device cuda without CUDA fails before a download or a load
 
@@ -190,19 +192,20 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     """Everything after the load: encode, generate with the chosen observers, write the outputs. `text` is one
     prompt, or a list of several run as one batch. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed
     by the caller."""
-    from llmtrace.generate import generate as run_generation
-    from llmtrace.render import TerminalRenderer, make_console
-    from llmtrace.sampler import Sampler, banned_sequences, parse_logit_bias
-    from llmtrace.indices import parse_layers
-    from llmtrace.sinks import JsonDocSink
-    from llmtrace.trace import Recorder
+    from llmtrace.run.generate import generate as run_generation
+    from llmtrace.render.generate import TerminalRenderer
+    from llmtrace.console import make_console
+    from llmtrace.run.sampler import Sampler, banned_sequences, parse_logit_bias
+    from llmtrace.trace.indices import parse_layers
+    from llmtrace.trace.sinks import JsonDocSink
+    from llmtrace.trace.recorder import Recorder
 
     tok = lm.tokenizer
     batch = isinstance(text, list)  # several prompts: one batch
     options.layers = parse_layers(layers, lm.config.n_layers)
     options.check_dump_layers(lm.config.n_layers)
     if html:  # the report's attention maps need the probabilities of the recorded layers
-        from llmtrace.report import report_dumps
+        from llmtrace.report.write import report_dumps
 
         options.dump = tuple(dict.fromkeys(options.dump + report_dumps(options.layers, lm.config.n_layers)))
     scfg.logit_bias = parse_logit_bias(logit_bias, lm.config.vocab_size)
@@ -218,7 +221,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
     if batch:
         from dataclasses import replace
 
-        from llmtrace.generate import check_batch_context, row_seed
+        from llmtrace.run.generate import check_batch_context, row_seed
 
         check_batch_context(lm, [i for _, i in encoded], max_new_tokens)  # before any output
         samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=options.topk)
@@ -260,7 +263,7 @@ def run(lm, text, scfg, options, *, max_new_tokens, chat, system, stop, ignore_e
             view_console.file.flush()
 
     if batch:
-        from llmtrace.generate import generate_batch
+        from llmtrace.run.generate import generate_batch
 
         result = generate_batch(lm, [i for _, i in encoded], samplers, max_new_tokens, stop_texts=stop,
                                 ignore_eos=ignore_eos, observer=recorder, on_prefill_progress=prefill_progress())
@@ -299,8 +302,8 @@ def compile_step(lm, n_prompt: int, max_new_tokens: int):
     """torch.compile the decode step before the run starts, saying so on stderr (it can take minutes)."""
     import os
 
-    from llmtrace.generate import compile_decode
-    from llmtrace.registry import cache_dir
+    from llmtrace.run.generate import compile_decode
+    from llmtrace.registry.cache import cache_dir
 
     # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))

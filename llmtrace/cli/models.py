@@ -8,15 +8,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrace import registry
+from llmtrace.registry.cache import cache_dir, cache_status, cached_files, human_bytes, remove
+from llmtrace.registry.models_toml import DEFAULT_MODEL, ModelEntry, default_model, load_registry, user_registry_path
+from llmtrace.registry.resolve import cache_key, pull
 from llmtrace.cli.app import app
 from llmtrace.cli.options import JsonOpt, check_outputs, write_output
 from llmtrace.errors import UsageError
 
 
-def _model_row(entry: registry.ModelEntry, default: str) -> dict:
-    status = registry.cache_status(entry.name)
-    files = registry.cached_files(entry.name)
+def _model_row(entry: ModelEntry, default: str) -> dict:
+    status = cache_status(entry.name)
+    files = cached_files(entry.name)
     return {
         "name": entry.name,
         "default": entry.name == default,
@@ -52,11 +54,11 @@ def _model_row(entry: registry.ModelEntry, default: str) -> dict:
 )
 def models_command(json_out: JsonOpt = None) -> None:
     check_outputs(json_out, None)
-    entries = registry.load_registry()
-    default = registry.default_model()
+    entries = load_registry()
+    default = default_model()
     rows = [_model_row(entry, default) for entry in entries.values()]
     if json_out:
-        out = {"cache_dir": str(registry.cache_dir()), "user_registry": str(registry.user_registry_path()), "models": rows}
+        out = {"cache_dir": str(cache_dir()), "user_registry": str(user_registry_path()), "models": rows}
         write_output(json_out, json.dumps(out, indent=2) + "\n")
         if json_out == "-":
             return
@@ -68,7 +70,7 @@ def models_command(json_out: JsonOpt = None) -> None:
         return
     from rich.table import Table
 
-    from llmtrace.render import make_console
+    from llmtrace.console import make_console
 
     table = Table()
     table.add_column("name", no_wrap=True)
@@ -77,7 +79,7 @@ def models_command(json_out: JsonOpt = None) -> None:
     table.add_column("tested")
     table.add_column("cached", no_wrap=True)
     table.add_column("where", overflow="fold")
-    cache = registry.cache_dir().resolve()
+    cache = cache_dir().resolve()
     for row in rows:
         kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
         cached = _disk_use(row)
@@ -89,12 +91,12 @@ def models_command(json_out: JsonOpt = None) -> None:
         tested = "yes" if row["tested"] else "no"
         table.add_row(name, f"{row['architecture']} {row['params']}", kinds, tested, cached, where)
     make_console().print(table)
-    user = registry.user_registry_path()
+    user = user_registry_path()
     print("* default model", file=sys.stderr)
-    converted = [f"{row['name']} {registry.human_bytes(row['converted_bytes'])}" for row in rows if row["converted_bytes"]]
+    converted = [f"{row['name']} {human_bytes(row['converted_bytes'])}" for row in rows if row["converted_bytes"]]
     if converted:
         print(f"disk use includes float32 conversions of GGUF files: {', '.join(converted)}", file=sys.stderr)
-    print(f"cache (where paths start): {registry.cache_dir()}", file=sys.stderr)
+    print(f"cache (where paths start): {cache_dir()}", file=sys.stderr)
     print(f"user models.toml: {user}{'' if user.is_file() else ' (none)'}", file=sys.stderr)
     print("get one with: llmtrace pull NAME; remove one with: llmtrace rm NAME", file=sys.stderr)
 
@@ -103,7 +105,7 @@ def _disk_use(row: dict) -> str:
     """'no', or what the model takes on disk, conversions included; 'incomplete' marks a copy that is not whole."""
     if row["state"] == "absent" and not row["disk_bytes"]:
         return "no"
-    text = registry.human_bytes(row["disk_bytes"])
+    text = human_bytes(row["disk_bytes"])
     return text if row["state"] == "present" else f"incomplete {text}"
 
 
@@ -118,7 +120,7 @@ def _disk_use(row: dict) -> str:
         "Examples:\n\n"
         "  llmtrace pull\n\n"
         "  llmtrace pull tinyllama-1.1b-chat\n\n"
-        f"  HF_HUB_OFFLINE=1 llmtrace pull {registry.DEFAULT_MODEL} --force\n\n"
+        f"  HF_HUB_OFFLINE=1 llmtrace pull {DEFAULT_MODEL} --force\n\n"
         "  llmtrace pull --json - | jq -r .path"
     ),
 )
@@ -132,10 +134,10 @@ def pull_command(
     json_out: JsonOpt = None,
 ) -> None:
     check_outputs(json_out, None)
-    model = registry.pull(name, force=force)
+    model = pull(name, force=force)
     if model.downloaded:
         what = "downloaded"
-    elif model.path.is_relative_to(registry.cache_dir().resolve()):
+    elif model.path.is_relative_to(cache_dir().resolve()):
         what = "already in the cache"
     else:
         what = "a local path, nothing to download"
@@ -157,18 +159,18 @@ def pull_command(
         "model back.\n\n"
         "Examples:\n\n"
         "  llmtrace rm tinyllama-1.1b-chat\n\n"
-        f"  llmtrace rm {registry.DEFAULT_MODEL} --yes"
+        f"  llmtrace rm {DEFAULT_MODEL} --yes"
     ),
 )
 def rm_command(
     names: Annotated[list[str], typer.Argument(metavar="NAME", help="Registry names or hub ids.", show_default=False)],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking.")] = False,
 ) -> None:
-    keys = list(dict.fromkeys(registry.cache_key(name) for name in names))
-    found = [registry.cached_files(key) for key in keys]
+    keys = list(dict.fromkeys(cache_key(name) for name in names))
+    found = [cached_files(key) for key in keys]
     for files in found:
         if not files.paths:
-            print(f"{files.key}: not in the cache ({registry.cache_dir()}), nothing to remove", file=sys.stderr)
+            print(f"{files.key}: not in the cache ({cache_dir()}), nothing to remove", file=sys.stderr)
     found = [files for files in found if files.paths]
     if not found:
         return
@@ -176,18 +178,18 @@ def rm_command(
     for files in found:
         size = files.model_bytes + files.converted_bytes
         total += size
-        print(f"{files.key}: {registry.human_bytes(size)}", file=sys.stderr)
+        print(f"{files.key}: {human_bytes(size)}", file=sys.stderr)
         for path in files.paths:
             print(f"  {path}", file=sys.stderr)
     if not yes:
         if not sys.stdin.isatty():
             raise UsageError("rm asks before it removes anything; pass --yes to remove without asking")
-        if not _confirm(f"Remove {len(found)} model{'s' if len(found) > 1 else ''} ({registry.human_bytes(total)})?"):
+        if not _confirm(f"Remove {len(found)} model{'s' if len(found) > 1 else ''} ({human_bytes(total)})?"):
             print("nothing removed", file=sys.stderr)
             raise typer.Exit(1)
     for files in found:
-        freed = registry.remove(files.key)
-        print(f"removed {files.key} ({registry.human_bytes(freed)} freed)", file=sys.stderr)
+        freed = remove(files.key)
+        print(f"removed {files.key} ({human_bytes(freed)} freed)", file=sys.stderr)
 
 
 def _confirm(question: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.errors import UsageError
-from llmtrace.registry import DEFAULT_MODEL
+from llmtrace.registry.models_toml import DEFAULT_MODEL
 
 # -- what the model reads
 
@@ -98,8 +98,8 @@ def flag_of(field: str) -> str:
 def load_options(model: Optional[str], keep_quantized: bool, device_map: Optional[str], max_memory: Optional[list[str]],
                  offload_dir: Optional[Path], fast: bool = False) -> dict:
     """The scale options and --fast as load_model's keyword arguments, checked before the load (one-line errors)."""
-    from llmtrace.loader import check_fast
-    from llmtrace.placement import parse_placement
+    from llmtrace.checkpoint.load import check_fast
+    from llmtrace.checkpoint.placement import parse_placement
 
     key = Path(model).name if model else "default"
     placement = parse_placement(device_map, max_memory, offload_dir, key)
@@ -111,7 +111,7 @@ def load_options(model: Optional[str], keep_quantized: bool, device_map: Optiona
 def say_fast_note(lm) -> None:
     """--fast: one line on stderr naming the matrices that run in bfloat16 because their type has no int4 form."""
     if lm.config.extra.get("fast"):
-        from llmtrace.fast import bf16_note
+        from llmtrace.checkpoint.fast import bf16_note
 
         note = bf16_note(lm)
         if note:
@@ -161,7 +161,7 @@ HtmlOpt = Annotated[Optional[str], typer.Option(
 def write_html(events: list[dict], target: str, tokenizer, **kwargs) -> None:
     """Write the HTML report of `events` (llmtrace.report) and say where on stderr: `report`, and --html of generate,
     explain and lens."""
-    from llmtrace.report import write_report
+    from llmtrace.report.write import write_report
 
     n = write_report(events, target, tokenizer=tokenizer, **kwargs)
     print(f"wrote {target} ({n / 1e6:.2f} MB)", file=sys.stderr)

@@ -57,7 +57,7 @@ def tokenizer_for(events: list[dict], model: Optional[str] = None):
     if not name:
         return None, "the trace names no model, so the merge story cannot be drawn"
     try:
-        from llmtrace.loader import load_tokenizer
+        from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 
         return load_tokenizer(name), None
     except Exception as e:  # not in the cache, not reachable: the page is made without the merge story
@@ -76,7 +76,7 @@ def report(
     row: Annotated[int, typer.Option("--row", help="For a trace of several prompts (generate -p … -p …): the row "
                                      "the page shows, 0-based.")] = 0,
 ) -> None:
-    from llmtrace.reader import load_trace
+    from llmtrace.trace.reader import load_trace
     from llmtrace.fsutil import check_writable_target
     from llmtrace.report.data import check_schema
     from llmtrace.errors import LlmtraceError

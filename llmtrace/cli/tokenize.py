@@ -1,6 +1,6 @@
 """Commands: tokenize (text → tokens, with bytes, spans and BPE merges) and detokenize (ids → text).
 
-Both are thin: they read the input, call `TextTokenizer` / `llmtrace.bpe`, and render the result as a rich table
+Both are thin: they read the input, call `TextTokenizer` / `llmtrace.tokens.bpe`, and render the result as a rich table
 (stdout), or as plain JSON / JSONL / ids for scripts. Notes and warnings go to stderr.
 """
 
@@ -17,8 +17,9 @@ from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.render.tokenize import highlight_specials, merge_lines, quoted, summary_line, token_table
-from llmtrace.token_facts import bos_eos_summary
-from llmtrace.tokenizer import TextTokenizer, check_messages
+from llmtrace.tokens.token_facts import bos_eos_summary
+from llmtrace.tokens.tokenizer import TextTokenizer
+from llmtrace.tokens.chat_template import check_messages
 
 # ---------------------------------------------------------------------------------------------------------------------
 # loading and input
@@ -27,7 +28,7 @@ from llmtrace.tokenizer import TextTokenizer, check_messages
 
 def load_tokenizer(spec: str | None) -> TextTokenizer:
     """The tokenizer for `-m` (a registry name, hub id, .gguf file or HF directory), without torch when it can."""
-    from llmtrace.tokenizer import load_tokenizer as load
+    from llmtrace.checkpoint.tokenizer_only import load_tokenizer as load
 
     return load(spec)
 
@@ -42,7 +43,7 @@ def _read_messages(path: str) -> list[dict]:
 
 
 def _console(err: bool = False):
-    from llmtrace.render import make_console  # the one console factory: terminal width, else $COLUMNS, else 100
+    from llmtrace.console import make_console  # the one console factory: terminal width, else $COLUMNS, else 100
 
     return make_console(stderr=err)
 
@@ -132,7 +133,7 @@ def tokenize(
 
     traces, total_words = None, None
     if merges:
-        from llmtrace.bpe import trace_merges
+        from llmtrace.tokens.bpe import trace_merges
 
         all_traces = trace_merges(tt, prompt, parse_special=special)
         total_words = len(all_traces)

@@ -13,7 +13,7 @@ from llmtrace.errors import LlmtraceError
 
 @app.command(help="Print the JSON Schema of trace events (llmtrace.trace/1).\n\nExample:\n\n  llmtrace schema > trace.schema.json")
 def schema() -> None:
-    from llmtrace.events import schema_path
+    from llmtrace.trace.events import schema_path
 
     sys.stdout.write(schema_path().read_text(encoding="utf-8"))
 
@@ -30,8 +30,9 @@ def schema() -> None:
 def show(
     trace: Annotated[str, typer.Argument(help="The trace file, or - for stdin.")],
 ) -> None:
-    from llmtrace.reader import load_trace
-    from llmtrace.render import make_console, render_events
+    from llmtrace.trace.reader import load_trace
+    from llmtrace.console import make_console
+    from llmtrace.render.generate import render_events
 
     events = load_trace(trace)
     console = make_console()

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.render import fmt_bytes, fmt_num, plural, print_fitted, visible
+from llmtrace.render.generate import fmt_bytes, fmt_num, plural, print_fitted, visible
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,11 +147,11 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
                                 f"Hkv={info['n_kv_heads']} · Dh={info['head_dim']} · F={info['ffn_dim']} · "
                                 f"{info['device']} {info['dtype']}" + (" · chat template" if m.get("chat") else "")))
     if info.get("storage"):
-        from llmtrace.render import print_parts, storage_parts
+        from llmtrace.render.generate import print_parts, storage_parts
 
         print_parts(console, ["weights", *storage_parts(info["storage"])])
     if info.get("exact") is False:
-        from llmtrace.records import fast_parts
+        from llmtrace.trace.records import fast_parts
         from llmtrace.render import print_parts
 
         print_parts(console, fast_parts(info["fast"]), style="yellow")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from llmtrace.tokenizer import TextTokenizer, TokenInfo
+from llmtrace.tokens.tokenizer import TextTokenizer
+from llmtrace.tokens.token_facts import TokenInfo
 
 
 def quoted(s: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import numpy as np
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.events import SCHEMA_ID
+from llmtrace.trace.events import SCHEMA_ID
 
 MAX_POSITIONS = 128  # attention maps wider than this many positions are binned to this many bins
 ATTENTION_BUDGET = 600_000  # most attention cells embedded (2 bytes each): keeps a report within a few MB

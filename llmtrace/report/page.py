@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import math
 from html import escape
-from importlib import resources
+from pathlib import Path
 from typing import Any, Optional
 
-from llmtrace.records import fast_parts
+from llmtrace.trace.records import fast_parts
 
 # viridis: perceptually even and readable with the common colour-vision deficiencies
 PALETTE = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b",
@@ -69,7 +69,7 @@ def missing(what: str, flags: str) -> str:
 
 
 def _asset(name: str) -> str:
-    return resources.files("llmtrace.report").joinpath("assets", name).read_text(encoding="utf-8")
+    return (Path(__file__).with_name("assets") / name).read_text(encoding="utf-8")
 
 
 # ----------------------------------------------------------------------------------------------------------------

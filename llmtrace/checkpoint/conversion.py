@@ -1,0 +1,93 @@
+"""The conversion cache for GGUF files: a GGUF is read, dequantized and un-permuted once, and the result cached as
+float32 safetensors with its config and tokenizer (model_cache.converted_dir), so later loads are plain reads."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+
+from llmtrace.errors import LlmtraceError
+from llmtrace.checkpoint.gguf_checkpoint import _gguf_field, config_from_gguf, gguf_entries
+from llmtrace.checkpoint.weights import (_check_shape, expected_shapes, plan_layout, safetensors_entries,
+                                         write_safetensors)
+from llmtrace.checkpoint.gguf_file import open_gguf
+from llmtrace.model.transformer import ModelConfig
+from llmtrace.registry.cache import CONVERSION_SOURCE, conversion_source
+
+# ----------------------------------------------------------------------------------------------------------------
+# the conversion cache for GGUF files
+
+
+def _config_to_json(c: ModelConfig) -> str:
+    return json.dumps(asdict(c), indent=1)
+
+
+def _config_from_json(text: str) -> ModelConfig:
+    return ModelConfig(**json.loads(text))
+
+
+def _progress_to_stderr(label: str):
+    """A tiny progress callback for slow conversions: a rich bar on a terminal, silence otherwise."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from llmtrace.console import make_console
+
+    prog = Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                    transient=True, console=make_console(stderr=True))
+    prog.start()
+    task = prog.add_task(label, total=None)
+
+    def update(done, total):
+        prog.update(task, completed=done, total=total)
+
+    return update, prog.stop
+
+
+def convert_gguf(path: Path, dest: Path) -> None:
+    """Read and dequantize a GGUF once; write config, float32 weights (tensor by tensor) and tokenizer to `dest`
+    atomically."""
+    from llmtrace.fsutil import atomic_dir
+    from llmtrace.tokens.tokenizer import TextTokenizer
+
+    reader = open_gguf(path)
+    where = str(path)
+    config = config_from_gguf(reader, where)
+    tokenizer = TextTokenizer.from_gguf(reader, where)
+    plan = plan_layout(gguf_entries(reader, config, where), config, where)
+    config.extra = gguf_facts(reader)
+    del reader
+    progress, stop = _progress_to_stderr(f"converting {path.name}")
+    try:
+        with atomic_dir(dest) as tmp:
+            write_safetensors(plan, tmp / "weights.safetensors", progress)
+            tokenizer.save_hf_dir(tmp / "tokenizer")
+            (tmp / "llmtrace_config.json").write_text(_config_to_json(config))
+            (tmp / CONVERSION_SOURCE).write_text(conversion_source(path))  # whose conversion this is, for models/rm
+    finally:
+        stop()
+
+
+def gguf_facts(reader) -> dict:
+    return {"format": "gguf", "file_type": _gguf_field(reader, "general.file_type"),
+            "quantizations": sorted({t.tensor_type.name for t in reader.tensors}),
+            "gguf_name": _gguf_field(reader, "general.name")}
+
+
+def _open_converted(dest: Path) -> tuple[ModelConfig, dict[str, list], "TextTokenizer"]:  # noqa: F821
+    """The cached conversion: its config, a plan of one part per tensor, its tokenizer."""
+    from llmtrace.tokens.tokenizer import TextTokenizer
+
+    where = str(dest / "weights.safetensors")
+    config = _config_from_json((dest / "llmtrace_config.json").read_text())
+    entries = safetensors_entries(dest / "weights.safetensors")
+    for key, shape in expected_shapes(config).items():
+        if key not in entries:
+            raise LlmtraceError(f"{where}: tensor {key} is missing")
+        _check_shape(where, key, entries[key], shape)
+    plan = {key: [entries[key]] for key in expected_shapes(config)}
+    return config, plan, TextTokenizer.from_hf_dir(dest / "tokenizer")

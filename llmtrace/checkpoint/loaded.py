@@ -1,0 +1,28 @@
+"""A loaded model: what the generation loop, the recorder and explain need of it, and nothing of how it was loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from llmtrace.model.transformer import ModelConfig, Transformer
+
+if TYPE_CHECKING:
+    from llmtrace.tokens.tokenizer import TextTokenizer
+
+
+@dataclass
+class LoadedModel:
+    name: str  # registry name or path, for display
+    source: str  # "gguf" or "hf"
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: TextTokenizer
+    device: torch.device
+    dtype: torch.dtype
+    load_s: float  # seconds spent loading (conversion included on a cold GGUF load)
+    converted: bool  # True if this load had to convert a GGUF (cold start)

@@ -1,0 +1,254 @@
+"""Checkpoint tensors read one by one into the tensors that hold them (no second copy of the weights), and the
+layout that turns renamed tensors into a Transformer (q/k/v and gate/up fused, shapes checked)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+from llmtrace.errors import LlmtraceError, one_line
+from llmtrace.model.transformer import ModelConfig, Transformer
+
+# ----------------------------------------------------------------------------------------------------------------
+# tensor by tensor: a checkpoint tensor is an entry that knows its shape and reads itself into a tensor it is given,
+# so a load never holds a second copy of the weights. Files are read with readinto, not memory-mapped: the pages of
+# a mapping count towards the process's resident memory for as long as it stays mapped.
+
+CHUNK_BYTES = 16 << 20  # a conversion (bfloat16 -> float32, dequantization) handles at most this much at a time
+ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def read_bytes(path: Path, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of `path` at [offset, offset + out.nbytes)."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while done < len(view):  # one read() returns at most ~2 GiB on Linux
+            n = f.readinto(view[done:])
+            if not n:
+                raise LlmtraceError(f"{path}: the file ends inside a tensor; it is truncated: download it again")
+            done += n
+
+
+class FileTensor(NamedTuple):
+    """One tensor of a safetensors file, not yet read."""
+
+    path: Path
+    key: str
+    dtype: Optional[torch.dtype]  # None: a dtype llmtrace does not load (named in the error if it is needed)
+    dtype_name: str
+    shape: tuple[int, ...]
+    offset: int  # where its bytes start in the file
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Write the tensor's values into `out` (same shape, any float dtype, any device), converting a chunk at a time."""
+        if self.dtype is None:
+            raise LlmtraceError(f"{self.path}: tensor {self.key} has dtype {self.dtype_name}, which llmtrace does not load")
+        if out.dtype == self.dtype and out.device.type == "cpu":
+            read_bytes(self.path, self.offset, out)  # straight into place: no copy at all
+            return
+        flat, size = out.view(-1), self.dtype.itemsize
+        step = max(1, CHUNK_BYTES // size)
+        buf = torch.empty(min(step, flat.numel()), dtype=self.dtype)
+        for i in range(0, flat.numel(), step):
+            n = min(step, flat.numel() - i)
+            read_bytes(self.path, self.offset + i * size, buf[:n])
+            flat[i : i + n].copy_(buf[:n])
+
+
+def safetensors_entries(f: Path) -> dict[str, FileTensor]:
+    """The tensor directory of one safetensors file: an 8-byte header length, a JSON header, then the data."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ValueError("the file ends inside the header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError("the file ends inside the header")
+            header = json.loads(fh.read(n))
+        out = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            shape = tuple(int(x) for x in info["shape"])
+            dtype = ST_DTYPES.get(info["dtype"])
+            if 8 + n + end > size:
+                raise ValueError(f"tensor {key} ends past the end of the file")
+            if dtype is not None and end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"tensor {key} has {end - start} bytes for shape {list(shape)}")
+            out[key] = FileTensor(f, key, dtype, info["dtype"], shape, 8 + n + start)
+        return out
+    except (ValueError, KeyError, TypeError, OSError, struct.error) as e:
+        raise LlmtraceError(f"{f}: cannot read safetensors file ({one_line(e)}); it may be truncated or corrupt: "
+                            f"download it again") from None
+
+
+def read_weights(plan: dict[str, list], dtype: torch.dtype, device: torch.device, progress=None) -> dict[str, torch.Tensor]:
+    """Each of the model's tensors, allocated once in the run dtype on its device and filled part by part."""
+    out: dict[str, torch.Tensor] = {}
+    for n, (name, parts) in enumerate(plan.items()):
+        t = torch.empty(_Stacked(parts).shape, dtype=dtype, device=device)
+        r = 0
+        for part in parts:
+            part.read_into(t[r : r + part.shape[0]])
+            r += part.shape[0]
+        out[name] = t
+        if progress is not None:
+            progress(n + 1, len(plan))
+    return out
+
+
+def write_safetensors(plan: dict[str, list], path: Path, progress=None) -> None:
+    """Write the planned tensors as one float32 safetensors file, a part at a time (the header first: every shape
+    is known before anything is read)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, parts in plan.items():
+        shape = _Stacked(parts).shape
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + 4 * math.prod(shape)]}
+        offset += 4 * math.prod(shape)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for n, parts in enumerate(plan.values()):
+            for part in parts:
+                t = torch.empty(part.shape, dtype=torch.float32)
+                part.read_into(t)
+                f.write(memoryview(t.view(-1).numpy()))
+                del t
+            if progress is not None:
+                progress(n + 1, len(plan))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# from renamed tensors to a model
+
+
+def plan_layout(entries: dict[str, Any], config: ModelConfig, where: str) -> dict[str, list[Any]]:
+    """Which checkpoint tensors make each of the model's tensors: q/k/v fused into wqkv and gate/up into w_gate_up
+    (lists of parts, stacked by rows). Checks every expected tensor is present with the shape the config implies,
+    before anything is read. `entries` maps llmtrace names to objects with a `.shape`."""
+    c, sd = config, dict(entries)
+    if "rope_freqs" in sd:  # llama3-style scaling stored as per-frequency divisors (GGUF)
+        e = sd.pop("rope_freqs")
+        factors = torch.empty(e.shape, dtype=torch.float32)
+        e.read_into(factors)
+        c.rope_scaling = {"rope_type": "freq_factors", "factors": factors.flatten().tolist()}
+    out: dict[str, list[Any]] = {}
+    for key in ("embed.weight", "norm.weight", "lm_head.weight"):
+        if key in sd:
+            out[key] = [sd.pop(key)]
+    fused = {"attn.wqkv.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
+             "attn.wqkv.bias": ("attn.q.bias", "attn.k.bias", "attn.v.bias"),
+             "ffn.w_gate_up.weight": ("ffn.gate.weight", "ffn.up.weight")}
+    part_shapes = {"attn.q.weight": (c.n_heads * c.head_dim, c.d_model), "attn.k.weight": (c.n_kv_heads * c.head_dim, c.d_model),
+                   "attn.v.weight": (c.n_kv_heads * c.head_dim, c.d_model), "ffn.gate.weight": (c.ffn_dim, c.d_model),
+                   "ffn.up.weight": (c.ffn_dim, c.d_model)}  # fmt: skip
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        for whole, subs in fused.items():
+            if whole == "attn.wqkv.bias" and not c.attn_bias:
+                for sub in subs:
+                    sd.pop(p + sub, None)
+                continue
+            for sub in subs:
+                if p + sub not in sd:
+                    raise LlmtraceError(f"{where}: tensor for layer {i} {sub} is missing from the checkpoint; download it again")
+                if sub in part_shapes:
+                    _check_shape(where, p + sub, sd[p + sub], part_shapes[sub])
+            out[p + whole] = [sd.pop(p + sub) for sub in subs]
+        for sub in ("attn_norm.weight", "ffn_norm.weight", "attn.wo.weight", "ffn.w_down.weight"):
+            if p + sub not in sd:
+                raise LlmtraceError(f"{where}: tensor for layer {i} {sub} is missing from the checkpoint; download it again")
+            out[p + sub] = [sd.pop(p + sub)]
+    if c.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    for key, shape in expected_shapes(c).items():
+        if key not in out:
+            raise LlmtraceError(f"{where}: tensor {key} is missing from the checkpoint; download it again")
+        _check_shape(where, key, _Stacked(out[key]), shape)
+    if sd:
+        raise LlmtraceError(f"{where}: unexpected tensor {next(iter(sd))} (the config says {c.n_layers} layers)")
+    return out
+
+
+class _Stacked(NamedTuple):
+    """The shape of parts stacked by rows."""
+
+    parts: list
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
+
+
+def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed.weight": (c.vocab_size, c.d_model), "norm.weight": (c.d_model,)}
+    if not c.tie_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
+    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    for i in range(c.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (c.d_model,)
+        shapes[p + "ffn_norm.weight"] = (c.d_model,)
+        shapes[p + "attn.wqkv.weight"] = (qkv, c.d_model)
+        if c.attn_bias:
+            shapes[p + "attn.wqkv.bias"] = (qkv,)
+        shapes[p + "attn.wo.weight"] = (c.d_model, c.n_heads * c.head_dim)
+        shapes[p + "ffn.w_gate_up.weight"] = (2 * c.ffn_dim, c.d_model)
+        shapes[p + "ffn.w_down.weight"] = (c.d_model, c.ffn_dim)
+    return shapes
+
+
+def _check_shape(where, key, t, shape):
+    if tuple(t.shape) != tuple(shape):
+        raise LlmtraceError(f"{where}: tensor {key} has shape {list(t.shape)} but the config implies {list(shape)}; the "
+                        f"config and the weights do not belong together")
+
+
+@contextlib.contextmanager
+def _skip_weight_init():
+    """Construct modules with uninitialised (never touched, so never paged in) parameters: they are replaced at once.
+
+    Random initialisation of 135M parameters would cost seconds; the meta device would cost a slow first import."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: Optional[torch.device], dtype: torch.dtype,
+                modules: Optional[dict[str, nn.Module]] = None) -> Transformer:
+    """Create the model without initialising random weights, then adopt the given tensors. `modules` replace the
+    model's own by name first (--keep-quantized: llmtrace.model.quant's modules for the matrices); `sd` holds the rest.
+    device None: leave every tensor where it is (llmtrace.placement)."""
+    modules = modules or {}
+    with _skip_weight_init():
+        model = Transformer(config)
+    for name, m in modules.items():
+        model.set_submodule(name, m)
+    sd = {k: v.to(dtype=dtype) for k, v in sd.items()}  # read_weights put each on its device already
+    tied = config.tie_embeddings and "lm_head" not in modules
+    if tied:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    missing, unexpected = model.load_state_dict(sd, assign=True, strict=not modules)
+    if any(not k.startswith(tuple(n + "." for n in modules)) for k in [*missing, *unexpected]):
+        raise RuntimeError(f"weights left unset: {missing + unexpected}")  # a bug, not bad input
+    if tied:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device).eval().requires_grad_(False)  # .to: the RoPE frequencies, the one buffer

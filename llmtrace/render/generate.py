@@ -1,0 +1,671 @@
+"""The terminal view of a trace: rich tables built only from events, so live runs and saved traces look the same.
+
+Every table fits the console's width (the terminal's, or $COLUMNS, or 100 when stdout is not a terminal): when the
+columns do not fit, the least useful ones are left out (`fit_columns`), and a cell that is still too long wraps onto a
+second line instead of being cut, so a number is never truncated. Wide consoles get the full top-k and sampler chain.
+At --trace layers/full the statistics of a pass are shown one line per layer; every value stays in --json/--jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from llmtrace.trace.events import LAYER_POINTS
+
+DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
+GAP = 2  # columns between two table columns (padding 1 on each side, none at the edges)
+
+
+def visible(text: str) -> str:
+    """Whitespace made visible the way `llmtrace tokenize` shows it: ▁ for a space, \\n, \\t, \\xNN."""
+    from llmtrace.tokens.token_facts import visible_text
+
+    return visible_text(text.encode("utf-8", errors="surrogatepass"))
+
+
+def piece_view(tok: dict) -> str:
+    """A token as `llmtrace tokenize` shows it in its piece column: its bytes made visible ('▁capital', '\\n'), a
+    special token as written ('<|im_end|>'), and part of a character as its bytes ('<e4 bd>')."""
+    if tok.get("special"):
+        return tok["piece"]
+    if "\ufffd" in tok.get("text", "") and tok.get("piece"):
+        from llmtrace.tokens.vocab import CHAR_TO_BYTE
+        from llmtrace.tokens.token_facts import visible_text
+
+        if all(c in CHAR_TO_BYTE for c in tok["piece"]):  # a byte-level piece: its bytes are exact
+            return visible_text(bytes(CHAR_TO_BYTE[c] for c in tok["piece"]))
+        return tok["piece"]
+    return visible(tok.get("text", ""))
+
+
+def quoted(text: str) -> str:
+    """A token's text as `llmtrace tokenize` shows it in its text column: a JSON string."""
+    import json
+
+    return json.dumps(text, ensure_ascii=False)
+
+
+def plural(n: int, word: str, words: Optional[str] = None) -> str:
+    """'1 token', '2 tokens', '1,024 positions'."""
+    return f"{n:,} {word if n == 1 else (words or word + 's')}"
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,} B" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_num(x) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if x == 0:
+        return "0"
+    if abs(x) >= 1e4 or abs(x) < 1e-3:
+        return f"{x:.3e}"
+    return f"{x:.4f}"
+
+
+def fmt_short(x) -> str:
+    """Four significant digits, for the one-line-per-layer view: 0.1234, 12.35, 1235, 1.235e+05."""
+    if x is None:
+        return "—"
+    if x == 0:
+        return "0"
+    return f"{x:.4g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.3e}"
+
+
+def _shape(s) -> str:
+    return "[" + ", ".join(str(d) for d in s) + "]"
+
+
+def storage_parts(rows: list[dict]) -> list[str]:
+    """The model's matrices grouped by storage (and kernel, on the fast path): ['Q4_1 0.625 B/weight ×120',
+    'Q8_0 1.0625 B/weight ×1'], or ['Q4_1 0.625 B/weight on int4pack_mm_for_cpu ×120', …]."""
+    groups: dict[tuple, int] = {}
+    for r in rows:
+        key = (r["type"], r["bytes_per_weight"], r.get("kernel"))
+        groups[key] = groups.get(key, 0) + 1
+    return [f"{t} {b:g} B/weight{f' on {k}' if k else ''} ×{n}" for (t, b, k), n in groups.items()]
+
+
+def print_parts(console: Console, parts: list[str], style: Optional[str] = None, sep: str = " · ") -> None:
+    """Print `parts` joined by `sep`, breaking lines only between parts, so that '14.4 tok/s' is never split."""
+    line = ""
+    for part in parts:
+        candidate = part if not line else line + sep + part
+        if line and Text(candidate).cell_len > console.width:
+            console.print(Text(line + sep.rstrip(), style=style or ""))
+            line = "  " + part
+        else:
+            line = candidate
+    if line:
+        console.print(Text(line, style=style or ""))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tables that fit: columns dropped by priority, cells wrapped rather than cut
+
+Cell = Union[str, Text]
+
+
+@dataclass
+class Column:
+    name: str
+    justify: str = "left"
+    drop: Optional[int] = None  # 1 is left out first when the table does not fit; None: always shown
+
+
+def fit_columns(widths: list[int], drops: list[Optional[int]], width: int) -> list[bool]:
+    """Which columns to keep so that their widths and the gaps between them fit `width`: the column with the lowest
+    drop rank goes first, then the next, until the table fits or only the undroppable columns are left."""
+    keep = [True] * len(widths)
+    order = sorted((d, i) for i, d in enumerate(drops) if d is not None)
+    for _, i in order:
+        kept = [w for w, k in zip(widths, keep) if k]
+        if sum(kept) + GAP * (len(kept) - 1) <= width:
+            break
+        keep[i] = False
+    return keep
+
+
+def fitted_table(console: Console, columns: list[Column], rows: list[list[Cell]], title: Optional[str] = None,
+                 show_header: bool = True) -> tuple[Table, list[str]]:
+    """A rich Table of `rows` that fits the console: (table, names of the columns left out)."""
+    def cell_len(c: Cell) -> int:
+        return (c if isinstance(c, Text) else Text(c)).cell_len
+
+    widths = [max([len(col.name) if show_header else 0] + [cell_len(r[i]) for r in rows]) for i, col in enumerate(columns)]
+    keep = fit_columns(widths, [c.drop for c in columns], console.width)
+    t = Table(box=None, padding=(0, 1), pad_edge=False, header_style="bold", show_header=show_header, title=title)
+    for col, w, k in zip(columns, widths, keep):
+        if k:  # min_width keeps numbers whole; what still does not fit wraps (fold), never ends in '…'
+            t.add_column(col.name, justify=col.justify, min_width=min(w, console.width // 2), overflow="fold")
+    for r in rows:
+        t.add_row(*[c for c, k in zip(r, keep) if k])
+    return t, [c.name for c, k in zip(columns, keep) if not k]
+
+
+def print_columns(console: Console, columns: list[Column], rows: list[list[str]]) -> list[str]:
+    """The plain-string form of `print_table` for the tables printed at every step of a deep trace: the same fitting
+    (columns dropped by priority, nothing cut), laid out as one Text. A rich Table of 30 rows costs ~40 ms to lay out,
+    a quarter of a traced decode step; this costs ~1 ms. Returns the names of the columns left out."""
+    widths = [max([len(col.name)] + [len(r[i]) for r in rows]) for i, col in enumerate(columns)]
+    keep = fit_columns(widths, [c.drop for c in columns], console.width)
+    cols = [(i, c, w) for i, (c, w, k) in enumerate(zip(columns, widths, keep)) if k]
+
+    def line(cells: list[str]) -> str:
+        return (" " * GAP).join(cells[i].rjust(w) if c.justify == "right" else cells[i].ljust(w)
+                                for i, c, w in cols).rstrip()
+
+    out = Text(line([c.name for c in columns]), style="bold")
+    for r in rows:
+        out.append("\n" + line(r), style="")
+    console.print(out, overflow="fold")
+    return [c.name for c, k in zip(columns, keep) if not k]
+
+
+def print_table(console: Console, columns: list[Column], rows: list[list[Cell]]) -> None:
+    t, dropped = fitted_table(console, columns, rows)
+    console.print(t)
+    if dropped:
+        console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
+
+
+def print_fitted(console: Console, table: Table) -> None:
+    """Print a Table already filled so that no number in it is cut: every column keeps its full width (min_width)
+    except token text, which gives way first; when that is not enough the rightmost columns are left out, with a note
+    that names them."""
+    def natural(col) -> int:
+        cells = [col.header] + list(col._cells)
+        return max(((c if isinstance(c, Text) else Text(str(c))).cell_len for c in cells if isinstance(c, (str, Text))),
+                   default=1)
+
+    def bends(col) -> bool:  # a column of token text may be shortened ('▁capit…'); numbers, shapes and names not
+        return "token" in str(col.header)
+
+    pad = table.padding[1] + table.padding[3] if len(table.padding) == 4 else 2
+    dropped = []
+    while True:
+        need = sum(min(natural(c), 8) if bends(c) else natural(c) for c in table.columns)
+        need += pad * len(table.columns)
+        if need <= console.width or len(table.columns) <= 2:
+            break
+        dropped.insert(0, str(table.columns.pop().header))
+    for col in table.columns:
+        if not bends(col):
+            col.min_width, col.no_wrap, col.overflow = natural(col), True, "fold"
+    console.print(table)
+    if dropped:
+        console.print(Text(f"(narrow console: {', '.join(dropped)} left out; widen it, or see --json)", style="dim"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the sampler's effect on one step
+
+
+def sampler_settings(s: dict, row_seeds: Optional[list] = None) -> list[str]:
+    """Every sampler setting that differs from its default, in words, and the stages that run in their order. A batch
+    (`row_seeds`) names each row's seed."""
+    parts = ["greedy (temperature 0)" if s.get("temperature") == 0 else f"sampling, temperature {s.get('temperature', 1):g}"]
+    for key, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("typical_p", 1.0), ("repetition_penalty", 1.0),
+                         ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+        v = s.get(key)
+        if v is not None and v != default:
+            parts.append(f"{key.replace('_', '-')} {v:g}")
+    bias = s.get("logit_bias") or {}
+    if bias:
+        parts.append("logit-bias " + ", ".join(f"{tid}={b:+g}" for tid, b in bias.items()))
+    ban = s.get("ban") or []
+    if ban:
+        parts.append(f"ban {plural(len(ban), 'sequence')} (ids " + "; ".join(" ".join(map(str, q)) for q in ban) + ")")
+    stages = s.get("stages") or []
+    if stages:
+        parts.append("stages " + " → ".join(stages))
+    if row_seeds and len(row_seeds) > 1:
+        parts.append(f"seeds {row_seeds[0]}…{row_seeds[-1]} (row r: seed + r)")
+    else:
+        parts.append(f"seed {s.get('seed')}")
+    return parts
+
+
+def winner_changes(ev: dict) -> list[tuple[str, int, int]]:
+    """(stage, most likely token before it, after it) for every sampler stage that changed the most likely token."""
+    stages = ev.get("sampler") or []
+    out = []
+    for before, after in zip(stages, stages[1:]):
+        if "top" in before and "top" in after and before["top"] != after["top"]:
+            out.append((after["stage"], before["top"], after["top"]))
+    return out
+
+
+def _token_name(ev: dict, tid: int) -> str:
+    """A token id of this step in words, from the step's own records: '▁Paris (p 0.77)', or 'id 1234'."""
+    for c in ev.get("topk") or []:
+        if c["id"] == tid:
+            return f"{visible(c['text'])} (p {c['prob']:.2f})"
+    if ev["token"]["id"] == tid:
+        return visible(ev["token"]["text"])
+    return f"id {tid}"
+
+
+def survivors_chain(stages: list[dict], width: Optional[int] = None) -> str:
+    """Each stage's survivors, '49,152→49,152→40→12', or in less room with repeats merged ('49,152→40→12'), then the
+    first and last ('49,152→…→12'), then the last alone: every number shown is whole."""
+    counts = [s["survivors"] for s in stages]
+    merged = [n for i, n in enumerate(counts) if i == 0 or n != counts[i - 1]]
+    forms = [counts, merged, counts[:1] + [None] + counts[-1:], [None] + counts[-1:]]
+    out = ""
+    for form in forms:
+        out = "→".join("…" if n is None else f"{n:,}" for n in form)
+        if width is None or len(out) <= width:
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the step table: one row per generated token, printed as it happens, so its layout is fixed by the first step
+
+
+@dataclass
+class StepLayout:
+    """Column widths of the step table, worked out once from the console width and the first step."""
+
+    keep: dict[str, int]  # column name -> width, in display order
+
+    JUSTIFY = {"step": "right", "row": "right", "pos": "right", "id": "right", "KV len": "right", "KV bytes": "right", "ms": "right"}
+
+    @classmethod
+    def for_step(cls, ev: dict, run: Optional[dict], width: int) -> "StepLayout":
+        kv = ev["kv_cache"]
+        capacity = kv.get("capacity") or max(kv["seq_len"], 1)
+        ctx = len(str((run or {}).get("model", {}).get("max_seq_len") or capacity))
+        vocab = (run or {}).get("model", {}).get("vocab_size") or 10 ** 5
+        stages = ev.get("sampler") or []
+        greedy = (ev.get("rng") or {}).get("greedy")
+        full = "greedy argmax" if greedy or not stages else survivors_chain(stages)
+        merged = "greedy argmax" if greedy or not stages else survivors_chain(stages, width=len(full) - 1)
+        topk = ev.get("topk") or []
+        cands = [len(_candidate(c)) for c in topk]
+        three = min(36, sum(cands[:3]) + 2 * (len(cands[:3]) - 1))
+        # (name, minimum width, wanted width, drop rank): KV len equals pos, so it goes first; under greedy the
+        # survivors say only "greedy argmax" and go before the id
+        cols = [("step", max(4, ctx), None, None), ("pos", max(3, ctx), None, None), ("token", 8, 16, None),
+                ("id", max(2, len(str(vocab - 1))), None, 4 if greedy else 3),
+                ("top candidates (p)", max(18, three), None, None),
+                ("survivors", max(9, min(len(merged) + 1, 16)), len(full) + 2, 3 if greedy else 4),
+                ("KV len", max(6, len(str(capacity))), None, 1),
+                ("KV bytes", max(8, len(f"{capacity * kv['bytes_per_token']:,}")), None, 2), ("ms", 7, None, 5)]
+        if "row" in ev:  # a batch: which row the token belongs to
+            cols.insert(1, ("row", 3, None, None))
+        keep = fit_columns([c[1] for c in cols], [c[3] for c in cols], width)
+        kept = [c for c, k in zip(cols, keep) if k]
+        widths = {name: lo for name, lo, _, _ in kept}
+        wants = {name: want for name, _, want, _ in kept if want is not None}
+        spare = width - sum(widths.values()) - GAP * (len(kept) - 1)
+        for name in ("token", "survivors"):
+            if name in widths and spare > 0:
+                grow = max(0, min(spare, wants[name] - widths[name]))
+                widths[name] += grow
+                spare -= grow
+        widths["top candidates (p)"] += max(0, spare)  # the rest: as much of the top-k as fits
+        return cls(keep=widths)
+    def table(self, show_header: bool) -> Table:
+        t = Table(box=None, padding=(0, 1), pad_edge=False, show_header=show_header, header_style="bold")
+        for name, w in self.keep.items():  # a fixed width keeps the rows aligned; a longer cell wraps, never cut
+            t.add_column(name, width=w, justify=self.JUSTIFY.get(name, "left"), overflow="fold")
+        return t
+
+
+def _candidate(c: dict) -> str:
+    return f"{visible(c['text'])}:{c['prob']:.2f}"
+
+
+def _candidates(topk: list[dict], width: int) -> str:
+    """As many whole candidates as fit in `width` (at least one): a probability is never cut."""
+    out = ""
+    for c in topk:
+        nxt = _candidate(c) if not out else out + "  " + _candidate(c)
+        if out and len(nxt) > width:
+            break
+        out = nxt
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the renderer
+
+
+class TerminalRenderer:
+    """Consumes events one at a time and prints the matching part of the view."""
+
+    def __init__(self, console: Console, show_steps: bool = True, stream_text: bool = False):
+        self.console = console
+        self.show_steps = show_steps
+        self.stream_text = stream_text
+        self.run: Optional[dict] = None
+        self._step_rows = 0
+        self._layout: Optional[StepLayout] = None
+        self._tensors: list[dict] = []  # the tensor events of the current pass
+        self._last_kv: Optional[dict] = None
+        self._dropped_note = False
+        self._compact_note = False
+        self._held_dumps: list[dict] = []  # --dump values under --trace none, shown after the streamed text
+
+    def __call__(self, ev: dict) -> None:
+        kind = ev.get("event")
+        handler = getattr(self, f"_on_{kind}", None)
+        if handler is not None:
+            handler(ev)
+
+    def _title(self, text: str) -> None:
+        self.console.print(Text(text, style="bold cyan"))
+
+    # -- header and prompt ----------------------------------------------------------------------------------------
+
+    def _on_run(self, ev: dict) -> None:
+        self.run = ev
+        if not self.show_steps:  # --trace none: only the text and the timings
+            return
+        m = ev["model"]
+        gqa = f"GQA {m['n_heads']}q/{m['n_kv_heads']}kv" if m["n_kv_heads"] < m["n_heads"] else f"MHA {m['n_heads']} heads"
+        parts = [f"model {m['name']}", m.get("arch", "?"), plural(m["n_layers"], "layer"), f"D={m['d_model']}", gqa,
+                 f"Dh={m['head_dim']}", f"F={m['ffn_dim']}", f"V={m['vocab_size']:,}", f"RoPE θ={m['rope_theta']:g}"]
+        if m.get("n_params"):
+            parts.append(f"{m['n_params'] / 1e6:.1f}M params")
+        print_parts(self.console, parts)
+        trace = ev.get("trace", {})
+        n = ev.get("threads") if ev.get("device") == "cpu" else None
+        print_parts(self.console, [f"run {ev.get('device', '?')}", *([plural(n, "thread")] if n else []), ev.get("dtype", "?"),
+                                   *sampler_settings(ev.get("sampling", {}), ev.get("row_seeds")), f"trace {trace.get('level', '?')}"])
+        if m.get("storage"):
+            print_parts(self.console, ["weights", *storage_parts(m["storage"])])
+        if ev.get("exact") is False:
+            from llmtrace.trace.records import fast_parts
+
+            print_parts(self.console, fast_parts(ev["fast"]), style="yellow")
+
+    def _on_tokens(self, ev: dict) -> None:
+        if not self.show_steps:
+            return
+        toks = ev["tokens"]
+        if "row" in ev:
+            self._title(f"s1–s2 row {ev['row']} prompt → {plural(len(toks), 'token')}")
+        else:
+            self._title(f"s1–s3 prompt → {plural(len(toks), 'token')} (s3: one sequence, so no padding; every "
+                        f"position is attended)")
+        shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
+        rows = []
+        for tok in shown:
+            if tok is None:
+                rows.append(["…", "…", f"({len(toks) - 39} more)", ""])
+                continue
+            style = "magenta" if tok.get("special") else ""
+            rows.append([str(tok["index"]), str(tok["id"]), Text(piece_view(tok), style=style),
+                         Text(quoted(tok["text"]), style=style)])
+        print_table(self.console, [Column("#", "right"), Column("id", "right"), Column("piece"), Column("text")], rows)
+
+    def _on_batch(self, ev: dict) -> None:
+        """s3: the padded ids [B, T], the attention mask and the position ids, one line per row; pads dim."""
+        if not self.show_steps:
+            return
+        ids, mask, pos = ev["ids"], ev["attention_mask"], ev["position_ids"]
+        B, T = len(ids), len(ids[0]) if ids else 0
+        source = "the tokenizer's pad token" if ev.get("pad_source") == "pad" else "EOS (the checkpoint has no pad token)"
+        self._title(f"s3 batch: {B} rows left-padded to T={T} with id {ev['pad_id']}, {source}; pad slots (·) are "
+                    f"masked, positions start at 0 at each row's first real token")
+        for title, matrix in (("ids", ids), ("attention_mask", mask), ("position_ids", pos)):
+            self.console.print(Text(f"{title} [{B}, {T}]", style="bold"))
+            width = max(len(str(v)) for row in matrix for v in row) if T else 1
+            fit = max(4, (self.console.width - len(str(B)) - 10) // (width + 2))  # slots one console line holds
+            head = fit // 3
+            shown = list(range(T)) if T <= fit else list(range(head)) + [None] + list(range(T - (fit - head - 1), T))
+            for r in range(B):
+                line = Text(f"  row {r:>{len(str(B - 1))}}  ")
+                for j in shown:
+                    if j is None:
+                        line.append("…  ")
+                        continue
+                    pad = not mask[r][j]
+                    line.append(f"{matrix[r][j]:>{width}}", style="dim" if pad else "bold" if title == "ids" else "")
+                    line.append("·" if pad else " ")
+                    line.append(" ")
+                self.console.print(line)
+
+    # -- the prefill's shapes and per-layer statistics -------------------------------------------------------------
+
+    def _on_shapes(self, ev: dict) -> None:
+        self._title(f"s4–s9 prefill pass over {plural(ev['n_tokens'], 'token')}: the shape at each stage "
+                    f"(layer rows repeat in all {plural(ev['n_layers'], 'layer')})")
+        order = {n: i for i, n in enumerate(("embed",) + LAYER_POINTS + ("final_norm", "last", "logits"))}
+        rows = []
+        for p in sorted(ev["points"], key=lambda p: order.get(p["name"], 99)):
+            where = "model" if p["layer"] is None else "layer ℓ"
+            shape = _shape(p["shape"]) if p["name"] != "kv_write" else f"positions 0..{p['shape'][0] - 1}"
+            step = p.get("seed_step") or ""
+            if p["name"] in ("q_rope", "k_rope"):
+                step += " (s5)"
+            rows.append([step, where, p["name"], shape, p["dtype"]])
+        print_table(self.console, [Column("step"), Column("where"), Column("point"), Column("shape"),
+                                   Column("dtype", drop=1)], rows)
+        note = Text(style="dim")
+        note.append("s5 position: no position table is added to the embedding; RoPE rotates q and k inside attention "
+                    "(s6.3, q_rope and k_rope), in every layer.\n")
+        note.append("s8 before s7: the model normalizes every position, then takes the last one. RMSNorm works on each "
+                    "position alone, so this gives the seed's numbers (take the last, then normalize).")
+        self.console.print(note)
+
+    def _on_tensor(self, ev: dict) -> None:
+        self._tensors.append(ev)
+
+    def _flush_tensors(self) -> None:
+        rows, self._tensors = self._tensors, []
+        if not rows:
+            return
+        step = rows[0].get("step", 0)
+        dumps = [r for r in rows if "values" in r]
+        if not self.show_steps:  # --trace none streams the text: the dumps wait for its end, one line each
+            self._held_dumps += dumps
+            return
+        if len(rows) <= DETAIL_ROWS:
+            what = "prefill (step 0)" if step == 0 else f"step {step}"
+            self._title(f"{what}: statistics at each recorded point")
+            self._point_table(rows)
+        else:
+            self._layer_lines(rows, step)
+        for r in dumps:
+            self._dump_line(r)
+
+    def _point_table(self, rows: list[dict]) -> None:
+        cols = [Column("layer", "right"), Column("point"), Column("shape", drop=4), Column("mean", "right", drop=2),
+                Column("std", "right", drop=3), Column("min", "right", drop=1), Column("max", "right", drop=1),
+                Column("‖x‖", "right")]
+        out = []
+        for r in rows:
+            st = r["stats"]
+            out.append(["—" if r["layer"] is None else str(r["layer"]), r["name"], _shape(r["shape"]), fmt_num(st["mean"]),
+                        fmt_num(st["std"]), fmt_num(st["min"]), fmt_num(st["max"]), fmt_num(st["norm"])])
+        print_table(self.console, cols, out)
+
+    # The one-line-per-layer view of a pass: what each sublayer added to the residual stream, the stream's size, and
+    # how sharp attention was. (point, statistic, column header, drop rank)
+    LAYER_LINE = (("o_proj", "norm", "‖attn‖ s6.6", None), ("resid_mid", "norm", "‖x'‖", 3),
+                  ("down", "norm", "‖ffn‖ s6.7", None), ("resid_post", "norm", "‖x''‖ out", None),
+                  ("resid_post", "absmax", "max|x''|", 2), ("scores", "max", "score max", 4),
+                  ("probs", "max", "attn p max", 1))
+
+    def _layer_lines(self, rows: list[dict], step: int) -> None:
+        by: dict[tuple, dict] = {(r["layer"], r["name"]): r["stats"] for r in rows}
+        layers = sorted({r["layer"] for r in rows if r["layer"] is not None})
+        present = {r["name"] for r in rows}
+        cols = [(p, s, h, d) for p, s, h, d in self.LAYER_LINE if p in present]
+        what = "prefill (step 0)" if step == 0 else f"step {step}"
+        self._title(f"{what}: one line per layer ({plural(len(rows), 'recorded point')}; every statistic is in "
+                    f"--json/--jsonl)")
+        if not self._compact_note:
+            self.console.print(Text("‖attn‖ and ‖ffn‖: the L2 norm of what attention and the FFN add to the residual "
+                                     "stream; ‖x''‖: the stream leaving the layer; score max: the largest unmasked "
+                                     "q·k/√Dh; attn p max: the sharpest attention weight", style="dim"))
+            self._compact_note = True
+
+        def stat(st: Optional[dict], key: str) -> str:
+            if st is None:
+                return ""
+            if key == "absmax":
+                lo, hi = st.get("min"), st.get("max")
+                return fmt_short(None if lo is None or hi is None else max(abs(lo), abs(hi)))
+            return fmt_short(st.get(key))
+
+        out = [[str(layer)] + [stat(by.get((layer, p)), s) for p, s, _, _ in cols] for layer in layers]
+        print_columns(self.console, [Column("layer", "right")] + [Column(h, "right", drop=d) for _, _, h, d in cols], out)
+        model = [(n, by[(None, n)]) for n in ("embed", "final_norm", "last", "logits") if (None, n) in by]
+        if model:
+            print_parts(self.console, [f"{n} ‖x‖ {fmt_short(st['norm'])}" if n != "logits" else
+                                       f"logits max {fmt_short(st['max'])}, mean {fmt_short(st['mean'])}"
+                                       for n, st in model], style="dim")
+
+    def _dump_line(self, r: dict) -> None:
+        """A --dump's values, compactly: the first few, and where all of them are."""
+        flat: list = []
+
+        def walk(v) -> None:
+            if isinstance(v, list):
+                for x in v:
+                    if len(flat) >= 6:
+                        return
+                    walk(x)
+            else:
+                flat.append(v)
+
+        walk(r["values"])
+        n = 1
+        for d in r["shape"]:
+            n *= d
+        where = "" if r["layer"] is None else f"layer {r['layer']} "
+        head = ", ".join(fmt_short(x) for x in flat)
+        more = ", …" if n > len(flat) else ""
+        print_parts(self.console, [f"dump {where}{r['name']} {_shape(r['shape'])} step {r['step']}: [{head}{more}]",
+                                   f"all {plural(n, 'value')} are in --json/--jsonl"], style="dim")
+
+    # -- generation steps ------------------------------------------------------------------------------------------
+
+    def _on_step(self, ev: dict) -> None:
+        self._last_kv = ev.get("kv_cache")
+        if self._tensors:
+            self._flush_tensors()
+            self._step_rows = 0  # repeat the step header after a statistics table
+        if self.show_steps:
+            self._step_row(ev)
+
+    def _step_row(self, ev: dict) -> None:
+        if self._layout is None:
+            self._layout = StepLayout.for_step(ev, self.run, self.console.width)
+        lay = self._layout
+        if self._step_rows == 0 and ev["step"] == 0:
+            self._title("s7–s12 each step: last position → logits → sampler stages → token; the KV cache grows")
+        t = lay.table(show_header=self._step_rows == 0)
+        tok = ev["token"]
+        changes = winner_changes(ev)
+        stages = ev.get("sampler") or []
+        if (ev.get("rng") or {}).get("greedy") or not stages:
+            surv = "greedy argmax" if stages or (ev.get("rng") or {}).get("greedy") else ""
+        else:
+            surv = survivors_chain(stages, width=lay.keep.get("survivors", 0))
+        kv = ev["kv_cache"]
+        token = Text(piece_view(tok), style="magenta" if tok.get("special") else "bold")
+        if changes:
+            token.append(" *", style="bold red")
+        cells = {"step": str(ev["step"]), "row": str(ev.get("row", "")), "pos": str(ev["position"]), "token": token, "id": str(tok["id"]),
+                 "top candidates (p)": _candidates(ev.get("topk") or [], lay.keep.get("top candidates (p)", 0)),
+                 "survivors": surv, "KV len": str(kv["seq_len"]), "KV bytes": f"{kv['bytes_used']:,}",
+                 "ms": f"{ev['ms']:.1f}"}
+        t.add_row(*[cells[name] for name in lay.keep])
+        self.console.print(t)
+        if self._step_rows == 0 and not self._dropped_note:
+            left = [n for n in ("id", "survivors", "KV len", "KV bytes", "ms") if n not in lay.keep]
+            if left:
+                self.console.print(Text(f"(narrow console: {', '.join(left)} left out; widen it, or see --json)",
+                                        style="dim"))
+            self._dropped_note = True
+        for stage, before, after in changes:
+            self.console.print(Text(f"  * {stage} changed the most likely token: {_token_name(ev, before)} → "
+                                    f"{_token_name(ev, after)}", style="red"))
+        self._step_rows += 1
+
+    def _on_prediction(self, ev: dict) -> None:
+        """A prefill-only run (-n 0): the next-token candidates, no token taken."""
+        self._last_kv = ev.get("kv_cache")
+        self._flush_tensors()  # the prefill's recorded points, if any
+        row = f"row {ev['row']} " if "row" in ev else ""
+        self._title(f"s7–s9 prefill only (-n 0): what the model would predict at {row}position {ev['position']}")
+        t = Table(box=None, padding=(0, 1), header_style="bold")
+        for col, just in (("#", "right"), ("id", "right"), ("token", "left"), ("logit", "right"), ("prob", "right")):
+            t.add_column(col, justify=just)
+        for rank, c in enumerate(ev.get("topk") or [], 1):
+            t.add_row(str(rank), str(c["id"]), Text(visible(c["text"])), fmt_num(c["logit"]), f"{c['prob']:.4f}")
+        self.console.print(t)
+
+    # -- the end ---------------------------------------------------------------------------------------------------
+
+    def _on_summary(self, ev: dict) -> None:
+        if self._tensors:  # a pass whose step never came (interrupted)
+            self._flush_tensors()
+        if self.stream_text:
+            self.console.print()
+            for r in self._held_dumps:
+                self._dump_line(r)
+        elif "rows" in ev:
+            for r in ev["rows"]:
+                self.console.print(Text.assemble((f"row {r['row']} ", "bold"), (f"[{r['stop_reason']}, "
+                                                 f"{plural(len(r['tokens']), 'token')}] ", "dim"), r["text"]))
+        else:
+            self.console.print(Text.assemble(("output ", "bold"), ev["text"]))
+        if "rows" in ev:
+            n = sum(len(r["tokens"]) for r in ev["rows"])
+            decoded = any(len(r["tokens"]) > 1 for r in ev["rows"]) and ev.get("decode_tok_s")
+            parts = [f"batch of {len(ev['rows'])} rows", f"{n:,} generated", f"stop: {ev['stop_reason']} (row 0)"]
+            if ev.get("interrupted"):
+                parts.append("interrupted (Ctrl-C)")
+            parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s",
+                      f"decode {ev['decode_tok_s']:.1f} tok/s (all rows)" if decoded else "decode – tok/s"]
+            print_parts(self.console, parts, style="dim")
+            kv = self._last_kv
+            if kv is not None and "batch_bytes_used" in kv:
+                print_parts(self.console, [f"KV cache: {ev['batch']} rows × {plural(kv['batch_seq_len'], 'slot')} × "
+                                           f"{kv['bytes_per_token']:,} B = {fmt_bytes(kv['batch_bytes_used'])} "
+                                           f"(allocated {fmt_bytes(kv['bytes_allocated'])})"], style="dim")
+            return
+        n_gen = ev["generated_tokens"]
+        decode = f"decode {ev['decode_tok_s']:.1f} tok/s" if n_gen > 1 and ev.get("decode_tok_s") else "decode – tok/s"
+        parts = [plural(ev["prompt_tokens"], "prompt token"), f"{n_gen:,} generated", f"stop: {ev['stop_reason']}"]
+        if ev.get("interrupted"):
+            parts.append("interrupted (Ctrl-C)")
+        parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s", decode]
+        if self.run is not None and self.run.get("exact") is False:
+            parts.append("--fast (approximate)")
+        print_parts(self.console, parts, style="dim")
+        if self.run is not None and self._last_kv is not None:
+            kv = self._last_kv
+            saving = kv["mha_bytes_used"] / kv["bytes_used"] if kv["bytes_used"] else 0
+            print_parts(self.console, [
+                f"KV cache: {plural(kv['seq_len'], 'position')} × {kv['bytes_per_token']:,} B = "
+                f"{fmt_bytes(kv['bytes_used'])} (allocated {fmt_bytes(kv['bytes_allocated'])})",
+                f"full multi-head attention would need {fmt_bytes(kv['mha_bytes_used'])}, {saving:.0f}× more"],
+                style="dim", sep="; ")
+
+
+def render_events(events: list[dict], console: Console) -> None:
+    r = TerminalRenderer(console)
+    for ev in events:
+        r(ev)

@@ -1,0 +1,66 @@
+"""The HTML report: one self-contained page drawn from a trace's events (`llmtrace report`, `--html`).
+
+    events -> data.extract -> one dict of numbers -> page.render -> one HTML file (inline CSS, JS and data)
+
+The page loads nothing from the network and needs no build step: its static parts are HTML and SVG made in Python,
+its interactive parts a small vanilla script (assets/report.js) reading the data embedded in the page.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+MAX_MERGE_WORDS = 200
+
+
+def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[str]]:
+    """The BPE merges of each word of the prompt, from the model's tokenizer: (words, None) or (None, why not)."""
+    if tokenizer is None:
+        return None, None
+    try:
+        from llmtrace.tokens.bpe import trace_merges
+
+        return [w.to_dict() for w in trace_merges(tokenizer, prompt, max_words=MAX_MERGE_WORDS)], None
+    except Exception as e:  # a tokenizer without a merge table (not BPE): the section says so, the page is still made
+        return None, f"the merge story is not available for this tokenizer ({' '.join(str(e).split())[:120]})"
+
+
+def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0) -> str:
+    """The report page of a trace, as a string: of one row when the trace is a batch of prompts. `tokenizer` (the
+    model's) adds the BPE merge story."""
+    from llmtrace.errors import BadValue
+    from llmtrace.report.data import check_schema, extract
+    from llmtrace.report.page import render
+
+    check_schema(events)
+    run = next((e for e in events if e.get("event") == "run"), None)
+    rows = (run or {}).get("batch") or 1
+    if not 0 <= row < rows:
+        raise BadValue("row", f" {row} is out of range: the trace has {rows} row{'s' if rows != 1 else ''} "
+                              f"(0..{rows - 1})")
+    if run is not None and run.get("batch"):
+        prompt = (run.get("prompts") or [""] * rows)[row]
+    else:
+        prompt = next((e.get("prompt", "") for e in events
+                       if e.get("event") == "run" or (e.get("event") == "explain" and e.get("section") == "model")), "")
+    words, why = merge_story(tokenizer, prompt)
+    note = why or merges_note or ("the merge story needs the model's tokenizer, and this report was made without it")
+    return render(extract(events, row=row, merges=words, merges_note=note))
+
+
+def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,
+                 row: int = 0) -> int:
+    """Write the page to `path` atomically (an existing file is replaced only by a complete one). Returns its bytes."""
+    from llmtrace.fsutil import write_text_atomic
+
+    page = build(events, tokenizer, merges_note, row)
+    write_text_atomic(Path(path), page)
+    return len(page.encode("utf-8"))
+
+
+def report_dumps(layers: Optional[list[int]], n_layers: int) -> tuple[str, ...]:
+    """What --html adds to a generate trace: the attention probabilities of the recorded layers (--layers), or of the
+    first and last layer when every layer is recorded (all of them would make a page of many MB)."""
+    chosen = layers if layers is not None else sorted({0, n_layers - 1})
+    return tuple(f"{i}.probs" for i in chosen)

@@ -1,0 +1,631 @@
+"""One decoder layer taken apart (`llmtrace explain`), and the logit lens over every layer (`llmtrace lens`).
+
+Everything comes from ONE forward pass over the prompt: the prefill that `generate` runs, on the same model and the same
+KV-cache path. An observer clones the chosen layer's named points and the residual stream after each sub-layer of every
+layer; the chosen layer's attention is observed, so it is spelled out and its scores and probabilities exist.
+
+The functions here compute and return plain dicts (the `explain` and `lens` events of the trace schema); they never
+print. The terminal view (llmtrace.render.explain) renders those events, so the screen and `--json` show the same facts.
+
+Notation as in llmtrace.model: T tokens, D model width, H query heads, Hkv KV heads, Dh head width, F FFN width,
+V vocabulary, L layers. Tensors keep the model's dtype while captured; every statistic is computed in float32 or above.
+
+Sections, in the order of the seed table (s6.1-s6.8, then s8-s9 applied early):
+    layer      where the layer sits: parameters by matrix, share of the model, FLOPs for this prompt
+    rmsnorm    y = x / sqrt(mean(x²) + eps) ⊙ γ for the two norms of the layer
+    qkv        projections, head split, which query heads share each KV head (GQA), what that saves in the cache
+    rope       rotation angles, and a numerical check that q·k depends only on the distance m − n
+    attention  scores before/after the causal mask, softmax, what each position attends to, one head as a map
+    residual   attention output against the residual stream; how far the layer moved each token's vector
+    ffn        SwiGLU shapes, gate statistics, the units most active for the last token, the residual update
+    kv_cache   the positions and bytes this layer writes
+    lens       the final norm and LM head applied after attention and after the FFN (top-k, beside the real output)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from llmtrace.errors import BadValue
+from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
+from llmtrace.trace.indices import parse_indices
+from llmtrace.run.generate import check_context
+from llmtrace.model.transformer import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
+from llmtrace.trace.records import SIGNIFICANT_DIGITS, explain_model_record, rounded, tokens_event
+from llmtrace.trace.stats import tensor_stats
+
+RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
+NEAR_ZERO = 0.05  # |silu(gate)| below this counts as a unit that is (nearly) switched off
+MAP_CELLS = 40  # an attention map wider than this many positions is summarised in bins
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# argument checks (cheap, before any forward pass)
+
+
+def resolve_layer(layer: int, n_layers: int) -> int:
+    """Layer N, with negative N counting from the end (-1 is the last layer)."""
+    if not -n_layers <= layer < n_layers:
+        raise BadValue("layer", f" {layer} is out of range: this model has {n_layers} layers "
+                       f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
+    return layer % n_layers
+
+
+def resolve_head(head: Optional[int], n_heads: int) -> Optional[int]:
+    if head is None:
+        return None
+    if not -n_heads <= head < n_heads:
+        raise BadValue("head", f" {head} is out of range: this model has {n_heads} query heads (0..{n_heads - 1})")
+    return head % n_heads
+
+
+def parse_positions(spec: Optional[str], n_tokens: int, last: int = 12) -> list[int]:
+    """Prompt positions for the lens columns: 'all', '0,3,-1', '2-5'; None means the last `last` positions."""
+    if last < 1:
+        raise BadValue("last", " must be ≥ 1")
+    if spec is None:
+        return list(range(max(0, n_tokens - last), n_tokens))
+    if spec.strip() == "all":
+        return list(range(n_tokens))
+    return parse_indices(spec, n_tokens, "positions", "position", "the prompt has")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the one forward pass
+
+
+@dataclass
+class Capture:
+    """What one prefill pass left behind. Batch dimension dropped everywhere."""
+
+    ids: list[int]
+    layer: Optional[int]  # the layer taken apart (None for the lens alone)
+    points: dict[str, torch.Tensor]  # that layer's named points, e.g. points["q"] (T, H, Dh), points["probs"] (H, T, T)
+    embed: torch.Tensor  # (T, D) the stream entering layer 0
+    resid_mid: list[torch.Tensor]  # L × (T, D) the stream after each layer's attention
+    resid_post: list[torch.Tensor]  # L × (T, D) the stream after each layer's FFN (the layer's output)
+    logits: torch.Tensor  # (T, V) the model's own output
+    kv_element_size: int  # bytes per cached number
+
+    @property
+    def x_in(self) -> torch.Tensor:
+        """(T, D) the residual stream entering the chosen layer."""
+        return self.embed if self.layer == 0 else self.resid_post[self.layer - 1]
+
+
+@torch.inference_mode()
+def capture(model: Transformer, ids: list[int], layer: Optional[int] = None) -> Capture:
+    """Run the prefill over `ids` once, as `generate` does (a fresh KV cache, start 0), and keep what explain needs."""
+    L = model.config.n_layers
+    device = model.embed.weight.device
+    points: dict[str, torch.Tensor] = {}
+    mid: list[Optional[torch.Tensor]] = [None] * L
+    post: list[Optional[torch.Tensor]] = [None] * L
+    embed: list[torch.Tensor] = []
+
+    def observer(lay: Optional[int], name: str, x: torch.Tensor) -> None:
+        if lay is None:
+            if name == "embed":
+                embed.append(x[0].clone())
+            return
+        if name == "resid_mid":
+            mid[lay] = x[0].clone()
+        elif name == "resid_post":
+            post[lay] = x[0].clone()
+        if lay == layer:
+            x = x if name == "kv_write" else x[0]
+            points[name] = (x.flatten(0, 1) if name == "k_repeated" else x).clone()  # (Hkv, G, S, Dh) -> (H, S, Dh)
+
+    idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    cache = model.new_cache(len(ids))
+    # every layer's residual stream; the chosen layer's attention is observed too, so it is spelled out
+    with model.observed(observer, attention=[] if layer is None else [layer]):
+        logits = model(idx, cache, 0)[0]  # (T, V)
+    element_size = cache.element_size
+    return Capture(ids=list(ids), layer=layer, points=points, embed=embed[0], resid_mid=mid, resid_post=post,
+                   logits=logits, kv_element_size=element_size)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _r(x, digits: int = SIGNIFICANT_DIGITS):
+    """A number (a float, or a one-element tensor) for JSON, by the trace's one rounding rule (records.rounded)."""
+    return rounded(float(x), digits)
+
+
+def _rl(t: torch.Tensor, digits: int = SIGNIFICANT_DIGITS) -> list:
+    """A tensor as (nested) lists of rounded floats."""
+    if t.dim() == 0:
+        return _r(t.item(), digits)
+    return [_rl(s, digits) for s in t] if t.dim() > 1 else [_r(v, digits) for v in t.tolist()]
+
+
+def _stats(x: torch.Tensor) -> dict:
+    return {k: _r(v) for k, v in tensor_stats(x).items()}
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise cosine similarity of (T, D) tensors, float32."""
+    return F.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tensor events: the schema's record for each point of the chosen layer
+
+
+def tensor_events(cap: Capture) -> list[dict]:
+    out = []
+    for name in LAYER_POINTS:
+        x = cap.points.get(name)
+        if x is None:
+            continue
+        shape = list(x.shape)
+        if name == "k_repeated" and x.dim() == 4:  # (T, Hkv, group, Dh) -> (T, H, Dh), the shape `generate` records
+            shape = [shape[0], shape[1] * shape[2], shape[3]]
+        ev = {"event": "tensor", "step": 0, "phase": "prefill", "layer": cap.layer, "name": name,
+              "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": str(x.dtype).replace("torch.", "")}
+        if name == "kv_write":
+            ev["stats"] = _stats(x.double())
+            ev["positions"] = [int(x[0]), int(x[-1])]
+        else:
+            ev["stats"] = _stats(x)
+        if name == "scores":
+            ev["masked"] = int((~torch.isfinite(x)).sum())
+        out.append(ev)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. where the layer sits
+
+
+def layer_params(model: Transformer, layer: int) -> list[dict]:
+    """Each weight of the layer in the orientation of the math (X @ W: [in, out]); numel counted on the real tensors.
+
+    llmtrace stores Wq, Wk, Wv as one fused matrix and W_gate, W_up as another: they are split here as the math has
+    them. nn.Linear stores the transpose, [out, in]."""
+    c = model.config
+    b = model.layers[layer]
+    H, Hkv, Dh, D, Fd = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model, c.ffn_dim
+    wq, wk, wv = b.attn.wqkv.weight.split([H * Dh, Hkv * Dh, Hkv * Dh])  # (H*Dh, D), (Hkv*Dh, D), (Hkv*Dh, D)
+    w_gate, w_up = b.ffn.w_gate_up.weight.split(Fd)  # (F, D) each
+    rows = [
+        ("attn_norm.γ", "s6.1", b.attn_norm.weight, [D]),
+        ("Wq", "s6.1", wq, [D, H * Dh]),
+        ("Wk", "s6.1", wk, [D, Hkv * Dh]),
+        ("Wv", "s6.1", wv, [D, Hkv * Dh]),
+    ]
+    if b.attn.wqkv.bias is not None:
+        bq, bk, bv = b.attn.wqkv.bias.split([H * Dh, Hkv * Dh, Hkv * Dh])
+        rows += [("bq", "s6.1", bq, [H * Dh]), ("bk", "s6.1", bk, [Hkv * Dh]), ("bv", "s6.1", bv, [Hkv * Dh])]
+    rows += [
+        ("Wo", "s6.6", b.attn.wo.weight, [H * Dh, D]),
+        ("ffn_norm.γ", "s6.7", b.ffn_norm.weight, [D]),
+        ("W_gate", "s6.7", w_gate, [D, Fd]),
+        ("W_up", "s6.7", w_up, [D, Fd]),
+        ("W_down", "s6.7", b.ffn.w_down.weight, [Fd, D]),
+    ]
+    return [{"name": n, "seed_step": s, "shape": shape, "numel": t.numel()} for n, s, t, shape in rows]
+
+
+def layer_flops(config: ModelConfig, n_tokens: int) -> dict:
+    """Multiply-add FLOPs (2 per multiply-add) of one layer over a prompt of T tokens, as the prefill computes them.
+
+    The eager path computes all T×T scores and masks the upper triangle afterwards, so `scores` and `pv` count the
+    full square; the causal half is what actually matters. Norms, RoPE, softmax and SiLU are O(T·D) and left out."""
+    c, T = config, n_tokens
+    H, Hkv, Dh, D, Fd = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model, c.ffn_dim
+    parts = {
+        "qkv": 2 * T * D * (H + 2 * Hkv) * Dh,  # X @ [Wq Wk Wv]
+        "scores": 2 * H * T * T * Dh,  # Q K^T
+        "pv": 2 * H * T * T * Dh,  # P V
+        "o": 2 * T * H * Dh * D,  # concat(heads) @ Wo
+        "ffn": 2 * T * D * 2 * Fd + 2 * T * Fd * D,  # X @ [W_gate W_up], then @ W_down
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
+    c = model.config
+    params = layer_params(model, layer)
+    n_layer = sum(p["numel"] for p in params)
+    n_model = model.num_params()
+    n_embed = model.embed.weight.numel() + (0 if c.tie_embeddings else model.lm_head.weight.numel())
+    return {
+        "event": "explain", "section": "layer", "layer": layer, "n_layers": c.n_layers, "seed_step": "s6",
+        "params": params, "layer_params": n_layer, "model_params": n_model, "embedding_params": n_embed,
+        "share": _r(n_layer / n_model), "share_of_layers": _r(n_layer / (n_model - n_embed - model.norm.weight.numel())),
+        "n_tokens": n_tokens, "flops": layer_flops(c, n_tokens),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. RMSNorm
+
+
+def rmsnorm_parts(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str, torch.Tensor]:
+    """x (T, D) -> the pieces of y = x / sqrt(mean(x²) + eps) ⊙ γ, by hand, float32."""
+    x = x.float()
+    ms = x.pow(2).mean(-1)  # (T,) mean of squares
+    rms = ms.sqrt()  # (T,) RMS(x), without eps
+    unit = x * torch.rsqrt(ms + eps)[:, None]  # (T, D) x / sqrt(mean(x²) + eps): RMS 1, norm ≈ sqrt(D)
+    y = gamma.float() * unit  # (T, D)
+    return {"rms": rms, "unit": unit, "y": y}
+
+
+def rmsnorm_section(cap: Capture, model: Transformer, which: str) -> dict:
+    """`which` is "attn_norm" (input: the layer's input) or "ffn_norm" (input: the stream after attention)."""
+    block = model.layers[cap.layer]
+    norm = getattr(block, which)
+    x = cap.x_in if which == "attn_norm" else cap.resid_mid[cap.layer]  # (T, D)
+    parts = rmsnorm_parts(x, norm.weight, norm.eps)
+    y_model = cap.points[which].float()  # what the forward pass produced
+    gamma = norm.weight.float()
+    top = gamma.abs().topk(min(5, gamma.numel()))
+    n_in, n_unit, n_out = x.float().norm(dim=-1), parts["unit"].norm(dim=-1), parts["y"].norm(dim=-1)
+    return {
+        "event": "explain", "section": "rmsnorm", "layer": cap.layer, "norm": which,
+        "seed_step": "s6.1" if which == "attn_norm" else "s6.7", "formula": RMSNORM_FORMULA, "eps": _r(norm.eps),
+        "d_model": x.size(-1),
+        "gamma": _stats(gamma) | {"top_dims": top.indices.tolist(), "top_values": _rl(gamma[top.indices])},
+        "tokens": [{"position": t, "rms": _r(parts["rms"][t]), "norm_in": _r(n_in[t]), "norm_unit": _r(n_unit[t]),
+                    "norm_out": _r(n_out[t]), "gamma_gain": _r(n_out[t] / n_unit[t])} for t in range(x.size(0))],
+        "check_max_abs_diff": _r((parts["y"] - y_model).abs().max()),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Q, K, V and grouped-query attention
+
+
+def gqa_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
+    """Query heads reading each KV head: head h uses KV head h // (H / Hkv), as repeat_interleave lays them out."""
+    g = n_heads // n_kv_heads
+    return [list(range(k * g, (k + 1) * g)) for k in range(n_kv_heads)]
+
+
+def qkv_section(cap: Capture, config: ModelConfig) -> dict:
+    c = config
+    T = len(cap.ids)
+    H, Hkv, Dh, D = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
+    es = cap.kv_element_size
+    per_pos_gqa = 2 * Hkv * Dh * es  # K and V of one position in one layer
+    per_pos_mha = 2 * H * Dh * es  # the same if every query head had its own K and V
+    return {
+        "event": "explain", "section": "qkv", "layer": cap.layer, "seed_step": "s6.1-s6.2",
+        "shapes": [
+            {"name": "x̂ (attn_norm output)", "shape": [T, D]},
+            {"name": "Q = x̂ Wq", "shape": [T, H * Dh], "split": [T, H, Dh], "heads_first": [H, T, Dh],
+             "captured": list(cap.points["q"].shape)},
+            {"name": "K = x̂ Wk", "shape": [T, Hkv * Dh], "split": [T, Hkv, Dh], "heads_first": [Hkv, T, Dh],
+             "captured": list(cap.points["k"].shape)},
+            {"name": "V = x̂ Wv", "shape": [T, Hkv * Dh], "split": [T, Hkv, Dh], "heads_first": [Hkv, T, Dh],
+             "captured": list(cap.points["v"].shape)},
+        ],
+        "n_heads": H, "n_kv_heads": Hkv, "head_dim": Dh, "group_size": H // Hkv, "groups": gqa_groups(H, Hkv),
+        "cache": {"element_size": es, "bytes_per_position_layer": per_pos_gqa, "mha_bytes_per_position_layer": per_pos_mha,
+                  "bytes_per_position_model": per_pos_gqa * c.n_layers, "saving": _r(per_pos_mha / per_pos_gqa),
+                  "bytes_prompt_model": per_pos_gqa * c.n_layers * T, "mha_bytes_prompt_model": per_pos_mha * c.n_layers * T},
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. RoPE
+
+
+def rope_pairs(head_dim: int) -> list[int]:
+    """A few dimension pairs to show: the fastest, the next, two in between, the slowest."""
+    half = head_dim // 2
+    return sorted({0, 1, half // 4, half // 2, half - 1})
+
+
+def rope_relative_check(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, distances: list[int],
+                        shifts: list[int]) -> torch.Tensor:
+    """Scores q'·k'/sqrt(Dh) with q rotated to position n + d and k to position n, for n in `shifts`.
+
+    q, k: (Dh,) vectors before RoPE. Returns (len(distances), len(shifts)). If the score depends only on the distance
+    d = m − n, every row is constant. Computed in float64 so that the check shows the math, not float32 rounding."""
+    q, k, inv = q.double(), k.double(), inv_freq.double()
+    Dh = q.numel()
+    out = torch.empty(len(distances), len(shifts), dtype=torch.float64)
+    for i, d in enumerate(distances):
+        for j, n in enumerate(shifts):
+            pos = torch.tensor([n + d, n], dtype=torch.float64)
+            ang = torch.outer(pos, inv)  # (2, Dh/2)
+            ang = torch.cat([ang, ang], dim=-1)  # (2, Dh): pair i and i + Dh/2 share an angle
+            cos, sin = ang.cos(), ang.sin()
+            x = torch.stack([q, k]).view(1, 2, 1, Dh)  # (B, T, nh, Dh): q and k as two positions of one head
+            rot = apply_rope(x, cos, sin)[0, :, 0]  # (2, Dh)
+            out[i, j] = rot[0].dot(rot[1]) / math.sqrt(Dh)
+    return out
+
+
+def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
+    c = config
+    T, Dh = len(cap.ids), c.head_dim
+    inv_freq = rope_inv_freq(c)  # (Dh/2,) theta_i = base^(-2i/Dh), scaled
+    pairs = rope_pairs(Dh)
+    positions = torch.arange(T, dtype=torch.float32)
+    # the model's own tables reproduce the captured q_rope / k_rope
+    cos, sin = rope_table(c, T, cap.points["q"].device)
+    q_err = (apply_rope(cap.points["q"][None], cos, sin)[0] - cap.points["q_rope"]).abs().max()
+    k_err = (apply_rope(cap.points["k"][None], cos, sin)[0] - cap.points["k_rope"]).abs().max()
+    # relative-distance check on real vectors: the last token's query (this head), the first token's key (its KV head)
+    kv_head = head // c.group_size
+    q_vec = cap.points["q"][T - 1, head].float().cpu()
+    k_vec = cap.points["k"][0, kv_head].float().cpu()
+    distances = [d for d in (0, 1, 2, 4, 8, 16) if d < max(T, 5)]
+    shifts = [s for s in (0, 1, 7, 100, 1000) if s + distances[-1] < c.max_seq_len]
+    scores = rope_relative_check(q_vec, k_vec, inv_freq, distances, shifts)
+    deviation = (scores - scores[:, :1]).abs().max(dim=1).values  # per distance: spread over shifts
+    return {
+        "event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3",
+        "theta": c.rope_theta, "scaling": _scaling_info(c.rope_scaling), "head_dim": Dh,
+        "formula": "θ_i = base^(-2i/Dh); pair (x_i, x_{i+Dh/2}) at position m is rotated by m·θ_i",
+        "pairs": [{"i": i, "dims": [i, i + Dh // 2], "theta_i": _r(inv_freq[i]),
+                   "wavelength": _r(2 * math.pi / inv_freq[i].item()),
+                   "angles": _rl(positions * inv_freq[i])} for i in pairs],
+        "check_q_rope_max_abs_diff": _r(q_err), "check_k_rope_max_abs_diff": _r(k_err),
+        "relative": {"head": head, "kv_head": kv_head, "q_position": T - 1, "k_position": 0,
+                     "distances": distances, "shifts": shifts, "scores": _rl(scores, 10),
+                     "max_deviation": _r(deviation.max(), 3), "deviation_by_distance": _rl(deviation, 3)},
+    }
+
+
+def _scaling_info(scaling: Optional[dict]):
+    if not scaling:
+        return None
+    out = {k: v for k, v in scaling.items() if k != "factors"}
+    if "factors" in scaling:  # llama3 scaling read from a GGUF: one divisor per frequency, summarised
+        f = scaling["factors"]
+        out["factors"] = {"count": len(f), "min": _r(min(f)), "max": _r(max(f))}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. attention
+
+
+def scores_before_mask(cap: Capture, config: ModelConfig) -> torch.Tensor:
+    """Q K^T / sqrt(Dh) from the captured rotated q and k, before the causal mask: (H, T, T), float32."""
+    q = cap.points["q_rope"].float().transpose(0, 1)  # (H, T, Dh)
+    k = cap.points["k_rope"].float().transpose(0, 1)  # (Hkv, T, Dh)
+    k = k.repeat_interleave(config.group_size, dim=0)  # (H, T, Dh): repeat_kv, one copy per query head of the group
+    return q @ k.transpose(-2, -1) / math.sqrt(config.head_dim)  # (H, T, T)
+
+
+def bin_edges(n: int, max_cells: int = MAP_CELLS) -> list[tuple[int, int]]:
+    """[lo, hi) position ranges: single positions when n <= max_cells, else max_cells near-equal bins."""
+    if n <= max_cells:
+        return [(i, i + 1) for i in range(n)]
+    cuts = [round(i * n / max_cells) for i in range(max_cells + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(max_cells)]
+
+
+def binned_map(probs: torch.Tensor, edges: list[tuple[int, int]]) -> torch.Tensor:
+    """(T, T) -> (B, B): keys summed within a bin (rows still sum to 1), queries averaged."""
+    rows = torch.stack([probs[lo:hi].mean(0) for lo, hi in edges])  # (B, T)
+    return torch.stack([rows[:, lo:hi].sum(-1) for lo, hi in edges], dim=-1)  # (B, B)
+
+
+def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = None,
+                       example: int = 6) -> list[dict]:
+    """The attention summary, one record per head, and one map (`head`, or the mean over heads)."""
+    c = config
+    T = len(cap.ids)
+    pre = scores_before_mask(cap, c)  # (H, T, T)
+    post = cap.points["scores"].float()  # (H, T, T), -inf above the diagonal
+    probs = cap.points["probs"].float()  # (H, T, T)
+    finite = torch.isfinite(post)
+    agree = (pre[finite] - post[finite]).abs().max() if finite.any() else torch.tensor(0.0)
+    eh = head if head is not None else 0
+    n = min(T, example)
+    out = [{
+        "event": "explain", "section": "attention", "layer": cap.layer, "seed_step": "s6.4-s6.5",
+        "formula": "P = softmax(Q Kᵀ / sqrt(Dh) + M), M = −∞ above the diagonal; O = P V",
+        "shape": [c.n_heads, T, T], "masked": int((~finite).sum()), "pre_mask": _stats(pre), "post_mask": _stats(post),
+        "probs": _stats(probs), "row_sum_max_error": _r((probs.sum(-1) - 1).abs().max()),
+        "check_scores_max_abs_diff": _r(agree),
+        "example": {"head": eh, "positions": n, "scores": _rl(pre[eh, :n, :n], 4),
+                    "masked_scores": _rl(post[eh, :n, :n], 4), "probs": _rl(probs[eh, :n, :n], 4)},
+    }]
+    weight, arg = probs.max(dim=-1)  # (H, T) each: the key each query position attends to most
+    entropy = (-(probs * probs.clamp_min(1e-30).log()).sum(-1)).clamp_min(0)  # (H, T) nats
+    for h in range(c.n_heads):
+        out.append({"event": "explain", "section": "attention_head", "layer": cap.layer, "head": h,
+                    "kv_head": h // c.group_size, "argmax": arg[h].tolist(), "weight": _rl(weight[h], 4),
+                    "entropy": _rl(entropy[h], 4), "first_token_weight": _r(probs[h, :, 0].mean(), 4)})
+    chosen = probs[head] if head is not None else probs.mean(0)  # (T, T)
+    edges = bin_edges(T)
+    out.append({"event": "explain", "section": "attention_map", "layer": cap.layer, "head": head,
+                "what": f"head {head}" if head is not None else "mean over heads", "n_tokens": T,
+                "binned": len(edges) < T, "bins": [list(e) for e in edges],
+                "matrix": _rl(binned_map(chosen, edges), 4)})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. output projection and residual
+
+
+def residual_section(cap: Capture) -> dict:
+    x = cap.x_in.float()  # (T, D) entering the layer
+    o = cap.points["o_proj"].float()  # (T, D) attention output after Wo
+    mid = cap.resid_mid[cap.layer].float()  # x + o
+    post = cap.resid_post[cap.layer].float()  # the layer's output
+    nx, no = x.norm(dim=-1), o.norm(dim=-1)
+    rel_attn = (mid - x).norm(dim=-1) / nx
+    rel_layer = (post - x).norm(dim=-1) / nx
+    cos_attn, cos_layer, cos_o = _cos(x, mid), _cos(x, post), _cos(x, o)
+    return {
+        "event": "explain", "section": "residual", "layer": cap.layer, "seed_step": "s6.6",
+        "formula": "x' = x + concat(heads) Wo; the layer's output x'' = x' + FFN(x')",
+        "shapes": {"attn_out": list(cap.points["attn_out"].shape), "o_proj": list(o.shape)},
+        "tokens": [{"position": t, "norm_in": _r(nx[t]), "norm_attn": _r(no[t]), "attn_to_stream": _r(no[t] / nx[t]),
+                    "cos_attn_stream": _r(cos_o[t]), "rel_change_attn": _r(rel_attn[t]), "cos_attn": _r(cos_attn[t]),
+                    "norm_out": _r(post[t].norm()), "rel_change_layer": _r(rel_layer[t]), "cos_layer": _r(cos_layer[t])}
+                   for t in range(x.size(0))],
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 7. SwiGLU feed-forward
+
+
+def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO, top: int = 8) -> dict:
+    T, D, Fd = len(cap.ids), config.d_model, config.ffn_dim
+    gate, up = cap.points["gate"].float(), cap.points["up"].float()  # (T, F)
+    act = cap.points["act"].float()  # (T, F) silu(gate) * up, as the model computed it
+    s = F.silu(gate)  # (T, F)
+    off = s.abs() < near_zero  # (T, F) units (nearly) switched off by the gate
+    mid, post = cap.resid_mid[cap.layer].float(), cap.resid_post[cap.layer].float()
+    down = cap.points["down"].float()  # (T, D)
+    last = T - 1
+    units = act[last].abs().topk(min(top, Fd)).indices
+    return {
+        "event": "explain", "section": "ffn", "layer": cap.layer, "seed_step": "s6.7",
+        "formula": "FFN(x) = W_down (silu(x W_gate) ⊙ (x W_up)), silu(g) = g·sigmoid(g)",
+        "shapes": [{"name": "x̂ (ffn_norm output)", "shape": [T, D]}, {"name": "gate = x̂ W_gate", "shape": [T, Fd]},
+                   {"name": "up = x̂ W_up", "shape": [T, Fd]}, {"name": "act = silu(gate) ⊙ up", "shape": [T, Fd]},
+                   {"name": "down = act W_down", "shape": [T, D]}],
+        "near_zero_threshold": near_zero,
+        "near_zero_fraction": _r(off.float().mean()),
+        "negative_gate_fraction": _r((gate < 0).float().mean()),
+        "silu_gate": _stats(s),
+        "check_act_max_abs_diff": _r((s * up - act).abs().max()),
+        "tokens": [{"position": t, "near_zero_fraction": _r(off[t].float().mean()), "norm_act": _r(act[t].norm()),
+                    "norm_down": _r(down[t].norm()), "rel_change": _r(down[t].norm() / mid[t].norm()),
+                    "cos": _r(_cos(mid[t:t + 1], post[t:t + 1])[0])} for t in range(T)],
+        "top_units": {"position": last, "units": [
+            {"unit": int(u), "gate": _r(gate[last, u]), "silu_gate": _r(s[last, u]), "up": _r(up[last, u]),
+             "act": _r(act[last, u])} for u in units]},
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 8. KV cache write
+
+
+def kv_section(cap: Capture, config: ModelConfig) -> dict:
+    c = config
+    pos = cap.points["kv_write"]
+    T = int(pos.numel())
+    es = cap.kv_element_size
+    per_pos = 2 * c.n_kv_heads * c.head_dim * es
+    return {
+        "event": "explain", "section": "kv_cache", "layer": cap.layer, "seed_step": "s6.8",
+        "positions": [int(pos[0]), int(pos[-1])], "n_positions": T, "shape_k": [c.n_kv_heads, T, c.head_dim],
+        "shape_v": [c.n_kv_heads, T, c.head_dim], "element_size": es, "bytes_per_position": per_pos,
+        "bytes": per_pos * T, "mha_bytes": 2 * c.n_heads * c.head_dim * es * T, "all_layers_bytes": per_pos * T * c.n_layers,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 9-10. logit lens
+
+
+@torch.inference_mode()
+def lens_logits(model: Transformer, h: torch.Tensor) -> torch.Tensor:
+    """The model's final norm and LM head applied to residual-stream rows h (P, D): what it would predict if it stopped
+    here (s8, s9 applied early). (P, V), float32."""
+    return model.lm_head(model.norm(h)).float()
+
+
+def topk_candidates(tok, logits: torch.Tensor, k: int) -> list[dict]:
+    """logits (V,) -> the k most likely tokens with probability and logit."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    p, i = probs.topk(k)
+    return [{"id": int(t), "piece": tok.piece(int(t)), "text": tok.decode([int(t)]), "prob": _r(pv, 5),
+             "logit": _r(logits[t], 6)} for t, pv in zip(i.tolist(), p.tolist())]
+
+
+def lens_event(tok, layer: Optional[int], stage: str, position: int, logits: torch.Tensor, k: int) -> dict:
+    return {"event": "lens", "layer": layer, "stage": stage, "position": position, "topk": topk_candidates(tok, logits, k)}
+
+
+def explain_lens(cap: Capture, model: Transformer, tok, k: int = 5) -> list[dict]:
+    """Lens at the chosen layer for the last position: after attention, after the FFN, and the model's real output."""
+    last = len(cap.ids) - 1
+    rows = torch.stack([cap.resid_mid[cap.layer][last], cap.resid_post[cap.layer][last]])  # (2, D)
+    lg = lens_logits(model, rows)
+    return [lens_event(tok, cap.layer, "resid_mid", last, lg[0], k),
+            lens_event(tok, cap.layer, "resid_post", last, lg[1], k),
+            lens_event(tok, None, "logits", last, cap.logits[last], k)]
+
+
+def lens_table(cap: Capture, model: Transformer, tok, positions: list[int], layers: Optional[list[int]] = None,
+               k: int = 5) -> list[dict]:
+    """One `lens` event per (layer, position) after each layer (resid_post), then the model's real output per position."""
+    L = model.config.n_layers
+    out = []
+    for layer in (layers if layers is not None else range(L)):
+        lg = lens_logits(model, cap.resid_post[layer][positions])  # (P, V)
+        out += [lens_event(tok, layer, "resid_post", p, lg[j], k) for j, p in enumerate(positions)]
+    out += [lens_event(tok, None, "logits", p, cap.logits[p], k) for p in positions]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the two commands' event lists
+
+
+def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, top: int = 5, prompt: str = "",
+                   chat: bool = False) -> list[dict]:
+    """Every record `llmtrace explain` shows, from one forward pass. `layer` may be negative; `head` picks the map."""
+    c = lm.config
+    check_context(lm, len(ids), 0)
+    layer = resolve_layer(layer, c.n_layers)
+    head = resolve_head(head, c.n_heads)
+    cap = capture(lm.model, ids, layer)
+    events = [{"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
+               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids)},
+              tokens_event(lm.tokenizer, ids)]
+    events += tensor_events(cap)
+    events.append(layer_section(lm.model, layer, len(ids)))
+    events.append(rmsnorm_section(cap, lm.model, "attn_norm"))
+    events.append(rmsnorm_section(cap, lm.model, "ffn_norm"))
+    events.append(qkv_section(cap, c))
+    events.append(rope_section(cap, c, head if head is not None else 0))
+    events += attention_sections(cap, c, head)
+    events.append(residual_section(cap))
+    events.append(ffn_section(cap, c))
+    events.append(kv_section(cap, c))
+    events += explain_lens(cap, lm.model, lm.tokenizer, top)
+    return events
+
+
+def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[int]] = None, top: int = 5,
+                prompt: str = "", chat: bool = False) -> list[dict]:
+    """Every record `llmtrace lens` shows: the top-k after each layer at each chosen position, from one pass."""
+    check_context(lm, len(ids), 0)
+    cap = capture(lm.model, ids, None)
+    events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
+               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
+               "positions": positions, "layers": layers if layers is not None else list(range(lm.config.n_layers))},
+              tokens_event(lm.tokenizer, ids)]
+    return events + lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)
+
+
+def batch_event(tok, prompts: list[list[int]], row: int) -> dict:
+    """s3 for explain and lens given several prompts: the padded batch (generate.pad_batch) and, for every row, the
+    combined causal and padding mask the model applies to it, (T, T) with 1 where query i may attend key j (the
+    model's own `allowed_keys`). `row` is the row the other events explain: its prompt alone, which is what the
+    padded row computes at its real positions."""
+    from llmtrace.run.generate import pad_batch
+    from llmtrace.model.transformer import allowed_keys
+
+    layout = pad_batch(prompts, tok)
+    T = len(layout.ids[0])
+    padding = torch.tensor(layout.attention_mask, dtype=torch.bool)  # (B, T)
+    combined = allowed_keys(T, 0, padding, None)[:, 0]  # (B, T, T)
+    return {"event": "batch", "rows": len(prompts), "ids": layout.ids, "attention_mask": layout.attention_mask,
+            "position_ids": layout.position_ids, "pad_id": layout.pad_id, "pad_source": layout.pad_source,
+            "pad_piece": tok.piece(layout.pad_id), "combined_mask": combined.int().tolist(), "explained_row": row}

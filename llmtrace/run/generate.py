@@ -1,0 +1,482 @@
+"""The generation loop: prefill the prompts (in chunks when they are long), then decode one token at a time (s6-s12).
+
+There is one loop, `_generate`, for B rows. `generate` (one prompt) and `generate_batch` (several, s3) check the
+context window, each in its own way (one prompt is shortened to fit, a batch is refused), and call it. A single
+prompt is a batch of one row without padding: no attention mask, the default positions, the decode step that
+`--compile` compiles. Only a batch with pad slots (rows of different lengths, or a row that ended early) passes
+each row's positions and the mask of its real slots to the model.
+
+The loop is the one place where a trace plugs in. It asks a `GenerationObserver` once which passes and layers it
+observes, opens that scope (`Transformer.observed`) around those passes, and calls it at fixed moments (start, around
+each forward pass, each token, end) with everything it reports: the token, the sampler's ledger, the KV cache's
+facts, timings. With `observer=None` nothing is recorded and nothing is computed for a trace. The loop owns the KV
+cache and passes it to every forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from llmtrace.model.compiled import CompiledDecode, decode_step
+from llmtrace.errors import LlmtraceError
+from llmtrace.fsutil import sigint_deferred
+from llmtrace.checkpoint.loaded import LoadedModel
+from llmtrace.model.transformer import KVCache, Transformer
+from llmtrace.run.sampler import Ledger, Sampler
+
+
+PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the (H, T, S) attention scores a long prompt makes
+
+
+@dataclass
+class KVFacts:
+    """The KV cache as one step left it, handed to the observer (which never reads the model)."""
+
+    seq_len: int  # filled slots
+    capacity: int  # slots allocated
+    bytes_per_token: int  # one slot of one row, all layers, K and V
+    bytes_allocated: int
+    element_size: int  # bytes per cached number
+
+
+@dataclass
+class StepRecord:
+    """What one generation step produced: the forward pass that ended at `position - 1` and the token it chose."""
+
+    step: int  # 0 is the prefill step; 1.. are decode steps
+    phase: str  # "prefill" or "decode"
+    position: int  # position of the new token in the sequence
+    token: int
+    text: str  # the token's text as it joins the output (may be "" while a multi-byte character is incomplete)
+    ledger: Optional[Ledger]  # the sampler's record, when the observer asked for one
+    kv: KVFacts  # the cache after this step's forward pass
+    ms: float  # forward pass + sampling, milliseconds
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = "max_tokens"  # "eos", "stop_text", "max_tokens" (also for a prefill-only run) or "interrupted"
+    interrupted: bool = False
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return len(self.prompt_ids) / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        n = len(self.tokens) - 1  # the first token comes out of the prefill
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+class GenerationObserver(Protocol):
+    """What the loop tells an observer, and the one thing it asks: which layers of which passes to observe."""
+
+    def wants_ledger(self) -> bool: ...
+    def observation(self, phase: str) -> Optional[dict]:
+        """None: passes of this phase ("prefill", "decode") are not observed; else the keyword arguments of
+        `Transformer.observed` (layers, attention) for each of them. Asked once per phase, at the start."""
+    def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None: ...  # the model's observer
+    def on_start(self, lm: LoadedModel, prompt_ids: list[int], sampler: Sampler) -> None: ...
+    def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None: ...
+    def after_forward(self, step: int) -> None: ...
+    def on_step(self, record: StepRecord) -> None: ...
+    def on_prediction(self, ledger: Ledger, position: int, kv: KVFacts) -> None:
+        """A prefill-only run (max_new_tokens 0): what the model would predict next, no token taken."""
+    def on_end(self, result: GenerationResult) -> None: ...
+    # A batch (generate_batch) is told of its rows: on_start(..., batch=every row's prompt ids, samplers=every
+    # row's sampler), on_batch(BatchLayout) once before the first pass, on_step / on_prediction with row=r, and
+    # on_end(BatchResult). A one-prompt run (generate) is told none of that.
+
+
+class TextStream:
+    """Turns token ids into text increments, holding back bytes of a character that is not complete yet."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return ""
+        new, self.text = full[len(self.text):], full
+        return new
+
+
+def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
+    """Refuse prompts that do not fit; shorten max_new_tokens to what the context window leaves. A prompt of the whole
+    window can be prefilled (-n 0, explain, lens: max_new_tokens 0) but leaves no room to generate."""
+    ctx = lm.config.max_seq_len
+    if n_prompt == 0:
+        raise LlmtraceError("the prompt is empty (it encodes to zero tokens); give some text")
+    if n_prompt > ctx or (n_prompt == ctx and max_new_tokens > 0):
+        raise LlmtraceError(f"the prompt has {n_prompt} tokens but the context window of {lm.name} is {ctx} tokens; "
+                            f"shorten the prompt")
+    return min(max_new_tokens, ctx - n_prompt)
+
+
+def check_batch_context(lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Refuse a batch whose padded length plus max_new_tokens does not fit the context window (one line). Unlike a
+    single prompt, a batch is not shortened: its rows would get fewer tokens than asked without saying so."""
+    ctx = lm.config.max_seq_len
+    for r, p in enumerate(prompts):
+        if not p:
+            raise LlmtraceError(f"prompt {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
+    T = max(len(p) for p in prompts)
+    if T + max_new_tokens > ctx:
+        raise LlmtraceError(f"the batch is padded to {T} tokens and -n {max_new_tokens} asks for {T + max_new_tokens} "
+                            f"slots, but the context window of {lm.name} is {ctx} tokens; shorten the longest prompt "
+                            f"or lower -n")
+
+
+def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> CompiledDecode:
+    """Compile the model's decode step (llmtrace.compiled) and run it once, so that a generation of `max_new_tokens`
+    after `n_prompt` tokens starts with it ready; pass it to `generate(compiled=...)`. Its `compile_s` is the seconds
+    this took: minutes on a small CPU the first time, seconds once Inductor's cache ($TORCHINDUCTOR_CACHE_DIR) holds
+    the compiled code.
+
+    The trial step runs on a scratch KV cache at the slot the first real decode step will have (dynamic shapes are
+    marked there, and a first call at slot 0 or 1 would specialise on it)."""
+    max_new_tokens = check_context(lm, n_prompt, max_new_tokens)
+    compiled = CompiledDecode(lm.model)
+    if max_new_tokens < 2:
+        return compiled  # no decode step will run
+    t = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            scratch = lm.model.new_cache(n_prompt + max_new_tokens)
+            compiled(torch.zeros((1, 1), dtype=torch.long, device=lm.device), scratch, max(n_prompt, 2))
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize()
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise LlmtraceError(f"torch.compile could not compile the decode step ({reason}); run without --compile") from None
+    compiled.compile_s = time.perf_counter() - t
+    return compiled
+
+
+def kv_facts(cache: KVCache) -> KVFacts:
+    return KVFacts(seq_len=cache.seq_len, capacity=cache.max_len, bytes_per_token=cache.bytes_per_token,
+                   bytes_allocated=cache.bytes_allocated, element_size=cache.element_size)
+
+
+def prefill_split(n_prompt: int, chunk: int = PREFILL_CHUNK) -> int:
+    """The first slot of a prefill's last pass (0 when the prompt fits in one)."""
+    return (n_prompt - 1) // chunk * chunk
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# s3: several prompts as one batch (one prompt is a batch of one row)
+
+
+MAX_BATCH = 64  # rows a run takes unless told otherwise (--max-batch)
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of batch row `row` when the run's seed is `seed`: seed + row (mod 2**64). Row 0 keeps the run's seed,
+    so a batch's row r samples exactly what a run of that prompt alone with --seed seed+r samples."""
+    return (seed + row) % 2**64
+
+
+@dataclass
+class BatchLayout:
+    """s3: B prompts left-padded to one length T, as the first forward pass sees them."""
+
+    ids: list[list[int]]  # (B, T) token ids, pad_id in front of the shorter rows
+    attention_mask: list[list[int]]  # (B, T) 1 at real tokens, 0 at pad slots
+    position_ids: list[list[int]]  # (B, T) each row's positions, 0 at its first real token (0 at pad slots too)
+    pad_id: int
+    pad_source: str  # "pad": the tokenizer's padding token; "eos": the checkpoint has none, so its end-of-sequence
+
+
+def pad_batch(prompts: list[list[int]], tokenizer) -> BatchLayout:
+    """Left-pad the prompts to the longest one, so that every row's last prompt token sits in the same slot and
+    the first new token of every row is predicted by one pass. A pad slot is never attended (attention_mask 0)."""
+    if tokenizer.pad_id is not None:
+        pad_id, source = tokenizer.pad_id, "pad"
+    else:  # a tokenizer without EOS either (one prompt, never padded): any id does, no query attends a pad slot
+        pad_id, source = (tokenizer.eos_ids or [0])[0], "eos"
+    T = max(len(p) for p in prompts)
+    ids, mask, pos = [], [], []
+    for p in prompts:
+        n_pad = T - len(p)
+        ids.append([pad_id] * n_pad + list(p))
+        mask.append([0] * n_pad + [1] * len(p))
+        pos.append([0] * n_pad + list(range(len(p))))
+    return BatchLayout(ids=ids, attention_mask=mask, position_ids=pos, pad_id=pad_id, pad_source=source)
+
+
+@dataclass
+class BatchResult:
+    layout: BatchLayout
+    rows: list[GenerationResult]  # one per row, its own tokens, text and stop reason
+    interrupted: bool = False
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Tokens of every row after the first, per second of decode: the batch's aggregate throughput."""
+        n = sum(max(len(r.tokens) - 1, 0) for r in self.rows)
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the generation loop: s6-s9 (prefill, decode), s10-s12 (sample), for every row at once
+
+
+def prefill(model: Transformer, idx: torch.Tensor, cache: KVCache, observed=contextlib.nullcontext,
+            on_progress: Optional[Callable[[int, int], None]] = None, chunk: int = PREFILL_CHUNK, *,
+            input_pos: Optional[torch.Tensor] = None, padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run the prompts idx (B, T) into the empty cache; the logits (B, V) of their last slot.
+
+    A prompt longer than `chunk` tokens goes through in passes of `chunk` (each attends to the slots cached before
+    it), so memory stays bounded however long the prompt. Only the last pass is observed (`observed()`: the scope
+    the observer asked for): it is the one whose logits the first token comes from. `on_progress(done, total)` is
+    called after each pass of a chunked prefill. A left-padded batch gives its rows' positions `input_pos` (B, T)
+    and `padding` (B, T), False at pad slots; None (the default) for rows without padding."""
+    T = idx.size(1)
+    last = prefill_split(T, chunk)  # the last pass covers [last, T)
+    for s in range(0, last, chunk):
+        model(idx[:, s : s + chunk], cache, s, input_pos=_cols(input_pos, s, s + chunk),
+              attention_mask=_cols(padding, 0, s + chunk))
+        if on_progress is not None:
+            on_progress(s + chunk, T)
+    with observed():
+        logits = model(idx[:, last:], cache, last, input_pos=_cols(input_pos, last, T), attention_mask=padding,
+                       last_only=True)
+    if on_progress is not None and last > 0:
+        on_progress(T, T)
+    return logits
+
+
+def _cols(x: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+    return None if x is None else x[:, a:b]
+
+
+@torch.inference_mode()
+def generate(
+    lm: LoadedModel,
+    prompt_ids: list[int],
+    sampler: Sampler,
+    max_new_tokens: int,
+    stop_texts: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    observer: Optional[GenerationObserver] = None,
+    on_text=None,
+    compiled: Optional[CompiledDecode] = None,
+    on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens after `prompt_ids`. `on_text(str)` receives the text as it streams.
+
+    `compiled` (compile_decode): runs the one-token decode passes that nothing observes. max_new_tokens 0 is a
+    prefill-only run: the observer gets `on_prediction` (what the model would predict next) and no token is taken.
+    A prompt that leaves less room in the context window than max_new_tokens gets what is left."""
+    max_new_tokens = check_context(lm, len(prompt_ids), max_new_tokens)
+    return _generate(lm, [list(prompt_ids)], [sampler], max_new_tokens, stop_texts, ignore_eos, observer,
+                     on_prefill_progress, batched=False, on_text=on_text, compiled=compiled).rows[0]
+
+
+@torch.inference_mode()
+def generate_batch(
+    lm: LoadedModel,
+    prompts: list[list[int]],
+    samplers: list[Sampler],
+    max_new_tokens: int,
+    stop_texts: tuple[str, ...] = (),
+    ignore_eos: bool = False,
+    observer=None,
+    on_prefill_progress: Optional[Callable[[int, int], None]] = None,
+) -> BatchResult:
+    """Generate after each of B prompts at once: one forward pass per step for the whole batch.
+
+    The prompts are left-padded (pad_batch); the attention mask hides pad slots from every query and each row's
+    RoPE positions start at 0 at its first real token, so each row computes what it would alone. Row r samples with
+    samplers[r] (its own seed and history). A row stops at its own EOS, stop text or limit; after that it is fed
+    the pad id at slots its mask hides, and it reports nothing more. The observer (a GenerationObserver with
+    `on_batch`) gets `on_start` with row 0's prompt and all rows, `on_batch(layout)`, then each row's StepRecord
+    with `row` set. A batch that does not fit the context window is refused (check_batch_context)."""
+    check_batch_context(lm, prompts, max_new_tokens)
+    return _generate(lm, prompts, samplers, max_new_tokens, stop_texts, ignore_eos, observer, on_prefill_progress,
+                     batched=True)
+
+
+def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler], max_new_tokens: int,
+              stop_texts: tuple[str, ...], ignore_eos: bool, observer, on_prefill_progress, *, batched: bool,
+              on_text=None, compiled: Optional[CompiledDecode] = None) -> BatchResult:
+    """The one generation loop, for B rows (B = 1: one prompt). `batched`: the observer hears of rows (on_batch,
+    "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has."""
+    model, tok, device = lm.model, lm.tokenizer, lm.device
+    B = len(prompts)
+    layout = pad_batch(prompts, tok)  # s3; one prompt is a row without padding
+    T = len(layout.ids[0])
+    pads = [T - len(p) for p in prompts]  # a row's position is its slot less its pad slots
+    padded = any(pads)
+    rows = [GenerationResult(prompt_ids=list(p)) for p in prompts]
+    result = BatchResult(layout=layout, rows=rows)
+    eos = set() if ignore_eos else set(tok.eos_ids)
+    want_ledger = observer is not None and observer.wants_ledger()
+    S = T + max(max_new_tokens, 1)
+    cache = model.new_cache(S, batch=B)
+    mask = None  # (B, S): True at the slots a row really fills; a row that ends early makes pad slots of the rest
+    if B > 1:
+        mask = torch.zeros((B, S), dtype=torch.bool, device=device)
+        mask[:, :T] = torch.tensor(layout.attention_mask, dtype=torch.bool, device=device)
+    streams = [TextStream(tok) for _ in range(B)]
+    histories = [list(p) for p in prompts]
+    live = list(range(B))  # rows still generating
+    emitted = 0  # characters of text already passed to on_text (a one-prompt run's)
+    tag = (lambda r: {"row": r}) if batched else (lambda r: {})  # what the observer's records say of the row
+    # Ctrl-C anywhere from here on ends the run as "interrupted", and the observer still gets its on_end. The start
+    # and the end are held whole (a Ctrl-C during them is taken once they are done), so their events are never cut.
+    try:
+        if observer is not None:
+            with sigint_deferred():
+                if batched:
+                    observer.on_start(lm, list(prompts[0]), samplers[0], batch=[list(p) for p in prompts],
+                                      samplers=samplers)
+                    observer.on_batch(layout)
+                else:
+                    observer.on_start(lm, list(prompts[0]), samplers[0])
+        scopes = {phase: _scope(model, observer, phase) for phase in ("prefill", "decode")}
+        decode_scope = scopes["decode"]
+        t_start = time.perf_counter()
+        idx = torch.tensor(layout.ids, dtype=torch.long, device=device)  # (B, T)
+        start, step = 0, 0
+        with contextlib.ExitStack() as held:
+            while True:
+                phase = "prefill" if step == 0 else "decode"
+                t0 = time.perf_counter()
+                if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
+                    first = prefill_split(T) if step == 0 else start
+                    observer.before_forward(step, phase, first, start + idx.size(1) - first)
+                if step == 0:  # s6-s9 over the prompts
+                    logits = prefill(model, idx, cache, scopes["prefill"], on_prefill_progress,
+                                     **_padding(layout, mask, T, device) if padded else {})
+                    if decode_scope is not contextlib.nullcontext:
+                        held.enter_context(decode_scope())  # one scope for every decode pass
+                elif padded or len(live) < B:  # s6-s9 for one token a row, some rows with pad slots to hide
+                    input_pos = torch.tensor([start - n for n in pads], dtype=torch.long, device=device)[:, None]
+                    logits = model(idx, cache, start, input_pos=input_pos, attention_mask=mask[:, : start + 1],
+                                   last_only=True)
+                elif decode_scope is contextlib.nullcontext:  # the same, no padding, nothing observes it
+                    logits = decode_step(model, compiled, idx, cache, start, next_of_same_run=step > 1)
+                else:
+                    logits = model(idx, cache, start, last_only=True)
+                logits = logits.float()  # (B, V): the sampler works in float32
+                if observer is not None:
+                    observer.after_forward(step)
+                if max_new_tokens == 0:
+                    result.prefill_s = time.perf_counter() - t_start
+                    if observer is not None:
+                        for r in range(B):  # what each row would take: s10-s12
+                            _, ledger = samplers[r].sample(logits[r], histories[r], ledger=True)
+                            observer.on_prediction(ledger, len(prompts[r]), kv_facts(cache), **tag(r))
+                    break
+                picked = [(r, *samplers[r].sample(logits[r], histories[r], ledger=want_ledger)) for r in live]
+                t1 = time.perf_counter()  # s10-s12 done
+                if step == 0:
+                    result.prefill_s = t1 - t_start
+                else:
+                    result.decode_s += t1 - t0
+                start += idx.size(1)
+                # a token, its step event and the row's bookkeeping go together: a Ctrl-C here waits for them, so the
+                # summary never lists a token whose step was not reported
+                with sigint_deferred():
+                    for r, token, ledger in picked:
+                        histories[r].append(token)
+                        rows[r].tokens.append(token)
+                        piece = "" if token in eos else streams[r].push(token)  # the EOS marker is not output text
+                        if observer is not None:
+                            observer.on_step(StepRecord(step=step, phase=phase, position=start - pads[r], token=token,
+                                                        text=piece, ledger=ledger, kv=kv_facts(cache),
+                                                        ms=(t1 - t0) * 1e3), **tag(r))
+                        hit = _find_stop(streams[r].text, stop_texts)
+                        if token in eos:
+                            rows[r].stop_reason = "eos"
+                        elif hit is not None:
+                            rows[r].stop_reason = "stop_text"
+                            streams[r].text = streams[r].text[:hit]
+                        else:
+                            if on_text is not None and piece:
+                                emitted = _stream(on_text, streams[r].text, emitted, stop_texts)
+                            if len(rows[r].tokens) < max_new_tokens:
+                                continue
+                        live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
+                if not live:
+                    break
+                if mask is not None:
+                    mask[live, start] = True
+                fed = [[rows[r].tokens[-1]] if r in live else [layout.pad_id] for r in range(B)]
+                idx = torch.tensor(fed, dtype=torch.long, device=device)  # (B, 1)
+                step += 1
+    except KeyboardInterrupt:
+        result.interrupted = True
+        for r in live:
+            rows[r].interrupted = True
+            rows[r].stop_reason = "interrupted"
+    for r in range(B):
+        rows[r].text = streams[r].text
+        rows[r].prefill_s = rows[r].ttft_s = result.prefill_s
+        rows[r].decode_s = result.decode_s
+    if on_text is not None and len(rows[0].text) > emitted:
+        on_text(rows[0].text[emitted:])
+    if observer is not None:
+        with sigint_deferred():
+            observer.on_end(result if batched else rows[0])
+    return result
+
+
+def _padding(layout: BatchLayout, mask: torch.Tensor, T: int, device) -> dict:
+    """prefill's arguments for a left-padded batch: each row's positions and its pad slots, (B, T) each."""
+    return {"input_pos": torch.tensor(layout.position_ids, dtype=torch.long, device=device), "padding": mask[:, :T]}
+
+
+def _stream(on_text, text: str, emitted: int, stop_texts: tuple[str, ...]) -> int:
+    """Pass on_text the text after `emitted`, holding back a tail that could still grow into a stop text; the
+    characters passed on so far."""
+    safe = len(text) - _partial_stop(text, stop_texts)
+    if safe > emitted:
+        on_text(text[emitted:safe])
+        return safe
+    return emitted
+
+
+def _scope(model: Transformer, observer: Optional[GenerationObserver], phase: str):
+    """A factory of the observation scope for the passes of `phase`: what the observer asked for, or nothing."""
+    wanted = observer.observation(phase) if observer is not None else None
+    if wanted is None:
+        return contextlib.nullcontext
+    return functools.partial(model.observed, observer, **wanted)
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> Optional[int]:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is the beginning of some stop text."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

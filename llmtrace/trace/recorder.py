@@ -1,0 +1,389 @@
+"""Recording a trace: the events of one run, as plain dicts following the schema `llmtrace.trace/1`.
+
+`Recorder` is both observers at once:
+- the model's observer (`with model.observed(recorder, ...)`, opened by the generation loop), called at each named
+  point of the forward pass; it keeps the shape, dtype and summary statistics of the points it was asked for.
+  Statistics stay on the device until the pass ends and then cross to the host in one transfer;
+- the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
+
+Events go to sinks (the JSONL stream and JSON document of `sinks.py`, the terminal renderer). Renderers never see the
+model, only events, so a saved trace can be shown again without it (`llmtrace show`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from llmtrace.version import __version__
+from llmtrace.trace.events import LAYER_LEVEL_POINTS, LAYER_POINTS, SCHEMA_ID, SEED_STEP, summary_event
+from llmtrace.trace.records import model_record, path_record, rounded as _round, tokens_event
+from llmtrace.trace.sinks import ENCODER as _ENCODER
+from llmtrace.trace.stats import rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
+from llmtrace.trace.options import TraceOptions
+
+
+
+@functools.cache
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
+    """A point may be tapped as a broadcast view: a stride-0 dimension that repeats the entries of the dimension before
+    it, as GQA's repeated keys (B, Hkv, G, S, Dh) do (repeat_kv's expand). Such a view is recorded as the tensor it
+    stands for, each broadcast dimension merged into the one before it ((B, H, S, Dh) for the keys). Its
+    statistics are taken over its distinct entries, each counted as often as it repeats, so nothing is copied.
+
+    Returns (the recorded shape, the distinct entries as a view, how often each repeats): (x.shape, x, 1) for a
+    tensor without broadcast dimensions.
+    """
+    if 0 not in x.stride()[1:]:
+        return x.shape, x, 1
+    sizes, kept_sizes, kept_strides, count = [x.size(0)], [x.size(0)], [x.stride(0)], 1
+    for n, st in zip(x.shape[1:], x.stride()[1:]):
+        if st == 0 and n > 1:
+            sizes[-1] *= n
+            count *= n
+        else:
+            sizes.append(n)
+            kept_sizes.append(n)
+            kept_strides.append(st)
+    return torch.Size(sizes), x.as_strided(kept_sizes, kept_strides), count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the recorder
+
+
+class TensorEvent(dict):
+    """A tensor event: a plain dict to every sink, which may also carry its own JSON text.
+
+    A full trace writes 574 of them per step, and encoding them took about a third of what tracing cost (~8 of ~23 ms
+    a step, measured by leaving the encoding out). For the common kind (no extra fields such as a dump or a mask
+    count, finite statistics) the recorder writes the line itself from parts it encoded once per pass, and `line`
+    holds it: the same text `_ENCODER.encode(event)` gives (tests/test_trace.py checks every event of a full trace).
+    `line` is None otherwise, and must not be set on an event that is changed afterwards."""
+
+    line: Optional[str] = None  # (a class default: a Python __init__ would cost more than the dict itself)
+
+
+# The points the attention sub-layer reports (Attention's taps): observing any of them observes that sub-layer.
+ATTENTION_POINTS = ("q", "k", "v", "q_rope", "k_rope", "kv_write", "k_repeated", "scores", "probs", "attn_out", "o_proj")
+
+
+class Recorder:
+    """Records one generation run as events and passes each event to the sinks as it happens. A pure observer: the
+    generation loop opens the observation scope it asks for (`observation`) and hands it every fact it reports."""
+
+    def __init__(self, options: TraceOptions, sinks: list[Callable[[dict], None]], run_info: Optional[dict] = None):
+        self.options = options
+        self.sinks = sinks
+        self.run_info = run_info or {}
+        self.step = 0
+        self.phase = "prefill"
+        self._pending: list[tuple[TensorEvent, int, Optional[dict], str]] = []  # (tensor event without its stats,
+        #                                           stat index, extra fields or None, its JSON from "name" to "dtype")
+        self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
+        self._taps: list[tuple] = []  # (layer, name, tensor, dumped, row or None), kept for _reduce_queue
+        self._queued = 0  # elements in self._taps
+        self._layouts: dict[tuple, tuple] = {}  # see _layout; cleared after each pass
+        self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
+        self._stat_order: list[int] = []  # the stat index of each row of those blocks
+        self._n_stats = 0
+        self._shape_table: Optional[list[dict]] = None
+        self._config = None  # the model's config, from on_start
+        self._rows = 1  # rows of the batch (on_start): with more than one, every tensor is recorded per row
+
+    # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def emit(self, event: dict) -> None:
+        for sink in self.sinks:
+            sink(event)
+
+    def wants_ledger(self) -> bool:
+        return self.options.level != "none"
+
+    def _layer_selected(self, layer: int) -> bool:
+        return self.options.layers is None or layer in self.options.layers
+
+    def _wanted(self, layer: Optional[int], name: str) -> bool:
+        """Are statistics of this point recorded in the current pass?"""
+        level = self.options.level
+        if self._dumped(layer, name):
+            return True
+        if level == "full":
+            return layer is None or self._layer_selected(layer)
+        if level == "layers":
+            return layer is None or (name in LAYER_LEVEL_POINTS and self._layer_selected(layer))
+        if level == "steps":  # per-layer detail only for the prefill, and only if --layers narrowed it
+            return self.step == 0 and layer is not None and self.options.layers is not None and self._layer_selected(layer)
+        return False
+
+    def _dumped(self, layer: Optional[int], name: str) -> bool:
+        return any(d == name or (layer is not None and self._dump_target(d) == (layer, name)) for d in self.options.dump)
+
+    def _dump_target(self, dump: str) -> Optional[tuple[int, str]]:
+        """(layer, point) of a --dump entry that names a layer ("3.probs", "-1.q"), else None."""
+        lay, dot, name = dump.partition(".")
+        if not dot or not lay.lstrip("-").isdigit():
+            return None
+        n_layers = self.run_info.get("n_layers", 0)
+        return (int(lay) + n_layers if int(lay) < 0 else int(lay)), name
+
+    # -- the model's observer ------------------------------------------------------------------------------------
+
+    # A pass keeps the tensors it records and reduces them in batches: at the end of the pass, or sooner once they
+    # hold this many elements (which bounds the memory they keep alive).
+    QUEUE_ELEMENTS = 1 << 22
+
+    def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
+        # Called at every named point of every observed pass (574 per step at --trace full): it only keeps the tensor.
+        # Shapes, events and statistics are made for the whole batch in _reduce_queue.
+        wanted = self._wanted_memo.get((layer, name, self.step == 0))
+        if wanted is None:
+            wanted = self._wanted_memo[(layer, name, self.step == 0)] = (self._wanted(layer, name), self._dumped(layer, name))
+        if self._shape_table is not None:
+            self._note_shape(layer, name, x)
+        if not wanted[0]:
+            return  # the common case of a point nobody asked for: a dictionary look-up
+        if self._rows > 1:  # a batch: one event per row (kv_write's positions are the same slots for every row)
+            for r in range(self._rows):
+                self._taps.append((layer, name, x if name == "kv_write" else x[r : r + 1], wanted[1], r))
+        else:
+            self._taps.append((layer, name, x, wanted[1], None))
+        self._queued += x.numel()
+        if self._queued >= self.QUEUE_ELEMENTS:
+            self._reduce_queue()
+
+    def _note_shape(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
+        """The prefill's shape table: each point once, from the model-level points and layer 0."""
+        if (layer is None or layer == 0) and not any(r["name"] == name and r["layer"] == layer for r in self._shape_table):
+            self._shape_table.append({"layer": layer, "name": name, "shape": list(self._layout(name, x)[0]),
+                                      "dtype": _dtype_name(x.dtype)})
+
+    def _layout(self, name: str, x: torch.Tensor) -> tuple:
+        """What a point's tensor layout means for the trace, worked out once per pass for all the layers that share it:
+        (recorded shape, the view of its distinct entries or None, how often each repeats, statistics group key, dtype
+        name, the event's JSON from "name" to "dtype"). The recorded shape drops the batch dimension, except for
+        kv_write (its tensor is the positions written)."""
+        key = (name, x.shape, x.stride(), x.dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            full_shape, distinct, repeats = _unbroadcast(x)
+            shape = list(full_shape[1:]) if name != "kv_write" else list(full_shape)
+            view = None if distinct is x else (distinct.shape, distinct.stride())
+            # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
+            group = (distinct.shape, x.dtype, x.device, name == "scores")
+            dtype = _dtype_name(x.dtype)
+            part = {"name": name, "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": dtype}
+            layout = self._layouts[key] = (shape, view, repeats, group, dtype, _ENCODER.encode(part)[1:-1])
+        return layout
+
+    def _reduce_queue(self) -> None:
+        """Events and statistics of every tensor kept since the last call. Tensors of one shape are stacked into a
+        matrix and reduced along its rows, so a pass costs a few reductions per distinct shape (about ten) rather than
+        a few per tensor (hundreds)."""
+        if not self._taps:
+            return  # a pass nothing recorded (every pass of --trace none and most of --trace steps)
+        groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
+        step, phase = self.step, self.phase
+        for layer, name, x, dumped, row in self._taps:
+            shape, view, repeats, group, dtype, json_part = self._layout(name, x)
+            i = self._n_stats
+            self._n_stats += 1
+            groups.setdefault(group, []).append((i, x if view is None else x.as_strided(*view), repeats))
+            extra = None
+            if name == "kv_write":
+                positions = x.tolist()
+                extra = {"positions": [positions[0], positions[-1]] if positions else []}
+            if dumped:
+                values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
+                extra = (extra or {}) | {"values": (values[0] if name != "kv_write" else values).detach().float().cpu()}
+            event = TensorEvent(event="tensor", step=step, phase=phase, layer=layer, name=name,
+                                seed_step=SEED_STEP.get(name), shape=list(shape), dtype=dtype)
+            if row is not None:
+                event["row"] = row
+            self._pending.append((event, i, extra, json_part))
+        self._taps.clear()
+        self._queued = 0
+        with torch.no_grad():  # the statistics are observations, never part of a graph
+            for (_, _, _, finite_only), members in groups.items():
+                m = torch.stack([x for _, x, _ in members])
+                rows = _stat_rows(m.view(len(members), -1), finite_only)
+                if any(c != 1 for _, _, c in members):  # broadcast views: every distinct element stands for c
+                    counts = torch.tensor([c for _, _, c in members], dtype=rows.dtype, device=rows.device)
+                    rows[:, [0, 1, 4]] *= counts[:, None]  # sum, sum of squares and count scale; min and max do not
+                self._stats.append(rows)
+                self._stat_order.extend(i for i, _, _ in members)
+
+    # -- the generation loop's observer ------------------------------------------------------------------------
+
+    def observation(self, phase: str) -> Optional[dict]:
+        """Which passes and layers the generation loop should let this recorder observe (`Transformer.observed`'s
+        keyword arguments), or None. The prefill is observed for its shape table (model-level points and layer 0);
+        decode passes only at --trace layers/full or with --dump (which records at every level, none included)."""
+        o = self.options
+        every = o.level in ("layers", "full")
+        if (o.level == "none" and not o.dump) or (phase == "decode" and not every and not o.dump):
+            return None
+        if every:
+            layers = None if o.layers is None else set(o.layers)
+        else:  # steps: layer detail only in the prefill, and only where --layers asked for it
+            layers = set(o.layers or ()) if phase == "prefill" else set()
+        if phase == "prefill" and layers is not None:
+            layers.add(0)  # the shape table's layer
+        dumped = self._dump_layers(o.dump)
+        layers = None if layers is None or dumped is None else sorted(layers | dumped)
+        if phase == "prefill" or o.level == "full":
+            return {"layers": layers}  # attention too: spelled out where observed
+        # decode at --trace layers/steps: the residual stream, and the attention of layers whose attention is dumped
+        attention = self._dump_layers([d for d in o.dump if d.split(".")[-1] in ATTENTION_POINTS])
+        return {"layers": layers, "attention": attention if attention is None else sorted(attention)}
+
+    def _dump_layers(self, dumps) -> Optional[set[int]]:
+        """The layers a list of --dump points names; None: every layer (a layer point named without a layer)."""
+        out = set()
+        for d in dumps:
+            target = self._dump_target(d)
+            if target is not None:
+                out.add(target[0])
+            elif d in LAYER_POINTS:
+                return None
+        return out
+
+    def on_start(self, lm, prompt_ids: list[int], sampler, batch: Optional[list[list[int]]] = None,
+                 samplers: Optional[list] = None) -> None:
+        """The run's facts: read once, nothing kept but the config and the tokenizer (for token pieces). A batch
+        (`batch`: every row's prompt ids, `samplers` their samplers) gets one tokens event per row, with "row"."""
+        c = self._config = lm.config
+        self._rows = len(batch) if batch is not None else 1
+        self.run_info["n_layers"] = c.n_layers
+        self._tok = lm.tokenizer
+        self.emit({
+            "event": "run",
+            "schema": SCHEMA_ID,
+            "llmtrace_version": __version__,
+            "model": model_record(lm),
+            "device": str(lm.device),
+            "dtype": _dtype_name(lm.dtype),
+            **path_record(lm),  # "exact", and on the fast path what it computes with
+            "threads": self.run_info.get("threads"),  # torch's CPU threads, as the CLI set them
+            "sampling": sampler.config.to_dict() | {"seed": sampler.seed},
+            "prompt": self.run_info.get("prompt", ""),
+            "chat": self.run_info.get("chat", False),
+            "compiled": self.run_info.get("compiled", {"decode_step": False}),
+            "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
+        } | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
+              "row_seeds": [s.seed for s in samplers]} if batch is not None else {}))
+        for row, ids in enumerate(batch) if batch is not None else [(None, prompt_ids)]:
+            self.emit(tokens_event(self._tok, ids) | ({} if row is None else {"row": row}))
+
+    def on_batch(self, layout) -> None:
+        """s3: the padded batch as the first pass sees it (generate.BatchLayout)."""
+        self.emit({"event": "batch", "rows": len(layout.ids), "ids": layout.ids, "attention_mask": layout.attention_mask,
+                   "position_ids": layout.position_ids, "pad_id": layout.pad_id, "pad_source": layout.pad_source,
+                   "pad_piece": self._tok.piece(layout.pad_id)})
+
+    def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
+        self.step, self.phase = step, phase
+        self._n_tokens = n_tokens
+        if step == 0 and self.options.level != "none":
+            self._shape_table = []
+
+    def after_forward(self, step: int) -> None:
+        self._reduce_queue()
+        values: list = [None] * self._n_stats  # (mean, std, min, max, norm, count) of each recorded tensor
+        if self._stats:  # one transfer for the whole pass, then rounded in one batch
+            for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
+                values[i] = row
+        head = f'{{"event": "tensor", "step": {int(self.step)}, "phase": {_ENCODER.encode(self.phase)}, "layer": '
+        for ev, stat_index, extra, json_part in self._pending:
+            mean, std, lo, hi, norm, count = values[stat_index]
+            ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
+            if ev["name"] == "scores":
+                ev["masked"] = int(math.prod(ev["shape"]) - count)
+            if extra is not None:
+                if "positions" in extra:
+                    ev["positions"] = extra["positions"]
+                if "values" in extra:
+                    ev["values"] = extra["values"].tolist()
+            elif len(ev) == 9 and None not in (mean, std, lo, hi, norm):  # the common case: its JSON line made here
+                layer = "null" if ev["layer"] is None else int(ev["layer"])
+                ev.line = (f'{head}{layer}, {json_part}, "stats": {{"mean": {mean!r}, "std": {std!r}, "min": {lo!r}, '
+                           f'"max": {hi!r}, "norm": {norm!r}}}}}')
+            self.emit(ev)
+        self._pending.clear()
+        self._layouts.clear()
+        self._stats.clear()
+        self._stat_order.clear()
+        self._n_stats = 0
+        if self._shape_table is not None:
+            self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
+                       "n_layers": self._config.n_layers, "points": [dict(r, seed_step=SEED_STEP.get(r["name"]))
+                                                                     for r in self._shape_table]})
+            self._shape_table = None
+
+    def _topk(self, led) -> list[dict]:
+        tok = self._tok
+        return [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
+                for i, lg, p in led.topk[: self.options.topk]]
+
+    def _kv_event(self, kv, row_len: Optional[int] = None) -> dict:
+        """The step event's kv_cache record, from the facts the generation loop handed over. In a batch (row_len:
+        the row's real tokens cached) bytes_used counts that row's real tokens, and batch_bytes_used every row's
+        slots, pads included (bytes_allocated is the whole batch's)."""
+        c = self._config
+        mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * kv.element_size  # the same cache without GQA
+        if row_len is not None:
+            return {"seq_len": row_len, "bytes_per_token": kv.bytes_per_token, "bytes_used": row_len * kv.bytes_per_token,
+                    "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "mha_bytes_used": row_len * mha_bpt,
+                    "batch": self._rows, "batch_seq_len": kv.seq_len,
+                    "batch_bytes_used": self._rows * kv.seq_len * kv.bytes_per_token}
+        return {"seq_len": kv.seq_len, "bytes_per_token": kv.bytes_per_token, "bytes_used": kv.seq_len * kv.bytes_per_token,
+                "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "mha_bytes_used": kv.seq_len * mha_bpt}
+
+    def on_step(self, rec, row: Optional[int] = None) -> None:
+        tok = self._tok
+        ev: dict[str, Any] = {
+            "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
+            **({} if row is None else {"row": row}),
+            "token": {"id": rec.token, "piece": tok.piece(rec.token), "text": tok.decode([rec.token]),
+                      "special": tok.is_special(rec.token)},
+        }
+        led = rec.ledger
+        if led is not None:
+            ev["topk"] = self._topk(led)
+            ev["sampler"] = [{"stage": s.stage, "survivors": s.survivors, "pick_prob": _round(s.pick_prob), "top": s.top}
+                             for s in led.stages]
+            ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
+                         "greedy": led.greedy}
+        ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
+        ev["ms"] = round(rec.ms, 3)
+        self.emit(ev)
+
+    def on_prediction(self, ledger, position: int, kv, row: Optional[int] = None) -> None:
+        """A prefill-only run (-n 0): what the model would predict at `position`; no token was taken."""
+        self.emit({"event": "prediction", "step": 0, "phase": "prefill", "position": position,
+                   **({} if row is None else {"row": row}),
+                   "topk": self._topk(ledger), "kv_cache": self._kv_event(kv, position if row is not None else None)})
+
+    def on_end(self, result) -> None:
+        self.emit(summary_event(result) if not hasattr(result, "rows") else batch_summary_event(result))
+
+
+def batch_summary_event(result) -> dict:
+    """The summary of a batch (generate.BatchResult): the fields of a one-prompt summary describe row 0, except the
+    speeds, which are the whole batch's; "rows" has every row's tokens, text and stop reason."""
+    ev = summary_event(result.rows[0])
+    n_prompt = sum(len(r.prompt_ids) for r in result.rows)
+    ev.update(
+        prefill_tok_s=round(n_prompt / result.prefill_s, 3) if result.prefill_s > 0 else 0.0,
+        decode_tok_s=round(result.decode_tok_s, 3), interrupted=result.interrupted, batch=len(result.rows),
+        rows=[{"row": r, "prompt_tokens": len(x.prompt_ids), "tokens": list(x.tokens), "text": x.text,
+               "stop_reason": x.stop_reason} for r, x in enumerate(result.rows)])
+    return ev
+

@@ -1,0 +1,155 @@
+"""The records that `generate` (trace.Recorder) and `explain`/`lens` (explain.py) both write, defined once: their
+fields (TypedDicts, checked against trace.schema.json by tests/test_trace.py), the builders that make them, and the
+one rounding rule for every float a trace holds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, NotRequired, Optional, TypedDict
+
+SIGNIFICANT_DIGITS = 7  # float32 carries about 7
+
+
+def rounded(x: Any, digits: int = SIGNIFICANT_DIGITS) -> Any:
+    """A float to `digits` significant digits, or None for inf and nan (JSON has neither); other values as they are.
+    Every float of a trace goes through this rule (stats.round_tensor applies it to a batch at once)."""
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return None
+        return float(f"%.{digits}g" % x)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the records
+
+
+class TokenRecord(TypedDict):
+    """One token of the prompt: its position, id, vocabulary piece, decoded text, and whether it is special."""
+
+    index: int
+    id: int
+    piece: str
+    text: str
+    special: bool
+
+
+class TokensEvent(TypedDict):
+    event: str  # "tokens"
+    tokens: list[TokenRecord]
+    count: int
+
+
+class StatsRecord(TypedDict):
+    """A tensor's summary statistics (stats.tensor_stats), rounded; None for a non-finite value."""
+
+    mean: Optional[float]
+    std: Optional[float]
+    min: Optional[float]
+    max: Optional[float]
+    norm: Optional[float]
+
+
+class ModelRecord(TypedDict):
+    """The model a trace was made with: its config, parameter count and how its weights are stored."""
+
+    name: str
+    source: str
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    rms_eps: float
+    tie_embeddings: bool
+    max_seq_len: int
+    n_params: int
+    storage: list[dict]
+
+
+class FastRecord(TypedDict):
+    """The fast path (--fast): the dtype activations are computed in, how the int4 kernel was chosen (llmtrace.model.fast.
+    choose_kernel) and the matrices that run in bfloat16 instead. Each matrix's kernel is in the model's storage."""
+
+    compute_dtype: str
+    kernel_choice: dict
+    bf16_matrices: list[str]
+
+
+class PathRecord(TypedDict):
+    """Whether the run computes the exact values (the float path, --keep-quantized) or approximates them (--fast)."""
+
+    exact: bool
+    fast: NotRequired[FastRecord]
+
+
+class ExplainModelRecord(ModelRecord):
+    """explain and lens also say where the model ran and whether exactly (generate's run event says it beside the
+    model)."""
+
+    device: str
+    dtype: str
+    exact: bool
+    fast: NotRequired[FastRecord]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the builders
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def token_record(tok, index: int, tid: int) -> TokenRecord:
+    return {"index": index, "id": tid, "piece": tok.piece(tid), "text": tok.decode([tid]), "special": tok.is_special(tid)}
+
+
+def tokens_event(tok, ids: list[int]) -> TokensEvent:
+    """The `tokens` event: the prompt, token by token."""
+    return {"event": "tokens", "tokens": [token_record(tok, i, t) for i, t in enumerate(ids)], "count": len(ids)}
+
+
+def model_record(lm) -> ModelRecord:
+    """The model's record, from a loaded model (llmtrace.loader.LoadedModel)."""
+    from llmtrace.model.quant import storage_table, weight_count
+
+    c = lm.config
+    return {"name": lm.name, "source": lm.source, "arch": c.arch, "n_layers": c.n_layers, "d_model": c.d_model,
+            "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
+            "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
+            "rope_scaling": json.loads(json.dumps(c.rope_scaling)) if c.rope_scaling is not None else None,
+            "rms_eps": rounded(c.rms_eps), "tie_embeddings": c.tie_embeddings, "max_seq_len": c.max_seq_len,
+            "n_params": weight_count(lm.model), "storage": storage_table(lm.model)}
+
+
+def path_record(lm) -> PathRecord:
+    """{"exact": True}, or {"exact": False, "fast": FastRecord} for a model loaded with --fast."""
+    fast = lm.config.extra.get("fast")
+    if not fast:
+        return {"exact": True}
+    return {"exact": False, "fast": {"compute_dtype": dtype_name(lm.dtype), "kernel_choice": fast["kernel_choice"],
+                                     "bf16_matrices": list(fast["bf16_matrices"])}}
+
+
+def fast_parts(fast: dict) -> list[str]:
+    """The fast path in words, for the terminal's headers and the report: what it computes with, and why those
+    kernels."""
+    choice = fast["kernel_choice"]
+    why = {"cuda": "on CUDA", "cpu capability": f"CPU capability {choice.get('capability')}"}.get(
+        choice["by"], f"measured at load on {choice.get('capability')}: int4 {choice.get('int4_ms')} ms, bf16 "
+                      f"{choice.get('bf16_ms')} ms a GEMV")
+    kernel = "int4 kernel" if choice["int4"] else "bf16 matrices (int4 kernel not chosen)"
+    return ["--fast: approximate, not the exact values", f"{fast['compute_dtype']} activations, float32 norm and "
+            f"softmax statistics", f"{kernel} ({why})"]
+
+
+def explain_model_record(lm) -> ExplainModelRecord:
+    return {**model_record(lm), "device": str(lm.device), "dtype": dtype_name(lm.dtype), **path_record(lm)}

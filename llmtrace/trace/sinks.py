@@ -1,0 +1,104 @@
+"""Writing a trace as it happens: the JSONL stream and the JSON document, without torch.
+
+The stream is written to the file the user named, line by line, so that a reader can follow it (`tail -f`) and a run
+that dies leaves a prefix in which every complete line parses. The document is one JSON value, so it is written whole
+under a temporary name and renamed over the target at the end (`fsutil.write_text_atomic`), or not at all.
+
+Neither needs the model or torch: the command opens its stream before the model loads, so that a Ctrl-C during the
+load still ends the stream with a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from llmtrace.errors import LlmtraceError
+from llmtrace.trace.events import SCHEMA_ID
+from llmtrace.fsutil import sigint_deferred
+
+# One encoder for every event: json.dumps with options builds a new one per call.
+ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+
+
+class JsonlSink:
+    """One JSON object per line to FILE (`-` is stdout), written as the events come.
+
+    FILE is created, or emptied if it exists, by the first event, so a command that fails before its run starts leaves
+    an existing FILE alone. Lines are written whole: the tensor events of a forward pass are held and written together
+    with the event that follows them, in one write call, and flushed. So a reader sees each step as it ends and never
+    half a line (except after a crash, which can cut the last one)."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.started = False  # something has been written
+        self.ended = False  # the last event written was the summary
+        self._held: list[str] = []  # lines of tensor events not written yet
+        self._fd: Optional[int] = None
+
+    def __call__(self, event: dict) -> None:
+        # A tensor event may carry its JSON line already (trace.TensorEvent.line).
+        self._held.append(getattr(event, "line", None) or ENCODER.encode(event))
+        kind = event.get("event")
+        self.ended = kind == "summary"
+        if kind != "tensor":  # one write per step instead of hundreds at --trace full
+            self._write_held()
+
+    def _write_held(self) -> None:
+        if not self._held:
+            return
+        with sigint_deferred():  # a Ctrl-C waits until the lines are out whole
+            text = "\n".join(self._held) + "\n"
+            self._held.clear()
+            self.started = True
+            if self.target == "-":
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                return
+            if self._fd is None:
+                self._fd = self._open()
+            data = memoryview(text.encode("utf-8"))
+            while data:  # one call writes it all, but a write may legally stop short
+                data = data[os.write(self._fd, data):]
+
+    def _open(self) -> int:
+        try:  # through a symlink, and in place for a device or a pipe (/dev/null, a FIFO)
+            return os.open(self.target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        except OSError as e:
+            raise LlmtraceError(f"cannot write {self.target}: {e.strerror}; choose another path") from None
+
+    def close(self) -> None:
+        """Write what is held and close the file. What was written stays, whether the run finished or not."""
+        try:
+            self._write_held()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+class JsonDocSink:
+    """Collects every event; `write()` saves one JSON document atomically (never a half-written file)."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self.events: list[dict] = []
+
+    def __call__(self, event: dict) -> None:
+        self.events.append(event)
+
+    def document(self) -> dict:
+        return {"schema": SCHEMA_ID, "events": self.events}
+
+    def write(self) -> None:
+        text = json.dumps(self.document(), ensure_ascii=False, allow_nan=False, indent=None)
+        if self.target == "-":
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+            return
+        from llmtrace.fsutil import write_text_atomic
+
+        write_text_atomic(Path(self.target), text + "\n")
