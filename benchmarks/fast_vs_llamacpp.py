@@ -13,6 +13,10 @@ Prefill: a --prefill-token prompt (real text, benchmarks/passage.txt), `timings.
 summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process, with the process's RSS before the load (Python,
 torch, llmtrace: the baseline) and the KV cache. torch is pinned to --threads (and OMP/MKL threads).
 
+--in-process: the decode arms alternate inside one process instead, --pairs times each (llama.cpp's server object,
+llmtrace exact, --fast, --fast with the compiled step), which cancels most of the drift of a shared machine between
+processes; the figure of each arm is its median over the pairs, and each pair gives one ratio to llama.cpp.
+
 --llama-1b writes random weights shaped like Llama-3.2-1B (benchmarks/scale.py's shape; --layers of its 16) as a
 Q4_0 GGUF with the gguf package's writer and quantizer, in a temporary directory, never in the repository.
 """
@@ -119,6 +123,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-exact", action="store_true", help="leave out the exact float32 arm (slow on big files)")
+    ap.add_argument("--in-process", action="store_true", help="decode arms alternating in one process (see above)")
+    ap.add_argument("--pairs", type=int, default=6, help="alternations of --in-process")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
@@ -136,7 +142,71 @@ def main() -> None:
             from llmtrace.registry.resolve import resolve
 
             gguf = str(resolve(None).path)
-        run(args, gguf)
+        (in_process if args.in_process else run)(args, gguf)
+
+
+def in_process(args, gguf: str) -> None:
+    """Decode tok/s of the four arms, alternating in this process (order reversed every other pair)."""
+    import torch
+    import xllamacpp
+
+    from llmtrace.checkpoint.devices import set_threads
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.run.generate import compile_decode, generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    set_threads(args.threads)
+    p = xllamacpp.CommonParams()
+    p.model.path = gguf
+    p.n_ctx = 1024
+    p.cpuparams.n_threads = p.cpuparams_batch.n_threads = args.threads
+    server = xllamacpp.Server(p)
+    exact = None if args.no_exact else load_model(gguf, device="cpu", dtype="float32")
+    fast = load_model(gguf, device="cpu", fast=True)
+    ids = fast.tokenizer.encode(PROMPT)
+    compiled = compile_decode(fast, len(ids), args.tokens)
+
+    def llmtrace_arm(lm, comp=None):
+        res = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), args.tokens,
+                       ignore_eos=True, compiled=comp)
+        return res.decode_tok_s
+
+    def llama_arm():
+        out = server.handle_completions({"prompt": PROMPT, "n_predict": args.tokens, "temperature": 0,
+                                         "cache_prompt": False, "ignore_eos": True})
+        return out["timings"]["predicted_per_second"]
+
+    arms = {"llama.cpp": llama_arm}
+    if exact is not None:
+        arms["exact eager (float32)"] = lambda: llmtrace_arm(exact)
+    arms["--fast eager"] = lambda: llmtrace_arm(fast)
+    arms["--fast --compile"] = lambda: llmtrace_arm(fast, compiled)
+    names = list(arms)
+    for fn in arms.values():  # warm-up
+        fn()
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(args.pairs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            runs[name].append(arms[name]())
+        print(f"pair {i + 1}: " + ", ".join(f"{n} {runs[n][-1]:.1f}" for n in names), file=sys.stderr, flush=True)
+    base = statistics.median(runs["llama.cpp"])
+    out = {"gguf": os.path.basename(gguf), "threads": args.threads, "tokens": args.tokens, "pairs": args.pairs,
+           "capability": torch.backends.cpu.get_cpu_capability(), "mode": "in-process", "arms": {}}
+    print(f"\n{out['gguf']}, in one process, {args.tokens} tokens, {args.threads} threads, capability "
+          f"{out['capability']}, median of {args.pairs} alternations (per-pair ratios to llama.cpp in brackets)")
+    print("| arm | decode tok/s | / llama.cpp |\n| --- | ---: | ---: |")
+    for name in names:
+        d = statistics.median(runs[name])
+        ratios = [a / b for a, b in zip(runs[name], runs["llama.cpp"])]
+        out["arms"][name] = {"decode_tok_s": d, "decode_ratio": d / base, "runs": runs[name],
+                             "ratios_per_pair": ratios}
+        print(f"| {name} | {d:.1f} | {statistics.median(ratios):.2f}× ({' '.join(f'{r:.2f}' for r in ratios)}) |")
+    if exact is not None:
+        r = [a / b for a, b in zip(runs["--fast eager"], runs["exact eager (float32)"])]
+        out["fast_eager_over_exact_eager"] = r
+        print(f"--fast eager / exact eager decode: {statistics.median(r):.2f}× ({' '.join(f'{x:.2f}' for x in r)})")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def run(args, gguf: str) -> None:

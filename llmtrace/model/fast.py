@@ -95,42 +95,61 @@ def _inner_k_tiles(k: int) -> int:
 # modules
 
 
-class Int4Matmul(nn.Module):
-    """y = x W^T on torch's int4 kernel: W packed from Int4Groups (q, and scale/zero in bfloat16).
+class Int4Packer:
+    """Packs the row blocks of one matrix (of one split kind) as they come, PACK_ROWS rows at a time, so that the
+    unpacked int32 copy of a big matrix (the LM head) never exists whole; the packed bands are stacked (a band is
+    whole tiles of the packing). `finish()` packs the rest, its rows padded to a multiple of 16 with zeros."""
 
-    `blocks` are row blocks of one matrix (of one split kind), packed PACK_ROWS rows at a time, so that the unpacked
-    int32 copy of a big matrix (the LM head) never exists whole; the packed bands are stacked (a band is whole tiles).
-    """
+    def __init__(self, split: bool, device: torch.device):
+        self.split, self.device = split, device
+        self.packed: list[torch.Tensor] = []
+        self.sz: list[torch.Tensor] = []
+        self.pending: list[Int4Groups] = []
+        self.rows = 0
 
-    def __init__(self, blocks: list[Int4Groups], device: torch.device):
-        super().__init__()
-        packed, sz, pending, n = [], [], [], 0
-        split = blocks[0].split
+    def add(self, g: Int4Groups) -> None:
+        self.pending.append(g)
+        self.rows += g.q.size(0)
+        while sum(p.q.size(0) for p in self.pending) >= PACK_ROWS:
+            rows = self._joined()
+            self._pack(Int4Groups(rows.q[:PACK_ROWS], rows.scale[:PACK_ROWS], rows.zero[:PACK_ROWS], self.split))
+            rest = Int4Groups(rows.q[PACK_ROWS:], rows.scale[PACK_ROWS:], rows.zero[PACK_ROWS:], self.split)
+            self.pending = [rest] if rest.q.size(0) else []
 
-        def pack(rows: list[Int4Groups], last: bool) -> None:
-            g = Int4Groups(*(torch.cat([getattr(b, f) for b in rows]) for f in ("q", "scale", "zero")), split)
-            pad = -g.q.size(0) % 16 if last else 0  # the packing takes rows in multiples of 16: pad with zeros
+    def _joined(self) -> Int4Groups:
+        if len(self.pending) == 1:
+            return self.pending[0]
+        return Int4Groups(*(torch.cat([getattr(p, f) for p in self.pending]) for f in ("q", "scale", "zero")),
+                          self.split)
+
+    def _pack(self, g: Int4Groups) -> None:
+        w, sz = pack_int4(g, self.device)
+        self.packed.append(w)
+        self.sz.append(sz)
+
+    def finish(self) -> "Int4Matmul":
+        if self.pending:
+            g = self._joined()
+            pad = -g.q.size(0) % 16  # the packing takes rows in multiples of 16: padded rows are zeros
             if pad:
                 g = Int4Groups(F.pad(g.q, (0, 0, 0, pad), value=8), F.pad(g.scale, (0, 0, 0, pad)),
-                               F.pad(g.zero, (0, 0, 0, pad)), split)
-            w, s = pack_int4(g, device)
-            packed.append(w)
-            sz.append(s)
+                               F.pad(g.zero, (0, 0, 0, pad)), self.split)
+            self._pack(g)
+            self.pending = []
+        packed = self.packed[0] if len(self.packed) == 1 else torch.cat(self.packed)
+        sz = self.sz[0] if len(self.sz) == 1 else torch.cat(self.sz, dim=1)
+        return Int4Matmul(packed, sz, self.rows, self.split, self.device)
 
-        for b in blocks:
-            pending.append(b)
-            n += b.q.size(0)
-            held = sum(p.q.size(0) for p in pending)
-            while held >= PACK_ROWS:
-                rows = Int4Groups(*(torch.cat([getattr(p, f) for p in pending]) for f in ("q", "scale", "zero")), split)
-                pack([Int4Groups(rows.q[:PACK_ROWS], rows.scale[:PACK_ROWS], rows.zero[:PACK_ROWS], split)], last=False)
-                rest = Int4Groups(rows.q[PACK_ROWS:], rows.scale[PACK_ROWS:], rows.zero[PACK_ROWS:], split)
-                pending, held = ([rest] if rest.q.size(0) else []), held - PACK_ROWS
-        if pending:
-            pack(pending, last=True)
-        self.register_buffer("packed", packed[0] if len(packed) == 1 else torch.cat(packed))
-        self.register_buffer("scales_zeros", sz[0] if len(sz) == 1 else torch.cat(sz, dim=1))
-        self.out_features, self.split = n, split
+
+class Int4Matmul(nn.Module):
+    """y = x W^T on torch's int4 kernel: W as packed int4 (Int4Packer) with scales and zeros (K'/32, N, 2) in bf16."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, split: bool,
+                 device: torch.device):
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.out_features, self.split = out_features, split
         self.kernel = INT4_CUDA if device.type == "cuda" else INT4_CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -216,25 +235,28 @@ def fast_linear(raws: list[torch.Tensor], segments: list[Segment], in_features: 
                 int4: bool, bias: Optional[torch.Tensor] = None) -> FastLinear:
     """A FastLinear of a matrix's row segments (raw GGUF bytes on the CPU). `int4`: use the int4 kernel for the
     types that map onto it; else every segment is dense bfloat16."""
-    runs: list[tuple[tuple, list[torch.Tensor]]] = []  # (kernel key, row blocks to stack)
+    parts: list[nn.Module] = []
+    key, dense, packer = None, [], None  # the run of segments being built: its kernel key and what it holds
+
+    def close() -> None:
+        if key == ("dense",):
+            parts.append(DenseMatmul(torch.cat(dense).to(device)))
+        elif key is not None:
+            parts.append(packer.finish())
+
     for raw, seg in zip(raws, segments):
         for r in range(0, raw.size(0), PACK_ROWS):  # a band at a time: the unpacked int32 copy stays small
             band = raw[r : r + PACK_ROWS]
-            if int4 and seg.kind in GROUP_KINDS:
-                g = int4_groups(band, seg.kind)
-                key, block = ("int4", g.split), g
+            g = int4_groups(band, seg.kind) if int4 and seg.kind in GROUP_KINDS else None
+            new_key = ("dense",) if g is None else ("int4", g.split)
+            if new_key != key:
+                close()
+                key, dense, packer = new_key, [], (None if g is None else Int4Packer(g.split, device))
+            if g is None:
+                dense.append(dequantize(band, seg.kind).to(COMPUTE))
             else:
-                key, block = ("dense",), dequantize(band, seg.kind).to(COMPUTE)
-            if runs and runs[-1][0] == key:
-                runs[-1][1].append(block)
-            else:
-                runs.append((key, [block]))
-    parts: list[nn.Module] = []
-    for key, blocks in runs:
-        if key[0] == "dense":
-            parts.append(DenseMatmul(torch.cat(blocks).to(device)))
-        else:
-            parts.append(Int4Matmul(blocks, device))
+                packer.add(g)
+    close()
     return FastLinear(parts, segments, in_features, bias)
 
 
@@ -264,7 +286,9 @@ def _measure_gemv(n: int = 2048, k: int = 2048, calls: int = 8) -> tuple[float, 
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
     groups = Int4Groups(q, torch.full((n, k // GROUP), 0.01), torch.zeros(n, k // GROUP), split=False)
-    int4, dense = Int4Matmul([groups], torch.device("cpu")), DenseMatmul(int4_reference(groups).to(COMPUTE))
+    packer = Int4Packer(False, torch.device("cpu"))
+    packer.add(groups)
+    int4, dense = packer.finish(), DenseMatmul(int4_reference(groups).to(COMPUTE))
     x = torch.randn(1, k, generator=gen).to(COMPUTE)
     out = []
     for fn in (int4, dense):
