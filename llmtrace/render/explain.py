@@ -151,8 +151,8 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
 
         print_parts(console, ["weights", *storage_parts(info["storage"])])
     if info.get("exact") is False:
+        from llmtrace.render.generate import print_parts
         from llmtrace.trace.records import fast_parts
-        from llmtrace.render import print_parts
 
         print_parts(console, fast_parts(info["fast"]), style="yellow")
     toks = tokens["tokens"]
