@@ -41,7 +41,7 @@ Sink = Callable[[dict], None]  # called with each event as it is made
 @dataclass
 class LoadOptions:
     """What `load` takes: the model and where it runs (--model, --device, --dtype, --keep-quantized, --device-map,
-    --max-memory, --offload-dir, --threads)."""
+    --max-memory, --offload-dir, --threads, --fast)."""
 
     spec: Optional[str] = None  # None: the registry's default model
     device: Optional[str] = None
@@ -51,6 +51,7 @@ class LoadOptions:
     max_memory: Optional[Sequence[str]] = None  # ["cuda:0=20GiB", "cpu=32GiB"]
     offload_dir: Optional[Path] = None
     threads: Optional[int] = None
+    fast: bool = False  # a GGUF's matrices on int4 kernels, bfloat16 activations: approximate, and traces say so
     _placement: Any = field(default=(), init=False, repr=False, compare=False)  # () until placement() is called
 
     def placement(self):
@@ -346,7 +347,7 @@ def read_trace(path: Union[str, Path], tokenizer=None) -> Trace:
 
 def load(spec: Optional[str] = None, **options) -> "Model":
     """Load a model: a registry name, hub id, HF directory or .gguf file (None: the default model). Keywords as the
-    CLI's flags: device=, dtype=, keep_quantized=, device_map=, max_memory=, offload_dir=, threads=."""
+    CLI's flags: device=, dtype=, keep_quantized=, device_map=, max_memory=, offload_dir=, threads=, fast=."""
     return load_with(_options(LoadOptions, {"spec": spec, **options}, "load"))
 
 
@@ -358,7 +359,8 @@ def load_with(options: LoadOptions) -> "Model":
     options.check_device()
     devices.set_threads(options.threads)
     return Model(checkpoint.load_model(options.spec, device=options.device, dtype=options.dtype,
-                                       keep_quantized=options.keep_quantized, placement=placement))
+                                       keep_quantized=options.keep_quantized, placement=placement,
+                                       fast=options.fast))
 
 
 class Model:

@@ -46,16 +46,22 @@ class Checkpoint(NamedTuple):
 
 
 def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: Optional[str] = None, *,
-               keep_quantized: bool = False, placement: Optional[Placement] = None) -> LoadedModel:
+               keep_quantized: bool = False, placement: Optional[Placement] = None, fast: bool = False) -> LoadedModel:
     """Resolve a model spec (registry name, hub id, HF directory or .gguf file) and load it ready to run.
 
     Weights are read tensor by tensor straight into the run dtype. `keep_quantized`: a GGUF's matrices stay in their
-    blocks (quantized.py). `placement`: layers spread over devices and disk by accelerate (placement.py). Before any
-    weight is read, the memory they need is checked against what is available (placement.check_fits)."""
+    blocks (quantized.py). `fast`: a GGUF's matrices run from their blocks on torch's int4 kernel, activations in
+    bfloat16 (fast.py; approximate, and traces say so). `placement`: layers spread over devices and disk by accelerate
+    (placement.py). Before any weight is read, the memory they need is checked against what is available
+    (placement.check_fits)."""
     if placement is not None and device is not None:
         raise UsageError("--device and --device-map both place the model; give one (with --device-map, --max-memory "
                          "names the devices)")
+    if fast:
+        check_fast(keep_quantized, placement, dtype, device)
     resolved = resolve(spec)
+    if fast:
+        return load_fast(resolved, device)
     if keep_quantized and resolved.kind != "gguf":
         raise UsageError(f"--keep-quantized keeps a GGUF file's blocks; {resolved.name} is not a GGUF file "
                          f"(use --dtype bfloat16 to halve its memory)")
@@ -77,6 +83,38 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
     return LoadedModel(name=resolved.name, source=resolved.kind, path=resolved.path, config=config, model=model,
                        tokenizer=checkpoint.tokenizer, device=dev, dtype=dt, load_s=time.perf_counter() - t0,
                        converted=checkpoint.converted)
+
+
+def check_fast(keep_quantized: bool, placement, dtype: Optional[str], device: Optional[str] = None) -> None:
+    """--fast with options it does not combine with: one line each, before anything is resolved or loaded."""
+    if keep_quantized:
+        raise UsageError("--fast and --keep-quantized do not combine: --fast already runs from the quantized blocks "
+                         "(approximately, on int4 kernels); --keep-quantized gives the exact values; choose one")
+    if placement is not None:
+        raise UsageError("--fast and --device-map do not combine yet: --fast runs the whole model on one device; "
+                         "choose one")
+    if dtype not in (None, "bfloat16", "bf16"):
+        raise UsageError(f"--fast computes in bfloat16; leave out --dtype {dtype}")
+
+
+def load_fast(resolved, device: Optional[str]) -> LoadedModel:
+    """--fast: a GGUF file's matrices on int4 kernels straight from their blocks, everything else in bfloat16."""
+    from llmtrace.checkpoint.fast import load_gguf_fast
+    from llmtrace.model.fast import COMPUTE
+
+    if resolved.kind != "gguf":
+        raise UsageError(f"--fast runs a GGUF file's quantized blocks on int4 kernels; {resolved.name} is not a GGUF "
+                         f"file (--dtype bfloat16 gives it the fast path's bfloat16 compute)")
+    dev = pick_device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--fast runs on cpu and cuda, not {dev.type}; leave out --fast or give --device cpu")
+    t0 = time.perf_counter()
+    check_fits(resolved.name, resolved.path.stat().st_size, "its quantized blocks", dev)
+    config, model, tokenizer = load_gguf_fast(resolved.path, dev)
+    tokenizer.check_fits(config.vocab_size, str(resolved.path))
+    return LoadedModel(name=resolved.name, source=resolved.kind, path=resolved.path, config=config, model=model,
+                       tokenizer=tokenizer, device=dev, dtype=COMPUTE, load_s=time.perf_counter() - t0,
+                       converted=False)
 
 
 def build(checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, *, keep_quantized: bool = False,

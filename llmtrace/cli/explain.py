@@ -13,7 +13,7 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
+from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
@@ -91,6 +91,7 @@ def explain(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
+    fast: FastOpt = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
@@ -116,7 +117,8 @@ def explain(
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
     _release()
-    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads))
+    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
+                                      fast=fast))
     _output(model_.explain_with(prompts, options), render_explain, jsonl, json_out, html)
 
 
@@ -139,6 +141,7 @@ def lens(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
+    fast: FastOpt = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
@@ -164,7 +167,8 @@ def lens(
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
     _release()
-    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads))
+    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
+                                      fast=fast))
     _output(model_.lens_with(prompts, options), render_lens, jsonl, json_out, html)
 
 

@@ -9,7 +9,7 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
-from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
+from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
                                   ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
 from llmtrace.cli.text_input import NEWLINE_NOTE
@@ -71,6 +71,8 @@ Examples:
 
   llmtrace generate "Once upon a time" -m model.Q4_K_M.gguf --keep-quantized
 
+  llmtrace generate "Once upon a time" --fast --compile --trace none -n 200   # int4 kernels, bf16: approximate
+
   llmtrace generate "Once upon a time" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB
 
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
@@ -130,6 +132,7 @@ def generate(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
+    fast: FastOpt = False,
     device_map: DeviceMapOpt = None,
     max_memory: MaxMemoryOpt = None,
     offload_dir: OffloadDirOpt = None,
@@ -175,7 +178,8 @@ def generate(
         raise UsageError("--save-tensors stores tensors beside a trace file; give --json FILE or --jsonl FILE too")
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch)
     options.check_prompts(prompts)
-    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads)
+    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
+                           fast=fast)
     for note in sampler_notes(options.sampler_config(), bool(logit_bias or ban)):
         print(f"note: {note}", file=sys.stderr)
 

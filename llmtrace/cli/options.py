@@ -66,6 +66,12 @@ KeepQuantizedOpt = Annotated[
     typer.Option("--keep-quantized", help="GGUF only: keep the matrices in their quantized blocks (Q4_0 … Q8_0, "
                  "K-quants) and dequantize each when used; memory stays near the file's size, steps are slower."),
 ]
+FastOpt = Annotated[
+    bool,
+    typer.Option("--fast", help="GGUF only: run the matrices straight from their quantized blocks on torch's int4 "
+                 "kernel, activations in bfloat16. Several times faster, and approximate: the trace says "
+                 "\"exact\": false (README: how far it drifts)."),
+]
 DeviceMapOpt = Annotated[
     Optional[str],
     typer.Option("--device-map", metavar="auto", help="auto: accelerate spreads the layers over GPUs, CPU memory and disk "
@@ -94,21 +100,39 @@ def flag_of(field: str) -> str:
 
 def check_load(model: Optional[str], device: Optional[str], dtype: Optional[str], keep_quantized: bool,
                device_map: Optional[str], max_memory: Optional[list[str]], offload_dir: Optional[Path],
-               threads: Optional[int]):
-    """The load flags as one value (api.LoadOptions), its placement checked before the load (one-line errors)."""
+               threads: Optional[int], fast: bool = False):
+    """The load flags as one value (api.LoadOptions), checked before the load (one-line errors): the placement, and
+    what --fast does not combine with."""
     from llmtrace.api import LoadOptions
 
     args = LoadOptions(spec=model, device=device, dtype=dtype, keep_quantized=keep_quantized, device_map=device_map,
-                       max_memory=max_memory, offload_dir=offload_dir, threads=threads)
+                       max_memory=max_memory, offload_dir=offload_dir, threads=threads, fast=fast)
     args.placement()
+    if fast:
+        from llmtrace.checkpoint.load import check_fast
+
+        check_fast(keep_quantized, args.placement(), dtype)
     return args
 
 
 def load_for_cli(args):
-    """The model of checked load flags (check_load): --device checked before a download, then the load."""
+    """The model of checked load flags (check_load): --device checked before a download, then the load; with --fast,
+    one line naming the matrices that run in bfloat16."""
     from llmtrace.api import load_with
 
-    return load_with(args)
+    model = load_with(args)
+    say_fast_note(model.loaded)
+    return model
+
+
+def say_fast_note(lm) -> None:
+    """--fast: one line on stderr naming the matrices that run in bfloat16 because their type has no int4 form."""
+    if lm.config.extra.get("fast"):
+        from llmtrace.checkpoint.fast import bf16_note
+
+        note = bf16_note(lm)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
 
 
 def check_outputs(json_out: Optional[str], jsonl: Optional[str], *others: Optional[str]) -> None:

@@ -161,6 +161,71 @@ def dequantize(raw: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the same blocks as groups of 32 affine integers, w = scale * u + zero (`--fast` packs these for torch's int4 kernel)
+
+
+class AffineGroups(NamedTuple):
+    """A matrix (rows, K) as w = scale * u + zero, with u an unsigned integer below 2**bits and one scale and one zero
+    per group of 32 weights of a row (float32, (rows, K / 32) each)."""
+
+    u: torch.Tensor  # (rows, K) uint8
+    scale: torch.Tensor  # (rows, K / 32) float32
+    zero: torch.Tensor  # (rows, K / 32) float32
+    bits: int
+
+
+def _g_q4_0(b):  # d * (q - 8)
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, 2:]), d, -8 * d, 4
+
+
+def _g_q4_1(b):  # d * q + m
+    return _nibbles(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4]), 4
+
+
+def _g_q5_0(b):  # d * (q - 16)
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, 6:]) | (_high_bits_32(b[:, 2:6]) << 4), d, -16 * d, 5
+
+
+def _g_q5_1(b):  # d * q + m
+    return _nibbles(b[:, 8:]) | (_high_bits_32(b[:, 4:8]) << 4), _f16(b[:, :2]), _f16(b[:, 2:4]), 5
+
+
+def _g_q8_0(b):  # d * x with x signed: d * (x + 128) - 128 d
+    d = _f16(b[:, :2])
+    return (b[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8), d, -128 * d, 8
+
+
+def _g_q4_k(b):  # per sub-block of 32: (d * sc) * q - (dmin * mn)
+    n = b.size(0)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    u = _bits(b[:, 16:].reshape(n, 4, 32), 4, 2).reshape(n, 8 * 32)
+    return u, _f16(b[:, :2]) * sc.float(), -(_f16(b[:, 2:4]) * mn.float()), 4
+
+
+def _g_q5_k(b):
+    n = b.size(0)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    qh = _bits(b[:, 16:48], 1, 8).reshape(n, 8, 32)
+    ql = _bits(b[:, 48:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)
+    return (ql | (qh << 4)).reshape(n, 8 * 32), _f16(b[:, :2]) * sc.float(), -(_f16(b[:, 2:4]) * mn.float()), 5
+
+
+_GROUPS = {"Q4_0": _g_q4_0, "Q4_1": _g_q4_1, "Q5_0": _g_q5_0, "Q5_1": _g_q5_1, "Q8_0": _g_q8_0, "Q4_K": _g_q4_k,
+           "Q5_K": _g_q5_k}
+GROUP_KINDS = tuple(_GROUPS)  # types whose blocks are groups of 32 (Q2_K, Q3_K, Q6_K have groups of 16)
+
+
+def affine_groups(raw: torch.Tensor, kind: str) -> AffineGroups:
+    """raw (rows, bytes per row) uint8 of a type in GROUP_KINDS -> its AffineGroups. scale * u + zero, in float32, is
+    the value `dequantize` gives up to float rounding (the reference computes d * (q - 8) where this has d * q - 8d)."""
+    rows = raw.size(0)
+    u, scale, zero, bits = _GROUPS[kind](raw.reshape(-1, BLOCKS[kind][1]))
+    return AffineGroups(u.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), bits)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # modules
 
 
@@ -277,20 +342,35 @@ def _stand_in(like: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) ->
 QUANT_MODULES = (QuantLinear, QuantEmbedding)
 
 
+def _blocks_module(m: nn.Module) -> bool:
+    """A matrix held as GGUF blocks or packed from them: QuantLinear, QuantEmbedding, fast.FastLinear (which marks
+    itself with `segments` and `stored_bytes`; quant does not import the fast path)."""
+    return isinstance(m, QUANT_MODULES) or (hasattr(m, "segments") and hasattr(m, "stored_bytes"))
+
+
+def _tied_head(model: nn.Module, name: str, m: nn.Module) -> bool:
+    """The LM head multiplies by the embedding's own storage (one row says both)."""
+    embed = getattr(model, "embed", None)
+    if name != "lm_head" or embed is None:
+        return False
+    if isinstance(m, QuantLinear) and isinstance(embed, QuantEmbedding):
+        return m.raw0 is embed.raw0
+    return isinstance(m, nn.Linear) and m.weight is embed.weight
+
+
 def storage_table(model: nn.Module) -> list[dict]:
-    """Each matrix's storage: name, GGUF type(s) and bytes per weight. Dense matrices appear with their dtype."""
+    """Each matrix's storage: name, GGUF type(s) and bytes per weight. Dense matrices appear with their dtype. On the
+    fast path each matrix also names its kernel."""
     out = []
     for name, m in model.named_modules():
-        if isinstance(m, QUANT_MODULES):
-            embed = getattr(model, "embed", None)
-            if name == "lm_head" and isinstance(embed, QuantEmbedding) and m.raw0 is embed.raw0:
-                continue  # tied: the embedding's row already says it
+        if _tied_head(model, name, m):
+            continue  # tied: the embedding's row already says it
+        if _blocks_module(m):
             n = m.weight.numel()
             out.append({"name": name, "type": "+".join(dict.fromkeys(s.kind for s in m.segments)),
-                        "bytes_per_weight": round(m.stored_bytes() / n, 4)})
+                        "bytes_per_weight": round(m.stored_bytes() / n, 4)}
+                       | ({"kernel": m.kernel} if hasattr(m, "kernel") else {}))
         elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dim() == 2:
-            if name == "lm_head" and getattr(model, "embed", None) is not None and m.weight is model.embed.weight:
-                continue  # tied: the embedding's row already says it
             t = m.weight
             out.append({"name": name, "type": str(t.dtype).replace("torch.", ""), "bytes_per_weight": t.element_size()})
     return out
@@ -300,8 +380,12 @@ def weight_count(model: nn.Module) -> int:
     """Parameters, counting each quantized matrix by its weights (not its bytes), a tied matrix once."""
     seen: set[int] = set()
     n = sum(p.numel() for p in model.parameters())
-    for m in model.modules():
-        if isinstance(m, QUANT_MODULES) and id(m.raw0) not in seen:
-            seen.add(id(m.raw0))
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+    for name, m in model.named_modules():
+        if not _blocks_module(m) or (tied and name == "lm_head"):
+            continue  # a tied head (fast: a packed copy of the embedding's blocks) counts with the embedding
+        key = id(m.raw0) if hasattr(m, "raw0") else id(m)
+        if key not in seen:
+            seen.add(key)
             n += m.weight.numel()
     return n

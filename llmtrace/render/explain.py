@@ -152,6 +152,10 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
         print_parts(console, ["weights", *storage_parts(info["storage"])])
     if m.get("interventions"):
         print_parts(console, ["interventions", *(iv["label"] for iv in m["interventions"])], style="yellow")
+    if info.get("exact") is False:
+        from llmtrace.trace.records import fast_parts
+
+        print_parts(console, fast_parts(info["fast"]), style="yellow")
     toks = tokens["tokens"]
     shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
     line = Text(f"{len(toks)} tokens: ", style="bold")

@@ -90,12 +90,13 @@ def _shape(s) -> str:
 
 
 def storage_parts(rows: list[dict]) -> list[str]:
-    """The model's matrices grouped by storage: ['Q4_1 0.625 B/weight ×120', 'Q8_0 1.0625 B/weight ×1']."""
+    """The model's matrices grouped by storage (and kernel, on the fast path): ['Q4_1 0.625 B/weight ×120',
+    'Q8_0 1.0625 B/weight ×1'], or ['Q4_1 0.625 B/weight on int4pack_mm_for_cpu ×120', …]."""
     groups: dict[tuple, int] = {}
     for r in rows:
-        key = (r["type"], r["bytes_per_weight"])
+        key = (r["type"], r["bytes_per_weight"], r.get("kernel"))
         groups[key] = groups.get(key, 0) + 1
-    return [f"{t} {b:g} B/weight ×{n}" for (t, b), n in groups.items()]
+    return [f"{t} {b:g} B/weight{f' on {k}' if k else ''} ×{n}" for (t, b, k), n in groups.items()]
 
 
 def print_parts(console: Console, parts: list[str], style: Optional[str] = None, sep: str = " · ") -> None:
@@ -509,6 +510,10 @@ class TerminalRenderer:
             print_parts(self.console, ["interventions", *(iv["label"] for iv in ev["interventions"])], style="yellow")
         if m.get("storage"):
             print_parts(self.console, ["weights", *storage_parts(m["storage"])])
+        if ev.get("exact") is False:
+            from llmtrace.trace.records import fast_parts
+
+            print_parts(self.console, fast_parts(ev["fast"]), style="yellow")
 
     def _on_tokens(self, ev: dict) -> None:
         if not self.show_steps:
@@ -778,6 +783,8 @@ class TerminalRenderer:
         if ev.get("interrupted"):
             parts.append("interrupted (Ctrl-C)")
         parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s", decode]
+        if self.run is not None and self.run.get("exact") is False:
+            parts.append("--fast (approximate)")
         print_parts(self.console, parts, style="dim")
         if self.run is not None and self._last_kv is not None:
             kv = self._last_kv

@@ -100,6 +100,7 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
         "groups": gqa_groups(model["n_heads"], model["n_kv_heads"]),
         "device": src.get("device", model.get("device")),
         "dtype": src.get("dtype", model.get("dtype")),
+        "fast": src.get("fast", model.get("fast")),  # --fast: the run approximates the exact path
         "threads": src.get("threads"),
         "prompt": src.get("prompt", ""),
         "chat": src.get("chat", False),

@@ -14,6 +14,8 @@ from html import escape
 from pathlib import Path
 from typing import Any, Optional
 
+from llmtrace.trace.records import fast_parts
+
 # viridis: perceptually even and readable with the common colour-vision deficiencies
 PALETTE = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b",
            "#fde725")
@@ -132,6 +134,7 @@ def section_run(d: dict) -> str:
         ("vocabulary", num(m["vocab_size"])),
         ("tied embeddings", "yes" if m.get("tie_embeddings") else "no"),
         ("device · dtype", f'{r["device"]} · {r["dtype"]}'),
+        ("exact", "yes: the exact path" if not r.get("fast") else " · ".join(fast_parts(r["fast"]))),
         ("threads", num(r["threads"]) if r["threads"] is not None else "not recorded in this trace"),
         ("command", r["command"] + (f' (layer {r["layer"]})' if r["layer"] is not None else "")),
     ]

@@ -20,7 +20,7 @@ import torch
 
 from llmtrace.version import __version__
 from llmtrace.trace.events import LAYER_LEVEL_POINTS, LAYER_POINTS, SCHEMA_ID, SEED_STEP, summary_event
-from llmtrace.trace.records import model_record, rounded as _round, tokens_event
+from llmtrace.trace.records import model_record, path_record, rounded as _round, tokens_event
 from llmtrace.trace.sinks import ENCODER as _ENCODER
 from llmtrace.trace.stats import rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
 from llmtrace.trace.options import TraceOptions
@@ -269,6 +269,7 @@ class Recorder:
             "model": model_record(lm),
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),
+            **path_record(lm),  # "exact", and on the fast path what it computes with
             "threads": self.run_info.get("threads"),  # torch's CPU threads, as the CLI set them
             "sampling": sampler.config.to_dict() | {"seed": sampler.seed},
             "prompt": self.run_info.get("prompt", ""),

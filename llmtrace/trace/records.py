@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional, TypedDict
+from typing import Any, NotRequired, Optional, TypedDict
 
 SIGNIFICANT_DIGITS = 7  # float32 carries about 7
 
@@ -74,11 +74,30 @@ class ModelRecord(TypedDict):
     storage: list[dict]
 
 
+class FastRecord(TypedDict):
+    """The fast path (--fast): the dtype activations are computed in, how the int4 kernel was chosen (llmtrace.model.fast.
+    choose_kernel) and the matrices that run in bfloat16 instead. Each matrix's kernel is in the model's storage."""
+
+    compute_dtype: str
+    kernel_choice: dict
+    bf16_matrices: list[str]
+
+
+class PathRecord(TypedDict):
+    """Whether the run computes the exact values (the float path, --keep-quantized) or approximates them (--fast)."""
+
+    exact: bool
+    fast: NotRequired[FastRecord]
+
+
 class ExplainModelRecord(ModelRecord):
-    """explain and lens also say where the model ran (generate's run event says it beside the model)."""
+    """explain and lens also say where the model ran and whether exactly (generate's run event says it beside the
+    model)."""
 
     device: str
     dtype: str
+    exact: bool
+    fast: NotRequired[FastRecord]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,5 +130,26 @@ def model_record(lm) -> ModelRecord:
             "n_params": weight_count(lm.model), "storage": storage_table(lm.model)}
 
 
+def path_record(lm) -> PathRecord:
+    """{"exact": True}, or {"exact": False, "fast": FastRecord} for a model loaded with --fast."""
+    fast = lm.config.extra.get("fast")
+    if not fast:
+        return {"exact": True}
+    return {"exact": False, "fast": {"compute_dtype": dtype_name(lm.dtype), "kernel_choice": fast["kernel_choice"],
+                                     "bf16_matrices": list(fast["bf16_matrices"])}}
+
+
+def fast_parts(fast: dict) -> list[str]:
+    """The fast path in words, for the terminal's headers and the report: what it computes with, and why those
+    kernels."""
+    choice = fast["kernel_choice"]
+    why = {"cuda": "on CUDA", "cpu capability": f"CPU capability {choice.get('capability')}"}.get(
+        choice["by"], f"measured at load on {choice.get('capability')}: int4 {choice.get('int4_ms')} ms, bf16 "
+                      f"{choice.get('bf16_ms')} ms a GEMV")
+    kernel = "int4 kernel" if choice["int4"] else "bf16 matrices (int4 kernel not chosen)"
+    return ["--fast: approximate, not the exact values", f"{fast['compute_dtype']} activations, float32 norm and "
+            f"softmax statistics", f"{kernel} ({why})"]
+
+
 def explain_model_record(lm) -> ExplainModelRecord:
-    return {**model_record(lm), "device": str(lm.device), "dtype": dtype_name(lm.dtype)}
+    return {**model_record(lm), "device": str(lm.device), "dtype": dtype_name(lm.dtype), **path_record(lm)}

@@ -1,0 +1,260 @@
+"""`--fast` against llama.cpp and the exact path on one GGUF file: decode and prefill tok/s, peak memory (issue 24).
+
+    pip install xllamacpp            # llama.cpp's library as a prebuilt CPU wheel (benchmark only, not a dependency)
+    python benchmarks/fast_vs_llamacpp.py                         # the default model (SmolLM2-135M Q4_1), 2 threads
+    python benchmarks/fast_vs_llamacpp.py -m Llama-3.2-1B-Instruct.Q4_0.gguf --no-exact
+    python benchmarks/fast_vs_llamacpp.py --json fast.json --rounds 3 --tokens 64
+
+Arms, each in its own process, alternating round by round (A B C D, then D C B A, ...) so that a shared machine
+slows them alike: llama.cpp (xllamacpp), llmtrace exact eager (float32), llmtrace --fast eager, llmtrace --fast
+--compile. Decode: greedy, --tokens new tokens after a short prompt, EOS ignored; llama.cpp's figure is its own
+`timings.predicted_per_second`, llmtrace's the summary's `decode_tok_s` (both: the steps after the first token).
+Prefill: a --prefill-token prompt (real text, benchmarks/passage.txt), `timings.prompt_per_second` against the
+summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process, with the process's RSS before the load (Python,
+torch, llmtrace: the baseline) and the KV cache. torch is pinned to --threads (and OMP/MKL threads).
+
+--in-process: the decode arms alternate inside one process instead, --pairs times each (llama.cpp's server object,
+llmtrace exact, --fast, --fast with the compiled step), which cancels most of the drift of a shared machine between
+processes; the figure of each arm is its median over the pairs, and each pair gives one ratio to llama.cpp.
+
+A Q4_0 file shaped like Llama-3.2-1B made at run time (benchmarks/scale.py's random weights) does not serve here:
+its tokenizer is the tests' 320-entry one, and llama.cpp refuses an embedding of 128,256 rows for a 320-token
+vocabulary. Give a real file with -m.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROMPT = "Quantum mechanics is a fundamental theory in physics that"
+
+LLAMA_CPP = r"""
+import json, sys, xllamacpp
+p = xllamacpp.CommonParams()
+p.model.path = sys.argv[1]
+p.n_ctx = 2048
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = int(sys.argv[2])
+server = xllamacpp.Server(p)
+out = server.handle_completions({"prompt": sys.argv[3], "n_predict": int(sys.argv[4]), "temperature": 0,
+                                 "cache_prompt": False, "ignore_eos": True})
+t = out["timings"]
+print(json.dumps({"decode_tok_s": t["predicted_per_second"], "prefill_tok_s": t["prompt_per_second"],
+                  "prompt_tokens": t["prompt_n"]}))
+"""
+
+LLMTRACE = r"""
+import json, sys
+from pathlib import Path
+def hwm(key):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+import torch, llmtrace.checkpoint.load, llmtrace.run.generate  # the baseline: what a run holds before its weights
+base = hwm("VmRSS:")
+from llmtrace.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    if e.code:
+        raise
+print(json.dumps({"peak_rss": hwm("VmHWM:"), "baseline_rss": base}), file=sys.stderr)
+"""
+
+
+def llama_cpp(gguf: str, threads: int, prompt: str, tokens: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, gguf, str(threads), prompt, str(tokens)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def llmtrace(gguf: str, threads: int, prompt: str, tokens: int, *extra: str) -> dict:
+    argv = ["generate", prompt, "-m", gguf, "-n", str(tokens), "--trace", "none", "--ignore-eos", "--threads",
+            str(threads), "--jsonl", "-", *extra]
+    proc = subprocess.run([sys.executable, "-c", LLMTRACE, *argv], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    run, summary = json.loads(lines[0]), json.loads(lines[-1])
+    mem = json.loads(proc.stderr.strip().splitlines()[-1])
+    m = run["model"]
+    slots = summary["prompt_tokens"] + tokens  # the cache the loop allocates: prompt + new tokens
+    kv_bytes = 2 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * (2 if run["dtype"] == "bfloat16" else 4) * slots
+    return {"decode_tok_s": summary["decode_tok_s"], "prefill_tok_s": summary["prefill_tok_s"],
+            "prompt_tokens": summary["prompt_tokens"], **mem, "kv_bytes": kv_bytes,
+            "kernels": sorted({r.get("kernel") for r in run["model"]["storage"] if r.get("kernel")}),
+            "kernel_choice": (run.get("fast") or {}).get("kernel_choice")}
+
+
+def long_prompt(gguf: str, n: int) -> str:
+    """The first n tokens of benchmarks/passage.txt (repeated as needed), as text."""
+    from llmtrace.checkpoint.gguf_file import open_gguf
+    from llmtrace.tokens.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_gguf(open_gguf(gguf))
+    text = (HERE / "passage.txt").read_text()
+    ids = tok.encode(text, add_special_tokens=False)
+    while len(ids) < n:
+        ids = ids + ids
+    return tok.decode(ids[:n])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", help="GGUF file (default: the default model's, from llmtrace's cache)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement (0: none)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-exact", action="store_true", help="leave out the exact float32 arm (slow on big files)")
+    ap.add_argument("--in-process", action="store_true", help="decode arms alternating in one process (see above)")
+    ap.add_argument("--pairs", type=int, default=6, help="alternations of --in-process")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    try:
+        import xllamacpp  # noqa: F401
+    except ImportError:
+        sys.exit("this benchmark needs llama.cpp's library: pip install xllamacpp")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    gguf = args.model
+    if gguf is None:
+        from llmtrace.registry.resolve import resolve
+
+        gguf = str(resolve(None).path)
+    (in_process if args.in_process else run)(args, gguf)
+
+
+def in_process(args, gguf: str) -> None:
+    """Decode tok/s of the four arms, alternating in this process (order reversed every other pair)."""
+    import torch
+    import xllamacpp
+
+    from llmtrace.checkpoint.devices import set_threads
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.run.generate import compile_decode, generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    set_threads(args.threads)
+    p = xllamacpp.CommonParams()
+    p.model.path = gguf
+    p.n_ctx = 1024
+    p.cpuparams.n_threads = p.cpuparams_batch.n_threads = args.threads
+    server = xllamacpp.Server(p)
+    exact = None if args.no_exact else load_model(gguf, device="cpu", dtype="float32")
+    fast = load_model(gguf, device="cpu", fast=True)
+    ids = fast.tokenizer.encode(PROMPT)
+    compiled = compile_decode(fast, len(ids), args.tokens)
+
+    def llmtrace_arm(lm, comp=None):
+        res = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), args.tokens,
+                       ignore_eos=True, compiled=comp)
+        return res.decode_tok_s
+
+    def llama_arm():
+        out = server.handle_completions({"prompt": PROMPT, "n_predict": args.tokens, "temperature": 0,
+                                         "cache_prompt": False, "ignore_eos": True})
+        return out["timings"]["predicted_per_second"]
+
+    arms = {"llama.cpp": llama_arm}
+    if exact is not None:
+        arms["exact eager (float32)"] = lambda: llmtrace_arm(exact)
+    arms["--fast eager"] = lambda: llmtrace_arm(fast)
+    arms["--fast --compile"] = lambda: llmtrace_arm(fast, compiled)
+    names = list(arms)
+    for fn in arms.values():  # warm-up
+        fn()
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(args.pairs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            runs[name].append(arms[name]())
+        print(f"pair {i + 1}: " + ", ".join(f"{n} {runs[n][-1]:.1f}" for n in names), file=sys.stderr, flush=True)
+    base = statistics.median(runs["llama.cpp"])
+    out = {"gguf": os.path.basename(gguf), "threads": args.threads, "tokens": args.tokens, "pairs": args.pairs,
+           "capability": torch.backends.cpu.get_cpu_capability(), "mode": "in-process", "arms": {}}
+    print(f"\n{out['gguf']}, in one process, {args.tokens} tokens, {args.threads} threads, capability "
+          f"{out['capability']}, median of {args.pairs} alternations (per-pair ratios to llama.cpp in brackets)")
+    print("| arm | decode tok/s | / llama.cpp |\n| --- | ---: | ---: |")
+    for name in names:
+        d = statistics.median(runs[name])
+        ratios = [a / b for a, b in zip(runs[name], runs["llama.cpp"])]
+        out["arms"][name] = {"decode_tok_s": d, "decode_ratio": d / base, "runs": runs[name],
+                             "ratios_per_pair": ratios}
+        print(f"| {name} | {d:.1f} | {statistics.median(ratios):.2f}× ({' '.join(f'{r:.2f}' for r in ratios)}) |")
+    if exact is not None:
+        r = [a / b for a, b in zip(runs["--fast eager"], runs["exact eager (float32)"])]
+        out["fast_eager_over_exact_eager"] = r
+        print(f"--fast eager / exact eager decode: {statistics.median(r):.2f}× ({' '.join(f'{x:.2f}' for x in r)})")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def run(args, gguf: str) -> None:
+    import torch
+
+    arms = {"llama.cpp": lambda p, n: llama_cpp(gguf, args.threads, p, n)}
+    if not args.no_exact:
+        arms["exact eager (float32)"] = lambda p, n: llmtrace(gguf, args.threads, p, n)
+    arms["--fast eager"] = lambda p, n: llmtrace(gguf, args.threads, p, n, "--fast")
+    arms["--fast --compile"] = lambda p, n: llmtrace(gguf, args.threads, p, n, "--fast", "--compile")
+    llmtrace(gguf, args.threads, PROMPT, 4, "--fast", "--compile")  # fills Inductor's cache: later compiles take s
+    names = list(arms)
+    decode: dict[str, list[dict]] = {n: [] for n in names}
+    prefill: dict[str, list[dict]] = {n: [] for n in names}
+    long = long_prompt(gguf, args.prefill) if args.prefill else None
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            decode[name].append(arms[name](PROMPT, args.tokens))
+            print(f"round {r + 1}: {name}: decode {decode[name][-1]['decode_tok_s']:.1f} tok/s", file=sys.stderr,
+                  flush=True)
+            if long is not None and name != "--fast --compile":  # the compiled step is a decode step only
+                prefill[name].append(arms[name](long, 2))
+                print(f"round {r + 1}: {name}: prefill {prefill[name][-1]['prefill_tok_s']:.1f} tok/s",
+                      file=sys.stderr, flush=True)
+    size = os.path.getsize(gguf)
+    out = {"gguf": os.path.basename(gguf), "gguf_bytes": size, "threads": args.threads, "tokens": args.tokens,
+           "rounds": args.rounds, "capability": torch.backends.cpu.get_cpu_capability(), "arms": {}}
+    base = statistics.median(x["decode_tok_s"] for x in decode["llama.cpp"])
+    base_pre = statistics.median(x["prefill_tok_s"] for x in prefill["llama.cpp"]) if long else None
+    print(f"\n{out['gguf']} ({size / 2**20:.0f} MiB), {args.tokens} tokens, {args.threads} threads, capability "
+          f"{out['capability']}, median of {args.rounds} rounds (per-round ratios to llama.cpp in brackets)")
+    print("| arm | decode tok/s | / llama.cpp | prefill tok/s | / llama.cpp | peak RSS − baseline (MiB) | / GGUF |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in names:
+        d = statistics.median(x["decode_tok_s"] for x in decode[name])
+        ratios = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(decode[name], decode["llama.cpp"])]
+        row = {"decode_tok_s": d, "decode_ratio": d / base, "decode_ratios_per_round": ratios,
+               "runs": decode[name] + prefill[name]}
+        pre = "–"
+        pre_ratio = "–"
+        if prefill[name]:
+            p = statistics.median(x["prefill_tok_s"] for x in prefill[name])
+            row |= {"prefill_tok_s": p, "prefill_ratio": p / base_pre,
+                    "prefill_prompt_tokens": prefill[name][0]["prompt_tokens"]}
+            pre, pre_ratio = f"{p:.1f}", f"{p / base_pre:.2f}×"
+        mem = "–"
+        mem_ratio = "–"
+        if "peak_rss" in decode[name][0]:
+            extra = max(x["peak_rss"] - x["baseline_rss"] for x in decode[name])
+            kv = decode[name][0]["kv_bytes"] or 0
+            row |= {"peak_minus_baseline": extra, "kv_bytes": kv, "rss_ratio": (extra - kv) / size,
+                    "kernels": decode[name][0]["kernels"], "kernel_choice": decode[name][0]["kernel_choice"]}
+            mem, mem_ratio = f"{extra / 2**20:.0f}", f"{(extra - kv) / size:.2f}×"
+        out["arms"][name] = row
+        rr = " ".join(f"{x:.2f}" for x in ratios)
+        print(f"| {name} | {d:.1f} | {d / base:.2f}× ({rr}) | {pre} | {pre_ratio} | {mem} | {mem_ratio} |")
+    if "exact eager (float32)" in out["arms"]:
+        e = out["arms"]["exact eager (float32)"]["decode_tok_s"]
+        print(f"--fast eager / exact eager decode: {out['arms']['--fast eager']['decode_tok_s'] / e:.2f}×")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
