@@ -337,3 +337,35 @@ def test_real_model_against_its_quantized_blocks(smollm, smollm_path):
     assert r.b["keep_quantized"] is True
     assert r.first_divergence is None, r.summary_line()
     assert r.same_top == 1 and r.kld_max < 1e-8
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# side B under an intervention: compare shows what it changed, and only where
+
+
+def test_an_ablated_head_on_side_b_adds_error_at_its_layer_only(tiny_a):
+    from llmtrace import compare
+    from llmtrace.run.compare import Side
+    from llmtrace.run.interventions import Ablate
+
+    path, _ = tiny_a
+    side_b = Side(model=str(path), interventions=(Ablate(1, head=0),))
+    doc = compare(str(path), side_b, PROMPT).to_json()
+    first = doc["first_divergence"]
+    assert (first["layer"], first["point"]) == (1, "attn_out")
+    added = [lay["added_rel_err"] for lay in doc["layers"]]
+    assert added[1] > 1e-3 and added[0] == 0 and added[2] == 0, added
+    assert doc["b"]["interventions"][0]["spec"] == "1.h0"
+
+
+def test_cli_compare_b_ablate_names_the_intervention(capsys, tiny_a, tmp_path):
+    out = tmp_path / "c.json"
+    code, _, err = run_cli(capsys, "compare", PROMPT, "-m", tiny_a[0], "--b-ablate", "2.ffn", "--json", out)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert (doc["first_divergence"]["layer"], doc["first_divergence"]["point"]) == (2, "down")
+    assert [lay["added_rel_err"] > 0 for lay in doc["layers"]] == [False, False, True]
+
+
+def test_compare_mean_ablation_with_decode_steps_is_refused(capsys, tiny_a):
+    fails(capsys, 2, "compare", PROMPT, "-m", tiny_a[0], "--b-ablate", "1.h0=mean", "-n", "2", says=("mean", "-n 0"))

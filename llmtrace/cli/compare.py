@@ -10,8 +10,9 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptsFileOpt, read_prompt_list
-from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt, KeepQuantizedOpt,
-                                  PromptArg, SystemOpt, ThreadsOpt, check_outputs, write_output)
+from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
+                                  KeepQuantizedOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, interventions_from,
+                                  write_output)
 from llmtrace.cli.text_input import read_prompt
 from llmtrace.errors import UsageError
 
@@ -24,7 +25,9 @@ forward order, whose error exceeds --tolerance. Each layer's error is shown twic
 KL(P_A‖P_B) per position, same top-1, Δp = P_B(A's top) − P_A(A's top).
 
 Side B is side A with B's options changed: give -m twice, or -m once and a --b-… option (--b-dtype, --b-device,
---b-keep-quantized). With -n N, both sides also read A's N greedy tokens (teacher forcing), so positions line up.
+--b-keep-quantized, --b-fast, or an intervention: --b-ablate, --b-scale, --b-patch, --b-steer, --b-control-vector,
+spelled as generate's --ablate, ...). With -n N, both sides also read A's N greedy tokens (teacher forcing), so
+positions line up.
 
 Examples:
 
@@ -35,6 +38,10 @@ Examples:
   llmtrace compare "Hello" -m ./Llama-3.2-1B -m llama-3.2-1b.Q8_0.gguf --ids-from a --json out.json --html out.html
 
   llmtrace compare -p "One" -p "Two" -m A -m B --tolerance 1e-3
+
+  llmtrace compare "The capital of France is" --b-ablate 3.h2           # what head 2 of layer 3 does
+
+  llmtrace compare "The capital of France is" --b-fast -n 16            # how far --fast drifts
 """
 
 
@@ -69,6 +76,16 @@ def compare(
     b_dtype: Annotated[Optional[str], typer.Option("--b-dtype", help="Side B's dtype (default: side A's).", show_default=False)] = None,
     b_device: Annotated[Optional[str], typer.Option("--b-device", help="Side B's device (default: side A's).", show_default=False)] = None,
     b_keep_quantized: Annotated[Optional[bool], typer.Option("--b-keep-quantized/--b-dequantized", help="Side B keeps a GGUF's quantized blocks, or not (default: as side A).", show_default=False)] = None,
+    b_fast: Annotated[bool, typer.Option("--b-fast", help="Side B runs the GGUF on --fast's int4 kernels (bfloat16; approximate).")] = False,
+    b_ablate: Annotated[Optional[list[str]], typer.Option("--b-ablate", metavar="L.hH|L.attn|L.ffn", help="Side B with --ablate (repeatable).", show_default=False)] = None,
+    b_scale: Annotated[Optional[list[str]], typer.Option("--b-scale", metavar="L.hH=α", help="Side B with --scale (repeatable).", show_default=False)] = None,
+    b_patch: Annotated[Optional[list[str]], typer.Option("--b-patch", metavar="L.POINT@P", help="Side B with --patch (with --b-from).", show_default=False)] = None,
+    b_from: Annotated[Optional[str], typer.Option("--b-from", metavar="TEXT", help="--b-patch's source text.", show_default=False)] = None,
+    b_steer: Annotated[Optional[int], typer.Option("--b-steer", metavar="L", help="Side B with --steer (with --b-toward, --b-away-from, --b-strength).", show_default=False)] = None,
+    b_toward: Annotated[Optional[str], typer.Option("--b-toward", metavar="TEXT", help="--b-steer's positive text.", show_default=False)] = None,
+    b_away_from: Annotated[Optional[str], typer.Option("--b-away-from", metavar="TEXT", help="--b-steer's negative text.", show_default=False)] = None,
+    b_strength: Annotated[float, typer.Option("--b-strength", metavar="α", help="--b-steer's factor α.")] = 1.0,
+    b_control_vector: Annotated[Optional[list[str]], typer.Option("--b-control-vector", metavar="FILE[:SCALE]", help="Side B with a llama.cpp control vector (repeatable).", show_default=False)] = None,
     json_out: JsonOpt = None,
     jsonl: JsonlOpt = None,
     html: HtmlOpt = None,
@@ -77,7 +94,10 @@ def compare(
     from llmtrace.api import compare as run_compare
     from llmtrace.run.compare import Side
 
-    b_changes = {k: v for k, v in (("dtype", b_dtype), ("device", b_device), ("keep_quantized", b_keep_quantized))
+    b_interventions = interventions_from(b_ablate, b_scale, b_patch, b_from, b_steer, b_toward, b_away_from,
+                                         b_strength, b_control_vector)
+    b_changes = {k: v for k, v in (("dtype", b_dtype), ("device", b_device), ("keep_quantized", b_keep_quantized),
+                                   ("fast", b_fast or None), ("interventions", tuple(b_interventions) or None))
                  if v is not None}
     spec_a, spec_b = _model_list(model, b_changes)
     if max_new_tokens < 0:

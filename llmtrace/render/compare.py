@@ -60,7 +60,10 @@ def render_compare(doc: dict, console: Console) -> None:
     for key in ("a", "b"):
         s = doc[key]
         extra = ", quantized blocks" if s.get("keep_quantized") else ""
+        extra += ", --fast: int4 kernels, approximate" if s.get("exact") is False else ""
         console.print(f"{key.upper()}  {s['model']}  ({s['dtype']}, {s['device']}{extra})")
+        for iv in s.get("interventions", []):
+            console.print(f"   intervention: {iv['label']}", style="yellow")
     n = len(doc["positions"])
     n_decode = sum(p.get("phase") == "decode" for p in doc["positions"])
     console.print(f"{n} positions ({n - n_decode} prompt, {n_decode} decode), tolerance {doc['tolerance']:g}"

@@ -73,6 +73,8 @@ class Side:
     dtype: Optional[str] = None
     device: Optional[str] = None
     keep_quantized: bool = False
+    fast: bool = False  # a GGUF on int4 kernels with bfloat16 activations (--fast)
+    interventions: tuple = ()  # run/interventions.py objects applied to this side's passes (side B only)
 
     def with_changes(self, **changes: Any) -> "Side":
         """This side with the fields that `changes` gives (not None) replaced."""
@@ -85,7 +87,8 @@ class Side:
     def load(self):
         from llmtrace.checkpoint.load import load_model
 
-        return load_model(self.model, device=self.device, dtype=self.dtype, keep_quantized=self.keep_quantized)
+        return load_model(self.model, device=self.device, dtype=self.dtype, keep_quantized=self.keep_quantized,
+                          fast=self.fast)
 
     def check(self) -> None:
         """The options' values, before anything is loaded."""
@@ -96,13 +99,16 @@ class Side:
 
 def side_record(lm, side: Optional[Side]) -> dict:
     """What the output says about one side: the model, its shape, where and how it ran."""
+    from llmtrace.run.interventions import record
     from llmtrace.trace.records import dtype_name
 
     c = lm.config
     return {"model": lm.name, "source": lm.source, "arch": c.arch, "dtype": dtype_name(lm.dtype),
             "device": str(lm.device), "keep_quantized": bool(side.keep_quantized) if side else _is_quantized(lm),
             "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-            "vocab_size": c.vocab_size}
+            "vocab_size": c.vocab_size} | ({"exact": False} if side is not None and side.fast else {}) | (
+                {"interventions": [record(iv) for iv in side.interventions]} if side is not None and side.interventions
+                else {})
 
 
 def _is_quantized(lm) -> bool:
@@ -441,6 +447,13 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
     texts = [prompt] if isinstance(prompt, str) else list(prompt)
     side_a, lm_a = _as_side(a)
     side_b, lm_b = _as_side(b)
+    if side_a is not None and side_a.interventions:
+        raise UsageError("compare applies interventions to side B only (--b-ablate, --b-patch, ...): side A is the "
+                         "reference the intervention is measured against")
+    ivs_b = list(side_b.interventions) if side_b is not None else []
+    if max_new_tokens and any(getattr(iv, "mean", False) for iv in ivs_b):
+        raise UsageError("a mean ablation takes its mean over the prompt's pass; compare reads the prompt and A's "
+                         "tokens in one pass, so compare it over the prompt only (-n 0)")
     say = progress or (lambda _msg: None)
     for side in (side_a, side_b):
         if side is not None:
@@ -491,7 +504,14 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
             generated = greedy_tokens(lm_a.model, ids, max_new_tokens, lm_a.device) if max_new_tokens else []
             seq = ids + generated
             seqs.append(seq)
-            logits_a, logits_b = run_side_by_side(lm_a, lm_b, seq, acc, say)
+            edits_b = None
+            if ivs_b:  # B's interventions, their positions counted in the prompt (the pass also reads A's tokens)
+                from llmtrace.run.interventions import Patch, prepare
+
+                ivs = [replace(iv, position=iv.position + len(ids)) if isinstance(iv, Patch) and iv.position < 0
+                       else iv for iv in ivs_b]
+                edits_b = prepare(lm_b, ivs, [len(ids)])
+            logits_a, logits_b = run_side_by_side(lm_a, lm_b, seq, acc, say, edits_b=edits_b)
             m = answer_metrics(logits_a, logits_b)
             del logits_a, logits_b
             for key, v in m.items():
@@ -542,11 +562,17 @@ class _Capture:
             self.points[name] = x
 
 
-def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None):
+def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None, edits_b=None):
     """Run both loaded models over `ids` layer by layer, and B's layer once more on A's input, adding each point's
     per-position sums to `acc` ({(layer, point): (A against B, A against B on A's input)}, in forward order).
+    `edits_b` (run.interventions.prepare): B's interventions, applied to each of B's passes as to a prompt's pass.
     Returns A's and B's logits, (P, V) each."""
     import torch
+
+    if edits_b is not None:
+        with lm_b.model.edited(edits_b, edits_b.layers):
+            edits_b.begin_pass(prompt=True, pads=[0])
+            return run_side_by_side(lm_a, lm_b, ids, acc, say)
 
     model_a, model_b, device_b, dtype_b = lm_a.model, lm_b.model, lm_b.device, lm_b.dtype
     idx_a = torch.tensor([ids], device=lm_a.device)  # (1, P)
