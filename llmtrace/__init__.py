@@ -29,7 +29,7 @@ _PUBLIC = {  # public name -> the module that defines it
     "Patch": "llmtrace.run.interventions",
     "Steer": "llmtrace.run.interventions",
     "ControlVector": "llmtrace.run.interventions",
-    "patch_sweep": "llmtrace.run.patching",
+    "patch_sweep": "llmtrace.api",
 }
 
 

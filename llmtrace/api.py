@@ -581,3 +581,13 @@ class Comparison:
 
     def __repr__(self) -> str:
         return f"Comparison({self.result.summary_line()!r})"
+
+
+def patch_sweep(model, clean: str, corrupt: str, answer: str, against: str, at: str = "resid_post", **options) -> dict:
+    """The activation-patching sweep (`llmtrace patch`): the corrupt prompt run once per layer and position with the
+    clean prompt's activation at `at` patched in; returns the `patch` event (`cells`: layer, position, metric,
+    recovery). `model`: a loaded `Model` (or LoadedModel). Keywords: on_progress= (run/patching.py)."""
+    from llmtrace.run.patching import patch_sweep as sweep
+
+    lm = model.loaded if isinstance(model, Model) else model
+    return sweep(lm, clean, corrupt, answer, against, at=at, **options)

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KeepQuantizedOpt, ModelOpt, ThreadsOpt, check_outputs,
-                                  html_target, write_output)
+from llmtrace.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KeepQuantizedOpt, ModelOpt, ThreadsOpt, check_load,
+                                  check_outputs, html_target, load_for_cli, write_output)
 from llmtrace.errors import UsageError
 
 PATCH_HELP = """The activation-patching sweep: which layer and position carry the answer.
@@ -64,18 +64,14 @@ def patch(
             raise UsageError(f"{flag} is empty; give some text")
     check_outputs(json_out, None, html)
 
-    from llmtrace.checkpoint.devices import pick_device, pick_dtype, set_threads
-    from llmtrace.checkpoint.load import load_model
+    load_args = check_load(model, device, dtype, keep_quantized, None, None, None, threads)
+    model_ = load_for_cli(load_args)
 
-    pick_dtype(dtype, pick_device(device))
-    set_threads(threads)
-    lm = load_model(model, device=device, dtype=dtype, keep_quantized=keep_quantized)
-
-    from llmtrace.run.patching import patch_sweep
+    from llmtrace.api import patch_sweep
     from llmtrace.trace.records import model_record
 
-    event = patch_sweep(lm, clean, corrupt, answer, against, at=at, on_progress=_progress())
-    event["model"] = model_record(lm)
+    event = patch_sweep(model_, clean, corrupt, answer, against, at=at, on_progress=_progress())
+    event["model"] = model_record(model_.loaded)
     if json_out:
         import json
 

@@ -1,5 +1,5 @@
 """The HTML view of `llmtrace patch`: the sweep's heatmap as one self-contained page (a jinja2 template shipped in
-assets/, autoescaped; no script, nothing loaded from the network)."""
+templates/, autoescaped; no script, nothing loaded from the network)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def patch_page(ev: dict) -> str:
     import jinja2
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
-    template = env.from_string((Path(__file__).with_name("assets") / "patch.html.j2").read_text(encoding="utf-8"))
+    template = env.from_string((Path(__file__).with_name("templates") / "patch.html.j2").read_text(encoding="utf-8"))
     rec = {(c["layer"], c["position"]): c for c in ev["cells"]}
     columns = [{"corrupt": ev["corrupt_texts"][p],
                 "clean": ev["clean_texts"][p] if ev["clean_tokens"][p] != ev["corrupt_tokens"][p] else ""}
