@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import fails, run_cli
+from helpers import fails, run_cli
 from tiny import TinySpec, make_hf_model, token_ids, write_gguf
 from llmtrace.checkpoint.load import load_model
 from llmtrace.model.fast import (DENSE, INT4_CPU, choose_kernel, fast_linear, int4_groups, int4_reference,

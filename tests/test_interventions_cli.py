@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import fails, run_cli, undeclared_fields
+from helpers import fails, run_cli, undeclared_fields
 
 P = "The capital of France is"
 
