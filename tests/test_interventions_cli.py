@@ -68,6 +68,10 @@ def test_run_event_and_header_list_the_interventions(capsys, tmp_path):
     assert run["interventions"][0] | {"label": None} == {"kind": "ablate", "spec": "3.h2", "label": None, "layer": 3,
                                                           "head": 2, "part": "head", "mean": False}
     assert not undeclared_fields(events)
+    from llmtrace.report.write import build
+
+    page = build(events, None)  # the report names the intervened layers and heads in the run's facts
+    assert "ablate 3.h2 · scale 4.attn=0.5 (changes layer 3 head 2, layer 4)" in page
 
 
 @pytest.mark.slow

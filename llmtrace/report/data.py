@@ -101,6 +101,7 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
         "device": src.get("device", model.get("device")),
         "dtype": src.get("dtype", model.get("dtype")),
         "fast": src.get("fast", model.get("fast")),  # --fast: the run approximates the exact path
+        "interventions": src.get("interventions") or [],  # --ablate, --scale, --patch, --steer, --control-vector
         "threads": src.get("threads"),
         "prompt": src.get("prompt", ""),
         "chat": src.get("chat", False),

@@ -119,6 +119,16 @@ def _asset(name: str) -> str:
 # sections
 
 
+def intervened(interventions: list[dict]) -> str:
+    """The run's interventions in words, naming the layers and heads they change ("none": the model as it is)."""
+    if not interventions:
+        return "none: the model as it is"
+    where = sorted({(iv["layer"], iv.get("head")) for iv in interventions if iv.get("layer") is not None},
+                   key=lambda lh: (lh[0], -1 if lh[1] is None else lh[1]))
+    places = ", ".join(f"layer {lay}" + ("" if head is None else f" head {head}") for lay, head in where)
+    return " · ".join(iv["label"] for iv in interventions) + (f" (changes {places})" if places else "")
+
+
 def section_run(d: dict) -> str:
     r = d["run"]
     m = r["model"]
@@ -135,6 +145,7 @@ def section_run(d: dict) -> str:
         ("tied embeddings", "yes" if m.get("tie_embeddings") else "no"),
         ("device · dtype", f'{r["device"]} · {r["dtype"]}'),
         ("exact", "yes: the exact path" if not r.get("fast") else " · ".join(fast_parts(r["fast"]))),
+        ("interventions", intervened(r["interventions"])),
         ("threads", num(r["threads"]) if r["threads"] is not None else "not recorded in this trace"),
         ("command", r["command"] + (f' (layer {r["layer"]})' if r["layer"] is not None else "")),
     ]
