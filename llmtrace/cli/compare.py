@@ -10,7 +10,7 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptsFileOpt, read_prompt_list
-from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
+from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, interventions_from,
                                   write_output)
 from llmtrace.cli.text_input import read_prompt
