@@ -369,3 +369,13 @@ def test_cli_compare_b_ablate_names_the_intervention(capsys, tiny_a, tmp_path):
 
 def test_compare_mean_ablation_with_decode_steps_is_refused(capsys, tiny_a):
     fails(capsys, 2, "compare", PROMPT, "-m", tiny_a[0], "--b-ablate", "1.h0=mean", "-n", "2", says=("mean", "-n 0"))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--b-ablate", "9.h0"], ("--b-ablate 9.h0", "out of range", "3 layers")),
+    (["--b-patch", "1.resid_post@0"], ("--b-patch", "needs --b-from")),
+    (["--b-steer", "1", "--b-toward", "a"], ("--b-steer", "--b-away-from")),
+])
+def test_compare_side_b_intervention_errors_name_compare_flags(capsys, tiny_a, argv, says):
+    """One line naming compare's own flag, said from B's config before any weight is read."""
+    fails(capsys, 2, "compare", PROMPT, "-m", tiny_a[0], *argv, says=says)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Annotated, Optional
@@ -31,17 +32,14 @@ positions line up.
 
 Examples:
 
+\b
   llmtrace compare "The capital of France is" -m model.gguf --b-dtype bfloat16
-
   llmtrace compare "Hello" -m model.Q4_1.gguf --b-keep-quantized -n 8
-
-  llmtrace compare "Hello" -m ./Llama-3.2-1B -m llama-3.2-1b.Q8_0.gguf --ids-from a --json out.json --html out.html
-
+  llmtrace compare "Hello" -m ./Llama-3.2-1B -m llama-3.2-1b.Q8_0.gguf \\
+      --ids-from a --json out.json --html out.html
   llmtrace compare -p "One" -p "Two" -m A -m B --tolerance 1e-3
-
-  llmtrace compare "The capital of France is" --b-ablate 3.h2           # what head 2 of layer 3 does
-
-  llmtrace compare "The capital of France is" --b-fast -n 16            # how far --fast drifts
+  llmtrace compare "The capital of France is" --b-ablate 3.h2   # one head
+  llmtrace compare --file passage.txt --b-fast     # how far --fast drifts
 """
 
 
@@ -94,8 +92,9 @@ def compare(
     from llmtrace.api import compare as run_compare
     from llmtrace.run.compare import Side
 
-    b_interventions = interventions_from(b_ablate, b_scale, b_patch, b_from, b_steer, b_toward, b_away_from,
-                                         b_strength, b_control_vector)
+    with side_b_flags():
+        b_interventions = interventions_from(b_ablate, b_scale, b_patch, b_from, b_steer, b_toward, b_away_from,
+                                             b_strength, b_control_vector)
     b_changes = {k: v for k, v in (("dtype", b_dtype), ("device", b_device), ("keep_quantized", b_keep_quantized),
                                    ("fast", b_fast or None), ("interventions", tuple(b_interventions) or None))
                  if v is not None}
@@ -119,12 +118,35 @@ def compare(
     from llmtrace.checkpoint.devices import set_threads
 
     set_threads(threads)
-    result = run_compare(side_a, side_b, text, max_new_tokens=max_new_tokens, chat=chat, system=system,
-                         tolerance=tolerance, ids_from=ids_from, progress=_progress)
+    with side_b_flags():
+        result = run_compare(side_a, side_b, text, max_new_tokens=max_new_tokens, chat=chat, system=system,
+                             tolerance=tolerance, ids_from=ids_from, progress=_progress)
     show(result.to_json(), json_out, jsonl)
     if html:
         n = result.report(html)
         print(f"wrote {html} ({n / 1e6:.2f} MB)", file=sys.stderr)
+
+
+INTERVENTION_FIELDS = ("ablate", "scale", "patch", "from", "source", "steer", "toward", "away_from", "strength",
+                       "control_vector")
+
+
+@contextlib.contextmanager
+def side_b_flags():
+    """An intervention's value error names compare's flags for it (--b-ablate, --b-from), not generate's."""
+    import re
+
+    from llmtrace.cli.options import flag_of
+    from llmtrace.errors import BadValue
+
+    try:
+        yield
+    except BadValue as e:
+        if e.field not in INTERVENTION_FIELDS:
+            raise
+        message = e.named(flag_of(e.field), flag_of)
+        raise UsageError(re.sub(r"(?<![\w-])--(ablate|scale|patch|from|steer|toward|away-from|strength|control-vector)"
+                                r"(?![\w-])", r"--b-\1", message)) from None
 
 
 def _progress(message: str) -> None:

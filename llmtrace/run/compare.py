@@ -475,8 +475,12 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
             notes.append("B's tokenizer reads the prompt differently; both sides were fed A's ids (--ids-from a)")
         prompts.append(text_a)
         all_ids.append(ids)
-    check_comparable(lm_a.config if lm_a is not None else read_config(side_a.model),
-                     lm_b.config if lm_b is not None else read_config(side_b.model))  # before any weight is read
+    config_b = lm_b.config if lm_b is not None else read_config(side_b.model)
+    check_comparable(lm_a.config if lm_a is not None else read_config(side_a.model), config_b)  # before any weight
+    if ivs_b:  # B's interventions against B's shape and the prompts, before any weight is read
+        from llmtrace.run.interventions import check
+
+        check(ivs_b, config_b, [len(ids) for ids in all_ids])
     if lm_a is None:
         say(f"loading A: {side_a.model or 'the default model'}")
         lm_a = side_a.load()
