@@ -417,14 +417,8 @@ class Transformer(Tappable):
         attention = layers if attention is None else attention
         modules = [self] + [m for i in layers for m in (self.layers[i], self.layers[i].ffn)]
         modules += [self.layers[i].attn for i in attention]
-        saved = [m.observer for m in modules]
-        for m in modules:
-            m.observer = observer
-        try:
+        with _attached(modules, "observer", observer):
             yield self
-        finally:
-            for m, before in zip(modules, saved):
-                m.observer = before
 
     @contextlib.contextmanager
     def edited(self, editor: Editor, layers: Optional[Iterable[int]] = None):
@@ -432,14 +426,21 @@ class Transformer(Tappable):
         exit the model is as before. Used by interventions only (llmtrace.run.interventions)."""
         layers = range(self.config.n_layers) if layers is None else list(layers)
         modules = [m for i in layers for m in (self.layers[i], self.layers[i].attn, self.layers[i].ffn)]
-        saved = [m.editor for m in modules]
-        for m in modules:
-            m.editor = editor
-        try:
+        with _attached(modules, "editor", editor):
             yield self
-        finally:
-            for m, before in zip(modules, saved):
-                m.editor = before
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+@contextlib.contextmanager
+def _attached(modules: list[nn.Module], attr: str, value):
+    """Set `attr` (observer or editor) on each module for the block; on exit every module has its value from before."""
+    saved = [getattr(m, attr) for m in modules]
+    for m in modules:
+        setattr(m, attr, value)
+    try:
+        yield
+    finally:
+        for m, before in zip(modules, saved):
+            setattr(m, attr, before)
