@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmtrace"
 
 # Bottom to top. A module may import from its own layer and the layers before it in this list.
 LAYERS = (
-    "base",  # errors.py, fsutil.py, console.py, version.py, sigint.py: used by every layer
+    "base",  # errors.py, fsutil.py, console.py, units.py, version.py, sigint.py: used by every layer
     "tokens",  # text <-> ids, no torch
     "registry",  # a model spec -> files on disk, no torch
     "model",  # the forward pass
@@ -32,7 +32,7 @@ LAYERS = (
     "api",  # llmtrace/api.py: the Python API the CLI stands on
     "cli",  # the commands
 )
-BASE = {"errors", "fsutil", "console", "version", "sigint"}
+BASE = {"errors", "fsutil", "console", "units", "version", "sigint"}
 
 
 def module_name(path: Path) -> str:

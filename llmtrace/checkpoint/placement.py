@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.units import human_bytes
 
 BASELINE_BYTES = 300 << 20  # Python, torch and the tokenizer, before any weight
 FP32_SHARE = 0.70  # float32 weights may take this share of available memory before bfloat16 is chosen instead
@@ -41,10 +42,6 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 20GiB, 1.5GB)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def human(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def available_memory() -> int:
@@ -94,8 +91,8 @@ def check_fits(name: str, need: int, what: str, device: torch.device) -> None:
         return
     have = available_memory()
     if need + BASELINE_BYTES > have:
-        raise LlmtraceError(f"{name} needs {human(need)} for {what} (+ {human(BASELINE_BYTES)} for Python and torch) "
-                            f"but {human(have)} is available; {_options()}")
+        raise LlmtraceError(f"{name} needs {human_bytes(need)} for {what} (+ {human_bytes(BASELINE_BYTES)} for Python and torch) "
+                            f"but {human_bytes(have)} is available; {_options()}")
 
 
 def choose_dtype(requested: Optional[str], device: torch.device, name: str, n_weights: int,
@@ -112,8 +109,8 @@ def choose_dtype(requested: Optional[str], device: torch.device, name: str, n_we
         have = available_memory()
         if 4 * n_weights + BASELINE_BYTES > FP32_SHARE * have:
             dtype = torch.bfloat16
-            note = (f"note: float32 weights would take {human(4 * n_weights)} of {human(have)} available; loading in "
-                    f"bfloat16 ({human(2 * n_weights)}) instead (--dtype float32 overrides)")
+            note = (f"note: float32 weights would take {human_bytes(4 * n_weights)} of {human_bytes(have)} available; loading in "
+                    f"bfloat16 ({human_bytes(2 * n_weights)}) instead (--dtype float32 overrides)")
     check_fits(name, n_weights * dtype.itemsize, f"its weights in {str(dtype).replace('torch.', '')}", device)
     if note:
         print(note, file=sys.stderr)

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from llmtrace.registry.cache import cache_dir, cache_status, cached_files, human_bytes, remove
+from llmtrace.registry.cache import cache_dir, cache_status, cached_files, remove
+from llmtrace.units import human_bytes
 from llmtrace.registry.models_toml import DEFAULT_MODEL, ModelEntry, default_model, load_registry, user_registry_path
 from llmtrace.registry.resolve import cache_key, pull
 from llmtrace.cli.app import app

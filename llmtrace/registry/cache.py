@@ -68,14 +68,6 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError
-
-
 def converted_dir(gguf: Path) -> Path:
     """Where the float32 conversion of a GGUF file is cached: named after the file's path, size and mtime."""
     st = gguf.stat()

@@ -19,9 +19,10 @@ from urllib.parse import urlparse
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.fsutil import atomic_dir
-from llmtrace.registry.cache import (ResolvedModel, cache_status, download_lock, human_bytes, model_dir,
+from llmtrace.registry.cache import (ResolvedModel, cache_status, download_lock, model_dir,
                                      prune_conversions, say, sha256_of, write_manifest)
 from llmtrace.registry.models_toml import Source
+from llmtrace.units import human_bytes
 
 HUB_ENDPOINT = "https://huggingface.co"
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]

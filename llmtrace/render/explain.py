@@ -9,7 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.render.generate import fmt_bytes, fmt_num, plural, print_fitted, visible
+from llmtrace.render.generate import fmt_num, plural, print_fitted, visible
+from llmtrace.units import human_bytes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,7 +236,7 @@ def _qkv(console: Console, ev: dict) -> None:
     _note(console, f"KV cache per position per layer: 2 × {Hkv} × {Dh} × {c['element_size']} B = "
                    f"{c['bytes_per_position_layer']:,} B instead of {c['mha_bytes_per_position_layer']:,} B with one "
                    f"KV head per query head: {c['saving']:g}× smaller (this prompt, all layers: "
-                   f"{fmt_bytes(c['bytes_prompt_model'])} instead of {fmt_bytes(c['mha_bytes_prompt_model'])})")
+                   f"{human_bytes(c['bytes_prompt_model'])} instead of {human_bytes(c['mha_bytes_prompt_model'])})")
 
 
 def _rope(console: Console, ev: dict) -> None:
@@ -397,7 +398,7 @@ def _kv(console: Console, ev: dict) -> None:
     _title(console, f"⑧ s6.8  KV cache write: this layer stores K and V for positions {lo}..{hi}")
     console.print(f"K {_shape(ev['shape_k'])} and V {_shape(ev['shape_v'])} × {ev['element_size']} B = "
                   f"{ev['bytes']:,} B ({ev['bytes_per_position']:,} B per position); every layer together: "
-                  f"{fmt_bytes(ev['all_layers_bytes'])}")
+                  f"{human_bytes(ev['all_layers_bytes'])}")
     _note(console, f"with one KV head per query head this layer would write {ev['mha_bytes']:,} B; later decode steps "
                    f"read these instead of recomputing them")
 

@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.trace.events import LAYER_POINTS
+from llmtrace.units import human_bytes
 
 DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
 GAP = 2  # columns between two table columns (padding 1 on each side, none at the edges)
@@ -54,14 +55,6 @@ def quoted(text: str) -> str:
 def plural(n: int, word: str, words: Optional[str] = None) -> str:
     """'1 token', '2 tokens', '1,024 positions'."""
     return f"{n:,} {word if n == 1 else (words or word + 's')}"
-
-
-def fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:,} B" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def fmt_num(x) -> str:
@@ -774,8 +767,8 @@ class TerminalRenderer:
             kv = self._last_kv
             if kv is not None and "batch_bytes_used" in kv:
                 print_parts(self.console, [f"KV cache: {ev['batch']} rows × {plural(kv['batch_seq_len'], 'slot')} × "
-                                           f"{kv['bytes_per_token']:,} B = {fmt_bytes(kv['batch_bytes_used'])} "
-                                           f"(allocated {fmt_bytes(kv['bytes_allocated'])})"], style="dim")
+                                           f"{kv['bytes_per_token']:,} B = {human_bytes(kv['batch_bytes_used'])} "
+                                           f"(allocated {human_bytes(kv['bytes_allocated'])})"], style="dim")
             return
         n_gen = ev["generated_tokens"]
         decode = f"decode {ev['decode_tok_s']:.1f} tok/s" if n_gen > 1 and ev.get("decode_tok_s") else "decode – tok/s"
@@ -791,8 +784,8 @@ class TerminalRenderer:
             saving = kv["mha_bytes_used"] / kv["bytes_used"] if kv["bytes_used"] else 0
             print_parts(self.console, [
                 f"KV cache: {plural(kv['seq_len'], 'position')} × {kv['bytes_per_token']:,} B = "
-                f"{fmt_bytes(kv['bytes_used'])} (allocated {fmt_bytes(kv['bytes_allocated'])})",
-                f"full multi-head attention would need {fmt_bytes(kv['mha_bytes_used'])}, {saving:.0f}× more"],
+                f"{human_bytes(kv['bytes_used'])} (allocated {human_bytes(kv['bytes_allocated'])})",
+                f"full multi-head attention would need {human_bytes(kv['mha_bytes_used'])}, {saving:.0f}× more"],
                 style="dim", sep="; ")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from llmtrace.trace.records import fast_parts
+from llmtrace.units import human_bytes
 
 # viridis: perceptually even and readable with the common colour-vision deficiencies
 PALETTE = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b",
@@ -56,15 +57,6 @@ def num(x: Any, digits: int = 4) -> str:
     if isinstance(x, int):
         return f"{x:,}"
     return f"{x:.{digits}g}"
-
-
-def size(n: Optional[float]) -> str:
-    if n is None:
-        return "—"
-    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def fill_command(d: dict, command: str) -> str:
@@ -565,8 +557,8 @@ def section_kv(d: dict) -> str:
             f'{m["n_layers"]} layers × {Hkv} KV heads × {Dh} × {el:g} bytes</td></tr>'
             f'<tr><th scope=row>per layer</th><td>{per_layer:,.0f} bytes per token (K {per_layer / 2:,.0f} + V '
             f'{per_layer / 2:,.0f})</td></tr>'
-            f'<tr><th scope=row>at the end</th><td>{last["seq_len"]} positions: {size(last["bytes_used"])} used, '
-            f'{size(last["bytes_allocated"])} allocated; MHA would use {size(last["mha_bytes_used"])} '
+            f'<tr><th scope=row>at the end</th><td>{last["seq_len"]} positions: {human_bytes(last["bytes_used"])} used, '
+            f'{human_bytes(last["bytes_allocated"])} allocated; MHA would use {human_bytes(last["mha_bytes_used"])} '
             f'({last["mha_bytes_used"] / max(1, last["bytes_used"]):.1f}×)</td></tr>'
             f'<tr><th scope=row>chosen step</th><td id="kv-now"></td></tr></table>'
             f'<p>The cache by layer (each the same size):</p><div class="kvlayers">{layers}</div>')

@@ -1,0 +1,24 @@
+"""Numbers for people: the one byte formatter every view and message uses."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+_UNITS = ("KiB", "MiB", "GiB", "TiB")
+
+
+def human_bytes(n: Optional[float]) -> str:
+    """Bytes in binary units with three significant figures: 612 B, 1.50 KiB, 11.3 MiB, 513 MiB, 1.23 GiB; — for None.
+    Binary units because memory and cache sizes are powers of two; the exact count is for the JSON, not this."""
+    if n is None:
+        return "—"
+    if abs(n) < 1023.5:
+        return f"{int(n):,} B"
+    x = float(n)
+    for unit in _UNITS:
+        x /= 1024
+        if abs(x) < 1023.5 or unit == _UNITS[-1]:  # 1023.9 MiB reads 1.00 GiB, not 1,024 MiB
+            break
+    if abs(x) >= 99.95:
+        return f"{x:,.0f} {unit}"
+    return f"{x:.1f} {unit}" if abs(x) >= 9.995 else f"{x:.2f} {unit}"
