@@ -151,18 +151,17 @@ class Int4Matmul(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros)
         self.out_features, self.split = out_features, split
         self.kernel = INT4_CUDA if device.type == "cuda" else INT4_CPU
+        self._mm = torch.ops.aten._weight_int4pack_mm if device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A decode step calls this 4 times a layer: it is kept to the ops it needs (each costs microseconds in eager).
         x2 = x.reshape(-1, x.size(-1))  # (M, K)
         if self.split:
             x2 = torch.cat([x2, x2], dim=-1)  # (M, 2K): the low and the high nibbles' halves of W
         elif torch.compiler.is_compiling():  # see compiled.DenseInputLinear: a stride-0 size-1 dim makes a copy
             x2 = x2.contiguous().as_strided(x2.shape, (x2.size(1), 1))
-        if self.kernel == INT4_CUDA:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, GROUP, self.scales_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)
-        if y.size(-1) != self.out_features:
+        y = self._mm(x2, self.packed, GROUP, self.scales_zeros)  # (M, N)
+        if y.size(-1) != self.out_features:  # rows padded by the packing
             y = y[:, : self.out_features]
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -195,16 +194,20 @@ class FastLinear(nn.Module):
                  bias: Optional[torch.Tensor] = None):
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self._parts = tuple(parts)  # the same modules, for forward (a ModuleList's indexing is slow Python)
         self.segments = segments
         self.in_features = in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.parts) == 1:
-            y = self.parts[0](x)
+        # The parts' forward is called directly (no hooks are set on them): a module call costs microseconds, and a
+        # decode step makes four of these products a layer.
+        parts = self._parts
+        if len(parts) == 1:
+            y = parts[0].forward(x)
         else:
-            y = torch.cat([p(x) for p in self.parts], dim=-1)
+            y = torch.cat([p.forward(x) for p in parts], dim=-1)
         return y if self.bias is None else y + self.bias
 
     @property

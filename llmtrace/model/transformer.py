@@ -242,16 +242,16 @@ class Attention(Tappable):
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         # s6.1 project: Q = X Wq, K = X Wk, V = X Wv
-        qk, v = self.wqkv(x).split([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
+        qk, v = self.wqkv(x).split_with_sizes([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
         # s6.2 split heads. q's and k's heads stay side by side, so that RoPE turns them in one go.
         qk = qk.view(B, T, H + Hkv, Dh)  # (B, T, H+Hkv, Dh)
         v = v.view(B, T, Hkv, Dh)  # (B, T, Hkv, Dh)
-        q, k = qk.split([H, Hkv], dim=2)  # (B, T, H, Dh), (B, T, Hkv, Dh)
+        q, k = qk.split_with_sizes([H, Hkv], dim=2)  # (B, T, H, Dh), (B, T, Hkv, Dh)
         self.tap("q", q)
         self.tap("k", k)
         self.tap("v", v)
         # s6.3 RoPE on q and k (v carries no position)
-        q, k = apply_rope(qk, cos, sin).split([H, Hkv], dim=2)
+        q, k = apply_rope(qk, cos, sin).split_with_sizes([H, Hkv], dim=2)
         self.tap("q_rope", q)
         self.tap("k_rope", k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, Dh), (B, Hkv, T, Dh) twice
@@ -297,7 +297,7 @@ class FeedForward(Tappable):
         self.w_down = nn.Linear(config.ffn_dim, config.d_model, bias=False)  # (D, F)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.ffn_dim, dim=-1)  # (B, T, F) each
+        gate, up = self.w_gate_up(x).split_with_sizes([self.ffn_dim, self.ffn_dim], dim=-1)  # (B, T, F) each
         self.tap("gate", gate)
         self.tap("up", up)
         act = F.silu(gate) * up  # (B, T, F)
@@ -372,6 +372,7 @@ class Transformer(Tappable):
         cos, sin, mask = self.rope_and_mask(idx, start, input_pos, attention_mask)  # s5, and who attends to whom
         x = self.embed(idx)  # s4: (B, T, D)
         self.tap("embed", x)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # RoPE's tables in the activations' dtype, once for every layer
         caches = cache.layers if cache is not None else [None] * len(self.layers)
         for block, layer_cache in zip(self.layers, caches):  # s6: the layer loop
             x = block(x, cos, sin, layer_cache, start, mask)
