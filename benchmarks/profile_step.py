@@ -4,11 +4,18 @@
     python benchmarks/profile_step.py --threads 2 --steps 20 --top 15
     python benchmarks/profile_step.py --threads 2 --levels none --compiled   # also the torch.compile'd step
                                                                               # (one more compile: ~2 min the first time)
+    python benchmarks/profile_step.py --fast --threads 1 --levels none --pieces   # the --fast path (GGUF, int4)
 
 For each mode it profiles --steps decode steps after a 64-token prompt and prints, per step: wall time, the time inside
 the matrix products (aten::mm/bmm), the time of all other aten ops, how many aten ops ran, and the time outside aten
 (Python: module calls, the trace's bookkeeping, event encoding). The matrix products alone are compared with the
 measured ceiling: one pass of matrix-vector products over the same weights, timed in the same process.
+
+--fast: the default model's GGUF on the fast path; the ceiling is then one pass of its int4 products alone (every
+FastLinear's kernel called back to back on a bfloat16 vector). --pieces: what each piece of the step costs in place,
+between the int4 products (which evict the caches each op runs from, so an op costs ~2-3x its cost in a loop of its
+own): the step timed with one piece at a time replaced by a stand-in of the same shapes, alternating with the whole
+step, medians of process CPU time (timing only; the stand-ins compute nothing).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from llmtrace.trace.recorder import Recorder  # noqa: E402
 from llmtrace.trace.options import TraceOptions
 from _arms import decode_matrices  # noqa: E402  (benchmarks/, this script's directory)
 
-MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm"}
+MATMUL_OPS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"}
 
 
 def ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
@@ -51,6 +58,84 @@ def ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
                 F.linear(x, w)
             times.append(time.perf_counter() - t)
     return min(times) * 1e3, statistics.mean(times) * 1e3
+
+
+def int4_ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
+    """--fast: one pass of the int4 products a decode step makes (each FastLinear's kernels on a bfloat16 vector):
+    (best pass, mean pass), in ms."""
+    from llmtrace.model.fast import FastLinear
+
+    calls = []
+    for m in model.modules():
+        if isinstance(m, FastLinear):
+            for part in m.parts:
+                k = part.scales_zeros.size(0) * 32 if hasattr(part, "packed") else part.weight.size(1)
+                calls.append((part, torch.randn(1, k // 2 if getattr(part, "split", False) else k, dtype=torch.bfloat16)))
+    times = []
+    with torch.inference_mode():
+        for _ in range(passes):
+            t = time.perf_counter()
+            for part, x in calls:
+                part.forward(x)
+            times.append(time.perf_counter() - t)
+    return min(times) * 1e3, statistics.mean(times) * 1e3
+
+
+def pieces(lm, ids: list[int], rounds: int = 8) -> None:
+    """Each piece's cost in place (see the module's docstring): the step with the piece stubbed, against the step."""
+    import llmtrace.model.transformer as T
+    from llmtrace.model.fast import Int4Matmul
+
+    m = lm.model
+    zeros: dict = {}
+
+    def int4_stub(self, x):
+        key = (tuple(x.shape), self.out_features)
+        if key not in zeros:
+            zeros[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
+        return zeros[key]
+
+    def silu_mul_stub(self, x):  # FeedForward without silu and the product: its two matrices only
+        gate, up = self.w_gate_up(x).split_with_sizes([self.ffn_dim, self.ffn_dim], dim=-1)
+        return self.w_down(gate)
+
+    stubs = {  # name: (owner, attribute, stand-in)
+        "RMSNorm (61 calls)": (T.RMSNorm, "forward", lambda self, x: x),
+        "RoPE (30)": (T, "apply_rope", lambda x, cos, sin: x),
+        "fused attention (30)": (T.F, "scaled_dot_product_attention", lambda q, k, v, **kw: q),
+        "KV cache write (30)": (T.LayerKV, "update", lambda self, start, k, v: (self.k[:, :, :start + 1],
+                                                                               self.v[:, :, :start + 1])),
+        "silu(gate) * up (30)": (T.FeedForward, "forward", silu_mul_stub),
+        "int4 products (121)": (Int4Matmul, "forward", int4_stub),
+    }
+    clock = time.process_time
+    with torch.inference_mode():
+        cache = m.new_cache(len(ids) + 2)
+        m(torch.tensor([ids]), cache, 0, last_only=True)
+        tok = torch.tensor([[ids[-1]]])
+
+        def steps(n: int = 8) -> list[float]:
+            out = []
+            for _ in range(n):
+                t = clock()
+                m(tok, cache, len(ids), last_only=True)
+                out.append(clock() - t)
+            return out
+
+        runs: dict[str, list[float]] = {n: [] for n in ["whole step", *stubs]}
+        for r in range(rounds):
+            for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
+                if name in stubs:
+                    owner, attr, stub = stubs[name]
+                    real = getattr(owner, attr)
+                    setattr(owner, attr, stub)
+                runs[name] += steps()
+                if name in stubs:
+                    setattr(owner, attr, real)
+    whole = statistics.median(runs["whole step"]) * 1e3
+    print(f"\nin place (process CPU time, median of {len(runs['whole step'])} steps each): whole step {whole:.2f} ms")
+    for name in stubs:
+        print(f"  {name}: {whole - statistics.median(runs[name]) * 1e3:.2f} ms")
 
 
 def profile_decode(lm, ids: list[int], level: str, steps: int, warm: int, compiled=None):
@@ -113,15 +198,21 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12, help="rows of the per-op table to print")
     p.add_argument("--levels", nargs="*", default=["none", "full"])
     p.add_argument("--compiled", action="store_true", help="then compile the decode step (--compile) and profile it")
+    p.add_argument("--fast", action="store_true", help="the --fast path (the default model's GGUF, int4 kernels)")
+    p.add_argument("--pieces", action="store_true", help="then each piece's cost in place (see above)")
     args = p.parse_args()
     set_threads(args.threads)
-    lm = load_model(None, device="cpu", dtype="float32")
+    lm = load_model(None, device="cpu", fast=True) if args.fast else load_model(None, device="cpu", dtype="float32")
     ids = lm.tokenizer.encode("Quantum mechanics is a fundamental theory in physics that " * 8)[:64]
-    ceil, sustained = ceiling_ms(lm.model)
-    print(f"threads {args.threads}; ceiling (matrix-vector products over all weights): best of 30 passes {ceil:.1f} ms, "
+    ceiling = int4_ceiling_ms if args.fast else ceiling_ms
+    ceil, sustained = ceiling(lm.model)
+    what = "the int4 products alone" if args.fast else "matrix-vector products over all weights"
+    print(f"threads {args.threads}; ceiling ({what}): best of 30 passes {ceil:.1f} ms, "
           f"30 back to back {sustained:.1f} ms a pass")
     for level in args.levels:
         report(f"--trace {level}", profile_decode(lm, ids, level, args.steps, warm=4), ceil, args)
+    if args.pieces:
+        pieces(lm, ids)
     if args.compiled:
         from llmtrace.model.compiled import CompiledDecode
         from llmtrace.run.generate import compile_decode
