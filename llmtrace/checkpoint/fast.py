@@ -54,6 +54,8 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
                                           bias=sd.pop(module + ".bias", None))
         del raws
     model = build_model(config, sd, device, COMPUTE, modules)
+    for block in model.layers:  # decode attention as G query rows per KV head (model.transformer.Attention)
+        block.attn.fold_gqa_decode = True
     dense = [n for n, m in model.named_modules() if isinstance(m, FastLinear) and DENSE in m.kernel]
     config.extra = facts | {"fast": {"kernel_choice": choice, "bf16_matrices": dense}}
     return config, model, tokenizer

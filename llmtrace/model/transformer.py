@@ -230,6 +230,12 @@ class Tappable(nn.Module):
 
 
 class Attention(Tappable):
+    # One query per row and nothing masked (a decode step): the fused kernel may take GQA as G query rows of each KV
+    # head, (B, Hkv, G, Dh), instead of its enable_gqa path, which lays K and V out per query head first (~50 us a
+    # call at 75 cached slots here). The same softmax(QK^T/sqrt(Dh))V to rounding, not bit for bit, so the exact path
+    # keeps the call its parity was measured with; the fast path (checkpoint.fast) turns it on.
+    fold_gqa_decode = False
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
@@ -262,6 +268,8 @@ class Attention(Tappable):
                 self.tap("kv_write", torch.arange(start, start + T))  # the slots written
         if self.observer is not None:
             y = self._attention_spelled_out(q, k, v, mask)
+        elif self.fold_gqa_decode and T == 1 and mask is None:
+            y = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, Dh), k, v).view(B, H, T, Dh)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=True)
         y = self.edit("attn_out", y.transpose(1, 2))  # (B, T, H, Dh): head h's output is y[:, :, h]
