@@ -16,6 +16,9 @@ torch, llmtrace: the baseline) and the KV cache. torch is pinned to --threads (a
 --in-process: the decode arms alternate inside one process instead, --pairs times each (llama.cpp's server object,
 llmtrace exact, --fast, --fast with the compiled step), which cancels most of the drift of a shared machine between
 processes; the figure of each arm is its median over the pairs, and each pair gives one ratio to llama.cpp.
+--in-process --no-llama-cpp: the llmtrace arms only. At 2 threads an idle xllamacpp server in the same process
+slows torch's decode step ~1.8x (measured: --fast eager 16 ms a step without it, 29 ms with it, same process), so
+llmtrace's own ratios (--fast eager / exact eager) at 2 threads are read from a run without it.
 
 A Q4_0 file shaped like Llama-3.2-1B made at run time (benchmarks/scale.py's random weights) does not serve here:
 its tokenizer is the tests' 320-entry one, and llama.cpp refuses an embedding of 128,256 rows for a 320-token
@@ -115,10 +118,12 @@ def main() -> None:
     ap.add_argument("--no-exact", action="store_true", help="leave out the exact float32 arm (slow on big files)")
     ap.add_argument("--in-process", action="store_true", help="decode arms alternating in one process (see above)")
     ap.add_argument("--pairs", type=int, default=6, help="alternations of --in-process")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="--in-process without the llama.cpp arm (see above)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
-        import xllamacpp  # noqa: F401
+        if not args.no_llama_cpp:
+            import xllamacpp  # noqa: F401
     except ImportError:
         sys.exit("this benchmark needs llama.cpp's library: pip install xllamacpp")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -134,7 +139,6 @@ def main() -> None:
 def in_process(args, gguf: str) -> None:
     """Decode tok/s of the four arms, alternating in this process (order reversed every other pair)."""
     import torch
-    import xllamacpp
 
     from llmtrace.checkpoint.devices import set_threads
     from llmtrace.checkpoint.load import load_model
@@ -142,11 +146,15 @@ def in_process(args, gguf: str) -> None:
     from llmtrace.run.sampler import Sampler, SamplerConfig
 
     set_threads(args.threads)
-    p = xllamacpp.CommonParams()
-    p.model.path = gguf
-    p.n_ctx = 1024
-    p.cpuparams.n_threads = p.cpuparams_batch.n_threads = args.threads
-    server = xllamacpp.Server(p)
+    server = None
+    if not args.no_llama_cpp:
+        import xllamacpp
+
+        p = xllamacpp.CommonParams()
+        p.model.path = gguf
+        p.n_ctx = 1024
+        p.cpuparams.n_threads = p.cpuparams_batch.n_threads = args.threads
+        server = xllamacpp.Server(p)
     exact = None if args.no_exact else load_model(gguf, device="cpu", dtype="float32")
     fast = load_model(gguf, device="cpu", fast=True)
     ids = fast.tokenizer.encode(PROMPT)
@@ -162,7 +170,7 @@ def in_process(args, gguf: str) -> None:
                                          "cache_prompt": False, "ignore_eos": True})
         return out["timings"]["predicted_per_second"]
 
-    arms = {"llama.cpp": llama_arm}
+    arms = {} if server is None else {"llama.cpp": llama_arm}
     if exact is not None:
         arms["exact eager (float32)"] = lambda: llmtrace_arm(exact)
     arms["--fast eager"] = lambda: llmtrace_arm(fast)
@@ -175,15 +183,16 @@ def in_process(args, gguf: str) -> None:
         for name in names if i % 2 == 0 else names[::-1]:
             runs[name].append(arms[name]())
         print(f"pair {i + 1}: " + ", ".join(f"{n} {runs[n][-1]:.1f}" for n in names), file=sys.stderr, flush=True)
-    base = statistics.median(runs["llama.cpp"])
+    ref = runs.get("llama.cpp") or runs[names[0]]  # without llama.cpp: ratios to the first llmtrace arm
+    base = statistics.median(ref)
     out = {"gguf": os.path.basename(gguf), "threads": args.threads, "tokens": args.tokens, "pairs": args.pairs,
            "capability": torch.backends.cpu.get_cpu_capability(), "mode": "in-process", "arms": {}}
     print(f"\n{out['gguf']}, in one process, {args.tokens} tokens, {args.threads} threads, capability "
-          f"{out['capability']}, median of {args.pairs} alternations (per-pair ratios to llama.cpp in brackets)")
-    print("| arm | decode tok/s | / llama.cpp |\n| --- | ---: | ---: |")
+          f"{out['capability']}, median of {args.pairs} alternations (per-pair ratios to {names[0]} in brackets)")
+    print(f"| arm | decode tok/s | / {names[0]} |\n| --- | ---: | ---: |")
     for name in names:
         d = statistics.median(runs[name])
-        ratios = [a / b for a, b in zip(runs[name], runs["llama.cpp"])]
+        ratios = [a / b for a, b in zip(runs[name], ref)]
         out["arms"][name] = {"decode_tok_s": d, "decode_ratio": d / base, "runs": runs[name],
                              "ratios_per_pair": ratios}
         print(f"| {name} | {d:.1f} | {statistics.median(ratios):.2f}× ({' '.join(f'{r:.2f}' for r in ratios)}) |")
