@@ -342,12 +342,12 @@ def _lens(lens: list[dict], head: Optional[dict], tokens: list[dict]) -> Optiona
 def _kv(steps: list[dict], model: dict) -> Optional[dict]:
     if not steps:
         return None
+    """The KV cache section: the step events' kv_cache records as the run wrote them (element size and the no-GQA
+    figure included; a trace from before they were recorded shows those two as unknown)."""
     kv = [{"step": e["step"], **e["kv_cache"]} for e in steps]
-    bpt = kv[0]["bytes_per_token"]
-    L, Hkv, Dh = model["n_layers"], model["n_kv_heads"], model["head_dim"]
-    element = bpt / (2 * L * Hkv * Dh)  # bytes per stored number (K and V, every layer)
-    return {"steps": kv, "bytes_per_token": bpt, "per_layer": bpt / L, "element_size": element,
-            "mha_bytes_per_token": kv[0]["mha_bytes_used"] // max(1, kv[0]["seq_len"]) if kv[0]["seq_len"] else None}
+    first = kv[0]
+    return {"steps": kv, "bytes_per_token": first["bytes_per_token"], "per_layer": first["bytes_per_token"] / model["n_layers"],
+            "element_size": first.get("element_size"), "mha_bytes_per_token": first.get("mha_bytes_per_token")}
 
 
 def _residual(tensors: list[dict], model: dict) -> Optional[dict]:

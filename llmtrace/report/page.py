@@ -554,7 +554,7 @@ def section_kv(d: dict) -> str:
             f'<span class="swatch gqa"></span> this model (GQA, {Hkv} KV heads) '
             f'<span class="swatch mha"></span> what {H} KV heads (full multi-head attention) would need.</p>{chart}'
             f'<table class="facts"><tr><th scope=row>bytes per token</th><td>{kv["bytes_per_token"]:,} = 2 (K, V) × '
-            f'{m["n_layers"]} layers × {Hkv} KV heads × {Dh} × {el:g} bytes</td></tr>'
+            f'{m["n_layers"]} layers × {Hkv} KV heads × {Dh} × {num(el)} bytes</td></tr>'
             f'<tr><th scope=row>per layer</th><td>{per_layer:,.0f} bytes per token (K {per_layer / 2:,.0f} + V '
             f'{per_layer / 2:,.0f})</td></tr>'
             f'<tr><th scope=row>at the end</th><td>{last["seq_len"]} positions: {human_bytes(last["bytes_used"])} used, '
