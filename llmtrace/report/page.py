@@ -543,7 +543,7 @@ def section_kv(d: dict) -> str:
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
     chart = line_chart([("mha", mha, "full multi-head attention would need"), ("gqa", pts, "this model's cache (GQA)")],
-                       "step", "bytes in the cache", marker=True, fmt=size)
+                       "step", "bytes in the cache", marker=True, fmt=human_bytes)
     last = kv["steps"][-1]
     per_layer = kv["per_layer"]
     el = kv["element_size"]
