@@ -101,7 +101,7 @@ def test_residual_norms_and_kv_are_the_traces(events, page):
     steps = [e for e in events if e["event"] == "step"]
     assert [s["bytes_used"] for s in d["kv"]["steps"]] == [e["kv_cache"]["bytes_used"] for e in steps]
     assert d["kv"]["bytes_per_token"] == 46080 and d["kv"]["per_layer"] == 46080 / 30
-    stats = {(r[0], r[1]): r[6] for r in d["tensors"]["points"]["q"]}
+    stats = {(r["step"], r["layer"]): r["norm"] for r in d["tensors"]["points"]["q"]}
     for e in (e for e in events if e["event"] == "tensor" and e["name"] == "q"):
         assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
 
@@ -443,3 +443,4 @@ def test_explain_page_in_the_browser_labels_the_heatmap_beside_its_cells(browser
         assert box["x"] + box["width"] <= canvas["x"] + 1
     assert o.messages == [] and o.requests == [o.url]
     o.page.close()
+
