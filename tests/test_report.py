@@ -444,3 +444,30 @@ def test_explain_page_in_the_browser_labels_the_heatmap_beside_its_cells(browser
     assert o.messages == [] and o.requests == [o.url]
     o.page.close()
 
+
+HOSTILE = "</script><script>document.title='pwned'</script><b id=evil>&amp; \"q\"</b>"
+
+
+def test_trace_text_reaches_the_page_escaped(browser, smollm, tmp_path):
+    """A prompt (and the tokens it makes) full of markup is shown as text: in the page's HTML it is escaped, in the
+    embedded data it cannot close its script, and in the browser nothing of it runs or becomes an element."""
+    from markupsafe import escape
+
+    events = []
+    rec = Recorder(TraceOptions(level="steps"), [events.append], run_info={"prompt": HOSTILE})
+    generate(smollm, smollm.tokenizer.encode(HOSTILE), Sampler(SamplerConfig(temperature=0), smollm.config.vocab_size),
+             2, ignore_eos=True, observer=rec)
+    page = build(json.loads(json.dumps(events)), tokenizer=smollm.tokenizer)
+    assert "<script>document" not in page and "<b id=evil>" not in page and page.count("</script>") == 3
+    assert f"<q>{escape(HOSTILE)}</q>" in page
+    assert f" · {escape(HOSTILE[:60])}</title>" in page
+    assert embedded(page)["run"]["prompt"] == HOSTILE
+    path = tmp_path / "hostile.html"
+    path.write_text(page, encoding="utf-8")
+    o = Opened(browser, path)
+    assert o.page.title().endswith(HOSTILE[:60]) and o.page.locator("#evil").count() == 0
+    assert o.page.locator("#run q").first.inner_text() == HOSTILE
+    chips = o.page.locator("#chips .piece").all_inner_texts()
+    assert "script" in chips and ">" in "".join(chips)  # the prompt's tokens, as text
+    assert o.messages == [] and o.requests == [o.url]
+    o.page.close()
