@@ -112,7 +112,7 @@ def lacking(d: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the sections: each returns the dict its template (templates/report/ID.html.j2) lays out, {"note": ...} for a
+# the sections: each returns the dict its template (templates/report/ID.html.j2) lays out, {"only_missing": note} for a
 # section that only says what is missing, or None for a section left out
 
 
@@ -231,8 +231,8 @@ def merge_words(merges: dict) -> dict:
 def section_tokens(d: dict) -> dict:
     toks = d["tokens"]
     n_gen = sum(t["step"] is not None for t in toks)
-    return {"prompt": plural(len(toks) - n_gen, "prompt token"), "generated": plural(n_gen, "generated token") if n_gen else None,
-            "chips": [chip(t) for t in toks], "merges": merge_words(d["merges"])}
+    return {"prompt": plural(len(toks) - n_gen, "prompt token"),
+            "generated": plural(n_gen, "generated token") if n_gen else None, "chips": [chip(t) for t in toks], "merges": merge_words(d["merges"])}
 
 
 def topk_chart(step: dict) -> dict:
@@ -284,7 +284,7 @@ def section_steps(d: dict) -> Optional[dict]:
     steps = d["steps"]
     if not steps:
         note = missing(d, "generation steps")
-        return {"note": note} if note else None
+        return {"only_missing": note} if note else None
     vocab = d["run"]["model"]["vocab_size"]
     panels = []
     for s in steps:
@@ -341,7 +341,8 @@ def heatmap_axes(d: dict) -> dict:
         return str(b0) if b1 - b0 == 1 else f"{b0}–{b1 - 1}"
 
     side = 96
-    return {"side": side, "inner": side - 4, "size": cell * B, "outer": cell * B + 2, "what": "tokens" if single and every == 1 else "positions",
+    return {"side": side, "inner": side - 4, "size": cell * B, "outer": cell * B + 2,  # the SVGs overhang by a pixel
+            "what": "tokens" if single and every == 1 else "positions",
             "marks": [{"at": f"{(i + 0.5) * cell + 4:.1f}", "text": text(i)} for i in range(0, B, every)]}
 
 
@@ -364,7 +365,7 @@ def section_lens(d: dict) -> Optional[dict]:
     lens = d["lens"]
     if lens is None:
         note = missing(d, "the logit lens", command="lens")
-        return {"note": note} if note else None
+        return {"only_missing": note} if note else None
     pos = lens["positions"]
     rows = []
     for ri, r in enumerate(lens["rows"]):
@@ -428,7 +429,7 @@ def section_kv(d: dict) -> Optional[dict]:
     kv = d["kv"]
     if kv is None:
         note = missing(d, "the KV cache per step")
-        return {"note": note} if note else None
+        return {"only_missing": note} if note else None
     m = d["run"]["model"]
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
@@ -451,7 +452,7 @@ def section_residual(d: dict) -> Optional[dict]:
     r = d["residual"]
     if r is None:
         note = missing(d, "the residual stream per layer", "--trace layers or --trace full")
-        return {"note": note} if note else None
+        return {"only_missing": note} if note else None
     xs = r["layers"]
     series = []
     for step in r["steps"]:
