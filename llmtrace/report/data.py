@@ -224,8 +224,9 @@ def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: 
 
 
 def _tensor_table(tensors: list[dict]) -> dict:
-    """Statistics of every recorded point: {name: [[step, layer, mean, std, min, max, norm], ...]}. Past
-    TENSOR_BUDGET rows, only evenly spaced steps are kept (always the first and the last)."""
+    """Statistics of every recorded point, for the pipeline's panel (report.js): {name: [row, ...]}, each row
+    {step, layer, mean, std, min, max, norm, shape} (layer None outside the layers). Past TENSOR_BUDGET rows, only
+    evenly spaced steps are kept (always the first and the last)."""
     steps = sorted({ev.get("step", 0) for ev in tensors})
     kept = set(steps)
     if len(tensors) > TENSOR_BUDGET and steps:
@@ -238,8 +239,9 @@ def _tensor_table(tensors: list[dict]) -> dict:
         if step not in kept:
             continue
         s = ev["stats"]
-        table.setdefault(ev["name"], []).append([step, ev["layer"], s["mean"], s["std"], s["min"], s["max"], s["norm"],
-                                                 ev["shape"]])
+        table.setdefault(ev["name"], []).append({"step": step, "layer": ev["layer"], "mean": s["mean"], "std": s["std"],
+                                                 "min": s["min"], "max": s["max"], "norm": s["norm"],
+                                                 "shape": ev["shape"]})
     return {"points": table, "steps": sorted(kept), "all_steps": len(steps)}
 
 
