@@ -235,7 +235,7 @@ class FastLinear(nn.Module):
 
 
 def _run_key(kind: str, int4: bool) -> tuple:
-    """The kernel a segment of this type runs on: ("dense",) or ("int4", split); neighbours with one key are one part."""
+    """The kernel a segment of type `kind` runs on: ("dense",) or ("int4", split); a run of one key is one part."""
     if not (int4 and kind in GROUP_KINDS):
         return ("dense",)
     return ("int4", affine_groups(torch.zeros(1, BLOCKS[kind][1], dtype=torch.uint8), kind).bits > 4)
