@@ -10,8 +10,11 @@ slows them alike: llama.cpp (xllamacpp), llmtrace exact eager (float32), llmtrac
 --compile. Decode: greedy, --tokens new tokens after a short prompt, EOS ignored; llama.cpp's figure is its own
 `timings.predicted_per_second`, llmtrace's the summary's `decode_tok_s` (both: the steps after the first token).
 Prefill: a --prefill-token prompt (real text, benchmarks/passage.txt), `timings.prompt_per_second` against the
-summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process, with the process's RSS before the load (Python,
-torch, llmtrace: the baseline) and the KV cache. torch is pinned to --threads (and OMP/MKL threads).
+summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process over its RSS when the load starts (Python, torch,
+llmtrace and every module the run imports: the baseline), less the KV cache. torch is pinned to --threads (and OMP/MKL
+threads).
+
+--memory: only the peak RSS of each llmtrace arm (see `memory`), no llama.cpp needed.
 
 --in-process: the decode arms alternate inside one process instead, --pairs times each (llama.cpp's server object,
 llmtrace exact, --fast, --fast with the compiled step), which cancels most of the drift of a shared machine between
@@ -56,15 +59,32 @@ def hwm(key):
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-import torch, llmtrace.checkpoint.load, llmtrace.run.generate  # the baseline: what a run holds before its weights
+def library_pages():  # resident pages of shared libraries' files (code and read-only data, mapped on first use)
+    total, lib = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and not head[0].endswith(":"):
+            lib = len(head) > 5 and ".so" in head[5]
+        elif lib and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+import torch, llmtrace.checkpoint.load, llmtrace.run.generate  # the RSS after these imports: "baseline_rss"
 base = hwm("VmRSS:")
+at_load = {}
+load_model = llmtrace.checkpoint.load.load_model
+def measured_load(*args, **kwargs):  # the RSS when the load starts: Python, torch and every module the run imports
+    at_load.update(rss=hwm("VmRSS:"), libs=library_pages())
+    return load_model(*args, **kwargs)
+llmtrace.checkpoint.load.load_model = measured_load
 from llmtrace.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
     if e.code:
         raise
-print(json.dumps({"peak_rss": hwm("VmHWM:"), "baseline_rss": base}), file=sys.stderr)
+print(json.dumps({"peak_rss": hwm("VmHWM:"), "baseline_rss": base, "load_start_rss": at_load["rss"],
+                  "library_pages_added": library_pages() - at_load["libs"], "end_anon": hwm("RssAnon:"),
+                  "end_file": hwm("RssFile:")}), file=sys.stderr)
 """
 
 
@@ -115,10 +135,14 @@ def main() -> None:
     ap.add_argument("--no-exact", action="store_true", help="leave out the exact float32 arm (slow on big files)")
     ap.add_argument("--in-process", action="store_true", help="decode arms alternating in one process (see above)")
     ap.add_argument("--pairs", type=int, default=6, help="alternations of --in-process")
+    ap.add_argument("--memory", action="store_true",
+                    help="only the peak RSS of --fast and --keep-quantized (and the exact path unless --no-exact), "
+                         "one fresh process each, for a short and a --prefill-token prompt (no llama.cpp)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     try:
-        import xllamacpp  # noqa: F401
+        if not args.memory:
+            import xllamacpp  # noqa: F401
     except ImportError:
         sys.exit("this benchmark needs llama.cpp's library: pip install xllamacpp")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -128,7 +152,39 @@ def main() -> None:
         from llmtrace.registry.resolve import resolve
 
         gguf = str(resolve(None).path)
-    (in_process if args.in_process else run)(args, gguf)
+    (in_process if args.in_process else memory if args.memory else run)(args, gguf)
+
+
+def memory(args, gguf: str) -> None:
+    """Peak RSS (VmHWM) of each llmtrace arm in a fresh process, over the RSS when the load starts (Python, torch and
+    every module the run imports: the baseline), less the KV cache, as a multiple of the GGUF file's size. Shared
+    libraries' pages that torch and tokenizers map on first use (code, not data) are part of the peak; the column
+    beside it gives the figure without them."""
+    size = os.path.getsize(gguf)
+    arms = {"--fast": ("--fast",), "--keep-quantized": ("--keep-quantized",)}
+    if not args.no_exact:
+        arms["exact (float32)"] = ()
+    prompts = {f"{PROMPT!r}, {args.tokens} tokens": (PROMPT, args.tokens)}
+    if args.prefill:
+        prompts[f"{args.prefill}-token prompt, 2 tokens"] = (long_prompt(gguf, args.prefill), 2)
+    out = {"gguf": os.path.basename(gguf), "gguf_bytes": size, "threads": args.threads, "runs": []}
+    mib = 2**20
+    print(f"{out['gguf']}: {size / mib:.1f} MiB; target (issue 24): peak − baseline − KV ≤ 1.3× the file")
+    print("| arm | run | peak − baseline (MiB) | KV cache (MiB) | (peak − baseline − KV) / file | library pages "
+          "added (MiB) | without them / file | RSS at load start (MiB) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, extra in arms.items():
+        for label, (prompt, tokens) in prompts.items():
+            r = llmtrace(gguf, args.threads, prompt, tokens, *extra)
+            grew = r["peak_rss"] - r["load_start_rss"]
+            ratio = (grew - r["kv_bytes"]) / size
+            bare = (grew - r["kv_bytes"] - r["library_pages_added"]) / size
+            out["runs"].append({"arm": name, "run": label, **r, "ratio": ratio, "ratio_without_library_pages": bare})
+            print(f"| {name} | {label} | {grew / mib:.1f} | {r['kv_bytes'] / mib:.2f} | {ratio:.2f}× | "
+                  f"{r['library_pages_added'] / mib:.1f} | {bare:.2f}× | {r['load_start_rss'] / mib:.0f} |",
+                  flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def in_process(args, gguf: str) -> None:
@@ -241,7 +297,7 @@ def run(args, gguf: str) -> None:
         mem = "–"
         mem_ratio = "–"
         if "peak_rss" in decode[name][0]:
-            extra = max(x["peak_rss"] - x["baseline_rss"] for x in decode[name])
+            extra = max(x["peak_rss"] - x["load_start_rss"] for x in decode[name])
             kv = decode[name][0]["kv_bytes"] or 0
             row |= {"peak_minus_baseline": extra, "kv_bytes": kv, "rss_ratio": (extra - kv) / size,
                     "kernels": decode[name][0]["kernels"], "kernel_choice": decode[name][0]["kernel_choice"]}
