@@ -25,6 +25,7 @@ For benchmarks only (issue 24): never in the repository or CI. Both llama.cpp an
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import re
 import sys
@@ -39,7 +40,8 @@ ROOT = HERE.parent
 LAYERS, D, F, HEADS, KV_HEADS, HEAD_DIM = 16, 2048, 8192, 32, 8, 64
 N_TOKENS, N_SPECIAL = 128000, 256  # 128,256 in all
 ROPE_THETA = 500000.0
-ROPE_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ROPE_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
 BOS, EOS = 128000, 128009
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -90,9 +92,8 @@ def vocabulary(seed: int) -> tuple[list[str], list[int], list[str]]:
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     trainer = trainers.BpeTrainer(vocab_size=N_TOKENS, initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator([(HERE / "passage.txt").read_text()], trainer)
-    import json
-
-    learned = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in json.loads(tok.to_str())["model"]["merges"]]
+    learned = [tuple(m) if isinstance(m, list) else tuple(m.split(" "))
+               for m in json.loads(tok.to_str())["model"]["merges"]]
     tokens, merges = list(alphabet), []
     known = set(tokens)
 
