@@ -20,9 +20,11 @@ threads).
 llmtrace exact, --fast, --fast with the compiled step), which cancels most of the drift of a shared machine between
 processes; the figure of each arm is its median over the pairs, and each pair gives one ratio to llama.cpp.
 
-A Q4_0 file shaped like Llama-3.2-1B made at run time (benchmarks/scale.py's random weights) does not serve here:
-its tokenizer is the tests' 320-entry one, and llama.cpp refuses an embedding of 128,256 rows for a 320-token
-vocabulary. Give a real file with -m.
+--llama-1b [FILE]: instead of -m, a Q4_0 file shaped like Llama-3.2-1B with random weights and a full 128,256-entry
+vocabulary, made at run time by benchmarks/llama1b_gguf.py (gguf's writer and quantizer; tied head in Q6_K as
+llama-quantize makes it, or --embd), into FILE (kept, and reused if it is there) or a temporary directory. Random
+weights generate arbitrary tokens: EOS is ignored on both sides, and every run is checked to decode --tokens tokens.
+The load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +52,7 @@ out = server.handle_completions({"prompt": sys.argv[3], "n_predict": int(sys.arg
                                  "cache_prompt": False, "ignore_eos": True})
 t = out["timings"]
 print(json.dumps({"decode_tok_s": t["predicted_per_second"], "prefill_tok_s": t["prompt_per_second"],
-                  "prompt_tokens": t["prompt_n"]}))
+                  "prompt_tokens": t["prompt_n"], "predicted_n": t["predicted_n"]}))
 """
 
 LLMTRACE = r"""
@@ -91,7 +94,19 @@ print(json.dumps({"peak_rss": hwm("VmHWM:"), "baseline_rss": base, "load_start_r
 def llama_cpp(gguf: str, threads: int, prompt: str, tokens: int) -> dict:
     proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, gguf, str(threads), prompt, str(tokens)],
                           capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    decoded(out["predicted_n"], tokens, "llama.cpp")
+    return out
+
+
+def decoded(n: int, tokens: int, arm: str) -> None:
+    """Both sides must decode the same number of tokens (EOS ignored), or their rates measure different work."""
+    if n != tokens:
+        raise RuntimeError(f"{arm} decoded {n} tokens, not {tokens}")
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def llmtrace(gguf: str, threads: int, prompt: str, tokens: int, *extra: str) -> dict:
@@ -102,6 +117,7 @@ def llmtrace(gguf: str, threads: int, prompt: str, tokens: int, *extra: str) -> 
         raise RuntimeError(proc.stderr.strip().splitlines()[-1])
     lines = proc.stdout.strip().splitlines()
     run, summary = json.loads(lines[0]), json.loads(lines[-1])
+    decoded(summary["generated_tokens"], tokens, "llmtrace " + " ".join(extra))
     mem = json.loads(proc.stderr.strip().splitlines()[-1])
     m = run["model"]
     slots = summary["prompt_tokens"] + tokens  # the cache the loop allocates: prompt + new tokens
@@ -139,6 +155,10 @@ def main() -> None:
                     help="only the peak RSS of --fast and --keep-quantized (and the exact path unless --no-exact), "
                          "one fresh process each, for a short and a --prefill-token prompt (no llama.cpp)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--llama-1b", nargs="?", const="", metavar="FILE",
+                    help="make a Llama-3.2-1B-shaped Q4_0 file (see above) into FILE, or a temporary directory")
+    ap.add_argument("--embd", default="Q6_K", choices=["Q6_K", "Q8_0", "Q4_0"], help="--llama-1b's tied head type")
+    ap.add_argument("--seed", type=int, default=0, help="--llama-1b's weights and synthetic merges")
     args = ap.parse_args()
     try:
         if not args.memory:
@@ -147,12 +167,30 @@ def main() -> None:
         sys.exit("this benchmark needs llama.cpp's library: pip install xllamacpp")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
-    gguf = args.model
-    if gguf is None:
-        from llmtrace.registry.resolve import resolve
+    with tempfile.TemporaryDirectory(prefix="llama-1b-shape-") as tmp:
+        gguf = args.model
+        if args.llama_1b is not None:
+            gguf = made_1b(args, Path(args.llama_1b) if args.llama_1b else Path(tmp) / "llama-1b-shape.Q4_0.gguf")
+        elif gguf is None:
+            from llmtrace.registry.resolve import resolve
 
-        gguf = str(resolve(None).path)
-    (in_process if args.in_process else memory if args.memory else run)(args, gguf)
+            gguf = str(resolve(None).path)
+        print(f"load average before: {load_average()}", file=sys.stderr, flush=True)
+        (in_process if args.in_process else memory if args.memory else run)(args, gguf)
+        print(f"load average after: {load_average()}", file=sys.stderr, flush=True)
+
+
+def made_1b(args, path: Path) -> str:
+    """benchmarks/llama1b_gguf.py's file at `path` (written unless it is there), its size printed."""
+    sys.path.insert(0, str(HERE))
+    import llama1b_gguf
+
+    if path.exists():
+        print(f"reusing {path} (delete it to make it again)", file=sys.stderr)
+    else:
+        llama1b_gguf.write(path, args.seed, args.embd, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"{path}: {path.stat().st_size:,} bytes", file=sys.stderr, flush=True)
+    return str(path)
 
 
 def memory(args, gguf: str) -> None:
@@ -211,11 +249,13 @@ def in_process(args, gguf: str) -> None:
     def llmtrace_arm(lm, comp=None):
         res = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), args.tokens,
                        ignore_eos=True, compiled=comp)
+        decoded(len(res.tokens), args.tokens, "llmtrace")
         return res.decode_tok_s
 
     def llama_arm():
         out = server.handle_completions({"prompt": PROMPT, "n_predict": args.tokens, "temperature": 0,
                                          "cache_prompt": False, "ignore_eos": True})
+        decoded(out["timings"]["predicted_n"], args.tokens, "llama.cpp")
         return out["timings"]["predicted_per_second"]
 
     arms = {"llama.cpp": llama_arm}
@@ -230,10 +270,12 @@ def in_process(args, gguf: str) -> None:
     for i in range(args.pairs):
         for name in names if i % 2 == 0 else names[::-1]:
             runs[name].append(arms[name]())
-        print(f"pair {i + 1}: " + ", ".join(f"{n} {runs[n][-1]:.1f}" for n in names), file=sys.stderr, flush=True)
+        print(f"pair {i + 1}: " + ", ".join(f"{n} {runs[n][-1]:.2f}" for n in names), file=sys.stderr, flush=True)
     base = statistics.median(runs["llama.cpp"])
     out = {"gguf": os.path.basename(gguf), "threads": args.threads, "tokens": args.tokens, "pairs": args.pairs,
-           "capability": torch.backends.cpu.get_cpu_capability(), "mode": "in-process", "arms": {}}
+           "capability": torch.backends.cpu.get_cpu_capability(), "mode": "in-process", "arms": {},
+           "gguf_bytes": os.path.getsize(gguf), "load_average": load_average(),
+           "fast": fast.config.extra.get("fast")}
     print(f"\n{out['gguf']}, in one process, {args.tokens} tokens, {args.threads} threads, capability "
           f"{out['capability']}, median of {args.pairs} alternations (per-pair ratios to llama.cpp in brackets)")
     print("| arm | decode tok/s | / llama.cpp |\n| --- | ---: | ---: |")
@@ -242,7 +284,7 @@ def in_process(args, gguf: str) -> None:
         ratios = [a / b for a, b in zip(runs[name], runs["llama.cpp"])]
         out["arms"][name] = {"decode_tok_s": d, "decode_ratio": d / base, "runs": runs[name],
                              "ratios_per_pair": ratios}
-        print(f"| {name} | {d:.1f} | {statistics.median(ratios):.2f}× ({' '.join(f'{r:.2f}' for r in ratios)}) |")
+        print(f"| {name} | {d:.2f} | {statistics.median(ratios):.2f}× ({' '.join(f'{r:.2f}' for r in ratios)}) |")
     if exact is not None:
         r = [a / b for a, b in zip(runs["--fast eager"], runs["exact eager (float32)"])]
         out["fast_eager_over_exact_eager"] = r
@@ -275,7 +317,8 @@ def run(args, gguf: str) -> None:
                       file=sys.stderr, flush=True)
     size = os.path.getsize(gguf)
     out = {"gguf": os.path.basename(gguf), "gguf_bytes": size, "threads": args.threads, "tokens": args.tokens,
-           "rounds": args.rounds, "capability": torch.backends.cpu.get_cpu_capability(), "arms": {}}
+           "rounds": args.rounds, "capability": torch.backends.cpu.get_cpu_capability(), "arms": {},
+           "load_average": load_average()}
     base = statistics.median(x["decode_tok_s"] for x in decode["llama.cpp"])
     base_pre = statistics.median(x["prefill_tok_s"] for x in prefill["llama.cpp"]) if long else None
     print(f"\n{out['gguf']} ({size / 2**20:.0f} MiB), {args.tokens} tokens, {args.threads} threads, capability "
