@@ -10,8 +10,11 @@ slows them alike: llama.cpp (xllamacpp), llmtrace exact eager (float32), llmtrac
 --compile. Decode: greedy, --tokens new tokens after a short prompt, EOS ignored; llama.cpp's figure is its own
 `timings.predicted_per_second`, llmtrace's the summary's `decode_tok_s` (both: the steps after the first token).
 Prefill: a --prefill-token prompt (real text, benchmarks/passage.txt), `timings.prompt_per_second` against the
-summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process, with the process's RSS before the load (Python,
-torch, llmtrace: the baseline) and the KV cache. torch is pinned to --threads (and OMP/MKL threads).
+summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process over its RSS when the load starts (Python, torch,
+llmtrace and every module the run imports: the baseline), less the KV cache. torch is pinned to --threads (and OMP/MKL
+threads).
+
+--memory: only the peak RSS of each llmtrace arm (see `memory`), no llama.cpp needed.
 
 --in-process: the decode arms alternate inside one process instead, --pairs times each (llama.cpp's server object,
 llmtrace exact, --fast, --fast with the compiled step), which cancels most of the drift of a shared machine between
@@ -20,9 +23,11 @@ processes; the figure of each arm is its median over the pairs, and each pair gi
 slows torch's decode step ~1.8x (measured: --fast eager 16 ms a step without it, 29 ms with it, same process), so
 llmtrace's own ratios (--fast eager / exact eager) at 2 threads are read from a run without it.
 
-A Q4_0 file shaped like Llama-3.2-1B made at run time (benchmarks/scale.py's random weights) does not serve here:
-its tokenizer is the tests' 320-entry one, and llama.cpp refuses an embedding of 128,256 rows for a 320-token
-vocabulary. Give a real file with -m.
+--llama-1b [FILE]: instead of -m, a Q4_0 file shaped like Llama-3.2-1B with random weights and a full 128,256-entry
+vocabulary, made at run time by benchmarks/llama1b_gguf.py (gguf's writer and quantizer; tied head in Q6_K as
+llama-quantize makes it, or --embd), into FILE (kept, and reused if it is there) or a temporary directory. Random
+weights generate arbitrary tokens: EOS is ignored on both sides, and every run is checked to decode --tokens tokens.
+The load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -49,7 +55,7 @@ out = server.handle_completions({"prompt": sys.argv[3], "n_predict": int(sys.arg
                                  "cache_prompt": False, "ignore_eos": True})
 t = out["timings"]
 print(json.dumps({"decode_tok_s": t["predicted_per_second"], "prefill_tok_s": t["prompt_per_second"],
-                  "prompt_tokens": t["prompt_n"]}))
+                  "prompt_tokens": t["prompt_n"], "predicted_n": t["predicted_n"]}))
 """
 
 LLMTRACE = r"""
@@ -59,22 +65,51 @@ def hwm(key):
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-import torch, llmtrace.checkpoint.load, llmtrace.run.generate  # the baseline: what a run holds before its weights
+def library_pages():  # resident pages of shared libraries' files (code and read-only data, mapped on first use)
+    total, lib = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and not head[0].endswith(":"):
+            lib = len(head) > 5 and ".so" in head[5]
+        elif lib and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+import torch, llmtrace.checkpoint.load, llmtrace.run.generate  # the RSS after these imports: "baseline_rss"
 base = hwm("VmRSS:")
+at_load = {}
+load_model = llmtrace.checkpoint.load.load_model
+def measured_load(*args, **kwargs):  # the RSS when the load starts: Python, torch and every module the run imports
+    at_load.update(rss=hwm("VmRSS:"), libs=library_pages())
+    return load_model(*args, **kwargs)
+llmtrace.checkpoint.load.load_model = measured_load
 from llmtrace.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:
     if e.code:
         raise
-print(json.dumps({"peak_rss": hwm("VmHWM:"), "baseline_rss": base}), file=sys.stderr)
+print(json.dumps({"peak_rss": hwm("VmHWM:"), "baseline_rss": base, "load_start_rss": at_load["rss"],
+                  "library_pages_added": library_pages() - at_load["libs"], "end_anon": hwm("RssAnon:"),
+                  "end_file": hwm("RssFile:")}), file=sys.stderr)
 """
 
 
 def llama_cpp(gguf: str, threads: int, prompt: str, tokens: int) -> dict:
     proc = subprocess.run([sys.executable, "-c", LLAMA_CPP, gguf, str(threads), prompt, str(tokens)],
                           capture_output=True, text=True, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    decoded(out["predicted_n"], tokens, "llama.cpp")
+    return out
+
+
+def decoded(n: int, tokens: int, arm: str) -> None:
+    """Both sides must decode the same number of tokens (EOS ignored), or their rates measure different work."""
+    if n != tokens:
+        raise RuntimeError(f"{arm} decoded {n} tokens, not {tokens}")
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def llmtrace(gguf: str, threads: int, prompt: str, tokens: int, *extra: str) -> dict:
@@ -85,6 +120,7 @@ def llmtrace(gguf: str, threads: int, prompt: str, tokens: int, *extra: str) -> 
         raise RuntimeError(proc.stderr.strip().splitlines()[-1])
     lines = proc.stdout.strip().splitlines()
     run, summary = json.loads(lines[0]), json.loads(lines[-1])
+    decoded(summary["generated_tokens"], tokens, "llmtrace " + " ".join(extra))
     mem = json.loads(proc.stderr.strip().splitlines()[-1])
     m = run["model"]
     slots = summary["prompt_tokens"] + tokens  # the cache the loop allocates: prompt + new tokens
@@ -119,21 +155,78 @@ def main() -> None:
     ap.add_argument("--in-process", action="store_true", help="decode arms alternating in one process (see above)")
     ap.add_argument("--pairs", type=int, default=6, help="alternations of --in-process")
     ap.add_argument("--no-llama-cpp", action="store_true", help="--in-process without the llama.cpp arm (see above)")
+    ap.add_argument("--memory", action="store_true",
+                    help="only the peak RSS of --fast and --keep-quantized (and the exact path unless --no-exact), "
+                         "one fresh process each, for a short and a --prefill-token prompt (no llama.cpp)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--llama-1b", nargs="?", const="", metavar="FILE",
+                    help="make a Llama-3.2-1B-shaped Q4_0 file (see above) into FILE, or a temporary directory")
+    ap.add_argument("--embd", default="Q6_K", choices=["Q6_K", "Q8_0", "Q4_0"], help="--llama-1b's tied head type")
+    ap.add_argument("--seed", type=int, default=0, help="--llama-1b's weights and synthetic merges")
     args = ap.parse_args()
     try:
-        if not args.no_llama_cpp:
+        if not (args.memory or args.no_llama_cpp):
             import xllamacpp  # noqa: F401
     except ImportError:
         sys.exit("this benchmark needs llama.cpp's library: pip install xllamacpp")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
-    gguf = args.model
-    if gguf is None:
-        from llmtrace.registry.resolve import resolve
+    with tempfile.TemporaryDirectory(prefix="llama-1b-shape-") as tmp:
+        gguf = args.model
+        if args.llama_1b is not None:
+            gguf = made_1b(args, Path(args.llama_1b) if args.llama_1b else Path(tmp) / "llama-1b-shape.Q4_0.gguf")
+        elif gguf is None:
+            from llmtrace.registry.resolve import resolve
 
-        gguf = str(resolve(None).path)
-    (in_process if args.in_process else run)(args, gguf)
+            gguf = str(resolve(None).path)
+        print(f"load average before: {load_average()}", file=sys.stderr, flush=True)
+        (in_process if args.in_process else memory if args.memory else run)(args, gguf)
+        print(f"load average after: {load_average()}", file=sys.stderr, flush=True)
+
+
+def made_1b(args, path: Path) -> str:
+    """benchmarks/llama1b_gguf.py's file at `path` (written unless it is there), its size printed."""
+    sys.path.insert(0, str(HERE))
+    import llama1b_gguf
+
+    if path.exists():
+        print(f"reusing {path} (delete it to make it again)", file=sys.stderr)
+    else:
+        llama1b_gguf.write(path, args.seed, args.embd, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(f"{path}: {path.stat().st_size:,} bytes", file=sys.stderr, flush=True)
+    return str(path)
+
+
+def memory(args, gguf: str) -> None:
+    """Peak RSS (VmHWM) of each llmtrace arm in a fresh process, over the RSS when the load starts (Python, torch and
+    every module the run imports: the baseline), less the KV cache, as a multiple of the GGUF file's size. Shared
+    libraries' pages that torch and tokenizers map on first use (code, not data) are part of the peak; the column
+    beside it gives the figure without them."""
+    size = os.path.getsize(gguf)
+    arms = {"--fast": ("--fast",), "--keep-quantized": ("--keep-quantized",)}
+    if not args.no_exact:
+        arms["exact (float32)"] = ()
+    prompts = {f"{PROMPT!r}, {args.tokens} tokens": (PROMPT, args.tokens)}
+    if args.prefill:
+        prompts[f"{args.prefill}-token prompt, 2 tokens"] = (long_prompt(gguf, args.prefill), 2)
+    out = {"gguf": os.path.basename(gguf), "gguf_bytes": size, "threads": args.threads, "runs": []}
+    mib = 2**20
+    print(f"{out['gguf']}: {size / mib:.1f} MiB; target (issue 24): peak − baseline − KV ≤ 1.3× the file")
+    print("| arm | run | peak − baseline (MiB) | KV cache (MiB) | (peak − baseline − KV) / file | library pages "
+          "added (MiB) | without them / file | RSS at load start (MiB) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, extra in arms.items():
+        for label, (prompt, tokens) in prompts.items():
+            r = llmtrace(gguf, args.threads, prompt, tokens, *extra)
+            grew = r["peak_rss"] - r["load_start_rss"]
+            ratio = (grew - r["kv_bytes"]) / size
+            bare = (grew - r["kv_bytes"] - r["library_pages_added"]) / size
+            out["runs"].append({"arm": name, "run": label, **r, "ratio": ratio, "ratio_without_library_pages": bare})
+            print(f"| {name} | {label} | {grew / mib:.1f} | {r['kv_bytes'] / mib:.2f} | {ratio:.2f}× | "
+                  f"{r['library_pages_added'] / mib:.1f} | {bare:.2f}× | {r['load_start_rss'] / mib:.0f} |",
+                  flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 def in_process(args, gguf: str) -> None:
@@ -163,11 +256,13 @@ def in_process(args, gguf: str) -> None:
     def llmtrace_arm(lm, comp=None):
         res = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), args.tokens,
                        ignore_eos=True, compiled=comp)
+        decoded(len(res.tokens), args.tokens, "llmtrace")
         return res.decode_tok_s
 
     def llama_arm():
         out = server.handle_completions({"prompt": PROMPT, "n_predict": args.tokens, "temperature": 0,
                                          "cache_prompt": False, "ignore_eos": True})
+        decoded(out["timings"]["predicted_n"], args.tokens, "llama.cpp")
         return out["timings"]["predicted_per_second"]
 
     arms = {} if server is None else {"llama.cpp": llama_arm}
@@ -182,11 +277,13 @@ def in_process(args, gguf: str) -> None:
     for i in range(args.pairs):
         for name in names if i % 2 == 0 else names[::-1]:
             runs[name].append(arms[name]())
-        print(f"pair {i + 1}: " + ", ".join(f"{n} {runs[n][-1]:.1f}" for n in names), file=sys.stderr, flush=True)
+        print(f"pair {i + 1}: " + ", ".join(f"{n} {runs[n][-1]:.2f}" for n in names), file=sys.stderr, flush=True)
     ref = runs.get("llama.cpp") or runs[names[0]]  # without llama.cpp: ratios to the first llmtrace arm
     base = statistics.median(ref)
     out = {"gguf": os.path.basename(gguf), "threads": args.threads, "tokens": args.tokens, "pairs": args.pairs,
-           "capability": torch.backends.cpu.get_cpu_capability(), "mode": "in-process", "arms": {}}
+           "capability": torch.backends.cpu.get_cpu_capability(), "mode": "in-process", "arms": {},
+           "gguf_bytes": os.path.getsize(gguf), "load_average": load_average(),
+           "fast": fast.config.extra.get("fast")}
     print(f"\n{out['gguf']}, in one process, {args.tokens} tokens, {args.threads} threads, capability "
           f"{out['capability']}, median of {args.pairs} alternations (per-pair ratios to {names[0]} in brackets)")
     print(f"| arm | decode tok/s | / {names[0]} |\n| --- | ---: | ---: |")
@@ -195,7 +292,7 @@ def in_process(args, gguf: str) -> None:
         ratios = [a / b for a, b in zip(runs[name], ref)]
         out["arms"][name] = {"decode_tok_s": d, "decode_ratio": d / base, "runs": runs[name],
                              "ratios_per_pair": ratios}
-        print(f"| {name} | {d:.1f} | {statistics.median(ratios):.2f}× ({' '.join(f'{r:.2f}' for r in ratios)}) |")
+        print(f"| {name} | {d:.2f} | {statistics.median(ratios):.2f}× ({' '.join(f'{r:.2f}' for r in ratios)}) |")
     if exact is not None:
         r = [a / b for a, b in zip(runs["--fast eager"], runs["exact eager (float32)"])]
         out["fast_eager_over_exact_eager"] = r
@@ -228,7 +325,8 @@ def run(args, gguf: str) -> None:
                       file=sys.stderr, flush=True)
     size = os.path.getsize(gguf)
     out = {"gguf": os.path.basename(gguf), "gguf_bytes": size, "threads": args.threads, "tokens": args.tokens,
-           "rounds": args.rounds, "capability": torch.backends.cpu.get_cpu_capability(), "arms": {}}
+           "rounds": args.rounds, "capability": torch.backends.cpu.get_cpu_capability(), "arms": {},
+           "load_average": load_average()}
     base = statistics.median(x["decode_tok_s"] for x in decode["llama.cpp"])
     base_pre = statistics.median(x["prefill_tok_s"] for x in prefill["llama.cpp"]) if long else None
     print(f"\n{out['gguf']} ({size / 2**20:.0f} MiB), {args.tokens} tokens, {args.threads} threads, capability "
@@ -250,7 +348,7 @@ def run(args, gguf: str) -> None:
         mem = "–"
         mem_ratio = "–"
         if "peak_rss" in decode[name][0]:
-            extra = max(x["peak_rss"] - x["baseline_rss"] for x in decode[name])
+            extra = max(x["peak_rss"] - x["load_start_rss"] for x in decode[name])
             kv = decode[name][0]["kv_bytes"] or 0
             row |= {"peak_minus_baseline": extra, "kv_bytes": kv, "rss_ratio": (extra - kv) / size,
                     "kernels": decode[name][0]["kernels"], "kernel_choice": decode[name][0]["kernel_choice"]}

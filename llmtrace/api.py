@@ -506,13 +506,13 @@ class Model:
         """Several prompts: the s3 batch event (every row's padded ids and combined mask) before the row's events."""
         if len(texts) < 2:
             return events
-        from llmtrace.run.explain import batch_event
+        from llmtrace.run.explain import explain_batch_event
 
         prompts = [self.tokenizer.encode_prompt(t, chat=options.chat, system=options.system)[1] for t in texts]
         for r, p in enumerate(prompts):
             if not p:
                 raise BadValue("prompt", f" {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
-        return events[:1] + [batch_event(self.tokenizer, prompts, options.row)] + events[1:]
+        return events[:1] + [explain_batch_event(self.tokenizer, prompts, options.row)] + events[1:]
 
 
 def _layer_spec(layers) -> Optional[str]:

@@ -77,3 +77,17 @@ def hf_smollm(smollm_path):
 def hf_smollm_tokenizer(smollm_path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# markers
+
+REAL_MODEL_FIXTURES = {"smollm_path", "smollm", "hf_smollm", "hf_smollm_tokenizer"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that needs the real model (through one of its fixtures) is slow by definition, so that
+    `-m "not slow"` is the quick suite of tiny models. Tests marked by hand are the other slow ones."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

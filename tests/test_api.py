@@ -14,7 +14,7 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(smollm_path):  # smollm_path: the real model is in the tests' cache (and these tests are marked slow)
     return llmtrace.load("smollm2-135m-instruct")  # as the example writes it: the registry's name
 
 

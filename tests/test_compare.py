@@ -208,8 +208,12 @@ def check_against_schema(doc: dict, events: list[dict]) -> None:
     from llmtrace.trace.events import schema_path
 
     schema = json.loads(schema_path().read_text())
+    # validators made once: jsonschema.validate() checks the whole schema against the meta-schema on every call
+    # (1.5 s each here, so a few dozen events took most of a minute)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    events_validator = jsonschema.Draft202012Validator(schema)
     compare_def = {"$ref": "#/$defs/compare_document", "$defs": schema["$defs"]}
-    jsonschema.validate(doc, compare_def)
+    jsonschema.Draft202012Validator(compare_def).validate(doc)
     declared = schema["$defs"]["compare_document"]["properties"]
     assert [k for k in doc if k not in declared] == []
     for name in ("compare_layer", "compare_point", "compare_position"):
@@ -217,7 +221,7 @@ def check_against_schema(doc: dict, events: list[dict]) -> None:
     for p in doc["layers"][0]["points"]:
         assert [k for k in p if k not in schema["$defs"]["compare_point"]["properties"]] == []
     for ev in events:
-        jsonschema.validate(ev, schema)
+        events_validator.validate(ev)
 
 
 def test_cli_one_view_at_80_columns(tiny_a, tmp_path, capsys, monkeypatch):

@@ -96,7 +96,7 @@ def _hf_run(hf, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["tiny", "smollm"])
+@pytest.mark.parametrize("which", ["tiny", pytest.param("smollm", marks=pytest.mark.slow)])
 def test_layer_output_and_probs_equal_transformers(which, request):
     if which == "tiny":
         lm, hf, _ = request.getfixturevalue("tiny")
@@ -115,7 +115,7 @@ def test_layer_output_and_probs_equal_transformers(which, request):
     torch.testing.assert_close(cap.logits, ref.logits[0], atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["tiny", "smollm"])
+@pytest.mark.parametrize("which", ["tiny", pytest.param("smollm", marks=pytest.mark.slow)])
 def test_lens_after_the_last_layer_is_the_real_output(which, request):
     lm = request.getfixturevalue(which)[0] if which == "tiny" else request.getfixturevalue("smollm")
     ids = _ids(lm)

@@ -252,3 +252,54 @@ def test_fast_compile_runs_and_agrees_with_eager_fast(capsys, fast_smollm, tmp_p
     eager = generate(fast_smollm, ids, Sampler(SamplerConfig(temperature=0.0), fast_smollm.config.vocab_size), 12,
                      ignore_eos=True).tokens
     assert events[-1]["tokens"] == eager
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# peak memory of a --fast load (issue 24: peak RSS within 1.3x the GGUF file, plus the baseline)
+
+_FAST_PEAK = """
+import json, sys, torch
+from llmtrace.checkpoint.fast import MappedEmbedding, load_gguf_fast
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(key + ':'))
+int4 = {'int4': True, 'by': 'test'}  # the int4 kernel whatever this CPU is (it runs everywhere, if not fastest)
+with torch.no_grad():  # a small file first, in full: the code it runs (torch's, the tokenizer's) is the baseline's
+    config, model, tok = load_gguf_fast(sys.argv[1], torch.device('cpu'), int4)
+    model(torch.arange(64).view(1, 64))
+    base = status('VmRSS')
+    config, model, tok = load_gguf_fast(sys.argv[2], torch.device('cpu'), int4)
+    loaded = status('VmRSS')
+    model(torch.arange(64).view(1, 64))
+print(json.dumps({'base': base, 'loaded': loaded, 'peak': status('VmHWM'),
+                  'mapped_embedding': isinstance(model.embed, MappedEmbedding)}))
+"""
+
+
+@pytest.mark.slow
+def test_fast_load_peak_memory_is_near_the_file(tmp_path, mixed_gguf):
+    """A tied Q8_0 embedding (32,768 x 1,024: 36 MB of the 48 MB file) and Q4_0 layers, loaded with --fast and run
+    on 64 tokens, in a fresh process: the peak RSS above the baseline stays within 1.3x the file plus 12 MiB (the
+    tiny tokenizer, the activations, the heap's own slack). The embedding's blocks stay in the file (mapped) and the
+    head is its one int4 copy (1.25 B/weight, 40 MiB); before, the blocks were copied too, and the head's packed bands
+    were stacked into a second copy: about 2.5x the file."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny import tiny_tokenizer
+
+    spec = TinySpec(n_layers=2, d_model=1024, n_heads=16, n_kv_heads=4, ffn_dim=2816, vocab_size=32768, tie=True,
+                    seed=3)
+    path = tmp_path / "tied.gguf"
+    plan = lambda name, a: None if a.ndim == 1 else ("Q8_0" if name.startswith("token_embd") else "Q4_0")  # noqa: E731
+    write_gguf(path, make_hf_model(spec), plan=plan, tokenizer=tiny_tokenizer(), vocab_metadata=True)
+    size = path.stat().st_size
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _FAST_PEAK, str(mixed_gguf), str(path)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout.splitlines()[-1])
+    assert m["mapped_embedding"]
+    assert m["peak"] - m["base"] <= 1.3 * size + (12 << 20), (m, size)

@@ -4,6 +4,7 @@ a step choice that changes the top-k chart, and a screenshot that is not blank."
 
 import base64
 import filecmp
+from html import unescape
 import json
 import math
 import os
@@ -100,7 +101,7 @@ def test_residual_norms_and_kv_are_the_traces(events, page):
     steps = [e for e in events if e["event"] == "step"]
     assert [s["bytes_used"] for s in d["kv"]["steps"]] == [e["kv_cache"]["bytes_used"] for e in steps]
     assert d["kv"]["bytes_per_token"] == 46080 and d["kv"]["per_layer"] == 46080 / 30
-    stats = {(r[0], r[1]): r[6] for r in d["tensors"]["points"]["q"]}
+    stats = {(r["step"], r["layer"]): r["norm"] for r in d["tensors"]["points"]["q"]}
     for e in (e for e in events if e["event"] == "tensor" and e["name"] == "q"):
         assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
 
@@ -126,7 +127,7 @@ def test_merges_of_the_prompt_end_in_its_tokens(page, smollm):
     tokens_section = page.split('id="tokens"')[1].split("</section>")[0]
     assert "▁mechanics" in tokens_section and "␣" not in page
     # the raw piece stays only where it is labelled as the vocabulary's own
-    assert tokens_section.count("Ġ") == tokens_section.count("vocabulary piece &#x27;Ġ") > 0
+    assert unescape(tokens_section).count("Ġ") == unescape(tokens_section).count("vocabulary piece 'Ġ") > 0
 
 
 def test_binned_rows_still_sum_to_one():
@@ -388,9 +389,9 @@ def test_explain_and_lens_pages_lead_with_what_they_have_and_end_with_the_comman
     page, ids = explain_page(smollm)
     assert headings(page) == ["1 · The run", "2 · The pipeline s1–s12", "3 · Tokens", "4 · Attention", "5 · Logit lens",
                               "6 · The residual stream", "7 · Not in this trace"]
-    note = page.split('id="lacking"')[1].split("</section>")[0]
+    note = unescape(page.split('id="lacking"')[1].split("</section>")[0])
     assert note.count("<li>") == 1 and ("generation steps, the KV cache per step: <code>llmtrace generate "
-                                        "&#x27;The capital of France is&#x27; -n 8 --trace full --layers 3 --html "
+                                        "'The capital of France is' -n 8 --trace full --layers 3 --html "
                                         "report.html</code>") in note
     assert page.count('class="missing"') == 0  # nothing lacking is said anywhere else
 
@@ -398,15 +399,15 @@ def test_explain_and_lens_pages_lead_with_what_they_have_and_end_with_the_comman
                                                                      prompt="The capital of France is")))))
     assert headings(lens) == ["1 · The run", "2 · The pipeline s1–s12", "3 · Tokens", "4 · Logit lens",
                               "5 · Not in this trace"]
-    note = lens.split('id="lacking"')[1].split("</section>")[0]
+    note = unescape(lens.split('id="lacking"')[1].split("</section>")[0])
     codes = re.findall(r"<li>.*?<code>([^<]+)</code>", note)
-    assert codes == ["llmtrace generate &#x27;The capital of France is&#x27; -n 8 --trace full --layers 0,-1 "
+    assert codes == ["llmtrace generate 'The capital of France is' -n 8 --trace full --layers 0,-1 "
                      "--html report.html"]
     assert "per-layer statistics" in note and "attention probabilities" in note
     # every hint on a lens page is a whole command, never a flag lens does not have (it said --trace full)
     hints = re.findall(r'class="missing"[^>]*>.*?</p>', lens) + [note]
     assert all("--trace" not in h.split("llmtrace generate")[0] for h in hints)
-    assert embedded(lens)["fill"] == codes[0].replace("&#x27;", "'")  # report.js names it for a stage's statistics
+    assert embedded(lens)["fill"] == codes[0]  # report.js names it for a stage's statistics
     # a model loaded from a file: the trace has its stem, not its path, so the command says where the path goes
     file_page = build(json.loads(json.dumps(lens_events(smollm, ids, [0], [0], prompt="Hi"))))
     assert "llmtrace generate Hi -m MODEL_PATH -n 8" in file_page
@@ -415,7 +416,7 @@ def test_explain_and_lens_pages_lead_with_what_they_have_and_end_with_the_comman
 def test_heatmap_axes_name_the_tokens_where_they_fit_and_bins_where_not(smollm, events):
     page, ids = explain_page(smollm)
     keys = page.split('class="att-keys"')[1].split("</svg>")[0]
-    labels = [re.sub(r"&#x27;", "'", t) for t in re.findall(r">([^<]+)</text>", keys)]
+    labels = [unescape(t) for t in re.findall(r">([^<]+)</text>", keys)]
     assert labels == [f"{i} {smollm.tokenizer.visible_piece(t)}" for i, t in enumerate(ids)]
     queries = page.split('class="att-queries"')[1].split("</svg>")[0]
     assert re.findall(r">([^<]+)</text>", queries) == re.findall(r">([^<]+)</text>", keys)
@@ -423,7 +424,7 @@ def test_heatmap_axes_name_the_tokens_where_they_fit_and_bins_where_not(smollm, 
     from llmtrace.report.page import heatmap_axes
 
     d = {"attention": {"bins": [[2 * i, 2 * i + 2] for i in range(128)]}, "tokens": []}
-    labels = re.findall(r">([^<]+)</text>", heatmap_axes(d).split('class="att-keys"')[1].split("</svg>")[0])
+    labels = [m["text"] for m in heatmap_axes(d)["marks"]]
     assert labels[0] == "0–7" and labels[1] == "8–15" and labels[-1] == "248–255" and len(labels) == 32
 
 
@@ -440,5 +441,33 @@ def test_explain_page_in_the_browser_labels_the_heatmap_beside_its_cells(browser
         row_mid = canvas["y"] + (i + 0.5) * canvas["height"] / len(ids)
         assert abs(box["y"] + box["height"] / 2 - row_mid) < canvas["height"] / len(ids) / 2
         assert box["x"] + box["width"] <= canvas["x"] + 1
+    assert o.messages == [] and o.requests == [o.url]
+    o.page.close()
+
+
+HOSTILE = "</script><script>document.title='pwned'</script><b id=evil>&amp; \"q\"</b>"
+
+
+def test_trace_text_reaches_the_page_escaped(browser, smollm, tmp_path):
+    """A prompt (and the tokens it makes) full of markup is shown as text: in the page's HTML it is escaped, in the
+    embedded data it cannot close its script, and in the browser nothing of it runs or becomes an element."""
+    from markupsafe import escape
+
+    events = []
+    rec = Recorder(TraceOptions(level="steps"), [events.append], run_info={"prompt": HOSTILE})
+    generate(smollm, smollm.tokenizer.encode(HOSTILE), Sampler(SamplerConfig(temperature=0), smollm.config.vocab_size),
+             2, ignore_eos=True, observer=rec)
+    page = build(json.loads(json.dumps(events)), tokenizer=smollm.tokenizer)
+    assert "<script>document" not in page and "<b id=evil>" not in page and page.count("</script>") == 3
+    assert f"<q>{escape(HOSTILE)}</q>" in page
+    assert f" · {escape(HOSTILE[:60])}</title>" in page
+    assert embedded(page)["run"]["prompt"] == HOSTILE
+    path = tmp_path / "hostile.html"
+    path.write_text(page, encoding="utf-8")
+    o = Opened(browser, path)
+    assert o.page.title().endswith(HOSTILE[:60]) and o.page.locator("#evil").count() == 0
+    assert o.page.locator("#run q").first.inner_text() == HOSTILE
+    chips = o.page.locator("#chips .piece").all_inner_texts()
+    assert "script" in chips and ">" in "".join(chips)  # the prompt's tokens, as text
     assert o.messages == [] and o.requests == [o.url]
     o.page.close()

@@ -1,9 +1,20 @@
 """The fast path's load (`--fast`): a GGUF file's matrices become model.fast's FastLinear modules on the kernel
 their block types map onto, the token embedding stays in its blocks (model.quant's QuantEmbedding), vectors (norms,
-biases) are read in bfloat16."""
+biases) are read in bfloat16.
+
+Memory (issue 24: peak RSS within 1.3x the file): each matrix is read, packed and freed in turn, a band of rows at a
+time (model.fast.fast_linear), and the heap's freed scratch is handed back after each (return_freed_memory), so the
+load's scratch is about one band. On the CPU the embedding's blocks are not copied: they are a read-only view of the
+file, mapped (MAP_PRIVATE, never written), so only the pages of the rows looked up become resident, and they are file
+pages the kernel can drop and read again. A tied LM head is packed from the file's rows read a band at a time
+(FileRows), so a tied embedding is held once, as the head's int4 copy, instead of twice (blocks and int4). The map
+holds the file open: a file replaced by a new one (rename) is not seen; one truncated in place while a run uses it
+ends the process with SIGBUS, as llama.cpp's mmap would. On CUDA the embedding's blocks are copied to the device."""
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Optional
 
 import torch
@@ -43,22 +54,106 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     modules: dict[str, nn.Module] = {}
     for name, parts in matrices.items():
         module = name.removesuffix(".weight")
-        raws = [p.raw() for p in parts]
         segments = [Segment(p.kind, p.key) for p in parts]
         if module == "embed":
-            modules[module] = QuantEmbedding(raws[0].to(device), segments[0], config.d_model, COMPUTE)
+            if device.type == "cpu":
+                modules[module] = MappedEmbedding(parts[0], segments[0], config.d_model, COMPUTE)
+            else:
+                modules[module] = QuantEmbedding(parts[0].raw().to(device), segments[0], config.d_model, COMPUTE)
             if config.tie_embeddings:  # the head multiplies by the embedding's own blocks, on its own kernel
-                modules["lm_head"] = fast_linear(raws, segments, config.d_model, device, choice["int4"])
-        else:
-            modules[module] = fast_linear(raws, segments, parts[0].shape[1], device, choice["int4"],
-                                          bias=sd.pop(module + ".bias", None))
+                modules["lm_head"] = fast_linear([FileRows(parts[0])], segments, config.d_model, device,
+                                                 choice["int4"])
+            return_freed_memory()
+            continue
+        raws = [p.raw() for p in parts]  # one matrix's blocks at a time, freed once it is packed
+        modules[module] = fast_linear(raws, segments, parts[0].shape[1], device, choice["int4"],
+                                      bias=sd.pop(module + ".bias", None))
         del raws
+        return_freed_memory()  # the band scratch just freed, before the next matrix allocates between it
     model = build_model(config, sd, device, COMPUTE, modules)
     for block in model.layers:  # decode attention as G query rows per KV head (model.transformer.Attention)
         block.attn.fold_gqa_decode = True
     dense = [n for n, m in model.named_modules() if isinstance(m, FastLinear) and DENSE in m.kernel]
     config.extra = facts | {"fast": {"kernel_choice": choice, "bf16_matrices": dense}}
     return config, model, tokenizer
+
+
+class MappedEmbedding(QuantEmbedding):
+    """QuantEmbedding whose blocks are a read-only view of the GGUF file, mapped (MAP_PRIVATE; nothing writes it):
+    the rows looked up are read from the page cache, and only their pages become the process's. The kernel maps up
+    to 64 KiB around each page it faults in, so eager lookups hand the map's pages back (MADV_DONTNEED: they are
+    read again from the page cache when needed) after every LOOKUP_ROWS rows, a long prompt a chunk at a time.
+    Inside the compiled decode step there is no such call: the pages of its one row a step stay until an eager pass
+    hands them back (at most the table's size). The values are those of QuantEmbedding on the same bytes."""
+
+    LOOKUP_ROWS = 64
+
+    def __init__(self, entry, segment: Segment, dim: int, compute: torch.dtype):
+        if entry.heads is not None:
+            raise ValueError(f"{entry.key}: its rows are reordered at load; map only tensors read as stored")
+        with open(entry.path, "rb") as f:  # ACCESS_COPY: writable for torch, private, and nothing writes it
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        rows = math.prod(entry.shape[:-1])
+        view = torch.frombuffer(self.map, dtype=torch.uint8, count=rows * entry.row_bytes, offset=entry.offset)
+        start = entry.offset - entry.offset % mmap.PAGESIZE  # madvise takes whole pages
+        self.pages = (start, entry.offset + rows * entry.row_bytes - start)
+        super().__init__(view.view(rows, entry.row_bytes), segment, dim, compute)
+        self.pending = 0  # rows looked up since the pages were last handed back
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().forward(idx)
+        if idx.numel() <= self.LOOKUP_ROWS:
+            out = super().forward(idx)
+            self.pending += idx.numel()
+            if self.pending >= self.LOOKUP_ROWS:
+                self.release()
+            return out
+        flat = idx.reshape(-1)
+        out = torch.empty((flat.numel(), self.embedding_dim), dtype=self.compute)
+        for i in range(0, flat.numel(), self.LOOKUP_ROWS):
+            out[i : i + self.LOOKUP_ROWS] = super().forward(flat[i : i + self.LOOKUP_ROWS])
+            self.release()
+        return out.view(*idx.shape, self.embedding_dim)
+
+    def release(self) -> None:
+        """Hand the map's resident pages back (a no-op where madvise is missing)."""
+        self.pending = 0
+        if hasattr(self.map, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self.map.madvise(mmap.MADV_DONTNEED, *self.pages)
+
+
+class FileRows:
+    """A tensor's blocks (rows in file order), read from the file a slice of rows at a time (read(), no map: the pages
+    read are the page cache's, not the process's): what model.fast.fast_linear packs the tied head from."""
+
+    def __init__(self, entry):
+        if entry.heads is not None:
+            raise ValueError(f"{entry.key}: its rows are reordered at load; read it whole")
+        self.entry, self.rows = entry, math.prod(entry.shape[:-1])
+
+    def size(self, dim: int) -> int:
+        return (self.rows, self.entry.row_bytes)[dim]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        from llmtrace.checkpoint.weights import read_bytes
+
+        start, stop, _ = rows.indices(self.rows)
+        out = torch.empty((max(stop - start, 0), self.entry.row_bytes), dtype=torch.uint8)
+        read_bytes(self.entry.path, self.entry.offset + start * self.entry.row_bytes, out)
+        return out
+
+
+def return_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing). Packing allocates
+    each matrix between the scratch of the one before, and without this the freed scratch stays resident: measured
+    18 MiB of the default model's load (benchmarks/RESULTS.md)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
 
 
 def bf16_note(lm) -> Optional[str]:

@@ -13,7 +13,7 @@ from llmtrace.units import human_bytes
 from llmtrace.registry.models_toml import DEFAULT_MODEL, ModelEntry, default_model, load_registry, user_registry_path
 from llmtrace.registry.resolve import cache_key, pull
 from llmtrace.cli.app import app
-from llmtrace.cli.options import JsonlOpt, JsonOpt, check_outputs, write_output
+from llmtrace.cli.options import JsonlOpt, JsonOpt, check_outputs, jsonl_opt, write_output
 from llmtrace.errors import UsageError
 
 
@@ -137,7 +137,7 @@ def pull_command(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Download again even if a whole copy is cached.")] = False,
     json_out: JsonOpt = None,
-    jsonl: Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help="Write one JSON object per file of the model to FILE (- for stdout).", show_default=False)] = None,
+    jsonl: jsonl_opt("one JSON object per file of the model", "") = None,
 ) -> None:
     check_outputs(json_out, jsonl)
     model = pull(name, force=force)

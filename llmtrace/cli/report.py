@@ -76,13 +76,13 @@ def report(
     row: Annotated[int, typer.Option("--row", help="For a trace of several prompts (generate -p … -p …): the row "
                                      "the page shows, 0-based.")] = 0,
 ) -> None:
-    from llmtrace.trace.reader import load_trace
+    from llmtrace.api import read_trace
     from llmtrace.fsutil import check_writable_target
     from llmtrace.report.data import check_schema
     from llmtrace.errors import LlmtraceError
 
     check_writable_target(Path(output))
-    events = load_trace(trace)
+    events = read_trace(trace).events
     try:
         check_schema(events, declared_schema(trace))
     except LlmtraceError as e:

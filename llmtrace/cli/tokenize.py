@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, write_output
+from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, json_opt, jsonl_opt, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.render.tokenize import highlight_specials, merge_lines, quoted, summary_line, token_table
@@ -91,8 +91,8 @@ def tokenize(
     merges: Annotated[bool, typer.Option("--merges", help="Show the BPE merges that build each word's tokens.")] = False,
     words: Annotated[int, typer.Option("--words", metavar="N", help="With --merges: how many words to show.", min=1)] = 20,
     ids: Annotated[bool, typer.Option("--ids", help="Print only the ids, space-separated.")] = False,
-    as_json: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write one JSON document to FILE (- for stdout).", show_default=False)] = None,
-    as_jsonl: Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help="Write one JSON object per token (and per merged word with --merges) to FILE (- for stdout).", show_default=False)] = None,
+    as_json: json_opt("one JSON document", "") = None,
+    as_jsonl: jsonl_opt("one JSON object per token (and per merged word with --merges)", "") = None,
 ) -> None:
     """Split text into tokens and show each one: id, piece, text, UTF-8 bytes, character span, special or not.
 
@@ -216,7 +216,7 @@ def detokenize(
     model: ModelOpt = None,
     skip_special: Annotated[bool, typer.Option("--skip-special", help="Leave special tokens out of the joined text.")] = False,
     as_json: JsonOpt = None,
-    as_jsonl: Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help="Write one JSON object per id to FILE (- for stdout).", show_default=False)] = None,
+    as_jsonl: jsonl_opt("one JSON object per id", "") = None,
 ) -> None:
     """Turn token ids back into text: each id's piece and text, then the joined text."""
     check_outputs(as_json, as_jsonl)

@@ -30,11 +30,11 @@ def schema() -> None:
 def show(
     trace: Annotated[str, typer.Argument(help="The trace file, or - for stdin.")],
 ) -> None:
-    from llmtrace.trace.reader import load_trace
+    from llmtrace.api import read_trace
     from llmtrace.console import make_console
     from llmtrace.render.generate import render_events
 
-    events = load_trace(trace)
+    events = read_trace(trace).events
     console = make_console()
     first = next((e for e in events if e["event"] == "explain" and e["section"] == "model"), None)
     try:

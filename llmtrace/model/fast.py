@@ -26,11 +26,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmtrace.model.quant import GROUP_KINDS, Segment, affine_groups, dequantize
+from llmtrace.model.quant import BLOCKS, GROUP_KINDS, Segment, affine_groups, dequantize
 
 COMPUTE = torch.bfloat16  # the fast path's activations and dense weights
 GROUP = 32  # weights per int4 group: the GGUF block (or K-quant sub-block)
-PACK_ROWS = 4096  # rows packed at a time (a multiple of the CPU packing's 64-row tiles): bounds the load's scratch
+PACK_ROWS = 256  # rows packed at a time (a multiple of the CPU packing's 64-row tiles): bounds the load's scratch
 
 INT4_CPU = "int4pack_mm_for_cpu"  # kernel names, as the trace records them
 INT4_CUDA = "int4pack_mm"
@@ -96,16 +96,18 @@ def _inner_k_tiles(k: int) -> int:
 
 
 class Int4Packer:
-    """Packs the row blocks of one matrix (of one split kind) as they come, PACK_ROWS rows at a time, so that the
-    unpacked int32 copy of a big matrix (the LM head) never exists whole; the packed bands are stacked (a band is
-    whole tiles of the packing). `finish()` packs the rest, its rows padded to a multiple of 16 with zeros."""
+    """Packs the row blocks of one matrix (of one split kind) as they come, PACK_ROWS rows at a time, into one tensor
+    allocated for all `rows` at the first band, so that neither the unpacked int32 copy of a big matrix (the LM head)
+    nor a second packed copy (stacking bands) ever exists whole: the load's peak is the packed matrix plus one band's
+    scratch. `finish()` packs the rest, its rows padded to a multiple of 16 with zeros (the packing's unit)."""
 
-    def __init__(self, split: bool, device: torch.device):
-        self.split, self.device = split, device
-        self.packed: list[torch.Tensor] = []
-        self.sz: list[torch.Tensor] = []
+    def __init__(self, split: bool, device: torch.device, rows: int):
+        self.split, self.device, self.total = split, device, rows
+        self.packed: Optional[torch.Tensor] = None
+        self.sz: Optional[torch.Tensor] = None
         self.pending: list[Int4Groups] = []
-        self.rows = 0
+        self.rows = 0  # rows added
+        self.done = 0  # rows packed
 
     def add(self, g: Int4Groups) -> None:
         self.pending.append(g)
@@ -124,10 +126,19 @@ class Int4Packer:
 
     def _pack(self, g: Int4Groups) -> None:
         w, sz = pack_int4(g, self.device)
-        self.packed.append(w)
-        self.sz.append(sz)
+        n = g.q.size(0)
+        if self.packed is None:  # both layouts (CPU (N, K'/2), CUDA (N/8, ...)) grow along dim 0 with the rows
+            padded = self.total + (-self.total % 16)
+            self.packed = w.new_empty((padded * w.size(0) // n, *w.shape[1:]))
+            self.sz = sz.new_empty((sz.size(0), padded, 2))
+        at = self.done * w.size(0) // n
+        self.packed[at : at + w.size(0)].copy_(w)
+        self.sz[:, self.done : self.done + n].copy_(sz)
+        self.done += n
 
     def finish(self) -> "Int4Matmul":
+        if self.rows != self.total:
+            raise ValueError(f"Int4Packer: {self.rows} rows added, {self.total} announced")
         if self.pending:
             g = self._joined()
             pad = -g.q.size(0) % 16  # the packing takes rows in multiples of 16: padded rows are zeros
@@ -136,9 +147,7 @@ class Int4Packer:
                                F.pad(g.zero, (0, 0, 0, pad)), self.split)
             self._pack(g)
             self.pending = []
-        packed = self.packed[0] if len(self.packed) == 1 else torch.cat(self.packed)
-        sz = self.sz[0] if len(self.sz) == 1 else torch.cat(self.sz, dim=1)
-        return Int4Matmul(packed, sz, self.rows, self.split, self.device)
+        return Int4Matmul(self.packed, self.sz, self.rows, self.split, self.device)
 
 
 class Int4Matmul(nn.Module):
@@ -228,6 +237,13 @@ class FastLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, stored={kinds}, kernel={self.kernel}"
 
 
+def _run_key(kind: str, int4: bool) -> tuple:
+    """The kernel a segment of type `kind` runs on: ("dense",) or ("int4", split); a run of one key is one part."""
+    if not (int4 and kind in GROUP_KINDS):
+        return ("dense",)
+    return ("int4", affine_groups(torch.zeros(1, BLOCKS[kind][1], dtype=torch.uint8), kind).bits > 4)
+
+
 def _kernel_name(part: nn.Module) -> str:
     if isinstance(part, Int4Matmul):
         return part.kernel + (" (two nibbles)" if part.split else "")
@@ -236,30 +252,30 @@ def _kernel_name(part: nn.Module) -> str:
 
 def fast_linear(raws: list[torch.Tensor], segments: list[Segment], in_features: int, device: torch.device,
                 int4: bool, bias: Optional[torch.Tensor] = None) -> FastLinear:
-    """A FastLinear of a matrix's row segments (raw GGUF bytes on the CPU). `int4`: use the int4 kernel for the
-    types that map onto it; else every segment is dense bfloat16."""
+    """A FastLinear of a matrix's row segments (raw GGUF bytes on the CPU: tensors, or anything whose `size(0)` is
+    its rows and whose row slices are tensors, such as a reader of the file's rows). `int4`: use the int4 kernel for
+    the types that map onto it; else every segment is dense bfloat16. Each part is allocated once, for its rows, and
+    filled a band of PACK_ROWS rows at a time: the load's scratch is one band, whatever the matrix's size."""
     parts: list[nn.Module] = []
-    key, dense, packer = None, [], None  # the run of segments being built: its kernel key and what it holds
-
-    def close() -> None:
-        if key == ("dense",):
-            parts.append(DenseMatmul(torch.cat(dense).to(device)))
-        elif key is not None:
-            parts.append(packer.finish())
-
-    for raw, seg in zip(raws, segments):
-        for r in range(0, raw.size(0), PACK_ROWS):  # a band at a time: the unpacked int32 copy stays small
-            band = raw[r : r + PACK_ROWS]
-            g = int4_groups(band, seg.kind) if int4 and seg.kind in GROUP_KINDS else None
-            new_key = ("dense",) if g is None else ("int4", g.split)
-            if new_key != key:
-                close()
-                key, dense, packer = new_key, [], (None if g is None else Int4Packer(g.split, device))
-            if g is None:
-                dense.append(dequantize(band, seg.kind).to(COMPUTE))
-            else:
-                packer.add(g)
-    close()
+    keys = [_run_key(seg.kind, int4) for seg in segments]
+    i = 0
+    while i < len(segments):  # a run of neighbouring segments with one kernel is one part
+        run = next((j for j in range(i, len(keys)) if keys[j] != keys[i]), len(keys))
+        rows = sum(r.size(0) for r in raws[i:run])
+        if keys[i] == ("dense",):
+            dense, at = torch.empty((rows, in_features), dtype=COMPUTE), 0
+        else:
+            packer = Int4Packer(keys[i][1], device, rows)
+        for raw, seg in zip(raws[i:run], segments[i:run]):
+            for r in range(0, raw.size(0), PACK_ROWS):  # a band at a time: the unpacked int32 copy stays small
+                band = raw[r : r + PACK_ROWS]
+                if keys[i] == ("dense",):
+                    dense[at : at + band.size(0)] = dequantize(band, seg.kind)
+                    at += band.size(0)
+                else:
+                    packer.add(int4_groups(band, seg.kind))
+        parts.append(DenseMatmul(dense.to(device)) if keys[i] == ("dense",) else packer.finish())
+        i = run
     return FastLinear(parts, segments, in_features, bias)
 
 
@@ -289,7 +305,7 @@ def _measure_gemv(n: int = 2048, k: int = 2048, calls: int = 8) -> tuple[float, 
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
     groups = Int4Groups(q, torch.full((n, k // GROUP), 0.01), torch.zeros(n, k // GROUP), split=False)
-    packer = Int4Packer(False, torch.device("cpu"))
+    packer = Int4Packer(False, torch.device("cpu"), n)
     packer.add(groups)
     int4, dense = packer.finish(), DenseMatmul(int4_reference(groups).to(COMPUTE))
     x = torch.randn(1, k, generator=gen).to(COMPUTE)

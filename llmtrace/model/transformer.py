@@ -173,6 +173,13 @@ class LayerKV:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+def kv_bytes_per_position(config: ModelConfig, element_size: int, n_heads: Optional[int] = None) -> int:
+    """Bytes the cache takes for one position of one row in one layer: K and V, 2 · Hkv · Dh · element size. With
+    `n_heads` (the query heads) instead: what the same cache would take without GQA, one K and V per query head. The
+    one home of this figure: the cache, the trace's events and `explain` all take it from here."""
+    return 2 * (n_heads or config.n_kv_heads) * config.head_dim * element_size
+
+
 class KVCache:
     """Preallocated keys and values of B rows for every layer; slots [0, seq_len) hold valid entries.
 
@@ -186,6 +193,7 @@ class KVCache:
         devices = device if isinstance(device, (list, tuple)) else [device] * config.n_layers
         self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
                        for d in devices]
+        self.config = config
         self.batch = batch
         self.max_len = max_len
         self.seq_len = 0  # slots [0, seq_len) hold valid keys and values
@@ -197,8 +205,12 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one cached position of one row takes across all layers: 2 (K and V) * L * Hkv * Dh * element size."""
-        _, Hkv, _, Dh = self.layers[0].k.shape
-        return 2 * len(self.layers) * Hkv * Dh * self.element_size
+        return len(self.layers) * kv_bytes_per_position(self.config, self.element_size)
+
+    @property
+    def mha_bytes_per_token(self) -> int:
+        """The same for a cache without GQA (one K and V per query head): what grouped-query attention saves."""
+        return len(self.layers) * kv_bytes_per_position(self.config, self.element_size, self.config.n_heads)
 
     @property
     def bytes_allocated(self) -> int:

@@ -224,8 +224,9 @@ def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: 
 
 
 def _tensor_table(tensors: list[dict]) -> dict:
-    """Statistics of every recorded point: {name: [[step, layer, mean, std, min, max, norm], ...]}. Past
-    TENSOR_BUDGET rows, only evenly spaced steps are kept (always the first and the last)."""
+    """Statistics of every recorded point, for the pipeline's panel (report.js): {name: [row, ...]}, each row
+    {step, layer, mean, std, min, max, norm, shape} (layer None outside the layers). Past TENSOR_BUDGET rows, only
+    evenly spaced steps are kept (always the first and the last)."""
     steps = sorted({ev.get("step", 0) for ev in tensors})
     kept = set(steps)
     if len(tensors) > TENSOR_BUDGET and steps:
@@ -238,8 +239,9 @@ def _tensor_table(tensors: list[dict]) -> dict:
         if step not in kept:
             continue
         s = ev["stats"]
-        table.setdefault(ev["name"], []).append([step, ev["layer"], s["mean"], s["std"], s["min"], s["max"], s["norm"],
-                                                 ev["shape"]])
+        table.setdefault(ev["name"], []).append({"step": step, "layer": ev["layer"], "mean": s["mean"], "std": s["std"],
+                                                 "min": s["min"], "max": s["max"], "norm": s["norm"],
+                                                 "shape": ev["shape"]})
     return {"points": table, "steps": sorted(kept), "all_steps": len(steps)}
 
 
@@ -342,12 +344,12 @@ def _lens(lens: list[dict], head: Optional[dict], tokens: list[dict]) -> Optiona
 def _kv(steps: list[dict], model: dict) -> Optional[dict]:
     if not steps:
         return None
+    """The KV cache section: the step events' kv_cache records as the run wrote them (element size and the no-GQA
+    figure included; a trace from before they were recorded shows those two as unknown)."""
     kv = [{"step": e["step"], **e["kv_cache"]} for e in steps]
-    bpt = kv[0]["bytes_per_token"]
-    L, Hkv, Dh = model["n_layers"], model["n_kv_heads"], model["head_dim"]
-    element = bpt / (2 * L * Hkv * Dh)  # bytes per stored number (K and V, every layer)
-    return {"steps": kv, "bytes_per_token": bpt, "per_layer": bpt / L, "element_size": element,
-            "mha_bytes_per_token": kv[0]["mha_bytes_used"] // max(1, kv[0]["seq_len"]) if kv[0]["seq_len"] else None}
+    first = kv[0]
+    return {"steps": kv, "bytes_per_token": first["bytes_per_token"], "per_layer": first["bytes_per_token"] / model["n_layers"],
+            "element_size": first.get("element_size"), "mha_bytes_per_token": first.get("mha_bytes_per_token")}
 
 
 def _residual(tensors: list[dict], model: dict) -> Optional[dict]:

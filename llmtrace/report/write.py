@@ -1,9 +1,12 @@
 """The HTML report: one self-contained page drawn from a trace's events (`llmtrace report`, `--html`).
 
-    events -> data.extract -> one dict of numbers -> page.render -> one HTML file (inline CSS, JS and data)
+    events -> data.extract -> one dict of numbers -> page.view -> each section's strings and chart geometry
+           -> jinja2 templates (templates/report.html.j2, templates/report/*.html.j2) -> one HTML file
+              (inline CSS, JS and data)
 
-The page loads nothing from the network and needs no build step: its static parts are HTML and SVG made in Python,
-its interactive parts a small vanilla script (assets/report.js) reading the data embedded in the page.
+The page loads nothing from the network and needs no build step: its static parts are HTML and SVG laid out by
+autoescaped templates shipped in the package, from what page.py computes; its interactive parts a small vanilla
+script (assets/report.js) reading the data embedded in the page by named fields.
 """
 
 from __future__ import annotations

@@ -34,12 +34,14 @@ import torch.nn.functional as F
 
 from llmtrace.model.gqa import gqa_groups
 from llmtrace.errors import BadValue
-from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
+from llmtrace.trace.events import LAYER_POINTS
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
-from llmtrace.model.transformer import ModelConfig, Transformer, apply_rope, rope_inv_freq, rope_table
-from llmtrace.trace.records import SIGNIFICANT_DIGITS, explain_model_record, rounded, tokens_event
+from llmtrace.model.transformer import (ModelConfig, Transformer, apply_rope, kv_bytes_per_position, rope_inv_freq,
+                                        rope_table)
+from llmtrace.trace.records import (SIGNIFICANT_DIGITS, batch_event, candidate_records, dtype_name, explain_model_record,
+                                    rounded, tensor_event, tokens_event)
 from llmtrace.trace.stats import tensor_stats
 
 RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
@@ -175,8 +177,7 @@ def tensor_events(cap: Capture) -> list[dict]:
         shape = list(x.shape)
         if name == "k_repeated" and x.dim() == 4:  # (T, Hkv, group, Dh) -> (T, H, Dh), the shape `generate` records
             shape = [shape[0], shape[1] * shape[2], shape[3]]
-        ev = {"event": "tensor", "step": 0, "phase": "prefill", "layer": cap.layer, "name": name,
-              "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": str(x.dtype).replace("torch.", "")}
+        ev = tensor_event(0, "prefill", cap.layer, name, shape, dtype_name(x.dtype))
         if name == "kv_write":
             ev["stats"] = _stats(x.double())
             ev["positions"] = [int(x[0]), int(x[-1])]
@@ -298,8 +299,8 @@ def qkv_section(cap: Capture, config: ModelConfig) -> dict:
     T = len(cap.ids)
     H, Hkv, Dh, D = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model
     es = cap.kv_element_size
-    per_pos_gqa = 2 * Hkv * Dh * es  # K and V of one position in one layer
-    per_pos_mha = 2 * H * Dh * es  # the same if every query head had its own K and V
+    per_pos_gqa = kv_bytes_per_position(c, es)  # K and V of one position in one layer
+    per_pos_mha = kv_bytes_per_position(c, es, n_heads=H)  # the same if every query head had its own K and V
     return {
         "event": "explain", "section": "qkv", "layer": cap.layer, "seed_step": "s6.1-s6.2",
         "shapes": [
@@ -520,12 +521,12 @@ def kv_section(cap: Capture, config: ModelConfig) -> dict:
     pos = cap.points["kv_write"]
     T = int(pos.numel())
     es = cap.kv_element_size
-    per_pos = 2 * c.n_kv_heads * c.head_dim * es
+    per_pos = kv_bytes_per_position(c, es)
     return {
         "event": "explain", "section": "kv_cache", "layer": cap.layer, "seed_step": "s6.8",
         "positions": [int(pos[0]), int(pos[-1])], "n_positions": T, "shape_k": [c.n_kv_heads, T, c.head_dim],
         "shape_v": [c.n_kv_heads, T, c.head_dim], "element_size": es, "bytes_per_position": per_pos,
-        "bytes": per_pos * T, "mha_bytes": 2 * c.n_heads * c.head_dim * es * T, "all_layers_bytes": per_pos * T * c.n_layers,
+        "bytes": per_pos * T, "mha_bytes": kv_bytes_per_position(c, es, n_heads=c.n_heads) * T, "all_layers_bytes": per_pos * T * c.n_layers,
     }
 
 
@@ -544,8 +545,7 @@ def topk_candidates(tok, logits: torch.Tensor, k: int) -> list[dict]:
     """logits (V,) -> the k most likely tokens with probability and logit."""
     probs = torch.softmax(logits.float(), dim=-1)
     p, i = probs.topk(k)
-    return [{"id": int(t), "piece": tok.piece(int(t)), "text": tok.decode([int(t)]), "prob": _r(pv, 5),
-             "logit": _r(logits[t], 6)} for t, pv in zip(i.tolist(), p.tolist())]
+    return candidate_records(tok, [(t, float(logits[t]), pv) for t, pv in zip(i.tolist(), p.tolist())])
 
 
 def lens_event(tok, layer: Optional[int], stage: str, position: int, logits: torch.Tensor, k: int) -> dict:
@@ -626,7 +626,7 @@ def _interventions(interventions: Sequence) -> dict:
     return {"interventions": [record(iv) for iv in interventions]} if interventions else {}
 
 
-def batch_event(tok, prompts: list[list[int]], row: int) -> dict:
+def explain_batch_event(tok, prompts: list[list[int]], row: int) -> dict:
     """s3 for explain and lens given several prompts: the padded batch (generate.pad_batch) and, for every row, the
     combined causal and padding mask the model applies to it, (T, T) with 1 where query i may attend key j (the
     model's own `allowed_keys`). `row` is the row the other events explain: its prompt alone, which is what the
@@ -638,6 +638,4 @@ def batch_event(tok, prompts: list[list[int]], row: int) -> dict:
     T = len(layout.ids[0])
     padding = torch.tensor(layout.attention_mask, dtype=torch.bool)  # (B, T)
     combined = allowed_keys(T, 0, padding, None)[:, 0]  # (B, T, T)
-    return {"event": "batch", "rows": len(prompts), "ids": layout.ids, "attention_mask": layout.attention_mask,
-            "position_ids": layout.position_ids, "pad_id": layout.pad_id, "pad_source": layout.pad_source,
-            "pad_piece": tok.piece(layout.pad_id), "combined_mask": combined.int().tolist(), "explained_row": row}
+    return batch_event(tok, layout) | {"combined_mask": combined.int().tolist(), "explained_row": row}

@@ -47,6 +47,7 @@ class KVFacts:
     bytes_per_token: int  # one slot of one row, all layers, K and V
     bytes_allocated: int
     element_size: int  # bytes per cached number
+    mha_bytes_per_token: int  # bytes_per_token without GQA (one K and V per query head)
 
 
 @dataclass
@@ -197,7 +198,8 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> Compi
 
 def kv_facts(cache: KVCache) -> KVFacts:
     return KVFacts(seq_len=cache.seq_len, capacity=cache.max_len, bytes_per_token=cache.bytes_per_token,
-                   bytes_allocated=cache.bytes_allocated, element_size=cache.element_size)
+                   bytes_allocated=cache.bytes_allocated, element_size=cache.element_size,
+                   mha_bytes_per_token=cache.mha_bytes_per_token)
 
 
 def prefill_split(n_prompt: int, chunk: int = PREFILL_CHUNK) -> int:

@@ -20,7 +20,8 @@ import torch
 
 from llmtrace.version import __version__
 from llmtrace.trace.events import LAYER_LEVEL_POINTS, LAYER_POINTS, SCHEMA_ID, SEED_STEP, summary_event
-from llmtrace.trace.records import model_record, path_record, rounded as _round, tokens_event
+from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
+                                    tensor_event, tokens_event)
 from llmtrace.trace.sinks import ENCODER as _ENCODER
 from llmtrace.trace.stats import rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
 from llmtrace.trace.options import TraceOptions
@@ -202,8 +203,7 @@ class Recorder:
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
                 extra = (extra or {}) | {"values": (values[0] if name != "kv_write" else values).detach().float().cpu()}
-            event = TensorEvent(event="tensor", step=step, phase=phase, layer=layer, name=name,
-                                seed_step=SEED_STEP.get(name), shape=list(shape), dtype=dtype)
+            event = TensorEvent(tensor_event(step, phase, layer, name, list(shape), dtype))
             if row is not None:
                 event["row"] = row
             self._pending.append((event, i, extra, json_part))
@@ -283,9 +283,7 @@ class Recorder:
 
     def on_batch(self, layout) -> None:
         """s3: the padded batch as the first pass sees it (generate.BatchLayout)."""
-        self.emit({"event": "batch", "rows": len(layout.ids), "ids": layout.ids, "attention_mask": layout.attention_mask,
-                   "position_ids": layout.position_ids, "pad_id": layout.pad_id, "pad_source": layout.pad_source,
-                   "pad_piece": self._tok.piece(layout.pad_id)})
+        self.emit(batch_event(self._tok, layout))
 
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
@@ -327,9 +325,7 @@ class Recorder:
             self._shape_table = None
 
     def _topk(self, led) -> list[dict]:
-        tok = self._tok
-        return [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": _round(lg), "prob": _round(p)}
-                for i, lg, p in led.topk[: self.options.topk]]
+        return candidate_records(self._tok, led.topk[: self.options.topk])
 
     def _detail(self, d: Any) -> Any:
         """A sampler stage's ledger detail as the event writes it: floats rounded, and every token named by its id
@@ -346,16 +342,15 @@ class Recorder:
     def _kv_event(self, kv, row_len: Optional[int] = None) -> dict:
         """The step event's kv_cache record, from the facts the generation loop handed over. In a batch (row_len:
         the row's real tokens cached) bytes_used counts that row's real tokens, and batch_bytes_used every row's
-        slots, pads included (bytes_allocated is the whole batch's)."""
-        c = self._config
-        mha_bpt = 2 * c.n_layers * c.n_heads * c.head_dim * kv.element_size  # the same cache without GQA
+        slots, pads included (bytes_allocated is the whole batch's). The per-token figures are the cache's own
+        (model.transformer.kv_bytes_per_position); the event carries them so that no view works them out again."""
+        n = kv.seq_len if row_len is None else row_len
+        ev = {"seq_len": n, "bytes_per_token": kv.bytes_per_token, "bytes_used": n * kv.bytes_per_token,
+              "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "element_size": kv.element_size,
+              "mha_bytes_per_token": kv.mha_bytes_per_token, "mha_bytes_used": n * kv.mha_bytes_per_token}
         if row_len is not None:
-            return {"seq_len": row_len, "bytes_per_token": kv.bytes_per_token, "bytes_used": row_len * kv.bytes_per_token,
-                    "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "mha_bytes_used": row_len * mha_bpt,
-                    "batch": self._rows, "batch_seq_len": kv.seq_len,
-                    "batch_bytes_used": self._rows * kv.seq_len * kv.bytes_per_token}
-        return {"seq_len": kv.seq_len, "bytes_per_token": kv.bytes_per_token, "bytes_used": kv.seq_len * kv.bytes_per_token,
-                "bytes_allocated": kv.bytes_allocated, "capacity": kv.capacity, "mha_bytes_used": kv.seq_len * mha_bpt}
+            ev.update(batch=self._rows, batch_seq_len=kv.seq_len, batch_bytes_used=self._rows * kv.seq_len * kv.bytes_per_token)
+        return ev
 
     def on_step(self, rec, row: Optional[int] = None) -> None:
         tok = self._tok

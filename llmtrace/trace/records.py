@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, NotRequired, Optional, TypedDict
+from typing import Any, Iterable, NotRequired, Optional, TypedDict
+
+from llmtrace.trace.events import SEED_STEP
 
 SIGNIFICANT_DIGITS = 7  # float32 carries about 7
 
@@ -115,6 +117,28 @@ def token_record(tok, index: int, tid: int) -> TokenRecord:
 def tokens_event(tok, ids: list[int]) -> TokensEvent:
     """The `tokens` event: the prompt, token by token."""
     return {"event": "tokens", "tokens": [token_record(tok, i, t) for i, t in enumerate(ids)], "count": len(ids)}
+
+
+def candidate_records(tok, candidates: Iterable[tuple[int, float, float]]) -> list[dict]:
+    """Top-k records, as every event that lists candidates writes them (a step's and a prediction's `topk`, a lens
+    row's): (id, logit, prob) -> {id, piece, text, logit, prob}, numbers by the trace's one rounding rule."""
+    return [{"id": i, "piece": tok.piece(i), "text": tok.decode([i]), "logit": rounded(logit), "prob": rounded(prob)}
+            for i, logit, prob in candidates]
+
+
+def batch_event(tok, layout) -> dict:
+    """s3, the `batch` event: the padded batch as the first pass sees it (run.generate.BatchLayout). `explain` and
+    `lens` add the combined mask of each row to it."""
+    return {"event": "batch", "rows": len(layout.ids), "ids": layout.ids, "attention_mask": layout.attention_mask,
+            "position_ids": layout.position_ids, "pad_id": layout.pad_id, "pad_source": layout.pad_source,
+            "pad_piece": tok.piece(layout.pad_id)}
+
+
+def tensor_event(step: int, phase: str, layer: Optional[int], name: str, shape: list[int], dtype: str) -> dict:
+    """A `tensor` event without its statistics, fields in the order every writer uses (the recorder also writes the
+    common case's JSON line itself from these parts: trace.recorder.TensorEvent)."""
+    return {"event": "tensor", "step": step, "phase": phase, "layer": layer, "name": name,
+            "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": dtype}
 
 
 def model_record(lm) -> ModelRecord:

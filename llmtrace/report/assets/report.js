@@ -96,14 +96,16 @@
     }
     if (names.length && at !== want && at !== null) html += "<p class=\"note\">Statistics of step " + at + " (the nearest step kept).</p>";
     names.forEach((n) => {
-      const rows = pts[n].filter((r) => r[0] === at);
+      // a row of the statistics table (report/data.py _tensor_table): {step, layer, mean, std, min, max, norm, shape}
+      const rows = pts[n].filter((r) => r.step === at);
       if (!rows.length) return;
-      const nmax = Math.max(...rows.map((r) => Math.abs(r[6] || 0))) || 1;
-      html += "<table class=\"stats\"><caption>" + esc(n) + " " + esc("[" + rows[0][7].join(", ") + "]") +
+      const nmax = Math.max(...rows.map((r) => Math.abs(r.norm || 0))) || 1;
+      html += "<table class=\"stats\"><caption>" + esc(n) + " " + esc("[" + rows[0].shape.join(", ") + "]") +
         "</caption><tr><th>layer</th><th>mean</th><th>std</th><th>min</th><th>max</th><th>norm</th><th></th></tr>";
       rows.forEach((r) => {
-        html += "<tr><th scope=row>" + (r[1] === null ? "\u2014" : r[1]) + "</th>" + [2, 3, 4, 5, 6].map((k) => "<td class=num>" + fmt(r[k]) + "</td>").join("") +
-          "<td><span class=\"nbar\" style=\"width:" + (100 * Math.abs(r[6] || 0) / nmax).toFixed(1) + "px\"></span></td></tr>";
+        html += "<tr><th scope=row>" + (r.layer === null ? "\u2014" : r.layer) + "</th>" +
+          ["mean", "std", "min", "max", "norm"].map((k) => "<td class=num>" + fmt(r[k]) + "</td>").join("") +
+          "<td><span class=\"nbar\" style=\"width:" + (100 * Math.abs(r.norm || 0) / nmax).toFixed(1) + "px\"></span></td></tr>";
       });
       html += "</table>";
     });
@@ -118,7 +120,7 @@
   }));
 
   // ---------------------------------------------------------------------------------------------- attention
-  const A = D.attention;
+  const A = D.attention; // A.bins: the [lo, hi) position range of each row (and column) of a map
   const maps = {};
   function mapOf(layer) { // (heads, B, B) fixed-point values of one layer, decoded once
     if (!maps[layer]) {
