@@ -54,20 +54,6 @@ FILE_TYPE_Q4_0 = 2  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_0
 # tokenizer
 
 
-def byte_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet: the character that stands for each byte 0..255 (printable bytes stand for
-    themselves; the others are shifted to code points from 256 on)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 def special_tokens() -> list[str]:
     """Llama 3's 256 special tokens, ids 128000..128255."""
     named = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>", 6: "<|start_header_id|>",
@@ -86,7 +72,9 @@ def vocabulary(seed: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens by id, GGUF token types, merges as "a b"): 128,000 byte-level BPE tokens then 256 specials."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-    alphabet = byte_alphabet()
+    from llmtrace.tokens.vocab import BYTE_TO_CHAR  # GPT-2's byte alphabet, the one the project keeps
+
+    alphabet = [BYTE_TO_CHAR[b] for b in range(256)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
