@@ -91,8 +91,8 @@ def check_fits(name: str, need: int, what: str, device: torch.device) -> None:
         return
     have = available_memory()
     if need + BASELINE_BYTES > have:
-        raise LlmtraceError(f"{name} needs {human_bytes(need)} for {what} (+ {human_bytes(BASELINE_BYTES)} for Python and torch) "
-                            f"but {human_bytes(have)} is available; {_options()}")
+        raise LlmtraceError(f"{name} needs {human_bytes(need)} for {what} (+ {human_bytes(BASELINE_BYTES)} for Python "
+                            f"and torch) but {human_bytes(have)} is available; {_options()}")
 
 
 def choose_dtype(requested: Optional[str], device: torch.device, name: str, n_weights: int,
@@ -109,8 +109,8 @@ def choose_dtype(requested: Optional[str], device: torch.device, name: str, n_we
         have = available_memory()
         if 4 * n_weights + BASELINE_BYTES > FP32_SHARE * have:
             dtype = torch.bfloat16
-            note = (f"note: float32 weights would take {human_bytes(4 * n_weights)} of {human_bytes(have)} available; loading in "
-                    f"bfloat16 ({human_bytes(2 * n_weights)}) instead (--dtype float32 overrides)")
+            note = (f"note: float32 weights would take {human_bytes(4 * n_weights)} of {human_bytes(have)} available; "
+                    f"loading in bfloat16 ({human_bytes(2 * n_weights)}) instead (--dtype float32 overrides)")
     check_fits(name, n_weights * dtype.itemsize, f"its weights in {str(dtype).replace('torch.', '')}", device)
     if note:
         print(note, file=sys.stderr)

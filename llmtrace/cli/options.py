@@ -29,16 +29,16 @@ SystemOpt = Annotated[Optional[str], typer.Option("--system", help="System messa
 def json_opt(what: str = "the output as one JSON document", more: str = ", all at once at the end: an existing FILE "
              "is kept until the new document is complete"):
     """The --json option (declared here only), its help saying what the document holds."""
-    return Annotated[Optional[str], typer.Option("--json", metavar="FILE", help=f"Write {what} to FILE (- for stdout){more}.",
-                                                 show_default=False)]
+    return Annotated[Optional[str], typer.Option(
+        "--json", metavar="FILE", help=f"Write {what} to FILE (- for stdout){more}.", show_default=False)]
 
 
 def jsonl_opt(what: str = "the output as one JSON object per line", more: str = ", as it is made: `tail -f FILE` "
               "follows a run. An existing FILE is replaced (emptied) when the command starts. A killed run leaves the "
               "lines written so far; after Ctrl-C the last line is the summary"):
     """The --jsonl option (declared here only), its help saying what each line holds."""
-    return Annotated[Optional[str], typer.Option("--jsonl", metavar="FILE", help=f"Write {what} to FILE (- for stdout){more}.",
-                                                 show_default=False)]
+    return Annotated[Optional[str], typer.Option(
+        "--jsonl", metavar="FILE", help=f"Write {what} to FILE (- for stdout){more}.", show_default=False)]
 
 
 JsonOpt = json_opt()

@@ -348,7 +348,8 @@ def _kv(steps: list[dict], model: dict) -> Optional[dict]:
     figure included; a trace from before they were recorded shows those two as unknown)."""
     kv = [{"step": e["step"], **e["kv_cache"]} for e in steps]
     first = kv[0]
-    return {"steps": kv, "bytes_per_token": first["bytes_per_token"], "per_layer": first["bytes_per_token"] / model["n_layers"],
+    return {"steps": kv, "bytes_per_token": first["bytes_per_token"],
+            "per_layer": first["bytes_per_token"] / model["n_layers"],
             "element_size": first.get("element_size"), "mha_bytes_per_token": first.get("mha_bytes_per_token")}
 
 
