@@ -526,7 +526,8 @@ def kv_section(cap: Capture, config: ModelConfig) -> dict:
         "event": "explain", "section": "kv_cache", "layer": cap.layer, "seed_step": "s6.8",
         "positions": [int(pos[0]), int(pos[-1])], "n_positions": T, "shape_k": [c.n_kv_heads, T, c.head_dim],
         "shape_v": [c.n_kv_heads, T, c.head_dim], "element_size": es, "bytes_per_position": per_pos,
-        "bytes": per_pos * T, "mha_bytes": kv_bytes_per_position(c, es, n_heads=c.n_heads) * T, "all_layers_bytes": per_pos * T * c.n_layers,
+        "bytes": per_pos * T, "mha_bytes": kv_bytes_per_position(c, es, n_heads=c.n_heads) * T,
+        "all_layers_bytes": per_pos * T * c.n_layers,
     }
 
 
