@@ -160,7 +160,8 @@ class Int4Matmul(nn.Module):
         self.register_buffer("scales_zeros", scales_zeros)
         self.out_features, self.split = out_features, split
         self.kernel = INT4_CUDA if device.type == "cuda" else INT4_CPU
-        self._mm = torch.ops.aten._weight_int4pack_mm if device.type == "cuda" else torch.ops.aten._weight_int4pack_mm_for_cpu
+        ops = torch.ops.aten
+        self._mm = ops._weight_int4pack_mm if device.type == "cuda" else ops._weight_int4pack_mm_for_cpu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step calls this 4 times a layer: it is kept to the ops it needs (each costs microseconds in eager).
