@@ -203,7 +203,7 @@ class Recorder:
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
                 extra = (extra or {}) | {"values": (values[0] if name != "kv_write" else values).detach().float().cpu()}
-            event = TensorEvent(tensor_event(step, phase, layer, name, list(shape), dtype))
+            event = tensor_event(step, phase, layer, name, list(shape), dtype, cls=TensorEvent)
             if row is not None:
                 event["row"] = row
             self._pending.append((event, i, extra, json_part))

@@ -134,11 +134,13 @@ def batch_event(tok, layout) -> dict:
             "pad_piece": tok.piece(layout.pad_id)}
 
 
-def tensor_event(step: int, phase: str, layer: Optional[int], name: str, shape: list[int], dtype: str) -> dict:
-    """A `tensor` event without its statistics, fields in the order every writer uses (the recorder also writes the
-    common case's JSON line itself from these parts: trace.recorder.TensorEvent)."""
-    return {"event": "tensor", "step": step, "phase": phase, "layer": layer, "name": name,
-            "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": dtype}
+def tensor_event(step: int, phase: str, layer: Optional[int], name: str, shape: list[int], dtype: str,
+                 cls: type = dict) -> dict:
+    """A `tensor` event without its statistics, fields in the order every writer uses, made as `cls` (the recorder's
+    dict subclass that may carry its own JSON line, trace.recorder.TensorEvent: made once, not copied, since a full
+    trace makes 574 of them a step)."""
+    return cls(event="tensor", step=step, phase=phase, layer=layer, name=name, seed_step=SEED_STEP.get(name),
+               shape=shape, dtype=dtype)
 
 
 def model_record(lm) -> ModelRecord:
