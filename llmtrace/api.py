@@ -114,6 +114,7 @@ class GenerateOptions:
     show_top: int = 10  # candidates recorded per step
     for_report: bool = False  # also record the attention probabilities the HTML report draws (what --html adds)
     compile: bool = False  # torch.compile the decode step (steps nothing observes)
+    freeze: bool = False  # with compile, on the fast path (CPU): the weights compiled into the step (CompiledDecode)
     save_tensors: Optional[str] = None  # FILE.safetensors: the full values of the recorded points (`llmtrace diff`)
     # interventions (run/interventions.py: Ablate, Scale, Patch, Steer, ControlVector), applied to every pass
     interventions: Sequence[Any] = ()
@@ -133,6 +134,9 @@ class GenerateOptions:
         if self.save_tensors is not None and not str(self.save_tensors).endswith(".safetensors"):
             raise BadValue("save_tensors", f" writes a .safetensors file; give a name ending in .safetensors, not "
                            f"{str(self.save_tensors)!r}")
+        if self.freeze and not self.compile:
+            raise BadValue("freeze", " freezes the weights into the compiled decode step; add compile",
+                           also=("compile",))
         if self.compile and self.interventions:
             raise BadValue("compile", " runs the model as it is; a run with interventions runs eagerly, so leave "
                            "compile out", also=("interventions", "compile"))
@@ -442,8 +446,9 @@ class Model:
             run_info["prompts"] = [p for p, _ in encoded]
         compiled = None
         if options.compile:
-            compiled = _compile_step(lm, len(ids), options.max_new_tokens)
-            run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3)}
+            compiled = _compile_step(lm, len(ids), options.max_new_tokens, options.freeze)
+            run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3),
+                                    "frozen": options.freeze}
         store = None
         if options.save_tensors:
             from llmtrace.trace.tensors import TensorStore
@@ -522,18 +527,19 @@ def _layer_spec(layers) -> Optional[str]:
     return ",".join(str(int(i)) for i in layers)
 
 
-def _compile_step(lm, n_prompt: int, max_new_tokens: int):
+def _compile_step(lm, n_prompt: int, max_new_tokens: int, freeze: bool = False):
     """torch.compile the decode step before the run starts, saying so on stderr (it can take minutes)."""
     import os
 
     from llmtrace.registry.cache import cache_dir
-    from llmtrace.run.generate import compile_decode
+    from llmtrace.run.generate import check_freeze, compile_decode
 
     # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
+    check_freeze(lm, freeze)  # before saying that it compiles
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     print(f"compiling the decode step with torch.compile (cache: {where}; minutes the first time on a small CPU)…",
           file=sys.stderr, flush=True)
-    compiled = compile_decode(lm, n_prompt, max_new_tokens)
+    compiled = compile_decode(lm, n_prompt, max_new_tokens, freeze=freeze)
     print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
     return compiled
 

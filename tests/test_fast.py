@@ -154,6 +154,16 @@ def test_fast_refuses_what_it_does_not_combine_with(capsys, mixed_gguf, extra, s
     fails(capsys, 2, "generate", "Hello", "-m", mixed_gguf, "--fast", *extra, says=says)
 
 
+@pytest.mark.parametrize("fast, extra, says", [
+    (["--fast"], [], ("--freeze freezes the weights into the compiled decode step; add --compile",)),
+    ([], ["--compile"], ("--freeze needs --fast (the int4 path) on the CPU",)),
+])
+def test_freeze_is_refused_without_its_compiled_fast_step(capsys, mixed_gguf, fast, extra, says):
+    """--freeze needs --compile (checked before the load) and the fast path on the CPU (checked before compiling)."""
+    fails(capsys, 2, "generate", "Hello", "-m", mixed_gguf, "-n", "4", "--trace", "none", *fast, *extra, "--freeze",
+          says=says)
+
+
 def test_fast_on_an_hf_directory_is_refused_with_the_reason(capsys, tmp_path):
     from tiny import write_hf_dir
 
@@ -245,6 +255,7 @@ def test_fast_compile_runs_and_agrees_with_eager_fast(capsys, fast_smollm, tmp_p
     assert code == 0, err
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     assert events[0]["compiled"]["decode_step"] is True and events[0]["exact"] is False
+    assert events[0]["compiled"]["frozen"] is False  # --freeze is asked for, not the default
     from llmtrace.run.generate import generate
     from llmtrace.run.sampler import Sampler, SamplerConfig
 
@@ -252,6 +263,35 @@ def test_fast_compile_runs_and_agrees_with_eager_fast(capsys, fast_smollm, tmp_p
     eager = generate(fast_smollm, ids, Sampler(SamplerConfig(temperature=0.0), fast_smollm.config.vocab_size), 12,
                      ignore_eos=True).tokens
     assert events[-1]["tokens"] == eager
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_each_fast_models_compiled_step_has_its_own_frozen_weights(mixed_gguf):
+    """--freeze: the fast path's compiled step has the weights frozen in (model.compiled.CompiledDecode), so that
+    TorchDynamo must tell two models' graphs apart by their weights. Two fast loads of one file, the second's final
+    norm doubled, each compiled, stepping in turn with the guards skipped as generation does: each step gives its own
+    model's eager logits, not the other's."""
+    from llmtrace.run.generate import compile_decode
+
+    lms = [load_model(str(mixed_gguf), device="cpu", fast=True) for _ in range(2)]
+    lms[1].model.norm.weight.mul_(2)
+    prompt = token_ids(8, seed=5)
+    caches = [lm.model.new_cache(16) for lm in lms]
+    steps = []
+    for lm, cache in zip(lms, caches):
+        steps.append(compile_decode(lm, 8, 8, freeze=True))
+        lm.model(prompt, cache, 0)
+    assert all(s._inductor_settings.changes["freezing"] for s in steps)
+    token = prompt[:, -1:]
+    for slot in range(8, 12):
+        for lm, cache, step in zip(lms, caches, steps):
+            eager = lm.model(token, cache, slot, last_only=True).float()
+            compiled = step(token, cache, slot, next_of_same_run=slot > 8).float()
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0.05 * float(eager.abs().max()))
+            if lm is lms[1]:  # the two models' logits differ by far more than that tolerance: this could fail
+                other = lms[0].model(token, caches[0], slot, last_only=True).float()
+                assert (eager - other).abs().max() > 0.3 * eager.abs().max()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -73,6 +73,8 @@ Examples:
 
   llmtrace generate "Once upon a time" --fast --compile --trace none -n 200   # int4 kernels, bf16: approximate
 
+  llmtrace generate "Once upon a time" --fast --compile --freeze --trace none -n 2000   # step ~8% faster, compile ~14 s longer
+
   llmtrace generate "Once upon a time" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB
 
   echo "Hello" | llmtrace generate --jsonl - | python -c "import sys, json; [json.loads(l) for l in sys.stdin]"
@@ -147,6 +149,10 @@ def generate(
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
+    freeze: Annotated[bool, typer.Option("--freeze", help="With --fast --compile on the CPU: compile the weights into "
+                                         "the decode step as constants (Inductor's freezing). Each step ~8% faster, "
+                                         "but the compile takes ~14 s longer every run (it is not cached), so it "
+                                         "pays off only after ~17,000 tokens.")] = False,
     ablate: AblateOpt = None,
     scale: ScaleOpt = None,
     patch: PatchOpt = None,
@@ -166,6 +172,7 @@ def generate(
         presence_penalty=presence_penalty, logit_bias=logit_bias or [], ban=ban or [], sampler_order=sampler_order,
         seed=seed, chat=chat, system=system, stop=tuple(stop or ()), ignore_eos=ignore_eos, trace=trace,
         layers=layers, dump=tuple(dump or ()), show_top=show_top, for_report=html is not None, compile=compile_,
+        freeze=freeze,
         save_tensors=save_tensors,
         top_n_sigma=top_n_sigma, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
         dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,

@@ -40,15 +40,32 @@ def _dense_strides(shape) -> tuple:
 
 
 class CompiledDecode:
-    """`step(idx, cache, start)`: the model's one-token pass (B, 1) at cache slot `start`, compiled; logits (B, V)."""
+    """`step(idx, cache, start)`: the model's one-token pass (B, 1) at cache slot `start`, compiled; logits (B, V).
 
-    def __init__(self, model: Transformer):
+    `freeze`: compile the weights in as constants (Inductor's freezing), for a model whose weights nothing changes
+    afterwards. The graph then takes only the token, the slot and the cache as inputs, not its ~500 weight tensors,
+    and the Python work around each call (TorchDynamo and AOTAutograd handing those inputs over) falls from ~1.1 to
+    ~0.45 ms a step on the fast path's decode (benchmarks/RESULTS.md). TorchDynamo then guards on the weights'
+    identity: another model's weights compile anew. Costs: AOTAutograd's cache does not take frozen graphs, so every
+    run's compile takes ~14 s longer (21 s instead of 8 from the command line, Inductor's cache warm), and the process
+    holds ~32 MiB more: it pays back after ~17,000 tokens, so it is asked for (`--freeze`), not the default. Only for the
+    fast path on the CPU (its int4 buffers are handed to the kernel as they are; generate.check_freeze): the exact
+    path keeps its weights as inputs, as its parity with eager was measured, and CUDA was never measured here."""
+
+    def __init__(self, model: Transformer, freeze: bool = False):
         for m in model.modules():  # the same weights; only the compiled path reads the difference
             if type(m) is nn.Linear:
                 m.__class__ = DenseInputLinear
         # On CPU, Inductor's C++ wrapper calls the kernels without a Python line per kernel (measured ~4% faster)
         options = {"cpp_wrapper": True} if model.embed.weight.device.type == "cpu" else {}
         self._fn = torch.compile(model.forward, dynamic=True, fullgraph=True, options=options)
+        # Freezing is read by TorchDynamo while it traces (to guard on the weights), so it is set around the calls that
+        # may compile, not in `options`. No weight prepacking: that would make Inductor keep a second, blocked copy of
+        # every dense matrix.
+        import torch._inductor.config as inductor_config  # loaded by torch.compile anyway; not at every import
+
+        settings = {"freezing": True, "cpp.weight_prepack": False} if freeze else {}
+        self._inductor_settings = inductor_config.patch(settings)
         self._guards_passed = False
         self.compile_s = 0.0  # seconds the first (compiling) call took, set by generate.compile_decode
 
@@ -61,7 +78,7 @@ class CompiledDecode:
                 return self._fn(idx, cache, start, last_only=True)
         # Python floats are constants of the model (eps, scales); treated as dynamic inputs, one of them made
         # TorchDynamo start over halfway, which doubled the compile time. Scoped to the calls that may compile.
-        with torch._dynamo.config.patch(specialize_float=True):
+        with torch._dynamo.config.patch(specialize_float=True), self._inductor_settings:
             logits = self._fn(idx, cache, start, last_only=True)
         self._guards_passed = True
         return logits

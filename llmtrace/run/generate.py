@@ -27,7 +27,7 @@ from typing import Callable, Optional, Protocol, Sequence, Union
 import torch
 
 from llmtrace.model.compiled import CompiledDecode, decode_step
-from llmtrace.errors import LlmtraceError
+from llmtrace.errors import BadValue, LlmtraceError
 from llmtrace.fsutil import sigint_deferred
 from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.model.transformer import KVCache, Transformer
@@ -168,16 +168,20 @@ def context_note(lm: LoadedModel, prompt_lengths: list[int], max_new_tokens: int
             f"{len(cut)} of {len(prompt_lengths)} rows ({rows}); they stop there (stop reason: context)")
 
 
-def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> CompiledDecode:
+def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: bool = False) -> CompiledDecode:
     """Compile the model's decode step (llmtrace.compiled) and run it once, so that a generation of `max_new_tokens`
     after `n_prompt` tokens starts with it ready; pass it to `generate(compiled=...)`. Its `compile_s` is the seconds
     this took: minutes on a small CPU the first time, seconds once Inductor's cache ($TORCHINDUCTOR_CACHE_DIR) holds
     the compiled code.
 
     The trial step runs on a scratch KV cache at the slot the first real decode step will have (dynamic shapes are
-    marked there, and a first call at slot 0 or 1 would specialise on it)."""
+    marked there, and a first call at slot 0 or 1 would specialise on it). `freeze` (the fast path on the CPU only):
+    the weights are compiled in as constants (CompiledDecode): each step ~8% faster, the compile ~14 s longer.
+
+    Not the default: the longer compile pays back only after ~17,000 tokens (benchmarks/RESULTS.md)."""
     max_new_tokens = check_context(lm, n_prompt, max_new_tokens)
-    compiled = CompiledDecode(lm.model)
+    check_freeze(lm, freeze)
+    compiled = CompiledDecode(lm.model, freeze=freeze)
     if max_new_tokens < 2:
         return compiled  # no decode step will run
     t = time.perf_counter()
@@ -194,6 +198,13 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> Compi
         raise LlmtraceError(f"torch.compile could not compile the decode step ({reason}); run without --compile") from None
     compiled.compile_s = time.perf_counter() - t
     return compiled
+
+
+def check_freeze(lm: LoadedModel, freeze: bool) -> None:
+    """`freeze` (compile_decode) is for the fast path on the CPU, where it was measured: elsewhere, one clear error."""
+    if freeze and not (lm.config.extra.get("fast") and lm.device.type == "cpu"):
+        raise BadValue("freeze", " needs fast (the int4 path) on the CPU, where it was measured; leave it out here",
+                       also=("fast",))
 
 
 def kv_facts(cache: KVCache) -> KVFacts:
