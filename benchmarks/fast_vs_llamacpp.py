@@ -7,7 +7,7 @@
 
 Arms, each in its own process, alternating round by round (A B C D, then D C B A, ...) so that a shared machine
 slows them alike: llama.cpp (xllamacpp), llmtrace exact eager (float32), llmtrace --fast eager, llmtrace --fast
---compile. Decode: greedy, --tokens new tokens after a short prompt, EOS ignored; llama.cpp's figure is its own
+--compile, and the same with --freeze (the weights compiled into the step). Decode: greedy, --tokens new tokens after a short prompt, EOS ignored; llama.cpp's figure is its own
 `timings.predicted_per_second`, llmtrace's the summary's `decode_tok_s` (both: the steps after the first token).
 Prefill: a --prefill-token prompt (real text, benchmarks/passage.txt), `timings.prompt_per_second` against the
 summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process over its RSS when the load starts (Python, torch,
@@ -17,7 +17,7 @@ threads).
 --memory: only the peak RSS of each llmtrace arm (see `memory`), no llama.cpp needed.
 
 --in-process: the decode arms alternate inside one process instead, --pairs times each (llama.cpp's server object,
-llmtrace exact, --fast, --fast with the compiled step), which cancels most of the drift of a shared machine between
+llmtrace exact, --fast, --fast with the compiled step and --freeze), which cancels most of the drift of a shared machine between
 processes; the figure of each arm is its median over the pairs, and each pair gives one ratio to llama.cpp.
 --in-process --no-llama-cpp: the llmtrace arms only. At 2 threads an idle xllamacpp server in the same process
 slows torch's decode step ~1.8x (measured: --fast eager 16 ms a step without it, 29 ms with it, same process), so
@@ -251,7 +251,7 @@ def in_process(args, gguf: str) -> None:
     exact = None if args.no_exact else load_model(gguf, device="cpu", dtype="float32")
     fast = load_model(gguf, device="cpu", fast=True)
     ids = fast.tokenizer.encode(PROMPT)
-    compiled = compile_decode(fast, len(ids), args.tokens)
+    compiled = compile_decode(fast, len(ids), args.tokens, freeze=True)
 
     def llmtrace_arm(lm, comp=None):
         res = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), args.tokens,
@@ -269,7 +269,7 @@ def in_process(args, gguf: str) -> None:
     if exact is not None:
         arms["exact eager (float32)"] = lambda: llmtrace_arm(exact)
     arms["--fast eager"] = lambda: llmtrace_arm(fast)
-    arms["--fast --compile"] = lambda: llmtrace_arm(fast, compiled)
+    arms["--fast --compile --freeze"] = lambda: llmtrace_arm(fast, compiled)
     names = list(arms)
     for fn in arms.values():  # warm-up
         fn()
@@ -309,6 +309,8 @@ def run(args, gguf: str) -> None:
         arms["exact eager (float32)"] = lambda p, n: llmtrace(gguf, args.threads, p, n)
     arms["--fast eager"] = lambda p, n: llmtrace(gguf, args.threads, p, n, "--fast")
     arms["--fast --compile"] = lambda p, n: llmtrace(gguf, args.threads, p, n, "--fast", "--compile")
+    arms["--fast --compile --freeze"] = lambda p, n: llmtrace(gguf, args.threads, p, n, "--fast", "--compile",
+                                                              "--freeze")
     llmtrace(gguf, args.threads, PROMPT, 4, "--fast", "--compile")  # fills Inductor's cache: later compiles take s
     names = list(arms)
     decode: dict[str, list[dict]] = {n: [] for n in names}
@@ -319,7 +321,7 @@ def run(args, gguf: str) -> None:
             decode[name].append(arms[name](PROMPT, args.tokens))
             print(f"round {r + 1}: {name}: decode {decode[name][-1]['decode_tok_s']:.1f} tok/s", file=sys.stderr,
                   flush=True)
-            if long is not None and name != "--fast --compile":  # the compiled step is a decode step only
+            if long is not None and "--compile" not in name:  # the compiled step is a decode step only
                 prefill[name].append(arms[name](long, 2))
                 print(f"round {r + 1}: {name}: prefill {prefill[name][-1]['prefill_tok_s']:.1f} tok/s",
                       file=sys.stderr, flush=True)
