@@ -537,7 +537,8 @@ def _compile_step(lm, n_prompt: int, max_new_tokens: int, freeze: bool = False):
     # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
     check_freeze(lm, freeze)  # before saying that it compiles
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    print(f"compiling the decode step with torch.compile (cache: {where}; minutes the first time on a small CPU)…",
+    # two lines, so that it reads at 80 columns: the cache's path alone can be long
+    print(f"compiling the decode step with torch.compile (minutes the first time)…\n  its cache: {where}",
           file=sys.stderr, flush=True)
     compiled = compile_decode(lm, n_prompt, max_new_tokens, freeze=freeze)
     print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
