@@ -224,7 +224,7 @@ def main() -> None:
         for _ in range(2):  # alternate, so that drift on a shared machine cancels
             eager.append(decode_ms(lm, ids, 32))
             compiled.append(decode_ms(lm, ids, 32, step))
-        ceil, sustained = ceiling_ms(lm.model)
+        ceil, sustained = ceiling(lm.model)
         e, c = statistics.median(eager), statistics.median(compiled)
         print(f"untraced decode step, no profiler (3 alternating runs of 32 steps, medians): eager {e:.1f} ms, compiled "
               f"{c:.1f} ms ({e / c:.2f}x); ceiling pass now {ceil:.1f} ms best, {sustained:.1f} ms back to back: "
