@@ -73,7 +73,7 @@ Examples:
 
   llmtrace generate "Once upon a time" --fast --compile --trace none -n 200   # int4 kernels, bf16: approximate
 
-  llmtrace generate "Once upon a time" --fast --compile --freeze --trace none -n 2000   # step ~8% faster, compile ~14 s longer
+  llmtrace generate "Once upon a time" --fast --compile --freeze --trace none -n 5000   # steps 8-23% faster
 
   llmtrace generate "Once upon a time" -m ./Llama-3.1-8B --device-map auto --max-memory cpu=12GiB
 
@@ -150,9 +150,9 @@ def generate(
                                            "after a compile of minutes the first time (seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
     freeze: Annotated[bool, typer.Option("--freeze", help="With --fast --compile on the CPU: compile the weights into "
-                                         "the decode step as constants (Inductor's freezing). Each step ~8% faster, "
-                                         "but the compile takes ~14 s longer every run (it is not cached), so it "
-                                         "pays off only after ~17,000 tokens.")] = False,
+                                         "the decode step as constants (Inductor's freezing). Each step 8-23% faster "
+                                         "(measured on two CPUs), but the compile takes 11-14 s longer every run (it "
+                                         "is not cached), so it pays off only after ~5,000-17,000 tokens.")] = False,
     ablate: AblateOpt = None,
     scale: ScaleOpt = None,
     patch: PatchOpt = None,

@@ -45,12 +45,13 @@ class CompiledDecode:
     `freeze`: compile the weights in as constants (Inductor's freezing), for a model whose weights nothing changes
     afterwards. The graph then takes only the token, the slot and the cache as inputs, not its ~500 weight tensors,
     and the Python work around each call (TorchDynamo and AOTAutograd handing those inputs over) falls from ~1.1 to
-    ~0.45 ms a step on the fast path's decode (benchmarks/RESULTS.md). TorchDynamo then guards on the weights'
-    identity: another model's weights compile anew. Costs: AOTAutograd's cache does not take frozen graphs, so every
-    run's compile takes ~14 s longer (21 s instead of 8 from the command line, Inductor's cache warm), and the process
-    holds ~32 MiB more: it pays back after ~17,000 tokens, so it is asked for (`--freeze`), not the default. Only for the
-    fast path on the CPU (its int4 buffers are handed to the kernel as they are; generate.check_freeze): the exact
-    path keeps its weights as inputs, as its parity with eager was measured, and CUDA was never measured here."""
+    ~0.45 ms a step in the fast path's decode on an Intel Xeon (benchmarks/RESULTS.md): steps 8% faster there, 23%
+    on an AMD EPYC. TorchDynamo then guards on the weights' identity: another model's weights compile anew. Costs:
+    AOTAutograd's cache does not take frozen graphs, so every run's compile takes 11-14 s longer (19-21 s instead of
+    8 with Inductor's cache warm), and the process holds ~32-42 MiB more: it pays back after ~5,000-17,000 tokens, so
+    it is asked for (`--freeze`), not the default. Only for the fast path on the CPU (its int4 buffers are handed to
+    the kernel as they are; generate.check_freeze): the exact path keeps its weights as inputs, as its parity with
+    eager was measured, and CUDA was never measured here."""
 
     def __init__(self, model: Transformer, freeze: bool = False):
         for m in model.modules():  # the same weights; only the compiled path reads the difference

@@ -176,9 +176,9 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: 
 
     The trial step runs on a scratch KV cache at the slot the first real decode step will have (dynamic shapes are
     marked there, and a first call at slot 0 or 1 would specialise on it). `freeze` (the fast path on the CPU only):
-    the weights are compiled in as constants (CompiledDecode): each step ~8% faster, the compile ~14 s longer.
+    the weights are compiled in as constants (CompiledDecode): each step 8-23% faster, the compile 11-14 s longer.
 
-    Not the default: the longer compile pays back only after ~17,000 tokens (benchmarks/RESULTS.md)."""
+    Not the default: the longer compile pays back only after ~5,000-17,000 tokens (benchmarks/RESULTS.md)."""
     max_new_tokens = check_context(lm, n_prompt, max_new_tokens)
     check_freeze(lm, freeze)
     compiled = CompiledDecode(lm.model, freeze=freeze)
