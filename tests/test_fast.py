@@ -182,6 +182,20 @@ def fast_smollm(smollm_path):
     return load_model(str(smollm_path), device="cpu", fast=True)
 
 
+def test_explain_counts_a_packed_or_quantized_model_by_its_weights(smollm, fast_smollm, smollm_path):
+    """explain's parameter counts on --fast and --keep-quantized: a matrix held packed or in blocks counts by its
+    weights, as the float32 model's does (the fast path once counted only its norms, 35,136, and gave layer 3 a share
+    of 100.75 of the model)."""
+    from llmtrace.run.explain import layer_section
+
+    exact = layer_section(smollm.model, 3, 5)
+    assert exact["model_params"] == 134_515_008  # SmolLM2-135M, its tied embedding once
+    for lm in (fast_smollm, load_model(str(smollm_path), device="cpu", keep_quantized=True)):
+        got = layer_section(lm.model, 3, 5)
+        assert got["model_params"] == exact["model_params"] and got["layer_params"] == exact["layer_params"]
+        assert 0 < got["share"] == exact["share"] < 1 and 0 < got["share_of_layers"] < 1
+
+
 PROMPTS = ["The capital of France is", "Quantum mechanics is a fundamental theory in physics that",
            "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
 

@@ -379,7 +379,11 @@ def storage_table(model: nn.Module) -> list[dict]:
 def weight_count(model: nn.Module) -> int:
     """Parameters, counting each quantized matrix by its weights (not its bytes), a tied matrix once."""
     seen: set[int] = set()
-    n = sum(p.numel() for p in model.parameters())
+    # the fast path's storage (model.fast: packed int4, scales, bf16 copies) is held as parameters of a matrix's parts;
+    # the matrix is counted below, by its weights
+    stored = {id(p) for m in model.modules() if _blocks_module(m) for part in getattr(m, "parts", ())
+              for p in part.parameters()}
+    n = sum(p.numel() for p in model.parameters() if id(p) not in stored)
     tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
     for name, m in model.named_modules():
         if not _blocks_module(m) or (tied and name == "lm_head"):

@@ -451,7 +451,11 @@ class Transformer(Tappable):
             yield self
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """The weights, a matrix held as GGUF blocks or packed from them (--keep-quantized, --fast) counted by its
+        weights, not by its storage's elements."""
+        from llmtrace.model.quant import weight_count  # where the storage kinds are known
+
+        return weight_count(self)
 
 
 @contextlib.contextmanager
