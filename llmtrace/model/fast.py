@@ -156,8 +156,11 @@ class Int4Matmul(nn.Module):
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, split: bool,
                  device: torch.device):
         super().__init__()
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", scales_zeros)
+        # Parameters that nothing trains, not buffers: TorchDynamo, told to skip its guard checks between the compiled
+        # decode steps of one run (model.compiled.CompiledDecode), still checks every tensor input that is not a
+        # parameter (its "diff guards"): ~490 a step, 0.3-1.5 ms of it on an AMD EPYC (benchmarks/RESULTS.md)
+        self.packed = nn.Parameter(packed, requires_grad=False)
+        self.scales_zeros = nn.Parameter(scales_zeros, requires_grad=False)
         self.out_features, self.split = out_features, split
         self.kernel = INT4_CUDA if device.type == "cuda" else INT4_CPU
         ops = torch.ops.aten
@@ -186,7 +189,7 @@ class DenseMatmul(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.register_buffer("weight", weight)
+        self.weight = nn.Parameter(weight, requires_grad=False)  # a parameter, as Int4Matmul's storage
         self.out_features = weight.size(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,7 +230,7 @@ class FastLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """A stand-in with W's shape, dtype and device, holding no data (as quant.QuantLinear.weight)."""
-        buf = next(self.parts[0].buffers())
+        buf = next(self.parts[0].parameters())
         return torch.zeros((), dtype=COMPUTE, device=buf.device).expand(self.out_features, self.in_features)
 
     def stored_bytes(self) -> int:
