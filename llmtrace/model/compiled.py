@@ -8,6 +8,7 @@ that nothing observes; the prefill and every observed pass run the model eagerly
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -79,7 +80,10 @@ class CompiledDecode:
                 return self._fn(idx, cache, start, last_only=True)
         # Python floats are constants of the model (eps, scales); treated as dynamic inputs, one of them made
         # TorchDynamo start over halfway, which doubled the compile time. Scoped to the calls that may compile.
-        with torch._dynamo.config.patch(specialize_float=True), self._inductor_settings:
+        with torch._dynamo.config.patch(specialize_float=True), self._inductor_settings, warnings.catch_warnings():
+            # Inductor's C++ codegen warns that the fast path's embedding lookup meets fp16 block scales in a bf16
+            # graph: a note to its own developers, printed mid-run to the user; the values are what eager computes
+            warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed", category=UserWarning)
             logits = self._fn(idx, cache, start, last_only=True)
         self._guards_passed = True
         return logits
