@@ -7,7 +7,8 @@
 
 Arms, each in its own process, alternating round by round (A B C D, then D C B A, ...) so that a shared machine
 slows them alike: llama.cpp (xllamacpp), llmtrace exact eager (float32), llmtrace --fast eager, llmtrace --fast
---compile, and the same with --freeze (the weights compiled into the step). Decode: greedy, --tokens new tokens after a short prompt, EOS ignored; llama.cpp's figure is its own
+--compile, and the same with --freeze (the weights compiled into the step). Decode: greedy, --tokens new tokens after
+a short prompt, EOS ignored; llama.cpp's figure is its own
 `timings.predicted_per_second`, llmtrace's the summary's `decode_tok_s` (both: the steps after the first token).
 Prefill: a --prefill-token prompt (real text, benchmarks/passage.txt), `timings.prompt_per_second` against the
 summary's `prefill_tok_s`. Peak RSS (VmHWM) of each llmtrace process over its RSS when the load starts (Python, torch,
@@ -17,8 +18,9 @@ threads).
 --memory: only the peak RSS of each llmtrace arm (see `memory`), no llama.cpp needed.
 
 --in-process: the decode arms alternate inside one process instead, --pairs times each (llama.cpp's server object,
-llmtrace exact, --fast, --fast with the compiled step and --freeze), which cancels most of the drift of a shared machine between
-processes; the figure of each arm is its median over the pairs, and each pair gives one ratio to llama.cpp.
+llmtrace exact, --fast, --fast with the compiled step and --freeze), which cancels most of the drift of a shared
+machine between processes; the figure of each arm is its median over the pairs, and each pair gives one ratio to
+llama.cpp.
 --in-process --no-llama-cpp: the llmtrace arms only. At 2 threads an idle xllamacpp server in the same process
 slows torch's decode step ~1.8x (measured: --fast eager 16 ms a step without it, 29 ms with it, same process), so
 llmtrace's own ratios (--fast eager / exact eager) at 2 threads are read from a run without it.

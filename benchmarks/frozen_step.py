@@ -1,5 +1,5 @@
-"""The fast path's compiled decode step with its weights frozen in (what `--fast --compile` does on the CPU) against the
-same step with the weights as graph inputs (what it did before): step time, compile time, memory (issue 24).
+"""The fast path's compiled decode step with its weights frozen in (`--fast --compile --freeze`, CPU only) against the
+same step with the weights as graph inputs (plain `--fast --compile`): step time, compile time, memory (issue 24).
 
     python benchmarks/frozen_step.py                    # 2 threads, 4 rounds
     python benchmarks/frozen_step.py --threads 1 --rounds 6 --steps 64

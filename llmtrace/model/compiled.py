@@ -50,7 +50,7 @@ class CompiledDecode:
     on an AMD EPYC. TorchDynamo then guards on the weights' identity: another model's weights compile anew. Costs:
     AOTAutograd's cache does not take frozen graphs, so every run's compile takes 11-14 s longer (19-21 s instead of
     8 with Inductor's cache warm), and the process holds ~32-42 MiB more: it pays back after ~5,000-17,000 tokens, so
-    it is asked for (`--freeze`), not the default. Only for the fast path on the CPU (its int4 buffers are handed to
+    it is asked for (`--freeze`), not the default. Only for the fast path on the CPU (its int4 tensors are handed to
     the kernel as they are; generate.check_freeze): the exact path keeps its weights as inputs, as its parity with
     eager was measured, and CUDA was never measured here."""
 
