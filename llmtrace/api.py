@@ -410,7 +410,7 @@ class Model:
         batch = not isinstance(prompt, str) and len(texts) > 1  # a one-prompt list is a one-prompt run
         trace = options.trace_options()
         trace.layers = parse_layers(_layer_spec(options.layers), lm.config.n_layers)
-        trace.check_dump_layers(lm.config.n_layers)
+        trace.check_dumps(lm.config.n_layers, lm.points)
         if options.for_report:  # the report's attention maps need the probabilities of the recorded layers
             from llmtrace.report.write import report_dumps
 
@@ -590,7 +590,8 @@ class Comparison:
         return f"Comparison({self.result.summary_line()!r})"
 
 
-def patch_sweep(model, clean: str, corrupt: str, answer: str, against: str, at: str = "resid_post", **options) -> dict:
+def patch_sweep(model, clean: str, corrupt: str, answer: str, against: str, at: Optional[str] = None,
+                **options) -> dict:
     """The activation-patching sweep (`llmtrace patch`): the corrupt prompt run once per layer and position with the
     clean prompt's activation at `at` patched in; returns the `patch` event (`cells`: layer, position, metric,
     recovery). `model`: a loaded `Model` (or LoadedModel). Keywords: on_progress= (run/patching.py)."""

@@ -228,3 +228,47 @@ def test_pyproject_states_the_torch_version_the_source_needs():
     assert used, "none of the features found: update TORCH_FEATURES"
     stated = re.search(r'"torch>=(\d+)\.(\d+)"', (PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
     assert stated and (int(stated[1]), int(stated[2])) == max(used), f"torch>={max(used)} is what the source needs"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the model declares; the rest reads (issue 31)
+
+
+def declared_point_names() -> set[str]:
+    """Every point name declared in llmtrace/model/: the first argument of each Point(...) call there."""
+    out = set()
+    for module, tree in TREES.items():
+        if layer_of(module) != "model":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Point" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                out.add(node.args[0].value)
+    return out
+
+
+def test_point_names_are_spelled_only_in_the_model():
+    """The trace, the views, compare and the interventions read the model's declaration: none of them writes a point
+    name as a string (the distinctive ones, with an underscore: single words such as "logits" are also field names of
+    the events). Code that takes one point apart names it through the declaration (model/llama_points.py)."""
+    names = {n for n in declared_point_names() if "_" in n}
+    assert {"q_rope", "resid_post", "k_repeated"} <= names
+    spelled = []
+    for module, tree in TREES.items():
+        if layer_of(module) == "model":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names:
+                spelled.append(f"{SOURCES[module]}:{node.lineno} {node.value!r}")
+    assert not spelled, "point names written outside llmtrace/model/:\n" + "\n".join(spelled)
+
+
+def test_nothing_above_the_model_walks_its_layers():
+    """One layer loop, the model's own (Transformer.run_layers): nothing above model/ indexes or iterates
+    model.layers."""
+    import re
+
+    walks = [f"{SOURCES[m]}:{i + 1}" for m in SOURCES if layer_of(m) not in ("model", "face")
+             for i, line in enumerate(SOURCES[m].read_text(encoding="utf-8").splitlines())
+             if re.search(r"\bmodel\.layers\b", line) and not line.lstrip().startswith("#")]
+    assert not walks, "model.layers used outside llmtrace/model/: " + ", ".join(walks)

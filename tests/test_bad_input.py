@@ -144,8 +144,8 @@ def test_a_missing_final_norm_is_named(capsys, tiny_copy):
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"intermediate_size": 96}, ("layers.0.ffn.gate.weight", "[128, 64]", "[96, 64]")),
-    ({"vocab_size": 400}, ("embed.weight", "[320, 64]", "[400, 64]")),
+    ({"intermediate_size": 96}, ("model.layers.0.mlp.gate_proj.weight", "[128, 64]", "[96, 64]")),
+    ({"vocab_size": 400}, ("model.embed_tokens.weight", "[320, 64]", "[400, 64]")),
     ({"num_hidden_layers": 3}, ("layer 2", "missing")),
     ({"num_hidden_layers": 1}, ("unexpected tensor", "layers.1", "1 layers")),
 ])  # fmt: skip

@@ -106,7 +106,7 @@ def test_side_by_side_pieces_are_the_models_own_forward(tiny_a):
     _, lm = tiny_a
     ids = lm.tokenizer.encode(PROMPT)
     la, lb = run_side_by_side(lm, lm, ids, {})
-    with torch.inference_mode(), lm.model.observed(lambda *_: None):
+    with torch.inference_mode(), lm.model.hooked(lambda *_: None):
         ref = lm.model(torch.tensor([ids]))[0]
     assert torch.equal(la, ref) and torch.equal(lb, ref)
     with torch.inference_mode():

@@ -132,7 +132,7 @@ def test_capture_leaves_the_model_as_it_was(smollm):
     m = smollm.model
     ids = _ids(smollm)
     cap = capture(m, ids, LAYER)
-    assert all(mod.observer is None for mod in m.modules() if hasattr(mod, "tap"))
+    assert all(mod.hook is None for mod in m.modules() if hasattr(mod, "point"))
     assert "scores" in cap.points and "probs" in cap.points  # the chosen layer's attention was spelled out
     assert cap.points["k_repeated"].shape == (m.config.n_heads, len(ids), m.config.head_dim)  # as generate records it
     with torch.no_grad():

@@ -43,8 +43,8 @@ def ours(lm, interventions, prompt=PROMPT, n=N):
     edits = prepare(lm, interventions, [len(ids)])
     # the prompt pass with attention spelled out (observed), in transformers' eager order: the comparison is then of
     # the intervention, not of two attention kernels' rounding
-    edited = lm.model.edited(edits, edits.layers) if edits else contextlib.nullcontext()
-    with torch.inference_mode(), edited, lm.model.observed(lambda *a: None):
+    edited = lm.model.hooked(edits, edits.layers, spell_out=False) if edits else contextlib.nullcontext()
+    with torch.inference_mode(), edited, lm.model.hooked(lambda *a: None):
         full = lm.model(torch.tensor([ids]))[0]
     return result.tokens, tops, full
 
@@ -300,7 +300,7 @@ def test_no_intervention_is_the_plain_run(smollm):
     with torch.inference_mode():
         plain = smollm.model(torch.tensor([ids]))
         edits = prepare(smollm, [Scale(3, 1.0, head=2), Patch(8, "resid_post", 0, PROMPT)], [len(ids)])
-        with smollm.model.edited(edits, edits.layers):
+        with smollm.model.hooked(edits, edits.layers, spell_out=False):
             same = smollm.model(torch.tensor([ids]))
     assert torch.equal(plain, same)  # scale 1 and patching a prompt with its own activation change no bit
 

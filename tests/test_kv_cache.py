@@ -23,7 +23,7 @@ def tiny(tmp_path_factory):
 
 def attention(model, spelled_out: bool):
     """Observed layers spell attention out (scores, softmax, P·V); unobserved ones use the fused SDPA kernel."""
-    return model.observed(lambda layer, name, x: None) if spelled_out else contextlib.nullcontext()
+    return model.hooked(lambda layer, name, x: None) if spelled_out else contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -90,14 +90,14 @@ def test_generation_prefill_in_chunks_observes_the_last_chunk(tiny):
     idx = token_ids(23, seed=36)
     seen, progress = [], []
     cache = model.new_cache(23)
-    logits = prefill(model, idx, cache, lambda: model.observed(lambda lay, name, x: seen.append((name, x.shape))),
+    logits = prefill(model, idx, cache, lambda: model.hooked(lambda lay, name, x: seen.append((name, x.shape))),
                      on_progress=lambda done, total: progress.append((done, total)), chunk=8)
     torch.testing.assert_close(logits, model(idx)[:, -1], atol=1e-5, rtol=0)
     assert cache.seq_len == 23
     assert progress == [(8, 23), (16, 23), (23, 23)]
     scores = [shape for name, shape in seen if name == "scores"]
     assert scores and all(s == (1, tiny.config.n_heads, 7, 23) for s in scores)  # the last pass: 7 queries, 23 keys
-    assert all(b.attn.observer is None for b in model.layers)  # the scope closed
+    assert all(b.attn.hook is None for b in model.layers)  # the scope closed
 
 
 @torch.no_grad()
@@ -133,16 +133,16 @@ def test_observed_scope_spells_out_the_chosen_layers_and_restores(tiny):
     its G query heads as repeat_kv does) and leaves every observer as it was; a pass without it reports nothing."""
     model, c = tiny.model, tiny.config
     seen = []
-    with model.observed(lambda lay, name, x: seen.append((lay, name, tuple(x.shape))), layers=[1]):
+    with model.hooked(lambda lay, name, x: seen.append((lay, name, tuple(x.shape))), layers=[1]):
         model(token_ids(6, seed=35))
     assert {lay for lay, _, _ in seen} == {None, 1}
     assert (1, "k_repeated", (1, c.n_kv_heads, c.n_heads // c.n_kv_heads, 6, c.head_dim)) in seen
     assert (1, "scores", (1, c.n_heads, 6, 6)) in seen
     seen.clear()
-    with model.observed(lambda lay, name, x: seen.append((lay, name)), layers=[0], attention=[]):
+    with model.hooked(lambda lay, name, x: seen.append((lay, name)), layers=[0], attention=[]):
         model(token_ids(6, seed=35))
     assert (0, "resid_mid") in seen and not any(name in ("q", "scores") for _, name in seen)
-    assert all(m.observer is None for m in model.modules() if hasattr(m, "tap"))
+    assert all(m.hook is None for m in model.modules() if hasattr(m, "point"))
     seen.clear()
     model(token_ids(6, seed=35))
     assert seen == []

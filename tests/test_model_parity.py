@@ -43,7 +43,7 @@ def test_logits_match_transformers(case):
     spec, hf, lm = case
     idx = token_ids(T, seed=spec.seed)
     ref = hf(idx).logits  # (1, T, V)
-    with lm.model.observed(lambda layer, name, x: None):  # attention spelled out, in transformers' eager order
+    with lm.model.hooked(lambda layer, name, x: None):  # attention spelled out, in transformers' eager order
         ours = lm.model(idx)
     assert ours.shape == (1, T, spec.vocab_size)
     assert ref.std() > 0.5  # the random weights give logits far from zero, so a match means something
@@ -63,7 +63,7 @@ def test_hidden_states_match_transformers(case):
     ref = hf(idx, output_hidden_states=True).hidden_states  # L+1; transformers' last one is after the final norm
     ours = []  # the residual stream before layer 0 and after every layer: L+1 tensors of (1, T, D)
     grab = lambda layer, name, x: ours.append(x) if name in ("embed", "resid_post") else None  # noqa: E731
-    with lm.model.observed(grab, attention=[]):
+    with lm.model.hooked(grab, attention=[]):
         lm.model(idx)
     assert len(ours) == len(ref) == spec.n_layers + 1
     # The residual stream grows to |x| ~ 25, where one float32 ulp is 2e-6: allow a few ulps of summation order.

@@ -23,7 +23,7 @@ def sweeps(smollm):
 @torch.inference_mode()
 def single_metric(lm, ids, interventions, a, b):
     edits = prepare(lm, interventions, [len(ids)])
-    with lm.model.edited(edits, edits.layers) if edits else torch.inference_mode():
+    with lm.model.hooked(edits, edits.layers, spell_out=False) if edits else torch.inference_mode():
         logits = lm.model(torch.tensor([ids]), last_only=True)[0].float()
     return (logits[a] - logits[b]).item()
 

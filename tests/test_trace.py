@@ -11,7 +11,7 @@ import torch
 
 from llmtrace.run.generate import generate
 from llmtrace.run.sampler import Sampler, SamplerConfig
-from llmtrace.trace.events import LAYER_POINTS, schema_path
+from llmtrace.trace.events import schema_path
 from llmtrace.trace.recorder import Recorder
 from llmtrace.trace.options import TraceOptions
 
@@ -82,7 +82,7 @@ def test_shapes_equal_the_model_dimensions(smollm):
         if ev["name"] == "kv_write":
             assert ev["positions"] == [s - t, s - 1]
     for layer in (0, 3, 29):
-        assert {n for (lay, n) in seen if lay == layer} == set(LAYER_POINTS)
+        assert {n for (lay, n) in seen if lay == layer} == set(smollm.points.names(layer=True, traced=True))
     assert not any(lay not in (None, 0, 3, 29) for lay, _ in seen)
 
 

@@ -10,10 +10,8 @@ from pathlib import Path
 
 from llmtrace.console import progress_to_stderr
 from llmtrace.errors import LlmtraceError
-from llmtrace.checkpoint.gguf_checkpoint import gguf_field, config_from_gguf, gguf_entries
-from llmtrace.checkpoint.weights import (check_shape, expected_shapes, plan_layout, safetensors_entries,
-                                         write_safetensors)
-from llmtrace.checkpoint.gguf_file import open_gguf
+from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
+from llmtrace.checkpoint.weights import check_shape, expected_shapes, safetensors_entries, write_safetensors
 from llmtrace.model.transformer import ModelConfig
 from llmtrace.registry.cache import CONVERSION_SOURCE, conversion_source
 
@@ -33,15 +31,9 @@ def convert_gguf(path: Path, dest: Path) -> None:
     """Read and dequantize a GGUF once; write config, float32 weights (tensor by tensor) and tokenizer to `dest`
     atomically."""
     from llmtrace.fsutil import atomic_dir
-    from llmtrace.tokens.tokenizer import TextTokenizer
 
-    reader = open_gguf(path)
-    where = str(path)
-    config = config_from_gguf(reader, where)
-    tokenizer = TextTokenizer.from_gguf(reader, where)
-    plan = plan_layout(gguf_entries(reader, config, where), config, where)
-    config.extra = gguf_facts(reader)
-    del reader
+    config, plan, tokenizer, facts = open_gguf_checkpoint(path)
+    config.extra = facts
     progress, stop = progress_to_stderr(f"converting {path.name}")
     try:
         with atomic_dir(dest) as tmp:
@@ -53,12 +45,6 @@ def convert_gguf(path: Path, dest: Path) -> None:
         stop()
 
 
-def gguf_facts(reader) -> dict:
-    return {"format": "gguf", "file_type": gguf_field(reader, "general.file_type"),
-            "quantizations": sorted({t.tensor_type.name for t in reader.tensors}),
-            "gguf_name": gguf_field(reader, "general.name")}
-
-
 def open_converted(dest: Path) -> tuple[ModelConfig, dict[str, list], "TextTokenizer"]:  # noqa: F821
     """The cached conversion: its config, a plan of one part per tensor, its tokenizer."""
     from llmtrace.tokens.tokenizer import TextTokenizer
@@ -66,9 +52,10 @@ def open_converted(dest: Path) -> tuple[ModelConfig, dict[str, list], "TextToken
     where = str(dest / "weights.safetensors")
     config = _config_from_json((dest / "llmtrace_config.json").read_text())
     entries = safetensors_entries(dest / "weights.safetensors")
-    for key, shape in expected_shapes(config).items():
+    shapes = expected_shapes(config)
+    for key, shape in shapes.items():
         if key not in entries:
             raise LlmtraceError(f"{where}: tensor {key} is missing")
         check_shape(where, key, entries[key], shape)
-    plan = {key: [entries[key]] for key in expected_shapes(config)}
+    plan = {key: [entries[key]] for key in shapes}
     return config, plan, TextTokenizer.from_hf_dir(dest / "tokenizer")

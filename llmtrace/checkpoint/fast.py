@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from llmtrace.model.fast import COMPUTE, DENSE, FastLinear, choose_kernel, fast_linear
 from llmtrace.model.quant import BLOCKS, GROUP_KINDS, QuantEmbedding, Segment
+from llmtrace.model.transformer import Attention
 
 
 
@@ -29,20 +30,12 @@ from llmtrace.model.quant import BLOCKS, GROUP_KINDS, QuantEmbedding, Segment
 def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     """Config, model and tokenizer of a GGUF file for the fast path: matrices on FastLinear, the embedding in its
     blocks, vectors in bfloat16. config.extra["fast"] records the kernel choice and the matrices that run in bf16."""
-    from llmtrace.checkpoint.conversion import gguf_facts
-    from llmtrace.checkpoint.gguf_checkpoint import config_from_gguf, gguf_entries
-    from llmtrace.checkpoint.gguf_file import open_gguf
-    from llmtrace.checkpoint.weights import build_model, plan_layout, read_weights
+    from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
+    from llmtrace.checkpoint.weights import build_model, read_weights
     from llmtrace.errors import LlmtraceError
-    from llmtrace.tokens.tokenizer import TextTokenizer
 
     where = str(path)
-    reader = open_gguf(path)
-    config = config_from_gguf(reader, where)
-    tokenizer = TextTokenizer.from_gguf(reader)
-    plan = plan_layout(gguf_entries(reader, config, where), config, where)
-    facts = gguf_facts(reader)
-    del reader
+    config, plan, tokenizer, facts = open_gguf_checkpoint(path)
     choice = choice or choose_kernel(device)
     matrices = {name: parts for name, parts in plan.items() if len(parts[0].shape) == 2}
     for parts in matrices.values():
@@ -71,8 +64,9 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
         del raws
         return_freed_memory()  # the band scratch just freed, before the next matrix allocates between it
     model = build_model(config, sd, device, COMPUTE, modules)
-    for block in model.layers:  # decode attention as G query rows per KV head (model.transformer.Attention)
-        block.attn.fold_gqa_decode = True
+    for m in model.modules():  # decode attention as G query rows per KV head (model.transformer.Attention)
+        if isinstance(m, Attention):
+            m.fold_gqa_decode = True
     dense = [n for n, m in model.named_modules() if isinstance(m, FastLinear) and DENSE in m.kernel]
     config.extra = facts | {"fast": {"kernel_choice": choice, "bf16_matrices": dense}}
     return config, model, tokenizer

@@ -11,11 +11,9 @@ import torch
 
 from llmtrace.errors import LlmtraceError, one_line
 from llmtrace.checkpoint.weights import CHUNK_BYTES, read_bytes
-from llmtrace.checkpoint.gguf_file import GGUFTensor
+from llmtrace.checkpoint.gguf_file import GGUFTensor, open_gguf
+from llmtrace.model.family import family_of_gguf, gguf_archs
 from llmtrace.model.transformer import ModelConfig
-
-SUPPORTED_GGUF_ARCHS = {"llama", "mistral", "qwen2"}
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # GGUF
@@ -29,63 +27,63 @@ def gguf_field(reader, key, default=None):
 
 
 def config_from_gguf(reader, where: str) -> ModelConfig:
+    """The fields every family shares, from the metadata under the file's architecture, then the family's own
+    (Family.gguf_config). llama3-style RoPE scaling stored as per-frequency divisors (tensor rope_freqs) is read here,
+    into the config, so that nothing later changes it."""
     arch = gguf_field(reader, "general.architecture", "unknown")
-    if arch not in SUPPORTED_GGUF_ARCHS:
+    family = family_of_gguf(arch)
+    if family is None:
         raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs the LLaMA family: "
-                            f"{', '.join(sorted(SUPPORTED_GGUF_ARCHS))})")
+                            f"{', '.join(sorted(gguf_archs()))})")
+
+    def meta(key, default=None):
+        return gguf_field(reader, f"{arch}.{key}", default)
 
     def need(key):
-        v = gguf_field(reader, f"{arch}.{key}")
+        v = meta(key)
         if v is None:
             raise LlmtraceError(f"{where}: GGUF metadata lacks {arch}.{key}")
         return v
 
     d, h = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.contents()) if tokens is not None else None)
+    vocab = meta("vocab_size") or (len(tokens.contents()) if tokens is not None else None)
     if vocab is None:
         raise LlmtraceError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    scaling = None
-    s_type = gguf_field(reader, f"{arch}.rope.scaling.type")
-    if s_type == "linear":
-        scaling = {"rope_type": "linear", "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor"))}
-    elif s_type not in (None, "none"):
-        raise LlmtraceError(f"{where}: rope scaling {s_type!r} is not supported (linear and llama3 are)")
-    head_dim = gguf_field(reader, f"{arch}.attention.key_length") or gguf_field(reader, f"{arch}.rope.dimension_count") or d // h
-    names = {t.name for t in reader.tensors}
-    return ModelConfig(
+    head_dim = meta("attention.key_length") or meta("rope.dimension_count") or d // h
+    names = {t.name: t for t in reader.tensors}
+    fields = dict(
         arch=arch,
+        family=family.name,
         n_layers=int(need("block_count")),
         d_model=d,
         n_heads=h,
-        n_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv") or h),
+        n_kv_heads=int(meta("attention.head_count_kv") or h),
         head_dim=int(head_dim),
         ffn_dim=int(need("feed_forward_length")),
         vocab_size=int(vocab),
-        max_seq_len=int(gguf_field(reader, f"{arch}.context_length", 4096)),
-        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        rms_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_seq_len=int(meta("context_length", 4096)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(meta, reader, names.get("rope_freqs.weight"), where),
+        rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         attn_bias="blk.0.attn_q.bias" in names,
     )
+    return ModelConfig(**(fields | family.gguf_config(meta)))
 
 
-GGUF_LAYER_KEYS = {
-    "attn_norm.weight": "attn_norm.weight",
-    "ffn_norm.weight": "ffn_norm.weight",
-    "attn_q.weight": "attn.q.weight",
-    "attn_k.weight": "attn.k.weight",
-    "attn_v.weight": "attn.v.weight",
-    "attn_q.bias": "attn.q.bias",
-    "attn_k.bias": "attn.k.bias",
-    "attn_v.bias": "attn.v.bias",
-    "attn_output.weight": "attn.wo.weight",
-    "ffn_gate.weight": "ffn.gate.weight",
-    "ffn_up.weight": "ffn.up.weight",
-    "ffn_down.weight": "ffn.w_down.weight",
-}
-GGUF_TOP_KEYS = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+def _gguf_rope_scaling(meta, reader, freqs, where: str) -> Optional[dict]:
+    if freqs is not None:  # llama3-style scaling stored as one divisor per frequency
+        e = GGUFEntry.of(freqs, reader.path)
+        factors = torch.empty(e.shape, dtype=torch.float32)
+        e.read_into(factors)
+        return {"rope_type": "freq_factors", "factors": factors.flatten().tolist()}
+    s_type = meta("rope.scaling.type")
+    if s_type == "linear":
+        return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    if s_type not in (None, "none"):
+        raise LlmtraceError(f"{where}: rope scaling {s_type!r} is not supported (linear and llama3 are)")
+    return None
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -96,23 +94,29 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_entries(reader, config: ModelConfig, where: str) -> dict[str, "GGUFEntry"]:
-    """Every tensor of the GGUF file, not yet read, under llmtrace's names; q/k entries undo llama.cpp's row order."""
+def gguf_entries(reader, where: str) -> dict[str, "GGUFEntry"]:
+    """Every tensor of the GGUF file, not yet read, under its own name (rope_freqs, read into the config, left out)."""
     out: dict[str, GGUFEntry] = {}
     for t in reader.tensors:
-        name = _rename_gguf(t.name)
-        if name is None:
+        if t.name == "rope_freqs.weight":
             continue
-        heads = None
-        if config.arch in ("llama", "mistral"):  # converted with the q/k permutation; qwen2 was not
-            if name.endswith(("attn.q.weight", "attn.q.bias")):
-                heads = config.n_heads
-            elif name.endswith(("attn.k.weight", "attn.k.bias")):
-                heads = config.n_kv_heads
         if t.tensor_type.name not in GGUF_DEQUANTIZABLE:
             raise LlmtraceError(f"{where}: tensor {t.name} uses quantization {t.tensor_type.name}, which llmtrace cannot "
                                 f"dequantize (supported: {', '.join(sorted(GGUF_DEQUANTIZABLE))})")
-        out[name] = GGUFEntry.of(reader.path, t, heads, where)
+        out[t.name] = GGUFEntry.of(t, reader.path)
+    return out
+
+
+def read_gguf_weights(reader, config: ModelConfig, where: str) -> dict[str, torch.Tensor]:
+    """Every tensor the model takes from the file, dequantized to float32 (with the gguf package), under its GGUF
+    name, q/k rows put back in HF order where the arch was converted with llama.cpp's permutation."""
+    from llmtrace.checkpoint.weights import plan_weights
+
+    out = {}
+    for parts in plan_weights(gguf_entries(reader, where), config, "gguf", where).values():
+        for e in parts:
+            out[e.key] = torch.empty(e.shape, dtype=torch.float32)
+            e.read_into(out[e.key])
     return out
 
 
@@ -120,25 +124,33 @@ GGUF_DEQUANTIZABLE = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_
                       "Q3_K"}
 
 
-def read_gguf_weights(reader, config: ModelConfig, where: str) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 (with the gguf package), under llmtrace's names, q/k rows in HF order."""
-    out = {}
-    for name, e in gguf_entries(reader, config, where).items():
-        out[name] = torch.empty(e.shape, dtype=torch.float32)
-        e.read_into(out[name])
-    return out
+class GGUFCheckpoint(NamedTuple):
+    """A GGUF file opened: its config, the plan of the model's tensors in it (nothing read yet), its tokenizer and
+    the facts the trace shows (file type, block types). The one way every load of a GGUF starts."""
+
+    config: ModelConfig
+    plan: dict[str, list]
+    tokenizer: "TextTokenizer"  # noqa: F821
+    facts: dict
 
 
-def _rename_gguf(key: str) -> Optional[str]:
-    if key in GGUF_TOP_KEYS:
-        return GGUF_TOP_KEYS[key]
-    if key == "rope_freqs.weight":
-        return "rope_freqs"
-    if key.startswith("blk."):
-        i, _, sub = key[4:].partition(".")
-        if sub in GGUF_LAYER_KEYS:
-            return f"layers.{i}.{GGUF_LAYER_KEYS[sub]}"
-    return key
+def open_gguf_checkpoint(path: Path) -> GGUFCheckpoint:
+    from llmtrace.checkpoint.weights import plan_weights
+    from llmtrace.tokens.tokenizer import TextTokenizer
+
+    where = str(path)
+    reader = open_gguf(path)
+    config = config_from_gguf(reader, where)
+    tokenizer = TextTokenizer.from_gguf(reader, where)
+    plan = plan_weights(gguf_entries(reader, where), config, "gguf", where)
+    facts = {"format": "gguf", "file_type": gguf_field(reader, "general.file_type"),
+             "quantizations": sorted({t.tensor_type.name for t in reader.tensors}),
+             "gguf_name": gguf_field(reader, "general.name")}
+    if config.sliding_window is None and "mistral" in str(facts["gguf_name"] or Path(path).name).lower():
+        facts["window_note"] = ("no sliding window: llama.cpp's converter drops Mistral's (its HF config may have "
+                                "one, 4096 in Mistral 7B v0.1), so every layer sees the whole context, as llama.cpp "
+                                "runs this file")
+    return GGUFCheckpoint(config, plan, tokenizer, facts)
 
 
 class GGUFEntry(NamedTuple):
@@ -153,7 +165,7 @@ class GGUFEntry(NamedTuple):
     heads: Optional[int]  # q/k: undo llama.cpp's row permutation for this many heads
 
     @classmethod
-    def of(cls, path: Path, t: "GGUFTensor", heads: Optional[int], where: str) -> "GGUFEntry":
+    def of(cls, t: "GGUFTensor", path: Path, heads: Optional[int] = None) -> "GGUFEntry":
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dimensions innermost first
         rows = math.prod(shape[:-1])
         return cls(path, t.name, t.tensor_type.name, shape, t.file_offset, t.nbytes // max(rows, 1), heads)

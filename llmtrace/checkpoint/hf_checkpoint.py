@@ -9,38 +9,64 @@ from typing import Optional
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.checkpoint.weights import FileTensor, safetensors_entries
+from llmtrace.model.family import Family, family_of_hf, hf_types
 from llmtrace.model.transformer import ModelConfig
 
-SUPPORTED_HF_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-SUPPORTED_MODEL_TYPES = set(SUPPORTED_HF_ARCHS.values())
-
-
-def hf_family(cfg: dict, where: str) -> str:
+def hf_family(cfg: dict, where: str) -> Family:
     """The model family of a config.json, decided as transformers' auto classes decide it: by `model_type` (its
     `architectures` list only names the head a checkpoint was saved with, and may be absent). A config without
     `model_type` is read by its first architecture."""
+    types = hf_types()
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
-    if isinstance(model_type, str) and model_type in SUPPORTED_MODEL_TYPES:
-        return model_type
-    if model_type is None and archs and archs[0] in SUPPORTED_HF_ARCHS:
-        return SUPPORTED_HF_ARCHS[archs[0]]
-    said = ", ".join(f"{key} {value!r}" for key, value in (("model_type", model_type), ("architectures", archs or None))
+    if model_type is None and archs:
+        model_type = next((t for t, a in types.items() if a == archs[0]), None)
+    family = family_of_hf(model_type) if isinstance(model_type, str) else None
+    if family is not None:
+        return family
+    said = ", ".join(f"{key} {value!r}" for key, value in (("model_type", cfg.get("model_type")),
+                                                           ("architectures", archs or None))
                      if value is not None) or "neither model_type nor architectures"
     raise LlmtraceError(f"{where}: {said} is not supported; llmtrace runs the LLaMA family: model_type "
-                        f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} ({', '.join(SUPPORTED_HF_ARCHS)})")
+                        f"{', '.join(sorted(types))} ({', '.join(types.values())})")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # HF directories: config.json + safetensors
 
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def hf_activation(cfg: dict, where: str) -> str:
+    """The feed-forward gate's activation (hidden_act; Gemma's hidden_activation)."""
+    key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    act = cfg.get(key) or "silu"
+    if act not in ACTIVATIONS:
+        raise LlmtraceError(f"{where}: {key} {act!r} is not supported (llmtrace runs {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[act]
+
+
+def hf_window(cfg: dict, n_layers: int, where: str) -> dict:
+    """sliding_window and layer_types: which layers see only the last W tokens. A window is not a context limit:
+    positions go on past it. Mistral's window covers every layer; transformers writes `layer_types` for the families
+    that mix (Gemma, Qwen with use_sliding_window). `use_sliding_window: false` turns a given window off."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return {}
+    types = cfg.get("layer_types") or ["sliding_attention"] * n_layers
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise LlmtraceError(f"{where}: layer_types {unknown[0]!r} is not supported (llmtrace runs "
+                            f"{', '.join(LAYER_TYPES)})")
+    if len(types) != n_layers:
+        raise LlmtraceError(f"{where}: layer_types has {len(types)} entries for {n_layers} layers")
+    return {"sliding_window": int(window), "layer_types": [LAYER_TYPES[t] for t in types]}
+
 
 def config_from_hf(cfg: dict, where: str) -> ModelConfig:
-    kind = hf_family(cfg, where)
+    """The fields every family shares, read as transformers reads them, then the family's own (Family.hf_config)."""
+    family = hf_family(cfg, where)
     if cfg.get("mlp_bias"):
         raise LlmtraceError(f"{where}: mlp_bias = true is not supported")
     try:
@@ -53,48 +79,31 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             kind_s = scaling.get("rope_type", scaling.get("type"))
             if kind_s not in ("linear", "llama3"):
                 raise LlmtraceError(f"{where}: rope_scaling type {kind_s!r} is not supported (linear and llama3 are)")
-        max_len = int(cfg.get("max_position_embeddings", 4096))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", kind == "mistral") else None
-        if window:
-            max_len = min(max_len, int(window))  # within the window, sliding attention equals full attention
-        return ModelConfig(
-            arch=kind,
-            n_layers=int(cfg["num_hidden_layers"]),
+        n_layers = int(cfg["num_hidden_layers"])
+        fields = dict(
+            arch=str(cfg.get("model_type") or family.name),
+            family=family.name,
+            n_layers=n_layers,
             d_model=d,
             n_heads=h,
             n_kv_heads=int(cfg.get("num_key_value_heads") or h),
             head_dim=int(cfg.get("head_dim") or d // h),
             ffn_dim=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            max_seq_len=max_len,
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            max_seq_len=int(cfg.get("max_position_embeddings") or 4096),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
             rope_scaling=scaling,
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attn_bias=bool(cfg.get("attention_bias", kind == "qwen2")),
+            attn_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            ffn_act=hf_activation(cfg, where),
+            **hf_window(cfg, n_layers, where),
         )
+        return ModelConfig(**(fields | family.hf_config(cfg)))
     except KeyError as e:
         raise LlmtraceError(f"{where}: config.json lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise LlmtraceError(f"{where}: config.json has a bad value: {e}") from None
-
-
-# HF parameter name -> llmtrace name, per layer ({i}); q/k/v and gate/up are fused after renaming.
-HF_LAYER_KEYS = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn.q.weight",
-    "self_attn.k_proj.weight": "attn.k.weight",
-    "self_attn.v_proj.weight": "attn.v.weight",
-    "self_attn.q_proj.bias": "attn.q.bias",
-    "self_attn.k_proj.bias": "attn.k.bias",
-    "self_attn.v_proj.bias": "attn.v.bias",
-    "self_attn.o_proj.weight": "attn.wo.weight",
-    "mlp.gate_proj.weight": "ffn.gate.weight",
-    "mlp.up_proj.weight": "ffn.up.weight",
-    "mlp.down_proj.weight": "ffn.w_down.weight",
-}
-HF_TOP_KEYS = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -118,24 +127,11 @@ def _safetensors_files(path: Path) -> list[Path]:
 
 
 def hf_entries(path: Path) -> dict[str, "FileTensor"]:
-    """Every tensor of the directory's safetensors files, not yet read, under llmtrace's names."""
+    """Every tensor of the directory's safetensors files, not yet read, under its own key. RoPE's frequency tables,
+    which some checkpoints carry, are left out: they are computed from the config."""
     out: dict[str, FileTensor] = {}
     for f in _safetensors_files(path):
         for key, entry in safetensors_entries(f).items():
-            name = _rename_hf(key)
-            if name is not None:
-                out[name] = entry
+            if not key.endswith("rotary_emb.inv_freq"):
+                out[key] = entry
     return out
-
-
-def _rename_hf(key: str) -> Optional[str]:
-    if key in HF_TOP_KEYS:
-        return HF_TOP_KEYS[key]
-    if key.startswith("model.layers."):
-        rest = key[len("model.layers."):]
-        i, _, sub = rest.partition(".")
-        if sub in HF_LAYER_KEYS:
-            return f"layers.{i}.{HF_LAYER_KEYS[sub]}"
-        if sub.endswith("rotary_emb.inv_freq"):
-            return None
-    return key  # unknown keys are kept so that check_weights can name them

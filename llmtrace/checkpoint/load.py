@@ -27,7 +27,7 @@ from llmtrace.checkpoint.hf_checkpoint import config_from_hf, hf_entries
 from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.checkpoint.placement import Placement, check_fits, choose_dtype, weight_count
 from llmtrace.checkpoint.quantized import build_quantized, open_gguf_blocks
-from llmtrace.checkpoint.weights import build_model, plan_layout, read_weights
+from llmtrace.checkpoint.weights import build_model, plan_weights, read_weights
 from llmtrace.console import progress_to_stderr
 from llmtrace.errors import LlmtraceError, UsageError, one_line
 from llmtrace.model.transformer import ModelConfig, Transformer
@@ -40,7 +40,7 @@ class Checkpoint(NamedTuple):
     """A model's files, opened: everything but the weights, which `plan` says where to read."""
 
     config: ModelConfig
-    plan: dict[str, list]  # parameter name -> its parts in the files (weights.plan_layout)
+    plan: dict[str, list]  # parameter name -> its parts in the files (weights.plan_weights)
     tokenizer: TextTokenizer
     converted: bool  # opening it converted a GGUF file (a cold start)
 
@@ -160,5 +160,5 @@ def open_checkpoint(resolved) -> Checkpoint:
         raise LlmtraceError(f"{cfg_path}: not valid JSON (line {e.lineno}: {e.msg}); fix it or fetch it again") from None
     config = config_from_hf(raw, where)
     config.extra = {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
-    plan = plan_layout(hf_entries(resolved.path), config, where)
+    plan = plan_weights(hf_entries(resolved.path), config, "hf", where)
     return Checkpoint(config, plan, TextTokenizer.from_hf_dir(resolved.path), False)

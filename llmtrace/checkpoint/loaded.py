@@ -26,3 +26,8 @@ class LoadedModel:
     dtype: torch.dtype
     load_s: float  # seconds spent loading (conversion included on a cold GGUF load)
     converted: bool  # True if this load had to convert a GGUF (cold start)
+
+    @property
+    def points(self):
+        """The observable points the model declares (model.points.Points)."""
+        return self.model.declared_points()

@@ -136,10 +136,10 @@ class Placement:
         from accelerate.utils import offload_weight, save_offload_index
 
         from llmtrace.checkpoint.weights import build_model, read_weights
-        from llmtrace.model.transformer import Transformer
+        from llmtrace.model.family import build as build_family
 
         with torch.device("meta"):  # shapes only, to size the layers
-            skeleton = Transformer(config).to(dtype)
+            skeleton = build_family(config).to(dtype)
         dmap = infer_auto_device_map(skeleton, max_memory=self.max_memory, no_split_module_classes=["Block"], dtype=dtype)
         main = _accelerate_name(self.main_device)
         # the embedding, the final norm and the head stay on the main device: the KV cache, the RoPE table and the

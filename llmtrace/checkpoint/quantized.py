@@ -6,10 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from llmtrace.checkpoint.conversion import gguf_facts
-from llmtrace.checkpoint.gguf_checkpoint import config_from_gguf, gguf_entries
-from llmtrace.checkpoint.gguf_file import open_gguf
-from llmtrace.checkpoint.weights import build_model, plan_layout, read_weights
+from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
+from llmtrace.checkpoint.weights import build_model, read_weights
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.quant import BLOCKS, QuantEmbedding, QuantLinear, Segment
 from llmtrace.model.transformer import ModelConfig, Transformer
@@ -19,17 +17,12 @@ from llmtrace.tokens.tokenizer import TextTokenizer
 def open_gguf_blocks(path) -> tuple[ModelConfig, dict[str, list], TextTokenizer]:
     """Config, tensor plan (nothing read yet) and tokenizer of a GGUF file whose matrices will stay in their blocks.
     A matrix of a type that cannot be kept is refused here, before anything is read."""
-    where = str(path)
-    reader = open_gguf(path)
-    config = config_from_gguf(reader, where)
-    tokenizer = TextTokenizer.from_gguf(reader)
-    plan = plan_layout(gguf_entries(reader, config, where), config, where)
-    config.extra = gguf_facts(reader) | {"keep_quantized": True}
-    del reader
+    config, plan, tokenizer, facts = open_gguf_checkpoint(path)
+    config.extra = facts | {"keep_quantized": True}
     for parts in plan.values():
         for p in parts:
-            if len(p.shape) == 2 and p.kind not in BLOCKS:
-                raise LlmtraceError(f"{where}: --keep-quantized cannot keep tensor {p.key} of type {p.kind} (it keeps "
+            if len(p.shape) >= 2 and p.kind not in BLOCKS:
+                raise LlmtraceError(f"{path}: --keep-quantized cannot keep tensor {p.key} of type {p.kind} (it keeps "
                                     f"{', '.join(BLOCKS)}); leave out --keep-quantized to dequantize the file once")
     return config, plan, tokenizer
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 
 from llmtrace.errors import LlmtraceError, one_line
+from llmtrace.model.family import build as build_family, family_named
+from llmtrace.model.points import DeclaredWeight
 from llmtrace.model.transformer import ModelConfig, Transformer
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,52 +139,67 @@ def write_safetensors(plan: dict[str, list], path: Path, progress=None) -> None:
 # from renamed tensors to a model
 
 
-def plan_layout(entries: dict[str, Any], config: ModelConfig, where: str) -> dict[str, list[Any]]:
-    """Which checkpoint tensors make each of the model's tensors: q/k/v fused into wqkv and gate/up into w_gate_up
-    (lists of parts, stacked by rows). Checks every expected tensor is present with the shape the config implies,
-    before anything is read. `entries` maps llmtrace names to objects with a `.shape`."""
-    c, sd = config, dict(entries)
-    if "rope_freqs" in sd:  # llama3-style scaling stored as per-frequency divisors (GGUF)
-        e = sd.pop("rope_freqs")
-        factors = torch.empty(e.shape, dtype=torch.float32)
-        e.read_into(factors)
-        c.rope_scaling = {"rope_type": "freq_factors", "factors": factors.flatten().tolist()}
+def declared(config: ModelConfig) -> list[DeclaredWeight]:
+    """The weights the model of this config declares (model.transformer's `weights()`), from a skeleton on the meta
+    device: shapes only, nothing allocated."""
+    with torch.device("meta"), _skip_weight_init():  # (random initialisation would import torch's compiler)
+        return build_family(config).declared_weights()
+
+
+def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: str) -> dict[str, list[Any]]:
+    """Which checkpoint tensors make each of the model's parameters, as the model declares them: {parameter: its
+    parts, stacked along the first axis} (q, k and v into wqkv). `entries` maps the file's own keys to objects with a
+    `.shape` (fmt "hf": safetensors entries; "gguf": GGUF entries, whose q/k rows are put back in HF order where the
+    arch was converted with llama.cpp's permutation). Every declared tensor must be there with the shape the config
+    implies, and nothing else, before anything is read."""
+    sd = dict(entries)
+    permuted = fmt == "gguf" and family_named(config.family).gguf_archs.get(config.arch, False)
     out: dict[str, list[Any]] = {}
-    for key in ("embed.weight", "norm.weight", "lm_head.weight"):
-        if key in sd:
-            out[key] = [sd.pop(key)]
-    fused = {"attn.wqkv.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
-             "attn.wqkv.bias": ("attn.q.bias", "attn.k.bias", "attn.v.bias"),
-             "ffn.w_gate_up.weight": ("ffn.gate.weight", "ffn.up.weight")}
-    part_shapes = {"attn.q.weight": (c.n_heads * c.head_dim, c.d_model), "attn.k.weight": (c.n_kv_heads * c.head_dim, c.d_model),
-                   "attn.v.weight": (c.n_kv_heads * c.head_dim, c.d_model), "ffn.gate.weight": (c.ffn_dim, c.d_model),
-                   "ffn.up.weight": (c.ffn_dim, c.d_model)}  # fmt: skip
-    for i in range(c.n_layers):
-        p = f"layers.{i}."
-        for whole, subs in fused.items():
-            if whole == "attn.wqkv.bias" and not c.attn_bias:
-                for sub in subs:
-                    sd.pop(p + sub, None)
-                continue
-            for sub in subs:
-                if p + sub not in sd:
-                    raise LlmtraceError(f"{where}: tensor for layer {i} {sub} is missing from the checkpoint; download it again")
-                if sub in part_shapes:
-                    check_shape(where, p + sub, sd[p + sub], part_shapes[sub])
-            out[p + whole] = [sd.pop(p + sub) for sub in subs]
-        for sub in ("attn_norm.weight", "ffn_norm.weight", "attn.wo.weight", "ffn.w_down.weight"):
-            if p + sub not in sd:
-                raise LlmtraceError(f"{where}: tensor for layer {i} {sub} is missing from the checkpoint; download it again")
-            out[p + sub] = [sd.pop(p + sub)]
-    if c.tie_embeddings:
-        out.pop("lm_head.weight", None)
-    for key, shape in expected_shapes(c).items():
-        if key not in out:
-            raise LlmtraceError(f"{where}: tensor {key} is missing from the checkpoint; download it again")
-        check_shape(where, key, _Stacked(out[key]), shape)
+    for w in declared(config):
+        parts = []
+        for src in w.sources:
+            key = src.hf if fmt == "hf" else src.gguf
+            if key is None or key not in sd:
+                raise LlmtraceError(f"{where}: tensor {key or src.math} ({_what(w.param, src.math)}) is missing from "
+                                    f"the checkpoint; download it again")
+            part = sd.pop(key)
+            check_shape(where, key, part, (src.rows, *w.shape[1:]))
+            if permuted and src.permuted_heads:
+                part = part._replace(heads=src.permuted_heads)
+            if fmt == "hf" and src.hf_add:
+                part = Offset(part, src.hf_add)
+            parts.append(part)
+        out[w.param] = parts
     if sd:
-        raise LlmtraceError(f"{where}: unexpected tensor {next(iter(sd))} (the config says {c.n_layers} layers)")
+        raise LlmtraceError(f"{where}: unexpected tensor {next(iter(sd))} (the config says {config.n_layers} layers)")
     return out
+
+
+def _what(param: str, math_name: str) -> str:
+    """'layer 1's W_up' for layers.1.ffn.w_gate_up.weight, W_up; 'norm.weight' outside the layers."""
+    head, _, rest = param.partition(".")
+    if head == "layers":
+        return f"layer {rest.partition('.')[0]}'s {math_name or rest.partition('.')[2]}"
+    return f"{param}, {math_name}" if math_name else param
+
+
+class Offset(NamedTuple):
+    """A checkpoint tensor read with a constant added: an HF Gemma norm stores w and multiplies by 1 + w."""
+
+    entry: Any
+    add: float
+
+    @property
+    def shape(self):
+        return self.entry.shape
+
+    @property
+    def key(self):
+        return self.entry.key
+
+    def read_into(self, out: torch.Tensor) -> None:
+        self.entry.read_into(out)
+        out.add_(self.add)
 
 
 class _Stacked(NamedTuple):
@@ -196,21 +213,8 @@ class _Stacked(NamedTuple):
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    shapes = {"embed.weight": (c.vocab_size, c.d_model), "norm.weight": (c.d_model,)}
-    if not c.tie_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.d_model)
-    qkv = (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-    for i in range(c.n_layers):
-        p = f"layers.{i}."
-        shapes[p + "attn_norm.weight"] = (c.d_model,)
-        shapes[p + "ffn_norm.weight"] = (c.d_model,)
-        shapes[p + "attn.wqkv.weight"] = (qkv, c.d_model)
-        if c.attn_bias:
-            shapes[p + "attn.wqkv.bias"] = (qkv,)
-        shapes[p + "attn.wo.weight"] = (c.d_model, c.n_heads * c.head_dim)
-        shapes[p + "ffn.w_gate_up.weight"] = (2 * c.ffn_dim, c.d_model)
-        shapes[p + "ffn.w_down.weight"] = (c.d_model, c.ffn_dim)
-    return shapes
+    """Each parameter the checkpoint provides and its shape (a tied head is the embedding)."""
+    return {w.param: w.shape for w in declared(c)}
 
 
 def check_shape(where, key, t, shape):
@@ -239,7 +243,7 @@ def build_model(config: ModelConfig, sd: dict[str, torch.Tensor], device: Option
     device None: leave every tensor where it is (llmtrace.placement)."""
     modules = modules or {}
     with _skip_weight_init():
-        model = Transformer(config)
+        model = build_family(config)
     for name, m in modules.items():
         model.set_submodule(name, m)
     sd = {k: v.to(dtype=dtype) for k, v in sd.items()}  # read_weights put each on its device already

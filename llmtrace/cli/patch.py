@@ -44,7 +44,9 @@ def patch(
                                         show_default=False)],
     against: Annotated[str, typer.Option("--against", metavar="TEXT", help="The corrupt prompt's answer (one token).",
                                          show_default=False)],
-    at: Annotated[str, typer.Option("--at", help="Where to patch: resid_pre, resid_mid or resid_post.")] = "resid_post",
+    at: Annotated[Optional[str], typer.Option("--at", help="Where to patch: a residual-stream point of the layer "
+                  "(Llama's: resid_pre, resid_mid, resid_post). Default: the layer's output.",
+                  show_default=False)] = None,
     model: ModelOpt = None,
     json_out: JsonOpt = None,
     html: Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Also write the heatmap as a "
@@ -55,10 +57,12 @@ def patch(
     keep_quantized: KeepQuantizedOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
-    from llmtrace.run.patching import SWEEP_POINTS
+    if at is not None:  # a point no family declares, before anything loads (the model's own are checked after)
+        from llmtrace.model.family import known_points
 
-    if at not in SWEEP_POINTS:
-        raise UsageError(f"--at {at!r} is not a residual-stream point; one of {', '.join(SWEEP_POINTS)}")
+        known = known_points(layer=True, residual=True, editable=True)
+        if at not in known:
+            raise UsageError(f"--at {at!r} is not a residual-stream point; one of {', '.join(known)}")
     for flag, text in (("--clean", clean), ("--corrupt", corrupt), ("--answer", answer), ("--against", against)):
         if text == "":
             raise UsageError(f"{flag} is empty; give some text")

@@ -11,19 +11,23 @@ Notation, used in every shape comment:
 Positions. A call writes cache slots [start, start+T) (the same slots for every row). Each token's position, which
 RoPE turns into angles, is `input_pos` (B, T): by default start + [0, T) for every row; a left-padded batch gives each
 row positions that start at 0 at its first real token. `attention_mask` (B, S) is False at pad slots; a query attends
-to the slots at or before its own that are not pad.
+to the slots at or before its own that are not pad (and, in a sliding-window layer, at most W slots back).
 
-Observable points. The forward pass names what it computes with `self.tap(name, tensor)`; a tap costs one attribute
-check when nothing observes the model. `with model.observed(observer, layers=...)` attaches an observer (see
-llmtrace.trace) for the duration of a block. Observed layers spell attention out (scores, mask, softmax, P·V, with
-the GQA repetition as its own step) so those tensors exist; unobserved ones use the fused kernel. The model never
-formats, stores or prints anything itself, and holds no state between calls: the KV cache is passed in.
+Declarations. Each module declares what it computes and what it is made of, so that nothing outside model/ has to
+know this file: `POINTS`, the named tensors of its forward pass in order (model.points.Point: seed step, axes,
+editable); `weights()`, its parameters with the checkpoint tensors they are read from (HF and GGUF keys); `CHILDREN`,
+the key prefixes of its sub-modules. `Transformer.declared_points()` and `declared_weights()` put them together.
 
-Edit points. Tracing observes and never steers; an intervention (llmtrace.run.interventions: ablate, scale, patch, steer)
-is the one thing allowed to change a value, and only where the forward pass says so with `x = self.edit(name, x)`:
-the concatenated head outputs before Wo (attn_out), the attention output after Wo (o_proj), the FFN's output (down)
-and the residual stream entering, inside and leaving a layer (resid_pre, resid_mid, resid_post). Each returns x itself,
-for one attribute check, unless `with model.edited(editor):` attached an editor for the block.
+One hook. The forward pass names each point with `x = self.point(name, x)`, which costs one attribute check when
+nothing is attached. `with model.hooked(hook, layers=...)` attaches a hook, called as hook(layer, name, x): it
+observes (returns None) or, at an editable point, replaces the value (returns a tensor). The trace's recorder,
+llmtrace's captures and the interventions are all such hooks. Hooked attention layers spell attention out (scores,
+mask, softmax, P·V, with the GQA repetition as its own step) so those tensors exist; the rest use the fused kernel.
+The model never formats, stores or prints anything itself, and holds no state between calls: the KV cache is passed.
+
+Families. This file is Llama. A family (model/families/) is a small file of differences: subclasses of these modules
+that change a step (Qwen3 norms q and k per head before RoPE), chosen through the class attributes `Transformer.block`,
+`Block.attention`, `Block.feed_forward`; numbers (a score scale, a window) come from the config.
 """
 
 from __future__ import annotations
@@ -31,27 +35,33 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# An observer is called as observer(layer, name, tensor); layer is None outside the decoder layers.
-Observer = Callable[[Optional[int], str, torch.Tensor], None]
-# An editor is called as editor(layer, name, tensor) at an edit point and returns the tensor the pass goes on with.
-Editor = Callable[[int, str, torch.Tensor], torch.Tensor]
+from llmtrace.model.llama_points import (ACT, ATTN_NORM, ATTN_OUT, DOWN, EMBED, FFN_NORM, FINAL_NORM, GATE, K, K_REPEATED,
+                                         K_ROPE, KV_WRITE, LAST, LOGITS, O_PROJ, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST,
+                                         RESID_PRE, SCORES, UP, V)
+from llmtrace.model.points import (DeclaredSource, DeclaredWeight, Point, Points, Source, Weight, axis_size, splice,
+                                   with_where)
+
+# A hook is called as hook(layer, name, tensor), layer None outside the decoder layers, and returns None (it observed)
+# or, at an editable point, the tensor the pass goes on with.
+Hook = Callable[[Optional[int], str, torch.Tensor], Optional[torch.Tensor]]
 
 
 @dataclass
 class ModelConfig:
-    arch: str = "llama"  # source architecture name (llama, mistral, qwen2), for display
+    arch: str = "llama"  # source architecture name (llama, mistral, qwen2, qwen3, gemma3, ...), for display
+    family: str = "llama"  # the family whose modules run it (model.families)
     n_layers: int = 30  # L: number of decoder layers
     d_model: int = 576  # D: width of the residual stream
     n_heads: int = 9  # H: query heads
     n_kv_heads: int = 3  # Hkv: key/value heads; H % Hkv == 0, G = H // Hkv query heads share one KV head
     head_dim: int = 64  # Dh: width of one head
-    ffn_dim: int = 1536  # F: hidden width of the SwiGLU feed-forward block
+    ffn_dim: int = 1536  # F: hidden width of the gated feed-forward block
     vocab_size: int = 49152  # V
     max_seq_len: int = 8192  # context window the model was trained for
     rope_theta: float = 10000.0  # RoPE base: theta_i = base^(-2i/Dh)
@@ -59,6 +69,19 @@ class ModelConfig:
     rms_eps: float = 1e-5  # epsilon inside RMSNorm
     tie_embeddings: bool = False  # LM head shares the embedding matrix
     attn_bias: bool = False  # Qwen2-style bias on the q/k/v projections
+    ffn_act: str = "silu"  # the gate's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    attn_scale: Optional[float] = None  # the scores' scale; None: 1/sqrt(Dh)
+    sliding_window: Optional[int] = None  # W: a sliding-window layer's query sees at most the last W slots
+    layer_types: Optional[list] = None  # per layer "full" or "sliding"; None: every layer full
+    rope_local_theta: Optional[float] = None  # a separate RoPE base for the sliding-window layers (Gemma 3)
+    rotary_dim: Optional[int] = None  # RoPE turns only the first rotary_dim dims of each head (Phi-3); None: all Dh
+    attn_softcap: Optional[float] = None  # scores become cap·tanh(scores/cap) before the mask (Gemma 2)
+    final_softcap: Optional[float] = None  # the logits likewise (Gemma 2)
+    n_experts: int = 0  # E: a mixture-of-experts feed-forward's experts (0: a dense feed-forward)
+    n_experts_used: int = 0  # K: experts each token is routed to
+    expert_ffn_dim: Optional[int] = None  # one expert's hidden width (None: ffn_dim)
+    norm_topk_prob: bool = True  # the K chosen probabilities renormalised to sum to 1
+    dense_layers: Optional[list] = None  # layers whose feed-forward is dense in a mixture-of-experts model
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
     @property
@@ -66,36 +89,94 @@ class ModelConfig:
         """G: query heads per KV head."""
         return self.n_heads // self.n_kv_heads
 
+    def dims(self) -> dict[str, int]:
+        """The sizes the axis names of the declarations stand for."""
+        return {"D": self.d_model, "H": self.n_heads, "Hkv": self.n_kv_heads, "Dh": self.head_dim,
+                "F": self.ffn_dim, "V": self.vocab_size, "G": self.group_size}
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a module with named points
+
+
+class Module(nn.Module):
+    """A module that declares its points (POINTS, in forward order; WHERE says which part of the model reports them)
+    and its weights (`weights()`, keys relative to CHILDREN's prefixes), and reports each point to its hook."""
+
+    POINTS: tuple = ()
+    WHERE = "block"
+    CHILDREN: dict[str, tuple[str, str]] = {}  # attribute -> (HF key prefix, GGUF key prefix)
+    NORMS: dict[str, str] = {}  # point -> the attribute of the RMSNorm that computes it
+    layer: Optional[int] = None
+    _editable: frozenset = frozenset()
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        cls._editable = frozenset(p.name for p in cls.POINTS if isinstance(p, Point) and p.editable)
+
+    def __init__(self):
+        super().__init__()
+        # an attribute of every instance, so that attaching and detaching changes its value only (a compiled step
+        # guards on it)
+        self.hook: Optional[Hook] = None
+
+    def point(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Report x as point `name`; the value the pass goes on with (x, unless a hook replaced it)."""
+        if self.hook is None:
+            return x
+        y = self.hook(self.layer, name, x)
+        if y is None or y is x:
+            return x
+        if name not in self._editable:
+            raise ValueError(f"point {name!r} is not editable; a hook may only observe it")
+        return y
+
+    @classmethod
+    def declared_points(cls) -> tuple[Point, ...]:
+        return with_where((p for p in cls.POINTS if isinstance(p, Point)), cls.WHERE)
+
+    def weights(self) -> tuple[Weight, ...]:
+        return ()
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # RMSNorm: y = x / sqrt(mean(x^2) + eps) * gamma, computed in float32 like the reference implementation
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, axis: str = "D", step: str = "s6.1"):
         super().__init__()
-        self.eps = eps
+        self.eps, self.axis, self.step = eps, axis, step
         self.weight = nn.Parameter(torch.ones(dim))  # gamma, (D,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one call (its statistic is taken in float32); for float32 inputs the same bits as the formula spelled out
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
+    def weights(self) -> tuple[Weight, ...]:
+        return (Weight("weight", (self.axis,), self.step, "vector", (Source("weight", "weight"),), math="γ"),)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # s5 RoPE: rotate each (i, i + Dh/2) pair of q and k by the angle pos * theta_i (applied inside attention, s6.3)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """theta_i = base^(-2i/Dh) for i in [0, Dh/2), with the checkpoint's scaling applied. Shape (Dh/2,), float32."""
+def rope_inv_freq(config: ModelConfig, theta: Optional[float] = None, scaling: Optional[dict] = None) -> torch.Tensor:
+    """theta_i = base^(-2i/Dh) for i in [0, Dh/2), with the checkpoint's scaling applied. Shape (Dh/2,), float32.
+    `theta` / `scaling`: another base and scaling than the config's (Gemma 3's local layers)."""
     dh = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dh, 2, dtype=torch.int64).float() / dh))
-    scaling = config.rope_scaling or {}
+    base = config.rope_theta if theta is None else theta
+    # computed on the CPU whatever the default device (a skeleton on the meta device still gets real frequencies)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dh, 2, dtype=torch.int64, device="cpu").float() / dh))
+    scaling = (config.rope_scaling if theta is None else scaling) or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "freq_factors":  # GGUF stores llama3 scaling as one divisor per frequency
-        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     elif kind == "llama3":
         # Llama 3.1+: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
         factor = scaling["factor"]
@@ -139,16 +220,20 @@ def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, group, S, Dh)
 
 
-def allowed_keys(T: int, start: int, padding: Optional[torch.Tensor], device) -> Optional[torch.Tensor]:
+def allowed_keys(T: int, start: int, padding: Optional[torch.Tensor], device,
+                 window: Optional[int] = None) -> Optional[torch.Tensor]:
     """Which keys each query may attend: (B or 1, 1, T, S) bool, True where allowed; None when every query sees every
-    key (one new token and no padding). Causal over slots: the query in slot start+i sees slots <= start+i. `padding`
-    (B, S) is False at pad slots; a pad query still sees its own slot, so that no softmax row is empty."""
-    if padding is None and T == 1:
-        return None
+    key (one new token, no padding, nothing out of the window). Causal over slots: the query in slot start+i sees
+    slots <= start+i, and with a `window` W only the slots less than W back. `padding` (B, S) is False at pad slots;
+    a pad query still sees its own slot, so that no softmax row is empty."""
     S = start + T
+    if padding is None and T == 1 and (window is None or S <= window):
+        return None
     q_slot = torch.arange(start, S, device=device)[:, None]  # (T, 1)
     k_slot = torch.arange(S, device=device)[None, :]  # (1, S)
     allowed = k_slot <= q_slot  # (T, S)
+    if window is not None:
+        allowed = allowed & (q_slot - k_slot < window)  # the band: the last W slots
     if padding is not None:
         allowed = (allowed & padding[:, None, :S]) | (k_slot == q_slot)  # (B, T, S)
     return allowed.view(-1, 1, T, S)  # (B or 1, 1, T, S): broadcast over heads
@@ -184,7 +269,8 @@ class KVCache:
     """Preallocated keys and values of B rows for every layer; slots [0, seq_len) hold valid entries.
 
     The caller owns it and passes it to `Transformer.forward`; a forward without one is a plain pass from position 0.
-    Every row has the same slots; which of a row's slots are padding is the caller's `attention_mask`."""
+    Every row has the same slots; which of a row's slots are padding is the caller's `attention_mask`. Every slot is
+    kept, in sliding-window layers too (they read only the last W of them): the bytes it counts are the bytes held."""
 
     def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None):
         shape = (batch, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, S_max, Dh) per layer
@@ -217,31 +303,26 @@ class KVCache:
         return sum(kv.k.nbytes + kv.v.nbytes for kv in self.layers)
 
 
+class LayerInput(NamedTuple):
+    """What a layer needs besides the residual stream, for one forward call: RoPE's cos and sin ((T, Dh) or
+    (B, T, Dh)), the keys each query may attend ((B or 1, 1, T, S) bool, or None: all), its cache and the first slot."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: Optional[torch.Tensor]
+    cache: Optional[LayerKV]
+    start: int
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# The decoder layer
+# s6 the decoder layer: attention, feed-forward, and the block that adds them to the residual stream
 
 
-class Tappable(nn.Module):
-    """A module with named observable points. `observer` is None unless `Transformer.observed` attached one."""
+class Attention(Module):
+    """Grouped-query attention with RoPE: softmax(Q Kᵀ · scale + mask) V, then Wo (s6.1-s6.6, s6.8)."""
 
-    layer: Optional[int] = None
-
-    def __init__(self):
-        super().__init__()
-        # an attribute of every instance, so that attaching and detaching changes its value only (a compiled step
-        # guards on it)
-        self.observer: Optional[Observer] = None
-        self.editor: Optional[Editor] = None  # the same for `Transformer.edited`
-
-    def tap(self, name: str, x: torch.Tensor) -> None:
-        if self.observer is not None:
-            self.observer(self.layer, name, x)
-
-    def edit(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        return x if self.editor is None else self.editor(self.layer, name, x)
-
-
-class Attention(Tappable):
+    WHERE = "attn"
+    POINTS = (Q, K, V, Q_ROPE, K_ROPE, KV_WRITE, K_REPEATED, SCORES, PROBS, ATTN_OUT, O_PROJ)
     # One query per row and nothing masked (a decode step): the fused kernel may take GQA as G query rows of each KV
     # head, (B, Hkv, G, Dh), instead of its enable_gqa path, which lays K and V out per query head first (~50 us a
     # call at 75 cached slots here). The same softmax(QK^T/sqrt(Dh))V to rounding, not bit for bit, so the exact path
@@ -250,123 +331,189 @@ class Attention(Tappable):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        self.config = config
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.scale = config.attn_scale if config.attn_scale is not None else 1 / math.sqrt(config.head_dim)
+        self.spell_out = False  # set while a hook that wants scores and probs is attached (Transformer.hooked)
         q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
         # Wq, Wk, Wv as one matrix: one matmul instead of three. Rows [0, q_dim) are Wq, then Wk, then Wv.
         self.wqkv = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=config.attn_bias)  # (H*Dh + 2*Hkv*Dh, D)
         self.wo = nn.Linear(q_dim, config.d_model, bias=False)  # (D, H*Dh)
 
-    def forward(self, x, cos, sin, cache: Optional[LayerKV], start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def weights(self) -> tuple[Weight, ...]:
+        qkv_rows = ("H*Dh", "Hkv*Dh", "Hkv*Dh")
+        out = [Weight("wqkv.weight", ("H*Dh+2*Hkv*Dh", "D"), "s6.1", "matrix", (
+            Source("q_proj.weight", "attn_q.weight", qkv_rows[0], "Wq", permuted="H"),
+            Source("k_proj.weight", "attn_k.weight", qkv_rows[1], "Wk", permuted="Hkv"),
+            Source("v_proj.weight", "attn_v.weight", qkv_rows[2], "Wv")))]
+        if self.config.attn_bias:
+            out.append(Weight("wqkv.bias", ("H*Dh+2*Hkv*Dh",), "s6.1", "vector", (
+                Source("q_proj.bias", "attn_q.bias", qkv_rows[0], "bq", permuted="H"),
+                Source("k_proj.bias", "attn_k.bias", qkv_rows[1], "bk", permuted="Hkv"),
+                Source("v_proj.bias", "attn_v.bias", qkv_rows[2], "bv"))))
+        out.append(Weight("wo.weight", ("D", "H*Dh"), "s6.6", "matrix",
+                          (Source("o_proj.weight", "attn_output.weight", "D", "Wo"),)))
+        return tuple(out)
+
+    def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        # s6.1 project: Q = X Wq, K = X Wk, V = X Wv
-        qk, v = self.wqkv(x).split_with_sizes([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
-        # s6.2 split heads. q's and k's heads stay side by side, so that RoPE turns them in one go.
-        qk = qk.view(B, T, H + Hkv, Dh)  # (B, T, H+Hkv, Dh)
-        v = v.view(B, T, Hkv, Dh)  # (B, T, Hkv, Dh)
-        q, k = qk.split_with_sizes([H, Hkv], dim=2)  # (B, T, H, Dh), (B, T, Hkv, Dh)
-        self.tap("q", q)
-        self.tap("k", k)
-        self.tap("v", v)
-        # s6.3 RoPE on q and k (v carries no position)
-        q, k = apply_rope(qk, cos, sin).split_with_sizes([H, Hkv], dim=2)
-        self.tap("q_rope", q)
-        self.tap("k_rope", k)
+        qk, v = self.project(x)  # s6.1, s6.2: (B, T, H+Hkv, Dh), (B, T, Hkv, Dh)
+        q, k = self.rotate(qk, io.cos, io.sin)  # s6.3: (B, T, H, Dh), (B, T, Hkv, Dh)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, Dh), (B, Hkv, T, Dh) twice
         # s6.8 write this call's keys and values into the cache; attend over every filled slot
-        if cache is not None:
-            k, v = cache.update(start, k, v)  # (B, Hkv, S, Dh)
-            if self.observer is not None:
-                self.tap("kv_write", torch.arange(start, start + T))  # the slots written
-        if self.observer is not None:
-            y = self._attention_spelled_out(q, k, v, mask)
-        elif self.fold_gqa_decode and T == 1 and mask is None:
-            y = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, Dh), k, v).view(B, H, T, Dh)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=True)
-        y = self.edit("attn_out", y.transpose(1, 2))  # (B, T, H, Dh): head h's output is y[:, :, h]
-        self.tap("attn_out", y)
+        if io.cache is not None:
+            k, v = io.cache.update(io.start, k, v)  # (B, Hkv, S, Dh)
+            if self.hook is not None:
+                self.point("kv_write", torch.arange(io.start, io.start + T))  # the slots written
+        y = self.attend(q, k, v, io.mask)  # s6.4, s6.5: (B, H, T, Dh)
+        y = self.point("attn_out", y.transpose(1, 2))  # (B, T, H, Dh): head h's output is y[:, :, h]
         # s6.6 concatenate heads and project back to D
-        out = self.edit("o_proj", self.wo(y.reshape(B, T, H * Dh)))  # (B, T, D)
-        self.tap("o_proj", out)
-        return out
+        return self.point("o_proj", self.wo(y.reshape(B, T, H * Dh)))  # (B, T, D)
 
-    def _attention_spelled_out(self, q, k, v, mask):
-        """softmax(Q K^T / sqrt(Dh) + mask) V, step by step (s6.4, s6.5): the path an observed layer takes."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """s6.1 Q = X Wq, K = X Wk, V = X Wv; s6.2 split into heads. q's and k's heads stay side by side in one
+        tensor, (B, T, H+Hkv, Dh), so that RoPE turns them in one go."""
+        B, T, _ = x.shape
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        qk, v = self.wqkv(x).split_with_sizes([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
+        qk = qk.view(B, T, H + Hkv, Dh)  # (B, T, H+Hkv, Dh)
+        v = v.view(B, T, Hkv, Dh)  # (B, T, Hkv, Dh)
+        if self.hook is not None:
+            q, k = qk.split_with_sizes([H, Hkv], dim=2)  # (B, T, H, Dh), (B, T, Hkv, Dh)
+            self.point("q", q)
+            self.point("k", k)
+            self.point("v", v)
+        return qk, v
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """s6.3 RoPE on q and k (v carries no position): (B, T, H+Hkv, Dh) -> q (B, T, H, Dh), k (B, T, Hkv, Dh)."""
+        q, k = apply_rope(qk, cos, sin).split_with_sizes([self.n_heads, self.n_kv_heads], dim=2)
+        self.point("q_rope", q)
+        self.point("k_rope", k)
+        return q, k
+
+    def attend(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """softmax(Q Kᵀ · scale + mask) V: q (B, H, T, Dh), k and v (B, Hkv, S, Dh) -> (B, H, T, Dh)."""
+        B, H, T, Dh = q.shape
+        if self.spell_out:
+            return self.attend_spelled_out(q, k, v, mask)
+        if self.fold_gqa_decode and T == 1 and mask is None:
+            return F.scaled_dot_product_attention(q.reshape(B, self.n_kv_heads, H // self.n_kv_heads, Dh), k, v,
+                                                  scale=self.scale).view(B, H, T, Dh)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, enable_gqa=True,
+                                              scale=self.scale)
+
+    def attend_spelled_out(self, q, k, v, mask):
+        """softmax(Q K^T · scale + mask) V, step by step (s6.4, s6.5): the path a hooked layer takes."""
         B, H, T, Dh = q.shape
         Hkv, S = k.size(1), k.size(2)
         k_groups = expand_kv(k, H // Hkv)  # (B, Hkv, G, S, Dh): GQA, query head h reads KV head h // G
-        self.tap("k_repeated", k_groups)  # recorded as the (H, S, Dh) it lays out, without a copy
+        self.point("k_repeated", k_groups)  # recorded as the (H, S, Dh) it lays out, without a copy
         k, v = k_groups.reshape(B, H, S, Dh), expand_kv(v, H // Hkv).reshape(B, H, S, Dh)  # (B, H, S, Dh) each
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(Dh)  # (B, H, T, S)
+        scores = self.scores(q, k)  # (B, H, T, S)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))  # (B, H, T, S): -inf where a key is not attended
-        self.tap("scores", scores)
+        self.point("scores", scores)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, T, S), each row sums to 1
-        self.tap("probs", probs)
+        self.point("probs", probs)
         return probs @ v  # (B, H, T, Dh)
 
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Q Kᵀ · scale: (B, H, T, Dh), (B, H, S, Dh) -> (B, H, T, S)."""
+        return (q @ k.transpose(-2, -1)) * self.scale
 
-class FeedForward(Tappable):
-    """SwiGLU: down(silu(x W_gate) * (x W_up)) (s6.7)."""
+
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class FeedForward(Module):
+    """The gated feed-forward block: down(act(x W_gate) * (x W_up)), act SiLU (SwiGLU) or GELU (GeGLU) (s6.7)."""
+
+    WHERE = "ffn"
+    POINTS = (GATE, UP, ACT, DOWN)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.ffn_dim = config.ffn_dim
+        self.act = ACTIVATIONS[config.ffn_act]
         self.w_gate_up = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)  # (2F, D): W_gate rows, then W_up
         self.w_down = nn.Linear(config.ffn_dim, config.d_model, bias=False)  # (D, F)
 
+    def weights(self) -> tuple[Weight, ...]:
+        return (Weight("w_gate_up.weight", ("2*F", "D"), "s6.7", "matrix", (
+                    Source("gate_proj.weight", "ffn_gate.weight", "F", "W_gate"),
+                    Source("up_proj.weight", "ffn_up.weight", "F", "W_up"))),
+                Weight("w_down.weight", ("D", "F"), "s6.7", "matrix",
+                       (Source("down_proj.weight", "ffn_down.weight", "D", "W_down"),)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).split_with_sizes([self.ffn_dim, self.ffn_dim], dim=-1)  # (B, T, F) each
-        self.tap("gate", gate)
-        self.tap("up", up)
-        act = F.silu(gate) * up  # (B, T, F)
-        self.tap("act", act)
-        down = self.edit("down", self.w_down(act))  # (B, T, D)
-        self.tap("down", down)
-        return down
+        self.point("gate", gate)
+        self.point("up", up)
+        act = self.point("act", self.act(gate) * up)  # (B, T, F)
+        return self.point("down", self.w_down(act))  # (B, T, D)
 
 
-class Block(Tappable):
-    """One decoder layer: pre-norm attention and pre-norm SwiGLU, each added to the residual stream."""
+class Block(Module):
+    """One decoder layer: pre-norm attention and pre-norm feed-forward, each added to the residual stream."""
+
+    attention = Attention
+    feed_forward = FeedForward
+    POINTS = (RESID_PRE, ATTN_NORM, "attn", RESID_MID, FFN_NORM, "ffn", RESID_POST)
+    CHILDREN = {"attn_norm": ("input_layernorm", "attn_norm"), "attn": ("self_attn", ""),
+                "ffn_norm": ("post_attention_layernorm", "ffn_norm"), "ffn": ("mlp", "")}
+    NORMS = {ATTN_NORM.name: "attn_norm", FFN_NORM.name: "ffn_norm"}  # point -> the RMSNorm that makes it
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(config.d_model, config.rms_eps)
-        self.attn = Attention(config)
-        self.ffn_norm = RMSNorm(config.d_model, config.rms_eps)
-        self.ffn = FeedForward(config)
-        self.attn.layer = self.ffn.layer = layer
+        self.attn = self.attention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.rms_eps, step="s6.7")
+        self.ffn = self.feed_forward(config)
+        for m in self.modules():
+            if isinstance(m, Module):
+                m.layer = layer
 
-    def forward(self, x, cos, sin, cache, start, mask) -> torch.Tensor:
-        x = self.edit("resid_pre", x)  # (B, T, D)
-        h = self.attn_norm(x)  # (B, T, D)
-        self.tap("attn_norm", h)
-        x = self.edit("resid_mid", x + self.attn(h, cos, sin, cache, start, mask))  # s6.6 residual 1
-        self.tap("resid_mid", x)
-        h = self.ffn_norm(x)
-        self.tap("ffn_norm", h)
-        x = self.edit("resid_post", x + self.ffn(h))  # s6.7 residual 2
-        self.tap("resid_post", x)
-        return x
+    @classmethod
+    def layer_points(cls) -> tuple[Point, ...]:
+        """Every point of one layer, in forward order, the sub-layers' included."""
+        own = {p.name: p for p in cls.declared_points()}
+        return splice(tuple(own[p.name] if isinstance(p, Point) else p for p in cls.POINTS),
+                      {"attn": cls.attention.declared_points(), "ffn": cls.feed_forward.declared_points()})
+
+    def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
+        x = self.point("resid_pre", x)  # (B, T, D)
+        h = self.point("attn_norm", self.attn_norm(x))  # (B, T, D)
+        x = self.point("resid_mid", x + self.attn(h, io))  # s6.6 residual 1
+        h = self.point("ffn_norm", self.ffn_norm(x))
+        return self.point("resid_post", x + self.ffn(h))  # s6.7 residual 2
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model
 
 
-class Transformer(Tappable):
+class Transformer(Module):
+    block = Block
+    WHERE = "model"
+    POINTS = (EMBED, "layers", FINAL_NORM, LAST, LOGITS)
+    CHILDREN = {"layers": ("model.layers.{i}", "blk.{i}"), "norm": ("model.norm", "output_norm")}
+    NORMS = {FINAL_NORM.name: "norm"}
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)  # (V, D)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, config.rms_eps)
+        self.layers = nn.ModuleList(self.block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.rms_eps, step="s8")
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)  # (V, D)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (Dh/2,) RoPE's theta_i
+        if config.rope_local_theta is not None:  # the sliding-window layers' own base, unscaled
+            self.register_buffer("inv_freq_local", rope_inv_freq(config, config.rope_local_theta), persistent=False)
         self.layer_devices: Optional[list[torch.device]] = None  # where each layer runs, when placed over several
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
@@ -374,6 +521,66 @@ class Transformer(Tappable):
         Each layer's keys and values sit where that layer runs."""
         p = self.embed.weight
         return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=self.layer_devices or p.device)
+
+    # -- declarations ------------------------------------------------------------------------------------------
+
+    @classmethod
+    def declared_points(cls) -> Points:
+        """Every point of the model: before the layers, one layer's, after the layers; each in forward order."""
+        own = super().declared_points()
+        cut = cls.POINTS.index("layers")
+        names = [p.name for p in cls.POINTS[:cut]]
+        return Points(tuple(p for p in own if p.name in names), cls.block.layer_points(),
+                      tuple(p for p in own if p.name not in names))
+
+    def weights(self) -> tuple[Weight, ...]:
+        out = [Weight("embed.weight", ("V", "D"), "s4", "embedding",
+                      (Source("model.embed_tokens.weight", "token_embd.weight", "V", "E_tok"),))]
+        if not self.config.tie_embeddings:
+            out.append(Weight("lm_head.weight", ("V", "D"), "s9", "matrix",
+                              (Source("lm_head.weight", "output.weight", "V", "W_head"),)))
+        return tuple(out)
+
+    def declared_weights(self) -> list[DeclaredWeight]:
+        """Every parameter the checkpoint provides, with its full HF and GGUF keys and its shape in numbers, in the
+        order of the model (the embedding, each layer's, the final norm, the head). A tied head is the embedding."""
+        dims = self.config.dims()
+        out: list[DeclaredWeight] = []
+
+        def walk(module: nn.Module, param: str, hf: str, gguf: str) -> None:
+            join = lambda *parts: ".".join(p for p in parts if p)  # noqa: E731
+            for w in module.weights():
+                sources = tuple(DeclaredSource(join(hf, s.hf) if s.hf else None, join(gguf, s.gguf) if s.gguf else None,
+                                               _rows(s.rows, w, dims), s.math,
+                                               dims[s.permuted] if s.permuted else None, s.hf_add) for s in w.sources)
+                out.append(DeclaredWeight(join(param, w.name), w, w.dims(dims), sources))
+            for attr, (hf_sub, gguf_sub) in getattr(module, "CHILDREN", {}).items():
+                child = getattr(module, attr)
+                if isinstance(child, nn.ModuleList):
+                    for i, m in enumerate(child):
+                        walk(m, join(param, attr, str(i)), join(hf, hf_sub.format(i=i)), join(gguf, gguf_sub.format(i=i)))
+                else:
+                    walk(child, join(param, attr), join(hf, hf_sub), join(gguf, gguf_sub))
+
+        walk(self, "", "", "")
+        head = [w for w in out if w.param == "lm_head.weight"]  # the head last, after the final norm
+        return [w for w in out if w.param != "lm_head.weight"] + head
+
+    def norm_of(self, layer: Optional[int], point: str) -> RMSNorm:
+        """The RMSNorm module that computes `point` in `layer` (None: the model's own), for code that takes a norm
+        apart (explain); its input is the point the declaration names (Point.input)."""
+        owner = self if layer is None else self.layers[layer]
+        return getattr(owner, owner.NORMS[point])
+
+    def layer_kinds(self) -> list[tuple[str, str]]:
+        """Each layer's (RoPE table, mask): ("global", "full") unless the config gives it a sliding window, whose
+        layers may have their own RoPE base ("local")."""
+        c = self.config
+        out = []
+        for i in range(c.n_layers):
+            sliding = c.layer_type(i) == "sliding" and c.sliding_window is not None
+            out.append(("local" if sliding and c.rope_local_theta is not None else "global", "sliding" if sliding else "full"))
+        return out
 
     # -- forward -----------------------------------------------------------------------------------------------
 
@@ -386,69 +593,85 @@ class Transformer(Tappable):
         plain full-sequence pass (start 0). input_pos (B, T): each token's position, start + [0, T) by default.
         attention_mask (B, S): False at pad slots, None when no row is padded.
         """
-        B, T = idx.shape
         if cache is None and start != 0:
             raise ValueError("start > 0 needs a KV cache holding slots [0, start)")
-        cos, sin, mask = self.rope_and_mask(idx, start, input_pos, attention_mask)  # s5, and who attends to whom
-        x = self.embed(idx)  # s4: (B, T, D)
-        self.tap("embed", x)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # RoPE's tables in the activations' dtype, once for every layer
-        caches = cache.layers if cache is not None else [None] * len(self.layers)
-        for block, layer_cache in zip(self.layers, caches):  # s6: the layer loop
-            x = block(x, cos, sin, layer_cache, start, mask)
+        x = self.embed_tokens(idx)  # s4: (B, T, D)
+        inputs = self.layer_inputs(idx, cache, start, input_pos, attention_mask, x.dtype)  # s5, who sees whom
+        x = self.run_layers(x, inputs)  # s6
         if cache is not None:
-            cache.seq_len = start + T
+            cache.seq_len = start + idx.size(1)
         return self.head(x, last_only)  # s7-s9
 
-    # The two pieces of forward around the layer loop, callable on their own by code that runs the layers one at a
-    # time (llmtrace.compare runs two models side by side, layer by layer).
+    # The pieces of forward, callable on their own by code that runs the layers one at a time (llmtrace.compare runs
+    # two models side by side, layer by layer; the patching sweep lets rows join at later layers).
 
-    def rope_and_mask(self, idx: torch.Tensor, start: int = 0, input_pos: Optional[torch.Tensor] = None,
-                      attention_mask: Optional[torch.Tensor] = None):
-        """What every layer of a forward call shares: RoPE's cos and sin, (T, Dh) or (B, T, Dh), and the allowed keys
-        (B or 1, 1, T, S), or None."""
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """s4: token ids (B, T) -> their rows of the embedding matrix (B, T, D)."""
+        return self.point("embed", self.embed(idx))
+
+    def layer_inputs(self, idx: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0,
+                     input_pos: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                     dtype: Optional[torch.dtype] = None) -> list[LayerInput]:
+        """What each layer of a forward call over idx (B, T) gets: RoPE's cos and sin (in `dtype`, once for every
+        layer), the allowed keys, its cache. Layers of one kind share their tables."""
         T = idx.size(1)
         if input_pos is None:
             input_pos = torch.arange(start, start + T, device=idx.device)  # (T,): the same positions in every row
-        cos, sin = rope_angles(self.inv_freq, input_pos)  # s5: RoPE's angles
-        return cos, sin, allowed_keys(T, start, attention_mask, idx.device)
+        tables = self.rope_tables(input_pos, dtype)  # s5: RoPE's angles
+        kinds = self.layer_kinds()
+        masks = {mk: allowed_keys(T, start, attention_mask, idx.device,
+                                  self.config.sliding_window if mk == "sliding" else None) for mk in {m for _, m in kinds}}
+        caches = cache.layers if cache is not None else [None] * len(self.layers)
+        return [LayerInput(*tables[rk], masks[mk], kv, start) for (rk, mk), kv in zip(kinds, caches)]
+
+    def rope_tables(self, positions: torch.Tensor, dtype: Optional[torch.dtype]) -> dict[str, tuple]:
+        """cos and sin ((T, Dh) or (B, T, Dh)) of each RoPE table the layers use, for these positions."""
+        out = {"global": rope_angles(self.inv_freq, positions)}
+        if self.config.rope_local_theta is not None:
+            out["local"] = rope_angles(self.inv_freq_local, positions)
+        return {k: (cos.to(dtype), sin.to(dtype)) if dtype is not None else (cos, sin) for k, (cos, sin) in out.items()}
+
+    def run_layers(self, x: torch.Tensor, inputs: list[LayerInput], layers: Optional[Iterable[int]] = None) -> torch.Tensor:
+        """s6, the layer loop: the residual stream (B, T, D) through `layers` (default: all, in order)."""
+        for i in range(len(self.layers)) if layers is None else layers:
+            x = self.layers[i](x, inputs[i])
+        return x
 
     def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """The residual stream after the last layer (B, T, D) -> logits (B, T, V), or (B, V) with last_only."""
-        x = self.norm(x)  # s8: (B, T, D)
-        self.tap("final_norm", x)
+        x = self.point("final_norm", self.norm(x))  # s8: (B, T, D)
         if last_only:
-            x = x[:, -1, :]  # s7: only the last position predicts the next token, (B, D)
-            self.tap("last", x)
-        logits = self.lm_head(x)  # s9: (B, V), or (B, T, V) for every position
-        self.tap("logits", logits)
-        return logits
+            x = self.point("last", x[:, -1, :])  # s7: only the last position predicts the next token, (B, D)
+        return self.point("logits", self.lm_head(x))  # s9: (B, V), or (B, T, V) for every position
 
-    # -- observation -------------------------------------------------------------------------------------------
+    # -- the hook ----------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def observed(self, observer: Observer, layers: Optional[Iterable[int]] = None,
-                 attention: Optional[Iterable[int]] = None):
-        """Report the model-level points and the points of `layers` (None: every layer) to `observer` within the
-        block; on exit the model is as before. `attention` (None: the same layers) names the layers whose attention
-        sub-layer is observed too: those spell attention out, so that their k_repeated, scores and probs exist. Every
-        other layer keeps the fused kernel; a layer observed without its attention reports its norms, residual stream
-        and feed-forward points."""
+    def hooked(self, hook: Hook, layers: Optional[Iterable[int]] = None, attention: Optional[Iterable[int]] = None,
+               spell_out: bool = True):
+        """Report the model-level points and the points of `layers` (None: every layer) to `hook` within the block;
+        on exit the model is as before. `attention` (None: the same layers) names the layers whose attention
+        sub-layer reports too; with `spell_out` those spell attention out, so that their k_repeated, scores and
+        probs exist (an editor that changes a head's output does not need them). A second hook attached inside the
+        block runs after the first and sees the value the first returned."""
         layers = range(self.config.n_layers) if layers is None else list(layers)
-        attention = layers if attention is None else attention
-        modules = [self] + [m for i in layers for m in (self.layers[i], self.layers[i].ffn)]
-        modules += [self.layers[i].attn for i in attention]
-        with _attached(modules, "observer", observer):
+        attention = set(layers if attention is None else attention)
+        modules = [self] + [m for i in layers for m in self.layers[i].modules()
+                            if isinstance(m, Module) and (m.WHERE != "attn" or i in attention)]
+        spelled = [m for m in modules if isinstance(m, Attention)] if spell_out else []
+        saved = [(m, m.hook) for m in modules]
+        saved_spell = [(m, m.spell_out) for m in spelled]
+        for m in modules:
+            m.hook = hook if m.hook is None else _chain(m.hook, hook)
+        for m in spelled:
+            m.spell_out = True
+        try:
             yield self
-
-    @contextlib.contextmanager
-    def edited(self, editor: Editor, layers: Optional[Iterable[int]] = None):
-        """Pass the values at the edit points of `layers` (None: every layer) through `editor` within the block; on
-        exit the model is as before. Used by interventions only (llmtrace.run.interventions)."""
-        layers = range(self.config.n_layers) if layers is None else list(layers)
-        modules = [m for i in layers for m in (self.layers[i], self.layers[i].attn, self.layers[i].ffn)]
-        with _attached(modules, "editor", editor):
-            yield self
+        finally:
+            for m, before in saved:
+                m.hook = before
+            for m, before in saved_spell:
+                m.spell_out = before
 
     def num_params(self) -> int:
         """The weights, a matrix held as GGUF blocks or packed from them (--keep-quantized, --fast) counted by its
@@ -458,14 +681,17 @@ class Transformer(Tappable):
         return weight_count(self)
 
 
-@contextlib.contextmanager
-def _attached(modules: list[nn.Module], attr: str, value):
-    """Set `attr` (observer or editor) on each module for the block; on exit every module has its value from before."""
-    saved = [getattr(m, attr) for m in modules]
-    for m in modules:
-        setattr(m, attr, value)
-    try:
-        yield
-    finally:
-        for m, before in zip(modules, saved):
-            setattr(m, attr, before)
+def _rows(expr: str, w: Weight, dims: dict[str, int]) -> int:
+    return axis_size(expr, dims) if expr else w.dims(dims)[0]
+
+
+def _chain(first: Hook, second: Hook) -> Hook:
+    """Two hooks as one: the second sees what the first returned."""
+
+    def both(layer, name, x):
+        y = first(layer, name, x)
+        x = x if y is None else y
+        z = second(layer, name, x)
+        return x if z is None else z
+
+    return both

@@ -17,13 +17,21 @@ from typing import Optional
 from rich.console import Console
 from rich.text import Text
 
+from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
 from llmtrace.render.generate import visible
 from llmtrace.run.compare import summary_line
 
-# two-letter column heads of the compared points, in forward order
-SHORT = {"attn_norm": "an", "q": "q", "k": "k", "v": "v", "q_rope": "qr", "k_rope": "kr", "scores": "sc",
-         "probs": "pr", "attn_out": "ao", "o_proj": "o", "resid_mid": "rm", "ffn_norm": "fn", "gate": "g", "up": "u",
-         "act": "ac", "down": "d", "resid_post": "rp", "embed": "em", "final_norm": "nf", "logits": "lg"}
+
+def short_names(names: list[str]) -> dict[str, str]:
+    """Two-letter column heads for point names, each its own: the initials of its words (attn_norm: an), else its
+    first two letters (scores: sc), else its first and a later letter."""
+    out: dict[str, str] = {}
+    for name in names:
+        parts = name.split("_")
+        tries = ["".join(p[0] for p in parts)[:2] if len(parts) > 1 else name[:2]]
+        tries += [name[0] + c for c in name[1:]] + [name]
+        out[name] = next(t for t in tries if t not in out.values())
+    return out
 # shades from small to large error (log scale, 1e-9 .. 1e-1): dim to bright red
 SHADES = ("grey30", "grey50", "blue", "cyan", "green", "yellow", "dark_orange", "red", "bold red")
 MAX_DIFFERING_ROWS = 20
@@ -85,16 +93,17 @@ def _matrix(doc: dict, first: Optional[dict], console: Console) -> None:
                 points.append(p["point"])
     console.print("largest relative error ‖a−b‖/‖a‖ at any position: digit d ≈ 1e-d, · identical, ! ≥ 1e-1; "
                   "boxed: first divergence", style="dim")
+    short = short_names(points)
     head = Text("      ")
     for name in points:
-        head.append(f"{SHORT.get(name, name[:2]):<3}")
+        head.append(f"{short[name]:<3}")
     head.append("   accum.   added")
     console.print(head, style="bold")
     mp = doc.get("model_points") or {}
-    if "embed" in mp:
+    if EMBED.name in mp:
         row = Text(" emb  ")
-        v = mp["embed"]["max_rel_err"]
-        if first is not None and first["layer"] is None and first["point"] == "embed":
+        v = mp[EMBED.name]["max_rel_err"]
+        if first is not None and first["layer"] is None and first["point"] == EMBED.name:
             row.append(f"[{decade_cell(v)}]", style="bold reverse red")
         else:
             row.append(f"{decade_cell(v):<3}", style=shade(v))
@@ -116,12 +125,12 @@ def _matrix(doc: dict, first: Optional[dict], console: Console) -> None:
                    style="bold" if (lay.get("added_rel_err") or 0) > doc["tolerance"] else "")
         console.print(row)
     tail = [f"{name} {_e(mp[name]['max_rel_err'])} (added {_e(mp[name]['added_rel_err'])})"
-            for name in ("final_norm", "logits") if name in mp]
+            for name in (FINAL_NORM.name, LOGITS.name) if name in mp]
     if tail:
         console.print("after the layers: " + ", ".join(tail))
-    legend = " ".join(f"{SHORT.get(n, n)}={n}" for n in points)
+    legend = " ".join(f"{short[n]}={n}" for n in points)
     console.print(Text(legend, style="dim"), overflow="fold")
-    console.print(Text("accum.: error of the layer's output (resid_post); added: B's layer run on A's input against "
+    console.print(Text("accum.: error of the layer's output (its last residual point); added: B's layer run on A's input against "
                        "A's layer, the error this layer adds by itself", style="dim"), overflow="fold")
 
 

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from llmtrace.model.llama_points import LOGITS, RESID_MID, RESID_POST
 from llmtrace.render.generate import fmt_num, plural, print_fitted, visible
 from llmtrace.units import human_bytes
 
@@ -147,8 +148,9 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
                                 f" · {info['name']} · {info['arch']} · D={info['d_model']} · H={info['n_heads']} · "
                                 f"Hkv={info['n_kv_heads']} · Dh={info['head_dim']} · F={info['ffn_dim']} · "
                                 f"{info['device']} {info['dtype']}" + (" · chat template" if m.get("chat") else "")))
-    from llmtrace.render.generate import print_parts, storage_parts
+    from llmtrace.render.generate import print_changes, print_parts, storage_parts
 
+    print_changes(console, info)
     if info.get("storage"):
         print_parts(console, ["weights", *storage_parts(info["storage"])])
     if m.get("interventions"):
@@ -408,9 +410,9 @@ def _cand(c: dict) -> Text:
 
 
 def _lens_here(console: Console, rows: list[dict], m: dict) -> None:
-    mid = next(r for r in rows if r["stage"] == "resid_mid")
-    post = next(r for r in rows if r["stage"] == "resid_post")
-    final = next(r for r in rows if r["stage"] == "logits")
+    mid = next(r for r in rows if r["stage"] == RESID_MID.name)
+    post = next(r for r in rows if r["stage"] == RESID_POST.name)
+    final = next(r for r in rows if r["stage"] == LOGITS.name)
     L = m["model"]["n_layers"]
     _title(console, f"⑨ s8–s9 early  logit lens at layer {mid['layer']}, last position ({mid['position']})")
     _note(console, "what the model would predict if it stopped here: the final norm and the LM head applied to the stream")
@@ -444,7 +446,7 @@ def render_lens(events: list[dict], console: Console) -> None:
     cells: dict[tuple, dict] = {}
     for ev in events:
         if ev["event"] == "lens":
-            cells[(ev["layer"] if ev["stage"] != "logits" else "out", ev["position"])] = ev
+            cells[(ev["layer"] if ev["stage"] != LOGITS.name else "out", ev["position"])] = ev
     _header(console, m, {"tokens": toks})
     _batch_masks(console, events)
     positions, layers = m["positions"], m["layers"]

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.trace.events import LAYER_POINTS
+from llmtrace.model.llama_points import DOWN, KV_WRITE, LOGITS, O_PROJ, PROBS, RESID_MID, RESID_POST, SCORES
+from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes
 
 DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
@@ -90,6 +91,22 @@ def storage_parts(rows: list[dict]) -> list[str]:
         key = (r["type"], r["bytes_per_weight"], r.get("kernel"))
         groups[key] = groups.get(key, 0) + 1
     return [f"{t} {b:g} B/weight{f' on {k}' if k else ''} ×{n}" for (t, b, k), n in groups.items()]
+
+
+def print_changes(console: Console, m: dict) -> None:
+    """What the model's family changes from Llama (the model record's `changes`), one line each, in the order the
+    maths runs; nothing for Llama itself."""
+    changes = m.get("changes") or []
+    if changes:
+        from rich.table import Table
+
+        console.print(Text(f"{m.get('family', m.get('arch', '?'))}: what it changes from Llama", style="bold"))
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(width=3, justify="right")
+        grid.add_column(overflow="fold")
+        for line in changes:
+            grid.add_row("·", line)
+        console.print(grid)
 
 
 def print_parts(console: Console, parts: list[str], style: Optional[str] = None, sep: str = " · ") -> None:
@@ -465,6 +482,7 @@ class TerminalRenderer:
         self.show_steps = show_steps
         self.stream_text = stream_text
         self.run: Optional[dict] = None
+        self._points = trace_points([])  # the model's declared points, from the run event (Llama's until then)
         self._step_rows = 0
         self._layout: Optional[StepLayout] = None
         self._tensors: list[dict] = []  # the tensor events of the current pass
@@ -485,6 +503,7 @@ class TerminalRenderer:
     # -- header and prompt ----------------------------------------------------------------------------------------
 
     def _on_run(self, ev: dict) -> None:
+        self._points = trace_points([ev])
         self.run = ev
         if not self.show_steps:  # --trace none: only the text and the timings
             return
@@ -495,6 +514,7 @@ class TerminalRenderer:
         if m.get("n_params"):
             parts.append(f"{m['n_params'] / 1e6:.1f}M params")
         print_parts(self.console, parts)
+        print_changes(self.console, m)
         trace = ev.get("trace", {})
         n = ev.get("threads") if ev.get("device") == "cpu" else None
         print_parts(self.console, [f"run {ev.get('device', '?')}", *([plural(n, "thread")] if n else []), ev.get("dtype", "?"),
@@ -560,20 +580,21 @@ class TerminalRenderer:
     def _on_shapes(self, ev: dict) -> None:
         self._title(f"s4–s9 prefill pass over {plural(ev['n_tokens'], 'token')}: the shape at each stage "
                     f"(layer rows repeat in all {plural(ev['n_layers'], 'layer')})")
-        order = {n: i for i, n in enumerate(("embed",) + LAYER_POINTS + ("final_norm", "last", "logits"))}
+        order = {n: i for i, n in enumerate(self._points.names())}
         rows = []
         for p in sorted(ev["points"], key=lambda p: order.get(p["name"], 99)):
             where = "model" if p["layer"] is None else "layer ℓ"
-            shape = _shape(p["shape"]) if p["name"] != "kv_write" else f"positions 0..{p['shape'][0] - 1}"
+            shape = _shape(p["shape"]) if p["name"] != KV_WRITE.name else f"positions 0..{p['shape'][0] - 1}"
             step = p.get("seed_step") or ""
-            if p["name"] in ("q_rope", "k_rope"):
+            if step == "s6.3":  # RoPE: s5's position, applied inside attention
                 step += " (s5)"
             rows.append([step, where, p["name"], shape, p["dtype"]])
+        rope = " and ".join(p["name"] for p in ev["points"] if p.get("seed_step") == "s6.3" and p["layer"] == 0)
         print_table(self.console, [Column("step"), Column("where"), Column("point"), Column("shape"),
                                    Column("dtype", drop=1)], rows)
         note = Text(style="dim")
         note.append("s5 position: no position table is added to the embedding; RoPE rotates q and k inside attention "
-                    "(s6.3, q_rope and k_rope), in every layer.\n")
+                    f"(s6.3, {rope}), in every layer.\n")
         note.append("s8 before s7: the model normalizes every position, then takes the last one. RMSNorm works on each "
                     "position alone, so this gives the seed's numbers (take the last, then normalize).")
         self.console.print(note)
@@ -612,10 +633,10 @@ class TerminalRenderer:
 
     # The one-line-per-layer view of a pass: what each sublayer added to the residual stream, the stream's size, and
     # how sharp attention was. (point, statistic, column header, drop rank)
-    LAYER_LINE = (("o_proj", "norm", "‖attn‖ s6.6", None), ("resid_mid", "norm", "‖x'‖", 3),
-                  ("down", "norm", "‖ffn‖ s6.7", None), ("resid_post", "norm", "‖x''‖ out", None),
-                  ("resid_post", "absmax", "max|x''|", 2), ("scores", "max", "score max", 4),
-                  ("probs", "max", "attn p max", 1))
+    LAYER_LINE = ((O_PROJ.name, "norm", "‖attn‖ s6.6", None), (RESID_MID.name, "norm", "‖x'‖", 3),
+                  (DOWN.name, "norm", "‖ffn‖ s6.7", None), (RESID_POST.name, "norm", "‖x''‖ out", None),
+                  (RESID_POST.name, "absmax", "max|x''|", 2), (SCORES.name, "max", "score max", 4),
+                  (PROBS.name, "max", "attn p max", 1))
     LAYER_LEGEND = {
         "‖attn‖ s6.6": "‖attn‖: the L2 norm of what attention adds to the residual stream",
         "‖x'‖": "‖x'‖: the L2 norm of the residual stream after attention's add",
@@ -652,9 +673,9 @@ class TerminalRenderer:
             if left:
                 self.console.print(columns_left_out(self.console, left))
             self._compact_note = True
-        model = [(n, by[(None, n)]) for n in ("embed", "final_norm", "last", "logits") if (None, n) in by]
+        model = [(n, by[(None, n)]) for n in self._points.names(layer=False) if (None, n) in by]
         if model:
-            print_parts(self.console, [f"{n} ‖x‖ {fmt_short(st['norm'])}" if n != "logits" else
+            print_parts(self.console, [f"{n} ‖x‖ {fmt_short(st['norm'])}" if n != LOGITS.name else
                                        f"logits max {fmt_short(st['max'])}, mean {fmt_short(st['mean'])}"
                                        for n, st in model], style="dim")
 

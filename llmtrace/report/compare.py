@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Optional, Union
 
+from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
 from llmtrace.report.page import colour
 
 LOG_LO, LOG_HI = -9.0, -1.0  # the colour and chart scale: relative errors from 1e-9 to 1e-1
@@ -81,7 +82,7 @@ def heat_strip(doc: dict) -> dict:
     height = 20 + len(points) * CELL_H + 8
     legend = [{"x": i * 40, "fill": colour(i / 8), "text": f"1e{int(LOG_LO) + i}"} for i in range(9)]
     model = []
-    for i, name in enumerate(("embed", "final_norm", "logits")):
+    for i, name in enumerate((EMBED.name, FINAL_NORM.name, LOGITS.name)):
         p = (doc.get("model_points") or {}).get(name)
         if p is not None:
             model.append({"x": 90 + i * 120, "fill": cell_colour(p["max_rel_err"]), "name": name, "point": name,
@@ -175,8 +176,8 @@ def view(doc: dict) -> dict:
     chosen = None
     if fd is not None:
         chosen = f"{'model' if fd['layer'] is None else fd['layer']}/{fd['point']}"
-    elif doc["layers"]:
-        chosen = f"{doc['layers'][-1]['layer']}/resid_post"
+    elif doc["layers"] and doc["layers"][-1]["points"]:  # the last layer's output
+        chosen = f"{doc['layers'][-1]['layer']}/{doc['layers'][-1]['points'][-1]['point']}"
     differing = [p for p in doc["positions"] if p.get("same_top") is False]
     return {
         "summary": summary_line(doc), "doc": doc, "a": doc["a"], "b": doc["b"],

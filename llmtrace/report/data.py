@@ -20,7 +20,9 @@ import numpy as np
 from llmtrace.model.gqa import gqa_groups
 from llmtrace.errors import LlmtraceError
 from llmtrace.tokens.vocab import CHAR_TO_BYTE
+from llmtrace.model.llama_points import EMBED, LOGITS, PROBS, RESID_MID, RESID_POST, SCORES
 from llmtrace.trace.events import SCHEMA_ID
+from llmtrace.trace.reader import trace_points
 
 MAX_POSITIONS = 128  # attention maps wider than this many positions are binned to this many bins
 ATTENTION_BUDGET = 600_000  # most attention cells embedded (2 bytes each): keeps a report within a few MB
@@ -68,7 +70,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
         "tokens": _tokens(tokens, steps),
         "steps": [_step(e) for e in steps],
         "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens,
-                              (by_kind.get("batch") or [None])[0], row),
+                              (by_kind.get("batch") or [None])[0], row, trace_points(events)),
         "attention": _attention(tensors, explain, model, len(tokens)),
         "lens": _lens(by_kind.get("lens", []), head, tokens),
         "kv": _kv(steps, model),
@@ -166,33 +168,32 @@ def _step(e: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # the pipeline s1-s12
 
-# (seed step, title, the trace's points at that step)
+# (seed step, title); the trace's points at each step come from the model's declaration (_step_points)
 PIPELINE = (
-    ("s1", "tokenize", ()),
-    ("s2", "token ids", ()),
-    ("s3", "attention mask", ("scores",)),
-    ("s4", "embedding", ("embed",)),
-    ("s5", "position (RoPE, inside attention)", ("q_rope", "k_rope")),
-    ("s6.1", "pre-norm, Q/K/V", ("attn_norm", "q", "k", "v")),
-    ("s6.2", "split into heads", ("q", "k", "v")),
-    ("s6.3", "RoPE on Q and K", ("q_rope", "k_rope")),
-    ("s6.4", "scores QKᵀ/√d + causal mask", ("k_repeated", "scores")),
-    ("s6.5", "softmax, O = A·V", ("probs", "attn_out")),
-    ("s6.6", "output projection + residual", ("o_proj", "resid_mid")),
-    ("s6.7", "SwiGLU FFN + residual", ("ffn_norm", "gate", "up", "act", "down", "resid_post")),
-    ("s6.8", "K/V written to the cache", ("kv_write",)),
-    ("s7", "last position", ("last",)),
-    ("s8", "final norm", ("final_norm",)),
-    ("s9", "LM head → logits", ("logits",)),
-    ("s10", "logit processing", ()),
-    ("s11", "truncation", ()),
-    ("s12", "sample or greedy, detokenize", ()),
+    ("s1", "tokenize"), ("s2", "token ids"), ("s3", "attention mask"), ("s4", "embedding"),
+    ("s5", "position (RoPE, inside attention)"), ("s6.1", "pre-norm, Q/K/V"), ("s6.2", "split into heads"),
+    ("s6.3", "RoPE on Q and K"), ("s6.4", "scores QKᵀ/√d + causal mask"), ("s6.5", "softmax, O = A·V"),
+    ("s6.6", "output projection + residual"), ("s6.7", "feed-forward + residual"), ("s6.8", "K/V written to the cache"),
+    ("s7", "last position"), ("s8", "final norm"), ("s9", "LM head → logits"), ("s10", "logit processing"),
+    ("s11", "truncation"), ("s12", "sample or greedy, detokenize"),
 )
+
+
+def _step_points(points, sid: str) -> list[str]:
+    """The points the model declares at a seed step, in forward order ("s6.1/s6.2" counts for both). s5, position,
+    is RoPE inside attention (s6.3's points); s3's mask shows in the scores."""
+    if sid == "s5":
+        sid = "s6.3"
+    if sid == "s3":
+        return [SCORES.name] if points.get(SCORES.name) else []
+    return [p.name for p in points if sid in (p.step or "").split("/")]
+
+
 VALUE_STAGES = ("temperature", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ban", "dry")
 
 
 def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: Optional[dict],
-              tokens: list[dict], batch: Optional[dict] = None, row: int = 0) -> dict:
+              tokens: list[dict], batch: Optional[dict] = None, row: int = 0, points=None) -> dict:
     shapes: dict[str, list[int]] = {}
     for ev in shapes_events[:1]:
         for p in ev["points"]:
@@ -200,12 +201,13 @@ def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: 
     for ev in tensors:  # explain traces (and points the shape table lacks) carry shapes on their tensor events
         if ev.get("step", 0) == 0:
             shapes.setdefault(ev["name"], ev["shape"])
-    masked = next((ev.get("masked") for ev in tensors if ev["name"] == "scores" and ev.get("step", 0) == 0), None)
+    masked = next((ev.get("masked") for ev in tensors if ev["name"] == SCORES.name and ev.get("step", 0) == 0), None)
     order = run["sampling"].get("order", []) if run else []
     active = set(run["sampling"].get("stages", [])) if run else set()
     stages = []
-    for sid, title, points in PIPELINE:
-        stage: dict[str, Any] = {"id": sid, "title": title, "points": [{"name": p, "shape": shapes.get(p)} for p in points]}
+    for sid, title in PIPELINE:
+        stage: dict[str, Any] = {"id": sid, "title": title,
+                                 "points": [{"name": p, "shape": shapes.get(p)} for p in _step_points(points, sid)]}
         if sid in ("s1", "s2"):
             stage["shape"] = [len(tokens)]
         if sid == "s3":
@@ -283,7 +285,7 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: 
                            "quant": Q16, "notes": []}
     rows_of: dict[int, dict[int, np.ndarray]] = {}  # layer -> query position -> (H, S) probabilities
     for ev in tensors:
-        if ev["name"] != "probs" or "values" not in ev:
+        if ev["name"] != PROBS.name or "values" not in ev:
             continue
         v = np.asarray(ev["values"], dtype=np.float64)  # (H, T, S): T new queries over S keys
         if v.ndim != 3:
@@ -330,12 +332,12 @@ def _lens(lens: list[dict], head: Optional[dict], tokens: list[dict]) -> Optiona
     positions = sorted({e["position"] for e in lens})
     rows: dict[str, dict] = {}
     for e in lens:
-        key = "output" if e["stage"] == "logits" else f'{e["layer"]}' + ("" if e["stage"] == "resid_post" else " (mid)")
+        key = "output" if e["stage"] == LOGITS.name else f'{e["layer"]}' + ("" if e["stage"] == RESID_POST.name else " (mid)")
         r = rows.setdefault(key, {"label": key, "layer": e["layer"], "stage": e["stage"], "cells": {}})
         r["cells"][str(e["position"])] = e["topk"]
 
     def order(r):
-        return (r["layer"] if r["layer"] is not None else 10 ** 6, r["stage"] != "resid_mid")
+        return (r["layer"] if r["layer"] is not None else 10 ** 6, r["stage"] != RESID_MID.name)
 
     return {"positions": positions, "rows": sorted(rows.values(), key=order),
             "pieces": {str(t["index"]): t["text"] for t in tokens}}
@@ -358,10 +360,10 @@ def _residual(tensors: list[dict], model: dict) -> Optional[dict]:
     (T, D) tensor, so it is divided by √T, the root mean square of the per-token norms (exact for one token)."""
     series: dict[int, dict[str, float]] = {}
     for ev in tensors:
-        if ev["name"] not in ("resid_post", "embed") or ev["stats"]["norm"] is None:
+        if ev["name"] not in (RESID_POST.name, EMBED.name) or ev["stats"]["norm"] is None:
             continue
         t = ev["shape"][0] if len(ev["shape"]) == 2 else 1
-        key = "embed" if ev["name"] == "embed" else str(ev["layer"])
+        key = "embed" if ev["name"] == EMBED.name else str(ev["layer"])
         series.setdefault(ev.get("step", 0), {})[key] = ev["stats"]["norm"] / math.sqrt(t)
     if not any(len([k for k in s if k != "embed"]) for s in series.values()):
         return None

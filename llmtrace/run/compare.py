@@ -40,18 +40,26 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
+from llmtrace.model.llama_points import FINAL_NORM, LOGITS
 
 COMPARE_SCHEMA = "llmtrace.compare/1"
 DEFAULT_TOLERANCE = 1e-4
 DIGITS = 4  # significant digits of every float written
 
-# The points compared in each layer, in forward order. kv_write is the slots written (not an activation) and
-# k_repeated is k_rope laid out for the query heads (its error is k_rope's), so neither is compared.
-COMPARED_POINTS = tuple(p for p in LAYER_POINTS if p not in ("kv_write", "k_repeated"))
-MODEL_LEVEL_POINTS = ("embed", "final_norm", "logits")
-# Which axis of a point's tensor is the (query) position; every other point is (B, T, ...).
-POSITION_AXIS = {"scores": 2, "probs": 2}  # (B, H, T, S)
+
+
+def compared_points(points) -> frozenset:
+    """The points compared, from the model's declaration (model.points.Points): those a trace records whose values
+    are an activation (not kv_write's slots, nor k_repeated, which is k_rope laid out for the query heads: its error
+    is k_rope's)."""
+    return frozenset(points.names(traced=True, stored=True))
+
+
+def position_axis(points, name: str) -> int:
+    """Which axis of a point's tensor, batch axis included, is the (query) position: the declared T axis (the
+    scores' (B, H, T, S) have it third); 1 for a point that does not say."""
+    p = points.get(name)
+    return p.axes.index("T") + 1 if p is not None and "T" in p.axes else 1
 
 
 def round_sig(x: Optional[float]) -> Optional[float]:
@@ -246,13 +254,14 @@ class PointSums:
             mine.extend(got)
         return self
 
-    def record(self, name: str, positions: Optional[list[int]] = None, added: Optional["PointSums"] = None) -> dict:
+    def record(self, name: str, positions: Optional[list[int]] = None, added: Optional["PointSums"] = None,
+               step: Optional[str] = None) -> dict:
         """The point's JSON record: whole-tensor figures, the worst position, and the per-position lists."""
         positions = positions if positions is not None else list(range(len(self.d2)))
         rel = [_rel(d, a) for d, a in zip(self.d2, self.a2)]
         cos = [_cos(x, a, b) for x, a, b in zip(self.dot, self.a2, self.b2)]
         worst = max(range(len(rel)), key=rel.__getitem__) if rel else None
-        rec = {"point": name, "seed_step": SEED_STEP.get(name), "rel_err": round_sig(_rel(sum(self.d2), sum(self.a2))),
+        rec = {"point": name, "seed_step": step, "rel_err": round_sig(_rel(sum(self.d2), sum(self.a2))),
                "max_rel_err": round_sig(rel[worst]) if rel else None,
                "position": positions[worst] if worst is not None else None,
                "max_abs": round_sig(max(self.max_abs, default=0.0)), "cos_min": round_sig(min(cos, default=1.0)),
@@ -271,7 +280,7 @@ def find_first_divergence(model_points: dict, layers: list[dict], tolerance: flo
     before it."""
     order = [(None, model_points["embed"])] if "embed" in model_points else []
     order += [(lay["layer"], p) for lay in layers for p in lay["points"]]
-    order += [(None, model_points[n]) for n in ("final_norm", "logits") if n in model_points]
+    order += [(None, model_points[n]) for n in (FINAL_NORM.name, LOGITS.name) if n in model_points]
     before = 0.0
     for layer, p in order:
         worst = p["max_rel_err"]
@@ -527,7 +536,7 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
                     r["prompt"] = k
                 positions.append(r)
     labels = [(p.get("prompt"), p["position"]) for p in positions]
-    layers, model_points = build_records(acc, lm_a.config.n_layers)
+    layers, model_points = build_records(acc, lm_a.config.n_layers, lm_a.points)
     first, before = find_first_divergence(model_points, layers, tolerance)
     if first is not None:
         k, pos = labels[first["position"]]
@@ -555,17 +564,6 @@ def greedy_tokens(model, ids: list[int], n: int, device) -> list[int]:
     return out
 
 
-class _Capture:
-    """An observer keeping the tensors of one pass by point name, in the order the forward pass reports them."""
-
-    def __init__(self):
-        self.points: dict[str, Any] = {}
-
-    def __call__(self, layer, name, x) -> None:
-        if name in COMPARED_POINTS or name in MODEL_LEVEL_POINTS:
-            self.points[name] = x
-
-
 def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None, edits_b=None):
     """Run both loaded models over `ids` layer by layer, and B's layer once more on A's input, adding each point's
     per-position sums to `acc` ({(layer, point): (A against B, A against B on A's input)}, in forward order).
@@ -573,22 +571,25 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
     Returns A's and B's logits, (P, V) each."""
     import torch
 
+    from llmtrace.model.capture import capture
+
     if edits_b is not None:
-        with lm_b.model.edited(edits_b, edits_b.layers):
+        with lm_b.model.hooked(edits_b, edits_b.layers, spell_out=False):
             edits_b.begin_pass(prompt=True, pads=[0])
             return run_side_by_side(lm_a, lm_b, ids, acc, say)
 
     model_a, model_b, device_b, dtype_b = lm_a.model, lm_b.model, lm_b.device, lm_b.dtype
+    points = lm_a.points
+    wanted = compared_points(points)
     idx_a = torch.tensor([ids], device=lm_a.device)  # (1, P)
     idx_b = torch.tensor([ids], device=device_b)
-    rope_a = model_a.rope_and_mask(idx_a)  # (cos, sin, mask)
-    rope_b = model_b.rope_and_mask(idx_b)
 
     def run(model, fn, layer: Optional[int]):
-        cap = _Capture()
-        with model.observed(cap, layers=[] if layer is None else [layer]):
+        """fn's result and the compared points it reported ({name: tensor}), with `layer`'s attention spelled out."""
+        lay = [] if layer is None else [layer]
+        with capture(model, lambda _layer, name: name in wanted, layers=lay, spell_out=True, clone=False) as kept:
             out = fn()
-        return out, cap.points
+        return out, {name: x for (_, name), x in kept.items()}
 
     def add(layer, points_a: dict, points_b: dict, points_z: dict):
         """Each point of A against B, and against B on A's input (`points_z` is `points_b` itself when B's input was
@@ -598,39 +599,40 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
         for name, ta in points_a.items():  # forward order
             if name not in points_b:
                 continue
-            axis = POSITION_AXIS.get(name, 1)
+            axis = position_axis(points, name)
             acc.setdefault((layer, name), (PointSums(), PointSums()))
             ra, rb = _rows(ta, axis), _rows(points_b[name], axis)
             rz = rb if points_z is points_b else _rows(points_z[name], axis)
-            groups.setdefault((ra.shape, rb.shape, rz.shape, name == "scores"), []).append((name, ra, rb, rz))
-        for (_, _, _, masked), items in groups.items():
+            groups.setdefault((ra.shape, rb.shape, rz.shape), []).append((name, ra, rb, rz))
+        for items in groups.values():
             dev = items[0][1].device if items[0][1].device.type != "mps" else torch.device("cpu")  # MPS: no float64
             # (G, P, N) float64 on A's device (B's tensors cross over when B runs elsewhere)
             stack = lambda k: torch.stack([it[k] for it in items]).to(dev, torch.float64)  # noqa: E731
             a64 = stack(1)
-            same = position_sums(a64, stack(2), masked).tolist()  # (5, G, P)
-            added = same if points_z is points_b else position_sums(a64, stack(3), masked).tolist()
+            same = position_sums(a64, stack(2), masked=True).tolist()  # (5, G, P); masked scores are -inf on both
+            added = same if points_z is points_b else position_sums(a64, stack(3), masked=True).tolist()
             for g, (name, *_) in enumerate(items):
                 s_acc, a_acc = acc[(layer, name)]
                 s_acc.extend_sums([row[g] for row in same])
                 a_acc.extend_sums([row[g] for row in added])
 
     # s4: the embeddings (nothing feeds them, so the error B adds is its whole error)
-    xa, pa = run(model_a, lambda: model_a.embed(idx_a), None)
-    xb, pb = run(model_b, lambda: model_b.embed(idx_b), None)
-    embed_b = {"embed": xb}
-    add(None, {"embed": xa}, embed_b, embed_b)
-    n_layers = len(model_a.layers)
+    xa, pa = run(model_a, lambda: model_a.embed_tokens(idx_a), None)
+    xb, pb = run(model_b, lambda: model_b.embed_tokens(idx_b), None)
+    add(None, pa, pb, pb)
+    inputs_a = model_a.layer_inputs(idx_a, dtype=xa.dtype)
+    inputs_b = model_b.layer_inputs(idx_b, dtype=xb.dtype)
+    n_layers = lm_a.config.n_layers
     for i in range(n_layers):
         if i % 10 == 0:
             say(f"layer {i}/{n_layers}")
-        ya, pa = run(model_a, lambda: model_a.layers[i](xa, *rope_a[:2], None, 0, rope_a[2]), i)
-        yb, pb = run(model_b, lambda: model_b.layers[i](xb, *rope_b[:2], None, 0, rope_b[2]), i)
+        ya, pa = run(model_a, lambda: model_a.run_layers(xa, inputs_a, [i]), i)
+        yb, pb = run(model_b, lambda: model_b.run_layers(xb, inputs_b, [i]), i)
         x_in = xa.to(device_b, dtype_b)
         if torch.equal(x_in, xb):  # B's input is A's: B's layer on it is the run just made (saves a third pass)
             pz = pb
         else:
-            _, pz = run(model_b, lambda: model_b.layers[i](x_in, *rope_b[:2], None, 0, rope_b[2]), i)
+            _, pz = run(model_b, lambda: model_b.run_layers(x_in, inputs_b, [i]), i)
         add(i, pa, pb, pz)
         del pa, pb, pz, x_in
         xa, xb = ya, yb
@@ -643,22 +645,26 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
     return la[0], lb[0]
 
 
-def build_records(acc: dict, n_layers: int) -> tuple[list[dict], dict]:
-    """The layer records and the model-level point records from the accumulated sums."""
+def build_records(acc: dict, n_layers: int, points) -> tuple[list[dict], dict]:
+    """The layer records and the model-level point records from the accumulated sums; each layer's summary is its
+    output's (the last residual-stream point the model declares)."""
+    from llmtrace.run.interventions import layer_output
+
+    output = layer_output(points)
     layers = [{"layer": i, "points": []} for i in range(n_layers)]
     model_points = {}
     for (layer, name), (same, added) in acc.items():
-        rec = same.record(name, added=added)
+        rec = same.record(name, added=added, step=points.step_of(name))
         if layer is None:
             model_points[name] = rec
         else:
             layers[layer]["points"].append(rec)
     for lay in layers:
-        points = lay["points"]
-        out = next((p for p in points if p["point"] == "resid_post"), None)
+        pts = lay["points"]
+        out = next((p for p in pts if p["point"] == output), None)
         lay["rel_err"] = out["rel_err"] if out else None
         lay["added_rel_err"] = out["added_rel_err"] if out else None
-        lay["max_rel_err"] = max((p["max_rel_err"] or 0.0 for p in points), default=None)
-        lay["max_added_rel_err"] = max((p["added_rel_err"] or 0.0 for p in points), default=None)
+        lay["max_rel_err"] = max((p["max_rel_err"] or 0.0 for p in pts), default=None)
+        lay["max_added_rel_err"] = max((p["added_rel_err"] or 0.0 for p in pts), default=None)
         lay["points"] = lay.pop("points")  # last, after the summary fields
     return layers, model_points

@@ -19,11 +19,20 @@ from pathlib import Path
 from typing import Optional
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.run.compare import (COMPARED_POINTS, POSITION_AXIS, CompareResult, PointSums, round_sig, answer_metrics,
-                                  find_first_divergence, summarize_answers)
-from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
+from llmtrace.model.llama_points import LAST, LOGITS
+from llmtrace.run.interventions import layer_output
+from llmtrace.run.compare import (CompareResult, PointSums, round_sig, answer_metrics, compared_points,
+                                  find_first_divergence, position_axis, summarize_answers)
+from llmtrace.trace.reader import trace_points
 
-POINT_ORDER = {name: i for i, name in enumerate(("embed",) + LAYER_POINTS + ("final_norm", "last", "logits"))}
+
+def _forward(key: tuple, points) -> tuple:
+    """A (step, layer, point) key's place in forward order: by step, then the model's points before the layers, each
+    layer's in the order the model declares them, the model's points after the layers."""
+    step, layer, name = key
+    order = points.names()
+    where = (-1 if name in points.names(layer=False)[: len(points.before)] else 10**6) if layer is None else layer
+    return step, where, order.index(name) if name in order else len(order)
 
 
 def diff_traces(trace_a: str, trace_b: str, *, tolerance: float = 1e-4, tensors: bool = True) -> CompareResult:
@@ -50,13 +59,13 @@ def diff_traces(trace_a: str, trace_b: str, *, tolerance: float = 1e-4, tensors:
         if a[key] != b[key]:
             raise LlmtraceError(f"the runs cannot be compared point by point: their models' {what} differ "
                                 f"(A {a[key]}, B {b[key]})")
-    holds = _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen)
+    holds = _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen, trace_points(ev_a))
     if files[0] and files[1]:
         from llmtrace.trace.tensors import read_tensors
 
         ta = read_tensors(files[0][0], files[0][1], trace_a)
         tb = read_tensors(files[1][0], files[1][1], trace_b)
-        return _diff_tensors(ta, tb, a, b, run_a, ids_a, gen_a, same_gen, tolerance, holds, notes)
+        return _diff_tensors(ta, tb, a, b, run_a, ids_a, gen_a, same_gen, tolerance, holds, notes, trace_points(ev_a))
     if tensors and (files[0] or files[1]):
         notes.append(f"only {'A' if files[0] else 'B'} saved its tensors; comparing what the traces hold")
     return _diff_holdings(a, b, run_a, ids_a, gen_a, tolerance, holds, notes)
@@ -110,16 +119,16 @@ def _tensors_file(run: dict, trace: str) -> Optional[tuple[Path, str]]:
 # with tensors
 
 
-def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, notes) -> CompareResult:
+def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, notes, points) -> CompareResult:
     import torch
 
     from llmtrace.trace.tensors import parse_tensor_name
 
     n_prompt = len(ids)
+    compared = compared_points(points)
     max_step = same_gen  # decode step k reads generated token k (1-based): comparable while tokens 1..k agree
     common = sorted((parse_tensor_name(k) for k in ta if k in tb and parse_tensor_name(k)[0] <= max_step),
-                    key=lambda t: (t[0], -1 if t[1] is None and t[2] == "embed" else
-                                   (10**6 if t[1] is None else t[1]), POINT_ORDER.get(t[2], 99)))
+                    key=lambda t: _forward(t, points))
     if not common:
         raise LlmtraceError("the two runs' tensors have no point in common (compare their --trace and --layers)")
     positions_of = lambda step, n: list(range(n_prompt)) if step == 0 else [n_prompt + step - 1]  # noqa: E731
@@ -132,19 +141,19 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
         if xa.shape != xb.shape:
             raise LlmtraceError(f"the tensors of {point} (layer {layer}, step {step}) have different shapes: "
                                 f"A {list(xa.shape)}, B {list(xb.shape)}")
-        if point in ("last", "logits") and xa.dim() == 1:  # the step's last position only (generation's last_only)
+        if point in (LAST.name, LOGITS.name) and xa.dim() == 1:  # the step's last position (generation's last_only)
             pos = [positions_of(step, n_prompt)[-1]]
             xa, xb = xa[None], xb[None]
-            if point == "logits":
+            if point == LOGITS.name:
                 logits_a.append(xa[0])
                 logits_b.append(xb[0])
                 logit_pos.append(pos[0])
-            if point == "last":
+            if point == LAST.name:  # final_norm's last row again
                 continue
         else:
             pos = positions_of(step, n_prompt)
-        axis = POSITION_AXIS.get(point, 1) - 1  # the stored tensors have no batch dimension
-        if point not in COMPARED_POINTS and point not in ("embed", "final_norm", "logits"):
+        axis = position_axis(points, point) - 1  # the stored tensors have no batch dimension
+        if point not in compared:
             continue
         for p in pos:
             index.setdefault(p, None)
@@ -172,16 +181,17 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
         positions.append(rec)
     _texts(positions, holds)
     n_layers = a["n_layers"]
+    output = layer_output(points)
     layers = [{"layer": i, "points": []} for i in range(n_layers)]
     model_points = {}
     for (layer, point), (sums, _) in acc.items():
-        rec = _scattered(point, sums, index, len(order))
+        rec = _scattered(point, sums, index, len(order), points.step_of(point))
         if layer is None:
             model_points[point] = rec
         else:
             layers[layer]["points"].append(rec)
     for lay in layers:
-        out = next((p for p in lay["points"] if p["point"] == "resid_post"), None)
+        out = next((p for p in lay["points"] if p["point"] == output), None)
         pts = lay.pop("points")
         lay.update(rel_err=out["rel_err"] if out else None, added_rel_err=None,
                    max_rel_err=max((p["max_rel_err"] or 0.0 for p in pts), default=None), max_added_rel_err=None,
@@ -215,14 +225,14 @@ def _spans(xs: list[int]) -> str:
     return ", ".join(out)
 
 
-def _scattered(point: str, sums: dict, index: dict, n: int) -> dict:
+def _scattered(point: str, sums: dict, index: dict, n: int, step=None) -> dict:
     """A point's record with its per-position lists laid over all n compared positions (None where not recorded)."""
     ps = PointSums()
     pos = sorted(sums)
     for p in pos:
         for lst, v in zip((ps.d2, ps.a2, ps.b2, ps.dot, ps.max_abs), sums[p]):
             lst.append(v)
-    rec = ps.record(point, positions=[index[p] for p in pos])
+    rec = ps.record(point, positions=[index[p] for p in pos], step=step)
     full = {k: [None] * n for k in rec["per_position"]}
     for k, vals in rec["per_position"].items():
         for p, v in zip(pos, vals):
@@ -244,7 +254,7 @@ def _texts(positions: list[dict], holds: dict) -> None:
 # what the traces hold
 
 
-def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen) -> dict:
+def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen, declared) -> dict:
     steps_a = {e["step"]: e for e in ev_a if e["event"] in ("step", "prediction")}
     steps_b = {e["step"]: e for e in ev_b if e["event"] in ("step", "prediction")}
     texts = {}
@@ -280,19 +290,18 @@ def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen) -> dict:
     common = [k for k in stats_a if k in stats_b]
     if (stats_a or stats_b) and not common:
         raise LlmtraceError("the traces have no recorded point in common (compare their --trace and --layers)")
-    common.sort(key=lambda k: (k[0], -1 if k[1] is None and k[2] == "embed" else (10**6 if k[1] is None else k[1]),
-                               POINT_ORDER.get(k[2], 99)))
+    common.sort(key=lambda k: _forward(k, declared))
     points, first = [], None
     for k in common:
         sa, sb = stats_a[k], stats_b[k]
         na, nb = sa.get("norm"), sb.get("norm")
         rel = (abs(na - nb) / na if na else abs(nb or 0)) if na is not None and nb is not None else None
-        rec = {"step": k[0], "layer": k[1], "point": k[2], "seed_step": SEED_STEP.get(k[2]), "norm_rel_diff": round_sig(rel),
+        rec = {"step": k[0], "layer": k[1], "point": k[2], "seed_step": declared.step_of(k[2]), "norm_rel_diff": round_sig(rel),
                **{f"{s}_a": sa.get(s) for s in ("mean", "std", "min", "max", "norm")},
                **{f"{s}_b": sb.get(s) for s in ("mean", "std", "min", "max", "norm")}}
         points.append(rec)
         if first is None and rel is not None and rel > tolerance and k[0] <= same_gen:
-            first = {"layer": k[1], "point": k[2], "seed_step": SEED_STEP.get(k[2]), "position": None,
+            first = {"layer": k[1], "point": k[2], "seed_step": declared.step_of(k[2]), "position": None,
                      "step": k[0], "rel_err": round_sig(rel), "basis": "norm"}
     part = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
     return {"tokens": {"a": gen_a, "b": gen_b, "first_different_step": None if part is None else part + 1,

@@ -34,10 +34,12 @@ import torch.nn.functional as F
 
 from llmtrace.model.gqa import gqa_groups
 from llmtrace.errors import BadValue
-from llmtrace.trace.events import LAYER_POINTS
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
+from llmtrace.model.capture import capture as capture_points
+from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
+                                         LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
 from llmtrace.model.transformer import (ModelConfig, Transformer, apply_rope, kv_bytes_per_position, rope_inv_freq,
                                         rope_table)
 from llmtrace.trace.records import (SIGNIFICANT_DIGITS, batch_event, candidate_records, dtype_name, explain_model_record,
@@ -90,7 +92,7 @@ class Capture:
 
     ids: list[int]
     layer: Optional[int]  # the layer taken apart (None for the lens alone)
-    points: dict[str, torch.Tensor]  # that layer's named points, e.g. points["q"] (T, H, Dh), points["probs"] (H, T, T)
+    points: dict[str, torch.Tensor]  # that layer's named points, e.g. points[Q.name] (T, H, Dh), probs (H, T, T)
     embed: torch.Tensor  # (T, D) the stream entering layer 0
     resid_mid: list[torch.Tensor]  # L × (T, D) the stream after each layer's attention
     resid_post: list[torch.Tensor]  # L × (T, D) the stream after each layer's FFN (the layer's output)
@@ -100,43 +102,32 @@ class Capture:
     @property
     def x_in(self) -> torch.Tensor:
         """(T, D) the residual stream entering the chosen layer."""
-        return self.embed if self.layer == 0 else self.resid_post[self.layer - 1]
+        return self.points[RESID_PRE.name]
 
 
 @torch.inference_mode()
 def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edits=None) -> Capture:
-    """Run the prefill over `ids` once, as `generate` does (a fresh KV cache, start 0), and keep what explain needs.
+    """Run the prefill over `ids` once, as `generate` does (a fresh KV cache, start 0), and keep what explain needs:
+    the embedding, every layer's residual stream, and every point of `layer`, whose attention is spelled out.
     `edits` (llmtrace.run.interventions.prepare): the interventions of this pass, or None."""
     L = model.config.n_layers
-    device = model.embed.weight.device
-    points: dict[str, torch.Tensor] = {}
-    mid: list[Optional[torch.Tensor]] = [None] * L
-    post: list[Optional[torch.Tensor]] = [None] * L
-    embed: list[torch.Tensor] = []
-
-    def observer(lay: Optional[int], name: str, x: torch.Tensor) -> None:
-        if lay is None:
-            if name == "embed":
-                embed.append(x[0].clone())
-            return
-        if name == "resid_mid":
-            mid[lay] = x[0].clone()
-        elif name == "resid_post":
-            post[lay] = x[0].clone()
-        if lay == layer:
-            x = x if name == "kv_write" else x[0]
-            points[name] = (x.flatten(0, 1) if name == "k_repeated" else x).clone()  # (Hkv, G, S, Dh) -> (H, S, Dh)
-
-    idx = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+    streams = (RESID_MID.name, RESID_POST.name)
+    idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)  # (1, T)
     cache = model.new_cache(len(ids))
-    # every layer's residual stream; the chosen layer's attention is observed too, so it is spelled out
-    with model.observed(observer, attention=[] if layer is None else [layer]), contextlib.ExitStack() as held:
+    with contextlib.ExitStack() as held:
         if edits is not None:
-            held.enter_context(model.edited(edits, edits.layers))
+            held.enter_context(model.hooked(edits, edits.layers, spell_out=False))
+        kept = held.enter_context(capture_points(
+            model, lambda lay, name: lay is None and name == EMBED.name or lay == layer or name in streams,
+            layers=range(L), attention=[] if layer is None else [layer], spell_out=True))
         logits = model(idx, cache, 0)[0]  # (T, V)
-    element_size = cache.element_size
-    return Capture(ids=list(ids), layer=layer, points=points, embed=embed[0], resid_mid=mid, resid_post=post,
-                   logits=logits, kv_element_size=element_size)
+    points = {name: (x if name == KV_WRITE.name else x[0]) for (lay, name), x in kept.items() if lay == layer}
+    if K_REPEATED.name in points:  # (Hkv, G, S, Dh) -> (H, S, Dh), as `generate` records it
+        points[K_REPEATED.name] = points[K_REPEATED.name].flatten(0, 1)
+    return Capture(ids=list(ids), layer=layer, points=points, embed=kept[(None, EMBED.name)][0],
+                   resid_mid=[kept[(i, RESID_MID.name)][0] for i in range(L)],
+                   resid_post=[kept[(i, RESID_POST.name)][0] for i in range(L)],
+                   logits=logits, kv_element_size=cache.element_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -168,22 +159,21 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # tensor events: the schema's record for each point of the chosen layer
 
 
-def tensor_events(cap: Capture) -> list[dict]:
+def tensor_events(cap: Capture, points) -> list[dict]:
+    """A tensor event for each traced point of the chosen layer (`points`: the model's declaration), as `generate`
+    records them."""
     out = []
-    for name in LAYER_POINTS:
-        x = cap.points.get(name)
-        if x is None:
+    for p in points.layer:
+        x = cap.points.get(p.name)
+        if x is None or not p.traced:
             continue
-        shape = list(x.shape)
-        if name == "k_repeated" and x.dim() == 4:  # (T, Hkv, group, Dh) -> (T, H, Dh), the shape `generate` records
-            shape = [shape[0], shape[1] * shape[2], shape[3]]
-        ev = tensor_event(0, "prefill", cap.layer, name, shape, dtype_name(x.dtype))
-        if name == "kv_write":
+        ev = tensor_event(0, "prefill", cap.layer, p.name, p.step, list(x.shape), dtype_name(x.dtype))
+        if p.name == KV_WRITE.name:
             ev["stats"] = _stats(x.double())
             ev["positions"] = [int(x[0]), int(x[-1])]
         else:
             ev["stats"] = _stats(x)
-        if name == "scores":
+        if p.name == SCORES.name:
             ev["masked"] = int((~torch.isfinite(x)).sum())
         out.append(ev)
     return out
@@ -194,32 +184,21 @@ def tensor_events(cap: Capture) -> list[dict]:
 
 
 def layer_params(model: Transformer, layer: int) -> list[dict]:
-    """Each weight of the layer in the orientation of the math (X @ W: [in, out]); numel counted on the real tensors.
-
-    llmtrace stores Wq, Wk, Wv as one fused matrix and W_gate, W_up as another: they are split here as the math has
-    them. nn.Linear stores the transpose, [out, in]."""
-    c = model.config
-    b = model.layers[layer]
-    H, Hkv, Dh, D, Fd = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model, c.ffn_dim
-    wq, wk, wv = b.attn.wqkv.weight.split([H * Dh, Hkv * Dh, Hkv * Dh])  # (H*Dh, D), (Hkv*Dh, D), (Hkv*Dh, D)
-    w_gate, w_up = b.ffn.w_gate_up.weight.split(Fd)  # (F, D) each
-    rows = [
-        ("attn_norm.γ", "s6.1", b.attn_norm.weight, [D]),
-        ("Wq", "s6.1", wq, [D, H * Dh]),
-        ("Wk", "s6.1", wk, [D, Hkv * Dh]),
-        ("Wv", "s6.1", wv, [D, Hkv * Dh]),
-    ]
-    if b.attn.wqkv.bias is not None:
-        bq, bk, bv = b.attn.wqkv.bias.split([H * Dh, Hkv * Dh, Hkv * Dh])
-        rows += [("bq", "s6.1", bq, [H * Dh]), ("bk", "s6.1", bk, [Hkv * Dh]), ("bv", "s6.1", bv, [Hkv * Dh])]
-    rows += [
-        ("Wo", "s6.6", b.attn.wo.weight, [H * Dh, D]),
-        ("ffn_norm.γ", "s6.7", b.ffn_norm.weight, [D]),
-        ("W_gate", "s6.7", w_gate, [D, Fd]),
-        ("W_up", "s6.7", w_up, [D, Fd]),
-        ("W_down", "s6.7", b.ffn.w_down.weight, [Fd, D]),
-    ]
-    return [{"name": n, "seed_step": s, "shape": shape, "numel": t.numel()} for n, s, t, shape in rows]
+    """Each weight of the layer in the orientation of the math (X @ W: [in, out]), as the model declares them: a
+    fused matrix (Wq Wk Wv, W_gate W_up) is split into the parts the maths has. nn.Linear stores the transpose,
+    [out, in]; a norm's scale is γ."""
+    prefix = f"layers.{layer}."
+    rows = []
+    for w in model.declared_weights():
+        if not w.param.startswith(prefix):
+            continue
+        owner = w.param[len(prefix):].rpartition(".")[0].partition(".")[0]
+        for src in w.sources:
+            name = f"{owner}.{src.math}" if src.math == "γ" else src.math
+            shape = [w.shape[1], src.rows] if w.weight.kind == "matrix" else [src.rows, *w.shape[1:]]
+            rows.append({"name": name, "seed_step": w.weight.step, "shape": shape,
+                         "numel": src.rows * math.prod(w.shape[1:])})
+    return rows
 
 
 def layer_flops(config: ModelConfig, n_tokens: int) -> dict:
@@ -245,11 +224,13 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
     params = layer_params(model, layer)
     n_layer = sum(p["numel"] for p in params)
     n_model = model.num_params()
-    n_embed = model.embed.weight.numel() + (0 if c.tie_embeddings else model.lm_head.weight.numel())
+    declared = model.declared_weights()
+    n_embed = sum(math.prod(w.shape) for w in declared if w.weight.kind == "embedding" or w.weight.step == "s9")
+    n_layers_all = sum(math.prod(w.shape) for w in declared if w.param.startswith("layers."))
     return {
         "event": "explain", "section": "layer", "layer": layer, "n_layers": c.n_layers, "seed_step": "s6",
         "params": params, "layer_params": n_layer, "model_params": n_model, "embedding_params": n_embed,
-        "share": _r(n_layer / n_model), "share_of_layers": _r(n_layer / (n_model - n_embed - model.norm.weight.numel())),
+        "share": _r(n_layer / n_model), "share_of_layers": _r(n_layer / n_layers_all),
         "n_tokens": n_tokens, "flops": layer_flops(c, n_tokens),
     }
 
@@ -268,19 +249,19 @@ def rmsnorm_parts(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str,
     return {"rms": rms, "unit": unit, "y": y}
 
 
-def rmsnorm_section(cap: Capture, model: Transformer, which: str) -> dict:
-    """`which` is "attn_norm" (input: the layer's input) or "ffn_norm" (input: the stream after attention)."""
-    block = model.layers[cap.layer]
-    norm = getattr(block, which)
-    x = cap.x_in if which == "attn_norm" else cap.resid_mid[cap.layer]  # (T, D)
+def rmsnorm_section(cap: Capture, model: Transformer, point) -> dict:
+    """One of the layer's RMSNorms, taken apart: `point` is the point it computes (model.points.Point), whose
+    declared input is the stream it normalizes (attn_norm: the layer's input; ffn_norm: the stream after attention)."""
+    norm = model.norm_of(cap.layer, point.name)
+    x = cap.points[point.input]  # (T, D)
     parts = rmsnorm_parts(x, norm.weight, norm.eps)
-    y_model = cap.points[which].float()  # what the forward pass produced
+    y_model = cap.points[point.name].float()  # what the forward pass produced
     gamma = norm.weight.float()
     top = gamma.abs().topk(min(5, gamma.numel()))
     n_in, n_unit, n_out = x.float().norm(dim=-1), parts["unit"].norm(dim=-1), parts["y"].norm(dim=-1)
     return {
-        "event": "explain", "section": "rmsnorm", "layer": cap.layer, "norm": which,
-        "seed_step": "s6.1" if which == "attn_norm" else "s6.7", "formula": RMSNORM_FORMULA, "eps": _r(norm.eps),
+        "event": "explain", "section": "rmsnorm", "layer": cap.layer, "norm": point.name,
+        "seed_step": point.step, "formula": RMSNORM_FORMULA, "eps": _r(norm.eps),
         "d_model": x.size(-1),
         "gamma": _stats(gamma) | {"top_dims": top.indices.tolist(), "top_values": _rl(gamma[top.indices])},
         "tokens": [{"position": t, "rms": _r(parts["rms"][t]), "norm_in": _r(n_in[t]), "norm_unit": _r(n_unit[t]),
@@ -306,11 +287,11 @@ def qkv_section(cap: Capture, config: ModelConfig) -> dict:
         "shapes": [
             {"name": "x̂ (attn_norm output)", "shape": [T, D]},
             {"name": "Q = x̂ Wq", "shape": [T, H * Dh], "split": [T, H, Dh], "heads_first": [H, T, Dh],
-             "captured": list(cap.points["q"].shape)},
+             "captured": list(cap.points[Q.name].shape)},
             {"name": "K = x̂ Wk", "shape": [T, Hkv * Dh], "split": [T, Hkv, Dh], "heads_first": [Hkv, T, Dh],
-             "captured": list(cap.points["k"].shape)},
+             "captured": list(cap.points[K.name].shape)},
             {"name": "V = x̂ Wv", "shape": [T, Hkv * Dh], "split": [T, Hkv, Dh], "heads_first": [Hkv, T, Dh],
-             "captured": list(cap.points["v"].shape)},
+             "captured": list(cap.points[V.name].shape)},
         ],
         "n_heads": H, "n_kv_heads": Hkv, "head_dim": Dh, "group_size": H // Hkv, "groups": gqa_groups(H, Hkv),
         "cache": {"element_size": es, "bytes_per_position_layer": per_pos_gqa, "mha_bytes_per_position_layer": per_pos_mha,
@@ -357,13 +338,13 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
     pairs = rope_pairs(Dh)
     positions = torch.arange(T, dtype=torch.float32)
     # the model's own tables reproduce the captured q_rope / k_rope
-    cos, sin = rope_table(c, T, cap.points["q"].device)
-    q_err = (apply_rope(cap.points["q"][None], cos, sin)[0] - cap.points["q_rope"]).abs().max()
-    k_err = (apply_rope(cap.points["k"][None], cos, sin)[0] - cap.points["k_rope"]).abs().max()
+    cos, sin = rope_table(c, T, cap.points[Q.name].device)
+    q_err = (apply_rope(cap.points[Q.name][None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
+    k_err = (apply_rope(cap.points[K.name][None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
     # relative-distance check on real vectors: the last token's query (this head), the first token's key (its KV head)
     kv_head = head // c.group_size
-    q_vec = cap.points["q"][T - 1, head].float().cpu()
-    k_vec = cap.points["k"][0, kv_head].float().cpu()
+    q_vec = cap.points[Q.name][T - 1, head].float().cpu()
+    k_vec = cap.points[K.name][0, kv_head].float().cpu()
     distances = [d for d in (0, 1, 2, 4, 8, 16) if d < max(T, 5)]
     shifts = [s for s in (0, 1, 7, 100, 1000) if s + distances[-1] < c.max_seq_len]
     scores = rope_relative_check(q_vec, k_vec, inv_freq, distances, shifts)
@@ -398,8 +379,8 @@ def _scaling_info(scaling: Optional[dict]):
 
 def scores_before_mask(cap: Capture, config: ModelConfig) -> torch.Tensor:
     """Q K^T / sqrt(Dh) from the captured rotated q and k, before the causal mask: (H, T, T), float32."""
-    q = cap.points["q_rope"].float().transpose(0, 1)  # (H, T, Dh)
-    k = cap.points["k_rope"].float().transpose(0, 1)  # (Hkv, T, Dh)
+    q = cap.points[Q_ROPE.name].float().transpose(0, 1)  # (H, T, Dh)
+    k = cap.points[K_ROPE.name].float().transpose(0, 1)  # (Hkv, T, Dh)
     k = k.repeat_interleave(config.group_size, dim=0)  # (H, T, Dh): repeat_kv, one copy per query head of the group
     return q @ k.transpose(-2, -1) / math.sqrt(config.head_dim)  # (H, T, T)
 
@@ -424,8 +405,8 @@ def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = 
     c = config
     T = len(cap.ids)
     pre = scores_before_mask(cap, c)  # (H, T, T)
-    post = cap.points["scores"].float()  # (H, T, T), -inf above the diagonal
-    probs = cap.points["probs"].float()  # (H, T, T)
+    post = cap.points[SCORES.name].float()  # (H, T, T), -inf above the diagonal
+    probs = cap.points[PROBS.name].float()  # (H, T, T)
     finite = torch.isfinite(post)
     agree = (pre[finite] - post[finite]).abs().max() if finite.any() else torch.tensor(0.0)
     eh = head if head is not None else 0
@@ -460,7 +441,7 @@ def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = 
 
 def residual_section(cap: Capture) -> dict:
     x = cap.x_in.float()  # (T, D) entering the layer
-    o = cap.points["o_proj"].float()  # (T, D) attention output after Wo
+    o = cap.points[O_PROJ.name].float()  # (T, D) attention output after Wo
     mid = cap.resid_mid[cap.layer].float()  # x + o
     post = cap.resid_post[cap.layer].float()  # the layer's output
     nx, no = x.norm(dim=-1), o.norm(dim=-1)
@@ -470,7 +451,7 @@ def residual_section(cap: Capture) -> dict:
     return {
         "event": "explain", "section": "residual", "layer": cap.layer, "seed_step": "s6.6",
         "formula": "x' = x + concat(heads) Wo; the layer's output x'' = x' + FFN(x')",
-        "shapes": {"attn_out": list(cap.points["attn_out"].shape), "o_proj": list(o.shape)},
+        "shapes": {ATTN_OUT.name: list(cap.points[ATTN_OUT.name].shape), O_PROJ.name: list(o.shape)},
         "tokens": [{"position": t, "norm_in": _r(nx[t]), "norm_attn": _r(no[t]), "attn_to_stream": _r(no[t] / nx[t]),
                     "cos_attn_stream": _r(cos_o[t]), "rel_change_attn": _r(rel_attn[t]), "cos_attn": _r(cos_attn[t]),
                     "norm_out": _r(post[t].norm()), "rel_change_layer": _r(rel_layer[t]), "cos_layer": _r(cos_layer[t])}
@@ -484,12 +465,12 @@ def residual_section(cap: Capture) -> dict:
 
 def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO, top: int = 8) -> dict:
     T, D, Fd = len(cap.ids), config.d_model, config.ffn_dim
-    gate, up = cap.points["gate"].float(), cap.points["up"].float()  # (T, F)
-    act = cap.points["act"].float()  # (T, F) silu(gate) * up, as the model computed it
+    gate, up = cap.points[GATE.name].float(), cap.points[UP.name].float()  # (T, F)
+    act = cap.points[ACT.name].float()  # (T, F) silu(gate) * up, as the model computed it
     s = F.silu(gate)  # (T, F)
     off = s.abs() < near_zero  # (T, F) units (nearly) switched off by the gate
     mid, post = cap.resid_mid[cap.layer].float(), cap.resid_post[cap.layer].float()
-    down = cap.points["down"].float()  # (T, D)
+    down = cap.points[DOWN.name].float()  # (T, D)
     last = T - 1
     units = act[last].abs().topk(min(top, Fd)).indices
     return {
@@ -518,7 +499,7 @@ def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO,
 
 def kv_section(cap: Capture, config: ModelConfig) -> dict:
     c = config
-    pos = cap.points["kv_write"]
+    pos = cap.points[KV_WRITE.name]
     T = int(pos.numel())
     es = cap.kv_element_size
     per_pos = kv_bytes_per_position(c, es)
@@ -539,7 +520,7 @@ def kv_section(cap: Capture, config: ModelConfig) -> dict:
 def lens_logits(model: Transformer, h: torch.Tensor) -> torch.Tensor:
     """The model's final norm and LM head applied to residual-stream rows h (P, D): what it would predict if it stopped
     here (s8, s9 applied early). (P, V), float32."""
-    return model.lm_head(model.norm(h)).float()
+    return model.head(h[None])[0].float()
 
 
 def topk_candidates(tok, logits: torch.Tensor, k: int) -> list[dict]:
@@ -558,9 +539,9 @@ def explain_lens(cap: Capture, model: Transformer, tok, k: int = 5) -> list[dict
     last = len(cap.ids) - 1
     rows = torch.stack([cap.resid_mid[cap.layer][last], cap.resid_post[cap.layer][last]])  # (2, D)
     lg = lens_logits(model, rows)
-    return [lens_event(tok, cap.layer, "resid_mid", last, lg[0], k),
-            lens_event(tok, cap.layer, "resid_post", last, lg[1], k),
-            lens_event(tok, None, "logits", last, cap.logits[last], k)]
+    return [lens_event(tok, cap.layer, RESID_MID.name, last, lg[0], k),
+            lens_event(tok, cap.layer, RESID_POST.name, last, lg[1], k),
+            lens_event(tok, None, LOGITS.name, last, cap.logits[last], k)]
 
 
 def lens_table(cap: Capture, model: Transformer, tok, positions: list[int], layers: Optional[list[int]] = None,
@@ -570,8 +551,8 @@ def lens_table(cap: Capture, model: Transformer, tok, positions: list[int], laye
     out = []
     for layer in (layers if layers is not None else range(L)):
         lg = lens_logits(model, cap.resid_post[layer][positions])  # (P, V)
-        out += [lens_event(tok, layer, "resid_post", p, lg[j], k) for j, p in enumerate(positions)]
-    out += [lens_event(tok, None, "logits", p, cap.logits[p], k) for p in positions]
+        out += [lens_event(tok, layer, RESID_POST.name, p, lg[j], k) for j, p in enumerate(positions)]
+    out += [lens_event(tok, None, LOGITS.name, p, cap.logits[p], k) for p in positions]
     return out
 
 
@@ -589,14 +570,13 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
     head = resolve_head(head, c.n_heads)
     cap = capture(lm.model, ids, layer, prepare(lm, interventions, [len(ids)]))
     events = [{"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
-               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
+               "model": explain_model_record(lm), "points": lm.points.records(), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
                "threads": torch.get_num_threads()}
               | _interventions(interventions),
               tokens_event(lm.tokenizer, ids)]
-    events += tensor_events(cap)
+    events += tensor_events(cap, lm.points)
     events.append(layer_section(lm.model, layer, len(ids)))
-    events.append(rmsnorm_section(cap, lm.model, "attn_norm"))
-    events.append(rmsnorm_section(cap, lm.model, "ffn_norm"))
+    events += [rmsnorm_section(cap, lm.model, lm.points.get(name)) for name in lm.model.block.NORMS]
     events.append(qkv_section(cap, c))
     events.append(rope_section(cap, c, head if head is not None else 0))
     events += attention_sections(cap, c, head)
@@ -614,7 +594,7 @@ def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[
     check_context(lm, len(ids), 0)
     cap = capture(lm.model, ids, None, prepare(lm, interventions, [len(ids)]))
     events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
-               "model": explain_model_record(lm), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
+               "model": explain_model_record(lm), "points": lm.points.records(), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
                "threads": torch.get_num_threads(), "positions": positions,
                "layers": layers if layers is not None else list(range(lm.config.n_layers))}
               | _interventions(interventions),

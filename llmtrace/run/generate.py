@@ -10,7 +10,7 @@ gpt-fast's `prefill` / `decode_one_token`: `forward_step` runs the model (s6-s9)
 token (s10-s12).
 
 The loop is the one place where a trace plugs in. It asks a `GenerationObserver` once which passes and layers it
-observes, opens that scope (`Transformer.observed`) around those passes, and calls it at fixed moments (start, around
+observes, opens that scope (`Transformer.hooked`) around those passes, and calls it at fixed moments (start, around
 each forward pass, each token, end) with everything it reports: the token, the sampler's ledger, the KV cache's
 facts, timings. With `observer=None` nothing is recorded and nothing is computed for a trace. The loop owns the KV
 cache and passes it to every forward pass.
@@ -95,7 +95,7 @@ class GenerationObserver(Protocol):
     def wants_ledger(self) -> bool: ...
     def observation(self, phase: str) -> Optional[dict]:
         """None: passes of this phase ("prefill", "decode") are not observed; else the keyword arguments of
-        `Transformer.observed` (layers, attention) for each of them. Asked once per phase, at the start."""
+        `Transformer.hooked` (layers, attention) for each of them. Asked once per phase, at the start."""
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None: ...  # the model's observer
     def on_start(self, lm: LoadedModel, prompt_ids: list[int], sampler: Sampler,
                  batch: Optional[list[list[int]]] = None, samplers: Optional[list[Sampler]] = None) -> None: ...
@@ -438,7 +438,7 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
         start, step = 0, 0
         with contextlib.ExitStack() as held:
             if edits is not None:
-                held.enter_context(model.edited(edits, edits.layers))
+                held.enter_context(model.hooked(edits, edits.layers, spell_out=False))
             while True:
                 phase = "prefill" if step == 0 else "decode"
                 t0 = time.perf_counter()
@@ -543,7 +543,7 @@ def _scope(model: Transformer, observer: Optional[GenerationObserver], phase: st
     wanted = observer.observation(phase) if observer is not None else None
     if wanted is None:
         return contextlib.nullcontext
-    return functools.partial(model.observed, observer, **wanted)
+    return functools.partial(model.hooked, observer, **wanted)
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> Optional[int]:

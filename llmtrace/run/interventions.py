@@ -3,7 +3,7 @@
 An intervention is a small frozen dataclass (`Ablate`, `Scale`, `Patch`, `Steer`, `ControlVector`); a run takes a plain
 list of them (`generate(..., interventions=[Ablate(3, head=2)])`, explain, lens). `prepare` checks them against the
 model and the prompts, runs the texts some of them need (each alone, without interventions) and returns an `Edits`,
-the editor that `Transformer.edited` attaches to the model's edit points (llmtrace.model.transformer). `parse_*` turn the
+the editor that `Transformer.hooked` attaches to the model's edit points (llmtrace.model.transformer). `parse_*` turn the
 command line's strings into the same objects, in one place, with one-line errors.
 
 Definitions (tests/test_interventions.py checks each one against forward hooks on transformers' Llama):
@@ -37,10 +37,26 @@ from typing import Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, LlmtraceError
 
-RESID_POINTS = ("resid_pre", "resid_mid", "resid_post")
 PARTS = ("head", "attn", "ffn")
-# where each part's output is edited (llmtrace.model.transformer's edit points)
-PART_POINT = {"head": "attn_out", "attn": "o_proj", "ffn": "down"}
+
+
+def resid_points(points) -> tuple[str, ...]:
+    """The residual stream's points a Patch may name, as the model declares them (model.points.Points)."""
+    return points.names(layer=True, residual=True, editable=True)
+
+
+def part_point(points, part: str) -> str:
+    """Where the output of a part is edited, from the model's declaration: a head's output is the editable attention
+    point with a head axis (the heads before Wo); the attention sub-layer's and the feed-forward's outputs are the last
+    editable point each reports."""
+    if part == "head":
+        return next(p.name for p in points.layer if p.where == "attn" and p.editable and "H" in p.axes)
+    return [p.name for p in points.layer if p.where == part and p.editable][-1]
+
+
+def layer_output(points) -> str:
+    """The layer's output: its last residual-stream point."""
+    return resid_points(points)[-1]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,7 +118,7 @@ class Scale:
 @dataclass(frozen=True)
 class Patch:
     layer: int
-    point: str  # resid_pre, resid_mid, resid_post, or "head" with head=
+    point: str  # a residual-stream point (resid_pre, resid_mid, resid_post in Llama), or "head" with head=
     position: int
     source: str  # the text whose activation is patched in
     head: Optional[int] = None
@@ -111,8 +127,8 @@ class Patch:
         if self.point.startswith("h") and self.point[1:].isdigit():  # Patch(3, "h2", ...) reads as head 2
             object.__setattr__(self, "head", int(self.point[1:]))
             object.__setattr__(self, "point", "head")
-        if self.point not in RESID_POINTS + ("head",) or (self.point == "head") != (self.head is not None):
-            raise BadValue("patch", f": unknown point {self.point!r}; points: {', '.join(RESID_POINTS)} or hH (a head)")
+        if (self.point == "head") != (self.head is not None):
+            raise BadValue("patch", f": point 'head' needs head=H (or write the point as hH)")
 
     kind = "patch"
 
@@ -221,9 +237,13 @@ def parse_patch(text: str, source: Optional[str]) -> Patch:
     m = _PATCH.match(text.strip())
     if not m:
         raise BadValue("patch", f" {text!r}: expected L.POINT@P, e.g. 5.resid_post@-1 or 3.h2@4 "
-                                f"(points: {', '.join(RESID_POINTS)}, hH)")
-    if m[2] not in RESID_POINTS and not m[2].startswith("h"):
-        raise BadValue("patch", f" {text}: unknown point {m[2]!r}; points: {', '.join(RESID_POINTS)} or hH (a head)")
+                                f"(a residual-stream point of the layer, or hH)")
+    if not m[2].startswith("h"):
+        from llmtrace.model.family import known_points
+
+        known = known_points(layer=True, residual=True, editable=True)
+        if m[2] not in known:
+            raise BadValue("patch", f" {text}: unknown point {m[2]!r}; points: {', '.join(known)} or hH (a head)")
     if source is None:
         raise BadValue("patch", f" {text}: needs --from TEXT, the text whose activation is patched in")
     return Patch(int(m[1]), m[2], int(m[3]), source)
@@ -300,7 +320,11 @@ def position_slot(field_name: str, iv, position: int, n_tokens: int, what: str) 
 
 
 def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequence[int] = ()) -> None:
-    """Layers, heads and positions against the model and the prompts (one line each); files are read in `prepare`."""
+    """Layers, heads, points and positions against the model (its config and declared points) and the prompts, one
+    line each; files are read in `prepare`."""
+    from llmtrace.model.family import points_of
+
+    resid = resid_points(points_of(config))
     for iv in interventions:
         name = iv.kind
         if isinstance(iv, ControlVector):
@@ -309,6 +333,8 @@ def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequenc
         if getattr(iv, "head", None) is not None:
             _head(name, iv, iv.head, config.n_heads)
         if isinstance(iv, Patch):
+            if iv.point != "head" and iv.point not in resid:
+                raise BadValue(name, f" {iv.spec}: unknown point {iv.point!r}; points: {', '.join(resid)} or hH (a head)")
             for r, n in enumerate(prompt_lengths):
                 position_slot(name, iv, iv.position, n, "the prompt" if len(prompt_lengths) == 1 else f"prompt {r + 1}")
 
@@ -356,7 +382,7 @@ def read_control_vector(path, d_model: int, n_layers: int) -> dict[int, "object"
 
 
 class Edits:
-    """The editor that `Transformer.edited` attaches: for each (layer, edit point), the edits made there, in the
+    """The editor that `Transformer.hooked` attaches: for each (layer, edit point), the edits made there, in the
     order the interventions were given. The generation loop tells it of each pass (`begin_pass`): whether it is the
     prompt's pass (patches apply there only; a mean ablation takes its mean there) and each row's pad slots (a left-
     padded batch), so that position P of a row is slot pads[row] + P."""
@@ -401,13 +427,15 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
     check(interventions, c, prompt_lengths)
     encode = encode or (lambda text: lm.tokenizer.encode_prompt(text)[1])
     edits = Edits(interventions)
+    points = lm.points
+    out = layer_output(points)
     for iv in interventions:
         if isinstance(iv, (Ablate, Scale)):
             layer = iv.layer % c.n_layers
-            edits.add(layer, PART_POINT[iv.part], _ablate_or_scale(edits, iv))
+            edits.add(layer, part_point(points, iv.part), _ablate_or_scale(edits, iv))
         elif isinstance(iv, Patch):
             layer = iv.layer % c.n_layers
-            point = "attn_out" if iv.point == "head" else iv.point
+            point = part_point(points, "head") if iv.point == "head" else iv.point
             ids = _source_ids(iv, encode, "source (--from)", iv.source, c.max_seq_len)
             pos = position_slot("patch", iv, iv.position, len(ids), "the --from text")
             acts = grab(lm.model, ids, [(layer, point)])[(layer, point)]  # (T_src, D) or (T_src, H, Dh)
@@ -417,10 +445,10 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
             layer = iv.layer % c.n_layers
             v = steering_vector(lm, layer, _source_ids(iv, encode, "--toward text", iv.toward, c.max_seq_len),
                                 _source_ids(iv, encode, "--away-from text", iv.away_from, c.max_seq_len))
-            edits.add(layer, "resid_post", _add(iv.strength * v))
+            edits.add(layer, out, _add(iv.strength * v))
         else:
             for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items():
-                edits.add(layer, "resid_post", _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
+                edits.add(layer, out, _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
     return edits
 
 
@@ -434,31 +462,25 @@ def _source_ids(iv, encode, what: str, text: str, ctx: int) -> list[int]:
 
 
 def grab(model, ids: list[int], points: Sequence[tuple[int, str]], logits: Optional[list] = None) -> dict:
-    """The values at edit points (layer, name) of one pass over ids alone (no cache, no intervention), batch dimension
-    dropped: {(layer, name): tensor}. Read through the edit points, so resid_pre exists too; nothing is changed.
-    `logits`, a list, receives the pass's last-position logits (V,)."""
+    """The values at points (layer, name) of one pass over ids alone (no cache, no intervention), batch dimension
+    dropped: {(layer, name): tensor}. `logits`, a list, receives the pass's last-position logits (V,)."""
     import torch
 
-    wanted, out = set(points), {}
-
-    def keep(layer, name, x):
-        if (layer, name) in wanted:
-            out[(layer, name)] = x[0].clone()
-        return x
+    from llmtrace.model.capture import capture
 
     idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)
-    with torch.inference_mode(), model.edited(keep, sorted({layer for layer, _ in wanted})):
+    with torch.inference_mode(), capture(model, points) as kept:
         last = model(idx, last_only=True)[0]
     if logits is not None:
         logits.append(last)
-    return out
+    return {key: x[0] for key, x in kept.items()}
 
 
 def steering_vector(lm, layer: int, toward: list[int], away: list[int]):
-    """v = layer's output (resid_post) at the last token of `toward` minus the same for `away`, each run alone. (D,)"""
-    a = grab(lm.model, toward, [(layer, "resid_post")])[(layer, "resid_post")][-1]
-    b = grab(lm.model, away, [(layer, "resid_post")])[(layer, "resid_post")][-1]
-    return a - b
+    """v = layer's output (its last residual-stream point) at the last token of `toward` minus the same for `away`,
+    each run alone. (D,)"""
+    at = (layer, layer_output(lm.points))
+    return grab(lm.model, toward, [at])[at][-1] - grab(lm.model, away, [at])[at][-1]
 
 
 def _ablate_or_scale(edits: Edits, iv):

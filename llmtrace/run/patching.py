@@ -22,9 +22,8 @@ from typing import Callable, Optional
 import torch
 
 from llmtrace.errors import BadValue, LlmtraceError
-from llmtrace.run.interventions import RESID_POINTS, grab
-
-SWEEP_POINTS = RESID_POINTS
+from llmtrace.model.capture import capture
+from llmtrace.run.interventions import grab, layer_output, resid_points
 
 
 def answer_token(tok, text: str, field_name: str) -> int:
@@ -37,14 +36,17 @@ def answer_token(tok, text: str, field_name: str) -> int:
     return ids[0]
 
 
-def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: str = "resid_post",
+def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: Optional[str] = None,
                 encode: Optional[Callable[[str], list[int]]] = None,
                 on_progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """The sweep as the trace's `patch` event: prompts, tokens, metrics of the clean and corrupt runs, and `cells`
-    [{layer, position, metric, recovery}] for every layer × position. `encode` (default: plain text, as --from is
-    encoded) turns the prompts into ids; `on_progress(done, total)` is called after each position."""
-    if at not in SWEEP_POINTS:
-        raise BadValue("at", f" {at!r} is not a residual-stream point; one of {', '.join(SWEEP_POINTS)}")
+    [{layer, position, metric, recovery}] for every layer × position. `at`: a residual-stream point the model
+    declares (default: the layer's output). `encode` (default: plain text, as --from is encoded) turns the prompts
+    into ids; `on_progress(done, total)` is called after each position."""
+    sweep_points = resid_points(lm.points)
+    at = at or layer_output(lm.points)
+    if at not in sweep_points:
+        raise BadValue("at", f" {at!r} is not a residual-stream point; one of {', '.join(sweep_points)}")
     tok, model = lm.tokenizer, lm.model
     a_id, b_id = answer_token(tok, answer, "answer"), answer_token(tok, against, "against")
     if a_id == b_id:
@@ -98,14 +100,10 @@ def sweep_metrics(model, clean_ids: list[int], corrupt_ids: list[int], answer: i
     # the corrupt run: its KV cache (the slots before a patched position) and the stream entering every layer
     idx = torch.tensor([corrupt_ids], dtype=torch.long, device=device)  # (1, T)
     base = model.new_cache(T)
-    entering: dict[int, torch.Tensor] = {}
-
-    def keep(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
-        if name == "resid_pre":
-            entering[layer] = x[0]  # (T, D)
-        return x
-    with model.edited(keep):
+    entering_point = model.declared_points().layer[0].name  # a layer's first point: the stream entering it
+    with capture(model, [(layer, entering_point) for layer in range(L)], clone=False) as kept:
         m_corrupt = metric(model(idx, base, 0, last_only=True))[0].item()
+    entering = {layer: kept[(layer, entering_point)][0] for layer in range(L)}  # L × (T, D)
     grid = torch.empty(L, T, dtype=torch.float64)
     for p in range(T):
         grid[:, p] = metric(_patched_at_position(model, base, entering, clean_acts, at, p, T)).double().cpu()
@@ -121,29 +119,29 @@ def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str,
     Row ℓ computes what the full patched run computes, less what it shares with the corrupt run: before position p
     nothing differs (the corrupt cache's slots [0, p) serve every row), and below layer ℓ nothing differs either, so
     row ℓ joins the batch at layer ℓ with the corrupt stream entering that layer (positions [p, T)). This is the
-    model's layer loop (Transformer.forward) over a batch that grows by one row per layer; the patch itself is made
-    at the model's edit point."""
-    from llmtrace.model.transformer import LayerKV, allowed_keys, rope_angles
+    model's layer loop (`run_layers`, one layer at a time) over a batch that grows by one row per layer, each layer
+    with its own copy of the corrupt cache; the patch itself is made by the model's hook."""
+    from llmtrace.model.transformer import LayerKV
 
-    device = model.embed.weight.device
-    cos, sin = rope_angles(model.inv_freq, torch.arange(p, T, device=device))  # (T - p, Dh) each
-    mask = allowed_keys(T - p, p, None, device)  # (1, 1, T - p, T) or None
+    L = model.config.n_layers
+    idx = torch.empty(1, T - p, dtype=torch.long, device=entering[0].device)  # positions [p, T): only its size is read
+    inputs = model.layer_inputs(idx, None, p, dtype=entering[0].dtype)
 
-    def patch(layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
+    def patch(layer: int, name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
         if name != at:
-            return x
+            return None
         x = x.clone()  # (ℓ + 1, T - p, D): the newest row, ℓ, is the one patched at this layer
         x[-1, 0] = clean_acts[(layer, at)][p]
         return x
 
     x = entering[0][None, p:]  # (1, T - p, D): row 0 enters at layer 0
-    with model.edited(patch):
-        for layer, block in enumerate(model.layers):
+    with model.hooked(patch, spell_out=False):
+        for layer in range(L):
             if layer > 0:
                 x = torch.cat([x, entering[layer][None, p:]])  # row ℓ = layer joins: (ℓ + 1, T - p, D)
             rows = layer + 1
             kv = base.layers[layer]
             cache = LayerKV(kv.k[:, :, :T].expand(rows, -1, -1, -1).clone(), kv.v[:, :, :T].expand(rows, -1, -1, -1).clone())
-            x = block(x, cos, sin, cache, p, mask)  # slots [p, T) written over the copy; [0, p) are the corrupt run's
-    return model.lm_head(model.norm(x[:, -1]))  # (L, V)
-
+            inputs[layer] = inputs[layer]._replace(cache=cache)  # slots [p, T) written over the copy; [0, p) corrupt
+            x = model.run_layers(x, inputs, [layer])
+    return model.head(x, last_only=True)  # (L, V)

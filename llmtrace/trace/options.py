@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from llmtrace.errors import BadValue
-from llmtrace.trace.events import LAYER_POINTS, LEVELS, MODEL_POINTS
+from llmtrace.trace.events import LEVELS
 
 
 class Dump(NamedTuple):
@@ -23,11 +23,15 @@ class Dump(NamedTuple):
 
 
 def parse_dump(text: str) -> Dump:
-    """The one parser of a --dump entry: "logits", "probs", "3.probs", "-1.q"."""
+    """The one parser of a --dump entry: "logits", "probs", "3.probs", "-1.q". A point no family declares is refused
+    here; whether this model has it is its own declaration's to say (TraceOptions.check_dumps, once it is loaded)."""
+    from llmtrace.model.family import known_points
+
     lay, dot, name = text.partition(".")
     dump = Dump(int(lay), name) if dot and lay.lstrip("-").isdigit() else Dump(None, text)
-    if dump.point not in set(LAYER_POINTS) | set(MODEL_POINTS):
-        raise BadValue("dump", f": unknown point {text!r}; known points: {', '.join(MODEL_POINTS + LAYER_POINTS)}")
+    known = known_points(traced=True)
+    if dump.point not in known:
+        raise BadValue("dump", f": unknown point {text!r}; known points: {', '.join(known)}")
     return dump
 
 
@@ -44,8 +48,15 @@ class TraceOptions:
             raise BadValue("level", f" must be one of {', '.join(LEVELS)}, not {self.level!r}")
         self.dumps = tuple(parse_dump(d) for d in self.dump)
 
-    def check_dump_layers(self, n_layers: int) -> None:
-        """Each "LAYER.name" dump names a layer of the model (negative counts from the end), known once it is loaded."""
+    def check_dumps(self, n_layers: int, points) -> None:
+        """Each dump names a point the model declares (model.points.Points) and, as "LAYER.name", a layer of the model
+        (negative counts from the end): known once it is loaded."""
+        traced = points.names(traced=True)
+        layer_points = points.names(layer=True, traced=True)
+        for d in self.dumps:
+            if d.point not in traced or (d.layer is not None and d.point not in layer_points):
+                raise BadValue("dump", f": unknown point {str(d)!r}; this model's points: {', '.join(traced)} "
+                                       f"(a layer's as LAYER.name)")
         for d in self.dumps:
             if d.layer is not None and not -n_layers <= d.layer < n_layers:
                 raise BadValue("dump", f": layer {d.layer} of {str(d)!r} is out of range; this model has {n_layers} "

@@ -308,3 +308,16 @@ def _kind(v) -> str:
 def _short(v) -> str:
     text = json.dumps(v, ensure_ascii=False)
     return text if len(text) <= 40 else text[:37] + "…"
+
+
+def trace_points(events: list[dict]):
+    """The observable points a trace was recorded with (model.points.Points): its `run` event's declaration (explain's
+    and lens's: their model section's), or, for a trace written before traces carried one, Llama's (the only family
+    llmtrace ran then)."""
+    from llmtrace.model.llama_points import llama_points
+    from llmtrace.model.points import Points
+
+    head = next((e for e in events if e.get("event") == "run" or e.get("section") == "model"), None)
+    if head and head.get("points"):
+        return Points.from_records(head["points"])
+    return llama_points()

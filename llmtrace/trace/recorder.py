@@ -1,7 +1,7 @@
 """Recording a trace: the events of one run, as plain dicts following the schema `llmtrace.trace/1`.
 
 `Recorder` is both observers at once:
-- the model's observer (`with model.observed(recorder, ...)`, opened by the generation loop), called at each named
+- the model's observer (`with model.hooked(recorder, ...)`, opened by the generation loop), called at each named
   point of the forward pass; it keeps the shape, dtype and summary statistics of the points it was asked for.
   Statistics stay on the device until the pass ends and then cross to the host in one transfer;
 - the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from llmtrace.model.llama_points import KV_WRITE, llama_points
 from llmtrace.version import __version__
-from llmtrace.trace.events import LAYER_LEVEL_POINTS, LAYER_POINTS, SCHEMA_ID, SEED_STEP, summary_event
+from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
                                     tensor_event, tokens_event)
 from llmtrace.trace.sinks import ENCODER as _ENCODER
@@ -72,10 +73,6 @@ class TensorEvent(dict):
     line: Optional[str] = None  # (a class default: a Python __init__ would cost more than the dict itself)
 
 
-# The points the attention sub-layer reports (Attention's taps): observing any of them observes that sub-layer.
-ATTENTION_POINTS = ("q", "k", "v", "q_rope", "k_rope", "kv_write", "k_repeated", "scores", "probs", "attn_out", "o_proj")
-
-
 class Recorder:
     """Records one generation run as events and passes each event to the sinks as it happens. A pure observer: the
     generation loop opens the observation scope it asks for (`observation`) and hands it every fact it reports."""
@@ -99,10 +96,20 @@ class Recorder:
         self._n_stats = 0
         self._shape_table: Optional[list[dict]] = None
         self._config = None  # the model's config, from on_start
+        self._declare(llama_points())  # the model's own declaration replaces Llama's at on_start
         self._rows = 1  # rows of the batch (on_start): with more than one, every tensor is recorded per row
         self._batched = False  # on_start was told of a batch (generate_batch): on_end gets a BatchResult
 
     # -- plumbing ---------------------------------------------------------------------------------------------
+
+    def _declare(self, points) -> None:
+        """What the recorder reads of the model's declared points (model.points.Points)."""
+        self._points = points
+        self._step_of = {p.name: p.step for p in points}  # point name -> its seed step
+        self._traced = set(points.names(traced=True))  # what a trace records (resid_pre repeats the layer before's)
+        self._stored = set(points.names(stored=True))  # whose full values --save-tensors keeps
+        self._residual = set(points.names(residual=True))  # the residual stream's points (--trace layers)
+        self._axes = {p.name: list(p.axes) for p in points}
 
     def emit(self, event: dict) -> None:
         for sink in self.sinks:
@@ -119,10 +126,12 @@ class Recorder:
         level = self.options.level
         if self._dumped(layer, name):
             return True
+        if name not in self._traced:  # a point that repeats another (resid_pre is the layer before's resid_post)
+            return False
         if level == "full":
             return layer is None or self._layer_selected(layer)
         if level == "layers":
-            return layer is None or (name in LAYER_LEVEL_POINTS and self._layer_selected(layer))
+            return layer is None or (name in self._residual and self._layer_selected(layer))
         if level == "steps":  # per-layer detail only for the prefill, and only if --layers narrowed it
             return self.step == 0 and layer is not None and self.options.layers is not None and self._layer_selected(layer)
         return False
@@ -148,11 +157,11 @@ class Recorder:
             self._note_shape(layer, name, x)
         if not wanted[0]:
             return  # the common case of a point nobody asked for: a dictionary look-up
-        if self.tensors is not None:
+        if self.tensors is not None and name in self._stored:
             self.tensors.keep(self.step, layer, name, x)
         if self._rows > 1:  # a batch: one event per row (kv_write's positions are the same slots for every row)
             for r in range(self._rows):
-                self._taps.append((layer, name, x if name == "kv_write" else x[r : r + 1], wanted[1], r))
+                self._taps.append((layer, name, x if name == KV_WRITE.name else x[r : r + 1], wanted[1], r))
         else:
             self._taps.append((layer, name, x, wanted[1], None))
         self._queued += x.numel()
@@ -161,7 +170,8 @@ class Recorder:
 
     def _note_shape(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
         """The prefill's shape table: each point once, from the model-level points and layer 0."""
-        if (layer is None or layer == 0) and not any(r["name"] == name and r["layer"] == layer for r in self._shape_table):
+        if (layer is None or layer == 0) and name in self._traced and not any(
+                r["name"] == name and r["layer"] == layer for r in self._shape_table):
             self._shape_table.append({"layer": layer, "name": name, "shape": list(self._layout(name, x)[0]),
                                       "dtype": _dtype_name(x.dtype)})
 
@@ -174,12 +184,12 @@ class Recorder:
         layout = self._layouts.get(key)
         if layout is None:
             full_shape, distinct, repeats = _unbroadcast(x)
-            shape = list(full_shape[1:]) if name != "kv_write" else list(full_shape)
+            shape = list(full_shape[1:]) if name != KV_WRITE.name else list(full_shape)
             view = None if distinct is x else (distinct.shape, distinct.stride())
             # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
             group = (distinct.shape, x.dtype, x.device, name == "scores")
             dtype = _dtype_name(x.dtype)
-            part = {"name": name, "seed_step": SEED_STEP.get(name), "shape": shape, "dtype": dtype}
+            part = {"name": name, "seed_step": self._step_of.get(name), "shape": shape, "dtype": dtype}
             layout = self._layouts[key] = (shape, view, repeats, group, dtype, _ENCODER.encode(part)[1:-1])
         return layout
 
@@ -197,13 +207,13 @@ class Recorder:
             self._n_stats += 1
             groups.setdefault(group, []).append((i, x if view is None else x.as_strided(*view), repeats))
             extra = None
-            if name == "kv_write":
+            if name == KV_WRITE.name:
                 positions = x.tolist()
                 extra = {"positions": [positions[0], positions[-1]] if positions else []}
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
-                extra = (extra or {}) | {"values": (values[0] if name != "kv_write" else values).detach().float().cpu()}
-            event = tensor_event(step, phase, layer, name, list(shape), dtype, cls=TensorEvent)
+                extra = (extra or {}) | {"values": (values[0] if name != KV_WRITE.name else values).detach().float().cpu()}
+            event = tensor_event(step, phase, layer, name, self._step_of.get(name), list(shape), dtype, cls=TensorEvent)
             if row is not None:
                 event["row"] = row
             self._pending.append((event, i, extra, json_part))
@@ -222,7 +232,7 @@ class Recorder:
     # -- the generation loop's observer ------------------------------------------------------------------------
 
     def observation(self, phase: str) -> Optional[dict]:
-        """Which passes and layers the generation loop should let this recorder observe (`Transformer.observed`'s
+        """Which passes and layers the generation loop should let this recorder observe (`Transformer.hooked`'s
         keyword arguments), or None. The prefill is observed for its shape table (model-level points and layer 0);
         decode passes only at --trace layers/full or with --dump (which records at every level, none included)."""
         o = self.options
@@ -240,7 +250,7 @@ class Recorder:
         if phase == "prefill" or o.level == "full":
             return {"layers": layers}  # attention too: spelled out where observed
         # decode at --trace layers/steps: the residual stream, and the attention of layers whose attention is dumped
-        attention = self._dump_layers([d for d in o.dumps if d.point in ATTENTION_POINTS])
+        attention = self._dump_layers([d for d in o.dumps if d.point in self._points.names("attn")])
         return {"layers": layers, "attention": attention if attention is None else sorted(attention)}
 
     def _dump_layers(self, dumps) -> Optional[set[int]]:
@@ -249,7 +259,7 @@ class Recorder:
         for d in dumps:
             if d.layer is not None:
                 out.add(d.layer_index(self.run_info.get("n_layers", 0)))
-            elif d.point in LAYER_POINTS:
+            elif d.point in self._points.names(layer=True):
                 return None
         return out
 
@@ -258,6 +268,7 @@ class Recorder:
         """The run's facts: read once, nothing kept but the config and the tokenizer (for token pieces). A batch
         (`batch`: every row's prompt ids, `samplers` their samplers) gets one tokens event per row, with "row"."""
         c = self._config = lm.config
+        self._declare(lm.points)
         self._rows = len(batch) if batch is not None else 1
         self._batched = batch is not None
         self.run_info["n_layers"] = c.n_layers
@@ -267,6 +278,7 @@ class Recorder:
             "schema": SCHEMA_ID,
             "llmtrace_version": __version__,
             "model": model_record(lm),
+            "points": self._points.records(),
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),
             **path_record(lm),  # "exact", and on the fast path what it computes with
@@ -320,9 +332,14 @@ class Recorder:
         self._n_stats = 0
         if self._shape_table is not None:
             self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
-                       "n_layers": self._config.n_layers, "points": [dict(r, seed_step=SEED_STEP.get(r["name"]))
-                                                                     for r in self._shape_table]})
+                       "n_layers": self._config.n_layers, "points": [self._shape_entry(r) for r in self._shape_table]})
             self._shape_table = None
+
+    def _shape_entry(self, r: dict) -> dict:
+        """A shape table row with its seed step and, where they describe it, its axes (kv_write's slots, the logits
+        of every position in a pass that keeps them, have a shape of their own)."""
+        axes = self._axes.get(r["name"], [])
+        return dict(r, seed_step=self._step_of.get(r["name"])) | ({"axes": axes} if len(axes) == len(r["shape"]) else {})
 
     def _topk(self, led) -> list[dict]:
         return candidate_records(self._tok, led.topk[: self.options.topk])

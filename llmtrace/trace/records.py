@@ -9,7 +9,6 @@ import json
 import math
 from typing import Any, Iterable, NotRequired, Optional, TypedDict
 
-from llmtrace.trace.events import SEED_STEP
 
 SIGNIFICANT_DIGITS = 7  # float32 carries about 7
 
@@ -60,6 +59,8 @@ class ModelRecord(TypedDict):
     name: str
     source: str
     arch: str
+    family: str
+    changes: NotRequired[list[str]]
     n_layers: int
     d_model: int
     n_heads: int
@@ -134,22 +135,23 @@ def batch_event(tok, layout) -> dict:
             "pad_piece": tok.piece(layout.pad_id)}
 
 
-def tensor_event(step: int, phase: str, layer: Optional[int], name: str, shape: list[int], dtype: str,
-                 cls: type = dict) -> dict:
+def tensor_event(step: int, phase: str, layer: Optional[int], name: str, seed_step: Optional[str], shape: list[int],
+                 dtype: str, cls: type = dict) -> dict:
     """A `tensor` event without its statistics, fields in the order every writer uses, made as `cls` (the recorder's
     dict subclass that may carry its own JSON line, trace.recorder.TensorEvent: made once, not copied, since a full
     trace makes 574 of them a step)."""
-    return cls(event="tensor", step=step, phase=phase, layer=layer, name=name, seed_step=SEED_STEP.get(name),
-               shape=shape, dtype=dtype)
+    return cls(event="tensor", step=step, phase=phase, layer=layer, name=name, seed_step=seed_step, shape=shape,
+               dtype=dtype)
 
 
 def model_record(lm) -> ModelRecord:
     """The model's record, from a loaded model (llmtrace.loader.LoadedModel)."""
+    from llmtrace.model.family import describe_changes
     from llmtrace.model.quant import storage_table, weight_count
 
     c = lm.config
-    return {"name": lm.name, "source": lm.source, "arch": c.arch, "n_layers": c.n_layers, "d_model": c.d_model,
-            "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
+    return {"name": lm.name, "source": lm.source, "arch": c.arch, "family": c.family, "changes": describe_changes(c),
+            "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
             "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
             "rope_scaling": json.loads(json.dumps(c.rope_scaling)) if c.rope_scaling is not None else None,
             "rms_eps": rounded(c.rms_eps), "tie_embeddings": c.tie_embeddings, "max_seq_len": c.max_seq_len,

@@ -23,9 +23,6 @@ import torch
 from llmtrace.errors import LlmtraceError
 
 TENSORS_SCHEMA = "llmtrace.tensors/1"
-NOT_STORED = ("kv_write", "k_repeated")
-
-
 def tensor_name(step: int, layer: Optional[int], point: str) -> str:
     return f"{step}/{'model' if layer is None else layer}/{point}"
 
@@ -58,8 +55,7 @@ class TensorStore:
         return self.record
 
     def keep(self, step: int, layer: Optional[int], point: str, x: torch.Tensor) -> None:
-        if point in NOT_STORED:
-            return
+        """Keep x, the tensor of a point whose values can be stored (model.points.Point.stored; the recorder asks)."""
         name = tensor_name(step, layer, point)
         if name in self.tensors:
             raise LlmtraceError("--save-tensors keeps one pass per step; this prompt was prefilled in several chunks "

@@ -1,0 +1,108 @@
+"""A model family, declared: the `Family` record each file of model/families/ defines, and the registry that finds
+them (which family reads a config.json's model_type or a GGUF architecture)."""
+
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Callable, Optional
+
+from llmtrace.errors import LlmtraceError
+
+
+def _nothing(*_args) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family. `hf_types`: config.json model_type -> the architecture class transformers saves it with;
+    `gguf_archs`: GGUF general.architecture -> whether llama.cpp's converter reordered q/k rows for its RoPE pairing.
+    `hf_config(cfg)` and `gguf_config(meta)` return the config fields this family adds (ModelConfig's names), reading
+    config.json (a dict) or GGUF metadata (`meta(key)`, key without the arch prefix); they raise LlmtraceError naming
+    a field whose value this family cannot run. `changes(config)`: what this family changes from Llama, one short
+    line per change, in the order the maths runs, with the checkpoint's own numbers."""
+
+    name: str
+    title: str
+    model: type
+    hf_types: dict[str, str]
+    gguf_archs: dict[str, bool] = field(default_factory=dict)
+    hf_config: Callable[[dict], dict] = _nothing
+    gguf_config: Callable[[Callable], dict] = _nothing
+    changes: Callable[[object], list] = lambda config: []
+
+
+@cache
+def families() -> tuple[Family, ...]:
+    """Every family file's FAMILY, Llama first."""
+    import llmtrace.model.families as package
+
+    found = [importlib.import_module(f"{package.__name__}.{m.name}").FAMILY for m in pkgutil.iter_modules(package.__path__)]
+    return tuple(sorted(found, key=lambda f: (f.name != "llama", f.name)))
+
+
+def family_named(name: str) -> Family:
+    for f in families():
+        if f.name == name:
+            return f
+    raise LlmtraceError(f"unknown model family {name!r}; llmtrace runs: {', '.join(f.name for f in families())}")
+
+
+def family_of_hf(model_type: Optional[str]) -> Optional[Family]:
+    return next((f for f in families() if model_type in f.hf_types), None)
+
+
+def family_of_gguf(arch: Optional[str]) -> Optional[Family]:
+    return next((f for f in families() if arch in f.gguf_archs), None)
+
+
+def hf_types() -> dict[str, str]:
+    """Every model_type llmtrace reads -> its architecture class, in family order."""
+    return {t: a for f in families() for t, a in f.hf_types.items()}
+
+
+def gguf_archs() -> list[str]:
+    return [a for f in families() for a in f.gguf_archs]
+
+
+def build(config):
+    """The model of `config.family`, its weights uninitialised (the loader fills them)."""
+    return family_named(config.family).model(config)
+
+
+def points_of(config):
+    """The points the model of `config` declares (model.points.Points), known without building it."""
+    return family_named(config.family).model.declared_points()
+
+
+def describe_changes(config) -> list[str]:
+    """What the model of `config` changes from Llama, in the order the maths runs, with its own numbers: the family's
+    account (Family.changes), then what the config itself sets (sliding windows, a second RoPE base)."""
+    out = list(family_named(config.family).changes(config))
+    if config.sliding_window is not None and config.layer_types:
+        sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding"]
+        which = ("every layer sees" if len(sliding) == config.n_layers else
+                 f"layer {sliding[0]} of {config.n_layers} sees" if len(sliding) == 1 else
+                 f"{len(sliding)} of {config.n_layers} layers see")
+        out.append(f"{which} only the last {config.sliding_window:,} tokens (a sliding window, not a context limit: "
+                   f"positions go on to {config.max_seq_len:,}; the KV cache keeps every slot)")
+    if config.rope_local_theta is not None:
+        out.append(f"RoPE base {config.rope_local_theta:,g} in the sliding-window layers, {config.rope_theta:,g} in the "
+                   f"global ones")
+    note = (config.extra or {}).get("window_note")
+    if note:
+        out.append(note)
+    return out
+
+
+def known_points(**flags) -> tuple[str, ...]:
+    """Every point name some family declares (filtered as Points.names filters), Llama's first: what a point given
+    on the command line must be before the model it names is known (its own declaration decides once it is)."""
+    out: dict[str, None] = {}
+    for f in families():
+        out.update(dict.fromkeys(f.model.declared_points().names(**flags)))
+    return tuple(out)

@@ -1,0 +1,56 @@
+"""The model's declarations (model/points.py) against the model itself: the points each family's forward pass reports
+are the ones it declares, in that order; the weights it declares are its parameters, with their shapes; a trace
+carries the declaration, and a trace written before it did is read with Llama's."""
+
+import pytest
+import torch
+
+from llmtrace.model.family import families
+from llmtrace.model.llama_points import llama_points
+from llmtrace.model.transformer import ModelConfig, Transformer
+
+TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, max_seq_len=64)
+
+
+def tiny_model(family) -> Transformer:
+    torch.manual_seed(0)
+    return family.model(ModelConfig(family=family.name, **TINY)).eval()
+
+
+def test_the_legacy_declaration_is_llamas():
+    assert llama_points() == Transformer.declared_points()
+
+
+@pytest.mark.parametrize("family", families(), ids=lambda f: f.name)
+@torch.no_grad()
+def test_the_forward_pass_reports_what_it_declares_in_order(family):
+    model = tiny_model(family)
+    seen = []
+    with model.hooked(lambda layer, name, x: seen.append((layer, name)), layers=[1]):
+        model(torch.tensor([[1, 2, 3, 4, 5]]), model.new_cache(8), 0, last_only=True)
+    points = model.declared_points()
+    layer_seen = [n for lay, n in seen if lay == 1]
+    assert layer_seen == list(points.names(layer=True))
+    assert [n for lay, n in seen if lay is None] == list(points.names(layer=False))
+
+
+@pytest.mark.parametrize("family", families(), ids=lambda f: f.name)
+def test_declared_weights_are_the_parameters(family):
+    model = tiny_model(family)
+    params = dict(model.named_parameters())
+    declared = {w.param: w.shape for w in model.declared_weights()}
+    assert declared == {name: tuple(p.shape) for name, p in params.items()}
+    for w in model.declared_weights():  # the sources stack into the parameter
+        assert sum(s.rows for s in w.sources) == w.shape[0], w.param
+        assert all(s.hf and s.gguf for s in w.sources), w.param
+
+
+@torch.no_grad()
+def test_a_hook_may_replace_only_an_editable_point():
+    model = tiny_model(families()[0])
+    idx = torch.tensor([[1, 2, 3]])
+    with model.hooked(lambda layer, name, x: x * 0 if name == "q" else None, layers=[0]):
+        with pytest.raises(ValueError, match="not editable"):
+            model(idx)
+    with model.hooked(lambda layer, name, x: x * 0 if name == "resid_post" else None, layers=[1]):
+        assert torch.equal(model(idx)[0, :, :], model.head(torch.zeros(1, 3, TINY["d_model"]))[0])
