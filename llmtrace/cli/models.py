@@ -28,7 +28,7 @@ def _model_row(entry: ModelEntry, default: str) -> dict:
         "params": entry.params,
         "license": entry.license,
         "tested": entry.tested,
-        "sources": [{k: v for k, v in vars(s).items() if v is not None} for s in entry.sources],
+        "sources": [s.to_dict() for s in entry.sources],
         "state": status.state,  # present, absent or incomplete
         "kind": status.model.kind if status.model else None,
         "path": str(status.model.path) if status.model else None,
@@ -72,13 +72,14 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
             kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
             print("\t".join([row["name"], row["params"], kinds, row["state"], row["path"] or "-", str(row["disk_bytes"])]))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from llmtrace.console import make_console
 
     table = Table()
     table.add_column("name", no_wrap=True)
-    table.add_column("model", no_wrap=True)
+    table.add_column("model / license", overflow="fold")
     table.add_column("sources")
     table.add_column("tested")
     table.add_column("cached", no_wrap=True)
@@ -93,7 +94,8 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
             where = str(path.relative_to(cache)) if path.is_relative_to(cache) else str(path)
         name = row["name"] + (" *" if row["default"] else "")
         tested = "yes" if row["tested"] else "no"
-        table.add_row(name, f"{row['architecture']} {row['params']}", kinds, tested, cached, where)
+        model = f"{row['architecture']} {row['params']}\n[dim]{escape(row['license'])}[/dim]"
+        table.add_row(name, model, kinds, tested, cached, where)
     make_console().print(table)
     user = user_registry_path()
     print("* default model", file=sys.stderr)
