@@ -102,8 +102,9 @@ _FAMILIES = [
         "attn_logit_softcapping": 10.0, "final_logit_softcapping": 5.0, "hidden_activation": "gelu_pytorch_tanh",
         "rope_parameters": _ROPE},
            "soft-capping that bites (scores 10, logits 5); a window of 4 on layer 0 of 2",
-           # the caps are written (attn_logit_softcapping, final_logit_softcapping) but not read; the scalar is not written
-           transformers_needs={"attn_logit_softcapping": 10.0, "final_logit_softcapping": 5.0, "query_pre_attn_scalar": 16}),
+           # the caps are written (attn_logit_softcapping, final_logit_softcapping) but not read; the scalar is not
+           transformers_needs={"attn_logit_softcapping": 10.0, "final_logit_softcapping": 5.0,
+                               "query_pre_attn_scalar": 16}),
     Family("phi3", "phi3", {"num_key_value_heads": 4, "original_max_position_embeddings": 128,
                             "rope_parameters": _ROPE_HALF},
            "fused qkv_proj and gate_up_proj; RoPE on the first 8 of 16 dims of each head",
@@ -111,9 +112,10 @@ _FAMILIES = [
            transformers_needs={"rope_parameters": _ROPE_HALF, "pad_token_id": None}, tokenizer_class="GPT2Tokenizer"),
     Family("phi3_longrope", "phi3", {
         "num_key_value_heads": 4, "max_position_embeddings": 64, "original_max_position_embeddings": 8,
-        "rope_parameters": _LONGROPE}, "LongRoPE: short factors up to 8 positions, long ones past them (PROMPT_IDS "
-           "has 14); partial rotary 0.5", transformers_needs={"rope_parameters": _LONGROPE, "original_max_position_embeddings": 8,
-                                                    "pad_token_id": None},
+        "rope_parameters": _LONGROPE},
+           "LongRoPE: short factors up to 8 positions, long ones past them (PROMPT_IDS has 14); partial rotary 0.5",
+           transformers_needs={"rope_parameters": _LONGROPE, "original_max_position_embeddings": 8,
+                               "pad_token_id": None},
            tokenizer_class="GPT2Tokenizer"),
     Family("olmo2", "olmo2", {"num_key_value_heads": 4,
                               "rope_parameters": _ROPE},
@@ -129,7 +131,8 @@ _FAMILIES = [
     Family("qwen3_moe_raw", "qwen3_moe", {
         "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "intermediate_size": 96, "norm_topk_prob": False, "rope_parameters": _ROPE},
-           "top-2 weights as the softmax gave them (norm_topk_prob false)", transformers_needs={"norm_topk_prob": False, "moe_intermediate_size": 32}),
+           "top-2 weights as the softmax gave them (norm_topk_prob false)",
+           transformers_needs={"norm_topk_prob": False, "moe_intermediate_size": 32}),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -320,7 +323,8 @@ class FamilyCheckpoints:
     def gguf(self, name: str, outtype: str = "f32") -> Path:
         key = (name, outtype)
         if key not in self._ggufs:
-            self._ggufs[key] = convert_to_gguf(self.hf_dir(name), self.root / name / f"{name}-{outtype}.gguf", outtype, name)
+            out = self.root / name / f"{name}-{outtype}.gguf"
+            self._ggufs[key] = convert_to_gguf(self.hf_dir(name), out, outtype, name)
         return self._ggufs[key]
 
 

@@ -152,7 +152,8 @@ def test_moe_gguf_expert_tensors(families):
     meta, shapes = gguf_metadata(mixtral), gguf_tensor_shapes(mixtral)
     assert meta["general.architecture"] == "llama" and meta["llama.expert_count"] == 4
     assert meta["llama.expert_used_count"] == 2
-    assert shapes["blk.0.ffn_gate_exps.weight"][1] == (4, 96, 64) and shapes["blk.0.ffn_down_exps.weight"][1] == (4, 64, 96)
+    assert shapes["blk.0.ffn_gate_exps.weight"][1] == (4, 96, 64)
+    assert shapes["blk.0.ffn_down_exps.weight"][1] == (4, 64, 96)
     assert shapes["blk.0.ffn_gate_inp.weight"][1] == (4, 64)
     qwen = gguf_metadata(families.gguf("qwen3_moe_raw"))
     assert qwen["qwen3moe.expert_count"] == 8 and qwen["qwen3moe.expert_feed_forward_length"] == 32

