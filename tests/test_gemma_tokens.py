@@ -152,3 +152,14 @@ def test_gemma_turns_refuse_two_user_turns_in_a_row(ours):
 
     with pytest.raises(LlmtraceError, match="Gemma turns alternate"):
         ours.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_saved_and_read_back_it_is_the_same_tokenizer(ours, tmp_path):
+    """A GGUF's conversion keeps its tokenizer as tokenizer.json + tokenizer_config.json (save_hf_dir): the Gemma
+    vocabulary, the turn format and the note come back unchanged."""
+    ours.save_hf_dir(tmp_path)
+    back = TextTokenizer.from_hf_dir(tmp_path)
+    assert (back.kind, back.bos_id, back.eos_ids, back.add_bos) == (ours.kind, ours.bos_id, ours.eos_ids, ours.add_bos)
+    assert back.chat_template == GEMMA_TURNS and back.notes == ours.notes
+    for text in ODD:
+        assert back.encode(text) == ours.encode(text), repr(text)
