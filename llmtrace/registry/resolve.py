@@ -117,14 +117,27 @@ def _lookup(spec: Optional[str]) -> tuple[str, Optional[ResolvedModel], list[Sou
 
 
 def _fetch_with_hint(key: str, sources: list[Source], *, force: bool = False) -> ResolvedModel:
-    """fetch, and when a hub id fails, name the registry entry that has more sources for the same model."""
+    """fetch, and when a hub id fails, name the registry entry that has more sources for the same model. A registry
+    model just downloaded has its license named on stderr."""
     try:
-        return fetch(key, sources, force=force)
+        model = fetch(key, sources, force=force)
     except LlmtraceError as e:
         also = [entry.name for entry in load_registry().values() if any(s.repo == key for s in entry.sources)]
         if "/" not in key or not also:
             raise
         raise LlmtraceError(f"{e}. The registry has this model as '{also[0]}', which has more sources") from None
+    if model.downloaded:
+        _name_license(key, model)
+    return model
+
+
+def _name_license(key: str, model: ResolvedModel) -> None:
+    entry = load_registry().get(key)
+    if entry is None or entry.license == "unknown":
+        return
+    texts = [model.path.parent / Path(s.license_member).name for s in entry.sources if s.license_member]
+    text = next((f"; its text: {t}" for t in texts if t.is_file()), "")
+    say(f"{key}: license {entry.license}{text}")
 
 
 def resolve(spec: Optional[str] = None, *, download: bool = True) -> ResolvedModel:

@@ -36,3 +36,32 @@ def raise_exception(message: str):
 
 def tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+# Gemma's turn format, for a Gemma GGUF that ships no tokenizer.chat_template (the 270M base model's file has none):
+# BOS, then each message as "<start_of_turn>ROLE\n" CONTENT "<end_of_turn>\n", the assistant's role written "model";
+# Gemma has no system role, so a system message opens the first user turn, followed by a blank line; the turns
+# alternate user, model, user, ...; a generation prompt opens the model's turn.
+GEMMA_TURNS = (
+    "{{ bos_token }}{% set turns = messages %}{% set opening = '' %}"
+    "{% if turns and turns[0]['role'] == 'system' %}"
+    "{% set opening = turns[0]['content'] | trim ~ '\n\n' %}{% set turns = turns[1:] %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Gemma turns alternate: user, then assistant, then user, ...') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ opening if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def gguf_chat_template(get, notes: list[str]) -> str | None:
+    """tokenizer.chat_template; for a Gemma file without one, Gemma's turn format (and a note that says so)."""
+    template = get("tokenizer.chat_template")
+    if template is None and get("general.architecture") in GEMMA_ARCHITECTURES:
+        notes.append("this GGUF has no chat template; --chat uses Gemma's turn format "
+                     "(<start_of_turn>user … <end_of_turn>, then <start_of_turn>model)")
+        return GEMMA_TURNS
+    return template

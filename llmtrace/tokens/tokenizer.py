@@ -29,19 +29,30 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer
 
 from llmtrace.errors import LlmtraceError, UsageError, one_line
-from llmtrace.tokens.chat_template import raise_exception, TemplateRaised, tojson
+from llmtrace.tokens.chat_template import gguf_chat_template, raise_exception, TemplateRaised, tojson
 from llmtrace.tokens.token_facts import CharPart, TokenInfo, char_parts_of, locate, piece_bytes, visible_text
-from llmtrace.tokens.vocab import (BYTE_FALLBACK, DAMAGED, BYTE, BYTE_TO_CHAR, CHAR_TO_BYTE, CONTROL, NORMAL,
-                                   SPACE_MARK, UNKNOWN, USER_DEFINED, bpe_model, byte_level_pre_tokenizer,
-                                   check_gguf_vocab, check_tokenizer_json, detect_kind, from_library, gguf_vocab,
-                                   library_errors, merges_from_scores, parse_json, post_processor_of,
-                                   post_processor_problem, read_json, read_text_file, split_merge)
+from llmtrace.tokens.vocab import (BYTE_FALLBACK, DAMAGED, BYTE_TO_CHAR, NORMAL, USER_DEFINED, byte_level_bpe,
+                                   check_gguf_vocab, check_tokenizer_json, detect_kind, from_library,
+                                   library_errors, parse_json, post_processor_of, post_processor_problem, read_json,
+                                   read_text_file, sentencepiece_bpe, split_merge)
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
+
+
+def _gguf_add_bos(get, default: bool, default_reason: str, bos_id: int | None) -> tuple[bool, str]:
+    """Whether encode adds BOS, and why: tokenizer.ggml.add_bos_token, else the vocabulary kind's habit."""
+    field = get("tokenizer.ggml.add_bos_token")
+    if field is None:
+        add_bos, reason = default, f"tokenizer.ggml.add_bos_token not set; {default_reason}"
+    else:
+        add_bos, reason = bool(field), f"tokenizer.ggml.add_bos_token = {str(bool(field)).lower()}"
+    if add_bos and bos_id is None:
+        return False, "the GGUF asks for BOS but names no tokenizer.ggml.bos_token_id"
+    return add_bos, reason
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -112,85 +123,38 @@ class TextTokenizer:
 
     @classmethod
     def _from_gguf_vocab(cls, get, model, tokens, types, merges_raw, bos_id, eos_id, notes, where, source):
+        """The parts in the order the tokenizer uses them: the BPE model of this vocabulary kind, the added tokens,
+        BOS/EOS, the stop ids and the chat template."""
         if model == "gpt2":
-            kind = "byte_level"
-            alphabet = set(CHAR_TO_BYTE)
-
-            def spell(t: str) -> str:
-                # A normal token must be written in the byte alphabet; a few converters store raw text instead.
-                return t if set(t) <= alphabet else "".join(BYTE_TO_CHAR[b] for b in t.encode("utf-8"))
-
-            vocab_list = [t if ty in (CONTROL, USER_DEFINED) else spell(t) for t, ty in zip(tokens, types)]
-            if merges_raw is None:
-                raise LlmtraceError(f"{where}: its byte-level (gpt2) tokenizer has no tokenizer.ggml.merges")
-            merges = [tuple(spell(p) for p in split_merge(m, where, i)) for i, m in enumerate(merges_raw)]
-            vocab = gguf_vocab(vocab_list, where)
-            tok = bpe_model(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", fuse_unk=False, byte_fallback=False)
-            tok.pre_tokenizer, note = byte_level_pre_tokenizer(get("tokenizer.ggml.pre"))
-            if note:
-                notes.append(note)
-            tok.decoder = decoders.ByteLevel()
-            special_types = (CONTROL,)
-            default_bos, default_reason = False, "byte-level BPE adds no BOS unless told"
+            built = byte_level_bpe(get, tokens, types, merges_raw, where, notes)
         elif model == "llama":
-            kind = "sentencepiece"
-            scores: list[float] = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-            vocab = gguf_vocab(tokens, where)
-            if merges_raw is not None:
-                merges = [split_merge(m, where, i) for i, m in enumerate(merges_raw)]
-            else:
-                skip = {t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, BYTE)}
-                merges = merges_from_scores(vocab, dict(zip(tokens, scores)), skip)
-            unk_id = get("tokenizer.ggml.unknown_token_id")
-            unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-            tok = bpe_model(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", unk_token=unk, fuse_unk=True,
-                       byte_fallback=True)
-            space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
-            tok.pre_tokenizer = pre_tokenizers.Metaspace(
-                replacement=SPACE_MARK, prepend_scheme="first" if space_prefix else "never", split=False
-            )
-            steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
-            if space_prefix:
-                steps.append(decoders.Strip(content=" ", left=1, right=0))
-            tok.decoder = decoders.Sequence(steps)
-            special_types = (CONTROL, UNKNOWN)
-            default_bos, default_reason = True, "SentencePiece (llama) vocabularies add BOS unless told"
+            built = sentencepiece_bpe(get, tokens, types, merges_raw, where)
         else:
             raise LlmtraceError(
                 f"{where}: tokenizer model {model!r} is not supported (llmtrace reads 'gpt2' and 'llama')"
             )
-
+        tok = built.tok
         # Control tokens are matched whole in the text and are special; user-defined ones are matched whole too.
-        spelled = vocab_list if kind == "byte_level" else tokens
-        tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, ty in zip(spelled, types) if ty in special_types]
-        )
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(spelled, types) if ty == USER_DEFINED])
-
-        add_bos_field = get("tokenizer.ggml.add_bos_token")
-        if add_bos_field is None:
-            add_bos, reason = default_bos, f"tokenizer.ggml.add_bos_token not set; {default_reason}"
-        else:
-            add_bos, reason = bool(add_bos_field), f"tokenizer.ggml.add_bos_token = {str(bool(add_bos_field)).lower()}"
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(built.spelled, built.types) if ty in built.special_types])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(built.spelled, built.types) if ty == USER_DEFINED])
+        add_bos, reason = _gguf_add_bos(get, built.default_bos, built.default_reason, bos_id)
         add_eos = bool(get("tokenizer.ggml.add_eos_token", False))
-        if add_bos and bos_id is None:
-            add_bos, reason = False, "the GGUF asks for BOS but names no tokenizer.ggml.bos_token_id"
         tok.post_processor = post_processor_of(tok, bos_id, eos_id, add_bos, add_eos)
-
         # Generation stops at EOS, and at end-of-turn / end-of-message tokens when the file names them.
         stops = (eos_id, get("tokenizer.ggml.eot_token_id"), get("tokenizer.ggml.eom_token_id"))
-        eos_ids = [i for i in stops if i is not None]
         return cls(
             tok,
-            kind=kind,
+            kind=built.kind,
             bos_id=bos_id,
-            eos_ids=eos_ids,
+            eos_ids=[i for i in stops if i is not None],
             pad_id=get("tokenizer.ggml.padding_token_id"),
             unk_id=get("tokenizer.ggml.unknown_token_id"),
             add_bos=add_bos,
             add_eos=add_eos,
             add_bos_reason=reason,
-            chat_template=get("tokenizer.chat_template"),
+            chat_template=gguf_chat_template(get, notes),
             vocab_size=len(tokens),
             source=source,
             notes=notes,

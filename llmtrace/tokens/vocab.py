@@ -11,7 +11,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+from typing import NamedTuple
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from llmtrace.errors import LlmtraceError, one_line
 
@@ -202,6 +204,80 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float], skip: se
         found.extend((left, right, score) for left, right in pairs)
     found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in found]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the BPE model of a GGUF vocabulary, by tokenizer.ggml.model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class GgufBpe(NamedTuple):
+    tok: Tokenizer  # the BPE model with its pre-tokenizer and decoder; no added tokens yet
+    kind: str  # "byte_level" or "sentencepiece"
+    spelled: list[str]  # each token as the model's vocabulary spells it (the added tokens are matched this way)
+    types: list[int]  # the token types, as the model uses them
+    special_types: tuple[int, ...]  # the token types that are special
+    default_bos: bool  # whether this kind adds BOS when the file does not say
+    default_reason: str
+
+
+def byte_level_bpe(get, tokens: list[str], types: list[int], merges_raw: list[str] | None, where: str,
+                   notes: list[str]) -> GgufBpe:
+    """`tokenizer.ggml.model = gpt2`: every byte spelled as one printable character, merges from the file."""
+    alphabet = set(CHAR_TO_BYTE)
+
+    def spell(t: str) -> str:
+        # A normal token must be written in the byte alphabet; a few converters store raw text instead.
+        return t if set(t) <= alphabet else "".join(BYTE_TO_CHAR[b] for b in t.encode("utf-8"))
+
+    spelled = [t if ty in (CONTROL, USER_DEFINED) else spell(t) for t, ty in zip(tokens, types)]
+    if merges_raw is None:
+        raise LlmtraceError(f"{where}: its byte-level (gpt2) tokenizer has no tokenizer.ggml.merges")
+    merges = [tuple(spell(p) for p in split_merge(m, where, i)) for i, m in enumerate(merges_raw)]
+    tok = bpe_model(gguf_vocab(spelled, where), merges, merges_raw, f"{where}: tokenizer.ggml.merges", fuse_unk=False,
+                    byte_fallback=False)
+    tok.pre_tokenizer, note = byte_level_pre_tokenizer(get("tokenizer.ggml.pre"))
+    if note:
+        notes.append(note)
+    tok.decoder = decoders.ByteLevel()
+    return GgufBpe(tok, "byte_level", spelled, types, (CONTROL,), False, "byte-level BPE adds no BOS unless told")
+
+
+def sentencepiece_bpe(get, tokens: list[str], types: list[int], merges_raw: list[str] | None, where: str) -> GgufBpe:
+    """`tokenizer.ggml.model = llama`: SentencePiece BPE. Spaces are '▁', a character the vocabulary lacks falls back
+    to its UTF-8 bytes '<0xE4>'; without merges in the file, the scores order them (merges_from_scores).
+
+    Gemma's files (general.architecture gemma*) differ twice, and transformers' Gemma tokenizer reads them so: a run
+    of spaces is stored as real spaces ('  ', user-defined) though it is the piece '▁▁' that merges build, and the
+    merges go in the order of the file, which is not the order of its scores for those runs."""
+    gemma = get("general.architecture") in ("gemma", "gemma2", "gemma3")
+    if gemma:
+        runs = [i for i, t in enumerate(tokens) if t and not t.strip(" ")]
+        tokens, types = list(tokens), list(types)
+        for i in runs:
+            tokens[i], types[i] = SPACE_MARK * len(tokens[i]), NORMAL
+    vocab = gguf_vocab(tokens, where)
+    if merges_raw is not None:
+        merges = [split_merge(m, where, i) for i, m in enumerate(merges_raw)]
+    else:
+        scores: list[float] = get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        if gemma:
+            scores = [-float(i) for i in range(len(tokens))]
+        skip = {t for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, BYTE)}
+        merges = merges_from_scores(vocab, dict(zip(tokens, scores)), skip)
+    unk_id = get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    tok = bpe_model(vocab, merges, merges_raw, f"{where}: tokenizer.ggml.merges", unk_token=unk, fuse_unk=True,
+                    byte_fallback=True)
+    space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))  # Gemma's say false: no '▁' before the text
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE_MARK, prepend_scheme="first" if space_prefix
+                                                 else "never", split=False)
+    steps = [decoders.Replace(SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return GgufBpe(tok, "sentencepiece", tokens, types, (CONTROL, UNKNOWN), True,
+                   "SentencePiece (llama) vocabularies add BOS unless told")
 
 
 def detect_kind(tok: Tokenizer) -> str:

