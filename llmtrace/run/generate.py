@@ -27,7 +27,7 @@ from typing import Callable, Optional, Protocol, Sequence, Union
 import torch
 
 from llmtrace.model.compiled import CompiledDecode, decode_step
-from llmtrace.errors import BadValue, LlmtraceError
+from llmtrace.errors import BadValue, FieldError, LlmtraceError
 from llmtrace.fsutil import sigint_deferred
 from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.model.transformer import KVCache, Transformer
@@ -195,7 +195,7 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: 
         raise
     except Exception as e:
         reason = " ".join(str(e).split())[:300] or type(e).__name__
-        raise LlmtraceError(f"torch.compile could not compile the decode step ({reason}); run without --compile") from None
+        raise FieldError("compile", f" failed: torch.compile could not build the decode step ({reason}); leave it out") from None
     compiled.compile_s = time.perf_counter() - t
     return compiled
 
