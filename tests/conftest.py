@@ -79,6 +79,15 @@ def hf_smollm_tokenizer(smollm_path):
     return transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
 
 
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    """A tiny random LLaMA for the quick suite's trace, report, intervention, patching and explain checks: 4 layers,
+    width 64, 4 query heads on 2 KV heads (GQA), its own byte-level BPE; CPU, float32."""
+    from helpers import load_tiny
+
+    return load_tiny(tmp_path_factory.mktemp("tiny-lm"), n_layers=4, seed=31)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # markers
 

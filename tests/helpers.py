@@ -1,5 +1,6 @@
-"""Helpers the tests import (`from helpers import run_cli, fails`): running the CLI in this process, and checks of
-its failures and of the trace's schema. Fixtures live in conftest.py."""
+"""Helpers the tests import (`from helpers import run_cli, fails`): running the CLI in this process, checks of its
+failures and of the trace's schema, and the tiny models the quick suite runs its trace, report, intervention,
+patching and explain checks on. Fixtures live in conftest.py; no test module imports another."""
 
 import io
 import sys
@@ -75,3 +76,40 @@ def undeclared_fields(events: list[dict]) -> list[str]:
         declared = defs.get(ev["event"], {}).get("properties", {})
         out += [f"{ev['event']}.{k}" for k in ev if k != "event" and k not in declared and f"{ev['event']}.{k}" not in out]
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tiny models for the quick suite
+
+
+def load_tiny(path, **spec):
+    """A tiny random LLaMA (tests/tiny.py: TinySpec(**spec), its byte-level BPE tokenizer) written as an HF directory
+    at PATH and loaded by llmtrace on the CPU in float32."""
+    from llmtrace.checkpoint.load import load_model
+    from tiny import TinySpec, write_hf_dir
+
+    write_hf_dir(path, TinySpec(**spec))
+    return load_model(str(path), device="cpu", dtype="float32")
+
+
+def model_param(tiny: str = "tiny_lm"):
+    """The parameters of a fixture that runs a check on the tiny model (quick) and on the real SmolLM2 (slow)."""
+    import pytest
+
+    return [tiny, pytest.param("smollm", marks=pytest.mark.slow)]
+
+
+def run_tokens(lm, prompt: str, level: str, layers=None, n: int = 6, dump=(), run_info=None, **sampling):
+    """(events, result) of a recorded one-prompt run of `n` tokens, greedy unless `sampling` says otherwise."""
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+    from llmtrace.trace.options import TraceOptions
+    from llmtrace.trace.recorder import Recorder
+
+    events = []
+    rec = Recorder(TraceOptions(level=level, layers=list(layers) if layers else None, dump=dump), [events.append],
+                   run_info=run_info or {"prompt": prompt})
+    cfg = SamplerConfig(**({"temperature": 0.0} | sampling))
+    ids = lm.tokenizer.encode(prompt)
+    result = generate(lm, ids, Sampler(cfg, lm.config.vocab_size), n, ignore_eos=True, observer=rec)
+    return events, result
