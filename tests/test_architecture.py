@@ -312,3 +312,17 @@ def test_the_flag_check_sees_a_flag_in_an_error():
         assert flags_in_errors("__probe__") == ["1: --fast", "1: --keep-quantized"]
     finally:
         del TREES["__probe__"]
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers.py (fixtures in conftest.py, tiny checkpoints in tiny.py): a test module
+    imported by another runs its module-level code twice and makes the two depend on each other's names."""
+    tests = Path(__file__).resolve().parent
+    crossing = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            crossing += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                         if n.split(".")[-1].startswith("test_") or n.startswith("tests.")]
+    assert not crossing, "\n".join(crossing)

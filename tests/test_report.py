@@ -7,16 +7,13 @@ import filecmp
 from html import unescape
 import json
 import math
-import os
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import model_param
+from helpers import Opened, model_param
 
 from llmtrace.run.explain import lens_events
 from llmtrace.run.generate import generate
@@ -27,9 +24,6 @@ from llmtrace.trace.recorder import Recorder
 from llmtrace.trace.options import TraceOptions
 
 PROMPT = "Quantum mechanics is a fundamental theory in physics that"
-CHROMIUM = "/usr/bin/chromium"
-BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 def run_events(lm, level="full", layers=(0, 29), n=6, dump=("0.probs", "29.probs")):
@@ -246,44 +240,6 @@ def test_html_of_a_64_token_full_run_fits_3mb_and_equals_report_of_its_trace(smo
 
 # ----------------------------------------------------------------------------------------------------------------
 # in a real browser
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail("playwright is missing in CI: pip install -e .[test]")
-        pytest.skip("playwright is not installed (pip install playwright)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield b
-        b.close()
-
-
-class Opened:
-    """A page opened from file://, with every console message, page error and request it made."""
-
-    def __init__(self, browser, path: Path):
-        self.page = browser.new_page(viewport={"width": 1280, "height": 900})
-        self.messages, self.requests = [], []
-        self.page.on("console", lambda m: self.messages.append((m.type, m.text)))
-        self.page.on("pageerror", lambda e: self.messages.append(("pageerror", str(e))))
-        self.page.route("**/*", self._route)
-        self.url = path.resolve().as_uri()
-        self.page.goto(self.url)
-
-    def _route(self, route):
-        self.requests.append(route.request.url)
-        if route.request.url == self.url:
-            route.continue_()
-        else:
-            route.abort()
 
 
 @pytest.fixture(scope="module")
