@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from llmtrace.checkpoint.choices import check_placement, max_memory_entry, parse_size
+from llmtrace.checkpoint.choices import max_memory_entry, parse_size
 from llmtrace.errors import BadValue, FieldError, UsageError
 from llmtrace.units import human_bytes
 
@@ -185,8 +185,8 @@ def _torch_device(d) -> torch.device:
 def parse_placement(device_map: Optional[str], max_memory: Optional[list[str]], offload_dir: Optional[Path],
                     model_key: str) -> Optional[Placement]:
     """device_map / max_memory / offload_dir -> a Placement, or None. Their spelling is choices.check_placement's
-    (LoadOptions checked it before torch was imported); this adds what only the machine can say."""
-    check_placement(device_map, max_memory, offload_dir)
+    (api.LoadOptions checked it when it was made, before torch was imported); this adds what only the machine can
+    say: the devices max_memory names, and a writable offload folder."""
     if device_map is None and not max_memory:
         return None
     limits: dict = {}
