@@ -103,22 +103,6 @@ def model_param(tiny: str = "tiny_lm"):
     return [tiny, pytest.param("smollm", marks=pytest.mark.slow)]
 
 
-def run_tokens(lm, prompt: str, level: str, layers=None, n: int = 6, dump=(), run_info=None, **sampling):
-    """(events, result) of a recorded one-prompt run of `n` tokens, greedy unless `sampling` says otherwise."""
-    from llmtrace.run.generate import generate
-    from llmtrace.run.sampler import Sampler, SamplerConfig
-    from llmtrace.trace.options import TraceOptions
-    from llmtrace.trace.recorder import Recorder
-
-    events = []
-    rec = Recorder(TraceOptions(level=level, layers=list(layers) if layers else None, dump=dump), [events.append],
-                   run_info=run_info or {"prompt": prompt})
-    cfg = SamplerConfig(**({"temperature": 0.0} | sampling))
-    ids = lm.tokenizer.encode(prompt)
-    result = generate(lm, ids, Sampler(cfg, lm.config.vocab_size), n, ignore_eos=True, observer=rec)
-    return events, result
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # pages in a real browser (the `browser` fixture is in conftest.py)
 

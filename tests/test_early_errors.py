@@ -165,3 +165,43 @@ def test_an_empty_gguf_is_said_to_be_empty_by_the_resolver(tmp_path):
     (tmp_path / "n.gguf").write_bytes(b"GGU")  # a short file is not empty: it does not start with GGUF
     with pytest.raises(LlmtraceError, match="does not start with the bytes 'GGUF'"):
         resolve(str(tmp_path / "n.gguf"))
+
+
+def test_generate_returns_its_notes_instead_of_printing_them(tiny_lm, capsys):
+    """-n cut short by the context window: the note is in the trace's `notes` (and prepare_generate's, before the
+    run), and nothing reaches stderr from the library."""
+    model = llmtrace.Model(tiny_lm)
+    ctx = tiny_lm.config.max_seq_len
+    prompt = "a" * (ctx - 3)  # one token a character in the tiny byte-level vocabulary: 3 slots left
+    assert len(tiny_lm.tokenizer.encode(prompt)) == ctx - 3
+    capsys.readouterr()
+    prepared = model.prepare_generate(prompt, llmtrace.GenerateOptions.of(max_new_tokens=8, trace="none"))
+    assert len(prepared.notes) == 1 and "3 tokens fit, not 8" in prepared.notes[0]
+    trace = prepared.run()
+    assert trace.notes == prepared.notes and len(trace.tokens) == 3
+    assert model.generate(prompt, max_new_tokens=8, trace="none").notes == prepared.notes
+    assert capsys.readouterr().err == ""
+
+
+def test_the_shared_flag_groups_are_declared_once_and_spread_into_each_command():
+    """generate, explain and lens take the load, intervention and prompt flags from one declaration each
+    (cli/options.py, cli/batch_input.py); patch takes the one-device load flags."""
+    from dataclasses import fields
+
+    import typer.main
+
+    from llmtrace.cli.app import app
+    from llmtrace.cli.batch_input import PromptFlags
+    from llmtrace.cli.options import InterventionFlags, LoadFlags, OneDeviceLoadFlags
+    import llmtrace.cli.main  # noqa: F401  (registers the commands)
+
+    click_app = typer.main.get_command(app)
+    for name in ("generate", "explain", "lens", "patch"):
+        params = {p.name for p in click_app.commands[name].params}
+        groups = (OneDeviceLoadFlags,) if name == "patch" else (LoadFlags, InterventionFlags, PromptFlags)
+        for group in groups:
+            assert {f.name for f in fields(group) if f.init} <= params, (name, group.__name__)
+    sources = "\n".join(p.read_text() for p in (Path(llmtrace.__file__).parent / "cli").glob("*.py"))
+    for alias in ("DeviceMapOpt", "MaxMemoryOpt", "OffloadDirOpt", "AblateOpt", "ControlVectorOpt", "PromptsOpt"):
+        uses = sources.count(f": {alias} =")
+        assert uses == 1, f"{alias} is a parameter {uses} times in cli/: declare it in its flag group only"
