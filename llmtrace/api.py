@@ -20,6 +20,7 @@ field. This module imports torch only when a model is loaded or run, so `import 
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -420,7 +421,8 @@ class Model:
         lm, tok = self.loaded, self.loaded.tokenizer
         texts = options.check_prompts(prompt)
         batch = not isinstance(prompt, str) and len(texts) > 1  # a one-prompt list is a one-prompt run
-        trace = replace(options.trace_options, layers=parse_layers(_layer_spec(options.layers), lm.config.n_layers))
+        trace = copy.copy(options.trace_options)  # checked when the options were made: not made (and checked) again
+        trace.layers = parse_layers(_layer_spec(options.layers), lm.config.n_layers)
         trace.check_dump_layers(lm.config.n_layers)
         if options.for_report:  # the report's attention maps need the probabilities of the recorded layers
             from llmtrace.report.write import report_dumps
