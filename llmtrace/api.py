@@ -20,12 +20,14 @@ field. This module imports torch only when a model is loaded or run, so `import 
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, UsageError
+from llmtrace.run.sampler import SamplerConfig, parse_logit_bias, parse_order
 
 if TYPE_CHECKING:
     from llmtrace.checkpoint.loaded import LoadedModel
@@ -41,7 +43,8 @@ Sink = Callable[[dict], None]  # called with each event as it is made
 @dataclass
 class LoadOptions:
     """What `load` takes: the model and where it runs (--model, --device, --dtype, --keep-quantized, --device-map,
-    --max-memory, --offload-dir, --threads, --fast)."""
+    --max-memory, --offload-dir, --threads, --fast). Every value that needs neither torch nor the model is checked
+    when this is made (checkpoint/choices.py); what the machine must answer (CUDA, accelerate's placement) at load."""
 
     spec: Optional[str] = None  # None: the registry's default model
     device: Optional[str] = None
@@ -52,55 +55,34 @@ class LoadOptions:
     offload_dir: Optional[Path] = None
     threads: Optional[int] = None
     fast: bool = False  # a GGUF's matrices on int4 kernels, bfloat16 activations: approximate, and traces say so
-    _placement: Any = field(default=(), init=False, repr=False, compare=False)  # () until placement() is called
 
-    def placement(self):
-        """The --device-map placement (None without one), checked once: accelerate installed, sizes well formed."""
-        from llmtrace.checkpoint.placement import parse_placement
+    def __post_init__(self):
+        from llmtrace.checkpoint.choices import check_load_values
 
-        if self._placement == ():
-            key = Path(self.spec).name if self.spec else "default"
-            self._placement = parse_placement(self.device_map, list(self.max_memory) if self.max_memory else None,
-                                              self.offload_dir, key)
-        return self._placement
+        check_load_values(self.device, self.dtype, self.keep_quantized, self.device_map, self.max_memory,
+                          self.offload_dir, self.threads, self.fast)
 
-    def check_device(self) -> None:
-        """--device cuda without CUDA (or a dtype the device lacks) fails before a download or a load."""
-        from llmtrace.checkpoint.devices import pick_device, pick_dtype
 
-        pick_dtype(self.dtype, pick_device(self.device))
+def greedy() -> SamplerConfig:
+    """The sampler a run has unless told otherwise: greedy (temperature 0), every other stage off."""
+    return SamplerConfig(temperature=0.0)
+
+
+# the keywords of `generate` that are the sampler's (SamplerConfig's fields, declared there once), as `generate` takes
+# them: ban is texts (GenerateOptions.ban), the order is `sampler_order`, logit_bias may be ["ID=BIAS", ...]
+SAMPLER_KEYWORDS = tuple(f.name for f in fields(SamplerConfig) if f.name not in ("ban", "order")) + ("sampler_order",)
 
 
 @dataclass
 class GenerateOptions:
-    """Every sampler, trace and batch option of `generate`. Field names are the CLI's flags without dashes."""
+    """Every option of `generate`: the sampler's settings as one SamplerConfig (run/sampler.py declares them and
+    checks them when it is made), and the run's own fields, checked here when this is made, before any model loads.
+    `GenerateOptions.of(temperature=0.7, top_k=40, ...)` takes the sampler's settings as keywords, as `generate` does.
+    Field names are the CLI's flags without dashes."""
 
     max_new_tokens: int = 32
-    # the sampler (s10-s12)
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: Union[dict[int, float], Sequence[str], None] = None  # {id: bias} or ["ID=BIAS", ...]
-    ban: Sequence[str] = ()  # texts never generated
-    sampler_order: Union[str, Sequence[str]] = "hf"  # "hf", "llama.cpp", "a,b,c" or a list of stage names
-    seed: Optional[int] = None  # None: random (and recorded); row r of a batch uses seed + r
-    # llama.cpp's samplers (defaults are llama.cpp's; see run/sampler.py)
-    top_n_sigma: float = 0.0  # 0: off
-    xtc_probability: float = 0.0  # 0: off
-    xtc_threshold: float = 0.1
-    dry_multiplier: float = 0.0  # 0: off
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = 64  # -1: the whole context, 0: off
-    dry_sequence_breakers: Optional[Sequence[str]] = None  # None: llama.cpp's "\n", ":", "\"", "*"
-    mirostat: int = 0  # 0: off, 1 or 2
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
+    sampler: SamplerConfig = field(default_factory=greedy)  # the sampler (s10-s12); its ban is filled in at the run
+    ban: Sequence[str] = ()  # texts never generated (encoded into sampler.ban once the tokenizer is known)
     # the prompt
     chat: bool = False
     system: Optional[str] = None
@@ -118,54 +100,55 @@ class GenerateOptions:
     save_tensors: Optional[str] = None  # FILE.safetensors: the full values of the recorded points (`llmtrace diff`)
     # interventions (run/interventions.py: Ablate, Scale, Patch, Steer, ControlVector), applied to every pass
     interventions: Sequence[Any] = ()
+    trace_options: Any = field(default=None, init=False, repr=False, compare=False)  # TraceOptions, made once here
+
+    @classmethod
+    def of(cls, **keywords) -> "GenerateOptions":
+        """The options from `generate`'s keywords: the sampler's (SAMPLER_KEYWORDS) make its SamplerConfig."""
+        given = {k: keywords.pop(k) for k in list(keywords) if k in SAMPLER_KEYWORDS}
+        known = {f.name for f in fields(cls) if f.init and f.name != "sampler"}
+        unknown = sorted(set(keywords) - known)
+        if unknown:
+            raise UsageError(f"generate() got an unknown keyword {unknown[0]!r}; it takes "
+                             f"{', '.join(sorted(known | set(SAMPLER_KEYWORDS)))}")
+        return cls(sampler=sampler_config(**given), **keywords)
 
     def __post_init__(self):
         from llmtrace.trace.indices import parse_index_ranges
+        from llmtrace.trace.options import TraceOptions
 
         if self.max_new_tokens < 0:
             raise BadValue("max_new_tokens", " must be ≥ 0")
         if self.show_top < 1:
             raise BadValue("show_top", " must be ≥ 1")
         check_system(self.chat, self.system)
-        self.sampler_config().validate(vocab_size=sys.maxsize)  # ranges now; ids against the vocabulary after load
-        self.trace_options()
+        check_texts("ban", self.ban, "a text never generated")
+        check_texts("stop", self.stop, "the text that ends the run")
+        if self.ban and "ban" not in self.sampler.order:
+            raise BadValue("sampler_order", f" {','.join(self.sampler.order)} leaves out sampler stage 'ban', which "
+                           "is set")
+        try:
+            self.trace_options = TraceOptions(level=self.trace, dump=tuple(self.dump), topk=self.show_top)
+        except BadValue as e:  # the trace's own name for it is its level
+            raise BadValue("trace" if e.field == "level" else e.field, e.rest, e.also) from None
         if isinstance(self.layers, str) and self.layers.strip() not in ("", "all"):
             parse_index_ranges(self.layers, "layers", "layer")
         if self.save_tensors is not None and not str(self.save_tensors).endswith(".safetensors"):
             raise BadValue("save_tensors", f" writes a .safetensors file; give a name ending in .safetensors, not "
                            f"{str(self.save_tensors)!r}")
+        self._check_compile()
+
+    def _check_compile(self) -> None:
         if self.freeze and not self.compile:
             raise BadValue("freeze", " freezes the weights into the compiled decode step; add compile",
                            also=("compile",))
         if self.compile and self.interventions:
             raise BadValue("compile", " runs the model as it is; a run with interventions runs eagerly, so leave "
-                           "compile out", also=("interventions", "compile"))
+                           "compile out", also=("compile",))
         if self.compile and (self.trace in ("layers", "full") or self.dump or self.for_report):
             raise BadValue("compile", " speeds up decode steps that nothing observes; with trace layers/full, dump or "
                            "for_report (which records attention) every step is observed and runs eagerly, so leave "
                            "compile out", also=("trace", "dump", "for_report", "compile"))
-
-    def sampler_config(self, vocab_size: int = sys.maxsize, tokenizer=None):
-        """The SamplerConfig: logit-bias ids are checked against `vocab_size`, ban texts encoded with `tokenizer`."""
-        from llmtrace.run.sampler import SamplerConfig, banned_sequences, parse_logit_bias, parse_order
-
-        order = parse_order(self.sampler_order) if isinstance(self.sampler_order, str) else list(self.sampler_order)
-        if isinstance(self.logit_bias, dict):
-            bias = parse_logit_bias([f"{k}={v}" for k, v in self.logit_bias.items()], vocab_size)
-        else:
-            bias = parse_logit_bias(list(self.logit_bias or []), vocab_size)
-        return SamplerConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                             typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
-                             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-                             order=order, seed=self.seed, logit_bias=bias,
-                             ban=banned_sequences(tokenizer, list(self.ban)) if tokenizer is not None else [],
-                             top_n_sigma=self.top_n_sigma, xtc_probability=self.xtc_probability,
-                             xtc_threshold=self.xtc_threshold, dry_multiplier=self.dry_multiplier,
-                             dry_base=self.dry_base, dry_allowed_length=self.dry_allowed_length,
-                             dry_penalty_last_n=self.dry_penalty_last_n, mirostat=self.mirostat,
-                             mirostat_tau=self.mirostat_tau, mirostat_eta=self.mirostat_eta,
-                             **({} if self.dry_sequence_breakers is None
-                                else {"dry_sequence_breakers": list(self.dry_sequence_breakers)}))
 
     def check_prompts(self, prompt: Prompt) -> list[str]:
         """The prompts of a run with these options (before any model loads): a list of several is one batch."""
@@ -176,10 +159,32 @@ class GenerateOptions:
             raise BadValue("save_tensors", " records one prompt's run; leave it out for a batch of several prompts")
         return texts
 
-    def trace_options(self):
-        from llmtrace.trace.options import TraceOptions
 
-        return TraceOptions(level=self.trace, dump=tuple(self.dump), topk=self.show_top)
+def sampler_config(sampler_order: Union[str, Sequence[str], None] = None,
+                   logit_bias: Union[dict[int, float], Sequence[str], None] = None, **settings) -> SamplerConfig:
+    """A SamplerConfig from `generate`'s keywords: greedy unless `temperature` is given; `sampler_order` "hf",
+    "llama.cpp", "a,b,c" or a list of stage names; `logit_bias` {id: bias} or ["ID=BIAS", ...];
+    dry_sequence_breakers None: llama.cpp's. Ids are checked against the vocabulary once a model is known."""
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        logit_bias = parse_logit_bias(list(logit_bias), sys.maxsize)
+    if logit_bias:
+        settings["logit_bias"] = dict(logit_bias)
+    if settings.get("dry_sequence_breakers", ()) is None:
+        del settings["dry_sequence_breakers"]
+    try:
+        if sampler_order is not None:
+            settings["order"] = parse_order(sampler_order) if isinstance(sampler_order, str) else list(sampler_order)
+        return SamplerConfig(**{"temperature": 0.0, **settings})
+    except BadValue as e:  # the sampler's own name for it is its `order`
+        if e.field != "order":
+            raise
+        raise BadValue("sampler_order", e.rest, e.also, e.before) from None
+
+
+def check_texts(name: str, texts: Sequence[str], what: str) -> None:
+    for text in texts:
+        if not isinstance(text, str) or text == "":
+            raise BadValue(name, f" needs a non-empty text ({what}), got {text!r}")
 
 
 @dataclass
@@ -258,10 +263,11 @@ def _options(cls, given: dict[str, Any], call: str):
 class Trace:
     """A trace's events (schema llmtrace.trace/1), from a run or read from a file, with what a notebook needs."""
 
-    def __init__(self, events: list[dict], tokenizer=None, result=None):
+    def __init__(self, events: list[dict], tokenizer=None, result=None, notes: Sequence[str] = ()):
         self.events = events
         self.tokenizer = tokenizer  # the model's, when known: the report draws the BPE merge story with it
         self.result = result  # generate's GenerationResult / BatchResult, when this trace is a run's
+        self.notes = list(notes)  # what a person should know of the run, one line each (the CLI prints `note: ...`)
 
     def _summary(self) -> Optional[dict]:
         return next((e for e in reversed(self.events) if e.get("event") == "summary"), None)
@@ -358,9 +364,13 @@ def load(spec: Optional[str] = None, **options) -> "Model":
 def load_with(options: LoadOptions) -> "Model":
     from llmtrace.checkpoint import load as checkpoint
     from llmtrace.checkpoint import devices
+    from llmtrace.checkpoint.placement import parse_placement
 
-    placement = options.placement()
-    options.check_device()
+    key = Path(options.spec).name if options.spec else "default"
+    placement = parse_placement(options.device_map, list(options.max_memory) if options.max_memory else None,
+                                options.offload_dir, key)
+    if placement is None:
+        devices.pick_dtype(options.dtype, devices.pick_device(options.device))  # --device cuda without CUDA: at once
     devices.set_threads(options.threads)
     return Model(checkpoint.load_model(options.spec, device=options.device, dtype=options.dtype,
                                        keep_quantized=options.keep_quantized, placement=placement,
@@ -390,25 +400,28 @@ class Model:
     def generate(self, prompt: Prompt, **options) -> Trace:
         """Generate from one prompt, or from a list of prompts run as one batch. Keywords: GenerateOptions' fields
         (max_new_tokens=, temperature=, top_k=, top_p=, ..., seed=, stop=, trace=, layers=, dump=, show_top=)."""
-        return self.generate_with(prompt, _options(GenerateOptions, options, "generate"))
+        return self.generate_with(prompt, GenerateOptions.of(**options))
 
     def generate_with(self, prompt: Prompt, options: GenerateOptions, *, sinks: Sequence[Sink] = (),
                       on_text: Optional[Callable[[str], None]] = None, keep_events: bool = True) -> Trace:
         """`generate` with its options as one value, and the hooks the CLI adds: `sinks` get each event as it is
         made (a stream, a view), `on_text` each piece of text of a one-prompt run. `keep_events=False`: the
-        returned Trace holds only the summary (a long traced run's events can be many)."""
-        import torch
+        returned Trace holds only the summary (a long traced run's events can be many). What a person should know
+        of the run (characters the tokenizer drops, -n cut by the context window) is in the Trace's `notes`; to say
+        them before the run starts, `prepare_generate` then `GenerateRun.run`."""
+        return self.prepare_generate(prompt, options).run(sinks=sinks, on_text=on_text, keep_events=keep_events)
 
-        from llmtrace.console import prefill_progress
-        from llmtrace.run.generate import check_batch_context, context_note, generate, generate_batch, row_seed
-        from llmtrace.run.sampler import Sampler
+    def prepare_generate(self, prompt: Prompt, options: GenerateOptions) -> "GenerateRun":
+        """Everything a run needs before its first pass, checked against this model (layers, dump layers, token
+        ids, the context window, interventions): a GenerateRun whose `notes` can be said before it `run`s."""
+        from llmtrace.run.generate import check_batch_context, context_note, row_seed
+        from llmtrace.run.sampler import Sampler, banned_sequences
         from llmtrace.trace.indices import parse_layers
-        from llmtrace.trace.recorder import Recorder
 
         lm, tok = self.loaded, self.loaded.tokenizer
         texts = options.check_prompts(prompt)
         batch = not isinstance(prompt, str) and len(texts) > 1  # a one-prompt list is a one-prompt run
-        trace = options.trace_options()
+        trace = copy.copy(options.trace_options)  # checked when the options were made: not made (and checked) again
         trace.layers = parse_layers(_layer_spec(options.layers), lm.config.n_layers)
         trace.check_dumps(lm.config.n_layers, lm.points)
         if options.for_report:  # the report's attention maps need the probabilities of the recorded layers
@@ -416,56 +429,23 @@ class Model:
 
             extra = report_dumps(trace.layers, lm.config.n_layers)
             trace = replace(trace, dump=tuple(dict.fromkeys(trace.dump + extra)))
-        scfg = options.sampler_config(lm.config.vocab_size, tok)
-        scfg.validate(lm.config.vocab_size)
+        scfg = options.sampler.changed(ban=banned_sequences(tok, list(options.ban))) if options.ban else options.sampler
+        sampler = Sampler(scfg, lm.config.vocab_size, k_show=trace.topk, tokenizer=tok)  # ids against the vocabulary
         encoded = [tok.encode_prompt(t, chat=options.chat, system=options.system) for t in texts]
-        for r, (prompt_text, _) in enumerate(encoded):
-            dropped = tok.dropped_note(prompt_text, f"prompt {r + 1}" if batch else "prompt")
-            if dropped:
-                print(f"note: {dropped}", file=sys.stderr)
-        ids = encoded[0][1]
+        notes = [note for r, (text, _) in enumerate(encoded)
+                 if (note := tok.dropped_note(text, f"prompt {r + 1}" if batch else "prompt"))]
         cut = context_note(lm, [len(i) for _, i in encoded], options.max_new_tokens)
         if cut:  # -n cut short by the context window: generate what fits and say so (stop reason "context")
-            print(f"note: {cut}", file=sys.stderr)
-        sampler = Sampler(scfg, lm.config.vocab_size, k_show=trace.topk, tokenizer=tok)
+            notes.append(cut)
+        samplers = None
         if batch:
             check_batch_context(lm, [i for _, i in encoded], options.max_new_tokens)  # before any output
-            samplers = [Sampler(replace(scfg, seed=row_seed(sampler.seed, r)), lm.config.vocab_size, k_show=trace.topk,
-                                tokenizer=tok) for r in range(len(encoded))]
+            samplers = [sampler.with_seed(row_seed(sampler.seed, r)) for r in range(len(encoded))]
+        if options.interventions:
+            from llmtrace.run.interventions import check
 
-        events: list[dict] = []
-        kept: Sink = events.append if keep_events else (lambda ev: ev.get("event") == "summary" and events.append(ev))
-        run_info = {"prompt": encoded[0][0], "chat": options.chat, "threads": torch.get_num_threads()}
-        interventions = list(options.interventions)
-        if interventions:
-            from llmtrace.run.interventions import check, record
-
-            check(interventions, lm.config, [len(i) for _, i in encoded])  # before any output
-            run_info["interventions"] = [record(iv) for iv in interventions]
-        if batch:
-            run_info["prompts"] = [p for p, _ in encoded]
-        compiled = None
-        if options.compile:
-            compiled = _compile_step(lm, len(ids), options.max_new_tokens, options.freeze)
-            run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3),
-                                    "frozen": options.freeze}
-        store = None
-        if options.save_tensors:
-            from llmtrace.trace.tensors import TensorStore
-
-            store = TensorStore(Path(options.save_tensors))
-        recorder = Recorder(trace, [*sinks, kept], run_info=run_info, tensors=store)
-        if batch:
-            result = generate_batch(lm, [i for _, i in encoded], samplers, options.max_new_tokens,
-                                    stop_texts=tuple(options.stop), ignore_eos=options.ignore_eos, observer=recorder,
-                                    on_prefill_progress=prefill_progress(), interventions=interventions)
-        else:
-            result = generate(lm, ids, sampler, options.max_new_tokens, stop_texts=tuple(options.stop),
-                              ignore_eos=options.ignore_eos, observer=recorder, on_text=on_text, compiled=compiled,
-                              on_prefill_progress=prefill_progress(), interventions=interventions)
-        if store is not None:
-            store.write()  # before the caller writes the trace document, which names it
-        return Trace(events, tokenizer=tok, result=result)
+            check(list(options.interventions), lm.config, [len(i) for _, i in encoded])  # before any output
+        return GenerateRun(self, options, encoded, trace, sampler, samplers, notes)
 
     # -- explain and lens
 
@@ -518,6 +498,66 @@ class Model:
             if not p:
                 raise BadValue("prompt", f" {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
         return events[:1] + [explain_batch_event(self.tokenizer, prompts, options.row)] + events[1:]
+
+
+@dataclass
+class GenerateRun:
+    """A run of `generate`, prepared (Model.prepare_generate): the prompts encoded, the trace's scope and the samplers
+    made, every value checked; nothing has run yet. `notes`: what a person should know of it, one line each."""
+
+    model: Model
+    options: GenerateOptions
+    encoded: list[tuple[str, list[int]]]  # each prompt as the model reads it, and its ids
+    trace: Any  # TraceOptions, its layers resolved against the model
+    sampler: Any  # run.sampler.Sampler of row 0 (of the run, when it is one prompt)
+    samplers: Optional[list[Any]]  # a batch's, one per row (row r: seed + r); None for one prompt
+    notes: list[str]
+
+    def run(self, *, sinks: Sequence[Sink] = (), on_text: Optional[Callable[[str], None]] = None,
+            keep_events: bool = True) -> Trace:
+        """Generate, telling `sinks` each event as it is made (see Model.generate_with)."""
+        from llmtrace.console import prefill_progress
+        from llmtrace.run.generate import generate, generate_batch
+        from llmtrace.trace.recorder import Recorder
+
+        lm, options = self.model.loaded, self.options
+        events: list[dict] = []
+        kept: Sink = events.append if keep_events else (lambda ev: ev.get("event") == "summary" and events.append(ev))
+        run_info = self._run_info()
+        compiled = None
+        if options.compile:
+            compiled = _compile_step(lm, len(self.encoded[0][1]), options.max_new_tokens, options.freeze)
+            run_info["compiled"] = {"decode_step": True, "compile_s": round(compiled.compile_s, 3),
+                                    "frozen": options.freeze}
+        store = None
+        if options.save_tensors:
+            from llmtrace.trace.tensors import TensorStore
+
+            store = TensorStore(Path(options.save_tensors))
+        recorder = Recorder(self.trace, [*sinks, kept], run_info=run_info, tensors=store)
+        common = dict(stop_texts=tuple(options.stop), ignore_eos=options.ignore_eos, observer=recorder,
+                      on_prefill_progress=prefill_progress(), interventions=list(options.interventions))
+        if self.samplers is not None:
+            result = generate_batch(lm, [i for _, i in self.encoded], self.samplers, options.max_new_tokens, **common)
+        else:
+            result = generate(lm, self.encoded[0][1], self.sampler, options.max_new_tokens, on_text=on_text,
+                              compiled=compiled, **common)
+        if store is not None:
+            store.write()  # before the caller writes the trace document, which names it
+        return Trace(events, tokenizer=lm.tokenizer, result=result, notes=self.notes)
+
+    def _run_info(self) -> dict:
+        """What the run event says of the run besides the model: the prompt(s), chat, threads, interventions."""
+        import torch
+
+        info = {"prompt": self.encoded[0][0], "chat": self.options.chat, "threads": torch.get_num_threads()}
+        if self.options.interventions:
+            from llmtrace.run.interventions import record
+
+            info["interventions"] = [record(iv) for iv in self.options.interventions]
+        if self.samplers is not None:
+            info["prompts"] = [p for p, _ in self.encoded]
+        return info
 
 
 def _layer_spec(layers) -> Optional[str]:

@@ -17,15 +17,17 @@ class UsageError(LlmtraceError):
     exit_code = 2
 
 
-class BadValue(UsageError):
-    """A value out of range or malformed, named as the library knows it: `field` ("temperature", "layers") starts the
-    message, `rest` is what follows ("temperature must be >= 0 ..."). A front end that took the value from a flag says
-    which one with `named("--temperature")`; the library never names a flag itself. `also`: other fields the message
-    names by their field names ("system only applies with chat"), which `named` renames too."""
+class FieldError(LlmtraceError):
+    """A problem with one value the caller gave, named as the library knows it: `field` ("temperature", "device")
+    starts the message, `rest` is what follows ("temperature must be >= 0 ..."). A front end that took the value from
+    a flag says which one with `named("--temperature")`; the library never names a flag itself. `also`: other fields
+    the message names by their field names ("system only applies with chat"), which `named` renames too. `before`:
+    words before the field, for a message that cannot start with it ("bad max_memory 'cpu20GiB': ..."). Raised as it
+    is, a runtime problem (exit code 1: "device cuda was asked for, but this machine has no CUDA device")."""
 
-    def __init__(self, field: str, rest: str, also: tuple[str, ...] = ()):
-        super().__init__(f"{field}{rest}")
-        self.field, self.rest, self.also = field, rest, tuple(also)
+    def __init__(self, field: str, rest: str, also: tuple[str, ...] = (), before: str = ""):
+        super().__init__(f"{before}{field}{rest}")
+        self.field, self.rest, self.also, self.before = field, rest, tuple(also), before
 
     def named(self, label: str, rename=None) -> str:
         """The message with `label` for the field, and `rename(other)` for each field in `also`."""
@@ -34,7 +36,13 @@ class BadValue(UsageError):
         rest = self.rest
         for other in self.also if rename is not None else ():
             rest = re.sub(rf"(?<![\w-]){re.escape(other)}(?![\w-])", rename(other), rest)
-        return f"{label}{rest}"
+        return f"{self.before}{label}{rest}"
+
+
+class BadValue(FieldError, UsageError):
+    """A value out of range or malformed, named by its field (FieldError): a usage problem (exit code 2)."""
+
+    exit_code = 2
 
 
 def one_line(e: BaseException) -> str:

@@ -8,6 +8,7 @@ there is nothing to rename over it.
 """
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -49,10 +50,20 @@ def check_writable_target(path: Path) -> None:
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
     except OSError as e:
-        raise LlmtraceError(f"cannot write {path}: directory {parent} is not writable ({e.strerror}); "
+        raise LlmtraceError(f"cannot write {path}: directory {parent} is not writable{_why_not(e)}; "
                             f"choose another path") from None
     os.close(fd)
     os.unlink(probe)
+
+
+def _why_not(e: OSError) -> str:
+    """Why a file could not be created, in words that are true of the error (a /proc directory answers "No such file
+    or directory" although it exists: it takes no new files)."""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return " (permission denied)"
+    if e.errno == errno.EROFS:
+        return ": it is on a read-only file system"
+    return f": it takes no new files (creating one fails with {e.strerror or e!s})"
 
 
 @contextlib.contextmanager

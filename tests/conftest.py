@@ -115,6 +115,39 @@ def families(tmp_path_factory):
     return FamilyCheckpoints(tmp_path_factory.mktemp("families"))
 
 
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    """A tiny random LLaMA for the quick suite's trace, report, intervention, patching and explain checks: 4 layers,
+    width 64, 4 query heads on 2 KV heads (GQA), its own byte-level BPE; CPU, float32."""
+    from helpers import load_tiny
+
+    return load_tiny(tmp_path_factory.mktemp("tiny-lm"), n_layers=4, seed=31)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, headless, driven by playwright (skipped where either is missing, failed in CI)."""
+    import shutil
+    from pathlib import Path
+
+    from helpers import BROWSER_ARGS, CHROMIUM
+
+    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("playwright is missing in CI: pip install -e .[test]")
+        pytest.skip("playwright is not installed (pip install playwright)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        yield b
+        b.close()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # markers
 

@@ -1,8 +1,13 @@
-"""Helpers the tests import (`from helpers import run_cli, fails`): running the CLI in this process, and checks of
-its failures and of the trace's schema. Fixtures live in conftest.py."""
+"""Helpers the tests import (`from helpers import run_cli, fails`): running the CLI in this process, checks of its
+failures and of the trace's schema, and the tiny models the quick suite runs its trace, report, intervention,
+patching and explain checks on. Fixtures live in conftest.py; no test module imports another."""
 
 import io
+import json
 import sys
+from pathlib import Path
+
+from tiny import TinySpec, make_hf_model, tiny_tokenizer, write_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------------
 # running the CLI in this process
@@ -75,3 +80,100 @@ def undeclared_fields(events: list[dict]) -> list[str]:
         declared = defs.get(ev["event"], {}).get("properties", {})
         out += [f"{ev['event']}.{k}" for k in ev if k != "event" and k not in declared and f"{ev['event']}.{k}" not in out]
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tiny models for the quick suite
+
+
+def load_tiny(path, **spec):
+    """A tiny random LLaMA (tests/tiny.py: TinySpec(**spec), its byte-level BPE tokenizer) written as an HF directory
+    at PATH and loaded by llmtrace on the CPU in float32."""
+    from llmtrace.checkpoint.load import load_model
+    from tiny import write_hf_dir
+
+    write_hf_dir(path, TinySpec(**spec))
+    return load_model(str(path), device="cpu", dtype="float32")
+
+
+def model_param(tiny: str = "tiny_lm"):
+    """The parameters of a fixture that runs a check on the tiny model (quick) and on the real SmolLM2 (slow)."""
+    import pytest
+
+    return [tiny, pytest.param("smollm", marks=pytest.mark.slow)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pages in a real browser (the `browser` fixture is in conftest.py)
+
+CHROMIUM = "/usr/bin/chromium"
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+class Opened:
+    """A page opened from file://, with every console message, page error and request it made."""
+
+    def __init__(self, browser, path: Path):
+        self.page = browser.new_page(viewport={"width": 1280, "height": 900})
+        self.messages, self.requests = [], []
+        self.page.on("console", lambda m: self.messages.append((m.type, m.text)))
+        self.page.on("pageerror", lambda e: self.messages.append(("pageerror", str(e))))
+        self.page.route("**/*", self._route)
+        self.url = path.resolve().as_uri()
+        self.page.goto(self.url)
+
+    def _route(self, route):
+        self.requests.append(route.request.url)
+        if route.request.url == self.url:
+            route.continue_()
+        else:
+            route.abort()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# two tiny models that differ in one number (compare, diff and the comparison page)
+
+SPEC = TinySpec(n_layers=3)  # the models compare and diff tell apart
+
+
+def save_hf(path, model, tokenizer=None):
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    write_tokenizer(path, tokenizer or tiny_tokenizer(SPEC.vocab_size))
+    return path
+
+
+def perturbed_copy(layer: int, param: str, amount: float = 1e-2, spec: TinySpec = SPEC):
+    """The tiny model of `spec` with one entry of one matrix (or norm) of one layer nudged by `amount`."""
+    import torch
+
+    model = make_hf_model(spec)
+    with torch.no_grad():
+        p = model.get_parameter(f"model.layers.{layer}.{param}")
+        p.view(-1)[7] += amount
+    return model
+
+
+def check_against_schema(doc: dict, events: list[dict]) -> None:
+    """A compare or diff document and its JSONL events, valid for the schema, with no field it does not declare."""
+    import pytest
+
+    jsonschema = pytest.importorskip("jsonschema")
+    from llmtrace.trace.events import schema_path
+
+    schema = json.loads(schema_path().read_text())
+    # validators made once: jsonschema.validate() checks the whole schema against the meta-schema on every call
+    # (1.5 s each here, so a few dozen events took most of a minute)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    events_validator = jsonschema.Draft202012Validator(schema)
+    compare_def = {"$ref": "#/$defs/compare_document", "$defs": schema["$defs"]}
+    jsonschema.Draft202012Validator(compare_def).validate(doc)
+    declared = schema["$defs"]["compare_document"]["properties"]
+    assert [k for k in doc if k not in declared] == []
+    for name in ("compare_layer", "compare_point", "compare_position"):
+        assert schema["$defs"][name]["properties"]
+    for p in doc["layers"][0]["points"]:
+        assert [k for k in p if k not in schema["$defs"]["compare_point"]["properties"]] == []
+    for ev in events:
+        events_validator.validate(ev)

@@ -6,12 +6,15 @@
 - no `_private` name is imported from another module;
 - nothing is re-exported: a name is imported from the module that defines it, and every imported name is used;
 - the layer packages' `__init__.py` files hold a docstring and nothing else, and `llmtrace/__init__.py` (the public
-  face) imports nothing when it is imported: its names are looked up lazily.
+  face) imports nothing when it is imported: its names are looked up lazily;
+- no function body is over 80 lines (its docstring excluded);
+- no error raised below cli/ names a command-line flag: the library names its keywords, the CLI maps them to flags.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -228,6 +231,101 @@ def test_pyproject_states_the_torch_version_the_source_needs():
     assert used, "none of the features found: update TORCH_FEATURES"
     stated = re.search(r'"torch>=(\d+)\.(\d+)"', (PACKAGE.parent / "pyproject.toml").read_text(encoding="utf-8"))
     assert stated and (int(stated[1]), int(stated[2])) == max(used), f"torch>={max(used)} is what the source needs"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# function length, and errors in the caller's words
+
+MAX_BODY_LINES = 80
+# Functions being split by other hands (issue 31), until their changes land: run/compare.py and run/diff.py (h30),
+# tokens/tokenizer.py (h-fam). Remove an entry when its function is in parts; a new entry is not a way out.
+LONG_UNTIL_SPLIT = {"llmtrace.run.compare.compare", "llmtrace.run.diff._diff_tensors",
+                    "llmtrace.tokens.tokenizer.TextTokenizer._from_gguf_vocab"}
+
+
+def function_bodies():
+    """(qualified name, lines of its body without the docstring) of every function and method in the package."""
+    for module, tree in TREES.items():
+        def visit(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    body = child.body
+                    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                            and isinstance(body[0].value.value, str):
+                        body = body[1:]
+                    if body:
+                        yield f"{prefix}.{child.name}", body[-1].end_lineno - body[0].lineno + 1
+                    yield from visit(child, f"{prefix}.{child.name}")
+                elif isinstance(child, ast.ClassDef):
+                    yield from visit(child, f"{prefix}.{child.name}")
+
+        yield from visit(tree, module)
+
+
+def test_no_function_body_is_over_80_lines():
+    long = [f"{name}: {n} lines" for name, n in function_bodies() if n > MAX_BODY_LINES and name not in LONG_UNTIL_SPLIT]
+    assert not long, f"function bodies over {MAX_BODY_LINES} lines (docstring excluded); take them apart:\n" + \
+        "\n".join(long)
+
+
+def test_the_length_check_sees_a_long_function():
+    tree = ast.parse("def f():\n    '''doc'''\n" + "    x = 1\n" * 81)
+    TREES["__probe__"] = tree
+    try:
+        assert dict(function_bodies())["__probe__.f"] == 81
+    finally:
+        del TREES["__probe__"]
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+# Errors whose files other hands are changing (issue 31), until those changes land: run/compare.py and run/diff.py
+# (h30), tokens/tokenizer.py (h-fam); checkpoint/fast.py and checkpoint/quantized.py (the lead's weight loading; a
+# test asserts their wording). Remove a file when its errors name keywords; a new entry is not a way out.
+FLAGS_UNTIL_REWORDED = {"llmtrace.run.compare", "llmtrace.run.diff", "llmtrace.tokens.tokenizer",
+                        "llmtrace.checkpoint.fast", "llmtrace.checkpoint.quantized"}
+
+
+def flags_in_errors(module: str) -> list[str]:
+    """`line: --flag` for each CLI flag written in the message of an exception raised in `module`."""
+    found = []
+    for node in ast.walk(TREES[module]):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            parts = node.exc.args + [k.value for k in node.exc.keywords]
+            texts = [n.value for a in parts for n in ast.walk(a) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            found += [f"{node.lineno}: {flag}" for text in texts for flag in FLAG.findall(text)]
+    return found
+
+
+def test_no_error_below_the_cli_names_a_flag():
+    """Below cli/ an error names the Python keyword (BadValue("top_p", ...), also=(...) for others it mentions);
+    the CLI maps fields to flags (cli/options.flag_of): `llmtrace.load(fast=True, keep_quantized=True)` says
+    "fast and keep_quantized ...", `llmtrace generate --fast --keep-quantized` says "--fast and --keep-quantized"."""
+    named = [f"{m}:{hit}" for m in SOURCES if layer_of(m) not in ("cli", "face") and m not in FLAGS_UNTIL_REWORDED
+             for hit in flags_in_errors(m)]
+    assert not named, "errors below cli/ that name a flag (name the keyword; the CLI names the flag):\n" + \
+        "\n".join(named)
+
+
+def test_the_flag_check_sees_a_flag_in_an_error():
+    TREES["__probe__"] = ast.parse('raise UsageError(f"--fast and --keep-quantized do not combine {x}")')
+    try:
+        assert flags_in_errors("__probe__") == ["1: --fast", "1: --keep-quantized"]
+    finally:
+        del TREES["__probe__"]
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers.py (fixtures in conftest.py, tiny checkpoints in tiny.py): a test module
+    imported by another runs its module-level code twice and makes the two depend on each other's names."""
+    tests = Path(__file__).resolve().parent
+    crossing = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            crossing += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                         if n.split(".")[-1].startswith("test_") or n.startswith("tests.")]
+    assert not crossing, "\n".join(crossing)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -160,9 +160,12 @@ def test_non_llama_architecture_is_named(capsys, tmp_path, arch, model_type):
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": model_type, "n_layer": 2}))
     line = fails(capsys, 1, "generate", "hi", "-m", d, says=(arch, "not supported", "LlamaForCausalLM"))
+    from llmtrace.model.family import hf_types
+
+    types = hf_types()  # every family's, as the family files declare them
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= set(types)
     assert line == (f"error: {d}: model_type {model_type!r}, architectures [{arch!r}] is not supported; "
-                    f"llmtrace runs the LLaMA family: model_type llama, mistral, qwen2 (LlamaForCausalLM, "
-                    f"MistralForCausalLM, Qwen2ForCausalLM)")
+                    f"llmtrace runs model_type {', '.join(sorted(types))} ({', '.join(types.values())})")
 
 
 def test_a_config_with_model_type_and_no_architectures_loads_as_transformers_does(tiny_copy):

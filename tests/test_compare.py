@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import fails, run_cli, undeclared_fields
-from tiny import PROMPT, TinySpec, make_hf_model, tiny_tokenizer, write_tokenizer
+from helpers import SPEC, check_against_schema, fails, perturbed_copy, run_cli, save_hf, undeclared_fields
+from tiny import PROMPT, make_hf_model, tiny_tokenizer
 
 # HF parameter of layer i -> the point where a change to it first shows
 PERTURBED = [
@@ -26,25 +26,6 @@ PERTURBED = [
     ("mlp.up_proj.weight", "up"),
     ("mlp.down_proj.weight", "down"),
 ]
-SPEC = TinySpec(n_layers=3)
-
-
-def save_hf(path, model, tokenizer=None):
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path))
-    write_tokenizer(path, tokenizer or tiny_tokenizer(SPEC.vocab_size))
-    return path
-
-
-def perturbed_copy(layer: int, param: str, amount: float = 1e-2, spec: TinySpec = SPEC):
-    """The tiny model of `spec` with one entry of one matrix (or norm) of one layer nudged by `amount`."""
-    model = make_hf_model(spec)
-    with torch.no_grad():
-        p = model.get_parameter(f"model.layers.{layer}.{param}")
-        p.view(-1)[7] += amount
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny_a(tmp_path_factory):
     path = save_hf(tmp_path_factory.mktemp("cmp") / "a", make_hf_model(SPEC))
@@ -201,27 +182,6 @@ def test_cli_json_jsonl_and_view(tiny_a, tmp_path, capsys):
     assert events[0]["event"] == "compare" and events[0]["first_divergence"] == doc["first_divergence"]
     assert undeclared_fields(events) == []
     check_against_schema(doc, events)
-
-
-def check_against_schema(doc: dict, events: list[dict]) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
-    from llmtrace.trace.events import schema_path
-
-    schema = json.loads(schema_path().read_text())
-    # validators made once: jsonschema.validate() checks the whole schema against the meta-schema on every call
-    # (1.5 s each here, so a few dozen events took most of a minute)
-    jsonschema.Draft202012Validator.check_schema(schema)
-    events_validator = jsonschema.Draft202012Validator(schema)
-    compare_def = {"$ref": "#/$defs/compare_document", "$defs": schema["$defs"]}
-    jsonschema.Draft202012Validator(compare_def).validate(doc)
-    declared = schema["$defs"]["compare_document"]["properties"]
-    assert [k for k in doc if k not in declared] == []
-    for name in ("compare_layer", "compare_point", "compare_position"):
-        assert schema["$defs"][name]["properties"]
-    for p in doc["layers"][0]["points"]:
-        assert [k for k in p if k not in schema["$defs"]["compare_point"]["properties"]] == []
-    for ev in events:
-        events_validator.validate(ev)
 
 
 def test_cli_one_view_at_80_columns(tiny_a, tmp_path, capsys, monkeypatch):

@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from helpers import run_cli
-from test_compare import SPEC, perturbed_copy, save_hf
-from test_report import Opened, browser  # noqa: F401  (the module's chromium fixture)
+from helpers import SPEC, Opened, perturbed_copy, run_cli, save_hf
 from tiny import make_hf_model
 
 PROMPT = "The quick brown fox <script>alert(1)</script> jumps & runs"

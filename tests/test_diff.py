@@ -5,8 +5,7 @@ import shutil
 
 import pytest
 
-from helpers import fails, run_cli, undeclared_fields
-from test_compare import SPEC, perturbed_copy, save_hf
+from helpers import SPEC, check_against_schema, fails, perturbed_copy, run_cli, save_hf, undeclared_fields
 from tiny import PROMPT, make_hf_model
 
 
@@ -79,7 +78,6 @@ def test_diff_with_tensors_finds_the_perturbed_matrix_as_compare_does(dirs, tmp_
     assert sum(p["kld"] is not None for p in d.positions) == 3
     assert d.kld_max > 0
     from llmtrace.run.compare import jsonl_events
-    from test_compare import check_against_schema
 
     check_against_schema(d.to_json(), jsonl_events(d.to_json()))
 

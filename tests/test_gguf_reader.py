@@ -6,7 +6,7 @@ import pytest
 from gguf import GGUFReader
 
 from llmtrace.checkpoint.gguf_file import open_gguf
-from tests.tiny import TinySpec, make_hf_model, write_gguf
+from tiny import TinySpec, make_hf_model, write_gguf
 
 
 def _reference_value(field):

@@ -421,7 +421,8 @@ def test_rm_asks_then_removes_the_model_and_its_conversions(tiny_model, capfd, m
 
     monkeypatch.setattr(sys, "stdin", TtyStdin("n\n"))
     code, _, err = run_cli(capfd, "rm", "fake")
-    assert code == 1 and "Remove 1 model" in err and "nothing removed" in err
+    # declining is an answer, not a failure (issue 30: exit 0, with a line saying nothing was removed)
+    assert code == 0 and "Remove 1 model" in err and "nothing removed" in err
     assert cache_status("fake").state == "present" and len(conversions()) == 2
 
     monkeypatch.setattr(sys, "stdin", TtyStdin("y\n"))

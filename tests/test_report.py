@@ -7,15 +7,13 @@ import filecmp
 from html import unescape
 import json
 import math
-import os
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import Opened, model_param
 
 from llmtrace.run.explain import lens_events
 from llmtrace.run.generate import generate
@@ -26,9 +24,6 @@ from llmtrace.trace.recorder import Recorder
 from llmtrace.trace.options import TraceOptions
 
 PROMPT = "Quantum mechanics is a fundamental theory in physics that"
-CHROMIUM = "/usr/bin/chromium"
-BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 def run_events(lm, level="full", layers=(0, 29), n=6, dump=("0.probs", "29.probs")):
@@ -57,11 +52,22 @@ def page(events, smollm):
     return build(events, tokenizer=smollm.tokenizer)
 
 
+@pytest.fixture(scope="module", params=model_param())
+def recorded(request):
+    """(model, events, page) of a sampled full run recording the first and the last layer, on the tiny model (quick
+    suite) and on SmolLM2 (slow): the checks of the page's numbers run on both."""
+    lm = request.getfixturevalue(request.param)
+    last = lm.config.n_layers - 1
+    events = run_events(lm, layers=(0, last), dump=("0.probs", f"{last}.probs"))
+    return lm, events, build(events, tokenizer=lm.tokenizer)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the data in the page
 
 
-def test_tokens_and_steps_in_the_page_are_the_traces(events, page):
+def test_tokens_and_steps_in_the_page_are_the_traces(recorded):
+    _, events, page = recorded
     d = embedded(page)
     prompt = next(e for e in events if e["event"] == "tokens")["tokens"]
     steps = [e for e in events if e["event"] == "step"]
@@ -77,13 +83,15 @@ def test_tokens_and_steps_in_the_page_are_the_traces(events, page):
     assert len(steps) == 6 and any(len(s["sampler"]) > 2 for s in steps)  # the funnel has stages to show
 
 
-def test_attention_maps_are_the_recorded_probabilities(events, page):
+def test_attention_maps_are_the_recorded_probabilities(recorded):
+    lm, events, page = recorded
+    last = lm.config.n_layers - 1
     d = embedded(page)["attention"]
     probs = [e for e in events if e["event"] == "tensor" and e["name"] == "probs"]
     n = max(len(e["values"][0][-1]) for e in probs)  # keys of the last step = every position seen
-    assert d["layers"] == [0, 29] and d["n"] == n and not d["binned"] and len(d["bins"]) == n
+    assert d["layers"] == [0, last] and d["n"] == n and not d["binned"] and len(d["bins"]) == n
     H = d["n_heads"]
-    for layer in (0, 29):
+    for layer in (0, last):
         m = unpack_attention(d["maps"][str(layer)], (H, n, n))
         for e in (e for e in probs if e["layer"] == layer):
             v = np.asarray(e["values"])  # (H, T, S): the new queries of this step over all keys so far
@@ -92,7 +100,9 @@ def test_attention_maps_are_the_recorded_probabilities(events, page):
         assert np.all(m[:, np.triu_indices(n, 1)[0], np.triu_indices(n, 1)[1]] == 0)  # the causal mask
 
 
-def test_residual_norms_and_kv_are_the_traces(events, page):
+def test_residual_norms_and_kv_are_the_traces(recorded):
+    lm, events, page = recorded
+    c = lm.config
     d = embedded(page)
     post = [e for e in events if e["event"] == "tensor" and e["name"] == "resid_post"]
     for e in post:
@@ -100,15 +110,21 @@ def test_residual_norms_and_kv_are_the_traces(events, page):
         assert d["residual"]["norms"][str(e["step"])][str(e["layer"])] == e["stats"]["norm"] / math.sqrt(T)
     steps = [e for e in events if e["event"] == "step"]
     assert [s["bytes_used"] for s in d["kv"]["steps"]] == [e["kv_cache"]["bytes_used"] for e in steps]
-    assert d["kv"]["bytes_per_token"] == 46080 and d["kv"]["per_layer"] == 46080 / 30
+    bpt = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4  # K and V, every layer, float32
+    assert bpt == 46080 or c.n_layers != 30
+    assert d["kv"]["bytes_per_token"] == bpt and d["kv"]["per_layer"] == bpt / c.n_layers
+    for s in d["kv"]["steps"]:
+        assert s["bytes_used"] == s["seq_len"] * bpt
     stats = {(r["step"], r["layer"]): r["norm"] for r in d["tensors"]["points"]["q"]}
     for e in (e for e in events if e["event"] == "tensor" and e["name"] == "q"):
         assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
 
 
-def test_the_residual_chart_joins_only_neighbouring_recorded_layers(events, page):
+def test_the_residual_chart_joins_only_neighbouring_recorded_layers(recorded):
     """Layers 0 and 29 recorded (and the embedding, x = -1): a line may join the embedding to layer 0, never layer 0
-    to layer 29, which would draw 28 layers that were not recorded. Layer 29 is a dot of its own at every step."""
+    to layer 29, which would draw 28 layers that were not recorded. Layer 29 is a dot of its own at every step. (The
+    tiny model: layers 0 and 3.)"""
+    _, events, page = recorded
     section = page.split('id="residual"')[1].split("</section>")[0]
     steps = sorted({e["step"] for e in events if e["event"] == "tensor" and e["name"] == "resid_post"})
     lines = re.findall(r'<polyline points="([^"]+)"', section)
@@ -130,6 +146,21 @@ def test_merges_of_the_prompt_end_in_its_tokens(page, smollm):
     assert unescape(tokens_section).count("Ġ") == unescape(tokens_section).count("vocabulary piece 'Ġ") > 0
 
 
+def test_each_top_k_bar_is_its_probability_against_the_largest(recorded):
+    """The top-k chart of every step: the most likely candidate's bar is the full 250 px, each other bar its
+    probability's share of the largest, in the trace's order."""
+    _, events, page = recorded
+    steps = [e for e in events if e["event"] == "step"]
+    panels = page.split('<div class="step-panel"')[1:]
+    assert len(panels) == len(steps)
+    for panel, step in zip(panels, steps):
+        chart = panel.split('<svg class="topk"')[1].split("</svg>")[0]
+        widths = [float(w) for w in re.findall(r'<rect class="bar[^"]*" x="112" y="[^"]+" width="([^"]+)"', chart)]
+        probs = [c["prob"] for c in step["topk"]]
+        assert len(widths) == len(probs) and widths[0] == 250.0
+        assert widths == pytest.approx([250 * p / max(probs) for p in probs], abs=0.051)
+
+
 def test_binned_rows_still_sum_to_one():
     n = 300
     rng = np.random.default_rng(0)
@@ -143,8 +174,9 @@ def test_binned_rows_still_sum_to_one():
     np.testing.assert_allclose(b.sum(axis=-1), 1.0, atol=1e-12)
 
 
-def test_a_section_without_its_values_names_the_flags(smollm):
-    page = build(run_events(smollm, level="steps", layers=None, n=2, dump=()))
+@pytest.mark.parametrize("which", model_param())
+def test_a_section_without_its_values_names_the_flags(which, request):
+    page = build(run_events(request.getfixturevalue(which), level="steps", layers=None, n=2, dump=()))
     attention = page.split('id="attention"')[1].split("</section>")[0]
     residual = page.split('id="residual"')[1].split("</section>")[0]
     lens = page.split('id="lens"')[1].split("</section>")[0]
@@ -154,7 +186,8 @@ def test_a_section_without_its_values_names_the_flags(smollm):
     assert "BPE merges" in page and "without it" in page  # no tokenizer given
 
 
-def test_the_page_loads_nothing_from_anywhere(page):
+def test_the_page_loads_nothing_from_anywhere(recorded):
+    page = recorded[2]
     assert not re.search(r'\b(src|href)="(https?:)?//', page)
     assert "@import" not in page and "url(" not in page
     assert "default-src 'none'" in page  # and the browser is told to refuse anything else
@@ -207,44 +240,6 @@ def test_html_of_a_64_token_full_run_fits_3mb_and_equals_report_of_its_trace(smo
 
 # ----------------------------------------------------------------------------------------------------------------
 # in a real browser
-
-
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is missing in CI: .ci/run installs it (apt-get install chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail("playwright is missing in CI: pip install -e .[test]")
-        pytest.skip("playwright is not installed (pip install playwright)")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
-        yield b
-        b.close()
-
-
-class Opened:
-    """A page opened from file://, with every console message, page error and request it made."""
-
-    def __init__(self, browser, path: Path):
-        self.page = browser.new_page(viewport={"width": 1280, "height": 900})
-        self.messages, self.requests = [], []
-        self.page.on("console", lambda m: self.messages.append((m.type, m.text)))
-        self.page.on("pageerror", lambda e: self.messages.append(("pageerror", str(e))))
-        self.page.route("**/*", self._route)
-        self.url = path.resolve().as_uri()
-        self.page.goto(self.url)
-
-    def _route(self, route):
-        self.requests.append(route.request.url)
-        if route.request.url == self.url:
-            route.continue_()
-        else:
-            route.abort()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The trace of a real SmolLM2 run: schema, shapes, KV-cache bytes, and that observing changes nothing."""
+"""The trace of a run: schema, shapes, KV-cache bytes, statistics, dumps, and that observing changes nothing. The
+checks that hold for any model run on the tiny model of the quick suite (`lm`: tiny_lm) and on the real SmolLM2."""
 
 import json
 import math
@@ -6,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import undeclared_fields
+from helpers import model_param, undeclared_fields
 import torch
 
 from llmtrace.run.generate import generate
@@ -35,6 +36,16 @@ def assert_stats_of(st: dict, x: torch.Tensor, rel: float, abs_mean: float) -> N
         assert st[name] == pytest.approx(value.item(), rel=rel), name
 
 
+@pytest.fixture(params=model_param())
+def lm(request):
+    """The model a check runs on: the tiny one (quick suite) and the real SmolLM2 (slow)."""
+    return request.getfixturevalue(request.param)
+
+
+def last(lm) -> int:
+    return lm.config.n_layers - 1
+
+
 @pytest.fixture(scope="module")
 def validator():
     jsonschema = pytest.importorskip("jsonschema")
@@ -44,8 +55,8 @@ def validator():
 
 
 @pytest.mark.parametrize("level", ["steps", "layers", "full"])
-def test_real_trace_validates_against_schema(smollm, validator, level):
-    events, _ = traced_run(smollm, level, layers=[0, 29] if level != "steps" else None, n=3)
+def test_real_trace_validates_against_schema(lm, validator, level):
+    events, _ = traced_run(lm, level, layers=[0, last(lm)] if level != "steps" else None, n=3)
     for ev in events:
         validator.validate(ev)
     validator.validate({"schema": "llmtrace.trace/1", "events": events})
@@ -61,10 +72,11 @@ def test_schema_rejects_a_broken_event(validator):
     assert not validator.is_valid(bad)
 
 
-def test_shapes_equal_the_model_dimensions(smollm):
-    c = smollm.config
-    events, _ = traced_run(smollm, "full", layers=[0, 3, 29], n=3)
-    T = len(smollm.tokenizer.encode(PROMPT))
+def test_shapes_equal_the_model_dimensions(lm):
+    c = lm.config
+    chosen = [0, 3, 29] if c.n_layers == 30 else [0, c.n_layers // 2, last(lm)]
+    events, _ = traced_run(lm, "full", layers=chosen, n=3)
+    T = len(lm.tokenizer.encode(PROMPT))
     H, Hkv, Dh, D, F, V = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model, c.ffn_dim, c.vocab_size
     seen = set()
     for ev in (e for e in events if e["event"] == "tensor"):
@@ -81,27 +93,29 @@ def test_shapes_equal_the_model_dimensions(smollm):
         seen.add((ev["layer"], ev["name"]))
         if ev["name"] == "kv_write":
             assert ev["positions"] == [s - t, s - 1]
-    for layer in (0, 3, 29):
-        assert {n for (lay, n) in seen if lay == layer} == set(smollm.points.names(layer=True, traced=True))
-    assert not any(lay not in (None, 0, 3, 29) for lay, _ in seen)
+    for layer in chosen:
+        assert {n for (lay, n) in seen if lay == layer} == set(lm.points.names(layer=True, traced=True))
+    assert not any(lay not in (None, *chosen) for lay, _ in seen)
 
 
-def test_stats_are_the_tensors_statistics(smollm):
+def test_stats_are_the_tensors_statistics(lm):
     """The recorded mean/std/min/max/norm of the logits equal a direct computation on the logits."""
-    events, _ = traced_run(smollm, "layers", layers=[0], n=1)
+    events, _ = traced_run(lm, "layers", layers=[0], n=1)
     ev = next(e for e in events if e["event"] == "tensor" and e["name"] == "logits" and e["step"] == 0)
-    ids = torch.tensor([smollm.tokenizer.encode(PROMPT)])
+    ids = torch.tensor([lm.tokenizer.encode(PROMPT)])
     with torch.inference_mode():
-        logits = smollm.model(ids)[0, -1].double()
+        logits = lm.model(ids)[0, -1].double()
     assert_stats_of(ev["stats"], logits, rel=1e-5, abs_mean=1e-5)
 
 
-def test_kv_bytes_grow_by_bytes_per_token(smollm):
-    c = smollm.config
-    events, _ = traced_run(smollm, "steps", n=6)
+def test_kv_bytes_grow_by_bytes_per_token(lm):
+    c = lm.config
+    events, _ = traced_run(lm, "steps", n=6)
     steps = [e for e in events if e["event"] == "step"]
     bpt = 2 * c.n_layers * c.n_kv_heads * c.head_dim * 4
-    assert bpt == 46080  # 2·30·3·64·4 for SmolLM2 in fp32
+    assert bpt == {30: 46080, 4: 1024}[c.n_layers]  # 2·30·3·64·4 for SmolLM2 in fp32; 2·4·2·16·4 for the tiny one
+    T = len(lm.tokenizer.encode(PROMPT))
+    assert [s["kv_cache"]["seq_len"] for s in steps] == list(range(T, T + 6))  # the slots each step's pass filled
     for a, b in zip(steps, steps[1:]):
         assert b["kv_cache"]["bytes_used"] - a["kv_cache"]["bytes_used"] == bpt
         assert b["kv_cache"]["seq_len"] == a["kv_cache"]["seq_len"] + 1
@@ -153,10 +167,10 @@ def test_sampled_output_is_reproducible_and_ledger_matches_direct_computation(sm
     assert 0 <= first["rng"]["draw"] < 1 and first["rng"]["seed"] == 1234
 
 
-def test_dump_records_values(smollm):
-    events, _ = traced_run(smollm, "steps", n=1, dump=("logits", "0.probs"))
+def test_dump_records_values(lm):
+    events, _ = traced_run(lm, "steps", n=1, dump=("logits", "0.probs"))
     logits = next(e for e in events if e["event"] == "tensor" and e["name"] == "logits")
-    assert len(logits["values"]) == smollm.config.vocab_size
+    assert len(logits["values"]) == lm.config.vocab_size
     assert max(logits["values"]) == pytest.approx(logits["stats"]["max"], rel=1e-6)
     probs = next(e for e in events if e["event"] == "tensor" and e["name"] == "probs")
     assert probs["layer"] == 0
@@ -206,14 +220,14 @@ def test_ban_removes_a_word_with_and_without_its_leading_space(smollm):
     assert step["topk"][0]["id"] == plain.tokens[0]  # the raw distribution still ranks it first: the ban is a stage
 
 
-def test_repeated_keys_are_the_keys_attention_used(smollm):
+def test_repeated_keys_are_the_keys_attention_used(lm):
     """k_repeated is what the spelled-out attention multiplies with: the keys written by this pass and the ones cached
     before it (k_rope of every earlier pass), each KV head repeated for its G query heads, as repeat_kv lays them out."""
-    c = smollm.config
+    c = lm.config
     group = c.n_heads // c.n_kv_heads
-    events, _ = traced_run(smollm, "full", layers=[2], n=2, dump=("2.k_repeated", "2.k_rope"))
+    events, _ = traced_run(lm, "full", layers=[2], n=2, dump=("2.k_repeated", "2.k_rope"))
     ev = next(e for e in events if e["event"] == "tensor" and e["name"] == "k_repeated" and e["step"] == 1)
-    S = len(smollm.tokenizer.encode(PROMPT)) + 1
+    S = len(lm.tokenizer.encode(PROMPT)) + 1
     assert ev["shape"] == [c.n_heads, S, c.head_dim]
     values = torch.tensor(ev["values"], dtype=torch.float64)  # (H, S, Dh)
     k_rope = [torch.tensor(e["values"], dtype=torch.float64) for e in events  # (t, Hkv, Dh) per pass
@@ -240,13 +254,14 @@ def test_broadcast_view_statistics_equal_the_materialised_tensor():
         assert recorded[0]["stats"][k] == pytest.approx(recorded[1]["stats"][k], rel=1e-6, abs=1e-9)
 
 
-def test_prepared_json_lines_equal_the_encoder(smollm):
+def test_prepared_json_lines_equal_the_encoder(lm):
     """The JSON lines the recorder writes itself (TensorEvent.line) are the text the JSON encoder gives the same event,
     for every tensor event of a full trace with dumps: prefill (masked scores), decode, model- and layer-level points."""
     from llmtrace.trace.sinks import ENCODER as _ENCODER
     from llmtrace.trace.recorder import TensorEvent
 
-    events, _ = traced_run(smollm, "full", layers=[0, 5], n=3, dump=("logits", "5.probs", "0.scores"))
+    other = 5 if lm.config.n_layers == 30 else last(lm)
+    events, _ = traced_run(lm, "full", layers=[0, other], n=3, dump=("logits", f"{other}.probs", "0.scores"))
     tensors = [e for e in events if e["event"] == "tensor"]
     dumped_scores = [e for e in tensors if e["name"] == "scores" and e["layer"] == 0]
     assert len(dumped_scores) == 3 and all("values" in e and "masked" in e for e in dumped_scores)
@@ -312,16 +327,16 @@ def test_one_rounding_rule_for_generate_and_explain():
     assert _r(torch.tensor(x)) == rounded(float(torch.tensor(x)))
 
 
-def test_prefill_only_run_reports_shapes_prediction_and_summary(smollm):
+def test_prefill_only_run_reports_shapes_prediction_and_summary(lm):
     """-n 0: the prompt, the prefill's shape table, what the model would predict next (top-k of the real logits), and
     a summary with no token taken."""
-    events, result = traced_run(smollm, "steps", n=0)
+    events, result = traced_run(lm, "steps", n=0)
     kinds = [e["event"] for e in events]
     assert kinds[:3] == ["run", "tokens", "shapes"] and kinds[-2:] == ["prediction", "summary"]
     assert "step" not in kinds and result.tokens == []
-    ids = smollm.tokenizer.encode(PROMPT)
+    ids = lm.tokenizer.encode(PROMPT)
     with torch.inference_mode():
-        logits = smollm.model(torch.tensor([ids]))[0, -1]
+        logits = lm.model(torch.tensor([ids]))[0, -1]
     pred = events[-2]
     assert pred["position"] == len(ids)
     assert [c["id"] for c in pred["topk"][:5]] == logits.topk(5).indices.tolist()
@@ -329,11 +344,11 @@ def test_prefill_only_run_reports_shapes_prediction_and_summary(smollm):
     assert events[-1]["generated_tokens"] == 0 and events[-1]["prompt_tokens"] == len(ids)
 
 
-def test_the_recorder_keeps_no_model_and_leaves_nothing_attached(smollm):
+def test_the_recorder_keeps_no_model_and_leaves_nothing_attached(lm):
     """A pure observer: after a full trace no module of the recorder's state is the model (or any module), and no
     point of the model still reports to it."""
     rec = Recorder(TraceOptions(level="full", layers=[1]), [lambda ev: None], run_info={"prompt": PROMPT})
-    generate(smollm, smollm.tokenizer.encode(PROMPT), Sampler(SamplerConfig(temperature=0.0), smollm.config.vocab_size),
+    generate(lm, lm.tokenizer.encode(PROMPT), Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size),
              2, ignore_eos=True, observer=rec)
     assert not any(isinstance(v, torch.nn.Module) for v in vars(rec).values())
-    assert all(getattr(m, "observer", None) is None for m in smollm.model.modules())
+    assert all(getattr(m, "observer", None) is None for m in lm.model.modules())

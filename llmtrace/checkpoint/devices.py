@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from llmtrace.errors import BadValue, LlmtraceError, UsageError
+from llmtrace.checkpoint.choices import DTYPE_NAMES, check_device, check_dtype, thread_setting
+from llmtrace.errors import FieldError
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 
 
 def pick_device(requested: Optional[str] = None) -> torch.device:
@@ -22,27 +22,23 @@ def pick_device(requested: Optional[str] = None) -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
+    check_device(requested)  # the spelling (LoadOptions checked it already; a direct caller may not have)
     name = requested.lower()
     kind = name.split(":")[0]
     if kind == "cuda" and not torch.cuda.is_available():
-        raise LlmtraceError("--device cuda was asked for, but this machine has no CUDA device (or torch is a CPU build); use --device cpu")
+        raise FieldError("device", " cuda was asked for, but this machine has no CUDA (or torch is a CPU build); "
+                         "use device cpu", also=("device",))
     if kind == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-        raise LlmtraceError("--device mps was asked for, but MPS is not available here; use --device cpu")
-    if kind not in ("cuda", "mps", "cpu"):
-        raise BadValue("device", f" {requested!r} is unknown; choose cuda, mps or cpu")
-    try:
-        return torch.device(name)
-    except RuntimeError as e:
-        raise BadValue("device", f" {requested!r} is malformed: {e}") from None
+        raise FieldError("device", " mps was asked for, but MPS is not available here; use device cpu",
+                         also=("device",))
+    return torch.device(name)
 
 
 def pick_dtype(requested: Optional[str], device: torch.device) -> torch.dtype:
     if requested is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return DTYPES[requested.lower()]
-    except KeyError:
-        raise BadValue("dtype", f" {requested!r} is unknown; choose float32, bfloat16 or float16") from None
+    check_dtype(requested)
+    return DTYPES[requested.lower()]
 
 
 def physical_cores() -> int:
@@ -89,15 +85,8 @@ def cpuinfo_cores(text: str, allowed: set[int]) -> set[tuple[str, str]]:
 
 
 def thread_count(n: Optional[int] = None) -> int:
-    """The CPU threads to use: `n` (--threads), else $LLMTRACE_THREADS, else the physical cores."""
-    if n is None:
-        env = os.environ.get("LLMTRACE_THREADS", "").strip()
-        if env:
-            if not env.isdigit() or int(env) < 1:
-                raise UsageError(f"LLMTRACE_THREADS must be a whole number ≥ 1, not {env!r}")
-            n = int(env)
-    elif n < 1:
-        raise BadValue("threads", " must be ≥ 1")
+    """The CPU threads to use: `n` (threads=), else $LLMTRACE_THREADS, else the physical cores."""
+    n = thread_setting(n)
     return n if n is not None else physical_cores()
 
 

@@ -33,7 +33,7 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture", "unknown")
     family = family_of_gguf(arch)
     if family is None:
-        raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs the LLaMA family: "
+        raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs "
                             f"{', '.join(sorted(gguf_archs()))})")
 
     def meta(key, default=None):

@@ -27,7 +27,7 @@ def hf_family(cfg: dict, where: str) -> Family:
     said = ", ".join(f"{key} {value!r}" for key, value in (("model_type", cfg.get("model_type")),
                                                            ("architectures", archs or None))
                      if value is not None) or "neither model_type nor architectures"
-    raise LlmtraceError(f"{where}: {said} is not supported; llmtrace runs the LLaMA family: model_type "
+    raise LlmtraceError(f"{where}: {said} is not supported; llmtrace runs model_type "
                         f"{', '.join(sorted(types))} ({', '.join(types.values())})")
 
 

@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from llmtrace.checkpoint.choices import check_combination, check_fast_device
 from llmtrace.checkpoint.conversion import convert_gguf, open_converted
 from llmtrace.checkpoint.devices import pick_device, pick_dtype
 from llmtrace.checkpoint.hf_checkpoint import config_from_hf, hf_entries
@@ -29,7 +30,7 @@ from llmtrace.checkpoint.placement import Placement, check_fits, choose_dtype, w
 from llmtrace.checkpoint.quantized import build_quantized, open_gguf_blocks
 from llmtrace.checkpoint.weights import build_model, plan_weights, read_weights
 from llmtrace.console import progress_to_stderr
-from llmtrace.errors import LlmtraceError, UsageError, one_line
+from llmtrace.errors import BadValue, LlmtraceError, one_line
 from llmtrace.model.transformer import ModelConfig, Transformer
 from llmtrace.registry.cache import converted_dir
 from llmtrace.registry.resolve import resolve
@@ -54,19 +55,15 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
     bfloat16 (fast.py; approximate, and traces say so). `placement`: layers spread over devices and disk by accelerate
     (placement.py). Before any weight is read, the memory they need is checked against what is available
     (placement.check_fits)."""
-    if placement is not None and device is not None:
-        raise UsageError("--device and --device-map both place the model; give one (with --device-map, --max-memory "
-                         "names the devices)")
-    if fast:
-        check_fast(keep_quantized, placement, dtype, device)
+    # what combines is choices.check_load_values' to say (LoadOptions checks it before torch is imported); a direct
+    # caller of load_model gets the same answers here, before anything is resolved
+    check_combination(device, dtype, keep_quantized, placement is not None, fast)
     resolved = resolve(spec)
     if fast:
         return load_fast(resolved, device)
     if keep_quantized and resolved.kind != "gguf":
-        raise UsageError(f"--keep-quantized keeps a GGUF file's blocks; {resolved.name} is not a GGUF file "
-                         f"(use --dtype bfloat16 to halve its memory)")
-    if keep_quantized and placement is not None:
-        raise UsageError("--keep-quantized and --device-map cannot be combined yet; choose one")
+        raise BadValue("keep_quantized", f" keeps a GGUF file's blocks; {resolved.name} is not a GGUF file "
+                       f"(use dtype bfloat16 to halve its memory)", also=("dtype",))
     dev = pick_device(device) if placement is None else placement.main_device
     t0 = time.perf_counter()
     if keep_quantized:
@@ -85,29 +82,16 @@ def load_model(spec: Optional[str] = None, device: Optional[str] = None, dtype: 
                        converted=checkpoint.converted)
 
 
-def check_fast(keep_quantized: bool, placement, dtype: Optional[str], device: Optional[str] = None) -> None:
-    """--fast with options it does not combine with: one line each, before anything is resolved or loaded."""
-    if keep_quantized:
-        raise UsageError("--fast and --keep-quantized do not combine: --fast already runs from the quantized blocks "
-                         "(approximately, on int4 kernels); --keep-quantized gives the exact values; choose one")
-    if placement is not None:
-        raise UsageError("--fast and --device-map do not combine yet: --fast runs the whole model on one device; "
-                         "choose one")
-    if dtype not in (None, "bfloat16", "bf16"):
-        raise UsageError(f"--fast computes in bfloat16; leave out --dtype {dtype}")
-
-
 def load_fast(resolved, device: Optional[str]) -> LoadedModel:
     """--fast: a GGUF file's matrices on int4 kernels straight from their blocks, everything else in bfloat16."""
     from llmtrace.checkpoint.fast import load_gguf_fast
     from llmtrace.model.fast import COMPUTE
 
     if resolved.kind != "gguf":
-        raise UsageError(f"--fast runs a GGUF file's quantized blocks on int4 kernels; {resolved.name} is not a GGUF "
-                         f"file (--dtype bfloat16 gives it the fast path's bfloat16 compute)")
+        raise BadValue("fast", f" runs a GGUF file's quantized blocks on int4 kernels; {resolved.name} is not a GGUF "
+                       f"file (dtype bfloat16 gives it the fast path's bfloat16 compute)", also=("dtype",))
     dev = pick_device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"--fast runs on cpu and cuda, not {dev.type}; leave out --fast or give --device cpu")
+    check_fast_device(dev.type)
     t0 = time.perf_counter()
     check_fits(resolved.name, resolved.path.stat().st_size, "its quantized blocks", dev)
     config, model, tokenizer = load_gguf_fast(resolved.path, dev)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.checkpoint.choices import max_memory_entry, parse_size
+from llmtrace.errors import BadValue, FieldError, UsageError
 from llmtrace.units import human_bytes
 
 BASELINE_BYTES = 300 << 20  # Python, torch and the tokenizer, before any weight
@@ -30,18 +30,6 @@ AVAILABLE_ENV = "LLMTRACE_AVAILABLE_MEMORY"  # for tests and what-ifs: pretend t
 
 # ----------------------------------------------------------------------------------------------------------------
 # sizes
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_size(text: str) -> int:
-    """'20GiB', '512MB', '1.5gb' or a plain number of bytes -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not a size (e.g. 512MiB, 20GiB, 1.5GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def available_memory() -> int:
@@ -80,19 +68,17 @@ def weight_count(config) -> int:
 # what fits
 
 
-def _options() -> str:
-    return ("options: --dtype bfloat16 (2 bytes a weight), --keep-quantized (a GGUF file stays at its size), "
-            "--device-map auto --max-memory cpu=SIZE (layers that do not fit go to disk)")
-
-
 def check_fits(name: str, need: int, what: str, device: torch.device) -> None:
     """Refuse, before loading, weights that cannot fit in the CPU's available memory."""
     if device.type != "cpu":
         return
     have = available_memory()
     if need + BASELINE_BYTES > have:
-        raise LlmtraceError(f"{name} needs {human_bytes(need)} for {what} (+ {human_bytes(BASELINE_BYTES)} for Python "
-                            f"and torch) but {human_bytes(have)} is available; {_options()}")
+        raise FieldError("dtype", " bfloat16 (2 bytes a weight), keep_quantized (a GGUF file stays at its size), "
+                         "device_map auto with max_memory cpu=SIZE (layers that do not fit go to disk)",
+                         also=("keep_quantized", "device_map", "max_memory"),
+                         before=f"{name} needs {human_bytes(need)} for {what} (+ {human_bytes(BASELINE_BYTES)} for "
+                                f"Python and torch) but {human_bytes(have)} is available; options: ")
 
 
 def choose_dtype(requested: Optional[str], device: torch.device, name: str, n_weights: int,
@@ -198,27 +184,15 @@ def _torch_device(d) -> torch.device:
 
 def parse_placement(device_map: Optional[str], max_memory: Optional[list[str]], offload_dir: Optional[Path],
                     model_key: str) -> Optional[Placement]:
-    """--device-map / --max-memory / --offload-dir -> a Placement, or None. Every error is one line (UsageError)."""
+    """device_map / max_memory / offload_dir -> a Placement, or None. Their spelling is choices.check_placement's
+    (api.LoadOptions checked it when it was made, before torch was imported); this adds what only the machine can
+    say: the devices max_memory names, and a writable offload folder."""
     if device_map is None and not max_memory:
-        if offload_dir is not None:
-            raise UsageError("--offload-dir applies with --device-map auto")
         return None
-    try:
-        import accelerate  # noqa: F401
-    except ImportError:
-        raise LlmtraceError("--device-map needs accelerate: pip install 'llmtrace[big]' (or pip install accelerate)") from None
-    if device_map not in (None, "auto"):
-        raise UsageError(f"unknown --device-map {device_map!r}; only 'auto' is supported (accelerate places the layers)")
     limits: dict = {}
     for item in max_memory or []:
-        dev, sep, size = item.partition("=")
-        if not sep or not dev.strip() or not size.strip():
-            raise UsageError(f"bad --max-memory {item!r}: write DEVICE=SIZE, e.g. cuda:0=20GiB or cpu=32GiB")
-        key = _device_key(dev.strip())
-        try:
-            limits[key] = parse_size(size)
-        except ValueError as e:
-            raise UsageError(f"bad --max-memory {item!r}: {e}") from None
+        key, size = max_memory_entry(item)
+        limits[_machine_has(key, item)] = size
     if not limits:  # accelerate's own defaults: every GPU's free memory, then the CPU's
         from accelerate.utils import get_max_memory
 
@@ -230,21 +204,15 @@ def parse_placement(device_map: Optional[str], max_memory: Optional[list[str]], 
     return Placement(max_memory=limits, offload_dir=_offload_folder(offload_dir, model_key), main_device=main)
 
 
-def _device_key(dev: str):
-    """'cuda:1', 'cuda', '1', 'mps', 'cpu' -> accelerate's max_memory key, checked against this machine."""
-    name = dev.lower()
-    if name in ("cpu", "mps"):
-        if name == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
-            raise UsageError("--max-memory names mps, but MPS is not available here")
-        return name
-    m = re.fullmatch(r"(?:cuda:?)?(\d*)", name)
-    if not m or (name != "cuda" and not m.group(1)):
-        raise UsageError(f"unknown device {dev!r} in --max-memory; use cpu, mps, cuda or cuda:N")
-    index = int(m.group(1) or 0)
-    if index >= torch.cuda.device_count():
+def _machine_has(key, item: str):
+    """A max_memory key ('cpu', 'mps' or a CUDA index), checked against this machine."""
+    dev = item.partition("=")[0].strip()
+    if key == "mps" and not (getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()):
+        raise BadValue("max_memory", " names mps, but MPS is not available here")
+    if isinstance(key, int) and key >= torch.cuda.device_count():
         have = torch.cuda.device_count()
-        raise UsageError(f"--max-memory names {dev!r}, but this machine has {have} CUDA device{'s' if have != 1 else ''}")
-    return index
+        raise BadValue("max_memory", f" names {dev!r}, but this machine has {have} CUDA device{'s' if have != 1 else ''}")
+    return key
 
 
 def _offload_folder(requested: Optional[Path], model_key: str) -> Path:
@@ -261,7 +229,7 @@ def _offload_folder(requested: Optional[Path], model_key: str) -> Path:
         parent.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix=f"{model_key}-", dir=parent))
     except OSError as e:
-        raise LlmtraceError(f"--offload-dir {parent}: not a writable directory ({e.strerror or e}); choose another "
-                            f"with --offload-dir") from None
+        raise FieldError("offload_dir", f" {parent}: not a writable directory ({e.strerror or e}); choose another "
+                         "with offload_dir", also=("offload_dir",)) from None
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from llmtrace.cli.options import FileOpt, FlagGroup, PromptArg
 from llmtrace.cli.text_input import decode_utf8, read_file, read_prompt
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.fsutil import read_user_file
@@ -22,13 +24,29 @@ MaxBatchOpt = Annotated[int, typer.Option(
     "--max-batch", help="Most prompts run as one batch; more is refused (a batch's memory grows with its rows).")]
 
 
+@dataclass
+class PromptFlags(FlagGroup):
+    """What a command reads as its prompts: the argument, --file or stdin (one prompt), or -p … -p … / --prompts FILE
+    (a batch of at most --max-batch)."""
+
+    prompt: PromptArg = None
+    file: FileOpt = None
+    prompt_list: PromptsOpt = None
+    prompts_file: PromptsFileOpt = None
+    max_batch: MaxBatchOpt = 64
+
+    def read(self, row: Optional[int] = None):
+        """The prompt (a str) or the batch's prompts (a list): read_prompts."""
+        return read_prompts(self.prompt, self.file, self.prompt_list, self.prompts_file, self.max_batch, row)
+
+
 def read_prompt_list(prompts: Optional[list[str]], prompts_file: Optional[Path], max_batch: int) -> Optional[list[str]]:
     """The texts of -p/--prompt and --prompts FILE, in that order; None when neither was given. Each error names the
     prompt (its -p number or the file's line) and is one line."""
+    if max_batch < 1:  # also when one prompt is given: the flag is wrong whatever it limits
+        raise UsageError(f"--max-batch must be ≥ 1, not {max_batch}")
     if not prompts and prompts_file is None:
         return None
-    if max_batch < 1:
-        raise UsageError("--max-batch must be ≥ 1")
     texts: list[str] = []
     for i, p in enumerate(prompts or [], 1):
         if not p:
@@ -70,8 +88,8 @@ def _read_prompts_file(path: Path) -> list[str]:
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the file's final newline
-    if not lines:
-        raise LlmtraceError(f"prompts file {path} is empty; give one prompt per line")
+    if not lines:  # a usage problem, as an empty --file is
+        raise UsageError(f"prompts file {path} is empty; give one prompt per line")
     texts = []
     jsonl = lines[0].lstrip().startswith(b"{")
     for n, raw in enumerate(lines, 1):

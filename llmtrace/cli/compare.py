@@ -89,8 +89,7 @@ def compare(
     html: HtmlOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
-    from llmtrace.api import compare as run_compare
-    from llmtrace.run.compare import Side
+    from llmtrace.api import LoadOptions
 
     with side_b_flags():
         b_interventions = interventions_from(b_ablate, b_scale, b_patch, b_from, b_steer, b_toward, b_away_from,
@@ -112,10 +111,18 @@ def compare(
     if texts is not None and (prompt is not None or file is not None):
         raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
     text = read_prompt(prompt, file) if texts is None else texts
+    # each side's load values, before torch is imported (B's errors name B's flags for what B changes)
+    LoadOptions(device=device, dtype=dtype, keep_quantized=keep_quantized, threads=threads)
+    with side_b_flags(tuple(b_changes)):
+        LoadOptions(**{"device": device, "dtype": dtype, "keep_quantized": keep_quantized,
+                       **{k: v for k, v in b_changes.items() if k != "interventions"}})
+
+    from llmtrace.api import compare as run_compare
+    from llmtrace.checkpoint.devices import set_threads
+    from llmtrace.run.compare import Side
+
     side_a = Side(model=spec_a, dtype=dtype, device=device, keep_quantized=keep_quantized)
     side_b = side_a.with_changes(model=spec_b, **b_changes)
-
-    from llmtrace.checkpoint.devices import set_threads
 
     set_threads(threads)
     with side_b_flags():
@@ -132,8 +139,9 @@ INTERVENTION_FIELDS = ("ablate", "scale", "patch", "from", "source", "steer", "t
 
 
 @contextlib.contextmanager
-def side_b_flags():
-    """An intervention's value error names compare's flags for it (--b-ablate, --b-from), not generate's."""
+def side_b_flags(b_fields: tuple[str, ...] = ()):
+    """A value error of side B names compare's flags for it (--b-ablate, --b-from, --b-dtype), not generate's: the
+    interventions' fields, and `b_fields` (the load options B's flags changed)."""
     import re
 
     from llmtrace.cli.options import flag_of
@@ -142,11 +150,12 @@ def side_b_flags():
     try:
         yield
     except BadValue as e:
-        if e.field not in INTERVENTION_FIELDS:
+        if e.field not in INTERVENTION_FIELDS + b_fields:
             raise
         message = e.named(flag_of(e.field), flag_of)
-        raise UsageError(re.sub(r"(?<![\w-])--(ablate|scale|patch|from|steer|toward|away-from|strength|control-vector)"
-                                r"(?![\w-])", r"--b-\1", message)) from None
+        names = [flag_of(f)[2:] for f in INTERVENTION_FIELDS + b_fields if f != "source"]
+        raise UsageError(re.sub(rf"(?<![\w-])--({'|'.join(map(re.escape, names))})(?![\w-])", r"--b-\1",
+                                message)) from None
 
 
 def _progress(message: str) -> None:

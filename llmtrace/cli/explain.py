@@ -12,12 +12,9 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
-from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
-                                  KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
-                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
-from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
-                                  SteerOpt, StrengthOpt, TowardOpt, interventions_from)
+from llmtrace.cli.batch_input import PromptFlags
+from llmtrace.cli.options import (INTERVENTIONS_HELP, ChatOpt, HtmlOpt, InterventionFlags, JsonlOpt, JsonOpt, LoadFlags,
+                                  SystemOpt, check_outputs, flag_groups, load_for_cli, write_html)
 from llmtrace import sigint
 from llmtrace.console import make_console
 from llmtrace.render.explain import render_explain, render_lens
@@ -75,101 +72,63 @@ RowOpt = Annotated[int, typer.Option("--row", help="With several prompts (-p …
 
 
 @app.command(help=EXPLAIN_HELP)
+@flag_groups
 def explain(
-    prompt: PromptArg = None,
+    prompts: PromptFlags,
     layer: Annotated[int, typer.Option("--layer", "-l", help="The layer to explain, 0-based; -1 is the last.")] = 0,
     head: Annotated[Optional[int], typer.Option(
         "--head", help="Query head for the heatmap and examples (default: the mean over heads).", show_default=False)] = None,
-    model: ModelOpt = None,
-    file: FileOpt = None,
     chat: ChatOpt = False,
     system: SystemOpt = None,
     top: Annotated[int, typer.Option("--top", help="Candidates shown by the logit lens.")] = 5,
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    keep_quantized: KeepQuantizedOpt = False,
-    fast: FastOpt = False,
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    offload_dir: OffloadDirOpt = None,
-    threads: ThreadsOpt = None,
-    prompt_list: PromptsOpt = None,
-    prompts_file: PromptsFileOpt = None,
-    max_batch: MaxBatchOpt = 64,
+    load: LoadFlags = None,
     row: RowOpt = 0,
-    ablate: AblateOpt = None,
-    scale: ScaleOpt = None,
-    patch: PatchOpt = None,
-    source: FromOpt = None,
-    steer: SteerOpt = None,
-    toward: TowardOpt = None,
-    away_from: AwayOpt = None,
-    strength: StrengthOpt = 1.0,
-    control_vector: ControlVectorOpt = None,
+    interventions: InterventionFlags = None,
 ) -> None:
     from llmtrace.api import ExplainOptions
 
     options = ExplainOptions(layer=layer, head=head, top=top, chat=chat, system=system, row=row,
-                             interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
+                             interventions=interventions.parse())
     check_outputs(json_out, jsonl, html)
-    prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
+    texts = prompts.read(row)
+    load_options = load.options()
     _release()
-    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
-                                      fast=fast))
-    _output(model_.explain_with(prompts, options), render_explain, jsonl, json_out, html)
+    model_ = load_for_cli(load_options)
+    _output(model_.explain_with(texts, options), render_explain, jsonl, json_out, html)
 
 
 @app.command(help=LENS_HELP)
+@flag_groups
 def lens(
-    prompt: PromptArg = None,
+    prompts: PromptFlags,
     positions: Annotated[Optional[str], typer.Option(
         "--positions", help="Prompt positions to show: all, 0,3,-1 or 2-5 (default: the last --last).", show_default=False)] = None,
     last: Annotated[int, typer.Option("--last", help="Without --positions, show this many final positions.")] = 12,
     layers: Annotated[Optional[str], typer.Option(
         "--layers", help="Layers (rows) to show, e.g. 0,3,-1 or 20-29 (default: all).", show_default=False)] = None,
-    model: ModelOpt = None,
-    file: FileOpt = None,
     chat: ChatOpt = False,
     system: SystemOpt = None,
     top: Annotated[int, typer.Option("--top", help="Candidates recorded per cell in --json/--jsonl.")] = 5,
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    keep_quantized: KeepQuantizedOpt = False,
-    fast: FastOpt = False,
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    offload_dir: OffloadDirOpt = None,
-    threads: ThreadsOpt = None,
-    prompt_list: PromptsOpt = None,
-    prompts_file: PromptsFileOpt = None,
-    max_batch: MaxBatchOpt = 64,
+    load: LoadFlags = None,
     row: RowOpt = 0,
-    ablate: AblateOpt = None,
-    scale: ScaleOpt = None,
-    patch: PatchOpt = None,
-    source: FromOpt = None,
-    steer: SteerOpt = None,
-    toward: TowardOpt = None,
-    away_from: AwayOpt = None,
-    strength: StrengthOpt = 1.0,
-    control_vector: ControlVectorOpt = None,
+    interventions: InterventionFlags = None,
 ) -> None:
     from llmtrace.api import LensOptions
 
     options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row,
-                          interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
+                          interventions=interventions.parse())
     check_outputs(json_out, jsonl, html)
-    prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
+    texts = prompts.read(row)
+    load_options = load.options()
     _release()
-    model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
-                                      fast=fast))
-    _output(model_.lens_with(prompts, options), render_lens, jsonl, json_out, html)
+    model_ = load_for_cli(load_options)
+    _output(model_.lens_with(texts, options), render_lens, jsonl, json_out, html)
 
 
 def _release() -> None:

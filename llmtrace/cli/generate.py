@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, fields
 from typing import Annotated, Optional
 
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
-from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
-                                  KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
-                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
+from llmtrace.cli.batch_input import PromptFlags
+from llmtrace.cli.options import (ChatOpt, FlagGroup, HtmlOpt, InterventionFlags, INTERVENTIONS_HELP, JsonlOpt,
+                                  JsonOpt, LoadFlags, PanelCommand, SystemOpt, check_outputs, flag_groups, load_for_cli,
+                                  write_html)
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace import sigint
-from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
-                                  SteerOpt, StrengthOpt, TowardOpt, interventions_from)
 from llmtrace.errors import UsageError
 from llmtrace.registry.models_toml import DEFAULT_MODEL
 
@@ -91,35 +90,51 @@ prompt alone with --seed seed+r. Each row stops at its own EOS, --stop text or -
 """ + INTERVENTIONS_HELP
 
 
+@dataclass
+class SamplerFlags(FlagGroup):
+    """The sampler's flags (s10-s12): the fields of run.sampler.SamplerConfig, which checks them, with the CLI's
+    spellings (--sampler-order; --dry-sequence-breaker, repeatable; --logit-bias ID=BIAS; --ban, texts)."""
+
+    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).", rich_help_panel=SAMPLING)] = 0.0
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).", rich_help_panel=SAMPLING)] = 0
+    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).", rich_help_panel=SAMPLING)] = 1.0
+    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × the top probability (0: off).", rich_help_panel=SAMPLING)] = 0.0
+    typical_p: Annotated[float, typer.Option("--typical-p", help="Locally typical sampling mass (1: off).", rich_help_panel=SAMPLING)] = 1.0
+    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="HF-style penalty for seen tokens (1: off).", rich_help_panel=SAMPLING)] = 1.0
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this × count of each seen token.", rich_help_panel=SAMPLING)] = 0.0
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from every seen token.", rich_help_panel=SAMPLING)] = 0.0
+    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).", rich_help_panel=SAMPLING)] = None
+    ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).", rich_help_panel=SAMPLING)] = None
+    sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' (its default chain: penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature) or a comma list.", rich_help_panel=SAMPLING)] = "hf"
+    top_n_sigma: Annotated[float, typer.Option("--top-n-sigma", help="Keep tokens with logit ≥ max − N·σ of the logits; the same set at any temperature (0: off).", rich_help_panel=SAMPLING)] = 0.0
+    xtc_probability: Annotated[float, typer.Option("--xtc-probability", help="XTC: at each step, with this chance, remove every token with p ≥ --xtc-threshold except the least likely of them (0: off).", rich_help_panel=SAMPLING)] = 0.0
+    xtc_threshold: Annotated[float, typer.Option("--xtc-threshold", help="XTC's threshold probability (above 0.5 XTC never acts).", rich_help_panel=SAMPLING)] = 0.1
+    dry_multiplier: Annotated[float, typer.Option("--dry-multiplier", help="DRY: a token that would extend a repeat of n ≥ --dry-allowed-length tokens loses M × base^(n − allowed) from its logit (0: off).", rich_help_panel=SAMPLING)] = 0.0
+    dry_base: Annotated[float, typer.Option("--dry-base", help="DRY's base (≥ 1).", rich_help_panel=SAMPLING)] = 1.75
+    dry_allowed_length: Annotated[int, typer.Option("--dry-allowed-length", help="DRY: repeats this long go unpenalised.", rich_help_panel=SAMPLING)] = 2
+    dry_penalty_last_n: Annotated[int, typer.Option("--dry-penalty-last-n", help="DRY scans this many last tokens (prompt included); -1: all, 0: off.", rich_help_panel=SAMPLING)] = 64
+    dry_sequence_breaker: Annotated[Optional[list[str]], typer.Option("--dry-sequence-breaker", help="Text that ends a repeat for DRY (repeatable; \\n and \\t are escapes; 'none': no breakers). Default: llama.cpp's \\n : \" *", rich_help_panel=SAMPLING, show_default=False)] = None
+    mirostat: Annotated[int, typer.Option("--mirostat", help="Mirostat 1 or 2 (0: off): aims at --mirostat-tau bits of surprise per token; replaces penalties, DRY and truncation, as in llama.cpp.", rich_help_panel=SAMPLING)] = 0
+    mirostat_tau: Annotated[float, typer.Option("--mirostat-tau", help="Mirostat's target surprise τ in bits (μ starts at 2τ).", rich_help_panel=SAMPLING)] = 5.0
+    mirostat_eta: Annotated[float, typer.Option("--mirostat-eta", help="Mirostat's learning rate η.", rich_help_panel=SAMPLING)] = 0.1
+    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.", rich_help_panel=SAMPLING)] = None
+
+    def keywords(self) -> dict:
+        """The flags as `generate`'s keywords (api.GenerateOptions.of)."""
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        breakers = given.pop("dry_sequence_breaker")
+        given["dry_sequence_breakers"] = None if breakers is None else breaker_texts(breakers)
+        given["logit_bias"] = given["logit_bias"] or []
+        given["ban"] = tuple(given["ban"] or ())
+        return given
+
+
 @app.command(help=GENERATE_HELP, no_args_is_help=False, cls=PanelCommand)
+@flag_groups
 def generate(
-    prompt: PromptArg = None,
-    model: ModelOpt = None,
-    file: FileOpt = None,
+    prompts: PromptFlags,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Most tokens to generate. 0: prefill only (the prompt, the shape table and the top-k the model would predict next).")] = 32,
-    temperature: Annotated[float, typer.Option(help="Softmax temperature; 0 means greedy (argmax).", rich_help_panel=SAMPLING)] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).", rich_help_panel=SAMPLING)] = 0,
-    top_p: Annotated[float, typer.Option("--top-p", help="Keep the smallest set with this much probability (1: off).", rich_help_panel=SAMPLING)] = 1.0,
-    min_p: Annotated[float, typer.Option("--min-p", help="Drop tokens below min_p × the top probability (0: off).", rich_help_panel=SAMPLING)] = 0.0,
-    typical_p: Annotated[float, typer.Option("--typical-p", help="Locally typical sampling mass (1: off).", rich_help_panel=SAMPLING)] = 1.0,
-    repetition_penalty: Annotated[float, typer.Option("--repetition-penalty", help="HF-style penalty for seen tokens (1: off).", rich_help_panel=SAMPLING)] = 1.0,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty", help="Subtract this × count of each seen token.", rich_help_panel=SAMPLING)] = 0.0,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty", help="Subtract this from every seen token.", rich_help_panel=SAMPLING)] = 0.0,
-    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS added to a token's logit (repeatable).", rich_help_panel=SAMPLING)] = None,
-    ban: Annotated[Optional[list[str]], typer.Option("--ban", help="Never generate this text (repeatable).", rich_help_panel=SAMPLING)] = None,
-    sampler_order: Annotated[str, typer.Option("--sampler-order", help="Stage order: 'hf', 'llama.cpp' (its default chain: penalties, dry, top_n_sigma, top_k, typical_p, top_p, min_p, xtc, temperature) or a comma list.", rich_help_panel=SAMPLING)] = "hf",
-    top_n_sigma: Annotated[float, typer.Option("--top-n-sigma", help="Keep tokens with logit ≥ max − N·σ of the logits; the same set at any temperature (0: off).", rich_help_panel=SAMPLING)] = 0.0,
-    xtc_probability: Annotated[float, typer.Option("--xtc-probability", help="XTC: at each step, with this chance, remove every token with p ≥ --xtc-threshold except the least likely of them (0: off).", rich_help_panel=SAMPLING)] = 0.0,
-    xtc_threshold: Annotated[float, typer.Option("--xtc-threshold", help="XTC's threshold probability (above 0.5 XTC never acts).", rich_help_panel=SAMPLING)] = 0.1,
-    dry_multiplier: Annotated[float, typer.Option("--dry-multiplier", help="DRY: a token that would extend a repeat of n ≥ --dry-allowed-length tokens loses M × base^(n − allowed) from its logit (0: off).", rich_help_panel=SAMPLING)] = 0.0,
-    dry_base: Annotated[float, typer.Option("--dry-base", help="DRY's base (≥ 1).", rich_help_panel=SAMPLING)] = 1.75,
-    dry_allowed_length: Annotated[int, typer.Option("--dry-allowed-length", help="DRY: repeats this long go unpenalised.", rich_help_panel=SAMPLING)] = 2,
-    dry_penalty_last_n: Annotated[int, typer.Option("--dry-penalty-last-n", help="DRY scans this many last tokens (prompt included); -1: all, 0: off.", rich_help_panel=SAMPLING)] = 64,
-    dry_sequence_breaker: Annotated[Optional[list[str]], typer.Option("--dry-sequence-breaker", help="Text that ends a repeat for DRY (repeatable; \\n and \\t are escapes; 'none': no breakers). Default: llama.cpp's \\n : \" *", rich_help_panel=SAMPLING, show_default=False)] = None,
-    mirostat: Annotated[int, typer.Option("--mirostat", help="Mirostat 1 or 2 (0: off): aims at --mirostat-tau bits of surprise per token; replaces penalties, DRY and truncation, as in llama.cpp.", rich_help_panel=SAMPLING)] = 0,
-    mirostat_tau: Annotated[float, typer.Option("--mirostat-tau", help="Mirostat's target surprise τ in bits (μ starts at 2τ).", rich_help_panel=SAMPLING)] = 5.0,
-    mirostat_eta: Annotated[float, typer.Option("--mirostat-eta", help="Mirostat's learning rate η.", rich_help_panel=SAMPLING)] = 0.1,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed (default: random, and printed). Row r of a batch uses seed + r.", rich_help_panel=SAMPLING)] = None,
+    sampling: SamplerFlags = None,
     chat: ChatOpt = False,
     system: SystemOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop when this text appears (repeatable).")] = None,
@@ -131,17 +146,7 @@ def generate(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    keep_quantized: KeepQuantizedOpt = False,
-    fast: FastOpt = False,
-    device_map: DeviceMapOpt = None,
-    max_memory: MaxMemoryOpt = None,
-    offload_dir: OffloadDirOpt = None,
-    threads: ThreadsOpt = None,
-    prompt_list: PromptsOpt = None,
-    prompts_file: PromptsFileOpt = None,
-    max_batch: MaxBatchOpt = 64,
+    load: LoadFlags = None,
     save_tensors: Annotated[Optional[str], typer.Option("--save-tensors", metavar="FILE.safetensors", help="Also store the full "
                             "values of the points the trace records (--trace, --layers choose them) in FILE, tied to "
                             "this trace by a key in its run event: `llmtrace diff` compares two such runs point by "
@@ -153,41 +158,23 @@ def generate(
                                          "the decode step as constants (Inductor's freezing). Each step 8-23% faster "
                                          "(measured on two CPUs), but the compile takes 11-14 s longer every run (it "
                                          "is not cached), so it pays off only after ~5,000-17,000 tokens.")] = False,
-    ablate: AblateOpt = None,
-    scale: ScaleOpt = None,
-    patch: PatchOpt = None,
-    source: FromOpt = None,
-    steer: SteerOpt = None,
-    toward: TowardOpt = None,
-    away_from: AwayOpt = None,
-    strength: StrengthOpt = 1.0,
-    control_vector: ControlVectorOpt = None,
+    interventions: InterventionFlags = None,
 ) -> None:
     from llmtrace.api import GenerateOptions
 
-    # Everything the user typed is checked before the (slow) model load.
-    options = GenerateOptions(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-        typical_p=typical_p, repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty, logit_bias=logit_bias or [], ban=ban or [], sampler_order=sampler_order,
-        seed=seed, chat=chat, system=system, stop=tuple(stop or ()), ignore_eos=ignore_eos, trace=trace,
-        layers=layers, dump=tuple(dump or ()), show_top=show_top, for_report=html is not None, compile=compile_,
-        freeze=freeze,
-        save_tensors=save_tensors,
-        top_n_sigma=top_n_sigma, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-        dry_multiplier=dry_multiplier, dry_base=dry_base, dry_allowed_length=dry_allowed_length,
-        dry_penalty_last_n=dry_penalty_last_n,
-        dry_sequence_breakers=None if dry_sequence_breaker is None else breaker_texts(dry_sequence_breaker),
-        mirostat=mirostat, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-        interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
+    # Everything the user typed is checked before torch is imported and the (slow) model load.
+    options = GenerateOptions.of(
+        max_new_tokens=max_new_tokens, **sampling.keywords(), chat=chat, system=system, stop=tuple(stop or ()),
+        ignore_eos=ignore_eos, trace=trace, layers=layers, dump=tuple(dump or ()), show_top=show_top,
+        for_report=html is not None, compile=compile_, freeze=freeze, save_tensors=save_tensors,
+        interventions=interventions.parse())
     check_outputs(json_out, jsonl, html, save_tensors)
     if save_tensors is not None and json_out is None and jsonl in (None, "-"):
         raise UsageError("--save-tensors stores tensors beside a trace file; give --json FILE or --jsonl FILE too")
-    prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch)
-    options.check_prompts(prompts)
-    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
-                           fast=fast)
-    for note in sampler_notes(options.sampler_config(), bool(logit_bias or ban)):
+    texts = prompts.read()
+    options.check_prompts(texts)
+    load_options = load.options()
+    for note in sampler_notes(options.sampler, bool(sampling.logit_bias or sampling.ban)):
         print(f"note: {note}", file=sys.stderr)
 
     from llmtrace.fsutil import sigint_deferred
@@ -204,8 +191,8 @@ def generate(
         import llmtrace.run.generate  # noqa: F401
 
         sigint.release()  # the stream can end with a summary now: a Ctrl-C held since the first line is raised here
-        model_ = load_for_cli(load_args)
-        run(model_, prompts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
+        model_ = load_for_cli(load_options)
+        run(model_, texts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -246,7 +233,10 @@ def run(model, prompts, options, *, jsonl_sink, json_out, html=None) -> None:
             view_console.file.write(piece)
             view_console.file.flush()
 
-    trace = model.generate_with(prompts, options, sinks=sinks, on_text=on_text, keep_events=html is not None)
+    prepared = model.prepare_generate(prompts, options)
+    for note in prepared.notes:
+        print(f"note: {note}", file=sys.stderr)
+    trace = prepared.run(sinks=sinks, on_text=on_text, keep_events=html is not None)
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:

@@ -13,7 +13,7 @@ except ImportError:  # older typer runs on click itself
 
 from llmtrace import sigint
 from llmtrace.cli.app import app
-from llmtrace.errors import BadValue, LlmtraceError
+from llmtrace.errors import FieldError, LlmtraceError
 
 # Importing a command module registers its commands on `app`.
 import llmtrace.cli.generate  # noqa: F401,E402
@@ -61,7 +61,7 @@ def main(argv=None) -> None:
         if debug:
             raise
         _fail(e.format_message(), e.exit_code or 1)
-    except BadValue as e:  # a value the library names by its field: say which flag gave it
+    except FieldError as e:  # a value the library names by its field: say which flag gave it
         if debug:
             raise
         from llmtrace.cli.options import flag_of

@@ -198,8 +198,8 @@ def rm_command(
         if not sys.stdin.isatty():
             raise UsageError("rm asks before it removes anything; pass --yes to remove without asking")
         if not _confirm(f"Remove {len(found)} model{'s' if len(found) > 1 else ''} ({human_bytes(total)})?"):
-            print("nothing removed", file=sys.stderr)
-            raise typer.Exit(1)
+            print("nothing removed: you answered no", file=sys.stderr)
+            return  # a question answered is not a failure (exit 0)
     for files in found:
         freed = remove(files.key)
         print(f"removed {files.key} ({human_bytes(freed)} freed)", file=sys.stderr)

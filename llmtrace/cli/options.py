@@ -8,8 +8,9 @@ goes to stderr, and only when stderr is a terminal.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from typer.core import TyperCommand
@@ -100,7 +101,8 @@ OffloadDirOpt = Annotated[
 
 
 # A value's flag, where it is not the field's name with dashes ("top_p" -> --top-p).
-FLAG_OF_FIELD = {"order": "--sampler-order", "dry_sequence_breakers": "--dry-sequence-breaker", "level": "--trace", "for_report": "--html", "spec": "--model"}
+FLAG_OF_FIELD = {"order": "--sampler-order", "dry_sequence_breakers": "--dry-sequence-breaker", "level": "--trace",
+                 "for_report": "--html", "spec": "--model", "source": "--from"}
 
 
 def flag_of(field: str) -> str:
@@ -108,26 +110,87 @@ def flag_of(field: str) -> str:
     return FLAG_OF_FIELD.get(field) or "--" + field.replace("_", "-")
 
 
-def check_load(model: Optional[str], device: Optional[str], dtype: Optional[str], keep_quantized: bool,
-               device_map: Optional[str], max_memory: Optional[list[str]], offload_dir: Optional[Path],
-               threads: Optional[int], fast: bool = False):
-    """The load flags as one value (api.LoadOptions), checked before the load (one-line errors): the placement, and
-    what --fast does not combine with."""
-    from llmtrace.api import LoadOptions
+# -- flag groups: the flags several commands share, declared once
 
-    args = LoadOptions(spec=model, device=device, dtype=dtype, keep_quantized=keep_quantized, device_map=device_map,
-                       max_memory=max_memory, offload_dir=offload_dir, threads=threads, fast=fast)
-    args.placement()
-    if fast:
-        from llmtrace.checkpoint.load import check_fast
 
-        check_fast(keep_quantized, args.placement(), dtype)
-    return args
+class FlagGroup:
+    """A group of flags that several commands share, declared once as a dataclass whose fields are the flags (typer
+    `Annotated` options, with their defaults). A command takes the group as one parameter (`load: LoadFlags`), and
+    `@flag_groups` spreads the group's fields into the command's own flags and gathers them back into the group."""
+
+
+def flag_groups(command: Callable) -> Callable:
+    """Spread each FlagGroup parameter of `command` into its fields (where the parameter stands), for typer; the
+    command receives the group, made from the values of those flags."""
+    import dataclasses
+    import functools
+    import inspect
+    import typing
+
+    signature = inspect.signature(command, eval_str=True)
+    params, groups = [], {}
+    for p in signature.parameters.values():
+        group = p.annotation
+        if not (isinstance(group, type) and issubclass(group, FlagGroup)):
+            params.append(p)
+            continue
+        groups[p.name] = group
+        hints = typing.get_type_hints(group, include_extras=True)
+        params += [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default,
+                                     annotation=hints[f.name]) for f in dataclasses.fields(group) if f.init]
+
+    @functools.wraps(command)
+    def spread(**values):
+        for name, group in groups.items():
+            values[name] = group(**{f.name: values.pop(f.name) for f in dataclasses.fields(group) if f.init})
+        return command(**values)
+
+    spread.__signature__ = signature.replace(parameters=params)
+    spread.__annotations__ = {p.name: p.annotation for p in params}
+    return spread
+
+
+@dataclass
+class LoadFlags(FlagGroup):
+    """The model and where it runs: api.LoadOptions, whose fields these are (--model is its spec)."""
+
+    model: ModelOpt = None
+    device: DeviceOpt = None
+    dtype: DtypeOpt = None
+    keep_quantized: KeepQuantizedOpt = False
+    fast: FastOpt = False
+    device_map: DeviceMapOpt = None
+    max_memory: MaxMemoryOpt = None
+    offload_dir: OffloadDirOpt = None
+    threads: ThreadsOpt = None
+
+    def options(self):
+        """The flags as api.LoadOptions, which checks them (before torch is imported)."""
+        from llmtrace.api import LoadOptions
+
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        return LoadOptions(spec=given.pop("model"), **given)
+
+
+@dataclass
+class OneDeviceLoadFlags(LoadFlags):
+    """The load flags of a command that runs on one device (patch): no --fast, --device-map, --max-memory,
+    --offload-dir."""
+
+    model: ModelOpt = None
+    device: DeviceOpt = None
+    dtype: DtypeOpt = None
+    keep_quantized: KeepQuantizedOpt = False
+    threads: ThreadsOpt = None
+    fast: bool = field(default=False, init=False)
+    device_map: None = field(default=None, init=False)
+    max_memory: None = field(default=None, init=False)
+    offload_dir: None = field(default=None, init=False)
 
 
 def load_for_cli(args):
-    """The model of checked load flags (check_load): --device checked before a download, then the load; with --fast,
-    one line naming the matrices that run in bfloat16."""
+    """The model of checked load flags (LoadFlags.options: api.LoadOptions): --device checked before a download,
+    then the load; with --fast, one line naming the matrices that run in bfloat16."""
     from llmtrace.api import load_with
 
     model = load_with(args)
@@ -261,6 +324,26 @@ INTERVENTIONS_HELP = """Interventions (repeatable, they combine; listed in the h
   --control-vector happy.gguf:0.8
                          a llama.cpp control vector (GGUF), scaled by 0.8
 """
+
+
+@dataclass
+class InterventionFlags(FlagGroup):
+    """The interventions of generate, explain and lens (llmtrace.run.interventions), each flag repeatable."""
+
+    ablate: AblateOpt = None
+    scale: ScaleOpt = None
+    patch: PatchOpt = None
+    source: FromOpt = None
+    steer: SteerOpt = None
+    toward: TowardOpt = None
+    away_from: AwayOpt = None
+    strength: StrengthOpt = 1.0
+    control_vector: ControlVectorOpt = None
+
+    def parse(self) -> list:
+        """The flags as llmtrace.run.interventions objects, checked before the model loads."""
+        return interventions_from(self.ablate, self.scale, self.patch, self.source, self.steer, self.toward,
+                                  self.away_from, self.strength, self.control_vector)
 
 
 def interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector) -> list:

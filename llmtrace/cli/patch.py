@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (DeviceOpt, DtypeOpt, JsonOpt, KeepQuantizedOpt, ModelOpt, ThreadsOpt, check_load,
-                                  check_outputs, html_target, load_for_cli, write_output)
+from llmtrace.cli.options import (JsonOpt, OneDeviceLoadFlags, check_outputs, flag_groups, html_target, load_for_cli,
+                                  write_output)
 from llmtrace.errors import UsageError
 
 PATCH_HELP = """The activation-patching sweep: which layer and position carry the answer.
@@ -35,6 +35,7 @@ One cell equals `llmtrace generate CORRUPT -n 0 --patch L.AT@P --from CLEAN` (th
 
 
 @app.command(help=PATCH_HELP)
+@flag_groups
 def patch(
     clean: Annotated[str, typer.Option("--clean", metavar="TEXT", help="The prompt whose activations are patched in.",
                                        show_default=False)],
@@ -45,31 +46,25 @@ def patch(
     against: Annotated[str, typer.Option("--against", metavar="TEXT", help="The corrupt prompt's answer (one token).",
                                          show_default=False)],
     at: Annotated[Optional[str], typer.Option("--at", help="Where to patch: a residual-stream point of the layer "
-                  "(Llama's: resid_pre, resid_mid, resid_post). Default: the layer's output.",
+                  "(resid_pre, resid_mid, resid_post). Default: the layer's output.",
                   show_default=False)] = None,
-    model: ModelOpt = None,
+    load: OneDeviceLoadFlags = None,
     json_out: JsonOpt = None,
     html: Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Also write the heatmap as a "
                                                 "self-contained HTML page.", show_default=False,
                                                 callback=html_target)] = None,
-    device: DeviceOpt = None,
-    dtype: DtypeOpt = None,
-    keep_quantized: KeepQuantizedOpt = False,
-    threads: ThreadsOpt = None,
 ) -> None:
-    if at is not None:  # a point no family declares, before anything loads (the model's own are checked after)
-        from llmtrace.model.family import known_points
+    if at is not None:  # no torch: every family keeps Llama's residual-stream points (the model's own are checked after)
+        from llmtrace.model.llama_points import llama_points
 
-        known = known_points(layer=True, residual=True, editable=True)
+        known = llama_points().names(layer=True, residual=True, editable=True)
         if at not in known:
             raise UsageError(f"--at {at!r} is not a residual-stream point; one of {', '.join(known)}")
     for flag, text in (("--clean", clean), ("--corrupt", corrupt), ("--answer", answer), ("--against", against)):
         if text == "":
             raise UsageError(f"{flag} is empty; give some text")
     check_outputs(json_out, None, html)
-
-    load_args = check_load(model, device, dtype, keep_quantized, None, None, None, threads)
-    model_ = load_for_cli(load_args)
+    model_ = load_for_cli(load.options())
 
     from llmtrace.api import patch_sweep
     from llmtrace.trace.records import model_record

@@ -69,6 +69,9 @@ def _resolve_path(spec: str) -> ResolvedModel:
         raise LlmtraceError(f"cannot read {spec}: {e.strerror}") from None
     if magic == b"GGUF":
         return ResolvedModel(name=path.stem, kind="gguf", path=path.resolve())
+    if magic == b"" and path.suffix.lower() == ".gguf":
+        raise LlmtraceError(f"{spec} is empty (0 bytes): not a GGUF file; an interrupted download or copy leaves "
+                            f"such a file, so fetch or copy it again")
     if path.suffix.lower() == ".gguf":
         raise LlmtraceError(f"{spec} is not a GGUF file (it does not start with the bytes 'GGUF')")
     raise LlmtraceError(f"{spec} is neither a .gguf file nor a directory with config.json")

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Protocol, Sequence, Union
 import torch
 
 from llmtrace.model.compiled import CompiledDecode, decode_step
-from llmtrace.errors import BadValue, LlmtraceError
+from llmtrace.errors import BadValue, FieldError, LlmtraceError
 from llmtrace.fsutil import sigint_deferred
 from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.model.transformer import KVCache, Transformer
@@ -195,7 +195,7 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: 
         raise
     except Exception as e:
         reason = " ".join(str(e).split())[:300] or type(e).__name__
-        raise LlmtraceError(f"torch.compile could not compile the decode step ({reason}); run without --compile") from None
+        raise FieldError("compile", f" failed: torch.compile could not build the decode step ({reason}); leave it out") from None
     compiled.compile_s = time.perf_counter() - t
     return compiled
 
@@ -392,135 +392,209 @@ def _generate(lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler]
     """The one generation loop, for B rows (B = 1: one prompt). `batched`: the observer hears of rows (on_batch,
     "row" on every record, a BatchResult at the end); a one-prompt run (generate) reports as it always has.
     With interventions the prompt is prefilled in one pass and the compiled step is not used (llmtrace.run.interventions)."""
-    model, tok, device = lm.model, lm.tokenizer, lm.device
-    B = len(prompts)
-    layout = pad_batch(prompts, tok)  # s3; one prompt is a row without padding
-    T = len(layout.ids[0])
-    pads = [T - len(p) for p in prompts]  # a row's position is its slot less its pad slots
-    edits = prepare(lm, interventions, [len(p) for p in prompts])  # None without interventions
-    chunk = PREFILL_CHUNK if edits is None else T
-    if edits is not None:
-        compiled = None
-    padded = any(pads)
-    rows = [GenerationResult(prompt_ids=list(p)) for p in prompts]
-    requested = max_new_tokens
-    limits = check_batch_context(lm, prompts, requested)  # each row's room: -n, or less near the context window
-    max_new_tokens = max(limits)
-    result = BatchResult(layout=layout, rows=rows)
-    eos = set() if ignore_eos else set(tok.eos_ids)
-    want_ledger = observer is not None and observer.wants_ledger()
-    S = T + max(max_new_tokens, 1)
-    cache = model.new_cache(S, batch=B)
-    mask = None  # (B, S): True at the slots a row really fills; a row that ends early makes pad slots of the rest
-    if B > 1:
-        mask = torch.zeros((B, S), dtype=torch.bool, device=device)
-        mask[:, :T] = torch.tensor(layout.attention_mask, dtype=torch.bool, device=device)
-    streams = [TextStream(tok) for _ in range(B)]
-    histories = [list(p) for p in prompts]
-    live = list(range(B))  # rows still generating
-    emitted = 0  # characters of text already passed to on_text (a one-prompt run's)
-    tag = (lambda r: {"row": r}) if batched else (lambda r: {})  # what the observer's records say of the row
+    loop = _Loop(lm, prompts, samplers, max_new_tokens, stop_texts, ignore_eos, observer, on_prefill_progress,
+                 batched=batched, on_text=on_text, compiled=compiled, interventions=interventions)
     # Ctrl-C anywhere from here on ends the run as "interrupted", and the observer still gets its on_end. The start
     # and the end are held whole (a Ctrl-C during them is taken once they are done), so their events are never cut.
     try:
-        if observer is not None:
-            with sigint_deferred():
-                if batched:
-                    observer.on_start(lm, list(prompts[0]), samplers[0], batch=[list(p) for p in prompts],
-                                      samplers=samplers)
-                    observer.on_batch(layout)
-                else:
-                    observer.on_start(lm, list(prompts[0]), samplers[0])
-        scopes = {phase: _scope(model, observer, phase) for phase in ("prefill", "decode")}
-        decode_scope = scopes["decode"]
-        t_start = time.perf_counter()
-        idx = torch.tensor(layout.ids, dtype=torch.long, device=device)  # (B, T)
+        loop.tell_start()
+        loop.run()
+    except KeyboardInterrupt:
+        loop.interrupted()
+    return loop.finish()
+
+
+@dataclass
+class _Row:
+    """One row of the loop as it runs: its result so far, its sampler and history, its text, where it stands."""
+
+    result: GenerationResult
+    sampler: Sampler
+    history: list[int]  # the row's ids so far, prompt included (what the sampler's penalties see)
+    stream: TextStream  # its text, complete characters only
+    pad: int  # pad slots in front of it (its position is its slot less these)
+    limit: int  # tokens it may generate: -n, or fewer near the context window
+    live: bool = True  # still generating (a finished row is fed the pad id at slots its mask hides)
+
+
+class _Loop:
+    """The state of one run of the generation loop (`_generate`): the batch's layout, cache and mask, each row's
+    state (`_Row`), the observer and the hooks; `run` is the loop, one forward pass and one token a row per step."""
+
+    def __init__(self, lm: LoadedModel, prompts: list[list[int]], samplers: list[Sampler], max_new_tokens: int,
+                 stop_texts: tuple[str, ...], ignore_eos: bool, observer, on_prefill_progress, *, batched: bool,
+                 on_text=None, compiled: Optional[CompiledDecode] = None, interventions: Sequence = ()):
+        self.lm, self.model, self.device = lm, lm.model, lm.device
+        self.prompts, self.samplers, self.observer, self.batched = prompts, samplers, observer, batched
+        self.stop_texts, self.on_text, self.on_prefill_progress = stop_texts, on_text, on_prefill_progress
+        self.B = B = len(prompts)
+        self.layout = pad_batch(prompts, lm.tokenizer)  # s3; one prompt is a row without padding
+        self.T = T = len(self.layout.ids[0])
+        self.edits = prepare(lm, interventions, [len(p) for p in prompts])  # None without interventions
+        self.chunk = PREFILL_CHUNK if self.edits is None else T
+        self.compiled = compiled if self.edits is None else None
+        self.padded = any(T - len(p) for p in prompts)
+        self.requested = max_new_tokens
+        limits = check_batch_context(lm, prompts, max_new_tokens)  # each row's room: -n, or less near the window
+        self.max_new_tokens = max(limits)
+        self.rows = [_Row(GenerationResult(prompt_ids=list(p)), samplers[r], list(p), TextStream(lm.tokenizer),
+                          pad=T - len(p), limit=limits[r]) for r, p in enumerate(prompts)]
+        self.result = BatchResult(layout=self.layout, rows=[row.result for row in self.rows])
+        self.eos = set() if ignore_eos else set(lm.tokenizer.eos_ids)
+        self.want_ledger = observer is not None and observer.wants_ledger()
+        S = T + max(self.max_new_tokens, 1)
+        self.cache = self.model.new_cache(S, batch=B)
+        self.mask = None  # (B, S): True at the slots a row really fills; a row that ends early makes pad slots
+        if B > 1:
+            self.mask = torch.zeros((B, S), dtype=torch.bool, device=self.device)
+            self.mask[:, :T] = torch.tensor(self.layout.attention_mask, dtype=torch.bool, device=self.device)
+        self.emitted = 0  # characters of text already passed to on_text (a one-prompt run's)
+
+    def tag(self, r: int) -> dict:
+        """What the observer's records say of the row."""
+        return {"row": r} if self.batched else {}
+
+    @property
+    def live(self) -> list[int]:
+        return [r for r, row in enumerate(self.rows) if row.live]
+
+    def tell_start(self) -> None:
+        if self.observer is None:
+            return
+        with sigint_deferred():
+            if self.batched:
+                self.observer.on_start(self.lm, list(self.prompts[0]), self.samplers[0],
+                                       batch=[list(p) for p in self.prompts], samplers=self.samplers)
+                self.observer.on_batch(self.layout)
+            else:
+                self.observer.on_start(self.lm, list(self.prompts[0]), self.samplers[0])
+
+    def run(self) -> None:
+        """Prefill, then decode a token a row per step until every row has stopped."""
+        scopes = {phase: _scope(self.model, self.observer, phase) for phase in ("prefill", "decode")}
+        self.t_start = time.perf_counter()
+        idx = torch.tensor(self.layout.ids, dtype=torch.long, device=self.device)  # (B, T)
         start, step = 0, 0
         with contextlib.ExitStack() as held:
-            if edits is not None:
-                held.enter_context(model.hooked(edits, edits.layers, spell_out=False))
+            if self.edits is not None:
+                held.enter_context(self.model.hooked(self.edits, self.edits.layers, spell_out=False))
             while True:
                 phase = "prefill" if step == 0 else "decode"
                 t0 = time.perf_counter()
-                if observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
-                    first = prefill_split(T, chunk) if step == 0 else start
-                    observer.before_forward(step, phase, first, start + idx.size(1) - first)
-                if edits is not None:
-                    edits.begin_pass(prompt=step == 0, pads=pads)
-                padding = None  # the pad slots to hide: a left-padded batch, or rows that have ended
-                if step == 0 and padded:
-                    padding = _padding(layout, mask, T, device)
-                elif step > 0 and (padded or len(live) < B):
-                    padding = {"input_pos": torch.tensor([start - n for n in pads], dtype=torch.long,
-                                                         device=device)[:, None],
-                               "attention_mask": mask[:, : start + 1]}
-                logits = forward_step(model, idx, cache, start, is_prefill=step == 0, padding=padding,
-                                      observed=scopes[phase], on_prefill_progress=on_prefill_progress,
-                                      compiled=compiled, next_of_same_run=step > 1, chunk=chunk)  # (B, V) float32
-                if step == 0 and decode_scope is not contextlib.nullcontext:
-                    held.enter_context(decode_scope())  # one scope for every decode pass
-                if observer is not None:
-                    observer.after_forward(step)
-                if max_new_tokens == 0:
-                    result.prefill_s = time.perf_counter() - t_start
-                    if observer is not None:
-                        for r, _, ledger in next_tokens(logits, samplers, histories, range(B), ledger=True):
-                            observer.on_prediction(ledger, len(prompts[r]), kv_facts(cache), **tag(r))  # s10-s12
-                    break
-                picked = next_tokens(logits, samplers, histories, live, ledger=want_ledger)
+                logits = self.forward(idx, start, step, scopes[phase])  # (B, V) float32
+                if step == 0 and scopes["decode"] is not contextlib.nullcontext:
+                    held.enter_context(scopes["decode"]())  # one scope for every decode pass
+                if self.observer is not None:
+                    self.observer.after_forward(step)
+                if self.max_new_tokens == 0:
+                    self.predict(logits)
+                    return
+                picked = next_tokens(logits, self.samplers, [row.history for row in self.rows], self.live,
+                                     ledger=self.want_ledger)
                 t1 = time.perf_counter()  # s10-s12 done
                 if step == 0:
-                    result.prefill_s = t1 - t_start
+                    self.result.prefill_s = t1 - self.t_start
                 else:
-                    result.decode_s += t1 - t0
+                    self.result.decode_s += t1 - t0
                 start += idx.size(1)
-                # a token, its step event and the row's bookkeeping go together: a Ctrl-C here waits for them, so the
-                # summary never lists a token whose step was not reported
-                with sigint_deferred():
-                    for r, token, ledger in picked:
-                        histories[r].append(token)
-                        rows[r].tokens.append(token)
-                        piece = "" if token in eos else streams[r].push(token)  # the EOS marker is not output text
-                        if observer is not None:
-                            observer.on_step(StepRecord(step=step, phase=phase, position=start - pads[r], token=token,
-                                                        text=piece, ledger=ledger, kv=kv_facts(cache),
-                                                        ms=(t1 - t0) * 1e3), **tag(r))
-                        hit = _find_stop(streams[r].text, stop_texts)
-                        if token in eos:
-                            rows[r].stop_reason = "eos"
-                        elif hit is not None:
-                            rows[r].stop_reason = "stop_text"
-                            streams[r].text = streams[r].text[:hit]
-                        else:
-                            if on_text is not None and piece:
-                                emitted = _stream(on_text, streams[r].text, emitted, stop_texts)
-                            if len(rows[r].tokens) < limits[r]:
-                                continue
-                            if limits[r] < requested:
-                                rows[r].stop_reason = "context"
-                        live.remove(r)  # finished: from now on fed the pad id at slots its mask hides
-                if not live:
-                    break
-                if mask is not None:
-                    mask[live, start] = True
-                fed = [[rows[r].tokens[-1]] if r in live else [layout.pad_id] for r in range(B)]
-                idx = torch.tensor(fed, dtype=torch.long, device=device)  # (B, 1)
+                self.take(picked, step, phase, start, (t1 - t0) * 1e3)
+                if not self.live:
+                    return
+                idx = self.next_input(start)  # (B, 1)
                 step += 1
-    except KeyboardInterrupt:
-        result.interrupted = True
-        for r in live:
-            rows[r].interrupted = True
-            rows[r].stop_reason = "interrupted"
-    for r in range(B):
-        rows[r].text = streams[r].text
-        rows[r].prefill_s = rows[r].ttft_s = result.prefill_s
-        rows[r].decode_s = result.decode_s
-    if on_text is not None and len(rows[0].text) > emitted:
-        on_text(rows[0].text[emitted:])
-    if observer is not None:
+
+    def forward(self, idx: torch.Tensor, start: int, step: int, observed) -> torch.Tensor:
+        """s6-s9 for step `step`, told to the observer first: the (B, V) logits of each row's last slot."""
+        phase = "prefill" if step == 0 else "decode"
+        if self.observer is not None:  # the pass it may observe: the prefill's last chunk, or the decode pass
+            first = prefill_split(self.T, self.chunk) if step == 0 else start
+            self.observer.before_forward(step, phase, first, start + idx.size(1) - first)
+        if self.edits is not None:
+            self.edits.begin_pass(prompt=step == 0, pads=[row.pad for row in self.rows])
+        return forward_step(self.model, idx, self.cache, start, is_prefill=step == 0, padding=self.padding(start, step),
+                            observed=observed, on_prefill_progress=self.on_prefill_progress,
+                            compiled=self.compiled, next_of_same_run=step > 1, chunk=self.chunk)
+
+    def padding(self, start: int, step: int) -> Optional[dict]:
+        """The pad slots to hide from this step's pass: a left-padded batch, or rows that have ended (None: none)."""
+        if step == 0:
+            return _padding(self.layout, self.mask, self.T, self.device) if self.padded else None
+        if self.padded or len(self.live) < self.B:
+            return {"input_pos": torch.tensor([start - row.pad for row in self.rows], dtype=torch.long,
+                                              device=self.device)[:, None],
+                    "attention_mask": self.mask[:, : start + 1]}
+        return None
+
+    def predict(self, logits: torch.Tensor) -> None:
+        """A prefill-only run (max_new_tokens 0): what the model would predict next (s10-s12), no token taken."""
+        self.result.prefill_s = time.perf_counter() - self.t_start
+        if self.observer is None:
+            return
+        histories = [row.history for row in self.rows]
+        for r, _, ledger in next_tokens(logits, self.samplers, histories, range(self.B), ledger=True):
+            self.observer.on_prediction(ledger, len(self.prompts[r]), kv_facts(self.cache), **self.tag(r))
+
+    def take(self, picked, step: int, phase: str, start: int, ms: float) -> None:
+        """Each row's token: its step event and the row's bookkeeping go together. A Ctrl-C here waits for them, so
+        the summary never lists a token whose step was not reported."""
         with sigint_deferred():
-            observer.on_end(result if batched else rows[0])
-    return result
+            for r, token, ledger in picked:
+                row = self.rows[r]
+                row.history.append(token)
+                row.result.tokens.append(token)
+                piece = "" if token in self.eos else row.stream.push(token)  # the EOS marker is not output text
+                if self.observer is not None:
+                    self.observer.on_step(StepRecord(step=step, phase=phase, position=start - row.pad, token=token,
+                                                     text=piece, ledger=ledger, kv=kv_facts(self.cache), ms=ms),
+                                          **self.tag(r))
+                row.live = not self.stopped(row, token, piece)
+
+    def stopped(self, row: _Row, token: int, piece: str) -> bool:
+        """Whether `token` ends the row (its EOS, a stop text, its limit), the stop reason set; else its text is
+        streamed."""
+        hit = _find_stop(row.stream.text, self.stop_texts)
+        if token in self.eos:
+            row.result.stop_reason = "eos"
+        elif hit is not None:
+            row.result.stop_reason = "stop_text"
+            row.stream.text = row.stream.text[:hit]
+        else:
+            if self.on_text is not None and piece:
+                self.emitted = _stream(self.on_text, row.stream.text, self.emitted, self.stop_texts)
+            if len(row.result.tokens) < row.limit:
+                return False
+            if row.limit < self.requested:
+                row.result.stop_reason = "context"
+        return True  # finished: from now on fed the pad id at slots its mask hides
+
+    def next_input(self, start: int) -> torch.Tensor:
+        """The next pass's (B, 1) input: each live row's last token; the pad id for rows that have ended."""
+        live = self.live
+        if self.mask is not None:
+            self.mask[live, start] = True
+        fed = [[row.result.tokens[-1]] if row.live else [self.layout.pad_id] for row in self.rows]
+        return torch.tensor(fed, dtype=torch.long, device=self.device)
+
+    def interrupted(self) -> None:
+        self.result.interrupted = True
+        for row in self.rows:
+            if row.live:
+                row.result.interrupted = True
+                row.result.stop_reason = "interrupted"
+
+    def finish(self) -> BatchResult:
+        """Each row's text and timings, the rest of the streamed text, and the observer's on_end."""
+        for row in self.rows:
+            row.result.text = row.stream.text
+            row.result.prefill_s = row.result.ttft_s = self.result.prefill_s
+            row.result.decode_s = self.result.decode_s
+        first = self.rows[0].result
+        if self.on_text is not None and len(first.text) > self.emitted:
+            self.on_text(first.text[self.emitted:])
+        if self.observer is not None:
+            with sigint_deferred():
+                self.observer.on_end(self.result if self.batched else first)
+        return self.result
 
 
 def _padding(layout: BatchLayout, mask: torch.Tensor, T: int, device) -> dict:

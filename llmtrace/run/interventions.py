@@ -238,14 +238,14 @@ def parse_patch(text: str, source: Optional[str]) -> Patch:
     if not m:
         raise BadValue("patch", f" {text!r}: expected L.POINT@P, e.g. 5.resid_post@-1 or 3.h2@4 "
                                 f"(a residual-stream point of the layer, or hH)")
-    if not m[2].startswith("h"):
-        from llmtrace.model.family import known_points
+    if not m[2].startswith("h"):  # no torch: every family keeps Llama's residual-stream points
+        from llmtrace.model.llama_points import llama_points
 
-        known = known_points(layer=True, residual=True, editable=True)
+        known = llama_points().names(layer=True, residual=True, editable=True)
         if m[2] not in known:
             raise BadValue("patch", f" {text}: unknown point {m[2]!r}; points: {', '.join(known)} or hH (a head)")
     if source is None:
-        raise BadValue("patch", f" {text}: needs --from TEXT, the text whose activation is patched in")
+        raise BadValue("patch", f" {text}: needs source, the text whose activation is patched in", also=("source",))
     return Patch(int(m[1]), m[2], int(m[3]), source)
 
 
@@ -254,11 +254,12 @@ def parse_steer(layer: Optional[int], toward: Optional[str], away_from: Optional
     if layer is None and toward is None and away_from is None:
         return None
     if layer is None:
-        raise BadValue("steer", " is missing: --toward and --away-from steer the output of one layer, --steer L")
+        raise BadValue("steer", " is missing: toward and away_from steer the output of one layer, steer L",
+                       also=("toward", "away_from", "steer"))
     if toward is None or away_from is None:
-        missing = " and ".join(n for n, v in (("--toward", toward), ("--away-from", away_from)) if v is None)
-        raise BadValue("steer", f" {layer} needs both texts: {missing} missing (v = layer output for --toward − "
-                                f"for --away-from)")
+        missing = " and ".join(n for n, v in (("toward", toward), ("away_from", away_from)) if v is None)
+        raise BadValue("steer", f" {layer} needs both texts: {missing} missing (v = layer output for toward − "
+                                f"for away_from)", also=("toward", "away_from"))
     if not math.isfinite(strength):
         raise BadValue("strength", " must be a finite number")
     return Steer(layer, toward, away_from, strength)
@@ -280,7 +281,8 @@ def parse_interventions(ablate=(), scale=(), patch=(), source: Optional[str] = N
                         control_vector=()) -> list[Intervention]:
     """The interventions of a command line, in one list: ablations, scalings, patches, the steer, control vectors."""
     if source is not None and not patch:
-        raise BadValue("from", " is the source of a --patch; give --patch L.POINT@P too")
+        raise BadValue("source", " is the text a patch takes its activations from; give patch L.POINT@P too",
+                       also=("patch",))
     out: list[Intervention] = [parse_ablate(a) for a in ablate or ()]
     out += [parse_scale(s) for s in scale or ()]
     out += [parse_patch(p, source) for p in patch or ()]
@@ -311,11 +313,13 @@ def _head(field_name: str, iv, head: int, n_heads: int) -> int:
     return head
 
 
-def position_slot(field_name: str, iv, position: int, n_tokens: int, what: str) -> int:
-    """Position P (negative: from the end) of a text of n_tokens as 0-based, or a one-line error naming the range."""
+def position_slot(field_name: str, iv, position: int, n_tokens: int, what: str, also: tuple[str, ...] = ()) -> int:
+    """Position P (negative: from the end) of a text of n_tokens as 0-based, or a one-line error naming the range
+    (`also`: the fields `what` names)."""
     if not -n_tokens <= position < n_tokens:
         raise BadValue(field_name, f" {iv.spec}: position {position} is out of range; {what} has {n_tokens} token"
-                                   f"{'s' if n_tokens != 1 else ''} (0..{n_tokens - 1}, or -1..-{n_tokens} from the end)")
+                                   f"{'s' if n_tokens != 1 else ''} (0..{n_tokens - 1}, or -1..-{n_tokens} from the end)",
+                       also=also)
     return position % n_tokens
 
 
@@ -436,15 +440,15 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
         elif isinstance(iv, Patch):
             layer = iv.layer % c.n_layers
             point = part_point(points, "head") if iv.point == "head" else iv.point
-            ids = _source_ids(iv, encode, "source (--from)", iv.source, c.max_seq_len)
-            pos = position_slot("patch", iv, iv.position, len(ids), "the --from text")
+            ids = _source_ids(iv, encode, "source", iv.source, c.max_seq_len)
+            pos = position_slot("patch", iv, iv.position, len(ids), "the source text", also=("source",))
             acts = grab(lm.model, ids, [(layer, point)])[(layer, point)]  # (T_src, D) or (T_src, H, Dh)
             vec = acts[pos] if iv.head is None else acts[pos, iv.head]
             edits.add(layer, point, _patch(edits, iv, vec))
         elif isinstance(iv, Steer):
             layer = iv.layer % c.n_layers
-            v = steering_vector(lm, layer, _source_ids(iv, encode, "--toward text", iv.toward, c.max_seq_len),
-                                _source_ids(iv, encode, "--away-from text", iv.away_from, c.max_seq_len))
+            v = steering_vector(lm, layer, _source_ids(iv, encode, "toward", iv.toward, c.max_seq_len),
+                                _source_ids(iv, encode, "away_from", iv.away_from, c.max_seq_len))
             edits.add(layer, out, _add(iv.strength * v))
         else:
             for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items():
@@ -452,12 +456,15 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
     return edits
 
 
-def _source_ids(iv, encode, what: str, text: str, ctx: int) -> list[int]:
+def _source_ids(iv, encode, field_name: str, text: str, ctx: int) -> list[int]:
+    """The ids of the text an intervention runs, given as `field_name` (source, toward, away_from)."""
     ids = encode(text)
     if not ids:
-        raise BadValue(iv.kind, f" {iv.spec}: the {what} is empty (it encodes to zero tokens)")
+        raise BadValue(iv.kind, f" {iv.spec}: the {field_name} text is empty (it encodes to zero tokens)",
+                       also=(field_name,))
     if len(ids) > ctx:
-        raise BadValue(iv.kind, f" {iv.spec}: the {what} has {len(ids)} tokens, more than the context window ({ctx})")
+        raise BadValue(iv.kind, f" {iv.spec}: the {field_name} text has {len(ids)} tokens, more than the context "
+                       f"window ({ctx})", also=(field_name,))
     return ids
 
 

@@ -50,7 +50,8 @@ def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: Opt
     tok, model = lm.tokenizer, lm.model
     a_id, b_id = answer_token(tok, answer, "answer"), answer_token(tok, against, "against")
     if a_id == b_id:
-        raise BadValue("against", f" {against!r} is the same token as --answer; the metric would be 0 everywhere")
+        raise BadValue("against", f" {against!r} is the same token as answer; the metric would be 0 everywhere",
+                       also=("answer",))
     encode = encode or (lambda text: tok.encode_prompt(text)[1])
     clean_ids, corrupt_ids = encode(clean), encode(corrupt)
     if len(clean_ids) != len(corrupt_ids):

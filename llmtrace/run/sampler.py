@@ -31,10 +31,11 @@ Notation: V vocab size, T history length.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from llmtrace.errors import BadValue, LlmtraceError
@@ -156,8 +157,12 @@ class SamplerConfig:
             return ["mirostat"]
         return [STAGE_FIELD.get(n, n) for n in ("top_n_sigma", "xtc") if STAGES[n].active(self)]
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise BadValue, naming the field, for the first out-of-range setting."""
+    def __post_init__(self):
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Raise BadValue, naming the field, for the first out-of-range setting: once, when the config is made. The
+        ids (logit_bias, ban) are checked against the vocabulary by `check_ids`, once the model is known."""
         t = self.temperature
         if not math.isfinite(t):
             raise BadValue("temperature", f" must be a finite number >= 0 (0 = greedy), got {t}")
@@ -179,16 +184,10 @@ class SamplerConfig:
             if not math.isfinite(value):
                 raise BadValue(name, f" must be a finite number, got {value}")
         for tid, bias in self.logit_bias.items():
-            if not 0 <= tid < vocab_size:
-                raise BadValue("logit_bias", f" token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
             if not math.isfinite(bias):
                 raise BadValue("logit_bias", f" for token {tid} must be finite, got {bias} (a ban forbids a token)")
-        for seq in self.ban:
-            if not seq:
-                raise BadValue("ban", " got an empty token sequence")
-            for tid in seq:
-                if not 0 <= tid < vocab_size:
-                    raise BadValue("ban", f" token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+        if any(not seq for seq in self.ban):
+            raise BadValue("ban", " got an empty token sequence")
         _check_order(self.order)
         for name, stage in STAGES.items():
             if stage.active(self) and name not in self.order:
@@ -196,6 +195,27 @@ class SamplerConfig:
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise BadValue("seed", f" must be in [0, 2**64), got {self.seed}")
         self._validate_llama_cpp_samplers()
+
+    def check_ids(self, vocab_size: int) -> None:
+        """The token ids of logit_bias and ban are in the vocabulary (known once a model is), and the order has a
+        place for a ban set after the config was made (`changed(ban=...)`)."""
+        for tid in self.logit_bias:
+            if not 0 <= tid < vocab_size:
+                raise BadValue("logit_bias", f" token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+        for seq in self.ban:
+            for tid in seq:
+                if not 0 <= tid < vocab_size:
+                    raise BadValue("ban", f" token id {tid} is outside the vocabulary (0..{vocab_size - 1})")
+        if self.ban and "ban" not in self.order:
+            raise BadValue("order", f" {','.join(self.order)} leaves out sampler stage 'ban', which is set")
+
+    def changed(self, **changes) -> "SamplerConfig":
+        """A copy with `changes` (seed, ban), not checked again: its ranges were checked when it was made, and ids are
+        `check_ids`' to check."""
+        other = copy.copy(self)
+        for name, value in changes.items():
+            setattr(other, name, value)
+        return other
 
     def _validate_llama_cpp_samplers(self) -> None:
         n = self.top_n_sigma
@@ -218,9 +238,9 @@ class SamplerConfig:
                                                  f"{self.dry_penalty_last_n}")
         for text in self.dry_sequence_breakers:
             if not isinstance(text, str) or not text:
-                raise BadValue("dry_sequence_breaker", f" must be a non-empty text, got {text!r}")
+                raise BadValue("dry_sequence_breakers", f" must be a non-empty text, got {text!r}")
             if len(text.encode("utf-8")) > DRY_MAX_BREAKER_CHARS:
-                raise BadValue("dry_sequence_breaker", f" {text!r} is longer than {DRY_MAX_BREAKER_CHARS} bytes "
+                raise BadValue("dry_sequence_breakers", f" {text!r} is longer than {DRY_MAX_BREAKER_CHARS} bytes "
                                                        "(llama.cpp's limit)")
         if _not_int(self.mirostat) or self.mirostat not in (0, 1, 2):
             raise BadValue("mirostat", f" must be 0 (off), 1 or 2, got {self.mirostat}")
@@ -230,35 +250,22 @@ class SamplerConfig:
                 raise BadValue(name, f" must be >= 0, got {v}")
 
     def to_dict(self) -> dict:
-        """The trace's "sampling" record: every setting (JSON-safe) plus the stages that will actually run."""
-        return {
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "typical_p": self.typical_p,
-            "repetition_penalty": self.repetition_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "presence_penalty": self.presence_penalty,
-            "logit_bias": {str(tid): bias for tid, bias in self.logit_bias.items()},
-            "ban": [list(seq) for seq in self.ban],
-            "order": list(self.order),
-            "seed": self.seed,
-            "top_n_sigma": self.top_n_sigma,
-            "xtc_probability": self.xtc_probability,
-            "xtc_threshold": self.xtc_threshold,
-            "dry_multiplier": self.dry_multiplier,
-            "dry_base": self.dry_base,
-            "dry_allowed_length": self.dry_allowed_length,
-            "dry_penalty_last_n": self.dry_penalty_last_n,
-            "dry_sequence_breakers": list(self.dry_sequence_breakers),
-            "mirostat": self.mirostat,
-            "mirostat_tau": self.mirostat_tau,
-            "mirostat_eta": self.mirostat_eta,
+        """The trace's "sampling" record: every setting, as declared above (JSON-safe: ids as keys are strings), plus
+        what follows from them: greedy, the stages that will actually run, and the fields left unused."""
+        return {f.name: _json_safe(getattr(self, f.name)) for f in fields(self)} | {
             "greedy": self.greedy,
             "stages": self.active_stages(),
             "ignored": self.ignored_by_mirostat() + self.ignored_by_greedy(),
         }
+
+
+def _json_safe(value):
+    """A setting as JSON holds it: a dict's keys as strings, tuples and lists as lists."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _not_int(v) -> bool:
@@ -773,9 +780,9 @@ class Sampler:
     def __init__(self, config: SamplerConfig, vocab_size: int, *, k_show: int = 10, tokenizer=None):
         """`tokenizer` (a llmtrace TextTokenizer) is needed only when DRY is on with sequence breakers, which are
         texts: `dry_breakers` finds the tokens they can appear as."""
-        config.validate(vocab_size)
+        config.check_ids(vocab_size)  # its ranges were checked when it was made
         self.seed: int = config.seed if config.seed is not None else int.from_bytes(os.urandom(4), "little")
-        self.config = replace(config, seed=self.seed)  # to_dict() then records the seed actually used
+        self.config = config.changed(seed=self.seed)  # to_dict() then records the seed actually used
         self.vocab_size = vocab_size
         self.k_show = k_show
         self.generator = torch.Generator().manual_seed(self.seed)
@@ -793,6 +800,16 @@ class Sampler:
                 raise ValueError("DRY's sequence breakers are texts: pass the tokenizer (Sampler(..., tokenizer=...)), "
                                  "or set dry_sequence_breakers=[]")
             self._dry_breakers = dry_breakers(tokenizer, tuple(config.dry_sequence_breakers), vocab_size)
+
+    def with_seed(self, seed: int) -> "Sampler":
+        """This sampler's settings under another seed (a batch row's: run.generate.row_seed), not checked again: a
+        generator and a mirostat state of its own."""
+        other = copy.copy(self)
+        other.seed = seed
+        other.config = self.config.changed(seed=seed)
+        other.generator = torch.Generator().manual_seed(seed)
+        other.mu = 2 * self.config.mirostat_tau if self.mirostat else None
+        return other
 
     def _context(self, history: list[int] | torch.Tensor, device: torch.device) -> _Context:
         names = {name for name, _ in self.stages}

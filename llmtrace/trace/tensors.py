@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from llmtrace.errors import LlmtraceError
+from llmtrace.errors import FieldError, LlmtraceError
 
 TENSORS_SCHEMA = "llmtrace.tensors/1"
 def tensor_name(step: int, layer: Optional[int], point: str) -> str:
@@ -58,8 +58,8 @@ class TensorStore:
         """Keep x, the tensor of a point whose values can be stored (model.points.Point.stored; the recorder asks)."""
         name = tensor_name(step, layer, point)
         if name in self.tensors:
-            raise LlmtraceError("--save-tensors keeps one pass per step; this prompt was prefilled in several chunks "
-                                "(a prompt of more than 256 tokens); shorten it")
+            raise FieldError("save_tensors", " keeps one pass per step; this prompt was prefilled in several chunks "
+                             "(a prompt of more than 256 tokens); shorten it")
         self.tensors[name] = x[0].detach().to("cpu", copy=True).contiguous()
 
     def write(self) -> None:
@@ -86,7 +86,7 @@ def read_tensors(path: Path, key: str, trace: str) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError) as e:
         raise LlmtraceError(f"{path}: not a safetensors file ({' '.join(str(e).split())[:120]})") from None
     if meta.get("schema") != TENSORS_SCHEMA:
-        raise LlmtraceError(f"{path}: not a tensors file written by generate --save-tensors")
+        raise LlmtraceError(f"{path}: not a tensors file of llmtrace (its metadata names no schema {TENSORS_SCHEMA})")
     if meta.get("key") != key:
         raise LlmtraceError(f"{path} does not belong to {trace}: it was saved by another run (key {meta.get('key')}, "
                             f"the trace's is {key})")
