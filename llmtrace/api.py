@@ -559,8 +559,17 @@ def compare(a, b, prompt: Prompt, **options) -> "Comparison":
     return Comparison(run_compare(a, b, prompt, **options))
 
 
+def diff(trace_a: Union[str, Path], trace_b: Union[str, Path], **options) -> "Comparison":
+    """Two saved runs of one prompt compared without a model (`llmtrace diff`): with their tensors
+    (saved by generate's `save_tensors=`), compare's figures; else what the traces hold. Keywords: tolerance=, tensors=
+    (run/diff.py)."""
+    from llmtrace.run.diff import diff_traces
+
+    return Comparison(diff_traces(str(trace_a), str(trace_b), **options))
+
+
 class Comparison:
-    """What `compare` found (run.compare.CompareResult: `.first_divergence`, `.layers`, `.kld_mean`, `.to_json()`,
+    """What `compare` or `diff` found (run.compare.CompareResult: `.first_divergence`, `.layers`, `.kld_mean`, `.to_json()`,
     `.save(path)`, ...) with the views a notebook needs: `.report(path)` and the page inline."""
 
     def __init__(self, result):

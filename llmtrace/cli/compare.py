@@ -200,12 +200,12 @@ def diff(
     jsonl: JsonlOpt = None,
     html: HtmlOpt = None,
 ) -> None:
-    from llmtrace.run.diff import diff_traces
+    from llmtrace.api import diff as run_diff
 
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, not {tolerance:g}")
     check_outputs(json_out, jsonl, html)
-    result = diff_traces(trace_a, trace_b, tolerance=tolerance, tensors=not no_tensors)
+    result = run_diff(trace_a, trace_b, tolerance=tolerance, tensors=not no_tensors)
     show(result.to_json(), json_out, jsonl)
     if html:
         n = result.report(html)
