@@ -230,7 +230,7 @@ def test_a_file_written_before_worst_position_still_reads():
 
 
 def test_cli_json_jsonl_and_view(tiny_a, tmp_path, capsys):
-    from llmtrace.run.compare import COMPARE_SCHEMA
+    from llmtrace.trace.comparison import COMPARE_SCHEMA
 
     path_a, _ = tiny_a
     path_b = save_hf(tmp_path / "b", perturbed_copy(2, "self_attn.v_proj.weight"))

@@ -78,7 +78,7 @@ def test_diff_with_tensors_finds_the_perturbed_matrix_as_compare_does(dirs, tmp_
     # KLD where the logits were recorded: the last position of each pass
     assert sum(p["kld"] is not None for p in d.positions) == 3
     assert d.kld_max > 0
-    from llmtrace.run.compare import jsonl_events
+    from llmtrace.trace.comparison import jsonl_events
     from test_compare import check_against_schema
 
     check_against_schema(d.to_json(), jsonl_events(d.to_json()))

@@ -161,7 +161,7 @@ def show(doc: dict, json_out: Optional[str], jsonl: Optional[str]) -> None:
     if json_out:
         write_output(json_out, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     if jsonl:
-        from llmtrace.run.compare import jsonl_events
+        from llmtrace.trace.comparison import jsonl_events
 
         write_output(jsonl, "".join(json.dumps(ev, ensure_ascii=False) + "\n" for ev in jsonl_events(doc)))
     if "-" not in (json_out, jsonl):

@@ -11,7 +11,8 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.options import html_target, write_html
 
-REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page.
+REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page; a saved
+comparison (compare, diff) or patching sweep (patch) as the page its --html writes.
 
 The page is a single file that loads nothing from the network: open it from disk in any browser. Its sections
 follow the seed table: the run, the pipeline s1-s12, tokens, each step (top-k and the sampler funnel), attention,
@@ -33,6 +34,8 @@ Examples:
   llmtrace report batch.json -o row1.html --row 1      # a batch: one page per row
 
   llmtrace generate "Once upon a time" -n 16 --html story.html
+
+  llmtrace report cmp.jsonl -o cmp.html       # a saved compare --jsonl: the page compare --html writes
 """
 
 
@@ -80,9 +83,13 @@ def report(
     from llmtrace.fsutil import check_writable_target
     from llmtrace.report.data import check_schema
     from llmtrace.errors import LlmtraceError
+    from llmtrace.trace.reader import trace_kind
 
     check_writable_target(Path(output))
     events = read_trace(trace).events
+    if trace_kind(events, trace) not in ("generate", "explain", "lens"):  # compare, diff, patch: their --html page
+        write_html(events, output, None, row=row)
+        return
     try:
         check_schema(events, declared_schema(trace))
     except LlmtraceError as e:

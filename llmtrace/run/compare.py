@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
 from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
 
-COMPARE_SCHEMA = "llmtrace.compare/1"
 DEFAULT_TOLERANCE = 1e-4
 DIGITS = 4  # significant digits of every float written
 
@@ -404,14 +404,6 @@ def _sci(x: float) -> str:
     """3.1e-3, not 3.1e-03."""
     m, _, ex = f"{x:.1e}".partition("e")
     return f"{m}e{int(ex)}"
-
-
-def jsonl_events(doc: dict) -> list[dict]:
-    """A comparison's JSON object as events, one JSON object per line: "compare" (everything but the layers and the
-    positions), one "compare_layer" per layer, one "compare_position" per position."""
-    head = {"event": "compare"} | {k: v for k, v in doc.items() if k not in ("layers", "positions")}
-    return ([head] + [{"event": "compare_layer"} | lay for lay in doc["layers"]]
-            + [{"event": "compare_position"} | p for p in doc["positions"]])
 
 
 def position_records(tok_a, tok_b, ids: list[int], n_prompt: int, m: dict) -> list[dict]:
