@@ -270,13 +270,13 @@ class Trace:
     def text(self) -> Optional[str]:
         """The generated text (row 0's for a batch; `.rows` has each row's); None for explain and lens traces."""
         s = self._summary()
-        return None if s is None else s["text"]
+        return None if s is None or "text" not in s else s["text"]
 
     @property
     def tokens(self) -> Optional[list[int]]:
         """The generated token ids (row 0's for a batch); None for explain and lens traces."""
         s = self._summary()
-        return None if s is None else list(s["tokens"])
+        return None if s is None or "tokens" not in s else list(s["tokens"])
 
     @property
     def rows(self) -> Optional[list[dict]]:
@@ -482,20 +482,23 @@ class Model:
         system=, row= (with a list of prompts: the row taken apart, after the batch's masks)."""
         return self.explain_with(prompt, _options(ExplainOptions, options, "explain"))
 
-    def explain_with(self, prompt: Prompt, options: ExplainOptions) -> Trace:
-        from llmtrace.run.explain import explain_events
+    def explain_with(self, prompt: Prompt, options: ExplainOptions, *, sinks: Sequence[Sink] = ()) -> Trace:
+        """`explain` with a typed options value; `sinks` receive each event as it is made (the CLI's --jsonl), the
+        summary last. A Ctrl-C ends the events there: the summary says `interrupted`, and so does the trace."""
+        from llmtrace.run.explain import iter_explain_events
 
         prompt_text, ids, texts = self._encoded(prompt, options)
-        events = explain_events(self.loaded, ids, options.layer, head=options.head, top=options.top,
-                                prompt=prompt_text, chat=options.chat, interventions=list(options.interventions))
-        return Trace(self._with_batch(texts, options, events), tokenizer=self.tokenizer)
+        events = iter_explain_events(self.loaded, ids, options.layer, head=options.head, top=options.top,
+                                     prompt=prompt_text, chat=options.chat, interventions=list(options.interventions))
+        return self._streamed("explain", events, self._batch_event(texts, options), len(ids), sinks)
 
     def lens(self, prompt: Prompt, **options) -> Trace:
         """The logit lens (`llmtrace lens`). Keywords: positions=, last=, layers=, top=, chat=, system=, row=."""
         return self.lens_with(prompt, _options(LensOptions, options, "lens"))
 
-    def lens_with(self, prompt: Prompt, options: LensOptions) -> Trace:
-        from llmtrace.run.explain import lens_events, parse_positions
+    def lens_with(self, prompt: Prompt, options: LensOptions, *, sinks: Sequence[Sink] = ()) -> Trace:
+        """`lens` with a typed options value; `sinks` as for explain_with."""
+        from llmtrace.run.explain import iter_lens_events, parse_positions
         from llmtrace.run.generate import check_context
         from llmtrace.trace.indices import parse_layers
 
@@ -503,21 +506,35 @@ class Model:
         check_context(self.loaded, len(ids), 0)
         rows = parse_layers(_layer_spec(options.layers), self.config.n_layers)
         cols = parse_positions(options.positions, len(ids), options.last)
-        events = lens_events(self.loaded, ids, cols, rows, top=options.top, prompt=prompt_text, chat=options.chat,
-                             interventions=list(options.interventions))
-        return Trace(self._with_batch(texts, options, events), tokenizer=self.tokenizer)
+        events = iter_lens_events(self.loaded, ids, cols, rows, top=options.top, prompt=prompt_text, chat=options.chat,
+                                  interventions=list(options.interventions))
+        return self._streamed("lens", events, self._batch_event(texts, options), len(ids), sinks)
 
-    def _with_batch(self, texts: list[str], options, events: list[dict]) -> list[dict]:
-        """Several prompts: the s3 batch event (every row's padded ids and combined mask) before the row's events."""
+    def _streamed(self, command: str, events, batch: Optional[dict], n_tokens: int, sinks: Sequence[Sink]) -> Trace:
+        """A pass's events handed to `sinks` as they are made and kept, the batch event after the header."""
+        from llmtrace.run.explain import stream
+
+        kept: list[dict] = []
+
+        def emit(ev: dict) -> None:
+            kept.append(ev)
+            for sink in sinks:
+                sink(ev)
+
+        stream(events, command, n_tokens, emit, after_head=batch)
+        return Trace(kept, tokenizer=self.tokenizer)
+
+    def _batch_event(self, texts: list[str], options) -> Optional[dict]:
+        """Several prompts: the s3 batch event (every row's padded ids and combined mask), which follows the header."""
         if len(texts) < 2:
-            return events
+            return None
         from llmtrace.run.explain import explain_batch_event
 
         prompts = [self.tokenizer.encode_prompt(t, chat=options.chat, system=options.system)[1] for t in texts]
         for r, p in enumerate(prompts):
             if not p:
                 raise BadValue("prompt", f" {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
-        return events[:1] + [explain_batch_event(self.tokenizer, prompts, options.row)] + events[1:]
+        return explain_batch_event(self.tokenizer, prompts, options.row)
 
 
 def _layer_spec(layers) -> Optional[str]:

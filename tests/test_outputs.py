@@ -142,6 +142,7 @@ def test_every_output_of_every_command_opens(ran, name, kind):
         words = got.words
         if name in ("generate", "explain", "lens"):
             assert PROMPT in words or "The ▁lazy ▁dog" in words or "▁lazy" in words, words[:300]
+            assert "None" not in words  # explain's and lens's summary is no generate summary
         elif name == "patch":
             assert CORRUPT in words and "Activation patching at resid_post" in words
         else:  # compare, diff: the page's answer is the terminal's first line

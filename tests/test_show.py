@@ -151,7 +151,10 @@ NOT_OURS = "not a file llmtrace reads back (it reads the --json and --jsonl of g
 
 @pytest.mark.parametrize("text, code, says", [
     ('{"event":"step"}\n', 1, 'line 1: the "step" event lacks "step"'),
-    ('\n{"event":"summary","prompt_tokens":1}\n', 1, 'line 2: the "summary" event lacks "generated_tokens"'),
+    ('\n{"event":"summary","prompt_tokens":1,"interrupted":false}\n', 1,
+     'line 2: the "summary" event lacks "generated_tokens"'),
+    ('{"event":"summary","command":"generate","prompt_tokens":1,"interrupted":false}', 1, 'lacks "generated_tokens"'),
+    ('{"event":"summary","command":"explain","prompt_tokens":1}', 1, 'the "summary" event lacks "interrupted"'),
     ('{"event":"tokens","tokens":[{"index":0,"id":5,"piece":"a"}]}\n', 1, 'lacks "tokens[0].text"'),
     ('{"event":"tokens","tokens":[{"index":0,"id":"5","piece":"a","text":"a"}]}\n', 1,
      'has "tokens[0].id" as a string, not integer'),

@@ -11,11 +11,19 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptsFileOpt, read_prompt_list
-from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
-                                  KeepQuantizedOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, interventions_from,
+from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, JsonOpt, KeepQuantizedOpt, PromptArg,
+                                  SystemOpt, ThreadsOpt, check_outputs, html_target, interventions_from, jsonl_opt,
                                   write_output)
 from llmtrace.cli.text_input import read_prompt
 from llmtrace.errors import UsageError
+
+# compare and diff have their figures only at the end: the stream is written then, whole or not at all
+JsonlOpt = jsonl_opt("the comparison as events (compare, then one compare_layer per layer and one compare_position "
+                     "per position)", " when the comparison is done, whole or not at all (an existing FILE is kept "
+                     "until then)")
+HtmlOpt = Annotated[Optional[str], typer.Option(
+    "--html", metavar="FILE", help="Also write the comparison page (one self-contained HTML file) to FILE.",
+    show_default=False, callback=html_target)]
 
 COMPARE_HELP = """Run one prompt through two models (or one model under two settings) and find where they part.
 

@@ -195,7 +195,7 @@ def generate(
     from llmtrace.trace.sinks import JsonlSink
 
     # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
-    # (or a compile) still ends it with a summary.
+    # (or a compile) still ends a stream on stdout with a summary; a file is replaced only once the run has begun.
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
     try:
         import llmtrace.api  # noqa: F401  (imported while Ctrl-C is held, as all before: llmtrace/sigint.py)
@@ -207,7 +207,9 @@ def generate(
         model_ = load_for_cli(load_args)
         run(model_, prompts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
     except KeyboardInterrupt:
-        if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
+        if jsonl_sink is not None and not jsonl_sink.started and jsonl_sink.target == "-":
+            # stopped before the run began: a pipe still gets its last line (0 tokens, interrupted); a user's file
+            # stays as it was, as --json's does
             with sigint_deferred():
                 jsonl_sink(summary_event(NOT_STARTED))
         raise
