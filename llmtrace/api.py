@@ -554,9 +554,16 @@ def _compile_step(lm, n_prompt: int, max_new_tokens: int, freeze: bool = False):
     # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
     check_freeze(lm, freeze)  # before saying that it compiles
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    # two lines, so that it reads at 80 columns: the cache's path alone can be long
-    print(f"compiling the decode step with torch.compile (minutes the first time)…\n  its cache: {where}",
-          file=sys.stderr, flush=True)
+    # three lines, so that it reads at 80 columns: the cache's path alone can be long. Inductor keys its compiled code
+    # by torch's thread count (its CPU kernels are split for that many threads), so each new count compiles afresh
+    import torch
+
+    from llmtrace.units import plural
+
+    print(f"compiling the decode step with torch.compile (minutes the first time)…\n"
+          f"  its cache: {where}\n"
+          f"  kept per thread count ({plural(torch.get_num_threads(), 'thread')} here): another count compiles "
+          f"anew", file=sys.stderr, flush=True)
     compiled = compile_decode(lm, n_prompt, max_new_tokens, freeze=freeze)
     print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
     return compiled

@@ -4,6 +4,8 @@ float32 safetensors with its config and tokenizer (model_cache.converted_dir), s
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from llmtrace.checkpoint.weights import (check_shape, expected_shapes, plan_layo
 from llmtrace.checkpoint.gguf_file import open_gguf
 from llmtrace.model.transformer import ModelConfig
 from llmtrace.registry.cache import CONVERSION_SOURCE, conversion_source
+from llmtrace.units import human_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # the conversion cache for GGUF files
@@ -42,6 +45,9 @@ def convert_gguf(path: Path, dest: Path) -> None:
     plan = plan_layout(gguf_entries(reader, config, where), config, where)
     config.extra = gguf_facts(reader)
     del reader
+    size = 4 * sum(math.prod(shape) for shape in expected_shapes(config).values())  # float32 bytes
+    print(f"writing the float32 conversion of {path.name} once, for fast later loads ({human_bytes(size)}): {dest}",
+          file=sys.stderr, flush=True)
     progress, stop = progress_to_stderr(f"converting {path.name}")
     try:
         with atomic_dir(dest) as tmp:

@@ -76,25 +76,36 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
 
     from llmtrace.console import make_console
 
-    table = Table()
-    table.add_column("name", no_wrap=True)
-    table.add_column("model", no_wrap=True)
-    table.add_column("sources")
-    table.add_column("tested")
-    table.add_column("cached", no_wrap=True)
-    table.add_column("where", overflow="fold")
     cache = cache_dir().resolve()
+    cells = []
     for row in rows:
         kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
-        cached = _disk_use(row)
         where = "-"
         if row["path"]:
             path = Path(row["path"])
             where = str(path.relative_to(cache)) if path.is_relative_to(cache) else str(path)
         name = row["name"] + (" *" if row["default"] else "")
-        tested = "yes" if row["tested"] else "no"
-        table.add_row(name, f"{row['architecture']} {row['params']}", kinds, tested, cached, where)
-    make_console().print(table)
+        cells.append([name, f"{row['architecture']} {row['params']}", kinds, "yes" if row["tested"] else "no",
+                      _disk_use(row), where])
+    heads = ["name", "model", "sources", "tested", "cached", "where"]
+    console = make_console()
+    # a bordered column takes its text and 3 more, the table 1 more: a path that does not fit its column whole goes
+    # under the table on a line of its own, rather than wrapped a few characters at a time
+    natural = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(heads)]
+    paths_below = 1 + sum(w + 3 for w in natural) > console.width
+    table = Table()
+    for head in heads[:-1] if paths_below else heads:
+        table.add_column(head, no_wrap=head != "where", overflow="fold")
+    for r in cells:
+        table.add_row(*(r[:-1] if paths_below else r))
+    console.print(table)
+    if paths_below and any(r[-1] != "-" for r in cells):
+        console.print("where:")
+        for r, row in zip(cells, rows):
+            if r[-1] != "-":
+                line = f"  {row['name']}  {r[-1]}"
+                console.print(line if len(line) <= console.width else f"  {row['name']}\n    {r[-1]}",
+                              overflow="fold", soft_wrap=False)
     user = user_registry_path()
     print("* default model", file=sys.stderr)
     converted = [f"{row['name']} {human_bytes(row['converted_bytes'])}" for row in rows if row["converted_bytes"]]

@@ -16,6 +16,7 @@ from llmtrace.cli.app import app
 from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, json_opt, jsonl_opt, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.render.generate import columns_left_out
 from llmtrace.render.tokenize import highlight_specials, merge_lines, quoted, summary_line, token_table
 from llmtrace.tokens.token_facts import bos_eos_summary
 from llmtrace.tokens.tokenizer import TextTokenizer
@@ -172,7 +173,10 @@ def tokenize(
         from rich.panel import Panel
 
         con.print(Panel(highlight_specials(tt, prompt), title="chat template output", title_align="left", expand=False))
-    con.print(token_table(tokens))
+    table, left_out = token_table(tokens, con.width)
+    if left_out:  # before the table, so that it reads as what the table below lacks
+        con.print(columns_left_out(con, left_out))
+    con.print(table)
     con.print(summary_line(tt, prompt, tokens, bos_eos))
     if traces is not None:
         con.print()

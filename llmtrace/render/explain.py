@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.render.generate import fmt_num, plural, print_fitted, visible
-from llmtrace.units import human_bytes
+from llmtrace.render.generate import fmt_num, print_fitted, visible
+from llmtrace.units import human_bytes, plural
 
 
 # ----------------------------------------------------------------------------------------------------------------

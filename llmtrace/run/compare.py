@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Union
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
 from llmtrace.trace.events import LAYER_POINTS, SEED_STEP
+from llmtrace.units import plural
 
 DEFAULT_TOLERANCE = 1e-4
 DIGITS = 4  # significant digits of every float written
@@ -540,8 +541,8 @@ def _load_sides(a: tuple, b: tuple, ivs_b: list, all_ids: list[list[int]], max_n
     limit = min(lm_a.config.max_seq_len, lm_b.config.max_seq_len)
     longest = max(len(ids) for ids in all_ids)
     if longest + max_new_tokens > limit:
-        raise UsageError(f"the prompt's {longest} tokens + --max-new-tokens {max_new_tokens} exceed the context "
-                         f"window of {limit} tokens")
+        raise UsageError(f"the prompt's {plural(longest, 'token')} + --max-new-tokens {max_new_tokens} exceed the "
+                         f"context window of {limit} tokens")
     return lm_a, lm_b
 
 
