@@ -121,7 +121,7 @@ def test_sigint_during_generation_finishes_every_output(smollm_path, tmp_path):
     assert stderr == "error: interrupted\n"
     # the terminal view ends with the summary
     tail = " ".join(" ".join(stdout.splitlines()[-6:]).split())  # the view wraps long lines
-    assert "stop: interrupted · interrupted (Ctrl-C)" in tail and tail.endswith("more"), tail
+    assert "stop: interrupted (Ctrl-C) · TTFT" in tail and tail.count("interrupted") == 1 and tail.endswith("more"), tail
     events = read_jsonl(jsonl)
     summary = check_interrupted_trace(events)
     assert 3 <= summary["generated_tokens"] < 2000

@@ -166,6 +166,33 @@ def test_a_one_token_comparison_and_a_page_of_one_recorded_layer_read_in_the_sin
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# report of a trace whose model was loaded from a file
+
+
+def test_report_of_a_local_gguf_trace_warns_and_names_the_flag(capsys, tmp_path):
+    """The trace names the model by the file's stem, which no registry knows: the terminal says so in one warning
+    naming -m PATH (the page says the same); with -m PATH the story is drawn and nothing is said."""
+    from tiny import TinySpec, write_gguf
+
+    gguf = tmp_path / "local.gguf"
+    write_gguf(gguf, make_hf_model(TinySpec()))
+    trace, page = tmp_path / "t.json", tmp_path / "r.html"
+    code, _, err = run_cli(capsys, "generate", "The lazy dog", "-m", gguf, "-n", "2", "--json", trace)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "report", trace, "-o", page)
+    assert code == 0 and out == ""
+    warning, wrote = err.splitlines()
+    assert warning.startswith("warning: the page has no BPE merge story: the trace names its model 'local'")
+    assert "-m PATH" in warning and wrote.startswith(f"wrote {page}")
+    assert "-m PATH" in page.read_text()
+    code, _, err = run_cli(capsys, "report", trace, "-o", page, "-m", gguf)
+    assert code == 0 and "warning" not in err
+    assert '<button class="word" data-word="1"' in page.read_text() and "-m PATH" not in page.read_text()
+    code, _, err = run_cli(capsys, "report", trace, "-o", page, "--no-merges")
+    assert code == 0 and "warning" not in err
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # --compile
 
 
