@@ -593,8 +593,8 @@ def diff(trace_a: Union[str, Path], trace_b: Union[str, Path], **options) -> "Co
 
 
 class Comparison:
-    """What `compare` or `diff` found (run.compare.CompareResult: `.first_divergence`, `.layers`, `.kld_mean`, `.to_json()`,
-    `.save(path)`, ...) with the views a notebook needs: `.report(path)` and the page inline."""
+    """What `compare` or `diff` found (run.compare.CompareResult: `.first_divergence`, `.layers`, `.kld_mean`,
+    `.to_json()`, `.save(path)`, ...) with the views a notebook needs: `.report(path)` and the page inline."""
 
     def __init__(self, result):
         self.result = result

@@ -116,7 +116,8 @@ def explain(
                              interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
-    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads, fast=fast)
+    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
+                           fast=fast)
     _run("explain", lambda m, sinks: m.explain_with(prompts, options, sinks=sinks), load_args, jsonl, json_out, html)
 
 
@@ -164,7 +165,8 @@ def lens(
                           interventions=interventions_from(ablate, scale, patch, source, steer, toward, away_from, strength, control_vector))
     check_outputs(json_out, jsonl, html)
     prompts = read_prompts(prompt, file, prompt_list, prompts_file, max_batch, row)
-    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads, fast=fast)
+    load_args = check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
+                           fast=fast)
     _run("lens", lambda m, sinks: m.lens_with(prompts, options, sinks=sinks), load_args, jsonl, json_out, html)
 
 

@@ -147,7 +147,8 @@ def generate(
                             "this trace by a key in its run event: `llmtrace diff` compares two such runs point by "
                             "point.", show_default=False)] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
-                                           "after a compile of minutes the first time at each thread count (seconds once cached). Only "
+                                           "after a compile of minutes the first time at each thread count "
+                                           "(seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
     freeze: Annotated[bool, typer.Option("--freeze", help="With --fast --compile on the CPU: compile the weights into "
                                          "the decode step as constants (Inductor's freezing). Each step 8-23% faster "

@@ -173,14 +173,19 @@ def tokenize(
         from rich.panel import Panel
 
         con.print(Panel(highlight_specials(tt, prompt), title="chat template output", title_align="left", expand=False))
-    table, left_out = token_table(tokens, con.width)
-    if left_out:  # before the table, so that it reads as what the table below lacks
-        con.print(columns_left_out(con, left_out))
-    con.print(table)
+    _print_tokens(con, tokens)
     con.print(summary_line(tt, prompt, tokens, bos_eos))
     if traces is not None:
         con.print()
         con.print(merge_lines(tt, traces, total_words))
+
+
+def _print_tokens(con, tokens) -> None:
+    """The token table that fits the console, the columns it left out named above it."""
+    table, left_out = token_table(tokens, con.width)
+    if left_out:  # before the table, so that it reads as what the table below lacks
+        con.print(columns_left_out(con, left_out))
+    con.print(table)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -40,8 +40,8 @@ def token_table(tokens: list[TokenInfo], width: int = 10**6, title: str | None =
     for t in tokens:
         span = "added" if t.span is None else f"{t.span[0]}–{t.span[1]}"
         piece_style = "bold magenta" if t.special else ("yellow" if t.char_parts or t.byte_fallback else None)
-        rows.append([Text(str(t.index)), Text(str(t.id)), Text(t.visible, style=piece_style or ""), Text(quoted(t.text)),
-                     Text(t.bytes_label()), Text(span), Text("yes" if t.special else "")])
+        rows.append([Text(str(t.index)), Text(str(t.id)), Text(t.visible, style=piece_style or ""),
+                     Text(quoted(t.text)), Text(t.bytes_label()), Text(span), Text("yes" if t.special else "")])
     natural = [max([len(name)] + [r[i].cell_len for r in rows]) for i, (name, _, _) in enumerate(TOKEN_COLUMNS)]
     # a bordered column takes its text, a space on each side and its border (3 more), the table 1 more at its start;
     # fit_columns counts 2 between columns, so each column is given 1 more and the width 3 less

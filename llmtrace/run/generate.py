@@ -164,7 +164,8 @@ def context_note(lm: LoadedModel, prompt_lengths: list[int], max_new_tokens: int
     if len(prompt_lengths) == 1:
         fit = cut[0][1]
         return (f"the prompt has {plural(prompt_lengths[0], 'token')} and the context window of {lm.name} is {ctx:,}: "
-                f"{plural(fit, 'token')} {'fits' if fit == 1 else 'fit'}, not {max_new_tokens:,} (stop reason: context)")
+                f"{plural(fit, 'token')} {'fits' if fit == 1 else 'fit'}, not {max_new_tokens:,} "
+                f"(stop reason: context)")
     rows = ", ".join(f"row {r}: {room:,}" for r, room in cut)
     return (f"the context window of {lm.name} ({ctx:,} tokens) leaves fewer than {max_new_tokens:,} tokens to "
             f"{len(cut)} of {len(prompt_lengths)} rows ({rows}); "

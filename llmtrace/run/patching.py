@@ -54,7 +54,8 @@ def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: str
     clean_ids, corrupt_ids = encode(clean), encode(corrupt)
     if len(clean_ids) != len(corrupt_ids):
         raise LlmtraceError(f"the clean prompt has {plural(len(clean_ids), 'token')} and the corrupt prompt "
-                            f"{len(corrupt_ids)}; patching pairs positions, so they must have the same number of tokens")
+                            f"{len(corrupt_ids)}; patching pairs positions, so they must have the same number of "
+                            f"tokens")
     T, L = len(corrupt_ids), lm.config.n_layers
     if T > lm.config.max_seq_len:
         raise LlmtraceError(f"the prompts have {T} tokens but the context window of {lm.name} is {lm.config.max_seq_len}")
