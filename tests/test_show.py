@@ -291,6 +291,10 @@ def test_what_the_reader_accepts_renders_and_agrees_with_jsonschema(traces, name
             assert (problem is None) == validator.is_valid(mutated), (what, problem)
             if problem is not None:
                 field = what.rsplit(" ", 2)[0] if " wrong kind" in what else what.rsplit(" ", 1)[0]
+                if (events[i]["event"], what) == ("summary", "command removed"):
+                    # a summary without `command` is generate's, so the reader names what generate's lacks
+                    assert 'the "summary" event lacks "generated_tokens"' in problem, problem
+                    continue
                 assert field.split(".")[-1] in problem, (what, problem)
                 continue
             trial = events[:i] + [mutated] + events[i + 1:]

@@ -79,6 +79,19 @@ def test_tokenize_drops_columns_to_fit_and_cuts_nothing(capsys, monkeypatch, tin
         assert all(h in left for h in missing)
 
 
+def test_detokenize_drops_columns_to_fit_and_cuts_nothing(capsys, monkeypatch, tiny_dir):
+    monkeypatch.setenv("COLUMNS", "30")
+    ids = ["316", "223", "286", "90"]
+    code, out, err = run_cli(capsys, "detokenize", *ids, "-m", tiny_dir)
+    assert code == 0, err
+    lines = out.splitlines()
+    table = [line for line in lines if line.startswith("│")]
+    assert [[c.strip() for c in line.split("│")][1] for line in table] == ids and "…" not in out
+    assert wide("\n".join(table), 30) == []
+    assert lines[0].startswith("(left out to fit 30 columns: ") and "#" in lines[0] + lines[1]
+    assert lines[-1].startswith("text: ")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # notes where they belong
 
