@@ -21,6 +21,7 @@ _PUBLIC = {  # public name -> the module that defines it
     "BadValue": "llmtrace.errors",
     # comparing two runs (llmtrace/run/compare.py)
     "compare": "llmtrace.api",  # compare(a, b, prompt, ...) -> Comparison
+    "diff": "llmtrace.api",  # diff(trace_a, trace_b, ...) -> Comparison: two saved runs
     "Comparison": "llmtrace.api",
     "Side": "llmtrace.run.compare",  # how one side of a comparison is loaded and run
     # interventions (a list of them is the `interventions=` of generate, explain and lens) and the patching sweep

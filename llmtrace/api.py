@@ -276,13 +276,13 @@ class Trace:
     def text(self) -> Optional[str]:
         """The generated text (row 0's for a batch; `.rows` has each row's); None for explain and lens traces."""
         s = self._summary()
-        return None if s is None else s["text"]
+        return None if s is None or "text" not in s else s["text"]
 
     @property
     def tokens(self) -> Optional[list[int]]:
         """The generated token ids (row 0's for a batch); None for explain and lens traces."""
         s = self._summary()
-        return None if s is None else list(s["tokens"])
+        return None if s is None or "tokens" not in s else list(s["tokens"])
 
     @property
     def rows(self) -> Optional[list[dict]]:
@@ -462,20 +462,23 @@ class Model:
         system=, row= (with a list of prompts: the row taken apart, after the batch's masks)."""
         return self.explain_with(prompt, _options(ExplainOptions, options, "explain"))
 
-    def explain_with(self, prompt: Prompt, options: ExplainOptions) -> Trace:
-        from llmtrace.run.explain import explain_events
+    def explain_with(self, prompt: Prompt, options: ExplainOptions, *, sinks: Sequence[Sink] = ()) -> Trace:
+        """`explain` with a typed options value; `sinks` receive each event as it is made (the CLI's --jsonl), the
+        summary last. A Ctrl-C ends the events there: the summary says `interrupted`, and so does the trace."""
+        from llmtrace.run.explain import iter_explain_events
 
         prompt_text, ids, texts = self._encoded(prompt, options)
-        events = explain_events(self.loaded, ids, options.layer, head=options.head, top=options.top,
-                                prompt=prompt_text, chat=options.chat, interventions=list(options.interventions))
-        return Trace(self._with_batch(texts, options, events), tokenizer=self.tokenizer)
+        events = iter_explain_events(self.loaded, ids, options.layer, head=options.head, top=options.top,
+                                     prompt=prompt_text, chat=options.chat, interventions=list(options.interventions))
+        return self._streamed("explain", events, self._batch_event(texts, options), len(ids), sinks)
 
     def lens(self, prompt: Prompt, **options) -> Trace:
         """The logit lens (`llmtrace lens`). Keywords: positions=, last=, layers=, top=, chat=, system=, row=."""
         return self.lens_with(prompt, _options(LensOptions, options, "lens"))
 
-    def lens_with(self, prompt: Prompt, options: LensOptions) -> Trace:
-        from llmtrace.run.explain import lens_events, parse_positions
+    def lens_with(self, prompt: Prompt, options: LensOptions, *, sinks: Sequence[Sink] = ()) -> Trace:
+        """`lens` with a typed options value; `sinks` as for explain_with."""
+        from llmtrace.run.explain import iter_lens_events, parse_positions
         from llmtrace.run.generate import check_context
         from llmtrace.trace.indices import parse_layers
 
@@ -483,21 +486,35 @@ class Model:
         check_context(self.loaded, len(ids), 0)
         rows = parse_layers(_layer_spec(options.layers), self.config.n_layers)
         cols = parse_positions(options.positions, len(ids), options.last)
-        events = lens_events(self.loaded, ids, cols, rows, top=options.top, prompt=prompt_text, chat=options.chat,
-                             interventions=list(options.interventions))
-        return Trace(self._with_batch(texts, options, events), tokenizer=self.tokenizer)
+        events = iter_lens_events(self.loaded, ids, cols, rows, top=options.top, prompt=prompt_text, chat=options.chat,
+                                  interventions=list(options.interventions))
+        return self._streamed("lens", events, self._batch_event(texts, options), len(ids), sinks)
 
-    def _with_batch(self, texts: list[str], options, events: list[dict]) -> list[dict]:
-        """Several prompts: the s3 batch event (every row's padded ids and combined mask) before the row's events."""
+    def _streamed(self, command: str, events, batch: Optional[dict], n_tokens: int, sinks: Sequence[Sink]) -> Trace:
+        """A pass's events handed to `sinks` as they are made and kept, the batch event after the header."""
+        from llmtrace.run.explain import stream
+
+        kept: list[dict] = []
+
+        def emit(ev: dict) -> None:
+            kept.append(ev)
+            for sink in sinks:
+                sink(ev)
+
+        stream(events, command, n_tokens, emit, after_head=batch)
+        return Trace(kept, tokenizer=self.tokenizer)
+
+    def _batch_event(self, texts: list[str], options) -> Optional[dict]:
+        """Several prompts: the s3 batch event (every row's padded ids and combined mask), which follows the header."""
         if len(texts) < 2:
-            return events
+            return None
         from llmtrace.run.explain import explain_batch_event
 
         prompts = [self.tokenizer.encode_prompt(t, chat=options.chat, system=options.system)[1] for t in texts]
         for r, p in enumerate(prompts):
             if not p:
                 raise BadValue("prompt", f" {r + 1} of the batch is empty (it encodes to zero tokens); give some text")
-        return events[:1] + [explain_batch_event(self.tokenizer, prompts, options.row)] + events[1:]
+        return explain_batch_event(self.tokenizer, prompts, options.row)
 
 
 @dataclass
@@ -577,9 +594,16 @@ def _compile_step(lm, n_prompt: int, max_new_tokens: int, freeze: bool = False):
     # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
     check_freeze(lm, freeze)  # before saying that it compiles
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    # two lines, so that it reads at 80 columns: the cache's path alone can be long
-    print(f"compiling the decode step with torch.compile (minutes the first time)…\n  its cache: {where}",
-          file=sys.stderr, flush=True)
+    # three lines, so that it reads at 80 columns: the cache's path alone can be long. Inductor keys its compiled code
+    # by torch's thread count (its CPU kernels are split for that many threads), so each new count compiles afresh
+    import torch
+
+    from llmtrace.units import plural
+
+    print(f"compiling the decode step with torch.compile (minutes the first time)…\n"
+          f"  its cache: {where}\n"
+          f"  kept per thread count ({plural(torch.get_num_threads(), 'thread')} here): another count compiles "
+          f"anew", file=sys.stderr, flush=True)
     compiled = compile_decode(lm, n_prompt, max_new_tokens, freeze=freeze)
     print(f"compiled in {compiled.compile_s:.1f} s", file=sys.stderr, flush=True)
     return compiled
@@ -599,9 +623,18 @@ def compare(a, b, prompt: Prompt, **options) -> "Comparison":
     return Comparison(run_compare(a, b, prompt, **options))
 
 
+def diff(trace_a: Union[str, Path], trace_b: Union[str, Path], **options) -> "Comparison":
+    """Two saved runs of one prompt compared without a model (`llmtrace diff`): with their tensors
+    (saved by generate's `save_tensors=`), compare's figures; else what the traces hold. Keywords: tolerance=, tensors=
+    (run/diff.py)."""
+    from llmtrace.run.diff import diff_traces
+
+    return Comparison(diff_traces(str(trace_a), str(trace_b), **options))
+
+
 class Comparison:
-    """What `compare` found (run.compare.CompareResult: `.first_divergence`, `.layers`, `.kld_mean`, `.to_json()`,
-    `.save(path)`, ...) with the views a notebook needs: `.report(path)` and the page inline."""
+    """What `compare` or `diff` found (run.compare.CompareResult: `.first_divergence`, `.layers`, `.kld_mean`,
+    `.to_json()`, `.save(path)`, ...) with the views a notebook needs: `.report(path)` and the page inline."""
 
     def __init__(self, result):
         self.result = result

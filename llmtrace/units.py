@@ -1,4 +1,5 @@
-"""Numbers for people: the one byte formatter every view and message uses."""
+"""Numbers for people: the one byte formatter and the one count of things ('1 token', '2 tokens') every view and
+message uses."""
 
 from __future__ import annotations
 
@@ -22,3 +23,8 @@ def human_bytes(n: Optional[float]) -> str:
     if abs(x) >= 99.95:
         return f"{x:,.0f} {unit}"
     return f"{x:.1f} {unit}" if abs(x) >= 9.995 else f"{x:.2f} {unit}"
+
+
+def plural(n: int, word: str, words: Optional[str] = None) -> str:
+    """'1 token', '2 tokens', '1,024 positions'."""
+    return f"{n:,} {word if n == 1 else (words or word + 's')}"

@@ -261,7 +261,7 @@ def test_each_row_of_a_batch_stops_at_the_context_window_as_it_would_alone(capsy
                            "--trace", "none", "--jsonl", tmp_path / "b.jsonl")
     assert code == 0, err
     assert err.splitlines() == [f"note: the context window of {lm.name} (128 tokens) leaves fewer than 8 tokens to "
-                                f"1 of 2 rows (row 0: 3); they stop there (stop reason: context)"]
+                                f"1 of 2 rows (row 0: 3); it stops there (stop reason: context)"]
     rows = summary_of(tmp_path / "b.jsonl")["rows"]
     assert [(len(r["tokens"]), r["stop_reason"]) for r in rows] == [(3, "context"), (8, "max_tokens")]
     for r, text in enumerate([long, "Hello world"]):

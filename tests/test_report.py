@@ -202,7 +202,7 @@ def llmtrace(*args, timeout=600):
 
 
 @pytest.mark.parametrize("content, says", [
-    ('{"hello": 1}\n', "not an llmtrace trace"),
+    ('{"hello": 1}\n', "not a file llmtrace reads back"),
     ("", "empty"),
     ("not json at all\n", "not valid JSON"),
     ('{"schema": "llmtrace.trace/2", "events": [{"event": "run", "schema": "llmtrace.trace/2"}]}\n', "llmtrace.trace/2"),

@@ -4,6 +4,8 @@ float32 safetensors with its config and tokenizer (model_cache.converted_dir), s
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
 from llmtrace.checkpoint.weights import check_shape, expected_shapes, safetensors_entries, write_safetensors
 from llmtrace.model.transformer import ModelConfig
 from llmtrace.registry.cache import CONVERSION_SOURCE, conversion_source
+from llmtrace.units import human_bytes
 
 # ----------------------------------------------------------------------------------------------------------------
 # the conversion cache for GGUF files
@@ -34,6 +37,9 @@ def convert_gguf(path: Path, dest: Path) -> None:
 
     config, plan, tokenizer, facts = open_gguf_checkpoint(path)
     config.extra = facts
+    size = 4 * sum(math.prod(shape) for shape in expected_shapes(config).values())  # float32 bytes
+    print(f"writing the float32 conversion of {path.name} once, for fast later loads ({human_bytes(size)}): {dest}",
+          file=sys.stderr, flush=True)
     progress, stop = progress_to_stderr(f"converting {path.name}")
     try:
         with atomic_dir(dest) as tmp:

@@ -11,11 +11,19 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptsFileOpt, read_prompt_list
-from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
-                                  KeepQuantizedOpt, PromptArg, SystemOpt, ThreadsOpt, check_outputs, interventions_from,
+from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, JsonOpt, KeepQuantizedOpt, PromptArg,
+                                  SystemOpt, ThreadsOpt, check_outputs, html_target, interventions_from, jsonl_opt,
                                   write_output)
 from llmtrace.cli.text_input import read_prompt
 from llmtrace.errors import UsageError
+
+# compare and diff have their figures only at the end: the stream is written then, whole or not at all
+JsonlOpt = jsonl_opt("the comparison as events (compare, then one compare_layer per layer and one compare_position "
+                     "per position)", " when the comparison is done, whole or not at all (an existing FILE is kept "
+                     "until then)")
+HtmlOpt = Annotated[Optional[str], typer.Option(
+    "--html", metavar="FILE", help="Also write the comparison page (one self-contained HTML file) to FILE.",
+    show_default=False, callback=html_target)]
 
 COMPARE_HELP = """Run one prompt through two models (or one model under two settings) and find where they part.
 
@@ -170,7 +178,7 @@ def show(doc: dict, json_out: Optional[str], jsonl: Optional[str]) -> None:
     if json_out:
         write_output(json_out, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     if jsonl:
-        from llmtrace.run.compare import jsonl_events
+        from llmtrace.trace.comparison import jsonl_events
 
         write_output(jsonl, "".join(json.dumps(ev, ensure_ascii=False) + "\n" for ev in jsonl_events(doc)))
     if "-" not in (json_out, jsonl):
@@ -209,12 +217,12 @@ def diff(
     jsonl: JsonlOpt = None,
     html: HtmlOpt = None,
 ) -> None:
-    from llmtrace.run.diff import diff_traces
+    from llmtrace.api import diff as run_diff
 
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, not {tolerance:g}")
     check_outputs(json_out, jsonl, html)
-    result = diff_traces(trace_a, trace_b, tolerance=tolerance, tensors=not no_tensors)
+    result = run_diff(trace_a, trace_b, tolerance=tolerance, tensors=not no_tensors)
     show(result.to_json(), json_out, jsonl)
     if html:
         n = result.report(html)

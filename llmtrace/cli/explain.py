@@ -1,7 +1,7 @@
 """Commands: `explain` (one decoder layer taken apart, step by step) and `lens` (the logit lens across all layers).
 
-Both are thin: read the prompt, load the model, ask llmtrace.run.explain for the events of one forward pass, and render
-those events (llmtrace.render.explain, on stdout) or write them (`--json` / `--jsonl`).
+Both are thin: read the prompt, load the model, ask the API for the events of one forward pass, written to `--jsonl` as
+they are made, then render them (llmtrace.render.explain, on stdout) and write `--json` and `--html`.
 """
 
 from __future__ import annotations
@@ -94,10 +94,7 @@ def explain(
                              interventions=interventions.parse())
     check_outputs(json_out, jsonl, html)
     texts = prompts.read(row)
-    load_options = load.options()
-    _release()
-    model_ = load_for_cli(load_options)
-    _output(model_.explain_with(texts, options), render_explain, jsonl, json_out, html)
+    _run("explain", lambda m, sinks: m.explain_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html)
 
 
 @app.command(help=LENS_HELP)
@@ -125,10 +122,7 @@ def lens(
                           interventions=interventions.parse())
     check_outputs(json_out, jsonl, html)
     texts = prompts.read(row)
-    load_options = load.options()
-    _release()
-    model_ = load_for_cli(load_options)
-    _output(model_.lens_with(texts, options), render_lens, jsonl, json_out, html)
+    _run("lens", lambda m, sinks: m.lens_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html)
 
 
 def _release() -> None:
@@ -140,26 +134,44 @@ def _release() -> None:
     sigint.release()
 
 
-def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None) -> None:
-    """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
+def _run(command: str, pass_of, load_args, jsonl: Optional[str], json_out: Optional[str], html: Optional[str]) -> None:
+    """Load, run the pass (`pass_of(model, sinks)`) with the --jsonl stream written as its events are made, then the
+    other outputs. As generate's: the stream ends with a summary, interrupted after Ctrl-C (exit 130), and a file is
+    replaced only once the run has an event to write (a Ctrl-C during the load leaves it as it was; on stdout the
+    stream is then that summary alone)."""
     from llmtrace.fsutil import sigint_deferred
-    from llmtrace.trace.sinks import JsonDocSink, JsonlSink
+    from llmtrace.trace.sinks import JsonlSink
+
+    jsonl_sink = JsonlSink(jsonl) if jsonl else None
+    try:
+        _release()
+        model_ = load_for_cli(load_args)
+        trace = pass_of(model_, [jsonl_sink] if jsonl_sink is not None else [])
+    except KeyboardInterrupt:
+        if jsonl_sink is not None and not jsonl_sink.started and jsonl_sink.target == "-":
+            with sigint_deferred():
+                jsonl_sink({"event": "summary", "command": command, "prompt_tokens": 0, "interrupted": True})
+        raise
+    finally:
+        if jsonl_sink is not None:
+            jsonl_sink.close()
+    _output(trace, render_lens if command == "lens" else render_explain, jsonl, json_out, html)
+    if trace.interrupted:
+        raise typer.Exit(130)
+
+
+def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None) -> None:
+    """The document and the page (not of a pass cut short by Ctrl-C: the stream and the document say how far it got);
+    the view to stdout, or to stderr (if a terminal) when stdout carries data."""
+    from llmtrace.trace.sinks import JsonDocSink
 
     events = trace.events
-    if jsonl:
-        sink = JsonlSink(jsonl)
-        try:
-            with sigint_deferred():  # the events exist already: the stream is written whole
-                for ev in events:
-                    sink(ev)
-        finally:
-            sink.close()
     if json_out:
         doc = JsonDocSink(json_out)
         for ev in events:
             doc(ev)
         doc.write()
-    if html:
+    if html and not trace.interrupted:
         write_html(events, html, trace.tokenizer)
     if "-" not in (jsonl, json_out):
         render(events, make_console())

@@ -152,7 +152,8 @@ def generate(
                             "this trace by a key in its run event: `llmtrace diff` compares two such runs point by "
                             "point.", show_default=False)] = None,
     compile_: Annotated[bool, typer.Option("--compile", help="Compile the decode step with torch.compile: faster steps "
-                                           "after a compile of minutes the first time (seconds once cached). Only "
+                                           "after a compile of minutes the first time at each thread count "
+                                           "(seconds once cached). Only "
                                            "steps nothing observes use it: not with --trace layers/full or --dump.")] = False,
     freeze: Annotated[bool, typer.Option("--freeze", help="With --fast --compile on the CPU: compile the weights into "
                                          "the decode step as constants (Inductor's freezing). Each step 8-23% faster "
@@ -182,7 +183,7 @@ def generate(
     from llmtrace.trace.sinks import JsonlSink
 
     # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
-    # (or a compile) still ends it with a summary.
+    # (or a compile) still ends a stream on stdout with a summary; a file is replaced only once the run has begun.
     jsonl_sink = JsonlSink(jsonl) if jsonl else None
     try:
         import llmtrace.api  # noqa: F401  (imported while Ctrl-C is held, as all before: llmtrace/sigint.py)
@@ -194,7 +195,9 @@ def generate(
         model_ = load_for_cli(load_options)
         run(model_, texts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
     except KeyboardInterrupt:
-        if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
+        if jsonl_sink is not None and not jsonl_sink.started and jsonl_sink.target == "-":
+            # stopped before the run began: a pipe still gets its last line (0 tokens, interrupted); a user's file
+            # stays as it was, as --json's does
             with sigint_deferred():
                 jsonl_sink(summary_event(NOT_STARTED))
         raise

@@ -77,26 +77,38 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
 
     from llmtrace.console import make_console
 
-    table = Table()
-    table.add_column("name", no_wrap=True)
-    table.add_column("model / license", overflow="fold")
-    table.add_column("sources")
-    table.add_column("tested")
-    table.add_column("cached", no_wrap=True)
-    table.add_column("where", overflow="fold")
     cache = cache_dir().resolve()
+    cells = []
     for row in rows:
         kinds = ",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")
-        cached = _disk_use(row)
         where = "-"
         if row["path"]:
             path = Path(row["path"])
             where = str(path.relative_to(cache)) if path.is_relative_to(cache) else str(path)
         name = row["name"] + (" *" if row["default"] else "")
-        tested = "yes" if row["tested"] else "no"
-        model = f"{row['architecture']} {row['params']}\n[dim]{escape(row['license'])}[/dim]"
-        table.add_row(name, model, kinds, tested, cached, where)
-    make_console().print(table)
+        model = f"{row['architecture']} {row['params']}"
+        if row.get("license"):
+            model += f"\n[dim]{escape(row['license'])}[/dim]"
+        cells.append([name, model, kinds, "yes" if row["tested"] else "no", _disk_use(row), where])
+    heads = ["name", "model / license", "sources", "tested", "cached", "where"]
+    console = make_console()
+    # a bordered column takes its text and 3 more, the table 1 more: a path that does not fit its column whole goes
+    # under the table on a line of its own, rather than wrapped a few characters at a time
+    natural = [max(len(h), *(_width(r[i]) for r in cells)) for i, h in enumerate(heads)]
+    paths_below = 1 + sum(w + 3 for w in natural) > console.width
+    table = Table()
+    for head in heads[:-1] if paths_below else heads:
+        table.add_column(head, no_wrap=head != "where", overflow="fold")
+    for r in cells:
+        table.add_row(*(r[:-1] if paths_below else r))
+    console.print(table)
+    if paths_below and any(r[-1] != "-" for r in cells):
+        console.print("where:")
+        for r, row in zip(cells, rows):
+            if r[-1] != "-":
+                line = f"  {row['name']}  {r[-1]}"
+                console.print(line if len(line) <= console.width else f"  {row['name']}\n    {r[-1]}",
+                              overflow="fold", soft_wrap=False)
     user = user_registry_path()
     print("* default model", file=sys.stderr)
     converted = [f"{row['name']} {human_bytes(row['converted_bytes'])}" for row in rows if row["converted_bytes"]]
@@ -105,6 +117,13 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
     print(f"cache (where paths start): {cache_dir()}", file=sys.stderr)
     print(f"user models.toml: {user}{'' if user.is_file() else ' (none)'}", file=sys.stderr)
     print("get one with: llmtrace pull NAME; remove one with: llmtrace rm NAME", file=sys.stderr)
+
+
+def _width(cell: str) -> int:
+    """The widest line of a cell as it is shown (rich markup taken out)."""
+    from rich.text import Text
+
+    return max(len(line) for line in Text.from_markup(cell).plain.splitlines() or [""])
 
 
 def _disk_use(row: dict) -> str:

@@ -35,8 +35,9 @@ def json_opt(what: str = "the output as one JSON document", more: str = ", all a
 
 
 def jsonl_opt(what: str = "the output as one JSON object per line", more: str = ", as it is made: `tail -f FILE` "
-              "follows a run. An existing FILE is replaced (emptied) when the command starts. A killed run leaves the "
-              "lines written so far; after Ctrl-C the last line is the summary"):
+              "follows a run. An existing FILE is replaced once the run has its first event to write (a Ctrl-C "
+              "before that leaves it as it was). A killed run leaves the lines written so far; after Ctrl-C the last "
+              "line is the summary"):
     """The --jsonl option (declared here only), its help saying what each line holds."""
     return Annotated[Optional[str], typer.Option(
         "--jsonl", metavar="FILE", help=f"Write {what} to FILE (- for stdout){more}.", show_default=False)]

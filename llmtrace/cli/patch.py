@@ -19,16 +19,21 @@ residual-stream point) patched in there, and measures m = logit(--answer) − lo
 Each cell shows the recovery (m − m_corrupt) / (m_clean − m_corrupt): 1 where the patch restores the clean run's
 answer, 0 where it changes nothing. This is ROME's causal tracing and TransformerLens's activation patching.
 
-The two prompts must have the same number of tokens; --answer and --against must each be one token (a leading space
-is usually part of a word's token: " Paris"). The prompts are read as plain text (no chat template).
+\b
+The two prompts must have the same number of tokens; --answer and --against
+must each be one token. A leading space is usually part of a word's token:
+" Paris", not "Paris". The prompts are read as plain text (no chat template).
 
 Examples:
 
 \b
   llmtrace patch --clean "The Eiffel Tower is in the city of" \\
-      --corrupt "The Colosseum is in the city of" --answer " Paris" --against " Rome"
-  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" --at resid_pre --json sweep.json
-  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" --html sweep.html
+      --corrupt "The Colosseum is in the city of" \\
+      --answer " Paris" --against " Rome"
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" \\
+      --at resid_pre --json sweep.json
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" \\
+      --html sweep.html
 
 One cell equals `llmtrace generate CORRUPT -n 0 --patch L.AT@P --from CLEAN` (the same run, alone).
 """

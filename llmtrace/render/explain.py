@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.model.llama_points import LOGITS, RESID_MID, RESID_POST
-from llmtrace.render.generate import fmt_num, plural, print_fitted, visible
-from llmtrace.units import human_bytes
+from llmtrace.render.generate import fmt_num, print_fitted, visible
+from llmtrace.units import human_bytes, plural
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -76,6 +76,22 @@ def _shade(w: Optional[float]) -> Text:
     return Text(ch * 2, style=colour)
 
 
+def _cut_short(console: Console, events: list[dict], model: Optional[dict], tokens: Optional[dict],
+               complete: bool) -> bool:
+    """A pass cut short (Ctrl-C, or a stream cut off) before its view could be drawn: the header, if the trace has it,
+    and one line that says so. Returns whether it was."""
+    if complete:
+        return False
+    if model is not None and tokens is not None:
+        _header(console, model, tokens)
+    summary = next((e for e in events if e["event"] == "summary"), None)
+    why = "was interrupted (Ctrl-C)" if summary is not None and summary.get("interrupted") else "ends"
+    command = (model or {}).get("command", "explain")
+    console.print(Text(f"the {command} run {why} before its pass was taken apart: nothing more to show",
+                       style="yellow"))
+    return True
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the explain view
 
@@ -97,6 +113,8 @@ def render_explain(events: list[dict], console: Console) -> None:
             tensors.append(ev)
         elif kind == "lens":
             lens_rows.append(ev)
+    if _cut_short(console, events, by.get("model"), by.get("tokens"), complete="kv_cache" in by):
+        return
     toks = [t["text"] for t in by["tokens"]["tokens"]]
     _header(console, by["model"], by["tokens"])
     _batch_masks(console, events)
@@ -441,12 +459,15 @@ def _tensors(console: Console, tensors: list[dict]) -> None:
 
 
 def render_lens(events: list[dict], console: Console) -> None:
-    m = next(e for e in events if e["event"] == "explain" and e["section"] == "model")
-    toks = next(e for e in events if e["event"] == "tokens")["tokens"]
+    m = next((e for e in events if e["event"] == "explain" and e["section"] == "model"), None)
+    tokens = next((e for e in events if e["event"] == "tokens"), None)
     cells: dict[tuple, dict] = {}
     for ev in events:
         if ev["event"] == "lens":
             cells[(ev["layer"] if ev["stage"] != LOGITS.name else "out", ev["position"])] = ev
+    if _cut_short(console, events, m, tokens, complete=m is not None and ("out", m["positions"][-1]) in cells):
+        return
+    toks = tokens["tokens"]
     _header(console, m, {"tokens": toks})
     _batch_masks(console, events)
     positions, layers = m["positions"], m["layers"]

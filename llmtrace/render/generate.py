@@ -18,7 +18,7 @@ from rich.text import Text
 
 from llmtrace.model.llama_points import DOWN, KV_WRITE, LOGITS, O_PROJ, PROBS, RESID_MID, RESID_POST, SCORES
 from llmtrace.trace.reader import trace_points
-from llmtrace.units import human_bytes
+from llmtrace.units import human_bytes, plural
 
 DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
 GAP = 2  # columns between two table columns (padding 1 on each side, none at the edges)
@@ -51,11 +51,6 @@ def quoted(text: str) -> str:
     import json
 
     return json.dumps(text, ensure_ascii=False)
-
-
-def plural(n: int, word: str, words: Optional[str] = None) -> str:
-    """'1 token', '2 tokens', '1,024 positions'."""
-    return f"{n:,} {word if n == 1 else (words or word + 's')}"
 
 
 def fmt_num(x) -> str:
@@ -195,9 +190,9 @@ def columns_left_out(console: Console, names: list[str]) -> Text:
 
 def print_table(console: Console, columns: list[Column], rows: list[list[Cell]]) -> None:
     t, dropped = fitted_table(console, columns, rows)
-    console.print(t)
-    if dropped:
+    if dropped:  # above the table, as every table's note
         console.print(columns_left_out(console, dropped))
+    console.print(t)
 
 
 def print_fitted(console: Console, table: Table) -> None:
@@ -223,9 +218,9 @@ def print_fitted(console: Console, table: Table) -> None:
     for col in table.columns:
         if not bends(col):
             col.min_width, col.no_wrap, col.overflow = natural(col), True, "fold"
-    console.print(table)
-    if dropped:
+    if dropped:  # above the table, as every table's note
         console.print(columns_left_out(console, dropped))
+    console.print(table)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -735,12 +730,12 @@ class TerminalRenderer:
                  "survivors": surv, "KV len": str(kv["seq_len"]), "KV bytes": f"{kv['bytes_used']:,}",
                  "ms": f"{ev['ms']:.1f}"}
         t.add_row(*[cells[name] for name in lay.keep])
-        self.console.print(t)
-        if self._step_rows == 0 and not self._dropped_note:
+        if self._step_rows == 0 and not self._dropped_note:  # above the table: its rows follow one another unbroken
             left = [n for n in ("id", "survivors", "KV len", "KV bytes", "ms") if n not in lay.keep]
             if left:
                 self.console.print(columns_left_out(self.console, left))
             self._dropped_note = True
+        self.console.print(t)
         for stage, before, after in changes:
             self.console.print(Text(f"  * {stage} changed the most likely token: {_token_name(ev, before)} → "
                                     f"{_token_name(ev, after)}", style="red"))
@@ -779,9 +774,7 @@ class TerminalRenderer:
         if "rows" in ev:
             n = sum(len(r["tokens"]) for r in ev["rows"])
             decoded = any(len(r["tokens"]) > 1 for r in ev["rows"]) and ev.get("decode_tok_s")
-            parts = [f"batch of {len(ev['rows'])} rows", f"{n:,} generated", f"stop: {ev['stop_reason']} (row 0)"]
-            if ev.get("interrupted"):
-                parts.append("interrupted (Ctrl-C)")
+            parts = [f"batch of {len(ev['rows'])} rows", f"{n:,} generated"] + _stop(ev, " (row 0)")
             parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s",
                       f"decode {ev['decode_tok_s']:.1f} tok/s (all rows)" if decoded else "decode – tok/s"]
             print_parts(self.console, parts, style="dim")
@@ -793,9 +786,7 @@ class TerminalRenderer:
             return
         n_gen = ev["generated_tokens"]
         decode = f"decode {ev['decode_tok_s']:.1f} tok/s" if n_gen > 1 and ev.get("decode_tok_s") else "decode – tok/s"
-        parts = [plural(ev["prompt_tokens"], "prompt token"), f"{n_gen:,} generated", f"stop: {ev['stop_reason']}"]
-        if ev.get("interrupted"):
-            parts.append("interrupted (Ctrl-C)")
+        parts = [plural(ev["prompt_tokens"], "prompt token"), f"{n_gen:,} generated"] + _stop(ev)
         parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s", decode]
         if self.run is not None and self.run.get("exact") is False:
             parts.append("--fast (approximate)")
@@ -808,6 +799,15 @@ class TerminalRenderer:
                 f"{human_bytes(kv['bytes_used'])} (allocated {human_bytes(kv['bytes_allocated'])})",
                 f"full multi-head attention would need {human_bytes(kv['mha_bytes_used'])}, {saving:.0f}× more"],
                 style="dim", sep="; ")
+
+
+def _stop(summary: dict, which: str = "") -> list[str]:
+    """Why the run stopped, in words, said once: 'stop: interrupted (Ctrl-C)', or 'stop: eos' then 'interrupted
+    (Ctrl-C)' for a Ctrl-C that came after the run had ended (while its outputs were written)."""
+    reason = summary["stop_reason"]
+    if reason == "interrupted":
+        return [f"stop: interrupted (Ctrl-C){which}"]
+    return [f"stop: {reason}{which}"] + (["interrupted (Ctrl-C)"] if summary.get("interrupted") else [])
 
 
 def render_events(events: list[dict], console: Console) -> None:

@@ -10,39 +10,61 @@ from llmtrace.tokens.token_facts import TokenInfo
 
 
 def quoted(s: str) -> str:
-    """A JSON string, with every invisible character (U+00A0, U+200B, ...) escaped as \\u00a0 so that it shows."""
-    from llmtrace.tokens.token_facts import invisible
+    """A JSON string, with every invisible character (U+00A0, U+200B, ...), and a combining mark with no character
+    before it to sit on (it would sit on the quote), escaped as \\u00a0 so that it shows."""
+    from llmtrace.tokens.token_facts import combining, invisible
 
-    return "".join(f"\\u{ord(c):04x}" if invisible(c) and ord(c) >= 0x20 else c
-                   for c in json.dumps(s, ensure_ascii=False))
+    out: list[str] = []
+    for c in json.dumps(s, ensure_ascii=False):
+        lone_mark = combining(c) and (not out or out[-1] in ('"', " ") or len(out[-1]) > 1)
+        out.append(f"\\u{ord(c):04x}" if (invisible(c) and ord(c) >= 0x20) or lone_mark else c)
+    return "".join(out)
 
 
-def token_table(tokens: list[TokenInfo], title: str | None = None):
+# The token table's columns: (name, justify, drop rank). At a narrow width the lowest rank is left out first; id and
+# piece always stay. No cell is ever cut: an id, a span or a byte is shown whole, and a long piece or text wraps.
+TOKEN_COLUMNS = (("#", "right", 3), ("id", "right", None), ("piece", "left", None), ("text", "left", 5),
+                 ("UTF-8 bytes", "left", 4), ("chars", "right", 2), ("special", "left", 1))
+# detokenize's: the same, without the character spans (ids have no place in a text)
+ID_COLUMNS = (("#", "right", 2), ("id", "right", None), ("piece", "left", None), ("text", "left", 4),
+              ("UTF-8 bytes", "left", 3), ("special", "left", 1))
+STYLES = {"#": "dim", "id": "cyan"}
+
+
+def fitted_table(columns: tuple, rows: list[list], width: int, title: str | None = None):
+    """A bordered table of `rows` (Text cells) that fits `width` columns: columns left out by their drop rank rather
+    than cut. Returns (the table, the names of the columns left out)."""
     from rich.table import Table
 
+    from llmtrace.render.generate import fit_columns
+
+    natural = [max([len(name)] + [r[i].cell_len for r in rows]) for i, (name, _, _) in enumerate(columns)]
+    # a bordered column takes its text, a space on each side and its border (3 more), the table 1 more at its start;
+    # fit_columns counts 2 between columns, so each column is given 1 more and the width 3 less
+    keep = fit_columns([w + 1 for w in natural], [d for _, _, d in columns], width - 3)
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for (name, justify, _), w, k in zip(columns, natural, keep):
+        if k:  # whole, unless one cell alone is wider than the console: then it wraps (fold), never ends in '…'
+            table.add_column(name, justify=justify, style=STYLES.get(name, ""), min_width=min(w, width // 2),
+                             overflow="fold")
+    for r in rows:
+        table.add_row(*[c for c, k in zip(r, keep) if k])
+    return table, [name for (name, _, _), k in zip(columns, keep) if not k]
+
+
+def token_table(tokens: list[TokenInfo], width: int = 10**6, title: str | None = None):
+    """The token table that fits `width` columns, borders included: (the table, the names of the columns left out)."""
     from rich.text import Text
 
-    table = Table(title=title, show_lines=False, header_style="bold")
-    table.add_column("#", justify="right", style="dim")
-    table.add_column("id", justify="right", style="cyan")
-    table.add_column("piece")
-    table.add_column("text")
-    table.add_column("UTF-8 bytes")
-    table.add_column("chars", justify="right")
-    table.add_column("special")
+    if not tokens:
+        return Text("(no tokens)", style="dim"), []
+    rows = []
     for t in tokens:
         span = "added" if t.span is None else f"{t.span[0]}–{t.span[1]}"
         piece_style = "bold magenta" if t.special else ("yellow" if t.char_parts or t.byte_fallback else None)
-        table.add_row(
-            str(t.index),
-            str(t.id),
-            Text(t.visible, style=piece_style or ""),
-            quoted(t.text),
-            t.bytes_label(),
-            span,
-            "yes" if t.special else "",
-        )
-    return table if tokens else Text("(no tokens)", style="dim")
+        rows.append([Text(str(t.index)), Text(str(t.id)), Text(t.visible, style=piece_style or ""),
+                     Text(quoted(t.text)), Text(t.bytes_label()), Text(span), Text("yes" if t.special else "")])
+    return fitted_table(TOKEN_COLUMNS, rows, width, title)
 
 
 def highlight_specials(tt: TextTokenizer, text: str):

@@ -180,7 +180,9 @@ def view(doc: dict) -> dict:
         chosen = f"{doc['layers'][-1]['layer']}/{doc['layers'][-1]['points'][-1]['point']}"
     differing = [p for p in doc["positions"] if p.get("same_top") is False]
     return {
-        "summary": summary_line(doc), "doc": doc, "a": doc["a"], "b": doc["b"],
+        # a diff's sides come from two traces, which say nothing of quantized blocks
+        "summary": summary_line(doc), "doc": doc, "a": {"keep_quantized": False} | doc["a"],
+        "b": {"keep_quantized": False} | doc["b"],
         "heat": heat_strip(doc) if doc["layers"] and any(lay["points"] for lay in doc["layers"]) else None,
         "layers": layer_chart(doc) if any(lay.get("rel_err") is not None for lay in doc["layers"]) else None,
         "kld": kld_chart(doc), "differing": differing,

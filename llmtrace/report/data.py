@@ -115,7 +115,7 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
         "layer": head.get("layer") if head and not run else None,
         "summary": None,
     }
-    if summary is not None:
+    if summary is not None and summary.get("command", "generate") == "generate":  # explain's and lens's say less
         facts["summary"] = {k: summary.get(k) for k in ("prompt_tokens", "generated_tokens", "stop_reason", "ttft_ms",
                                                          "prefill_tok_s", "decode_tok_s", "interrupted", "text")}
     if batch:

@@ -462,7 +462,11 @@ def section_residual(d: dict) -> Optional[dict]:
     chart = line_chart(series, "layer (−1: the embedding)", "‖x‖ per token", fmt=lambda y: f"{y:.4g}",
                        dots=len(xs) < 40, join=1)  # only neighbouring layers are joined: nothing drawn is unrecorded
     n_layers = d["run"]["model"]["n_layers"]
-    return {"chart": chart, "recorded": ", ".join(map(str, xs)) if len(xs) < n_layers else None, "n_layers": n_layers}
+    recorded = None
+    if len(xs) < n_layers:  # in words that agree with the count: "Only layer 3 of 30 was recorded"
+        recorded = (f"Only layer {xs[0]} of {n_layers} was recorded" if len(xs) == 1 else
+                    f"Only layers {', '.join(map(str, xs))} of {n_layers} were recorded")
+    return {"chart": chart, "recorded": recorded, "n_layers": n_layers}
 
 
 SECTIONS = (

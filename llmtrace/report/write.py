@@ -39,11 +39,15 @@ def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[
 
 def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0) -> str:
     """The report page of a trace, as a string: of one row when the trace is a batch of prompts. `tokenizer` (the
-    model's) adds the BPE merge story."""
+    model's) adds the BPE merge story. The events of a comparison (compare, diff) or of a patching sweep make the page
+    their command's --html writes."""
     from llmtrace.errors import BadValue
     from llmtrace.report.data import check_schema, extract
     from llmtrace.report.page import render
 
+    other = _other_page(events, row)
+    if other is not None:
+        return other
     check_schema(events)
     run = next((e for e in events if e.get("event") == "run"), None)
     rows = (run or {}).get("batch") or 1
@@ -58,6 +62,26 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     words, why = merge_story(tokenizer, prompt)
     note = why or merges_note or ("the merge story needs the model's tokenizer, and this report was made without it")
     return render(extract(events, row=row, merges=words, merges_note=note))
+
+
+def _other_page(events: list[dict], row: int) -> Optional[str]:
+    """The page of a comparison's or a sweep's events (what compare, diff and patch write with --html), or None."""
+    from llmtrace.errors import BadValue
+
+    kind = next((e["event"] for e in events if e.get("event") in ("compare", "patch")), None)
+    if kind is None:
+        return None
+    if row:
+        raise BadValue("row", f" {row} is out of range: a {'comparison' if kind == 'compare' else 'patching sweep'} "
+                              f"has one page (row 0)")
+    if kind == "compare":
+        from llmtrace.report.compare import render_compare_page
+        from llmtrace.trace.comparison import document
+
+        return render_compare_page(document(events))
+    from llmtrace.report.patch import patch_page
+
+    return patch_page(next(e for e in events if e["event"] == "patch"))
 
 
 def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,

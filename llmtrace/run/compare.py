@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from llmtrace.errors import LlmtraceError, UsageError
-from llmtrace.model.llama_points import FINAL_NORM, LOGITS
+from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
+from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
+from llmtrace.units import plural
 
-COMPARE_SCHEMA = "llmtrace.compare/1"
 DEFAULT_TOLERANCE = 1e-4
 DIGITS = 4  # significant digits of every float written
 
@@ -276,17 +277,22 @@ class PointSums:
 
 def find_first_divergence(model_points: dict, layers: list[dict], tolerance: float) -> tuple[Optional[dict], float]:
     """The first point in forward order (embed, each layer's points, final_norm, logits) whose error at some position
-    exceeds `tolerance`, as {"layer", "point", "position", "rel_err"}, or None; and the largest error of any point
-    before it."""
-    order = [(None, model_points["embed"])] if "embed" in model_points else []
+    exceeds `tolerance`, and the largest error of any point before it. The point as {"layer", "point", "seed_step",
+    "position": the earliest position over the tolerance there, "position_rel_err": its error, "worst_position": the
+    position of the largest error there, "rel_err": that largest error} (positions as indices into the compared
+    positions), or None."""
+    order = [(None, model_points[EMBED.name])] if EMBED.name in model_points else []
     order += [(lay["layer"], p) for lay in layers for p in lay["points"]]
     order += [(None, model_points[n]) for n in (FINAL_NORM.name, LOGITS.name) if n in model_points]
     before = 0.0
     for layer, p in order:
         worst = p["max_rel_err"]
         if worst is not None and worst > tolerance:
-            return {"layer": layer, "point": p["point"], "seed_step": p["seed_step"], "position": p["position"],
-                    "rel_err": worst}, before
+            per = (p.get("per_position") or {}).get("rel_err") or []
+            earliest = next((i for i, x in enumerate(per) if x is not None and x > tolerance), p["position"])
+            at = per[earliest] if earliest is not None and earliest < len(per) else worst
+            return {"layer": layer, "point": p["point"], "seed_step": p["seed_step"], "position": earliest,
+                    "position_rel_err": at, "worst_position": p["position"], "rel_err": worst}, before
         before = max(before, worst or 0.0)
     return None, before
 
@@ -370,37 +376,44 @@ def summary_line(doc: dict) -> str:
     if fd is None:
         worst = "identical" if before == 0 else f"largest rel. error {before:.1e}"
         return f"runs agree within {tol} at every point and position ({worst})"
-    where = (f"prompt {fd['prompt']}, " if "prompt" in fd else "") + (
-        f"layer {fd['layer']}, " if fd["layer"] is not None else "")
+    where = f"layer {fd['layer']}, " if fd["layer"] is not None else ""
     step = f" ({fd['seed_step']})" if fd.get("seed_step") else ""
-    if (fd["layer"], fd["point"]) == (None, "embed"):
+    norms = fd.get("basis") == "norm"
+    if (fd["layer"], fd["point"]) == (None, EMBED.name):
         rest = "the first point"
     elif before == 0:
-        rest = "everything before it identical"
+        rest = "every norm before it the same" if norms else "everything before it identical"
     else:
-        rest = f"everything before it equal within {_ceil_decade(before)}"
-    at = f"position {fd['position']}" if fd.get("position") is not None else f"step {fd.get('step', 0)}"
-    basis = " (from the norms)" if fd.get("basis") == "norm" else ""
-    return f"runs part at {where}{fd['point']}{step}, {at}: rel. error{basis} {_sci(fd['rel_err'])}; {rest}"
+        rest = (f"every norm before it within the tolerance (largest difference {_sci(before)})" if norms else
+                f"everything before it within the tolerance (largest rel. error {_sci(before)})")
+    basis = " (from the norms)" if norms else ""
+    return f"runs part at {where}{fd['point']}{step}, {divergence_place(fd)}: rel. error{basis} " \
+           f"{_sci(fd['rel_err'])}; {rest}"
+
+
+def divergence_place(fd: dict) -> str:
+    """Where the first divergence is: "position 2", or "from position 0; largest at 2" when the earliest position
+    over the tolerance is not the one of the largest error ("prompt 1, position 0" with several prompts); "step 3"
+    for a point compared by its norm alone. A file written before `worst_position` existed names the largest."""
+    if fd.get("position") is None:
+        return f"step {fd.get('step', 0)}"
+    first = _place(fd.get("prompt"), fd["position"])
+    if fd.get("worst_position") is None or (fd.get("worst_prompt"), fd["worst_position"]) == (
+            fd.get("prompt"), fd["position"]):
+        return first
+    worst = (str(fd["worst_position"]) if fd.get("worst_prompt") == fd.get("prompt")
+             else _place(fd.get("worst_prompt"), fd["worst_position"]))
+    return f"from {first}; largest at {worst}"
+
+
+def _place(prompt: Optional[int], position: int) -> str:
+    return f"position {position}" if prompt is None else f"prompt {prompt}, position {position}"
 
 
 def _sci(x: float) -> str:
     """3.1e-3, not 3.1e-03."""
     m, _, ex = f"{x:.1e}".partition("e")
     return f"{m}e{int(ex)}"
-
-
-def _ceil_decade(x: float) -> str:
-    """The smallest power of ten >= x > 0, as "1e-06"."""
-    return f"1e{math.ceil(math.log10(x))}"
-
-
-def jsonl_events(doc: dict) -> list[dict]:
-    """A comparison's JSON object as events, one JSON object per line: "compare" (everything but the layers and the
-    positions), one "compare_layer" per layer, one "compare_position" per position."""
-    head = {"event": "compare"} | {k: v for k, v in doc.items() if k not in ("layers", "positions")}
-    return ([head] + [{"event": "compare_layer"} | lay for lay in doc["layers"]]
-            + [{"event": "compare_position"} | p for p in doc["positions"]])
 
 
 def position_records(tok_a, tok_b, ids: list[int], n_prompt: int, m: dict) -> list[dict]:
@@ -447,31 +460,58 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
     after the other and summarized together (each position record names its prompt). `max_new_tokens`: besides the
     prompt, compare this many decode steps, both sides fed A's greedy tokens. `ids_from="a"`: feed A's ids to both
     sides even when B's tokenizer reads the prompt differently. `progress(message)` hears what is happening."""
+    texts = [prompt] if isinstance(prompt, str) else list(prompt)
+    side_a, lm_a = _as_side(a)
+    side_b, lm_b = _as_side(b)
+    ivs_b = list(side_b.interventions) if side_b is not None else []
+    _check_arguments(side_a, side_b, ivs_b, max_new_tokens, tolerance, ids_from)
+    say = progress or (lambda _msg: None)
+    # the prompts' ids, from the tokenizers alone when the models are not loaded yet
+    from llmtrace.checkpoint.tokenizer_only import load_tokenizer
+
+    tok_a = lm_a.tokenizer if lm_a is not None else load_tokenizer(side_a.model)
+    tok_b = lm_b.tokenizer if lm_b is not None else load_tokenizer(side_b.model)
+    prompts, all_ids, notes = _encode_prompts(tok_a, tok_b, texts, chat, system, ids_from)
+    lm_a, lm_b = _load_sides((side_a, lm_a), (side_b, lm_b), ivs_b, all_ids, max_new_tokens, say)
+
+    import torch
+
+    with torch.inference_mode():
+        acc, positions, answers, seqs = _run_prompts((lm_a, tok_a), (lm_b, tok_b), all_ids, max_new_tokens, ivs_b,
+                                                     say, several=len(texts) > 1)
+    layers, model_points = build_records(acc, lm_a.config.n_layers, lm_a.points)
+    first, before = find_first_divergence(model_points, layers, tolerance)
+    return CompareResult(a=side_record(lm_a, side_a), b=side_record(lm_b, side_b),
+                         prompt=prompts[0] if len(prompts) == 1 else prompts, ids=seqs[0] if len(seqs) == 1 else seqs,
+                         n_prompt=len(all_ids[0]) if len(all_ids) == 1 else [len(i) for i in all_ids],
+                         tolerance=tolerance, layers=layers, model_points=model_points, positions=positions,
+                         first_divergence=label_divergence(first, positions), max_rel_err_before=before,
+                         **summarize_answers(answers), notes=notes)
+
+
+def _check_arguments(side_a: Optional[Side], side_b: Optional[Side], ivs_b: list, max_new_tokens: int,
+                     tolerance: float, ids_from: Optional[str]) -> None:
+    """Every value that needs no model, before anything is read."""
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, not {tolerance}")
     if max_new_tokens < 0:
         raise UsageError("--max-new-tokens must be ≥ 0")
     if ids_from not in (None, "a"):
         raise UsageError(f"--ids-from takes a (A's ids for both sides), not {ids_from!r}")
-    texts = [prompt] if isinstance(prompt, str) else list(prompt)
-    side_a, lm_a = _as_side(a)
-    side_b, lm_b = _as_side(b)
     if side_a is not None and side_a.interventions:
         raise UsageError("compare applies interventions to side B only (--b-ablate, --b-patch, ...): side A is the "
                          "reference the intervention is measured against")
-    ivs_b = list(side_b.interventions) if side_b is not None else []
     if max_new_tokens and any(getattr(iv, "mean", False) for iv in ivs_b):
         raise UsageError("a mean ablation takes its mean over the prompt's pass; compare reads the prompt and A's "
                          "tokens in one pass, so compare it over the prompt only (-n 0)")
-    say = progress or (lambda _msg: None)
     for side in (side_a, side_b):
         if side is not None:
             side.check()
-    # the prompts' ids, from the tokenizers alone when the models are not loaded yet
-    from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 
-    tok_a = lm_a.tokenizer if lm_a is not None else load_tokenizer(side_a.model)
-    tok_b = lm_b.tokenizer if lm_b is not None else load_tokenizer(side_b.model)
+
+def _encode_prompts(tok_a, tok_b, texts: list[str], chat: bool, system: Optional[str], ids_from: Optional[str]
+                    ) -> tuple[list[str], list[list[int]], list[str]]:
+    """Each prompt as A's text and the ids both sides read; a note when B's tokenizer reads them differently."""
     prompts, all_ids, notes = [], [], []
     for k, text in enumerate(texts):
         text_a, ids_a = tok_a.encode_prompt(text, chat=chat, system=system)
@@ -484,6 +524,13 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
             notes.append("B's tokenizer reads the prompt differently; both sides were fed A's ids (--ids-from a)")
         prompts.append(text_a)
         all_ids.append(ids)
+    return prompts, all_ids, notes
+
+
+def _load_sides(a: tuple, b: tuple, ivs_b: list, all_ids: list[list[int]], max_new_tokens: int, say) -> tuple:
+    """Both models loaded, (Side, loaded model or None) each: their shapes and B's interventions checked from the
+    metadata before any weight is read, then the ids against B's vocabulary and both context windows."""
+    (side_a, lm_a), (side_b, lm_b) = a, b
     config_b = lm_b.config if lm_b is not None else read_config(side_b.model)
     check_comparable(lm_a.config if lm_a is not None else read_config(side_a.model), config_b)  # before any weight
     if ivs_b:  # B's interventions against B's shape and the prompts, before any weight is read
@@ -503,51 +550,59 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
     limit = min(lm_a.config.max_seq_len, lm_b.config.max_seq_len)
     longest = max(len(ids) for ids in all_ids)
     if longest + max_new_tokens > limit:
-        raise UsageError(f"the prompt's {longest} tokens + --max-new-tokens {max_new_tokens} exceed the context "
-                         f"window of {limit} tokens")
+        raise UsageError(f"the prompt's {plural(longest, 'token')} + --max-new-tokens {max_new_tokens} exceed the "
+                         f"context window of {limit} tokens")
+    return lm_a, lm_b
 
-    import torch
 
+def _run_prompts(a: tuple, b: tuple, all_ids: list[list[int]], max_new_tokens: int, ivs_b: list, say, several: bool
+                 ) -> tuple[dict, list[dict], dict, list[list[int]]]:
+    """Each prompt (and A's greedy tokens after it) through both sides, (loaded model, tokenizer) each: the
+    accumulated point sums, the position records (numbered across prompts), the answers' per-position lists and each
+    prompt's sequence."""
+    (lm_a, tok_a), (lm_b, tok_b) = a, b
     acc: dict = {}
     positions: list[dict] = []
     answers: dict = {}
     seqs = []
-    with torch.inference_mode():
-        for k, ids in enumerate(all_ids):
-            generated = greedy_tokens(lm_a.model, ids, max_new_tokens, lm_a.device) if max_new_tokens else []
-            seq = ids + generated
-            seqs.append(seq)
-            edits_b = None
-            if ivs_b:  # B's interventions, their positions counted in the prompt (the pass also reads A's tokens)
-                from llmtrace.run.interventions import Patch, prepare
+    for k, ids in enumerate(all_ids):
+        generated = greedy_tokens(lm_a.model, ids, max_new_tokens, lm_a.device) if max_new_tokens else []
+        seq = ids + generated
+        seqs.append(seq)
+        edits_b = None
+        if ivs_b:  # B's interventions, their positions counted in the prompt (the pass also reads A's tokens)
+            from llmtrace.run.interventions import Patch, prepare
 
-                ivs = [replace(iv, position=iv.position + len(ids)) if isinstance(iv, Patch) and iv.position < 0
-                       else iv for iv in ivs_b]
-                edits_b = prepare(lm_b, ivs, [len(ids)])
-            logits_a, logits_b = run_side_by_side(lm_a, lm_b, seq, acc, say, edits_b=edits_b)
-            m = answer_metrics(logits_a, logits_b)
-            del logits_a, logits_b
-            for key, v in m.items():
-                answers.setdefault(key, []).extend(v)
-            recs = position_records(tok_a, tok_b, seq, len(ids), m)
-            for r in recs:
-                r["index"] = len(positions)
-                if len(texts) > 1:
-                    r["prompt"] = k
-                positions.append(r)
-    labels = [(p.get("prompt"), p["position"]) for p in positions]
-    layers, model_points = build_records(acc, lm_a.config.n_layers, lm_a.points)
-    first, before = find_first_divergence(model_points, layers, tolerance)
-    if first is not None:
-        k, pos = labels[first["position"]]
-        first["position"] = pos
-        if k is not None:
-            first["prompt"] = k
-    return CompareResult(a=side_record(lm_a, side_a), b=side_record(lm_b, side_b),
-                         prompt=prompts[0] if len(prompts) == 1 else prompts, ids=seqs[0] if len(seqs) == 1 else seqs,
-                         n_prompt=len(all_ids[0]) if len(all_ids) == 1 else [len(i) for i in all_ids],
-                         tolerance=tolerance, layers=layers, model_points=model_points, positions=positions,
-                         first_divergence=first, max_rel_err_before=before, **summarize_answers(answers), notes=notes)
+            ivs = [replace(iv, position=iv.position + len(ids)) if isinstance(iv, Patch) and iv.position < 0
+                   else iv for iv in ivs_b]
+            edits_b = prepare(lm_b, ivs, [len(ids)])
+        logits_a, logits_b = run_side_by_side(lm_a, lm_b, seq, acc, say, edits_b=edits_b)
+        m = answer_metrics(logits_a, logits_b)
+        del logits_a, logits_b
+        for key, v in m.items():
+            answers.setdefault(key, []).extend(v)
+        for r in position_records(tok_a, tok_b, seq, len(ids), m):
+            r["index"] = len(positions)
+            if several:
+                r["prompt"] = k
+            positions.append(r)
+    return acc, positions, answers, seqs
+
+
+def label_divergence(first: Optional[dict], positions: list[dict]) -> Optional[dict]:
+    """The first divergence with its positions, indices into `positions` until now, as each position names itself:
+    its place in its sequence, and its prompt (`prompt`, `worst_prompt`) when several prompts were compared."""
+    if first is None:
+        return None
+    out = dict(first)
+    for key, prompt_key in (("position", "prompt"), ("worst_position", "worst_prompt")):
+        i = first.get(key)
+        if i is None:
+            continue
+        out[key] = positions[i]["position"]
+        if "prompt" in positions[i]:
+            out[prompt_key] = positions[i]["prompt"]
+    return out
 
 
 def greedy_tokens(model, ids: list[int], n: int, device) -> list[int]:

@@ -21,9 +21,10 @@ from typing import Optional
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.llama_points import LAST, LOGITS
 from llmtrace.run.interventions import layer_output
-from llmtrace.run.compare import (CompareResult, PointSums, round_sig, answer_metrics, compared_points,
-                                  find_first_divergence, position_axis, summarize_answers)
 from llmtrace.trace.reader import trace_points
+from llmtrace.run.compare import (CompareResult, PointSums, answer_metrics, compared_points, position_axis,
+                                  find_first_divergence, label_divergence, round_sig, summarize_answers)
+
 
 
 def _forward(key: tuple, points) -> tuple:
@@ -59,13 +60,14 @@ def diff_traces(trace_a: str, trace_b: str, *, tolerance: float = 1e-4, tensors:
         if a[key] != b[key]:
             raise LlmtraceError(f"the runs cannot be compared point by point: their models' {what} differ "
                                 f"(A {a[key]}, B {b[key]})")
-    holds = _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen, trace_points(ev_a))
+    points = trace_points(ev_a)
+    holds = _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen, points)
     if files[0] and files[1]:
         from llmtrace.trace.tensors import read_tensors
 
         ta = read_tensors(files[0][0], files[0][1], trace_a)
         tb = read_tensors(files[1][0], files[1][1], trace_b)
-        return _diff_tensors(ta, tb, a, b, run_a, ids_a, gen_a, same_gen, tolerance, holds, notes, trace_points(ev_a))
+        return _diff_tensors(ta, tb, a, b, run_a, ids_a, gen_a, same_gen, tolerance, holds, notes, points)
     if tensors and (files[0] or files[1]):
         notes.append(f"only {'A' if files[0] else 'B'} saved its tensors; comparing what the traces hold")
     return _diff_holdings(a, b, run_a, ids_a, gen_a, tolerance, holds, notes)
@@ -120,20 +122,41 @@ def _tensors_file(run: dict, trace: str) -> Optional[tuple[Path, str]]:
 
 
 def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, notes, points) -> CompareResult:
-    import torch
+    n_prompt = len(ids)
+    max_step = same_gen  # decode step k reads generated token k (1-based): comparable while tokens 1..k agree
+    acc, logits = _tensor_sums(ta, tb, n_prompt, max_step, points)
+    order = sorted({p for sums in acc.values() for p in sums})  # every compared position, in sequence order
+    index = {p: i for i, p in enumerate(order)}
+    answers = _answers_from_logits(logits)
+    positions = _tensor_positions(order, index, ids + gen, n_prompt, answers, logits[2])
+    _texts(positions, holds)
+    layers, model_points = _tensor_records(acc, index, len(order), a["n_layers"], points)
+    unrecorded = [lay["layer"] for lay in layers if not lay["points"]]
+    if unrecorded:
+        notes.append(f"{len(unrecorded)} of {a['n_layers']} layers were not recorded by both runs "
+                     f"({_spans(unrecorded)}): the first divergence is the first among the recorded points")
+    first, before = find_first_divergence(model_points, layers, tolerance)
+    summary = summarize_answers(answers) if answers else {"kld_mean": None, "kld_max": None, "same_top": None,
+                                                          "dp_mean_abs": None}
+    if not answers:
+        notes.append("no logits were saved (record them with --trace full or --dump logits); KLD is not known")
+    return CompareResult(a=a, b=b, prompt=run_a.get("prompt", ""), ids=(ids + gen)[: n_prompt + max_step],
+                         n_prompt=n_prompt, tolerance=tolerance, layers=layers, model_points=model_points,
+                         positions=positions, first_divergence=label_divergence(first, positions),
+                         max_rel_err_before=before, source="diff", notes=notes, diff=holds, **summary)
 
+
+def _tensor_sums(ta, tb, n_prompt: int, max_step: int, points) -> tuple[dict, tuple[list, list, list]]:
+    """The per-position sums of every point both runs saved, {(layer, point): {position: (d2, a2, b2, dot, max_abs)}}
+    in forward order, and the logits of the last position of each pass: (A's, B's, their positions)."""
     from llmtrace.trace.tensors import parse_tensor_name
 
-    n_prompt = len(ids)
-    compared = compared_points(points)
-    max_step = same_gen  # decode step k reads generated token k (1-based): comparable while tokens 1..k agree
     common = sorted((parse_tensor_name(k) for k in ta if k in tb and parse_tensor_name(k)[0] <= max_step),
                     key=lambda t: _forward(t, points))
     if not common:
         raise LlmtraceError("the two runs' tensors have no point in common (compare their --trace and --layers)")
-    positions_of = lambda step, n: list(range(n_prompt)) if step == 0 else [n_prompt + step - 1]  # noqa: E731
-    index = {}  # position -> index into positions
     acc: dict = {}
+    compared = compared_points(points)
     logits_a, logits_b, logit_pos = [], [], []
     for step, layer, point in common:
         name = f"{step}/{'model' if layer is None else layer}/{point}"
@@ -141,33 +164,33 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
         if xa.shape != xb.shape:
             raise LlmtraceError(f"the tensors of {point} (layer {layer}, step {step}) have different shapes: "
                                 f"A {list(xa.shape)}, B {list(xb.shape)}")
-        if point in (LAST.name, LOGITS.name) and xa.dim() == 1:  # the step's last position (generation's last_only)
-            pos = [positions_of(step, n_prompt)[-1]]
-            xa, xb = xa[None], xb[None]
+        pos = list(range(n_prompt)) if step == 0 else [n_prompt + step - 1]  # the positions the pass read
+        if point in (LAST.name, LOGITS.name) and xa.dim() == 1:  # the step's last position only (generation's last_only)
+            pos, xa, xb = pos[-1:], xa[None], xb[None]
             if point == LOGITS.name:
                 logits_a.append(xa[0])
                 logits_b.append(xb[0])
                 logit_pos.append(pos[0])
-            if point == LAST.name:  # final_norm's last row again
-                continue
-        else:
-            pos = positions_of(step, n_prompt)
+        if point not in compared or point == LAST.name:
+            continue  # last is the logits' input, kv_write and k_repeated are no activations of their own
         axis = position_axis(points, point) - 1  # the stored tensors have no batch dimension
-        if point not in compared:
-            continue
-        for p in pos:
-            index.setdefault(p, None)
-        sums = acc.setdefault((layer, point), ({}, None))[0]
         got = PointSums().add(xa, xb, axis)
+        sums = acc.setdefault((layer, point), {})
         for j, p in enumerate(pos):
             sums[p] = (got.d2[j], got.a2[j], got.b2[j], got.dot[j], got.max_abs[j])
-    order = sorted(index)
-    for i, p in enumerate(order):
-        index[p] = i
-    seq = ids + gen
-    answers = {}
-    if logits_a:
-        answers = answer_metrics(torch.stack(logits_a), torch.stack(logits_b))
+    return acc, (logits_a, logits_b, logit_pos)
+
+
+def _answers_from_logits(logits: tuple[list, list, list]) -> dict:
+    import torch
+
+    logits_a, logits_b, _ = logits
+    return answer_metrics(torch.stack(logits_a), torch.stack(logits_b)) if logits_a else {}
+
+
+def _tensor_positions(order: list[int], index: dict, seq: list[int], n_prompt: int, answers: dict,
+                      logit_pos: list[int]) -> list[dict]:
+    """A record per compared position, with the answers where the logits were saved."""
     by_pos = {p: j for j, p in enumerate(logit_pos)}
     positions = []
     for p in order:
@@ -179,13 +202,16 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
                        top_a={"id": answers["top_a"][j], "text": ""}, top_b={"id": answers["top_b"][j], "text": ""},
                        p_a=round_sig(answers["p_a"][j]), p_b=round_sig(answers["p_b"][j]), dp=round_sig(answers["dp"][j]))
         positions.append(rec)
-    _texts(positions, holds)
-    n_layers = a["n_layers"]
+    return positions
+
+
+def _tensor_records(acc: dict, index: dict, n: int, n_layers: int, points) -> tuple[list[dict], dict]:
+    """The layer records and the model-level point records, compare's, without the error a layer adds."""
     output = layer_output(points)
     layers = [{"layer": i, "points": []} for i in range(n_layers)]
     model_points = {}
-    for (layer, point), (sums, _) in acc.items():
-        rec = _scattered(point, sums, index, len(order), points.step_of(point))
+    for (layer, point), sums in acc.items():
+        rec = _scattered(point, sums, index, n, points.step_of(point))
         if layer is None:
             model_points[point] = rec
         else:
@@ -196,21 +222,7 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
         lay.update(rel_err=out["rel_err"] if out else None, added_rel_err=None,
                    max_rel_err=max((p["max_rel_err"] or 0.0 for p in pts), default=None), max_added_rel_err=None,
                    points=pts)
-    unrecorded = [lay["layer"] for lay in layers if not lay["points"]]
-    if unrecorded:
-        notes.append(f"{len(unrecorded)} of {n_layers} layers were not recorded by both runs "
-                     f"({_spans(unrecorded)}): the first divergence is the first among the recorded points")
-    first, before = find_first_divergence(model_points, layers, tolerance)
-    if first is not None:
-        first["position"] = order[first["position"]]
-    summary = summarize_answers(answers) if answers else {"kld_mean": None, "kld_max": None, "same_top": None,
-                                                          "dp_mean_abs": None}
-    if not answers:
-        notes.append("no logits were saved (record them with --trace full or --dump logits); KLD is not known")
-    return CompareResult(a=a, b=b, prompt=run_a.get("prompt", ""), ids=seq[: n_prompt + max_step], n_prompt=n_prompt,
-                         tolerance=tolerance, layers=layers, model_points=model_points, positions=positions,
-                         first_divergence=first, max_rel_err_before=before, source="diff", notes=notes, diff=holds,
-                         **summary)
+    return layers, model_points
 
 
 def _spans(xs: list[int]) -> str:
@@ -291,7 +303,7 @@ def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen, declared) -
     if (stats_a or stats_b) and not common:
         raise LlmtraceError("the traces have no recorded point in common (compare their --trace and --layers)")
     common.sort(key=lambda k: _forward(k, declared))
-    points, first = [], None
+    points, first, before = [], None, 0.0  # before: the largest norm difference before the first over the tolerance
     for k in common:
         sa, sb = stats_a[k], stats_b[k]
         na, nb = sa.get("norm"), sb.get("norm")
@@ -300,13 +312,17 @@ def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen, declared) -
                **{f"{s}_a": sa.get(s) for s in ("mean", "std", "min", "max", "norm")},
                **{f"{s}_b": sb.get(s) for s in ("mean", "std", "min", "max", "norm")}}
         points.append(rec)
-        if first is None and rel is not None and rel > tolerance and k[0] <= same_gen:
-            first = {"layer": k[1], "point": k[2], "seed_step": declared.step_of(k[2]), "position": None,
-                     "step": k[0], "rel_err": round_sig(rel), "basis": "norm"}
+        if first is None and rel is not None and k[0] <= same_gen:
+            if rel > tolerance:
+                first = {"layer": k[1], "point": k[2], "seed_step": declared.step_of(k[2]), "position": None,
+                         "step": k[0], "rel_err": round_sig(rel), "basis": "norm"}
+            else:
+                before = max(before, rel)
     part = next((i for i, (x, y) in enumerate(zip(gen_a, gen_b)) if x != y), None)
     return {"tokens": {"a": gen_a, "b": gen_b, "first_different_step": None if part is None else part + 1,
                        "same": gen_a == gen_b},
-            "steps": steps, "statistics": {"compared": len(common), "first_difference": first, "points": points},
+            "steps": steps, "statistics": {"compared": len(common), "first_difference": first,
+                                           "max_norm_diff_before": round_sig(before), "points": points},
             "_texts": texts}
 
 
@@ -330,6 +346,6 @@ def _diff_holdings(a, b, run_a, ids, gen, tolerance, holds, notes) -> CompareRes
                  "error); KLD needs the full logits (--save-tensors)")
     return CompareResult(a=a, b=b, prompt=run_a.get("prompt", ""), ids=ids + gen, n_prompt=len(ids),
                          tolerance=tolerance, layers=[], model_points={}, positions=positions, first_divergence=first,
-                         max_rel_err_before=0.0, kld_mean=None, kld_max=None,
+                         max_rel_err_before=holds["statistics"]["max_norm_diff_before"], kld_mean=None, kld_max=None,
                          same_top=(sum(p["same_top"] for p in positions) / n) if n else None,
                          dp_mean_abs=(sum(dps) / len(dps)) if dps else None, source="diff", notes=notes, diff=holds)

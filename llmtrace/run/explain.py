@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -564,42 +564,73 @@ def explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, t
                    chat: bool = False, interventions: Sequence = ()) -> list[dict]:
     """Every record `llmtrace explain` shows, from one forward pass. `layer` may be negative; `head` picks the map.
     `interventions` (llmtrace.run.interventions) apply to that pass."""
+    return list(iter_explain_events(lm, ids, layer, head, top, prompt, chat, interventions))
+
+
+def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = None, top: int = 5, prompt: str = "",
+                        chat: bool = False, interventions: Sequence = ()) -> Iterator[dict]:
+    """explain_events, each as it is made: the header and the prompt's tokens before the pass, then the sections.
+    The values are checked when the first event is asked for, before any is made."""
     c = lm.config
     check_context(lm, len(ids), 0)
     layer = resolve_layer(layer, c.n_layers)
     head = resolve_head(head, c.n_heads)
-    cap = capture(lm.model, ids, layer, prepare(lm, interventions, [len(ids)]))
-    events = [{"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
-               "model": explain_model_record(lm), "points": lm.points.records(), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
-               "threads": torch.get_num_threads()}
-              | _interventions(interventions),
-              tokens_event(lm.tokenizer, ids)]
-    events += tensor_events(cap, lm.points)
-    events.append(layer_section(lm.model, layer, len(ids)))
-    events += [rmsnorm_section(cap, lm.model, lm.points.get(name)) for name in lm.model.block.NORMS]
-    events.append(qkv_section(cap, c))
-    events.append(rope_section(cap, c, head if head is not None else 0))
-    events += attention_sections(cap, c, head)
-    events.append(residual_section(cap))
-    events.append(ffn_section(cap, c))
-    events.append(kv_section(cap, c))
-    events += explain_lens(cap, lm.model, lm.tokenizer, top)
-    return events
+    edits = prepare(lm, interventions, [len(ids)])
+    yield ({"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
+            "model": explain_model_record(lm), "points": lm.points.records(), "prompt": prompt, "chat": chat,
+            "n_tokens": len(ids), "threads": torch.get_num_threads()} | _interventions(interventions))
+    yield tokens_event(lm.tokenizer, ids)
+    cap = capture(lm.model, ids, layer, edits)
+    yield from tensor_events(cap, lm.points)
+    yield layer_section(lm.model, layer, len(ids))
+    for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
+        yield rmsnorm_section(cap, lm.model, lm.points.get(name))
+    yield qkv_section(cap, c)
+    yield rope_section(cap, c, head if head is not None else 0)
+    yield from attention_sections(cap, c, head)
+    yield residual_section(cap)
+    yield ffn_section(cap, c)
+    yield kv_section(cap, c)
+    yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 
 
 def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[int]] = None, top: int = 5,
                 prompt: str = "", chat: bool = False, interventions: Sequence = ()) -> list[dict]:
     """Every record `llmtrace lens` shows: the top-k after each layer at each chosen position, from one pass (with
     `interventions` applied to it)."""
+    return list(iter_lens_events(lm, ids, positions, layers, top, prompt, chat, interventions))
+
+
+def iter_lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[int]] = None, top: int = 5,
+                     prompt: str = "", chat: bool = False, interventions: Sequence = ()) -> Iterator[dict]:
+    """lens_events, each as it is made: the header and the prompt's tokens before the pass, then the lens."""
     check_context(lm, len(ids), 0)
-    cap = capture(lm.model, ids, None, prepare(lm, interventions, [len(ids)]))
-    events = [{"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
-               "model": explain_model_record(lm), "points": lm.points.records(), "prompt": prompt, "chat": chat, "n_tokens": len(ids),
-               "threads": torch.get_num_threads(), "positions": positions,
-               "layers": layers if layers is not None else list(range(lm.config.n_layers))}
-              | _interventions(interventions),
-              tokens_event(lm.tokenizer, ids)]
-    return events + lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)
+    edits = prepare(lm, interventions, [len(ids)])
+    yield ({"event": "explain", "section": "model", "command": "lens", "layer": None, "head": None,
+            "model": explain_model_record(lm), "points": lm.points.records(), "prompt": prompt, "chat": chat,
+            "n_tokens": len(ids), "threads": torch.get_num_threads(), "positions": positions,
+            "layers": layers if layers is not None else list(range(lm.config.n_layers))}
+           | _interventions(interventions))
+    yield tokens_event(lm.tokenizer, ids)
+    cap = capture(lm.model, ids, None, edits)
+    yield from lens_table(cap, lm.model, lm.tokenizer, positions, layers, top)
+
+
+def stream(events: Iterator[dict], command: str, n_tokens: int, emit: Callable[[dict], None],
+           after_head: Optional[dict] = None) -> bool:
+    """Hand each of a pass's events to `emit` as it is made (`after_head`, when given, right after the first), then
+    the summary, as generate's stream ends: a Ctrl-C ends the events where they are and the summary says
+    `interrupted`. Returns whether it was."""
+    interrupted = False
+    try:
+        for i, ev in enumerate(events):
+            emit(ev)
+            if i == 0 and after_head is not None:
+                emit(after_head)
+    except KeyboardInterrupt:
+        interrupted = True
+    emit({"event": "summary", "command": command, "prompt_tokens": n_tokens, "interrupted": interrupted})
+    return interrupted
 
 
 def _interventions(interventions: Sequence) -> dict:

@@ -33,6 +33,7 @@ from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.model.transformer import KVCache, Transformer
 from llmtrace.run.interventions import prepare
 from llmtrace.run.sampler import Ledger, Sampler
+from llmtrace.units import plural
 
 
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the (H, T, S) attention scores a long prompt makes
@@ -133,8 +134,8 @@ def check_context(lm: LoadedModel, n_prompt: int, max_new_tokens: int) -> int:
     if n_prompt == 0:
         raise LlmtraceError("the prompt is empty (it encodes to zero tokens); give some text")
     if n_prompt > ctx or (n_prompt == ctx and max_new_tokens > 0):
-        raise LlmtraceError(f"the prompt has {n_prompt} tokens but the context window of {lm.name} is {ctx} tokens; "
-                            f"shorten the prompt")
+        raise LlmtraceError(f"the prompt has {plural(n_prompt, 'token')} but the context window of {lm.name} is "
+                            f"{plural(ctx, 'token')}; shorten the prompt")
     return min(max_new_tokens, ctx - n_prompt)
 
 
@@ -161,11 +162,14 @@ def context_note(lm: LoadedModel, prompt_lengths: list[int], max_new_tokens: int
     if not cut:
         return None
     if len(prompt_lengths) == 1:
-        return (f"the prompt has {prompt_lengths[0]:,} tokens and the context window of {lm.name} is {ctx:,}: "
-                f"{cut[0][1]:,} tokens fit, not {max_new_tokens:,} (stop reason: context)")
+        fit = cut[0][1]
+        return (f"the prompt has {plural(prompt_lengths[0], 'token')} and the context window of {lm.name} is {ctx:,}: "
+                f"{plural(fit, 'token')} {'fits' if fit == 1 else 'fit'}, not {max_new_tokens:,} "
+                f"(stop reason: context)")
     rows = ", ".join(f"row {r}: {room:,}" for r, room in cut)
     return (f"the context window of {lm.name} ({ctx:,} tokens) leaves fewer than {max_new_tokens:,} tokens to "
-            f"{len(cut)} of {len(prompt_lengths)} rows ({rows}); they stop there (stop reason: context)")
+            f"{len(cut)} of {len(prompt_lengths)} rows ({rows}); "
+            f"{'it stops' if len(cut) == 1 else 'they stop'} there (stop reason: context)")
 
 
 def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: bool = False) -> CompiledDecode:

@@ -24,6 +24,7 @@ import torch
 from llmtrace.errors import BadValue, LlmtraceError
 from llmtrace.model.capture import capture
 from llmtrace.run.interventions import grab, layer_output, resid_points
+from llmtrace.units import plural
 
 
 def answer_token(tok, text: str, field_name: str) -> int:
@@ -55,8 +56,9 @@ def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: Opt
     encode = encode or (lambda text: tok.encode_prompt(text)[1])
     clean_ids, corrupt_ids = encode(clean), encode(corrupt)
     if len(clean_ids) != len(corrupt_ids):
-        raise LlmtraceError(f"the clean prompt has {len(clean_ids)} tokens and the corrupt prompt {len(corrupt_ids)}; "
-                            f"patching pairs positions, so they must have the same number of tokens")
+        raise LlmtraceError(f"the clean prompt has {plural(len(clean_ids), 'token')} and the corrupt prompt "
+                            f"{len(corrupt_ids)}; patching pairs positions, so they must have the same number of "
+                            f"tokens")
     T, L = len(corrupt_ids), lm.config.n_layers
     if T > lm.config.max_seq_len:
         raise LlmtraceError(f"the prompts have {T} tokens but the context window of {lm.name} is {lm.config.max_seq_len}")

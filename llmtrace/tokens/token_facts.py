@@ -27,7 +27,7 @@ class CharPart:
 
     def __str__(self) -> str:
         where = f"{self.first}" if self.first == self.last else f"{self.first}-{self.last}"
-        return f"{where}/{self.total} of {self.char}"
+        return f"{where}/{self.total} of {shown_char(self.char)}"
 
     def to_dict(self) -> dict:
         return {"char": self.char, "first": self.first, "last": self.last, "total": self.total}
@@ -84,6 +84,18 @@ def invisible(ch: str) -> bool:
     return ch != " " and unicodedata.category(ch) in ("Zs", "Zl", "Zp", "Cf", "Cc", "Co", "Cn")
 
 
+def combining(ch: str) -> bool:
+    """A mark drawn on the character before it (U+0301, the combining acute accent): alone, it lands on whatever
+    precedes it on the screen (a quote, a parenthesis)."""
+    return unicodedata.category(ch) in ("Mn", "Me")
+
+
+def shown_char(ch: str) -> str:
+    """One character named on its own ("1/2 of é"), as a reader can see it: '<U+0301>' for a combining mark or an
+    invisible character, else the character."""
+    return f"<U+{ord(ch):04X}>" if invisible(ch) or combining(ch) else ch
+
+
 def visible_text(data: bytes) -> str:
     """Bytes as text a reader can see: ' ' → '▁', '\\n' → '\\\\n', '\\t' → '\\\\t', other control characters below
     0x80 as '\\\\xNN', every other invisible character (`invisible`) as '<U+00A0>', and bytes that are not (yet) a
@@ -107,13 +119,18 @@ def visible_text(data: bytes) -> str:
             out.append("\\r")
         elif ord(ch) < 0x20 or ord(ch) == 0x7F:
             out.append(f"\\x{ord(ch):02x}")
-        elif invisible(ch):
+        elif invisible(ch) or (combining(ch) and not _has_base(out)):  # a mark with nothing of its own to sit on
             out.append(f"<U+{ord(ch):04X}>")
         else:
             out.append(ch)
     if raw:
         out.append("<" + bytes(raw).hex(" ") + ">")
     return "".join(out)
+
+
+def _has_base(out: list[str]) -> bool:
+    """Whether the text made so far ends in a character a combining mark can sit on (not a mark made visible)."""
+    return bool(out) and len(out[-1]) == 1 and out[-1] != SPACE_MARK
 
 
 def char_parts_of(char_starts: list[int], text: str, b0: int, b1: int) -> tuple[CharPart, ...]:

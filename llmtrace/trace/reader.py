@@ -19,9 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from llmtrace.errors import LlmtraceError
-from llmtrace.trace.events import SCHEMA_ID, schema_path
+from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.fsutil import read_user_file
+from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
+from llmtrace.trace.events import SCHEMA_ID, schema_path
+
+# what the files llmtrace reads back are, for the message that refuses anything else
+WRITERS = "it reads the --json and --jsonl of generate, explain, lens, compare, diff and patch"
+GENERATE_EVENTS = {"run", "tokens", "shapes", "tensor", "step", "prediction", "batch", "summary"}
 
 # A check returns None, or (the path to the bad value, a function that says what is wrong with it). Both are built
 # only on failure, and the words only for the failure that is reported: most checks that fail are the `if` of an
@@ -36,7 +41,9 @@ IGNORED = {"$schema", "$id", "$defs", "title", "description", "oneOf"}  # annota
 
 def load_trace(path: str, warn: Callable[[str], None] = lambda msg: print(f"warning: {msg}", file=sys.stderr)
                ) -> list[dict]:
-    """The events of a saved trace, each checked against the schema. Raises LlmtraceError naming the file and place."""
+    """The events of a file llmtrace wrote (a trace of generate, explain, lens or patch; a comparison of compare or
+    diff, as its --jsonl events), each checked against the schema. Raises LlmtraceError naming the file and place; a
+    file that is no llmtrace output at all is a UsageError."""
     data = sys.stdin.buffer.read() if path == "-" else read_user_file(Path(path), "trace")
     name = "stdin" if path == "-" else path
     if not data.strip():
@@ -50,9 +57,10 @@ def load_trace(path: str, warn: Callable[[str], None] = lambda msg: print(f"warn
         if isinstance(whole, dict) and "events" in whole:
             return _document_events(whole, name)
         if isinstance(whole, dict) and "event" in whole:  # a stream of one event
-            return [_checked(whole, f"{name} line {_first_line(data)}")]
-        raise LlmtraceError(f"{name}: valid JSON but not an llmtrace trace (expected a document with \"events\", "
-                            f"or one event per line)")
+            return [_checked(whole, f"{name} line {_first_line(data)}", first=True)]
+        if isinstance(whole, dict) and str(whole.get("schema", "")).startswith("llmtrace.compare/"):
+            return _comparison_events(whole, name)
+        raise UsageError(f"{name}: valid JSON but not a file llmtrace reads back ({WRITERS})")
     lines = data.split(b"\n")
     first = next(i for i, line in enumerate(lines) if line.strip())
     if len([line for line in lines if line.strip()]) > 1 and not _parses(lines[first]):
@@ -61,6 +69,17 @@ def load_trace(path: str, warn: Callable[[str], None] = lambda msg: print(f"warn
             else f"byte {error.start} is not UTF-8"
         raise LlmtraceError(f"{name}: not valid JSON ({where})")
     return _stream_events(lines, name, ends_cleanly=data.endswith(b"\n"), warn=warn)
+
+
+def _comparison_events(doc: dict, name: str) -> list[dict]:
+    """A comparison's --json object, checked, as the events its --jsonl holds."""
+    if doc["schema"] != COMPARE_SCHEMA:
+        raise LlmtraceError(f"{name}: a comparison of schema {doc['schema']!r}; this llmtrace reads {COMPARE_SCHEMA}")
+    problem = _def_check("compare_document")(doc)
+    if problem is not None:
+        path, what = problem
+        raise LlmtraceError(f"{name}: the comparison {what().replace('{field}', _field(path))}")
+    return [_checked(ev, f"{name}") for ev in jsonl_events(doc)]
 
 
 def _document_events(doc: dict, name: str) -> list[dict]:
@@ -95,18 +114,26 @@ def _stream_events(lines: list[bytes], name: str, ends_cleanly: bool, warn: Call
             warn(f"{where} {how}; showing the {len(events)} complete event{'s' if len(events) != 1 else ''} "
                  f"before it")
             return events
-        events.append(_checked(ev, where))
+        events.append(_checked(ev, where, first=not events))
     if events[0]["event"] == "run" and events[-1]["event"] != "summary":  # generate's stream ends with its summary
         warn(f"{name} ends after {len(events)} event{'s' if len(events) != 1 else ''} without a summary: the trace is "
              f"incomplete (the run was killed, or the file was cut); showing what it has")
     return events
 
 
-def _checked(ev: Any, where: str) -> dict:
+def _checked(ev: Any, where: str, first: bool = False) -> dict:
+    """The event, checked against the schema. An event of a kind llmtrace never writes, or a first line that is no
+    event at all, is not an llmtrace file (a UsageError); damage further on is an LlmtraceError."""
+    not_ours = UsageError if first else LlmtraceError
     if not isinstance(ev, dict):
-        raise LlmtraceError(f"{where}: {_kind(ev)}, not an event (a JSON object with \"event\")")
+        raise not_ours(f"{where}: {_kind(ev)}, not an event (a JSON object with \"event\")" +
+                       (f"; not a file llmtrace reads back ({WRITERS})" if first else ""))
     if "event" not in ev:
-        raise LlmtraceError(f"{where}: an object without \"event\"; not an llmtrace event")
+        raise not_ours(f"{where}: an object without \"event\"; not an llmtrace event" +
+                       (f" ({WRITERS})" if first else ""))
+    if isinstance(ev["event"], str) and ev["event"] not in event_kinds():
+        raise UsageError(f"{where}: an event of kind {_short(ev['event'])}, which llmtrace does not write; not a file "
+                         f"llmtrace reads back ({WRITERS})")
     if ev["event"] == "run" and isinstance(ev.get("schema"), str) and ev["schema"] != SCHEMA_ID:
         # a newer (or older) contract: say so, rather than name the first field this version misses
         raise LlmtraceError(f"{where}: a trace of schema {ev['schema']!r}; this llmtrace reads {SCHEMA_ID}")
@@ -137,9 +164,23 @@ def _first_line(data: bytes) -> int:
 
 
 @functools.cache
+def _schema() -> dict:
+    return json.loads(schema_path().read_text(encoding="utf-8"))
+
+
+@functools.cache
+def event_kinds() -> frozenset:
+    """The kinds of event llmtrace writes, as the schema lists them."""
+    return frozenset(_schema()["$defs"]["event"]["properties"]["event"]["enum"])
+
+
 def _event_check() -> Check:
-    schema = json.loads(schema_path().read_text(encoding="utf-8"))
-    defs = schema["$defs"]
+    return _def_check("event")
+
+
+@functools.cache
+def _def_check(definition: str) -> Check:
+    defs = _schema()["$defs"]
     compiled: dict[str, Check] = {}
 
     def ref(target: str) -> Check:
@@ -149,7 +190,28 @@ def _event_check() -> Check:
             compiled[name + "!"] = _compile(defs[name], ref)
         return compiled[name]
 
-    return ref("#/$defs/event")
+    return ref(f"#/$defs/{definition}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# which command wrote the file
+
+
+def trace_kind(events: list[dict], name: str = "the file") -> str:
+    """The command that wrote these events: "generate", "explain", "lens", "patch", "compare" or "diff". A UsageError
+    for events that no command writes on their own (a comparison's layers without its head, say)."""
+    head = next((e for e in events if e["event"] == "compare"), None)
+    if head is not None:
+        return head.get("source", "compare")
+    if any(e["event"] == "patch" for e in events):
+        return "patch"
+    model = next((e for e in events if e["event"] == "explain" and e.get("section") == "model"), None)
+    if model is not None:
+        return "lens" if model.get("command") == "lens" else "explain"
+    if any(e["event"] in GENERATE_EVENTS for e in events):
+        return "generate"
+    raise UsageError(f"{name}: its events ({', '.join(sorted({e['event'] for e in events}))}) are not a whole file of "
+                     f"any command ({WRITERS})")
 
 
 JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", int: "integer",
