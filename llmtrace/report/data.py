@@ -62,14 +62,14 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
     tensors = by_kind.get("tensor", [])
     tokens = (by_kind.get("tokens") or [{"tokens": []}])[0]["tokens"]
     summary = (by_kind.get("summary") or [None])[0]
+    batch = (by_kind.get("batch") or [None])[0]
     data: dict[str, Any] = {
         "kind": kind,
         "run": _run_facts(run, head, model, summary, row),
         "tokens": _tokens(tokens, steps),
         "steps": [_step(e) for e in steps],
-        "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens,
-                              (by_kind.get("batch") or [None])[0], row),
-        "attention": _attention(tensors, explain, model, len(tokens)),
+        "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens, batch, row),
+        "attention": _attention(tensors, explain, model, pad_slots(batch, row)),
         "lens": _lens(by_kind.get("lens", []), head, tokens),
         "kv": _kv(steps, model),
         "residual": _residual(tensors, model),
@@ -276,11 +276,21 @@ def unpack_attention(text: str, shape: tuple[int, ...]) -> np.ndarray:
     return (np.frombuffer(base64.b64decode(text), dtype="<u2").astype(np.float64) / Q16).reshape(shape)
 
 
-def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: int) -> dict:
+def pad_slots(batch: Optional[dict], row: int) -> int:
+    """The slots of a batch row that hold its left padding (s3): the row's tokens start after them. 0 for one prompt.
+    The attention maps of a row are indexed by slot; its tokens and positions by token."""
+    if batch is None or row >= len(batch.get("attention_mask") or []):
+        return 0
+    mask = batch["attention_mask"][row]
+    return next((i for i, m in enumerate(mask) if m), len(mask))
+
+
+def _attention(tensors: list[dict], explain: list[dict], model: dict, pad: int = 0) -> dict:
+    """The attention maps, by slot: `pad` leading slots of a batch row are padding (never attended: drawn masked)."""
     H = model["n_heads"]
     out: dict[str, Any] = {"n_heads": H, "groups": gqa_groups(H, model["n_kv_heads"]), "layers": [], "maps": {},
                            "heads": list(range(H)), "binned": False, "bins": None, "n": 0, "source": None,
-                           "quant": Q16, "notes": []}
+                           "quant": Q16, "notes": [], "pad": pad}
     rows_of: dict[int, dict[int, np.ndarray]] = {}  # layer -> query position -> (H, S) probabilities
     for ev in tensors:
         if ev["name"] != "probs" or "values" not in ev:
@@ -314,7 +324,7 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: 
         m = np.asarray([[x if x is not None else 0.0 for x in r] for r in e["matrix"]], dtype=np.float64)[None]
         head = e.get("head")
         out.update(source="explain", n=e["n_tokens"], layers=[e["layer"]], bins=e["bins"], binned=e["binned"],
-                   heads=[head if head is not None else "mean"])
+                   heads=[head if head is not None else "mean"], pad=0)
         out["maps"] = {str(e["layer"]): pack_attention(m)}
         out["notes"].append("explain records one map: " + ("the mean over all heads" if head is None else f"head {head}"))
     return out

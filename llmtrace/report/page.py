@@ -328,6 +328,7 @@ def heatmap_axes(d: dict) -> dict:
     positions instead ("16–31")."""
     bins = d["attention"]["bins"]
     tokens = d["tokens"]
+    pad = d["attention"].get("pad", 0)  # a batch row's leading pad slots: its token i sits in slot pad + i
     B = len(bins)
     cell = max(1, HEATMAP_PX // B)
     single = all(b1 - b0 == 1 for b0, b1 in bins)
@@ -336,7 +337,8 @@ def heatmap_axes(d: dict) -> dict:
     def text(i: int) -> str:  # a label covers its cell and the unlabelled ones after it, up to the next label
         b0, b1 = bins[i][0], bins[min(i + every, B) - 1][1]
         if single and every == 1:
-            t = visible(tokens[b0]["text"]) if b0 < len(tokens) else ""
+            i = b0 - pad
+            t = "pad" if i < 0 else visible(tokens[i]["text"]) if i < len(tokens) else ""
             return f"{b0} {t[:9] + '…' if len(t) > 10 else t}"
         return str(b0) if b1 - b0 == 1 else f"{b0}–{b1 - 1}"
 
@@ -356,6 +358,9 @@ def section_attention(d: dict) -> Optional[dict]:
     binned = (f'The sequence has {n} positions, more than fit a readable map: they are binned into {len(a["bins"])} '
               f'bins (a cell is the mean over its query positions of the sum over its key positions).'
               if a["binned"] else f'One cell per query and key position ({n} × {n}).')
+    if a.get("pad"):
+        binned += (f' This batch row starts with {plural(a["pad"], "pad slot")} (s3): the map is by slot, as the batch '
+                   f'ran, and the padding mask is hatched like the causal one (no token attends a pad slot).')
     return {"maps": True, "binned": binned, "notes": " ".join(x + "." for x in a["notes"]), "layers": a["layers"],
             "heads": ["head " + str(h) if h != "mean" else "mean over heads" for h in a["heads"]],
             "axes": heatmap_axes(d), "gqa": gqa_diagram(d), "overview": overview(a)}

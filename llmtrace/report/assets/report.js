@@ -135,9 +135,14 @@
   }
   const canvas = $("#att-canvas");
   let cursor = null; // [row, col] under the mouse or the keyboard
+  const PAD = A.pad || 0; // a batch row's leading pad slots (s3): the maps are by slot, its token i is slot PAD + i
+  function padBin(b) { return A.bins[b][1] <= PAD; }
+  function masked(r, c) { // never attended: a later key (the causal mask), or a pad slot (the padding mask)
+    return A.bins[c][0] >= A.bins[r][1] || padBin(c) || padBin(r);
+  }
   function queryRow() { // the bin of the query that produced the chosen step's token
     if (!steps.length || A.source !== "probs") return null;
-    const q = steps[cur].position - 1;
+    const q = steps[cur].position - 1 + PAD;
     return A.bins.findIndex((b) => b[0] <= q && q < b[1]);
   }
   function paint(target, layer, hi, scale, cell) { // one head's map on a canvas, cell × cell pixels per cell
@@ -150,15 +155,15 @@
       let ranks = null;
       if (scale === "rank") {
         const vis = [];
-        for (let c = 0; c < B; c++) if (A.bins[c][0] < A.bins[r][1]) vis.push(c);
+        for (let c = 0; c < B; c++) if (!masked(r, c)) vis.push(c);
         vis.sort((a, b) => m[off + r * B + a] - m[off + r * B + b]);
         ranks = new Map(vis.map((c, k) => [c, vis.length > 1 ? k / (vis.length - 1) : 1]));
       }
       for (let c = 0; c < B; c++) {
-        const masked = A.bins[c][0] >= A.bins[r][1]; // every key of the column comes after every query of the row
+        const hatch = masked(r, c);
         const v = m[off + r * B + c];
         let col;
-        if (!masked) {
+        if (!hatch) {
           let x = v;
           if (scale === "log") x = (Math.log10(Math.max(v, 1e-4)) + 4) / 4;
           if (scale === "rank") x = ranks.get(c);
@@ -166,7 +171,7 @@
         }
         for (let y = 0; y < cell; y++) for (let x = 0; x < cell; x++) {
           const p = ((r * cell + y) * size + c * cell + x) * 4;
-          const c2 = masked ? (((x + y) % 4 < 2) ? [214, 214, 214] : [246, 246, 246]) : col;
+          const c2 = hatch ? (((x + y) % 4 < 2) ? [214, 214, 214] : [246, 246, 246]) : col;
           img.data[p] = c2[0]; img.data[p + 1] = c2[1]; img.data[p + 2] = c2[2]; img.data[p + 3] = 255;
         }
         drawn++;
@@ -208,9 +213,10 @@
   }));
   function label(bin) {
     const b = A.bins[bin];
-    if (b[1] - b[0] > 1) return "positions " + b[0] + "\u2013" + (b[1] - 1);
-    const t = D.tokens[b[0]];
-    return "position " + b[0] + (t ? " (" + vis(t.text) + ")" : "");
+    if (b[1] - b[0] > 1) return (PAD ? "slots " : "positions ") + b[0] + "\u2013" + (b[1] - 1);
+    if (b[0] < PAD) return "slot " + b[0] + " (pad)";
+    const t = D.tokens[b[0] - PAD];
+    return (PAD ? "slot " + b[0] + ", position " + (b[0] - PAD) : "position " + b[0]) + (t ? " (" + vis(t.text) + ")" : "");
   }
   function readout() {
     const out = $("#att-readout");
@@ -220,9 +226,9 @@
     if (steps.length && A.source === "probs") text += " Red outline: the query row of step " + steps[cur].step + ".";
     if (cursor) {
       const [r, c] = cursor, B = A.bins.length;
-      const masked = A.bins[c][0] >= A.bins[r][1];
       const v = mapOf($("#att-layer").value)[Number($("#att-head").value) * B * B + r * B + c];
-      text += " Query " + label(r) + " \u2192 key " + label(c) + ": " + (masked ? "masked (a later token)" : v.toFixed(5));
+      const why = padBin(r) || padBin(c) ? "masked (a pad slot)" : "masked (a later token)";
+      text += " Query " + label(r) + " \u2192 key " + label(c) + ": " + (masked(r, c) ? why : v.toFixed(5));
     }
     out.textContent = text;
   }
