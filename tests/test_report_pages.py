@@ -92,3 +92,98 @@ def test_a_padded_row_in_the_browser_hatches_pads_and_outlines_the_right_query(b
     assert "masked (a pad slot)" in pg.inner_text("#att-readout")
     assert errors(o) == [] and o.requests == [o.url]
     o.page.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 30 item 19: the small defects of the pages
+
+
+@pytest.fixture(scope="module")
+def patch_event(tiny):
+    import llmtrace
+    from llmtrace.trace.records import model_record
+
+    ev = llmtrace.patch_sweep(tiny, clean="The quick brown fox", corrupt="The quick lazy dog", answer=" b",
+                              against="The")
+    return ev | {"model": model_record(tiny.loaded)}
+
+
+def test_patch_page_labels_its_legend_rows_and_axes(browser, patch_event, tmp_path):
+    from llmtrace.report.patch import patch_page, two_places
+
+    assert two_places(-0.001) == "0.00" and two_places(-0.006) == "-0.01" and two_places(0.25) == "0.25"
+    assert any(-0.005 < c["recovery"] < 0 for c in patch_event["cells"])  # the case that printed "-0.00"
+    page = patch_page(patch_event)
+    assert "-0.00" not in page
+    assert "Ġ" not in page  # the space marks as in the terminal (the header's ▁ below), not the vocabulary's
+    path = tmp_path / "patch.html"
+    path.write_text(page, encoding="utf-8")
+    o = Opened(browser, path)
+    legend = o.page.inner_text("p.legend")
+    assert legend.startswith("recovery: 0.00 0.25 0.50 0.75 1.00"), legend
+    heads = o.page.locator("table tr").nth(0).locator("th").all_inner_texts()
+    assert heads[0] == "corrupt" and heads[1:3] == ["The", "▁"]
+    assert o.page.locator("table tr").nth(1).locator("th").first.inner_text().startswith("clean")
+    assert "layer" in o.page.inner_text("caption") and "position" in o.page.inner_text("caption")
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()
+
+
+@pytest.fixture(scope="module")
+def compare_page(tiny, tiny_dir, tmp_path_factory):
+    import llmtrace
+
+    cmp = llmtrace.compare(tiny, llmtrace.Side(model=str(tiny_dir), dtype="bfloat16"), "The quick brown fox")
+    path = tmp_path_factory.mktemp("cmp") / "compare.html"
+    cmp.report(path)
+    return path
+
+
+def test_compare_page_axes_ticks_and_no_added_bar_for_the_embedding(browser, compare_page):
+    o = Opened(browser, compare_page)
+    pg = o.page
+    box = pg.locator("#layers svg").bounding_box()
+    label = pg.locator("#layers svg text", has_text="layer").last.bounding_box()
+    assert label["y"] + label["height"] <= box["y"] + box["height"]  # the x axis title is not cut
+    assert len(pg.locator("#kld-svg text.ytick").all_text_contents()) >= 2
+    pg.click("rect.cell[data-key='model/embed']")
+    assert pg.locator("#point-svg text.ytick").all_text_contents() == ["1e-9", "1e-7", "1e-5", "1e-3", "1e-1"]
+    assert pg.locator("#point-svg rect.bar.added").count() == 0  # the embedding has no layer to add anything
+    pg.click("rect.cell[data-key='0/resid_post']")
+    assert pg.locator("#point-svg rect.bar.added").count() > 0  # a layer's point has its added error
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()
+
+
+def test_the_draw_bar_shows_the_chosen_slice_and_its_end_labels(browser, tiny, tmp_path):
+    run = tiny.generate("The quick brown fox", max_new_tokens=3, temperature=0.9, seed=2, ignore_eos=True)
+    steps = [e for e in run.events if e["event"] == "step"]
+    for s in steps:  # the trace says where the draw landed: u inside the chosen token's slice
+        lo, hi = s["rng"]["slice"]
+        assert lo <= s["rng"]["draw"] < hi + 1e-6 and abs(hi - lo - s["sampler"][-1]["pick_prob"]) < 1e-5
+    o = Opened(browser, run.report(tmp_path / "r.html"))
+    svg = o.page.locator(".step-panel:not([hidden]) svg.draw")
+    box = svg.bounding_box()
+    for t in svg.locator("text").all():
+        b = t.bounding_box()
+        assert box["x"] <= b["x"] and b["x"] + b["width"] <= box["x"] + box["width"] + 0.5
+        assert box["y"] <= b["y"] and b["y"] + b["height"] <= box["y"] + box["height"] + 0.5
+    sl, u = svg.locator("rect.slice").bounding_box(), svg.locator("line.u").bounding_box()
+    assert sl["x"] - 1.5 <= u["x"] + u["width"] / 2 <= sl["x"] + sl["width"] + 1.5
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()
+
+
+def test_kv_chart_has_round_ticks_and_the_layers_are_numbered(tiny):
+    from llmtrace.report.page import nice_step
+
+    assert nice_step(3.32 * 2**20 * 1.05, base=1024) == 1 * 2**20 and nice_step(1000) == 250
+    assert nice_step(4.0) == 1 and nice_step(4.4) == 2 and nice_step(0.07) == 0.02
+    run = tiny.generate("The quick brown fox", max_new_tokens=3, ignore_eos=True)
+    from llmtrace.report.write import build
+
+    page = build(run.events)
+    kv = section(page, "kv")
+    ticks = re.findall(r'text-anchor="end" class="cap">([^<]+)</text>', kv)
+    assert ticks[0] == "0 B" and all(re.fullmatch(r"\d+(\.0+)? (B|KiB|MiB)|\d+\.\d*[05]0* KiB", t) for t in ticks), ticks
+    assert re.findall(r'<span class="kvn">(\d+)</span>', kv) == ["0", "1"]  # the tiny model's two layers

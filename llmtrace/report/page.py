@@ -252,6 +252,9 @@ def topk_chart(step: dict) -> dict:
     return {"w": w, "h": row * len(top) + 24, "n": len(top), "step": step["step"], "bars": bars}
 
 
+DRAW_X0, DRAW_W = 12, 400  # the draw bar: [0, 1) drawn from x0 over w pixels, room for its end labels either side
+
+
 def funnel(step: dict, vocab: int) -> dict:
     """The sampler's stages at one step: candidates left (on a log scale of the vocabulary), the chosen token's
     probability and the mass each truncation kept; then the draw."""
@@ -276,7 +279,11 @@ def funnel(step: dict, vocab: int) -> dict:
         u = rng["draw"]
         p = stages[-1]["pick_prob"] if stages else None
         draw.update(greedy=False, u=f"{u:.6g}", u4=f"{u:.4f}", seed=rng.get("seed"), width=num(p),
-                    x=f"{400 * u:.1f}")
+                    x=f"{DRAW_X0 + DRAW_W * u:.1f}", x0=DRAW_X0, x1=DRAW_X0 + DRAW_W, slice=None)
+        if rng.get("slice"):  # the chosen token's slice of [0, 1) (traces from before it was recorded lack it)
+            lo, hi = rng["slice"]
+            draw["slice"] = {"x": f"{DRAW_X0 + DRAW_W * lo:.1f}", "w": f"{max(1.0, DRAW_W * (hi - lo)):.1f}",
+                             "text": f"[{lo:.4f}, {hi:.4f})"}
     return {"rows": rows, "draw": draw}
 
 
@@ -388,18 +395,34 @@ def section_lens(d: dict) -> Optional[dict]:
             "k": len(lens["rows"][0]["cells"][str(pos[0])])}
 
 
+def nice_step(span: float, n: int = 4, base: int = 10) -> float:
+    """A round tick step that cuts [0, span] into about n parts: 1, 2, 2.5 or 5 × a power of ten, in units of
+    base**k (base 1024 for bytes: 256 KiB, 1 MiB, 2 MiB rather than 1.11 MiB)."""
+    if span <= 0:
+        return 1.0
+    unit = 1.0
+    if base == 1024:
+        while span / unit >= 1024:
+            unit *= 1024
+    raw = span / unit / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    return step * unit
+
+
 def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel: str, ylabel: str, *,
                marker: bool = False, dots: bool = False, w: int = 560, h: int = 240,
-               fmt: Callable[[float], str] = num, join: Optional[float] = None) -> Optional[dict]:
+               fmt: Callable[[float], str] = num, join: Optional[float] = None, base: int = 10) -> Optional[dict]:
     """The geometry of a small SVG line chart: series of (class, points, title). `join`: points further apart in x
     than this are not joined by a line (a line would show values between them that were never recorded); their dots
-    are drawn. None when there are no points."""
+    are drawn. The y axis starts at 0 and has round ticks (`base` 1024 for bytes). None when there are no points."""
     xs = [x for _, pts, _ in series for x, _ in pts]
     ys = [y for _, pts, _ in series for _, y in pts]
     if not xs:
         return None
     x0, x1 = min(xs), max(xs)
-    y1 = max(ys) * 1.05 or 1.0
+    ystep = nice_step(max(ys), base=base)
+    y1 = math.ceil(max(ys) / ystep) * ystep or 1.0
     L, R, T, B = 64, 12, 24, 34
 
     def px(x) -> float:
@@ -409,7 +432,7 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel:
         return h - B - (h - T - B) * (y / y1)
 
     out = {"w": w, "h": h, "left": L, "right": w - R, "top": T, "bottom": h - B, "ytick_x": L - 4, "xtick_y": h - B + 14,
-           "yticks": [{"y": f"{py(y1 * i / 4) + 4:.1f}", "text": fmt(y1 * i / 4)} for i in range(5)],
+           "yticks": [{"y": f"{py(i * ystep) + 4:.1f}", "text": fmt(i * ystep)} for i in range(round(y1 / ystep) + 1)],
            "xticks": [{"x": f"{px(x):.1f}", "text": f"{x:g}"} for x in sorted({x0, x1, round((x0 + x1) / 2)})],
            "xlabel": {"x": f"{(L + w - R) / 2:.0f}", "y": h - 4, "text": xlabel},
            "ylabel": {"x": L - 60, "text": ylabel}, "series": [], "marker": None}
@@ -439,7 +462,7 @@ def section_kv(d: dict) -> Optional[dict]:
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
     chart = line_chart([("mha", mha, "full multi-head attention would need"), ("gqa", pts, "this model's cache (GQA)")],
-                       "step", "bytes in the cache", marker=True, fmt=human_bytes)
+                       "step", "bytes in the cache", marker=True, fmt=human_bytes, base=1024)
     last = kv["steps"][-1]
     per_layer = kv["per_layer"]
     el = kv["element_size"]
@@ -450,7 +473,9 @@ def section_kv(d: dict) -> Optional[dict]:
             "at_end": f'{last["seq_len"]} positions: {human_bytes(last["bytes_used"])} used, '
                       f'{human_bytes(last["bytes_allocated"])} allocated; MHA would use '
                       f'{human_bytes(last["mha_bytes_used"])} ({last["mha_bytes_used"] / max(1, last["bytes_used"]):.1f}×)',
-            "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"]}}
+            "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"],
+                       "labelled": [i for i in range(m["n_layers"]) if i % max(1, -(-m["n_layers"] // 10)) == 0
+                                    or i == m["n_layers"] - 1]}}
 
 
 def section_residual(d: dict) -> Optional[dict]:

@@ -367,6 +367,8 @@ class Recorder:
                               **({} if s.detail is None else {"detail": self._detail(s.detail)})} for s in led.stages]
             ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
                          "greedy": led.greedy}
+            if led.slice is not None:  # where the chosen token's slice of [0, 1) lies, in id order
+                ev["rng"]["slice"] = [_round(led.slice[0]), _round(led.slice[1])]
         ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
         ev["ms"] = round(rec.ms, 3)
         self.emit(ev)
