@@ -187,3 +187,28 @@ def test_kv_chart_has_round_ticks_and_the_layers_are_numbered(tiny):
     ticks = re.findall(r'text-anchor="end" class="cap">([^<]+)</text>', kv)
     assert ticks[0] == "0 B" and all(re.fullmatch(r"\d+(\.0+)? (B|KiB|MiB)|\d+\.\d*[05]0* KiB", t) for t in ticks), ticks
     assert re.findall(r'<span class="kvn">(\d+)</span>', kv) == ["0", "1"]  # the tiny model's two layers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 30 item 18: the merge story's note for a model loaded from a file
+
+
+def test_report_of_a_file_models_trace_says_to_give_its_path(tiny, tmp_path):
+    import subprocess
+    import sys
+
+    run = tiny.generate("The quick brown fox", max_new_tokens=2, ignore_eos=True)
+    trace = tmp_path / "t.json"
+    run.save(trace)
+    r = subprocess.run([sys.executable, "-m", "llmtrace", "report", str(trace), "-o", str(tmp_path / "r.html")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "note: the trace names its model 'hf'" in r.stderr and "-m PATH" in r.stderr  # said in the terminal
+    tokens = unescape(section((tmp_path / "r.html").read_text(encoding="utf-8"), "tokens"))
+    assert "give that path with -m" in tokens and "unknown model" not in tokens
+
+
+def test_a_page_made_with_the_tokenizer_never_says_it_lacks_it(tiny, tmp_path):
+    page = tiny.lens("The quick brown fox").report(tmp_path / "lens.html").read_text(encoding="utf-8")
+    assert embedded(page)["merges"]["note"] is None and embedded(page)["merges"]["words"]
+    assert "needs the model" not in page and "made without it" not in page

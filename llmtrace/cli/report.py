@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -61,7 +62,9 @@ def tokenizer_for(events: list[dict], model: Optional[str] = None):
 
         return load_tokenizer(name), None
     except Exception as e:  # not in the cache, not reachable: the page is made without the merge story
-        return None, f"the tokenizer of {name} could not be read here ({' '.join(str(e).split())[:120]})"
+        from llmtrace.report.write import tokenizer_note
+
+        return None, tokenizer_note(name, e)
 
 
 @app.command(help=REPORT_HELP)
@@ -88,4 +91,6 @@ def report(
     except LlmtraceError as e:
         raise LlmtraceError(f"{trace}: {e}") from None
     tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
+    if tok is None and merges:  # the page says it too, where the merge story would be
+        print(f"note: {note}", file=sys.stderr)
     write_html(events, output, tok, merges_note=note, row=row)

@@ -37,6 +37,23 @@ def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[
     return words, None
 
 
+def tokenizer_note(name: str, error: Exception) -> str:
+    """Why the merge story is missing when the tokenizer of the model a trace names could not be read. A model loaded
+    from a file or a directory is named in the trace by its file's name, not its path (a trace holds no paths): the
+    note says to give that path with -m."""
+    from llmtrace.registry.models_toml import load_registry
+
+    try:
+        known = name in load_registry() or "/" in name  # a registry name or a hub id: it could be fetched
+    except Exception:  # a broken user models.toml: say what we can
+        known = False
+    if not known:
+        return (f"the trace names its model {name!r}, the name of the file or directory it was loaded from (a trace "
+                f"keeps no paths): give that path with -m to draw the merge story (llmtrace report TRACE -m PATH -o "
+                f"report.html)")
+    return f"the tokenizer of {name} could not be read here ({' '.join(str(error).split())[:120]})"
+
+
 def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0) -> str:
     """The report page of a trace, as a string: of one row when the trace is a batch of prompts. `tokenizer` (the
     model's) adds the BPE merge story."""
@@ -56,7 +73,8 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
         prompt = next((e.get("prompt", "") for e in events
                        if e.get("event") == "run" or (e.get("event") == "explain" and e.get("section") == "model")), "")
     words, why = merge_story(tokenizer, prompt)
-    note = why or merges_note or ("the merge story needs the model's tokenizer, and this report was made without it")
+    note = None if words is not None else (
+        why or merges_note or "the merge story needs the model's tokenizer, and this report was made without it")
     return render(extract(events, row=row, merges=words, merges_note=note))
 
 
