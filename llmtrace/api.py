@@ -179,7 +179,10 @@ class GenerateOptions:
     def trace_options(self):
         from llmtrace.trace.options import TraceOptions
 
-        return TraceOptions(level=self.trace, dump=tuple(self.dump), topk=self.show_top)
+        # the report's what-if sampler reads each step's 1,000 largest logits: kept for a page (--html) and at --trace
+        # full; --dump logits keeps all of them
+        logits_top = 1000 if self.for_report or self.trace == "full" else 0
+        return TraceOptions(level=self.trace, dump=tuple(self.dump), topk=self.show_top, logits_top=logits_top)
 
 
 @dataclass

@@ -212,3 +212,52 @@ def test_a_page_made_with_the_tokenizer_never_says_it_lacks_it(tiny, tmp_path):
     page = tiny.lens("The quick brown fox").report(tmp_path / "lens.html").read_text(encoding="utf-8")
     assert embedded(page)["merges"]["note"] is None and embedded(page)["merges"]["words"]
     assert "needs the model" not in page and "made without it" not in page
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 34: what the trace records for the learner's page
+
+
+def test_trace_full_samples_every_float_point_and_the_logits(tiny):
+    import torch
+
+    run = tiny.generate("The quick brown fox", max_new_tokens=2, trace="full", ignore_eos=True)
+    tensors = [e for e in run.events if e["event"] == "tensor"]
+    sampled = [e for e in tensors if "sample" in e]
+    assert len(sampled) >= 0.85 * len(tensors)
+    prompt = next(e for e in run.events if e["event"] == "tokens")["tokens"]
+    embed = next(e for e in sampled if e["step"] == 0 and e["layer"] is None and e["sample"]["norms"]
+                 and len(e["shape"]) == 2 and e["shape"][1] == tiny.loaded.config.d_model
+                 and e["seed_step"] == "s4")
+    W = tiny.loaded.model.embed.weight.detach().double()
+    s = embed["sample"]
+    assert s["index"] == list(range(8)) + list(range(32, 40))  # D = 64: the first 8 of each half
+    for t, tok in enumerate(prompt):  # every token's row: the embedding's own values and the row's norm
+        torch.testing.assert_close(torch.tensor(s["values"][t], dtype=torch.float64), W[tok["id"], s["index"]],
+                                   rtol=1e-6, atol=1e-7)
+        assert abs(s["norms"][t] - float(W[tok["id"]].norm())) < 1e-5 * s["norms"][t]
+    step = next(e for e in run.events if e["event"] == "step")
+    assert len(step["logits"]["ids"]) == tiny.loaded.config.vocab_size and step["logits"]["tail"] is None
+    assert step["logits"]["ids"][0] == step["topk"][0]["id"] and step["logits"]["values"][0] == step["topk"][0]["logit"]
+    for e in run.events:  # the schema declares them
+        from helpers import undeclared_fields
+
+        assert undeclared_fields([e]) == []
+
+
+def test_the_logits_tail_gives_the_softmax_at_any_temperature():
+    import torch
+
+    from llmtrace.trace.recorder import logits_record
+
+    z = torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 2.5
+    z[7] = float("-inf")  # a banned token is not in the tail
+    r = logits_record(z, 1000)
+    assert len(r["ids"]) == 1000 and sum(r["tail"]["counts"]) == 49152 - 1001
+    for T in (0.3, 0.8, 1.0, 2.0, 5.0):
+        exact = torch.softmax(z.double() / T, dim=0)
+        top = torch.tensor(r["values"], dtype=torch.float64) / T
+        tail = torch.tensor(r["tail"]["counts"], dtype=torch.float64) * torch.exp(
+            torch.tensor(r["tail"]["means"], dtype=torch.float64) / T - top[0])
+        p0 = 1 / (torch.exp(top - top[0]).sum() + tail.sum())
+        assert abs(float(p0) - float(exact.max())) < 1e-3 * float(exact.max()), T

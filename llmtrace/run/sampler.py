@@ -762,6 +762,7 @@ class Ledger:
     token: int
     greedy: bool
     slice: tuple[float, float] | None = None  # the token's [lo, hi) of [0, 1) in the draw (id order); None if greedy
+    raw: object = field(default=None, repr=False)  # the raw logits (V,) the stages started from (a tensor, not copied)
 
 
 # -----------------------------------------------------------------------------
@@ -899,6 +900,7 @@ class Sampler:
             token=token,
             greedy=u is None,
             slice=drawn,
+            raw=raw,
         )
 
 
