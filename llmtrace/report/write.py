@@ -54,9 +54,9 @@ def tokenizer_note(name: str, error: Exception) -> str:
     return f"the tokenizer of {name} could not be read here ({' '.join(str(error).split())[:120]})"
 
 
-def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0) -> str:
+def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0, lang: str = "en") -> str:
     """The report page of a trace, as a string: of one row when the trace is a batch of prompts. `tokenizer` (the
-    model's) adds the BPE merge story."""
+    model's) adds the BPE merge story; `lang` is the language of its words (report.i18n: en, zh)."""
     from llmtrace.errors import BadValue
     from llmtrace.report.data import check_schema, extract
     from llmtrace.report.page import render
@@ -75,15 +75,15 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     words, why = merge_story(tokenizer, prompt)
     note = None if words is not None else (
         why or merges_note or "the merge story needs the model's tokenizer, and this report was made without it")
-    return render(extract(events, row=row, merges=words, merges_note=note))
+    return render(extract(events, row=row, merges=words, merges_note=note), lang)
 
 
 def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,
-                 row: int = 0) -> int:
+                 row: int = 0, lang: str = "en") -> int:
     """Write the page to `path` atomically (an existing file is replaced only by a complete one). Returns its bytes."""
     from llmtrace.fsutil import write_text_atomic
 
-    page = build(events, tokenizer, merges_note, row)
+    page = build(events, tokenizer, merges_note, row, lang)
     write_text_atomic(Path(path), page)
     return len(page.encode("utf-8"))
 

@@ -53,6 +53,7 @@
     $$("#residual polyline, #residual circle").forEach((p) => p.classList.toggle("current", p.classList.contains("s" + s.step)));
     drawAttention();
     if (stage) showStage(stage);
+    document.dispatchEvent(new CustomEvent("llmtrace:step", { detail: cur })); // walk.js: the what-if sampler
   }
   const range = $("#step");
   if (range) range.addEventListener("input", () => setStep(Number(range.value)));
@@ -80,7 +81,7 @@
     const want = steps.length ? steps[cur].step : 0;
     const kept = D.tensors.steps;
     let at = kept.length ? kept.reduce((a, b) => (Math.abs(b - want) < Math.abs(a - want) ? b : a)) : null;
-    let html = "<h3>" + esc(st.id + " " + st.title) + "</h3>";
+    let html = "<h3>" + esc(st.id + " " + (D.step_titles[st.id] || "")) + "</h3>";
     if (st.sampler) {
       html += "<p>Stages in this group, in the order run: " + esc(st.sampler.join(" \u2192 ") || "none") +
         ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel under \u201cEach step\u201d.</p>";
@@ -253,7 +254,9 @@
   // ---------------------------------------------------------------------------------------------- logit lens
   function lensCell(td) {
     const row = D.lens.rows[Number(td.dataset.row)], top = row.cells[td.dataset.pos];
-    const where = (row.stage === "logits" ? "the model's output" : "after layer " + row.label) + ", position " + td.dataset.pos;
+    const W = D.words;
+    const where = (row.layer === null ? W.lens_output : W.lens_after.replace("{layer}", row.label)) + ", " +
+      W.lens_position.replace("{pos}", td.dataset.pos);
     let html = "<h3>" + esc(where) + "</h3><table class=\"stats\"><tr><th>token</th><th>id</th><th>p</th><th>logit</th><th></th></tr>";
     top.forEach((c) => {
       html += "<tr><td>" + esc(vis(c.text)) + "</td><td class=num>" + c.id + "</td><td class=num>" + fmt(c.prob, 4) +
