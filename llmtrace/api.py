@@ -313,17 +313,17 @@ class Trace:
             raise BadValue("path", f" {str(path)!r} must end in .jsonl (one event per line) or .json (one document)")
         return path
 
-    def html(self, row: int = 0) -> str:
-        """The HTML report page, as a string."""
+    def html(self, row: int = 0, lang: str = "en") -> str:
+        """The HTML report page, as a string; `lang` the language of its words (en, zh)."""
         from llmtrace.report.write import build
 
-        return build(self.events, self.tokenizer, row=row)
+        return build(self.events, self.tokenizer, row=row, lang=lang)
 
-    def report(self, path: Union[str, Path], row: int = 0) -> Path:
+    def report(self, path: Union[str, Path], row: int = 0, lang: str = "en") -> Path:
         """Write the self-contained HTML report (what --html and `llmtrace report` write)."""
         from llmtrace.report.write import write_report
 
-        write_report(self.events, path, tokenizer=self.tokenizer, row=row)
+        write_report(self.events, path, tokenizer=self.tokenizer, row=row, lang=lang)
         return Path(path)
 
     def _repr_html_(self) -> str:

@@ -114,7 +114,7 @@ def test_the_residual_chart_joins_only_neighbouring_recorded_layers(events, page
     lines = re.findall(r'<polyline points="([^"]+)"', section)
     assert len(lines) == len(steps) and all(len(pts.split()) == 2 for pts in lines)  # -1 → 0 only
     assert len(re.findall(r"<circle ", section)) == 3 * len(steps)  # -1, 0 and 29: every recorded value a dot
-    assert "only neighbouring layers are joined" in section
+    assert "no line crosses it" in section and "⋯" in section  # the gap between layer 0 and layer 29
 
 
 def test_merges_of_the_prompt_end_in_its_tokens(page, smollm):

@@ -261,3 +261,121 @@ def test_the_logits_tail_gives_the_softmax_at_any_temperature():
             torch.tensor(r["tail"]["means"], dtype=torch.float64) / T - top[0])
         p0 = 1 / (torch.exp(top - top[0]).sum() + tail.sum())
         assert abs(float(p0) - float(exact.max())) < 1e-3 * float(exact.max()), T
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 34: the learner's page in the browser
+
+
+@pytest.fixture(scope="module")
+def sampled_run(tiny):
+    """A sampled run at --trace full (the what-if sampler and the walk-through have what they need)."""
+    return tiny.generate("The quick brown fox", max_new_tokens=4, temperature=0.8, top_k=40, top_p=0.9, seed=3,
+                         trace="full", ignore_eos=True, for_report=True)
+
+
+def set_range(pg, selector: str, value) -> None:
+    pg.eval_on_selector(selector, "(e, v) => { e.value = String(v); e.dispatchEvent(new Event('input')); }", value)
+
+
+def test_the_temperature_slider_redraws_softmax_of_the_logits_over_t(browser, tiny, sampled_run, tmp_path):
+    import torch
+
+    o = Opened(browser, sampled_run.report(tmp_path / "r.html"))
+    pg = o.page
+    assert pg.get_by_role("slider", name="temperature").count() == 1  # accessible names: the labels
+    assert pg.get_by_role("slider", name="top-p").count() == 1 and pg.get_by_role("slider", name="min-p").count() == 1
+    ids = next(e for e in sampled_run.events if e["event"] == "tokens")["tokens"]
+    with torch.no_grad():
+        z = tiny.loaded.model(torch.tensor([[t["id"] for t in ids]]))[0, -1].double()  # step 0's logits
+    set_range(pg, "#wi-top-k", 0)
+    set_range(pg, "#wi-top-p", 1)
+    set_range(pg, "#wi-min-p", 0)
+    set_range(pg, "#wi-temperature", 2)
+    shown = float(pg.inner_text("#whatif-top1").split("p = ")[1])
+    assert abs(shown - float(torch.softmax(z / 2, 0).max())) < 1e-5
+    assert "320 candidates survive" in pg.inner_text("#whatif-summary")
+    set_range(pg, "#wi-temperature", 0.5)
+    assert abs(float(pg.inner_text("#whatif-top1").split("p = ")[1]) - float(torch.softmax(z / 0.5, 0).max())) < 1e-5
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()
+
+
+def test_at_the_runs_settings_the_what_if_draw_lands_on_the_runs_token(browser, sampled_run, tmp_path):
+    """The page's sampler, on the stored logits with the run's settings and its draw u, picks what the run picked
+    at every step: the same stages, in the run's order."""
+    o = Opened(browser, sampled_run.report(tmp_path / "r.html"))
+    pg = o.page
+    steps = [e for e in sampled_run.events if e["event"] == "step"]
+    for i, s in enumerate(steps):
+        pg.eval_on_selector("#step", "(e, v) => { e.value = String(v); e.dispatchEvent(new Event('input')); }", i)
+        landed = pg.eval_on_selector("svg.whatif-draw", "s => s.dataset.landed")
+        assert int(landed) == s["token"]["id"], i
+        survivors = int(pg.inner_text("#whatif-summary").split(" candidates")[0].replace(",", ""))
+        assert survivors == s["sampler"][-1]["survivors"], i
+        assert pg.locator("table.whatif-bars tr.chosen").count() == (1 if any(c["id"] == s["token"]["id"]
+                                                                          for c in s["topk"]) else 0)
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()
+
+
+def test_the_page_in_chinese_uses_the_seeds_terms(tiny, sampled_run, tmp_path):
+    import json as _json
+
+    from llmtrace.report.i18n import _load
+
+    en, zh = _load("en"), _load("zh")
+    assert set(zh) == set(en)  # every word of the page has its Chinese
+    for k in en:  # with the same values filled in
+        assert set(re.findall(r"\{(\w+)\}", en[k])) == set(re.findall(r"\{(\w+)\}", zh[k])), k
+    page = sampled_run.html(lang="zh")
+    assert '<html lang="zh-Hans">' in page
+    heads = re.findall(r'<h2 id="[^"]+">([^<]+)</h2>', page)
+    for term in ("词元", "注意力", "KV 缓存", "残差", "采样"):
+        assert any(term in h for h in heads), term
+    pipeline = unescape(section(page, "pipeline"))
+    for term in ("分词", "嵌入", "旋转位置编码", "前馈网络", "归一化"):
+        assert term in pipeline, term
+    assert "温度" in section(page, "whatif") and embedded(page)["words"]["whatif_source_all"].startswith("由")
+    shown = page.split('<script type="application/json"')[0]  # the page before its data and script
+    assert "The run" not in shown and "Each step" not in shown and "What if" not in shown
+    trace = tmp_path / "t.json"
+    sampled_run.save(trace)
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "llmtrace", "report", str(trace), "-o", str(tmp_path / "zh.html"),
+                        "--lang", "zh", "--no-merges"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "温度" in (tmp_path / "zh.html").read_text(encoding="utf-8"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "llmtrace", "report", str(trace), "-o", str(tmp_path / "fr.html"),
+                        "--lang", "fr"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--lang" in r.stderr and not (tmp_path / "fr.html").exists()
+    del _json
+
+
+def test_lens_cells_show_the_token_and_its_probability(browser, tiny, tmp_path):
+    lens = tiny.lens("The quick brown fox")
+    o = Opened(browser, lens.report(tmp_path / "lens.html"))
+    cells = o.page.locator("table.lens td[data-row]")
+    first = [e for e in lens.events if e["event"] == "lens"][0]
+    cell = o.page.locator(f"table.lens td[data-pos='{first['position']}']").first
+    text = cell.inner_text()
+    assert cells.count() > 0 and f"{first['topk'][0]['prob']:.2f}" in text or "e-" in text
+    assert all(len(c.split("\n")) == 2 for c in cells.all_inner_texts())  # the token, then its probability
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()
+
+
+def test_the_residual_chart_has_a_place_per_recorded_layer_and_a_gap_between(tmp_path):
+    import llmtrace
+    from tiny import TinySpec, write_hf_dir
+
+    write_hf_dir(tmp_path / "m4", TinySpec(n_layers=5))
+    run = llmtrace.load(str(tmp_path / "m4"), threads=1).generate("The quick brown fox", max_new_tokens=2,
+                                                                   trace="layers", layers="0,1,-1", ignore_eos=True)
+    res = section(run.html(), "residual")
+    ticks = re.findall(r'text-anchor="middle" class="cap">([^<]+)</text>', res)
+    assert ticks[:5] == ["emb", "0", "1", "⋯", "4"], ticks
+    for line in re.findall(r'<polyline points="([^"]+)"', res):  # emb-0-1 joined; 4 stands alone
+        assert len(line.split()) == 3
+    assert "layer 0, layer 1, layer 4" in unescape(res)

@@ -15,7 +15,7 @@ from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
 from llmtrace.cli.options import (ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
-                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
+                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html, LangOpt)
 from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
                                   SteerOpt, StrengthOpt, TowardOpt, interventions_from)
 from llmtrace import sigint
@@ -88,6 +88,7 @@ def explain(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
@@ -119,7 +120,7 @@ def explain(
     _release()
     model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
                                       fast=fast))
-    _output(model_.explain_with(prompts, options), render_explain, jsonl, json_out, html)
+    _output(model_.explain_with(prompts, options), render_explain, jsonl, json_out, html, lang)
 
 
 @app.command(help=LENS_HELP)
@@ -138,6 +139,7 @@ def lens(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
@@ -169,7 +171,7 @@ def lens(
     _release()
     model_ = load_for_cli(check_load(model, device, dtype, keep_quantized, device_map, max_memory, offload_dir, threads,
                                       fast=fast))
-    _output(model_.lens_with(prompts, options), render_lens, jsonl, json_out, html)
+    _output(model_.lens_with(prompts, options), render_lens, jsonl, json_out, html, lang)
 
 
 def _release() -> None:
@@ -181,7 +183,8 @@ def _release() -> None:
     sigint.release()
 
 
-def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None) -> None:
+def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None,
+            lang: str = "en") -> None:
     """Machine formats to their targets; the view to stdout, or to stderr (if a terminal) when stdout carries data."""
     from llmtrace.fsutil import sigint_deferred
     from llmtrace.trace.sinks import JsonDocSink, JsonlSink
@@ -201,7 +204,7 @@ def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: 
             doc(ev)
         doc.write()
     if html:
-        write_html(events, html, trace.tokenizer)
+        write_html(events, html, trace.tokenizer, lang=lang)
     if "-" not in (jsonl, json_out):
         render(events, make_console())
     elif sys.stderr.isatty():

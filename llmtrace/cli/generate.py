@@ -11,7 +11,7 @@ from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import MaxBatchOpt, PromptsFileOpt, PromptsOpt, read_prompts
 from llmtrace.cli.options import (PanelCommand, ChatOpt, DeviceMapOpt, DeviceOpt, DtypeOpt, FastOpt, FileOpt, HtmlOpt, JsonlOpt, JsonOpt,
                                   KeepQuantizedOpt, MaxMemoryOpt, ModelOpt, OffloadDirOpt, PromptArg, SystemOpt,
-                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html)
+                                  ThreadsOpt, check_load, check_outputs, load_for_cli, write_html, LangOpt)
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace import sigint
 from llmtrace.cli.options import (INTERVENTIONS_HELP, AblateOpt, AwayOpt, ControlVectorOpt, FromOpt, PatchOpt, ScaleOpt,
@@ -131,6 +131,7 @@ def generate(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     keep_quantized: KeepQuantizedOpt = False,
@@ -205,7 +206,7 @@ def generate(
 
         sigint.release()  # the stream can end with a summary now: a Ctrl-C held since the first line is raised here
         model_ = load_for_cli(load_args)
-        run(model_, prompts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
+        run(model_, prompts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html, lang=lang)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started:  # stopped before the run began: 0 tokens, interrupted
             with sigint_deferred():
@@ -216,7 +217,7 @@ def generate(
             jsonl_sink.close()
 
 
-def run(model, prompts, options, *, jsonl_sink, json_out, html=None) -> None:
+def run(model, prompts, options, *, jsonl_sink, json_out, html=None, lang: str = "en") -> None:
     """Everything after the load: the API's generate with the CLI's sinks (the stream, the document, the view), then
     the outputs. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed by the caller."""
     from llmtrace.console import make_console
@@ -250,7 +251,7 @@ def run(model, prompts, options, *, jsonl_sink, json_out, html=None) -> None:
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:
-        write_html(trace.events, html, model.tokenizer)
+        write_html(trace.events, html, model.tokenizer, lang=lang)
     if trace.interrupted:
         raise typer.Exit(130)
 

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import html_target, write_html
+from llmtrace.cli.options import LangOpt, html_target, write_html
 
 REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page.
 
@@ -78,6 +78,7 @@ def report(
                                          help="Read the model's tokenizer for the BPE merge story.")] = True,
     row: Annotated[int, typer.Option("--row", help="For a trace of several prompts (generate -p … -p …): the row "
                                      "the page shows, 0-based.")] = 0,
+    lang: LangOpt = "en",
 ) -> None:
     from llmtrace.api import read_trace
     from llmtrace.fsutil import check_writable_target
@@ -93,4 +94,4 @@ def report(
     tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
     if tok is None and merges:  # the page says it too, where the merge story would be
         print(f"note: {note}", file=sys.stderr)
-    write_html(events, output, tok, merges_note=note, row=row)
+    write_html(events, output, tok, merges_note=note, row=row, lang=lang)

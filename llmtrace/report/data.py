@@ -315,7 +315,7 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, pad: int =
             for q, vec in rows.items():
                 m[:, q, : vec.shape[1]] = vec
             maps[layer] = bin_matrix(m, bins)
-        out.update(source="probs", n=n, layers=sorted(maps), bins=[list(b) for b in bins], binned=len(bins) < n)
+        out.update(source="maps", n=n, layers=sorted(maps), bins=[list(b) for b in bins], binned=len(bins) < n)
         if H * len(bins) ** 2 * len(maps) > ATTENTION_BUDGET:  # many layers: keep the first ones that fit
             keep = max(1, ATTENTION_BUDGET // (H * len(bins) ** 2))
             out["notes"].append(f"only {keep} of the {len(maps)} recorded layers are embedded (size)")

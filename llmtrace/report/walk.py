@@ -65,16 +65,19 @@ def pack_f32(values: list) -> str:
     return base64.b64encode(a.tobytes()).decode("ascii")
 
 
-def pack_u32(values: list[int]) -> str:
-    return base64.b64encode(np.asarray(values, dtype="<u4").tobytes()).decode("ascii")
+def pack_ids(values: list[int], vocab: int) -> str:
+    """Token ids as little-endian uint16 when the vocabulary fits (49,152 for SmolLM2), else uint32, base64."""
+    return base64.b64encode(np.asarray(values, dtype="<u2" if vocab <= 1 << 16 else "<u4").tobytes()).decode("ascii")
 
 
 def walk(tensors: list[dict], points: list[dict]) -> dict:
-    """The walk-through's values: {"samples": {"STEP/LAYER/NAME": {...}}, "layers": [...], "steps": [...]}, LAYER "m"
-    for a point outside the layers. A sample is `rows` rows (the recorded shape's other axes, row-major) of `index`
-    entries along the last axis (values: rows × entries, float32) and each row's norm."""
+    """The walk-through's values: {"samples": {"STEP/LAYER/NAME": {...}}, "indexes": [...], "layers": [...],
+    "steps": [...]}, LAYER "m" for a point outside the layers. A sample is `rows` rows (the recorded shape's other
+    axes, row-major) of the entries `indexes[ix]` along the last axis (values: rows × entries, float32) and each row's
+    norm; the few distinct index lists are kept once."""
     by_name = {p["name"]: p for p in points}
     samples: dict[str, Any] = {}
+    indexes: list[list[int]] = []
     layers, steps = set(), set()
     for ev in tensors:
         s = ev.get("sample")
@@ -85,13 +88,15 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
             continue
         if not s or not s["values"]:
             continue
-        samples[key] = {"shape": ev["shape"], "axes": axes_of(ev, by_name), "index": s["index"],
+        if s["index"] not in indexes:
+            indexes.append(s["index"])
+        samples[key] = {"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
                         "rows": len(s["values"]), "values": pack_f32([v for row in s["values"] for v in row]),
                         "norms": pack_f32(s["norms"])}
         steps.add(step)
         if ev["layer"] is not None:
             layers.add(ev["layer"])
-    return {"samples": samples, "layers": sorted(layers), "steps": sorted(steps)}
+    return {"samples": samples, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps)}
 
 
 def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> dict:
@@ -109,10 +114,10 @@ def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> d
         if s in dumped:
             z = dumped[s]
             order = np.argsort(-z, kind="stable")
-            out[str(s)] = {"all": True, "vocab": int(z.size), "ids": pack_u32(order.tolist()),
+            out[str(s)] = {"all": True, "vocab": int(z.size), "ids": pack_ids(order.tolist(), int(z.size)),
                            "values": pack_f32(z[order].tolist()), "n": int(z.size), "tail": None}
         elif e.get("logits"):
             lg = e["logits"]
-            out[str(s)] = {"all": lg["tail"] is None, "vocab": lg["vocab"], "ids": pack_u32(lg["ids"]),
+            out[str(s)] = {"all": lg["tail"] is None, "vocab": lg["vocab"], "ids": pack_ids(lg["ids"], lg["vocab"]),
                            "values": pack_f32(lg["values"]), "n": len(lg["ids"]), "tail": lg["tail"]}
     return out

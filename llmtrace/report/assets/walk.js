@@ -36,6 +36,7 @@
     const m = D.walk.samples[key];
     if (!m) return null;
     if (!cache[key]) {
+      if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
       cache[key] = m.values === undefined ? { meta: m } :
         { meta: m, values: unpack(m.values, Float32Array), norms: unpack(m.norms, Float32Array) };
     }
@@ -201,7 +202,7 @@
   function logitsOf(step) { // {ids, z, tail, vocab, all} of one step, decoded once
     const L = D.logits[String(step)];
     if (!L) return null;
-    if (!L._z) { L._ids = unpack(L.ids, Uint32Array); L._z = unpack(L.values, Float32Array); }
+    if (!L._z) { L._ids = unpack(L.ids, L.vocab <= 65536 ? Uint16Array : Uint32Array); L._z = unpack(L.values, Float32Array); }
     return L;
   }
   function whatif(L, temperature, topK, topP, minP, order) {
