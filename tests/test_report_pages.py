@@ -379,3 +379,26 @@ def test_the_residual_chart_has_a_place_per_recorded_layer_and_a_gap_between(tmp
     for line in re.findall(r'<polyline points="([^"]+)"', res):  # emb-0-1 joined; 4 stands alone
         assert len(line.split()) == 3
     assert "layer 0, layer 1, layer 4" in unescape(res)
+
+
+def test_the_explain_page_holds_everything_the_terminal_explain_prints(browser, tiny, tmp_path):
+    from rich.console import Console
+
+    from llmtrace.render.explain import render_explain
+
+    ex = tiny.explain("The quick brown fox", layer=1)
+    console = Console(record=True, width=200, color_system=None)
+    render_explain(ex.events, console)
+    terminal = console.export_text()
+    o = Opened(browser, ex.report(tmp_path / "explain.html"))
+    page = o.page.inner_text("#explain")
+    numbers = re.findall(r"-?\d[\d,]*\.?\d*(?:e[-+]\d+)?", terminal)
+    assert len(numbers) > 200
+    missing = [n for n in set(numbers) if n not in page]
+    assert missing == []
+    for title in re.findall(r"^([①-⑩] s[\d.]+)", terminal, re.M):  # every section, in order
+        assert title in page
+    assert o.page.locator("#explain table").count() >= 10
+    assert "Select a generated token" not in o.page.inner_text("body")  # nothing left over from generate's page
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()

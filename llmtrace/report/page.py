@@ -550,8 +550,15 @@ def section_whatif(d: dict) -> Optional[dict]:
             "min_p": float(s.get("min_p") or 0.0), "k_max": max(1000, top_k)}
 
 
+def section_explain(d: dict) -> Optional[dict]:
+    """An explain page: every table, figure and note the terminal explain prints (report.explain_view)."""
+    blocks = d.get("explain_view")
+    return {"blocks": blocks} if blocks else None
+
+
 SECTIONS = (
     ("run", section_run),
+    ("explain", section_explain),
     ("pipeline", section_pipeline),
     ("walk", section_walk),
     ("tokens", section_tokens),
@@ -585,6 +592,7 @@ def view(d: dict, w=None) -> dict:
     if d["lacking"]:
         shown.append({"id": "lacking", "name": w("section.lacking"), "v": lacking(d)})
     del d["lacking"], d["w"]
+    d.pop("explain_view", None)  # laid out in the page, not read by the script
     d["words"] = w.js  # the script's texts, in the page's language
     d["step_titles"] = {st["id"]: w(f'step.{st["id"]}') for st in d["pipeline"]["stages"]}
     return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',

@@ -75,7 +75,12 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     words, why = merge_story(tokenizer, prompt)
     note = None if words is not None else (
         why or merges_note or "the merge story needs the model's tokenizer, and this report was made without it")
-    return render(extract(events, row=row, merges=words, merges_note=note), lang)
+    d = extract(events, row=row, merges=words, merges_note=note)
+    if d["kind"] == "explain":  # the page carries everything the terminal explain prints
+        from llmtrace.report.explain_view import explain_blocks
+
+        d["explain_view"] = explain_blocks(events)
+    return render(d, lang)
 
 
 def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,
