@@ -387,12 +387,12 @@ def headings(page: str) -> list[str]:
 
 def test_explain_and_lens_pages_lead_with_what_they_have_and_end_with_the_command_for_the_rest(smollm):
     page, ids = explain_page(smollm)
-    assert headings(page) == ["1 · The run", "2 · The pipeline s1–s12", "3 · Tokens", "4 · Attention", "5 · Logit lens",
-                              "6 · The residual stream", "7 · Not in this trace"]
+    assert headings(page) == ["1 · The run", "2 · The layer, taken apart", "3 · The pipeline s1–s12", "4 · Tokens",
+                              "5 · Attention", "6 · Logit lens", "7 · The residual stream", "8 · Not in this trace"]
     note = unescape(page.split('id="lacking"')[1].split("</section>")[0])
-    assert note.count("<li>") == 1 and ("generation steps, the KV cache per step: <code>llmtrace generate "
-                                        "'The capital of France is' -n 8 --trace full --layers 3 --html "
-                                        "report.html</code>") in note
+    assert note.count("<li>") == 1 and ("the values of each point (the walk-through), generation steps, the KV cache "
+                                        "per step: <code>llmtrace generate 'The capital of France is' -n 8 --trace "
+                                        "full --layers 3 --html report.html</code>") in note
     assert page.count('class="missing"') == 0  # nothing lacking is said anywhere else
 
     lens = build(as_default_model(json.loads(json.dumps(lens_events(smollm, ids, [0, 4], [0, 29],

@@ -402,3 +402,47 @@ def test_the_explain_page_holds_everything_the_terminal_explain_prints(browser, 
     assert "Select a generated token" not in o.page.inner_text("body")  # nothing left over from generate's page
     assert errors(o) == [] and o.requests == [o.url]
     o.page.close()
+
+
+def declared(events: list[dict]) -> bool:
+    """The trace carries the model's point declarations, with axes (the model core's declarations, issue 34)."""
+    run = next((e for e in events if e["event"] == "run"), None)
+    return bool(run and run.get("points"))
+
+
+def test_the_walk_through_shows_the_embedding_of_the_last_prompt_token_as_the_gguf_holds_it(browser, tmp_path):
+    import llmtrace
+    from tiny import TinySpec, make_hf_model, write_gguf
+
+    written = write_gguf(tmp_path / "t.gguf", make_hf_model(TinySpec(seed=4)))
+    model = llmtrace.load(str(tmp_path / "t.gguf"), threads=1)
+    run = model.generate("The quick brown fox", max_new_tokens=2, trace="full", ignore_eos=True, for_report=True)
+    if not declared(run.events):
+        pytest.skip("this trace has no point declarations yet (the model core's axes): the walk needs them")
+    last = next(e for e in run.events if e["event"] == "tokens")["tokens"][-1]
+    table = written["token_embd.weight"][1][last["id"]]  # the row the file holds, dequantized
+    o = Opened(browser, run.report(tmp_path / "r.html"))
+    pg = o.page
+    assert pg.eval_on_selector("#walk-token", "s => s.value") == str(last["index"])  # opens on the last prompt token
+    card = pg.locator(".wstep[data-seed='s4'] .wpoint").first
+    index, values = (r.split("\t")[1:] for r in card.locator("table tr").all_inner_texts()[:2])
+    got = {int(i): float(v) for i, v in zip(index, values)}
+    assert len(got) == 16
+    for i, v in got.items():
+        assert abs(v - table[i]) <= 1e-4 * max(1.0, abs(table[i])), (i, v, table[i])
+    norm = float(card.inner_text().split(": ")[1].split(" ")[0])
+    assert abs(norm - float((table.astype("float64") ** 2).sum() ** 0.5)) < 1e-3
+    for sid in ("s6.1", "s6.3", "s6.4", "s6.5", "s6.7", "s8", "s9"):  # the token goes all the way through
+        assert pg.locator(f".wstep[data-seed='{sid}'] .wpoint").count() >= 1, sid
+    assert errors(o) == [] and o.requests == [o.url]
+    o.page.close()
+
+
+def test_every_shape_has_axes_of_its_length(tiny):
+    run = tiny.generate(TEXTS, max_new_tokens=2, trace="full", ignore_eos=True)
+    if not declared(run.events):
+        pytest.skip("this trace has no point declarations yet (the model core's axes)")
+    shapes = [p for e in run.events if e["event"] == "shapes" for p in e["points"]]
+    assert shapes and all(len(p.get("axes", [])) == len(p["shape"]) for p in shapes)
+    page = run.html()
+    assert "[T=" in section(page, "pipeline") and "Dh=" in section(page, "pipeline")

@@ -71,12 +71,13 @@
   function shapeText(m) {
     return "[" + m.shape.map((n, a) => (m.axes ? m.axes[a] + "=" : "") + n).join(", ") + "]";
   }
-  function valuesTable(index, cols) { // cols: [[heading, values], ...] side by side, one row per kept entry
-    let h = "<table class=\"stats walkv\"><tr><th>" + esc(t("index")) + "</th>" + cols.map((c) => "<th>" + esc(c[0]) + "</th>").join("") + "</tr>";
-    index.forEach((ix, j) => {
-      h += "<tr><th scope=row>" + ix + "</th>" + cols.map((c) => "<td class=num>" + num(c[1][j]) + "</td>").join("") + "</tr>";
+  function valuesTable(index, cols) { // one row per series ([heading, values]), one column per kept entry (index i)
+    let h = "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
+      index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr>";
+    cols.forEach((c) => {
+      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + num(c[1][j]) + "</td>").join("") + "</tr>";
     });
-    return h + "</table>";
+    return h + "</table></div>";
   }
   const layerPoints = D.points.filter((p) => p.layer), modelPoints = D.points.filter((p) => !p.layer);
   function inputOf(p, layer) { // the point p is computed from: declared (`input`), else the same axes one step before
