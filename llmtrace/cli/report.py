@@ -15,9 +15,12 @@ from llmtrace.cli.options import LangOpt, html_target, write_html
 REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page.
 
 The page is a single file that loads nothing from the network: open it from disk in any browser. Its sections
-follow the seed table: the run, the pipeline s1-s12, tokens, each step (top-k and the sampler funnel), attention,
-the logit lens, the KV cache and the residual stream. A section the trace has no values for says which flags
-would record them. No model is loaded; the model's tokenizer is read, when it is at hand, for the BPE merges.
+follow the seed table: the run, the pipeline s1-s12 (shapes with named axes), the walk-through (one token through
+the pass on the trace's values: --trace full), tokens, each step (top-k and the sampler funnel), the what-if
+sampler (sliders on each step's kept logits), attention, the logit lens, the KV cache and the residual stream; an
+explain page also carries every table the terminal explain prints. A section the trace has no values for says
+which flags would record them. --lang zh writes the page in Simplified Chinese. No model is loaded; the model's
+tokenizer is read, when it is at hand, for the BPE merges.
 
 Examples:
 
@@ -32,6 +35,8 @@ Examples:
   llmtrace generate -p "The capital of France is" -p "Hi" -n 8 --json batch.json
 
   llmtrace report batch.json -o row1.html --row 1      # a batch: one page per row
+
+  llmtrace report run.json -o report-zh.html --lang zh   # the page in Simplified Chinese
 
   llmtrace generate "Once upon a time" -n 16 --html story.html
 """
