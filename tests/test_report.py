@@ -205,6 +205,19 @@ def test_html_of_a_64_token_full_run_fits_3mb_and_equals_report_of_its_trace(smo
     assert filecmp.cmp(again, html, shallow=False)  # the same page from the saved trace
 
 
+@pytest.mark.slow
+def test_the_readme_example_page_stays_under_2mb(smollm_path, tmp_path):
+    """The README's `--trace full --layers 0,-1` example (24 tokens): with the walk-through's values and every step's
+    kept logits, the page stays one file under about 2 MB (issue 34)."""
+    html = tmp_path / "report.html"
+    r = llmtrace("generate", PROMPT, "-m", str(smollm_path), "-n", "24", "--temperature", "0.8", "--top-p", "0.9",
+                 "--seed", "1", "--trace", "full", "--layers", "0,-1", "--threads", "1", "--html", str(html))
+    assert r.returncode == 0, r.stderr
+    assert html.stat().st_size < 2_000_000, html.stat().st_size
+    d = embedded(html.read_text())
+    assert len(d["logits"]) == len(d["steps"]) and d["walk"]["samples"]  # what the size is spent on is there
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # in a real browser
 

@@ -45,9 +45,10 @@ def tiny(tiny_dir):
     return llmtrace.load(str(tiny_dir), threads=1)
 
 
-def client(tiny, limits=None, **kw) -> TestClient:
+def client(tiny, limits=None, served=None, **kw) -> TestClient:
     limits = limits or Limits(max_new_tokens=16)
-    served = {"tiny": Served("tiny", tiny, asyncio.Semaphore(limits.concurrent_per_model))}
+    served = served if served is not None else {}
+    served["tiny"] = Served("tiny", tiny, asyncio.Semaphore(limits.concurrent_per_model))
     app = make_app(served, TOKEN, host="127.0.0.1", port=8321, limits=limits, **kw)
     return TestClient(app, base_url=f"http://{HOST}")
 
@@ -149,6 +150,25 @@ def test_two_runs_at_once_both_come_back_right_one_waits(tiny):
     for evs in results:
         assert [e["token"]["id"] for e in evs if e["event"] == "step"] == list(want)
     assert sum(any(e["event"] == "queue" for e in evs) for evs in results) == 1  # one run waited, and was told
+
+
+def test_a_run_stops_when_its_client_goes_away(tiny):
+    served: dict = {}
+    steps = 0
+    with client(tiny, Limits(max_new_tokens=4000), served) as c:
+        with c.stream("POST", "/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 4000,
+                                                                     "ignore_eos": True, "trace": "full"}) as r:
+            for raw in r.iter_lines():
+                steps += '"event": "step"' in raw
+                if steps == 3:
+                    break  # the client leaves after three tokens of four thousand
+        s = served["tiny"]
+        deadline = time.time() + 60
+        while (s.active or s.lock.locked()) and time.time() < deadline:
+            time.sleep(0.05)
+        assert s.active == 0 and not s.lock.locked()  # the run ended, and freed the model
+        r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 2, "ignore_eos": True})
+        assert sum(e["event"] == "step" for e in lines(r)) == 2
 
 
 def test_the_page_of_a_run_is_the_report(tiny):
