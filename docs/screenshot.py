@@ -6,6 +6,8 @@
 
 Opens each page in Debian's chromium (through playwright), offline, and saves 1100 × 900 pixels from the section's
 top. --all takes a few minutes on a CPU (it runs generate, explain, lens, compare and patch on the default model).
+The Chinese page needs a CJK font in the system for its picture (Debian: apt-get install fonts-wqy-microhei); the
+page itself loads no font.
 """
 
 import subprocess
