@@ -230,6 +230,8 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     frame = page.frame_locator("#page")
     frame.locator("#whatif").wait_for(timeout=60_000)
     assert frame.locator("#walk").count() == 1
+    frame.locator("button.thumb[data-layer='1'][data-hi='2']").click()  # a head of the heatmap: the one to ablate
+    assert (page.input_value("#ablate_layer"), page.input_value("#ablate_head")) == ("1", "2")
     page.get_by_role("button", name="Ablate this head and compare").click()
     page.locator("#compare table").wait_for(timeout=120_000)
     assert "ablated" in page.inner_text("#compare")

@@ -204,6 +204,9 @@
     $$(".gqa .qh, .gqa .link").forEach((el) => el.classList.toggle("on", h !== "mean" && Number(el.dataset.head) === h));
     $$(".gqa .kvh").forEach((el) => el.classList.toggle("on", h !== "mean" && A.groups[Number(el.dataset.kv)].includes(h)));
     $$("button.thumb").forEach((b) => b.setAttribute("aria-pressed", String(b.dataset.layer === layer && Number(b.dataset.hi) === hi)));
+    if (window.parent !== window && h !== "mean") { // inside llmtrace serve's page: it offers to ablate this head
+      window.parent.postMessage({ llmtrace: "head", layer: Number(layer), head: h }, "*");
+    }
     readout();
   }
   let thumbScale = null;

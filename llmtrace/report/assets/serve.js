@@ -108,4 +108,8 @@
     if (got && before) compare(before.got, got, layer, head);
   });
   $("#stop").addEventListener("click", () => { if (controller) controller.abort(); });
+  window.addEventListener("message", (e) => { // the run's page says which head its heatmap shows: the one to ablate
+    if (e.source !== $("#page").contentWindow || !e.data || e.data.llmtrace !== "head") return;
+    $("#ablate_layer").value = String(e.data.layer); $("#ablate_head").value = String(e.data.head);
+  });
 })();
