@@ -231,10 +231,18 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     frame.locator("#whatif").wait_for(timeout=60_000)
     assert frame.locator("#walk").count() == 1
     frame.locator("button.thumb[data-layer='1'][data-hi='2']").click()  # a head of the heatmap: the one to ablate
-    assert (page.input_value("#ablate_layer"), page.input_value("#ablate_head")) == ("1", "2")
-    page.get_by_role("button", name="Ablate this head and compare").click()
+    from playwright.sync_api import expect
+
+    expect(page.locator("#ablate_layer")).to_have_value("1")  # (postMessage: asynchronous)
+    expect(page.locator("#ablate_head")).to_have_value("2")
+    frame.locator("#wi-temperature").evaluate("e => { e.value = '1.5'; e.dispatchEvent(new Event('input')); }")
+    expect(page.locator("#temperature")).to_have_value("1.5")  # the what-if sliders set what a re-sample runs with
+    page.get_by_role("button", name="Re-sample with these settings").click()
     page.locator("#compare table").wait_for(timeout=120_000)
-    assert "ablated" in page.inner_text("#compare")
+    assert "Sampled again on the server" in page.inner_text("#compare")
+    page.get_by_role("button", name="Ablate this head and compare").click()
+    page.locator("#compare", has_text="ablated").wait_for(timeout=120_000)
+    assert "layer 1 head 2 ablated" in page.inner_text("#compare")
     assert errors == []
     page.close()
     proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop

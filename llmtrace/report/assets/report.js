@@ -204,9 +204,6 @@
     $$(".gqa .qh, .gqa .link").forEach((el) => el.classList.toggle("on", h !== "mean" && Number(el.dataset.head) === h));
     $$(".gqa .kvh").forEach((el) => el.classList.toggle("on", h !== "mean" && A.groups[Number(el.dataset.kv)].includes(h)));
     $$("button.thumb").forEach((b) => b.setAttribute("aria-pressed", String(b.dataset.layer === layer && Number(b.dataset.hi) === hi)));
-    if (window.parent !== window && h !== "mean") { // inside llmtrace serve's page: it offers to ablate this head
-      window.parent.postMessage({ llmtrace: "head", layer: Number(layer), head: h }, "*");
-    }
     readout();
   }
   let thumbScale = null;
@@ -217,8 +214,14 @@
     const cell = Math.max(1, Math.floor(64 / A.bins.length));
     $$("button.thumb").forEach((b) => paint($("canvas", b), b.dataset.layer, Number(b.dataset.hi), scale, cell));
   }
+  function tellParent() { // inside llmtrace serve's page: the head a reader picked is the one it offers to ablate
+    const h = A.heads[Number($("#att-head").value)];
+    if (window.parent !== window && h !== "mean") {
+      window.parent.postMessage({ llmtrace: "head", layer: Number($("#att-layer").value), head: h }, "*");
+    }
+  }
   $$("button.thumb").forEach((b) => b.addEventListener("click", () => {
-    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention();
+    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention(); tellParent();
   }));
   function label(bin) {
     const b = A.bins[bin];
@@ -242,7 +245,7 @@
     out.textContent = text;
   }
   if (canvas && A.layers.length) {
-    ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); }));
+    ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); tellParent(); }));
     drawThumbs();
     canvas.addEventListener("mousemove", (ev) => {
       const cell = Number(canvas.dataset.cell), rect = canvas.getBoundingClientRect();

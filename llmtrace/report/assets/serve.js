@@ -80,12 +80,13 @@
     const n = Math.max(before.tokens.length, after.tokens.length);
     let first = -1;
     for (let i = 0; i < n && first < 0; i++) if (before.tokens[i] !== after.tokens[i]) first = i;
-    p.textContent = t("serve_compare", { layer: layer, head: head }) + " " + (first < 0 ? t("serve_same") : t("serve_first_diff", { step: first }));
+    p.textContent = (layer === null ? t("serve_compare_resample") : t("serve_compare", { layer: layer, head: head })) + " " +
+      (first < 0 ? t("serve_same") : t("serve_first_diff", { step: first }));
     box.appendChild(p);
     const table = document.createElement("table"); table.id = "diff";
-    [[t("serve_before"), before.text], [t("serve_after"), after.text]].forEach(([k, v]) => {
+    [[t("serve_before"), before.text], [layer === null ? t("serve_resampled") : t("serve_after"), after.text]].forEach(([k, v]) => {
       const tr = document.createElement("tr"), th = document.createElement("th"), td = document.createElement("td");
-      th.textContent = k; td.textContent = vis(v); if (first >= 0 && k === t("serve_after")) td.className = "changed";
+      th.textContent = k; td.textContent = vis(v); if (first >= 0 && k !== t("serve_before")) td.className = "changed";
       tr.appendChild(th); tr.appendChild(td); table.appendChild(tr);
     });
     box.appendChild(table);
@@ -109,7 +110,17 @@
   });
   $("#stop").addEventListener("click", () => { if (controller) controller.abort(); });
   window.addEventListener("message", (e) => { // the run's page says which head its heatmap shows: the one to ablate
-    if (e.source !== $("#page").contentWindow || !e.data || e.data.llmtrace !== "head") return;
-    $("#ablate_layer").value = String(e.data.layer); $("#ablate_head").value = String(e.data.head);
+    if (e.source !== $("#page").contentWindow || !e.data) return;
+    if (e.data.llmtrace === "head") { $("#ablate_layer").value = String(e.data.layer); $("#ablate_head").value = String(e.data.head); }
+    if (e.data.llmtrace === "sampler") { // the what-if sliders: the settings a re-sample runs with
+      ["temperature", "top_k", "top_p", "min_p"].forEach((k) => { if (Number.isFinite(e.data[k])) $("#" + k).value = String(e.data[k]); });
+    }
+  });
+  $("#resample").addEventListener("click", async () => { // the real sampler, on the server, with these settings
+    const before = last;
+    const o = options();
+    const got = await run(o);
+    if (got && before) compare(before.got, got, null, null);
+    if (got) last = { got: got, options: o };
   });
 })();

@@ -289,7 +289,16 @@
       " 40\" role=\"img\" data-landed=\"" + landed + "\">" + rects + "<line x1=\"" + ux + "\" x2=\"" + ux + "\" y1=\"2\" y2=\"24\" class=\"u\"/><text x=\"" + X0 + "\" y=\"35\" text-anchor=\"middle\" class=\"cap\">0</text><text x=\"" +
       (X0 + W) + "\" y=\"35\" text-anchor=\"middle\" class=\"cap\">1</text></svg>";
   }
-  ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((s) => { const e = $(s); if (e) e.addEventListener("input", drawWhatif); });
+  function tellParent() { // inside llmtrace serve's page: its re-sample runs the real sampler with these settings
+    if (window.parent === window) return;
+    const v = (id) => Number($(id).value);
+    window.parent.postMessage({ llmtrace: "sampler", temperature: v("#wi-temperature"), top_k: v("#wi-top-k"),
+      top_p: v("#wi-top-p"), min_p: v("#wi-min-p") }, "*");
+  }
+  ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((s) => {
+    const e = $(s);
+    if (e) e.addEventListener("input", () => { drawWhatif(); tellParent(); });
+  });
   const reset = $("#wi-reset");
   if (reset) reset.addEventListener("click", () => {
     ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((s) => { $(s).value = $(s).dataset.run; });
