@@ -222,6 +222,7 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(url)
     assert "token=" not in page.url  # the token left the address bar
+    assert page.locator("#model option").all_inner_texts() == ["tinyhf"]  # the model by its name, never its path
     page.get_by_label("Prompt").fill("The capital of France is")
     page.get_by_role("button", name="Run").click()
     page.locator("#status", has_text="done").wait_for(timeout=120_000)  # (the page's CSP forbids eval'd waits)

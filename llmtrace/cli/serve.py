@@ -25,15 +25,15 @@ Examples:
 
   llmtrace serve
 
-  llmtrace serve -m smollm2-135m-instruct -m ./my-model.gguf --port 8400 --no-browser
+  llmtrace serve -m ./my-model.gguf --port 8400 --no-browser
 """
 
 
 @app.command(help=SERVE_HELP)
 def serve(
     model: Annotated[Optional[list[str]], typer.Option(
-        "--model", "-m", help="A model to serve (repeatable; default: the default model). Requests may name only "
-        "these.", show_default=False)] = None,
+        "--model", "-m", metavar="MODEL", help="A model to serve (repeatable; default: the default model). Requests "
+        "may name only these.", show_default=False)] = None,
     host: Annotated[str, typer.Option("--host", help="The address to bind. Anything but loopback prints a warning; "
                                       "the token is needed all the same.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="The port (0: any free one).")] = 8321,
