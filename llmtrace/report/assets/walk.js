@@ -117,7 +117,8 @@
     if (!si || !si.values) return "";
     if (M.rope_scaling) return "<p class=note>" + esc(t("rope_scaled", { kind: M.rope_scaling.rope_type || M.rope_scaling.type || "?" })) + "</p>";
     const x = rowValues(si, row), idx = s.meta.index, dh = s.meta.shape[s.meta.shape.length - 1], half = idx.length / 2;
-    const pos = D.positions ? D.positions[pass.step === 0 ? pass.t : D.positions.length - 1] : pass.position;
+    // the token's position (RoPE's m): a batch row counts from its first real token, so its pad slots do not count
+    const pos = !D.positions ? pass.position : pass.step === 0 ? D.positions[pass.t] : D.positions[D.positions.length - 1] + pass.step;
     let h = "<p class=formula>" + esc(t("rope_formula", { base: M.rope_theta, pos: pos, input: inp.name })) + "</p>";
     h += "<table class=\"stats walkv\"><tr><th>" + esc(t("pair")) + "</th><th>" + esc(t("angle")) + "</th><th>x\u1d62, x\u1d62\u208a\u2095</th><th>" +
       esc(t("computed")) + "</th><th>" + esc(t("recorded")) + "</th></tr>";
