@@ -184,6 +184,16 @@ def test_the_page_of_a_run_is_the_report(tiny):
         lens = events_of(c.post("/api/lens", headers=AUTH, json={"prompt": PROMPT}))
         assert any(e["event"] == "lens" for e in lens)
         assert c.post("/api/nothing", headers=AUTH, json={}).status_code == 404
+        patch = events_of(c.post("/api/patch", headers=AUTH, json={"clean": "The quick brown fox", "corrupt":
+                                                                    "The quick lazy dog", "answer": " b", "against": "The"}))
+        import llmtrace
+
+        want = llmtrace.patch_sweep(tiny, clean="The quick brown fox", corrupt="The quick lazy dog", answer=" b",
+                                    against="The")
+        assert [c["recovery"] for c in patch[0]["cells"]] == [c["recovery"] for c in want["cells"]]
+        r = c.post("/api/patch", headers=AUTH, json={"clean": "a", "corrupt": "a longer one", "answer": " b",
+                                                     "against": "The"})
+        assert "same number of tokens" in lines(r)[-1]["error"]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
     GET  /api/models           the models served, and the limits
     POST /api/generate         a run's events as application/x-ndjson, exactly the lines of `generate --jsonl`, streamed
     POST /api/explain, /lens   the same for explain and lens
+    POST /api/patch            the activation-patching sweep's event
     GET  /api/page?run=ID      the learner's page (the report) of a finished run, by the id the stream gave
 
 Every request needs the server's token (`?token=` or `Authorization: Bearer`; 401 without), a Host header that names

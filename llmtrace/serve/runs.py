@@ -23,7 +23,8 @@ GENERATE_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "ty
                  "dry_multiplier", "mirostat", "sampler_order"}
 EXPLAIN_KEYS = {"layer", "head", "top", "chat", "system", "ablate", "scale"}
 LENS_KEYS = {"positions", "layers", "top", "chat", "system", "ablate", "scale"}
-KEYS = {"generate": GENERATE_KEYS, "explain": EXPLAIN_KEYS, "lens": LENS_KEYS}
+PATCH_KEYS = {"clean", "corrupt", "answer", "against", "at"}
+KEYS = {"generate": GENERATE_KEYS, "explain": EXPLAIN_KEYS, "lens": LENS_KEYS, "patch": PATCH_KEYS}
 
 
 @dataclass
@@ -90,6 +91,14 @@ def options_of(kind: str, body: dict, limits: Limits) -> tuple[Any, Any]:
     if unknown:
         raise BadValue(unknown[0], f" is not an option of {kind} here; it takes: prompt, model, "
                                    f"{', '.join(sorted(KEYS[kind]))}")
+    if kind == "patch":  # the sweep: two prompts of as many tokens, two one-token answers (api.patch_sweep checks)
+        given = {k: body.get(k) for k in PATCH_KEYS if k in body}
+        for k in ("clean", "corrupt", "answer", "against"):
+            if not isinstance(given.get(k), str) or not given[k]:
+                raise BadValue(k, " must be a non-empty text")
+        if len(given["clean"]) + len(given["corrupt"]) > limits.prompt_chars:
+            raise BadValue("clean", f" and corrupt are longer than this server takes ({limits.prompt_chars:,})")
+        return None, given
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise BadValue("prompt", " must be a non-empty text")
@@ -123,6 +132,14 @@ def run_in_thread(served: Served, kind: str, prompt: str, options: Any, sink: Ca
     """One run on the API, its events to `sink` as they are made (generate), or all at the end (explain, lens)."""
     model = served.model
     with served.lock:
+        if kind == "patch":  # one event, the sweep's, with the model it ran on (what `patch --json` writes)
+            from llmtrace.api import patch_sweep
+            from llmtrace.trace.records import model_record
+
+            ev = patch_sweep(model, **options)
+            ev["model"] = model_record(model.loaded)
+            sink(ev)
+            return None
         if kind == "generate":
             return model.generate_with(prompt, options, sinks=[sink], keep_events=True)
         trace = model.explain_with(prompt, options) if kind == "explain" else model.lens_with(prompt, options)
@@ -165,7 +182,8 @@ async def stream(served: Served, limits: Limits, kind: str, prompt: str, options
     def work() -> None:
         try:
             trace = run_in_thread(served, kind, prompt, options, sink)
-            runs[run_id] = {"events": trace.events, "tokenizer": served.model.tokenizer}
+            if trace is not None:  # a patch sweep has no report page
+                runs[run_id] = {"events": trace.events, "tokenizer": served.model.tokenizer}
             while len(runs) > 16:  # the pages of the last runs stay fetchable
                 runs.pop(next(iter(runs)))
         except Cancelled:
