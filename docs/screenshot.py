@@ -48,7 +48,8 @@ def make_all(model: list[str], out: Path) -> None:
     llmtrace("report", str(tmp / "t.json"), *model, "--lang", "zh", "-o", str(tmp / "zh.html"))
     llmtrace("explain", "The capital of France is", *model, "--layer", "3", "--html", str(tmp / "explain.html"))
     llmtrace("lens", "The capital of France is", *model, "--positions", "all", "--html", str(tmp / "lens.html"))
-    llmtrace("compare", "The capital of France is", *model, "--b-dtype", "bfloat16", "--html", str(tmp / "compare.html"))
+    llmtrace("compare", "The capital of France is", *model, "--b-dtype", "bfloat16", "--html",
+             str(tmp / "compare.html"))
     llmtrace("patch", *model, "--clean", "The Eiffel Tower is in the city of", "--corrupt",
              "The Colosseum is in the city of", "--answer", " Paris", "--against", " Rome", "--html",
              str(tmp / "patch.html"))

@@ -115,7 +115,8 @@ def test_a_path_in_a_request_is_refused_and_the_server_lives_on(tiny, tiny_dir):
         assert r.status_code == 400 and "not served here" in r.json()["error"]
         bad = [({"prompt": ""}, "prompt"), ({"prompt": PROMPT, "temperature": -1}, "temperature"),
                ({"prompt": PROMPT, "max_new_tokens": 10_000}, "max_new_tokens"),
-               ({"prompt": PROMPT, "dump": ["logits"]}, "dump"), ({"prompt": PROMPT, "save_tensors": "/tmp/x"}, "save_tensors"),
+               ({"prompt": PROMPT, "dump": ["logits"]}, "dump"),
+               ({"prompt": PROMPT, "save_tensors": "/tmp/x"}, "save_tensors"),
                ({"prompt": PROMPT, "ablate": ["99.h0"]}, "layer")]
         for body, says in bad:
             r = c.post("/api/generate", headers=AUTH, json=body)
@@ -184,8 +185,8 @@ def test_the_page_of_a_run_is_the_report(tiny):
         lens = events_of(c.post("/api/lens", headers=AUTH, json={"prompt": PROMPT}))
         assert any(e["event"] == "lens" for e in lens)
         assert c.post("/api/nothing", headers=AUTH, json={}).status_code == 404
-        patch = events_of(c.post("/api/patch", headers=AUTH, json={"clean": "The quick brown fox", "corrupt":
-                                                                    "The quick lazy dog", "answer": " b", "against": "The"}))
+        sweep = {"clean": "The quick brown fox", "corrupt": "The quick lazy dog", "answer": " b", "against": "The"}
+        patch = events_of(c.post("/api/patch", headers=AUTH, json=sweep))
         import llmtrace
 
         want = llmtrace.patch_sweep(tiny, clean="The quick brown fox", corrupt="The quick lazy dog", answer=" b",

@@ -216,7 +216,8 @@ def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: 
         if sid == "s10":
             stage["sampler"] = [s for s in order_run if s in VALUE_STAGES]
         if sid == "s11":  # mirostat is in no order: it replaces the truncation chain, last
-            stage["sampler"] = [s for s in order_run if s not in VALUE_STAGES] + (["mirostat"] if "mirostat" in active else [])
+            stage["sampler"] = ([s for s in order_run if s not in VALUE_STAGES]
+                                + (["mirostat"] if "mirostat" in active else []))
         if sid in ("s10", "s11"):
             stage["active"] = [s for s in stage["sampler"] if s in active]
         stages.append(stage)

@@ -50,7 +50,8 @@ def _table(t: Table) -> list[dict]:
         return [b for col in cells for x in col for b in (_table(x) if isinstance(x, Table) else [])]
     rows = [[_segments(cells[c][r]) for c in range(len(cells))] for r in range(t.row_count)]
     title = t.title.plain if isinstance(t.title, Text) else t.title
-    return [{"kind": "table", "title": title or None, "header": [str(c.header) for c in t.columns] if t.show_header else None,
+    header = [str(c.header) for c in t.columns] if t.show_header else None
+    return [{"kind": "table", "title": title or None, "header": header,
              "right": [c.justify == "right" for c in t.columns], "rows": rows}]
 
 
