@@ -56,10 +56,6 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
     return torch.Size(sizes), x.as_strided(kept_sizes, kept_strides), count
 
 
-def _flat(x: list) -> list:
-    return [v for item in x for v in (_flat(item) if isinstance(item, list) else [item])]
-
-
 def _nan_to_none(x: list) -> list:
     return [_nan_to_none(v) if isinstance(v, list) else None if math.isnan(v) else v for v in x]
 
@@ -254,20 +250,20 @@ class Recorder:
                               torch.linalg.vector_norm(flat.double(), dim=-1)))
 
     def _take_samples(self) -> dict[int, dict]:
-        """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"}, rounded as every float."""
+        """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"}, rounded as every float;
+        a non-finite value (a masked score: -inf, and its row's norm) as null."""
         from llmtrace.trace.stats import round_tensor
 
-        def as_list(x: torch.Tensor) -> list:  # rounded; a non-finite entry (a masked score: -inf) as null
+        def as_list(x: torch.Tensor) -> list:
             x = x.cpu()
-            if bool(torch.isfinite(x).all()):
+            finite = torch.isfinite(x)
+            if bool(finite.all()):
                 return round_tensor(x).tolist()
-            return round_tensor(torch.where(torch.isfinite(x), x, torch.nan)).tolist()
+            return _nan_to_none(round_tensor(torch.where(finite, x, torch.nan)).tolist())
 
         out = {}
         for members, index, values, norms in self._samples:
             vals, nrm = as_list(values), as_list(norms)
-            if any(math.isnan(v) for v in _flat(vals) + _flat(nrm)):
-                vals, nrm = _nan_to_none(vals), _nan_to_none(nrm)
             for k, i in enumerate(members):
                 out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
         self._samples.clear()
