@@ -417,7 +417,7 @@ class Model:
         if options.for_report:  # the report's attention maps need the probabilities of the recorded layers
             from llmtrace.report.write import report_dumps
 
-            extra = report_dumps(trace.layers, lm.config.n_layers)
+            extra = report_dumps(trace.layers, lm.config.n_layers, getattr(lm, "points", None))
             trace = replace(trace, dump=tuple(dict.fromkeys(trace.dump + extra)))
         scfg = options.sampler_config(lm.config.vocab_size, tok)
         scfg.validate(lm.config.vocab_size)

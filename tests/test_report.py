@@ -215,7 +215,7 @@ def test_the_readme_example_page_stays_under_2mb(smollm_path, tmp_path):
     assert r.returncode == 0, r.stderr
     assert html.stat().st_size < 2_000_000, html.stat().st_size
     d = embedded(html.read_text())
-    assert len(d["logits"]) == len(d["steps"]) and d["walk"]["samples"]  # what the size is spent on is there
+    assert len(d["kept_logits"]) == len(d["steps"]) and d["walk"]["samples"]  # what the size is spent on is there
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.report.walk import (ATTENTION_AXES, attention_points, axes_of, declared_points, embedding_point,
                                   residual_output, step_logits, walk)
 
+AFTER_EMBEDDING = "e"  # the residual chart's key of the stream after the embedding (the others: layer numbers)
 MAX_POSITIONS = 128  # attention maps wider than this many positions are binned to this many bins
 ATTENTION_BUDGET = 600_000  # most attention cells embedded (2 bytes each): keeps a report within a few MB
 TENSOR_BUDGET = 12_000  # most tensor-statistics rows embedded; beyond it, steps are kept evenly spaced
@@ -78,7 +79,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
         "residual": _residual(tensors, model, points),
         "points": points,
         "walk": walk(tensors, points),
-        "logits": step_logits(steps, tensors, points),
+        "kept_logits": step_logits(steps, tensors, points),
         "pad": pad_slots(batch, row),
         "positions": (batch or {}).get("position_ids", [None] * (row + 1))[row] if batch else None,
         "merges": {"words": merges, "note": merges_note} if merges is not None else {"words": None, "note": merges_note},
@@ -387,9 +388,9 @@ def _residual(tensors: list[dict], model: dict, points: list[dict]) -> Optional[
                 ev["layer"] is None):
             continue
         t = ev["shape"][0] if len(ev["shape"]) == 2 else 1
-        key = "embed" if ev["layer"] is None else str(ev["layer"])
+        key = AFTER_EMBEDDING if ev["layer"] is None else str(ev["layer"])
         series.setdefault(ev.get("step", 0), {})[key] = ev["stats"]["norm"] / math.sqrt(t)
-    if not any(len([k for k in s if k != "embed"]) for s in series.values()):
+    if not any(len([k for k in s if k != AFTER_EMBEDDING]) for s in series.values()):
         return None
-    layers = sorted({int(k) for s in series.values() for k in s if k != "embed"})
+    layers = sorted({int(k) for s in series.values() for k in s if k != AFTER_EMBEDDING})
     return {"layers": layers, "steps": sorted(series), "norms": {str(k): v for k, v in sorted(series.items())}}

@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmtrace.report.data import AFTER_EMBEDDING
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.trace.records import fast_parts
 from llmtrace.units import human_bytes
@@ -497,18 +498,18 @@ def section_residual(d: dict) -> Optional[dict]:
         return {"only_missing": note} if note else None
     w = d["w"]
     xs = r["layers"]
-    has_embed = any("embed" in n for n in r["norms"].values())
-    keys = (["embed"] if has_embed else []) + [str(lay) for lay in xs]
+    has_embed = any(AFTER_EMBEDDING in n for n in r["norms"].values())
+    keys = ([AFTER_EMBEDDING] if has_embed else []) + [str(lay) for lay in xs]
     place, ticks, at = {}, [], 0
     for i, k in enumerate(keys):
-        if i and k != "embed" and keys[i - 1] != "embed" and int(k) != int(keys[i - 1]) + 1:
+        if i and k != AFTER_EMBEDDING and keys[i - 1] != AFTER_EMBEDDING and int(k) != int(keys[i - 1]) + 1:
             ticks.append((at, "⋯"))  # layers between were not recorded
             at += 1
-        elif i and keys[i - 1] == "embed" and int(k) != 0:
+        elif i and keys[i - 1] == AFTER_EMBEDDING and int(k) != 0:
             ticks.append((at, "⋯"))
             at += 1
         place[k] = at
-        ticks.append((at, "emb" if k == "embed" else k))
+        ticks.append((at, "emb" if k == AFTER_EMBEDDING else k))
         at += 1
     series = []
     for step in r["steps"]:
@@ -540,8 +541,8 @@ def section_whatif(d: dict) -> Optional[dict]:
     """The what-if sampler: sliders the script reads (named by their labels), set to the run's own settings."""
     if not d["steps"]:
         return None
-    if not d["logits"]:
-        note = missing(d, "logits", "--html or --trace full")
+    if not d["kept_logits"]:
+        note = missing(d, "kept_logits", "--html or --trace full")
         return {"only_missing": note} if note else None
     s = d["run"]["sampling"] or {}
     temperature = 0.0 if s.get("greedy") else float(s.get("temperature") or 1.0)

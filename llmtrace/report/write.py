@@ -93,8 +93,14 @@ def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_no
     return len(page.encode("utf-8"))
 
 
-def report_dumps(layers: Optional[list[int]], n_layers: int) -> tuple[str, ...]:
+def report_dumps(layers: Optional[list[int]], n_layers: int, points=None) -> tuple[str, ...]:
     """What --html adds to a generate trace: the attention probabilities of the recorded layers (--layers), or of the
-    first and last layer when every layer is recorded (all of them would make a page of many MB)."""
+    first and last layer when every layer is recorded (all of them would make a page of many MB). `points`: the
+    model's declared points (model.points: each with name, step, axes); the attention probabilities are the one
+    softmax makes over heads × tokens × slots (report.walk.attention_points)."""
+    from llmtrace.report.walk import attention_points
+
     chosen = layers if layers is not None else sorted({0, n_layers - 1})
-    return tuple(f"{i}.probs" for i in chosen)
+    declared = [{"name": p.name, "step": p.step, "axes": list(p.axes)} for p in points or ()]
+    names = sorted(attention_points(declared)) or ["probs"]  # a model that declares no points: Llama's name
+    return tuple(f"{i}.{name}" for i in chosen for name in names)

@@ -1,7 +1,7 @@
 // llmtrace report: the learner's parts. Plain JavaScript, no library, no network; everything comes from the JSON
 // embedded in the page (#data), by named fields:
 //   walk     one token through the pass, s1-s12, on the values the trace kept (D.walk.samples, D.points)
-//   what-if  the sampler again on the chosen step's logits (D.logits), with temperature, top-k, top-p, min-p
+//   what-if  the sampler again on the chosen step's logits (D.kept_logits), with temperature, top-k, top-p, min-p
 // No point is named here: what a point is comes from its declaration (seed step, axes, input, residual).
 "use strict";
 (function () {
@@ -156,7 +156,7 @@
     let html = "<div class=\"wpoint\" data-point=\"" + esc(p.name) + "\"><h4>" + esc(p.name) + " <code>" +
       (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(p.about || "") + "</span></h4>";
     if (!s) return html + "<p class=note>" + esc(t("no_sample")) + "</p></div>";
-    if (s.meta.positions) return html + "<p>" + esc(t("kv_write", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
+    if (s.meta.positions) return html + "<p>" + esc(t("slots_written", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
     if (!s.meta.axes) return html + "<p class=note>" + esc(t("no_axes")) + "</p></div>";
     if (s.meta.axes.indexOf("T") < 0 && pass.t !== pass.T - 1) return "";  // a point of the pass's last position only
     const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
@@ -202,7 +202,7 @@
 
   // ------------------------------------------------------------------------------------------ the what-if sampler
   function logitsOf(step) { // {ids, z, tail, vocab, all} of one step, decoded once
-    const L = D.logits[String(step)];
+    const L = D.kept_logits[String(step)];
     if (!L) return null;
     if (!L._z) { L._ids = unpack(L.ids, L.vocab <= 65536 ? Uint16Array : Uint32Array); L._z = unpack(L.values, Float32Array); }
     return L;
