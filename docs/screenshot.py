@@ -1,26 +1,84 @@
-"""Take the README's screenshot of a report: python docs/screenshot.py report.html docs/report.png
+"""The README's screenshots of the HTML pages.
 
-Opens the page in Debian's chromium (through playwright), offline, and saves the top of it at 1100 × 900 pixels."""
+    python docs/screenshot.py report.html docs/report.png [SECTION]   one page, scrolled to a section (default: steps)
+    python docs/screenshot.py --all [-m MODEL] [--out docs]           every page: runs llmtrace to make the pages of
+                                                                      the README's examples, then shoots each one
 
+Opens each page in Debian's chromium (through playwright), offline, and saves 1100 × 900 pixels from the section's
+top. --all takes a few minutes on a CPU (it runs generate, explain, lens, compare and patch on the default model).
+The Chinese page needs a CJK font in the system for its picture (Debian: apt-get install fonts-wqy-microhei); the
+page itself loads no font.
+"""
+
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
+PROMPT = "Quantum mechanics is a fundamental theory in physics that"
 
 
-def main(page_path: str, out: str, section: str = "steps") -> None:
+def shoot(browser, page_path, out: str, section: str = "steps", actions=()) -> None:
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+    page.goto(Path(page_path).resolve().as_uri())
+    for selector, value in actions:  # move a control first (a slider: the what-if sampler)
+        page.eval_on_selector(selector, "(e, v) => { e.value = String(v); e.dispatchEvent(new Event('input')); "
+                                        "e.dispatchEvent(new Event('change')); }", value)
+    page.eval_on_selector(f"#{section}", "s => s.scrollIntoView()")
+    page.screenshot(path=out)
+    page.close()
+    print(f"wrote {out}", file=sys.stderr)
+
+
+def llmtrace(*args: str) -> None:
+    print("llmtrace " + " ".join(args), file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "llmtrace", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def make_all(model: list[str], out: Path) -> None:
+    """The README's examples as pages, then a screenshot of each."""
+    tmp = Path(tempfile.mkdtemp(prefix="llmtrace-shots-"))
+    llmtrace("generate", PROMPT, *model, "-n", "24", "--temperature", "0.8", "--top-p", "0.9", "--seed", "1",
+             "--trace", "full", "--layers", "0,-1", "--html", str(tmp / "report.html"), "--json", str(tmp / "t.json"))
+    llmtrace("report", str(tmp / "t.json"), *model, "--lang", "zh", "-o", str(tmp / "zh.html"))
+    llmtrace("explain", "The capital of France is", *model, "--layer", "3", "--html", str(tmp / "explain.html"))
+    llmtrace("lens", "The capital of France is", *model, "--positions", "all", "--html", str(tmp / "lens.html"))
+    llmtrace("compare", "The capital of France is", *model, "--b-dtype", "bfloat16", "--html",
+             str(tmp / "compare.html"))
+    llmtrace("patch", *model, "--clean", "The Eiffel Tower is in the city of", "--corrupt",
+             "The Colosseum is in the city of", "--answer", " Paris", "--against", " Rome", "--html",
+             str(tmp / "patch.html"))
+    out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
-        page = browser.new_page(viewport={"width": 1100, "height": 900})
-        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
-        page.goto(Path(page_path).resolve().as_uri())
-        page.eval_on_selector(f"#{section}", "s => s.scrollIntoView()")
-        page.screenshot(path=out)
+        shoot(browser, tmp / "report.html", str(out / "report.png"), "tokens")
+        shoot(browser, tmp / "report.html", str(out / "walk.png"), "walk", [("#walk-layer", "0")])
+        shoot(browser, tmp / "report.html", str(out / "whatif.png"), "whatif", [("#wi-temperature", "1.5")])
+        shoot(browser, tmp / "zh.html", str(out / "report-zh.png"), "pipeline")
+        shoot(browser, tmp / "explain.html", str(out / "explain.png"), "explain")
+        shoot(browser, tmp / "lens.html", str(out / "lens.png"), "lens")
+        shoot(browser, tmp / "compare.html", str(out / "compare.png"), "heat")
+        shoot(browser, tmp / "patch.html", str(out / "patch.png"), "sweep")
+        browser.close()
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--all":
+        rest = argv[1:]
+        model = rest[rest.index("-m"):rest.index("-m") + 2] if "-m" in rest else []
+        out = Path(rest[rest.index("--out") + 1]) if "--out" in rest else Path(__file__).parent
+        make_all(model, out)
+        return
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+        shoot(browser, argv[0], argv[1], argv[2] if len(argv) > 2 else "steps")
         browser.close()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1:])

@@ -128,7 +128,11 @@ class GenerateOptions:
             raise BadValue("sampler_order", f" {','.join(self.sampler.order)} leaves out sampler stage 'ban', which "
                            "is set")
         try:
-            self.trace_options = TraceOptions(level=self.trace, dump=tuple(self.dump), topk=self.show_top)
+            # the report's what-if sampler reads each step's 1,000 largest logits: kept for a page (for_report) and
+            # at trace full; dump logits keeps all of them
+            logits_top = 1000 if self.for_report or self.trace == "full" else 0
+            self.trace_options = TraceOptions(level=self.trace, dump=tuple(self.dump), topk=self.show_top,
+                                              logits_top=logits_top)
         except BadValue as e:  # the trace's own name for it is its level
             raise BadValue("trace" if e.field == "level" else e.field, e.rest, e.also) from None
         if isinstance(self.layers, str) and self.layers.strip() not in ("", "all"):
@@ -316,17 +320,17 @@ class Trace:
             raise BadValue("path", f" {str(path)!r} must end in .jsonl (one event per line) or .json (one document)")
         return path
 
-    def html(self, row: int = 0) -> str:
-        """The HTML report page, as a string."""
+    def html(self, row: int = 0, lang: str = "en") -> str:
+        """The HTML report page, as a string; `lang` the language of its words (en, zh)."""
         from llmtrace.report.write import build
 
-        return build(self.events, self.tokenizer, row=row)
+        return build(self.events, self.tokenizer, row=row, lang=lang)
 
-    def report(self, path: Union[str, Path], row: int = 0) -> Path:
+    def report(self, path: Union[str, Path], row: int = 0, lang: str = "en") -> Path:
         """Write the self-contained HTML report (what --html and `llmtrace report` write)."""
         from llmtrace.report.write import write_report
 
-        write_report(self.events, path, tokenizer=self.tokenizer, row=row)
+        write_report(self.events, path, tokenizer=self.tokenizer, row=row, lang=lang)
         return Path(path)
 
     def _repr_html_(self) -> str:
@@ -427,7 +431,7 @@ class Model:
         if options.for_report:  # the report's attention maps need the probabilities of the recorded layers
             from llmtrace.report.write import report_dumps
 
-            extra = report_dumps(trace.layers, lm.config.n_layers)
+            extra = report_dumps(trace.layers, lm.config.n_layers, getattr(lm, "points", None))
             trace = replace(trace, dump=tuple(dict.fromkeys(trace.dump + extra)))
         scfg = options.sampler.changed(ban=banned_sequences(tok, list(options.ban))) if options.ban else options.sampler
         sampler = Sampler(scfg, lm.config.vocab_size, k_show=trace.topk, tokenizer=tok)  # ids against the vocabulary

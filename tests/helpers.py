@@ -177,3 +177,11 @@ def check_against_schema(doc: dict, events: list[dict]) -> None:
         assert [k for k in p if k not in schema["$defs"]["compare_point"]["properties"]] == []
     for ev in events:
         events_validator.validate(ev)
+
+
+def embedded(page: str) -> dict:
+    """The data a report page embeds (its <script id="data"> JSON)."""
+    import re
+
+    m = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1).replace("<\\/", "</"))

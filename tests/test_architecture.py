@@ -33,6 +33,7 @@ LAYERS = (
     "render",  # terminal views of events
     "report",  # the HTML page of events
     "api",  # llmtrace/api.py: the Python API the CLI stands on
+    "serve",  # llmtrace serve: the live page's server, on the API
     "cli",  # the commands
 )
 BASE = {"errors", "fsutil", "console", "units", "version", "sigint"}

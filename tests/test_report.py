@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import Opened, model_param
+from helpers import Opened, embedded, model_param
 
 from llmtrace.run.explain import lens_events
 from llmtrace.run.generate import generate
@@ -35,11 +35,6 @@ def run_events(lm, level="full", layers=(0, 29), n=6, dump=("0.probs", "29.probs
     ids = lm.tokenizer.encode(PROMPT)
     generate(lm, ids, Sampler(cfg, lm.config.vocab_size), n, ignore_eos=True, observer=rec)
     return json.loads(json.dumps(events))  # as a saved trace reads back
-
-
-def embedded(page: str) -> dict:
-    m = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
-    return json.loads(m.group(1).replace("<\\/", "</"))
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +125,7 @@ def test_the_residual_chart_joins_only_neighbouring_recorded_layers(recorded):
     lines = re.findall(r'<polyline points="([^"]+)"', section)
     assert len(lines) == len(steps) and all(len(pts.split()) == 2 for pts in lines)  # -1 → 0 only
     assert len(re.findall(r"<circle ", section)) == 3 * len(steps)  # -1, 0 and 29: every recorded value a dot
-    assert "only neighbouring layers are joined" in section
+    assert "no line crosses it" in section and "⋯" in section  # the gap between layer 0 and layer 29
 
 
 def test_merges_of_the_prompt_end_in_its_tokens(page, smollm):
@@ -236,6 +231,19 @@ def test_html_of_a_64_token_full_run_fits_3mb_and_equals_report_of_its_trace(smo
     r = llmtrace("report", str(doc), "-o", str(again), "-m", str(smollm_path))
     assert r.returncode == 0, r.stderr
     assert filecmp.cmp(again, html, shallow=False)  # the same page from the saved trace
+
+
+@pytest.mark.slow
+def test_the_readme_example_page_stays_under_2mb(smollm_path, tmp_path):
+    """The README's `--trace full --layers 0,-1` example (24 tokens): with the walk-through's values and every step's
+    kept logits, the page stays one file under about 2 MB (issue 34)."""
+    html = tmp_path / "report.html"
+    r = llmtrace("generate", PROMPT, "-m", str(smollm_path), "-n", "24", "--temperature", "0.8", "--top-p", "0.9",
+                 "--seed", "1", "--trace", "full", "--layers", "0,-1", "--threads", "1", "--html", str(html))
+    assert r.returncode == 0, r.stderr
+    assert html.stat().st_size < 2_000_000, html.stat().st_size
+    d = embedded(html.read_text())
+    assert len(d["kept_logits"]) == len(d["steps"]) and d["walk"]["samples"]  # what the size is spent on is there
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -382,12 +390,12 @@ def headings(page: str) -> list[str]:
 
 def test_explain_and_lens_pages_lead_with_what_they_have_and_end_with_the_command_for_the_rest(smollm):
     page, ids = explain_page(smollm)
-    assert headings(page) == ["1 · The run", "2 · The pipeline s1–s12", "3 · Tokens", "4 · Attention", "5 · Logit lens",
-                              "6 · The residual stream", "7 · Not in this trace"]
+    assert headings(page) == ["1 · The run", "2 · The layer, taken apart", "3 · The pipeline s1–s12", "4 · Tokens",
+                              "5 · Attention", "6 · Logit lens", "7 · The residual stream", "8 · Not in this trace"]
     note = unescape(page.split('id="lacking"')[1].split("</section>")[0])
-    assert note.count("<li>") == 1 and ("generation steps, the KV cache per step: <code>llmtrace generate "
-                                        "'The capital of France is' -n 8 --trace full --layers 3 --html "
-                                        "report.html</code>") in note
+    assert note.count("<li>") == 1 and ("the values of each point (the walk-through), generation steps, the KV cache "
+                                        "per step: <code>llmtrace generate 'The capital of France is' -n 8 --trace "
+                                        "full --layers 3 --html report.html</code>") in note
     assert page.count('class="missing"') == 0  # nothing lacking is said anywhere else
 
     lens = build(as_default_model(json.loads(json.dumps(lens_events(smollm, ids, [0, 4], [0, 29],

@@ -175,7 +175,7 @@ def test_a_one_token_comparison_and_a_page_of_one_recorded_layer_read_in_the_sin
                            "--layers", "1", "--html", page)
     assert code == 0, err
     text = page.read_text()
-    assert "Only layer 1 of 3 was recorded" in text and "Only layers 1 of" not in text
+    assert "layer 1 (of 3 layers)" in text and "Only layers 1 of" not in text
 
 
 # ----------------------------------------------------------------------------------------------------------------

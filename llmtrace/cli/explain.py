@@ -14,7 +14,7 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptFlags
 from llmtrace.cli.options import (INTERVENTIONS_HELP, ChatOpt, HtmlOpt, InterventionFlags, JsonlOpt, JsonOpt, LoadFlags,
-                                  SystemOpt, check_outputs, flag_groups, load_for_cli, write_html)
+                                  LangOpt, SystemOpt, check_outputs, flag_groups, load_for_cli, write_html)
 from llmtrace import sigint
 from llmtrace.console import make_console
 from llmtrace.render.explain import render_explain, render_lens
@@ -84,6 +84,7 @@ def explain(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
     load: LoadFlags = None,
     row: RowOpt = 0,
     interventions: InterventionFlags = None,
@@ -94,7 +95,8 @@ def explain(
                              interventions=interventions.parse())
     check_outputs(json_out, jsonl, html)
     texts = prompts.read(row)
-    _run("explain", lambda m, sinks: m.explain_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html)
+    _run("explain", lambda m, sinks: m.explain_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html,
+         lang)
 
 
 @app.command(help=LENS_HELP)
@@ -112,6 +114,7 @@ def lens(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
     load: LoadFlags = None,
     row: RowOpt = 0,
     interventions: InterventionFlags = None,
@@ -122,7 +125,7 @@ def lens(
                           interventions=interventions.parse())
     check_outputs(json_out, jsonl, html)
     texts = prompts.read(row)
-    _run("lens", lambda m, sinks: m.lens_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html)
+    _run("lens", lambda m, sinks: m.lens_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html, lang)
 
 
 def _release() -> None:
@@ -134,7 +137,8 @@ def _release() -> None:
     sigint.release()
 
 
-def _run(command: str, pass_of, load_args, jsonl: Optional[str], json_out: Optional[str], html: Optional[str]) -> None:
+def _run(command: str, pass_of, load_args, jsonl: Optional[str], json_out: Optional[str], html: Optional[str],
+         lang: str = "en") -> None:
     """Load, run the pass (`pass_of(model, sinks)`) with the --jsonl stream written as its events are made, then the
     other outputs. As generate's: the stream ends with a summary, interrupted after Ctrl-C (exit 130), and a file is
     replaced only once the run has an event to write (a Ctrl-C during the load leaves it as it was; on stdout the
@@ -155,12 +159,13 @@ def _run(command: str, pass_of, load_args, jsonl: Optional[str], json_out: Optio
     finally:
         if jsonl_sink is not None:
             jsonl_sink.close()
-    _output(trace, render_lens if command == "lens" else render_explain, jsonl, json_out, html)
+    _output(trace, render_lens if command == "lens" else render_explain, jsonl, json_out, html, lang)
     if trace.interrupted:
         raise typer.Exit(130)
 
 
-def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None) -> None:
+def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: Optional[str] = None,
+            lang: str = "en") -> None:
     """The document and the page (not of a pass cut short by Ctrl-C: the stream and the document say how far it got);
     the view to stdout, or to stderr (if a terminal) when stdout carries data."""
     from llmtrace.trace.sinks import JsonDocSink
@@ -172,7 +177,7 @@ def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: 
             doc(ev)
         doc.write()
     if html and not trace.interrupted:
-        write_html(events, html, trace.tokenizer)
+        write_html(events, html, trace.tokenizer, lang=lang)
     if "-" not in (jsonl, json_out):
         render(events, make_console())
     elif sys.stderr.isatty():

@@ -11,7 +11,7 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptFlags
 from llmtrace.cli.options import (ChatOpt, FlagGroup, HtmlOpt, InterventionFlags, INTERVENTIONS_HELP, JsonlOpt,
-                                  JsonOpt, LoadFlags, PanelCommand, SystemOpt, check_outputs, flag_groups, load_for_cli,
+                                  JsonOpt, LangOpt, LoadFlags, PanelCommand, SystemOpt, check_outputs, flag_groups, load_for_cli,
                                   write_html)
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace import sigint
@@ -146,6 +146,7 @@ def generate(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
     load: LoadFlags = None,
     save_tensors: Annotated[Optional[str], typer.Option("--save-tensors", metavar="FILE.safetensors", help="Also store the full "
                             "values of the points the trace records (--trace, --layers choose them) in FILE, tied to "
@@ -193,7 +194,7 @@ def generate(
 
         sigint.release()  # the stream can end with a summary now: a Ctrl-C held since the first line is raised here
         model_ = load_for_cli(load_options)
-        run(model_, texts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html)
+        run(model_, texts, options, jsonl_sink=jsonl_sink, json_out=json_out, html=html, lang=lang)
     except KeyboardInterrupt:
         if jsonl_sink is not None and not jsonl_sink.started and jsonl_sink.target == "-":
             # stopped before the run began: a pipe still gets its last line (0 tokens, interrupted); a user's file
@@ -206,7 +207,7 @@ def generate(
             jsonl_sink.close()
 
 
-def run(model, prompts, options, *, jsonl_sink, json_out, html=None) -> None:
+def run(model, prompts, options, *, jsonl_sink, json_out, html=None, lang: str = "en") -> None:
     """Everything after the load: the API's generate with the CLI's sinks (the stream, the document, the view), then
     the outputs. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed by the caller."""
     from llmtrace.console import make_console
@@ -243,7 +244,7 @@ def run(model, prompts, options, *, jsonl_sink, json_out, html=None) -> None:
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all
     if html:
-        write_html(trace.events, html, model.tokenizer)
+        write_html(trace.events, html, model.tokenizer, lang=lang)
     if trace.interrupted:
         raise typer.Exit(130)
 

@@ -249,6 +249,19 @@ HtmlOpt = Annotated[Optional[str], typer.Option(
     show_default=False, callback=html_target)]
 
 
+def html_lang(value: str) -> str:
+    from llmtrace.report.i18n import LANGS
+
+    if value not in LANGS:
+        raise typer.BadParameter(f"must be one of {', '.join(LANGS)}, not {value!r}")
+    return value
+
+
+LangOpt = Annotated[str, typer.Option(
+    "--lang", help="The language of the HTML page's words: en or zh (Simplified Chinese, in the seed documents' "
+    "terms). The terminal stays English.", callback=html_lang)]
+
+
 def write_html(events: list[dict], target: str, tokenizer, **kwargs) -> None:
     """Write the HTML report of `events` (llmtrace.report) and say where on stderr: `report`, and --html of generate,
     explain and lens."""

@@ -10,15 +10,18 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import html_target, write_html
+from llmtrace.cli.options import LangOpt, html_target, write_html
 
 REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page; a saved
 comparison (compare, diff) or patching sweep (patch) as the page its --html writes.
 
 The page is a single file that loads nothing from the network: open it from disk in any browser. Its sections
-follow the seed table: the run, the pipeline s1-s12, tokens, each step (top-k and the sampler funnel), attention,
-the logit lens, the KV cache and the residual stream. A section the trace has no values for says which flags
-would record them. No model is loaded; the model's tokenizer is read, when it is at hand, for the BPE merges.
+follow the seed table: the run, the pipeline s1-s12 (shapes with named axes), the walk-through (one token through
+the pass on the trace's values: --trace full), tokens, each step (top-k and the sampler funnel), the what-if
+sampler (sliders on each step's kept logits), attention, the logit lens, the KV cache and the residual stream; an
+explain page also carries every table the terminal explain prints. A section the trace has no values for says
+which flags would record them. --lang zh writes the page in Simplified Chinese. No model is loaded; the model's
+tokenizer is read, when it is at hand, for the BPE merges.
 
 Examples:
 
@@ -33,6 +36,8 @@ Examples:
   llmtrace generate -p "The capital of France is" -p "Hi" -n 8 --json batch.json
 
   llmtrace report batch.json -o row1.html --row 1      # a batch: one page per row
+
+  llmtrace report run.json -o report-zh.html --lang zh   # the page in Simplified Chinese
 
   llmtrace generate "Once upon a time" -n 16 --html story.html
 
@@ -93,6 +98,7 @@ def report(
                                          help="Read the model's tokenizer for the BPE merge story.")] = True,
     row: Annotated[int, typer.Option("--row", help="For a trace of several prompts (generate -p … -p …): the row "
                                      "the page shows, 0-based.")] = 0,
+    lang: LangOpt = "en",
 ) -> None:
     from llmtrace.api import read_trace
     from llmtrace.fsutil import check_writable_target
@@ -112,4 +118,4 @@ def report(
     tok, note = tokenizer_for(events, model) if merges else (None, "the merge story was left out (--no-merges)")
     if merges and tok is None:  # said here too: a page is not the place to learn that a flag was missing
         print(f"warning: the page has no BPE merge story: {note}", file=sys.stderr)
-    write_html(events, output, tok, merges_note=note, row=row)
+    write_html(events, output, tok, merges_note=note, row=row, lang=lang)

@@ -19,7 +19,6 @@ import math
 from pathlib import Path
 from typing import Optional, Union
 
-from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
 from llmtrace.report.page import colour
 
 LOG_LO, LOG_HI = -9.0, -1.0  # the colour and chart scale: relative errors from 1e-9 to 1e-1
@@ -82,8 +81,7 @@ def heat_strip(doc: dict) -> dict:
     height = 20 + len(points) * CELL_H + 8
     legend = [{"x": i * 40, "fill": colour(i / 8), "text": f"1e{int(LOG_LO) + i}"} for i in range(9)]
     model = []
-    for i, name in enumerate((EMBED.name, FINAL_NORM.name, LOGITS.name)):
-        p = (doc.get("model_points") or {}).get(name)
+    for i, (name, p) in enumerate((doc.get("model_points") or {}).items()):  # in forward order
         if p is not None:
             model.append({"x": 90 + i * 120, "fill": cell_colour(p["max_rel_err"]), "name": name, "point": name,
                           "title": f"{name}: max rel. error {_fmt(p['max_rel_err'])}, added "
@@ -119,8 +117,12 @@ def layer_chart(doc: dict) -> Optional[dict]:
     xt = [{"x": round(left + i * step, 1), "text": str(lay["layer"])} for i, lay in enumerate(layers)
           if i % max(1, n // 15) == 0]
     tol = y(doc["tolerance"])
-    return {"width": CHART_W, "height": CHART_H, "lines": lines, "ticks": ticks, "xticks": xt, "left": left,
-            "right": left + w, "top": top, "bottom": top + h, "tolerance": tol}
+    # the axis title sits under the tick labels, inside the drawing (it was cut at the bottom edge)
+    return {"width": CHART_W, "height": top + h + 40, "lines": lines, "ticks": ticks, "xticks": xt, "left": left,
+            "right": left + w, "top": top, "bottom": top + h, "tolerance": tol, "xlabel_y": top + h + 32}
+
+
+BAR_LEFT = 56  # the bar charts' left margin: their y axis and its ticks
 
 
 def kld_chart(doc: dict) -> dict:
@@ -138,9 +140,12 @@ def kld_chart(doc: dict) -> dict:
             tip += f"; top-1 A {p['top_a'].get('text', '')!r}, B {p['top_b'].get('text', '')!r}"
         if p.get("dp") is not None:
             tip += f"; Δp {p['dp']:+.3g}"
-        bars.append({"x": i * BAR_W, "y": round(h - bh, 1), "h": round(bh, 1), "differs": differs, "title": tip,
-                     "token": _visible(p.get("text", "")), "decode": p.get("phase") == "decode"})
-    return {"bars": bars, "width": max(len(pos) * BAR_W, 200), "height": h, "max": _fmt(top), "bw": BAR_W}
+        bars.append({"x": BAR_LEFT + i * BAR_W, "y": round(h - bh, 1), "h": round(bh, 1), "differs": differs,
+                     "title": tip, "token": _visible(p.get("text", "")), "decode": p.get("phase") == "decode"})
+    ticks = [{"y": round(h - f * h, 1), "text": _fmt(f * top) if top else "0"} for f in (0, 0.5, 1)] if top else \
+        [{"y": h, "text": "0"}]
+    return {"bars": bars, "width": BAR_LEFT + max(len(pos) * BAR_W, 200), "height": h, "max": _fmt(top), "bw": BAR_W,
+            "left": BAR_LEFT, "ticks": ticks}
 
 
 def _visible(text: str) -> str:
@@ -152,11 +157,14 @@ def point_data(doc: dict) -> dict:
     """For the script: each point's per-position errors as bar heights (0..1 on the log scale) and values."""
     out = {}
     entries = [(lay["layer"], p) for lay in doc["layers"] for p in lay["points"]]
-    entries += [(None, p) for p in (doc.get("model_points") or {}).values()]
+    outside = list((doc.get("model_points") or {}).values())  # in forward order: the first has nothing before it
+    entries += [(None, p) for p in outside]
     for layer, p in entries:
         pp = p.get("per_position") or {}
         rel = pp.get("rel_err") or []
-        added = pp.get("added_rel_err") or []
+        # "added by its layer": the error of B's layer on A's input. The first point of the pass (the embedding) has
+        # no layer and no input to take from A: what it adds is all its error, so no second bar is drawn for it.
+        added = [] if outside and p is outside[0] and layer is None else pp.get("added_rel_err") or []
         out[f"{'model' if layer is None else layer}/{p['point']}"] = {
             "label": f"layer {layer}, {p['point']}" if layer is not None else p["point"],
             "rel": rel, "added": added, "max_abs": pp.get("max_abs") or [], "cos": pp.get("cos") or [],
@@ -176,8 +184,8 @@ def view(doc: dict) -> dict:
     chosen = None
     if fd is not None:
         chosen = f"{'model' if fd['layer'] is None else fd['layer']}/{fd['point']}"
-    elif doc["layers"] and doc["layers"][-1]["points"]:  # the last layer's output
-        chosen = f"{doc['layers'][-1]['layer']}/{doc['layers'][-1]['points'][-1]['point']}"
+    elif doc["layers"]:
+        chosen = f"{doc['layers'][-1]['layer']}/resid_post"
     differing = [p for p in doc["positions"] if p.get("same_top") is False]
     return {
         # a diff's sides come from two traces, which say nothing of quantized blocks
@@ -190,7 +198,9 @@ def view(doc: dict) -> dict:
                     ("KLD max", _fmt(doc.get("kld_max"))),
                     ("same top", "—" if doc.get("same_top") is None else f"{100 * doc['same_top']:.1f}%"),
                     ("mean |Δp|", _fmt(doc.get("dp_mean_abs"))), ("positions", str(len(doc["positions"])))],
-        "data": {"points": point_data(doc), "chosen": chosen, "bar": BAR_W, "height": 120,
+        "data": {"points": point_data(doc), "chosen": chosen, "bar": BAR_W, "height": 120, "left": BAR_LEFT,
+                 "ticks": [{"f": (k - LOG_LO) / (LOG_HI - LOG_LO), "text": f"1e{k}"}
+                           for k in range(int(LOG_LO), int(LOG_HI) + 1, 2)],
                  "positions": [{"position": p["position"], "token": _visible(p.get("text", ""))}
                                for p in doc["positions"]]},
     }

@@ -20,10 +20,11 @@ import numpy as np
 from llmtrace.model.gqa import gqa_groups
 from llmtrace.errors import LlmtraceError
 from llmtrace.tokens.vocab import CHAR_TO_BYTE
-from llmtrace.model.llama_points import EMBED, LOGITS, PROBS, RESID_MID, RESID_POST, SCORES
 from llmtrace.trace.events import SCHEMA_ID
-from llmtrace.trace.reader import trace_points
+from llmtrace.report.walk import (ATTENTION_AXES, attention_points, axes_of, declared_points, embedding_point,
+                                  residual_output, step_logits, walk)
 
+AFTER_EMBEDDING = "e"  # the residual chart's key of the stream after the embedding (the others: layer numbers)
 MAX_POSITIONS = 128  # attention maps wider than this many positions are binned to this many bins
 ATTENTION_BUDGET = 600_000  # most attention cells embedded (2 bytes each): keeps a report within a few MB
 TENSOR_BUDGET = 12_000  # most tensor-statistics rows embedded; beyond it, steps are kept evenly spaced
@@ -64,17 +65,23 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
     tensors = by_kind.get("tensor", [])
     tokens = (by_kind.get("tokens") or [{"tokens": []}])[0]["tokens"]
     summary = (by_kind.get("summary") or [None])[0]
+    batch = (by_kind.get("batch") or [None])[0]
+    points = declared_points(run, head, tensors)
     data: dict[str, Any] = {
         "kind": kind,
         "run": _run_facts(run, head, model, summary, row),
         "tokens": _tokens(tokens, steps),
         "steps": [_step(e) for e in steps],
-        "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens,
-                              (by_kind.get("batch") or [None])[0], row, trace_points(events)),
-        "attention": _attention(tensors, explain, model, len(tokens)),
+        "pipeline": _pipeline(by_kind.get("shapes", []), tensors, model, run, tokens, batch, row, points),
+        "attention": _attention(tensors, explain, model, pad_slots(batch, row), attention_points(points)),
         "lens": _lens(by_kind.get("lens", []), head, tokens),
         "kv": _kv(steps, model),
-        "residual": _residual(tensors, model),
+        "residual": _residual(tensors, model, points),
+        "points": points,
+        "walk": walk(tensors, points),
+        "kept_logits": step_logits(steps, tensors, points),
+        "pad": pad_slots(batch, row),
+        "positions": (batch or {}).get("position_ids", [None] * (row + 1))[row] if batch else None,
         "merges": {"words": merges, "note": merges_note} if merges is not None else {"words": None, "note": merges_note},
     }
     data["tensors"] = _tensor_table(tensors)
@@ -168,46 +175,38 @@ def _step(e: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # the pipeline s1-s12
 
-# (seed step, title); the trace's points at each step come from the model's declaration (_step_points)
-PIPELINE = (
-    ("s1", "tokenize"), ("s2", "token ids"), ("s3", "attention mask"), ("s4", "embedding"),
-    ("s5", "position (RoPE, inside attention)"), ("s6.1", "pre-norm, Q/K/V"), ("s6.2", "split into heads"),
-    ("s6.3", "RoPE on Q and K"), ("s6.4", "scores QKᵀ/√d + causal mask"), ("s6.5", "softmax, O = A·V"),
-    ("s6.6", "output projection + residual"), ("s6.7", "feed-forward + residual"), ("s6.8", "K/V written to the cache"),
-    ("s7", "last position"), ("s8", "final norm"), ("s9", "LM head → logits"), ("s10", "logit processing"),
-    ("s11", "truncation"), ("s12", "sample or greedy, detokenize"),
-)
-
-
-def _step_points(points, sid: str) -> list[str]:
-    """The points the model declares at a seed step, in forward order ("s6.1/s6.2" counts for both). s5, position,
-    is RoPE inside attention (s6.3's points); s3's mask shows in the scores."""
-    if sid == "s5":
-        sid = "s6.3"
-    if sid == "s3":
-        return [SCORES.name] if points.get(SCORES.name) else []
-    return [p.name for p in points if sid in (p.step or "").split("/")]
-
-
+# The seed table's steps, in order (seeds/001); each shows the points whose declared seed step it is. Their titles
+# are words of the page, in its catalogue (report/catalogue/LANG.json: "step.s6.1").
+SEED_TABLE = ("s1", "s2", "s3", "s4", "s5", "s6.1", "s6.2", "s6.3", "s6.4", "s6.5", "s6.6", "s6.7", "s6.8", "s7", "s8",
+              "s9", "s10", "s11", "s12")
 VALUE_STAGES = ("temperature", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "ban", "dry")
 
 
 def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: Optional[dict],
-              tokens: list[dict], batch: Optional[dict] = None, row: int = 0, points=None) -> dict:
-    shapes: dict[str, list[int]] = {}
+              tokens: list[dict], batch: Optional[dict] = None, row: int = 0,
+              points: Optional[list[dict]] = None) -> dict:
+    """The seed table's steps, each with the points the model declares at that step ("s6.1/s6.2" sits at both) and
+    their shapes in the prefill, with axes where the trace names them."""
+    by_name = {p["name"]: p for p in points or []}
+    shapes: dict[str, dict] = {}
     for ev in shapes_events[:1]:
         for p in ev["points"]:
-            shapes.setdefault(p["name"], p["shape"])
+            shapes.setdefault(p["name"], {"shape": p["shape"], "axes": p.get("axes") or axes_of(p, by_name),
+                                          "step": p.get("seed_step")})
     for ev in tensors:  # explain traces (and points the shape table lacks) carry shapes on their tensor events
         if ev.get("step", 0) == 0:
-            shapes.setdefault(ev["name"], ev["shape"])
-    masked = next((ev.get("masked") for ev in tensors if ev["name"] == SCORES.name and ev.get("step", 0) == 0), None)
-    order = run["sampling"].get("order", []) if run else []
-    active = set(run["sampling"].get("stages", [])) if run else set()
+            shapes.setdefault(ev["name"], {"shape": ev["shape"], "axes": axes_of(ev, by_name),
+                                           "step": ev.get("seed_step")})
+    order = [p["name"] for p in points or []] + [n for n in shapes if n not in by_name]
+    masked = next((ev["masked"] for ev in tensors if "masked" in ev and ev.get("step", 0) == 0), None)
+    sampling = (run or {}).get("sampling") or {}
+    order_run, active = sampling.get("order", []), set(sampling.get("stages", []))
     stages = []
-    for sid, title in PIPELINE:
-        stage: dict[str, Any] = {"id": sid, "title": title,
-                                 "points": [{"name": p, "shape": shapes.get(p)} for p in _step_points(points, sid)]}
+    for sid in SEED_TABLE:
+        here = [n for n in order if sid in ((by_name.get(n) or {}).get("step") or (shapes.get(n) or {}).get("step")
+                                            or "").split("/")]
+        stage: dict[str, Any] = {"id": sid, "points": [{"name": n, "shape": (shapes.get(n) or {}).get("shape"),
+                                                        "axes": (shapes.get(n) or {}).get("axes")} for n in here]}
         if sid in ("s1", "s2"):
             stage["shape"] = [len(tokens)]
         if sid == "s3":
@@ -216,9 +215,10 @@ def _pipeline(shapes_events: list[dict], tensors: list[dict], model: dict, run: 
                 mask = batch["attention_mask"][row]
                 stage["padding"] = {"pad_slots": len(mask) - sum(mask), "slots": len(mask), "rows": len(batch["ids"])}
         if sid == "s10":
-            stage["sampler"] = [s for s in order if s in VALUE_STAGES]
+            stage["sampler"] = [s for s in order_run if s in VALUE_STAGES]
         if sid == "s11":  # mirostat is in no order: it replaces the truncation chain, last
-            stage["sampler"] = [s for s in order if s not in VALUE_STAGES] + (["mirostat"] if "mirostat" in active else [])
+            stage["sampler"] = ([s for s in order_run if s not in VALUE_STAGES]
+                                + (["mirostat"] if "mirostat" in active else []))
         if sid in ("s10", "s11"):
             stage["active"] = [s for s in stage["sampler"] if s in active]
         stages.append(stage)
@@ -278,15 +278,30 @@ def unpack_attention(text: str, shape: tuple[int, ...]) -> np.ndarray:
     return (np.frombuffer(base64.b64decode(text), dtype="<u2").astype(np.float64) / Q16).reshape(shape)
 
 
-def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: int) -> dict:
+def pad_slots(batch: Optional[dict], row: int) -> int:
+    """The slots of a batch row that hold its left padding (s3): the row's tokens start after them. 0 for one prompt.
+    The attention maps of a row are indexed by slot; its tokens and positions by token."""
+    if batch is None or row >= len(batch.get("attention_mask") or []):
+        return 0
+    mask = batch["attention_mask"][row]
+    return next((i for i, m in enumerate(mask) if m), len(mask))
+
+
+def _attention(tensors: list[dict], explain: list[dict], model: dict, pad: int = 0,
+               probs: Optional[set[str]] = None) -> dict:
+    """The attention maps, by slot: `pad` leading slots of a batch row are padding (never attended: drawn masked)."""
     H = model["n_heads"]
     out: dict[str, Any] = {"n_heads": H, "groups": gqa_groups(H, model["n_kv_heads"]), "layers": [], "maps": {},
                            "heads": list(range(H)), "binned": False, "bins": None, "n": 0, "source": None,
-                           "quant": Q16, "notes": []}
+                           "quant": Q16, "notes": [], "pad": pad}
     rows_of: dict[int, dict[int, np.ndarray]] = {}  # layer -> query position -> (H, S) probabilities
     for ev in tensors:
-        if ev["name"] != PROBS.name or "values" not in ev:
+        if "values" not in ev or ev["layer"] is None:
             continue
+        if ev["name"] not in (probs or ()) and not (not probs and (ev.get("seed_step") or "").startswith("s6.5")
+                                                    and ev.get("axes", ATTENTION_AXES) == ATTENTION_AXES
+                                                    and len(ev["shape"]) == 3 and ev["shape"][0] == H):
+            continue  # an older trace without declarations: a dumped s6.5 tensor shaped (H, T, S)
         v = np.asarray(ev["values"], dtype=np.float64)  # (H, T, S): T new queries over S keys
         if v.ndim != 3:
             continue
@@ -302,7 +317,7 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: 
             for q, vec in rows.items():
                 m[:, q, : vec.shape[1]] = vec
             maps[layer] = bin_matrix(m, bins)
-        out.update(source="probs", n=n, layers=sorted(maps), bins=[list(b) for b in bins], binned=len(bins) < n)
+        out.update(source="maps", n=n, layers=sorted(maps), bins=[list(b) for b in bins], binned=len(bins) < n)
         if H * len(bins) ** 2 * len(maps) > ATTENTION_BUDGET:  # many layers: keep the first ones that fit
             keep = max(1, ATTENTION_BUDGET // (H * len(bins) ** 2))
             out["notes"].append(f"only {keep} of the {len(maps)} recorded layers are embedded (size)")
@@ -316,7 +331,7 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: 
         m = np.asarray([[x if x is not None else 0.0 for x in r] for r in e["matrix"]], dtype=np.float64)[None]
         head = e.get("head")
         out.update(source="explain", n=e["n_tokens"], layers=[e["layer"]], bins=e["bins"], binned=e["binned"],
-                   heads=[head if head is not None else "mean"])
+                   heads=[head if head is not None else "mean"], pad=0)
         out["maps"] = {str(e["layer"]): pack_attention(m)}
         out["notes"].append("explain records one map: " + ("the mean over all heads" if head is None else f"head {head}"))
     return out
@@ -327,20 +342,25 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, n_prompt: 
 
 
 def _lens(lens: list[dict], head: Optional[dict], tokens: list[dict]) -> Optional[dict]:
+    """The logit lens: a row per (layer, stage) in the order the pass reaches them, then the model's output (the row
+    without a layer); a layer lensed at several points labels its earlier ones by their point."""
     if not lens:
         return None
     positions = sorted({e["position"] for e in lens})
-    rows: dict[str, dict] = {}
+    rows: dict[tuple, dict] = {}
+    stages_of: dict[Any, list[str]] = {}
     for e in lens:
-        key = "output" if e["stage"] == LOGITS.name else f'{e["layer"]}' + ("" if e["stage"] == RESID_POST.name else " (mid)")
-        r = rows.setdefault(key, {"label": key, "layer": e["layer"], "stage": e["stage"], "cells": {}})
-        r["cells"][str(e["position"])] = e["topk"]
-
-    def order(r):
-        return (r["layer"] if r["layer"] is not None else 10 ** 6, r["stage"] != RESID_MID.name)
-
-    return {"positions": positions, "rows": sorted(rows.values(), key=order),
-            "pieces": {str(t["index"]): t["text"] for t in tokens}}
+        key = (e["layer"], e["stage"])
+        if key not in rows:
+            stages_of.setdefault(e["layer"], []).append(e["stage"])
+            rows[key] = {"layer": e["layer"], "stage": e["stage"], "cells": {}}
+        rows[key]["cells"][str(e["position"])] = e["topk"]
+    for r in rows.values():
+        last = stages_of[r["layer"]][-1] == r["stage"]
+        r["label"] = "output" if r["layer"] is None else f'{r["layer"]}' + ("" if last else f' ({r["stage"]})')
+    ordered = sorted(rows.values(), key=lambda r: (r["layer"] is None, r["layer"] or 0,
+                                                   stages_of[r["layer"]].index(r["stage"])))
+    return {"positions": positions, "rows": ordered, "pieces": {str(t["index"]): t["text"] for t in tokens}}
 
 
 def _kv(steps: list[dict], model: dict) -> Optional[dict]:
@@ -355,17 +375,22 @@ def _kv(steps: list[dict], model: dict) -> Optional[dict]:
             "element_size": first.get("element_size"), "mha_bytes_per_token": first.get("mha_bytes_per_token")}
 
 
-def _residual(tensors: list[dict], model: dict) -> Optional[dict]:
-    """Norm of each token's residual stream after every layer: a pass over T tokens reports the norm of the whole
-    (T, D) tensor, so it is divided by √T, the root mean square of the per-token norms (exact for one token)."""
+def _residual(tensors: list[dict], model: dict, points: list[dict]) -> Optional[dict]:
+    """Norm of each token's residual stream after every layer (the layer's output: its last declared residual point)
+    and after the embedding: a pass over T tokens reports the norm of the whole (T, D) tensor, so it is divided by
+    √T, the root mean square of the per-token norms (exact for one token)."""
+    out_point, embed = residual_output(points), embedding_point(points)
+    if out_point is None:  # an older trace without declarations: the layer's last recorded s6.7 point of shape (T, D)
+        out_point = next((p["name"] for p in reversed(points) if p["layer"] and p["step"] == "s6.7"), None)
     series: dict[int, dict[str, float]] = {}
     for ev in tensors:
-        if ev["name"] not in (RESID_POST.name, EMBED.name) or ev["stats"]["norm"] is None:
+        if ev["name"] not in (out_point, embed) or ev["stats"]["norm"] is None or (ev["name"] == embed) != (
+                ev["layer"] is None):
             continue
         t = ev["shape"][0] if len(ev["shape"]) == 2 else 1
-        key = "embed" if ev["name"] == EMBED.name else str(ev["layer"])
+        key = AFTER_EMBEDDING if ev["layer"] is None else str(ev["layer"])
         series.setdefault(ev.get("step", 0), {})[key] = ev["stats"]["norm"] / math.sqrt(t)
-    if not any(len([k for k in s if k != "embed"]) for s in series.values()):
+    if not any(len([k for k in s if k != AFTER_EMBEDDING]) for s in series.values()):
         return None
-    layers = sorted({int(k) for s in series.values() for k in s if k != "embed"})
+    layers = sorted({int(k) for s in series.values() for k in s if k != AFTER_EMBEDDING})
     return {"layers": layers, "steps": sorted(series), "norms": {str(k): v for k, v in sorted(series.items())}}

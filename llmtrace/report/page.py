@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmtrace.report.data import AFTER_EMBEDDING
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.trace.records import fast_parts
 from llmtrace.units import human_bytes
@@ -96,6 +97,7 @@ def missing(d: dict, what: str, flags: Optional[str] = None, command: str = "gen
     generate's own `flags` or the exact command of another (`command`); an explain or lens page leads with what it
     has and collects what it lacks for the one note at its end (`lacking`), each with the exact command that records
     it, and gets None here."""
+    what = d["w"](f"what.{what}")  # a key of the catalogue's "what." texts
     how = flags if flags and command == d["kind"] == "generate" else fill_command(d, command)
     if d["kind"] != "generate":
         d["lacking"].append((what, fill_command(d, command)))
@@ -174,11 +176,17 @@ def section_run(d: dict) -> dict:
             "output": sm["text"] if sm is not None else None, "rows": rows}
 
 
-def _shape(s: Optional[list]) -> str:
-    return "[" + ", ".join(map(str, s)) + "]" if s is not None else "not recorded"
+def _shape(s: Optional[list], axes: Optional[list] = None) -> str:
+    """A shape as the seed table writes it, with the model's axis names where the trace gives them: [T=9, H=9, Dh=64]."""
+    if s is None:
+        return "not recorded"
+    if axes and len(axes) == len(s):
+        return "[" + ", ".join(f"{a}={n}" for a, n in zip(axes, s)) + "]"
+    return "[" + ", ".join(map(str, s)) + "]"
 
 
 def section_pipeline(d: dict) -> dict:
+    w = d["w"]
     stages = []
     for st in d["pipeline"]["stages"]:
         detail = ""
@@ -187,17 +195,17 @@ def section_pipeline(d: dict) -> dict:
         elif st["id"] == "s3" and st.get("padding"):
             pad = st["padding"]
             real = pad["slots"] - pad["pad_slots"]
-            detail = (f'causal + padding: this row is {plural(pad["pad_slots"], "pad slot")} then '
-                      f'{plural(real, "token")}, {pad["slots"]} slots like every row of the batch (the shapes below '
-                      f'are the padded ones)')
+            detail = w("pipeline.padding", pads=plural(pad["pad_slots"], "pad slot"), real=plural(real, "token"),
+                       slots=pad["slots"])
         elif st["id"] == "s3":
-            detail = "causal" + (f', {st["masked"]:,} scores masked' if st.get("masked") is not None else "")
+            detail = w("pipeline.causal") + (", " + w("pipeline.masked", n=f'{st["masked"]:,}')
+                                             if st.get("masked") is not None else "")
         elif "sampler" in st:
-            detail = ", ".join(st["active"]) or "none active"
-        points = [] if st["id"] == "s3" else [{"name": p["name"], "shape": _shape(p["shape"])} for p in st["points"]]
-        stages.append({"id": st["id"], "title": st["title"], "layer": st["id"].startswith("s6"), "detail": detail,
-                       "points": points})
-    note = None if d["tensors"]["points"] else missing(d, "per-layer statistics", "--trace full")
+            detail = ", ".join(st["active"]) or w("pipeline.none_active")
+        points = [{"name": p["name"], "shape": _shape(p["shape"], p.get("axes"))} for p in st["points"]]
+        stages.append({"id": st["id"], "title": w(f'step.{st["id"]}'), "layer": st["id"].startswith("s6"),
+                       "detail": detail, "points": points})
+    note = None if d["tensors"]["points"] else missing(d, "stats", "--trace full")
     return {"stages": stages, "missing": note}
 
 
@@ -252,6 +260,9 @@ def topk_chart(step: dict) -> dict:
     return {"w": w, "h": row * len(top) + 24, "n": len(top), "step": step["step"], "bars": bars}
 
 
+DRAW_X0, DRAW_W = 12, 400  # the draw bar: [0, 1) drawn from x0 over w pixels, room for its end labels either side
+
+
 def funnel(step: dict, vocab: int) -> dict:
     """The sampler's stages at one step: candidates left (on a log scale of the vocabulary), the chosen token's
     probability and the mass each truncation kept; then the draw."""
@@ -276,14 +287,18 @@ def funnel(step: dict, vocab: int) -> dict:
         u = rng["draw"]
         p = stages[-1]["pick_prob"] if stages else None
         draw.update(greedy=False, u=f"{u:.6g}", u4=f"{u:.4f}", seed=rng.get("seed"), width=num(p),
-                    x=f"{400 * u:.1f}")
+                    x=f"{DRAW_X0 + DRAW_W * u:.1f}", x0=DRAW_X0, x1=DRAW_X0 + DRAW_W, slice=None)
+        if rng.get("slice"):  # the chosen token's slice of [0, 1) (traces from before it was recorded lack it)
+            lo, hi = rng["slice"]
+            draw["slice"] = {"x": f"{DRAW_X0 + DRAW_W * lo:.1f}", "w": f"{max(1.0, DRAW_W * (hi - lo)):.1f}",
+                             "text": f"[{lo:.4f}, {hi:.4f})"}
     return {"rows": rows, "draw": draw}
 
 
 def section_steps(d: dict) -> Optional[dict]:
     steps = d["steps"]
     if not steps:
-        note = missing(d, "generation steps")
+        note = missing(d, "steps")
         return {"only_missing": note} if note else None
     vocab = d["run"]["model"]["vocab_size"]
     panels = []
@@ -291,7 +306,7 @@ def section_steps(d: dict) -> Optional[dict]:
         panel = {"step": s["step"], "phase": s["phase"], "position": s["position"], "token": visible(s["token"]["text"]),
                  "id": s["token"]["id"], "ms": num(s["ms"]), "missing": None, "topk": None, "funnel": None}
         if s["topk"] is None:
-            panel["missing"] = missing(d, "top-k and sampler ledger", "--trace steps (or deeper)")
+            panel["missing"] = missing(d, "topk", "--trace steps (or deeper)")
         else:
             panel.update(topk=topk_chart(s), funnel=funnel(s, vocab))
         panels.append(panel)
@@ -328,6 +343,7 @@ def heatmap_axes(d: dict) -> dict:
     positions instead ("16–31")."""
     bins = d["attention"]["bins"]
     tokens = d["tokens"]
+    pad = d["attention"].get("pad", 0)  # a batch row's leading pad slots: its token i sits in slot pad + i
     B = len(bins)
     cell = max(1, HEATMAP_PX // B)
     single = all(b1 - b0 == 1 for b0, b1 in bins)
@@ -336,7 +352,8 @@ def heatmap_axes(d: dict) -> dict:
     def text(i: int) -> str:  # a label covers its cell and the unlabelled ones after it, up to the next label
         b0, b1 = bins[i][0], bins[min(i + every, B) - 1][1]
         if single and every == 1:
-            t = visible(tokens[b0]["text"]) if b0 < len(tokens) else ""
+            i = b0 - pad
+            t = "pad" if i < 0 else visible(tokens[i]["text"]) if i < len(tokens) else ""
             return f"{b0} {t[:9] + '…' if len(t) > 10 else t}"
         return str(b0) if b1 - b0 == 1 else f"{b0}–{b1 - 1}"
 
@@ -349,13 +366,14 @@ def heatmap_axes(d: dict) -> dict:
 def section_attention(d: dict) -> Optional[dict]:
     a = d["attention"]
     if not a["maps"]:
-        note = missing(d, "attention probabilities",
+        note = missing(d, "attention",
                        "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs")
         return {"maps": False, "missing": note, "gqa": gqa_diagram(d)} if note else None
     n = a["n"]
-    binned = (f'The sequence has {n} positions, more than fit a readable map: they are binned into {len(a["bins"])} '
-              f'bins (a cell is the mean over its query positions of the sum over its key positions).'
-              if a["binned"] else f'One cell per query and key position ({n} × {n}).')
+    w = d["w"]
+    binned = w("attention.binned", n=n, b=len(a["bins"])) if a["binned"] else w("attention.one_cell", n=n)
+    if a.get("pad"):
+        binned += " " + w("attention.padded", pads=plural(a["pad"], "pad slot"))
     return {"maps": True, "binned": binned, "notes": " ".join(x + "." for x in a["notes"]), "layers": a["layers"],
             "heads": ["head " + str(h) if h != "mean" else "mean over heads" for h in a["heads"]],
             "axes": heatmap_axes(d), "gqa": gqa_diagram(d), "overview": overview(a)}
@@ -364,7 +382,7 @@ def section_attention(d: dict) -> Optional[dict]:
 def section_lens(d: dict) -> Optional[dict]:
     lens = d["lens"]
     if lens is None:
-        note = missing(d, "the logit lens", command="lens")
+        note = missing(d, "lens", command="lens")
         return {"only_missing": note} if note else None
     pos = lens["positions"]
     rows = []
@@ -377,24 +395,42 @@ def section_lens(d: dict) -> Optional[dict]:
                 continue
             t = top[0]
             cells.append({"row": ri, "pos": p, "bg": colour(t["prob"]), "fg": ink(t["prob"]), "text": visible(t["text"]),
+                          "p": f'{t["prob"]:.2f}' if t["prob"] >= 0.005 else f'{t["prob"]:.0e}',
                           "tip": " · ".join(f'{visible(c["text"])} {c["prob"]:.3g}' for c in top)})
-        rows.append({"label": "output" if r["stage"] == "logits" else f'layer {r["label"]}', "cells": cells})
+        rows.append({"label": "output" if r["layer"] is None else f'layer {r["label"]}', "cells": cells})
     return {"columns": [{"pos": p, "token": visible(lens["pieces"].get(str(p), ""))} for p in pos], "rows": rows,
             "k": len(lens["rows"][0]["cells"][str(pos[0])])}
 
 
+def nice_step(span: float, n: int = 4, base: int = 10) -> float:
+    """A round tick step that cuts [0, span] into about n parts: 1, 2, 2.5 or 5 × a power of ten, in units of
+    base**k (base 1024 for bytes: 256 KiB, 1 MiB, 2 MiB rather than 1.11 MiB)."""
+    if span <= 0:
+        return 1.0
+    unit = 1.0
+    if base == 1024:
+        while span / unit >= 1024:
+            unit *= 1024
+    raw = span / unit / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    return step * unit
+
+
 def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel: str, ylabel: str, *,
                marker: bool = False, dots: bool = False, w: int = 560, h: int = 240,
-               fmt: Callable[[float], str] = num, join: Optional[float] = None) -> Optional[dict]:
+               fmt: Callable[[float], str] = num, join: Optional[float] = None, base: int = 10,
+               xticks: Optional[list[tuple[float, str]]] = None) -> Optional[dict]:
     """The geometry of a small SVG line chart: series of (class, points, title). `join`: points further apart in x
     than this are not joined by a line (a line would show values between them that were never recorded); their dots
-    are drawn. None when there are no points."""
+    are drawn. The y axis starts at 0 and has round ticks (`base` 1024 for bytes). None when there are no points."""
     xs = [x for _, pts, _ in series for x, _ in pts]
     ys = [y for _, pts, _ in series for _, y in pts]
     if not xs:
         return None
     x0, x1 = min(xs), max(xs)
-    y1 = max(ys) * 1.05 or 1.0
+    ystep = nice_step(max(ys), base=base)
+    y1 = math.ceil(max(ys) / ystep) * ystep or 1.0
     L, R, T, B = 64, 12, 24, 34
 
     def px(x) -> float:
@@ -404,8 +440,9 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel:
         return h - B - (h - T - B) * (y / y1)
 
     out = {"w": w, "h": h, "left": L, "right": w - R, "top": T, "bottom": h - B, "ytick_x": L - 4, "xtick_y": h - B + 14,
-           "yticks": [{"y": f"{py(y1 * i / 4) + 4:.1f}", "text": fmt(y1 * i / 4)} for i in range(5)],
-           "xticks": [{"x": f"{px(x):.1f}", "text": f"{x:g}"} for x in sorted({x0, x1, round((x0 + x1) / 2)})],
+           "yticks": [{"y": f"{py(i * ystep) + 4:.1f}", "text": fmt(i * ystep)} for i in range(round(y1 / ystep) + 1)],
+           "xticks": [{"x": f"{px(x):.1f}", "text": t} for x, t in xticks] if xticks is not None else
+                     [{"x": f"{px(x):.1f}", "text": f"{x:g}"} for x in sorted({x0, x1, round((x0 + x1) / 2)})],
            "xlabel": {"x": f"{(L + w - R) / 2:.0f}", "y": h - 4, "text": xlabel},
            "ylabel": {"x": L - 60, "text": ylabel}, "series": [], "marker": None}
     for cls, pts, title in series:
@@ -428,13 +465,14 @@ def line_chart(series: list[tuple[str, list[tuple[float, float]], str]], xlabel:
 def section_kv(d: dict) -> Optional[dict]:
     kv = d["kv"]
     if kv is None:
-        note = missing(d, "the KV cache per step")
+        note = missing(d, "kv")
         return {"only_missing": note} if note else None
     m = d["run"]["model"]
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
+    w = d["w"]
     chart = line_chart([("mha", mha, "full multi-head attention would need"), ("gqa", pts, "this model's cache (GQA)")],
-                       "step", "bytes in the cache", marker=True, fmt=human_bytes)
+                       w("kv.x"), w("kv.y"), marker=True, fmt=human_bytes, base=1024)
     last = kv["steps"][-1]
     per_layer = kv["per_layer"]
     el = kv["element_size"]
@@ -445,39 +483,92 @@ def section_kv(d: dict) -> Optional[dict]:
             "at_end": f'{last["seq_len"]} positions: {human_bytes(last["bytes_used"])} used, '
                       f'{human_bytes(last["bytes_allocated"])} allocated; MHA would use '
                       f'{human_bytes(last["mha_bytes_used"])} ({last["mha_bytes_used"] / max(1, last["bytes_used"]):.1f}×)',
-            "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"]}}
+            "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"],
+                       "labelled": [i for i in range(m["n_layers"]) if i % max(1, -(-m["n_layers"] // 10)) == 0
+                                    or i == m["n_layers"] - 1]}}
 
 
 def section_residual(d: dict) -> Optional[dict]:
+    """The residual stream's norm after the embedding and each recorded layer. The x axis has one place per recorded
+    value, in order, and a gap (⋯) where layers between two recorded ones were not recorded: nothing drawn was not
+    recorded, and no line crosses a gap."""
     r = d["residual"]
     if r is None:
-        note = missing(d, "the residual stream per layer", "--trace layers or --trace full")
+        note = missing(d, "residual", "--trace layers or --trace full")
         return {"only_missing": note} if note else None
+    w = d["w"]
     xs = r["layers"]
+    has_embed = any(AFTER_EMBEDDING in n for n in r["norms"].values())
+    keys = ([AFTER_EMBEDDING] if has_embed else []) + [str(lay) for lay in xs]
+    place, ticks, at = {}, [], 0
+    for i, k in enumerate(keys):
+        if i and k != AFTER_EMBEDDING and keys[i - 1] != AFTER_EMBEDDING and int(k) != int(keys[i - 1]) + 1:
+            ticks.append((at, "⋯"))  # layers between were not recorded
+            at += 1
+        elif i and keys[i - 1] == AFTER_EMBEDDING and int(k) != 0:
+            ticks.append((at, "⋯"))
+            at += 1
+        place[k] = at
+        ticks.append((at, "emb" if k == AFTER_EMBEDDING else k))
+        at += 1
     series = []
     for step in r["steps"]:
         n = r["norms"][str(step)]
-        pts = ([(-1, n["embed"])] if "embed" in n else []) + [(lay, n[str(lay)]) for lay in xs if str(lay) in n]
+        pts = [(place[k], n[k]) for k in keys if k in n]
         series.append((f"resid s{step}", pts, f"step {step}"))
-    chart = line_chart(series, "layer (−1: the embedding)", "‖x‖ per token", fmt=lambda y: f"{y:.4g}",
-                       dots=len(xs) < 40, join=1)  # only neighbouring layers are joined: nothing drawn is unrecorded
+    chart = line_chart(series, w("residual.x"), w("residual.y"), fmt=lambda y: f"{y:.4g}", dots=len(keys) < 40,
+                       join=1, xticks=ticks)  # only neighbours are joined: nothing drawn is unrecorded
     n_layers = d["run"]["model"]["n_layers"]
-    recorded = None
-    if len(xs) < n_layers:  # in words that agree with the count: "Only layer 3 of 30 was recorded"
-        recorded = (f"Only layer {xs[0]} of {n_layers} was recorded" if len(xs) == 1 else
-                    f"Only layers {', '.join(map(str, xs))} of {n_layers} were recorded")
-    return {"chart": chart, "recorded": recorded, "n_layers": n_layers}
+    which = ", ".join((["embedding"] if has_embed else []) + [f"layer {lay}" for lay in xs])
+    return {"chart": chart, "recorded": which if len(xs) < n_layers else None, "n_layers": n_layers}
+
+
+def section_walk(d: dict) -> Optional[dict]:
+    """The walk-through: the script draws the chosen token's values (data "walk"); here, its controls and, for a
+    trace without values, what records them."""
+    wk = d["walk"]
+    if not any("values" in s for s in wk["samples"].values()):
+        note = missing(d, "walk", "--trace full")
+        return {"only_missing": note} if note else None
+    toks = d["tokens"]
+    n_prompt = sum(t["step"] is None for t in toks)
+    choices = [{"i": t["index"], "label": f'{t["index"]} {visible(t["text"])}',
+                "selected": t["index"] == n_prompt - 1} for t in toks]
+    return {"tokens": choices, "layers": wk["layers"], "heads": list(range(d["run"]["model"]["n_heads"]))}
+
+
+def section_whatif(d: dict) -> Optional[dict]:
+    """The what-if sampler: sliders the script reads (named by their labels), set to the run's own settings."""
+    if not d["steps"]:
+        return None
+    if not d["kept_logits"]:
+        note = missing(d, "kept_logits", "--html or --trace full")
+        return {"only_missing": note} if note else None
+    s = d["run"]["sampling"] or {}
+    temperature = 0.0 if s.get("greedy") else float(s.get("temperature") or 1.0)
+    top_k = int(s.get("top_k") or 0)
+    return {"temperature": temperature, "top_k": top_k, "top_p": float(s.get("top_p") or 1.0),
+            "min_p": float(s.get("min_p") or 0.0), "k_max": max(1000, top_k)}
+
+
+def section_explain(d: dict) -> Optional[dict]:
+    """An explain page: every table, figure and note the terminal explain prints (report.explain_view)."""
+    blocks = d.get("explain_view")
+    return {"blocks": blocks} if blocks else None
 
 
 SECTIONS = (
-    ("run", "The run", section_run),
-    ("pipeline", "The pipeline s1–s12", section_pipeline),
-    ("tokens", "Tokens", section_tokens),
-    ("steps", "Each step: top-k and the sampler", section_steps),
-    ("attention", "Attention", section_attention),
-    ("lens", "Logit lens", section_lens),
-    ("kv", "The KV cache", section_kv),
-    ("residual", "The residual stream", section_residual),
+    ("run", section_run),
+    ("explain", section_explain),
+    ("pipeline", section_pipeline),
+    ("walk", section_walk),
+    ("tokens", section_tokens),
+    ("steps", section_steps),
+    ("whatif", section_whatif),
+    ("attention", section_attention),
+    ("lens", section_lens),
+    ("kv", section_kv),
+    ("residual", section_residual),
 )
 
 
@@ -485,22 +576,28 @@ def step_bar(d: dict) -> Optional[dict]:
     steps = d["steps"]
     if not steps:
         return None
-    return {"max": len(steps) - 1, "label": f'step {steps[0]["step"]} of {len(steps)}'}
+    return {"max": len(steps) - 1, "label": d["w"]("nav.step_label", step=steps[0]["step"], n=len(steps))}
 
 
-def view(d: dict) -> dict:
+def view(d: dict, w=None) -> dict:
     """Everything the templates lay out: the page's title, its sections (id, name, the section's dict) in order, the
     step bar, and the data the script reads. A section a trace has nothing for (None) is left out: an explain or lens
     page leads with what it has and ends with one note on what it lacks (`lacking`); a generate page keeps every
-    section and says in place what is missing."""
-    d = dict(d, lacking=[], fill=None)
+    section and says in place what is missing. `w`: the page's words (i18n.Words; English by default)."""
+    from llmtrace.report.i18n import Words
+
+    w = w or Words("en")
+    d = dict(d, lacking=[], fill=None, w=w)
     d["fill"] = fill_command(d, "generate")  # report.js names it where a stage has no statistics
-    shown = [{"id": sid, "name": name, "v": v} for sid, name, fn in SECTIONS if (v := fn(d)) is not None]
+    shown = [{"id": sid, "name": w(f"section.{sid}"), "v": v} for sid, fn in SECTIONS if (v := fn(d)) is not None]
     if d["lacking"]:
-        shown.append({"id": "lacking", "name": "Not in this trace", "v": lacking(d)})
-    del d["lacking"]
-    return {"title": f'llmtrace report · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}', "sections": shown,
-            "stepbar": step_bar(d), "data": d, "palette": PALETTE}
+        shown.append({"id": "lacking", "name": w("section.lacking"), "v": lacking(d)})
+    del d["lacking"], d["w"]
+    d.pop("explain_view", None)  # laid out in the page, not read by the script
+    d["words"] = w.js  # the script's texts, in the page's language
+    d["step_titles"] = {st["id"]: w(f'step.{st["id"]}') for st in d["pipeline"]["stages"]}
+    return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',
+            "sections": shown, "stepbar": step_bar(dict(d, w=w)), "data": d, "palette": PALETTE, "w": w}
 
 
 def _asset(name: str) -> str:
@@ -522,10 +619,14 @@ def environment():
     return env
 
 
-def render(d: dict) -> str:
-    """The whole page as one string."""
+def render(d: dict, lang: str = "en") -> str:
+    """The whole page as one string, its words in `lang` (i18n.LANGS)."""
     import markupsafe
 
+    from llmtrace.report.i18n import Words
+
     # the package's own stylesheet and script, inlined as they are (escaping would break them); no trace text in them
-    assets = {"css": markupsafe.Markup(_asset("report.css")), "script": markupsafe.Markup(_asset("report.js"))}
-    return environment().get_template("report.html.j2").render(v=view(d), **assets)
+    assets = {"css": markupsafe.Markup(_asset("report.css")),
+              "script": markupsafe.Markup(_asset("report.js") + "\n" + _asset("walk.js"))}
+    v = view(d, Words(lang))
+    return environment().get_template("report.html.j2").render(v=v, w=v["w"], **assets)

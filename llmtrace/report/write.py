@@ -37,10 +37,10 @@ def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[
     return words, None
 
 
-def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0) -> str:
+def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0, lang: str = "en") -> str:
     """The report page of a trace, as a string: of one row when the trace is a batch of prompts. `tokenizer` (the
-    model's) adds the BPE merge story. The events of a comparison (compare, diff) or of a patching sweep make the page
-    their command's --html writes."""
+    model's) adds the BPE merge story; `lang` is the language of its words (report.i18n: en, zh). The events of a
+    comparison (compare, diff) or of a patching sweep make the page their command's --html writes."""
     from llmtrace.errors import BadValue
     from llmtrace.report.data import check_schema, extract
     from llmtrace.report.page import render
@@ -60,8 +60,14 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
         prompt = next((e.get("prompt", "") for e in events
                        if e.get("event") == "run" or (e.get("event") == "explain" and e.get("section") == "model")), "")
     words, why = merge_story(tokenizer, prompt)
-    note = why or merges_note or ("the merge story needs the model's tokenizer, and this report was made without it")
-    return render(extract(events, row=row, merges=words, merges_note=note))
+    note = None if words is not None else (
+        why or merges_note or "the merge story needs the model's tokenizer, and this report was made without it")
+    d = extract(events, row=row, merges=words, merges_note=note)
+    if d["kind"] == "explain":  # the page carries everything the terminal explain prints
+        from llmtrace.report.explain_view import explain_blocks
+
+        d["explain_view"] = explain_blocks(events)
+    return render(d, lang)
 
 
 def _other_page(events: list[dict], row: int) -> Optional[str]:
@@ -85,17 +91,23 @@ def _other_page(events: list[dict], row: int) -> Optional[str]:
 
 
 def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,
-                 row: int = 0) -> int:
+                 row: int = 0, lang: str = "en") -> int:
     """Write the page to `path` atomically (an existing file is replaced only by a complete one). Returns its bytes."""
     from llmtrace.fsutil import write_text_atomic
 
-    page = build(events, tokenizer, merges_note, row)
+    page = build(events, tokenizer, merges_note, row, lang)
     write_text_atomic(Path(path), page)
     return len(page.encode("utf-8"))
 
 
-def report_dumps(layers: Optional[list[int]], n_layers: int) -> tuple[str, ...]:
+def report_dumps(layers: Optional[list[int]], n_layers: int, points=None) -> tuple[str, ...]:
     """What --html adds to a generate trace: the attention probabilities of the recorded layers (--layers), or of the
-    first and last layer when every layer is recorded (all of them would make a page of many MB)."""
+    first and last layer when every layer is recorded (all of them would make a page of many MB). `points`: the
+    model's declared points (model.points: each with name, step, axes); the attention probabilities are the one
+    softmax makes over heads × tokens × slots (report.walk.attention_points)."""
+    from llmtrace.report.walk import attention_points
+
     chosen = layers if layers is not None else sorted({0, n_layers - 1})
-    return tuple(f"{i}.probs" for i in chosen)
+    declared = [{"name": p.name, "step": p.step, "axes": list(p.axes)} for p in points or ()]
+    names = sorted(attention_points(declared)) or ["probs"]  # a model that declares no points: Llama's name
+    return tuple(f"{i}.{name}" for i in chosen for name in names)

@@ -768,6 +768,8 @@ class Ledger:
     seed: int
     token: int
     greedy: bool
+    slice: tuple[float, float] | None = None  # the token's [lo, hi) of [0, 1) in the draw (id order); None if greedy
+    raw: object = field(default=None, repr=False)  # the raw logits (V,) the stages started from (a tensor, not copied)
 
 
 # -----------------------------------------------------------------------------
@@ -883,16 +885,18 @@ class Sampler:
             u = float(torch.rand((), generator=self.generator, dtype=torch.float64))
             probs = torch.softmax(final.to(device="cpu", dtype=torch.float64), dim=-1)
             token = inverse_cdf(probs, u)
+            lo = float(probs[:token].sum() / probs.sum())  # the chosen token's slice of [0, 1): the draw landed in it
+            drawn = (lo, lo + float(probs[token] / probs.sum()))
             if self.mirostat:  # mirostat is the last stage: probs is its renormalised distribution
                 surprise = -math.log2(float(probs[token]))
                 self.mu = mirostat_update(self.mu, surprise, self.config.mirostat_tau, self.config.mirostat_eta)
                 details["mirostat"] |= {"surprise": surprise, "mu_after": self.mu}
         if not ledger:
             return token, None
-        return token, self._ledger(steps, token, u, details)
+        return token, self._ledger(steps, token, u, details, None if greedy else drawn)
 
     def _ledger(self, steps: list[tuple[str, torch.Tensor]], token: int, u: float | None,
-                details: dict[str, dict] | None = None) -> Ledger:
+                details: dict[str, dict] | None = None, drawn: tuple[float, float] | None = None) -> Ledger:
         raw = steps[0][1]
         logps = torch.stack([x.log_softmax(dim=-1) for _, x in steps])  # (S, V)
         finite = torch.stack([torch.isfinite(x).sum() for _, x in steps]).to(torch.float64)  # (S,)
@@ -912,6 +916,8 @@ class Sampler:
             seed=self.seed,
             token=token,
             greedy=u is None,
+            slice=drawn,
+            raw=raw,
         )
 
 

@@ -41,6 +41,7 @@ class TraceOptions:
     layers: Optional[list[int]] = None  # None: all layers
     dump: tuple[str, ...] = ()  # point names ("logits") or "LAYER.name" ("3.probs") whose values are recorded
     topk: int = 10
+    logits_top: int = 0  # the step event keeps this many of the largest raw logits (and the rest as a histogram)
     dumps: tuple[Dump, ...] = field(init=False, repr=False)  # `dump`, parsed
 
     def __post_init__(self):

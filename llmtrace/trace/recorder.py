@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from llmtrace.model.llama_points import KV_WRITE, llama_points
+from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
 from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
@@ -57,6 +57,10 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
     return torch.Size(sizes), x.as_strided(kept_sizes, kept_strides), count
 
 
+def _nan_to_none(x: list) -> list:
+    return [_nan_to_none(v) if isinstance(v, list) else None if math.isnan(v) else v for v in x]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the recorder
 
@@ -92,6 +96,7 @@ class Recorder:
         self._queued = 0  # elements in self._taps
         self._layouts: dict[tuple, tuple] = {}  # see _layout; cleared after each pass
         self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
+        self._samples: list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]] = []  # see _sample_group
         self._stat_order: list[int] = []  # the stat index of each row of those blocks
         self._n_stats = 0
         self._shape_table: Optional[list[dict]] = None
@@ -228,6 +233,51 @@ class Recorder:
                     rows[:, [0, 1, 4]] *= counts[:, None]  # sum, sum of squares and count scale; min and max do not
                 self._stats.append(rows)
                 self._stat_order.extend(i for i, _, _ in members)
+                if self.options.level == "full":
+                    self._sample_group(members, m)
+
+    # A few values of every point at --trace full, for the report's walk-through (generic: no point is named): along
+    # the last axis of the recorded shape, the whole row when it has at most SAMPLE_WIDTH entries, else the first
+    # SAMPLE_WIDTH/2 entries of each half (a rotate-half RoPE pairs entry i with i + n/2); and every row's L2 norm. Only
+    # for tensors of at most SAMPLE_ROWS rows (the product of the other axes).
+    SAMPLE_WIDTH = 16
+    SAMPLE_ROWS = 2048
+
+    def _sample_group(self, members: list[tuple[int, torch.Tensor, int]], m: torch.Tensor) -> None:
+        """Keep the sample of every member of one statistics group (m: the members stacked), to be moved to the host
+        with the pass's statistics. A broadcast view (repeats > 1) or an integer tensor has none."""
+        if not m.is_floating_point() or m.dim() < 2 or any(c != 1 for _, _, c in members):
+            return
+        last = m.shape[-1]
+        rows = m[0].numel() // last if last else 0
+        if not rows or rows > self.SAMPLE_ROWS:
+            return
+        half = self.SAMPLE_WIDTH // 2
+        index = list(range(last)) if last <= self.SAMPLE_WIDTH else (
+            list(range(half)) + list(range(last // 2, last // 2 + half)))
+        flat = m.reshape(len(members), rows, last)
+        self._samples.append(([i for i, _, _ in members], index, flat[..., index].double(),
+                              torch.linalg.vector_norm(flat.double(), dim=-1)))
+
+    def _take_samples(self) -> dict[int, dict]:
+        """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"}, rounded as every float;
+        a non-finite value (a masked score: -inf, and its row's norm) as null."""
+        from llmtrace.trace.stats import round_tensor
+
+        def as_list(x: torch.Tensor) -> list:
+            x = x.cpu()
+            finite = torch.isfinite(x)
+            if bool(finite.all()):
+                return round_tensor(x).tolist()
+            return _nan_to_none(round_tensor(torch.where(finite, x, torch.nan)).tolist())
+
+        out = {}
+        for members, index, values, norms in self._samples:
+            vals, nrm = as_list(values), as_list(norms)
+            for k, i in enumerate(members):
+                out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
+        self._samples.clear()
+        return out
 
     # -- the generation loop's observer ------------------------------------------------------------------------
 
@@ -310,20 +360,24 @@ class Recorder:
             for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
                 values[i] = row
         head = f'{{"event": "tensor", "step": {int(self.step)}, "phase": {_ENCODER.encode(self.phase)}, "layer": '
+        samples = self._take_samples() if self._samples else {}
         for ev, stat_index, extra, json_part in self._pending:
             mean, std, lo, hi, norm, count = values[stat_index]
             ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
-            if ev["name"] == "scores":
+            if stat_index in samples:
+                ev["sample"] = samples[stat_index]
+            if ev["name"] == SCORES.name:
                 ev["masked"] = int(math.prod(ev["shape"]) - count)
             if extra is not None:
                 if "positions" in extra:
                     ev["positions"] = extra["positions"]
                 if "values" in extra:
                     ev["values"] = extra["values"].tolist()
-            elif len(ev) == 9 and None not in (mean, std, lo, hi, norm):  # the common case: its JSON line made here
-                layer = "null" if ev["layer"] is None else int(ev["layer"])
+            elif len(ev) == 9 + ("sample" in ev) and None not in (mean, std, lo, hi, norm):  # the common case: its
+                layer = "null" if ev["layer"] is None else int(ev["layer"])  # JSON line made here, sample and all
+                tail = f', "sample": {_ENCODER.encode(ev["sample"])}' if "sample" in ev else ""
                 ev.line = (f'{head}{layer}, {json_part}, "stats": {{"mean": {mean!r}, "std": {std!r}, "min": {lo!r}, '
-                           f'"max": {hi!r}, "norm": {norm!r}}}}}')
+                           f'"max": {hi!r}, "norm": {norm!r}}}{tail}}}')
             self.emit(ev)
         self._pending.clear()
         self._layouts.clear()
@@ -384,6 +438,10 @@ class Recorder:
                               **({} if s.detail is None else {"detail": self._detail(s.detail)})} for s in led.stages]
             ev["rng"] = {"seed": led.seed, "draw": _round(led.draw) if led.draw is not None else None,
                          "greedy": led.greedy}
+            if led.slice is not None:  # where the chosen token's slice of [0, 1) lies, in id order
+                ev["rng"]["slice"] = [_round(led.slice[0]), _round(led.slice[1])]
+            if self.options.logits_top and led.raw is not None:
+                ev["logits"] = logits_record(led.raw, self.options.logits_top)
         ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
         ev["ms"] = round(rec.ms, 3)
         self.emit(ev)
@@ -396,6 +454,33 @@ class Recorder:
 
     def on_end(self, result) -> None:
         self.emit(batch_summary_event(result) if self._batched else summary_event(result))
+
+
+TAIL_BINS = 128
+
+
+def logits_record(raw: torch.Tensor, n: int) -> dict:
+    """A step's raw logits, kept for the report's what-if sampler: the n largest (ids and values, largest first) and
+    the other V - n as a histogram of TAIL_BINS equal bins between their least and largest value (each bin's count and
+    mean), so that a page can take softmax(z / T) over the whole vocabulary at any temperature: the tail's share is
+    Σ count · exp(mean / T), within (bin width / T)² / 24 of exact."""
+    z = raw.detach().float().reshape(-1)
+    finite = torch.isfinite(z)
+    k = min(n, int(finite.sum()))
+    top, ids = torch.topk(torch.where(finite, z, -torch.inf), k)
+    rest = torch.ones_like(finite)
+    rest[ids] = False
+    tail = z[rest & finite].double()
+    out = {"ids": ids.tolist(), "values": [_round(v) for v in top.tolist()], "vocab": z.numel(), "tail": None}
+    if tail.numel():
+        lo, hi = float(tail.min()), float(tail.max())
+        edges = torch.clamp(((tail - lo) / max(hi - lo, 1e-12) * TAIL_BINS).long(), 0, TAIL_BINS - 1)
+        counts = torch.bincount(edges, minlength=TAIL_BINS)
+        sums = torch.zeros(TAIL_BINS, dtype=torch.float64).index_add_(0, edges, tail)
+        keep = counts > 0
+        out["tail"] = {"counts": counts[keep].tolist(),
+                       "means": [_round(v) for v in (sums[keep] / counts[keep]).tolist()]}
+    return out
 
 
 def batch_summary_event(result) -> dict:

@@ -8,7 +8,7 @@
   const label = document.getElementById("point-label");
   const numbers = document.getElementById("point-numbers");
   const NS = "http://www.w3.org/2000/svg";
-  const W = data.bar, H = data.height;
+  const W = data.bar, H = data.height, L = data.left; // L: the left margin, where the y axis and its ticks are
 
   function el(name, attrs, text) {
     const e = document.createElementNS(NS, name);
@@ -26,6 +26,12 @@
     label.textContent = p.label;
     svg.dataset.key = key;
     while (svg.firstChild) svg.removeChild(svg.firstChild);
+    svg.appendChild(el("line", { class: "axis", x1: L - 2, x2: L - 2, y1: 0, y2: H }));
+    data.ticks.forEach((t) => { // the log scale's ticks, 1e-9 .. 1e-1
+      const y = H - t.f * H;
+      svg.appendChild(el("line", { class: "axis", x1: L - 6, x2: L - 2, y1: y, y2: y }));
+      svg.appendChild(el("text", { class: "ytick", x: L - 8, y: y + 4, "text-anchor": "end" }, t.text));
+    });
     const half = p.h_added.length ? (W - 4) / 2 : W - 4;
     let worst = 0;
     p.rel.forEach((v, i) => {
@@ -34,18 +40,18 @@
     p.h_rel.forEach((f, i) => {
       if (f === null) return;
       const h = Math.max(f > 0 ? 1 : 0, f * H);
-      const r = el("rect", { class: "bar", x: i * W + 2, y: H - h, width: half, height: h });
+      const r = el("rect", { class: "bar", x: L + i * W + 2, y: H - h, width: half, height: h });
       r.appendChild(el("title", {}, "position " + data.positions[i].position + " " + data.positions[i].token +
         ": rel. error " + fmt(p.rel[i]) + ", max |a−b| " + fmt(p.max_abs[i]) + ", cos " + p.cos[i] +
         (p.added.length ? ", added " + fmt(p.added[i]) : "")));
       svg.appendChild(r);
       if (p.h_added.length && p.h_added[i] !== null) {
         const ha = Math.max(p.h_added[i] > 0 ? 1 : 0, p.h_added[i] * H);
-        svg.appendChild(el("rect", { class: "bar added", x: i * W + 2 + half, y: H - ha, width: half, height: ha }));
+        svg.appendChild(el("rect", { class: "bar added", x: L + i * W + 2 + half, y: H - ha, width: half, height: ha }));
       }
     });
     data.positions.forEach((pos, i) => {
-      svg.appendChild(el("text", { class: "token", transform: "translate(" + (i * W + W / 2 + 3) + "," + (H + 8) +
+      svg.appendChild(el("text", { class: "token", transform: "translate(" + (L + i * W + W / 2 + 3) + "," + (H + 8) +
         ") rotate(60)" }, pos.token));
     });
     svg.dataset.bars = String(svg.querySelectorAll("rect.bar:not(.added)").length);

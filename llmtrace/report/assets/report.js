@@ -27,6 +27,11 @@
   }
   function fmt(x, d) { return x === null || x === undefined ? "\u2014" : Number(x).toPrecision(d || 4); }
   function esc(s) { const t = document.createElement("span"); t.textContent = s; return t.innerHTML; }
+  function tr(key, vals) { // a text of the page's language (catalogue "js." keys), {name} filled in
+    let s = D.words[key] || key;
+    Object.keys(vals || {}).forEach((k) => { s = s.split("{" + k + "}").join(String(vals[k])); });
+    return s;
+  }
 
   // ---------------------------------------------------------------------------------------------- the chosen step
   let cur = 0;
@@ -39,7 +44,7 @@
     const range = $("#step");
     if (range) range.value = String(cur);
     const label = $("#step-label");
-    if (label) label.textContent = "step " + s.step + " of " + steps.length + " \u00b7 " + s.phase + " \u00b7 chose " + vis(s.token.text);
+    if (label) label.textContent = tr("step_label", { step: s.step, n: steps.length, phase: s.phase, token: vis(s.token.text) });
     $$(".chip.gen").forEach((c) => c.classList.toggle("current", Number(c.dataset.step) === s.step));
     const mk = $("#kv .marker");
     if (mk) {
@@ -48,11 +53,12 @@
       mk.setAttribute("x1", x); mk.setAttribute("x2", x);
     }
     const now = $("#kv-now");
-    if (now) now.textContent = "step " + s.step + ": " + s.kv.seq_len + " positions, " + s.kv.bytes_used.toLocaleString("en") +
-      " bytes (MHA: " + s.kv.mha_bytes_used.toLocaleString("en") + ")";
+    if (now) now.textContent = tr("kv_now", { step: s.step, len: s.kv.seq_len, bytes: s.kv.bytes_used.toLocaleString("en"),
+      mha: s.kv.mha_bytes_used.toLocaleString("en") });
     $$("#residual polyline, #residual circle").forEach((p) => p.classList.toggle("current", p.classList.contains("s" + s.step)));
     drawAttention();
     if (stage) showStage(stage);
+    document.dispatchEvent(new CustomEvent("llmtrace:step", { detail: cur })); // walk.js: the what-if sampler
   }
   const range = $("#step");
   if (range) range.addEventListener("input", () => setStep(Number(range.value)));
@@ -80,21 +86,21 @@
     const want = steps.length ? steps[cur].step : 0;
     const kept = D.tensors.steps;
     let at = kept.length ? kept.reduce((a, b) => (Math.abs(b - want) < Math.abs(a - want) ? b : a)) : null;
-    let html = "<h3>" + esc(st.id + " " + st.title) + "</h3>";
+    let html = "<h3>" + esc(st.id + " " + (D.step_titles[st.id] || "")) + "</h3>";
     if (st.sampler) {
-      html += "<p>Stages in this group, in the order run: " + esc(st.sampler.join(" \u2192 ") || "none") +
-        ". Active in this run: " + esc(st.active.join(", ") || "none") + ". Their effect on each step is the funnel under \u201cEach step\u201d.</p>";
+      html += "<p>" + esc(tr("stage_sampler", { order: st.sampler.join(" \u2192 ") || tr("none"),
+        active: st.active.join(", ") || tr("none") })) + "</p>";
     }
     if (st.id === "s1" || st.id === "s2") {
       const n = D.tokens.filter((t) => t.step === null).length;
-      html += "<p>" + n + (n === 1 ? " prompt token" : " prompt tokens") + ": see Tokens.</p>";
+      html += "<p>" + esc(tr("stage_tokens", { n: n })) + "</p>";
     }
     const names = st.points.map((p) => p.name).filter((n) => pts[n]);
     if (!st.sampler && st.points.length && !names.length) {
-      html += "<p class=\"missing\">No statistics of these points in this trace. To record them: <code>" +
-        (D.kind === "generate" ? "--trace full</code> (with <code>--layers</code> to choose layers)" : esc(D.fill) + "</code>") + ".</p>";
+      html += "<p class=\"missing\">" + esc(tr("stage_missing")) + " <code>" +
+        (D.kind === "generate" ? "--trace full</code> " + esc(tr("stage_layers")) : esc(D.fill) + "</code>") + ".</p>";
     }
-    if (names.length && at !== want && at !== null) html += "<p class=\"note\">Statistics of step " + at + " (the nearest step kept).</p>";
+    if (names.length && at !== want && at !== null) html += "<p class=\"note\">" + esc(tr("stage_nearest", { step: at })) + "</p>";
     names.forEach((n) => {
       // a row of the statistics table (report/data.py _tensor_table): {step, layer, mean, std, min, max, norm, shape}
       const rows = pts[n].filter((r) => r.step === at);
@@ -135,9 +141,14 @@
   }
   const canvas = $("#att-canvas");
   let cursor = null; // [row, col] under the mouse or the keyboard
+  const PAD = A.pad || 0; // a batch row's leading pad slots (s3): the maps are by slot, its token i is slot PAD + i
+  function padBin(b) { return A.bins[b][1] <= PAD; }
+  function masked(r, c) { // never attended: a later key (the causal mask), or a pad slot (the padding mask)
+    return A.bins[c][0] >= A.bins[r][1] || padBin(c) || padBin(r);
+  }
   function queryRow() { // the bin of the query that produced the chosen step's token
-    if (!steps.length || A.source !== "probs") return null;
-    const q = steps[cur].position - 1;
+    if (!steps.length || A.source !== "maps") return null;
+    const q = steps[cur].position - 1 + PAD;
     return A.bins.findIndex((b) => b[0] <= q && q < b[1]);
   }
   function paint(target, layer, hi, scale, cell) { // one head's map on a canvas, cell × cell pixels per cell
@@ -150,15 +161,15 @@
       let ranks = null;
       if (scale === "rank") {
         const vis = [];
-        for (let c = 0; c < B; c++) if (A.bins[c][0] < A.bins[r][1]) vis.push(c);
+        for (let c = 0; c < B; c++) if (!masked(r, c)) vis.push(c);
         vis.sort((a, b) => m[off + r * B + a] - m[off + r * B + b]);
         ranks = new Map(vis.map((c, k) => [c, vis.length > 1 ? k / (vis.length - 1) : 1]));
       }
       for (let c = 0; c < B; c++) {
-        const masked = A.bins[c][0] >= A.bins[r][1]; // every key of the column comes after every query of the row
+        const hatch = masked(r, c);
         const v = m[off + r * B + c];
         let col;
-        if (!masked) {
+        if (!hatch) {
           let x = v;
           if (scale === "log") x = (Math.log10(Math.max(v, 1e-4)) + 4) / 4;
           if (scale === "rank") x = ranks.get(c);
@@ -166,7 +177,7 @@
         }
         for (let y = 0; y < cell; y++) for (let x = 0; x < cell; x++) {
           const p = ((r * cell + y) * size + c * cell + x) * 4;
-          const c2 = masked ? (((x + y) % 4 < 2) ? [214, 214, 214] : [246, 246, 246]) : col;
+          const c2 = hatch ? (((x + y) % 4 < 2) ? [214, 214, 214] : [246, 246, 246]) : col;
           img.data[p] = c2[0]; img.data[p + 1] = c2[1]; img.data[p + 2] = c2[2]; img.data[p + 3] = 255;
         }
         drawn++;
@@ -187,7 +198,7 @@
     canvas.dataset.rows = String(B); canvas.dataset.cols = String(B); canvas.dataset.cells = String(drawn);
     canvas.dataset.layer = layer; canvas.dataset.head = String(A.heads[hi]);
     canvas.dataset.cell = String(cell);
-    const ends = { log: ["p \u2264 0.0001", "1"], linear: ["p = 0", "1"], rank: ["lowest in its row", "highest"] }[scale];
+    const ends = { log: ["p \u2264 0.0001", "1"], linear: ["p = 0", "1"], rank: [tr("rank_lo"), tr("rank_hi")] }[scale];
     $("#att-lo").textContent = ends[0]; $("#att-hi").textContent = ends[1];
     const h = A.heads[hi];
     $$(".gqa .qh, .gqa .link").forEach((el) => el.classList.toggle("on", h !== "mean" && Number(el.dataset.head) === h));
@@ -203,31 +214,38 @@
     const cell = Math.max(1, Math.floor(64 / A.bins.length));
     $$("button.thumb").forEach((b) => paint($("canvas", b), b.dataset.layer, Number(b.dataset.hi), scale, cell));
   }
+  function tellParent() { // inside llmtrace serve's page: the head a reader picked is the one it offers to ablate
+    const h = A.heads[Number($("#att-head").value)];
+    if (window.parent !== window && h !== "mean") {
+      window.parent.postMessage({ llmtrace: "head", layer: Number($("#att-layer").value), head: h }, "*");
+    }
+  }
   $$("button.thumb").forEach((b) => b.addEventListener("click", () => {
-    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention();
+    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention(); tellParent();
   }));
   function label(bin) {
     const b = A.bins[bin];
-    if (b[1] - b[0] > 1) return "positions " + b[0] + "\u2013" + (b[1] - 1);
-    const t = D.tokens[b[0]];
-    return "position " + b[0] + (t ? " (" + vis(t.text) + ")" : "");
+    if (b[1] - b[0] > 1) return tr(PAD ? "slots" : "positions", { lo: b[0], hi: b[1] - 1 });
+    if (b[0] < PAD) return tr("slot_pad", { slot: b[0] });
+    const t = D.tokens[b[0] - PAD];
+    return (PAD ? tr("slot_position", { slot: b[0], pos: b[0] - PAD }) : tr("position", { pos: b[0] })) + (t ? " (" + vis(t.text) + ")" : "");
   }
   function readout() {
     const out = $("#att-readout");
     const h = A.heads[Number($("#att-head").value)];
     let text = "layer " + $("#att-layer").value + ", " + (h === "mean" ? "mean over heads" : "head " + h + " (reads KV head " +
       A.groups.findIndex((g) => g.includes(h)) + ")") + ": " + A.bins.length + " \u00d7 " + A.bins.length + " cells.";
-    if (steps.length && A.source === "probs") text += " Red outline: the query row of step " + steps[cur].step + ".";
+    if (steps.length && A.source === "maps") text += " " + tr("outline", { step: steps[cur].step });
     if (cursor) {
       const [r, c] = cursor, B = A.bins.length;
-      const masked = A.bins[c][0] >= A.bins[r][1];
       const v = mapOf($("#att-layer").value)[Number($("#att-head").value) * B * B + r * B + c];
-      text += " Query " + label(r) + " \u2192 key " + label(c) + ": " + (masked ? "masked (a later token)" : v.toFixed(5));
+      const why = padBin(r) || padBin(c) ? tr("masked_pad") : tr("masked_later");
+      text += " " + tr("query_key", { q: label(r), k: label(c) }) + ": " + (masked(r, c) ? why : v.toFixed(5));
     }
     out.textContent = text;
   }
   if (canvas && A.layers.length) {
-    ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); }));
+    ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); tellParent(); }));
     drawThumbs();
     canvas.addEventListener("mousemove", (ev) => {
       const cell = Number(canvas.dataset.cell), rect = canvas.getBoundingClientRect();
@@ -247,7 +265,9 @@
   // ---------------------------------------------------------------------------------------------- logit lens
   function lensCell(td) {
     const row = D.lens.rows[Number(td.dataset.row)], top = row.cells[td.dataset.pos];
-    const where = (row.stage === "logits" ? "the model's output" : "after layer " + row.label) + ", position " + td.dataset.pos;
+    const W = D.words;
+    const where = (row.layer === null ? W.lens_output : W.lens_after.replace("{layer}", row.label)) + ", " +
+      W.lens_position.replace("{pos}", td.dataset.pos);
     let html = "<h3>" + esc(where) + "</h3><table class=\"stats\"><tr><th>token</th><th>id</th><th>p</th><th>logit</th><th></th></tr>";
     top.forEach((c) => {
       html += "<tr><td>" + esc(vis(c.text)) + "</td><td class=num>" + c.id + "</td><td class=num>" + fmt(c.prob, 4) +

@@ -1,0 +1,311 @@
+// llmtrace report: the learner's parts. Plain JavaScript, no library, no network; everything comes from the JSON
+// embedded in the page (#data), by named fields:
+//   walk     one token through the pass, s1-s12, on the values the trace kept (D.walk.samples, D.points)
+//   what-if  the sampler again on the chosen step's logits (D.kept_logits), with temperature, top-k, top-p, min-p
+// No point is named here: what a point is comes from its declaration (seed step, axes, input, residual).
+"use strict";
+(function () {
+  const D = JSON.parse(document.getElementById("data").textContent);
+  const WD = D.words;
+  const $ = (sel, root) => (root || document).querySelector(sel);
+  function t(key, vals) { // a text of the page's language, {name} filled in
+    let s = WD[key] || key;
+    Object.keys(vals || {}).forEach((k) => { s = s.split("{" + k + "}").join(String(vals[k])); });
+    return s;
+  }
+  function esc(s) { const e = document.createElement("span"); e.textContent = s; return e.innerHTML; }
+  function vis(x) { // a token's text as the terminal shows it: ▁ a space, \n, <U+00A0>
+    return (x || "").replace(/[\p{Zs}\p{Zl}\p{Zp}\p{Cf}\p{Cc}\p{Co}\p{Cn}]/gu, (c) => {
+      const n = c.codePointAt(0);
+      if (c === " ") return "\u2581";
+      if (c === "\n") return "\\n";
+      if (c === "\t") return "\\t";
+      if (n < 0x20 || n === 0x7f) return "\\x" + n.toString(16).padStart(2, "0");
+      return "<U+" + n.toString(16).toUpperCase().padStart(4, "0") + ">";
+    }) || "\u2205";
+  }
+  function num(x, d) { return x === null || x === undefined || Number.isNaN(x) ? "\u2014" : Number(x).toPrecision(d || 5); }
+  function unpack(b64, Type) {
+    const bin = atob(b64), bytes = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+    return new Type(bytes.buffer);
+  }
+  const cache = {};
+  function sample(step, layer, name) { // {meta, values (rows × k), norms} of one point of one pass, or null
+    const key = step + "/" + layer + "/" + name;
+    const m = D.walk.samples[key];
+    if (!m) return null;
+    if (!cache[key]) {
+      if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
+      cache[key] = m.values === undefined ? { meta: m } :
+        { meta: m, values: unpack(m.values, Float32Array), norms: unpack(m.norms, Float32Array) };
+    }
+    return cache[key];
+  }
+  const M = D.run.model, G = M.n_heads / M.n_kv_heads;
+  const nPrompt = D.tokens.filter((x) => x.step === null).length;
+  const PAD = D.pad || 0;
+
+  // ------------------------------------------------------------------------------------------ the walk-through
+  function passOf(i) { // the pass that takes token i as input, and its row along T
+    if (i < nPrompt) return { step: 0, t: PAD + i, T: PAD + nPrompt, position: i };
+    const step = i - nPrompt + 1;
+    return { step: step, t: 0, T: 1, position: i };
+  }
+  function rowOf(axes, shape, t, h) { // the row of a sample (all axes but the last, row-major) for token t, head h
+    let row = 0;
+    for (let a = 0; a < axes.length - 1; a++) {
+      let idx = 0;
+      if (axes[a] === "T") idx = t;
+      else if (axes[a] === "H") idx = h;
+      else if (axes[a] === "Hkv") idx = Math.floor(h / G);
+      else if (axes[a] === "G") idx = h % G;
+      row = row * shape[a] + idx;
+    }
+    return row;
+  }
+  function rowValues(s, row) {
+    const k = s.meta.index.length;
+    return Array.from(s.values.slice(row * k, (row + 1) * k));
+  }
+  function shapeText(m) {
+    return "[" + m.shape.map((n, a) => (m.axes ? m.axes[a] + "=" : "") + n).join(", ") + "]";
+  }
+  function valuesTable(index, cols) { // one row per series ([heading, values]), one column per kept entry (index i)
+    let h = "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
+      index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr>";
+    cols.forEach((c) => {
+      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + num(c[1][j]) + "</td>").join("") + "</tr>";
+    });
+    return h + "</table></div>";
+  }
+  const layerPoints = D.points.filter((p) => p.layer), modelPoints = D.points.filter((p) => !p.layer);
+  function inputOf(p, layer) { // the point p is computed from: declared (`input`), else the same axes one step before
+    const pts = p.layer ? layerPoints : modelPoints;
+    if (p.input) {
+      const q = D.points.find((x) => x.name === p.input);
+      if (q && q.traced === false && q.residual) { // it repeats the stream entering the layer: the one before's output
+        const outs = layerPoints.filter((x) => x.residual && x.traced !== false);
+        if (layer > 0 && outs.length) return { name: outs[outs.length - 1].name, layer: layer - 1 };
+        const emb = modelPoints.find((x) => x.step === "s4");
+        return emb && layer === 0 ? { name: emb.name, layer: "m" } : null;
+      }
+      return q ? { name: q.name, layer: q.layer ? layer : "m" } : null;
+    }
+    const key = JSON.stringify(p.axes), step = p.step.split("/")[0];
+    const same = pts.filter((x) => JSON.stringify(x.axes) === key && x.axes);
+    const mine = same.filter((x) => x.step.split("/")[0] === step);
+    const before = same.filter((x) => x.step.split("/").pop() < step && pts.indexOf(x) < pts.indexOf(p));
+    const k = mine.indexOf(p);
+    if (k < 0 || k >= before.length) return null;
+    return { name: before[k].name, layer: p.layer ? layer : "m" };
+  }
+  function normCard(p, pass, layer, row, vals, s) { // y = x / rms(x) · γ, from the input's row and its norm
+    const inp = inputOf(p, layer);
+    if (!inp) return "";
+    const si = sample(pass.step, inp.layer, inp.name);
+    if (!si || !si.values || !si.meta.axes) return "";
+    const r = rowOf(si.meta.axes, si.meta.shape, pass.t, 0), n = si.meta.shape[si.meta.shape.length - 1];
+    const x = rowValues(si, r), norm = si.norms[r], rms = norm / Math.sqrt(n);
+    return "<p class=formula>" + esc(t("norm_formula", { input: inp.name, norm: num(norm), n: n, rms: num(rms) })) + "</p>" +
+      valuesTable(s.meta.index, [["x (" + inp.name + ")", x], ["y (" + p.name + ")", vals], ["γ = y·rms/x", vals.map((y, j) => y * rms / x[j])]]);
+  }
+  function ropeCard(p, pass, layer, row, vals, s) { // the pairs (i, i + Dh/2) rotated by pos · θ_i
+    const inp = inputOf(p, layer);
+    if (!inp) return "";
+    const si = sample(pass.step, inp.layer, inp.name);
+    if (!si || !si.values) return "";
+    if (M.rope_scaling) return "<p class=note>" + esc(t("rope_scaled", { kind: M.rope_scaling.rope_type || M.rope_scaling.type || "?" })) + "</p>";
+    const x = rowValues(si, row), idx = s.meta.index, dh = s.meta.shape[s.meta.shape.length - 1], half = idx.length / 2;
+    // the token's position (RoPE's m): a batch row counts from its first real token, so its pad slots do not count
+    const pos = !D.positions ? pass.position : pass.step === 0 ? D.positions[pass.t] : D.positions[D.positions.length - 1] + pass.step;
+    let h = "<p class=formula>" + esc(t("rope_formula", { base: M.rope_theta, pos: pos, input: inp.name })) + "</p>";
+    h += "<table class=\"stats walkv\"><tr><th>" + esc(t("pair")) + "</th><th>" + esc(t("angle")) + "</th><th>x\u1d62, x\u1d62\u208a\u2095</th><th>" +
+      esc(t("computed")) + "</th><th>" + esc(t("recorded")) + "</th></tr>";
+    for (let j = 0; j < half && idx[j + half] === idx[j] + dh / 2; j++) {
+      const i = idx[j], a = pos * Math.pow(M.rope_theta, -2 * i / dh), c = Math.cos(a), sn = Math.sin(a);
+      const y1 = x[j] * c - x[j + half] * sn, y2 = x[j + half] * c + x[j] * sn;
+      h += "<tr><th scope=row>" + i + ", " + (i + dh / 2) + "</th><td class=num>" + num(a) + "</td><td class=num>" + num(x[j]) + ", " + num(x[j + half]) +
+        "</td><td class=num>" + num(y1) + ", " + num(y2) + "</td><td class=num>" + num(vals[j]) + ", " + num(vals[j + half]) + "</td></tr>";
+    }
+    return h + "</table>";
+  }
+  function softmaxCard(p, pass, layer, row, vals, s) { // p = softmax(s) over the whole row, masked entries 0
+    const inp = inputOf(p, layer);
+    const last = s.meta.shape[s.meta.shape.length - 1];
+    if (!inp || s.meta.index.length !== last) return "";
+    const si = sample(pass.step, inp.layer, inp.name);
+    if (!si || !si.values) return "";
+    const x = rowValues(si, row), fin = x.filter((v) => !Number.isNaN(v)), mx = Math.max(...fin);
+    const e = x.map((v) => (Number.isNaN(v) ? 0 : Math.exp(v - mx))), z = e.reduce((a, b) => a + b, 0);
+    return "<p class=formula>" + esc(t("softmax_formula", { input: inp.name })) + "</p>" +
+      valuesTable(s.meta.index, [[inp.name, x], [t("computed"), e.map((v) => v / z)], [t("recorded"), vals]]);
+  }
+  function maskLine(pass, layer, h) { // s3: the keys this token may attend, from the masked entries of its scores row
+    const sc = D.points.find((p) => p.layer && p.step.split("/")[0] === "s6.4" && JSON.stringify(p.axes) === "[\"H\",\"T\",\"S\"]");
+    const s = sc && sample(pass.step, layer, sc.name);
+    if (!s || !s.values || s.meta.index.length !== s.meta.shape[2]) return "";
+    const v = rowValues(s, rowOf(s.meta.axes, s.meta.shape, pass.t, h));
+    const masked = v.map((x, k) => (Number.isNaN(x) ? k : -1)).filter((k) => k >= 0);
+    return "<p>" + esc(t("mask_row", { layer: layer, head: h, allowed: v.length - masked.length, slots: v.length,
+      masked: masked.length ? masked.join(", ") : "\u2014" })) + "</p>";
+  }
+  function pointCard(p, pass, layer, h) {
+    const lay = p.layer ? layer : "m";
+    const s = sample(pass.step, lay, p.name);
+    let html = "<div class=\"wpoint\" data-point=\"" + esc(p.name) + "\"><h4>" + esc(p.name) + " <code>" +
+      (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(p.about || "") + "</span></h4>";
+    if (!s) return html + "<p class=note>" + esc(t("no_sample")) + "</p></div>";
+    if (s.meta.positions) return html + "<p>" + esc(t("slots_written", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
+    if (!s.meta.axes) return html + "<p class=note>" + esc(t("no_axes")) + "</p></div>";
+    if (s.meta.axes.indexOf("T") < 0 && pass.t !== pass.T - 1) return "";  // a point of the pass's last position only
+    const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
+    const n = s.meta.shape[s.meta.shape.length - 1];
+    html += "<p>" + esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) + "</p>";
+    const step = p.step.split("/")[0];
+    let extra = "";
+    if (p.input) extra = normCard(p, pass, layer, row, vals, s);
+    else if (step === "s6.3") extra = ropeCard(p, pass, layer, row, vals, s);
+    else if (step === "s6.5" && JSON.stringify(p.axes) === "[\"H\",\"T\",\"S\"]") extra = softmaxCard(p, pass, layer, row, vals, s);
+    return html + (extra || valuesTable(s.meta.index, [[t("value"), vals]])) + "</div>";
+  }
+  const SEED = Object.keys(D.step_titles);
+  function drawWalk() {
+    const panel = $("#walk-panel");
+    if (!panel) return;
+    const i = Number($("#walk-token").value), layer = Number($("#walk-layer").value), h = Number($("#walk-head").value);
+    const tok = D.tokens[i], pass = passOf(i);
+    panel.dataset.token = String(i); panel.dataset.step = String(pass.step);
+    if (D.walk.steps.indexOf(pass.step) < 0) { panel.innerHTML = "<p class=missing>" + esc(t("not_passed")) + "</p>"; return; }
+    let html = "";
+    SEED.forEach((sid) => {
+      let body = "";
+      if (sid === "s1" || sid === "s2") {
+        if (sid === "s2") return;
+        body = "<p><b class=tok>" + esc(vis(tok.text)) + "</b> \u00b7 " + esc(t("token_facts", { id: tok.id, piece: tok.piece,
+          bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
+          esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
+      } else if (sid === "s3") {
+        body = maskLine(pass, layer, h);
+      } else if (sid === "s10" || sid === "s11" || sid === "s12") {
+        if (sid !== "s10") return;
+        const st = D.steps.find((x) => x.step === pass.step);
+        body = "<p>" + esc(st && pass.t === pass.T - 1 ? t("sampler_here", { token: vis(st.token.text), step: st.step }) : t("sampler_not")) + "</p>";
+      } else {
+        D.points.filter((p) => p.step.split("/")[0] === sid && p.traced !== false).forEach((p) => { body += pointCard(p, pass, layer, h); });
+      }
+      if (body) html += "<section class=\"wstep\" data-seed=\"" + sid + "\"><h3>" + esc(sid + (sid === "s1" ? "\u2013s2" : sid === "s10" ? "\u2013s12" : "") + " " + D.step_titles[sid]) + "</h3>" + body + "</section>";
+    });
+    panel.innerHTML = html;
+  }
+  ["#walk-token", "#walk-layer", "#walk-head"].forEach((s) => { const e = $(s); if (e) e.addEventListener("change", drawWalk); });
+
+  // ------------------------------------------------------------------------------------------ the what-if sampler
+  function logitsOf(step) { // {ids, z, tail, vocab, all} of one step, decoded once
+    const L = D.kept_logits[String(step)];
+    if (!L) return null;
+    if (!L._z) { L._ids = unpack(L.ids, L.vocab <= 65536 ? Uint16Array : Uint32Array); L._z = unpack(L.values, Float32Array); }
+    return L;
+  }
+  function whatif(L, temperature, topK, topP, minP, order) {
+    // temperature, then the run's truncations among top_k, top_p, min_p in the run's order, each renormalising. The
+    // trace keeps the n largest logits and the rest as a histogram (the tail): the tail joins every softmax while no
+    // truncation has cut inside the kept n (then no tail token can survive it either).
+    const n = L._z.length, greedy = temperature === 0, T = greedy ? 1 : temperature;
+    let keep = n, tail = !!L.tail;
+    function softmax() {
+      const z0 = L._z[0] / T;
+      const e = Array.from(L._z.slice(0, keep), (v) => Math.exp(v / T - z0));
+      let sum = e.reduce((x, y) => x + y, 0);
+      if (tail) L.tail.counts.forEach((c, j) => { sum += c * Math.exp(L.tail.means[j] / T - z0); });
+      return e.map((v) => v / sum);
+    }
+    let probs = softmax();
+    order.forEach((stage) => {
+      let k = keep;
+      if (stage === "top_k" && topK > 0) k = Math.min(keep, topK);
+      if (stage === "top_p" && topP < 1) {
+        let c = 0; k = 0;
+        while (k < keep && c < topP) { c += probs[k]; k++; }
+        if (c < topP && tail) k = keep; // the top-p set reaches into the tail: the kept n all stay
+      }
+      if (stage === "min_p" && minP > 0) { k = 0; while (k < keep && probs[k] >= minP * probs[0]) k++; }
+      k = Math.max(1, k);
+      if (k < keep || (stage === "top_k" && topK > 0 && topK <= n)) tail = false;
+      keep = k;
+      probs = softmax();
+    });
+    if (greedy) { keep = 1; tail = false; probs = [1]; }
+    return { keep: keep, probs: probs.slice(0, keep), survivors: keep + (tail ? L.vocab - n : 0) };
+  }
+  const TOP_SHOWN = 10; // rows of the what-if table (the step's top-k, whose texts the trace has)
+  function drawWhatif() {
+    const panel = $("#whatif-panel");
+    if (!panel || !D.steps.length) return;
+    const cur = Number(($("#step") || { value: 0 }).value || 0), st = D.steps[cur], L = logitsOf(st.step);
+    if (!L) { panel.innerHTML = "<p class=missing>" + esc(t("whatif_none")) + "</p>"; return; }
+    const get = (id) => Number($(id).value);
+    const T = get("#wi-temperature"), k = get("#wi-top-k"), p = get("#wi-top-p"), mp = get("#wi-min-p");
+    ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((id) => {
+      const inp = $(id), out = $("output[for=\"" + id.slice(1) + "\"]");
+      out.textContent = inp.value + (Number(inp.value) === Number(inp.dataset.run) ? " (" + t("whatif_run") + ")" : "");
+    });
+    const runOrder = (D.run.sampling && D.run.sampling.order) || ["temperature", "top_k", "top_p", "min_p"];
+    const order = runOrder.filter((s) => ["top_k", "top_p", "min_p"].indexOf(s) >= 0);
+    const r = whatif(L, T, k, p, mp, order);
+    const text = (id) => {
+      if (id === st.token.id) return vis(st.token.text);
+      const c = (st.topk || []).find((x) => x.id === id);
+      return c ? vis(c.text) : "id " + id;
+    };
+    let html = "<p class=note>" + esc(L.all ? t("whatif_source_all", { vocab: L.vocab }) : t("whatif_source_top", { n: L.n, rest: L.vocab - L.n })) +
+      " \u00b7 " + esc(t("whatif_order", { order: ["temperature"].concat(order).join(" \u2192 ") })) + "</p>";
+    html += "<p id=\"whatif-summary\">" + esc(t("whatif_survivors", { n: r.survivors.toLocaleString("en"), vocab: L.vocab.toLocaleString("en") })) +
+      " \u00b7 <span id=\"whatif-top1\">" + esc(t("whatif_top1", { token: text(L._ids[0]), p: r.probs[0].toFixed(6) })) + "</span></p>";
+    html += "<table class=\"stats whatif-bars\"><tr><th>token</th><th>id</th><th>p</th><th></th></tr>";
+    for (let j = 0; j < Math.min(Math.max(TOP_SHOWN, (st.topk || []).length), L._z.length); j++) {
+      const id = L._ids[j], pj = j < r.keep ? r.probs[j] : 0, chosen = id === st.token.id;
+      html += "<tr" + (chosen ? " class=chosen" : "") + " data-id=\"" + id + "\"><td>" + esc(text(id)) + (chosen ? " \u2190 " + esc(t("whatif_chosen")) : "") +
+        "</td><td class=num>" + id + "</td><td class=num>" + (j < r.keep ? pj.toFixed(4) : "\u2014") + "</td><td><span class=\"nbar\" style=\"width:" + (200 * pj).toFixed(1) + "px\"></span></td></tr>";
+    }
+    html += "</table>" + drawBar(L, r, st, text);
+    panel.innerHTML = html;
+  }
+  function drawBar(L, r, st, text) { // each survivor's slice of [0, 1) in id order, and where the run's u lands
+    if (!st.rng || st.rng.draw === null || st.rng.draw === undefined || r.keep < 1) return "";
+    const ids = Array.from(L._ids.slice(0, r.keep)), pr = r.probs.slice(0, r.keep);
+    const total = pr.reduce((a, b) => a + b, 0), order = ids.map((id, j) => [id, pr[j] / total]).sort((a, b) => a[0] - b[0]);
+    const W = 480, X0 = 12, u = st.rng.draw;
+    let acc = 0, landed = null, rects = "";
+    order.forEach(([id, q], j) => {
+      const x = X0 + W * acc;
+      if (landed === null && u < acc + q) landed = id;
+      rects += "<rect x=\"" + x.toFixed(2) + "\" y=\"6\" width=\"" + Math.max(0.5, W * q).toFixed(2) + "\" height=\"14\" class=\"wslice" + (j % 2 ? " odd" : "") +
+        "\"><title>" + esc(text(id)) + " " + q.toFixed(4) + "</title></rect>";
+      acc += q;
+    });
+    if (landed === null && order.length) landed = order[order.length - 1][0];
+    const ux = X0 + W * u;
+    return "<p>" + esc(t("whatif_draw", { u: u.toFixed(4), token: text(landed) })) + "</p><svg class=\"draw whatif-draw\" width=\"" + (W + 24) + "\" height=\"40\" viewBox=\"0 0 " + (W + 24) +
+      " 40\" role=\"img\" data-landed=\"" + landed + "\">" + rects + "<line x1=\"" + ux + "\" x2=\"" + ux + "\" y1=\"2\" y2=\"24\" class=\"u\"/><text x=\"" + X0 + "\" y=\"35\" text-anchor=\"middle\" class=\"cap\">0</text><text x=\"" +
+      (X0 + W) + "\" y=\"35\" text-anchor=\"middle\" class=\"cap\">1</text></svg>";
+  }
+  function tellParent() { // inside llmtrace serve's page: its re-sample runs the real sampler with these settings
+    if (window.parent === window) return;
+    const v = (id) => Number($(id).value);
+    window.parent.postMessage({ llmtrace: "sampler", temperature: v("#wi-temperature"), top_k: v("#wi-top-k"),
+      top_p: v("#wi-top-p"), min_p: v("#wi-min-p") }, "*");
+  }
+  ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((s) => {
+    const e = $(s);
+    if (e) e.addEventListener("input", () => { drawWhatif(); tellParent(); });
+  });
+  const reset = $("#wi-reset");
+  if (reset) reset.addEventListener("click", () => {
+    ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((s) => { $(s).value = $(s).dataset.run; });
+    drawWhatif();
+  });
+  document.addEventListener("llmtrace:step", drawWhatif);
+  drawWalk();
+  drawWhatif();
+})();

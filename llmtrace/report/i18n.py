@@ -1,0 +1,47 @@
+"""The words of the HTML pages, one catalogue per language: report/catalogue/LANG.json, a flat object of keys to
+texts ({name} marks a value filled in). English is complete; another language gives the keys it translates and falls
+back to English for the rest (tests/test_report_pages.py checks that Chinese translates every key). The terms follow
+the seed documents' own: 分词, 词元, 嵌入, 旋转位置编码, 注意力, 前馈网络, 残差, 归一化, 采样, 温度, KV 缓存."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from llmtrace.errors import BadValue
+
+LANGS = ("en", "zh")
+HTML_LANG = {"en": "en", "zh": "zh-Hans"}
+
+
+@functools.cache
+def _load(lang: str) -> dict[str, str]:
+    return json.loads((Path(__file__).with_name("catalogue") / f"{lang}.json").read_text(encoding="utf-8"))
+
+
+def check_lang(lang: str) -> str:
+    if lang not in LANGS:
+        raise BadValue("lang", f" must be one of {', '.join(LANGS)}, not {lang!r}")
+    return lang
+
+
+class Words:
+    """The texts of one language: `w("key", name=value)`; `w.js` the keys the page's script uses (those starting
+    with "js.")."""
+
+    def __init__(self, lang: str = "en"):
+        self.lang = check_lang(lang)
+        self.html_lang = HTML_LANG[lang]
+        self._texts = _load("en") | (_load(lang) if lang != "en" else {})
+
+    def __call__(self, key: str, **values) -> str:
+        text = self._texts[key]
+        return text.format(**values) if values else text
+
+    def has(self, key: str) -> bool:
+        return key in self._texts
+
+    @property
+    def js(self) -> dict[str, str]:
+        return {k[3:]: v for k, v in self._texts.items() if k.startswith("js.")}

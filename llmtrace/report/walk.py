@@ -1,0 +1,123 @@
+"""The learner's parts of the report, from a trace's events: the model's declared points, the walk-through's values
+and each step's logits for the what-if sampler.
+
+    declared_points  the points in forward order with their seed step, axes, what they are and their input (the run
+                     event's `points`, as the model declares them; for an older trace, the points it recorded)
+    walk             every sampled tensor (tensor.sample, --trace full) by step, layer and point, packed as float32
+    step_logits      each step's raw logits: the 1,000 largest and the rest as a histogram (step.logits), or every
+                     one where the trace dumped them (--dump logits)
+
+No point is named here: what a point is comes from its declaration (its seed step, its axes, `input`, `residual`).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Optional
+
+import numpy as np
+
+# The axes of an attention map (a declared point): query heads × the pass's tokens × the key slots they attend.
+ATTENTION_AXES = ["H", "T", "S"]
+
+
+def declared_points(run: Optional[dict], head: Optional[dict], tensors: list[dict]) -> list[dict]:
+    """The model's observable points in forward order: {name, step, axes, about, input, layer, residual}. A trace
+    written before points were declared has none: its recorded points then stand in, with their seed steps and
+    without axes."""
+    decl = (run or {}).get("points") or (head or {}).get("points")
+    if decl:
+        return [{"name": p["name"], "step": p.get("seed_step") or "", "axes": list(p.get("axes") or []) or None,
+                 "about": p.get("about", ""), "input": p.get("input", ""), "layer": bool(p.get("layer")),
+                 "residual": bool(p.get("residual")), "traced": p.get("traced", True)} for p in decl]
+    seen: dict[tuple[str, bool], Optional[str]] = {}
+    for ev in tensors:
+        seen.setdefault((ev["name"], ev["layer"] is not None), ev.get("seed_step"))
+    return [{"name": n, "step": s or "", "axes": None, "about": "", "input": "", "layer": lay, "residual": False,
+             "traced": True} for (n, lay), s in seen.items()]
+
+
+def axes_of(ev: dict, by_name: dict[str, dict]) -> Optional[list[str]]:
+    """The axes of a tensor event: its own `axes`, else its point's declared ones where they describe its shape."""
+    axes = ev.get("axes") or (by_name.get(ev["name"]) or {}).get("axes")
+    return list(axes) if axes and len(axes) == len(ev["shape"]) else None
+
+
+def attention_points(points: list[dict]) -> set[str]:
+    """The points that are attention probabilities: softmax's output (s6.5) over heads × tokens × slots."""
+    return {p["name"] for p in points if p["axes"] == ATTENTION_AXES and p["step"].split("/")[0] == "s6.5"}
+
+
+def residual_output(points: list[dict]) -> Optional[str]:
+    """The point that is a layer's output: the last residual-stream point of the layer (None without declarations)."""
+    res = [p["name"] for p in points if p["layer"] and p["residual"] and p.get("traced", True)]
+    return res[-1] if res else None
+
+
+def embedding_point(points: list[dict]) -> Optional[str]:
+    """The point of s4 (the embedding), outside the layers."""
+    return next((p["name"] for p in points if not p["layer"] and p["step"] == "s4"), None)
+
+
+def pack_f32(values: list) -> str:
+    """Numbers (None for a non-finite value) as little-endian float32, base64: None becomes NaN."""
+    a = np.asarray([np.nan if v is None else v for v in values], dtype="<f4")
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def pack_ids(values: list[int], vocab: int) -> str:
+    """Token ids as little-endian uint16 when the vocabulary fits (49,152 for SmolLM2), else uint32, base64."""
+    return base64.b64encode(np.asarray(values, dtype="<u2" if vocab <= 1 << 16 else "<u4").tobytes()).decode("ascii")
+
+
+def walk(tensors: list[dict], points: list[dict]) -> dict:
+    """The walk-through's values: {"samples": {"STEP/LAYER/NAME": {...}}, "indexes": [...], "layers": [...],
+    "steps": [...]}, LAYER "m" for a point outside the layers. A sample is `rows` rows (the recorded shape's other
+    axes, row-major) of the entries `indexes[ix]` along the last axis (values: rows × entries, float32) and each row's
+    norm; the few distinct index lists are kept once."""
+    by_name = {p["name"]: p for p in points}
+    samples: dict[str, Any] = {}
+    indexes: list[list[int]] = []
+    layers, steps = set(), set()
+    for ev in tensors:
+        s = ev.get("sample")
+        step = ev.get("step", 0)
+        key = f'{step}/{"m" if ev["layer"] is None else ev["layer"]}/{ev["name"]}'
+        if "positions" in ev and not s:  # the slots a pass wrote (the KV cache's point): [first, last]
+            samples[key] = {"shape": ev["shape"], "axes": axes_of(ev, by_name), "positions": ev["positions"]}
+            continue
+        if not s or not s["values"]:
+            continue
+        if s["index"] not in indexes:
+            indexes.append(s["index"])
+        samples[key] = {"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
+                        "rows": len(s["values"]), "values": pack_f32([v for row in s["values"] for v in row]),
+                        "norms": pack_f32(s["norms"])}
+        steps.add(step)
+        if ev["layer"] is not None:
+            layers.add(ev["layer"])
+    return {"samples": samples, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps)}
+
+
+def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> dict:
+    """{step: logits} for the what-if sampler: "all" where the trace dumped every logit of that step's last position
+    (the LM head's point, s9, with values), else the step event's 1,000 largest and its tail histogram."""
+    head = {p["name"] for p in points if p["step"] == "s9"}
+    dumped = {}
+    for ev in tensors:
+        if ev["name"] in head and "values" in ev:
+            v = np.asarray(ev["values"], dtype=np.float64)
+            dumped[ev.get("step", 0)] = v.reshape(-1, v.shape[-1])[-1] if v.ndim else v
+    out = {}
+    for e in steps:
+        s = e["step"]
+        if s in dumped:
+            z = dumped[s]
+            order = np.argsort(-z, kind="stable")
+            out[str(s)] = {"all": True, "vocab": int(z.size), "ids": pack_ids(order.tolist(), int(z.size)),
+                           "values": pack_f32(z[order].tolist()), "n": int(z.size), "tail": None}
+        elif e.get("logits"):
+            lg = e["logits"]
+            out[str(s)] = {"all": lg["tail"] is None, "vocab": lg["vocab"], "ids": pack_ids(lg["ids"], lg["vocab"]),
+                           "values": pack_f32(lg["values"]), "n": len(lg["ids"]), "tail": lg["tail"]}
+    return out

@@ -1,0 +1,219 @@
+"""What a request may ask of the server, checked as the CLI checks it, and the runs themselves on the Python API.
+
+A request body is JSON with the keywords of `Model.generate` / `explain` / `lens` that make sense over HTTP (no file
+names: `dump`, `save_tensors`, `compile` are refused, as is any path) plus `prompt` and `model`, one of the models the
+server was started with (or, with --allow-pull, a registry name). Each run goes through the same options values
+(`GenerateOptions`, ...) that check themselves, so a bad value gives the CLI's one-line message, here as a JSON error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from llmtrace.errors import BadValue, LlmtraceError, UsageError
+from llmtrace.trace.sinks import ENCODER
+
+# The keywords a request may give, per kind of run (beside "prompt" and "model").
+GENERATE_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+                 "frequency_penalty", "presence_penalty", "seed", "ignore_eos", "chat", "system", "stop", "trace",
+                 "layers", "show_top", "ablate", "scale", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                 "dry_multiplier", "mirostat", "sampler_order"}
+EXPLAIN_KEYS = {"layer", "head", "top", "chat", "system", "ablate", "scale"}
+LENS_KEYS = {"positions", "layers", "top", "chat", "system", "ablate", "scale"}
+PATCH_KEYS = {"clean", "corrupt", "answer", "against", "at"}
+KEYS = {"generate": GENERATE_KEYS, "explain": EXPLAIN_KEYS, "lens": LENS_KEYS, "patch": PATCH_KEYS}
+
+
+@dataclass
+class Limits:
+    """What one request may ask: the body's size, the tokens a run generates, the prompt's length, the runs a model
+    makes at once (the others wait their turn, told their place) and how many wait."""
+
+    body_bytes: int = 64 * 1024
+    max_new_tokens: int = 256
+    prompt_chars: int = 16_000
+    concurrent_per_model: int = 1
+    queued_per_model: int = 8
+
+
+class Cancelled(Exception):
+    """The client went away: the run stops at its next event."""
+
+
+@dataclass
+class Served:
+    """One model the server runs: the loaded Model, one lock per concurrent run, and who waits."""
+
+    name: str
+    model: Any  # llmtrace.api.Model
+    slots: asyncio.Semaphore
+    waiting: int = 0  # requests waiting for a slot
+    active: int = 0  # runs holding one
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def looks_like_path(name: str) -> bool:
+    return any(c in name for c in "/\\") or name.startswith((".", "~")) or name.endswith((".gguf", ".safetensors"))
+
+
+def pick_model(body: dict, served: dict[str, Served], allow_pull: bool, load: Callable[[str], Served]) -> Served:
+    """The model a request names (its "model"; the first one served when it names none). A path is refused, never
+    opened; a name the server was not started with is refused unless --allow-pull allows registry names."""
+    name = body.get("model")
+    if name is None:
+        return next(iter(served.values()))
+    if not isinstance(name, str) or not name:
+        raise BadValue("model", " must be the name of a model this server runs")
+    if name in served:
+        return served[name]
+    if looks_like_path(name):
+        raise BadValue("model", f" {name!r} looks like a path: a request may only name a model the server was "
+                                f"started with ({', '.join(served)}); paths are never opened")
+    if allow_pull:
+        from llmtrace.registry.models_toml import load_registry
+
+        if name in load_registry():
+            return load(name)
+    raise BadValue("model", f" {name!r} is not served here; the models are: {', '.join(served)}")
+
+
+def options_of(kind: str, body: dict, limits: Limits) -> tuple[Any, Any]:
+    """(prompt, the options value) of a request, checked: unknown keywords, a path, limits, then the options' own
+    checks (BadValue naming the keyword, as the API raises it)."""
+    from llmtrace.api import ExplainOptions, GenerateOptions, LensOptions
+
+    if not isinstance(body, dict):
+        raise BadValue("body", " must be a JSON object")
+    unknown = sorted(set(body) - KEYS[kind] - {"prompt", "model"})
+    if unknown:
+        raise BadValue(unknown[0], f" is not an option of {kind} here; it takes: prompt, model, "
+                                   f"{', '.join(sorted(KEYS[kind]))}")
+    if kind == "patch":  # the sweep: two prompts of as many tokens, two one-token answers (api.patch_sweep checks)
+        given = {k: body.get(k) for k in PATCH_KEYS if k in body}
+        for k in ("clean", "corrupt", "answer", "against"):
+            if not isinstance(given.get(k), str) or not given[k]:
+                raise BadValue(k, " must be a non-empty text")
+        if len(given["clean"]) + len(given["corrupt"]) > limits.prompt_chars:
+            raise BadValue("clean", f" and corrupt are longer than this server takes ({limits.prompt_chars:,})")
+        return None, given
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadValue("prompt", " must be a non-empty text")
+    if len(prompt) > limits.prompt_chars:
+        raise BadValue("prompt", f" is {len(prompt):,} characters; this server takes at most {limits.prompt_chars:,}")
+    given = {k: v for k, v in body.items() if k not in ("prompt", "model", "ablate", "scale")}
+    given["interventions"] = interventions(body)
+    if kind == "generate":
+        n = given.setdefault("max_new_tokens", min(32, limits.max_new_tokens))
+        if not isinstance(n, int) or isinstance(n, bool) or n > limits.max_new_tokens:
+            raise BadValue("max_new_tokens", f" must be a whole number up to {limits.max_new_tokens} on this server")
+        return prompt, GenerateOptions.of(**given, for_report=True)
+    cls = ExplainOptions if kind == "explain" else LensOptions
+    return prompt, cls(**given)
+
+
+def interventions(body: dict) -> list:
+    """"ablate": ["3.h2", "0.attn"], "scale": ["3.h2=0.5"]: the CLI's specs, parsed by the same functions."""
+    from llmtrace.run.interventions import parse_ablate, parse_scale
+
+    out = []
+    for key, parse in (("ablate", parse_ablate), ("scale", parse_scale)):
+        specs = body.get(key) or []
+        if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
+            raise BadValue(key, ' must be a list of specs such as ["3.h2"]')
+        out += [parse(s) for s in specs]
+    return out
+
+
+def run_in_thread(served: Served, kind: str, prompt: str, options: Any, sink: Callable[[dict], None]):
+    """One run on the API, its events to `sink` as they are made (generate), or all at the end (explain, lens)."""
+    model = served.model
+    with served.lock:
+        if kind == "patch":  # one event, the sweep's, with the model it ran on (what `patch --json` writes)
+            from llmtrace.api import patch_sweep
+            from llmtrace.trace.records import model_record
+
+            ev = patch_sweep(model, **options)
+            ev["model"] = model_record(model.loaded)
+            sink(ev)
+            return None
+        if kind == "generate":
+            return model.generate_with(prompt, options, sinks=[sink], keep_events=True)
+        trace = model.explain_with(prompt, options) if kind == "explain" else model.lens_with(prompt, options)
+        for ev in trace.events:
+            sink(ev)
+        return trace
+
+
+def line(ev: dict) -> str:
+    """An event as one line of the stream: the same text a --jsonl file holds."""
+    return (getattr(ev, "line", None) or ENCODER.encode(ev)) + "\n"
+
+
+def error_body(e: Exception) -> dict:
+    """The one line the CLI prints, without its "error: ", as a JSON error body."""
+    if isinstance(e, (BadValue, UsageError, LlmtraceError)):
+        return {"error": str(e)}
+    return {"error": f"{type(e).__name__}: {e}"}
+
+
+def queue_line(position: int) -> str:
+    """A line of the stream that is not a trace event: the run waits behind `position` others (0: it starts)."""
+    return ENCODER.encode({"event": "queue", "position": position}) + "\n"
+
+
+async def stream(served: Served, limits: Limits, kind: str, prompt: str, options: Any, runs: dict, run_id: str):
+    """The run's lines as they are made: its place in the queue while it waits, then every event. Runs in a worker
+    thread; when the client goes away (the generator is closed), the run stops at its next event."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+    events: list[dict] = []
+
+    def sink(ev: dict) -> None:
+        if cancelled.is_set():
+            raise Cancelled()
+        events.append(ev)
+        loop.call_soon_threadsafe(queue.put_nowait, line(ev))
+
+    def work() -> None:
+        try:
+            trace = run_in_thread(served, kind, prompt, options, sink)
+            if trace is not None:  # a patch sweep has no report page
+                runs[run_id] = {"events": trace.events, "tokenizer": served.model.tokenizer}
+            while len(runs) > 16:  # the pages of the last runs stay fetchable
+                runs.pop(next(iter(runs)))
+        except Cancelled:
+            pass
+        except Exception as e:  # one error line, as JSON, and the server lives on
+            loop.call_soon_threadsafe(queue.put_nowait, ENCODER.encode({"event": "error", **error_body(e)}) + "\n")
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    served.waiting += 1
+    waiting = True
+    try:
+        ahead = served.active + served.waiting - 1 - (limits.concurrent_per_model - 1)
+        if ahead > 0:  # told once: its place in the queue
+            yield queue_line(ahead)
+        async with served.slots:
+            served.waiting -= 1
+            waiting = False
+            served.active += 1
+            try:
+                yield ENCODER.encode({"event": "run_id", "id": run_id}) + "\n"
+                task = loop.run_in_executor(None, work)
+                try:
+                    while (item := await queue.get()) is not None:
+                        yield item
+                finally:
+                    cancelled.set()
+                    await asyncio.shield(task)
+            finally:
+                served.active -= 1
+    finally:
+        if waiting:
+            served.waiting -= 1

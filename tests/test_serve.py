@@ -1,0 +1,264 @@
+"""`llmtrace serve` (issue 35) on a tiny random model: the API's streams equal `generate --jsonl`, the security rules
+(token, Host, origin, no paths, limits), two runs at once, a client that goes away, and the live page end to end in
+Chromium against a real `llmtrace serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette", reason="the serve extra: pip install -e '.[serve]'")
+pytest.importorskip("httpx", reason="starlette's test client needs httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from llmtrace.serve.app import make_app  # noqa: E402
+from llmtrace.serve.runs import Limits, Served  # noqa: E402
+
+TOKEN = "t0ken-for-tests"
+HOST = "127.0.0.1:8321"
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from tiny import TinySpec, write_hf_dir
+
+    path = tmp_path_factory.mktemp("tiny") / "tinyhf"
+    write_hf_dir(path, TinySpec())
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    import llmtrace
+
+    return llmtrace.load(str(tiny_dir), threads=1)
+
+
+def client(tiny, limits=None, served=None, **kw) -> TestClient:
+    limits = limits or Limits(max_new_tokens=16)
+    served = served if served is not None else {}
+    served["tiny"] = Served("tiny", tiny, asyncio.Semaphore(limits.concurrent_per_model))
+    app = make_app(served, TOKEN, host="127.0.0.1", port=8321, limits=limits, **kw)
+    return TestClient(app, base_url=f"http://{HOST}")
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def lines(r) -> list[dict]:
+    return [json.loads(x) for x in r.text.splitlines() if x]
+
+
+def events_of(r) -> list[dict]:
+    return [e for e in lines(r) if e["event"] not in ("queue", "run_id")]
+
+
+def test_the_apis_events_are_the_clis_jsonl(tiny, tiny_dir, tmp_path):
+    with client(tiny) as c:
+        r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 5, "ignore_eos": True,
+                                                         "trace": "steps"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+    got = events_of(r)
+    out = tmp_path / "cli.jsonl"
+    cli = subprocess.run([sys.executable, "-m", "llmtrace", "generate", PROMPT, "-m", str(tiny_dir), "-n", "5",
+                          "--ignore-eos", "--threads", "1", "--jsonl", str(out), "--html", str(tmp_path / "p.html")],
+                         capture_output=True, text=True,
+                         timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    want = [json.loads(x) for x in out.read_text().splitlines()]  # the server records what a page needs, as --html
+    tokens = lambda evs: [e["token"]["id"] for e in evs if e["event"] == "step"]  # noqa: E731
+    assert tokens(got) == tokens(want) and len(tokens(got)) == 5
+    assert [e["event"] for e in got] == [e["event"] for e in want]
+    summary = next(e for e in got if e["event"] == "summary")
+    assert summary["text"] == next(e for e in want if e["event"] == "summary")["text"]
+
+
+def test_a_request_without_the_token_is_refused(tiny):
+    with client(tiny) as c:
+        assert c.get("/").status_code == 401
+        assert c.post("/api/generate", json={"prompt": PROMPT}).status_code == 401
+        assert c.get("/", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get(f"/?token={TOKEN}").status_code == 200
+        page = c.get("/", headers=AUTH)
+        assert page.status_code == 200 and "Content-Security-Policy" in page.text
+        assert page.headers["referrer-policy"] == "no-referrer" and page.headers["x-frame-options"] == "DENY"
+
+
+def test_a_foreign_host_or_origin_is_refused(tiny):
+    with client(tiny) as c:
+        assert c.get("/", headers=AUTH | {"Host": "evil.example:8321"}).status_code == 421  # DNS rebinding
+        assert c.get("/", headers=AUTH | {"Host": "localhost:8321"}).status_code == 200
+        r = c.post("/api/generate", headers=AUTH | {"Origin": "http://evil.example"}, json={"prompt": PROMPT})
+        assert r.status_code == 403
+        assert c.get("/", headers=AUTH | {"Sec-Fetch-Site": "cross-site"}).status_code == 403
+        assert c.post("/api/generate", headers=AUTH | {"Origin": f"http://{HOST}"},
+                      json={"prompt": PROMPT, "max_new_tokens": 1}).status_code == 200
+
+
+def test_a_path_in_a_request_is_refused_and_the_server_lives_on(tiny, tiny_dir):
+    with client(tiny) as c:
+        for name in (str(tiny_dir), "../x.gguf", "/etc/passwd", "model.gguf"):
+            r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "model": name})
+            assert r.status_code == 400 and "path" in r.json()["error"], (name, r.text)
+        r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "model": "smollm2-135m-instruct"})
+        assert r.status_code == 400 and "not served here" in r.json()["error"]
+        bad = [({"prompt": ""}, "prompt"), ({"prompt": PROMPT, "temperature": -1}, "temperature"),
+               ({"prompt": PROMPT, "max_new_tokens": 10_000}, "max_new_tokens"),
+               ({"prompt": PROMPT, "dump": ["logits"]}, "dump"),
+               ({"prompt": PROMPT, "save_tensors": "/tmp/x"}, "save_tensors"),
+               ({"prompt": PROMPT, "ablate": ["99.h0"]}, "layer")]
+        for body, says in bad:
+            r = c.post("/api/generate", headers=AUTH, json=body)
+            if r.status_code == 200:  # a check that needs the model: an error line in the stream
+                err = [e for e in lines(r) if e["event"] == "error"]
+                assert err and says in err[0]["error"], (body, r.text)
+            else:
+                assert r.status_code == 400 and says in r.json()["error"], (body, r.text)
+        r = c.post("/api/generate", headers=AUTH | {"Content-Type": "application/json"}, content=b"x" * 70_000)
+        assert r.status_code == 413
+        r = c.post("/api/generate", headers=AUTH, content=b"{not json")
+        assert r.status_code == 400
+        r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and sum(e["event"] == "step" for e in lines(r)) == 2  # still answering
+
+
+def test_two_runs_at_once_both_come_back_right_one_waits(tiny):
+    import threading
+
+    want = tiny.generate(PROMPT, max_new_tokens=6, ignore_eos=True).tokens
+    results = []
+    with client(tiny) as c:
+        def go():
+            results.append(lines(c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 6,
+                                                                               "ignore_eos": True, "trace": "full"})))
+        ts = [threading.Thread(target=go) for _ in range(2)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join(120)
+    assert len(results) == 2
+    for evs in results:
+        assert [e["token"]["id"] for e in evs if e["event"] == "step"] == list(want)
+    assert sum(any(e["event"] == "queue" for e in evs) for evs in results) == 1  # one run waited, and was told
+
+
+def test_a_run_stops_when_its_client_goes_away(tiny):
+    served: dict = {}
+    steps = 0
+    with client(tiny, Limits(max_new_tokens=4000), served) as c:
+        with c.stream("POST", "/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 4000,
+                                                                     "ignore_eos": True, "trace": "full"}) as r:
+            for raw in r.iter_lines():
+                steps += '"event": "step"' in raw
+                if steps == 3:
+                    break  # the client leaves after three tokens of four thousand
+        s = served["tiny"]
+        deadline = time.time() + 60
+        while (s.active or s.lock.locked()) and time.time() < deadline:
+            time.sleep(0.05)
+        assert s.active == 0 and not s.lock.locked()  # the run ended, and freed the model
+        r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 2, "ignore_eos": True})
+        assert sum(e["event"] == "step" for e in lines(r)) == 2
+
+
+def test_the_page_of_a_run_is_the_report(tiny):
+    with client(tiny) as c:
+        evs = lines(c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 3,
+                                                                 "ignore_eos": True, "trace": "full"}))
+        run_id = next(e["id"] for e in evs if e["event"] == "run_id")
+        page = c.get(f"/api/page?run={run_id}", headers=AUTH)
+        assert page.status_code == 200 and 'id="whatif"' in page.text and 'id="walk"' in page.text
+        assert "温度" in c.get(f"/api/page?run={run_id}&lang=zh", headers=AUTH).text
+        assert c.get("/api/page?run=nope", headers=AUTH).status_code == 404
+        assert c.post("/api/explain", headers=AUTH, json={"prompt": PROMPT, "layer": 1}).status_code == 200
+        lens = events_of(c.post("/api/lens", headers=AUTH, json={"prompt": PROMPT}))
+        assert any(e["event"] == "lens" for e in lens)
+        assert c.post("/api/nothing", headers=AUTH, json={}).status_code == 404
+        sweep = {"clean": "The quick brown fox", "corrupt": "The quick lazy dog", "answer": " b", "against": "The"}
+        patch = events_of(c.post("/api/patch", headers=AUTH, json=sweep))
+        import llmtrace
+
+        want = llmtrace.patch_sweep(tiny, clean="The quick brown fox", corrupt="The quick lazy dog", answer=" b",
+                                    against="The")
+        assert [c["recovery"] for c in patch[0]["cells"]] == [c["recovery"] for c in want["cells"]]
+        r = c.post("/api/patch", headers=AUTH, json={"clean": "a", "corrupt": "a longer one", "answer": " b",
+                                                     "against": "The"})
+        assert "same number of tokens" in lines(r)[-1]["error"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# end to end: `llmtrace serve` in its own process, the page in Chromium
+
+
+@pytest.fixture
+def server(tiny_dir):
+    env = dict(os.environ, LLMTRACE_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-m", "llmtrace", "serve", "-m", str(tiny_dir), "--port", "0",
+                          "--no-browser"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    url = None
+    while time.time() < deadline and url is None:
+        line = p.stdout.readline()
+        m = re.search(r"(http://127\.0\.0\.1:\d+/\?token=\S+)", line)
+        if m:
+            url = m.group(1)
+        elif p.poll() is not None:
+            break
+    assert url, p.stderr.read()
+    yield p, url
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser):
+    proc, url = server
+    want = tiny.generate("The capital of France is", max_new_tokens=8, ignore_eos=True).text
+    page = browser.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    assert "token=" not in page.url  # the token left the address bar
+    assert page.locator("#model option").all_inner_texts() == ["tinyhf"]  # the model by its name, never its path
+    page.get_by_label("Prompt").fill("The capital of France is")
+    page.get_by_role("button", name="Run").click()
+    page.locator("#status", has_text="done").wait_for(timeout=120_000)  # (the page's CSP forbids eval'd waits)
+    assert page.inner_text("#text") == want
+    assert page.locator("#tokens .chip.gen").count() == 8
+    frame = page.frame_locator("#page")
+    frame.locator("#whatif").wait_for(timeout=60_000)
+    assert frame.locator("#walk").count() == 1
+    frame.locator("button.thumb[data-layer='1'][data-hi='2']").click()  # a head of the heatmap: the one to ablate
+    from playwright.sync_api import expect
+
+    expect(page.locator("#ablate_layer")).to_have_value("1")  # (postMessage: asynchronous)
+    expect(page.locator("#ablate_head")).to_have_value("2")
+    frame.locator("#wi-temperature").evaluate("e => { e.value = '1.5'; e.dispatchEvent(new Event('input')); }")
+    expect(page.locator("#temperature")).to_have_value("1.5")  # the what-if sliders set what a re-sample runs with
+    page.get_by_role("button", name="Re-sample with these settings").click()
+    page.locator("#compare table").wait_for(timeout=120_000)
+    assert "Sampled again on the server" in page.inner_text("#compare")
+    page.get_by_role("button", name="Ablate this head and compare").click()
+    page.locator("#compare", has_text="ablated").wait_for(timeout=120_000)
+    assert "layer 1 head 2 ablated" in page.inner_text("#compare")
+    assert errors == []
+    page.close()
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
+    assert proc.wait(30) == 0 or proc.returncode in (0, 130)
+    assert "Traceback" not in proc.stderr.read()
+
+
