@@ -12,7 +12,7 @@ import torch
 from llmtrace.errors import LlmtraceError, one_line
 from llmtrace.checkpoint.weights import CHUNK_BYTES, read_bytes
 from llmtrace.checkpoint.gguf_file import GGUFTensor, open_gguf
-from llmtrace.model.family import family_of_gguf, gguf_archs
+from llmtrace.model.family import family_of_gguf, gguf_archs, not_yet
 from llmtrace.model.transformer import ModelConfig
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -31,7 +31,10 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
     (Family.gguf_config). llama3-style RoPE scaling stored as per-frequency divisors (tensor rope_freqs) is read here,
     into the config, so that nothing later changes it."""
     arch = gguf_field(reader, "general.architecture", "unknown")
-    family = family_of_gguf(arch)
+    family = family_of_gguf(arch, lambda key: gguf_field(reader, f"{arch}.{key}"))
+    if family is None and not_yet(arch):
+        raise LlmtraceError(f"{where}: architecture {arch!r} is not supported yet: {not_yet(arch)}, which llmtrace "
+                            f"does not run")
     if family is None:
         raise LlmtraceError(f"{where}: architecture {arch!r} is not supported (llmtrace runs "
                             f"{', '.join(sorted(gguf_archs()))})")
@@ -69,7 +72,11 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         tie_embeddings="output.weight" not in names,
         attn_bias="blk.0.attn_q.bias" in names,
     )
-    return ModelConfig(**(fields | family.gguf_config(meta)))
+    try:
+        own = family.gguf_config(meta)
+    except LlmtraceError as e:
+        raise LlmtraceError(f"{where}: {e}") from None
+    return ModelConfig(**(fields | own))
 
 
 def _gguf_rope_scaling(meta, reader, freqs, where: str) -> Optional[dict]:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.checkpoint.weights import FileTensor, safetensors_entries
-from llmtrace.model.family import Family, family_of_hf, hf_types
+from llmtrace.model.family import Family, family_of_hf, hf_types, not_yet
 from llmtrace.model.transformer import ModelConfig
 
 def hf_family(cfg: dict, where: str) -> Family:
@@ -24,6 +24,10 @@ def hf_family(cfg: dict, where: str) -> Family:
     family = family_of_hf(model_type) if isinstance(model_type, str) else None
     if family is not None:
         return family
+    why = not_yet(model_type)
+    if why:
+        raise LlmtraceError(f"{where}: model_type {model_type!r} is not supported yet: {why}, which llmtrace does not "
+                            f"run")
     said = ", ".join(f"{key} {value!r}" for key, value in (("model_type", cfg.get("model_type")),
                                                            ("architectures", archs or None))
                      if value is not None) or "neither model_type nor architectures"
@@ -99,7 +103,11 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             ffn_act=hf_activation(cfg, where),
             **hf_window(cfg, n_layers, where),
         )
-        return ModelConfig(**(fields | family.hf_config(cfg)))
+        try:
+            own = family.hf_config(cfg)
+        except LlmtraceError as e:
+            raise LlmtraceError(f"{where}: {e}") from None
+        return ModelConfig(**(fields | own))
     except KeyError as e:
         raise LlmtraceError(f"{where}: config.json lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

@@ -159,6 +159,9 @@ def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: 
         parts = []
         for src in w.sources:
             key = src.hf if fmt == "hf" else src.gguf
+            if key is not None and "{e}" in key:  # one tensor per expert (an HF directory's), stacked into E
+                parts.append(ExpertStack.of(sd, key, w, src, where))
+                continue
             if key is None or key not in sd:
                 raise LlmtraceError(f"{where}: tensor {key or src.math} ({_what(w.param, src.math)}) is missing from "
                                     f"the checkpoint; download it again")
@@ -200,6 +203,37 @@ class Offset(NamedTuple):
     def read_into(self, out: torch.Tensor) -> None:
         self.entry.read_into(out)
         out.add_(self.add)
+
+
+class ExpertStack(NamedTuple):
+    """E checkpoint tensors of one shape, one per expert, read as the (E, ...) stack a Weight of kind "experts" is."""
+
+    parts: list
+
+    @classmethod
+    def of(cls, sd: dict, template: str, w: DeclaredWeight, src, where: str) -> "ExpertStack":
+        """Take expert 0..E-1's tensors (`template` with {e}) out of `sd`, each checked against one expert's shape."""
+        parts = []
+        for e in range(src.rows):
+            key = template.format(e=e)
+            if key not in sd:
+                raise LlmtraceError(f"{where}: tensor {key} ({_what(w.param, src.math)} of expert {e}) is missing "
+                                    f"from the checkpoint; download it again")
+            parts.append(sd.pop(key))
+            check_shape(where, key, parts[-1], w.shape[1:])
+        return cls(parts)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts), *self.parts[0].shape)
+
+    @property
+    def key(self) -> str:
+        return self.parts[0].key
+
+    def read_into(self, out: torch.Tensor) -> None:
+        for e, part in enumerate(self.parts):
+            part.read_into(out[e])
 
 
 class _Stacked(NamedTuple):

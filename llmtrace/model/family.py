@@ -24,13 +24,17 @@ class Family:
     `hf_config(cfg)` and `gguf_config(meta)` return the config fields this family adds (ModelConfig's names), reading
     config.json (a dict) or GGUF metadata (`meta(key)`, key without the arch prefix); they raise LlmtraceError naming
     a field whose value this family cannot run. `changes(config)`: what this family changes from Llama, one short
-    line per change, in the order the maths runs, with the checkpoint's own numbers."""
+    line per change, in the order the maths runs, with the checkpoint's own numbers. `gguf_requires`: metadata keys
+    (without the arch prefix) that a file of one of `gguf_archs` must have, non-zero, for this family to read it; of
+    the families that list an arch, one whose keys are all there is chosen before one that requires none (Mixtral is
+    Llama's arch with `expert_count`)."""
 
     name: str
     title: str
     model: type
     hf_types: dict[str, str]
     gguf_archs: dict[str, bool] = field(default_factory=dict)
+    gguf_requires: tuple[str, ...] = ()
     hf_config: Callable[[dict], dict] = _nothing
     gguf_config: Callable[[Callable], dict] = _nothing
     changes: Callable[[object], list] = lambda config: []
@@ -56,8 +60,11 @@ def family_of_hf(model_type: Optional[str]) -> Optional[Family]:
     return next((f for f in families() if model_type in f.hf_types), None)
 
 
-def family_of_gguf(arch: Optional[str]) -> Optional[Family]:
-    return next((f for f in families() if arch in f.gguf_archs), None)
+def family_of_gguf(arch: Optional[str], meta: Callable = lambda key: None) -> Optional[Family]:
+    """The family that reads a GGUF of this architecture; `meta(key)` reads the file's `{arch}.{key}` (for
+    Family.gguf_requires)."""
+    claims = [f for f in families() if arch in f.gguf_archs and all(meta(k) for k in f.gguf_requires)]
+    return max(claims, key=lambda f: len(f.gguf_requires), default=None)
 
 
 def hf_types() -> dict[str, str]:
@@ -66,7 +73,24 @@ def hf_types() -> dict[str, str]:
 
 
 def gguf_archs() -> list[str]:
-    return [a for f in families() for a in f.gguf_archs]
+    return list(dict.fromkeys(a for f in families() for a in f.gguf_archs))
+
+
+# Models llmtrace recognises but does not run yet, by HF model_type and GGUF arch: what they need that no family has.
+NOT_YET = {
+    "qwen2_moe": "Qwen2-MoE has a shared expert (a dense SwiGLU with a sigmoid gate) beside the routed experts",
+    "qwen2moe": "Qwen2-MoE has a shared expert (a dense SwiGLU with a sigmoid gate) beside the routed experts",
+    "deepseek_v2": "DeepSeek V2 has a multi-head latent attention and shared experts",
+    "deepseek_v3": "DeepSeek V3 has a sigmoid router with a selection bias, group-limited top-k and shared experts",
+    "deepseek2": "DeepSeek V2/V3 have a multi-head latent attention, shared experts and (V3) a sigmoid router",
+    "gpt_oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
+    "gpt-oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
+}
+
+
+def not_yet(name: Optional[str]) -> Optional[str]:
+    """Why a model_type or GGUF arch that no family runs is not run yet (None: llmtrace does not know it)."""
+    return NOT_YET.get(name) if isinstance(name, str) else None
 
 
 def build(config):

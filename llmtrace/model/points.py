@@ -14,6 +14,7 @@ memory check and `explain`'s parameter counts read these declarations.
 Axes are named in the model file's notation (model.transformer's docstring):
     B batch rows   T tokens of this call   S key/value slots   D width   H query heads   Hkv key/value heads
     G query heads per KV head   Dh head width   F feed-forward width   V vocabulary   E experts   K experts chosen
+    Fe one expert's feed-forward width
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ AXES = {
     "B": "batch rows", "T": "tokens in this pass", "S": "key/value slots attended", "D": "model width",
     "H": "query heads", "Hkv": "key/value heads", "G": "query heads per KV head", "Dh": "head width",
     "F": "feed-forward width", "V": "vocabulary", "E": "experts", "K": "experts chosen per token",
+    "Fe": "one expert's feed-forward width",
 }
 
 
@@ -154,7 +156,9 @@ class Source:
     where the format has no such tensor. `rows` is the tensor's first dimension as axes ("H*Dh"); `math` its name in
     the maths (Wq); `permuted`: llama.cpp's converter reorders this tensor's rows for its RoPE pairing, per head of
     this many heads ("H" or "Hkv") in the archs that do so (model.families); `hf_add`: a constant the HF tensor is
-    stored without (Gemma's norms multiply by 1 + w; llama.cpp's converter adds the 1, so a GGUF stores it)."""
+    stored without (Gemma's norms multiply by 1 + w; llama.cpp's converter adds the 1, so a GGUF stores it). An HF key
+    with `{e}` in it is one tensor per expert (experts.{e}.w1.weight), `rows` of them ("E") stacked along a new first
+    axis; a GGUF holds the same stack as one 3-D tensor."""
 
     hf: Optional[str]
     gguf: Optional[str]

@@ -92,7 +92,8 @@ class ModelConfig:
     def dims(self) -> dict[str, int]:
         """The sizes the axis names of the declarations stand for."""
         return {"D": self.d_model, "H": self.n_heads, "Hkv": self.n_kv_heads, "Dh": self.head_dim,
-                "F": self.ffn_dim, "V": self.vocab_size, "G": self.group_size}
+                "F": self.ffn_dim, "V": self.vocab_size, "G": self.group_size, "E": self.n_experts,
+                "K": self.n_experts_used, "Fe": self.expert_ffn_dim or self.ffn_dim}
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
@@ -471,10 +472,15 @@ class Block(Module):
         self.attn_norm = RMSNorm(config.d_model, config.rms_eps)
         self.attn = self.attention(config)
         self.ffn_norm = RMSNorm(config.d_model, config.rms_eps, step="s6.7")
-        self.ffn = self.feed_forward(config)
+        self.ffn = self.feed_forward_of(config, layer)
         for m in self.modules():
             if isinstance(m, Module):
                 m.layer = layer
+
+    def feed_forward_of(self, config: ModelConfig, layer: int) -> Module:
+        """This layer's feed-forward: `feed_forward` in every layer of Llama (a mixture-of-experts family keeps some
+        layers dense; their points are a subset of the declared ones)."""
+        return self.feed_forward(config)
 
     @classmethod
     def layer_points(cls) -> tuple[Point, ...]:

@@ -1,0 +1,178 @@
+"""A mixture-of-experts feed-forward (s6.7), the part Mixtral and Qwen3-MoE change in Llama's layer.
+
+Notation as in model/transformer.py, plus
+    E   experts of the layer         K   experts chosen per token         Fe  one expert's hidden width
+    N   tokens of the call, B·T
+
+The layer has E SwiGLU experts and a router W_r (E, D). For each token x (the ffn_norm output):
+    p = softmax(x W_rᵀ), in float32                          the router's probabilities over the E experts
+    chosen = the K largest p_e                               (ties: the lower index, as torch.topk)
+    w_e = p_e / Σ_chosen p  if the family renormalises,     else w_e = p_e
+    out = Σ_chosen w_e · W_down,e (act(x W_gate,eᵀ) ⊙ x W_up,eᵀ)
+It is computed expert by expert, as transformers does: each expert gathers the tokens that chose it, runs on those
+rows only, and adds its weighted output back at their places (index_add), so a token costs K experts, not E.
+
+Points (model/moe_points.py): router_logits (editable: an ablated expert's score is -inf, so the next best is
+chosen), router_probs, expert_weights (editable: scaling an expert's weight scales its output), then Llama's gate,
+up, act with an axis K (each token's chosen experts, most probable first) and down, the weighted sum.
+
+Weights: the router is a matrix (E, D); the experts are three stacks of E matrices (Weight kind "experts"):
+W_gate and W_up (E, Fe, D), W_down (E, D, Fe). A GGUF holds each stack as one 3-D tensor (ffn_gate_exps, ...); an HF
+directory one tensor per expert (experts.{e}.gate_proj.weight, Mixtral's experts.{e}.w1.weight), stacked at load.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmtrace.model.moe_points import MOE_POINTS
+from llmtrace.model.points import Source, Weight
+from llmtrace.model.transformer import ACTIVATIONS, Block, FeedForward, Module
+
+
+class ExpertMatrices(nn.Module):
+    """E matrices of one shape, (E, out, in), used one expert at a time: y = x W_eᵀ. (--keep-quantized and --fast
+    replace it by a module of the same call that holds the GGUF's blocks: model.quant.QuantExperts, model.fast.)"""
+
+    def __init__(self, n: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features))  # (E, out, in)
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return F.linear(x, self.weight[e])  # (n, in) -> (n, out)
+
+
+class MoEFeedForward(Module):
+    """The router and E SwiGLU experts; each token runs through its K most probable experts (module docstring)."""
+
+    WHERE = "ffn"
+    POINTS = MOE_POINTS
+    # each expert's tensors in an HF directory, relative to the feed-forward's prefix (Qwen3-MoE's names; Mixtral's
+    # file says w1, w3, w2)
+    HF_EXPERTS = {"gate": "experts.{e}.gate_proj.weight", "up": "experts.{e}.up_proj.weight",
+                  "down": "experts.{e}.down_proj.weight"}
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_experts, self.k = config.n_experts, config.n_experts_used
+        self.expert_dim = config.expert_ffn_dim or config.ffn_dim  # Fe
+        self.renormalise = config.norm_topk_prob
+        self.act = ACTIVATIONS[config.ffn_act]
+        E, D, Fe = self.n_experts, config.d_model, self.expert_dim
+        self.router = nn.Linear(D, E, bias=False)  # (E, D): W_r
+        self.w_gate = ExpertMatrices(E, Fe, D)  # (E, Fe, D)
+        self.w_up = ExpertMatrices(E, Fe, D)  # (E, Fe, D)
+        self.w_down = ExpertMatrices(E, D, Fe)  # (E, D, Fe)
+
+    def weights(self) -> tuple[Weight, ...]:
+        hf = self.HF_EXPERTS
+        return (Weight("router.weight", ("E", "D"), "s6.7", "matrix",
+                       (Source("gate.weight", "ffn_gate_inp.weight", "E", "W_router"),)),
+                Weight("w_gate.weight", ("E", "Fe", "D"), "s6.7", "experts",
+                       (Source(hf["gate"], "ffn_gate_exps.weight", "E", "W_gate"),)),
+                Weight("w_up.weight", ("E", "Fe", "D"), "s6.7", "experts",
+                       (Source(hf["up"], "ffn_up_exps.weight", "E", "W_up"),)),
+                Weight("w_down.weight", ("E", "D", "Fe"), "s6.7", "experts",
+                       (Source(hf["down"], "ffn_down_exps.weight", "E", "W_down"),)))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router: x (B, T, D) -> each token's K chosen experts (B, T, K), most probable first, and their
+        weights (B, T, K) in float32."""
+        logits = self.point("router_logits", self.router(x))  # (B, T, E)
+        probs = self.point("router_probs", F.softmax(logits, dim=-1, dtype=torch.float32))  # (B, T, E)
+        top_p, top_e = probs.topk(self.k, dim=-1)  # (B, T, K) each
+        if self.renormalise:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        if self.hook is not None:  # the weights as one (B, T, E) tensor, 0 where not chosen: a hook may scale them
+            weights = self.point("expert_weights", torch.zeros_like(probs).scatter(-1, top_e, top_p))
+            top_p = weights.gather(-1, top_e)
+        return top_e, top_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        K, Fe = self.k, self.expert_dim
+        top_e, top_p = self.route(x)  # (B, T, K) each
+        h = x.reshape(-1, D)  # (N, D)
+        chosen, weight = top_e.view(-1, K), top_p.view(-1, K)  # (N, K) each
+        out = torch.zeros_like(h)  # (N, D)
+        seen: Optional[dict[str, torch.Tensor]] = None
+        if self.hook is not None:  # each token's chosen experts' gate, up and act, (N, K, Fe), for the points
+            seen = {name: h.new_zeros(h.size(0), K, Fe) for name in ("gate", "up", "act")}
+        for e in chosen.unique().tolist():  # expert by expert, in index order (as transformers adds them)
+            tokens, slot = (chosen == e).nonzero(as_tuple=True)  # the rows that chose e, and where in their K
+            xe = h[tokens]  # (n, D)
+            gate, up = self.w_gate(xe, e), self.w_up(xe, e)  # (n, Fe) each
+            act = self.act(gate) * up  # (n, Fe)
+            y = self.w_down(act, e)  # (n, D)
+            out.index_add_(0, tokens, (y * weight[tokens, slot, None]).to(out.dtype))
+            if seen is not None:
+                for name, value in (("gate", gate), ("up", up), ("act", act)):
+                    seen[name][tokens, slot] = value
+        if seen is not None:
+            for name, value in seen.items():
+                self.point(name, value.view(B, T, K, Fe))
+        return self.point("down", out.view(B, T, D))  # (B, T, D)
+
+
+class MoEBlock(Block):
+    """A decoder layer whose feed-forward is a mixture of experts, except in the layers the config keeps dense
+    (config.dense_layers: Qwen3-MoE's mlp_only_layers and decoder_sparse_step), which run Llama's FeedForward and
+    report its points (gate, up, act, down: a subset of the declared ones)."""
+
+    feed_forward = MoEFeedForward
+    dense_feed_forward = FeedForward
+
+    def feed_forward_of(self, config, layer: int) -> Module:
+        if layer in (config.dense_layers or ()):
+            return self.dense_feed_forward(config)
+        return self.feed_forward(config)
+
+
+def moe_layers(config) -> list[int]:
+    """The layers whose feed-forward is a mixture of experts (none for a dense model)."""
+    if not config.n_experts:
+        return []
+    return [i for i in range(config.n_layers) if i not in (config.dense_layers or ())]
+
+
+def active_weights(config, declared) -> tuple[int, int]:
+    """(weights a token uses, weights the model holds): a token runs K of each MoE layer's E experts, so of every
+    expert stack it uses K/E; everything else it uses whole. `declared`: model.points.DeclaredWeight list."""
+    import math
+
+    total = active = 0
+    for w in declared:
+        n = math.prod(w.shape)
+        total += n
+        active += n * config.n_experts_used // config.n_experts if w.weight.kind == "experts" else n
+    return active, total
+
+
+def moe_fields(n_experts, experts_key: str, n_used, used_key: str) -> dict:
+    """E and K from a checkpoint's fields (named by their keys in the errors): 1 ≤ K ≤ E."""
+    from llmtrace.errors import LlmtraceError
+
+    for value, key in ((n_experts, experts_key), (n_used, used_key)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+            raise LlmtraceError(f"the checkpoint's {key} is {value!r}; a mixture of experts needs a whole number ≥ 1")
+    n_experts, n_used = int(n_experts), int(n_used)
+    if n_used > n_experts:
+        raise LlmtraceError(f"the checkpoint's {used_key} {n_used} is more than its {experts_key} {n_experts}")
+    return {"n_experts": int(n_experts), "n_experts_used": int(n_used)}
+
+
+def moe_changes(c) -> list[str]:
+    """What a mixture of experts changes in Llama's layer, with the checkpoint's numbers."""
+    E, K, Fe = c.n_experts, c.n_experts_used, c.expert_ffn_dim or c.ffn_dim
+    how = "renormalised to sum to 1" if c.norm_topk_prob else "as the softmax gave them (not renormalised)"
+    out = [f"feed-forward: {E} SwiGLU experts (width {Fe:,}) and a router; p = softmax(x·W_routerᵀ) in float32, each "
+           f"token runs its top {K} experts, weights {how}; output Σ weight·expert(x)"]
+    dense = c.dense_layers or []
+    if dense:
+        out.append(f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))} of {c.n_layers} keep a dense "
+                   f"SwiGLU feed-forward (width {c.ffn_dim:,})")
+    return out

@@ -1,0 +1,30 @@
+"""The points of a mixture-of-experts feed-forward (model/moe.py), declared once and free of torch, so that the trace's
+reader, the views and the report can take a routing apart without the model (as llama_points does for Llama).
+
+The router's three tensors are points of their own; the SwiGLU of the chosen experts keeps Llama's names (gate, up,
+act, down) with an axis K for each token's chosen experts, so a learner finds the same steps in the same place."""
+
+from llmtrace.model.points import Point
+
+ROUTER_LOGITS = Point("router_logits", "s6.7", ("T", "E"), editable=True,
+                      about="the router's score of each expert: x·W_routerᵀ", input="ffn_norm")
+ROUTER_PROBS = Point("router_probs", "s6.7", ("T", "E"),
+                     about="softmax of the router's scores, in float32: each row sums to 1", input="router_logits")
+EXPERT_WEIGHTS = Point("expert_weights", "s6.7", ("T", "E"), editable=True,
+                       about="each token's weight on each expert: its top-K probabilities (renormalised to sum to 1 "
+                             "where the family does), 0 for the experts not chosen", input="router_probs")
+EXPERT_GATE = Point("gate", "s6.7", ("T", "K", "Fe"), about="each chosen expert's x·W_gate")
+EXPERT_UP = Point("up", "s6.7", ("T", "K", "Fe"), about="each chosen expert's x·W_up")
+EXPERT_ACT = Point("act", "s6.7", ("T", "K", "Fe"), about="each chosen expert's act(gate) ⊙ up")
+EXPERT_DOWN = Point("down", "s6.7", ("T", "D"), editable=True,
+                    about="the chosen experts' outputs (·W_down of each), weighted and summed: the feed-forward's output")
+
+MOE_POINTS = (ROUTER_LOGITS, ROUTER_PROBS, EXPERT_WEIGHTS, EXPERT_GATE, EXPERT_UP, EXPERT_ACT, EXPERT_DOWN)
+
+
+def expert_points(points) -> tuple[str, str]:
+    """The points where experts are ablated and scaled, as the model declares them (model.points.Points): the first
+    editable feed-forward point with an expert axis (the router's scores: an ablated expert's is -inf) and the last
+    (the weights its output is summed with). None when the model has no experts."""
+    named = [p.name for p in points.layer if p.where == "ffn" and p.editable and "E" in p.axes]
+    return (named[0], named[-1]) if named else None
