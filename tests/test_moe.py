@@ -1,0 +1,202 @@
+"""Mixtures of experts (model/moe.py; families mixtral, qwen3_moe) against transformers, from the HF directory and from
+the GGUF llama.cpp's converter writes: prompt ids identical, fp32 logits within 1e-4 at every position, greedy tokens
+identical, and the router's choice (the K experts of every token in every MoE layer, in order) identical to
+transformers' router, with weights within 1e-5. A Qwen3-MoE GGUF renormalises the top-K weights whatever the model's
+config said (llama.cpp does; the converter does not write norm_topk_prob), so its reference is transformers with
+norm_topk_prob true; Mixtral's file is Llama's arch with experts, which transformers cannot read: its reference is the
+converter undone by hand (families.hf_model_via_state_dict)."""
+
+import pytest
+import torch
+
+from families import FAMILIES, PROMPT_IDS, hf_model_from_gguf, hf_model_via_state_dict
+
+from llmtrace.checkpoint.load import load_model
+from llmtrace.model.capture import capture
+from llmtrace.model.moe import moe_layers
+
+HF_NAMES = ["mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense"]
+GGUF_NAMES = ["mixtral", "qwen3_moe", "qwen3_moe_raw"]
+WEIGHT_TOL = 1e-5
+TOL = 1e-4
+N_NEW = 8
+
+
+def greedy_hf(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def greedy_ours(lm, ids: list[int], n: int) -> list[int]:
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
+    return list(generate(lm, ids, sampler, n, (), True, None).tokens)
+
+
+def check_run(lm, reference, ids: list[int]) -> None:
+    """fp32 logits within TOL at every position, and N_NEW greedy tokens identical (decode through the KV cache)."""
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        ours, theirs = lm.model(idx)[0], reference(idx).logits[0]
+    diff = float((ours - theirs).abs().max())
+    assert diff <= TOL, f"logits differ by {diff:.3g}"
+    assert greedy_ours(lm, ids, N_NEW) == greedy_hf(reference, ids, N_NEW)
+
+
+def gguf_reference(families, name):
+    """transformers' model of the GGUF: renormalised top-K (the file's semantics), the converter undone by hand."""
+    if name == "mixtral":
+        return hf_model_via_state_dict(families.gguf(name), FAMILIES[name])
+    return hf_model_via_state_dict(families.gguf(name), FAMILIES[name], norm_topk_prob=True)
+
+
+def their_routing(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """transformers' router of each MoE layer over ids: {layer: (logits (T, E), experts (T, K), weights (T, K))}, read
+    from the router modules' own outputs (the logits also come back as output_router_logits)."""
+    out, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        router = getattr(getattr(layer, "mlp", None), "gate", None) or getattr(
+            getattr(layer, "block_sparse_moe", None), "gate", None)
+        if router is None or not hasattr(router, "top_k"):
+            continue
+        handles.append(router.register_forward_hook(
+            lambda m, args, res, i=i: out.__setitem__(i, (res[0].detach(), res[2].detach(), res[1].detach()))))
+    try:
+        with torch.no_grad():
+            result = model(torch.tensor([ids]), output_router_logits=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for logits, i in zip(result.router_logits, sorted(out)):  # one (T, E) per MoE layer, in layer order
+        assert torch.equal(logits, out[i][0])
+    return out
+
+
+def our_routing(lm, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The same from llmtrace's points: router_logits, and the K experts and weights of expert_weights."""
+    K = lm.config.n_experts_used
+    with torch.no_grad(), capture(lm.model, lambda layer, name: name in ("router_logits", "router_probs",
+                                                                         "expert_weights")) as kept:
+        lm.model(torch.tensor([ids]))
+    out = {}
+    for i in moe_layers(lm.config):
+        probs, weights = kept[(i, "router_probs")][0], kept[(i, "expert_weights")][0]
+        experts = probs.topk(K, dim=-1).indices  # (T, K), most probable first
+        out[i] = (kept[(i, "router_logits")][0], experts, weights.gather(-1, experts))
+    return out
+
+
+def check_routing(lm, reference, ids) -> None:
+    ours, theirs = our_routing(lm, ids), their_routing(reference, ids)
+    assert sorted(ours) == sorted(theirs) and ours
+    for i in ours:
+        assert float((ours[i][0] - theirs[i][0]).abs().max()) <= 1e-4, f"layer {i}: router logits differ"
+        assert torch.equal(ours[i][1], theirs[i][1]), f"layer {i}: the chosen experts differ"
+        assert float((ours[i][2] - theirs[i][2]).abs().max()) <= WEIGHT_TOL, f"layer {i}: the weights differ"
+
+
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_hf_dir_runs_and_routes_as_transformers(families, name):
+    lm = load_model(str(families.hf_dir(name)), device="cpu", dtype="float32")
+    assert lm.config.family == ("mixtral" if name == "mixtral" else "qwen3_moe")
+    reference = families.model(name)
+    assert lm.config.norm_topk_prob == reference.config.norm_topk_prob if name != "mixtral" else lm.config.norm_topk_prob
+    check_run(lm, reference, PROMPT_IDS)
+    check_routing(lm, reference, PROMPT_IDS)
+
+
+@pytest.mark.parametrize("name", GGUF_NAMES)
+def test_converter_gguf_runs_and_routes_as_transformers(families, name):
+    lm = load_model(str(families.gguf(name)), device="cpu", dtype="float32")
+    assert (lm.config.family, lm.config.arch) == (("mixtral", "llama") if name == "mixtral" else ("qwen3_moe", "qwen3moe"))
+    assert lm.config.norm_topk_prob  # llama.cpp renormalises in both archs
+    reference = gguf_reference(families, name)
+    check_run(lm, reference, PROMPT_IDS)
+    check_routing(lm, reference, PROMPT_IDS)
+
+
+def test_transformers_own_gguf_loader_agrees_on_qwen3_moe(families):
+    """A second reference for qwen3moe files: transformers reads them itself."""
+    lm = load_model(str(families.gguf("qwen3_moe")), device="cpu", dtype="float32")
+    reference = hf_model_from_gguf(families.gguf("qwen3_moe"), FAMILIES["qwen3_moe"])
+    assert reference.config.norm_topk_prob
+    check_run(lm, reference, PROMPT_IDS)
+    check_routing(lm, reference, PROMPT_IDS)
+
+
+def test_prompt_ids_are_transformers(families):
+    """The tokenizer of each format encodes as transformers' tokenizer of the HF directory."""
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox jumps over 13 lazy dogs."
+    theirs = AutoTokenizer.from_pretrained(str(families.hf_dir("qwen3_moe"))).encode(text)
+    for path in (families.hf_dir("qwen3_moe"), families.gguf("qwen3_moe"), families.gguf("mixtral")):
+        lm = load_model(str(path), device="cpu", dtype="float32")
+        assert lm.tokenizer.encode_prompt(text)[1] == theirs, path.name
+
+
+def test_a_dense_layer_of_a_moe_model(families):
+    """mlp_only_layers [1]: layer 1 runs a dense SwiGLU of width intermediate_size and reports Llama's four points,
+    a subset of the declared ones; the layers around it route."""
+    lm = load_model(str(families.hf_dir("qwen3_moe_dense")), device="cpu", dtype="float32")
+    assert lm.config.dense_layers == [1] and moe_layers(lm.config) == [0, 2]
+    seen = []
+    with torch.no_grad(), lm.model.hooked(lambda layer, name, x: seen.append((layer, name, tuple(x.shape))), layers=[0, 1]):
+        lm.model(torch.tensor([PROMPT_IDS[:5]]))
+    ffn = lambda layer: [(n, s) for lay, n, s in seen if lay == layer and n in lm.points.names("ffn")]  # noqa: E731
+    assert ffn(1) == [("gate", (1, 5, 96)), ("up", (1, 5, 96)), ("act", (1, 5, 96)), ("down", (1, 5, 64))]
+    assert [n for n, _ in ffn(0)] == list(lm.points.names("ffn"))
+    assert dict(ffn(0))["gate"] == (1, 5, 2, 32)  # T, K, Fe
+
+
+def test_expert_weights_are_3d_and_counted(families):
+    lm = load_model(str(families.gguf("qwen3_moe")), device="cpu", dtype="float32")
+    from llmtrace.checkpoint.weights import declared
+    from llmtrace.model.moe import active_weights
+
+    experts = [w for w in declared(lm.config) if w.weight.kind == "experts"]
+    assert [w.shape for w in experts[:3]] == [(8, 32, 64), (8, 32, 64), (8, 64, 32)]
+    assert [s.gguf for w in experts[:3] for s in w.sources] == [
+        "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"]
+    active, total = active_weights(lm.config, declared(lm.config))
+    assert total == lm.model.num_params()
+    assert total - active == 2 * 3 * 8 * 32 * 64 * 6 // 8  # each layer's 3 stacks: 6 of 8 experts idle per token
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what is refused
+
+
+@pytest.mark.parametrize("model_type, says", [("qwen2_moe", "shared expert"), ("deepseek_v3", "sigmoid router")])
+def test_a_moe_we_do_not_run_is_refused_naming_the_feature(capsys, tmp_path, model_type, says):
+    import json
+
+    from helpers import fails
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
+    fails(capsys, 1, "generate", "hi", "-m", tmp_path, "-n", "1", says=(model_type, says, "not supported yet"))
+
+
+def test_a_qwen2moe_gguf_is_refused_naming_the_shared_expert(capsys, tmp_path):
+    import gguf
+
+    from helpers import fails
+
+    path = tmp_path / "q.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2moe")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    fails(capsys, 1, "generate", "hi", "-m", path, "-n", "1", says=("qwen2moe", "shared expert"))
+
+
+def test_a_llama_gguf_without_experts_stays_llama(families):
+    from llmtrace.checkpoint.gguf_checkpoint import config_from_gguf
+    from llmtrace.checkpoint.gguf_file import open_gguf
+
+    assert config_from_gguf(open_gguf(families.gguf("llama")), "x").family == "llama"
+    assert config_from_gguf(open_gguf(families.gguf("mixtral")), "x").family == "mixtral"
