@@ -154,6 +154,7 @@ def test_a_dense_layer_of_a_moe_model(families):
 
 def test_expert_weights_are_3d_and_counted(families):
     lm = load_model(str(families.gguf("qwen3_moe")), device="cpu", dtype="float32")
+    from llmtrace.checkpoint.placement import weight_count
     from llmtrace.checkpoint.weights import declared
     from llmtrace.model.moe import active_weights
 
@@ -162,7 +163,7 @@ def test_expert_weights_are_3d_and_counted(families):
     assert [s.gguf for w in experts[:3] for s in w.sources] == [
         "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"]
     active, total = active_weights(lm.config, declared(lm.config))
-    assert total == lm.model.num_params()
+    assert total == lm.model.num_params() == weight_count(lm.config)  # what the fit check counts
     assert total - active == 2 * 3 * 8 * 32 * 64 * 6 // 8  # each layer's 3 stacks: 6 of 8 experts idle per token
 
 
@@ -200,3 +201,52 @@ def test_a_llama_gguf_without_experts_stays_llama(families):
 
     assert config_from_gguf(open_gguf(families.gguf("llama")), "x").family == "llama"
     assert config_from_gguf(open_gguf(families.gguf("mixtral")), "x").family == "mixtral"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# memory: the expert stacks held in their blocks, counted by their weights
+
+
+def test_keep_quantized_holds_each_expert_stack_in_its_blocks(families):
+    from llmtrace.model.quant import QuantExperts, storage_table
+
+    path = families.gguf("mixtral", "q8_0")
+    exact = load_model(str(path), device="cpu", dtype="float32")
+    kept = load_model(str(path), device="cpu", dtype="float32", keep_quantized=True)
+    stack = kept.model.layers[1].ffn.w_down
+    assert isinstance(stack, QuantExperts) and stack.raw0.dtype == torch.uint8
+    assert stack.stored_bytes() == 4 * 64 * 96 * 34 // 32  # E·D·Fe weights, Q8_0's 34 bytes a block of 32
+    rows = {r["name"]: r for r in storage_table(kept.model)}
+    assert rows["layers.1.ffn.w_down"]["type"] == "Q8_0" and rows["layers.1.ffn.router"]["type"] == "F32"
+    assert kept.model.num_params() == exact.model.num_params()
+    idx = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        torch.testing.assert_close(kept.model(idx), exact.model(idx), rtol=0, atol=1e-5)
+
+
+def test_fast_packs_each_expert_on_its_kernel(families):
+    from llmtrace.model.fast import FastExperts, fast_linear
+    from llmtrace.model.quant import Segment
+
+    path = families.gguf("qwen3_moe", "q8_0")
+    exact = load_model(str(path), device="cpu", dtype="float32")
+    fast = load_model(str(path), device="cpu", fast=True)
+    stack = fast.model.layers[0].ffn.w_gate
+    assert isinstance(stack, FastExperts) and stack.weight.shape == (8, 32, 64)
+    assert fast.model.num_params() == exact.model.num_params()
+    entry = next(p for p in _gguf_plan(path)["layers.0.ffn.w_gate.weight"])
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    for e in (0, 5):  # expert e is its own rows of the file's one tensor, packed as one matrix would be
+        alone = fast_linear([entry.raw()[e * 32 : (e + 1) * 32]], [Segment(entry.kind, entry.key)], 64,
+                            torch.device("cpu"), fast.config.extra["fast"]["kernel_choice"]["int4"])
+        assert torch.equal(stack(x, e), alone(x))
+    idx = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        a, b = exact.model(idx)[0], fast.model(idx)[0].float()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+def _gguf_plan(path):
+    from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
+
+    return open_gguf_checkpoint(path).plan

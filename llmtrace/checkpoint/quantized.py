@@ -9,7 +9,7 @@ import torch.nn as nn
 from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
 from llmtrace.checkpoint.weights import build_model, read_weights
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.quant import BLOCKS, QuantEmbedding, QuantLinear, Segment
+from llmtrace.model.quant import BLOCKS, QuantEmbedding, QuantExperts, QuantLinear, Segment
 from llmtrace.model.transformer import ModelConfig, Transformer
 from llmtrace.tokens.tokenizer import TextTokenizer
 
@@ -29,12 +29,17 @@ def open_gguf_blocks(path) -> tuple[ModelConfig, dict[str, list], TextTokenizer]
 
 def build_quantized(config: ModelConfig, plan: dict[str, list], device: torch.device, dtype: torch.dtype) -> Transformer:
     """The model with its matrices as blocks. The q/k rows are put in HF order (rows are whole blocks, so this moves
-    bytes, not values) and QKV and gate/up are fused as row segments."""
-    matrices = {name: parts for name, parts in plan.items() if len(parts[0].shape) == 2}
+    bytes, not values) and QKV and gate/up are fused as row segments; a mixture of experts' 3-D stacks stay one tensor
+    of blocks each (model.quant.QuantExperts)."""
+    matrices = {name: parts for name, parts in plan.items() if len(parts[0].shape) >= 2}
     sd = read_weights({n: ps for n, ps in plan.items() if n not in matrices}, dtype, device)
     modules: dict[str, nn.Module] = {}
     for name, parts in matrices.items():
         module = name.removesuffix(".weight")
+        if len(parts[0].shape) == 3:  # a mixture of experts' stack, (E, out, in): one tensor, its rows whole blocks
+            p = parts[0]
+            modules[module] = QuantExperts(p.raw().to(device), Segment(p.kind, p.key), p.shape, dtype)
+            continue
         raws = [p.raw().to(device) for p in parts]
         segments = [Segment(p.kind, p.key) for p in parts]
         if module == "embed":

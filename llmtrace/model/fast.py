@@ -241,6 +241,34 @@ class FastLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, stored={kinds}, kernel={self.kernel}"
 
 
+class FastExperts(FastLinear):
+    """E matrices of one GGUF tensor (a mixture of experts' stack (E, out, in)), each packed on its own kernel, used
+    one expert at a time as model.moe.ExpertMatrices is: y = x W_eᵀ."""
+
+    def __init__(self, parts: list[nn.Module], segment: Segment, shape: tuple[int, int, int]):
+        super().__init__(parts, [segment], shape[2])
+        self.n_experts, self.out_features = shape[0], shape[1]
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return self._parts[e].forward(x)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A stand-in of (E, out, in), holding no data."""
+        buf = next(self.parts[0].parameters())
+        return torch.zeros((), dtype=COMPUTE, device=buf.device).expand(self.n_experts, self.out_features,
+                                                                         self.in_features)
+
+
+def fast_experts(raw: torch.Tensor, segment: Segment, shape: tuple[int, int, int], device: torch.device,
+                 int4: bool) -> FastExperts:
+    """A FastExperts of a stack's blocks, raw (E·out, bytes per row): expert e is rows [e·out, (e+1)·out)."""
+    E, out, in_features = shape
+    parts = [fast_linear([raw[e * out : (e + 1) * out]], [segment], in_features, device, int4).parts[0]
+             for e in range(E)]
+    return FastExperts(parts, segment, shape)
+
+
 def _run_key(kind: str, int4: bool) -> tuple:
     """The kernel a segment of type `kind` runs on: ("dense",) or ("int4", split); a run of one key is one part."""
     if not (int4 and kind in GROUP_KINDS):

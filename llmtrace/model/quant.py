@@ -315,6 +315,41 @@ class QuantEmbedding(nn.Module):
         return self.raw0.nbytes
 
 
+class QuantExperts(nn.Module):
+    """E matrices (E, out, in) kept as one GGUF tensor's blocks (a mixture of experts' ffn_*_exps), used one expert
+    at a time as model.moe.ExpertMatrices is: y = x W_eᵀ, W_e dequantized from its rows [e·out, (e+1)·out) at each
+    call (an expert's rows are whole blocks)."""
+
+    def __init__(self, raw: torch.Tensor, segment: Segment, shape: tuple[int, int, int], compute: torch.dtype):
+        super().__init__()
+        self.segments = [segment]
+        self.n_experts, self.out_features, self.in_features = shape
+        self.compute = compute
+        self.register_buffer("raw0", raw)  # (E * out, bytes per row)
+
+    def raws(self) -> list[torch.Tensor]:
+        return [self.raw0]
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        raw = self.raw0[e * self.out_features : (e + 1) * self.out_features]
+        if fused_on(x.device):
+            return fused_linear(self.segments[0].kind)(x, raw)
+        return F.linear(x, dequantize(raw, self.segments[0].kind).to(self.compute))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """See QuantLinear.weight: (E, out, in), no data."""
+        return torch.zeros((), dtype=self.compute, device=self.raw0.device).expand(
+            self.n_experts, self.out_features, self.in_features)
+
+    def stored_bytes(self) -> int:
+        return self.raw0.nbytes
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.n_experts}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"stored={self.segments[0].kind}")
+
+
 def fused_on(device: torch.device) -> bool:
     """Dequantization fused into the matrix product (torch.compile) on CUDA; elsewhere the plain path, whose values
     are the reference's exactly. (On the CPU Inductor's fused loop was not faster than dequantize-then-GEMM.)"""
@@ -339,12 +374,12 @@ def _stand_in(like: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) ->
     return torch.zeros((), dtype=dtype, device=like.device).expand(shape)
 
 
-QUANT_MODULES = (QuantLinear, QuantEmbedding)
+QUANT_MODULES = (QuantLinear, QuantEmbedding, QuantExperts)
 
 
 def _blocks_module(m: nn.Module) -> bool:
-    """A matrix held as GGUF blocks or packed from them: QuantLinear, QuantEmbedding, fast.FastLinear (which marks
-    itself with `segments` and `stored_bytes`; quant does not import the fast path)."""
+    """A matrix held as GGUF blocks or packed from them: QuantLinear, QuantEmbedding, QuantExperts, fast.FastLinear
+    (which marks itself with `segments` and `stored_bytes`; quant does not import the fast path)."""
     return isinstance(m, QUANT_MODULES) or (hasattr(m, "segments") and hasattr(m, "stored_bytes"))
 
 
@@ -356,6 +391,13 @@ def _tied_head(model: nn.Module, name: str, m: nn.Module) -> bool:
     if isinstance(m, QuantLinear) and isinstance(embed, QuantEmbedding):
         return m.raw0 is embed.raw0
     return isinstance(m, nn.Linear) and m.weight is embed.weight
+
+
+def _expert_stack(m: nn.Module) -> bool:
+    """A dense stack of E matrices (model.moe.ExpertMatrices)."""
+    from llmtrace.model.moe import ExpertMatrices
+
+    return isinstance(m, ExpertMatrices)
 
 
 def storage_table(model: nn.Module) -> list[dict]:
@@ -370,7 +412,7 @@ def storage_table(model: nn.Module) -> list[dict]:
             out.append({"name": name, "type": "+".join(dict.fromkeys(s.kind for s in m.segments)),
                         "bytes_per_weight": round(m.stored_bytes() / n, 4)}
                        | ({"kernel": m.kernel} if hasattr(m, "kernel") else {}))
-        elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dim() == 2:
+        elif isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.dim() == 2 or _expert_stack(m):
             t = m.weight
             out.append({"name": name, "type": str(t.dtype).replace("torch.", ""), "bytes_per_weight": t.element_size()})
     return out
