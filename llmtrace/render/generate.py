@@ -495,6 +495,7 @@ class TerminalRenderer:
         self._dropped_note = False
         self._compact_note = False
         self._held_dumps: list[dict] = []  # --dump values under --trace none, shown after the streamed text
+        self._routing: list[dict] = []  # the routing events of the current pass (a mixture of experts)
 
     def __call__(self, ev: dict) -> None:
         kind = ev.get("event")
@@ -610,6 +611,21 @@ class TerminalRenderer:
 
     def _on_tensor(self, ev: dict) -> None:
         self._tensors.append(ev)
+
+    def _on_routing(self, ev: dict) -> None:
+        self._routing.append(ev)
+
+    def _routing_line(self, row: Optional[int]) -> None:
+        """Under a step: what each MoE layer's router chose for the token whose pass made this step (the last position
+        of the pass), 'L3 e2 .61 e5 .39': layer, then each chosen expert and its weight."""
+        mine = [ev for ev in self._routing if ev.get("row") == row and ev["positions"]]
+        self._routing = [ev for ev in self._routing if ev not in mine]
+        if not mine or not self.show_steps:
+            return
+        parts = [f"L{ev['layer']} " + " ".join(f"e{e} {_weight(w)}" for e, w in zip(ev["experts"][-1], ev["weights"][-1]))
+                 for ev in mine]
+        parts[0] = f"  routing @{mine[0]['positions'][-1]}: {parts[0]}"
+        print_parts(self.console, parts, style="dim")
 
     def _flush_tensors(self) -> None:
         rows, self._tensors = self._tensors, []
@@ -756,6 +772,7 @@ class TerminalRenderer:
                                     f"{_token_name(ev, after)}", style="red"))
         for line in stage_lines(ev):
             self.console.print(Text(f"  {line}", style="dim"))
+        self._routing_line(ev.get("row"))
         self._step_rows += 1
 
     def _on_prediction(self, ev: dict) -> None:
@@ -770,8 +787,15 @@ class TerminalRenderer:
         for rank, c in enumerate(ev.get("topk") or [], 1):
             t.add_row(str(rank), str(c["id"]), Text(visible(c["text"])), fmt_num(c["logit"]), f"{c['prob']:.4f}")
         self.console.print(t)
+        self._routing_line(ev.get("row"))
 
     # -- the end ---------------------------------------------------------------------------------------------------
+
+    def _load_lines(self, ev: dict) -> None:
+        """A mixture of experts: how the run's tokens spread over each MoE layer's experts."""
+        if ev.get("routing") and self.show_steps:
+            print_parts(self.console, ["expert load (tokens per expert, by index)", *load_parts(ev["routing"])],
+                        style="dim")
 
     def _on_summary(self, ev: dict) -> None:
         if self._tensors:  # a pass whose step never came (interrupted)
@@ -806,6 +830,7 @@ class TerminalRenderer:
         if self.run is not None and self.run.get("exact") is False:
             parts.append("--fast (approximate)")
         print_parts(self.console, parts, style="dim")
+        self._load_lines(ev)
         if self.run is not None and self._last_kv is not None:
             kv = self._last_kv
             saving = kv["mha_bytes_used"] / kv["bytes_used"] if kv["bytes_used"] else 0
@@ -814,6 +839,28 @@ class TerminalRenderer:
                 f"{human_bytes(kv['bytes_used'])} (allocated {human_bytes(kv['bytes_allocated'])})",
                 f"full multi-head attention would need {human_bytes(kv['mha_bytes_used'])}, {saving:.0f}× more"],
                 style="dim", sep="; ")
+
+
+def _weight(w: Optional[float]) -> str:
+    """A routing weight in two decimals without the leading zero, as '.61'; '1.0' for a whole one."""
+    if w is None:
+        return "?"
+    return f"{w:.2f}".removeprefix("0") if abs(w) < 0.995 else f"{w:.1f}"
+
+
+def load_parts(loads: list[dict], shown: int = 16) -> list[str]:
+    """The summary's expert load, a part per MoE layer: 'L0 3 12 7 10 (max/mean 1.50)', every expert's count when
+    the layer has at most `shown` experts, else the busiest four ('L0 e5 40, e17 33, e2 31, e9 30 of 128')."""
+    out = []
+    for r in loads:
+        load, imb = r["load"], r.get("imbalance")
+        if len(load) <= shown:
+            counts = " ".join(str(n) for n in load)
+        else:
+            top = sorted(range(len(load)), key=lambda e: -load[e])[:4]
+            counts = ", ".join(f"e{e} {load[e]}" for e in top) + f" … of {len(load)}"
+        out.append(f"L{r['layer']} {counts} (max/mean {imb:.2f})" if imb is not None else f"L{r['layer']} {counts}")
+    return out
 
 
 def _stop(summary: dict, which: str = "") -> list[str]:

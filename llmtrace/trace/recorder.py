@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
+from llmtrace.model.moe_points import EXPERT_WEIGHTS, ROUTER_PROBS
 from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
@@ -26,6 +27,9 @@ from llmtrace.trace.records import (batch_event, candidate_records, model_record
 from llmtrace.trace.sinks import ENCODER as _ENCODER
 from llmtrace.trace.stats import rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
 from llmtrace.trace.options import TraceOptions
+from llmtrace.trace.routing import ExpertLoad, routing_event, routing_tables
+
+ROUTING = (ROUTER_PROBS.name, EXPERT_WEIGHTS.name)  # what a routing event is made of (trace.routing)
 
 
 
@@ -103,6 +107,10 @@ class Recorder:
         self._config = None  # the model's config, from on_start
         self._declare(llama_points())  # the model's own declaration replaces Llama's at on_start
         self._rows = 1  # rows of the batch (on_start): with more than one, every tensor is recorded per row
+        self._pads = [0]  # each row's pad slots (on_batch), so that a routing event gives each row's own positions
+        self._routes: dict[int, dict[str, torch.Tensor]] = {}  # this pass: MoE layer -> its router_probs, weights
+        self._load = ExpertLoad()  # tokens per expert of each MoE layer, for the summary
+        self._start = 0  # the first slot of this pass
         self._batched = False  # on_start was told of a batch (generate_batch): on_end gets a BatchResult
 
     # -- plumbing ---------------------------------------------------------------------------------------------
@@ -155,6 +163,9 @@ class Recorder:
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
         # Called at every named point of every observed pass (574 per step at --trace full): it only keeps the tensor.
         # Shapes, events and statistics are made for the whole batch in _reduce_queue.
+        if name in ROUTING and layer is not None and self.options.level in ("layers", "full") and \
+                self._layer_selected(layer):  # the router ledger: a routing event per MoE layer per pass
+            self._routes.setdefault(layer, {})[name] = x
         wanted = self._wanted_memo.get((layer, name, self.step == 0))
         if wanted is None:
             wanted = self._wanted_memo[(layer, name, self.step == 0)] = (self._wanted(layer, name), self._dumped(layer, name))
@@ -345,11 +356,12 @@ class Recorder:
 
     def on_batch(self, layout) -> None:
         """s3: the padded batch as the first pass sees it (generate.BatchLayout)."""
+        self._pads = [row.count(0) for row in layout.attention_mask]
         self.emit(batch_event(self._tok, layout))
 
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
-        self._n_tokens = n_tokens
+        self._n_tokens, self._start = n_tokens, start
         if step == 0 and self.options.level != "none":
             self._shape_table = []
 
@@ -380,6 +392,7 @@ class Recorder:
                            f'"max": {hi!r}, "norm": {norm!r}}}{tail}}}')
             self.emit(ev)
         self._pending.clear()
+        self._emit_routing()
         self._layouts.clear()
         self._stats.clear()
         self._stat_order.clear()
@@ -388,6 +401,26 @@ class Recorder:
             self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
                        "n_layers": self._config.n_layers, "points": [self._shape_entry(r) for r in self._shape_table]})
             self._shape_table = None
+
+    def _emit_routing(self) -> None:
+        """One routing event per MoE layer observed in this pass (and per row of a batch), its positions each row's
+        own (a row's pad slots left out); each counts towards the summary's expert load."""
+        routes, self._routes = self._routes, {}
+        c = self._config
+        for layer in sorted(routes):
+            kept = routes[layer]
+            if len(kept) < len(ROUTING):
+                continue
+            probs, weights = kept[ROUTER_PROBS.name], kept[EXPERT_WEIGHTS.name]  # (B, T, E) each
+            for r in range(probs.size(0)):
+                pad = self._pads[r] if r < len(self._pads) else 0
+                first = max(0, pad - self._start)  # slots of this pass before the row's first real token
+                positions = list(range(self._start + first - pad, self._start + probs.size(1) - pad))
+                tables = routing_tables(probs[r, first:], weights[r, first:], c.n_experts_used)
+                ev = routing_event(self.step, self.phase, layer, positions, tables, c.n_experts_used, c.n_experts,
+                                   c.norm_topk_prob, row=r if self._rows > 1 else None)
+                self._load.add(ev)
+                self.emit(ev)
 
     def _shape_entry(self, r: dict) -> dict:
         """A shape table row with its seed step and, where they describe it, its axes (kv_write's slots, the logits
@@ -453,7 +486,11 @@ class Recorder:
                    "topk": self._topk(ledger), "kv_cache": self._kv_event(kv, position if row is not None else None)})
 
     def on_end(self, result) -> None:
-        self.emit(batch_summary_event(result) if self._batched else summary_event(result))
+        ev = batch_summary_event(result) if self._batched else summary_event(result)
+        loads = self._load.records()
+        if loads:  # a mixture of experts traced at --trace layers or full: each layer's expert load
+            ev["routing"] = loads
+        self.emit(ev)
 
 
 TAIL_BINS = 128

@@ -1,0 +1,123 @@
+"""The router ledger: at --trace layers and full each MoE layer emits a `routing` event per forward pass (the K
+experts and weights of every position, the router's top probabilities before the cut, its entropy); the terminal
+shows it under each step; the summary gives each layer's expert load. Checked against transformers' router on the
+tiny Mixtral and Qwen3-MoE (tests/families.py)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from families import PROMPT_IDS
+
+import llmtrace
+from helpers import undeclared_fields
+
+TEXT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def mixtral(families):
+    return llmtrace.load(str(families.hf_dir("mixtral")), device="cpu", dtype="float32")
+
+
+def routing(events):
+    return [e for e in events if e["event"] == "routing"]
+
+
+def transformers_choice(model, ids):
+    """{layer: (experts (T, K), weights (T, K))} from transformers' router modules."""
+    out = {}
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda m, a, res, i=i: out.__setitem__(i, (res[2], res[1]))) for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+@pytest.mark.parametrize("level", ["layers", "full"])
+def test_each_pass_has_a_routing_event_per_moe_layer_as_transformers_routes(families, mixtral, level):
+    run = mixtral.generate(TEXT, max_new_tokens=3, trace=level, temperature=0)
+    events = routing(run.events)
+    assert [(e["step"], e["layer"]) for e in events] == [(s, layer) for s in range(3) for layer in range(2)]
+    ids = next(e for e in run.events if e["event"] == "tokens")["tokens"]
+    ids = [t["id"] for t in ids] + run.tokens[:2]  # every token a pass has run
+    theirs = transformers_choice(families.model("mixtral"), ids)
+    for e in events:
+        assert e["k"] == 2 and e["n_experts"] == 4 and e["renormalised"]
+        for p, chosen, weights, cand, probs, ent in zip(e["positions"], e["experts"], e["weights"], e["candidates"],
+                                                         e["probs"], e["entropy"]):
+            experts, w = theirs[e["layer"]]
+            assert chosen == experts[p].tolist()
+            assert max(abs(a - b) for a, b in zip(weights, w[p].tolist())) <= 1e-5
+            assert cand[:2] == chosen and len(cand) == 4 and probs == sorted(probs, reverse=True)
+            assert 0 <= ent <= math.log2(4) + 1e-6
+    prefill = [e for e in events if e["step"] == 0]
+    assert all(e["positions"] == list(range(len(ids) - 2)) for e in prefill)
+    assert [e["positions"] for e in events if e["step"] == 2] == [[len(ids) - 1]] * 2
+
+
+def test_the_summary_gives_each_layers_expert_load(mixtral):
+    run = mixtral.generate(TEXT, max_new_tokens=4, trace="layers", temperature=0)
+    summary = run.events[-1]
+    loads = {r["layer"]: r for r in summary["routing"]}
+    for layer, r in loads.items():
+        counted = [0] * 4
+        for e in routing(run.events):
+            if e["layer"] == layer:
+                for chosen in e["experts"]:
+                    for x in chosen:
+                        counted[x] += 1
+        assert r["load"] == counted and sum(counted) == 2 * r["tokens"]
+        assert r["tokens"] == summary["prompt_tokens"] + 3
+        assert r["imbalance"] == pytest.approx(max(counted) / (r["tokens"] * 2 / 4), abs=1e-4)
+
+
+def test_routing_is_not_recorded_at_trace_steps(mixtral):
+    run = mixtral.generate(TEXT, max_new_tokens=2, trace="steps")
+    assert routing(run.events) == [] and "routing" not in run.events[-1]
+
+
+def test_routing_events_follow_the_schema(mixtral, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")
+    from llmtrace.trace.events import schema_path
+
+    run = mixtral.generate(TEXT, max_new_tokens=2, trace="layers")
+    validator = jsonschema.Draft202012Validator(json.loads(schema_path().read_text()))
+    for e in run.events:
+        assert not list(validator.iter_errors(json.loads(json.dumps(e)))), e["event"]
+    assert undeclared_fields(run.events) == []
+
+
+def test_a_batch_routes_each_row_at_its_own_positions(families):
+    """Row 1 is left-padded: its routing starts at its own position 0, and equals the row run alone."""
+    lm = llmtrace.load(str(families.hf_dir("qwen3_moe")), device="cpu", dtype="float32")
+    long, short = TEXT + " jumps over", "A lazy dog"
+    batch = routing(lm.generate([long, short], max_new_tokens=2, trace="layers", temperature=0).events)
+    alone = routing(lm.generate(short, max_new_tokens=2, trace="layers", temperature=0).events)
+    row1 = [e for e in batch if e.get("row") == 1]
+    assert [e["positions"] for e in row1] == [e["positions"] for e in alone]
+    assert row1[0]["positions"][0] == 0
+    assert [e["experts"] for e in row1] == [e["experts"] for e in alone]
+
+
+def test_the_terminal_shows_the_routing_under_each_step(capsys, families, tmp_path):
+    from helpers import run_cli
+
+    out_file = tmp_path / "t.jsonl"
+    code, out, err = run_cli(capsys, "generate", TEXT, "-m", families.hf_dir("mixtral"), "-n", "2", "--trace",
+                             "layers", "--jsonl", out_file)
+    assert code == 0, err
+    events = [json.loads(line) for line in out_file.read_text().splitlines()]
+    last = [e for e in routing(events) if e["step"] == 1]
+    line = "routing @{}: ".format(last[0]["positions"][-1]) + " · ".join(
+        f"L{e['layer']} " + " ".join(f"e{x} {w:.2f}".replace(" 0.", " .") for x, w in zip(e["experts"][-1],
+                                                                                        e["weights"][-1]))
+        for e in last)
+    assert line in out
+    assert "expert load" in out and f"L0 {' '.join(map(str, events[-1]['routing'][0]['load']))}" in out
+    code, shown, err = run_cli(capsys, "show", out_file)
+    assert code == 0 and line in shown
