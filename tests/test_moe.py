@@ -13,7 +13,7 @@ from families import FAMILIES, PROMPT_IDS, hf_model_from_gguf, hf_model_via_stat
 
 from llmtrace.checkpoint.load import load_model
 from llmtrace.model.capture import capture
-from llmtrace.model.moe import moe_layers
+from llmtrace.model.moe_points import moe_layers
 
 HF_NAMES = ["mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense"]
 GGUF_NAMES = ["mixtral", "qwen3_moe", "qwen3_moe_raw"]

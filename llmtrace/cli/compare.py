@@ -83,7 +83,7 @@ def compare(
     b_device: Annotated[Optional[str], typer.Option("--b-device", help="Side B's device (default: side A's).", show_default=False)] = None,
     b_keep_quantized: Annotated[Optional[bool], typer.Option("--b-keep-quantized/--b-dequantized", help="Side B keeps a GGUF's quantized blocks, or not (default: as side A).", show_default=False)] = None,
     b_fast: Annotated[bool, typer.Option("--b-fast", help="Side B runs the GGUF on --fast's int4 kernels (bfloat16; approximate).")] = False,
-    b_ablate: Annotated[Optional[list[str]], typer.Option("--b-ablate", metavar="L.hH|L.attn|L.ffn", help="Side B with --ablate (repeatable).", show_default=False)] = None,
+    b_ablate: Annotated[Optional[list[str]], typer.Option("--b-ablate", metavar="L.hH|L.eK|L.attn|L.ffn", help="Side B with --ablate (repeatable).", show_default=False)] = None,
     b_scale: Annotated[Optional[list[str]], typer.Option("--b-scale", metavar="L.hH=α", help="Side B with --scale (repeatable).", show_default=False)] = None,
     b_patch: Annotated[Optional[list[str]], typer.Option("--b-patch", metavar="L.POINT@P", help="Side B with --patch (with --b-from).", show_default=False)] = None,
     b_from: Annotated[Optional[str], typer.Option("--b-from", metavar="TEXT", help="--b-patch's source text.", show_default=False)] = None,

@@ -299,12 +299,13 @@ class PanelCommand(TyperCommand):
 # -- interventions (generate, explain, lens): llmtrace.run.interventions
 
 AblateOpt = Annotated[Optional[list[str]], typer.Option(
-    "--ablate", metavar="L.hH|L.attn|L.ffn", help="Zero head H of layer L (its slice of the input of Wo), or that "
-    "layer's attention or FFN output; L.hH=mean: the head's mean over the prompt instead (repeatable).",
+    "--ablate", metavar="L.hH|L.eK|L.attn|L.ffn", help="Zero head H of layer L (its slice of the input of Wo), or "
+    "that layer's attention or FFN output; L.hH=mean: the head's mean over the prompt instead; L.eK (a mixture of "
+    "experts): expert K's router score is −∞, so each token's next best expert runs in its place (repeatable).",
     show_default=False)]
 ScaleOpt = Annotated[Optional[list[str]], typer.Option(
-    "--scale", metavar="L.hH=α", help="Multiply head H's output (or L.attn=α, L.ffn=α) by α (repeatable).",
-    show_default=False)]
+    "--scale", metavar="L.hH=α", help="Multiply head H's output (or L.attn=α, L.ffn=α; L.eK=α: expert K's output "
+    "wherever it runs) by α (repeatable).", show_default=False)]
 PatchOpt = Annotated[Optional[list[str]], typer.Option(
     "--patch", metavar="L.POINT@P", help="Replace the activation at layer L, POINT (resid_pre, resid_mid, resid_post "
     "or hH), position P (negative: from the end) by the --from text's, in the prompt's pass (repeatable).",
@@ -331,6 +332,9 @@ INTERVENTIONS_HELP = """Interventions (repeatable, they combine; listed in the h
   --ablate 3.h2          head 2 of layer 3 adds nothing (also 3.attn, 3.ffn)
   --ablate 3.h2=mean     the head's output: its mean over the prompt
   --scale 3.h2=0.5       that output × 0.5 (also 3.attn=α, 3.ffn=α)
+  --ablate 3.e5          a mixture of experts: expert 5 of layer 3 is never
+                         chosen (router score −∞: the next best runs instead)
+  --scale 3.e5=2         expert 5's output × 2 wherever it runs
   --patch 8.resid_post@-1 --from "The capital of Italy is"
                          that activation from the other text (run alone)
   --steer 6 --toward "I love it" --away-from "I hate it" --strength 4

@@ -132,13 +132,6 @@ class MoEBlock(Block):
         return self.feed_forward(config)
 
 
-def moe_layers(config) -> list[int]:
-    """The layers whose feed-forward is a mixture of experts (none for a dense model)."""
-    if not config.n_experts:
-        return []
-    return [i for i in range(config.n_layers) if i not in (config.dense_layers or ())]
-
-
 def active_weights(config, declared) -> tuple[int, int]:
     """(weights a token uses, weights the model holds): a token runs K of each MoE layer's E experts, so of every
     expert stack it uses K/E; everything else it uses whole. `declared`: model.points.DeclaredWeight list."""

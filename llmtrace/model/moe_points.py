@@ -28,3 +28,10 @@ def expert_points(points) -> tuple[str, str]:
     (the weights its output is summed with). None when the model has no experts."""
     named = [p.name for p in points.layer if p.where == "ffn" and p.editable and "E" in p.axes]
     return (named[0], named[-1]) if named else None
+
+
+def moe_layers(config) -> list[int]:
+    """The layers of a model's config whose feed-forward is a mixture of experts (none for a dense model)."""
+    if not config.n_experts:
+        return []
+    return [i for i in range(config.n_layers) if i not in (config.dense_layers or ())]

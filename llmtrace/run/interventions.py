@@ -10,8 +10,12 @@ Definitions (tests/test_interventions.py checks each one against forward hooks o
     Ablate(L, head=h)          head h's slice of the concatenated head outputs (the input of Wo, s6.6) is zero, at every
                                position, in the prompt's pass and in every decode step
     Ablate(L, part="attn"|"ffn") that sub-layer's output (after Wo, after W_down) is zero: it adds nothing to the stream
+    Ablate(L, expert=K)        a mixture of experts: expert K of layer L is removed from the choice (its router score
+                               is -inf, so its probability is 0 and each token's next best expert runs in its place)
     Ablate(L, head=h, mean=True) head h's output is replaced by its mean over the prompt's positions (each row its own)
     Scale(L, α, head=h | part=)  the same outputs multiplied by α
+    Scale(L, α, expert=K)      expert K's output multiplied by α wherever it runs (its routing weight × α; the choice
+                               of experts is unchanged)
     Patch(L, point, P, source)   `source` runs alone; its activation at layer L, `point` (resid_pre, resid_mid,
                                resid_post or head h's output), position P replaces the run's at the same place, in
                                the prompt's pass. P counts from 0; negative P from the end of each prompt (and of
@@ -36,8 +40,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, LlmtraceError
+from llmtrace.model.moe_points import expert_points
 
-PARTS = ("head", "attn", "ffn")
+PARTS = ("head", "attn", "ffn", "expert")
 
 
 def resid_points(points) -> tuple[str, ...]:
@@ -63,17 +68,20 @@ def layer_output(points) -> str:
 # the interventions
 
 
-def _target(layer: int, part: str, head: Optional[int]) -> str:
-    return f"{layer}.h{head}" if part == "head" else f"{layer}.{part}"
+def _target(layer: int, part: str, head: Optional[int], expert: Optional[int] = None) -> str:
+    return f"{layer}.h{head}" if part == "head" else f"{layer}.e{expert}" if part == "expert" else f"{layer}.{part}"
 
 
 def _part(obj, field_name: str) -> None:
-    """Fill in `part` from `head` (a head given means part "head") and check the pair."""
-    part = obj.part if obj.part is not None else ("head" if obj.head is not None else None)
+    """Fill in `part` from `head` or `expert` (a head given means part "head", an expert "expert") and check it."""
+    implied = "head" if obj.head is not None else "expert" if obj.expert is not None else None
+    part = obj.part if obj.part is not None else implied
     if part not in PARTS:
-        raise BadValue(field_name, f": part must be one of {', '.join(PARTS)} (a head needs head=H), not {part!r}")
-    if (part == "head") != (obj.head is not None):
-        raise BadValue(field_name, f": part {part!r} {'needs' if part == 'head' else 'takes no'} head")
+        raise BadValue(field_name, f": part must be one of {', '.join(PARTS)} (a head needs head=H, an expert "
+                                   f"expert=K), not {part!r}")
+    for name, value in (("head", obj.head), ("expert", obj.expert)):
+        if (part == name) != (value is not None):
+            raise BadValue(field_name, f": part {part!r} {'needs' if part == name else 'takes no'} {name}")
     object.__setattr__(obj, "part", part)
 
 
@@ -81,8 +89,9 @@ def _part(obj, field_name: str) -> None:
 class Ablate:
     layer: int
     head: Optional[int] = None
-    part: Optional[str] = None  # "head" (with head=), "attn" or "ffn"
+    part: Optional[str] = None  # "head" (with head=), "attn", "ffn" or "expert" (with expert=)
     mean: bool = False  # a head's output replaced by its mean over the prompt's positions, not zero
+    expert: Optional[int] = None  # a mixture of experts: this expert of the layer is never chosen
 
     def __post_init__(self):
         _part(self, "ablate")
@@ -93,7 +102,7 @@ class Ablate:
 
     @property
     def spec(self) -> str:
-        return _target(self.layer, self.part, self.head) + ("=mean" if self.mean else "")
+        return _target(self.layer, self.part, self.head, self.expert) + ("=mean" if self.mean else "")
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class Scale:
     factor: float
     head: Optional[int] = None
     part: Optional[str] = None
+    expert: Optional[int] = None  # a mixture of experts: this expert's output, wherever it runs
 
     def __post_init__(self):
         _part(self, "scale")
@@ -112,7 +122,7 @@ class Scale:
 
     @property
     def spec(self) -> str:
-        return f"{_target(self.layer, self.part, self.head)}={self.factor:g}"
+        return f"{_target(self.layer, self.part, self.head, self.expert)}={self.factor:g}"
 
 
 @dataclass(frozen=True)
@@ -172,7 +182,9 @@ def record(iv: Intervention) -> dict:
     spelling), label (the terminal's line), then its fields."""
     out = {"kind": iv.kind, "spec": iv.spec, "label": label(iv)}
     for name in ("layer", "head", "part", "mean", "factor", "point", "position", "source", "toward", "away_from",
-                 "strength", "path", "scale"):
+                 "strength", "path", "scale", "expert"):
+        if name == "expert" and getattr(iv, name, None) is None:
+            continue  # only an expert's intervention says it
         if hasattr(iv, name):
             out[name] = getattr(iv, name)
     return out
@@ -198,35 +210,38 @@ def _quote(text: str, width: int = 24) -> str:
 # the command line's spellings
 
 
-_TARGET = re.compile(r"^(-?\d+)\.(?:h(\d+)|(attn|ffn))$")
+_TARGET = re.compile(r"^(-?\d+)\.(?:h(\d+)|e(\d+)|(attn|ffn))$")
 
 
-def _parse_target(field_name: str, text: str) -> tuple[int, Optional[int], str]:
+def _parse_target(field_name: str, text: str) -> tuple[int, Optional[int], Optional[int], str]:
+    """'3.h2' -> (3, 2, None, "head"); '3.e5' -> (3, None, 5, "expert"); '3.ffn' -> (3, None, None, "ffn")."""
     m = _TARGET.match(text.strip())
     if not m:
-        raise BadValue(field_name, f" {text!r}: expected L.hH (a head), L.attn or L.ffn, e.g. 3.h2")
-    layer, head, part = int(m[1]), m[2], m[3]
-    return layer, (int(head) if head is not None else None), part or "head"
+        raise BadValue(field_name, f" {text!r}: expected L.hH (a head), L.eK (an expert), L.attn or L.ffn, e.g. 3.h2")
+    layer, head, expert, part = int(m[1]), m[2], m[3], m[4]
+    part = part or ("head" if head is not None else "expert")
+    return layer, (int(head) if head is not None else None), (int(expert) if expert is not None else None), part
 
 
 def parse_ablate(text: str) -> Ablate:
-    """'3.h2', '3.attn', '3.ffn', '3.h2=mean'."""
+    """'3.h2', '3.attn', '3.ffn', '3.h2=mean', '3.e5'."""
     target, eq, how = text.partition("=")
     if eq and how.strip() != "mean":
         raise BadValue("ablate", f" {text!r}: the only value after '=' is mean (L.hH=mean)")
-    layer, head, part = _parse_target("ablate", target)
-    return Ablate(layer, head=head, part=part, mean=bool(eq))
+    layer, head, expert, part = _parse_target("ablate", target)
+    return Ablate(layer, head=head, part=part, mean=bool(eq), expert=expert)
 
 
 def parse_scale(text: str) -> Scale:
-    """'3.h2=0.5', '3.attn=2', '3.ffn=0'."""
+    """'3.h2=0.5', '3.attn=2', '3.ffn=0', '3.e5=2'."""
     target, eq, factor = text.partition("=")
     try:
         value = float(factor)
     except ValueError:
-        raise BadValue("scale", f" {text!r}: expected L.hH=α, L.attn=α or L.ffn=α with a number α, e.g. 3.h2=0.5") from None
-    layer, head, part = _parse_target("scale", target)
-    return Scale(layer, value, head=head, part=part)
+        raise BadValue("scale", f" {text!r}: expected L.hH=α, L.eK=α, L.attn=α or L.ffn=α with a number α, e.g. "
+                                f"3.h2=0.5") from None
+    layer, head, expert, part = _parse_target("scale", target)
+    return Scale(layer, value, head=head, part=part, expert=expert)
 
 
 _PATCH = re.compile(r"^(-?\d+)\.([a-z_]+|h\d+)@(-?\d+)$")
@@ -313,6 +328,33 @@ def _head(field_name: str, iv, head: int, n_heads: int) -> int:
     return head
 
 
+def _expert(field_name: str, iv, config) -> None:
+    """An expert's intervention: its layer must be a mixture of experts, and K one of its E experts."""
+    from llmtrace.model.moe_points import moe_layers
+
+    layer = iv.layer % config.n_layers
+    if layer not in moe_layers(config):
+        what = (f"layer {layer} has a dense feed-forward (no experts)" if config.n_experts else
+                "this model has no experts (its feed-forward is dense)")
+        raise BadValue(field_name, f" {iv.spec}: {what}; L.eK names an expert of a mixture-of-experts layer")
+    if not 0 <= iv.expert < config.n_experts:
+        raise BadValue(field_name, f" {iv.spec}: expert {iv.expert} is out of range; layer {layer} has "
+                                   f"{config.n_experts} experts (0..{config.n_experts - 1})")
+
+
+def _enough_experts(interventions, config) -> None:
+    """Ablated experts leave each token at least K to run."""
+    ablated: dict[int, set] = {}
+    for iv in interventions:
+        if isinstance(iv, Ablate) and iv.part == "expert":
+            ablated.setdefault(iv.layer % config.n_layers, set()).add(iv.expert)
+    for layer, gone in ablated.items():
+        if config.n_experts - len(gone) < config.n_experts_used:
+            raise BadValue("ablate", f" removes {len(gone)} of layer {layer}'s {config.n_experts} experts, but each "
+                                     f"token runs {config.n_experts_used}: at most {config.n_experts - config.n_experts_used} "
+                                     f"may be ablated")
+
+
 def position_slot(field_name: str, iv, position: int, n_tokens: int, what: str, also: tuple[str, ...] = ()) -> int:
     """Position P (negative: from the end) of a text of n_tokens as 0-based, or a one-line error naming the range
     (`also`: the fields `what` names)."""
@@ -336,11 +378,14 @@ def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequenc
         _layer(name, iv, iv.layer, config.n_layers)
         if getattr(iv, "head", None) is not None:
             _head(name, iv, iv.head, config.n_heads)
+        if getattr(iv, "expert", None) is not None:
+            _expert(name, iv, config)
         if isinstance(iv, Patch):
             if iv.point != "head" and iv.point not in resid:
                 raise BadValue(name, f" {iv.spec}: unknown point {iv.point!r}; points: {', '.join(resid)} or hH (a head)")
             for r, n in enumerate(prompt_lengths):
                 position_slot(name, iv, iv.position, n, "the prompt" if len(prompt_lengths) == 1 else f"prompt {r + 1}")
+    _enough_experts(interventions, config)
 
 
 def read_control_vector(path, d_model: int, n_layers: int) -> dict[int, "object"]:
@@ -434,7 +479,11 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
     points = lm.points
     out = layer_output(points)
     for iv in interventions:
-        if isinstance(iv, (Ablate, Scale)):
+        if isinstance(iv, (Ablate, Scale)) and iv.part == "expert":
+            layer = iv.layer % c.n_layers
+            router, weights = expert_points(points)
+            edits.add(layer, router if isinstance(iv, Ablate) else weights, _expert_edit(iv))
+        elif isinstance(iv, (Ablate, Scale)):
             layer = iv.layer % c.n_layers
             edits.add(layer, part_point(points, iv.part), _ablate_or_scale(edits, iv))
         elif isinstance(iv, Patch):
@@ -513,6 +562,21 @@ def _ablate_or_scale(edits: Edits, iv):
         x[:, :, h] = means["m"][:, None]
         return x
     return mean_op
+
+
+def _expert_edit(iv):
+    """Ablate: expert K's router score is -inf (B, T, E), so the softmax gives it 0 and the top K pass it by. Scale:
+    its routing weight (B, T, E) times α, which multiplies its output wherever it runs."""
+    k = iv.expert
+
+    def op(x):
+        x = x.clone()
+        if isinstance(iv, Ablate):
+            x[..., k] = float("-inf")
+        else:
+            x[..., k] = x[..., k] * iv.factor
+        return x
+    return op
 
 
 def _patch(edits: Edits, iv: Patch, vec):
