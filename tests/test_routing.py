@@ -121,3 +121,51 @@ def test_the_terminal_shows_the_routing_under_each_step(capsys, families, tmp_pa
     assert "expert load" in out and f"L0 {' '.join(map(str, events[-1]['routing'][0]['load']))}" in out
     code, shown, err = run_cli(capsys, "show", out_file)
     assert code == 0 and line in shown
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# compare: the first routing flip beside the first diverging tensor
+
+
+def test_compare_names_the_first_routing_flip(families, mixtral, capsys):
+    from helpers import check_against_schema, run_cli
+    from llmtrace.model.capture import capture
+    from llmtrace.run.compare import Side, compare
+    from llmtrace.run.interventions import Ablate, prepare
+
+    text = "The quick brown fox jumps"
+    side = Side(model=str(families.hf_dir("mixtral")), dtype="float32")
+    result = compare(side, side.with_changes(interventions=(Ablate(1, expert=2),)), text, max_new_tokens=2)
+    doc = result.to_json()
+    routing = doc["routing"]
+    ids = torch.tensor([doc["ids"]])
+    lm = mixtral.loaded
+    chosen = {}
+    for name, ivs in (("a", []), ("b", [Ablate(1, expert=2)])):  # each side's layer-1 choice, by hand
+        edits = prepare(lm, ivs, [doc["n_prompt"]])
+        with torch.no_grad(), capture(lm.model, [(1, "router_probs")]) as kept, \
+                lm.model.hooked(edits or (lambda *a: None), edits.layers if edits else [], spell_out=False):
+            lm.model(ids)
+        chosen[name] = kept[(1, "router_probs")][0].topk(2, dim=-1).indices.sort(-1).values.tolist()
+    differ = [p for p, (x, y) in enumerate(zip(chosen["a"], chosen["b"])) if x != y]
+    assert routing["first"] == {"layer": 1, "position": differ[0], "a": chosen["a"][differ[0]],
+                                "b": chosen["b"][differ[0]]}
+    assert routing["flips"] == len(differ) and routing["compared"] == 2 * len(doc["ids"])
+    assert routing["layers"] == [{"layer": 0, "flips": 0}, {"layer": 1, "flips": len(differ)}]
+    sets = lambda e: "{" + ",".join(map(str, e)) + "}"  # noqa: E731
+    said = f"routing first flips at layer 1, position {differ[0]}: {sets(chosen['a'][differ[0]])} → " \
+           f"{sets(chosen['b'][differ[0]])} ({len(differ)} of {routing['compared']} choices)"
+    assert said in result.summary_line() and result.summary_line().startswith("runs part at layer 1, router_probs")
+    check_against_schema(doc, result.to_jsonl_events())
+    code, out, err = run_cli(capsys, "compare", text, "-m", families.hf_dir("mixtral"), "--b-ablate", "1.e2", "-n", "2")
+    assert code == 0 and said in " ".join(out.split()), err
+
+
+def test_compare_of_a_quantized_moe_says_whether_any_router_flipped(families):
+    from llmtrace.run.compare import compare
+
+    result = compare(str(families.gguf("qwen3_moe")), str(families.gguf("qwen3_moe", "q8_0")), "The quick brown fox")
+    routing = result.to_json()["routing"]
+    assert routing["compared"] == 2 * len(result.ids)
+    assert ("routing first flips" in result.summary_line()) == (routing["flips"] > 0)
+    assert ("every router chose the same experts" in result.summary_line()) == (routing["flips"] == 0)

@@ -394,10 +394,9 @@ def _tied_head(model: nn.Module, name: str, m: nn.Module) -> bool:
 
 
 def _expert_stack(m: nn.Module) -> bool:
-    """A dense stack of E matrices (model.moe.ExpertMatrices)."""
-    from llmtrace.model.moe import ExpertMatrices
-
-    return isinstance(m, ExpertMatrices)
+    """A dense stack of E matrices (model.moe.ExpertMatrices: its weight a (E, out, in) parameter)."""
+    w = getattr(m, "weight", None)
+    return isinstance(w, nn.Parameter) and w.dim() == 3
 
 
 def storage_table(model: nn.Module) -> list[dict]:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
+from llmtrace.model.moe_points import ROUTER_PROBS
 from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
 from llmtrace.units import plural
 
@@ -130,7 +131,7 @@ def check_comparable(ca, cb) -> None:
     """Refuse two configs whose tensors cannot be compared point by point, naming the first mismatch."""
     for what, key in (("layers", "n_layers"), ("width (d_model)", "d_model"), ("query heads", "n_heads"),
                       ("key/value heads", "n_kv_heads"), ("head width", "head_dim"), ("FFN width", "ffn_dim"),
-                      ("vocabulary", "vocab_size")):
+                      ("vocabulary", "vocab_size"), ("experts", "n_experts"), ("experts per token", "n_experts_used")):
         va, vb = getattr(ca, key), getattr(cb, key)
         if va != vb:
             raise LlmtraceError(f"the models cannot be compared point by point: their {what} differ (A {va}, B {vb})")
@@ -340,6 +341,7 @@ class CompareResult:
     source: str = "compare"  # "compare" (two models run here) or "diff" (two saved traces)
     notes: list[str] = field(default_factory=list)
     diff: Optional[dict] = None  # diff: what the traces hold besides tensors (tokens, top-k, ledger, statistics)
+    routing: Optional[dict] = None  # a mixture of experts: where B's routers chose other experts (RoutingFlips)
 
     def to_json(self) -> dict:
         return {"schema": COMPARE_SCHEMA, "source": self.source, "a": self.a, "b": self.b, "prompt": self.prompt,
@@ -348,7 +350,8 @@ class CompareResult:
                 "kld_mean": round_sig(self.kld_mean), "kld_max": round_sig(self.kld_max), "same_top": round_sig(self.same_top),
                 "dp_mean_abs": round_sig(self.dp_mean_abs), "positions": self.positions, "layers": self.layers,
                 "model_points": self.model_points, "notes": self.notes} | (
-                    {"diff": {k: v for k, v in self.diff.items() if not k.startswith("_")}} if self.diff else {})
+                    {"diff": {k: v for k, v in self.diff.items() if not k.startswith("_")}} if self.diff else {}) | (
+                    {"routing": self.routing} if self.routing is not None else {})
 
     def to_jsonl_events(self) -> list[dict]:
         return jsonl_events(self.to_json())
@@ -375,7 +378,7 @@ def summary_line(doc: dict) -> str:
     before = doc.get("max_rel_err_before") or 0.0
     if fd is None:
         worst = "identical" if before == 0 else f"largest rel. error {before:.1e}"
-        return f"runs agree within {tol} at every point and position ({worst})"
+        return f"runs agree within {tol} at every point and position ({worst})" + routing_clause(doc.get("routing"))
     where = f"layer {fd['layer']}, " if fd["layer"] is not None else ""
     step = f" ({fd['seed_step']})" if fd.get("seed_step") else ""
     norms = fd.get("basis") == "norm"
@@ -388,7 +391,19 @@ def summary_line(doc: dict) -> str:
                 f"everything before it within the tolerance (largest rel. error {_sci(before)})")
     basis = " (from the norms)" if norms else ""
     return f"runs part at {where}{fd['point']}{step}, {divergence_place(fd)}: rel. error{basis} " \
-           f"{_sci(fd['rel_err'])}; {rest}"
+           f"{_sci(fd['rel_err'])}; {rest}" + routing_clause(doc.get("routing"))
+
+
+def routing_clause(routing: Optional[dict]) -> str:
+    """A mixture of experts: '; routing first flips at layer 1, position 5: {2,5} → {2,6} (3 of 28 choices)'."""
+    if not routing:
+        return ""
+    first = routing.get("first")
+    if first is None:
+        return f"; every router chose the same experts ({routing['compared']:,} choices)"
+    sets = lambda e: "{" + ",".join(map(str, e)) + "}"  # noqa: E731
+    return (f"; routing first flips at layer {first['layer']}, {_place(first.get('prompt'), first['position'])}: "
+            f"{sets(first['a'])} → {sets(first['b'])} ({routing['flips']:,} of {routing['compared']:,} choices)")
 
 
 def divergence_place(fd: dict) -> str:
@@ -434,6 +449,38 @@ def summarize_answers(m: dict) -> dict:
             "dp_mean_abs": sum(abs(d) for d in m["dp"]) / n}
 
 
+class RoutingFlips:
+    """Where B's router chose other experts than A's (a mixture of experts): each MoE layer's choice at each position
+    compared as a set of K experts. `offset` numbers the positions across prompts (the position records' index)."""
+
+    def __init__(self, k: int):
+        self.k, self.offset = k, 0
+        self.compared, self.per_layer, self.first = 0, {}, None
+
+    def add(self, layer: int, points_a: dict, points_b: dict) -> None:
+        pa, pb = points_a.get(ROUTER_PROBS.name), points_b.get(ROUTER_PROBS.name)
+        if pa is None or pb is None:
+            return  # a dense layer
+        chosen = [p[0].topk(self.k, dim=-1).indices.sort(dim=-1).values.tolist() for p in (pa, pb)]  # (T, K) each
+        flips = [(i, a, b) for i, (a, b) in enumerate(zip(*chosen)) if a != b]
+        self.compared += len(chosen[0])
+        self.per_layer[layer] = self.per_layer.get(layer, 0) + len(flips)
+        if flips and (self.first is None or layer < self.first["layer"]):
+            i, a, b = flips[0]
+            self.first = {"layer": layer, "position": self.offset + i, "a": a, "b": b}
+
+    def record(self, positions: list[dict]) -> dict:
+        """The compare document's `routing`: the first flip (its position as the position records name it), how many
+        choices flipped of how many, and per layer."""
+        first = None
+        if self.first is not None:
+            first = dict(self.first) | {"position": positions[self.first["position"]]["position"]}
+            if "prompt" in positions[self.first["position"]]:
+                first["prompt"] = positions[self.first["position"]]["prompt"]
+        return {"first": first, "flips": sum(self.per_layer.values()), "compared": self.compared,
+                "layers": [{"layer": layer, "flips": n} for layer, n in sorted(self.per_layer.items())]}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # running two models side by side
 
@@ -476,9 +523,10 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
 
     import torch
 
+    flips = RoutingFlips(lm_a.config.n_experts_used) if lm_a.config.n_experts else None
     with torch.inference_mode():
         acc, positions, answers, seqs = _run_prompts((lm_a, tok_a), (lm_b, tok_b), all_ids, max_new_tokens, ivs_b,
-                                                     say, several=len(texts) > 1)
+                                                     say, several=len(texts) > 1, flips=flips)
     layers, model_points = build_records(acc, lm_a.config.n_layers, lm_a.points)
     first, before = find_first_divergence(model_points, layers, tolerance)
     return CompareResult(a=side_record(lm_a, side_a), b=side_record(lm_b, side_b),
@@ -486,7 +534,8 @@ def compare(a: ModelLike, b: ModelLike, prompt: Union[str, list[str]], *, max_ne
                          n_prompt=len(all_ids[0]) if len(all_ids) == 1 else [len(i) for i in all_ids],
                          tolerance=tolerance, layers=layers, model_points=model_points, positions=positions,
                          first_divergence=label_divergence(first, positions), max_rel_err_before=before,
-                         **summarize_answers(answers), notes=notes)
+                         **summarize_answers(answers), notes=notes,
+                         routing=flips.record(positions) if flips is not None else None)
 
 
 def _check_arguments(side_a: Optional[Side], side_b: Optional[Side], ivs_b: list, max_new_tokens: int,
@@ -555,11 +604,11 @@ def _load_sides(a: tuple, b: tuple, ivs_b: list, all_ids: list[list[int]], max_n
     return lm_a, lm_b
 
 
-def _run_prompts(a: tuple, b: tuple, all_ids: list[list[int]], max_new_tokens: int, ivs_b: list, say, several: bool
-                 ) -> tuple[dict, list[dict], dict, list[list[int]]]:
+def _run_prompts(a: tuple, b: tuple, all_ids: list[list[int]], max_new_tokens: int, ivs_b: list, say, several: bool,
+                 flips: Optional[RoutingFlips] = None) -> tuple[dict, list[dict], dict, list[list[int]]]:
     """Each prompt (and A's greedy tokens after it) through both sides, (loaded model, tokenizer) each: the
     accumulated point sums, the position records (numbered across prompts), the answers' per-position lists and each
-    prompt's sequence."""
+    prompt's sequence. `flips` hears each MoE layer's routing on both sides."""
     (lm_a, tok_a), (lm_b, tok_b) = a, b
     acc: dict = {}
     positions: list[dict] = []
@@ -576,7 +625,9 @@ def _run_prompts(a: tuple, b: tuple, all_ids: list[list[int]], max_new_tokens: i
             ivs = [replace(iv, position=iv.position + len(ids)) if isinstance(iv, Patch) and iv.position < 0
                    else iv for iv in ivs_b]
             edits_b = prepare(lm_b, ivs, [len(ids)])
-        logits_a, logits_b = run_side_by_side(lm_a, lm_b, seq, acc, say, edits_b=edits_b)
+        if flips is not None:
+            flips.offset = len(positions)
+        logits_a, logits_b = run_side_by_side(lm_a, lm_b, seq, acc, say, edits_b=edits_b, flips=flips)
         m = answer_metrics(logits_a, logits_b)
         del logits_a, logits_b
         for key, v in m.items():
@@ -619,11 +670,12 @@ def greedy_tokens(model, ids: list[int], n: int, device) -> list[int]:
     return out
 
 
-def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None, edits_b=None):
+def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None, edits_b=None,
+                     flips: Optional[RoutingFlips] = None):
     """Run both loaded models over `ids` layer by layer, and B's layer once more on A's input, adding each point's
     per-position sums to `acc` ({(layer, point): (A against B, A against B on A's input)}, in forward order).
     `edits_b` (run.interventions.prepare): B's interventions, applied to each of B's passes as to a prompt's pass.
-    Returns A's and B's logits, (P, V) each."""
+    `flips` hears each layer's routing on both sides. Returns A's and B's logits, (P, V) each."""
     import torch
 
     from llmtrace.model.capture import capture
@@ -631,7 +683,7 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
     if edits_b is not None:
         with lm_b.model.hooked(edits_b, edits_b.layers, spell_out=False):
             edits_b.begin_pass(prompt=True, pads=[0])
-            return run_side_by_side(lm_a, lm_b, ids, acc, say)
+            return run_side_by_side(lm_a, lm_b, ids, acc, say, flips=flips)
 
     model_a, model_b, device_b, dtype_b = lm_a.model, lm_b.model, lm_b.device, lm_b.dtype
     points = lm_a.points
@@ -689,6 +741,8 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
         else:
             _, pz = run(model_b, lambda: model_b.run_layers(x_in, inputs_b, [i]), i)
         add(i, pa, pb, pz)
+        if flips is not None:
+            flips.add(i, pa, pb)
         del pa, pb, pz, x_in
         xa, xb = ya, yb
     # s8, s9: the final norm and the LM head; B's on A's input gives the error they add
