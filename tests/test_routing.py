@@ -169,3 +169,56 @@ def test_compare_of_a_quantized_moe_says_whether_any_router_flipped(families):
     assert routing["compared"] == 2 * len(result.ids)
     assert ("routing first flips" in result.summary_line()) == (routing["flips"] > 0)
     assert ("every router chose the same experts" in result.summary_line()) == (routing["flips"] == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# explain --layer N: the router table for every prompt token
+
+
+def test_explain_shows_the_router_of_every_prompt_token(families, capsys, tmp_path):
+    from helpers import run_cli
+
+    out_file = tmp_path / "e.json"
+    code, out, err = run_cli(capsys, "explain", TEXT, "-m", families.hf_dir("qwen3_moe"), "--layer", "1", "--json",
+                             out_file)
+    assert code == 0, err
+    events = json.loads(out_file.read_text())["events"]
+    router = next(e for e in events if e.get("section") == "router")
+    assert not any(e.get("section") == "ffn" for e in events)  # the dense FFN's section is not there
+    ids = [t["id"] for t in next(e for e in events if e["event"] == "tokens")["tokens"]]
+    model = families.model("qwen3_moe")
+    kept = {}
+    hook = model.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, res: kept.update(r=res))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    hook.remove()
+    logits, weights, experts = kept["r"]
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert len(router["tokens"]) == len(ids) and (router["n_experts"], router["k"]) == (8, 2)
+    for t, r in enumerate(router["tokens"]):
+        assert max(abs(a - b) for a, b in zip(r["probs"], probs[t].tolist())) <= 1e-5
+        assert r["experts"] == experts[t].tolist()
+        assert max(abs(a - b) for a, b in zip(r["weights"], weights[t].tolist())) <= 1e-5
+        assert r["cut"] == pytest.approx(sorted(r["probs"])[-2], abs=1e-6)
+        assert r["next"] == pytest.approx(sorted(r["probs"])[-3], abs=1e-6)
+    assert router["load"] == torch.bincount(experts.flatten(), minlength=8).tolist()
+    assert router["check_weights_sum"] <= 1e-6
+    layer = next(e for e in events if e.get("section") == "layer")
+    lm = llmtrace.load(str(families.hf_dir("qwen3_moe")), device="cpu").loaded
+    n_experts = sum(w.numel() for n, w in lm.model.named_parameters() if ".w_" in n)
+    assert layer["model_active_params"] == layer["model_params"] - n_experts * 6 // 8
+    assert layer["flops"]["router"] == 2 * len(ids) * 64 * 8 and layer["flops"]["ffn"] == 2 * 3 * (2 * len(ids) * 64 * 32)
+    # the terminal: a row per token, every expert's probability, then the weights; show renders the same
+    t = 12
+    cells = [f"{p:.2f}".removeprefix("0") for p in router["tokens"][t]["probs"]]
+    assert any(line.split()[:1] == [str(t)] and line.split()[2:10] == cells for line in out.splitlines() if line.split())
+    assert "the router: each token runs 2 of 8 experts" in out and "a token uses" in out
+    code, shown, _ = run_cli(capsys, "show", out_file)
+    assert code == 0 and "the router: each token runs 2 of 8 experts" in shown
+
+
+def test_explain_of_a_dense_layer_of_a_moe_model_keeps_the_ffn_section(families):
+    lm = llmtrace.load(str(families.hf_dir("qwen3_moe_dense")), device="cpu")
+    events = lm.explain(TEXT, layer=1).events
+    sections = [e.get("section") for e in events]
+    assert "ffn" in sections and "router" not in sections

@@ -3,6 +3,7 @@ tables drawn from the events alone, never from the model, so a saved trace rende
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from rich.console import Console
@@ -121,7 +122,10 @@ def render_explain(events: list[dict], console: Console) -> None:
     _rope(console, by["rope"])
     _attention(console, by["attention"], heads, by["attention_map"], toks)
     _residual(console, by["residual"], toks)
-    _ffn(console, by["ffn"], toks)
+    if "router" in by:
+        _router(console, by["router"], toks)
+    else:
+        _ffn(console, by["ffn"], toks)
     _kv(console, by["kv_cache"])
     _lens_here(console, lens_rows, by["model"])
     _tensors(console, tensors, trace_points(events))
@@ -199,12 +203,17 @@ def _layer(console: Console, ev: dict) -> None:
     _note(console, f"= {ev['share']:.2%} of the model's {ev['model_params']:,} parameters "
                    f"({ev['share_of_layers']:.2%} of the weights outside the embedding and final norm; the embedding "
                    f"table holds {ev['embedding_params']:,})")
+    if "model_active_params" in ev:  # a mixture of experts
+        _note(console, f"a token uses {ev['layer_active_params']:,} of this layer's weights (the router and K of the "
+                       f"experts) and {active_share(ev['model_active_params'], ev['model_params'])} of the model's")
     f = ev["flops"]
     T = ev["n_tokens"]
     t = _table(("FLOPs for this prompt", "left"), ("formula (T = " + str(T) + ")", "left"), ("FLOPs", "right"))
+    ffn = (("router", "router scores", "2·T·D·E"), ("ffn", "K SwiGLU experts a token", "K·(2·T·D·2Fe + 2·T·Fe·D)")) \
+        if "router" in f else (("ffn", "SwiGLU FFN", "2·T·D·2F + 2·T·F·D"),)
     for key, label, formula in (("qkv", "Q, K, V projections", "2·T·D·(H + 2·Hkv)·Dh"),
                                 ("scores", "scores Q·Kᵀ", "2·H·T·T·Dh"), ("pv", "weighted sum P·V", "2·H·T·T·Dh"),
-                                ("o", "output projection", "2·T·H·Dh·D"), ("ffn", "SwiGLU FFN", "2·T·D·2F + 2·T·F·D")):
+                                ("o", "output projection", "2·T·H·Dh·D"), *ffn):
         t.add_row(label, formula, f"{f[key]:,}")
     t.add_row(Text("layer total", style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))
     print_fitted(console, t)
@@ -408,6 +417,49 @@ def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
     for u in tu["units"]:
         t.add_row(str(u["unit"]), fmt_num(u["gate"]), fmt_num(u["silu_gate"]), fmt_num(u["up"]), fmt_num(u["act"]))
     print_fitted(console, t)
+
+
+def active_share(n_active: int, n_total: int) -> str:
+    """'1.1M active of 4.2M'."""
+    return f"{_si(n_active)} active of {_si(n_total)}"
+
+
+def _router(console: Console, ev: dict, toks: list[str], shown: int = 12) -> None:
+    """A mixture-of-experts layer's router, a row per prompt token: each expert's probability (chosen ones bold,
+    the K-th marked where the cut falls) when the E columns fit, else the 2K most probable; the weights; entropy."""
+    E, K = ev["n_experts"], ev["k"]
+    _title(console, f"⑦ s6.7  the router: each token runs {K} of {E} experts (width {ev['expert_ffn_dim']:,} each)")
+    _note(console, ev["formula"])
+    wide = E <= shown
+    cols = [("pos", "right"), ("token", "left")] + ([(f"e{e}", "right") for e in range(E)] if wide else
+                                                    [(f"top {min(E, 2 * K)} (p; | the cut)", "left")])
+    t = _table(*cols, ("weights", "left"), ("bits", "right"), ("‖ffn‖/‖x'‖", "right"))
+    for i in range(len(ev["tokens"])):
+        r = ev["tokens"][i]
+        chosen = set(r["experts"])
+        if wide:
+            cells = [Text(f"{p:.2f}".removeprefix("0"), style="bold" if e in chosen else "dim")
+                     for e, p in enumerate(r["probs"])]
+        else:
+            order = sorted(range(E), key=lambda e: -r["probs"][e])[: 2 * K]
+            line = Text()
+            for n, e in enumerate(order):
+                line.append(("| " if n == K else "") + f"e{e} {r['probs'][e]:.2f} ".replace(" 0.", " ."),
+                            style="bold" if e in chosen else "dim")
+            cells = [line]
+        weights = " ".join(f"e{e} {w:.2f}".replace(" 0.", " .") for e, w in zip(r["experts"], r["weights"]))
+        t.add_row(str(r["position"]), _tok(toks[r["position"]]), *cells, weights, _f(r["entropy"], 2),
+                  fmt_num(r["rel_change"]))
+    print_fitted(console, t)
+    gap = [r["cut"] - r["next"] for r in ev["tokens"] if r["next"] is not None]
+    how = "renormalised to sum to 1" if ev["renormalised"] else "as the softmax gave them"
+    margin = f" (closest margin {min(gap):.3f})" if gap else ""
+    _note(console, f"bold: the experts a token ran; the cut: the K-th probability against the best one left out"
+                   f"{margin}; weights {how}; bits: the router's entropy (log2 {E} = {math.log2(E):.2f} when it "
+                   f"cannot choose)")
+    imb = f" (max/mean {ev['imbalance']:.2f})" if ev.get("imbalance") is not None else ""
+    _note(console, "load over the prompt (tokens per expert): " + " ".join(f"e{e} {n}" for e, n in
+                                                                          enumerate(ev["load"])) + imb)
 
 
 def _kv(console: Console, ev: dict) -> None:

@@ -519,6 +519,9 @@ class TerminalRenderer:
                  f"Dh={m['head_dim']}", f"F={m['ffn_dim']}", f"V={m['vocab_size']:,}", f"RoPE θ={m['rope_theta']:g}"]
         if m.get("n_params"):
             parts.append(f"{m['n_params'] / 1e6:.1f}M params")
+        if m.get("n_experts"):  # a mixture of experts: what one token uses
+            parts.append(f"{m['n_experts_used']} of {m['n_experts']} experts a token: "
+                         f"{m['active_params'] / 1e6:.1f}M active")
         print_parts(self.console, parts)
         print_changes(self.console, m)
         trace = ev.get("trace", {})

@@ -18,6 +18,8 @@ Sections, in the order of the seed table (s6.1-s6.8, then s8-s9 applied early):
     attention  scores before/after the causal mask, softmax, what each position attends to, one head as a map
     residual   attention output against the residual stream; how far the layer moved each token's vector
     ffn        SwiGLU shapes, gate statistics, the units most active for the last token, the residual update
+    router     (a mixture-of-experts layer, instead of ffn) every token's router: all E probabilities, the K experts
+               it ran and their weights, the cut; the layer's expert load (run/router.py)
     kv_cache   the positions and bytes this layer writes
     lens       the final norm and LM head applied after attention and after the FFN (top-k, beside the real output)
 """
@@ -33,10 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from llmtrace.model.gqa import gqa_groups
+from llmtrace.model.moe_points import moe_layers
 from llmtrace.errors import BadValue
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
+from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
@@ -220,6 +224,8 @@ def layer_flops(config: ModelConfig, n_tokens: int) -> dict:
 
 
 def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
+    """Where the layer sits: its parameters, their share of the model, its FLOPs over the prompt; in a
+    mixture-of-experts layer also the weights one token uses (router.moe_costs)."""
     c = model.config
     params = layer_params(model, layer)
     n_layer = sum(p["numel"] for p in params)
@@ -227,12 +233,18 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
     declared = model.declared_weights()
     n_embed = sum(math.prod(w.shape) for w in declared if w.weight.kind == "embedding" or w.weight.step == "s9")
     n_layers_all = sum(math.prod(w.shape) for w in declared if w.param.startswith("layers."))
-    return {
+    out = {
         "event": "explain", "section": "layer", "layer": layer, "n_layers": c.n_layers, "seed_step": "s6",
         "params": params, "layer_params": n_layer, "model_params": n_model, "embedding_params": n_embed,
         "share": _r(n_layer / n_model), "share_of_layers": _r(n_layer / n_layers_all),
         "n_tokens": n_tokens, "flops": layer_flops(c, n_tokens),
     }
+    if layer in moe_layers(c):  # a mixture of experts: a token runs K of E experts
+        costs = moe_costs(model, layer, n_tokens)
+        out["flops"] |= costs.pop("flops")
+        out["flops"]["total"] = sum(v for k, v in out["flops"].items() if k != "total")
+        out |= costs
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -589,7 +601,10 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     yield rope_section(cap, c, head if head is not None else 0)
     yield from attention_sections(cap, c, head)
     yield residual_section(cap)
-    yield ffn_section(cap, c)
+    if layer in moe_layers(c):
+        yield router_section(cap.points, cap.resid_mid[layer], layer, c)
+    else:
+        yield ffn_section(cap, c)
     yield kv_section(cap, c)
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 

@@ -75,6 +75,10 @@ class ModelRecord(TypedDict):
     max_seq_len: int
     n_params: int
     storage: list[dict]
+    n_experts: NotRequired[int]  # a mixture of experts: E, K, one expert's width and the weights a token uses
+    n_experts_used: NotRequired[int]
+    expert_ffn_dim: NotRequired[int]
+    active_params: NotRequired[int]
 
 
 class FastRecord(TypedDict):
@@ -155,7 +159,21 @@ def model_record(lm) -> ModelRecord:
             "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
             "rope_scaling": json.loads(json.dumps(c.rope_scaling)) if c.rope_scaling is not None else None,
             "rms_eps": rounded(c.rms_eps), "tie_embeddings": c.tie_embeddings, "max_seq_len": c.max_seq_len,
-            "n_params": weight_count(lm.model), "storage": storage_table(lm.model)}
+            "n_params": weight_count(lm.model), "storage": storage_table(lm.model)} | experts_record(lm)
+
+
+def experts_record(lm) -> dict:
+    """A mixture of experts' part of the model record: E, K, one expert's width, and the weights one token uses
+    (every weight but the experts it does not run: K of E in each MoE layer); nothing for a dense model."""
+    c = lm.config
+    if not c.n_experts:
+        return {}
+    from llmtrace.model.moe import active_weights
+    from llmtrace.model.quant import weight_count
+
+    active, total = active_weights(c, lm.model.declared_weights())
+    return {"n_experts": c.n_experts, "n_experts_used": c.n_experts_used, "expert_ffn_dim": c.expert_ffn_dim or c.ffn_dim,
+            "active_params": weight_count(lm.model) - (total - active)}
 
 
 def path_record(lm) -> PathRecord:

@@ -1,0 +1,67 @@
+"""`explain` of a mixture-of-experts layer: its router taken apart for every prompt token (the `router` section), and
+what a token costs in such a layer (the weights it uses, the FLOPs of its K experts).
+
+The router of model/moe.py, from the layer's points of one pass: router_logits (T, E), router_probs (T, E) and
+expert_weights (T, E), after any intervention, and the feed-forward's output `down` (T, D)."""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrace.model.moe_points import EXPERT_DOWN, EXPERT_WEIGHTS, ROUTER_LOGITS, ROUTER_PROBS
+from llmtrace.trace.records import rounded
+
+
+def _rl(t: torch.Tensor) -> list:
+    return [rounded(float(v)) for v in t.tolist()]
+
+
+def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config) -> dict:
+    """Every prompt token's routing at `layer`: all E scores and probabilities, the K experts it ran and their
+    weights, the cut (the least probability chosen, the most left out), the entropy in bits, and how much the
+    experts' sum changed the stream; the layer's load over the prompt. `points`: the layer's points, batch axis
+    dropped; `resid_mid` (T, D): the stream the feed-forward adds to."""
+    E, K = config.n_experts, config.n_experts_used
+    logits, probs = points[ROUTER_LOGITS.name].float(), points[ROUTER_PROBS.name].float()  # (T, E) each
+    weights, down = points[EXPERT_WEIGHTS.name].float(), points[EXPERT_DOWN.name].float()  # (T, E), (T, D)
+    order = probs.topk(min(E, K + 1), dim=-1)  # (T, K+1): the chosen, then the best left out
+    chosen = order.indices[:, :K]
+    p = probs.clamp_min(0)
+    entropy = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1)  # (T,) bits
+    load = torch.bincount(chosen.flatten(), minlength=E).tolist()
+    mean = len(chosen) * K / E
+    tokens = []
+    for t in range(probs.size(0)):
+        tokens.append({
+            "position": t, "logits": _rl(logits[t]), "probs": _rl(probs[t]), "experts": chosen[t].tolist(),
+            "weights": _rl(weights[t, chosen[t]]), "cut": rounded(float(order.values[t, K - 1])),
+            "next": rounded(float(order.values[t, K])) if K < E else None, "entropy": rounded(float(entropy[t])),
+            "norm_down": rounded(float(down[t].norm())),
+            "rel_change": rounded(float(down[t].norm() / resid_mid[t].float().norm()))})
+    return {
+        "event": "explain", "section": "router", "layer": layer, "seed_step": "s6.7",
+        "formula": ("p = softmax(x̂ W_routerᵀ) in float32; the K most probable experts run; w = p / Σ_chosen p"
+                    if config.norm_topk_prob else
+                    "p = softmax(x̂ W_routerᵀ) in float32; the K most probable experts run; w = p as it is")
+        + "; FFN(x̂) = Σ_chosen w_e · W_down,e (silu(x̂ W_gate,e) ⊙ x̂ W_up,e)",
+        "n_experts": E, "k": K, "renormalised": config.norm_topk_prob,
+        "expert_ffn_dim": config.expert_ffn_dim or config.ffn_dim, "tokens": tokens, "load": load,
+        "imbalance": rounded(max(load) / mean) if mean else None,
+        "check_weights_sum": rounded(float((weights.sum(-1) - (1.0 if config.norm_topk_prob else
+                                                               order.values[:, :K].sum(-1))).abs().max())),
+    }
+
+
+def moe_costs(model, layer: int, n_tokens: int) -> dict:
+    """What a token costs in MoE layer `layer`: the weights it uses there and in the whole model (K of E experts in
+    each MoE layer), and the FLOPs of the feed-forward over a prompt of T tokens (K experts a token, and the router)."""
+    from llmtrace.model.moe import active_weights
+
+    c = model.config
+    declared = model.declared_weights()
+    mine = [w for w in declared if w.param.startswith(f"layers.{layer}.")]
+    active_layer, _ = active_weights(c, mine)
+    active_model, total = active_weights(c, declared)
+    T, D, K, E, Fe = n_tokens, c.d_model, c.n_experts_used, c.n_experts, c.expert_ffn_dim or c.ffn_dim
+    return {"layer_active_params": active_layer, "model_active_params": model.num_params() - (total - active_model),
+            "flops": {"ffn": K * (2 * T * D * 2 * Fe + 2 * T * Fe * D), "router": 2 * T * D * E}}
