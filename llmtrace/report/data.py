@@ -54,7 +54,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
     kind = check_schema(events)
     by_kind: dict[str, list[dict]] = {}
     for ev in events:
-        if ev.get("event") in ("step", "tensor", "tokens", "prediction") and _row(ev) != row:
+        if ev.get("event") in ("step", "tensor", "tokens", "prediction", "routing") and _row(ev) != row:
             continue
         by_kind.setdefault(ev.get("event"), []).append(ev)
     run = (by_kind.get("run") or [None])[0]
@@ -77,6 +77,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
         "lens": _lens(by_kind.get("lens", []), head, tokens),
         "kv": _kv(steps, model),
         "residual": _residual(tensors, model, points),
+        "routing": _routing(by_kind.get("routing", [])),
         "points": points,
         "walk": walk(tensors, points),
         "kept_logits": step_logits(steps, tensors, points),
@@ -394,3 +395,34 @@ def _residual(tensors: list[dict], model: dict, points: list[dict]) -> Optional[
         return None
     layers = sorted({int(k) for s in series.values() for k in s if k != AFTER_EMBEDDING})
     return {"layers": layers, "steps": sorted(series), "norms": {str(k): v for k, v in sorted(series.items())}}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the router ledger (a mixture of experts)
+
+
+def _routing(events: list[dict]) -> Optional[dict]:
+    """Each MoE layer's choice at each position of the row (its routing events: the prompt's pass, then one position
+    per step), and each layer's load over those positions: {"layers", "n_experts", "k", "renormalised", "cells":
+    {layer: {position: [experts, weights]}}, "load": [{"layer", "tokens", "load", "imbalance"}]}. None without them."""
+    if not events:
+        return None
+    cells: dict[str, dict[str, list]] = {}
+    for e in events:
+        mine = cells.setdefault(str(e["layer"]), {})
+        for p, experts, weights in zip(e["positions"], e["experts"], e["weights"]):
+            mine[str(p)] = [experts, weights]
+    first = events[0]
+    E, K = first["n_experts"], first["k"]
+    load = []
+    for layer, by_pos in cells.items():
+        counts = [0] * E
+        for experts, _ in by_pos.values():
+            for x in experts:
+                counts[x] += 1
+        mean = len(by_pos) * K / E
+        load.append({"layer": int(layer), "tokens": len(by_pos), "load": counts,
+                     "imbalance": round(max(counts) / mean, 4) if mean else None})
+    return {"layers": sorted(int(k) for k in cells), "n_experts": E, "k": K,
+            "renormalised": first.get("renormalised", True), "cells": cells,
+            "load": sorted(load, key=lambda r: r["layer"])}

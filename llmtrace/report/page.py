@@ -523,6 +523,53 @@ def section_residual(d: dict) -> Optional[dict]:
     return {"chart": chart, "recorded": which if len(xs) < n_layers else None, "n_layers": n_layers}
 
 
+def expert_colour(e: int) -> str:
+    """A colour per expert index, told apart by hue (the golden angle between neighbours)."""
+    return f"hsl({(e * 137.508) % 360:.0f} 62% 52%)"
+
+
+def section_routing(d: dict) -> Optional[dict]:
+    """A mixture of experts: a tokens × layers grid, each cell coloured by the expert the token trusted most at that
+    layer (its title: the K experts and their weights), and each layer's load as a histogram of tokens per expert.
+    A dense model has no such section."""
+    r = d.get("routing")
+    model = d["run"]["model"]
+    if r is None:
+        if not model.get("n_experts"):
+            return None
+        note = missing(d, "routing", "--trace layers or --trace full")
+        return {"only_missing": note} if note else None
+    toks = {t["index"]: t for t in d["tokens"]}
+    positions = sorted({int(p) for by in r["cells"].values() for p in by})
+    columns = [{"p": p, "text": visible(toks[p]["text"]) if p in toks else "", "decode": toks.get(p, {}).get("step")
+                is not None} for p in positions]
+    rows = []
+    for layer in r["layers"]:
+        by = r["cells"][str(layer)]
+        cells = []
+        for p in positions:
+            if str(p) not in by:
+                cells.append(None)
+                continue
+            experts, weights = by[str(p)]
+            top = experts[max(range(len(experts)), key=lambda i: weights[i] if weights[i] is not None else -1)]
+            title = f"layer {layer} · position {p} {columns[positions.index(p)]['text']!r} · " + ", ".join(
+                f"e{x} {num(w, 3)}" for x, w in zip(experts, weights))
+            cells.append({"e": top, "colour": expert_colour(top), "title": title})
+        rows.append({"layer": layer, "cells": cells})
+    E = r["n_experts"]
+    loads = []
+    for entry in r["load"]:
+        most = max(entry["load"]) or 1
+        loads.append({"layer": entry["layer"], "imbalance": num(entry["imbalance"], 3), "bars": [
+            {"e": e, "h": f"{100 * n / most:.1f}", "colour": expert_colour(e),
+             "title": f"layer {entry['layer']} · e{e}: {n} of {entry['tokens']} tokens"}
+            for e, n in enumerate(entry["load"])]})
+    return {"columns": columns, "rows": rows, "loads": loads, "k": r["k"], "n_experts": E,
+            "legend": [{"e": e, "colour": expert_colour(e)} for e in range(E)] if E <= 32 else None,
+            "renormalised": r["renormalised"]}
+
+
 def section_walk(d: dict) -> Optional[dict]:
     """The walk-through: the script draws the chosen token's values (data "walk"); here, its controls and, for a
     trace without values, what records them."""
@@ -569,6 +616,7 @@ SECTIONS = (
     ("lens", section_lens),
     ("kv", section_kv),
     ("residual", section_residual),
+    ("routing", section_routing),
 )
 
 
