@@ -68,8 +68,9 @@ def special_tokens() -> list[str]:
     return out
 
 
-def vocabulary(seed: int) -> tuple[list[str], list[int], list[str]]:
-    """(tokens by id, GGUF token types, merges as "a b"): 128,000 byte-level BPE tokens then 256 specials."""
+def vocabulary(seed: int, n_tokens: int = N_TOKENS) -> tuple[list[str], list[int], list[str]]:
+    """(tokens by id, GGUF token types, merges as "a b"): 128,000 byte-level BPE tokens (or n_tokens) then 256
+    specials."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
     from llmtrace.tokens.vocab import BYTE_TO_CHAR  # GPT-2's byte alphabet, the one the project keeps
@@ -78,7 +79,7 @@ def vocabulary(seed: int) -> tuple[list[str], list[int], list[str]]:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    trainer = trainers.BpeTrainer(vocab_size=N_TOKENS, initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=n_tokens, initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator([(HERE / "passage.txt").read_text()], trainer)
     learned = [tuple(m) if isinstance(m, list) else tuple(m.split(" "))
                for m in json.loads(tok.to_str())["model"]["merges"]]
@@ -100,11 +101,11 @@ def vocabulary(seed: int) -> tuple[list[str], list[int], list[str]]:
     heads = [t for t in tokens if word.match(t)]  # word pieces: ' the', 'qu', ...
     tails = [t for t in heads if not t.startswith(space) and len(t) <= 4]  # short pieces that continue a word
     rng = random.Random(seed)
-    while len(tokens) < N_TOKENS:
+    while len(tokens) < n_tokens:
         a, b = heads[rng.randrange(len(heads))], tails[rng.randrange(len(tails))]
         if add(a, b) and len(a + b) <= 8:
             heads.append(a + b)  # a piece that later merges may extend (to 12 characters at most)
-    types = [1] * N_TOKENS + [3] * N_SPECIAL  # 1 NORMAL, 3 CONTROL
+    types = [1] * n_tokens + [3] * N_SPECIAL  # 1 NORMAL, 3 CONTROL
     return tokens + special_tokens(), types, merges
 
 

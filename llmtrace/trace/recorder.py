@@ -406,18 +406,22 @@ class Recorder:
         """One routing event per MoE layer observed in this pass (and per row of a batch), its positions each row's
         own (a row's pad slots left out); each counts towards the summary's expert load."""
         routes, self._routes = self._routes, {}
+        layers = [layer for layer in sorted(routes) if len(routes[layer]) == len(ROUTING)]
+        if not layers:
+            return
         c = self._config
-        for layer in sorted(routes):
-            kept = routes[layer]
-            if len(kept) < len(ROUTING):
-                continue
-            probs, weights = kept[ROUTER_PROBS.name], kept[EXPERT_WEIGHTS.name]  # (B, T, E) each
-            for r in range(probs.size(0)):
+        with torch.no_grad():  # every layer's (B, T, E) stacked: one pass over them all (trace.routing)
+            probs = torch.stack([routes[layer][ROUTER_PROBS.name] for layer in layers])
+            weights = torch.stack([routes[layer][EXPERT_WEIGHTS.name] for layer in layers])
+            tables = routing_tables(probs, weights, c.n_experts_used)  # [layer][row] -> tables
+        T = probs.size(2)
+        for i, layer in enumerate(layers):
+            for r in range(probs.size(1)):
                 pad = self._pads[r] if r < len(self._pads) else 0
                 first = max(0, pad - self._start)  # slots of this pass before the row's first real token
-                positions = list(range(self._start + first - pad, self._start + probs.size(1) - pad))
-                tables = routing_tables(probs[r, first:], weights[r, first:], c.n_experts_used)
-                ev = routing_event(self.step, self.phase, layer, positions, tables, c.n_experts_used, c.n_experts,
+                positions = list(range(self._start + first - pad, self._start + T - pad))
+                mine = {key: value[first:] for key, value in tables[i][r].items()}
+                ev = routing_event(self.step, self.phase, layer, positions, mine, c.n_experts_used, c.n_experts,
                                    c.norm_topk_prob, row=r if self._rows > 1 else None)
                 self._load.add(ev)
                 self.emit(ev)

@@ -18,20 +18,29 @@ import torch
 from llmtrace.trace.stats import round_tensor
 
 
-def routing_tables(probs: torch.Tensor, weights: torch.Tensor, k: int) -> dict[str, list]:
-    """probs, weights (T, E) of one row -> per position: `experts` (K ids, most probable first), `weights` (theirs),
-    `candidates` (the min(E, 2K) most probable ids) with `probs`, and `entropy` in bits. Lists, floats rounded."""
+def routing_tables(probs: torch.Tensor, weights: torch.Tensor, k: int) -> list:
+    """probs, weights (..., T, E) of one or more MoE layers and rows -> for each of the leading entries, per position:
+    `experts` (K ids, most probable first), `weights` (theirs), `candidates` (the min(E, 2K) most probable ids) with
+    `probs`, and `entropy` in bits, as lists, floats rounded. One pass over them all, one transfer to the host (a
+    decode step's routing costs a few small operations, whatever the number of layers)."""
     probs = probs.float()
     n_top = min(probs.size(-1), 2 * k)
-    top_p, top_e = probs.topk(n_top, dim=-1)  # (T, 2K)
-    chosen = top_e[:, :k]  # (T, K): the experts the model ran (its own topk over the same probabilities)
-    w = weights.float().gather(-1, chosen)  # (T, K)
+    top_p, top_e = probs.topk(n_top, dim=-1)  # (..., T, 2K)
+    chosen = top_e[..., :k]  # (..., T, K): the experts the model ran (its own topk over the same probabilities)
+    w = weights.float().gather(-1, chosen)  # (..., T, K)
     p = probs.clamp_min(0)
-    entropy = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1)  # (T,)
-    floats = round_tensor(torch.cat([w, top_p, entropy[:, None]], dim=-1).double().cpu()).tolist()
-    return {"experts": chosen.cpu().tolist(), "weights": [r[:k] for r in floats],
-            "candidates": top_e.cpu().tolist(), "probs": [r[k : k + n_top] for r in floats],
-            "entropy": [r[-1] for r in floats]}
+    entropy = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1)  # (..., T)
+    floats = round_tensor(torch.cat([w, top_p, entropy[..., None]], dim=-1).double().cpu()).tolist()
+    ids = top_e.cpu().tolist()
+
+    def tables(f: list, c: list) -> dict:
+        return {"experts": [r[:k] for r in c], "weights": [r[:k] for r in f], "candidates": c,
+                "probs": [r[k : k + n_top] for r in f], "entropy": [r[-1] for r in f]}
+
+    def walk(f: list, c: list, depth: int):
+        return tables(f, c) if depth == 0 else [walk(a, b, depth - 1) for a, b in zip(f, c)]
+
+    return walk(floats, ids, probs.dim() - 2)
 
 
 def routing_event(step: int, phase: str, layer: int, positions: list[int], tables: dict[str, list], k: int,
