@@ -250,3 +250,10 @@ def _gguf_plan(path):
     from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
 
     return open_gguf_checkpoint(path).plan
+
+
+def test_compile_is_refused_for_a_mixture_of_experts(capsys, families):
+    from helpers import fails
+
+    fails(capsys, 2, "generate", "hi", "-m", families.hf_dir("mixtral"), "-n", "2", "--trace", "none", "--compile",
+          says=("--compile", "mixture of experts"))

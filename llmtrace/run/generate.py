@@ -185,6 +185,9 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: 
     Not the default: the longer compile pays back only after ~5,000-17,000 tokens (benchmarks/RESULTS.md)."""
     max_new_tokens = check_context(lm, n_prompt, max_new_tokens)
     check_freeze(lm, freeze)
+    if lm.config.n_experts:  # refused before minutes of compiling would fail
+        raise FieldError("compile", " captures the decode step as one graph, and a mixture of experts chooses from "
+                         "the data which experts run (a graph of its own for each choice); leave it out")
     compiled = CompiledDecode(lm.model, freeze=freeze)
     if max_new_tokens < 2:
         return compiled  # no decode step will run
