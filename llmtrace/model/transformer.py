@@ -515,6 +515,7 @@ class Transformer(Module):
         if config.rope_local_theta is not None:  # the sliding-window layers' own base, unscaled
             self.register_buffer("inv_freq_local", rope_inv_freq(config, config.rope_local_theta), persistent=False)
         self.layer_devices: Optional[list[torch.device]] = None  # where each layer runs, when placed over several
+        self.kinds = self.layer_kinds()  # each layer's (RoPE table, mask), worked out once
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` slots (prompt + new tokens), in the model's dtype.
@@ -618,7 +619,7 @@ class Transformer(Module):
         if input_pos is None:
             input_pos = torch.arange(start, start + T, device=idx.device)  # (T,): the same positions in every row
         tables = self.rope_tables(input_pos, dtype)  # s5: RoPE's angles
-        kinds = self.layer_kinds()
+        kinds = self.kinds
         masks = {mk: allowed_keys(T, start, attention_mask, idx.device,
                                   self.config.sliding_window if mk == "sliding" else None) for mk in {m for _, m in kinds}}
         caches = cache.layers if cache is not None else [None] * len(self.layers)
