@@ -12,6 +12,7 @@ import torch
 from llmtrace.errors import LlmtraceError, one_line
 from llmtrace.checkpoint.weights import CHUNK_BYTES, read_bytes
 from llmtrace.checkpoint.gguf_file import GGUFTensor, open_gguf
+from llmtrace.checkpoint.hf_checkpoint import family_fields
 from llmtrace.model.family import family_of_gguf, gguf_archs
 from llmtrace.model.transformer import ModelConfig
 
@@ -70,12 +71,13 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         vocab_size=int(vocab),
         max_seq_len=int(meta("context_length", 4096)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(meta, reader, names.get("rope_freqs.weight"), where),
+        rope_scaling=None if family.reads_rope else _gguf_rope_scaling(meta, reader, names.get("rope_freqs.weight"),
+                                                                       where),
         rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         attn_bias="blk.0.attn_q.bias" in names,
     )
-    return ModelConfig(**(fields | family.gguf_config(meta)))
+    return ModelConfig(**(fields | family_fields(family.gguf_config, meta, where)))
 
 
 def _gguf_rope_scaling(meta, reader, freqs, where: str) -> Optional[dict]:

@@ -31,6 +31,14 @@ def hf_family(cfg: dict, where: str) -> Family:
                         f"{', '.join(sorted(types))} ({', '.join(types.values())})")
 
 
+def family_fields(read, source, where: str) -> dict:
+    """A family's own config fields (Family.hf_config / gguf_config); what it refuses is said with the file's name."""
+    try:
+        return read(source)
+    except LlmtraceError as e:
+        raise LlmtraceError(f"{where}: {e}") from None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # HF directories: config.json + safetensors
 
@@ -99,7 +107,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             ffn_act=hf_activation(cfg, where),
             **hf_window(cfg, n_layers, where),
         )
-        return ModelConfig(**(fields | family.hf_config(cfg)))
+        return ModelConfig(**(fields | family_fields(family.hf_config, cfg, where)))
     except KeyError as e:
         raise LlmtraceError(f"{where}: config.json lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
