@@ -145,6 +145,26 @@ def test_a_generation_that_crosses_the_original_context_equals_transformers(load
     assert float((stale[4:] - want[4:]).abs().max()) > 1e-2  # past 8: keys of the short set, queries of the long
 
 
+def test_a_left_padded_batch_switches_as_transformers_batch_does(loaded, references):
+    """Two prompts (5 and 3 tokens) left-padded into one batch, 8 greedy tokens: the batch passes 8 when its longest
+    row does (transformers takes the largest position of the batch), and the recompute keeps each row's positions
+    and padding. Tokens equal transformers' batched generate."""
+    from llmtrace.run.generate import generate_batch
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    lm, ref = loaded("phi3_longrope", "hf"), references("phi3_longrope", "hf")
+    prompts, n = [PROMPT_IDS[:5], PROMPT_IDS[3:6]], 8
+    samplers = [Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size) for _ in prompts]
+    ours = [list(r.tokens) for r in generate_batch(lm, prompts, samplers, n, ignore_eos=True).rows]
+    T = max(map(len, prompts))
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        theirs = ref.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0)
+    assert ours == theirs[:, T:].tolist()
+
+
 def test_a_chunked_prefill_past_the_original_context_is_one_pass(loaded, references):
     """The prefill of a long prompt goes in chunks; chunks within 8 are computed with the short set, so the chunk
     that passes 8 computes them again: the prompt's logits are transformers' one-pass logits."""
@@ -260,3 +280,22 @@ def test_a_rope_phi3_does_not_run_is_refused_by_field(capsys, families, tmp_path
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(cfg | change))
     fails(capsys, 1, "generate", "hi", "-m", d, "-n", "1", says=says)
+
+
+@pytest.mark.slow  # compiles (a minute on a small CPU)
+def test_the_compiled_decode_step_hands_the_switch_to_the_eager_pass(loaded, references):
+    """--compile: the one step that passes the original context runs eagerly (it recomputes the cache); the compiled
+    steps before and after it choose their factor set in the graph. Every step's logits are transformers'."""
+    from llmtrace.model.compiled import decode_step
+    from llmtrace.run.generate import compile_decode
+
+    lm, ref = loaded("phi3_longrope", "hf"), references("phi3_longrope", "hf")
+    step = compile_decode(lm, 5, len(PROMPT_IDS) - 5)
+    want = _prefix_logits(ref, PROMPT_IDS, 5)
+    with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+        cache = lm.model.new_cache(len(PROMPT_IDS) + 1)  # as generate's: the last token is never written
+        got = [lm.model(torch.tensor([PROMPT_IDS[:5]]), cache, 0, last_only=True)[0]]
+        for p in range(5, len(PROMPT_IDS)):
+            got.append(decode_step(lm.model, step, torch.tensor([[PROMPT_IDS[p]]]), cache, p,
+                                   next_of_same_run=p > 5)[0])
+    assert float((torch.stack(got) - want).abs().max()) <= TOL

@@ -373,11 +373,9 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
 def _scaling_info(scaling: Optional[dict]):
     if not scaling:
         return None
-    out = {k: v for k, v in scaling.items() if k != "factors"}
-    if "factors" in scaling:  # llama3 scaling read from a GGUF: one divisor per frequency, summarised
-        f = scaling["factors"]
-        out["factors"] = {"count": len(f), "min": _r(min(f)), "max": _r(max(f))}
-    return out
+    # one number per frequency (llama3 scaling read from a GGUF, LongRoPE's two sets), summarised
+    return {k: {"count": len(v), "min": _r(min(v)), "max": _r(max(v))} if isinstance(v, list) and v else
+            _r(v) if isinstance(v, float) else v for k, v in scaling.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
