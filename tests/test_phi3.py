@@ -214,6 +214,23 @@ def test_gguf_reads_the_factor_tensors_and_the_rotary_width(loaded):
     assert hf.rope_scaling["attention_factor"] == pytest.approx(2 ** 0.5)
 
 
+def test_a_window_in_a_phi3_gguf_is_left_out_and_said():
+    """Phi-3-mini's GGUF names a 2,047-token window that llama.cpp and transformers' GGUF loader leave out: so does
+    llmtrace, and the run header says so (the fixtures have none: the converter writes 0)."""
+    from llmtrace.model.families.phi3 import gguf_config
+
+    values = {"embedding_length": 3072, "attention.head_count": 32, "rope.dimension_count": 96,
+              "attention.sliding_window": 2047}
+
+    def meta(key, default=None):
+        return values.get(key, default)
+
+    meta.tensor = lambda name: None
+    out = gguf_config(meta)
+    assert out["head_dim"] == 96 and out["rotary_dim"] is None and "sliding_window" not in out
+    assert "2,047" in out["extra"]["window_note"] and "llama.cpp" in out["extra"]["window_note"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # seeing it
 
