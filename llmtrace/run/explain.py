@@ -331,14 +331,21 @@ def rope_relative_check(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor
     return out
 
 
-def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
+def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None) -> dict:
     c = config
     T, Dh = len(cap.ids), c.head_dim
-    inv_freq = rope_inv_freq(c)  # (Dh/2,) theta_i = base^(-2i/Dh), scaled
-    pairs = rope_pairs(Dh)
+    Dr = c.rotary_dim or Dh  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
+    inv_freq = rope_inv_freq(c)  # (Dr/2,) theta_i = base^(-2i/Dr), scaled
+    pairs = rope_pairs(Dr)
     positions = torch.arange(T, dtype=torch.float32)
-    # the model's own tables reproduce the captured q_rope / k_rope
-    cos, sin = rope_table(c, T, cap.points[Q.name].device)
+    # the model's own tables (this layer's, where layers differ or the sequence's length decides: Gemma 3, LongRoPE)
+    # reproduce the captured q_rope / k_rope
+    device = cap.points[Q.name].device
+    if model is None:
+        cos, sin = rope_table(c, T, device)
+    else:
+        io = model.layer_inputs(torch.zeros((1, T), dtype=torch.long, device=device), dtype=torch.float32)[cap.layer]
+        cos, sin = io.cos, io.sin
     q_err = (apply_rope(cap.points[Q.name][None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
     k_err = (apply_rope(cap.points[K.name][None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
     # relative-distance check on real vectors: the last token's query (this head), the first token's key (its KV head)
@@ -353,7 +360,7 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
         "event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3",
         "theta": c.rope_theta, "scaling": _scaling_info(c.rope_scaling), "head_dim": Dh,
         "formula": "θ_i = base^(-2i/Dh); pair (x_i, x_{i+Dh/2}) at position m is rotated by m·θ_i",
-        "pairs": [{"i": i, "dims": [i, i + Dh // 2], "theta_i": _r(inv_freq[i]),
+        "pairs": [{"i": i, "dims": [i, i + Dr // 2], "theta_i": _r(inv_freq[i]),
                    "wavelength": _r(2 * math.pi / inv_freq[i].item()),
                    "angles": _rl(positions * inv_freq[i])} for i in pairs],
         "check_q_rope_max_abs_diff": _r(q_err), "check_k_rope_max_abs_diff": _r(k_err),
@@ -366,11 +373,9 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
 def _scaling_info(scaling: Optional[dict]):
     if not scaling:
         return None
-    out = {k: v for k, v in scaling.items() if k != "factors"}
-    if "factors" in scaling:  # llama3 scaling read from a GGUF: one divisor per frequency, summarised
-        f = scaling["factors"]
-        out["factors"] = {"count": len(f), "min": _r(min(f)), "max": _r(max(f))}
-    return out
+    # one number per frequency (llama3 scaling read from a GGUF, LongRoPE's two sets), summarised
+    return {k: {"count": len(v), "min": _r(min(v)), "max": _r(max(v))} if isinstance(v, list) and v else
+            _r(v) if isinstance(v, float) else v for k, v in scaling.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -586,7 +591,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name))
     yield qkv_section(cap, c)
-    yield rope_section(cap, c, head if head is not None else 0)
+    yield rope_section(cap, c, head if head is not None else 0, lm.model)
     yield from attention_sections(cap, c, head)
     yield residual_section(cap)
     yield ffn_section(cap, c)
