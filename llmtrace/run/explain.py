@@ -331,8 +331,22 @@ def rope_relative_check(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor
     return out
 
 
+def rotated_from(points, rotated) -> str:
+    """The point RoPE turns into `rotated` (q_rope), following the declared inputs from its own (q): a later point
+    computed from it takes its place (Qwen3's and OLMo 2's q_norm)."""
+    name = rotated.input
+    for p in points.layer if points is not None else ():
+        if p.name == rotated.name:
+            break
+        if p.input == name:
+            name = p.name
+    return name
+
+
 def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None) -> dict:
     c = config
+    q_in = rotated_from(model.declared_points() if model is not None else None, Q_ROPE)
+    k_in = rotated_from(model.declared_points() if model is not None else None, K_ROPE)
     T, Dh = len(cap.ids), c.head_dim
     Dr = c.rotary_dim or Dh  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
     inv_freq = rope_inv_freq(c)  # (Dr/2,) theta_i = base^(-2i/Dr), scaled
@@ -346,12 +360,14 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
     else:
         io = model.layer_inputs(torch.zeros((1, T), dtype=torch.long, device=device), dtype=torch.float32)[cap.layer]
         cos, sin = io.cos, io.sin
-    q_err = (apply_rope(cap.points[Q.name][None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
-    k_err = (apply_rope(cap.points[K.name][None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
+    q_pre = cap.points[q_in].reshape(cap.points[Q_ROPE.name].shape)  # (T, H, Dh): OLMo 2 norms q before the split
+    k_pre = cap.points[k_in].reshape(cap.points[K_ROPE.name].shape)
+    q_err = (apply_rope(q_pre[None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
+    k_err = (apply_rope(k_pre[None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
     # relative-distance check on real vectors: the last token's query (this head), the first token's key (its KV head)
     kv_head = head // c.group_size
-    q_vec = cap.points[Q.name][T - 1, head].float().cpu()
-    k_vec = cap.points[K.name][0, kv_head].float().cpu()
+    q_vec = q_pre[T - 1, head].float().cpu()
+    k_vec = k_pre[0, kv_head].float().cpu()
     distances = [d for d in (0, 1, 2, 4, 8, 16) if d < max(T, 5)]
     shifts = [s for s in (0, 1, 7, 100, 1000) if s + distances[-1] < c.max_seq_len]
     scores = rope_relative_check(q_vec, k_vec, inv_freq, distances, shifts)
