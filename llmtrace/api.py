@@ -593,10 +593,10 @@ def _compile_step(lm, n_prompt: int, max_new_tokens: int, freeze: bool = False):
     import os
 
     from llmtrace.registry.cache import cache_dir
-    from llmtrace.run.generate import check_freeze, compile_decode
+    from llmtrace.run.generate import check_compilable, compile_decode
 
     # Inductor's compiled code is kept with llmtrace's other caches, so that later runs load it in seconds
-    check_freeze(lm, freeze)  # before saying that it compiles
+    check_compilable(lm, freeze)  # before saying that it compiles
     where = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     # three lines, so that it reads at 80 columns: the cache's path alone can be long. Inductor keys its compiled code
     # by torch's thread count (its CPU kernels are split for that many threads), so each new count compiles afresh

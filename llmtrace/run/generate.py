@@ -184,10 +184,7 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: 
 
     Not the default: the longer compile pays back only after ~5,000-17,000 tokens (benchmarks/RESULTS.md)."""
     max_new_tokens = check_context(lm, n_prompt, max_new_tokens)
-    check_freeze(lm, freeze)
-    if lm.config.n_experts:  # refused before minutes of compiling would fail
-        raise FieldError("compile", " captures the decode step as one graph, and a mixture of experts chooses from "
-                         "the data which experts run (a graph of its own for each choice); leave it out")
+    check_compilable(lm, freeze)
     compiled = CompiledDecode(lm.model, freeze=freeze)
     if max_new_tokens < 2:
         return compiled  # no decode step will run
@@ -205,6 +202,15 @@ def compile_decode(lm: LoadedModel, n_prompt: int, max_new_tokens: int, freeze: 
         raise FieldError("compile", f" failed: torch.compile could not build the decode step ({reason}); leave it out") from None
     compiled.compile_s = time.perf_counter() - t
     return compiled
+
+
+def check_compilable(lm: LoadedModel, freeze: bool) -> None:
+    """What compile_decode cannot do, said before it starts (minutes of compiling would end in an error): `freeze`
+    off the fast path, and a mixture of experts, whose routing decides from the data which experts run."""
+    check_freeze(lm, freeze)
+    if lm.config.n_experts:
+        raise BadValue("compile", " captures the decode step as one graph, and a mixture of experts chooses from the "
+                       "data which experts run (a graph of its own for each choice); leave it out")
 
 
 def check_freeze(lm: LoadedModel, freeze: bool) -> None:
