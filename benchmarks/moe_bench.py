@@ -145,7 +145,8 @@ def ledger(gguf: str, args) -> None:
     for a in arms:
         print(f"| {a} | {med[a]:.2f} | {med[a] / med['steps']:.2f}× |")
     cost = med["layers"] - med["layers, no routing"]
-    print(f"\nrouting events: {cost:+.2f} ms a token ({cost / med['layers, no routing']:+.1%} of --trace layers without "
+    share = cost / med["layers, no routing"]
+    print(f"\nrouting events: {cost:+.2f} ms a token ({share:+.1%} of --trace layers without "
           f"them); {size:,} bytes of JSONL for {len(ids)} prompt tokens + {args.tokens} steps × "
           f"{lm.config.n_layers} layers")
 

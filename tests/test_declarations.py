@@ -10,7 +10,7 @@ from llmtrace.model.llama_points import llama_points
 from llmtrace.model.transformer import ModelConfig, Transformer
 
 TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, max_seq_len=64,
-            n_experts=4, n_experts_used=2, expert_ffn_dim=24)  # the experts: read by the mixture-of-experts families only
+            n_experts=4, n_experts_used=2, expert_ffn_dim=24)  # read by the mixture-of-experts families only
 
 
 def tiny_model(family) -> Transformer:

@@ -207,11 +207,13 @@ def test_explain_shows_the_router_of_every_prompt_token(families, capsys, tmp_pa
     lm = llmtrace.load(str(families.hf_dir("qwen3_moe")), device="cpu").loaded
     n_experts = sum(w.numel() for n, w in lm.model.named_parameters() if ".w_" in n)
     assert layer["model_active_params"] == layer["model_params"] - n_experts * 6 // 8
-    assert layer["flops"]["router"] == 2 * len(ids) * 64 * 8 and layer["flops"]["ffn"] == 2 * 3 * (2 * len(ids) * 64 * 32)
+    assert layer["flops"]["router"] == 2 * len(ids) * 64 * 8
+    assert layer["flops"]["ffn"] == 2 * 3 * (2 * len(ids) * 64 * 32)
     # the terminal: a row per token, every expert's probability, then the weights; show renders the same
     t = 12
     cells = [f"{p:.2f}".removeprefix("0") for p in router["tokens"][t]["probs"]]
-    assert any(line.split()[:1] == [str(t)] and line.split()[2:10] == cells for line in out.splitlines() if line.split())
+    rows = [line.split() for line in out.splitlines() if line.split()]
+    assert any(r[:1] == [str(t)] and r[2:10] == cells for r in rows)
     assert "the router: each token runs 2 of 8 experts" in out and "a token uses" in out
     code, shown, _ = run_cli(capsys, "show", out_file)
     assert code == 0 and "the router: each token runs 2 of 8 experts" in shown

@@ -17,7 +17,8 @@ EXPERT_GATE = Point("gate", "s6.7", ("T", "K", "Fe"), about="each chosen expert'
 EXPERT_UP = Point("up", "s6.7", ("T", "K", "Fe"), about="each chosen expert's x·W_up")
 EXPERT_ACT = Point("act", "s6.7", ("T", "K", "Fe"), about="each chosen expert's act(gate) ⊙ up")
 EXPERT_DOWN = Point("down", "s6.7", ("T", "D"), editable=True,
-                    about="the chosen experts' outputs (·W_down of each), weighted and summed: the feed-forward's output")
+                    about="the chosen experts' outputs (·W_down of each), weighted and summed: the feed-forward's "
+                          "output")
 
 MOE_POINTS = (ROUTER_LOGITS, ROUTER_PROBS, EXPERT_WEIGHTS, EXPERT_GATE, EXPERT_UP, EXPERT_ACT, EXPERT_DOWN)
 

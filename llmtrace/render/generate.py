@@ -625,7 +625,8 @@ class TerminalRenderer:
         self._routing = [ev for ev in self._routing if ev not in mine]
         if not mine or not self.show_steps:
             return
-        parts = [f"L{ev['layer']} " + " ".join(f"e{e} {_weight(w)}" for e, w in zip(ev["experts"][-1], ev["weights"][-1]))
+        parts = [f"L{ev['layer']} " + " ".join(f"e{e} {_weight(w)}" for e, w in zip(ev["experts"][-1],
+                                                                                     ev["weights"][-1]))
                  for ev in mine]
         parts[0] = f"  routing @{mine[0]['positions'][-1]}: {parts[0]}"
         print_parts(self.console, parts, style="dim")

@@ -350,9 +350,9 @@ def _enough_experts(interventions, config) -> None:
             ablated.setdefault(iv.layer % config.n_layers, set()).add(iv.expert)
     for layer, gone in ablated.items():
         if config.n_experts - len(gone) < config.n_experts_used:
+            most = config.n_experts - config.n_experts_used
             raise BadValue("ablate", f" removes {len(gone)} of layer {layer}'s {config.n_experts} experts, but each "
-                                     f"token runs {config.n_experts_used}: at most {config.n_experts - config.n_experts_used} "
-                                     f"may be ablated")
+                                     f"token runs {config.n_experts_used}: at most {most} may be ablated")
 
 
 def position_slot(field_name: str, iv, position: int, n_tokens: int, what: str, also: tuple[str, ...] = ()) -> int:

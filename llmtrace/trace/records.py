@@ -172,8 +172,8 @@ def experts_record(lm) -> dict:
     from llmtrace.model.quant import weight_count
 
     active, total = active_weights(c, lm.model.declared_weights())
-    return {"n_experts": c.n_experts, "n_experts_used": c.n_experts_used, "expert_ffn_dim": c.expert_ffn_dim or c.ffn_dim,
-            "active_params": weight_count(lm.model) - (total - active)}
+    return {"n_experts": c.n_experts, "n_experts_used": c.n_experts_used,
+            "expert_ffn_dim": c.expert_ffn_dim or c.ffn_dim, "active_params": weight_count(lm.model) - (total - active)}
 
 
 def path_record(lm) -> PathRecord:

@@ -71,7 +71,8 @@ class ExpertLoad:
 
     def records(self) -> list[dict]:
         """Each layer's load (tokens per expert) and imbalance: the busiest expert's count over the mean count."""
-        return [load_record(layer, self.counts[layer], self.tokens[layer], self.k[layer]) for layer in sorted(self.counts)]
+        return [load_record(layer, self.counts[layer], self.tokens[layer], self.k[layer])
+                for layer in sorted(self.counts)]
 
 
 def load_record(layer: int, counts: list[int], tokens: int, k: int) -> dict:
