@@ -210,8 +210,9 @@ def test_compare_over_the_api_is_the_clis_jsonl(tiny, tiny_dir, tmp_path):
         page = c.get(f"/api/page?run={run_id}", headers=AUTH)
         assert page.status_code == 200 and "attn_out" in page.text  # the comparison page of that run
     out = tmp_path / "cmp.jsonl"
-    cli = subprocess.run([sys.executable, "-m", "llmtrace", "compare", PROMPT, "-m", str(tiny_dir), "--b-ablate", "1.h0",
-                          "-n", "2", "--threads", "1", "--jsonl", str(out)], capture_output=True, text=True, timeout=300)
+    cli = subprocess.run([sys.executable, "-m", "llmtrace", "compare", PROMPT, "-m", str(tiny_dir), "--b-ablate",
+                          "1.h0", "-n", "2", "--threads", "1", "--jsonl", str(out)],
+                         capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     want = [json.loads(x) for x in out.read_text().splitlines()]
     assert got == want  # the same events, number for number (two runs of one loaded model: A plain, B ablated)
@@ -355,40 +356,79 @@ def server(tiny_dir):
             p.kill()
 
 
+def press(page, name: str) -> None:
+    """Click a button of the live page. (After a click inside the run's frame, chromium under playwright can send
+    the next click to the frame unless the page is scrolled to the button first.)"""
+    button = page.get_by_role("button", name=name)
+    button.scroll_into_view_if_needed()
+    button.click()
+
+
 def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser):
+    from playwright.sync_api import expect
+
     proc, url = server
     want = tiny.generate("The capital of France is", max_new_tokens=8, ignore_eos=True).text
     page = browser.new_page()
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    # each change of the live step table, as it happens: how many rows, and what the status said then
+    page.add_init_script("""window.seen = []; new MutationObserver(() => { const b = document.querySelector(
+        '#live-steps tbody'); if (b) window.seen.push([b.rows.length, document.querySelector('#status').textContent]);
+        }).observe(document, {childList: true, subtree: true, characterData: true});""")
     page.goto(url)
     assert "token=" not in page.url  # the token left the address bar
     assert page.locator("#model option").all_inner_texts() == ["tinyhf"]  # the model by its name, never its path
     page.get_by_label("Prompt").fill("The capital of France is")
+    page.get_by_label("new tokens").fill("8")
     page.get_by_role("button", name="Run").click()
     page.locator("#status", has_text="done").wait_for(timeout=120_000)  # (the page's CSP forbids eval'd waits)
     assert page.inner_text("#text") == want
     assert page.locator("#tokens .chip.gen").count() == 8
+    seen = page.evaluate("window.seen")
+    assert any(0 < n < 8 and "done" not in status for n, status in seen), seen  # tokens came before the run ended
+    rows = page.locator("#live-steps tbody tr")
+    assert rows.count() == 8 and "input 320" in rows.nth(0).inner_text()  # each step's top-k and sampler ledger
     frame = page.frame_locator("#page")
     frame.locator("#whatif").wait_for(timeout=60_000)
     assert frame.locator("#walk").count() == 1
-    frame.locator("button.thumb[data-layer='1'][data-hi='2']").click()  # a head of the heatmap: the one to ablate
-    from playwright.sync_api import expect
 
-    expect(page.locator("#ablate_layer")).to_have_value("1")  # (postMessage: asynchronous)
-    expect(page.locator("#ablate_head")).to_have_value("2")
+    # re-sample: the what-if slider's temperature, the step the page shows, the real sampler on the server
+    frame.locator("#step-next").click()
+    expect(page.locator("#step")).to_have_value("1")
     frame.locator("#wi-temperature").evaluate("e => { e.value = '1.5'; e.dispatchEvent(new Event('input')); }")
     expect(page.locator("#temperature")).to_have_value("1.5")  # the what-if sliders set what a re-sample runs with
-    page.get_by_role("button", name="Re-sample with these settings").click()
-    page.locator("#compare table").wait_for(timeout=120_000)
-    assert "Sampled again on the server" in page.inner_text("#compare")
-    page.get_by_role("button", name="Ablate this head and compare").click()
-    page.locator("#compare", has_text="ablated").wait_for(timeout=120_000)
-    assert "layer 1 head 2 ablated" in page.inner_text("#compare")
+    press(page, "Re-sample this step")
+    again = page.locator("#resample .side.again")
+    again.locator("table").wait_for(timeout=60_000)
+    assert "Step 1 sampled again on the server with temperature 1.5" in page.inner_text("#resample")
+    assert "temperature" in again.locator("table").inner_text() and "draw u = " in again.inner_text()
+    assert page.locator("#resample .side.own").count() == 1  # beside the run's own step
+
+    # a click on a head of the heatmap ablates it at once and compares the runs
+    frame.locator("button.thumb[data-layer='1'][data-hi='2']").click()
+    page.locator("#compare p.cmp", has_text="part").wait_for(timeout=120_000)
+    text = page.inner_text("#compare")
+    assert "With layer 1 head 2 ablated" in text and "the runs part at layer 1, attn_out" in text
+    expect(page.locator("#ablate_layer")).to_have_value("1")
+    expect(page.locator("#ablate_head")).to_have_value("2")
+    page.frame_locator("#compare-page").locator("body").wait_for(timeout=60_000)  # the comparison page
+    # from the keyboard: the fields and the button (a layer's FFN)
+    page.get_by_label("ablate: part").select_option("ffn")
+    page.get_by_label("ablate: layer").fill("0")
+    press(page, "Ablate and compare")
+    page.locator("#compare p.cmp", has_text="part at layer 0").wait_for(timeout=120_000)
+    assert "With layer 0's FFN ablated" in page.inner_text("#compare")
+
+    # the run can be stopped while it goes: a long run's first tokens, then Stop
+    page.get_by_label("new tokens").fill("256")
+    press(page, "Run")
+    rows.first.wait_for(timeout=120_000)
+    press(page, "Stop")
+    page.locator("#status", has_text="stopped").wait_for(timeout=60_000)
+    assert 0 < rows.count() < 256
     assert errors == []
     page.close()
     proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
     assert proc.wait(30) == 0 or proc.returncode in (0, 130)
     assert "Traceback" not in proc.stderr.read()
-
-

@@ -118,7 +118,8 @@ def side_record(lm, side: Optional[Side]) -> dict:
 
     c = lm.config
     return {"model": lm.name, "source": lm.source, "arch": c.arch, "dtype": dtype_name(lm.dtype),
-            "device": str(lm.device), "keep_quantized": bool(side.keep_quantized) if side and side.loaded is None else _is_quantized(lm),
+            "device": str(lm.device),
+            "keep_quantized": bool(side.keep_quantized) if side and side.loaded is None else _is_quantized(lm),
             "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
             "vocab_size": c.vocab_size} | ({"exact": False} if side is not None and side.fast else {}) | (
                 {"interventions": [record(iv) for iv in side.interventions]} if side is not None and side.interventions

@@ -4,8 +4,13 @@
     GET  /api/models           the models served, and the limits
     POST /api/generate         a run's events as application/x-ndjson, exactly the lines of `generate --jsonl`, streamed
     POST /api/explain, /lens   the same for explain and lens
+    POST /api/compare          one model under two settings (side B: b_ablate, b_scale, b_model), the events of
+                               `compare --jsonl`, when the comparison is done
     POST /api/patch            the activation-patching sweep's event
-    GET  /api/page?run=ID      the learner's page (the report) of a finished run, by the id the stream gave
+    POST /api/resample         one step of a finished generate run drawn again by the run's Sampler under other
+                               settings, on the logits that step produced (serve/resample.py): its step event
+    GET  /api/page?run=ID      the learner's page (the report) of a finished run, by the id the stream gave; the
+                               comparison page of a compare run
 
 Every request needs the server's token (`?token=` or `Authorization: Bearer`; 401 without), a Host header that names
 this server (the bound address or localhost: a DNS-rebinding page is refused) and, when the browser says where it

@@ -102,8 +102,9 @@ class KeepingSampler:
         run = self.kept.get(self.run_id)
         if run is not None:
             run.history = history  # the row's own list: it grows by each token taken
-            self.kept.add(self.run_id, KeptStep(logits.detach().float().cpu().clone(), self.sampler.generator.get_state(),
-                                                self.sampler.mu, len(history)))
+            state = self.sampler.generator.get_state()
+            self.kept.add(self.run_id, KeptStep(logits.detach().float().cpu().clone(), state, self.sampler.mu,
+                                                len(history)))
         return self.sampler.sample(logits, history, ledger=ledger)
 
 

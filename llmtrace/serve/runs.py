@@ -1,9 +1,10 @@
 """What a request may ask of the server, checked as the CLI checks it, and the runs themselves on the Python API.
 
-A request body is JSON with the keywords of `Model.generate` / `explain` / `lens` that make sense over HTTP (no file
-names: `dump`, `save_tensors`, `compile` are refused, as is any path) plus `prompt` and `model`, one of the models the
-server was started with (or, with --allow-pull, a registry name). Each run goes through the same options values
-(`GenerateOptions`, ...) that check themselves, so a bad value gives the CLI's one-line message, here as a JSON error.
+A request body is JSON with the keywords of `Model.generate` / `explain` / `lens` / `compare` that make sense over
+HTTP (no file names: `dump`, `save_tensors`, `compile` are refused, as is any path) plus `prompt` and `model`, one of
+the models the server was started with (or, with --allow-pull, a registry name). Each run goes through the same
+options values (`GenerateOptions`, ...) that check themselves, so a bad value gives the CLI's one-line message, here
+as a JSON error. `History` keeps the last runs' pages and, for re-sampling, their steps' logits (resample.py).
 """
 
 from __future__ import annotations

@@ -220,16 +220,20 @@
   function tellParent(click) {
     const h = A.heads[Number($("#att-head").value)];
     if (window.parent !== window && h !== "mean") {
-      window.parent.postMessage({ llmtrace: "head", layer: Number($("#att-layer").value), head: h, click: !!click }, "*");
+      const layer = Number($("#att-layer").value);
+      window.parent.postMessage({ llmtrace: "head", layer: layer, head: h, click: !!click }, "*");
     }
   }
   $$("button.thumb").forEach((b) => b.addEventListener("click", (ev) => {
-    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention(); tellParent(ev.detail > 0);
+    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention();
+    tellParent(ev.detail > 0);
   }));
   if (window.parent !== window) {
     $$(".thumbs .tl[data-layer]").forEach((t) => {
       t.classList.add("live");
-      t.addEventListener("click", () => window.parent.postMessage({ llmtrace: "layer", layer: Number(t.dataset.layer), click: true }, "*"));
+      t.addEventListener("click", () => {
+        window.parent.postMessage({ llmtrace: "layer", layer: Number(t.dataset.layer), click: true }, "*");
+      });
     });
   }
   function label(bin) {

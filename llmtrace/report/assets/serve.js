@@ -42,21 +42,29 @@
   function ledger(ev) { // "input 49152 → top_k 40 → top_p 7; p 0.41": the candidates each stage left
     if (!ev.sampler) return "";
     const pick = ev.sampler[ev.sampler.length - 1].pick_prob;
-    return ev.sampler.map((s) => s.stage + " " + s.survivors.toLocaleString("en")).join(" \u2192 ") + "; p " + fmt(pick);
+    const stages = ev.sampler.map((s) => s.stage + " " + s.survivors.toLocaleString("en"));
+    return stages.join(" \u2192 ") + "; p " + fmt(pick);
   }
   function draw(ev) { return !ev.rng ? "" : ev.rng.greedy ? t("serve_greedy") : fmt(ev.rng.draw, 6); }
   function stepRow(ev) { // a row of the live step table, as the step's event arrives
     const tr = document.createElement("tr");
     tr.dataset.step = String(ev.step);
     const top = (ev.topk || []).slice(0, 5).map((c) => vis(c.text) + " " + fmt(c.prob, 2)).join("  ");
-    [String(ev.step), vis(ev.token.text), top, ledger(ev), draw(ev)].forEach((x, i) => tr.appendChild(el("td", x, i === 1 || i === 2 ? "tok" : "")));
+    [String(ev.step), vis(ev.token.text), top, ledger(ev), draw(ev)].forEach((x, i) => {
+      tr.appendChild(el("td", x, i === 1 || i === 2 ? "tok" : ""));
+    });
     $("#live-steps tbody").appendChild(tr);
     $("#live-steps").hidden = false;
   }
 
   async function lines(path, body, onLine) { // POST, then each NDJSON line as it arrives; null when refused
-    const r = await fetch(path, { method: "POST", signal: controller.signal, headers: AUTH, body: JSON.stringify(body) });
-    if (!r.ok) { const e = await r.json(); $("#status").textContent = t("serve_error", { error: e.error }); return null; }
+    const r = await fetch(path, { method: "POST", signal: controller.signal, headers: AUTH,
+      body: JSON.stringify(body) });
+    if (!r.ok) {
+      const e = await r.json();
+      $("#status").textContent = t("serve_error", { error: e.error });
+      return null;
+    }
     const reader = r.body.getReader(), dec = new TextDecoder();
     let buf = "";
     for (;;) {
@@ -94,7 +102,10 @@
       } else if (ev.event === "summary") {
         got.text = ev.text;
         $("#status").textContent = t("serve_done", { n: ev.generated_tokens, reason: ev.stop_reason });
-      } else if (ev.event === "error") { got.error = ev.error; $("#status").textContent = t("serve_error", { error: ev.error }); }
+      } else if (ev.event === "error") {
+        got.error = ev.error;
+        $("#status").textContent = t("serve_error", { error: ev.error });
+      }
     });
     if (!ok || got.error) return null;
     if (view.page) await showPage("#page", got.runId);
@@ -149,8 +160,10 @@
     const box = $("#resample");
     if (!last) { box.textContent = t("serve_no_run"); return; }
     const step = Number($("#step").value), o = options();
-    const body = { run: last.got.runId, step: step, temperature: o.temperature, top_k: o.top_k, top_p: o.top_p, min_p: o.min_p };
-    const r = await fetch("/api/resample", { method: "POST", signal: controller.signal, headers: AUTH, body: JSON.stringify(body) });
+    const body = { run: last.got.runId, step: step, temperature: o.temperature, top_k: o.top_k, top_p: o.top_p,
+      min_p: o.min_p };
+    const r = await fetch("/api/resample", { method: "POST", signal: controller.signal, headers: AUTH,
+      body: JSON.stringify(body) });
     const a = await r.json();
     if (!r.ok) { box.textContent = t("serve_error", { error: a.error }); return; }
     box.textContent = "";
@@ -167,9 +180,11 @@
     const n = Math.max(before.tokens.length, after.tokens.length);
     let first = -1;
     for (let i = 0; i < n && first < 0; i++) if (before.tokens[i] !== after.tokens[i]) first = i;
-    box.appendChild(el("p", t("serve_compare", { what: what }) + " " + (first < 0 ? t("serve_same") : t("serve_first_diff", { step: first }))));
+    const where = first < 0 ? t("serve_same") : t("serve_first_diff", { step: first });
+    box.appendChild(el("p", t("serve_compare", { what: what }) + " " + where));
     const table = el("table"); table.id = "diff";
-    [[t("serve_before"), before.text, ""], [t("serve_after"), after.text, first >= 0 ? "changed" : ""]].forEach(([k, v, cls]) => {
+    const rows = [[t("serve_before"), before.text, ""], [t("serve_after"), after.text, first >= 0 ? "changed" : ""]];
+    rows.forEach(([k, v, cls]) => {
       const tr = document.createElement("tr");
       tr.appendChild(el("th", k)); tr.appendChild(el("td", vis(v), cls));
       table.appendChild(tr);
@@ -187,7 +202,8 @@
     const before = last;
     if (!before) { $("#compare").textContent = t("serve_no_run"); return; }
     await guarded(async () => {
-      const view = { tokens: el("div", undefined, "chips"), text: el("p", undefined, "tok"), steps: false, page: false };
+      const view = { tokens: el("div", undefined, "chips"), text: el("p", undefined, "tok"), steps: false,
+        page: false };
       $("#compare").textContent = "";
       $("#compare").appendChild(el("p", t("serve_ablating", { what: what })));
       $("#compare").appendChild(view.text); // the ablated run's text, as it comes
@@ -226,7 +242,9 @@
     }
     if (d.llmtrace === "step" && Number.isFinite(d.step)) $("#step").value = String(d.step);
     if (d.llmtrace === "sampler") { // the what-if sliders: the settings a re-sample runs with
-      ["temperature", "top_k", "top_p", "min_p"].forEach((k) => { if (Number.isFinite(d[k])) $("#" + k).value = String(d[k]); });
+      ["temperature", "top_k", "top_p", "min_p"].forEach((k) => {
+        if (Number.isFinite(d[k])) $("#" + k).value = String(d[k]);
+      });
     }
   });
 })();
