@@ -145,6 +145,6 @@ def open_checkpoint(resolved) -> Checkpoint:
     except json.JSONDecodeError as e:
         raise LlmtraceError(f"{cfg_path}: not valid JSON (line {e.lineno}: {e.msg}); fix it or fetch it again") from None
     config = config_from_hf(raw, where)
-    config.extra = {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
+    config.extra = config.extra | {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
     plan = plan_weights(hf_entries(resolved.path), config, "hf", where)
     return Checkpoint(config, plan, TextTokenizer.from_hf_dir(resolved.path), False)

@@ -331,20 +331,43 @@ def rope_relative_check(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor
     return out
 
 
-def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
+def rotated_from(points, rotated) -> str:
+    """The point RoPE turns into `rotated` (q_rope), following the declared inputs from its own (q): a later point
+    computed from it takes its place (Qwen3's and OLMo 2's q_norm)."""
+    name = rotated.input
+    for p in points.layer if points is not None else ():
+        if p.name == rotated.name:
+            break
+        if p.input == name:
+            name = p.name
+    return name
+
+
+def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None) -> dict:
     c = config
+    q_in = rotated_from(model.declared_points() if model is not None else None, Q_ROPE)
+    k_in = rotated_from(model.declared_points() if model is not None else None, K_ROPE)
     T, Dh = len(cap.ids), c.head_dim
-    inv_freq = rope_inv_freq(c)  # (Dh/2,) theta_i = base^(-2i/Dh), scaled
-    pairs = rope_pairs(Dh)
+    Dr = c.rotary_dim or Dh  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
+    inv_freq = rope_inv_freq(c)  # (Dr/2,) theta_i = base^(-2i/Dr), scaled
+    pairs = rope_pairs(Dr)
     positions = torch.arange(T, dtype=torch.float32)
-    # the model's own tables reproduce the captured q_rope / k_rope
-    cos, sin = rope_table(c, T, cap.points[Q.name].device)
-    q_err = (apply_rope(cap.points[Q.name][None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
-    k_err = (apply_rope(cap.points[K.name][None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
+    # the model's own tables (this layer's, where layers differ or the sequence's length decides: Gemma 3, LongRoPE)
+    # reproduce the captured q_rope / k_rope
+    device = cap.points[Q.name].device
+    if model is None:
+        cos, sin = rope_table(c, T, device)
+    else:
+        io = model.layer_inputs(torch.zeros((1, T), dtype=torch.long, device=device), dtype=torch.float32)[cap.layer]
+        cos, sin = io.cos, io.sin
+    q_pre = cap.points[q_in].reshape(cap.points[Q_ROPE.name].shape)  # (T, H, Dh): OLMo 2 norms q before the split
+    k_pre = cap.points[k_in].reshape(cap.points[K_ROPE.name].shape)
+    q_err = (apply_rope(q_pre[None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
+    k_err = (apply_rope(k_pre[None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
     # relative-distance check on real vectors: the last token's query (this head), the first token's key (its KV head)
     kv_head = head // c.group_size
-    q_vec = cap.points[Q.name][T - 1, head].float().cpu()
-    k_vec = cap.points[K.name][0, kv_head].float().cpu()
+    q_vec = q_pre[T - 1, head].float().cpu()
+    k_vec = k_pre[0, kv_head].float().cpu()
     distances = [d for d in (0, 1, 2, 4, 8, 16) if d < max(T, 5)]
     shifts = [s for s in (0, 1, 7, 100, 1000) if s + distances[-1] < c.max_seq_len]
     scores = rope_relative_check(q_vec, k_vec, inv_freq, distances, shifts)
@@ -353,7 +376,7 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
         "event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3",
         "theta": c.rope_theta, "scaling": _scaling_info(c.rope_scaling), "head_dim": Dh,
         "formula": "θ_i = base^(-2i/Dh); pair (x_i, x_{i+Dh/2}) at position m is rotated by m·θ_i",
-        "pairs": [{"i": i, "dims": [i, i + Dh // 2], "theta_i": _r(inv_freq[i]),
+        "pairs": [{"i": i, "dims": [i, i + Dr // 2], "theta_i": _r(inv_freq[i]),
                    "wavelength": _r(2 * math.pi / inv_freq[i].item()),
                    "angles": _rl(positions * inv_freq[i])} for i in pairs],
         "check_q_rope_max_abs_diff": _r(q_err), "check_k_rope_max_abs_diff": _r(k_err),
@@ -366,11 +389,9 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
 def _scaling_info(scaling: Optional[dict]):
     if not scaling:
         return None
-    out = {k: v for k, v in scaling.items() if k != "factors"}
-    if "factors" in scaling:  # llama3 scaling read from a GGUF: one divisor per frequency, summarised
-        f = scaling["factors"]
-        out["factors"] = {"count": len(f), "min": _r(min(f)), "max": _r(max(f))}
-    return out
+    # one number per frequency (llama3 scaling read from a GGUF, LongRoPE's two sets), summarised
+    return {k: {"count": len(v), "min": _r(min(v)), "max": _r(max(v))} if isinstance(v, list) and v else
+            _r(v) if isinstance(v, float) else v for k, v in scaling.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -586,7 +607,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name))
     yield qkv_section(cap, c)
-    yield rope_section(cap, c, head if head is not None else 0)
+    yield rope_section(cap, c, head if head is not None else 0, lm.model)
     yield from attention_sections(cap, c, head)
     yield residual_section(cap)
     yield ffn_section(cap, c)
