@@ -294,10 +294,12 @@ def test_resample_at_temperature_2_is_softmax_of_logits_over_2(tiny, tiny_dir):
         k = 2
         r = c.post("/api/resample", headers=AUTH, json={"run": run_id, "step": k, "temperature": 2})
         a = r.json()
-    probs = torch.softmax(hf_logits(tiny_dir, prompt_ids + [s["token"]["id"] for s in steps[:k]]) / 2, dim=-1)
+    z = hf_logits(tiny_dir, prompt_ids + [s["token"]["id"] for s in steps[:k]])
+    probs = torch.softmax(z / 2, dim=-1)
     top = a["survivors"][0]
     assert top["id"] == int(probs.argmax())
     assert top["prob"] == pytest.approx(float(probs.max()), abs=1e-4)  # computed here from transformers' logits
+    assert top["logit"] == pytest.approx(float(z.max()), abs=1e-4)  # the raw logit, not divided
     ledger = {s["stage"]: s for s in a["step"]["sampler"]}
     assert list(ledger) == ["input", "temperature"] and ledger["temperature"]["survivors"] == tiny.config.vocab_size
     chosen = a["step"]["token"]["id"]

@@ -144,13 +144,13 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
                                  headers=SECURITY_HEADERS)
 
     async def resample(request: Request) -> Response:
-        from llmtrace.serve.resample import resample_request
+        from llmtrace.serve.resample import NoSuchRun, resample_request
 
         try:
             body = await read_json(request, limits.body_bytes)
             answer = await asyncio.to_thread(resample_request, body, history.kept, served)
-        except LookupError as e:  # no such run (any more)
-            return JSONResponse({"error": str(e.args[0])}, 404, headers=SECURITY_HEADERS)
+        except NoSuchRun as e:  # never made, or gone to make room
+            return JSONResponse({"error": str(e)}, 404, headers=SECURITY_HEADERS)
         except Exception as e:
             return refused(e)
         return JSONResponse(answer, headers=SECURITY_HEADERS)

@@ -26,6 +26,10 @@ from llmtrace.errors import BadValue
 STATE_BYTES = 5056  # a CPU torch.Generator's state (mt19937)
 
 
+class NoSuchRun(Exception):
+    """A run id the server does not keep (never made, or gone to make room): answered 404."""
+
+
 @dataclass
 class KeptStep:
     logits: Any  # (V,) float32 on the CPU: the raw logits the sampler started from
@@ -120,8 +124,8 @@ def settings_of(config, given: dict) -> Any:
 
 def resample(lm, run: KeptRun, step: int, given: dict) -> dict:
     """Step `step` of `run` drawn again under the run's settings changed by `given` (sampler keywords; `seed`: a
-    fresh draw from it): {"step": the step event, "survivors": the tokens left after the last stage with their
-    probabilities, "sampling": the settings, "draw": "the run's" or "fresh"}."""
+    fresh draw from it): {"step": the step event, "survivors": the most likely tokens left after the last stage (their
+    raw logit, their probability after the last stage), "sampling": the settings, "draw": "the run's" or "fresh"}."""
     import torch
 
     from llmtrace.run.generate import KVFacts, StepRecord
@@ -160,7 +164,7 @@ def resample(lm, run: KeptRun, step: int, given: dict) -> dict:
     probs = torch.softmax(final.double(), dim=-1)
     n = min(run.show_top, int(torch.isfinite(final).sum()))
     top_p, top_ids = torch.topk(probs, n)
-    top = [(i, float(final[i]), p) for i, p in zip(top_ids.tolist(), top_p.tolist())]
+    top = [(i, float(kept.logits[i]), p) for i, p in zip(top_ids.tolist(), top_p.tolist())]  # the raw logit
     return {"step": events[-1], "survivors": candidate_records(lm.tokenizer, top),
             "sampling": config.to_dict(), "draw": "fresh" if fresh else "the run's"}
 
@@ -170,7 +174,7 @@ KV_FIELDS = ("seq_len", "capacity", "bytes_per_token", "bytes_allocated", "eleme
 
 def resample_request(body: Any, kept: Kept, served: dict) -> dict:
     """POST /api/resample: {"run": ID, "step": N, and sampler keywords (temperature, top_k, top_p, min_p, ...,
-    seed)}, checked as `generate` checks them; LookupError for a run the server no longer keeps."""
+    seed)}, checked as `generate` checks them; NoSuchRun for a run the server does not keep."""
     from llmtrace.api import SAMPLER_KEYWORDS
 
     if not isinstance(body, dict):
@@ -186,7 +190,7 @@ def resample_request(body: Any, kept: Kept, served: dict) -> dict:
         raise BadValue("step", " must be a whole number ≥ 0")
     run = kept.get(run_id)
     if run is None or run.model not in served:
-        raise LookupError("no such run: the server keeps the steps of its last generate runs, within "
+        raise NoSuchRun("no such run: the server keeps the steps of its last generate runs, within "
                           "kept_logits_bytes (see /api/models)")
     given = {k: v for k, v in body.items() if k not in ("run", "step")}
     return resample(served[run.model].model.loaded, run, step, given)
