@@ -415,6 +415,10 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     expect(page.locator("#ablate_layer")).to_have_value("1")
     expect(page.locator("#ablate_head")).to_have_value("2")
     page.frame_locator("#compare-page").locator("body").wait_for(timeout=60_000)  # the comparison page
+    frame.locator(".thumbs .tl[data-layer='0']").click()  # a row's "layer 0": that layer's attention
+    page.locator("#compare p.cmp", has_text="part at layer 0").wait_for(timeout=120_000)
+    assert "With layer 0's attention ablated" in page.inner_text("#compare")
+    expect(page.locator("#ablate_part")).to_have_value("attn")
     # from the keyboard: the fields and the button (a layer's FFN)
     page.get_by_label("ablate: part").select_option("ffn")
     page.get_by_label("ablate: layer").fill("0")
