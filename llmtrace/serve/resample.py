@@ -139,8 +139,8 @@ def resample(lm, run: KeptRun, step: int, given: dict) -> dict:
         raise BadValue("step", f" {step} is not a step of this run (it has {len(run.events)})")
     kept = run.steps[step]
     if kept is None:
-        raise BadValue("step", f" {step}'s logits were not kept: the server keeps at most the bytes of "
-                               f"kept_logits_bytes (see /api/models); run it again to re-sample it")
+        raise BadValue("step", f" {step}'s logits were not kept: they did not fit in the server's "
+                               f"kept_logits_bytes (see /api/models); run again to re-sample it")
     fresh = "seed" in given
     config = settings_of(run.config, given)
     t0 = time.perf_counter()
