@@ -712,29 +712,7 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
         return out, {name: x for (_, name), x in kept.items()}
 
     def add(layer, points_a: dict, points_b: dict, points_z: dict):
-        """Each point of A against B, and against B on A's input (`points_z` is `points_b` itself when B's input was
-        A's, bit for bit). Points whose rows have one width are stacked and reduced together: a few reductions per
-        layer rather than a few per point."""
-        groups: dict[tuple, list] = {}
-        for name, ta in points_a.items():  # forward order
-            if name not in points_b:
-                continue
-            axis = position_axis(points, name)
-            acc.setdefault((layer, name), (PointSums(), PointSums()))
-            ra, rb = _rows(ta, axis), _rows(points_b[name], axis)
-            rz = rb if points_z is points_b else _rows(points_z[name], axis)
-            groups.setdefault((ra.shape, rb.shape, rz.shape), []).append((name, ra, rb, rz))
-        for items in groups.values():
-            dev = items[0][1].device if items[0][1].device.type != "mps" else torch.device("cpu")  # MPS: no float64
-            # (G, P, N) float64 on A's device (B's tensors cross over when B runs elsewhere)
-            stack = lambda k: torch.stack([it[k] for it in items]).to(dev, torch.float64)  # noqa: E731
-            a64 = stack(1)
-            same = position_sums(a64, stack(2), masked=True).tolist()  # (5, G, P); masked scores are -inf on both
-            added = same if points_z is points_b else position_sums(a64, stack(3), masked=True).tolist()
-            for g, (name, *_) in enumerate(items):
-                s_acc, a_acc = acc[(layer, name)]
-                s_acc.extend_sums([row[g] for row in same])
-                a_acc.extend_sums([row[g] for row in added])
+        add_point_sums(acc, points, layer, points_a, points_b, points_z)
 
     # s4: the embeddings (nothing feeds them, so the error B adds is its whole error)
     xa, pa = run(model_a, lambda: model_a.embed_tokens(idx_a), None)
@@ -765,6 +743,34 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
     pz = pb if torch.equal(x_in, xb) else run(model_b, lambda: model_b.head(x_in), None, b=True)[1]
     add(None, pa, pb, pz)
     return la[0], lb[0]
+
+
+def add_point_sums(acc: dict, points, layer: Optional[int], points_a: dict, points_b: dict, points_z: dict) -> None:
+    """Each point of A against B, and against B on A's input (`points_z` is `points_b` itself when B's input was A's,
+    bit for bit), added to `acc` (run_side_by_side). Points whose rows have one width are stacked and reduced
+    together: a few reductions per layer rather than a few per point."""
+    import torch
+
+    groups: dict[tuple, list] = {}
+    for name, ta in points_a.items():  # forward order
+        if name not in points_b:
+            continue
+        axis = position_axis(points, name)
+        acc.setdefault((layer, name), (PointSums(), PointSums()))
+        ra, rb = _rows(ta, axis), _rows(points_b[name], axis)
+        rz = rb if points_z is points_b else _rows(points_z[name], axis)
+        groups.setdefault((ra.shape, rb.shape, rz.shape), []).append((name, ra, rb, rz))
+    for items in groups.values():
+        dev = items[0][1].device if items[0][1].device.type != "mps" else torch.device("cpu")  # MPS: no float64
+        # (G, P, N) float64 on A's device (B's tensors cross over when B runs elsewhere)
+        stack = lambda k: torch.stack([it[k] for it in items]).to(dev, torch.float64)  # noqa: E731
+        a64 = stack(1)
+        same = position_sums(a64, stack(2), masked=True).tolist()  # (5, G, P); masked scores are -inf on both
+        added = same if points_z is points_b else position_sums(a64, stack(3), masked=True).tolist()
+        for g, (name, *_) in enumerate(items):
+            s_acc, a_acc = acc[(layer, name)]
+            s_acc.extend_sums([row[g] for row in same])
+            a_acc.extend_sums([row[g] for row in added])
 
 
 def build_records(acc: dict, n_layers: int, points) -> tuple[list[dict], dict]:
