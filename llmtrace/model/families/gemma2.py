@@ -212,11 +212,20 @@ def gguf_config(meta) -> dict:
     return out
 
 
+def from_gguf(c) -> bool:
+    return (c.extra or {}).get("format") == "gguf"
+
+
 def scale_line(c) -> str:
+    """The score scale, and where it came from: config.json's query_pre_attn_scalar, or llama.cpp's rule for a GGUF
+    (which does not store it)."""
     scalar = c.attn_scale ** -2
-    return (f"scores × 1/√{scalar:g} (query_pre_attn_scalar {scalar:g}) instead of 1/√Dh = 1/√{c.head_dim}"
-            if abs(scalar - c.head_dim) > 1e-6 * scalar else
-            f"scores × 1/√{scalar:g} (query_pre_attn_scalar {scalar:g}, = Dh here)")
+    if from_gguf(c):
+        return (f"scores × 1/√{scalar:g}: the GGUF stores no query_pre_attn_scalar; llama.cpp's rule "
+                f"({'1/√Dh' if abs(scalar - c.head_dim) < 1e-6 * scalar else '1/√(D/H) for this size'})")
+    same = abs(scalar - c.head_dim) < 1e-6 * scalar
+    return f"scores × 1/√{scalar:g} (query_pre_attn_scalar {scalar:g}{', = Dh here' if same else ''})" + (
+        "" if same else f" instead of 1/√Dh = 1/√{c.head_dim}")
 
 
 def gemma_lines(c, qk_norm: bool) -> list[str]:

@@ -11,8 +11,8 @@ the layer pattern (layer i global when i % 6 == 5), the local RoPE base when the
 from __future__ import annotations
 
 from llmtrace.model.family import Family
-from llmtrace.model.families.gemma2 import (GemmaModel, Gemma2Block, GemmaRMSNorm, gemma_hf_common, gemma_lines, refuse,
-                                            score_scale_gguf)
+from llmtrace.model.families.gemma2 import (Gemma2Block, GemmaModel, GemmaRMSNorm, from_gguf, gemma_hf_common,
+                                            gemma_lines, refuse, score_scale_gguf)
 from llmtrace.model.families.qwen3 import Qwen3Attention
 
 GLOBAL_EVERY = 6  # Gemma 3's pattern: 5 sliding-window layers, then a global one
@@ -93,10 +93,9 @@ def gguf_config(meta) -> dict:
 
 def changes(c) -> list[str]:
     out = gemma_lines(c, qk_norm=True)
-    if (c.extra or {}).get("format") == "gguf":
-        out.append("the GGUF stores no query_pre_attn_scalar, layer pattern or local RoPE base (when it lacks "
-                   "rope.freq_base_swa): taken as llama.cpp takes them (1/√key_length, 5 local : 1 global, 10,000)")
     out.append(f"GeGLU feed-forward: gelu_tanh(x W_gate) ⊙ (x W_up), width {c.ffn_dim}")
+    if from_gguf(c) and c.layer_types:
+        out.append("the GGUF stores no layer pattern: llama.cpp's, layer i global when i % 6 = 5")
     return out
 
 
