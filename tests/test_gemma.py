@@ -241,3 +241,56 @@ def test_defaults_are_transformers_when_a_config_leaves_them_out(families, tmp_p
     assert ours.sliding_window == theirs.sliding_window and ours.head_dim == theirs.head_dim
     assert ours.layer_types == [t.split("_")[0] for t in theirs.layer_types]
     assert ours.attn_scale == theirs.query_pre_attn_scalar ** -0.5 and ours.tie_embeddings is True
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# explain: the band of a sliding-window layer, a global layer said to be global, each check on Gemma's own maths
+
+
+def _explain(capsys, path, layer: int, tmp_path):
+    out = tmp_path / f"explain-{layer}.jsonl"
+    code, stdout, err = run_cli(capsys, "explain", PROMPT, "-m", path, "--layer", str(layer), "--jsonl", out)
+    assert code == 0, err
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    return stdout, events, out
+
+
+def _section(events, name):
+    return next(e for e in events if e["event"] == "explain" and e.get("section") == name)
+
+
+@pytest.mark.parametrize("name, layer, window, table, theta", [
+    ("gemma3", 0, 4, "local", 10_000.0), ("gemma3", 5, None, "global", 1_000_000.0),
+    ("gemma2", 0, 4, "global", 10_000.0), ("gemma2", 1, None, "global", 10_000.0),
+])  # fmt: skip
+def test_explain_draws_the_band_or_says_global(families, capsys, tmp_path, name, layer, window, table, theta):
+    import jsonschema
+
+    from llmtrace.trace.events import schema_path
+
+    stdout, events, saved = _explain(capsys, families.hf_dir(name), layer, tmp_path)
+    validator = jsonschema.Draft202012Validator(json.loads(schema_path().read_text()))
+    for ev in events:
+        validator.validate(ev)
+    amap, att, rope = _section(events, "attention_map"), _section(events, "attention"), _section(events, "rope")
+    assert (amap["window"], amap["model_window"], att["window"]) == (window, 4, window)
+    T = amap["n_tokens"]
+    beyond = sum(1 for q in range(T) for k in range(q + 1) if window and q - k >= window)  # out of the band
+    assert att["masked"] == 4 * (T * (T - 1) // 2 + beyond)  # H = 4 heads
+    for q, row in enumerate(amap["matrix"]):  # no weight outside the band
+        assert all(w == 0 for k, w in enumerate(row) if k > q or (window and q - k >= window))
+    # RoPE on this layer's own table, from the q/k the layer rotates (Gemma 3: q_norm, k_norm)
+    assert (rope["rope_table"], rope["theta"]) == (table, theta)
+    assert rope["check_q_rope_max_abs_diff"] == 0 and rope["check_k_rope_max_abs_diff"] == 0
+    assert att["check_scores_max_abs_diff"] <= 1e-5  # the layer's own scale (and soft-cap) reproduce its scores
+    assert _section(events, "ffn")["check_act_max_abs_diff"] == 0 and _section(events, "ffn")["kind"] == "GeGLU"
+    norms = [e["norm"] for e in events if e.get("section") == "rmsnorm"]
+    assert norms == ["attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm"]
+    assert all(e["check_max_abs_diff"] == 0 for e in events if e.get("section") == "rmsnorm")
+    if window:
+        assert "╳" in stdout and f"only the last {window} keys" in stdout
+    else:
+        assert "╳" not in stdout and "a global layer" in stdout
+    code, shown, err = run_cli(capsys, "show", saved)  # the saved run draws the same view
+    assert code == 0, err
+    assert ("╳" in shown) == bool(window)

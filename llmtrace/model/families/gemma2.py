@@ -60,7 +60,7 @@ class GemmaRMSNorm(RMSNorm):
 
     def weights(self) -> tuple[Weight, ...]:
         return (Weight("weight", (self.axis,), self.step, "vector", (Source("weight", "weight", hf_add=1.0),),
-                       math="1+w"),)
+                       math="γ"),)
 
 
 class Gemma2Attention(Attention):
