@@ -118,7 +118,7 @@ def test_keep_quantized_names_an_unusable_type(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf.quants, "dequantize", lambda d, t: np.zeros((256, 256)) if t.name == "Q8_K" else real_dq(d, t))
     path = tmp_path / "q8k.gguf"
     write_gguf(path, hf, plan=lambda name, a: "Q8_K" if name == "blk.0.ffn_down.weight" else None)
-    with pytest.raises(LlmtraceError, match=r"--keep-quantized cannot keep tensor blk\.0\.ffn_down\.weight of type Q8_K"):
+    with pytest.raises(LlmtraceError, match=r"keep_quantized cannot keep tensor blk\.0\.ffn_down\.weight of type Q8_K"):
         load_model(str(path), device="cpu", keep_quantized=True)
 
 

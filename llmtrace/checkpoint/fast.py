@@ -32,7 +32,7 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     blocks, vectors in bfloat16. config.extra["fast"] records the kernel choice and the matrices that run in bf16."""
     from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
     from llmtrace.checkpoint.weights import build_model, read_weights
-    from llmtrace.errors import LlmtraceError
+    from llmtrace.errors import FieldError
 
     where = str(path)
     config, plan, tokenizer, facts = open_gguf_checkpoint(path)
@@ -41,8 +41,8 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     for parts in matrices.values():
         for p in parts:
             if p.kind not in BLOCKS:
-                raise LlmtraceError(f"{where}: --fast cannot run tensor {p.key} of type {p.kind} (it runs "
-                                    f"{', '.join(BLOCKS)}); leave out --fast to dequantize the file once")
+                raise FieldError("fast", f" cannot run tensor {p.key} of type {p.kind} (it runs {', '.join(BLOCKS)}); "
+                                 f"leave out fast to dequantize the file once", also=("fast",), before=f"{where}: ")
     sd = read_weights({n: ps for n, ps in plan.items() if n not in matrices}, COMPUTE, device)
     modules: dict[str, nn.Module] = {}
     for name, parts in matrices.items():

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
 from llmtrace.checkpoint.weights import build_model, read_weights
-from llmtrace.errors import LlmtraceError
+from llmtrace.errors import FieldError
 from llmtrace.model.quant import BLOCKS, QuantEmbedding, QuantLinear, Segment
 from llmtrace.model.transformer import ModelConfig, Transformer
 from llmtrace.tokens.tokenizer import TextTokenizer
@@ -22,8 +22,9 @@ def open_gguf_blocks(path) -> tuple[ModelConfig, dict[str, list], TextTokenizer]
     for parts in plan.values():
         for p in parts:
             if len(p.shape) >= 2 and p.kind not in BLOCKS:
-                raise LlmtraceError(f"{path}: --keep-quantized cannot keep tensor {p.key} of type {p.kind} (it keeps "
-                                    f"{', '.join(BLOCKS)}); leave out --keep-quantized to dequantize the file once")
+                raise FieldError("keep_quantized", f" cannot keep tensor {p.key} of type {p.kind} (it keeps "
+                                 f"{', '.join(BLOCKS)}); leave out keep_quantized to dequantize the file once",
+                                 also=("keep_quantized",), before=f"{path}: ")
     return config, plan, tokenizer
 
 

@@ -10,7 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.model.llama_points import LOGITS, RESID_MID, RESID_POST
-from llmtrace.render.generate import fmt_num, print_fitted, visible
+from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
+from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
 
 
@@ -34,10 +35,6 @@ def _note(console: Console, text: str) -> None:
 def _tok(text: str, width: int = 12) -> str:
     v = visible(text)
     return v if len(v) <= width else v[: width - 1] + "…"
-
-
-def _shape(s) -> str:
-    return "[" + ", ".join(str(d) for d in s) + "]"
 
 
 def _si(n: float) -> str:
@@ -127,7 +124,7 @@ def render_explain(events: list[dict], console: Console) -> None:
     _ffn(console, by["ffn"], toks)
     _kv(console, by["kv_cache"])
     _lens_here(console, lens_rows, by["model"])
-    _tensors(console, tensors)
+    _tensors(console, tensors, trace_points(events))
 
 
 def _batch_masks(console: Console, events: list[dict], most: int = 24) -> None:
@@ -196,7 +193,7 @@ def _layer(console: Console, ev: dict) -> None:
     _title(console, f"① s6  where the layer sits: layer {n} is decoder layer {n + 1} of {ev['n_layers']}")
     t = _table(("step", "left"), ("weight", "left"), ("shape (x @ W)", "left"), ("parameters", "right"), ("of layer", "right"))
     for p in ev["params"]:
-        t.add_row(p["seed_step"], p["name"], _shape(p["shape"]), f"{p['numel']:,}", f"{p['numel'] / ev['layer_params']:.1%}")
+        t.add_row(p["seed_step"], p["name"], shape_text(p["shape"]), f"{p['numel']:,}", f"{p['numel'] / ev['layer_params']:.1%}")
     t.add_row("", Text("layer total", style="bold"), "", Text(f"{ev['layer_params']:,}", style="bold"), "100%")
     print_fitted(console, t)
     _note(console, f"= {ev['share']:.2%} of the model's {ev['model_params']:,} parameters "
@@ -253,8 +250,8 @@ def _qkv(console: Console, ev: dict) -> None:
     _title(console, f"③ s6.1–s6.2  Q, K, V and the head split: H = {H} query heads, Hkv = {Hkv}, Dh = {Dh}")
     t = _table(("projection", "left"), ("shape", "left"), ("split into heads", "left"), ("heads first", "left"))
     for s in ev["shapes"]:
-        t.add_row(s["name"], _shape(s["shape"]), _shape(s["split"]) if "split" in s else "",
-                  _shape(s["heads_first"]) if "heads_first" in s else "")
+        t.add_row(s["name"], shape_text(s["shape"]), shape_text(s["split"]) if "split" in s else "",
+                  shape_text(s["heads_first"]) if "heads_first" in s else "")
     print_fitted(console, t)
     if Hkv < H:
         console.print(Text(f"grouped-query attention (GQA): {ev['group_size']} query heads share each KV head", style="bold"))
@@ -317,7 +314,7 @@ def _matrix_table(title: str, rows: list[list], masked: Optional[list[list]] = N
 
 def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: list[str]) -> None:
     H, T, _ = ev["shape"]
-    _title(console, f"⑤ s6.4–s6.5  attention: scores {_shape(ev['shape'])} → causal mask → softmax → P·V")
+    _title(console, f"⑤ s6.4–s6.5  attention: scores {shape_text(ev['shape'])} → causal mask → softmax → P·V")
     window = ev.get("window")
     which = f"every key after its query, and every key {window} or more back" if window else "every key after its query"
     _note(console, f"{ev['formula']}; the mask sets {ev['masked']:,} entries ({which}) to −∞")
@@ -411,7 +408,7 @@ def _residual(console: Console, ev: dict, toks: list[str]) -> None:
 
 
 def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
-    chain = " → ".join(f"{s['name']} {_shape(s['shape'])}" for s in ev["shapes"])
+    chain = " → ".join(f"{s['name']} {shape_text(s['shape'])}" for s in ev["shapes"])
     _title(console, f"⑦ s6.7  {ev.get('kind', 'SwiGLU')} feed-forward, D → F → D")
     fn = ev.get("activation", "silu")
     _note(console, ev["formula"])
@@ -442,7 +439,7 @@ def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
 def _kv(console: Console, ev: dict) -> None:
     lo, hi = ev["positions"]
     _title(console, f"⑧ s6.8  KV cache write: this layer stores K and V for positions {lo}..{hi}")
-    console.print(f"K {_shape(ev['shape_k'])} and V {_shape(ev['shape_v'])} × {ev['element_size']} B = "
+    console.print(f"K {shape_text(ev['shape_k'])} and V {shape_text(ev['shape_v'])} × {ev['element_size']} B = "
                   f"{ev['bytes']:,} B ({ev['bytes_per_position']:,} B per position); every layer together: "
                   f"{human_bytes(ev['all_layers_bytes'])}")
     _note(console, f"with one KV head per query head this layer would write {ev['mha_bytes']:,} B; later decode steps "
@@ -467,7 +464,7 @@ def _lens_here(console: Console, rows: list[dict], m: dict) -> None:
     print_fitted(console, t)
 
 
-def _tensors(console: Console, tensors: list[dict]) -> None:
+def _tensors(console: Console, tensors: list[dict], points) -> None:
     if not tensors:
         return
     _title(console, f"every observed point of layer {tensors[0]['layer']} (the tensor events of --json)")
@@ -475,7 +472,8 @@ def _tensors(console: Console, tensors: list[dict]) -> None:
                ("min", "right"), ("max", "right"), ("‖x‖", "right"))
     for ev in tensors:
         s = ev["stats"]
-        t.add_row(ev.get("seed_step") or "", ev["name"], _shape(ev["shape"]), fmt_num(s["mean"]), fmt_num(s["std"]),
+        t.add_row(ev.get("seed_step") or "", ev["name"], shape_text(ev["shape"], axes_for(points, ev["name"], ev["shape"])),
+                  fmt_num(s["mean"]), fmt_num(s["std"]),
                   fmt_num(s["min"]), fmt_num(s["max"]), fmt_num(s["norm"]))
     print_fitted(console, t)
 

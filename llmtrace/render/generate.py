@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from llmtrace.model.points import AXES
 from llmtrace.model.llama_points import DOWN, KV_WRITE, LOGITS, O_PROJ, PROBS, RESID_MID, RESID_POST, SCORES
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
@@ -74,8 +75,17 @@ def fmt_short(x) -> str:
     return f"{x:.4g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.3e}"
 
 
-def _shape(s) -> str:
+def shape_text(s, axes=None) -> str:
+    """[9, 9, 64], or with the axes the model declares for it, [T=9, H=9, Dh=64]."""
+    if axes and len(axes) == len(s):
+        return "[" + ", ".join(f"{a}={d}" for a, d in zip(axes, s)) + "]"
     return "[" + ", ".join(str(d) for d in s) + "]"
+
+
+def axes_for(points, name: str, shape) -> Optional[list]:
+    """The axes the model declares for a point, where they describe this shape (model.points.Point.axes)."""
+    p = points.get(name)
+    return list(p.axes) if p is not None and len(p.axes) == len(shape) else None
 
 
 def storage_parts(rows: list[dict]) -> list[str]:
@@ -580,7 +590,8 @@ class TerminalRenderer:
         rows = []
         for p in sorted(ev["points"], key=lambda p: order.get(p["name"], 99)):
             where = "model" if p["layer"] is None else "layer ℓ"
-            shape = _shape(p["shape"]) if p["name"] != KV_WRITE.name else f"positions 0..{p['shape'][0] - 1}"
+            shape = shape_text(p["shape"], p.get("axes")) if p["name"] != KV_WRITE.name else \
+                f"positions 0..{p['shape'][0] - 1}"
             step = p.get("seed_step") or ""
             if step == "s6.3":  # RoPE: s5's position, applied inside attention
                 step += " (s5)"
@@ -589,6 +600,9 @@ class TerminalRenderer:
         print_table(self.console, [Column("step"), Column("where"), Column("point"), Column("shape"),
                                    Column("dtype", drop=1)], rows)
         note = Text(style="dim")
+        used = dict.fromkeys(a for p in ev["points"] for a in p.get("axes") or ())
+        if used:
+            note.append("axes: " + " · ".join(f"{a} {AXES[a]}" for a in used if a in AXES) + "\n")
         note.append("s5 position: no position table is added to the embedding; RoPE rotates q and k inside attention "
                     f"(s6.3, {rope}), in every layer.\n")
         note.append("s8 before s7: the model normalizes every position, then takes the last one. RMSNorm works on each "
@@ -623,7 +637,8 @@ class TerminalRenderer:
         out = []
         for r in rows:
             st = r["stats"]
-            out.append(["—" if r["layer"] is None else str(r["layer"]), r["name"], _shape(r["shape"]), fmt_num(st["mean"]),
+            out.append(["—" if r["layer"] is None else str(r["layer"]), r["name"],
+                        shape_text(r["shape"], axes_for(self._points, r["name"], r["shape"])), fmt_num(st["mean"]),
                         fmt_num(st["std"]), fmt_num(st["min"]), fmt_num(st["max"]), fmt_num(st["norm"])])
         print_table(self.console, cols, out)
 
@@ -695,7 +710,7 @@ class TerminalRenderer:
         where = "" if r["layer"] is None else f"layer {r['layer']} "
         head = ", ".join(fmt_short(x) for x in flat)
         more = ", …" if n > len(flat) else ""
-        print_parts(self.console, [f"dump {where}{r['name']} {_shape(r['shape'])} step {r['step']}: [{head}{more}]",
+        print_parts(self.console, [f"dump {where}{r['name']} {shape_text(r['shape'])} step {r['step']}: [{head}{more}]",
                                    f"all {plural(n, 'value')} are in --json/--jsonl"], style="dim")
 
     # -- generation steps ------------------------------------------------------------------------------------------

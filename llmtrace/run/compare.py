@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from llmtrace.errors import LlmtraceError, UsageError
+from llmtrace.errors import BadValue, FieldError, LlmtraceError, UsageError
 from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
 from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
 from llmtrace.units import plural
@@ -159,14 +159,14 @@ def read_config(spec: Optional[str]):
 def check_ids(tok_a, tok_b, ids_a: list[int], ids_b: list[int], ids_from: Optional[str]) -> list[int]:
     """The ids both sides read: the prompt's ids when both tokenizers agree, A's with ids_from="a", else an error."""
     if ids_from not in (None, "a"):
-        raise UsageError(f"--ids-from takes a (A's ids for both sides), not {ids_from!r}")
+        raise BadValue("ids_from", f" takes a (A's ids for both sides), not {ids_from!r}")
     if ids_a == ids_b or ids_from == "a":
         return ids_a
     i = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
     what = (f"at position {i} A has {_id_text(tok_a, ids_a, i)} and B {_id_text(tok_b, ids_b, i)}"
             if i < min(len(ids_a), len(ids_b)) else f"A gives {len(ids_a)} tokens and B {len(ids_b)}")
-    raise LlmtraceError(f"the two tokenizers give different ids for the prompt ({what}); --ids-from a feeds A's ids "
-                        f"to both sides")
+    raise FieldError("ids_from", " a feeds A's ids to both sides", before=f"the two tokenizers give different ids for "
+                     f"the prompt ({what}); ")
 
 
 def _id_text(tok, ids: list[int], i: int) -> str:
@@ -493,14 +493,14 @@ def _check_arguments(side_a: Optional[Side], side_b: Optional[Side], ivs_b: list
                      tolerance: float, ids_from: Optional[str]) -> None:
     """Every value that needs no model, before anything is read."""
     if not tolerance > 0:
-        raise UsageError(f"--tolerance must be > 0, not {tolerance}")
+        raise BadValue("tolerance", f" must be > 0, not {tolerance}")
     if max_new_tokens < 0:
-        raise UsageError("--max-new-tokens must be ≥ 0")
+        raise BadValue("max_new_tokens", " must be ≥ 0")
     if ids_from not in (None, "a"):
-        raise UsageError(f"--ids-from takes a (A's ids for both sides), not {ids_from!r}")
+        raise BadValue("ids_from", f" takes a (A's ids for both sides), not {ids_from!r}")
     if side_a is not None and side_a.interventions:
-        raise UsageError("compare applies interventions to side B only (--b-ablate, --b-patch, ...): side A is the "
-                         "reference the intervention is measured against")
+        raise UsageError("compare applies interventions to side B only: side A is the reference the intervention is "
+                         "measured against")
     if max_new_tokens and any(getattr(iv, "mean", False) for iv in ivs_b):
         raise UsageError("a mean ablation takes its mean over the prompt's pass; compare reads the prompt and A's "
                          "tokens in one pass, so compare it over the prompt only (-n 0)")
@@ -550,8 +550,8 @@ def _load_sides(a: tuple, b: tuple, ivs_b: list, all_ids: list[list[int]], max_n
     limit = min(lm_a.config.max_seq_len, lm_b.config.max_seq_len)
     longest = max(len(ids) for ids in all_ids)
     if longest + max_new_tokens > limit:
-        raise UsageError(f"the prompt's {plural(longest, 'token')} + --max-new-tokens {max_new_tokens} exceed the "
-                         f"context window of {limit} tokens")
+        raise BadValue("max_new_tokens", f" {max_new_tokens} exceed the context window of {limit} tokens",
+                       before=f"the prompt's {plural(longest, 'token')} + ")
     return lm_a, lm_b
 
 

@@ -154,7 +154,8 @@ def _tensor_sums(ta, tb, n_prompt: int, max_step: int, points) -> tuple[dict, tu
     common = sorted((parse_tensor_name(k) for k in ta if k in tb and parse_tensor_name(k)[0] <= max_step),
                     key=lambda t: _forward(t, points))
     if not common:
-        raise LlmtraceError("the two runs' tensors have no point in common (compare their --trace and --layers)")
+        raise LlmtraceError("the two runs' tensors have no point in common (compare the trace levels and layers they "
+                            "recorded)")
     acc: dict = {}
     compared = compared_points(points)
     logits_a, logits_b, logit_pos = [], [], []
@@ -301,7 +302,8 @@ def _what_traces_hold(ev_a, ev_b, tolerance, gen_a, gen_b, same_gen, declared) -
     stats_b = {(e["step"], e["layer"], e["name"]): e["stats"] for e in ev_b if e["event"] == "tensor" and "row" not in e}
     common = [k for k in stats_a if k in stats_b]
     if (stats_a or stats_b) and not common:
-        raise LlmtraceError("the traces have no recorded point in common (compare their --trace and --layers)")
+        raise LlmtraceError("the traces have no recorded point in common (compare the trace levels and layers they "
+                            "recorded)")
     common.sort(key=lambda k: _forward(k, declared))
     points, first, before = [], None, 0.0  # before: the largest norm difference before the first over the tolerance
     for k in common:

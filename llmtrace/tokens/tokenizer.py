@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from tokenizers import AddedToken, Tokenizer
 
-from llmtrace.errors import LlmtraceError, UsageError, one_line
+from llmtrace.errors import FieldError, LlmtraceError, UsageError, one_line
 from llmtrace.tokens.chat_template import gguf_chat_template, raise_exception, TemplateRaised, tojson
 from llmtrace.tokens.token_facts import CharPart, TokenInfo, char_parts_of, locate, piece_bytes, visible_text
 from llmtrace.tokens.vocab import (BYTE_FALLBACK, DAMAGED, BYTE_TO_CHAR, NORMAL, USER_DEFINED, byte_level_bpe,
@@ -432,7 +432,8 @@ class TextTokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.chat_template:
-            raise LlmtraceError("this model has no chat template; tokenize the text without --chat")
+            raise FieldError("chat", " needs a chat template, and this model has none; tokenize the text without it",
+                             before="")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
