@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.model.llama_points import LOGITS, RESID_MID, RESID_POST
+from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, LOGITS, RESID_MID, RESID_POST
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
@@ -214,7 +214,7 @@ def _layer(console: Console, ev: dict) -> None:
 
 def _rmsnorm(console: Console, evs: list[dict], toks: list[str]) -> None:
     a = evs[0]
-    if len(evs) == 2 and [e["norm"] for e in evs] == ["attn_norm", "ffn_norm"]:
+    if len(evs) == 2 and [e["norm"] for e in evs] == [ATTN_NORM.name, FFN_NORM.name]:
         title = "(before attention, before the FFN)"
     else:
         title = "(" + ", ".join(f"{e['norm']} {e['seed_step']}" for e in evs) + ")"

@@ -650,7 +650,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
         yield rmsnorm_section(cap, lm.model, lm.points.get(name))
     yield qkv_section(cap, c)
     yield rope_section(cap, c, head if head is not None else 0)
-    yield from attention_sections(cap, c, head, attn=lm.model.layers[layer].attn)
+    yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer))
     yield residual_section(cap)
     yield ffn_section(cap, c)
     yield kv_section(cap, c)
