@@ -294,3 +294,54 @@ def test_explain_draws_the_band_or_says_global(families, capsys, tmp_path, name,
     code, shown, err = run_cli(capsys, "show", saved)  # the saved run draws the same view
     assert code == 0, err
     assert ("╳" in shown) == bool(window)
+
+
+def test_a_gemma3_gguf_with_a_soft_cap_is_refused_by_key():
+    """The converter writes final_logit_softcapping when a Gemma 3 config sets it; Gemma 3's points have no cap."""
+    from llmtrace.errors import LlmtraceError
+    from llmtrace.model.families.gemma3 import gguf_config
+
+    meta = {"block_count": 6, "embedding_length": 64, "attention.head_count": 4, "attention.key_length": 16,
+            "final_logit_softcapping": 30.0}
+    with pytest.raises(LlmtraceError, match="gemma3.final_logit_softcapping 30.0 is not supported"):
+        gguf_config(lambda key, default=None: meta.get(key, default))
+    del meta["final_logit_softcapping"]
+    got = gguf_config(lambda key, default=None: meta.get(key, default))
+    assert got["attn_scale"] == 16 ** -0.5 and got["rope_local_theta"] == 10_000.0 and "sliding_window" not in got
+    meta["block_count"], meta["attention.sliding_window"] = 62, 1024  # the 27B model: 1/sqrt(D/H), llama.cpp's rule
+    got = gguf_config(lambda key, default=None: meta.get(key, default))
+    assert got["attn_scale"] == 16 ** -0.5 and got["layer_types"][:6] == ["sliding"] * 5 + ["full"]
+
+
+@torch.no_grad()
+def test_gemma3_linear_rope_scaling_on_the_global_layers(tmp_path):
+    """Gemma 3 4B-27B scale the global layers' RoPE linearly (factor 8) and leave the local ones: as transformers."""
+    from families import make_model, write_hf_dir
+
+    from llmtrace.checkpoint.load import load_model
+
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    family = replace(FAMILIES["gemma3"], config={**FAMILIES["gemma3"].config, "rope_parameters": rope})
+    model = make_model(family)
+    write_hf_dir(tmp_path, family, model)
+    lm = load_model(str(tmp_path), device="cpu", dtype="float32")
+    assert lm.config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    ours, theirs = lm.model(prompt_ids())[0], model(prompt_ids()).logits[0]
+    assert float((ours - theirs).abs().max()) <= TOL
+    unscaled = make_model(FAMILIES["gemma3"])  # the same weights (same seed), no scaling: another model
+    assert float((unscaled(prompt_ids()).logits[0] - theirs).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("name", GEMMAS)
+def test_a_padded_batch_row_runs_as_its_prompt_alone(loaded, name):
+    """Left padding and the window together: the short row's keys are counted in slots, its pads never attended."""
+    import llmtrace.api as api
+
+    model = api.Model(loaded(name, "hf"))
+    prompts = [PROMPT, "Hi there"]
+    batch = model.generate(prompts, max_new_tokens=6, temperature=0, ignore_eos=True, trace="none")
+    rows = {r["row"]: r["tokens"] for r in batch.events[-1]["rows"]}
+    for r, prompt in enumerate(prompts):
+        alone = model.generate(prompt, max_new_tokens=6, temperature=0, ignore_eos=True, trace="none")
+        assert rows[r] == alone.tokens, prompt
