@@ -3,6 +3,9 @@
     python docs/screenshot.py report.html docs/report.png [SECTION]   one page, scrolled to a section (default: steps)
     python docs/screenshot.py --all [-m MODEL] [--out docs]           every page: runs llmtrace to make the pages of
                                                                       the README's examples, then shoots each one
+    python docs/screenshot.py --serve [-m MODEL] [--out docs]         the live page: starts `llmtrace serve`, runs,
+                                                                      re-samples step 0 at temperature 1.5, clicks a
+                                                                      head of the heatmap, shoots the page
 
 Opens each page in Debian's chromium (through playwright), offline, and saves 1100 × 900 pixels from the section's
 top. --all takes a few minutes on a CPU (it runs generate, explain, lens, compare and patch on the default model).
@@ -10,6 +13,7 @@ The Chinese page needs a CJK font in the system for its picture (Debian: apt-get
 page itself loads no font.
 """
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -67,12 +71,43 @@ def make_all(model: list[str], out: Path) -> None:
         browser.close()
 
 
+def make_serve(model: list[str], out: Path) -> None:
+    """The live page after Run, Re-sample this step and a click on a head: serve.png."""
+    proc = subprocess.Popen([sys.executable, "-m", "llmtrace", "serve", *model, "--port", "0", "--no-browser"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        url = None
+        while url is None and proc.poll() is None:
+            found = re.search(r"(http://\S+/\?token=\S+)", proc.stdout.readline())
+            url = found.group(1) if found else None
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
+            page = browser.new_page(viewport={"width": 1100, "height": 1500})
+            page.goto(url)
+            page.get_by_role("button", name="Run").click()
+            page.locator("#status", has_text="done").wait_for(timeout=600_000)
+            frame = page.frame_locator("#page")
+            frame.locator("#whatif").wait_for(timeout=60_000)
+            page.fill("#temperature", "1.5")
+            page.get_by_role("button", name="Re-sample this step").click()
+            page.locator("#resample .side.again table").wait_for(timeout=60_000)
+            frame.locator("button.thumb[data-layer='0'][data-hi='3']").click()
+            page.locator("#compare-page").wait_for(timeout=600_000)
+            page.evaluate("window.scrollTo(0, 0)")
+            page.screenshot(path=str(out / "serve.png"))
+            browser.close()
+        print(f"wrote {out / 'serve.png'}", file=sys.stderr)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def main(argv: list[str]) -> None:
-    if argv and argv[0] == "--all":
+    if argv and argv[0] in ("--all", "--serve"):
         rest = argv[1:]
         model = rest[rest.index("-m"):rest.index("-m") + 2] if "-m" in rest else []
         out = Path(rest[rest.index("--out") + 1]) if "--out" in rest else Path(__file__).parent
-        make_all(model, out)
+        (make_all if argv[0] == "--all" else make_serve)(model, out)
         return
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)

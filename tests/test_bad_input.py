@@ -322,7 +322,7 @@ def test_prompt_longer_than_the_context_window(capsys, with_smollm):
     n = len(with_smollm.tokenizer.encode(text))
     assert n > with_smollm.config.max_seq_len
     fails(capsys, 1, "generate", text, "-n", "1",
-          says=(f"{n} tokens", f"context window of {with_smollm.name} is {with_smollm.config.max_seq_len} tokens",
+          says=(f"{n:,} tokens", f"context window of {with_smollm.name} is {with_smollm.config.max_seq_len:,} tokens",
                 "shorten the prompt"))
 
 

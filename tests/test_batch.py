@@ -311,7 +311,8 @@ def test_a_short_rows_page_says_its_padding_at_s3(batch_run, tmp_path):
     assert (f"causal + padding: this row is {slots - 1} pad slots then 1 token, {slots} slots like every row of the "
             f"batch (the shapes below are the padded ones)") in s3
     one = build(json.loads(json.dumps([e for e in events if e.get("row", 0) == 0 and e["event"] != "batch"])))
-    assert "padding" not in one.split('data-stage="s3"')[1].split("</button>")[0]
+    detail = one.split('data-stage="s3"')[1].split("</button>")[0].split('class="detail">')[1]  # the step's own line
+    assert "padding" not in detail and "pad slots" not in detail
 
 
 def test_report_row_option_draws_the_chosen_row(batch_run, tmp_path, capsys):

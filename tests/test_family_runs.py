@@ -101,3 +101,14 @@ def test_qwen3s_norms_are_points_of_the_trace(families):
     assert q_norm["seed_step"] == "s6.2" and q_norm["axes"] == ["T", "H", "Dh"] and len(q_norm["shape"]) == 3
     declared = next(e for e in run.events if e["event"] == "run")["points"]
     assert any(p["name"] == "k_norm" and p["where"] == "attn" for p in declared)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "olmo2", "phi3_longrope"])
+def test_explains_rope_check_rotates_what_the_family_rotates(families, name):
+    """explain reproduces q_rope and k_rope from the point RoPE turns, following the declared inputs: q for Llama,
+    the per-head q_norm for Qwen3, the whole-width q_norm (reshaped into heads) for OLMo 2, partial for Phi-3."""
+    import llmtrace
+
+    trace = llmtrace.load(str(families.hf_dir(name)), device="cpu").explain("The quick brown fox", layer=1)
+    rope = next(e for e in trace.events if e.get("section") == "rope")
+    assert rope["check_q_rope_max_abs_diff"] <= 1e-5 and rope["check_k_rope_max_abs_diff"] <= 1e-5

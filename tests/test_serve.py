@@ -198,6 +198,139 @@ def test_the_page_of_a_run_is_the_report(tiny):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# compare over the API: one model under two settings, as `compare --jsonl` writes it
+
+
+def test_compare_over_the_api_is_the_clis_jsonl(tiny, tiny_dir, tmp_path):
+    with client(tiny) as c:
+        r = c.post("/api/compare", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 2, "b_ablate": ["1.h0"]})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
+        got = events_of(r)
+        run_id = next(e["id"] for e in lines(r) if e["event"] == "run_id")
+        page = c.get(f"/api/page?run={run_id}", headers=AUTH)
+        assert page.status_code == 200 and "attn_out" in page.text  # the comparison page of that run
+    out = tmp_path / "cmp.jsonl"
+    cli = subprocess.run([sys.executable, "-m", "llmtrace", "compare", PROMPT, "-m", str(tiny_dir), "--b-ablate",
+                          "1.h0", "-n", "2", "--threads", "1", "--jsonl", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    want = [json.loads(x) for x in out.read_text().splitlines()]
+    assert got == want  # the same events, number for number (two runs of one loaded model: A plain, B ablated)
+    head = got[0]
+    assert (head["first_divergence"]["layer"], head["first_divergence"]["point"]) == (1, "attn_out")
+    added = [e["added_rel_err"] for e in got if e["event"] == "compare_layer"]
+    assert added[0] == 0 and added[1] > 1e-3  # the ablated head adds error at its layer, none before it
+    assert str(tiny_dir) not in r.text  # the model by its name, never its path
+
+
+def test_compare_over_the_api_checks_as_the_cli_does(tiny, tiny_dir):
+    with client(tiny, Limits(max_new_tokens=4)) as c:
+        bad = [({"prompt": PROMPT}, "must change side B"),
+               ({"prompt": PROMPT, "b_model": str(tiny_dir)}, "path"),
+               ({"prompt": PROMPT, "b_model": "smollm2-135m-instruct"}, "not served here"),
+               ({"prompt": PROMPT, "b_ablate": ["1.h0"], "max_new_tokens": 5}, "max_new_tokens"),
+               ({"prompt": PROMPT, "b_ablate": "1.h0"}, "b_ablate"),
+               ({"prompt": PROMPT, "b_ablate": ["1.h0"], "tolerance": 0}, "tolerance"),
+               ({"prompt": PROMPT, "b_ablate": ["1.h0"], "system": "be brief"}, "chat"),
+               ({"prompt": PROMPT, "b_ablate": ["1.h0"], "dtype": "bfloat16"}, "dtype"),
+               ({"prompt": "", "b_ablate": ["1.h0"]}, "prompt"),
+               ({"prompt": PROMPT, "b_ablate": ["7.h0"]}, "layer")]
+        for body, says in bad:
+            r = c.post("/api/compare", headers=AUTH, json=body)
+            if r.status_code == 200:  # a check that needs the model: an error line in the stream
+                err = [e for e in lines(r) if e["event"] == "error"]
+                assert err and says in err[0]["error"], (body, r.text)
+            else:
+                assert r.status_code == 400 and says in r.json()["error"], (body, r.text)
+        assert c.post("/api/compare", json={"prompt": PROMPT, "b_ablate": ["1.h0"]}).status_code == 401
+        r = c.post("/api/compare", headers=AUTH, json={"prompt": PROMPT, "b_model": "tiny"})  # itself: no difference
+        head = events_of(r)[0]
+        assert head["first_divergence"] is None and head["kld_max"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# re-sampling one step: the run's own sampler on the logits that step produced
+
+
+def hf_logits(tiny_dir, ids: list[int]):
+    """The last position's logits from transformers (the reference, independent of llmtrace's forward pass)."""
+    import torch
+    import transformers
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].double()
+
+
+def run_steps(c, **options) -> tuple[str, list[dict], list[int]]:
+    r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "ignore_eos": True, **options})
+    evs = lines(r)
+    prompt_ids = [t["id"] for e in evs if e["event"] == "tokens" for t in e["tokens"]]
+    return next(e["id"] for e in evs if e["event"] == "run_id"), [e for e in evs if e["event"] == "step"], prompt_ids
+
+
+def test_resample_at_the_runs_own_settings_is_the_runs_own_step(tiny):
+    with client(tiny) as c:
+        run_id, steps, _ = run_steps(c, max_new_tokens=5, temperature=0.9, top_k=40, top_p=0.95, seed=11)
+        assert len(steps) == 5
+        own = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "min_p": 0}
+        for step in steps:
+            for given in ({}, own):  # the run's settings, left out or given again
+                r = c.post("/api/resample", headers=AUTH, json={"run": run_id, "step": step["step"], **given})
+                assert r.status_code == 200, r.text
+                a = r.json()
+                assert a["draw"] == "the run's" and a["sampling"]["seed"] == 11
+                want = {k: v for k, v in step.items() if k not in ("ms", "logits")}
+                assert {k: v for k, v in a["step"].items() if k != "ms"} == want  # token, top-k, ledger, draw
+        fresh = c.post("/api/resample", headers=AUTH, json={"run": run_id, "step": 2, "seed": 5}).json()
+        assert fresh["draw"] == "fresh" and fresh["step"]["rng"]["draw"] != steps[2]["rng"]["draw"]
+
+
+def test_resample_at_temperature_2_is_softmax_of_logits_over_2(tiny, tiny_dir):
+    import torch
+
+    with client(tiny) as c:
+        run_id, steps, prompt_ids = run_steps(c, max_new_tokens=3)  # greedy
+        k = 2
+        r = c.post("/api/resample", headers=AUTH, json={"run": run_id, "step": k, "temperature": 2})
+        a = r.json()
+    z = hf_logits(tiny_dir, prompt_ids + [s["token"]["id"] for s in steps[:k]])
+    probs = torch.softmax(z / 2, dim=-1)
+    top = a["survivors"][0]
+    assert top["id"] == int(probs.argmax())
+    assert top["prob"] == pytest.approx(float(probs.max()), abs=1e-4)  # computed here from transformers' logits
+    assert top["logit"] == pytest.approx(float(z.max()), abs=1e-4)  # the raw logit, not divided
+    ledger = {s["stage"]: s for s in a["step"]["sampler"]}
+    assert list(ledger) == ["input", "temperature"] and ledger["temperature"]["survivors"] == tiny.config.vocab_size
+    chosen = a["step"]["token"]["id"]
+    assert ledger["temperature"]["pick_prob"] == pytest.approx(float(probs[chosen]), abs=1e-4)
+    assert a["step"]["rng"]["greedy"] is False and 0 <= a["step"]["rng"]["draw"] < 1
+    assert a["step"]["topk"] == steps[k]["topk"]  # the raw candidates: the same logits
+
+
+def test_resample_checks_and_its_memory_bound(tiny):
+    per_step = tiny.config.vocab_size * 4 + 5056  # a step's float32 logits and the generator's state
+    with client(tiny, Limits(max_new_tokens=16, kept_logits_bytes=3 * per_step)) as c:
+        first, _, _ = run_steps(c, max_new_tokens=5)
+        ok = c.post("/api/resample", headers=AUTH, json={"run": first, "step": 2, "temperature": 1})
+        assert ok.status_code == 200
+        r = c.post("/api/resample", headers=AUTH, json={"run": first, "step": 3})
+        assert r.status_code == 400 and "not kept" in r.json()["error"]  # past the bound: said, not guessed
+        bad = [({"run": first, "step": 1, "temperature": -1}, "temperature"),
+               ({"run": first, "step": 9}, "not a step"), ({"run": first, "step": "1"}, "step"),
+               ({"run": first, "step": 1, "prompt": "x"}, "prompt"), ({"step": 1}, "run"),
+               ({"run": first, "step": 1, "top_p": 0}, "top_p")]
+        for body, says in bad:
+            r = c.post("/api/resample", headers=AUTH, json=body)
+            assert r.status_code == 400 and says in r.json()["error"], (body, r.text)
+        assert c.post("/api/resample", headers=AUTH, json={"run": "nope", "step": 0}).status_code == 404
+        assert c.post("/api/resample", json={"run": first, "step": 0}).status_code == 401
+        second, _, _ = run_steps(c, max_new_tokens=2)  # its steps need the room: the older run's go
+        assert c.post("/api/resample", headers=AUTH, json={"run": first, "step": 0}).status_code == 404
+        assert c.post("/api/resample", headers=AUTH, json={"run": second, "step": 1}).status_code == 200
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # end to end: `llmtrace serve` in its own process, the page in Chromium
 
 
@@ -225,40 +358,83 @@ def server(tiny_dir):
             p.kill()
 
 
+def press(page, name: str) -> None:
+    """Click a button of the live page. (After a click inside the run's frame, chromium under playwright can send
+    the next click to the frame unless the page is scrolled to the button first.)"""
+    button = page.get_by_role("button", name=name)
+    button.scroll_into_view_if_needed()
+    button.click()
+
+
 def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser):
+    from playwright.sync_api import expect
+
     proc, url = server
     want = tiny.generate("The capital of France is", max_new_tokens=8, ignore_eos=True).text
     page = browser.new_page()
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    # each change of the live step table, as it happens: how many rows, and what the status said then
+    page.add_init_script("""window.seen = []; new MutationObserver(() => { const b = document.querySelector(
+        '#live-steps tbody'); if (b) window.seen.push([b.rows.length, document.querySelector('#status').textContent]);
+        }).observe(document, {childList: true, subtree: true, characterData: true});""")
     page.goto(url)
     assert "token=" not in page.url  # the token left the address bar
     assert page.locator("#model option").all_inner_texts() == ["tinyhf"]  # the model by its name, never its path
     page.get_by_label("Prompt").fill("The capital of France is")
+    page.get_by_label("new tokens").fill("8")
     page.get_by_role("button", name="Run").click()
     page.locator("#status", has_text="done").wait_for(timeout=120_000)  # (the page's CSP forbids eval'd waits)
     assert page.inner_text("#text") == want
     assert page.locator("#tokens .chip.gen").count() == 8
+    seen = page.evaluate("window.seen")
+    assert any(0 < n < 8 and "done" not in status for n, status in seen), seen  # tokens came before the run ended
+    rows = page.locator("#live-steps tbody tr")
+    assert rows.count() == 8 and "input 320" in rows.nth(0).inner_text()  # each step's top-k and sampler ledger
     frame = page.frame_locator("#page")
     frame.locator("#whatif").wait_for(timeout=60_000)
     assert frame.locator("#walk").count() == 1
-    frame.locator("button.thumb[data-layer='1'][data-hi='2']").click()  # a head of the heatmap: the one to ablate
-    from playwright.sync_api import expect
 
-    expect(page.locator("#ablate_layer")).to_have_value("1")  # (postMessage: asynchronous)
-    expect(page.locator("#ablate_head")).to_have_value("2")
+    # re-sample: the what-if slider's temperature, the step the page shows, the real sampler on the server
+    frame.locator("#step-next").click()
+    expect(page.locator("#step")).to_have_value("1")
     frame.locator("#wi-temperature").evaluate("e => { e.value = '1.5'; e.dispatchEvent(new Event('input')); }")
     expect(page.locator("#temperature")).to_have_value("1.5")  # the what-if sliders set what a re-sample runs with
-    page.get_by_role("button", name="Re-sample with these settings").click()
-    page.locator("#compare table").wait_for(timeout=120_000)
-    assert "Sampled again on the server" in page.inner_text("#compare")
-    page.get_by_role("button", name="Ablate this head and compare").click()
-    page.locator("#compare", has_text="ablated").wait_for(timeout=120_000)
-    assert "layer 1 head 2 ablated" in page.inner_text("#compare")
+    press(page, "Re-sample this step")
+    again = page.locator("#resample .side.again")
+    again.locator("table").wait_for(timeout=60_000)
+    assert "Step 1 sampled again on the server with temperature 1.5" in page.inner_text("#resample")
+    assert "temperature" in again.locator("table").inner_text() and "draw u = " in again.inner_text()
+    assert page.locator("#resample .side.own").count() == 1  # beside the run's own step
+
+    # a click on a head of the heatmap ablates it at once and compares the runs
+    frame.locator("button.thumb[data-layer='1'][data-hi='2']").click()
+    page.locator("#compare p.cmp", has_text="part").wait_for(timeout=120_000)
+    text = page.inner_text("#compare")
+    assert "With layer 1 head 2 ablated" in text and "the runs part at layer 1, attn_out" in text
+    expect(page.locator("#ablate_layer")).to_have_value("1")
+    expect(page.locator("#ablate_head")).to_have_value("2")
+    page.frame_locator("#compare-page").locator("body").wait_for(timeout=60_000)  # the comparison page
+    frame.locator(".thumbs .tl[data-layer='0']").click()  # a row's "layer 0": that layer's attention
+    page.locator("#compare p.cmp", has_text="part at layer 0").wait_for(timeout=120_000)
+    assert "With layer 0's attention ablated" in page.inner_text("#compare")
+    expect(page.locator("#ablate_part")).to_have_value("attn")
+    # from the keyboard: the fields and the button (a layer's FFN)
+    page.get_by_label("ablate: part").select_option("ffn")
+    page.get_by_label("ablate: layer").fill("0")
+    press(page, "Ablate and compare")
+    page.locator("#compare p.cmp", has_text="part at layer 0").wait_for(timeout=120_000)
+    assert "With layer 0's FFN ablated" in page.inner_text("#compare")
+
+    # the run can be stopped while it goes: a long run's first tokens, then Stop
+    page.get_by_label("new tokens").fill("256")
+    press(page, "Run")
+    rows.first.wait_for(timeout=120_000)
+    press(page, "Stop")
+    page.locator("#status", has_text="stopped").wait_for(timeout=60_000)
+    assert 0 < rows.count() < 256
     assert errors == []
     page.close()
     proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop
     assert proc.wait(30) == 0 or proc.returncode in (0, 130)
     assert "Traceback" not in proc.stderr.read()
-
-

@@ -12,6 +12,7 @@ import torch
 from llmtrace.errors import LlmtraceError, one_line
 from llmtrace.checkpoint.weights import CHUNK_BYTES, read_bytes
 from llmtrace.checkpoint.gguf_file import GGUFTensor, open_gguf
+from llmtrace.checkpoint.hf_checkpoint import family_fields
 from llmtrace.model.family import family_of_gguf, gguf_archs
 from llmtrace.model.transformer import ModelConfig
 
@@ -39,19 +40,25 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
     def meta(key, default=None):
         return gguf_field(reader, f"{arch}.{key}", default)
 
+    def tensor(name):  # a tensor that is config (Family.gguf_config_tensors), as a list of numbers; None if absent
+        t = names.get(name) if name in family.gguf_config_tensors else None
+        return None if t is None else _read_small(GGUFEntry.of(t, reader.path))
+
+    meta.tensor = tensor
+
     def need(key):
         v = meta(key)
         if v is None:
             raise LlmtraceError(f"{where}: GGUF metadata lacks {arch}.{key}")
         return v
 
+    names = {t.name: t for t in reader.tensors}
     d, h = int(need("embedding_length")), int(need("attention.head_count"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = meta("vocab_size") or (len(tokens.contents()) if tokens is not None else None)
     if vocab is None:
         raise LlmtraceError(f"{where}: GGUF metadata has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
     head_dim = meta("attention.key_length") or meta("rope.dimension_count") or d // h
-    names = {t.name: t for t in reader.tensors}
     fields = dict(
         arch=arch,
         family=family.name,
@@ -64,26 +71,30 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         vocab_size=int(vocab),
         max_seq_len=int(meta("context_length", 4096)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
-        rope_scaling=_gguf_rope_scaling(meta, reader, names.get("rope_freqs.weight"), where),
+        rope_scaling=None if family.reads_rope else _gguf_rope_scaling(meta, reader, names.get("rope_freqs.weight"),
+                                                                       where),
         rms_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in names,
         attn_bias="blk.0.attn_q.bias" in names,
     )
-    return ModelConfig(**(fields | family.gguf_config(meta)))
+    return ModelConfig(**(fields | family_fields(family.gguf_config, meta, where)))
 
 
 def _gguf_rope_scaling(meta, reader, freqs, where: str) -> Optional[dict]:
     if freqs is not None:  # llama3-style scaling stored as one divisor per frequency
-        e = GGUFEntry.of(freqs, reader.path)
-        factors = torch.empty(e.shape, dtype=torch.float32)
-        e.read_into(factors)
-        return {"rope_type": "freq_factors", "factors": factors.flatten().tolist()}
+        return {"rope_type": "freq_factors", "factors": _read_small(GGUFEntry.of(freqs, reader.path))}
     s_type = meta("rope.scaling.type")
     if s_type == "linear":
         return {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     if s_type not in (None, "none"):
         raise LlmtraceError(f"{where}: rope scaling {s_type!r} is not supported (linear and llama3 are)")
     return None
+
+
+def _read_small(e: "GGUFEntry") -> list[float]:
+    out = torch.empty(e.shape, dtype=torch.float32)
+    e.read_into(out)
+    return out.flatten().tolist()
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -95,10 +106,13 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def gguf_entries(reader, where: str) -> dict[str, "GGUFEntry"]:
-    """Every tensor of the GGUF file, not yet read, under its own name (rope_freqs, read into the config, left out)."""
+    """Every tensor of the GGUF file, not yet read, under its own name (rope_freqs and the family's
+    gguf_config_tensors, read into the config, left out)."""
+    family = family_of_gguf(gguf_field(reader, "general.architecture"))
+    config_tensors = {"rope_freqs.weight", *(family.gguf_config_tensors if family is not None else ())}
     out: dict[str, GGUFEntry] = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in config_tensors:
             continue
         if t.tensor_type.name not in GGUF_DEQUANTIZABLE:
             raise LlmtraceError(f"{where}: tensor {t.name} uses quantization {t.tensor_type.name}, which llmtrace cannot "
@@ -143,9 +157,9 @@ def open_gguf_checkpoint(path: Path) -> GGUFCheckpoint:
     config = config_from_gguf(reader, where)
     tokenizer = TextTokenizer.from_gguf(reader, where)
     plan = plan_weights(gguf_entries(reader, where), config, "gguf", where)
-    facts = {"format": "gguf", "file_type": gguf_field(reader, "general.file_type"),
-             "quantizations": sorted({t.tensor_type.name for t in reader.tensors}),
-             "gguf_name": gguf_field(reader, "general.name")}
+    facts = config.extra | {"format": "gguf", "file_type": gguf_field(reader, "general.file_type"),
+                            "quantizations": sorted({t.tensor_type.name for t in reader.tensors}),
+                            "gguf_name": gguf_field(reader, "general.name")}
     if config.sliding_window is None and "mistral" in str(facts["gguf_name"] or Path(path).name).lower():
         facts["window_note"] = ("no sliding window: llama.cpp's converter drops Mistral's (its HF config may have "
                                 "one, 4096 in Mistral 7B v0.1), so every layer sees the whole context, as llama.cpp "

@@ -31,6 +31,14 @@ def hf_family(cfg: dict, where: str) -> Family:
                         f"{', '.join(sorted(types))} ({', '.join(types.values())})")
 
 
+def family_fields(read, source, where: str) -> dict:
+    """A family's own config fields (Family.hf_config / gguf_config); what it refuses is said with the file's name."""
+    try:
+        return read(source)
+    except LlmtraceError as e:
+        raise LlmtraceError(f"{where}: {e}") from None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # HF directories: config.json + safetensors
 
@@ -73,10 +81,10 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
         d, h = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps theta and scaling together
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
+        kind_s = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+        if family.reads_rope or kind_s in (None, "default"):
+            scaling = None  # none, or the family's own to read (its hf_config sets rope_scaling)
         if scaling is not None:
-            kind_s = scaling.get("rope_type", scaling.get("type"))
             if kind_s not in ("linear", "llama3"):
                 raise LlmtraceError(f"{where}: rope_scaling type {kind_s!r} is not supported (linear and llama3 are)")
         n_layers = int(cfg["num_hidden_layers"])
@@ -99,7 +107,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             ffn_act=hf_activation(cfg, where),
             **hf_window(cfg, n_layers, where),
         )
-        return ModelConfig(**(fields | family.hf_config(cfg)))
+        return ModelConfig(**(fields | family_fields(family.hf_config, cfg, where)))
     except KeyError as e:
         raise LlmtraceError(f"{where}: config.json lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

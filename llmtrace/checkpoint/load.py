@@ -5,10 +5,12 @@
       -> plan (device, dtype, and whether the weights fit)
       -> build (read the weights tensor by tensor into the model)
 
-Each format maps onto one internal layout, the parameter names of model.transformer.Transformer: hf_checkpoint.py (an
-HF directory of safetensors), gguf_checkpoint.py (a GGUF file, read by gguf_file.py); key renames and the llama.cpp
-q/k row permutation are tables and small named transforms there, kept out of the model. weights.py reads tensors one
-by one and builds the model; conversion.py converts a GGUF once and caches the result as safetensors, so later loads
+The model says what it is made of: each module declares its parameters with the HF and GGUF tensors they are read
+from (model.transformer's `weights()`), and weights.plan_weights maps a file's tensors onto them, checking every shape
+before anything is read (q, k and v stacked into one matrix; llama.cpp's q/k row order undone for the archs the
+family says were permuted; Gemma's norms given their 1 + w). hf_checkpoint.py reads an HF directory's config (the
+family decides which: model.family), gguf_checkpoint.py a GGUF file's, both opened once (open_gguf_checkpoint is the
+one way every GGUF load starts). weights.py reads tensors one by one and builds the model; conversion.py converts a GGUF once and caches the result as safetensors, so later loads
 are plain reads; quantized.py keeps a GGUF's matrices in their blocks; devices.py chooses device, dtype and threads;
 placement.py checks what fits and spreads layers over devices.
 """
@@ -143,6 +145,6 @@ def open_checkpoint(resolved) -> Checkpoint:
     except json.JSONDecodeError as e:
         raise LlmtraceError(f"{cfg_path}: not valid JSON (line {e.lineno}: {e.msg}); fix it or fetch it again") from None
     config = config_from_hf(raw, where)
-    config.extra = {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
+    config.extra = config.extra | {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
     plan = plan_weights(hf_entries(resolved.path), config, "hf", where)
     return Checkpoint(config, plan, TextTokenizer.from_hf_dir(resolved.path), False)

@@ -96,8 +96,8 @@ class CompiledDecode:
 def decode_step(model: Transformer, compiled: Optional[CompiledDecode], idx: torch.Tensor, cache: KVCache, start: int,
                 *, next_of_same_run: bool = False) -> torch.Tensor:
     """The logits (B, V) of the last position of idx (B, T) at cache slot `start`: compiled when there is a compiled
-    step and this is a one-token pass, else the model's eager forward."""
-    if compiled is None or idx.size(1) != 1:
+    step and this is a one-token pass the cache is ready for, else the model's eager forward."""
+    if compiled is None or idx.size(1) != 1 or model.cache_stale(cache, start, 1):
         if compiled is not None:
             compiled.forget_guards()
         return model(idx, cache, start, last_only=True)

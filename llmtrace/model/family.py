@@ -24,7 +24,9 @@ class Family:
     `hf_config(cfg)` and `gguf_config(meta)` return the config fields this family adds (ModelConfig's names), reading
     config.json (a dict) or GGUF metadata (`meta(key)`, key without the arch prefix); they raise LlmtraceError naming
     a field whose value this family cannot run. `changes(config)`: what this family changes from Llama, one short
-    line per change, in the order the maths runs, with the checkpoint's own numbers."""
+    line per change, in the order the maths runs, with the checkpoint's own numbers. `reads_rope`: hf_config and
+    gguf_config read RoPE's type and scaling themselves (the generic readers then leave them: Phi-3's LongRoPE). `gguf_config_tensors`:
+    GGUF tensors that are config, not weights (Phi-3's LongRoPE factors), read through `meta.tensor(name)`."""
 
     name: str
     title: str
@@ -34,6 +36,8 @@ class Family:
     hf_config: Callable[[dict], dict] = _nothing
     gguf_config: Callable[[Callable], dict] = _nothing
     changes: Callable[[object], list] = lambda config: []
+    reads_rope: bool = False
+    gguf_config_tensors: tuple[str, ...] = ()
 
 
 @cache

@@ -23,8 +23,8 @@ RESID_POST = Point("resid_post", "s6.7", ("T", "D"), editable=True, residual=Tru
 Q = Point("q", "s6.1/s6.2", ("T", "H", "Dh"), about="queries X·Wq, split into heads")
 K = Point("k", "s6.1/s6.2", ("T", "Hkv", "Dh"), about="keys X·Wk, split into KV heads")
 V = Point("v", "s6.1/s6.2", ("T", "Hkv", "Dh"), about="values X·Wv, split into KV heads")
-Q_ROPE = Point("q_rope", "s6.3", ("T", "H", "Dh"), about="queries rotated by their positions")
-K_ROPE = Point("k_rope", "s6.3", ("T", "Hkv", "Dh"), about="keys rotated by their positions")
+Q_ROPE = Point("q_rope", "s6.3", ("T", "H", "Dh"), about="queries rotated by their positions", input="q")
+K_ROPE = Point("k_rope", "s6.3", ("T", "Hkv", "Dh"), about="keys rotated by their positions", input="k")
 KV_WRITE = Point("kv_write", "s6.8", ("T",), stored=False, about="the cache slots this pass writes")
 K_REPEATED = Point("k_repeated", "s6.4", ("H", "S", "Dh"), stored=False,
                    about="each KV head's keys, seen by its G heads")

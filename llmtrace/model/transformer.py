@@ -165,9 +165,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, theta: Optional[float] = None, scaling: Optional[dict] = None) -> torch.Tensor:
-    """theta_i = base^(-2i/Dh) for i in [0, Dh/2), with the checkpoint's scaling applied. Shape (Dh/2,), float32.
-    `theta` / `scaling`: another base and scaling than the config's (Gemma 3's local layers)."""
-    dh = config.head_dim
+    """theta_i = base^(-2i/Dr) for i in [0, Dr/2), with the checkpoint's scaling applied. Shape (Dr/2,), float32.
+    Dr is the rotary width: Dh, or the config's rotary_dim (Phi-3's partial rotary). `theta` / `scaling`: another
+    base and scaling than the config's (Gemma 3's local layers)."""
+    dh = config.rotary_dim or config.head_dim
     base = config.rope_theta if theta is None else theta
     # computed on the CPU whatever the default device (a skeleton on the meta device still gets real frequencies)
     inv_freq = 1.0 / (base ** (torch.arange(0, dh, 2, dtype=torch.int64, device="cpu").float() / dh))
@@ -192,7 +193,8 @@ def rope_inv_freq(config: ModelConfig, theta: Optional[float] = None, scaling: O
 
 
 def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of pos * theta_i for each position: positions (...,) -> two (..., Dh) float32 tensors."""
+    """cos and sin of pos * theta_i for each position: positions (...,) -> two (..., Dr) float32 tensors (Dr: the
+    rotary width, 2 · inv_freq's length)."""
     angles = positions.float()[..., None] * inv_freq  # (..., Dh/2)
     angles = torch.cat([angles, angles], dim=-1)  # (..., Dh): pair i and i + Dh/2 share an angle
     return angles.cos(), angles.sin()
@@ -204,8 +206,12 @@ def rope_table(config: ModelConfig, n_pos: int, device=None) -> tuple[torch.Tens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, heads, Dh), any number of heads (q's H and k's Hkv side by side); cos, sin: (T, Dh), or (B, T, Dh)
-    for per-row positions. Rotates pairs (x_i, x_{i+Dh/2})."""
+    """x: (B, T, heads, Dh), any number of heads (q's H and k's Hkv side by side); cos, sin: (T, Dr), or (B, T, Dr)
+    for per-row positions. Rotates pairs (x_i, x_{i+Dr/2}) of the first Dr dims; the rest (Dr < Dh: partial rotary)
+    pass unchanged."""
+    dr = cos.size(-1)
+    if dr < x.size(-1):
+        return torch.cat([apply_rope(x[..., :dr], cos, sin), x[..., dr:]], dim=-1)
     cos = cos.unsqueeze(-2).to(x.dtype)  # (T, 1, Dh) or (B, T, 1, Dh): broadcast over heads
     sin = sin.unsqueeze(-2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
@@ -515,12 +521,19 @@ class Transformer(Module):
         if config.rope_local_theta is not None:  # the sliding-window layers' own base, unscaled
             self.register_buffer("inv_freq_local", rope_inv_freq(config, config.rope_local_theta), persistent=False)
         self.layer_devices: Optional[list[torch.device]] = None  # where each layer runs, when placed over several
+        self.kinds = self.layer_kinds()  # each layer's (RoPE table, mask), worked out once
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` slots (prompt + new tokens), in the model's dtype.
         Each layer's keys and values sit where that layer runs."""
         p = self.embed.weight
         return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=self.layer_devices or p.device)
+
+    def cache_stale(self, cache: KVCache, start: int, n: int, input_pos: Optional[torch.Tensor] = None) -> bool:
+        """Whether a pass of n tokens at slot `start` makes the cache's slots [0, start) out of date, so that the
+        model's forward recomputes them first: never in Llama, whose keys do not depend on how long the sequence is
+        (LongRoPE's do: model.families.phi3). The compiled decode step hands such a pass to the eager forward."""
+        return False
 
     # -- declarations ------------------------------------------------------------------------------------------
 
@@ -623,7 +636,7 @@ class Transformer(Module):
         if input_pos is None:
             input_pos = torch.arange(start, start + T, device=idx.device)  # (T,): the same positions in every row
         tables = self.rope_tables(input_pos, dtype)  # s5: RoPE's angles
-        kinds = self.layer_kinds()
+        kinds = self.kinds
         masks = {mk: allowed_keys(T, start, attention_mask, idx.device,
                                   self.config.sliding_window if mk == "sliding" else None) for mk in {m for _, m in kinds}}
         caches = cache.layers if cache is not None else [None] * len(self.layers)

@@ -84,6 +84,7 @@ class Side:
     keep_quantized: bool = False
     fast: bool = False  # a GGUF on int4 kernels with bfloat16 activations (--fast)
     interventions: tuple = ()  # run/interventions.py objects applied to this side's passes (side B only)
+    loaded: Any = None  # a model already loaded (LoadedModel), run as it is: one model under two settings, read once
 
     def with_changes(self, **changes: Any) -> "Side":
         """This side with the fields that `changes` gives (not None) replaced."""
@@ -94,6 +95,8 @@ class Side:
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
 
     def load(self):
+        if self.loaded is not None:
+            return self.loaded
         from llmtrace.checkpoint.load import load_model
 
         return load_model(self.model, device=self.device, dtype=self.dtype, keep_quantized=self.keep_quantized,
@@ -101,6 +104,8 @@ class Side:
 
     def check(self) -> None:
         """The options' values, before anything is loaded."""
+        if self.loaded is not None:
+            return
         from llmtrace.checkpoint.devices import pick_device, pick_dtype
 
         pick_dtype(self.dtype, pick_device(self.device))
@@ -113,7 +118,8 @@ def side_record(lm, side: Optional[Side]) -> dict:
 
     c = lm.config
     return {"model": lm.name, "source": lm.source, "arch": c.arch, "dtype": dtype_name(lm.dtype),
-            "device": str(lm.device), "keep_quantized": bool(side.keep_quantized) if side else _is_quantized(lm),
+            "device": str(lm.device),
+            "keep_quantized": bool(side.keep_quantized) if side and side.loaded is None else _is_quantized(lm),
             "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
             "vocab_size": c.vocab_size} | ({"exact": False} if side is not None and side.fast else {}) | (
                 {"interventions": [record(iv) for iv in side.interventions]} if side is not None and side.interventions
@@ -444,11 +450,12 @@ ModelLike = Union[str, Side, Any]  # a spec, a Side, or a loaded model (llmtrace
 
 
 def _as_side(x: ModelLike) -> tuple[Optional[Side], Any]:
-    """(Side, None) for a spec or a Side; (None, the model) for a model already loaded."""
+    """(Side, None) for a spec or a Side; (None, the model) for a model already loaded; (Side, its model) for a Side
+    that holds one."""
     if x is None or isinstance(x, str):
         return Side(model=x), None
     if isinstance(x, Side):
-        return x, None
+        return x, x.loaded
     return None, x
 
 
@@ -626,25 +633,31 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
     per-position sums to `acc` ({(layer, point): (A against B, A against B on A's input)}, in forward order).
     `edits_b` (run.interventions.prepare): B's interventions, applied to each of B's passes as to a prompt's pass.
     Returns A's and B's logits, (P, V) each."""
+    import contextlib
+
     import torch
 
     from llmtrace.model.capture import capture
 
-    if edits_b is not None:
-        with lm_b.model.hooked(edits_b, edits_b.layers, spell_out=False):
-            edits_b.begin_pass(prompt=True, pads=[0])
-            return run_side_by_side(lm_a, lm_b, ids, acc, say)
+    def edited():  # B's interventions, hooked around each of B's calls alone: A may be the same model (one loaded
+        if edits_b is None:  # model under two settings), whose passes must stay as they are
+            return contextlib.nullcontext()
+        return lm_b.model.hooked(edits_b, edits_b.layers, spell_out=False)
 
+    if edits_b is not None:
+        edits_b.begin_pass(prompt=True, pads=[0])
     model_a, model_b, device_b, dtype_b = lm_a.model, lm_b.model, lm_b.device, lm_b.dtype
     points = lm_a.points
     wanted = compared_points(points)
     idx_a = torch.tensor([ids], device=lm_a.device)  # (1, P)
     idx_b = torch.tensor([ids], device=device_b)
 
-    def run(model, fn, layer: Optional[int]):
-        """fn's result and the compared points it reported ({name: tensor}), with `layer`'s attention spelled out."""
+    def run(model, fn, layer: Optional[int], b: bool = False):
+        """fn's result and the compared points it reported ({name: tensor}), with `layer`'s attention spelled out;
+        `b`: a call of side B, under B's interventions."""
         lay = [] if layer is None else [layer]
-        with capture(model, lambda _layer, name: name in wanted, layers=lay, spell_out=True, clone=False) as kept:
+        with edited() if b else contextlib.nullcontext(), \
+                capture(model, lambda _layer, name: name in wanted, layers=lay, spell_out=True, clone=False) as kept:
             out = fn()
         return out, {name: x for (_, name), x in kept.items()}
 
@@ -675,7 +688,7 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
 
     # s4: the embeddings (nothing feeds them, so the error B adds is its whole error)
     xa, pa = run(model_a, lambda: model_a.embed_tokens(idx_a), None)
-    xb, pb = run(model_b, lambda: model_b.embed_tokens(idx_b), None)
+    xb, pb = run(model_b, lambda: model_b.embed_tokens(idx_b), None, b=True)
     add(None, pa, pb, pb)
     inputs_a = model_a.layer_inputs(idx_a, dtype=xa.dtype)
     inputs_b = model_b.layer_inputs(idx_b, dtype=xb.dtype)
@@ -684,20 +697,20 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
         if i % 10 == 0:
             say(f"layer {i}/{n_layers}")
         ya, pa = run(model_a, lambda: model_a.run_layers(xa, inputs_a, [i]), i)
-        yb, pb = run(model_b, lambda: model_b.run_layers(xb, inputs_b, [i]), i)
+        yb, pb = run(model_b, lambda: model_b.run_layers(xb, inputs_b, [i]), i, b=True)
         x_in = xa.to(device_b, dtype_b)
         if torch.equal(x_in, xb):  # B's input is A's: B's layer on it is the run just made (saves a third pass)
             pz = pb
         else:
-            _, pz = run(model_b, lambda: model_b.run_layers(x_in, inputs_b, [i]), i)
+            _, pz = run(model_b, lambda: model_b.run_layers(x_in, inputs_b, [i]), i, b=True)
         add(i, pa, pb, pz)
         del pa, pb, pz, x_in
         xa, xb = ya, yb
     # s8, s9: the final norm and the LM head; B's on A's input gives the error they add
     la, pa = run(model_a, lambda: model_a.head(xa), None)
-    lb, pb = run(model_b, lambda: model_b.head(xb), None)
+    lb, pb = run(model_b, lambda: model_b.head(xb), None, b=True)
     x_in = xa.to(device_b, dtype_b)
-    pz = pb if torch.equal(x_in, xb) else run(model_b, lambda: model_b.head(x_in), None)[1]
+    pz = pb if torch.equal(x_in, xb) else run(model_b, lambda: model_b.head(x_in), None, b=True)[1]
     add(None, pa, pb, pz)
     return la[0], lb[0]
 

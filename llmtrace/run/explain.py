@@ -334,44 +334,52 @@ def rope_relative_check(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor
     return out
 
 
-def rope_input(cap: Capture, rotated: str) -> torch.Tensor:
-    """What RoPE turned into `rotated` (q_rope, k_rope): the projection's q (k), or the last point computed from it
-    before RoPE, as the layer declares them (a family's per-head norm, q_norm, whose declared input is q)."""
-    name = rotated.removesuffix("_rope")
-    chain = {name}
-    for p in cap.declared.layer if cap.declared is not None else ():
-        if p.name == rotated:
+def rotated_from(points, rotated) -> str:
+    """The point RoPE turns into `rotated` (q_rope), following the declared inputs from its own (q): a later point
+    computed from it takes its place (Qwen3's and OLMo 2's q_norm)."""
+    name = rotated.input
+    for p in points.layer if points is not None else ():
+        if p.name == rotated.name:
             break
-        if p.input in chain:
-            chain.add(p.name)
+        if p.input == name:
             name = p.name
-    return cap.points[name]
+    return name
 
 
 def layer_rope(config: ModelConfig, layer: int) -> tuple[str, float, torch.Tensor]:
     """The RoPE table `layer` uses: its kind ("global", or "local": a sliding-window layer's own base), its base and
-    its theta_i (Dh/2,), as the model builds them (Transformer.layer_kinds)."""
+    its theta_i (Dr/2,), as the model builds them (Transformer.layer_kinds)."""
     sliding = config.layer_type(layer) == "sliding" and config.sliding_window is not None
     if sliding and config.rope_local_theta is not None:
         return "local", config.rope_local_theta, rope_inv_freq(config, config.rope_local_theta)
     return "global", config.rope_theta, rope_inv_freq(config)  # scaled as the checkpoint says
 
 
-def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
+def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None) -> dict:
     c = config
+    q_in = rotated_from(model.declared_points() if model is not None else None, Q_ROPE)
+    k_in = rotated_from(model.declared_points() if model is not None else None, K_ROPE)
     T, Dh = len(cap.ids), c.head_dim
-    table, theta, inv_freq = layer_rope(c, cap.layer)  # (Dh/2,) theta_i = base^(-2i/Dh), scaled
-    pairs = rope_pairs(Dh)
+    Dr = c.rotary_dim or Dh  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
+    table, theta, inv_freq = layer_rope(c, cap.layer)  # (Dr/2,) theta_i = base^(-2i/Dr) of this layer's table
+    pairs = rope_pairs(Dr)
     positions = torch.arange(T, dtype=torch.float32)
-    # the model's own tables reproduce the captured q_rope / k_rope
-    q_in, k_in = rope_input(cap, Q_ROPE.name), rope_input(cap, K_ROPE.name)  # (T, H, Dh), (T, Hkv, Dh)
-    cos, sin = rope_angles(inv_freq.to(q_in.device), torch.arange(T, device=q_in.device))
-    q_err = (apply_rope(q_in[None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
-    k_err = (apply_rope(k_in[None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
+    # the model's own tables (this layer's, where layers differ or the sequence's length decides: Gemma 3, LongRoPE)
+    # reproduce the captured q_rope / k_rope
+    device = cap.points[Q.name].device
+    if model is None:
+        cos, sin = rope_angles(inv_freq.to(device), torch.arange(T, device=device))
+    else:
+        io = model.layer_inputs(torch.zeros((1, T), dtype=torch.long, device=device), dtype=torch.float32)[cap.layer]
+        cos, sin = io.cos, io.sin
+    q_pre = cap.points[q_in].reshape(cap.points[Q_ROPE.name].shape)  # (T, H, Dh): OLMo 2 norms q before the split
+    k_pre = cap.points[k_in].reshape(cap.points[K_ROPE.name].shape)
+    q_err = (apply_rope(q_pre[None], cos, sin)[0] - cap.points[Q_ROPE.name]).abs().max()
+    k_err = (apply_rope(k_pre[None], cos, sin)[0] - cap.points[K_ROPE.name]).abs().max()
     # relative-distance check on real vectors: the last token's query (this head), the first token's key (its KV head)
     kv_head = head // c.group_size
-    q_vec = q_in[T - 1, head].float().cpu()
-    k_vec = k_in[0, kv_head].float().cpu()
+    q_vec = q_pre[T - 1, head].float().cpu()
+    k_vec = k_pre[0, kv_head].float().cpu()
     distances = [d for d in (0, 1, 2, 4, 8, 16) if d < max(T, 5)]
     shifts = [s for s in (0, 1, 7, 100, 1000) if s + distances[-1] < c.max_seq_len]
     scores = rope_relative_check(q_vec, k_vec, inv_freq, distances, shifts)
@@ -381,7 +389,7 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
         "theta": theta, "rope_table": table, "scaling": _scaling_info(c.rope_scaling if table == "global" else None),
         "head_dim": Dh,
         "formula": "θ_i = base^(-2i/Dh); pair (x_i, x_{i+Dh/2}) at position m is rotated by m·θ_i",
-        "pairs": [{"i": i, "dims": [i, i + Dh // 2], "theta_i": _r(inv_freq[i]),
+        "pairs": [{"i": i, "dims": [i, i + Dr // 2], "theta_i": _r(inv_freq[i]),
                    "wavelength": _r(2 * math.pi / inv_freq[i].item()),
                    "angles": _rl(positions * inv_freq[i])} for i in pairs],
         "check_q_rope_max_abs_diff": _r(q_err), "check_k_rope_max_abs_diff": _r(k_err),
@@ -394,11 +402,9 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0) -> dict:
 def _scaling_info(scaling: Optional[dict]):
     if not scaling:
         return None
-    out = {k: v for k, v in scaling.items() if k != "factors"}
-    if "factors" in scaling:  # llama3 scaling read from a GGUF: one divisor per frequency, summarised
-        f = scaling["factors"]
-        out["factors"] = {"count": len(f), "min": _r(min(f)), "max": _r(max(f))}
-    return out
+    # one number per frequency (llama3 scaling read from a GGUF, LongRoPE's two sets), summarised
+    return {k: {"count": len(v), "min": _r(min(v)), "max": _r(max(v))} if isinstance(v, list) and v else
+            _r(v) if isinstance(v, float) else v for k, v in scaling.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -649,7 +655,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name))
     yield qkv_section(cap, c)
-    yield rope_section(cap, c, head if head is not None else 0)
+    yield rope_section(cap, c, head if head is not None else 0, lm.model)
     yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer))
     yield residual_section(cap)
     yield ffn_section(cap, c)

@@ -4,8 +4,13 @@
     GET  /api/models           the models served, and the limits
     POST /api/generate         a run's events as application/x-ndjson, exactly the lines of `generate --jsonl`, streamed
     POST /api/explain, /lens   the same for explain and lens
+    POST /api/compare          one model under two settings (side B: b_ablate, b_scale, b_model), the events of
+                               `compare --jsonl`, when the comparison is done
     POST /api/patch            the activation-patching sweep's event
-    GET  /api/page?run=ID      the learner's page (the report) of a finished run, by the id the stream gave
+    POST /api/resample         one step of a finished generate run drawn again by the run's Sampler under other
+                               settings, on the logits that step produced (serve/resample.py): its step event
+    GET  /api/page?run=ID      the learner's page (the report) of a finished run, by the id the stream gave; the
+                               comparison page of a compare run
 
 Every request needs the server's token (`?token=` or `Authorization: Bearer`; 401 without), a Host header that names
 this server (the bound address or localhost: a DNS-rebinding page is refused) and, when the browser says where it
@@ -26,8 +31,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llmtrace.errors import LlmtraceError
-from llmtrace.serve.runs import KEYS, Limits, Served, error_body, options_of, pick_model, stream
+from llmtrace.serve.runs import KEYS, History, Job, Limits, Served, error_body, options_of, pick_model, stream
 
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
@@ -102,7 +106,11 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
              load: Optional[Callable[[str], Served]] = None) -> Starlette:
     """The application over `served` (name -> Served), guarded by `token`."""
     limits = limits or Limits()
-    runs: dict[str, dict] = {}  # run id -> {"events", "tokenizer"}: the pages of the last runs
+    history = History(limits)  # the pages of the last runs, and what re-sampling their steps needs
+    pull = load or (lambda name: None)
+
+    def refused(e: Exception) -> Response:  # BadValue, UsageError, a body too large or not JSON, a wrong type
+        return JSONResponse(error_body(e), 413 if "larger than" in str(e) else 400, headers=SECURITY_HEADERS)
 
     async def page(request: Request) -> Response:
         from llmtrace.report.serve_page import serve_page
@@ -117,38 +125,55 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
     async def run(request: Request) -> Response:
         kind = request.path_params["kind"]
         if kind not in KEYS:
-            return JSONResponse({"error": f"no API {kind!r}; the runs are {', '.join(KEYS)}"}, 404,
+            return JSONResponse({"error": f"no API {kind!r}; the runs are {', '.join(KEYS)}, and resample"}, 404,
                                 headers=SECURITY_HEADERS)
         try:
             body = await read_json(request, limits.body_bytes)
-            s = await asyncio.to_thread(pick_model, body if isinstance(body, dict) else {}, served, allow_pull,
-                                        load or (lambda name: None))
+            s = await asyncio.to_thread(pick_model, body if isinstance(body, dict) else {}, served, allow_pull, pull)
             prompt, options = options_of(kind, body, limits)
-        except (ValueError, LlmtraceError) as e:  # BadValue, UsageError, a body too large or not JSON
-            return JSONResponse(error_body(e), 413 if "larger than" in str(e) else 400, headers=SECURITY_HEADERS)
-        except Exception as e:  # a wrong type inside the options, say: still the caller's request
-            return JSONResponse(error_body(e), 400, headers=SECURITY_HEADERS)
+            other = None
+            if kind == "compare" and options["b_model"] is not None:  # side B on another model: one served here
+                other = await asyncio.to_thread(pick_model, {"model": options["b_model"]}, served, allow_pull, pull)
+        except Exception as e:  # the caller's request, never the server's end
+            return refused(e)
         if s.waiting >= limits.queued_per_model:
             return JSONResponse({"error": f"{s.waiting} runs already wait for {s.name}; try again later"}, 429,
                                 headers=SECURITY_HEADERS)
-        run_id = secrets.token_hex(8)
-        return StreamingResponse(stream(s, limits, kind, prompt, options, runs, run_id),
-                                 media_type="application/x-ndjson", headers=SECURITY_HEADERS)
+        job = Job(s, kind, prompt, options, secrets.token_hex(8), other)
+        return StreamingResponse(stream(job, limits, history), media_type="application/x-ndjson",
+                                 headers=SECURITY_HEADERS)
+
+    async def resample(request: Request) -> Response:
+        from llmtrace.serve.resample import NoSuchRun, resample_request
+
+        try:
+            body = await read_json(request, limits.body_bytes)
+            answer = await asyncio.to_thread(resample_request, body, history.kept, served)
+        except NoSuchRun as e:  # never made, or gone to make room
+            return JSONResponse({"error": str(e)}, 404, headers=SECURITY_HEADERS)
+        except Exception as e:
+            return refused(e)
+        return JSONResponse(answer, headers=SECURITY_HEADERS)
 
     async def report(request: Request) -> Response:
-        from llmtrace.report.write import build
-
-        r = runs.get(request.query_params.get("run", ""))
+        r = history.pages.get(request.query_params.get("run", ""))
         want = request.query_params.get("lang", lang)
         if r is None:
-            return JSONResponse({"error": "no such run (the server keeps the last 16)"}, 404, headers=SECURITY_HEADERS)
+            return JSONResponse({"error": f"no such run (the server keeps the last {history.PAGES})"}, 404,
+                                headers=SECURITY_HEADERS)
         if want not in ("en", "zh"):
             return JSONResponse({"error": "lang must be en or zh"}, 400, headers=SECURITY_HEADERS)
+        if "compare" in r:  # the comparison page
+            from llmtrace.report.compare import render_compare_page
+
+            return HTMLResponse(await asyncio.to_thread(render_compare_page, r["compare"]), headers=SECURITY_HEADERS)
+        from llmtrace.report.write import build
+
         html = await asyncio.to_thread(build, r["events"], r["tokenizer"], None, 0, want)
         return HTMLResponse(html, headers=SECURITY_HEADERS)
 
     routes = [Route("/", page), Route("/api/models", models), Route("/api/page", report),
-              Route("/api/{kind:str}", run, methods=["POST"])]
+              Route("/api/resample", resample, methods=["POST"]), Route("/api/{kind:str}", run, methods=["POST"])]
     app = Starlette(routes=routes)
 
     async def unknown_kind(request, exc):  # /api/anything-else
@@ -158,4 +183,3 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
     guarded = Guard(app, token, allowed_hosts(host, port), limits.body_bytes)
     guarded.routes = app.routes  # for tests that look
     return guarded
-

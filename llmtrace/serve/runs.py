@@ -1,14 +1,16 @@
 """What a request may ask of the server, checked as the CLI checks it, and the runs themselves on the Python API.
 
-A request body is JSON with the keywords of `Model.generate` / `explain` / `lens` that make sense over HTTP (no file
-names: `dump`, `save_tensors`, `compile` are refused, as is any path) plus `prompt` and `model`, one of the models the
-server was started with (or, with --allow-pull, a registry name). Each run goes through the same options values
-(`GenerateOptions`, ...) that check themselves, so a bad value gives the CLI's one-line message, here as a JSON error.
+A request body is JSON with the keywords of `Model.generate` / `explain` / `lens` / `compare` that make sense over
+HTTP (no file names: `dump`, `save_tensors`, `compile` are refused, as is any path) plus `prompt` and `model`, one of
+the models the server was started with (or, with --allow-pull, a registry name). Each run goes through the same
+options values (`GenerateOptions`, ...) that check themselves, so a bad value gives the CLI's one-line message, here
+as a JSON error. `History` keeps the last runs' pages and, for re-sampling, their steps' logits (resample.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -24,7 +26,9 @@ GENERATE_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "ty
 EXPLAIN_KEYS = {"layer", "head", "top", "chat", "system", "ablate", "scale"}
 LENS_KEYS = {"positions", "layers", "top", "chat", "system", "ablate", "scale"}
 PATCH_KEYS = {"clean", "corrupt", "answer", "against", "at"}
-KEYS = {"generate": GENERATE_KEYS, "explain": EXPLAIN_KEYS, "lens": LENS_KEYS, "patch": PATCH_KEYS}
+COMPARE_KEYS = {"b_model", "max_new_tokens", "chat", "system", "tolerance", "b_ablate", "b_scale"}
+KEYS = {"generate": GENERATE_KEYS, "explain": EXPLAIN_KEYS, "lens": LENS_KEYS, "patch": PATCH_KEYS,
+        "compare": COMPARE_KEYS}
 
 
 @dataclass
@@ -37,6 +41,7 @@ class Limits:
     prompt_chars: int = 16_000
     concurrent_per_model: int = 1
     queued_per_model: int = 8
+    kept_logits_bytes: int = 256 * 2**20  # the logits kept for re-sampling steps, all runs together (resample.py)
 
 
 class Cancelled(Exception):
@@ -104,23 +109,50 @@ def options_of(kind: str, body: dict, limits: Limits) -> tuple[Any, Any]:
         raise BadValue("prompt", " must be a non-empty text")
     if len(prompt) > limits.prompt_chars:
         raise BadValue("prompt", f" is {len(prompt):,} characters; this server takes at most {limits.prompt_chars:,}")
+    if kind == "compare":
+        return prompt, compare_options(body, limits)
     given = {k: v for k, v in body.items() if k not in ("prompt", "model", "ablate", "scale")}
     given["interventions"] = interventions(body)
     if kind == "generate":
-        n = given.setdefault("max_new_tokens", min(32, limits.max_new_tokens))
-        if not isinstance(n, int) or isinstance(n, bool) or n > limits.max_new_tokens:
-            raise BadValue("max_new_tokens", f" must be a whole number up to {limits.max_new_tokens} on this server")
+        check_tokens(given.setdefault("max_new_tokens", min(32, limits.max_new_tokens)), limits)
         return prompt, GenerateOptions.of(**given, for_report=True)
     cls = ExplainOptions if kind == "explain" else LensOptions
     return prompt, cls(**given)
 
 
-def interventions(body: dict) -> list:
-    """"ablate": ["3.h2", "0.attn"], "scale": ["3.h2=0.5"]: the CLI's specs, parsed by the same functions."""
+def check_tokens(n: Any, limits: Limits) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= limits.max_new_tokens:
+        raise BadValue("max_new_tokens", f" must be a whole number from 0 to {limits.max_new_tokens} on this server")
+
+
+def compare_options(body: dict, limits: Limits) -> dict:
+    """compare's keywords (run/compare.py checks the rest): side B is side A with `b_ablate`, `b_scale` (the CLI's
+    --b-ablate, --b-scale) and, where the server runs several models, `b_model`; -n A's greedy tokens also read."""
+    from llmtrace.api import check_system
+    from llmtrace.run.compare import DEFAULT_TOLERANCE
+
+    n = body.get("max_new_tokens", 0)
+    check_tokens(n, limits)
+    chat, system, tolerance = body.get("chat", False), body.get("system"), body.get("tolerance", DEFAULT_TOLERANCE)
+    if not isinstance(chat, bool):
+        raise BadValue("chat", " must be true or false")
+    check_system(chat, system)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise BadValue("tolerance", " must be a number > 0")
+    ivs = interventions(body, prefix="b_")
+    if not ivs and body.get("b_model") is None:
+        raise BadValue("b_ablate", " (or b_scale, b_model) must change side B: else both sides are the same run")
+    return {"max_new_tokens": n, "chat": chat, "system": system, "tolerance": float(tolerance), "interventions": ivs,
+            "b_model": body.get("b_model")}
+
+
+def interventions(body: dict, prefix: str = "") -> list:
+    """"ablate": ["3.h2", "0.attn"], "scale": ["3.h2=0.5"]: the CLI's specs, parsed by the same functions (compare's
+    side B: "b_ablate", "b_scale")."""
     from llmtrace.run.interventions import parse_ablate, parse_scale
 
     out = []
-    for key, parse in (("ablate", parse_ablate), ("scale", parse_scale)):
+    for key, parse in ((prefix + "ablate", parse_ablate), (prefix + "scale", parse_scale)):
         specs = body.get(key) or []
         if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
             raise BadValue(key, ' must be a list of specs such as ["3.h2"]')
@@ -128,24 +160,108 @@ def interventions(body: dict) -> list:
     return out
 
 
-def run_in_thread(served: Served, kind: str, prompt: str, options: Any, sink: Callable[[dict], None]):
-    """One run on the API, its events to `sink` as they are made (generate), or all at the end (explain, lens)."""
-    model = served.model
-    with served.lock:
-        if kind == "patch":  # one event, the sweep's, with the model it ran on (what `patch --json` writes)
+@dataclass
+class Job:
+    """One request's run: the model, the kind, the prompt and the checked options, and its id."""
+
+    served: Served
+    kind: str
+    prompt: Optional[str]
+    options: Any
+    run_id: str
+    other: Optional[Served] = None  # compare's side B, when it names another model the server runs
+
+
+class History:
+    """The server's memory of its last runs: each run's page (its events and tokenizer, or a comparison's document),
+    the last PAGES of them, and what re-sampling a generate run's steps needs (resample.Kept, bounded in bytes)."""
+
+    PAGES = 16
+
+    def __init__(self, limits: Limits):
+        from llmtrace.serve.resample import Kept
+
+        self.pages: dict[str, dict] = {}
+        self.kept = Kept(limits.kept_logits_bytes)
+        self.lock = threading.Lock()
+
+    def keep(self, run_id: str, page: dict) -> None:
+        with self.lock:
+            self.pages[run_id] = page
+            while len(self.pages) > self.PAGES:  # the oldest run goes, with what it kept for re-sampling
+                oldest = next(iter(self.pages))
+                del self.pages[oldest]
+                self.kept.drop(oldest)
+
+    def forget(self, run_id: str) -> None:
+        self.kept.drop(run_id)
+
+
+@contextlib.contextmanager
+def held(*served: Optional[Served]):
+    """The locks of the models a run uses, taken in one order (by name), so that two runs never wait on each other."""
+    with contextlib.ExitStack() as stack:
+        for s in sorted({s.name: s for s in served if s is not None}.values(), key=lambda s: s.name):
+            stack.enter_context(s.lock)
+        yield
+
+
+def run_in_thread(job: Job, history: History, sink: Callable[[dict], None], alive: Callable[[], None]
+                  ) -> Optional[dict]:
+    """One run on the API, its events to `sink` as they are made (generate), or all at the end (explain, lens,
+    compare, patch); `alive()` raises Cancelled once the client has gone. Returns the run's page record, if any."""
+    model = job.served.model
+    with held(job.served, job.other):
+        if job.kind == "patch":  # one event, the sweep's, with the model it ran on (what `patch --json` writes)
             from llmtrace.api import patch_sweep
             from llmtrace.trace.records import model_record
 
-            ev = patch_sweep(model, **options)
+            ev = patch_sweep(model, **job.options)
             ev["model"] = model_record(model.loaded)
             sink(ev)
             return None
-        if kind == "generate":
-            return model.generate_with(prompt, options, sinks=[sink], keep_events=True)
-        trace = model.explain_with(prompt, options) if kind == "explain" else model.lens_with(prompt, options)
-        for ev in trace.events:
-            sink(ev)
-        return trace
+        if job.kind == "compare":  # what `compare --jsonl` writes, when the comparison is done
+            from llmtrace.trace.comparison import jsonl_events
+
+            doc = compare_in_thread(job, alive)
+            for ev in jsonl_events(doc):
+                sink(ev)
+            return {"compare": doc}
+        if job.kind == "generate":
+            trace = generate_kept(job, history, sink)
+        else:
+            run = model.explain_with if job.kind == "explain" else model.lens_with
+            trace = run(job.prompt, job.options)
+            for ev in trace.events:
+                sink(ev)
+        return {"events": trace.events, "tokenizer": model.tokenizer}
+
+
+def generate_kept(job: Job, history: History, sink: Callable[[dict], None]):
+    """generate, its sampler keeping each step's logits and draw for re-sampling (resample.KeepingSampler)."""
+    from llmtrace.serve.resample import KeepingSampler, KeptRun
+
+    prepared = job.served.model.prepare_generate(job.prompt, job.options)
+    kept = KeptRun(model=job.served.name, config=prepared.sampler.config, show_top=prepared.trace.topk)
+    history.kept.start(job.run_id, kept)
+    prepared.sampler = KeepingSampler(prepared.sampler, history.kept, job.run_id)
+
+    def keep_step(ev: dict) -> None:
+        if ev.get("event") == "step":
+            kept.events[ev["step"]] = ev
+
+    return prepared.run(sinks=[sink, keep_step], keep_events=True)
+
+
+def compare_in_thread(job: Job, alive: Callable[[], None]) -> dict:
+    """The loaded model against itself under side B's settings (or against another model served here), on the
+    Python API: the comparison's JSON object."""
+    from llmtrace.api import compare
+    from llmtrace.run.compare import Side
+
+    options = {k: v for k, v in job.options.items() if k not in ("interventions", "b_model")}
+    side_b = Side(loaded=(job.other or job.served).model.loaded, interventions=tuple(job.options["interventions"]))
+    return compare(job.served.model, side_b, job.prompt, progress=lambda _message: alive(), **options).to_json()
 
 
 def line(ev: dict) -> str:
@@ -165,30 +281,31 @@ def queue_line(position: int) -> str:
     return ENCODER.encode({"event": "queue", "position": position}) + "\n"
 
 
-async def stream(served: Served, limits: Limits, kind: str, prompt: str, options: Any, runs: dict, run_id: str):
+async def stream(job: Job, limits: Limits, history: History):
     """The run's lines as they are made: its place in the queue while it waits, then every event. Runs in a worker
     thread; when the client goes away (the generator is closed), the run stops at its next event."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     cancelled = threading.Event()
-    events: list[dict] = []
+    served = job.served
 
-    def sink(ev: dict) -> None:
+    def alive() -> None:
         if cancelled.is_set():
             raise Cancelled()
-        events.append(ev)
+
+    def sink(ev: dict) -> None:
+        alive()
         loop.call_soon_threadsafe(queue.put_nowait, line(ev))
 
     def work() -> None:
         try:
-            trace = run_in_thread(served, kind, prompt, options, sink)
-            if trace is not None:  # a patch sweep has no report page
-                runs[run_id] = {"events": trace.events, "tokenizer": served.model.tokenizer}
-            while len(runs) > 16:  # the pages of the last runs stay fetchable
-                runs.pop(next(iter(runs)))
+            page = run_in_thread(job, history, sink, alive)
+            if page is not None:  # a patch sweep has no page
+                history.keep(job.run_id, page)
         except Cancelled:
-            pass
+            history.forget(job.run_id)
         except Exception as e:  # one error line, as JSON, and the server lives on
+            history.forget(job.run_id)
             loop.call_soon_threadsafe(queue.put_nowait, ENCODER.encode({"event": "error", **error_body(e)}) + "\n")
         finally:
             loop.call_soon_threadsafe(queue.put_nowait, None)
@@ -204,7 +321,7 @@ async def stream(served: Served, limits: Limits, kind: str, prompt: str, options
             waiting = False
             served.active += 1
             try:
-                yield ENCODER.encode({"event": "run_id", "id": run_id}) + "\n"
+                yield ENCODER.encode({"event": "run_id", "id": job.run_id}) + "\n"
                 task = loop.run_in_executor(None, work)
                 try:
                     while (item := await queue.get()) is not None:

@@ -59,6 +59,7 @@
     drawAttention();
     if (stage) showStage(stage);
     document.dispatchEvent(new CustomEvent("llmtrace:step", { detail: cur })); // walk.js: the what-if sampler
+    if (window.parent !== window) window.parent.postMessage({ llmtrace: "step", step: s.step }, "*"); // serve: the step to re-sample
   }
   const range = $("#step");
   if (range) range.addEventListener("input", () => setStep(Number(range.value)));
@@ -214,15 +215,27 @@
     const cell = Math.max(1, Math.floor(64 / A.bins.length));
     $$("button.thumb").forEach((b) => paint($("canvas", b), b.dataset.layer, Number(b.dataset.hi), scale, cell));
   }
-  function tellParent() { // inside llmtrace serve's page: the head a reader picked is the one it offers to ablate
+  // inside llmtrace serve's page: the head a reader picked is the one it offers to ablate; a click with the pointer
+  // (click: true) ablates it at once, and so does a click on a row's "layer N" (that layer's attention)
+  function tellParent(click) {
     const h = A.heads[Number($("#att-head").value)];
     if (window.parent !== window && h !== "mean") {
-      window.parent.postMessage({ llmtrace: "head", layer: Number($("#att-layer").value), head: h }, "*");
+      const layer = Number($("#att-layer").value);
+      window.parent.postMessage({ llmtrace: "head", layer: layer, head: h, click: !!click }, "*");
     }
   }
-  $$("button.thumb").forEach((b) => b.addEventListener("click", () => {
-    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention(); tellParent();
+  $$("button.thumb").forEach((b) => b.addEventListener("click", (ev) => {
+    $("#att-layer").value = b.dataset.layer; $("#att-head").value = b.dataset.hi; drawAttention();
+    tellParent(ev.detail > 0);
   }));
+  if (window.parent !== window) {
+    $$(".thumbs .tl[data-layer]").forEach((t) => {
+      t.classList.add("live");
+      t.addEventListener("click", () => {
+        window.parent.postMessage({ llmtrace: "layer", layer: Number(t.dataset.layer), click: true }, "*");
+      });
+    });
+  }
   function label(bin) {
     const b = A.bins[bin];
     if (b[1] - b[0] > 1) return tr(PAD ? "slots" : "positions", { lo: b[0], hi: b[1] - 1 });
