@@ -181,8 +181,23 @@ def test_gemma2_caps_are_what_the_points_show(loaded):
 def test_embedding_scale_rounds_in_the_model_dtype():
     from llmtrace.model.families.gemma2 import embed_scale
 
-    assert embed_scale(640, torch.float32) == pytest.approx(640 ** 0.5, rel=1e-7)
-    assert embed_scale(3072, torch.bfloat16) == 55.5  # transformers' comment: sqrt(3072) = 55.4256 becomes 55.5
+    assert float(embed_scale(640, torch.float32)) == pytest.approx(640 ** 0.5, rel=1e-7)
+    assert float(embed_scale(3072, torch.bfloat16)) == 55.5  # transformers' comment: sqrt(3072) = 55.4256 -> 55.5
+
+
+@pytest.mark.parametrize("name", GEMMAS)
+@torch.no_grad()
+def test_the_forward_pass_captures_whole_for_the_compiled_step(loaded, name):
+    """--compile captures Transformer.forward in one graph (fullgraph): Gemma's steps add no graph break. TorchDynamo
+    only (backend "eager": no code generated), the decode step's shape with a KV cache, against the eager pass."""
+    model = loaded(name, "hf").model
+    ids = torch.tensor([PROMPT_IDS])
+    cache_a, cache_b = model.new_cache(len(PROMPT_IDS) + 1), model.new_cache(len(PROMPT_IDS) + 1)
+    model(ids, cache_a, 0), model(ids, cache_b, 0)
+    step = torch.compile(model.forward, fullgraph=True, backend="eager")
+    nxt = torch.tensor([[5]])
+    got = step(nxt, cache_a, len(PROMPT_IDS), last_only=True)
+    assert torch.equal(got, model(nxt, cache_b, len(PROMPT_IDS), last_only=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------

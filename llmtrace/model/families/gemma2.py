@@ -44,10 +44,10 @@ def softcap(x: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def embed_scale(d_model: int, dtype: torch.dtype) -> float:
+def embed_scale(d_model: int, dtype: torch.dtype) -> torch.Tensor:
     """√D as Gemma multiplies by it: a float32 number rounded to the model's dtype (√640 = 25.298 in float32, 25.25
-    in bfloat16)."""
-    return float(torch.tensor(d_model ** 0.5, dtype=torch.float32).to(dtype))
+    in bfloat16), as a 0-dim tensor (a constant to torch.compile, on any device)."""
+    return torch.tensor(d_model ** 0.5, dtype=torch.float32).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
