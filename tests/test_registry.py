@@ -55,7 +55,7 @@ def test_shipped_registry_is_valid_and_has_the_default():
     )  # fmt: skip
     assert len(pypi.sha256) == 64 and len(pypi.member_sha256) == 64
     others = [e for name, e in entries.items() if name != DEFAULT_MODEL]
-    assert len(others) >= 3 and all(not e.tested for e in others)
+    assert len(others) >= 3 and all(e.tested == (e.name == "gemma3-270m") for e in others)  # the suite runs it
     assert {s.kind for e in others for s in e.sources if e.name != "gemma3-270m"} <= {"cache", "hub"}
 
 

@@ -119,12 +119,17 @@ def describe_changes(config) -> list[str]:
         out.append(f"{which} only the last {config.sliding_window:,} tokens (a sliding window, not a context limit: "
                    f"positions go on to {config.max_seq_len:,}; the KV cache keeps every slot)")
     if config.rope_local_theta is not None:
-        out.append(f"RoPE base {config.rope_local_theta:,g} in the sliding-window layers, {config.rope_theta:,g} in the "
-                   f"global ones")
+        out.append(f"RoPE base {_number(config.rope_local_theta)} in the sliding-window layers, "
+                   f"{_number(config.rope_theta)} in the global ones")
     note = (config.extra or {}).get("window_note")
     if note:
         out.append(note)
     return out
+
+
+def _number(x: float) -> str:
+    """1000000.0 -> '1,000,000' (not '1e+06'); 0.5 -> '0.5'."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,g}"
 
 
 def known_points(**flags) -> tuple[str, ...]:

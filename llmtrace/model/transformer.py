@@ -591,6 +591,11 @@ class Transformer(Module):
         owner = self if layer is None else self.layers[layer]
         return getattr(owner, owner.NORMS[point])
 
+    def attention_of(self, layer: int) -> Attention:
+        """The attention sub-layer of `layer`, for code that reruns one of its steps on captured tensors (explain
+        recomputes the scores with the layer's own `scores`: its scale, a family's soft-cap)."""
+        return self.layers[layer].attn
+
     def layer_kinds(self) -> list[tuple[str, str]]:
         """Each layer's (RoPE table, mask): ("global", "full") unless the config gives it a sliding window, whose
         layers may have their own RoPE base ("local")."""

@@ -17,9 +17,10 @@ from typing import Optional
 from rich.console import Console
 from rich.text import Text
 
-from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
+from llmtrace.model.llama_points import LAST
 from llmtrace.render.generate import visible
 from llmtrace.run.compare import summary_line
+from llmtrace.trace.comparison import model_points_around
 from llmtrace.units import plural
 
 
@@ -101,13 +102,15 @@ def _matrix(doc: dict, first: Optional[dict], console: Console) -> None:
     head.append("   accum.   added")
     console.print(head, style="bold")
     mp = doc.get("model_points") or {}
-    if EMBED.name in mp:
+    before, after = model_points_around(mp)
+    if before:  # the embedding (and a family's scaling of it), one cell each
         row = Text(" emb  ")
-        v = mp[EMBED.name]["max_rel_err"]
-        if first is not None and first["layer"] is None and first["point"] == EMBED.name:
-            row.append(f"[{decade_cell(v)}]", style="bold reverse red")
-        else:
-            row.append(f"{decade_cell(v):<3}", style=shade(v))
+        for name in before:
+            v = mp[name]["max_rel_err"]
+            if first is not None and first["layer"] is None and first["point"] == name:
+                row.append(f"[{decade_cell(v)}]", style="bold reverse red")
+            else:
+                row.append(f"{decade_cell(v):<3}", style=shade(v))
         console.print(row)
     for lay in doc["layers"]:
         by_name = {p["point"]: p for p in lay["points"]}
@@ -125,8 +128,8 @@ def _matrix(doc: dict, first: Optional[dict], console: Console) -> None:
         row.append(f"{_e(lay.get('rel_err')):>9}{_e(lay.get('added_rel_err')):>8}",
                    style="bold" if (lay.get("added_rel_err") or 0) > doc["tolerance"] else "")
         console.print(row)
-    tail = [f"{name} {_e(mp[name]['max_rel_err'])} (added {_e(mp[name]['added_rel_err'])})"
-            for name in (FINAL_NORM.name, LOGITS.name) if name in mp]
+    tail = [f"{name} {_e(mp[name]['max_rel_err'])} (added {_e(mp[name]['added_rel_err'])})" for name in after
+            if name != LAST.name]
     if tail:
         console.print("after the layers: " + ", ".join(tail))
     legend = " ".join(f"{short[n]}={n}" for n in points)

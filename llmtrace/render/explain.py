@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from llmtrace.model.llama_points import LOGITS, RESID_MID, RESID_POST
+from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, LOGITS, RESID_MID, RESID_POST
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
@@ -210,7 +210,7 @@ def _layer(console: Console, ev: dict) -> None:
     T = ev["n_tokens"]
     t = _table(("FLOPs for this prompt", "left"), ("formula (T = " + str(T) + ")", "left"), ("FLOPs", "right"))
     ffn = (("router", "router scores", "2·T·D·E"), ("ffn", "K SwiGLU experts a token", "K·(2·T·D·2Fe + 2·T·Fe·D)")) \
-        if "router" in f else (("ffn", "SwiGLU FFN", "2·T·D·2F + 2·T·F·D"),)
+        if "router" in f else (("ffn", "gated FFN", "2·T·D·2F + 2·T·F·D"),)
     for key, label, formula in (("qkv", "Q, K, V projections", "2·T·D·(H + 2·Hkv)·Dh"),
                                 ("scores", "scores Q·Kᵀ", "2·H·T·T·Dh"), ("pv", "weighted sum P·V", "2·H·T·T·Dh"),
                                 ("o", "output projection", "2·T·H·Dh·D"), *ffn):
@@ -222,23 +222,33 @@ def _layer(console: Console, ev: dict) -> None:
 
 
 def _rmsnorm(console: Console, evs: list[dict], toks: list[str]) -> None:
-    a, f = evs[0], evs[1]
-    _title(console, f"② s6.1 / s6.7  RMSNorm (before attention, before the FFN): {a['formula']}")
+    a = evs[0]
+    if len(evs) == 2 and [e["norm"] for e in evs] == [ATTN_NORM.name, FFN_NORM.name]:
+        title = "(before attention, before the FFN)"
+    else:
+        title = "(" + ", ".join(f"{e['norm']} {e['seed_step']}" for e in evs) + ")"
+    _title(console, f"② RMSNorm ×{len(evs)} {title}: {a['formula']}")
     _note(console, f"ε = {a['eps']:g}; γ is learned, one weight per dimension")
     for ev in evs:
         g = ev["gamma"]
         dims = ", ".join(f"{d}:{v:.3f}" for d, v in zip(g["top_dims"][:3], g["top_values"][:3]))
         _note(console, f"{ev['norm']} γ: mean {g['mean']:.4f}, min {g['min']:.4f}, max {g['max']:.4f} "
                        f"(largest |γ| at dims {dims}); max |y − forward pass| = {fmt_num(ev['check_max_abs_diff'])}")
-    t = _table(("pos", "right"), ("token", "left"), ("RMS(x)", "right"), ("‖x‖", "right"), ("‖x/RMS‖", "right"),
-               ("‖γ⊙x/RMS‖", "right"), ("│ ffn: RMS(x')", "right"), ("‖x'‖", "right"), ("‖γ⊙x'/RMS‖", "right"))
+    if len(evs) == 2:
+        f = evs[1]
+        t = _table(("pos", "right"), ("token", "left"), ("RMS(x)", "right"), ("‖x‖", "right"), ("‖x/RMS‖", "right"),
+                   ("‖γ⊙x/RMS‖", "right"), ("│ ffn: RMS(x')", "right"), ("‖x'‖", "right"), ("‖γ⊙x'/RMS‖", "right"))
+        cells = lambda r, s: [fmt_num(r["rms"]), fmt_num(r["norm_in"]), fmt_num(r["norm_unit"]),  # noqa: E731
+                              fmt_num(r["norm_out"]), fmt_num(s["rms"]), fmt_num(s["norm_in"]), fmt_num(s["norm_out"])]
+    else:  # a family's extra norms: each norm's input RMS and output length
+        t = _table(("pos", "right"), ("token", "left"),
+                   *[c for e in evs for c in ((f"{e['norm'].removesuffix('_norm')} RMS(in)", "right"), ("‖out‖", "right"))])
+        cells = lambda *rows: [fmt_num(r[k]) for r in rows for k in ("rms", "norm_out")]  # noqa: E731
     for i in _sample_rows(len(a["tokens"])):
         if i is None:
-            t.add_row("…", "", *[""] * 7)
+            t.add_row("…", "", *[""] * (len(t.columns) - 2))
             continue
-        r, s = a["tokens"][i], f["tokens"][i]
-        t.add_row(str(i), _tok(toks[i]), fmt_num(r["rms"]), fmt_num(r["norm_in"]), fmt_num(r["norm_unit"]),
-                  fmt_num(r["norm_out"]), fmt_num(s["rms"]), fmt_num(s["norm_in"]), fmt_num(s["norm_out"]))
+        t.add_row(str(i), _tok(toks[i]), *cells(*(e["tokens"][i] for e in evs)))
     print_fitted(console, t)
     _note(console, f"dividing by the RMS gives every token the same length √D = {a['d_model'] ** 0.5:.2f}, whatever "
                    f"its scale; γ then re-weights each of the D dimensions (learned), which sets the final length")
@@ -267,7 +277,8 @@ def _qkv(console: Console, ev: dict) -> None:
 
 def _rope(console: Console, ev: dict) -> None:
     scaling = "no scaling" if not ev["scaling"] else "scaling " + ", ".join(f"{k}={v}" for k, v in ev["scaling"].items())
-    _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:g}, {scaling}")
+    table = {"local": ", the sliding-window layers' own table", "global": ""}.get(ev.get("rope_table"), "")
+    _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:,g}{table}, {scaling}")
     _note(console, ev["formula"])
     n = len(ev["pairs"][0]["angles"])
     cols = list(range(min(n, 6))) + ([n - 1] if n > 6 else [])
@@ -313,13 +324,15 @@ def _matrix_table(title: str, rows: list[list], masked: Optional[list[list]] = N
 def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: list[str]) -> None:
     H, T, _ = ev["shape"]
     _title(console, f"⑤ s6.4–s6.5  attention: scores {shape_text(ev['shape'])} → causal mask → softmax → P·V")
-    _note(console, f"{ev['formula']}; the mask sets {ev['masked']:,} entries (every key after its query) to −∞")
+    window = ev.get("window")
+    which = f"every key after its query, and every key {window} or more back" if window else "every key after its query"
+    _note(console, f"{ev['formula']}; the mask sets {ev['masked']:,} entries ({which}) to −∞")
     _note(console, f"scores before the mask: min {fmt_num(ev['pre_mask']['min'])}, max {fmt_num(ev['pre_mask']['max'])}; "
                    f"after (the entries a position may see): min {fmt_num(ev['post_mask']['min'])}, max "
                    f"{fmt_num(ev['post_mask']['max'])}; every softmax row sums to 1 (largest error "
                    f"{fmt_num(ev['row_sum_max_error'])})")
     ex = ev["example"]
-    scores = _matrix_table(f"head {ex['head']}: Q·Kᵀ/√Dh, masked →−∞", ex["scores"], ex["masked_scores"])
+    scores = _matrix_table(f"head {ex['head']}: scores, masked →−∞", ex["scores"], ex["masked_scores"])
     probs = _matrix_table("softmax P", ex["probs"])
     if console.measure(scores).maximum + console.measure(probs).maximum + 3 <= console.width:
         grid = Table.grid(padding=(0, 3))  # side by side when they fit
@@ -347,10 +360,17 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
 
 def _heatmap(console: Console, amap: dict, toks: list[str]) -> None:
     bins, m = amap["bins"], amap["matrix"]
+    window = amap.get("window")
     how = (f"{amap['n_tokens']} positions in {len(bins)} bins (keys summed, queries averaged per bin)"
            if amap["binned"] else f"{amap['n_tokens']} positions")
     console.print(Text(f"attention map, {amap['what']} ({how}): rows are queries, columns keys; pick a head with --head",
                        style="bold"))
+    if window:
+        _note(console, f"a sliding-window layer: each query sees only the last {window} keys, the band along the "
+                       f"diagonal (╳: out of the window)")
+    elif amap.get("model_window"):
+        _note(console, f"a global layer: every query sees every earlier key (the model's other layers see only the "
+                       f"last {amap['model_window']})")
     label_w = 16
     head = Text(" " * label_w)
     j = 0
@@ -364,18 +384,23 @@ def _heatmap(console: Console, amap: dict, toks: list[str]) -> None:
         name = _tok(toks[lo], label_w - len(label) - 2) if hi - lo == 1 else ""
         line = Text(f"{label} {name}".ljust(label_w)[:label_w], style="dim")
         for j, w in enumerate(m[i]):
-            line.append_text(_shade(None if bins[j][0] > hi - 1 else w))  # keys after the query: masked
+            if bins[j][0] > hi - 1:  # keys after every query of the bin: masked, the future
+                line.append_text(_shade(None))
+            elif window and bins[j][1] - 1 <= lo - window:  # keys before every query's window
+                line.append("╳╳", style="grey30")
+            else:
+                line.append_text(_shade(w))
         console.print(line)
     legend = Text("  ")
     for lo, ch, colour in reversed(SHADES):
         legend.append(ch * 2, style=colour)
         legend.append(f" ≥{lo:.0%}  " if lo else " <2%  ", style="dim")
-    legend.append("(blank: masked, in the future)", style="dim")
+    legend.append("(blank: masked, in the future" + ("; ╳: out of the window)" if window else ")"), style="dim")
     console.print(legend)
 
 
 def _residual(console: Console, ev: dict, toks: list[str]) -> None:
-    _title(console, "⑥ s6.6  output projection and residual: x' = x + concat(heads)·Wo")
+    _title(console, f"⑥ s6.6  output projection and residual: {ev['formula'].partition(';')[0]}")
     t = _table(("pos", "right"), ("token", "left"), ("‖x‖", "right"), ("‖attn‖", "right"), ("‖attn‖/‖x‖", "right"),
                ("cos(x,attn)", "right"), ("cos(x,x')", "right"), ("‖x''−x‖/‖x‖", "right"), ("cos(x,x'')", "right"))
     for i in _sample_rows(len(ev["tokens"])):
@@ -386,20 +411,21 @@ def _residual(console: Console, ev: dict, toks: list[str]) -> None:
         t.add_row(str(i), _tok(toks[i]), fmt_num(r["norm_in"]), fmt_num(r["norm_attn"]), fmt_num(r["attn_to_stream"]),
                   _f(r["cos_attn_stream"], 3), _f(r["cos_attn"], 5), fmt_num(r["rel_change_layer"]), _f(r["cos_layer"], 5))
     print_fitted(console, t)
-    _note(console, "x enters the layer; attn = concat(heads)·Wo; x' = x + attn (so ‖x'−x‖/‖x‖ = ‖attn‖/‖x‖); "
+    _note(console, "x enters the layer; attn = what attention adds to it; x' = x + attn (so ‖x'−x‖/‖x‖ = ‖attn‖/‖x‖); "
                    "x'' = x' + FFN(x') leaves the layer. A cosine near 1: the layer nudged the token's vector "
                    "rather than replacing it")
 
 
 def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
     chain = " → ".join(f"{s['name']} {shape_text(s['shape'])}" for s in ev["shapes"])
-    _title(console, f"⑦ s6.7  SwiGLU feed-forward, D → F → D")
+    _title(console, f"⑦ s6.7  {ev.get('kind', 'SwiGLU')} feed-forward, D → F → D")
+    fn = ev.get("activation", "silu")
     _note(console, ev["formula"])
     console.print(chain)
-    _note(console, f"silu(gate) near zero (|·| < {ev['near_zero_threshold']:g}): {ev['near_zero_fraction']:.1%} of all "
-                   f"units; gate < 0 for {ev['negative_gate_fraction']:.1%}; silu(gate) mean "
+    _note(console, f"{fn}(gate) near zero (|·| < {ev['near_zero_threshold']:g}): {ev['near_zero_fraction']:.1%} of all "
+                   f"units; gate < 0 for {ev['negative_gate_fraction']:.1%}; {fn}(gate) mean "
                    f"{fmt_num(ev['silu_gate']['mean'])}, max {fmt_num(ev['silu_gate']['max'])}; "
-                   f"act = silu(gate)⊙up matches the forward pass to {fmt_num(ev['check_act_max_abs_diff'])}")
+                   f"act = {fn}(gate)⊙up matches the forward pass to {fmt_num(ev['check_act_max_abs_diff'])}")
     t = _table(("pos", "right"), ("token", "left"), ("units ≈ 0", "right"), ("‖act‖", "right"), ("‖down‖", "right"),
                ("‖down‖/‖x'‖", "right"), ("cos(x', x'')", "right"))
     for i in _sample_rows(len(ev["tokens"])):
@@ -413,7 +439,7 @@ def _ffn(console: Console, ev: dict, toks: list[str]) -> None:
     tu = ev["top_units"]
     console.print(Text(f"the most active units for the last token (position {tu['position']}, "
                        f"{_tok(toks[tu['position']])}), by |act|", style="bold"))
-    t = _table(("unit", "right"), ("gate", "right"), ("silu(gate)", "right"), ("up", "right"), ("act", "right"))
+    t = _table(("unit", "right"), ("gate", "right"), (f"{fn}(gate)", "right"), ("up", "right"), ("act", "right"))
     for u in tu["units"]:
         t.add_row(str(u["unit"]), fmt_num(u["gate"]), fmt_num(u["silu_gate"]), fmt_num(u["up"]), fmt_num(u["act"]))
     print_fitted(console, t)

@@ -117,9 +117,10 @@ def print_changes(console: Console, m: dict) -> None:
 def print_parts(console: Console, parts: list[str], style: Optional[str] = None, sep: str = " · ") -> None:
     """Print `parts` joined by `sep`, breaking lines only between parts, so that '14.4 tok/s' is never split."""
     line = ""
-    for part in parts:
+    for i, part in enumerate(parts):
         candidate = part if not line else line + sep + part
-        if line and Text(candidate).cell_len > console.width:
+        ends = sep.rstrip() if i < len(parts) - 1 else ""  # a line that breaks after this part ends with the sep
+        if line and Text(candidate + ends).cell_len > console.width:
             console.print(Text(line + sep.rstrip(), style=style or ""))
             line = "  " + part
         else:

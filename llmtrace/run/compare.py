@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from llmtrace.errors import BadValue, FieldError, LlmtraceError, UsageError
-from llmtrace.model.llama_points import EMBED, FINAL_NORM, LOGITS
+from llmtrace.model.llama_points import EMBED
 from llmtrace.model.moe_points import ROUTER_PROBS
-from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
+from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events, model_points_around
 from llmtrace.units import plural
 
 DEFAULT_TOLERANCE = 1e-4
@@ -283,14 +283,16 @@ class PointSums:
 
 
 def find_first_divergence(model_points: dict, layers: list[dict], tolerance: float) -> tuple[Optional[dict], float]:
-    """The first point in forward order (embed, each layer's points, final_norm, logits) whose error at some position
+    """The first point in forward order (embed, each layer's points, final_norm, logits; a family's own model points
+    where they run) whose error at some position
     exceeds `tolerance`, and the largest error of any point before it. The point as {"layer", "point", "seed_step",
     "position": the earliest position over the tolerance there, "position_rel_err": its error, "worst_position": the
     position of the largest error there, "rel_err": that largest error} (positions as indices into the compared
     positions), or None."""
-    order = [(None, model_points[EMBED.name])] if EMBED.name in model_points else []
+    before, after = model_points_around(model_points)
+    order = [(None, model_points[n]) for n in before]
     order += [(lay["layer"], p) for lay in layers for p in lay["points"]]
-    order += [(None, model_points[n]) for n in (FINAL_NORM.name, LOGITS.name) if n in model_points]
+    order += [(None, model_points[n]) for n in after]
     before = 0.0
     for layer, p in order:
         worst = p["max_rel_err"]
@@ -388,7 +390,7 @@ def summary_line(doc: dict) -> str:
     where = f"layer {fd['layer']}, " if fd["layer"] is not None else ""
     step = f" ({fd['seed_step']})" if fd.get("seed_step") else ""
     norms = fd.get("basis") == "norm"
-    if (fd["layer"], fd["point"]) == (None, EMBED.name):
+    if fd["layer"] is None and fd["point"] == EMBED.name:
         rest = "the first point"
     elif before == 0:
         rest = "every norm before it the same" if norms else "everything before it identical"

@@ -44,8 +44,9 @@ from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
-from llmtrace.model.transformer import (ModelConfig, Transformer, apply_rope, kv_bytes_per_position, rope_inv_freq,
-                                        rope_table)
+from llmtrace.model.points import Points
+from llmtrace.model.transformer import (ACTIVATIONS, ModelConfig, Transformer, apply_rope, kv_bytes_per_position,
+                                        rope_angles, rope_inv_freq)
 from llmtrace.trace.records import (SIGNIFICANT_DIGITS, batch_event, candidate_records, dtype_name, explain_model_record,
                                     rounded, tensor_event, tokens_event)
 from llmtrace.trace.stats import tensor_stats
@@ -102,6 +103,7 @@ class Capture:
     resid_post: list[torch.Tensor]  # L × (T, D) the stream after each layer's FFN (the layer's output)
     logits: torch.Tensor  # (T, V) the model's own output
     kv_element_size: int  # bytes per cached number
+    declared: Optional[Points] = None  # the model's declared points (model.points.Points)
 
     @property
     def x_in(self) -> torch.Tensor:
@@ -131,7 +133,7 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
     return Capture(ids=list(ids), layer=layer, points=points, embed=kept[(None, EMBED.name)][0],
                    resid_mid=[kept[(i, RESID_MID.name)][0] for i in range(L)],
                    resid_post=[kept[(i, RESID_POST.name)][0] for i in range(L)],
-                   logits=logits, kv_element_size=cache.element_size)
+                   logits=logits, kv_element_size=cache.element_size, declared=model.declared_points())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -196,9 +198,10 @@ def layer_params(model: Transformer, layer: int) -> list[dict]:
     for w in model.declared_weights():
         if not w.param.startswith(prefix):
             continue
-        owner = w.param[len(prefix):].rpartition(".")[0].partition(".")[0]
+        owner = w.param[len(prefix):].rpartition(".")[0]  # the module: attn_norm, attn.q_norm, attn.wqkv
         for src in w.sources:
-            name = f"{owner}.{src.math}" if src.math == "γ" else src.math
+            math_name = src.math or w.weight.math
+            name = f"{owner}.{math_name}" if w.weight.kind == "vector" and math_name == "γ" else math_name
             shape = [w.shape[1], src.rows] if w.weight.kind == "matrix" else [src.rows, *w.shape[1:]]
             rows.append({"name": name, "seed_step": w.weight.step, "shape": shape,
                          "numel": src.rows * math.prod(w.shape[1:])})
@@ -355,20 +358,29 @@ def rotated_from(points, rotated) -> str:
     return name
 
 
+def layer_rope(config: ModelConfig, layer: int) -> tuple[str, float, torch.Tensor]:
+    """The RoPE table `layer` uses: its kind ("global", or "local": a sliding-window layer's own base), its base and
+    its theta_i (Dr/2,), as the model builds them (Transformer.layer_kinds)."""
+    sliding = config.layer_type(layer) == "sliding" and config.sliding_window is not None
+    if sliding and config.rope_local_theta is not None:
+        return "local", config.rope_local_theta, rope_inv_freq(config, config.rope_local_theta)
+    return "global", config.rope_theta, rope_inv_freq(config)  # scaled as the checkpoint says
+
+
 def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None) -> dict:
     c = config
     q_in = rotated_from(model.declared_points() if model is not None else None, Q_ROPE)
     k_in = rotated_from(model.declared_points() if model is not None else None, K_ROPE)
     T, Dh = len(cap.ids), c.head_dim
     Dr = c.rotary_dim or Dh  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
-    inv_freq = rope_inv_freq(c)  # (Dr/2,) theta_i = base^(-2i/Dr), scaled
+    table, theta, inv_freq = layer_rope(c, cap.layer)  # (Dr/2,) theta_i = base^(-2i/Dr) of this layer's table
     pairs = rope_pairs(Dr)
     positions = torch.arange(T, dtype=torch.float32)
     # the model's own tables (this layer's, where layers differ or the sequence's length decides: Gemma 3, LongRoPE)
     # reproduce the captured q_rope / k_rope
     device = cap.points[Q.name].device
     if model is None:
-        cos, sin = rope_table(c, T, device)
+        cos, sin = rope_angles(inv_freq.to(device), torch.arange(T, device=device))
     else:
         io = model.layer_inputs(torch.zeros((1, T), dtype=torch.long, device=device), dtype=torch.float32)[cap.layer]
         cos, sin = io.cos, io.sin
@@ -386,7 +398,8 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
     deviation = (scores - scores[:, :1]).abs().max(dim=1).values  # per distance: spread over shifts
     return {
         "event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3",
-        "theta": c.rope_theta, "scaling": _scaling_info(c.rope_scaling), "head_dim": Dh,
+        "theta": theta, "rope_table": table, "scaling": _scaling_info(c.rope_scaling if table == "global" else None),
+        "head_dim": Dh,
         "formula": "θ_i = base^(-2i/Dh); pair (x_i, x_{i+Dh/2}) at position m is rotated by m·θ_i",
         "pairs": [{"i": i, "dims": [i, i + Dr // 2], "theta_i": _r(inv_freq[i]),
                    "wavelength": _r(2 * math.pi / inv_freq[i].item()),
@@ -410,12 +423,33 @@ def _scaling_info(scaling: Optional[dict]):
 # 5. attention
 
 
-def scores_before_mask(cap: Capture, config: ModelConfig) -> torch.Tensor:
-    """Q K^T / sqrt(Dh) from the captured rotated q and k, before the causal mask: (H, T, T), float32."""
+def scores_before_mask(cap: Capture, config: ModelConfig, attn=None) -> torch.Tensor:
+    """Q K^T / sqrt(Dh) from the captured rotated q and k, before the causal mask: (H, T, T), float32. `attn`: the
+    layer's attention module, whose own `scores` step computes them instead (a family's scale, a soft-cap)."""
     q = cap.points[Q_ROPE.name].float().transpose(0, 1)  # (H, T, Dh)
     k = cap.points[K_ROPE.name].float().transpose(0, 1)  # (Hkv, T, Dh)
     k = k.repeat_interleave(config.group_size, dim=0)  # (H, T, Dh): repeat_kv, one copy per query head of the group
+    if attn is not None:
+        return attn.scores(q[None], k[None])[0].float()  # (H, T, T)
     return q @ k.transpose(-2, -1) / math.sqrt(config.head_dim)  # (H, T, T)
+
+
+def layer_window(config: ModelConfig, layer: int) -> Optional[int]:
+    """The sliding window W of `layer` (its queries see the last W keys), or None when it sees every earlier key."""
+    sliding = config.layer_type(layer) == "sliding" and config.sliding_window is not None
+    return config.sliding_window if sliding else None
+
+
+def attention_formula(config: ModelConfig, layer: int) -> str:
+    """softmax(scores + M) V in this layer's terms: its scale, its soft-cap, its mask."""
+    scale = ("/ sqrt(Dh)" if config.attn_scale is None or abs(config.attn_scale * math.sqrt(config.head_dim) - 1) < 1e-9
+             else f"· {config.attn_scale:.4g}")
+    scores = f"Q Kᵀ {scale}"
+    if config.attn_softcap:
+        scores = f"{config.attn_softcap:g}·tanh({scores} / {config.attn_softcap:g})"
+    window = layer_window(config, layer)
+    mask = "−∞ above the diagonal" + (f" and {window} or more keys back (the sliding window)" if window else "")
+    return f"P = softmax({scores} + M), M = {mask}; O = P V"
 
 
 def bin_edges(n: int, max_cells: int = MAP_CELLS) -> list[tuple[int, int]]:
@@ -433,11 +467,13 @@ def binned_map(probs: torch.Tensor, edges: list[tuple[int, int]]) -> torch.Tenso
 
 
 def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = None,
-                       example: int = 6) -> list[dict]:
-    """The attention summary, one record per head, and one map (`head`, or the mean over heads)."""
+                       example: int = 6, attn=None) -> list[dict]:
+    """The attention summary, one record per head, and one map (`head`, or the mean over heads). `attn`: the layer's
+    attention module (see scores_before_mask)."""
     c = config
     T = len(cap.ids)
-    pre = scores_before_mask(cap, c)  # (H, T, T)
+    window = layer_window(c, cap.layer)
+    pre = scores_before_mask(cap, c, attn)  # (H, T, T)
     post = cap.points[SCORES.name].float()  # (H, T, T), -inf above the diagonal
     probs = cap.points[PROBS.name].float()  # (H, T, T)
     finite = torch.isfinite(post)
@@ -446,7 +482,7 @@ def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = 
     n = min(T, example)
     out = [{
         "event": "explain", "section": "attention", "layer": cap.layer, "seed_step": "s6.4-s6.5",
-        "formula": "P = softmax(Q Kᵀ / sqrt(Dh) + M), M = −∞ above the diagonal; O = P V",
+        "formula": attention_formula(c, cap.layer), "window": window,
         "shape": [c.n_heads, T, T], "masked": int((~finite).sum()), "pre_mask": _stats(pre), "post_mask": _stats(post),
         "probs": _stats(probs), "row_sum_max_error": _r((probs.sum(-1) - 1).abs().max()),
         "check_scores_max_abs_diff": _r(agree),
@@ -464,7 +500,7 @@ def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = 
     out.append({"event": "explain", "section": "attention_map", "layer": cap.layer, "head": head,
                 "what": f"head {head}" if head is not None else "mean over heads", "n_tokens": T,
                 "binned": len(edges) < T, "bins": [list(e) for e in edges],
-                "matrix": _rl(binned_map(chosen, edges), 4)})
+                "matrix": _rl(binned_map(chosen, edges), 4), "window": window, "model_window": c.sliding_window})
     return out
 
 
@@ -472,9 +508,15 @@ def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = 
 # 6. output projection and residual
 
 
+def post_norm_of(cap: Capture, name: str) -> Optional[str]:
+    """The point that norms the sub-layer output `name` before the residual add (a family's post-norm), if any."""
+    return next((p.name for p in (cap.declared.layer if cap.declared else ()) if p.input == name), None)
+
+
 def residual_section(cap: Capture) -> dict:
     x = cap.x_in.float()  # (T, D) entering the layer
-    o = cap.points[O_PROJ.name].float()  # (T, D) attention output after Wo
+    post_norm = post_norm_of(cap, O_PROJ.name)
+    o = cap.points[post_norm or O_PROJ.name].float()  # (T, D) what attention adds: o_proj, or o_proj normed again
     mid = cap.resid_mid[cap.layer].float()  # x + o
     post = cap.resid_post[cap.layer].float()  # the layer's output
     nx, no = x.norm(dim=-1), o.norm(dim=-1)
@@ -483,7 +525,8 @@ def residual_section(cap: Capture) -> dict:
     cos_attn, cos_layer, cos_o = _cos(x, mid), _cos(x, post), _cos(x, o)
     return {
         "event": "explain", "section": "residual", "layer": cap.layer, "seed_step": "s6.6",
-        "formula": "x' = x + concat(heads) Wo; the layer's output x'' = x' + FFN(x')",
+        "formula": (f"x' = x + {post_norm}(concat(heads) Wo)" if post_norm else "x' = x + concat(heads) Wo")
+                   + "; the layer's output x'' = x' + FFN(x')",
         "shapes": {ATTN_OUT.name: list(cap.points[ATTN_OUT.name].shape), O_PROJ.name: list(o.shape)},
         "tokens": [{"position": t, "norm_in": _r(nx[t]), "norm_attn": _r(no[t]), "attn_to_stream": _r(no[t] / nx[t]),
                     "cos_attn_stream": _r(cos_o[t]), "rel_change_attn": _r(rel_attn[t]), "cos_attn": _r(cos_attn[t]),
@@ -496,21 +539,26 @@ def residual_section(cap: Capture) -> dict:
 # 7. SwiGLU feed-forward
 
 
+GATE_NAMES = {"silu": ("silu", "SwiGLU", "silu(g) = g·sigmoid(g)"),
+              "gelu_tanh": ("gelu", "GeGLU", "gelu(g) = g·Φ(g), tanh approximation")}
+
+
 def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO, top: int = 8) -> dict:
     T, D, Fd = len(cap.ids), config.d_model, config.ffn_dim
+    fn, kind, defined = GATE_NAMES[config.ffn_act]
     gate, up = cap.points[GATE.name].float(), cap.points[UP.name].float()  # (T, F)
-    act = cap.points[ACT.name].float()  # (T, F) silu(gate) * up, as the model computed it
-    s = F.silu(gate)  # (T, F)
+    act = cap.points[ACT.name].float()  # (T, F) act(gate) * up, as the model computed it
+    s = ACTIVATIONS[config.ffn_act](gate)  # (T, F)
     off = s.abs() < near_zero  # (T, F) units (nearly) switched off by the gate
     mid, post = cap.resid_mid[cap.layer].float(), cap.resid_post[cap.layer].float()
-    down = cap.points[DOWN.name].float()  # (T, D)
+    down = cap.points[post_norm_of(cap, DOWN.name) or DOWN.name].float()  # (T, D) what the FFN adds
     last = T - 1
     units = act[last].abs().topk(min(top, Fd)).indices
     return {
         "event": "explain", "section": "ffn", "layer": cap.layer, "seed_step": "s6.7",
-        "formula": "FFN(x) = W_down (silu(x W_gate) ⊙ (x W_up)), silu(g) = g·sigmoid(g)",
+        "formula": f"FFN(x) = W_down ({fn}(x W_gate) ⊙ (x W_up)), {defined}", "kind": kind, "activation": fn,
         "shapes": [{"name": "x̂ (ffn_norm output)", "shape": [T, D]}, {"name": "gate = x̂ W_gate", "shape": [T, Fd]},
-                   {"name": "up = x̂ W_up", "shape": [T, Fd]}, {"name": "act = silu(gate) ⊙ up", "shape": [T, Fd]},
+                   {"name": "up = x̂ W_up", "shape": [T, Fd]}, {"name": f"act = {fn}(gate) ⊙ up", "shape": [T, Fd]},
                    {"name": "down = act W_down", "shape": [T, D]}],
         "near_zero_threshold": near_zero,
         "near_zero_fraction": _r(off.float().mean()),
@@ -620,7 +668,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
         yield rmsnorm_section(cap, lm.model, lm.points.get(name))
     yield qkv_section(cap, c)
     yield rope_section(cap, c, head if head is not None else 0, lm.model)
-    yield from attention_sections(cap, c, head)
+    yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer))
     yield residual_section(cap)
     if layer in moe_layers(c):
         yield router_section(cap.points, cap.resid_mid[layer], layer, c)

@@ -13,6 +13,17 @@ from __future__ import annotations
 COMPARE_SCHEMA = "llmtrace.compare/1"
 
 
+def model_points_around(model_points: dict) -> tuple[list[str], list[str]]:
+    """The model-level points of a comparison, in forward order, split into those before the layers (the embedding
+    and what a family does to it: seed steps s1-s5) and those after (s7-s9: final norm, logits, a soft-cap). The
+    records keep forward order; a record without a seed step counts as after the layers."""
+    before = [n for n, r in model_points.items() if (r.get("seed_step") or "s9") in BEFORE_LAYERS]
+    return before, [n for n in model_points if n not in before]
+
+
+BEFORE_LAYERS = ("s1", "s2", "s3", "s4", "s5")
+
+
 def jsonl_events(doc: dict) -> list[dict]:
     """A comparison's JSON object as events, one JSON object per line: "compare" (everything but the layers and the
     positions), one "compare_layer" per layer, one "compare_position" per position."""
