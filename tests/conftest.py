@@ -161,3 +161,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def loaded(families, tmp_path_factory):
+    """llmtrace's load of a family fixture, `loaded(name, "hf" | "gguf")`: CPU, float32, built once a session (a
+    GGUF's conversion in a cache of the session's own)."""
+    from llmtrace.checkpoint.load import load_model
+
+    cache = {}
+    home = tmp_path_factory.mktemp("families-home")
+
+    def get(name: str, fmt: str):
+        if (name, fmt) not in cache:
+            path = families.hf_dir(name) if fmt == "hf" else families.gguf(name)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("LLMTRACE_HOME", str(home))
+                cache[(name, fmt)] = load_model(str(path), device="cpu", dtype="float32")
+        return cache[(name, fmt)]
+
+    return get

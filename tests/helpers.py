@@ -185,3 +185,21 @@ def embedded(page: str) -> dict:
 
     m = re.search(r'<script type="application/json" id="data">(.*?)</script>', page, re.S)
     return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+def greedy_hf(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ids: n tokens, never stopped early."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def greedy_ours(lm, ids: list[int], n: int) -> list[int]:
+    """llmtrace's greedy continuation of ids through its generation loop (KV cache), n tokens, EOS ignored."""
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
+    return list(generate(lm, ids, sampler, n, (), True, None).tokens)

@@ -6,6 +6,7 @@ it); it runs without one, as llama.cpp does, against transformers without one.""
 
 import pytest
 import torch
+from helpers import greedy_hf, greedy_ours
 
 from families import FAMILIES, PROMPT_IDS, hf_model_via_state_dict
 
@@ -16,12 +17,6 @@ TOL = 1e-4
 N_NEW = 8
 
 
-def greedy_hf(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
-
-
 def check_run(lm, reference, ids: list[int]) -> None:
     idx = torch.tensor([ids])
     with torch.no_grad():
@@ -29,14 +24,6 @@ def check_run(lm, reference, ids: list[int]) -> None:
     diff = float((ours - theirs).abs().max())
     assert diff <= TOL, f"logits differ by {diff:.3g}"
     assert greedy_ours(lm, ids, N_NEW) == greedy_hf(reference, ids, N_NEW)
-
-
-def greedy_ours(lm, ids: list[int], n: int) -> list[int]:
-    from llmtrace.run.generate import generate
-    from llmtrace.run.sampler import Sampler, SamplerConfig
-
-    sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
-    return list(generate(lm, ids, sampler, n, (), True, None).tokens)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,26 +21,6 @@ N_NEW = 10
 GGUF_SCALAR = {"gemma3": 16, "gemma2": 16}
 
 
-@pytest.fixture(scope="module")
-def loaded(families, tmp_path_factory):
-    """llmtrace's load of each family's HF directory and GGUF, CPU, float32 (built once; a GGUF's conversion in a
-    cache of this module's own)."""
-    from llmtrace.checkpoint.load import load_model
-
-    cache = {}
-    home = tmp_path_factory.mktemp("gemma-home")
-
-    def get(name: str, fmt: str):
-        if (name, fmt) not in cache:
-            path = families.hf_dir(name) if fmt == "hf" else families.gguf(name)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("LLMTRACE_HOME", str(home))
-                cache[(name, fmt)] = load_model(str(path), device="cpu", dtype="float32")
-        return cache[(name, fmt)]
-
-    return get
-
-
 def _reference(families, name: str, fmt: str):
     """transformers' model of what llmtrace reads: the HF model itself, or the GGUF read back with llama.cpp's scale."""
     if fmt == "hf":

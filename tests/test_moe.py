@@ -8,6 +8,7 @@ converter undone by hand (families.hf_model_via_state_dict)."""
 
 import pytest
 import torch
+from helpers import greedy_hf, greedy_ours
 
 from families import FAMILIES, PROMPT_IDS, hf_model_from_gguf, hf_model_via_state_dict
 
@@ -20,20 +21,6 @@ GGUF_NAMES = ["mixtral", "qwen3_moe", "qwen3_moe_raw"]
 WEIGHT_TOL = 1e-5
 TOL = 1e-4
 N_NEW = 8
-
-
-def greedy_hf(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(ids):].tolist()
-
-
-def greedy_ours(lm, ids: list[int], n: int) -> list[int]:
-    from llmtrace.run.generate import generate
-    from llmtrace.run.sampler import Sampler, SamplerConfig
-
-    sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
-    return list(generate(lm, ids, sampler, n, (), True, None).tokens)
 
 
 def check_run(lm, reference, ids: list[int]) -> None:

@@ -15,22 +15,9 @@ N_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def loaded(families, tmp_path_factory):
-    """llmtrace's load of the HF directory and the GGUF, CPU, float32 (a GGUF conversion in this module's cache)."""
-    from llmtrace.checkpoint.load import load_model
-
-    cache = {}
-    home = tmp_path_factory.mktemp("olmo2-home")
-
-    def get(fmt: str):
-        if fmt not in cache:
-            path = families.hf_dir("olmo2") if fmt == "hf" else families.gguf("olmo2")
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("LLMTRACE_HOME", str(home))
-                cache[fmt] = load_model(str(path), device="cpu", dtype="float32")
-        return cache[fmt]
-
-    return get
+def olmo(loaded):
+    """The OLMo 2 fixture loaded from its HF directory or GGUF: olmo("hf" | "gguf")."""
+    return lambda fmt: loaded("olmo2", fmt)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +34,8 @@ def reference(families):
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
-def test_logits_equal_transformers(loaded, reference, fmt):
-    lm, ref = loaded(fmt), reference(fmt)
+def test_logits_equal_transformers(olmo, reference, fmt):
+    lm, ref = olmo(fmt), reference(fmt)
     assert lm.config.family == "olmo2" and lm.config.head_dim == 16
     with torch.no_grad():
         ours, theirs = lm.model(prompt_ids())[0], ref(prompt_ids()).logits[0]
@@ -58,13 +45,13 @@ def test_logits_equal_transformers(loaded, reference, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
-def test_prompt_ids_and_greedy_tokens_equal_transformers(families, loaded, reference, fmt):
+def test_prompt_ids_and_greedy_tokens_equal_transformers(families, olmo, reference, fmt):
     import transformers
 
     from llmtrace.run.generate import generate
     from llmtrace.run.sampler import Sampler, SamplerConfig
 
-    lm, ref = loaded(fmt), reference(fmt)
+    lm, ref = olmo(fmt), reference(fmt)
     ids = lm.tokenizer.encode(PROMPT)
     assert ids == transformers.AutoTokenizer.from_pretrained(str(families.hf_dir("olmo2"))).encode(PROMPT)
     ours = list(generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), N_NEW, (), True,
@@ -83,10 +70,10 @@ def test_the_gguf_has_post_norms_and_whole_width_q_k_norms(families):
     assert "blk.0.attn_norm.weight" not in shapes and "blk.0.ffn_norm.weight" not in shapes
 
 
-def test_what_olmo2_changes_is_said_with_its_numbers(loaded):
+def test_what_olmo2_changes_is_said_with_its_numbers(olmo):
     from llmtrace.model.family import describe_changes
 
-    said = describe_changes(loaded("gguf").config)
+    said = describe_changes(olmo("gguf").config)
     assert said == ["q/k RMSNorm over the whole projection (width 64 for q, 64 for k), before the split into heads",
                     "no norm before attention: the stream goes in as it is; attention's output is RMS-normed, then added",
                     "no norm before the feed-forward: its output is RMS-normed, then added"]
@@ -112,10 +99,10 @@ def test_olmo2s_norms_are_points_of_the_trace(families):
 
 
 @torch.no_grad()
-def test_the_points_are_the_maths(loaded, reference):
+def test_the_points_are_the_maths(olmo, reference):
     """What the points hold is transformers' OLMo 2, step by step: q_norm is q_norm(q_proj(x)) over the whole width,
     post_attn_norm the normed attention output, resid_mid the stream plus it."""
-    lm, ref = loaded("hf"), reference("hf")
+    lm, ref = olmo("hf"), reference("hf")
     seen = {}
     with lm.model.hooked(lambda layer, name, x: seen.__setitem__(name, x.clone()), layers=[0]):
         lm.model(prompt_ids())

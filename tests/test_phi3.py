@@ -21,26 +21,6 @@ N_NEW = 8
 
 
 @pytest.fixture(scope="module")
-def loaded(families, tmp_path_factory):
-    """llmtrace's load of each checkpoint's HF directory and GGUF, CPU, float32 (once; GGUF conversions in a cache
-    of this module's own)."""
-    from llmtrace.checkpoint.load import load_model
-
-    cache = {}
-    home = tmp_path_factory.mktemp("phi3-home")
-
-    def get(name: str, fmt: str):
-        if (name, fmt) not in cache:
-            path = families.hf_dir(name) if fmt == "hf" else families.gguf(name)
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv("LLMTRACE_HOME", str(home))
-                cache[(name, fmt)] = load_model(str(path), device="cpu", dtype="float32")
-        return cache[(name, fmt)]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def references(families):
     """transformers' model of each file: the HF model itself, or transformers' own GGUF loader on the converter's
     file (given the RoPE settings its loader does not read)."""
