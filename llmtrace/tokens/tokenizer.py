@@ -432,8 +432,7 @@ class TextTokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.chat_template:
-            raise FieldError("chat", " needs a chat template, and this model has none; tokenize the text without it",
-                             before="")
+            raise FieldError("chat", ": this model has no chat template; tokenize the text without it")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
