@@ -203,3 +203,16 @@ def greedy_ours(lm, ids: list[int], n: int) -> list[int]:
 
     sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
     return list(generate(lm, ids, sampler, n, (), True, None).tokens)
+
+
+def check_run(lm, reference, ids: list[int], tol: float = 1e-4, n_new: int = 8) -> None:
+    """llmtrace's model against transformers' `reference` on ids: fp32 logits within tol at every position, and n_new
+    greedy tokens identical (decode through the KV cache)."""
+    import torch
+
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        ours, theirs = lm.model(idx)[0], reference(idx).logits[0]
+    diff = float((ours - theirs).abs().max())
+    assert diff <= tol, f"logits differ by {diff:.3g}"
+    assert greedy_ours(lm, ids, n_new) == greedy_hf(reference, ids, n_new)

@@ -6,7 +6,7 @@ it); it runs without one, as llama.cpp does, against transformers without one.""
 
 import pytest
 import torch
-from helpers import greedy_hf, greedy_ours
+from helpers import check_run
 
 from families import FAMILIES, PROMPT_IDS, hf_model_via_state_dict
 
@@ -14,16 +14,6 @@ from llmtrace.checkpoint.load import load_model
 
 NAMES = ["llama", "qwen3", "qwen3_tied", "qwen3_swa", "mistral"]
 TOL = 1e-4
-N_NEW = 8
-
-
-def check_run(lm, reference, ids: list[int]) -> None:
-    idx = torch.tensor([ids])
-    with torch.no_grad():
-        ours, theirs = lm.model(idx)[0], reference(idx).logits[0]
-    diff = float((ours - theirs).abs().max())
-    assert diff <= TOL, f"logits differ by {diff:.3g}"
-    assert greedy_ours(lm, ids, N_NEW) == greedy_hf(reference, ids, N_NEW)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -8,7 +8,7 @@ converter undone by hand (families.hf_model_via_state_dict)."""
 
 import pytest
 import torch
-from helpers import greedy_hf, greedy_ours
+from helpers import check_run
 
 from families import FAMILIES, PROMPT_IDS, hf_model_from_gguf, hf_model_via_state_dict
 
@@ -20,17 +20,6 @@ HF_NAMES = ["mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense"]
 GGUF_NAMES = ["mixtral", "qwen3_moe", "qwen3_moe_raw"]
 WEIGHT_TOL = 1e-5
 TOL = 1e-4
-N_NEW = 8
-
-
-def check_run(lm, reference, ids: list[int]) -> None:
-    """fp32 logits within TOL at every position, and N_NEW greedy tokens identical (decode through the KV cache)."""
-    idx = torch.tensor([ids])
-    with torch.no_grad():
-        ours, theirs = lm.model(idx)[0], reference(idx).logits[0]
-    diff = float((ours - theirs).abs().max())
-    assert diff <= TOL, f"logits differ by {diff:.3g}"
-    assert greedy_ours(lm, ids, N_NEW) == greedy_hf(reference, ids, N_NEW)
 
 
 def gguf_reference(families, name):
