@@ -431,7 +431,7 @@ class Model:
         if options.for_report:  # the report's attention maps need the probabilities of the recorded layers
             from llmtrace.report.write import report_dumps
 
-            extra = report_dumps(trace.layers, lm.config.n_layers, getattr(lm, "points", None))
+            extra = report_dumps(trace.layers, lm.config.n_layers, lm.points)
             trace = replace(trace, dump=tuple(dict.fromkeys(trace.dump + extra)))
         scfg = options.sampler.changed(ban=banned_sequences(tok, list(options.ban))) if options.ban else options.sampler
         sampler = Sampler(scfg, lm.config.vocab_size, k_show=trace.topk, tokenizer=tok)  # ids against the vocabulary

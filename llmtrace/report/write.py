@@ -105,9 +105,10 @@ def report_dumps(layers: Optional[list[int]], n_layers: int, points=None) -> tup
     first and last layer when every layer is recorded (all of them would make a page of many MB). `points`: the
     model's declared points (model.points: each with name, step, axes); the attention probabilities are the one
     softmax makes over heads × tokens × slots (report.walk.attention_points)."""
+    from llmtrace.model.llama_points import PROBS
     from llmtrace.report.walk import attention_points
 
     chosen = layers if layers is not None else sorted({0, n_layers - 1})
     declared = [{"name": p.name, "step": p.step, "axes": list(p.axes)} for p in points or ()]
-    names = sorted(attention_points(declared)) or ["probs"]  # a model that declares no points: Llama's name
+    names = sorted(attention_points(declared)) or [PROBS.name]  # no points given: Llama's declaration
     return tuple(f"{i}.{name}" for i in chosen for name in names)
