@@ -221,10 +221,23 @@ def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | N
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]  # fmt: skip
     hparams = ModelBase.load_hparams(hf_dir, False)
     model_class = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
-    with torch.inference_mode(), _tiny_vocab_routes():
+    with torch.inference_mode(), _tiny_vocab_routes(), _no_mtp(model_class, hparams):
         writer = model_class(hf_dir, ftype, out, eager=True, model_name=name or hf_dir.name)
         writer.write()
     return out
+
+
+@contextlib.contextmanager
+def _no_mtp(model_class, hparams: dict):
+    """The converter's `--no-mtp` (its main sets the class attribute), for a checkpoint without multi-token-prediction
+    layers (Qwen3.5's tiny models have none; the converter otherwise asserts it found some)."""
+    wants = getattr(model_class, "supports_mtp_export", False) and not hparams.get("mtp_num_hidden_layers")
+    saved = model_class.no_mtp
+    model_class.no_mtp = saved or wants
+    try:
+        yield
+    finally:
+        model_class.no_mtp = saved
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -166,11 +166,16 @@ def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: 
                 raise LlmtraceError(f"{where}: tensor {key or src.math} ({_what(w.param, src.math)}) is missing from "
                                     f"the checkpoint; download it again")
             part = sd.pop(key)
-            check_shape(where, key, part, (src.rows, *w.shape[1:]))
+            shape = (src.rows, *w.shape[1:])
+            if _unit_axes_only(part.shape, shape):  # a depthwise conv's (C, 1, K) read as (C, K), or the reverse
+                part = Reshaped(part, shape)
+            check_shape(where, key, part, shape)
             if permuted and src.permuted_heads:
                 part = part._replace(heads=src.permuted_heads)
             if fmt == "hf" and src.hf_add:
                 part = Offset(part, src.hf_add)
+            if fmt == "hf" and src.hf_map:
+                part = Mapped(part, src.hf_map)
             parts.append(part)
         out[w.param] = parts
     if sd:
@@ -203,6 +208,49 @@ class Offset(NamedTuple):
     def read_into(self, out: torch.Tensor) -> None:
         self.entry.read_into(out)
         out.add_(self.add)
+
+
+def _unit_axes_only(a: tuple, b: tuple) -> bool:
+    """Two shapes that differ only in axes of size 1."""
+    return tuple(a) != tuple(b) and [n for n in a if n != 1] == [n for n in b if n != 1]
+
+
+class Reshaped(NamedTuple):
+    """A checkpoint tensor read into a parameter of the same numbers in a shape that differs in axes of size 1."""
+
+    entry: Any
+    shape: tuple
+
+    @property
+    def key(self):
+        return self.entry.key
+
+    def read_into(self, out: torch.Tensor) -> None:
+        self.entry.read_into(out.view(self.entry.shape))
+
+
+LOAD_MAPS = {"-exp": lambda t: t.exp_().neg_()}  # model.points.LOAD_MAPS says what each one is
+
+
+class Mapped(NamedTuple):
+    """A checkpoint tensor read through a function the model declares (Source.hf_map: Qwen3.5's A = -exp(A_log)),
+    computed in float32 as the reference computes it, then stored in the parameter's dtype."""
+
+    entry: Any
+    fn: str
+
+    @property
+    def shape(self):
+        return self.entry.shape
+
+    @property
+    def key(self):
+        return self.entry.key
+
+    def read_into(self, out: torch.Tensor) -> None:
+        t = torch.empty(out.shape, dtype=torch.float32)
+        self.entry.read_into(t)
+        out.copy_(LOAD_MAPS[self.fn](t))
 
 
 class ExpertStack(NamedTuple):

@@ -15,6 +15,8 @@ Axes are named in the model file's notation (model.transformer's docstring):
     B batch rows   T tokens of this call   S key/value slots   D width   H query heads   Hkv key/value heads
     G query heads per KV head   Dh head width   F feed-forward width   V vocabulary   E experts   K experts chosen
     Fe one expert's feed-forward width
+  and, in a linear-attention layer (Qwen3.5's Gated DeltaNet):
+    Hk key heads   Hv value heads   Dk key head width   Dv value head width   C conv channels   Kc conv kernel
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ AXES = {
     "B": "batch rows", "T": "tokens in this pass", "S": "key/value slots attended", "D": "model width",
     "H": "query heads", "Hkv": "key/value heads", "G": "query heads per KV head", "Dh": "head width",
     "F": "feed-forward width", "V": "vocabulary", "E": "experts", "K": "experts chosen per token",
-    "Fe": "one expert's feed-forward width",
+    "Fe": "one expert's feed-forward width", "Hk": "linear attention's key heads",
+    "Hv": "linear attention's value heads", "Dk": "a key head's width", "Dv": "a value head's width",
+    "C": "the short convolution's channels (q, k and v)", "Kc": "the short convolution's kernel",
 }
 
 
@@ -52,7 +56,9 @@ class Point:
     that replaces the value (interventions); otherwise what a hook returns is an error. `traced`: recorded in a
     trace when its layer is (False for a point that repeats another: resid_pre is the previous layer's resid_post).
     `stored`: its full values can be kept (--save-tensors; False for a view or a list of slots). `residual`: the
-    residual stream itself (what --trace layers records of each layer)."""
+    residual stream itself (what --trace layers records of each layer). `state`: a layer's recurrent state after the
+    pass, the fixed-size memory a linear-attention layer carries from step to step (what the KV cache is to
+    attention): its size is the same at every step."""
 
     name: str
     step: str  # seed step, e.g. "s6.3"
@@ -64,18 +70,19 @@ class Point:
     residual: bool = False
     about: str = ""  # one line: what the tensor is
     input: str = ""  # the point of the same layer this one is computed from, where one step makes it (a norm's input)
+    state: bool = False
 
     def record(self) -> dict:
         """The point as a trace's `run` event lists it."""
         return {"name": self.name, "seed_step": self.step, "axes": list(self.axes), "where": self.where,
                 "editable": self.editable, "traced": self.traced, "stored": self.stored, "residual": self.residual,
-                "about": self.about, "input": self.input}
+                "about": self.about, "input": self.input} | ({"state": True} if self.state else {})
 
 
 def point_from_record(r: dict) -> Point:
     return Point(r["name"], r.get("seed_step") or "", tuple(r.get("axes") or ()), r.get("where", "block"),
                  bool(r.get("editable")), bool(r.get("traced", True)), bool(r.get("stored", True)),
-                 bool(r.get("residual")), r.get("about", ""), r.get("input", ""))
+                 bool(r.get("residual")), r.get("about", ""), r.get("input", ""), bool(r.get("state")))
 
 
 @dataclass(frozen=True)
@@ -156,7 +163,8 @@ class Source:
     where the format has no such tensor. `rows` is the tensor's first dimension as axes ("H*Dh"); `math` its name in
     the maths (Wq); `permuted`: llama.cpp's converter reorders this tensor's rows for its RoPE pairing, per head of
     this many heads ("H" or "Hkv") in the archs that do so (model.families); `hf_add`: a constant the HF tensor is
-    stored without (Gemma's norms multiply by 1 + w; llama.cpp's converter adds the 1, so a GGUF stores it). An HF key
+    stored without (Gemma's norms multiply by 1 + w; llama.cpp's converter adds the 1, so a GGUF stores it);
+    `hf_map`: a function of LOAD_MAPS the HF tensor is stored before (Qwen3.5's A_log; a GGUF stores -exp). An HF key
     with `{e}` in it is one tensor per expert (experts.{e}.w1.weight), `rows` of them ("E") stacked along a new first
     axis; a GGUF holds the same stack as one 3-D tensor."""
 
@@ -166,6 +174,11 @@ class Source:
     math: str = ""
     permuted: Optional[str] = None
     hf_add: float = 0.0
+    hf_map: str = ""
+
+
+# the functions a Source's hf_map may name (applied by the loader, checkpoint.weights)
+LOAD_MAPS = {"-exp": "x -> -exp(x): a decay rate stored as its log (A_log), read as the negative rate A = -exp(A_log)"}
 
 
 @dataclass(frozen=True)
@@ -213,4 +226,5 @@ class DeclaredSource:
     math: str
     permuted_heads: Optional[int]  # heads whose rows llama.cpp reorders for its RoPE, in the archs it does so
     hf_add: float
+    hf_map: str = ""
 

@@ -82,6 +82,10 @@ class ModelConfig:
     expert_ffn_dim: Optional[int] = None  # one expert's hidden width (None: ffn_dim)
     norm_topk_prob: bool = True  # the K chosen probabilities renormalised to sum to 1
     dense_layers: Optional[list] = None  # layers whose feed-forward is dense in a mixture-of-experts model
+    # a linear-attention layer's sizes (layer_types "linear": Qwen3.5's Gated DeltaNet): conv_kernel, k_heads,
+    # v_heads, k_dim, v_dim, and v_order ("grouped": value head j reads key head j // (Hv/Hk), HF's order; "tiled":
+    # j % Hk, the order llama.cpp's converter writes)
+    linear_attn: Optional[dict] = None
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
     @property
@@ -91,9 +95,14 @@ class ModelConfig:
 
     def dims(self) -> dict[str, int]:
         """The sizes the axis names of the declarations stand for."""
-        return {"D": self.d_model, "H": self.n_heads, "Hkv": self.n_kv_heads, "Dh": self.head_dim,
-                "F": self.ffn_dim, "V": self.vocab_size, "G": self.group_size, "E": self.n_experts,
-                "K": self.n_experts_used, "Fe": self.expert_ffn_dim or self.ffn_dim}
+        out = {"D": self.d_model, "H": self.n_heads, "Hkv": self.n_kv_heads, "Dh": self.head_dim,
+               "F": self.ffn_dim, "V": self.vocab_size, "G": self.group_size, "E": self.n_experts,
+               "K": self.n_experts_used, "Fe": self.expert_ffn_dim or self.ffn_dim}
+        if self.linear_attn:
+            la = self.linear_attn
+            out.update(Hk=la["k_heads"], Hv=la["v_heads"], Dk=la["k_dim"], Dv=la["v_dim"], Kc=la["conv_kernel"],
+                       C=2 * la["k_heads"] * la["k_dim"] + la["v_heads"] * la["v_dim"])
+        return out
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
@@ -265,6 +274,25 @@ class LayerKV:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+class LayerState:
+    """One layer's recurrent state, where its memory is not keys and values but fixed-size tensors updated in place
+    by each pass (linear attention: model.families.qwen3_5). `buffers` maps a name to a (B, ...) tensor of the shape
+    the layer declared; unlike a LayerKV it does not grow with the sequence: a pass reads it and writes it back."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]):
+        self.buffers = buffers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.buffers[name]
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        self.buffers[name].copy_(value)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+
 def kv_bytes_per_position(config: ModelConfig, element_size: int, n_heads: Optional[int] = None) -> int:
     """Bytes the cache takes for one position of one row in one layer: K and V, 2 · Hkv · Dh · element size. With
     `n_heads` (the query heads) instead: what the same cache would take without GQA, one K and V per query head. The
@@ -279,13 +307,20 @@ class KVCache:
     Every row has the same slots; which of a row's slots are padding is the caller's `attention_mask`. Every slot is
     kept, in sliding-window layers too (they read only the last W of them): the bytes it counts are the bytes held."""
 
-    def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None):
+    def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None,
+                 states: Optional[list] = None):
         shape = (batch, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, S_max, Dh) per layer
         # One buffer per layer, handed to the layer itself: the layer's code needs no layer index, and a compiled step
         # gets separate inputs rather than views into one shared tensor. `device` may name one device per layer.
+        # `states[i]` (name -> shape without B): layer i keeps a fixed-size recurrent state instead (LayerState),
+        # kept in float32 as the reference keeps it.
         devices = device if isinstance(device, (list, tuple)) else [device] * config.n_layers
-        self.layers = [LayerKV(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
-                       for d in devices]
+        states = states or [None] * config.n_layers
+        self.layers = [LayerState({n: torch.zeros((batch, *s), dtype=torch.float32, device=d) for n, s in st.items()})
+                       if st else
+                       LayerKV(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
+                       for d, st in zip(devices, states)]
+        self.kv_layers = sum(isinstance(kv, LayerKV) for kv in self.layers)
         self.config = config
         self.batch = batch
         self.max_len = max_len
@@ -293,21 +328,37 @@ class KVCache:
 
     @property
     def element_size(self) -> int:
-        return self.layers[0].k.element_size()
+        return next((kv.k.element_size() for kv in self.layers if isinstance(kv, LayerKV)), 4)
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached position of one row takes across all layers: 2 (K and V) * L * Hkv * Dh * element size."""
-        return len(self.layers) * kv_bytes_per_position(self.config, self.element_size)
+        """Bytes one cached position of one row takes across the layers that cache keys and values:
+        2 (K and V) * L * Hkv * Dh * element size (L: those layers)."""
+        return self.kv_layers * kv_bytes_per_position(self.config, self.element_size)
 
     @property
     def mha_bytes_per_token(self) -> int:
         """The same for a cache without GQA (one K and V per query head): what grouped-query attention saves."""
-        return len(self.layers) * kv_bytes_per_position(self.config, self.element_size, self.config.n_heads)
+        return self.kv_layers * kv_bytes_per_position(self.config, self.element_size, self.config.n_heads)
 
     @property
     def bytes_allocated(self) -> int:
-        return sum(kv.k.nbytes + kv.v.nbytes for kv in self.layers)
+        """The keys' and values' buffers (the recurrent states are `state_bytes`)."""
+        return sum(kv.k.nbytes + kv.v.nbytes for kv in self.layers if isinstance(kv, LayerKV))
+
+    @property
+    def state_layers(self) -> list[int]:
+        """The layers that keep a recurrent state instead of keys and values."""
+        return [i for i, kv in enumerate(self.layers) if isinstance(kv, LayerState)]
+
+    @property
+    def state_bytes_per_layer(self) -> int:
+        """One such layer's state, every row: the same at every step, however long the sequence."""
+        return next((kv.nbytes for kv in self.layers if isinstance(kv, LayerState)), 0)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(kv.nbytes for kv in self.layers if isinstance(kv, LayerState))
 
 
 class LayerInput(NamedTuple):
@@ -317,8 +368,9 @@ class LayerInput(NamedTuple):
     cos: torch.Tensor
     sin: torch.Tensor
     mask: Optional[torch.Tensor]
-    cache: Optional[LayerKV]
+    cache: Optional[LayerKV]  # or a LayerState, in a layer that keeps a recurrent state
     start: int
+    padding: Optional[torch.Tensor] = None  # (B, T): False at this call's pad slots; None when no row is padded
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -476,12 +528,17 @@ class Block(Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(config.d_model, config.rms_eps)
-        self.attn = self.attention(config)
+        self.attn = self.attention_of(config, layer)
         self.ffn_norm = RMSNorm(config.d_model, config.rms_eps, step="s6.7")
         self.ffn = self.feed_forward_of(config, layer)
         for m in self.modules():
             if isinstance(m, Module):
                 m.layer = layer
+
+    def attention_of(self, config: ModelConfig, layer: int) -> Module:
+        """This layer's attention: `attention` in every layer of Llama (a hybrid family mixes kinds: Qwen3.5's linear
+        attention in three layers of four; their points are a subset of the declared ones)."""
+        return self.attention(config)
 
     def feed_forward_of(self, config: ModelConfig, layer: int) -> Module:
         """This layer's feed-forward: `feed_forward` in every layer of Llama (a mixture-of-experts family keeps some
@@ -533,7 +590,14 @@ class Transformer(Module):
         """An empty KV cache for `batch` rows of up to `max_len` slots (prompt + new tokens), in the model's dtype.
         Each layer's keys and values sit where that layer runs."""
         p = self.embed.weight
-        return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=self.layer_devices or p.device)
+        return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=self.layer_devices or p.device,
+                       states=self.state_shapes())
+
+    def state_shapes(self) -> Optional[list]:
+        """Each layer's recurrent state (name -> shape without the batch axis), None for a layer that caches keys
+        and values: what `new_cache` allocates. None: every layer caches keys and values (Llama)."""
+        shapes = [getattr(layer, "state_shapes", lambda: None)() for layer in self.layers]
+        return shapes if any(shapes) else None
 
     def cache_stale(self, cache: KVCache, start: int, n: int, input_pos: Optional[torch.Tensor] = None) -> bool:
         """Whether a pass of n tokens at slot `start` makes the cache's slots [0, start) out of date, so that the
@@ -571,7 +635,8 @@ class Transformer(Module):
             for w in module.weights():
                 sources = tuple(DeclaredSource(join(hf, s.hf) if s.hf else None, join(gguf, s.gguf) if s.gguf else None,
                                                _rows(s.rows, w, dims), s.math,
-                                               dims[s.permuted] if s.permuted else None, s.hf_add) for s in w.sources)
+                                               dims[s.permuted] if s.permuted else None, s.hf_add, s.hf_map)
+                                for s in w.sources)
                 out.append(DeclaredWeight(join(param, w.name), w, w.dims(dims), sources))
             for attr, (hf_sub, gguf_sub) in getattr(module, "CHILDREN", {}).items():
                 child = getattr(module, attr)
@@ -646,7 +711,8 @@ class Transformer(Module):
         masks = {mk: allowed_keys(T, start, attention_mask, idx.device,
                                   self.config.sliding_window if mk == "sliding" else None) for mk in {m for _, m in kinds}}
         caches = cache.layers if cache is not None else [None] * len(self.layers)
-        return [LayerInput(*tables[rk], masks[mk], kv, start) for (rk, mk), kv in zip(kinds, caches)]
+        pad = attention_mask[:, start : start + T] if attention_mask is not None else None
+        return [LayerInput(*tables[rk], masks[mk], kv, start, pad) for (rk, mk), kv in zip(kinds, caches)]
 
     def rope_tables(self, positions: torch.Tensor, dtype: Optional[torch.dtype]) -> dict[str, tuple]:
         """cos and sin ((T, Dh) or (B, T, Dh)) of each RoPE table the layers use, for these positions."""

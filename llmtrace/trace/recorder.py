@@ -185,9 +185,10 @@ class Recorder:
             self._reduce_queue()
 
     def _note_shape(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
-        """The prefill's shape table: each point once, from the model-level points and layer 0."""
-        if (layer is None or layer == 0) and name in self._traced and not any(
-                r["name"] == name and r["layer"] == layer for r in self._shape_table):
+        """The prefill's shape table: each point once, from the model-level points and the first layer that reports
+        it (layer 0, or in a hybrid model the first layer of its kind)."""
+        if name in self._traced and not any(r["name"] == name and (r["layer"] is None) == (layer is None)
+                                            for r in self._shape_table):
             self._shape_table.append({"layer": layer, "name": name, "shape": list(self._layout(name, x)[0]),
                                       "dtype": _dtype_name(x.dtype)})
 
