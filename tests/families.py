@@ -66,6 +66,10 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fac
              "original_max_position_embeddings": 8, "short_factor": [1.0, 1.1, 1.3, 1.6],
              "long_factor": [1.0, 2.0, 3.5, 5.0]}
 
+_QWEN35 = {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+
 _FAMILIES = [
     Family("llama", "llama", {"rope_parameters": _ROPE},
            "the reference: q/k rows permuted in GGUF"),
@@ -123,6 +127,14 @@ _FAMILIES = [
     Family("mixtral", "mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
                                   "rope_parameters": _ROPE},
            "4 experts, top 2, renormalised; GGUF arch 'llama' with 3-D expert tensors", transformers_reads_gguf=False),
+    Family("qwen3_5", "qwen3_5_text", _QWEN35,
+           "3 Gated DeltaNet layers then 1 gated full-attention layer; 4 value heads on 2 key heads (the GGUF "
+           "stores them tiled); RoPE on 4 of 16 dims; (1 + w) norms, +1 in GGUF but the gated norm's",
+           transformers_reads_gguf=False),
+    Family("qwen3_5_tied", "qwen3_5_text", {**_QWEN35, "linear_num_value_heads": 2,
+                                            "linear_conv_kernel_dim": 3, "tie_word_embeddings": True},
+           "key and value heads alike (no reordering), kernel 3, the head tied to the "
+           "embedding (as the real 0.8B)", transformers_reads_gguf=False),
     Family("qwen3_moe", "qwen3_moe", {
         "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "intermediate_size": 96, "norm_topk_prob": True, "rope_parameters": _ROPE},
@@ -287,6 +299,10 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
             gguf_name = gguf_name and f"{gguf_name}.{suffix}"
         else:  # a 3-D expert parameter, named without '.weight'
             gguf_name = f"{names.get_name(key)}.weight"
+        if key.endswith("linear_attn.dt_bias"):  # the converter renames it dt_proj.bias
+            gguf_name = names.get_name(key.replace("dt_bias", "dt_proj")) + ".bias"
+        elif key.endswith("linear_attn.A_log"):
+            gguf_name = names.get_name(key)
         if key == "lm_head.weight" and c.tie_word_embeddings:
             gguf_name = "token_embd.weight"  # a tied head has no output.weight
         t = tensors[gguf_name]
@@ -296,8 +312,38 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
             t = _unpermute_rows(t, c.num_key_value_heads)
         elif arch_name in ("gemma2", "gemma3") and key.endswith("norm.weight"):
             t = t - 1  # the converter stores 1 + w; transformers' Gemma RMSNorm multiplies by (1 + w)
+        elif arch_name == "qwen35":
+            t = _qwen35_undone(key, t, c)
         out[key] = t.reshape(ref.shape)
     return out
+
+
+def _qwen35_undone(key: str, t: torch.Tensor, c) -> torch.Tensor:
+    """The converter's Qwen3.5 steps undone: A_log from -exp(A_log), the +1 on every norm but the gated one, and the
+    value heads from llama.cpp's tiled order (value head j of key head j % Hk) back to HF's grouped order."""
+    if key.endswith("A_log"):
+        t = torch.log(-t)
+    elif key.endswith("norm.weight") and "linear_attn" not in key:
+        t = t - 1
+    hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+    if "linear_attn" not in key or hk == hv:
+        return t
+    qk, dv = 2 * hk * c.linear_key_head_dim, c.linear_value_head_dim
+
+    def grouped(x: torch.Tensor, dim: int, width: int) -> torch.Tensor:  # (r, Hk, width) -> (Hk, r, width) on dim
+        shape = list(x.shape)
+        x = x.reshape(*shape[:dim], hv // hk, hk, width, *shape[dim + 1:]).transpose(dim, dim + 1)
+        return x.reshape(shape)
+
+    if key.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return torch.cat([t[:qk], grouped(t[qk:], 0, dv)])
+    if key.endswith("in_proj_z.weight"):
+        return grouped(t, 0, dv)
+    if key.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return grouped(t, 0, 1)
+    if key.endswith("out_proj.weight"):
+        return grouped(t, 1, dv)
+    return t
 
 
 def hf_model_via_state_dict(path: Path, family: Family, **config):

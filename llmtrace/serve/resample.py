@@ -160,7 +160,7 @@ def resample(lm, run: KeptRun, step: int, given: dict) -> dict:
     recorder.sinks.append(events.append)
     kv = own["kv_cache"]
     recorder.on_step(StepRecord(step=step, phase=own["phase"], position=own["position"], token=token, text="",
-                                ledger=ledger, ms=ms, kv=KVFacts(**{k: kv[k] for k in KV_FIELDS})))
+                                ledger=ledger, ms=ms, kv=KVFacts(**{k: kv[k] for k in KV_FIELDS}, **_state(kv))))
     probs = torch.softmax(final.double(), dim=-1)
     n = min(run.show_top, int(torch.isfinite(final).sum()))
     top_p, top_ids = torch.topk(probs, n)
@@ -170,6 +170,13 @@ def resample(lm, run: KeptRun, step: int, given: dict) -> dict:
 
 
 KV_FIELDS = ("seq_len", "capacity", "bytes_per_token", "bytes_allocated", "element_size", "mha_bytes_per_token")
+
+
+def _state(kv: dict) -> dict:
+    """A recorded step's recurrent state (kv_cache.state), as KVFacts holds it."""
+    state = kv.get("state")
+    return {} if not state else {"state_layers": tuple(state["layers"]),
+                                 "state_bytes_per_layer": state["bytes_per_layer"]}
 
 
 def resample_request(body: Any, kept: Kept, served: dict) -> dict:

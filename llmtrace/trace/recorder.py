@@ -459,6 +459,11 @@ class Recorder:
               "mha_bytes_per_token": kv.mha_bytes_per_token, "mha_bytes_used": n * kv.mha_bytes_per_token}
         if row_len is not None:
             ev.update(batch=self._rows, batch_seq_len=kv.seq_len, batch_bytes_used=self._rows * kv.seq_len * kv.bytes_per_token)
+        layers = list(getattr(kv, "state_layers", ()))
+        if layers:  # layers whose memory is a fixed-size state (linear attention): constant, where K and V grow
+            per = kv.state_bytes_per_layer
+            ev["state"] = {"layers": layers, "bytes_per_layer": per, "bytes": per * len(layers)}
+            ev["total_bytes_used"] = ev["bytes_used"] + per * len(layers)
         return ev
 
     def on_step(self, rec, row: Optional[int] = None) -> None:

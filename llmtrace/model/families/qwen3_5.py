@@ -113,8 +113,8 @@ class GatedDeltaNet(Module):
     cache, S (Hv, Dk, Dv) and the convolution's last Kc-1 inputs, updated in place by each pass."""
 
     WHERE = "attn"
-    POINTS = (DELTA_QKV, DELTA_Z, DELTA_B, DELTA_A, DELTA_CONV, DELTA_Q, DELTA_K, DELTA_V, DELTA_BETA, DELTA_DECAY,
-              DELTA_OUT, DELTA_STATE, CONV_STATE, DELTA_NORM, O_PROJ_LINEAR)
+    POINTS = (DELTA_QKV, DELTA_Z, DELTA_B, DELTA_A, CONV_STATE, DELTA_CONV, DELTA_Q, DELTA_K, DELTA_V, DELTA_BETA,
+              DELTA_DECAY, DELTA_STATE, DELTA_OUT, DELTA_NORM, O_PROJ_LINEAR)
     CHILDREN = {"norm": ("norm", "ssm_norm")}
     NORMS = {DELTA_NORM.name: "norm"}
 
