@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmtrace.model.maths import Op, op
 from llmtrace.model.moe_points import MOE_POINTS
 from llmtrace.model.points import Source, Weight
 from llmtrace.model.transformer import ACTIVATIONS, Block, FeedForward, Module
@@ -61,7 +62,7 @@ class MoEFeedForward(Module):
         self.n_experts, self.k = config.n_experts, config.n_experts_used
         self.expert_dim = config.expert_ffn_dim or config.ffn_dim  # Fe
         self.renormalise = config.norm_topk_prob
-        self.act = ACTIVATIONS[config.ffn_act]
+        self.act, self.act_name = ACTIVATIONS[config.ffn_act], config.ffn_act
         E, D, Fe = self.n_experts, config.d_model, self.expert_dim
         self.router = nn.Linear(D, E, bias=False)  # (E, D): W_r
         self.w_gate = ExpertMatrices(E, Fe, D)  # (E, Fe, D)
@@ -78,6 +79,17 @@ class MoEFeedForward(Module):
                        (Source(hf["up"], "ffn_up_exps.weight", "E", "W_up"),)),
                 Weight("w_down.weight", ("E", "D", "Fe"), "s6.7", "experts",
                        (Source(hf["down"], "ffn_down_exps.weight", "E", "W_down"),)))
+
+    def maths(self, x: str, plan) -> dict[str, Op]:
+        """The router's three steps, then each chosen expert's SwiGLU, weighted and summed."""
+        return {"router_logits": op("matmul", [x], ["router.weight"]),
+                "router_probs": op("softmax", ["router_logits"], sink=None),
+                "expert_weights": op("router", ["router_probs"], k=self.k, renormalise=self.renormalise,
+                                     order="softmax, then top-k"),
+                "gate": op("expert_matmul", [x, "expert_weights"], ["w_gate.weight"]),
+                "up": op("expert_matmul", [x, "expert_weights"], ["w_up.weight"]),
+                "act": op("glu", ["gate", "up"], act=self.act_name, clamp=None),
+                "down": op("expert_mix", ["act", "expert_weights"], ["w_down.weight"])}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router: x (B, T, D) -> each token's K chosen experts (B, T, K), most probable first, and their
