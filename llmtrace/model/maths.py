@@ -12,7 +12,9 @@ layer 0 it is the model's `stream_in` (the embedding, or Gemma's embedding × �
 
 An operand named in an operation's `cached` constant spans every slot of the KV cache, not only this pass's tokens:
 the keys a query is scored against and the values it reads are this pass's `k_rope` and `v` after every earlier
-pass's.
+pass's. An operand named in its `carried` constant is a recurrent state as the previous pass of the same cache left
+it (linear attention's S, its convolution's last inputs), zeros before the first pass: the state, not the slots,
+is what such a layer remembers.
 
 A *layer plan* (`LayerPlan`) is what differs between layers, worked out once by the model: the attention (global,
 a window of W, or none), the RoPE (base, rotary width, scaling) or none, a dense feed-forward or experts, and the
@@ -49,6 +51,15 @@ OPS = {
     "expert_matmul": "y_k = x · W_{e_k}ᵀ",  # each of the token's K chosen experts
     "expert_mix": "y = Σ_k w_k · (act_k · W_down,e_kᵀ)",
     "stream": "x = the stream",  # a layer's input: the previous layer's output (no computation)
+    # linear attention (Qwen3.5's Gated DeltaNet): a fixed-size state instead of a KV cache
+    "conv1d": "y_t = act(Σ_j w_j · x_{t−Kc+1+j})",  # causal, depthwise, over the carried last Kc−1 inputs
+    "l2norm": "y = x / √(Σx² + ε) · c",  # per head, over the head's width
+    "slice": "y = x[a:b]",  # some columns of a point, split into heads
+    "sigmoid": "y = σ(x)",
+    "decay": "α = exp(A · softplus(x + dt_bias))",  # A = −exp(A_log) < 0, so 0 < α < 1
+    "delta_rule": "S ← α·S + k⊗β(v − Sᵀk);  o = Sᵀq",  # token by token, from the carried S
+    "gated_rmsnorm": "y = x / √(mean(x²) + ε) · γ · silu(z)",
+    "gate": "y = x · σ(g)",  # an output gate
 }
 
 PREV = "^"  # an operand of the layer before (see the module docstring)
@@ -189,6 +200,8 @@ def rope_words(plan: LayerPlan) -> str:
 
 
 def attention_words(plan: LayerPlan) -> str:
+    if plan.attention == "linear":
+        return "linear attention: a fixed-size state, no KV cache"
     if plan.attention == "window":
         return f"a window of {plan.window:,} keys"
     return "global: every earlier key" if plan.attention == "global" else plan.attention

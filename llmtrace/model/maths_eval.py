@@ -58,6 +58,9 @@ def _matmul(o, x, w, shape, **_):
         a = a.flatten(-2)  # (B, T, H, Dh) -> (B, T, H·Dh)
     rows = o.const("rows")
     W = w[0] if rows is None else w[0][rows[0]:rows[1]]
+    blocks = o.const("blocks")  # [n, i]: each head's rows are n blocks of its width; this point is block i
+    if blocks:
+        W = W.reshape(-1, blocks[0], shape[-1], W.size(-1))[:, blocks[1]].reshape(-1, W.size(-1))
     y = a @ W.T
     if len(w) > 1:
         y = y + (w[1] if rows is None else w[1][rows[0]:rows[1]])
@@ -190,10 +193,74 @@ def _expert_mix(o, x, w, shape, **_):
     return (y * weights.gather(-1, idx)[..., None]).sum(-2)
 
 
+def _conv1d(o, x, w, shape, **_):
+    qkv, before = x[0], x[1]  # (B, T, C), the carried (B, C, Kc-1) or None
+    B, T, C = qkv.shape
+    kc = o.const("kernel")
+    before = torch.zeros(B, C, kc - 1, dtype=qkv.dtype) if before is None else before
+    xs = torch.cat([before, qkv.transpose(1, 2)], dim=-1)  # (B, C, Kc-1+T)
+    if o.const("output") == "state":
+        return xs[:, :, -(kc - 1):]
+    return ACTS[o.const("act")](F.conv1d(xs, w[0].unsqueeze(1), groups=C)).transpose(1, 2)
+
+
+def _columns(o, x, shape):
+    a, b = o.const("cols")
+    return x[0][..., a:b].reshape(shape)
+
+
+def _l2norm(o, x, w, shape, **_):
+    v = _columns(o, x, shape)
+    return v / torch.sqrt((v * v).sum(-1, keepdim=True) + o.const("eps")) * o.const("scale")
+
+
+def _slice(o, x, w, shape, **_):
+    return _columns(o, x, shape)
+
+
+def _sigmoid(o, x, w, shape, **_):
+    return torch.sigmoid(x[0])
+
+
+def _decay(o, x, w, shape, **_):
+    return torch.exp(w[0] * F.softplus(x[0] + w[1]))
+
+
+def per_value_head(x: torch.Tensor, group: int, order: str) -> torch.Tensor:
+    """(B, T, Hk, Dk) -> (B, T, Hv, Dk): value head j reads key head j // group ("grouped") or j % Hk ("tiled")."""
+    return x.repeat(1, 1, group, 1) if order == "tiled" else x.repeat_interleave(group, dim=2)
+
+
+def _delta_rule(o, x, w, shape, **_):
+    q, k, v, alpha, beta, state = x  # (B, T, Hk, Dk) twice, (B, T, Hv, Dv), (B, T, Hv) twice, carried S or None
+    g, order = o.const("group"), o.const("v_order")
+    q, k = per_value_head(q, g, order), per_value_head(k, g, order)
+    B, T, Hv, Dv = v.shape
+    S = torch.zeros(B, Hv, q.size(-1), Dv, dtype=v.dtype) if state is None else state
+    out = []
+    for t in range(T):
+        S = alpha[:, t, :, None, None] * S
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return S if o.const("output") == "state" else torch.stack(out, dim=1)
+
+
+def _gated_rmsnorm(o, x, w, shape, **_):
+    h, z = x
+    return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + o.const("eps")) * w[0] * F.silu(z)
+
+
+def _gate(o, x, w, shape, **_):
+    return x[0] * torch.sigmoid(x[1])
+
+
 _KINDS = {"stream": _stream, "lookup": _lookup, "scale": _scale, "rmsnorm": _rmsnorm, "matmul": _matmul,
           "rope": _rope, "repeat_kv": _repeat_kv, "scores": _scores, "softcap": _softcap, "softmax": _softmax,
           "weighted_sum": _weighted_sum, "glu": _glu, "add": _add, "select_last": _select_last, "router": _router,
-          "expert_matmul": _expert_matmul, "expert_mix": _expert_mix}
+          "expert_matmul": _expert_matmul, "expert_mix": _expert_mix, "conv1d": _conv1d, "l2norm": _l2norm,
+          "slice": _slice, "sigmoid": _sigmoid, "decay": _decay, "delta_rule": _delta_rule,
+          "gated_rmsnorm": _gated_rmsnorm, "gate": _gate}
 
 
 def max_error(computed: torch.Tensor, recorded: torch.Tensor) -> tuple[float, float]:

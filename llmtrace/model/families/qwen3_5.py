@@ -43,6 +43,7 @@ from llmtrace.model.family import Family
 from llmtrace.model.families.gemma2 import GemmaRMSNorm
 from llmtrace.model.families.qwen3 import K_NORM, Q_NORM
 from llmtrace.model.llama_points import ATTN_OUT, K, O_PROJ, Q, V
+from llmtrace.model.maths import LayerPlan, Op, op
 from llmtrace.model.points import Point, Source, Weight, inserted, splice
 from llmtrace.model.transformer import Attention, Block, LayerInput, Module, RMSNorm, Transformer
 
@@ -146,6 +147,32 @@ class GatedDeltaNet(Module):
                 Weight("w_out.weight", ("D", "Hv*Dv"), "s6.6", "matrix",
                        (Source("out_proj.weight", "ssm_out.weight", "D", "W_out"),)))
 
+    def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
+        """Each point's operation (model.maths), in the forward's order; S and the conv inputs are `carried`."""
+        C, hv, dv, hk, dk = self.channels, self.hv, self.dv, self.hk, self.dk
+        z_end = C + hv * dv
+        conv = dict(kernel=self.kc, act="silu", carried=[CONV_STATE.name])
+        delta = dict(group=hv // hk, v_order="tiled" if self.tiled else "grouped", carried=[DELTA_STATE.name])
+        reads = [DELTA_Q.name, DELTA_K.name, DELTA_V.name, DELTA_DECAY.name, DELTA_BETA.name, DELTA_STATE.name]
+        return {DELTA_QKV.name: op("matmul", [x], ["w_in.weight"], rows=[0, C]),
+                DELTA_Z.name: op("matmul", [x], ["w_in.weight"], rows=[C, z_end], split="Hv"),
+                DELTA_B.name: op("matmul", [x], ["w_in.weight"], rows=[z_end, z_end + hv]),
+                DELTA_A.name: op("matmul", [x], ["w_in.weight"], rows=[z_end + hv, z_end + 2 * hv]),
+                CONV_STATE.name: op("conv1d", [DELTA_QKV.name, CONV_STATE.name], ["conv"], output="state", **conv),
+                DELTA_CONV.name: op("conv1d", [DELTA_QKV.name, CONV_STATE.name], ["conv"], output="y", **conv),
+                DELTA_Q.name: op("l2norm", [DELTA_CONV.name], cols=[0, hk * dk], split="Hk", eps=EPS_L2,
+                                 scale=1 / math.sqrt(dk), scale_label="1/√Dk"),
+                DELTA_K.name: op("l2norm", [DELTA_CONV.name], cols=[hk * dk, 2 * hk * dk], split="Hk", eps=EPS_L2,
+                                 scale=1.0, scale_label="1"),
+                DELTA_V.name: op("slice", [DELTA_CONV.name], cols=[2 * hk * dk, C], split="Hv"),
+                DELTA_BETA.name: op("sigmoid", [DELTA_B.name]),
+                DELTA_DECAY.name: op("decay", [DELTA_A.name], ["A", "dt_bias"]),
+                DELTA_STATE.name: op("delta_rule", reads, output="state", **delta),
+                DELTA_OUT.name: op("delta_rule", reads, output="o", **delta),
+                DELTA_NORM.name: op("gated_rmsnorm", [DELTA_OUT.name, DELTA_Z.name], ["norm.weight"],
+                                    eps=self.norm.eps, gamma="w", over="Dv"),
+                O_PROJ.name: op("matmul", [DELTA_NORM.name], ["w_out.weight"], merge="Hv")}
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """The layer's memory, without the batch axis: the same size at every step."""
         return {"state": (self.hv, self.dk, self.dv), "conv": (self.channels, self.kc - 1)}
@@ -208,6 +235,7 @@ class Qwen35Attention(Attention):
     POINTS = inserted(inserted(Attention.POINTS, V.name, ATTN_GATE, Q_NORM, K_NORM), ATTN_OUT.name, ATTN_GATED)
     CHILDREN = {"q_norm": ("q_norm", "attn_q_norm"), "k_norm": ("k_norm", "attn_k_norm")}
     NORMS = {Q_NORM.name: "q_norm", K_NORM.name: "k_norm"}
+    ROTATED = (Q_NORM.name, K_NORM.name)
 
     def __init__(self, config):
         super().__init__(config)
@@ -223,6 +251,20 @@ class Qwen35Attention(Attention):
                     Source("v_proj.weight", "attn_v.weight", "Hkv*Dh", "Wv"))),
                 Weight("wo.weight", ("D", "H*Dh"), "s6.6", "matrix",
                        (Source("o_proj.weight", "attn_output.weight", "D", "Wo"),)))
+
+    def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
+        """Llama's attention with the gate's rows taken out of Wq, the per-head norms, and the gate before Wo."""
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q_end, k_end = 2 * H * Dh, (2 * H + Hkv) * Dh
+        w = ["wqkv.weight"]
+        return super().maths(x, plan) | {
+            Q.name: op("matmul", [x], w, rows=[0, q_end], blocks=[2, 0], split="H"),
+            ATTN_GATE.name: op("matmul", [x], w, rows=[0, q_end], blocks=[2, 1], split="H"),
+            K.name: op("matmul", [x], w, rows=[q_end, k_end], split="Hkv"),
+            V.name: op("matmul", [x], w, rows=[k_end, k_end + Hkv * Dh], split="Hkv"),
+            Q_NORM.name: self.q_norm.op(Q.name, "q_norm."), K_NORM.name: self.k_norm.op(K.name, "k_norm."),
+            ATTN_GATED.name: op("gate", [ATTN_OUT.name, ATTN_GATE.name], act="sigmoid"),
+            O_PROJ.name: op("matmul", [ATTN_GATED.name], ["wo.weight"], merge="H")}
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         B, T, _ = x.shape
@@ -275,6 +317,12 @@ class Qwen35Block(Block):
 
     def state_shapes(self) -> Optional[dict]:
         return self.attn.state_shapes() if isinstance(self.attn, GatedDeltaNet) else None
+
+    def plan(self, config, rope: Optional[dict]) -> LayerPlan:
+        """A linear layer: no window, no RoPE (its convolution gives it order), no KV cache."""
+        if isinstance(self.attn, GatedDeltaNet):
+            return LayerPlan("linear", None, None, "dense")
+        return super().plan(config, rope)
 
     @classmethod
     def layer_points(cls) -> tuple[Point, ...]:
