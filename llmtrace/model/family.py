@@ -89,6 +89,8 @@ NOT_YET = {
     "deepseek2": "DeepSeek V2/V3 have a multi-head latent attention, shared experts and (V3) a sigmoid router",
     "gpt_oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
     "gpt-oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration is Qwen3.5's text model (model_type qwen3_5_text, which llmtrace runs) "
+               "with a vision encoder",
 }
 
 

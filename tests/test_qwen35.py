@@ -1,0 +1,181 @@
+"""Qwen3.5 (dense), from its HF directory and from the GGUF llama.cpp's converter writes (arch qwen35), against
+transformers: three Gated DeltaNet layers, whose memory is a fixed-size state, then a gated full-attention layer.
+
+The reference is transformers' Qwen3_5ForCausalLM. Its prefill runs the chunked form of the delta rule and its decode
+steps the recurrent one (torch_recurrent_gated_delta_rule), which llmtrace runs everywhere: the logits are compared
+with both, at every position (fed token by token through transformers' cache, every position is the recurrent form).
+The GGUF holds the same float32 numbers, its value heads in llama.cpp's tiled order, which llmtrace reads in that
+order: it is checked against the same transformers model."""
+
+import pytest
+import torch
+from helpers import check_run, greedy_hf, greedy_ours
+
+from families import FAMILIES, PROMPT_IDS
+
+NAMES = ["qwen3_5", "qwen3_5_tied"]
+TOL = 1e-4
+
+
+def _stepwise(model, ids: list[int]):
+    """transformers fed one token at a time through its cache: every position's logits by the recurrent form, and
+    the cache it leaves."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        rows = [model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in ids]
+    return torch.stack(rows), cache
+
+
+def _tol(logits: torch.Tensor) -> float:
+    """1e-4, relative to the logits' size past 10: the tied fixture's logits reach ~60 (the head is the N(0, 1)
+    embedding), where transformers' own two forms of the delta rule differ by 2e-4."""
+    return TOL * max(1.0, float(logits.abs().max()) / 10)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_at_every_position_and_greedy_match_transformers(families, loaded, name, fmt):
+    lm = loaded(name, fmt)
+    reference = families.model(name)
+    assert lm.config.family == "qwen3_5"
+    assert lm.config.layer_types == ["linear", "linear", "linear", "full"]
+    assert lm.config.linear_attn["v_order"] == ("grouped" if fmt == "hf" else "tiled")
+    assert lm.config.rotary_dim == 4 and lm.config.tie_embeddings == (name == "qwen3_5_tied")
+    stepwise, _ = _stepwise(reference, PROMPT_IDS)
+    with torch.no_grad():
+        ours, prefill = lm.model(torch.tensor([PROMPT_IDS]))[0], reference(torch.tensor([PROMPT_IDS])).logits[0]
+    assert float((ours - stepwise).abs().max()) <= _tol(stepwise)  # the recurrent form, as transformers decodes
+    assert float((ours - prefill).abs().max()) <= _tol(prefill)  # transformers' chunked prefill
+    if name == "qwen3_5":
+        check_run(lm, reference, PROMPT_IDS)  # 1e-4 absolute, and 8 greedy tokens through both caches
+    else:
+        assert greedy_ours(lm, PROMPT_IDS, 8) == greedy_hf(reference, PROMPT_IDS, 8)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prompt_ids_are_transformers(families, loaded, name):
+    import transformers
+
+    expected = transformers.AutoTokenizer.from_pretrained(str(families.hf_dir(name))).encode("The quick brown fox")
+    for fmt in ("hf", "gguf"):
+        assert loaded(name, fmt).tokenizer.encode("The quick brown fox") == expected
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_state_after_the_prompt_is_transformers_cache_state(families, loaded, name):
+    """S of every linear layer after the prompt, and the convolution's last inputs, equal what transformers' cache
+    holds (recurrent_states, conv_states) after the same prompt fed token by token; the attention layer's keys are
+    the cache's."""
+    lm = loaded(name, "hf")
+    _, theirs = _stepwise(families.model(name), PROMPT_IDS)
+    cache = lm.model.new_cache(len(PROMPT_IDS))
+    with torch.no_grad():
+        lm.model(torch.tensor([PROMPT_IDS]), cache, 0)
+    assert cache.state_layers == [0, 1, 2]
+    for i in cache.state_layers:
+        S = theirs.get_recurrent_state(i, state_idx=0)  # (1, Hv, Dk, Dv)
+        assert S.shape == cache.layers[i]["state"].shape and float(S.abs().max()) > 0.1
+        assert float((cache.layers[i]["state"] - S).abs().max()) <= 1e-5
+        conv = theirs.get_conv_state(i, state_idx=0)  # (1, C, Kc): it keeps one input more than the kernel needs
+        kc = lm.config.linear_attn["conv_kernel"]
+        assert float((cache.layers[i]["conv"] - conv[..., -(kc - 1):]).abs().max()) <= 1e-5
+    keys = theirs.layers[3].keys  # (1, Hkv, T, Dh), up to ~5: relative 1e-5
+    assert float((cache.layers[3].k[:, :, : len(PROMPT_IDS)] - keys).abs().max()) <= 1e-5 * float(keys.abs().max())
+
+
+def test_the_states_match_transformers_prefill_too(families, loaded):
+    """transformers' own prefill (the chunked form) leaves the same state within 1e-5."""
+    lm, model = loaded("qwen3_5", "hf"), families.model("qwen3_5")
+    with torch.no_grad():
+        theirs = model(torch.tensor([PROMPT_IDS]), use_cache=True).past_key_values
+        cache = lm.model.new_cache(len(PROMPT_IDS))
+        lm.model(torch.tensor([PROMPT_IDS]), cache, 0)
+    for i in cache.state_layers:
+        assert float((cache.layers[i]["state"] - theirs.get_recurrent_state(i, state_idx=0)).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_decoding_token_by_token_equals_a_prefill_of_the_whole_sequence(loaded, fmt):
+    """The state carried in the caller's cache: one token at a time gives the logits and the state of one pass."""
+    lm = loaded("qwen3_5", fmt)
+    ids = torch.tensor([PROMPT_IDS])
+    whole, steps = lm.model.new_cache(len(PROMPT_IDS)), lm.model.new_cache(len(PROMPT_IDS))
+    with torch.no_grad():
+        at_once = lm.model(ids, whole, 0)[0]
+        one_by_one = torch.stack([lm.model(ids[:, t : t + 1], steps, t)[0, -1] for t in range(len(PROMPT_IDS))])
+    assert float((at_once - one_by_one).abs().max()) <= TOL
+    for i in whole.state_layers:
+        assert float((whole.layers[i]["state"] - steps.layers[i]["state"]).abs().max()) <= 1e-5
+        assert float((whole.layers[i]["conv"] - steps.layers[i]["conv"]).abs().max()) <= 1e-5
+
+
+def test_without_its_state_a_decode_step_is_wrong(loaded):
+    """The state is the layer's memory: a decode step from a zeroed state gives other logits."""
+    lm = loaded("qwen3_5", "hf")
+    ids = torch.tensor([PROMPT_IDS])
+    cache = lm.model.new_cache(len(PROMPT_IDS) + 1)
+    with torch.no_grad():
+        lm.model(ids, cache, 0)
+        saved = [cache.layers[i]["state"].clone() for i in cache.state_layers]
+        right = lm.model(ids[:, -1:], cache, len(PROMPT_IDS))[0, -1]
+        for i, s in zip(cache.state_layers, saved):  # back to the state after the prompt, then zeroed
+            cache.layers[i].write("state", s)
+            cache.layers[i]["state"].zero_()
+        wrong = lm.model(ids[:, -1:], cache, len(PROMPT_IDS))[0, -1]
+    assert float((right - wrong).abs().max()) > 1e-2
+
+
+def test_the_trace_reports_the_state_beside_the_kv_cache(families):
+    """Each step event: the KV cache's bytes grow by one position of the one attention layer, the state's stay the
+    same (three layers of Hv·Dk·Dv + C·(Kc-1) float32 numbers); the state is a declared point of kind state."""
+    import llmtrace
+
+    model = llmtrace.load(str(families.hf_dir("qwen3_5")), device="cpu")
+    run = model.generate("The quick brown fox", max_new_tokens=3, trace="full")
+    kv = [e["kv_cache"] for e in run.events if e["event"] == "step"]
+    la = model.config.linear_attn
+    per_layer = 4 * (la["v_heads"] * la["k_dim"] * la["v_dim"] + (2 * la["k_heads"] * la["k_dim"] + la["v_heads"]
+                                                                   * la["v_dim"]) * (la["conv_kernel"] - 1))
+    c = model.config
+    assert [k["bytes_per_token"] for k in kv] == [2 * c.n_kv_heads * c.head_dim * 4] * 3  # one attention layer
+    assert [k["bytes_used"] for k in kv] == [k["seq_len"] * k["bytes_per_token"] for k in kv]
+    assert kv[1]["bytes_used"] > kv[0]["bytes_used"]
+    assert all(k["state"] == {"layers": [0, 1, 2], "bytes_per_layer": per_layer, "bytes": 3 * per_layer} for k in kv)
+    assert all(k["total_bytes_used"] == k["bytes_used"] + 3 * per_layer for k in kv)
+    declared = next(e for e in run.events if e["event"] == "run")["points"]
+    assert {p["name"] for p in declared if p.get("state")} == {"delta_state", "conv_state"}
+    shapes = {p["name"]: p for p in next(e for e in run.events if e["event"] == "shapes")["points"]}
+    assert shapes["delta_state"]["shape"] == [la["v_heads"], la["k_dim"], la["v_dim"]]
+    assert shapes["delta_state"]["layer"] == 0 and shapes["q_rope"]["layer"] == 3
+
+
+def test_what_qwen35_changes_is_said_with_its_numbers(loaded):
+    from llmtrace.model.family import describe_changes
+
+    said = describe_changes(loaded("qwen3_5", "gguf").config)
+    assert said[0].startswith("3 of 4 layers are linear attention (Gated DeltaNet): a state S of 4 × 16 × 8 = 512")
+    assert any("RoPE on 4 of 16 dims" in line for line in said)
+    assert any("tiled order" in line for line in said)
+
+
+def test_a_vision_checkpoint_is_refused_in_one_line(tmp_path, families):
+    """Qwen3_5ForConditionalGeneration (model_type qwen3_5, the text model's config under text_config): one line,
+    naming what llmtrace runs instead."""
+    import json
+    import shutil
+
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.errors import LlmtraceError
+
+    src = families.hf_dir("qwen3_5")
+    shutil.copytree(src, tmp_path / "vl")
+    text = json.loads((src / "config.json").read_text())
+    (tmp_path / "vl" / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
+        "vision_config": {"depth": 2}}))
+    with pytest.raises(LlmtraceError) as e:
+        load_model(str(tmp_path / "vl"), device="cpu")
+    message = str(e.value)
+    assert "\n" not in message and "Qwen3_5ForConditionalGeneration" in message and "qwen3_5_text" in message
