@@ -357,6 +357,9 @@ def test_mkdocs_build_strict(tmp_path):
     zh = (site / "zh" / "guide.html").read_text(encoding="utf-8")
     assert "旋转位置编码" in zh and 'lang="zh"' in zh
     assert (site / "report.png").is_file() and not (site / "screenshot.py").exists()
+    for page in [*site.glob("*.html"), *site.glob("zh/*.html")]:  # nothing loaded from the network (no web fonts)
+        loads = re.findall(r'<(?:script|img|link|iframe)[^>]+(?:src|href)="(https?://[^"]+)"', page.read_text("utf-8"))
+        assert not loads, (page.name, loads)
 
 
 def _missing(module: str) -> bool:
