@@ -179,3 +179,40 @@ def test_a_vision_checkpoint_is_refused_in_one_line(tmp_path, families):
         load_model(str(tmp_path / "vl"), device="cpu")
     message = str(e.value)
     assert "\n" not in message and "Qwen3_5ForConditionalGeneration" in message and "qwen3_5_text" in message
+
+
+def test_explain_on_a_linear_layer_works_one_delta_rule_update(families):
+    """explain --layer 0 (linear attention): every declared step checks against the pass, one update of S at the last
+    token recomputed from the earlier tokens agrees with the state the pass left, and the layer's memory is its
+    state's fixed bytes, not a cache; layer 3 (attention) keeps the attention sections, with its partial RoPE."""
+    import llmtrace
+
+    model = llmtrace.load(str(families.hf_dir("qwen3_5")), device="cpu")
+    by = {e["section"]: e for e in model.explain("The quick brown fox", layer=0).events if e["event"] == "explain"}
+    assert "attention" not in by and "kv_cache" not in by and "rope" not in by
+    assert all(r["check"] is not None and r["check"]["ok"] for r in by["steps"]["steps"]
+               if r["op"] not in ("stream",)), by["steps"]["steps"]
+    ops = {r["point"]: r["op"] for r in by["steps"]["steps"]}
+    assert ops["delta_state"] == "delta_rule" and ops["delta_conv"] == "conv1d" and ops["delta_norm"] == "gated_rmsnorm"
+    d = by["delta_rule"]
+    assert d["check_state_max_abs_diff"] <= 1e-5 and d["check_out_max_abs_diff"] <= 1e-5
+    assert 0 < d["alpha"] < 1 and 0 < d["beta"] < 1 and abs(d["norm_k"] - 1) < 1e-5
+    assert d["S_before"] != d["S_after"]  # the token moved the state
+    s = by["state_cache"]
+    assert s["state"] == {"conv_state": [96, 3], "delta_state": [4, 16, 8]}
+    assert s["state_bytes"] == 4 * (96 * 3 + 4 * 16 * 8) and s["attention_layers"] == [3]
+    assert s["kv_bytes_now"] == s["kv_bytes_per_token"] * s["n_tokens"]
+    by3 = {e["section"]: e for e in model.explain("The quick brown fox", layer=3).events if e["event"] == "explain"}
+    assert by3["rope"]["rotary_dim"] == 4 and by3["kv_cache"]["kv_layers"] == 1
+    assert {r["point"]: r["op"] for r in by3["steps"]["steps"]}["attn_gated"] == "gate"
+
+
+def test_explain_renders_a_linear_layer(families, capsys, monkeypatch):
+    """The terminal view of a linear layer: the update worked out, checked, and why no cache grows."""
+    from helpers import run_cli
+
+    monkeypatch.setenv("COLUMNS", "120")
+    code, out, err = run_cli(capsys, "explain", "-m", families.hf_dir("qwen3_5"), "The quick brown fox", "--layer", "1")
+    assert code == 0, err
+    assert "the delta rule, value head 0" in out and "no KV cache grows here" in out
+    assert "S computed in float64 vs the state the pass left ✓" in out

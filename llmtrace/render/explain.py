@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, LOGITS, RESID_MID, RESID_POST
+from llmtrace.render.explain_state import delta_rule, state_cache
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
@@ -111,7 +112,7 @@ def render_explain(events: list[dict], console: Console) -> None:
             tensors.append(ev)
         elif kind == "lens":
             lens_rows.append(ev)
-    if _cut_short(console, events, by.get("model"), by.get("tokens"), complete="kv_cache" in by):
+    if _cut_short(console, events, by.get("model"), by.get("tokens"), complete="kv_cache" in by or "state_cache" in by):
         return
     toks = [t["text"] for t in by["tokens"]["tokens"]]
     _header(console, by["model"], by["tokens"])
@@ -120,15 +121,21 @@ def render_explain(events: list[dict], console: Console) -> None:
     if "steps" in by:
         _steps(console, by["steps"])
     _rmsnorm(console, by["rmsnorm"], toks)
-    _qkv(console, by["qkv"])
-    _rope(console, by["rope"])
-    _attention(console, by["attention"], heads, by["attention_map"], toks)
+    if "delta_rule" in by:  # a layer whose memory is a recurrent state (render.explain_state)
+        delta_rule(console, by["delta_rule"], toks)
+    else:
+        _qkv(console, by["qkv"])
+        _rope(console, by["rope"])
+        _attention(console, by["attention"], heads, by["attention_map"], toks)
     _residual(console, by["residual"], toks)
     if "router" in by:
         _router(console, by["router"], toks)
     else:
         _ffn(console, by["ffn"], toks)
-    _kv(console, by["kv_cache"])
+    if "state_cache" in by:
+        state_cache(console, by["state_cache"])
+    else:
+        _kv(console, by["kv_cache"])
     _lens_here(console, lens_rows, by["model"])
     _tensors(console, tensors, trace_points(events))
 

@@ -40,6 +40,7 @@ from llmtrace.errors import BadValue
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
+from llmtrace.run.explain_state import delta_rule_section, state_cache_section, state_op
 from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
@@ -215,11 +216,12 @@ def step_check(cap: Capture, model: Transformer, maths, name: str, o) -> Optiona
     out = cap.points.get(name)
     if out is None or o.kind in ("cache_write", "lookup") or not torch.is_tensor(out):
         return None
-    args = [_operand(cap, maths, ref) for ref in o.inputs]
+    carried = o.const("carried") or ()  # a recurrent state before this pass: none, the pass starts from an empty cache
+    args = [None if ref in carried else _operand(cap, maths, ref) for ref in o.inputs]
     weights = [_weight(model, f"layers.{cap.layer}.{w}") for w in o.weights]
-    if any(a is None for a in args) or any(w is None for w in weights):
+    if any(a is None and ref not in carried for a, ref in zip(args, o.inputs)) or any(w is None for w in weights):
         return None
-    got = apply(o, [a[None] for a in args], [w.cpu() for w in weights], (1, *out.shape),
+    got = apply(o, [None if a is None else a[None] for a in args], [w.cpu() for w in weights], (1, *out.shape),
                 positions=torch.arange(len(cap.ids)))
     if got is None:
         return None
@@ -554,8 +556,9 @@ def post_norm_of(cap: Capture, name: str) -> Optional[str]:
     return next((p.name for p in (cap.declared.layer if cap.declared else ()) if p.input == name), None)
 
 
-def residual_section(cap: Capture) -> dict:
+def residual_section(cap: Capture, maths=None) -> dict:
     x = cap.x_in.float()  # (T, D) entering the layer
+    heads = ATTN_OUT.name if ATTN_OUT.name in cap.points or maths is None else maths.op(cap.layer, O_PROJ.name).inputs[0]
     post_norm = post_norm_of(cap, O_PROJ.name)
     o = cap.points[post_norm or O_PROJ.name].float()  # (T, D) what attention adds: o_proj, or o_proj normed again
     mid = cap.resid_mid[cap.layer].float()  # x + o
@@ -568,7 +571,7 @@ def residual_section(cap: Capture) -> dict:
         "event": "explain", "section": "residual", "layer": cap.layer, "seed_step": "s6.6",
         "formula": (f"x' = x + {post_norm}(concat(heads) Wo)" if post_norm else "x' = x + concat(heads) Wo")
                    + "; the layer's output x'' = x' + FFN(x')",
-        "shapes": {ATTN_OUT.name: list(cap.points[ATTN_OUT.name].shape), O_PROJ.name: list(o.shape)},
+        "shapes": {heads: list(cap.points[heads].shape), O_PROJ.name: list(o.shape)},
         "tokens": [{"position": t, "norm_in": _r(nx[t]), "norm_attn": _r(no[t]), "attn_to_stream": _r(no[t] / nx[t]),
                     "cos_attn_stream": _r(cos_o[t]), "rel_change_attn": _r(rel_attn[t]), "cos_attn": _r(cos_attn[t]),
                     "norm_out": _r(post[t].norm()), "rel_change_layer": _r(rel_layer[t]), "cos_layer": _r(cos_layer[t])}
@@ -622,8 +625,9 @@ def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO,
 # 8. KV cache write
 
 
-def kv_section(cap: Capture, config: ModelConfig) -> dict:
+def kv_section(cap: Capture, config: ModelConfig, maths=None) -> dict:
     c = config
+    kv_layers = c.n_layers if maths is None else sum(plan.attention != "linear" for plan in maths.plan)
     pos = cap.points[KV_WRITE.name]
     T = int(pos.numel())
     es = cap.kv_element_size
@@ -633,7 +637,7 @@ def kv_section(cap: Capture, config: ModelConfig) -> dict:
         "positions": [int(pos[0]), int(pos[-1])], "n_positions": T, "shape_k": [c.n_kv_heads, T, c.head_dim],
         "shape_v": [c.n_kv_heads, T, c.head_dim], "element_size": es, "bytes_per_position": per_pos,
         "bytes": per_pos * T, "mha_bytes": kv_bytes_per_position(c, es, n_heads=c.n_heads) * T,
-        "all_layers_bytes": per_pos * T * c.n_layers,
+        "all_layers_bytes": per_pos * T * kv_layers, "kv_layers": kv_layers,
     }
 
 
@@ -713,15 +717,20 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     yield steps_section(cap, lm)
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name), maths)
-    yield qkv_section(cap, c)
-    yield rope_section(cap, c, head if head is not None else 0, lm.model, maths)
-    yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
-    yield residual_section(cap)
+    state = state_op(maths, layer, "o")[1]  # a layer that keeps a recurrent state, as its declaration says
+    if state is None:
+        yield qkv_section(cap, c)
+        yield rope_section(cap, c, head if head is not None else 0, lm.model, maths)
+        yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
+    else:  # one delta-rule update on this pass's numbers, in place of the attention sections
+        yield delta_rule_section(cap, maths, head if head is not None and head < cap.points[state.inputs[2]].size(1)
+                                 else 0)
+    yield residual_section(cap, maths)
     if layer in moe_layers(c):
         yield router_section(cap.points, cap.resid_mid[layer], layer, c)
     else:
         yield ffn_section(cap, c, maths=maths)
-    yield kv_section(cap, c)
+    yield kv_section(cap, c, maths) if state is None else state_cache_section(cap, maths, c, cap.kv_element_size)
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 
 

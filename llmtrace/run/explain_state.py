@@ -1,0 +1,94 @@
+"""explain on a layer whose memory is a recurrent state (a layer that declares a `delta_rule` operation: Qwen3.5's
+Gated DeltaNet), in place of the attention sections: one delta-rule update worked out on the pass's own numbers, and
+why no cache grows.
+
+The update is the last prompt token's, for one value head h, read from the declaration (model.maths): the state
+before it S₀ (recomputed from the earlier tokens' q, k, v, α, β by the declared operation, from zeros), then
+    α·S₀                      the decay: every entry of the state times α
+    m = (α·S₀)ᵀk              what the state already holds at the key
+    δ = β·(v − m)             the correction: the value less what is there, times the write strength
+    S = α·S₀ + k ⊗ δ          written at the key
+    o = Sᵀq                   the output: the state read with the query
+each computed in float64 beside the value the pass kept (S after the prompt, o at the last position).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from llmtrace.model.maths_eval import apply, per_value_head
+
+CORNER = 4  # rows and columns of the state shown
+
+
+def _r(x) -> float:
+    return float(f"{float(x):.6g}")
+
+
+def _rl(t: torch.Tensor) -> list:
+    return [_r(v) for v in t.reshape(-1).tolist()] if t.dim() <= 1 else [_rl(r) for r in t]
+
+
+def state_op(maths, layer: int, output: str):
+    """The layer's declared delta-rule operation making `output` ("o" or "state"), and its point; (None, None) if
+    the layer has none."""
+    return next(((n, o) for n, o in maths.layers[layer].items() if o.kind == "delta_rule" and o.const("output") ==
+                 output), (None, None))
+
+
+def delta_rule_section(cap, maths, head: Optional[int] = None) -> dict:
+    """One delta-rule update of value head `head` (default 0) at the last prompt token, worked on real numbers and
+    checked against the pass's own state and output."""
+    out_name, o = state_op(maths, cap.layer, "o")
+    state_name, _ = state_op(maths, cap.layer, "state")
+    q_name, k_name, v_name, a_name, b_name = o.inputs[:5]
+    p = {n: cap.points[n].double() for n in (q_name, k_name, v_name, a_name, b_name)}  # (T, ...) each, no batch axis
+    T, h = p[v_name].size(0), head or 0
+    g, order = o.const("group"), o.const("v_order")
+    q, k = (per_value_head(p[n][None], g, order)[0, :, h] for n in (q_name, k_name))  # (T, Dk)
+    v, alpha, beta = p[v_name][:, h], p[a_name][:, h], p[b_name][:, h]  # (T, Dv), (T,), (T,)
+    before = torch.zeros(1, p[v_name].size(1), q.size(-1), v.size(-1), dtype=torch.float64)
+    if T > 1:  # the state after the earlier tokens: the declared operation on their numbers
+        earlier = [p[n][None, : T - 1] for n in (q_name, k_name, v_name, a_name, b_name)]
+        state_after = maths.layers[cap.layer][state_name]
+        before = apply(state_after, earlier + [None], [], tuple(before.shape))
+    S0 = before[0, h]  # (Dk, Dv)
+    decayed = alpha[-1] * S0
+    held = decayed.T @ k[-1]  # (Dv,) what the state holds at the key
+    delta = beta[-1] * (v[-1] - held)  # (Dv,)
+    S = decayed + torch.outer(k[-1], delta)  # (Dk, Dv)
+    out = S.T @ q[-1]  # (Dv,)
+    recorded_S, recorded_o = cap.points[state_name][h].double(), cap.points[out_name][-1, h].double()
+    c, n = CORNER, min(CORNER, v.size(-1))
+    return {
+        "event": "explain", "section": "delta_rule", "layer": cap.layer, "seed_step": "s6.4-s6.8", "head": h,
+        "position": T - 1, "point_state": state_name, "point_out": out_name,
+        "formula": "S ← α·S + k ⊗ β·(v − (α·S)ᵀk);  o = Sᵀq", "shape_state": list(cap.points[state_name].shape),
+        "alpha": _r(alpha[-1]), "beta": _r(beta[-1]), "k": _rl(k[-1][:c]), "q": _rl(q[-1][:c]), "v": _rl(v[-1][:n]),
+        "held": _rl(held[:n]), "delta": _rl(delta[:n]), "norm_k": _r(k[-1].norm()),
+        "S_before": _rl(S0[:c, :n]), "S_decayed": _rl(decayed[:c, :n]), "write": _rl(torch.outer(k[-1], delta)[:c, :n]),
+        "S_after": _rl(S[:c, :n]), "out": _rl(out[:n]),
+        "check_state_max_abs_diff": _r((S - recorded_S).abs().max()),
+        "check_out_max_abs_diff": _r((out - recorded_o).abs().max()),
+        "alpha_all": _rl(alpha), "beta_all": _rl(beta),
+    }
+
+
+def state_cache_section(cap, maths, config, kv_element_size: int) -> dict:
+    """s6.8 for a state layer: what it keeps (its carried points, the same size at every step) beside what an
+    attention layer of this model caches for the same tokens (growing by 2·Hkv·Dh numbers a token)."""
+    carried = [n for n, o in maths.layers[cap.layer].items() if n in (o.const("carried") or ())]
+    kept = {n: list(cap.points[n].shape) for n in carried if n in cap.points}
+    numbers = sum(int(torch.tensor(s).prod()) for s in kept.values())
+    T = len(cap.ids)
+    per_token = 2 * config.n_kv_heads * config.head_dim * kv_element_size
+    attention_layers = [i for i, plan in enumerate(maths.plan) if plan.attention != "linear"]
+    state_bytes = numbers * 4  # kept in float32
+    even = -(-state_bytes // per_token) if per_token else None  # tokens at which one attention layer's cache is as big
+    return {"event": "explain", "section": "state_cache", "layer": cap.layer, "seed_step": "s6.8", "n_tokens": T,
+            "state": kept, "state_bytes": state_bytes, "kv_bytes_per_token": per_token, "kv_bytes_now": per_token * T,
+            "kv_bytes_context": per_token * config.max_seq_len, "context": config.max_seq_len, "break_even": even,
+            "attention_layers": attention_layers, "state_layers": [i for i in range(config.n_layers)
+                                                                   if i not in attention_layers]}
