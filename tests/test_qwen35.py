@@ -160,25 +160,41 @@ def test_what_qwen35_changes_is_said_with_its_numbers(loaded):
     assert any("tiled order" in line for line in said)
 
 
-def test_a_vision_checkpoint_is_refused_in_one_line(tmp_path, families):
-    """Qwen3_5ForConditionalGeneration (model_type qwen3_5, the text model's config under text_config): one line,
-    naming what llmtrace runs instead."""
+def test_a_vision_checkpoint_runs_its_text_model(tmp_path, families, loaded):
+    """Qwen3_5ForConditionalGeneration (model_type qwen3_5: the text model's config under text_config, its tensors
+    under model.language_model., a vision encoder under model.visual., MTP layers under mtp.): llmtrace runs the text
+    model, exactly the text model's logits, and leaves the rest; without a text_config, one line."""
     import json
     import shutil
 
+    from safetensors.torch import load_file, save_file
+
     from llmtrace.checkpoint.load import load_model
     from llmtrace.errors import LlmtraceError
+    from llmtrace.model.family import describe_changes
 
-    src = families.hf_dir("qwen3_5")
-    shutil.copytree(src, tmp_path / "vl")
+    src, vl = families.hf_dir("qwen3_5"), tmp_path / "vl"
+    shutil.copytree(src, vl)
+    tensors = load_file(str(src / "model.safetensors"))
+    wrapped = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in tensors.items()}
+    wrapped |= {"model.visual.patch_embed.proj.weight": torch.ones(8, 3), "mtp.fc.weight": torch.ones(4, 4)}
+    (vl / "model.safetensors").unlink()
+    save_file(wrapped, str(vl / "model.safetensors"))
     text = json.loads((src / "config.json").read_text())
-    (tmp_path / "vl" / "config.json").write_text(json.dumps({
+    del text["model_type"]  # a real one names it; the wrapper's family says which it is either way
+    (vl / "config.json").write_text(json.dumps({
         "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
-        "vision_config": {"depth": 2}}))
+        "vision_config": {"depth": 2}, "tie_word_embeddings": False}))
+    lm = load_model(str(vl), device="cpu", dtype="float32")
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids), loaded("qwen3_5", "hf").model(ids))
+    assert any("Qwen3_5ForConditionalGeneration checkpoint: its vision encoder" in s for s in describe_changes(lm.config))
+    (vl / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "vision_config": {}}))
     with pytest.raises(LlmtraceError) as e:
-        load_model(str(tmp_path / "vl"), device="cpu")
-    message = str(e.value)
-    assert "\n" not in message and "Qwen3_5ForConditionalGeneration" in message and "qwen3_5_text" in message
+        load_model(str(vl), device="cpu")
+    assert "\n" not in str(e.value) and "lacks its text_config" in str(e.value)
 
 
 def test_explain_on_a_linear_layer_works_one_delta_rule_update(families):

@@ -9,7 +9,7 @@ from typing import Optional
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.checkpoint.weights import FileTensor, safetensors_entries
-from llmtrace.model.family import Family, family_of_hf, hf_types, not_yet
+from llmtrace.model.family import Family, family_of_hf, hf_types, hf_wrapper, not_yet
 from llmtrace.model.transformer import ModelConfig
 
 def hf_family(cfg: dict, where: str) -> Family:
@@ -76,8 +76,24 @@ def hf_window(cfg: dict, n_layers: int, where: str) -> dict:
     return {"sliding_window": int(window), "layer_types": [LAYER_TYPES[t] for t in types]}
 
 
+def text_model(cfg: dict, where: str) -> tuple[dict, Optional[str]]:
+    """A config.json that wraps a family's text model with other parts (Family.hf_wrappers: Qwen3.5's vision
+    checkpoint): the text model's config and the key prefix of its tensors; any other: (cfg, None)."""
+    wrapper = hf_wrapper(cfg.get("model_type"))
+    if wrapper is None:
+        return cfg, None
+    family, arch, prefix = wrapper
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise LlmtraceError(f"{where}: config.json of a {arch} lacks its text_config, the text model llmtrace runs")
+    tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if "tie_word_embeddings" in cfg else {}
+    return {"model_type": next(iter(family.hf_types))} | text | tie, prefix
+
+
 def config_from_hf(cfg: dict, where: str) -> ModelConfig:
-    """The fields every family shares, read as transformers reads them, then the family's own (Family.hf_config)."""
+    """The fields every family shares, read as transformers reads them, then the family's own (Family.hf_config).
+    A checkpoint that wraps a text model (text_model) is read as that text model."""
+    outer, (cfg, prefix) = cfg, text_model(cfg, where)
     family = hf_family(cfg, where)
     if cfg.get("mlp_bias"):
         raise LlmtraceError(f"{where}: mlp_bias = true is not supported")
@@ -111,7 +127,10 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             ffn_act=hf_activation(cfg, where),
             **hf_window(cfg, n_layers, where),
         )
-        return ModelConfig(**(fields | family_fields(family.hf_config, cfg, where)))
+        config = ModelConfig(**(fields | family_fields(family.hf_config, cfg, where)))
+        if prefix is not None:  # what the text model was read from, for the run header
+            config.extra = {"text_model_of": (outer.get("architectures") or [outer.get("model_type")])[0]}
+        return config
     except KeyError as e:
         raise LlmtraceError(f"{where}: config.json lacks {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -138,12 +157,19 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def hf_entries(path: Path) -> dict[str, "FileTensor"]:
+def hf_entries(path: Path, text_prefix: Optional[str] = None) -> dict[str, "FileTensor"]:
     """Every tensor of the directory's safetensors files, not yet read, under its own key. RoPE's frequency tables,
-    which some checkpoints carry, are left out: they are computed from the config."""
+    which some checkpoints carry, are left out: they are computed from the config. With `text_prefix` (a checkpoint
+    that wraps a text model: text_model), only the text model's tensors, under the keys of the text model alone
+    ("model.language_model.layers.0..." as "model.layers.0..."), and its LM head."""
     out: dict[str, FileTensor] = {}
     for f in _safetensors_files(path):
         for key, entry in safetensors_entries(f).items():
-            if not key.endswith("rotary_emb.inv_freq"):
-                out[key] = entry
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            if text_prefix is not None:
+                if not key.startswith(text_prefix) and key != "lm_head.weight":
+                    continue  # the vision encoder, multi-token prediction layers: not the text model
+                key = "model." + key[len(text_prefix):] if key.startswith(text_prefix) else key
+            out[key] = entry
     return out

@@ -26,7 +26,7 @@ import torch
 from llmtrace.checkpoint.choices import check_combination, check_fast_device
 from llmtrace.checkpoint.conversion import convert_gguf, open_converted
 from llmtrace.checkpoint.devices import pick_device, pick_dtype
-from llmtrace.checkpoint.hf_checkpoint import config_from_hf, hf_entries
+from llmtrace.checkpoint.hf_checkpoint import config_from_hf, hf_entries, text_model
 from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.checkpoint.placement import Placement, check_fits, choose_dtype, weight_count
 from llmtrace.checkpoint.quantized import build_quantized, open_gguf_blocks
@@ -146,5 +146,5 @@ def open_checkpoint(resolved) -> Checkpoint:
         raise LlmtraceError(f"{cfg_path}: not valid JSON (line {e.lineno}: {e.msg}); fix it or fetch it again") from None
     config = config_from_hf(raw, where)
     config.extra = config.extra | {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
-    plan = plan_weights(hf_entries(resolved.path), config, "hf", where)
+    plan = plan_weights(hf_entries(resolved.path, text_model(raw, where)[1]), config, "hf", where)
     return Checkpoint(config, plan, TextTokenizer.from_hf_dir(resolved.path), False)

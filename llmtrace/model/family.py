@@ -29,7 +29,9 @@ class Family:
     GGUF tensors that are config, not weights (Phi-3's LongRoPE factors), read through `meta.tensor(name)`.
     `gguf_requires`: metadata keys (without the arch prefix) that a file of one of `gguf_archs` must have, non-zero,
     for this family to read it; of the families that list an arch, one whose keys are all there is chosen before one
-    that requires none (Mixtral is Llama's arch with `expert_count`)."""
+    that requires none (Mixtral is Llama's arch with `expert_count`). `hf_wrappers`: a model_type that wraps this
+    family's text model with other parts (a vision encoder) -> (its architecture class, the key prefix of the text
+    model's tensors): llmtrace reads its `text_config` and those tensors, and leaves the rest."""
 
     name: str
     title: str
@@ -42,6 +44,7 @@ class Family:
     changes: Callable[[object], list] = lambda config: []
     reads_rope: bool = False
     gguf_config_tensors: tuple[str, ...] = ()
+    hf_wrappers: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @cache
@@ -62,6 +65,12 @@ def family_named(name: str) -> Family:
 
 def family_of_hf(model_type: Optional[str]) -> Optional[Family]:
     return next((f for f in families() if model_type in f.hf_types), None)
+
+
+def hf_wrapper(model_type: Optional[str]) -> Optional[tuple[Family, str, str]]:
+    """(the family, the architecture class, the text model's key prefix) of a model_type that wraps a family's text
+    model, or None."""
+    return next(((f, *f.hf_wrappers[model_type]) for f in families() if model_type in f.hf_wrappers), None)
 
 
 def family_of_gguf(arch: Optional[str], meta: Callable = lambda key: None) -> Optional[Family]:
@@ -89,8 +98,6 @@ NOT_YET = {
     "deepseek2": "DeepSeek V2/V3 have a multi-head latent attention, shared experts and (V3) a sigmoid router",
     "gpt_oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
     "gpt-oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
-    "qwen3_5": "Qwen3_5ForConditionalGeneration is Qwen3.5's text model (model_type qwen3_5_text, which llmtrace runs) "
-               "with a vision encoder",
 }
 
 

@@ -425,6 +425,9 @@ def changes(c) -> list[str]:
     if c.rotary_dim:
         out.append(f"RoPE on {c.rotary_dim} of {c.head_dim} dims of each head")
     out.append("every RMSNorm but the gated one scales by 1 + w")
+    if (c.extra or {}).get("text_model_of"):
+        out.append(f"the text model of a {c.extra['text_model_of']} checkpoint: its vision encoder (and any "
+                   f"multi-token-prediction layers) left out")
     if la.get("v_order") == "tiled" and la.get("v_heads") != la.get("k_heads"):
         out.append("value heads in llama.cpp's tiled order (head j reads key head j mod "
                    f"{la.get('k_heads')}), as the GGUF stores them")
@@ -440,4 +443,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    hf_wrappers={"qwen3_5": ("Qwen3_5ForConditionalGeneration", "model.language_model.")},
 )
