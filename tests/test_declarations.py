@@ -10,7 +10,9 @@ from llmtrace.model.llama_points import llama_points
 from llmtrace.model.transformer import ModelConfig, Transformer
 
 TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, max_seq_len=64,
-            n_experts=4, n_experts_used=2, expert_ffn_dim=24)  # read by the mixture-of-experts families only
+            n_experts=4, n_experts_used=2, expert_ffn_dim=24,  # read by the mixture-of-experts families only
+            layer_types=["linear", "full"],  # a "linear" layer: read by the families with linear attention only
+            linear_attn=dict(k_heads=2, v_heads=4, k_dim=8, v_dim=4, conv_kernel=4, v_order="grouped"))
 
 
 def tiny_model(family) -> Transformer:
@@ -27,11 +29,14 @@ def test_the_legacy_declaration_is_llamas():
 def test_the_forward_pass_reports_what_it_declares_in_order(family):
     model = tiny_model(family)
     seen = []
-    with model.hooked(lambda layer, name, x: seen.append((layer, name)), layers=[1]):
+    with model.hooked(lambda layer, name, x: seen.append((layer, name)), layers=[0, 1]):
         model(torch.tensor([[1, 2, 3, 4, 5]]), model.new_cache(8), 0, last_only=True)
-    points = model.declared_points()
-    layer_seen = [n for lay, n in seen if lay == 1]
-    assert layer_seen == list(points.names(layer=True))
+    points, maths = model.declared_points(), model.maths()
+    for layer in (0, 1):  # each layer reports the declared points its maths has (a hybrid's layer: its kind's)
+        layer_seen = [n for lay, n in seen if lay == layer]
+        assert layer_seen == [n for n in points.names(layer=True) if n in maths.layers[layer]]
+    if len({plan.attention for plan in maths.plan}) == 1 and not model.config.n_experts:
+        assert [n for lay, n in seen if lay == 1] == list(points.names(layer=True))  # one kind: every point
     assert [n for lay, n in seen if lay is None] == list(points.names(layer=False))
 
 

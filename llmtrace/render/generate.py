@@ -600,7 +600,7 @@ class TerminalRenderer:
             if step == "s6.3":  # RoPE: s5's position, applied inside attention
                 step += " (s5)"
             rows.append([step, where, p["name"], shape, p["dtype"]])
-        rope = " and ".join(p["name"] for p in ev["points"] if p.get("seed_step") == "s6.3" and p["layer"] == 0)
+        rope, where = _rope_words(ev["points"], (self.run or {}).get("maths"))
         print_table(self.console, [Column("step"), Column("where"), Column("point"), Column("shape"),
                                    Column("dtype", drop=1)], rows)
         note = Text(style="dim")
@@ -608,7 +608,7 @@ class TerminalRenderer:
         if used:
             note.append("axes: " + " · ".join(f"{a} {AXES[a]}" for a in used if a in AXES) + "\n")
         note.append("s5 position: no position table is added to the embedding; RoPE rotates q and k inside attention "
-                    f"(s6.3, {rope}), in every layer.\n")
+                    f"(s6.3, {rope}), {where}.\n")
         note.append("s8 before s7: the model normalizes every position, then takes the last one. RMSNorm works on each "
                     "position alone, so this gives the seed's numbers (take the last, then normalize).")
         self.console.print(note)
@@ -844,6 +844,32 @@ class TerminalRenderer:
                 f"{human_bytes(kv['bytes_used'])} (allocated {human_bytes(kv['bytes_allocated'])})",
                 f"full multi-head attention would need {human_bytes(kv['mha_bytes_used'])}, {saving:.0f}× more"],
                 style="dim", sep="; ")
+            state = kv.get("state")
+            if state:  # layers whose memory is a fixed-size state (linear attention)
+                print_parts(self.console, [
+                    f"recurrent state: {plural(len(state['layers']), 'layer')} × {state['bytes_per_layer']:,} B = "
+                    f"{human_bytes(state['bytes'])}, the same at every step (the KV cache above is the other "
+                    f"layers')", f"together {human_bytes(kv['total_bytes_used'])}"], style="dim", sep="; ")
+
+
+def _rope_words(points: list[dict], maths: Optional[dict]) -> tuple[str, str]:
+    """The points RoPE makes and which layers turn q and k, from the run's declared maths (model.maths: each layer's
+    plan and operations); without one, the step's points of layer 0 in every layer."""
+    if not maths:
+        return " and ".join(p["name"] for p in points if p.get("seed_step") == "s6.3" and p["layer"] == 0), \
+            "in every layer"
+    plans = [maths["kinds"][k]["plan"] for k in maths["layer_kind"]]
+    names = dict.fromkeys(n for kind in maths["kinds"] for n, o in kind["ops"].items() if o["op"] == "rope")
+    turning = [i for i, plan in enumerate(plans) if plan.get("rope")]
+    if len(turning) == len(plans):
+        return " and ".join(names), "in every layer"
+    if not turning:
+        return " and ".join(names), "in no layer: no layer turns q and k"
+    from llmtrace.model.maths import attention_words, plan_from_record
+
+    other = plan_from_record(plans[next(i for i in range(len(plans)) if i not in turning)])
+    return " and ".join(names), (f"in layer{'s' if len(turning) > 1 else ''} {', '.join(map(str, turning))} only "
+                                 f"(the others turn nothing: {attention_words(other)})")
 
 
 def _weight(w: Optional[float]) -> str:
