@@ -31,13 +31,13 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     """Config, model and tokenizer of a GGUF file for the fast path: matrices on FastLinear, the embedding in its
     blocks, vectors in bfloat16. config.extra["fast"] records the kernel choice and the matrices that run in bf16."""
     from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
-    from llmtrace.checkpoint.weights import build_model, read_weights
+    from llmtrace.checkpoint.weights import block_matrices, build_model, read_weights
     from llmtrace.errors import FieldError
 
     where = str(path)
     config, plan, tokenizer, facts = open_gguf_checkpoint(path)
     choice = choice or choose_kernel(device)
-    matrices = {name: parts for name, parts in plan.items() if len(parts[0].shape) >= 2}
+    matrices = block_matrices(plan, config)
     for parts in matrices.values():
         for p in parts:
             if p.kind not in BLOCKS:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
-from llmtrace.checkpoint.weights import build_model, read_weights
+from llmtrace.checkpoint.weights import block_matrices, build_model, read_weights
 from llmtrace.errors import FieldError
 from llmtrace.model.quant import BLOCKS, QuantEmbedding, QuantExperts, QuantLinear, Segment
 from llmtrace.model.transformer import ModelConfig, Transformer
@@ -19,9 +19,9 @@ def open_gguf_blocks(path) -> tuple[ModelConfig, dict[str, list], TextTokenizer]
     A matrix of a type that cannot be kept is refused here, before anything is read."""
     config, plan, tokenizer, facts = open_gguf_checkpoint(path)
     config.extra = facts | {"keep_quantized": True}
-    for parts in plan.values():
+    for parts in block_matrices(plan, config).values():
         for p in parts:
-            if len(p.shape) >= 2 and p.kind not in BLOCKS:
+            if p.kind not in BLOCKS:
                 raise FieldError("keep_quantized", f" cannot keep tensor {p.key} of type {p.kind} (it keeps "
                                  f"{', '.join(BLOCKS)}); leave out keep_quantized to dequantize the file once",
                                  also=("keep_quantized",), before=f"{path}: ")
@@ -32,7 +32,7 @@ def build_quantized(config: ModelConfig, plan: dict[str, list], device: torch.de
     """The model with its matrices as blocks. The q/k rows are put in HF order (rows are whole blocks, so this moves
     bytes, not values) and QKV and gate/up are fused as row segments; a mixture of experts' 3-D stacks stay one tensor
     of blocks each (model.quant.QuantExperts)."""
-    matrices = {name: parts for name, parts in plan.items() if len(parts[0].shape) >= 2}
+    matrices = block_matrices(plan, config)
     sd = read_weights({n: ps for n, ps in plan.items() if n not in matrices}, dtype, device)
     modules: dict[str, nn.Module] = {}
     for name, parts in matrices.items():

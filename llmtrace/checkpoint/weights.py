@@ -146,6 +146,17 @@ def declared(config: ModelConfig) -> list[DeclaredWeight]:
         return build_family(config).declared_weights()
 
 
+MATRIX_KINDS = ("matrix", "embedding", "experts")  # the weights a quantized load keeps in a GGUF's blocks
+
+
+def block_matrices(plan: dict[str, list], config: ModelConfig) -> dict[str, list]:
+    """The planned weights that are matrices (model.points.Weight.kind: a projection, the embedding, an expert
+    stack), which --keep-quantized and --fast keep in blocks; the rest (norms, biases, a depthwise convolution's
+    kernels) are read as numbers."""
+    kinds = {w.param: w.weight.kind for w in declared(config)}
+    return {name: parts for name, parts in plan.items() if kinds.get(name) in MATRIX_KINDS}
+
+
 def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: str) -> dict[str, list[Any]]:
     """Which checkpoint tensors make each of the model's parameters, as the model declares them: {parameter: its
     parts, stacked along the first axis} (q, k and v into wqkv). `entries` maps the file's own keys to objects with a
