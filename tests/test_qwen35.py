@@ -232,3 +232,27 @@ def test_explain_renders_a_linear_layer(families, capsys, monkeypatch):
     assert code == 0, err
     assert "the delta rule, value head 0" in out and "no KV cache grows here" in out
     assert "S computed in float64 vs the state the pass left ✓" in out
+
+
+def test_the_patching_sweep_runs_each_cell_from_the_corrupt_state_at_its_position(loaded):
+    """The sweep reuses the corrupt run's memory before each patched position: for a linear layer, the state after
+    those positions (not the cache of the whole prompt). Every cell equals the single patched run."""
+    from llmtrace.run.interventions import Patch, prepare
+    from llmtrace.run.patching import patch_sweep
+
+    lm = loaded("qwen3_5", "hf")
+    clean, corrupt = "ab cd ef", "ab ce ef"  # 7 tokens each, position 4 differs
+    sweep = patch_sweep(lm, clean, corrupt, "a", "b", at="resid_post")
+    ids = lm.tokenizer.encode(corrupt)
+    a, b = sweep["answer"]["id"], sweep["against"]["id"]
+
+    def single(interventions) -> float:
+        edits = prepare(lm, interventions, [len(ids)])
+        with torch.inference_mode(), lm.model.hooked(edits, edits.layers, spell_out=False):
+            logits = lm.model(torch.tensor([ids]), last_only=True)[0].float()
+        return (logits[a] - logits[b]).item()
+
+    worst = max(abs(c["metric"] - single([Patch(c["layer"], "resid_post", c["position"], clean)]))
+                for c in sweep["cells"])
+    assert worst < 1e-4
+    assert len({round(c["metric"], 3) for c in sweep["cells"]}) > 2  # the cells differ: the test can fail

@@ -108,11 +108,22 @@ def sweep_metrics(model, clean_ids: list[int], corrupt_ids: list[int], answer: i
         m_corrupt = metric(model(idx, base, 0, last_only=True))[0].item()
     entering = {layer: kept[(layer, entering_point)][0] for layer in range(L)}  # L × (T, D)
     grid = torch.empty(L, T, dtype=torch.float64)
+    stateful = model.state_shapes() is not None  # layers whose memory is a state, not slots (linear attention)
     for p in range(T):
-        grid[:, p] = metric(_patched_at_position(model, base, entering, clean_acts, at, p, T)).double().cpu()
+        before = _corrupt_prefix(model, idx, p, T) if stateful else base
+        grid[:, p] = metric(_patched_at_position(model, before, entering, clean_acts, at, p, T)).double().cpu()
         if on_progress is not None:
             on_progress(p + 1, T)
     return {"clean": m_clean, "corrupt": m_corrupt, "metric": grid}
+
+
+def _corrupt_prefix(model, idx: torch.Tensor, p: int, T: int):
+    """The corrupt run's cache after its first p tokens. A KV cache's slots [0, p) are the same in the cache of all T
+    tokens, but a recurrent state after p tokens is not the state after T: it is computed again for each position."""
+    cache = model.new_cache(T)
+    if p > 0:
+        model(idx[:, :p], cache, 0, last_only=True)
+    return cache
 
 
 def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str, p: int, T: int) -> torch.Tensor:
@@ -124,7 +135,7 @@ def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str,
     row ℓ joins the batch at layer ℓ with the corrupt stream entering that layer (positions [p, T)). This is the
     model's layer loop (`run_layers`, one layer at a time) over a batch that grows by one row per layer, each layer
     with its own copy of the corrupt cache; the patch itself is made by the model's hook."""
-    from llmtrace.model.transformer import LayerKV
+    from llmtrace.model.transformer import LayerKV, LayerState
 
     L = model.config.n_layers
     idx = torch.empty(1, T - p, dtype=torch.long, device=entering[0].device)  # positions [p, T): only its size is read
@@ -144,7 +155,11 @@ def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str,
                 x = torch.cat([x, entering[layer][None, p:]])  # row ℓ = layer joins: (ℓ + 1, T - p, D)
             rows = layer + 1
             kv = base.layers[layer]
-            cache = LayerKV(kv.k[:, :, :T].expand(rows, -1, -1, -1).clone(), kv.v[:, :, :T].expand(rows, -1, -1, -1).clone())
+            if isinstance(kv, LayerState):  # the state after the corrupt positions [0, p), one copy a row
+                cache = LayerState({n: b.expand(rows, *b.shape[1:]).clone() for n, b in kv.buffers.items()})
+            else:
+                cache = LayerKV(kv.k[:, :, :T].expand(rows, -1, -1, -1).clone(),
+                                kv.v[:, :, :T].expand(rows, -1, -1, -1).clone())
             inputs[layer] = inputs[layer]._replace(cache=cache)  # slots [p, T) written over the copy; [0, p) corrupt
             x = model.run_layers(x, inputs, [layer])
     return model.head(x, last_only=True)  # (L, V)
