@@ -256,3 +256,22 @@ def test_the_patching_sweep_runs_each_cell_from_the_corrupt_state_at_its_positio
                 for c in sweep["cells"])
     assert worst < 1e-4
     assert len({round(c["metric"], 3) for c in sweep["cells"]}) > 2  # the cells differ: the test can fail
+
+
+def test_the_reports_kv_chart_shows_the_state_and_the_sum(families):
+    """The page's KV-cache chart: the cache's line grows, the states' line is flat, and a third line is their sum;
+    the state layers' boxes are marked, and the per-token figure counts the one attention layer."""
+    import re
+
+    import llmtrace
+
+    run = llmtrace.load(str(families.hf_dir("qwen3_5")), device="cpu").generate("The quick brown fox",
+                                                                               max_new_tokens=4, trace="full")
+    page = run.html()
+    lines = {cls: [float(p.split(",")[1]) for p in pts.split()]
+             for pts, cls in re.findall(r'<polyline points="([^"]+)" class="(gqa|state|total)"', page)}
+    assert len(set(lines["state"])) == 1 and lines["gqa"][0] > lines["gqa"][-1]  # flat; growing (y points down)
+    assert all(t < g and t < s for t, g, s in zip(lines["total"], lines["gqa"], lines["state"]))  # the sum, above
+    assert page.count('class="kvl state"') == 3
+    assert "3 layers × 3,200 bytes = 9.38 KiB, the same at every step" in page
+    assert "= 2 (K, V) × 1 layer × 2 KV heads" in page

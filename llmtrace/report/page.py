@@ -471,13 +471,23 @@ def section_kv(d: dict) -> Optional[dict]:
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
     w = d["w"]
-    chart = line_chart([("mha", mha, "full multi-head attention would need"), ("gqa", pts, "this model's cache (GQA)")],
-                       w("kv.x"), w("kv.y"), marker=True, fmt=human_bytes, base=1024)
+    series = [("mha", mha, "full multi-head attention would need"), ("gqa", pts, "this model's cache (GQA)")]
+    state = kv.get("state")
+    if state:  # the recurrent states: a flat line; and the sum, which grows only by the KV cache's positions
+        series += [("state", [(s["step"], state["bytes"]) for s in kv["steps"]], w("kv.state")),
+                   ("total", [(s["step"], s["bytes_used"] + state["bytes"]) for s in kv["steps"]], w("kv.total"))]
+    chart = line_chart(series, w("kv.x"), w("kv.y"), marker=True, fmt=human_bytes, base=1024)
     last = kv["steps"][-1]
     per_layer = kv["per_layer"]
     el = kv["element_size"]
+    n_kv = kv.get("kv_layers", m["n_layers"])
     return {"chart": chart, "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"],
-            "per_token": f'{kv["bytes_per_token"]:,} = 2 (K, V) × {m["n_layers"]} layers × {m["n_kv_heads"]} KV heads '
+            "state": None if not state else {
+                "layers": state["layers"], "bytes": state["bytes_per_layer"],
+                "text": f'{len(state["layers"])} layers × {state["bytes_per_layer"]:,} bytes = '
+                        f'{human_bytes(state["bytes"])}, the same at every step; with the KV cache '
+                        f'{human_bytes(last["bytes_used"] + state["bytes"])} at the end'},
+            "per_token": f'{kv["bytes_per_token"]:,} = 2 (K, V) × {n_kv} layer{"s" if n_kv != 1 else ""} × {m["n_kv_heads"]} KV heads '
                          f'× {m["head_dim"]} × {num(el)} bytes',
             "per_layer": f"{per_layer:,.0f} bytes per token (K {per_layer / 2:,.0f} + V {per_layer / 2:,.0f})",
             "at_end": f'{last["seq_len"]} positions: {human_bytes(last["bytes_used"])} used, '
