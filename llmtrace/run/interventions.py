@@ -22,6 +22,9 @@ Definitions (tests/test_interventions.py checks each one against forward hooks o
                                the source)
     Steer(L, toward, away, α)  v = layer L's output (resid_post) at the last token of `toward` minus the same for
                                `away`, each run alone; α·v is added to layer L's output at every position, in every pass
+    Hook(name, fn)             a researcher's own function at a point ("3.attn_out"), called as fn(x, point) in every
+                               pass: None observes, a tensor replaces x at an editable point (run.hookpoints). The
+                               trace names the function and says that llmtrace cannot replay it
     ControlVector(path, scale) llama.cpp's control-vector GGUF: tensor `direction.N` (N ≥ 1, float32, one per layer) is
                                added, times scale, to the output of layer N (0-based), as llama.cpp's build_cvec adds
                                it after the layer's FFN residual; several files add up. Layer 0 has no direction
@@ -174,13 +177,45 @@ class ControlVector:
         return f"{self.path}:{self.scale:g}"
 
 
-Intervention = Union[Ablate, Scale, Patch, Steer, ControlVector]
+@dataclass(frozen=True)
+class Hook:
+    """A researcher's function at one point: `name` as a hook sees it ("3.attn_out", "-1.resid_post", "embed"),
+    `fn(x, point)` returning None (it observed) or, at an editable point, the tensor the pass goes on with. It runs on
+    the same hook as the others, in every pass; a trace records its name, and says that llmtrace cannot replay it."""
+
+    name: str
+    fn: Callable
+
+    kind = "hook"
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise BadValue("hook", f": the point's name must be a text such as '3.attn_out', not {self.name!r}")
+        if not callable(self.fn):
+            raise BadValue("hook", f" {self.name}: fn must be a function fn(x, point), not {type(self.fn).__name__}")
+
+    @property
+    def spec(self) -> str:
+        return self.name
+
+    @property
+    def layer(self) -> Optional[int]:
+        head, dot, _ = self.name.partition(".")
+        return int(head) if dot and head.lstrip("-").isdigit() else None
+
+
+Intervention = Union[Ablate, Scale, Patch, Steer, ControlVector, Hook]
 
 
 def record(iv: Intervention) -> dict:
     """The intervention as the `run` event lists it (the schema's `intervention`): kind, spec (its command-line
     spelling), label (the terminal's line), then its fields."""
     out = {"kind": iv.kind, "spec": iv.spec, "label": label(iv)}
+    if isinstance(iv, Hook):
+        from llmtrace.run.hookpoints import function_name
+
+        layer = {"layer": iv.layer} if iv.layer is not None else {}
+        return out | layer | {"at": iv.name, "function": function_name(iv.fn), "replayable": False}
     for name in ("layer", "head", "part", "mean", "factor", "point", "position", "source", "toward", "away_from",
                  "strength", "path", "scale", "expert"):
         if name == "expert" and getattr(iv, name, None) is None:
@@ -196,6 +231,10 @@ def label(iv: Intervention) -> str:
         return f"patch {iv.spec} from {_quote(iv.source)}"
     if isinstance(iv, Steer):
         return f"steer {iv.layer} {iv.strength:+g}·({_quote(iv.toward)} − {_quote(iv.away_from)})"
+    if isinstance(iv, Hook):
+        from llmtrace.run.hookpoints import function_name
+
+        return f"hook {function_name(iv.fn)} at {iv.name} (your function: llmtrace cannot replay it)"
     if isinstance(iv, ControlVector):
         return f"control vector {Path(iv.path).name} ×{iv.scale:g}"
     return f"{iv.kind} {iv.spec}"
@@ -375,6 +414,9 @@ def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequenc
         name = iv.kind
         if isinstance(iv, ControlVector):
             continue
+        if isinstance(iv, Hook):
+            _hook_point(iv, config)
+            continue
         _layer(name, iv, iv.layer, config.n_layers)
         if getattr(iv, "head", None) is not None:
             _head(name, iv, iv.head, config.n_heads)
@@ -386,6 +428,26 @@ def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequenc
             for r, n in enumerate(prompt_lengths):
                 position_slot(name, iv, iv.position, n, "the prompt" if len(prompt_lengths) == 1 else f"prompt {r + 1}")
     _enough_experts(interventions, config)
+
+
+def _hook_point(iv: Hook, config) -> None:
+    """A Hook's point against the model's declaration: a point of the model, or L.NAME with L one of its layers; a
+    glob matches at least one point."""
+    from llmtrace.model.family import points_of
+
+    if any(c in iv.name for c in "*?["):
+        return  # a glob ("*.resid_post"): matched against the built model's points when the run is prepared
+    points = points_of(config)
+    head, dot, rest = iv.name.partition(".")
+    if dot and head.lstrip("-").isdigit():
+        _layer("hook", iv, int(head), config.n_layers)
+        known = points.names(layer=True)
+    else:
+        rest, known = iv.name, points.names(layer=False)
+    if rest not in known:
+        raise BadValue("hook", f" {iv.name}: {rest!r} is not a point of this model; the model's own: "
+                               f"{', '.join(points.names(layer=False))}; a layer's: L.NAME with NAME one of "
+                               f"{', '.join(points.names(layer=True))}")
 
 
 def read_control_vector(path, d_model: int, n_layers: int) -> dict[int, "object"]:
@@ -441,10 +503,12 @@ class Edits:
         self.ops: dict[tuple[int, str], list[Callable]] = {}
         self.prompt_pass = True
         self.pads: list[int] = [0]
+        self.spell_out = False  # a hook observes a step that exists only where attention is spelled out
 
     @property
     def layers(self) -> list[int]:
-        return sorted({layer for layer, _ in self.ops})
+        """The layers whose points it edits or observes (the model's own points are always hooked)."""
+        return sorted({layer for layer, _ in self.ops if layer is not None})
 
     def add(self, layer: int, point: str, op: Callable) -> None:
         self.ops.setdefault((layer, point), []).append(op)
@@ -499,10 +563,23 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
             v = steering_vector(lm, layer, _source_ids(iv, encode, "toward", iv.toward, c.max_seq_len),
                                 _source_ids(iv, encode, "away_from", iv.away_from, c.max_seq_len))
             edits.add(layer, out, _add(iv.strength * v))
+        elif isinstance(iv, Hook):
+            _add_hook(lm, edits, iv)
         else:
             for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items():
                 edits.add(layer, out, _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
     return edits
+
+
+def _add_hook(lm, edits: Edits, iv: Hook) -> None:
+    """A researcher's function as one more edit of the one hook, at its point of the built model."""
+    from llmtrace.model.capture import layer_points
+    from llmtrace.run.hookpoints import canonical, hook_op, needs_spelled_attention, point_table, select
+
+    table = point_table(lm.model, lambda i: layer_points(lm.model, i))
+    for info in select(table, canonical(iv.name, lm.config.n_layers, "hook"), None, lm.config.n_layers, "hook"):
+        edits.add(info.layer, info.point, hook_op(info, iv.fn, table))
+        edits.spell_out = edits.spell_out or needs_spelled_attention(info)
 
 
 def _source_ids(iv, encode, field_name: str, text: str, ctx: int) -> list[int]:
