@@ -174,6 +174,22 @@ def test_a_padded_batch_names_its_pads_and_each_row_is_its_prompt_alone(tiny_lm)
     assert float(cache["0.probs"][1, :, pad:, :pad].abs().max()) == 0.0  # no real token attends a pad slot
 
 
+@pytest.mark.parametrize("name", [n for n in HF_NAMES if n != "phi3_longrope"])
+def test_each_row_of_a_padded_batch_is_its_prompt_alone_in_every_family(loaded, name):
+    """A batch of PROMPT_IDS and a 5-token prompt (9 pads), every family (windows, soft-caps, experts): the short
+    row's stream and logits from its first real token are those of its pass alone. (LongRoPE picks its factors by the
+    batch's length, so a padded row of a long batch is not its short prompt alone; it is left out.)"""
+    model = Model(loaded(name, "hf"))
+    short = PROMPT_IDS[:5]
+    logits, cache = model.run_with_cache([PROMPT_IDS, short], names="*.resid_post")
+    alone_logits, alone = model.run_with_cache(short, names="*.resid_post")
+    pad = cache.pads[1]
+    assert cache.pads == [0, len(PROMPT_IDS) - 5]
+    for i in range(model.config.n_layers):
+        torch.testing.assert_close(cache[f"{i}.resid_post"][1, pad:], alone[f"{i}.resid_post"][0], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1, pad:], alone_logits[0], atol=TOL, rtol=0)
+
+
 def test_keep_quantized_is_exact_and_fast_says_approximate(families):
     """A Q8_0 GGUF: keep_quantized's cache is the dequantized float path's; fast's says it is approximate."""
     path = str(families.gguf("llama", "q8_0"))
