@@ -531,52 +531,59 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
             encode: Optional[Callable[[str], list[int]]] = None) -> Optional[Edits]:
     """Check the interventions against the model and the prompts, compute what they need (the source activations of
     patches, the steering vectors, the control vectors' directions) and return the editor; None for no intervention.
-    `encode` turns a text an intervention runs into ids (default: the tokenizer's plain encoding)."""
+    `encode` turns a text an intervention runs into ids (default: the tokenizer's plain encoding). Every intervention
+    becomes hooks (`hooks_of`): named functions fn(x, point) at points, as a researcher's own Hook is."""
     if not interventions:
         return None
-    import torch
+    from llmtrace.model.capture import layer_points
+    from llmtrace.run.hookpoints import point_table
 
-    c = lm.config
-    check(interventions, c, prompt_lengths)
+    check(interventions, lm.config, prompt_lengths)
     encode = encode or (lambda text: lm.tokenizer.encode_prompt(text)[1])
     edits = Edits(interventions)
-    points = lm.points
-    out = layer_output(points)
+    table = point_table(lm.model, lambda i: layer_points(lm.model, i))
     for iv in interventions:
-        if isinstance(iv, (Ablate, Scale)) and iv.part == "expert":
-            layer = iv.layer % c.n_layers
-            router, weights = expert_points(points)
-            edits.add(layer, router if isinstance(iv, Ablate) else weights, _expert_edit(iv))
-        elif isinstance(iv, (Ablate, Scale)):
-            layer = iv.layer % c.n_layers
-            edits.add(layer, part_point(points, iv.part), _ablate_or_scale(edits, iv))
-        elif isinstance(iv, Patch):
-            layer = iv.layer % c.n_layers
-            point = part_point(points, "head") if iv.point == "head" else iv.point
-            ids = _source_ids(iv, encode, "source", iv.source, c.max_seq_len)
-            pos = position_slot("patch", iv, iv.position, len(ids), "the source text", also=("source",))
-            acts = grab(lm.model, ids, [(layer, point)])[(layer, point)]  # (T_src, D) or (T_src, H, Dh)
-            vec = acts[pos] if iv.head is None else acts[pos, iv.head]
-            edits.add(layer, point, _patch(edits, iv, vec))
-        elif isinstance(iv, Steer):
-            layer = iv.layer % c.n_layers
-            v = steering_vector(lm, layer, _source_ids(iv, encode, "toward", iv.toward, c.max_seq_len),
-                                _source_ids(iv, encode, "away_from", iv.away_from, c.max_seq_len))
-            edits.add(layer, out, _add(iv.strength * v))
-        elif isinstance(iv, Hook):
-            _add_hook(lm, edits, iv)
-        else:
-            for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items():
-                edits.add(layer, out, _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
+        for hook in hooks_of(lm, edits, iv, encode):
+            _add_hook(lm, edits, hook, table)
     return edits
 
 
-def _add_hook(lm, edits: Edits, iv: Hook) -> None:
-    """A researcher's function as one more edit of the one hook, at its point of the built model."""
-    from llmtrace.model.capture import layer_points
-    from llmtrace.run.hookpoints import canonical, hook_op, needs_spelled_attention, point_table, select
+def hooks_of(lm, edits: Edits, iv: Intervention, encode: Callable[[str], list[int]]) -> list[Hook]:
+    """The hooks an intervention is: a function fn(x, point) at each point it edits (Ablate and Scale at their part's
+    output, or an expert's router score or weight; Patch and Steer at their point, with the activations they read
+    computed here; a control vector at each layer's output it has a direction for; a Hook as it is)."""
+    import torch
 
-    table = point_table(lm.model, lambda i: layer_points(lm.model, i))
+    if isinstance(iv, Hook):
+        return [iv]
+    c, points = lm.config, lm.points
+    at = lambda layer, point: f"{layer % c.n_layers}.{point}"  # noqa: E731
+    if isinstance(iv, (Ablate, Scale)) and iv.part == "expert":
+        router, weights = expert_points(points)
+        return [Hook(at(iv.layer, router if isinstance(iv, Ablate) else weights), _expert_edit(iv))]
+    if isinstance(iv, (Ablate, Scale)):
+        return [Hook(at(iv.layer, part_point(points, iv.part)), _ablate_or_scale(edits, iv))]
+    if isinstance(iv, Patch):
+        layer = iv.layer % c.n_layers
+        point = part_point(points, "head") if iv.point == "head" else iv.point
+        ids = _source_ids(iv, encode, "source", iv.source, c.max_seq_len)
+        pos = position_slot("patch", iv, iv.position, len(ids), "the source text", also=("source",))
+        acts = grab(lm.model, ids, [(layer, point)])[(layer, point)]  # (T_src, D) or (T_src, H, Dh)
+        vec = acts[pos] if iv.head is None else acts[pos, iv.head]
+        return [Hook(at(layer, point), _patch(edits, iv, vec))]
+    out = layer_output(points)
+    if isinstance(iv, Steer):
+        v = steering_vector(lm, iv.layer % c.n_layers, _source_ids(iv, encode, "toward", iv.toward, c.max_seq_len),
+                            _source_ids(iv, encode, "away_from", iv.away_from, c.max_seq_len))
+        return [Hook(at(iv.layer, out), _add(iv.strength * v))]
+    return [Hook(at(layer, out), _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
+            for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items()]
+
+
+def _add_hook(lm, edits: Edits, iv: Hook, table) -> None:
+    """A hook as one more edit of the one hook, at each point of the built model its name picks."""
+    from llmtrace.run.hookpoints import canonical, hook_op, needs_spelled_attention, select
+
     for info in select(table, canonical(iv.name, lm.config.n_layers, "hook"), None, lm.config.n_layers, "hook"):
         edits.add(info.layer, info.point, hook_op(info, iv.fn, table))
         edits.spell_out = edits.spell_out or needs_spelled_attention(info)
@@ -617,28 +624,30 @@ def steering_vector(lm, layer: int, toward: list[int], away: list[int]):
 
 
 def _ablate_or_scale(edits: Edits, iv):
-    """The edit of Ablate / Scale at its part's output point."""
+    """The hook function of Ablate / Scale at its part's output point."""
     import torch
 
     factor = 0.0 if isinstance(iv, Ablate) else iv.factor
     if iv.part != "head":  # o_proj or down, (B, T, D)
-        return (lambda x: x * factor) if factor != 0.0 else (lambda x: x.new_zeros(x.shape))
+        def scale_output(x, point):
+            return x * factor if factor != 0.0 else x.new_zeros(x.shape)
+        return scale_output
     h = iv.head
     if not getattr(iv, "mean", False):
-        def head_op(x):  # (B, T, H, Dh)
+        def scale_head(x, point):  # (B, T, H, Dh)
             x = x.clone()
             x[:, :, h] = 0.0 if factor == 0.0 else x[:, :, h] * factor
             return x
-        return head_op
+        return scale_head
     means = {}  # the mean over the prompt's positions, (B, Dh), taken in the prompt's pass and kept for decode steps
 
-    def mean_op(x):  # (B, T, H, Dh)
+    def mean_head(x, point):  # (B, T, H, Dh)
         if edits.prompt_pass:
             means["m"] = torch.stack([x[r, pad:, h].mean(0) for r, pad in enumerate(edits.pads)])
         x = x.clone()
         x[:, :, h] = means["m"][:, None]
         return x
-    return mean_op
+    return mean_head
 
 
 def _expert_edit(iv):
@@ -646,23 +655,23 @@ def _expert_edit(iv):
     its routing weight (B, T, E) times α, which multiplies its output wherever it runs."""
     k = iv.expert
 
-    def op(x):
+    def scale_expert(x, point):
         x = x.clone()
         if isinstance(iv, Ablate):
             x[..., k] = float("-inf")
         else:
             x[..., k] = x[..., k] * iv.factor
         return x
-    return op
+    return scale_expert
 
 
 def _patch(edits: Edits, iv: Patch, vec):
     """Replace the value at prompt position P by `vec` (D,) or (Dh,) in the prompt's pass only."""
     head = iv.head
 
-    def op(x):  # (B, T, D), or (B, T, H, Dh) for a head
+    def patch_position(x, point):  # (B, T, D), or (B, T, H, Dh) for a head
         if not edits.prompt_pass:
-            return x
+            return None
         x = x.clone()
         for r, slot in enumerate(edits.slots(iv.position, x.size(1))):
             if head is None:
@@ -670,11 +679,11 @@ def _patch(edits: Edits, iv: Patch, vec):
             else:
                 x[r, slot, head] = vec.to(x.dtype)
         return x
-    return op
+    return patch_position
 
 
 def _add(v):
     """Add v (D,) at every position of every pass."""
-    def op(x):
+    def add_vector(x, point):
         return x + v.to(x.dtype)
-    return op
+    return add_vector
