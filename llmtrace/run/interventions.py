@@ -1,9 +1,11 @@
 """Interventions: ablate, scale, patch and steer the forward pass, and read llama.cpp's control vectors.
 
-An intervention is a small frozen dataclass (`Ablate`, `Scale`, `Patch`, `Steer`, `ControlVector`); a run takes a plain
-list of them (`generate(..., interventions=[Ablate(3, head=2)])`, explain, lens). `prepare` checks them against the
-model and the prompts, runs the texts some of them need (each alone, without interventions) and returns an `Edits`,
-the editor that `Transformer.hooked` attaches to the model's edit points (llmtrace.model.transformer). `parse_*` turn the
+An intervention is a small frozen dataclass (`Ablate`, `Scale`, `Patch`, `Steer`, `ControlVector`, and `Hook`, a
+researcher's own function); a run takes a plain list of them (`generate(..., interventions=[Ablate(3, head=2)])`,
+explain, lens, a compare Side). `prepare` checks them against the model and the prompts, runs the texts some of them
+need (each alone, without interventions), turns each into hooks (`hooks_of`: named functions fn(x, point) at points)
+and returns an `Edits`, the editor that `Transformer.hooked` attaches to the model's points (llmtrace.model.transformer):
+the one hook, for the built-in interventions and a researcher's alike. `parse_*` turn the
 command line's strings into the same objects, in one place, with one-line errors.
 
 Definitions (tests/test_interventions.py checks each one against forward hooks on transformers' Llama):
