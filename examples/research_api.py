@@ -97,7 +97,6 @@ def main(argv=None) -> None:
     parser.add_argument("--layer", type=int, default=None, help="the layer edited (default: a third of the way in)")
     parser.add_argument("--head", type=int, default=0)
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
     model = llmtrace.load(args.model, device="cpu", dtype="float32")
     layer = args.layer if args.layer is not None else model.config.n_layers // 3
     print(model)

@@ -19,7 +19,8 @@ import torch
 from llmtrace.errors import BadValue
 from llmtrace.model.capture import capture, layer_points
 from llmtrace.run.generate import pad_batch
-from llmtrace.run.hookpoints import Names, PointInfo, as_declared, needs_spelled_attention, point_table, select
+from llmtrace.run.hookpoints import (Names, PointInfo, as_declared, canonical, needs_spelled_attention, point_table,
+                                    select)
 from llmtrace.run.interventions import Hook, prepare
 
 Prompt = Union[str, Sequence[str], Sequence[int], Sequence[Sequence[int]], torch.Tensor]
@@ -116,8 +117,6 @@ class ActivationCache(Mapping):
         self._n_layers = n_layers
 
     def _key(self, name: str) -> str:
-        from llmtrace.run.hookpoints import canonical
-
         key = canonical(name, self._n_layers, "name") if isinstance(name, str) else name
         if key not in self._tensors:
             held = ", ".join(list(self._tensors)[:8]) + (", …" if len(self._tensors) > 8 else "")
