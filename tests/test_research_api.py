@@ -107,8 +107,10 @@ def test_points_are_the_declaration_in_forward_order_with_the_names_hooks_see(ti
     assert next(p for p in pts if p.name == "logits").axes == ("B", "T", "V")  # a pass over every position
     assert [p.name for p in model.points(layer=-1, step="s6.5")] == [f"{L - 1}.probs", f"{L - 1}.attn_out"]
     assert {p.name for p in pts if p.editable} >= {"2.attn_out", "2.resid_post", "2.o_proj", "2.down"}
-    if getattr(tiny_lm.model, "maths", None) is None:  # no maths declaration: no operation to name
-        assert all(p.op is None for p in pts)
+    ops = {p.name: p.op for p in pts}  # each point's declared operation (model.maths), this layer's constants
+    assert ops["3.q_rope"].kind == "rope" and ops["3.q_rope"].const("base") == tiny_lm.config.rope_theta
+    assert ops["3.act"].kind == "glu" and ops["logits"].kind == "matmul" and ops["0.resid_mid"].kind == "add"
+    assert all(p.op is not None for p in pts if p.point not in ("last",) or p.layer is None)
     with pytest.raises(BadValue, match="layer"):
         model.points(layer=L)
 

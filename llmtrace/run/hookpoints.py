@@ -64,13 +64,11 @@ class PointInfo:
         return f"PointInfo({self.name!r}, {self.step}, ({', '.join(self.axes)}){edit})"
 
 
-def declared_op(model, layer: Optional[int], point: str) -> Any:
-    """The operation the model's maths declaration says makes `point` of `layer` (model/maths.py's Op), or None when
-    the model declares no maths. The one place this API reads that declaration."""
-    maths = getattr(model, "maths", None)
-    if maths is None:
-        return None
-    return maths(layer, point) if callable(maths) else None
+def declared_op(maths, layer: Optional[int], point: str) -> Any:
+    """The operation the model's maths declaration (model.maths.Maths, from `Transformer.maths()`) says makes `point`
+    of `layer`: a model.maths.Op (its kind, operands, weights and this layer's constants), or None where none is
+    declared. The one place this API reads that declaration."""
+    return None if maths is None else maths.op(layer, point)
 
 
 def hook_axes(p: Point, after_layers: bool) -> tuple[str, ...]:
@@ -86,11 +84,12 @@ def point_table(model, layer_points: Callable[[int], Sequence[Point]]) -> list[P
     """Every point of the built `model` in forward order: the model's own before the layers, each layer's (as
     `layer_points(i)` reports them), the model's own after them."""
     declared = model.declared_points()
+    maths = model.maths() if hasattr(model, "maths") else None  # worked out once for the whole table
 
     def info(p: Point, layer: Optional[int], after: bool = False) -> PointInfo:
         name = p.name if layer is None else f"{layer}.{p.name}"
         return PointInfo(name, layer, p.name, p.step, hook_axes(p, after), p.editable, p.about, p.where,
-                         declared_op(model, layer, p.name))
+                         declared_op(maths, layer, p.name))
 
     out = [info(p, None) for p in declared.before]
     for i in range(model.config.n_layers):
