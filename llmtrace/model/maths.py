@@ -196,7 +196,12 @@ def rope_words(plan: LayerPlan) -> str:
         return "no rotation in this layer"
     width = f", rotary width {r['rotary_dim']} of {r['head_dim']}" if r.get("rotary_dim") != r.get("head_dim") else ""
     kind = (r.get("scaling") or {}).get("rope_type")
-    return f"base θ = {r['base']:,g}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
+    return f"base θ = {_n(r['base'])}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
+
+
+def _n(x: float) -> str:
+    """1,000,000 rather than 1e+06: a RoPE base as people write it."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,g}"
 
 
 def attention_words(plan: LayerPlan) -> str:
@@ -215,38 +220,78 @@ def _w(o: Op) -> str:
     return o.weights[0].split(".")[-2] if o.weights else "W"
 
 
-def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None) -> str:
+# The words of the formulas, by key: English here; a page in another language passes its own (its catalogue's
+# "maths.*" entries), so a formula is said in the page's language. {name} marks a value.
+WORDS = {
+    "per_head": ", per head (width Dh)",
+    "over_whole": ", over the whole {axis}",
+    "gamma_1w": " (γ = 1 + w)",
+    "no_rotation": "{name} = {x}: no rotation in this layer (attention here sees content, not position)",
+    "rope": "{name}: pairs ({x}_i, {x}_i+{half}) turned by pos·θ_i, θ_i = {base}^(−2i/{dr})",
+    "rope_part": " (the first {dr} of {dh} dims)",
+    "rope_scaled": ", {kind} scaling",
+    "rope_factor": ", cos and sin × {f}",
+    "before_mask": " (before the mask)",
+    "mask": "; −∞ at later keys",
+    "mask_window": "; −∞ at later keys and keys {w} or more back",
+    "softmax": "{name} = softmax({x}) over the last axis: each row sums to 1",
+    "softmax_sink": "{name} = softmax({x}) over the last axis, with one sink logit per head ({w}) in the sum, dropped "
+                    "after: rows sum to less than 1",
+    "split_H": ", split into H heads",
+    "split_Hkv": ", split into Hkv heads",
+    "merge": "concat(heads of {x})",
+    "lookup": "{name} = row id of {w} for each token",
+    "cache_write": "{x} → the cache's slots for this pass",
+    "repeat_kv": "{name}: each KV head of {x} seen by its {g} query heads (GQA)",
+    "weighted_sum": "{name} = {x} · {v} (each query head reading KV head h // {g})",
+    "select_last": "{name} = {x}[last position]",
+    "router": "{name}: {order} {k} of {x}",
+    "router_norm": ", renormalised to sum to 1",
+    "router_rest": "; 0 elsewhere",
+    "order_softmax_topk": "softmax, then top-k",
+    "order_topk_softmax": "top-k, then softmax",
+    "expert_matmul": "{name} = {x} · {w}[e]ᵀ for each chosen expert e",
+    "prev_last": "{name} of the last layer",
+    "prev_any": "{name} of the layer before (in layer 0: {first})",
+    "prev_n": "{name} of layer {n}",
+}
+ORDERS = {"softmax, then top-k": "order_softmax_topk", "top-k, then softmax": "order_topk_softmax"}
+
+
+def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None,
+            words: Optional[dict] = None) -> str:
     """The declared operation as one line of maths with its operands and this layer's constants: what a view shows
-    beside the point `name` of `layer` (None: outside the layers). The one home of these words: explain, the report
-    and serve take them from here."""
-    x = [_operand_words(i, layer, maths) for i in o.inputs]
+    beside the point `name` of `layer` (None: outside the layers; −1: any layer of its kind). The one home of these
+    formulas: explain, the report and serve take them from here; `words` says them in another language (WORDS)."""
+    W = WORDS if not words else {**WORDS, **words}
+    say = lambda key, **v: W[key].format(**v)  # noqa: E731
+    x = [_operand_words(i, layer, maths, say) for i in o.inputs]
     c = dict(o.consts)
     k = o.kind
     if k == "rmsnorm":
-        over = {"D": "", "Dh": ", per head (width Dh)"}.get(c["over"], f", over the whole {c['over']}")
-        gamma = " (γ = 1 + w)" if c["gamma"] != "w" else ""
+        over = "" if c["over"] == "D" else say("per_head") if c["over"] == "Dh" else say("over_whole", axis=c["over"])
+        gamma = say("gamma_1w") if c["gamma"] != "w" else ""
+        if " " in x[0]:  # an operand said in words: name it x
+            return f"{name} = x / √(mean(x²) + {c['eps']:g}) · γ{gamma}{over}, x = {x[0]}"
         return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ{gamma}{over}"
     if k == "rope":
         if c.get("rotation") == "none":
-            return f"{name} = {x[0]}: no rotation in this layer (attention here sees content, not position)"
+            return say("no_rotation", name=name, x=x[0])
         dr = c["rotary_dim"]
-        part = f" (the first {dr} of {c['head_dim']} dims)" if dr != c["head_dim"] else ""
+        part = say("rope_part", dr=dr, dh=c["head_dim"]) if dr != c["head_dim"] else ""
         kind = (c.get("scaling") or {}).get("rope_type")
-        scaled = f", {kind} scaling" if kind and kind != "default" else ""
-        factor = f", cos and sin × {c['attention_factor']:.4g}" if c.get("attention_factor") not in (None, 1.0) else ""
-        return (f"{name}: pairs ({x[0]}_i, {x[0]}_i+{dr // 2}) turned by pos·θ_i, θ_i = {c['base']:,g}^(−2i/{dr})"
-                f"{part}{scaled}{factor}")
+        scaled = say("rope_scaled", kind=kind) if kind and kind != "default" else ""
+        factor = say("rope_factor", f=f"{c['attention_factor']:.4g}") if c.get("attention_factor") not in (None, 1.0) else ""
+        return say("rope", name=name, x=x[0], half=dr // 2, base=_n(c["base"]), dr=dr) + part + scaled + factor
     if k == "scores":
         s = f"{x[0]} · {x[1]}ᵀ · {c['scale']:.4g} ({c['scale_label']})"
         if c.get("softcap"):
             s = f"{c['softcap']:g}·tanh({s} / {c['softcap']:g})"
-        return f"{name} = {s}" + _mask_words(c)
+        return f"{name} = {s}" + _mask_words(c, say)
     if k == "softcap":
-        return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c)
+        return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c, say)
     if k == "softmax":
-        sink = f", with one sink logit per head ({o.weights[0]}) in the sum, dropped after: rows sum to less than 1" \
-            if c.get("sink") else ": each row sums to 1"
-        return f"{name} = softmax({x[0]}) over the last axis{sink}"
+        return say("softmax_sink", name=name, x=x[0], w=o.weights[0]) if c.get("sink") else say("softmax", name=name, x=x[0])
     if k == "glu":
         if c.get("clamp") is not None:
             lim = c["clamp"]
@@ -254,27 +299,28 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
                     f"u = clamp({x[1]}, −{lim:g}, {lim:g}) ({glu_name(o)})")
         return f"{name} = {c['act']}({x[0]}) ⊙ {x[1]} ({glu_name(o)})"
     if k == "matmul":
-        split = {"H": ", split into H heads", "Hkv": ", split into Hkv heads"}.get(c.get("split"), "")
+        split = say("split_" + c["split"]) if c.get("split") in ("H", "Hkv") else ""
         rows = f"[{c['rows'][0]}:{c['rows'][1]}]" if c.get("rows") else ""
-        merge = "concat(heads of " if c.get("merge") else ""
+        arg = say("merge", x=x[0]) if c.get("merge") else x[0]
         bias = " + b" if len(o.weights) > 1 else ""
         if c.get("blocks"):  # each head's rows are n blocks of its width; this point is one of them
-            n, i = c["blocks"]
-            rows += f" (block {i + 1} of each head's {n})"
-        return f"{name} = {merge}{x[0]}{')' if merge else ''} · {_w(o)}{rows}ᵀ{bias}{split}"
-    if k in STATE_OPS:
+            rows += f" (block {c['blocks'][1] + 1} of each head's {c['blocks'][0]})"
+        return f"{name} = {arg} · {_w(o)}{rows}ᵀ{bias}{split}"
+    if k in STATE_OPS:  # (English only for now: not in WORDS)
         return STATE_OPS[k](name, x, c, o)
+    if k == "router":
+        order = say(ORDERS.get(c.get("order"), "order_softmax_topk"))
+        return (say("router", name=name, order=order, k=c.get("k"), x=x[0])
+                + (say("router_norm") if c.get("renormalise") else "") + say("router_rest"))
     return {
-        "lookup": lambda: f"{name} = row id of {o.weights[0] if o.weights else 'E'} for each token",
+        "lookup": lambda: say("lookup", name=name, w=o.weights[0] if o.weights else "E"),
         "scale": lambda: f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}",
-        "cache_write": lambda: f"{', '.join(x)} → the cache's slots for this pass",
-        "repeat_kv": lambda: f"{name}: each KV head of {x[0]} seen by its {c.get('group')} query heads (GQA)",
-        "weighted_sum": lambda: f"{name} = {x[0]} · {x[1]} (each query head reading KV head h // {c.get('group')})",
+        "cache_write": lambda: say("cache_write", x=", ".join(x)),
+        "repeat_kv": lambda: say("repeat_kv", name=name, x=x[0], g=c.get("group")),
+        "weighted_sum": lambda: say("weighted_sum", name=name, x=x[0], v=x[1], g=c.get("group")),
         "add": lambda: f"{name} = {x[0]} + {x[1]}",
-        "select_last": lambda: f"{name} = {x[0]}[last position]",
-        "router": lambda: f"{name}: {c.get('order', 'softmax, then top-k')} {c.get('k')} of {x[0]}"
-                  + (", renormalised to sum to 1" if c.get("renormalise") else "") + "; 0 elsewhere",
-        "expert_matmul": lambda: f"{name} = {x[0]} · {_w(o)}[e]ᵀ for each chosen expert e",
+        "select_last": lambda: say("select_last", name=name, x=x[0]),
+        "expert_matmul": lambda: say("expert_matmul", name=name, x=x[0], w=_w(o)),
         "expert_mix": lambda: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)",
         "stream": lambda: f"{name} = {x[0]}",
     }.get(k, lambda: OPS[k])()
@@ -304,274 +350,25 @@ STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated Del
     "sigmoid": lambda name, x, c, o: f"{name} = σ({x[0]})",
     "decay": lambda name, x, c, o: f"{name} = exp(A · softplus({x[0]} + dt_bias)), A = −exp(A_log) < 0",
     "delta_rule": lambda name, x, c, o: _delta_words(name, x, c),
-    "gated_rmsnorm": "y = x / √(mean(x²) + ε) · γ · silu(z)",
-    "gate": "y = x · σ(g)",  # an output gate
-}
-
-PREV = "^"  # an operand of the layer before (see the module docstring)
-
-
-@dataclass(frozen=True)
-class Op:
-    """One point's operation: `kind` (a word of OPS), the points it reads, the weights it reads, its constants."""
-
-    kind: str
-    inputs: tuple[str, ...] = ()
-    weights: tuple[str, ...] = ()
-    consts: tuple[tuple[str, Any], ...] = ()
-
-    def __post_init__(self):
-        if self.kind not in OPS:
-            raise ValueError(f"unknown operation {self.kind!r}: the vocabulary is {', '.join(OPS)}")
-
-    def const(self, key: str, default: Any = None) -> Any:
-        return dict(self.consts).get(key, default)
-
-    def record(self) -> dict:
-        return {"op": self.kind, "inputs": list(self.inputs), "weights": list(self.weights),
-                "consts": dict(self.consts)}
-
-    def prefixed(self, prefix: str) -> "Op":
-        """The same operation with its weights named from a parent module ("attn." + "wqkv.weight")."""
-        return Op(self.kind, self.inputs, tuple(prefix + w for w in self.weights), self.consts)
-
-
-def op(kind: str, inputs=(), weights=(), **consts) -> Op:
-    """Op(kind, ...) with its constants as keywords; None values are kept (a declared absence: no soft-cap)."""
-    return Op(kind, tuple(inputs), tuple(weights), tuple(consts.items()))
-
-
-def op_from_record(r: dict) -> Op:
-    return Op(r["op"], tuple(r.get("inputs") or ()), tuple(r.get("weights") or ()), tuple((r.get("consts") or {}).items()))
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """What one layer does differently from the others, decided once by the model.
-
-    `attention`: "global" (every earlier key), "window" (at most the last `window` keys) or a family's own word;
-    `rope`: {"base", "rotary_dim", "head_dim", "scaling", ...} or None (no rotation in this layer); `ffn`: "dense" or
-    "experts" ({"n": E, "k": K} in `experts`); `norms`: the norm points the layer has, in forward order."""
-
-    attention: str = "global"
-    window: Optional[int] = None
-    rope: Optional[dict] = None
-    ffn: str = "dense"
-    experts: Optional[dict] = None
-    norms: tuple[str, ...] = ()
-
-    def record(self) -> dict:
-        return {"attention": self.attention, "window": self.window, "rope": self.rope, "ffn": self.ffn,
-                "experts": self.experts, "norms": list(self.norms)}
-
-
-def plan_from_record(r: dict) -> LayerPlan:
-    return LayerPlan(r.get("attention", "global"), r.get("window"), r.get("rope"), r.get("ffn", "dense"),
-                     r.get("experts"), tuple(r.get("norms") or ()))
-
-
-@dataclass(frozen=True)
-class Maths:
-    """A model's maths: the operations of the points outside the layers (`model`), of each layer's points
-    (`layers[i]`), each layer's plan, and the model point that enters layer 0 (`stream_in`)."""
-
-    model: dict = field(default_factory=dict)  # point -> Op
-    layers: tuple = ()  # (point -> Op) per layer
-    plan: tuple = ()  # LayerPlan per layer
-    stream_in: str = "embed"
-
-    def op(self, layer: Optional[int], name: str) -> Optional[Op]:
-        """The operation that made point `name` of `layer` (None: outside the layers); None if none is declared."""
-        table = self.model if layer is None else (self.layers[layer] if 0 <= layer < len(self.layers) else {})
-        return table.get(name)
-
-    def operand(self, layer: Optional[int], ref: str) -> tuple[Optional[int], str]:
-        """Where an operand lives: (layer or None, point name). "^x" in layer L is x of layer L − 1 (in layer 0:
-        the model's stream_in); "^x" outside the layers is x of the last layer; a name not of the layer's table is
-        the model's."""
-        if ref.startswith(PREV):
-            name = ref[len(PREV):]
-            if layer is None:
-                return len(self.layers) - 1, name
-            return (layer - 1, name) if layer > 0 else (None, self.stream_in)
-        if layer is not None and ref not in self.layers[layer] and ref in self.model:
-            return None, ref
-        return layer, ref
-
-    def record(self) -> dict:
-        """The run event's `maths`: layers of one plan and one table of operations share an entry of `kinds`."""
-        kinds: list[dict] = []
-        keys: list[str] = []
-        layer_kind = []
-        for table, plan in zip(self.layers, self.plan):
-            entry = {"plan": plan.record(), "ops": {n: o.record() for n, o in table.items()}}
-            key = json.dumps(entry, sort_keys=True, default=str)
-            if key not in keys:
-                keys.append(key)
-                kinds.append(entry)
-            layer_kind.append(keys.index(key))
-        return {"stream_in": self.stream_in, "model": {n: o.record() for n, o in self.model.items()},
-                "kinds": kinds, "layer_kind": layer_kind}
-
-    @classmethod
-    def from_record(cls, r: Optional[dict]) -> Optional["Maths"]:
-        if not r:
-            return None
-        kinds = [({n: op_from_record(o) for n, o in k["ops"].items()}, plan_from_record(k["plan"])) for k in r["kinds"]]
-        return cls({n: op_from_record(o) for n, o in r.get("model", {}).items()},
-                   tuple(kinds[k][0] for k in r["layer_kind"]), tuple(kinds[k][1] for k in r["layer_kind"]),
-                   r.get("stream_in", "embed"))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# names the views say: one place
-
-
-GLU_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}
-
-
-def glu_name(o: Op) -> str:
-    """SwiGLU, GeGLU, or the family's own name for its gated activation (a clamped SwiGLU)."""
-    return o.const("name") or GLU_NAMES.get(o.const("act"), f"{o.const('act')} GLU")
-
-
-def rope_words(plan: LayerPlan) -> str:
-    """One line on this layer's RoPE: its base and rotary width, or none."""
-    r = plan.rope
-    if not r:
-        return "no rotation in this layer"
-    width = f", rotary width {r['rotary_dim']} of {r['head_dim']}" if r.get("rotary_dim") != r.get("head_dim") else ""
-    kind = (r.get("scaling") or {}).get("rope_type")
-    return f"base θ = {r['base']:,g}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
-
-
-def attention_words(plan: LayerPlan) -> str:
-    if plan.attention == "linear":
-        return "linear attention: a fixed-size state, no KV cache"
-    if plan.attention == "window":
-        return f"a window of {plan.window:,} keys"
-    return "global: every earlier key" if plan.attention == "global" else plan.attention
-
-
-ACT_WORDS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}
-
-
-def _w(o: Op) -> str:
-    """A weight's short name: the last two parts of its parameter ("attn.wqkv.weight" -> "wqkv")."""
-    return o.weights[0].split(".")[-2] if o.weights else "W"
-
-
-def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None) -> str:
-    """The declared operation as one line of maths with its operands and this layer's constants: what a view shows
-    beside the point `name` of `layer` (None: outside the layers). The one home of these words: explain, the report
-    and serve take them from here."""
-    x = [_operand_words(i, layer, maths) for i in o.inputs]
-    c = dict(o.consts)
-    k = o.kind
-    if k == "rmsnorm":
-        over = {"D": "", "Dh": ", per head (width Dh)"}.get(c["over"], f", over the whole {c['over']}")
-        gamma = " (γ = 1 + w)" if c["gamma"] != "w" else ""
-        return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ{gamma}{over}"
-    if k == "rope":
-        if c.get("rotation") == "none":
-            return f"{name} = {x[0]}: no rotation in this layer (attention here sees content, not position)"
-        dr = c["rotary_dim"]
-        part = f" (the first {dr} of {c['head_dim']} dims)" if dr != c["head_dim"] else ""
-        kind = (c.get("scaling") or {}).get("rope_type")
-        scaled = f", {kind} scaling" if kind and kind != "default" else ""
-        factor = f", cos and sin × {c['attention_factor']:.4g}" if c.get("attention_factor") not in (None, 1.0) else ""
-        return (f"{name}: pairs ({x[0]}_i, {x[0]}_i+{dr // 2}) turned by pos·θ_i, θ_i = {c['base']:,g}^(−2i/{dr})"
-                f"{part}{scaled}{factor}")
-    if k == "scores":
-        s = f"{x[0]} · {x[1]}ᵀ · {c['scale']:.4g} ({c['scale_label']})"
-        if c.get("softcap"):
-            s = f"{c['softcap']:g}·tanh({s} / {c['softcap']:g})"
-        return f"{name} = {s}" + _mask_words(c)
-    if k == "softcap":
-        return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c)
-    if k == "softmax":
-        sink = f", with one sink logit per head ({o.weights[0]}) in the sum, dropped after: rows sum to less than 1" \
-            if c.get("sink") else ": each row sums to 1"
-        return f"{name} = softmax({x[0]}) over the last axis{sink}"
-    if k == "glu":
-        if c.get("clamp") is not None:
-            lim = c["clamp"]
-            return (f"{name} = g·σ({c['alpha']:g}·g) · (u + {c.get('up_offset', 0):g}), g = min({x[0]}, {lim:g}), "
-                    f"u = clamp({x[1]}, −{lim:g}, {lim:g}) ({glu_name(o)})")
-        return f"{name} = {c['act']}({x[0]}) ⊙ {x[1]} ({glu_name(o)})"
-    if k == "matmul":
-        split = {"H": ", split into H heads", "Hkv": ", split into Hkv heads"}.get(c.get("split"), "")
-        rows = f"[{c['rows'][0]}:{c['rows'][1]}]" if c.get("rows") else ""
-        merge = "concat(heads of " if c.get("merge") else ""
-        bias = " + b" if len(o.weights) > 1 else ""
-        if c.get("blocks"):  # each head's rows are n blocks of its width; this point is one of them
-            n, i = c["blocks"]
-            rows += f" (block {i + 1} of each head's {n})"
-        return f"{name} = {merge}{x[0]}{')' if merge else ''} · {_w(o)}{rows}ᵀ{bias}{split}"
-    if k in STATE_OPS:
-        return STATE_OPS[k](name, x, c, o)
-    return {
-        "lookup": lambda: f"{name} = row id of {o.weights[0] if o.weights else 'E'} for each token",
-        "scale": lambda: f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}",
-        "cache_write": lambda: f"{', '.join(x)} → the cache's slots for this pass",
-        "repeat_kv": lambda: f"{name}: each KV head of {x[0]} seen by its {c.get('group')} query heads (GQA)",
-        "weighted_sum": lambda: f"{name} = {x[0]} · {x[1]} (each query head reading KV head h // {c.get('group')})",
-        "add": lambda: f"{name} = {x[0]} + {x[1]}",
-        "select_last": lambda: f"{name} = {x[0]}[last position]",
-        "router": lambda: f"{name}: {c.get('order', 'softmax, then top-k')} {c.get('k')} of {x[0]}"
-                  + (", renormalised to sum to 1" if c.get("renormalise") else "") + "; 0 elsewhere",
-        "expert_matmul": lambda: f"{name} = {x[0]} · {_w(o)}[e]ᵀ for each chosen expert e",
-        "expert_mix": lambda: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)",
-        "stream": lambda: f"{name} = {x[0]}",
-    }.get(k, lambda: OPS[k])()
-
-
-def _carried(c: dict, ref: str) -> str:
-    return f"{ref} before this pass" if ref in (c.get("carried") or ()) else ref
-
-
-def _delta_words(name: str, x: list, c: dict) -> str:
-    q, k, v, alpha, beta, state = x
-    reads = "j mod Hk" if c.get("v_order") == "tiled" else f"j // {c.get('group')}"
-    out = f"; {name}_t = Sᵀ{q}" if c.get("output") == "o" else "; the last S"
-    return (f"{name}: from S = {_carried(c, state)}, for each token S ← {alpha}·S + {k} ⊗ {beta}·({v} − "
-            f"({alpha}·S)ᵀ{k}){out} (value head j reads key head {reads})")
-
-
-STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated DeltaNet)
-    "conv1d": lambda name, x, c, o: (
-        f"{name} = the last {c['kernel'] - 1} inputs of ({_carried(c, x[1])}, then {x[0]})" if c.get("output") == "state"
-        else f"{name}_t = {c['act']}(Σ_j w_conv,j · {x[0]}_(t−{c['kernel'] - 1}+j)), per channel, the earlier "
-             f"inputs from {_carried(c, x[1])}"),
-    "l2norm": lambda name, x, c, o: (f"{name} = v / √(Σv² + {c['eps']:g})" + (f" · {c['scale']:.4g} ({c['scale_label']})"
-                                     if c.get("scale", 1) != 1 else "") + f", v = {x[0]}[{c['cols'][0]}:{c['cols'][1]}] "
-                                     f"per {c['split']} head"),
-    "slice": lambda name, x, c, o: f"{name} = {x[0]}[{c['cols'][0]}:{c['cols'][1]}], split into {c['split']} heads",
-    "sigmoid": lambda name, x, c, o: f"{name} = σ({x[0]})",
-    "decay": lambda name, x, c, o: f"{name} = exp(A · softplus({x[0]} + dt_bias)), A = −exp(A_log) < 0",
-    "delta_rule": lambda name, x, c, o: (
-        f"{name}: from S = {_carried(c, x[5])}, for each token S ← {x[3]}·S + {x[1]} ⊗ {x[4]}·({x[2]} − "
-        f"({x[3]}·S)ᵀ{x[1]})" + (f"; {name}_t = Sᵀ{x[0]}" if c.get("output") == "o" else "; the last S") +
-        f" (value head j reads key head {'j mod Hk' if c.get('v_order') == 'tiled' else f'j // {c.get(chr(103) + chr(114) + chr(111) + chr(117) + chr(112))}'})"),
     "gated_rmsnorm": lambda name, x, c, o: (f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ · silu({x[1]}), "
                                             f"per head (γ = w)"),
     "gate": lambda name, x, c, o: f"{name} = {x[0]} · σ({x[1]})",
 }
 
 
-def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"]) -> str:
+def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"], say) -> str:
     if not ref.startswith(PREV):
         return ref
     name = ref[len(PREV):]
+    first = maths.stream_in if maths is not None else "embed"
     if layer is None:
-        return f"{name} of the last layer"
-    if layer == 0:
-        return maths.stream_in if maths is not None else f"{name} of the layer before (the embedding in layer 0)"
-    return f"{name} of layer {layer - 1}"
+        return say("prev_last", name=name)
+    if layer < 0:  # any layer of a kind: said for all of them
+        return say("prev_any", name=name, first=first)
+    return first if layer == 0 else say("prev_n", name=name, n=layer - 1)
 
 
-def _mask_words(c: dict) -> str:
+def _mask_words(c: dict, say) -> str:
     if not c.get("mask"):
-        return " (before the mask)"
-    window = f" and keys {c['window']:,} or more back" if c.get("window") else ""
-    return f"; −∞ at later keys{window}"
+        return say("before_mask")
+    return say("mask_window", w=f"{c['window']:,}") if c.get("window") else say("mask")
