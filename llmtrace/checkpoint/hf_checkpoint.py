@@ -161,7 +161,7 @@ def hf_entries(path: Path, text_prefix: Optional[str] = None) -> dict[str, "File
     """Every tensor of the directory's safetensors files, not yet read, under its own key. RoPE's frequency tables,
     which some checkpoints carry, are left out: they are computed from the config. With `text_prefix` (a checkpoint
     that wraps a text model: text_model), only the text model's tensors, under the keys of the text model alone
-    ("model.language_model.layers.0..." as "model.layers.0..."), and its LM head."""
+    (the prefix "model.language_model." read as "model."), and its LM head."""
     out: dict[str, FileTensor] = {}
     for f in _safetensors_files(path):
         for key, entry in safetensors_entries(f).items():
