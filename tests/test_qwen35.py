@@ -275,3 +275,53 @@ def test_the_reports_kv_chart_shows_the_state_and_the_sum(families):
     assert page.count('class="kvl state"') == 3
     assert "3 layers × 3,200 bytes = 9.38 KiB, the same at every step" in page
     assert "= 2 (K, V) × 1 layer × 2 KV heads" in page
+
+
+def test_the_report_page_draws_a_linear_layer_from_its_declaration(browser, loaded, tmp_path):
+    """The page of a --trace full run (layers 0 and 3): no script error; the map of the pass has a block per declared
+    point of the linear layer with its operation (the delta rule among them) and of the attention layer."""
+    from helpers import Opened, embedded
+
+    from llmtrace.api import Model
+
+    lm = Model(loaded("qwen3_5", "hf"))
+    trace = lm.generate("The quick brown fox", max_new_tokens=2, trace="full", layers="0,-1", for_report=True,
+                        ignore_eos=True)
+    o = Opened(browser, trace.report(tmp_path / "qwen35.html"))
+    assert not [m for m in o.messages if m[0] in ("error", "pageerror")], o.messages
+    data = embedded(o.page.content())
+    record = data["maths"]["record"]
+    ops = record["kinds"][record["layer_kind"][0]]["ops"]
+    blocks = dict(o.page.eval_on_selector_all("#passmap .mapblock", "bs => bs.map(b => [b.dataset.point, b.dataset.op])"))
+    assert blocks["delta_state"] == "delta_rule" and blocks["delta_conv"] == "conv1d"
+    assert {p: blocks[p] for p in ops if p in blocks} == {p: ops[p]["op"] for p in ops if p in blocks}
+    o.page.click('#passmap .mapblock[data-point="delta_state"]')
+    assert not [m for m in o.messages if m[0] in ("error", "pageerror")], o.messages
+    o.page.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_run_with_cache_is_transformers_hidden_states(loaded, families, name):
+    """The research API's cache of a hybrid model: every layer's resid_post is transformers' hidden state (within
+    1e-4 relative to its size), the attention layer's q its query half of q_proj, and the linear layers' state the
+    state the pass left."""
+    from llmtrace.api import Model
+
+    lm, hf = loaded(name, "hf"), families.model(name)
+    L = lm.config.n_layers
+    logits, cache = Model(lm).run_with_cache(PROMPT_IDS, names=["*.resid_post", "3.q", "*.delta_state"])
+    seen = {}
+    handle = hf.model.layers[3].self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.update(q=out))
+    try:
+        with torch.no_grad():
+            out = hf(torch.tensor([PROMPT_IDS]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    assert float((logits - out.logits).abs().max()) <= _tol(out.logits)
+    for i in range(L - 1):
+        h = out.hidden_states[i + 1]
+        assert float((cache[f"{i}.resid_post"] - h).abs().max()) <= 1e-4 * max(1.0, float(h.abs().max()))
+    Dh = lm.config.head_dim
+    q = seen["q"].view(1, len(PROMPT_IDS), -1, 2 * Dh)[..., :Dh]  # each head: Dh query dims, then Dh gate dims
+    assert float((cache["3.q"] - q).abs().max()) <= 1e-4 * max(1.0, float(q.abs().max()))
+    assert [k for k in cache.keys() if k.endswith("delta_state")] == ["0.delta_state", "1.delta_state", "2.delta_state"]
