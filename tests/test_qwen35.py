@@ -325,3 +325,22 @@ def test_run_with_cache_is_transformers_hidden_states(loaded, families, name):
     q = seen["q"].view(1, len(PROMPT_IDS), -1, 2 * Dh)[..., :Dh]  # each head: Dh query dims, then Dh gate dims
     assert float((cache["3.q"] - q).abs().max()) <= 1e-4 * max(1.0, float(q.abs().max()))
     assert [k for k in cache.keys() if k.endswith("delta_state")] == ["0.delta_state", "1.delta_state", "2.delta_state"]
+
+
+def test_the_events_validate_against_the_schema(families):
+    """A traced run's events and explain's records of a linear and an attention layer follow the shipped schema."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    import llmtrace
+    from llmtrace.trace.events import schema_path
+
+    validator = jsonschema.Draft202012Validator(json.loads(schema_path().read_text()))
+    model = llmtrace.load(str(families.hf_dir("qwen3_5")), device="cpu")
+    events = model.generate("The quick brown fox", max_new_tokens=2, trace="full").events
+    for layer in (0, 3):
+        events += model.explain("The quick brown fox", layer=layer).events
+    for ev in json.loads(json.dumps(events)):
+        validator.validate(ev)
+    flops = next(e for e in events if e.get("section") == "layer")["flops"]
+    assert "rows" in flops and "scores" not in flops  # layer 0: linear attention, no T×T scores

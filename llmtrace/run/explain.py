@@ -40,7 +40,7 @@ from llmtrace.errors import BadValue
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
-from llmtrace.run.explain_state import delta_rule_section, state_cache_section, state_op
+from llmtrace.run.explain_state import delta_rule_section, linear_flops, state_cache_section, state_op
 from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
@@ -303,6 +303,8 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
         "share": _r(n_layer / n_model), "share_of_layers": _r(n_layer / n_layers_all),
         "n_tokens": n_tokens, "flops": layer_flops(c, n_tokens),
     }
+    if state_op(model.maths(), layer, "o")[1] is not None:  # linear attention: no scores, no P·V
+        out["flops"] = linear_flops(c, n_tokens)
     if layer in moe_layers(c):  # a mixture of experts: a token runs K of E experts
         costs = moe_costs(model, layer, n_tokens)
         out["flops"] |= costs.pop("flops")

@@ -76,6 +76,21 @@ def delta_rule_section(cap, maths, head: Optional[int] = None) -> dict:
     }
 
 
+def linear_flops(config, n_tokens: int) -> dict:
+    """Multiply-add FLOPs (2 per multiply-add) of a linear-attention layer over T tokens: the projections, the
+    convolution, the delta rule (per token and value head: decay Dk·Dv, Sᵀk, the write and Sᵀq, ~7·Dk·Dv; linear in T,
+    no T×T square), the output projection and the FFN. `rows`: (key, label, formula, FLOPs) as explain shows them."""
+    la, T, D, Fd = config.linear_attn, n_tokens, config.d_model, config.ffn_dim
+    hv, hk, dk, dv, kc = la["v_heads"], la["k_heads"], la["k_dim"], la["v_dim"], la["conv_kernel"]
+    C = 2 * hk * dk + hv * dv
+    rows = [("in", "q, k, v, z, b, a projections", "2·T·D·(C + Hv·Dv + 2·Hv)", 2 * T * D * (C + hv * dv + 2 * hv)),
+            ("conv", "causal convolution", "2·T·C·Kc", 2 * T * C * kc),
+            ("delta", "delta rule (no T×T scores)", "7·T·Hv·Dk·Dv", 7 * T * hv * dk * dv),
+            ("o", "output projection", "2·T·Hv·Dv·D", 2 * T * hv * dv * D),
+            ("ffn", "gated FFN", "2·T·D·2F + 2·T·F·D", 2 * T * D * 2 * Fd + 2 * T * Fd * D)]
+    return {"rows": [list(r) for r in rows], "total": sum(r[3] for r in rows)}
+
+
 def state_cache_section(cap, maths, config, kv_element_size: int) -> dict:
     """s6.8 for a state layer: what it keeps (its carried points, the same size at every step) beside what an
     attention layer of this model caches for the same tokens (growing by 2·Hkv·Dh numbers a token)."""
