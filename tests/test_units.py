@@ -12,3 +12,12 @@ from llmtrace.units import human_bytes
 ])
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
+
+
+@pytest.mark.parametrize("n, word, irregular, text", [
+    (0, "position", None, "0 positions"), (1, "position", None, "1 position"), (3, "position", None, "3 positions"),
+    (1024, "token", None, "1,024 tokens"), (1, "index", "indices", "1 index"), (2, "index", "indices", "2 indices"),
+])
+def test_plural(n, word, irregular, text):
+    from llmtrace.units import plural
+    assert plural(n, word, plural=irregular) == text
