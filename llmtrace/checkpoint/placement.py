@@ -21,7 +21,7 @@ import torch
 
 from llmtrace.checkpoint.choices import max_memory_entry, parse_size
 from llmtrace.errors import BadValue, FieldError, UsageError
-from llmtrace.units import human_bytes
+from llmtrace.units import human_bytes, plural
 
 BASELINE_BYTES = 300 << 20  # Python, torch and the tokenizer, before any weight
 FP32_SHARE = 0.70  # float32 weights may take this share of available memory before bfloat16 is chosen instead
@@ -211,7 +211,7 @@ def _machine_has(key, item: str):
         raise BadValue("max_memory", " names mps, but MPS is not available here")
     if isinstance(key, int) and key >= torch.cuda.device_count():
         have = torch.cuda.device_count()
-        raise BadValue("max_memory", f" names {dev!r}, but this machine has {have} CUDA device{'s' if have != 1 else ''}")
+        raise BadValue("max_memory", f" names {dev!r}, but this machine has {plural(have, 'CUDA device')}")
     return key
 
 

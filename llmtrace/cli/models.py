@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.registry.cache import cache_dir, cache_status, cached_files, remove
-from llmtrace.units import human_bytes
+from llmtrace.units import human_bytes, plural
 from llmtrace.registry.models_toml import DEFAULT_MODEL, ModelEntry, default_model, load_registry, user_registry_path
 from llmtrace.registry.resolve import cache_key, pull
 from llmtrace.cli.app import app
@@ -216,7 +216,7 @@ def rm_command(
     if not yes:
         if not sys.stdin.isatty():
             raise UsageError("rm asks before it removes anything; pass --yes to remove without asking")
-        if not _confirm(f"Remove {len(found)} model{'s' if len(found) > 1 else ''} ({human_bytes(total)})?"):
+        if not _confirm(f"Remove {plural(len(found), 'model')} ({human_bytes(total)})?"):
             print("nothing removed: you answered no", file=sys.stderr)
             return  # a question answered is not a failure (exit 0)
     for files in found:

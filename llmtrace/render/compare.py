@@ -144,7 +144,8 @@ def _holdings(d: dict, console: Console) -> None:
     if t["same"]:
         console.print(f"tokens: the same {len(t['a'])} generated tokens")
     else:
-        console.print(f"tokens: part at step {t['first_different_step']} (A {len(t['a'])} tokens, B {len(t['b'])})")
+        console.print(f"tokens: part at step {t['first_different_step']} "
+                      f"(A {plural(len(t['a']), 'token')}, B {len(t['b'])})")
     ledger = [s for s in d["steps"] if s.get("sampler_differs")]
     if ledger:
         console.print(f"sampler ledger: survivors differ at {len(ledger)} step(s), first at step {ledger[0]['step']} "
@@ -173,7 +174,7 @@ def _answers(doc: dict, console: Console) -> None:
     if not differing:
         console.print("the top-1 token agrees at every position")
         return
-    console.print(f"top-1 differs at {len(differing)} position{'s' if len(differing) != 1 else ''}:")
+    console.print(f"top-1 differs at {plural(len(differing), 'position')}:")
     console.print(Text(f"{'pos':>5}  {'token':<14} {'A top':<16} {'B top':<16} {'KLD':>8} {'Δp':>9}", style="bold"))
     for p in differing[:MAX_DIFFERING_ROWS]:
         where = f"{p['prompt']}:{p['position']}" if "prompt" in p else str(p["position"])

@@ -515,13 +515,14 @@ class TerminalRenderer:
         if not self.show_steps:  # --trace none: only the text and the timings
             return
         m = ev["model"]
-        gqa = f"GQA {m['n_heads']}q/{m['n_kv_heads']}kv" if m["n_kv_heads"] < m["n_heads"] else f"MHA {m['n_heads']} heads"
+        gqa = (f"GQA {m['n_heads']}q/{m['n_kv_heads']}kv" if m["n_kv_heads"] < m["n_heads"]
+               else f"MHA {plural(m['n_heads'], 'head')}")
         parts = [f"model {m['name']}", m.get("arch", "?"), plural(m["n_layers"], "layer"), f"D={m['d_model']}", gqa,
                  f"Dh={m['head_dim']}", f"F={m['ffn_dim']}", f"V={m['vocab_size']:,}", f"RoPE θ={m['rope_theta']:,g}"]
         if m.get("n_params"):
             parts.append(f"{m['n_params'] / 1e6:.1f}M params")
         if m.get("n_experts"):  # a mixture of experts: what one token uses
-            parts.append(f"{m['n_experts_used']} of {m['n_experts']} experts a token: "
+            parts.append(f"{m['n_experts_used']} of {plural(m['n_experts'], 'expert')} a token: "
                          f"{m['active_params'] / 1e6:.1f}M active")
         print_parts(self.console, parts)
         print_changes(self.console, m)

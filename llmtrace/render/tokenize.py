@@ -7,6 +7,7 @@ import json
 
 from llmtrace.tokens.tokenizer import TextTokenizer
 from llmtrace.tokens.token_facts import TokenInfo
+from llmtrace.units import plural
 
 
 def quoted(s: str) -> str:
@@ -121,7 +122,7 @@ def merge_lines(tt: TextTokenizer, traces, total_words: int | None):
             out.append(f"  →  {joined(s.pieces)}\n")
         n_final = len(w.final)
         out.append(f"   = {joined(w.final)}", style="bold")
-        out.append(f"  ({n_final} token{'s' if n_final != 1 else ''}" + (f"; {w.note}" if w.note else "") + ")\n", style="dim")
+        out.append(f"  ({plural(n_final, 'token')}" + (f"; {w.note}" if w.note else "") + ")\n", style="dim")
     return out
 
 
@@ -132,8 +133,8 @@ def summary_line(tt: TextTokenizer, text: str, tokens: list[TokenInfo], info: di
     ratio = f"{len(text) / n:.2f} chars/token" if n else "– chars/token"
     bos = tt.piece(tt.bos_id) if tt.bos_id is not None else None
     out = Text()
-    out.append(f"{n} token{'s' if n != 1 else ''}", style="bold")
-    out.append(f" · {len(text)} chars · {len(text.encode('utf-8'))} bytes · {ratio}\n")
+    out.append(plural(n, "token"), style="bold")
+    out.append(f" · {plural(len(text), 'char')} · {plural(len(text.encode('utf-8')), 'byte')} · {ratio}\n")
     out.append(f"BOS {bos or '(none)'}: {'added' if info['bos_added'] else 'not added'} ({info['reason']})")
     out.append(f" · EOS: {'added' if info['eos_added'] else 'not added'}")
     return out

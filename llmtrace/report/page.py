@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 from llmtrace.report.data import AFTER_EMBEDDING
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.trace.records import fast_parts
-from llmtrace.units import human_bytes
+from llmtrace.units import human_bytes, plural
 
 # viridis: perceptually even and readable with the common colour-vision deficiencies
 PALETTE = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b",
@@ -62,10 +62,6 @@ def num(x: Any, digits: int = 4) -> str:
     if isinstance(x, int):
         return f"{x:,}"
     return f"{x:.{digits}g}"
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def fill_command(d: dict, command: str) -> str:
@@ -477,10 +473,11 @@ def section_kv(d: dict) -> Optional[dict]:
     per_layer = kv["per_layer"]
     el = kv["element_size"]
     return {"chart": chart, "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"],
-            "per_token": f'{kv["bytes_per_token"]:,} = 2 (K, V) × {m["n_layers"]} layers × {m["n_kv_heads"]} KV heads '
+            "per_token": f'{kv["bytes_per_token"]:,} = 2 (K, V) × {plural(m["n_layers"], "layer")} × '
+                         f'{plural(m["n_kv_heads"], "KV head")} '
                          f'× {m["head_dim"]} × {num(el)} bytes',
             "per_layer": f"{per_layer:,.0f} bytes per token (K {per_layer / 2:,.0f} + V {per_layer / 2:,.0f})",
-            "at_end": f'{last["seq_len"]} positions: {human_bytes(last["bytes_used"])} used, '
+            "at_end": f'{plural(last["seq_len"], "position")}: {human_bytes(last["bytes_used"])} used, '
                       f'{human_bytes(last["bytes_allocated"])} allocated; MHA would use '
                       f'{human_bytes(last["mha_bytes_used"])} ({last["mha_bytes_used"] / max(1, last["bytes_used"]):.1f}×)',
             "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"],
@@ -563,7 +560,7 @@ def section_routing(d: dict) -> Optional[dict]:
         most = max(entry["load"]) or 1
         loads.append({"layer": entry["layer"], "imbalance": num(entry["imbalance"], 3), "bars": [
             {"e": e, "h": f"{100 * n / most:.1f}", "colour": expert_colour(e),
-             "title": f"layer {entry['layer']} · e{e}: {n} of {entry['tokens']} tokens"}
+             "title": f"layer {entry['layer']} · e{e}: {n} of {plural(entry['tokens'], 'token')}"}
             for e, n in enumerate(entry["load"])]})
     return {"columns": columns, "rows": rows, "loads": loads, "k": r["k"], "n_experts": E,
             "legend": [{"e": e, "colour": expert_colour(e)} for e in range(E)] if E <= 32 else None,

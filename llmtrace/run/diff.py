@@ -24,6 +24,7 @@ from llmtrace.run.interventions import layer_output
 from llmtrace.trace.reader import trace_points
 from llmtrace.run.compare import (CompareResult, PointSums, answer_metrics, compared_points, position_axis,
                                   find_first_divergence, label_divergence, round_sig, summarize_answers)
+from llmtrace.units import plural
 
 
 
@@ -133,7 +134,8 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
     layers, model_points = _tensor_records(acc, index, len(order), a["n_layers"], points)
     unrecorded = [lay["layer"] for lay in layers if not lay["points"]]
     if unrecorded:
-        notes.append(f"{len(unrecorded)} of {a['n_layers']} layers were not recorded by both runs "
+        notes.append(f"{len(unrecorded)} of {plural(a['n_layers'], 'layer')} "
+                     f"{'was' if len(unrecorded) == 1 else 'were'} not recorded by both runs "
                      f"({_spans(unrecorded)}): the first divergence is the first among the recorded points")
     first, before = find_first_divergence(model_points, layers, tolerance)
     summary = summarize_answers(answers) if answers else {"kld_mean": None, "kld_max": None, "same_top": None,

@@ -32,6 +32,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from llmtrace.serve.runs import KEYS, History, Job, Limits, Served, error_body, options_of, pick_model, stream
+from llmtrace.units import plural
 
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
@@ -137,7 +138,9 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
         except Exception as e:  # the caller's request, never the server's end
             return refused(e)
         if s.waiting >= limits.queued_per_model:
-            return JSONResponse({"error": f"{s.waiting} runs already wait for {s.name}; try again later"}, 429,
+            waits = 'waits' if s.waiting == 1 else 'wait'
+            busy = f"{plural(s.waiting, 'run')} already {waits} for {s.name}; try again later"
+            return JSONResponse({"error": busy}, 429,
                                 headers=SECURITY_HEADERS)
         job = Job(s, kind, prompt, options, secrets.token_hex(8), other)
         return StreamingResponse(stream(job, limits, history), media_type="application/x-ndjson",

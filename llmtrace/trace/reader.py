@@ -23,6 +23,7 @@ from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.fsutil import read_user_file
 from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
 from llmtrace.trace.events import SCHEMA_ID, schema_path
+from llmtrace.units import plural
 
 # what the files llmtrace reads back are, for the message that refuses anything else
 WRITERS = "it reads the --json and --jsonl of generate, explain, lens, compare, diff and patch"
@@ -111,12 +112,12 @@ def _stream_events(lines: list[bytes], name: str, ends_cleanly: bool, warn: Call
                 "is not UTF-8 text"
             if not events:
                 raise LlmtraceError(f"{name}: no complete event (line {i + 1} {how})")
-            warn(f"{where} {how}; showing the {len(events)} complete event{'s' if len(events) != 1 else ''} "
+            warn(f"{where} {how}; showing the {plural(len(events), 'complete event')} "
                  f"before it")
             return events
         events.append(_checked(ev, where, first=not events))
     if events[0]["event"] == "run" and events[-1]["event"] != "summary":  # generate's stream ends with its summary
-        warn(f"{name} ends after {len(events)} event{'s' if len(events) != 1 else ''} without a summary: the trace is "
+        warn(f"{name} ends after {plural(len(events), 'event')} without a summary: the trace is "
              f"incomplete (the run was killed, or the file was cut); showing what it has")
     return events
 
@@ -322,7 +323,7 @@ def _items(v, item, lo, hi) -> Problem:
     if not isinstance(v, list):
         return None
     if not lo <= len(v) <= hi:
-        return [], lambda: f"has {{field}} with {len(v)} items, not {lo}" + ("" if lo == hi else f" to {hi}")
+        return [], lambda: f"has {{field}} with {plural(len(v), 'item')}, not {lo}" + ("" if lo == hi else f" to {hi}")
     if item is not None:
         for i, value in enumerate(v):
             problem = item(value)
