@@ -225,8 +225,15 @@ def test_show_and_report_refuse_files_llmtrace_did_not_write(ran, tmp_path, comm
 
     bogus = tmp_path / "bogus.jsonl"
     bogus.write_text('{"event": "bogus"}\n')
-    for path, says in ((ran["tokenize"][3]["json"], "valid JSON but not a file llmtrace reads back"),
-                       (bogus, 'an event of kind "bogus", which llmtrace does not write')):
+    text, page, weights = tmp_path / "notamodel.txt", tmp_path / "report.html", tmp_path / "w.safetensors"
+    text.write_text("not a model\n")
+    page.write_text("<!doctype html>\n<html lang=en><title>a report</title></html>\n")
+    weights.write_bytes(b"\x58\x00\x00\x00\x00\x00\x00\x00\xff\xfe" + bytes(range(256)))
+    for path, says in ((ran["tokenize"][3]["json"], "valid JSON; not a file llmtrace reads back"),
+                       (bogus, 'an event of kind "bogus", which llmtrace does not write'),
+                       (text, "line 1 is not valid JSON; not a file llmtrace reads back"),
+                       (page, "line 1 is not valid JSON; not a file llmtrace reads back"),
+                       (weights, "line 1 is not valid JSON; not a file llmtrace reads back")):
         page = tmp_path / "p.html"
         code, out, err = run_main([command, path] + (["-o", page] if command == "report" else []))
         assert code == 2 and out == "" and not page.exists()
