@@ -88,7 +88,7 @@ def test_detokenize_drops_columns_to_fit_and_cuts_nothing(capsys, monkeypatch, t
     table = [line for line in lines if line.startswith("│")]
     assert [[c.strip() for c in line.split("│")][1] for line in table] == ids and "…" not in out
     assert wide("\n".join(table), 30) == []
-    assert lines[0].startswith("(left out to fit 30 columns: ") and "#" in lines[0] + lines[1]
+    assert lines[0].startswith("(left out to fit 30 columns:") and "#" in lines[0] + lines[1]
     assert lines[-1].startswith("text: ")
 
 
@@ -224,3 +224,61 @@ def test_the_compile_notice_says_its_cache_is_per_thread_count(capsys, tiny_dir,
     assert code == 0, err
     assert "  kept per thread count (1 thread here): another count compiles anew\n" in err
     assert wide("\n".join(line for line in err.splitlines() if "its cache: " not in line), 80) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# output into a pipe or a file (issue 38, items 7 and 9)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "Hello", "-n", "20", "--ignore-eos", "--jsonl", "-"],  # the JSONL stream
+    ["generate", "Hello", "-n", "20", "--ignore-eos"],  # the terminal view (rich), into a pipe
+    ["tokenize", "Hello world"],  # rich, without a model loaded
+    ["generate", "--help"],  # click's help
+])
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(tiny_dir, argv):
+    """`llmtrace generate "Hello" -n 20 --jsonl - | head -2` left exit 1 and nothing said; now 141 (a process ended by
+    SIGPIPE, as a shell reports `yes | head -1`), nothing on stderr. The reader is gone before the first write, so the
+    write fails whatever the timing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if argv[-1] != "--help":
+        argv = argv + ["-m", str(tiny_dir)]
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMTRACE_DEBUG", "COLUMNS")}
+    p = subprocess.Popen([sys.executable, "-m", "llmtrace", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=Path(__file__).resolve().parent.parent, env=env | {"OMP_NUM_THREADS": "1"})
+    p.stdout.close()  # the reader goes away
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and err == ""
+
+
+def test_output_into_a_file_has_no_trailing_spaces(capsys, tiny_dir):
+    """Piped to a file, `explain` carried trailing spaces on 101 of 156 lines (rich pads tables to the width)."""
+    code, out, err = run_cli(capsys, "explain", "Hello world", "-m", tiny_dir)
+    assert code == 0, err
+    assert out.count("\n") > 50 and "resid_post" in out  # the whole view, tables and all
+    assert [line for line in out.splitlines() if line.endswith(" ")] == []
+
+
+def test_the_console_strips_line_ends_only_off_a_terminal():
+    import io
+
+    from rich.table import Table
+
+    from llmtrace.console import make_console
+
+    table = Table("a", "b", box=None)  # no border: rich pads each row's last cell to the width
+    table.add_row("1", "a long cell that sets the width")
+    table.add_row("22", "x")
+    for tty in (False, True):
+        buf = io.StringIO()
+        buf.isatty = lambda tty=tty: tty  # noqa: B023
+        console = make_console(file=buf)
+        console.print(table)
+        console.print("kept: ", end="")  # a space before more text on the same line is not a line end
+        console.print("here")
+        text = buf.getvalue()
+        assert ("kept: here" in text) and any(line.endswith(" ") for line in text.splitlines()) == tty, text
