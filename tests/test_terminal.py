@@ -282,3 +282,20 @@ def test_the_console_strips_line_ends_only_off_a_terminal():
         console.print("here")
         text = buf.getvalue()
         assert ("kept: here" in text) and any(line.endswith(" ") for line in text.splitlines()) == tty, text
+
+
+def test_a_skin_tone_keeps_the_table_border_straight(capsys, tiny_dir):
+    """`tokenize "🎉👍🏽 👨‍👩‍👧"`: the rows naming the skin tone 🏽 on its own ("1/4 of 🏽") were two columns wider,
+    since rich counts a lone skin tone as 0 columns and a terminal draws it as 2. Measured here as a terminal draws
+    (wcwidth, grapheme clusters), every line of the table has one width; the lone skin tone is named by code point."""
+    import wcwidth
+
+    from llmtrace.tokens.token_facts import shown_char, visible_text
+
+    code, out, err = run_cli(capsys, "tokenize", "🎉👍🏽 👨‍👩‍👧", "-m", tiny_dir)
+    assert code == 0, err
+    table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert len(table) > 30 and "(1/4 of <U+1F3FD>)" in out
+    assert {wcwidth.wcswidth(line) for line in table} == {wcwidth.wcswidth(table[0])}
+    assert shown_char("🏽") == "<U+1F3FD>" and visible_text("👍🏽".encode()) == "👍🏽"  # on its emoji: as written
+    assert visible_text("a🏽".encode()) == "a<U+1F3FD>"  # a letter takes no skin tone: the terminal draws it apart

@@ -11,14 +11,14 @@ from llmtrace.units import plural
 
 
 def quoted(s: str) -> str:
-    """A JSON string, with every invisible character (U+00A0, U+200B, ...), and a combining mark with no character
-    before it to sit on (it would sit on the quote), escaped as \\u00a0 so that it shows."""
-    from llmtrace.tokens.token_facts import combining, invisible
+    """A JSON string, with every invisible character (U+00A0, U+200B, ...), and a combining mark or a skin tone with no
+    character before it to sit on (it would sit on the quote), escaped as \\u00a0 so that it shows."""
+    from llmtrace.tokens.token_facts import drawn_alone
 
     out: list[str] = []
     for c in json.dumps(s, ensure_ascii=False):
-        lone_mark = combining(c) and (not out or out[-1] in ('"', " ") or len(out[-1]) > 1)
-        out.append(f"\\u{ord(c):04x}" if (invisible(c) and ord(c) >= 0x20) or lone_mark else c)
+        shown = ord(c) < 0x20 or not drawn_alone(c, out[-1] if out else None)  # json.dumps escaped controls already
+        out.append(c if shown else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else json.dumps(c)[1:-1])
     return "".join(out)
 
 
