@@ -169,12 +169,13 @@ def pull_command(
         what = "already in the cache"
     else:
         what = "a local path, nothing to download"
-    print(f"{model.name}: {what} ({model.kind})", file=sys.stderr)
+    files = sorted(p for p in model.path.rglob("*") if p.is_file()) if model.path.is_dir() else [model.path]
+    size = sum(p.stat().st_size for p in files)  # the figure the pull's first line and its bar gave (MiB)
+    print(f"{model.name}: {what} ({model.kind}, {human_bytes(size)})", file=sys.stderr)
     if json_out:
         doc = {"name": model.name, "kind": model.kind, "path": str(model.path), "downloaded": model.downloaded}
         write_output(json_out, json.dumps(doc) + "\n")
     if jsonl:  # one file of the model per line
-        files = sorted(p for p in model.path.rglob("*") if p.is_file()) if model.path.is_dir() else [model.path]
         lines = [{"name": model.name, "kind": model.kind, "file": str(p), "bytes": p.stat().st_size} for p in files]
         write_output(jsonl, "".join(json.dumps(line) + "\n" for line in lines))
     if "-" not in (json_out, jsonl):
