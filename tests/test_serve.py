@@ -129,6 +129,19 @@ def test_a_path_in_a_request_is_refused_and_the_server_lives_on(tiny, tiny_dir):
         assert r.status_code == 413
         r = c.post("/api/generate", headers=AUTH, content=b"{not json")
         assert r.status_code == 400
+        # the message, never a Python class ("ValueError: the request body is not JSON ..." was the answer)
+        for body, says in ((b"{not json", "the request body is not JSON (Expecting property name enclosed in double "
+                                        "quotes)"),
+                           (b"\xff\xfe{", "the request body is not JSON (it is not UTF-8 text)"),
+                           (b'{"prompt": "Hi", "temperature": "hot"}', 'temperature must be a number, not "hot"'),
+                           (b'{"prompt": "Hi", "top_k": 1.5}', "top_k must be a whole number, not 1.5"),
+                           (b'{"prompt": "Hi", "stop": 5}', "stop must be a text or a list of texts, not 5"),
+                           (b'{"prompt": "Hi", "layers": {"a": 1}}', "layers must be a text or a list of whole "
+                                                                     "numbers or null, not an object")):
+            r = c.post("/api/generate", headers=AUTH, content=body)
+            assert r.status_code == 400 and r.json() == {"error": says}, (body, r.text)
+        r = c.post("/api/resample", headers=AUTH, content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"].startswith("the request body is not JSON ("), r.text
         r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200 and sum(e["event"] == "step" for e in lines(r)) == 2  # still answering
 
