@@ -52,7 +52,11 @@ def main(argv=None) -> None:
     """Run the CLI. User errors print one line on stderr (no traceback unless LLMTRACE_DEBUG=1)."""
     debug = os.environ.get("LLMTRACE_DEBUG") == "1"
     try:
-        rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
+        from llmtrace.cli.options import flag_words
+        from llmtrace.words import worded
+
+        with worded(flag_words):  # the library's `keyword=value` reach a person as this CLI's flags
+            rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
         sigint.release()  # a Ctrl-C held by a command that ended before it released the hold (--help) is not lost
         sys.stdout.flush()  # here, where a reader that went away is seen, not in Python's exit
         # Without standalone mode click returns (instead of raising) Ctrl-C as 130 and typer.Exit(n) as n.
@@ -87,7 +91,9 @@ def main(argv=None) -> None:
     except LlmtraceError as e:
         if debug:
             raise
-        _fail(str(e), e.exit_code)
+        from llmtrace.cli.options import flag_words
+
+        _fail(flag_words(str(e)), e.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     except (ReaderGone, BrokenPipeError):  # BrokenPipeError: from the flush above

@@ -22,6 +22,7 @@ from llmtrace.render.generate import visible
 from llmtrace.run.compare import summary_line
 from llmtrace.trace.comparison import model_points_around
 from llmtrace.units import plural
+from llmtrace.words import in_words
 
 
 def short_names(names: list[str]) -> dict[str, str]:
@@ -70,7 +71,7 @@ def render_compare(doc: dict, console: Console) -> None:
     for key in ("a", "b"):
         s = doc[key]
         extra = ", quantized blocks" if s.get("keep_quantized") else ""
-        extra += ", --fast: int4 kernels, approximate" if s.get("exact") is False else ""
+        extra += in_words(", `fast=True`: int4 kernels, approximate") if s.get("exact") is False else ""
         console.print(f"{key.upper()}  {s['model']}  ({s['dtype']}, {s['device']}{extra})")
         for iv in s.get("interventions", []):
             console.print(f"   intervention: {iv['label']}", style="yellow")
@@ -79,7 +80,7 @@ def render_compare(doc: dict, console: Console) -> None:
     console.print(f"{plural(n, 'position')} ({n - n_decode} prompt, {n_decode} decode), tolerance {doc['tolerance']:g}"
                   + ("; from two saved traces" if doc.get("source") == "diff" else ""))
     for note in doc.get("notes", []):
-        console.print(f"note: {note}", style="yellow")
+        console.print(f"note: {in_words(note)}", style="yellow")
     if doc["layers"] and any(lay["points"] for lay in doc["layers"]):
         console.print()
         _matrix(doc, first, console)

@@ -14,6 +14,7 @@ from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, LOGITS, RESID_MID, 
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
+from llmtrace.words import in_words
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -364,8 +365,8 @@ def _heatmap(console: Console, amap: dict, toks: list[str]) -> None:
     how = (f"{plural(amap['n_tokens'], 'position')} in {plural(len(bins), 'bin')} "
            f"(keys summed, queries averaged per bin)"
            if amap["binned"] else plural(amap['n_tokens'], 'position'))
-    console.print(Text(f"attention map, {amap['what']} ({how}): rows are queries, columns keys; pick a head with --head",
-                       style="bold"))
+    console.print(Text(f"attention map, {amap['what']} ({how}): rows are queries, columns keys; "
+                       + in_words("pick a head with `head`"), style="bold"))
     if window:
         _note(console, f"a sliding-window layer: each query sees only the last {window} keys, the band along the "
                        f"diagonal (╳: out of the window)")

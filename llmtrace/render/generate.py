@@ -20,6 +20,7 @@ from llmtrace.model.points import AXES
 from llmtrace.model.llama_points import DOWN, KV_WRITE, LOGITS, O_PROJ, PROBS, RESID_MID, RESID_POST, SCORES
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
+from llmtrace.words import in_words
 
 DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
 GAP = 2  # columns between two table columns (padding 1 on each side, none at the edges)
@@ -834,7 +835,7 @@ class TerminalRenderer:
         parts = [plural(ev["prompt_tokens"], "prompt token"), f"{n_gen:,} generated"] + _stop(ev)
         parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s", decode]
         if self.run is not None and self.run.get("exact") is False:
-            parts.append("--fast (approximate)")
+            parts.append(in_words("`fast=True` (approximate)"))
         print_parts(self.console, parts, style="dim")
         self._load_lines(ev)
         if self.run is not None and self._last_kv is not None:

@@ -25,6 +25,7 @@ from llmtrace.report.data import AFTER_EMBEDDING
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.trace.records import fast_parts
 from llmtrace.units import human_bytes, plural
+from llmtrace.words import in_words
 
 # viridis: perceptually even and readable with the common colour-vision deficiencies
 PALETTE = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b",
@@ -94,7 +95,7 @@ def missing(d: dict, what: str, flags: Optional[str] = None, command: str = "gen
     has and collects what it lacks for the one note at its end (`lacking`), each with the exact command that records
     it, and gets None here."""
     what = d["w"](f"what.{what}")  # a key of the catalogue's "what." texts
-    how = flags if flags and command == d["kind"] == "generate" else fill_command(d, command)
+    how = in_words(flags) if flags and command == d["kind"] == "generate" else fill_command(d, command)
     if d["kind"] != "generate":
         d["lacking"].append((what, fill_command(d, command)))
         return None
@@ -159,7 +160,7 @@ def section_run(d: dict) -> dict:
             rows.append(("llama.cpp samplers", "; ".join(extra)))
     if r["trace"] is not None:
         t = r["trace"]
-        rows.append(("trace", f'--trace {t.get("level")}, layers {t.get("layers") or "all"}, '
+        rows.append(("trace", in_words(f'`trace={t.get("level")!r}`') + f', layers {t.get("layers") or "all"}, '
                               f'dumps {", ".join(t.get("dump") or []) or "none"}'))
     sm = r["summary"]
     if sm is not None:
@@ -201,7 +202,7 @@ def section_pipeline(d: dict) -> dict:
         points = [{"name": p["name"], "shape": _shape(p["shape"], p.get("axes"))} for p in st["points"]]
         stages.append({"id": st["id"], "title": w(f'step.{st["id"]}'), "layer": st["id"].startswith("s6"),
                        "detail": detail, "points": points})
-    note = None if d["tensors"]["points"] else missing(d, "stats", "--trace full")
+    note = None if d["tensors"]["points"] else missing(d, "stats", "`trace='full'`")
     return {"stages": stages, "missing": note}
 
 
@@ -302,7 +303,7 @@ def section_steps(d: dict) -> Optional[dict]:
         panel = {"step": s["step"], "phase": s["phase"], "position": s["position"], "token": visible(s["token"]["text"]),
                  "id": s["token"]["id"], "ms": num(s["ms"]), "missing": None, "topk": None, "funnel": None}
         if s["topk"] is None:
-            panel["missing"] = missing(d, "topk", "--trace steps (or deeper)")
+            panel["missing"] = missing(d, "topk", "`trace='steps'` (or deeper)")
         else:
             panel.update(topk=topk_chart(s), funnel=funnel(s, vocab))
         panels.append(panel)
@@ -363,7 +364,8 @@ def section_attention(d: dict) -> Optional[dict]:
     a = d["attention"]
     if not a["maps"]:
         note = missing(d, "attention",
-                       "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs")
+                       "`for_report=True` with any `trace` but 'none' (it records the probabilities of `layers`), "
+                       "or `dump=['0.probs']`")
         return {"maps": False, "missing": note, "gqa": gqa_diagram(d)} if note else None
     n = a["n"]
     w = d["w"]
@@ -491,7 +493,7 @@ def section_residual(d: dict) -> Optional[dict]:
     recorded, and no line crosses a gap."""
     r = d["residual"]
     if r is None:
-        note = missing(d, "residual", "--trace layers or --trace full")
+        note = missing(d, "residual", "`trace='layers'` or `trace='full'`")
         return {"only_missing": note} if note else None
     w = d["w"]
     xs = r["layers"]
@@ -534,7 +536,7 @@ def section_routing(d: dict) -> Optional[dict]:
     if r is None:
         if not model.get("n_experts"):
             return None
-        note = missing(d, "routing", "--trace layers or --trace full")
+        note = missing(d, "routing", "`trace='layers'` or `trace='full'`")
         return {"only_missing": note} if note else None
     toks = {t["index"]: t for t in d["tokens"]}
     positions = sorted({int(p) for by in r["cells"].values() for p in by})
@@ -572,7 +574,7 @@ def section_walk(d: dict) -> Optional[dict]:
     trace without values, what records them."""
     wk = d["walk"]
     if not any("values" in s for s in wk["samples"].values()):
-        note = missing(d, "walk", "--trace full")
+        note = missing(d, "walk", "`trace='full'`")
         return {"only_missing": note} if note else None
     toks = d["tokens"]
     n_prompt = sum(t["step"] is None for t in toks)
@@ -586,7 +588,7 @@ def section_whatif(d: dict) -> Optional[dict]:
     if not d["steps"]:
         return None
     if not d["kept_logits"]:
-        note = missing(d, "kept_logits", "--html or --trace full")
+        note = missing(d, "kept_logits", "`for_report=True` or `trace='full'`")
         return {"only_missing": note} if note else None
     s = d["run"]["sampling"] or {}
     temperature = 0.0 if s.get("greedy") else float(s.get("temperature") or 1.0)

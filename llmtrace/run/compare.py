@@ -579,7 +579,7 @@ def _encode_prompts(tok_a, tok_b, texts: list[str], chat: bool, system: Optional
             raise UsageError(f"prompt {k + 1} has no tokens; give some text" if len(texts) > 1
                              else "the prompt has no tokens; give some text")
         if ids_a != ids_b and not notes:
-            notes.append("B's tokenizer reads the prompt differently; both sides were fed A's ids (--ids-from a)")
+            notes.append("B's tokenizer reads the prompt differently; both sides were fed A's ids (`ids_from='a'`)")
         prompts.append(text_a)
         all_ids.append(ids)
     return prompts, all_ids, notes
