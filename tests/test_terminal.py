@@ -299,3 +299,32 @@ def test_a_skin_tone_keeps_the_table_border_straight(capsys, tiny_dir):
     assert {wcwidth.wcswidth(line) for line in table} == {wcwidth.wcswidth(table[0])}
     assert shown_char("🏽") == "<U+1F3FD>" and visible_text("👍🏽".encode()) == "👍🏽"  # on its emoji: as written
     assert visible_text("a🏽".encode()) == "a<U+1F3FD>"  # a letter takes no skin tone: the terminal draws it apart
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the Python API speaks keywords, the CLI flags (issue 38, item 15)
+
+
+def test_a_library_note_names_keywords_and_the_cli_writes_them_as_flags(capsys):
+    from llmtrace.cli.options import flag_words
+    from llmtrace.words import in_words, say, worded
+
+    note = "no logits were saved (record them with `trace='full'` or `dump=['logits']`); KLD is not known"
+    assert in_words(note) == note  # a Python caller reads the keywords
+    say("loading in bfloat16 instead (`dtype='float32'` overrides)")
+    with worded(flag_words):
+        assert in_words(note) == "no logits were saved (record them with --trace full or --dump logits); KLD is not known"
+        say("loading in bfloat16 instead (`dtype='float32'` overrides)")
+        assert in_words("`chat=True` uses Gemma's turn format; `save_tensors`; `for_report=True`; `order`") == \
+            "--chat uses Gemma's turn format; --save-tensors; --html; --sampler-order"
+    assert flag_words("`chat=True` and a `prompt_of_mine`", known=frozenset({"--chat"})) == \
+        "--chat and a `prompt_of_mine`"  # a name that is no flag of the CLI stays as written
+    assert capsys.readouterr().err == ("note: loading in bfloat16 instead (`dtype='float32'` overrides)\n"
+                                       "note: loading in bfloat16 instead (--dtype float32 overrides)\n")
+
+
+def test_the_cli_says_the_fast_notes_in_flags_and_the_api_in_keywords():
+    from llmtrace.trace.records import fast_parts
+
+    fast = {"compute_dtype": "bfloat16", "kernel_choice": {"by": "cuda", "int4": True}}
+    assert fast_parts(fast)[0] == "`fast=True`: approximate, not the exact values"

@@ -138,7 +138,7 @@ def _flags_of(command) -> frozenset:
     return frozenset(walk(command))
 
 
-def flag_words(text: str) -> str:
+def flag_words(text: str, known: Optional[frozenset] = None) -> str:
     """The CLI's words for a library's text: each `keyword=value` it names becomes the flag that gives it
     (`dtype="float32"` -> --dtype float32, `chat=True` -> --chat, `dump=["logits"]` -> --dump logits,
     `save_tensors` -> --save-tensors). A name that is no flag of the running CLI stays as written. The one translation:
@@ -147,8 +147,8 @@ def flag_words(text: str) -> str:
 
     def flag(m: re.Match) -> str:
         name, value = m.group(1), m.group(2)
-        option, known = flag_of(name), cli_flags()
-        if known is not None and option not in known:
+        option, flags = flag_of(name), known if known is not None else cli_flags()
+        if flags is not None and option not in flags:
             return m.group(0)
         if value is None or value == "True":
             return option
