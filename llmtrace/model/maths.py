@@ -268,6 +268,8 @@ def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"]) -> 
     name = ref[len(PREV):]
     if layer is None:
         return f"{name} of the last layer"
+    if layer < 0:  # any layer of a kind: said for all of them
+        return f"{name} of the layer before (in layer 0: {maths.stream_in if maths is not None else 'the embedding'})"
     if layer == 0:
         return maths.stream_in if maths is not None else f"{name} of the layer before (the embedding in layer 0)"
     return f"{name} of layer {layer - 1}"

@@ -675,6 +675,7 @@ def render(d: dict, lang: str = "en") -> str:
 
     # the package's own stylesheet and script, inlined as they are (escaping would break them); no trace text in them
     assets = {"css": markupsafe.Markup(_asset("report.css")),
-              "script": markupsafe.Markup(_asset("report.js") + "\n" + _asset("walk.js"))}
+              "script": markupsafe.Markup(_asset("report.js") + "\n" + _asset("cards.js") + "\n" +
+                                                _asset("walk.js"))}
     v = view(d, Words(lang))
     return environment().get_template("report.html.j2").render(v=v, w=v["w"], **assets)
