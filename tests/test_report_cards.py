@@ -107,14 +107,19 @@ def declared_op(maths, layer, point: str):
     return maths.op(None if layer == "m" else int(layer), point)
 
 
-def unrecorded_operand(maths, layer, o, recorded_layers: set[int]):
-    """An operand of `o` that lives in a layer the trace did not record (the card may then say what is missing)."""
+def unrecorded_operand(maths, layer, o, recorded_layers: set[int], untraced: set[str]):
+    """An operand of `o` that lives in a layer the trace did not record (the card may then say what is missing):
+    directly, or through a point a trace never keeps (`untraced`: resid_pre is the layer before's resid_post)."""
+    here = None if layer == "m" else int(layer)
     for ref in o.inputs:
         if ref == "ids":
             continue
-        where, _ = maths.operand(None if layer == "m" else int(layer), ref)
+        where, name = maths.operand(here, ref)
         if where is not None and where not in recorded_layers:
             return ref
+        if where is not None and name in untraced:
+            if unrecorded_operand(maths, where, maths.op(where, name), recorded_layers, untraced):
+                return ref
     return None
 
 
@@ -131,11 +136,13 @@ def card_problems(lm, events, path, browser) -> list[str]:
     """Everything on the report page at PATH that breaks the card contract, one line each (empty: it holds)."""
     maths, points = lm.maths, lm.points
     axes = {("m", p.name): p.axes for p in points.model} | {("L", p.name): p.axes for p in points.layer}
+    untraced = {p.name for p in points.layer if not p.traced}
     problems: list[str] = []
-    page_text = path.read_text(encoding="utf-8")
-    data = embedded(page_text)
-    if (data.get("run") or {}).get("maths") != json.loads(json.dumps(maths.record())):
-        problems.append("the page's run.maths is not the model's declaration (model.maths.Maths.record())")
+    data = embedded(path.read_text(encoding="utf-8"))
+    # the declaration the page embeds (its `maths.record`, or the run event's `maths`) is the model's
+    embedded_maths = (data.get("maths") or {}).get("record") or (data.get("run") or {}).get("maths")
+    if embedded_maths != json.loads(json.dumps(maths.record())):
+        problems.append("the page's embedded maths is not the model's declaration (model.maths.Maths.record())")
     kept = recorded(events)
     L, H = lm.config.n_layers, lm.config.n_heads
     G = H // lm.config.n_kv_heads
@@ -165,7 +172,7 @@ def card_problems(lm, events, path, browser) -> list[str]:
                     view = got["heads"][str(h)]
                     at = f"{where}, head {h}"
                     problems += view_problems(view, at, maths, axes, kept, step, layer, h, G, t == T - 1,
-                                              recorded_layers)
+                                              recorded_layers, untraced)
         problems += [f"page error: {m}" for m in o.messages if m[0] in ("error", "pageerror")]
         if o.requests != [o.url]:
             problems.append(f"the page asked the network for {o.requests[1:]}")
@@ -174,7 +181,7 @@ def card_problems(lm, events, path, browser) -> list[str]:
     return problems
 
 
-def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, recorded_layers) -> list[str]:
+def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, recorded_layers, untraced) -> list[str]:
     """The card contract on one drawn view (a token, a layer, a head)."""
     out = []
     if not view["picked"]:
@@ -208,7 +215,7 @@ def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, reco
                 out.append(f"{where}: op {o.kind}, computed vs trace max error {c['err']} (rel {c['rel']}) "
                            f"> {ABS:g} abs / {REL:g} rel")
         elif o.kind in CHECKING:
-            lacking = unrecorded_operand(maths, lay, o, recorded_layers)
+            lacking = unrecorded_operand(maths, lay, o, recorded_layers, untraced)
             if c["missing"] is None:
                 out.append(f"{where}: op {o.kind} but neither data-max-error nor data-missing")
             elif lacking is None:
