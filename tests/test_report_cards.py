@@ -474,6 +474,30 @@ def test_explain_of_a_rotating_layer_of_the_same_model_has_its_angle_table(norop
     assert "θ_i rad/pos" in stdout
 
 
+def test_the_cards_of_a_layer_without_rope_check_that_it_rotates_nothing(norope_dir, norope, browser, tmp_path):
+    """The report of the test-only family (layers 0 and 3 recorded; layer 3 has no RoPE): the card contract holds,
+    and layer 3's q_rope and k_rope cards are `rope` cards, checked, with no error at all (the output is the input)."""
+    import llmtrace
+
+    model = llmtrace.load(str(norope_dir[0]), threads=1)
+    run = model.generate(TEXT, max_new_tokens=2, trace="full", layers="0,-1", for_report=True, ignore_eos=True)
+    path = run.report(tmp_path / "norope.html")
+    lm = model.loaded
+    assert lm.maths.plan[3].rope is None and lm.maths.plan[0].rope is not None
+    o = Opened(browser, path)
+    try:
+        n = len(next(e for e in run.events if e["event"] == "tokens")["tokens"])
+        cards = o.page.evaluate(COLLECT, [n - 1, 3, [0]])["heads"]["0"]["cards"]
+        rope = [c for c in cards if c["point"] in ("q_rope", "k_rope")]
+        assert len(rope) == 2 and all(c["op"] == "rope" and c["err"] is not None and float(c["err"]) == 0
+                                      for c in rope), rope
+        cards = o.page.evaluate(COLLECT, [n - 1, 0, [0]])["heads"]["0"]["cards"]
+        assert any(c["point"] == "q_rope" and float(c["err"]) <= ABS for c in cards)  # layer 0 rotates, checked
+    finally:
+        o.page.close()
+    assert_cards_hold(card_problems(lm, run.events, path, browser))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 3. the layer without RoPE is what the model runs
 
