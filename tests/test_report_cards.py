@@ -268,6 +268,23 @@ def test_a_card_shows_a_wrong_trace_value_as_a_failed_check(browser, reports, ca
         o.page.close()
 
 
+def test_masked_scores_read_minus_infinity_outside_this_layers_window(browser, reports):
+    """Gemma 3's layer 0 (a window of 4) at the last prompt token: the scores card shows −∞, computed and in the
+    trace, at every key the window or the causal mask hides, and its check holds."""
+    lm, events, path = reports("gemma3")
+    n = len(next(e for e in events if e["event"] == "tokens")["tokens"])
+    o = Opened(browser, path)
+    try:
+        o.page.evaluate(COLLECT, [n - 1, 0, [1]])
+        card = o.page.locator("#walk-panel .card[data-point='scores'][data-layer='0']")
+        assert card.count() == 1 and card.get_attribute("data-op") == "scores"
+        assert within(card.get_attribute("data-max-error"), card.get_attribute("data-max-rel"))
+        hidden = n - 4  # keys 0 .. n-5: four or more back from position n-1
+        assert card.inner_text().count("−∞") >= 2 * hidden
+    finally:
+        o.page.close()
+
+
 @pytest.fixture(scope="module")
 def gemma3_real_report(gemma3_path, tmp_path_factory):
     """The real Gemma 3 270M's report of a prompt past its window (512): loaded once, a 530-token prompt."""
