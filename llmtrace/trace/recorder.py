@@ -406,9 +406,11 @@ class Recorder:
                 if "full" in extra:
                     ev["full"] = {"t": extra["full"]["t"], "values": _nan_to_none(
                         round_tensor(extra["full"]["values"]).tolist())}
-            elif len(ev) == 9 + ("sample" in ev) and None not in (mean, std, lo, hi, norm):  # the common case: its
-                layer = "null" if ev["layer"] is None else int(ev["layer"])  # JSON line made here, sample and all
+            if (extra is None or extra.keys() == {"full"}) and None not in (mean, std, lo, hi, norm) and \
+                    len(ev) == 9 + ("sample" in ev) + ("full" in ev):  # the common case: its JSON line made here
+                layer = "null" if ev["layer"] is None else int(ev["layer"])
                 tail = f', "sample": {_ENCODER.encode(ev["sample"])}' if "sample" in ev else ""
+                tail += f', "full": {_ENCODER.encode(ev["full"])}' if "full" in ev else ""
                 ev.line = (f'{head}{layer}, {json_part}, "stats": {{"mean": {mean!r}, "std": {std!r}, "min": {lo!r}, '
                            f'"max": {hi!r}, "norm": {norm!r}}}{tail}}}')
             self.emit(ev)
