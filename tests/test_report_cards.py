@@ -411,7 +411,7 @@ def test_explain_names_gemma3s_own_window_and_rope_base(families, capsys, monkey
     assert steps["plan"]["attention"] == attention and steps["plan"]["rope"]["base"] == base
     assert steps["plan"]["window"] == (4 if attention == "window" else None)
     # the declared operations, with this layer's constants
-    assert ops["q_rope"]["op"] == "rope" and f"{base:,g}^" in ops["q_rope"]["formula"]
+    assert ops["q_rope"]["op"] == "rope" and f"{base:,.0f}^" in ops["q_rope"]["formula"]
     assert ops["q_rope"]["inputs"] == ["q_norm"] and ops["attn_norm"]["inputs"] == ["resid_pre"]
     assert ("keys 4 or more back" in ops["scores"]["formula"]) == (attention == "window")
     assert ops["act"]["op"] == "glu" and "GeGLU" in ops["act"]["formula"]
@@ -422,7 +422,7 @@ def test_explain_names_gemma3s_own_window_and_rope_base(families, capsys, monkey
     assert rope["rotation"] == "rope" and rope["theta"] == base and rope["pairs"]
     # the terminal says the same steps
     assert_terminal_says_the_steps(stdout, steps)
-    assert f"RoPE on q and k: base θ = {base:,g}" in stdout
+    assert f"RoPE on q and k: base θ = {base:,.0f}" in stdout
 
 
 def test_explain_of_a_layer_without_rope_says_no_rotation(norope_dir, norope, capsys, monkeypatch, tmp_path):
