@@ -243,29 +243,55 @@ def test_every_card_is_the_declared_operation_checked_beside_the_trace(browser, 
     assert_cards_hold(card_problems(lm, events, path, browser))
 
 
-def test_a_card_shows_a_wrong_trace_value_as_a_failed_check(browser, reports, capsys, tmp_path):
-    """The check can fail: the same trace with layer 0's recorded `act` (GeGLU's output) changed by 1 % in the prefill,
-    made a report again (`llmtrace report`): its glu cards then read a max error past the tolerance."""
-    lm, events, _ = reports("gemma3")
-    changed = []
+def report_of_changed_trace(capsys, tmp_path, events, layer: int, name: str, changed_row) -> object:
+    """`llmtrace report` of the trace `events` with the prefill's recorded sample of point `name` of `layer` moved by
+    1 % in the rows `changed_row(row)` picks (the rows: the recorded shape's other axes, row-major)."""
+    out = []
     for ev in events:
-        if ev["event"] == "tensor" and ev.get("step", 0) == 0 and ev["layer"] == 0 and ev["name"] == "act":
+        if ev["event"] == "tensor" and ev.get("step", 0) == 0 and ev["layer"] == layer and ev["name"] == name:
             ev = json.loads(json.dumps(ev))
-            ev["sample"]["values"] = [[v * 1.01 for v in row] for row in ev["sample"]["values"]]
-        changed.append(ev)
-    trace = tmp_path / "changed.jsonl"
-    trace.write_text("".join(json.dumps(e) + "\n" for e in changed), encoding="utf-8")
-    code, _, err = run_cli(capsys, "report", trace, "-o", tmp_path / "changed.html")
+            ev["sample"]["values"] = [[v * 1.01 for v in row] if changed_row(i) else row
+                                      for i, row in enumerate(ev["sample"]["values"])]
+        out.append(ev)
+    trace = tmp_path / f"changed-{name}.jsonl"
+    trace.write_text("".join(json.dumps(e) + "\n" for e in out), encoding="utf-8")
+    page = tmp_path / f"changed-{name}.html"
+    code, _, err = run_cli(capsys, "report", trace, "-o", page)
     assert code == 0, err
-    o = Opened(browser, tmp_path / "changed.html")
+    return page
+
+
+def card_errors(browser, page, token: int, layer: int, heads: list[int], point: str) -> dict[int, list[bool]]:
+    """head -> for each card of `point` in that view, whether its check holds."""
+    o = Opened(browser, page)
     try:
-        n = len(next(e for e in events if e["event"] == "tokens")["tokens"])
-        got = o.page.evaluate(COLLECT, [n - 1, 0, [0]])
-        glu = [c for c in got["heads"]["0"]["cards"] if c["point"] == "act" and c["layer"] == "0"]
-        assert glu, "no card for layer 0's act"
-        assert all(c["err"] is not None and not within(c["err"], c["rel"]) for c in glu), glu
+        got = o.page.evaluate(COLLECT, [token, layer, heads])
     finally:
         o.page.close()
+    return {h: [c["err"] is not None and within(c["err"], c["rel"]) for c in got["heads"][str(h)]["cards"]
+                if c["point"] == point and c["layer"] == str(layer)] for h in heads}
+
+
+def test_a_card_shows_a_wrong_trace_value_as_a_failed_check(browser, reports, capsys, tmp_path):
+    """The check can fail: the same trace with layer 0's recorded `act` (GeGLU's output) changed by 1 % in the prefill,
+    made a report again (`llmtrace report`): its glu card then reads a max error past the tolerance."""
+    lm, events, _ = reports("gemma3")
+    n = len(next(e for e in events if e["event"] == "tokens")["tokens"])
+    page = report_of_changed_trace(capsys, tmp_path, events, 0, "act", lambda row: True)
+    assert card_errors(browser, page, n - 1, 0, [0], "act") == {0: [False]}
+
+
+def test_a_card_reads_the_input_of_its_own_head_and_row(browser, reports, capsys, tmp_path):
+    """Issue 39: a card read head 0's input while it showed another head's output. Layer 0's recorded q_norm moved
+    in one row only (the last prompt token, head 2): the q_rope card fails there and nowhere else, not at head 0 of
+    that token, not at head 2 of the token before."""
+    lm, events, _ = reports("gemma3")
+    n = len(next(e for e in events if e["event"] == "tokens")["tokens"])
+    H = lm.config.n_heads
+    page = report_of_changed_trace(capsys, tmp_path, events, 0, "q_norm", lambda row: row == (n - 1) * H + 2)
+    assert card_errors(browser, page, n - 1, 0, list(range(H)), "q_rope") == {0: [True], 1: [True], 2: [False],
+                                                                              3: [True]}
+    assert card_errors(browser, page, n - 2, 0, [2], "q_rope") == {2: [True]}
 
 
 def test_masked_scores_read_minus_infinity_outside_this_layers_window(browser, reports):
