@@ -474,7 +474,7 @@ def test_explain_of_a_layer_without_rope_says_no_rotation(norope_dir, norope, ca
     # the terminal: the same steps, no angle table, no distance check, no base
     assert_terminal_says_the_steps(stdout, steps)
     assert "RoPE on q and k: no rotation in this layer" in stdout
-    for rotating in ("θ_i rad/pos", "relative distance", "base θ ="):
+    for rotating in ("θ_i rad/pos", "relative distance", "RoPE on q and k: base θ"):
         assert rotating not in stdout
 
 
@@ -499,8 +499,8 @@ def test_the_explain_page_shows_the_steps_explain_prints(request, capsys, monkey
             text = o.page.inner_text("body")
         finally:
             o.page.close()
-        problems += [f"the explain page shows {w!r} for a layer without RoPE" for w in ("θ_i rad/pos", "base θ =")
-                     if w in text]
+        problems += [f"the explain page shows {w!r} for a layer without RoPE"
+                     for w in ("θ_i rad/pos", "RoPE on q and k: base θ") if w in text]
     assert not problems, "\n".join(problems)
 
 
