@@ -320,7 +320,9 @@ def _rope(console: Console, ev: dict) -> None:
     table = {"local": ", the sliding-window layers' own table", "global": ""}.get(ev.get("rope_table"), "")
     width = (f", rotary width {ev['rotary_dim']} of {ev['head_dim']}" if ev.get("rotary_dim", ev["head_dim"]) !=
              ev["head_dim"] else "")
-    _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:,g}{table}{width}, {scaling}")
+    theta = ev["theta"]
+    base = f"{theta:,.0f}" if float(theta).is_integer() else f"{theta:,g}"  # 1,000,000 as the steps' formula says it
+    _title(console, f"④ s6.3  RoPE on q and k: base θ = {base}{table}{width}, {scaling}")
     _note(console, ev["formula"])
     n = len(ev["pairs"][0]["angles"])
     cols = list(range(min(n, 6))) + ([n - 1] if n > 6 else [])
