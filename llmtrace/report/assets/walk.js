@@ -150,7 +150,9 @@
         const st = D.steps.find((x) => x.step === pass.step);
         body = "<p>" + esc(st && pass.t === pass.T - 1 ? t("sampler_here", { token: vis(st.token.text), step: st.step }) : t("sampler_not")) + "</p>";
       } else {
-        D.points.filter((p) => p.step.split("/")[0] === sid && p.traced !== false).forEach((p) => { body += pointCard(p, pass, layer, h); });
+        D.points.filter((p) => p.step.split("/")[0] === sid && p.traced !== false)
+          .filter((p) => !D.maths || CARDS.opOf(p.layer ? layer : "m", p.name)) // a layer's own points (a hybrid's: its kind's)
+          .forEach((p) => { body += pointCard(p, pass, layer, h); });
       }
       if (body) html += "<section class=\"wstep\" data-seed=\"" + sid + "\"><h3>" + esc(sid + (sid === "s1" ? "\u2013s2" : sid === "s10" ? "\u2013s12" : "") + " " + D.step_titles[sid]) + "</h3>" + body + "</section>";
     });
@@ -179,7 +181,8 @@
       let extra = "";
       if (sid === "s6.3" && plan && !plan.rope) extra = "<span class=mapnote>" + esc(t("map_no_rope")) + "</span>";
       if (sid === "s6.4" && plan && plan.window) extra = "<span class=mapnote>" + esc(t("map_window", { w: plan.window })) + "</span>";
-      if (sid === "s6.8") extra = "<span class=mapnote data-kv-slots=\"" + (slotOf(c.pass) + c.pass.T) + "\">" +
+      if (sid === "s6.8") extra = plan && plan.attention === "linear" ? "<span class=mapnote>" + esc(t("map_state")) + "</span>" :
+        "<span class=mapnote data-kv-slots=\"" + (slotOf(c.pass) + c.pass.T) + "\">" +
         esc(t("map_kv", { slots: slotOf(c.pass) + c.pass.T })) + "</span>";
       const buttons = pts.map((p) => {
         const lay = p.layer ? c.layer : "m", o = CARDS.opOf(lay, p.name), open = mapOpen && mapOpen.name === p.name;
