@@ -127,8 +127,7 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
         facts["summary"] = {k: summary.get(k) for k in ("prompt_tokens", "generated_tokens", "stop_reason", "ttft_ms",
                                                          "prefill_tok_s", "decode_tok_s", "interrupted", "text")}
     if batch:
-        facts["command"] = (f"generate, a batch of {batch} prompts: this report shows row {row} "
-                            f"(llmtrace report TRACE --row N shows another)")
+        facts["batch"] = {"rows": batch, "row": row}  # the page says it: "generate, a batch of ..."
         facts["prompt"] = (run.get("prompts") or [""] * batch)[row]
         entry = next((r for r in (summary or {}).get("rows", []) if r["row"] == row), None)
         if entry is not None:
@@ -321,7 +320,7 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, pad: int =
         out.update(source="maps", n=n, layers=sorted(maps), bins=[list(b) for b in bins], binned=len(bins) < n)
         if H * len(bins) ** 2 * len(maps) > ATTENTION_BUDGET:  # many layers: keep the first ones that fit
             keep = max(1, ATTENTION_BUDGET // (H * len(bins) ** 2))
-            out["notes"].append(f"only {keep} of the {len(maps)} recorded layers are embedded (size)")
+            out["notes"].append({"key": "attention.note_kept", "keep": keep, "n": len(maps)})
             maps = dict(list(maps.items())[:keep])
             out["layers"] = sorted(maps)
         out["maps"] = {str(k): pack_attention(v) for k, v in maps.items()}
@@ -334,7 +333,8 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, pad: int =
         out.update(source="explain", n=e["n_tokens"], layers=[e["layer"]], bins=e["bins"], binned=e["binned"],
                    heads=[head if head is not None else "mean"], pad=0)
         out["maps"] = {str(e["layer"]): pack_attention(m)}
-        out["notes"].append("explain records one map: " + ("the mean over all heads" if head is None else f"head {head}"))
+        out["notes"].append({"key": "attention.note_explain_mean"} if head is None else
+                            {"key": "attention.note_explain_head", "head": head})
     return out
 
 

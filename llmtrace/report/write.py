@@ -45,7 +45,7 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     from llmtrace.report.data import check_schema, extract
     from llmtrace.report.page import render
 
-    other = _other_page(events, row)
+    other = _other_page(events, row, lang)
     if other is not None:
         return other
     check_schema(events)
@@ -70,7 +70,7 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     return render(d, lang)
 
 
-def _other_page(events: list[dict], row: int) -> Optional[str]:
+def _other_page(events: list[dict], row: int, lang: str = "en") -> Optional[str]:
     """The page of a comparison's or a sweep's events (what compare, diff and patch write with --html), or None."""
     from llmtrace.errors import BadValue
 
@@ -84,10 +84,10 @@ def _other_page(events: list[dict], row: int) -> Optional[str]:
         from llmtrace.report.compare import render_compare_page
         from llmtrace.trace.comparison import document
 
-        return render_compare_page(document(events))
+        return render_compare_page(document(events), lang)
     from llmtrace.report.patch import patch_page
 
-    return patch_page(next(e for e in events if e["event"] == "patch"))
+    return patch_page(next(e for e in events if e["event"] == "patch"), lang)
 
 
 def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,

@@ -16,7 +16,12 @@
     if (text !== undefined) e.textContent = text;
     return e;
   }
-  function fmt(x) { return x === null || x === undefined ? "—" : (x === 0 ? "0" : x.toExponential(2)); }
+  function tr(key, vals) { // a text of the page's language (the catalogue's "js." keys), {name} filled in
+    let s = (data.words || {})[key] || key;
+    Object.keys(vals || {}).forEach((k) => { s = s.split("{" + k + "}").join(String(vals[k])); });
+    return s;
+  }
+  function fmt(x) { return x === null || x === undefined ? "—" : (x === 0 ? "0" : x.toExponential(2).replace(/e([+-])0*(\d)/, (m, s, d) => "e" + (s === "-" ? "-" : "") + d)); }
 
   function choose(key) {
     const p = data.points[key];
@@ -41,9 +46,8 @@
       if (f === null) return;
       const h = Math.max(f > 0 ? 1 : 0, f * H);
       const r = el("rect", { class: "bar", x: L + i * W + 2, y: H - h, width: half, height: h });
-      r.appendChild(el("title", {}, "position " + data.positions[i].position + " " + data.positions[i].token +
-        ": rel. error " + fmt(p.rel[i]) + ", max |a−b| " + fmt(p.max_abs[i]) + ", cos " + p.cos[i] +
-        (p.added.length ? ", added " + fmt(p.added[i]) : "")));
+      r.appendChild(el("title", {}, tr("cmp_bar", { position: data.positions[i].position, token: data.positions[i].token,
+        err: fmt(p.rel[i]), abs: fmt(p.max_abs[i]), cos: p.cos[i] }) + (p.added.length ? tr("cmp_bar_added", { added: fmt(p.added[i]) }) : "")));
       svg.appendChild(r);
       if (p.h_added.length && p.h_added[i] !== null) {
         const ha = Math.max(p.h_added[i] > 0 ? 1 : 0, p.h_added[i] * H);
@@ -51,12 +55,12 @@
       }
     });
     data.positions.forEach((pos, i) => {
-      svg.appendChild(el("text", { class: "token", transform: "translate(" + (L + i * W + W / 2 + 3) + "," + (H + 8) +
+      svg.appendChild(el("text", { class: "token", translate: "no", transform: "translate(" + (L + i * W + W / 2 + 3) + "," + (H + 8) +
         ") rotate(60)" }, pos.token));
     });
     svg.dataset.bars = String(svg.querySelectorAll("rect.bar:not(.added)").length);
-    numbers.textContent = p.rel.length ? "largest: position " + data.positions[worst].position + ", rel. error " +
-      fmt(p.rel[worst]) + "; max |a−b| " + fmt(p.max_abs[worst]) + "; cosine " + p.cos[worst] : "";
+    numbers.textContent = p.rel.length ? tr("cmp_largest", { position: data.positions[worst].position,
+      err: fmt(p.rel[worst]), abs: fmt(p.max_abs[worst]), cos: p.cos[worst] }) : "";
   }
 
   document.querySelectorAll("rect.cell[data-key]").forEach((c) => {

@@ -260,12 +260,12 @@
     };
     let html = "<p class=note>" + esc(L.all ? t("whatif_source_all", { vocab: L.vocab }) : t("whatif_source_top", { n: L.n, rest: L.vocab - L.n })) +
       " \u00b7 " + esc(t("whatif_order", { order: ["temperature"].concat(order).join(" \u2192 ") })) + "</p>";
-    html += "<p id=\"whatif-summary\">" + esc(t("whatif_survivors", { n: r.survivors.toLocaleString("en"), vocab: L.vocab.toLocaleString("en") })) +
+    html += "<p id=\"whatif-summary\">" + esc(t(r.survivors === 1 ? "whatif_survivor_one" : "whatif_survivors", { n: r.survivors.toLocaleString("en"), vocab: L.vocab.toLocaleString("en") })) +
       " \u00b7 <span id=\"whatif-top1\">" + esc(t("whatif_top1", { token: text(L._ids[0]), p: r.probs[0].toFixed(6) })) + "</span></p>";
-    html += "<table class=\"stats whatif-bars\"><tr><th>token</th><th>id</th><th>p</th><th></th></tr>";
+    html += "<table class=\"stats whatif-bars\"><tr><th>" + esc(t("whatif_token")) + "</th><th>id</th><th>p</th><th></th></tr>";
     for (let j = 0; j < Math.min(Math.max(TOP_SHOWN, (st.topk || []).length), L._z.length); j++) {
       const id = L._ids[j], pj = j < r.keep ? r.probs[j] : 0, chosen = id === st.token.id;
-      html += "<tr" + (chosen ? " class=chosen" : "") + " data-id=\"" + id + "\"><td>" + esc(text(id)) + (chosen ? " \u2190 " + esc(t("whatif_chosen")) : "") +
+      html += "<tr" + (chosen ? " class=chosen" : "") + " data-id=\"" + id + "\"><td><span translate=no>" + esc(text(id)) + "</span>" + (chosen ? " \u2190 " + esc(t("whatif_chosen")) : "") +
         "</td><td class=num>" + id + "</td><td class=num>" + (j < r.keep ? pj.toFixed(4) : "\u2014") + "</td><td><span class=\"nbar\" style=\"width:" + (200 * pj).toFixed(1) + "px\"></span></td></tr>";
     }
     html += "</table>" + drawBar(L, r, st, text);
