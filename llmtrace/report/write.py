@@ -66,7 +66,7 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     if d["kind"] == "explain":  # the page carries everything the terminal explain prints
         from llmtrace.report.explain_view import explain_blocks
 
-        d["explain_view"] = explain_blocks(events)
+        d["explain_view"] = explain_blocks(events, lang)
     return render(d, lang)
 
 

@@ -1,0 +1,141 @@
+"""The explain page in Chinese: the terminal explain's lines (render/explain.py, English) said in the seeds' terms.
+
+The terminal renderer is the one source of what the explain page holds (report.explain_view); this module turns each
+of its lines into the page's language, in two passes:
+
+    LINES     a whole line, by its pattern: the sentence in Chinese, its numbers and names kept (\\g<name>)
+    PHRASES   what is left, phrase by phrase (table headers, cells, the tail of a line no pattern knows)
+
+Names, ids, shapes, numbers and formulas stay as they are. A line that still has English words after both passes is
+marked lang="en" on the page (report/templates/report/explain.html.j2), so the page never claims a language it does
+not speak.
+"""
+
+from __future__ import annotations
+
+import re
+
+N = r"[-\d.,e+%×KMGiB ]+?"  # a number as the terminal prints it (1,024 · 3.5e-05 · 7.00 KiB · 50.8%)
+
+LINES = [(re.compile(p), r) for p, r in (
+    (r"^(?P<n>[①-⑨]) s6  where the layer sits: layer (?P<l>\d+) is decoder layer (?P<k>\d+) of (?P<of>\d+)$",
+     r"\g<n> s6  这一层在哪里：第 \g<l> 层是第 \g<k> 个解码器层（共 \g<of> 层）"),
+    (r"^= (?P<a>\S+) of the model's (?P<b>\S+) parameters \((?P<c>\S+) of the weights outside the embedding and final "
+     r"norm; the embedding table holds (?P<d>\S+)\)$",
+     r"= 模型 \g<b> 个参数的 \g<a>（嵌入和最终归一化之外权重的 \g<c>；嵌入表有 \g<d> 个）"),
+    (r"^2 FLOPs per multiply-add; the scores count the full T×T square the eager path computes \(the causal mask then "
+     r"discards the upper half\)$", "每次乘加算 2 次浮点运算；分数按 eager 路径计算的完整 T×T 方阵计数（因果掩码随后丢弃上半部分）"),
+    (r"^(?P<n>[①-⑨]) RMSNorm ×2 \(before attention, before the FFN\): (?P<f>.*)$",
+     r"\g<n> RMSNorm 归一化 ×2（注意力之前、前馈网络之前）：\g<f>"),
+    (r"^ε = (?P<e>\S+); γ is learned, one weight per dimension$", r"ε = \g<e>；γ 是学习得到的，每个维度一个权重"),
+    (r"^(?P<p>\w+) γ: mean (?P<m>\S+), min (?P<mi>\S+), max (?P<ma>\S+) \(largest \|γ\| at dims (?P<d>.*)\); "
+     r"max \|y − forward pass\| = (?P<x>\S+)$",
+     r"\g<p> γ：均值 \g<m>，最小 \g<mi>，最大 \g<ma>（|γ| 最大的维度 \g<d>）；与前向计算的最大差 |y − 前向| = \g<x>"),
+    (r"^dividing by the RMS gives every token the same length (?P<l>.*?), whatever its scale; γ then re-weights each of "
+     r"the D dimensions \(learned\), which sets the final length$",
+     r"除以 RMS 让每个词元无论原来大小都得到相同的长度 \g<l>；然后 γ 对 D 个维度分别重新加权（学习得到），决定最终长度"),
+    (r"^(?P<n>[①-⑨]) s6.1–s6.2  Q, K, V and the head split: (?P<r>.*) query heads, (?P<s>.*)$",
+     r"\g<n> s6.1–s6.2  Q、K、V 与拆分为多头：\g<r> 个查询头，\g<s>"),
+    (r"^grouped-query attention \(GQA\): (?P<g>\d+) query heads share each KV head$",
+     r"分组查询注意力 GQA：每 \g<g> 个查询头共享一个 KV 头"),
+    (r"^multi-head attention: every query head has its own K and V \(no sharing\)$",
+     "多头注意力：每个查询头都有自己的 K 和 V（不共享）"),
+    (r"^  KV head (?P<k>\d+) ← query heads (?P<q>.*)$", r"  KV 头 \g<k> ← 查询头 \g<q>"),
+    (r"^KV cache per position per layer: (?P<f>.*) = (?P<b>\S+ B) instead of (?P<m>\S+ B) with one KV head per query "
+     r"head: (?P<x>\S+) smaller \(this prompt, all layers: (?P<a>.*) instead of (?P<am>.*)\)$",
+     r"每层每个位置的 KV 缓存：\g<f> = \g<b>，若每个查询头各有一个 KV 头则为 \g<m>：小 \g<x>（这个提示、所有层："
+     r"\g<a>，而不是 \g<am>）"),
+    (r"^(?P<n>[①-⑨]) s6.3  RoPE on q and k: base θ = (?P<b>\S+), (?P<s>.*)$",
+     r"\g<n> s6.3  对 q 和 k 施加旋转位置编码 RoPE：基数 θ = \g<b>，\g<s>"),
+    (r"^θ_i = base\^\(-2i/Dh\); pair \(x_i, x_\{i\+Dh/2\}\) at position m is rotated by m·θ_i$",
+     "θ_i = base^(-2i/Dh)；位置 m 上的一对 (x_i, x_{i+Dh/2}) 旋转 m·θ_i"),
+    (r"^angles in radians; fast pairs \(small i\) turn in a few positions and see nearby order, slow pairs barely turn "
+     r"and carry long-range position. V is not rotated.$",
+     "角度单位为弧度；快的对（i 小）几个位置就转一圈，感知近处的顺序；慢的对几乎不转，携带远距离的位置信息。V 不旋转。"),
+    (r"^relative distance: the real q of head (?P<h>\d+) \(last token\) and k of KV head (?P<k>\d+) \(first token\), "
+     r"placed at positions (?P<p>.*) and (?P<q>\S+)$", r"相对距离：头 \g<h> 的真实 q（最后一个词元）与 KV 头 \g<k> 的 k"
+                                                      r"（第一个词元），放在位置 \g<p> 和 \g<q>"),
+    (r"^(?P<c>[✓✗]) q·k/√Dh is the same wherever the pair sits, given d \(largest spread (?P<s>\S+)\); it changes when "
+     r"d changes$", r"\g<c> 给定 d，无论这对放在哪里，q·k/√Dh 都相同（最大偏差 \g<s>）；d 变化时它才变化"),
+    (r"^the model's RoPE tables reproduce its q_rope / k_rope to (?P<a>.*)$",
+     r"模型自己的 RoPE 表复现它的 q_rope / k_rope，差 \g<a>"),
+    (r"^(?P<n>[①-⑨]) s6.4–s6.5  attention: scores (?P<s>\S+(?: \S+)*?) → causal mask → softmax → P·V$",
+     r"\g<n> s6.4–s6.5  注意力：分数 \g<s> → 因果掩码 → softmax → P·V"),
+    (r"^(?P<f>P = .*?) above the diagonal; O = P V; the mask sets (?P<m>\S+) entries \(every key after its query\) to −∞$",
+     r"\g<f> 在对角线之上；O = P V；掩码把 \g<m> 个元素（每个查询之后的键）设为 −∞"),
+    (r"^scores before the mask: min (?P<a>\S+), max (?P<b>\S+); after \(the entries a position may see\): min (?P<c>\S+), "
+     r"max (?P<d>\S+); every softmax row sums to 1 \(largest error (?P<e>\S+)\)$",
+     r"掩码前的分数：最小 \g<a>，最大 \g<b>；掩码后（一个位置能看到的元素）：最小 \g<c>，最大 \g<d>；"
+     r"每行 softmax 之和为 1（最大误差 \g<e>）"),
+    (r"^head (?P<h>\d+): scores, masked →−∞$", r"头 \g<h>：分数，被掩码的 →−∞"),
+    (r"^\(the first (?P<n>\d+) positions of (?P<t>\d+)\)$", r"（\g<t> 个位置中的前 \g<n> 个）"),
+    (r"^the key each position attends to most, per head \(position:weight\)$", "每个头中，每个位置最关注的键（位置:权重）"),
+    (r"^attention map, (?P<w>.*) \((?P<h>.*)\): rows are queries, columns keys; pick a head with --head$",
+     r"注意力图，\g<w>（\g<h>）：行是查询，列是键；用 --head 选择一个头"),
+    (r"^(?P<n>[①-⑨]) s6.6  output projection and residual: (?P<f>.*)$", r"\g<n> s6.6  输出投影与残差：\g<f>"),
+    (r"^x enters the layer; attn = what attention adds to it; x' = x \+ attn \(so (?P<a>.*)\); x'' = x' \+ FFN\(x'\) "
+     r"leaves the layer. A cosine near 1: the layer nudged the token's vector rather than replacing it$",
+     r"x 进入这一层；attn = 注意力加给它的量；x' = x + attn（所以 \g<a>）；x'' = x' + FFN(x') 离开这一层。"
+     r"余弦接近 1：这一层只是轻推了词元的向量，而不是替换它"),
+    (r"^(?P<n>[①-⑨]) s6.7  (?P<k>\S+) feed-forward, D → F → D$", r"\g<n> s6.7  \g<k> 前馈网络，D → F → D"),
+    (r"^(?P<f>\w+)\(gate\) near zero \(\|·\| < (?P<t>\S+)\): (?P<a>\S+) of all units; gate < 0 for (?P<b>\S+); "
+     r"(?P<f2>\w+)\(gate\) mean (?P<m>\S+), max (?P<x>\S+); act = (?P<f3>\w+)\(gate\)⊙up matches the forward pass to "
+     r"(?P<d>\S+)$", r"\g<f>(gate) 接近 0（|·| < \g<t>）：占全部单元的 \g<a>；gate < 0 的占 \g<b>；\g<f>(gate) 均值 \g<m>，"
+                     r"最大 \g<x>；act = \g<f>(gate)⊙up 与前向计算相差 \g<d>"),
+    (r"^the most active units for the last token \(position (?P<p>\d+), (?P<t>.*)\), by \|act\|$",
+     r"最后一个词元（位置 \g<p>，\g<t>）最活跃的单元，按 |act| 排序"),
+    (r"^(?P<n>[①-⑨]) s6.8  KV cache write: this layer stores K and V for positions (?P<p>\S+)$",
+     r"\g<n> s6.8  写入 KV 缓存：这一层保存位置 \g<p> 的 K 和 V"),
+    (r"^K (?P<k>\[.*?\]) and V (?P<v>\[.*?\]) × (?P<e>\d+) B = (?P<b>\S+) B \((?P<p>\S+) B per position\); every layer "
+     r"together: (?P<a>.*)$", r"K \g<k> 和 V \g<v> × \g<e> B = \g<b> B（每个位置 \g<p> B）；所有层合计：\g<a>"),
+    (r"^with one KV head per query head this layer would write (?P<b>\S+) B; later decode steps read these instead of "
+     r"recomputing them$", r"若每个查询头各有一个 KV 头，这一层要写 \g<b> B；之后的解码步骤读取它们而不必重新计算"),
+    (r"^(?P<n>[①-⑨]) s8–s9 early  logit lens at layer (?P<l>\d+), last position \((?P<p>\d+)\)$",
+     r"\g<n> s8–s9 提前  第 \g<l> 层的 logit 透镜，最后一个位置（\g<p>）"),
+    (r"^what the model would predict if it stopped here: the final norm and the LM head applied to the stream$",
+     "如果模型在这里停下会预测什么：把最终归一化和 LM 头应用到残差流上"),
+    (r"^every observed point of layer (?P<l>\d+) \(the tensor events of --json\)$",
+     r"第 \g<l> 层的每个观测点（--json 中的 tensor 事件）"),
+    (r"^(?P<n>\d+) tokens: (?P<t>.*)$", r"\g<n> 个词元：\g<t>"),
+    (r"^(?P<n>\d+) positions in (?P<b>\d+) bins \(keys summed, queries averaged per bin\)$",
+     r"\g<n> 个位置分成 \g<b> 个区间（每个区间内键求和、查询取平均）"),
+    (r"^ *(?P<l>(?:\S+ +\S+%? +)+)\(blank: masked, in the future\)$", r"\g<l>（空白：被掩码，是未来的位置）"),
+)]
+
+# phrase by phrase, longest first: table headers and cells, and what no line pattern covers
+PHRASES = sorted({
+    "FLOPs for this prompt": "本提示的浮点运算", "formula": "公式", "Q, K, V projections": "Q、K、V 投影",
+    "scores Q·Kᵀ": "分数 Q·Kᵀ", "weights · V": "权重 · V", "output projection": "输出投影", "feed-forward": "前馈网络",
+    "total": "合计", "step": "步骤", "weight": "权重", "shape": "形状", "parameters": "参数量", "of layer": "占本层",
+    "projection": "投影", "split into heads": "拆分为多头", "heads first": "头维在前", "pair i": "对 i", "dims": "维度",
+    "turn every": "转一圈需", "spread": "偏差", "token": "词元", "pos": "位置", "rank": "排名", "unit": "单元",
+    "after attention": "注意力之后", "after the FFN": "前馈网络之后", "real output": "真实输出", "after layer": "第几层之后：",
+    "point": "观测点", "mean": "均值", "std": "标准差", "min": "最小", "max": "最大", "mean on 0": "对 0 的平均",
+    "units ≈ 0": "≈0 的单元", "rad/pos": "弧度/位置", "attn_norm output": "attn_norm 的输出",
+    "ffn_norm output": "ffn_norm 的输出", "softmax P": "softmax P", "mean over heads": "所有头的平均",
+    "positions": "个位置", "no scaling": "无缩放", "layer": "层", "of": "/", "weights": "权重",
+    "head": "头", "query heads": "查询头", "the router": "路由器", "experts": "专家",
+}.items(), key=lambda kv: -len(kv[0]))
+
+_WORDS = re.compile(r"[A-Za-z]+(?:[-'][A-Za-z]+)*")
+_PHRASE = re.compile("|".join(r"(?<![A-Za-z_])" + re.escape(k) + r"(?![A-Za-z_])" for k, _ in PHRASES))
+_PHRASE_OF = dict(PHRASES)
+
+
+def translate_line(text: str) -> str:
+    """A whole line of the terminal explain, in Chinese where a pattern knows it (else phrase by phrase)."""
+    for pattern, replacement in LINES:
+        if pattern.match(text):
+            return pattern.sub(replacement, text)
+    return _PHRASE.sub(lambda m: _PHRASE_OF[m.group(0)], text)
+
+
+def english_run(text: str, n: int = 3) -> bool:
+    """Whether `text` still has n English words in a row (names with _ . or digits are not words)."""
+    run = 0
+    for token in text.split():
+        word = token.strip("()[]{},.;:!?\"'“”‘’")
+        run = run + 1 if word and _WORDS.fullmatch(word) else 0
+        if run >= n:
+            return True
+    return False
