@@ -42,6 +42,9 @@ class Words:
     def has(self, key: str) -> bool:
         return key in self._texts
 
+    def keys(self) -> list[str]:
+        return list(self._texts)
+
     @property
     def js(self) -> dict[str, str]:
         return {k[3:]: v for k, v in self._texts.items() if k.startswith("js.")}

@@ -146,7 +146,7 @@ def sampling_words(s: dict, w) -> str:
     def off(key: str, value, none) -> str:
         return w("run.v.off") if value is None or value == none else f"{value:g}" if isinstance(value, float) else str(value)
 
-    on = ", ".join(s.get("stages") or []) or w("run.v.none")
+    on = w("list.sep").join(word_or(w, f"stage.{x}", x) for x in s.get("stages") or []) or w("run.v.none")
     greedy = bool(s.get("greedy"))
     t = s.get("temperature")
     temp = w("run.v.greedy_temp") if greedy or not t else f"{t:g}"
@@ -190,7 +190,7 @@ def section_run(d: dict) -> dict:
     s = r["sampling"]
     if s is not None:
         rows.append(("sampling", sampling_words(s, w)))
-        rows.append(("order", " → ".join(s.get("order") or [])))
+        rows.append(("order", " → ".join(word_or(w, f"stage.{x}", x) for x in s.get("order") or [])))
         from llmtrace.render.generate import llama_cpp_settings
 
         extra = llama_cpp_settings(s)

@@ -6,10 +6,11 @@
 // runs layer by layer (POST /api/compare).
 "use strict";
 (function () {
-  const W = JSON.parse(document.getElementById("words").textContent);
+  const WORDS = JSON.parse(document.getElementById("words").textContent);
+  let W = WORDS.all[WORDS.lang];
   const $ = (sel) => document.querySelector(sel);
   function t(key, vals) {
-    let s = W[key] || key;
+    let s = W["js." + key] || key;
     Object.keys(vals || {}).forEach((k) => { s = s.split("{" + k + "}").join(String(vals[k])); });
     return s;
   }
@@ -117,6 +118,17 @@
       { headers: { "Authorization": "Bearer " + TOKEN }, signal: controller ? controller.signal : undefined });
     if (r.ok) { $(frame).srcdoc = await r.text(); $(frame).hidden = false; }
   }
+  function speak(lang) { // the page's own words in the chosen language (the report in its frame follows on the next run)
+    if (!WORDS.all[lang]) return;
+    W = WORDS.all[lang];
+    document.documentElement.lang = lang === "zh" ? "zh-Hans" : lang;
+    document.querySelectorAll("[data-w]").forEach((e) => { if (W[e.dataset.w]) e.textContent = W[e.dataset.w]; });
+    document.querySelectorAll("[data-w-title]").forEach((e) => { if (W[e.dataset.wTitle]) e.title = W[e.dataset.wTitle]; });
+  }
+  $("#lang").addEventListener("change", () => {
+    speak($("#lang").value);
+    if (last && last.got && last.got.runId) guarded(() => showPage("#page", last.got.runId)); // the report too
+  });
   const MAIN = { tokens: $("#tokens"), text: $("#text"), steps: true, page: true };
 
   $("#run-form").addEventListener("submit", async (e) => {
