@@ -82,6 +82,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
         "walk": walk(tensors, points),
         "kept_logits": step_logits(steps, tensors, points),
         "pad": pad_slots(batch, row),
+        "batch": _batch(batch, row, run),
         "positions": (batch or {}).get("position_ids", [None] * (row + 1))[row] if batch else None,
         "merges": {"words": merges, "note": merges_note} if merges is not None else {"words": None, "note": merges_note},
     }
@@ -276,6 +277,16 @@ def pack_attention(m: np.ndarray) -> str:
 
 def unpack_attention(text: str, shape: tuple[int, ...]) -> np.ndarray:
     return (np.frombuffer(base64.b64decode(text), dtype="<u2").astype(np.float64) / Q16).reshape(shape)
+
+
+def _batch(batch: Optional[dict], row: int, run: Optional[dict]) -> Optional[dict]:
+    """s3 of a batch of prompts: every row's padded ids, attention_mask and position_ids as the first pass saw them,
+    the pad id and its piece, and the row this page shows. None for one prompt (no padding: the mask is all ones)."""
+    if batch is None:
+        return None
+    return {"rows": len(batch["ids"]), "row": row, "ids": batch["ids"], "attention_mask": batch["attention_mask"],
+            "position_ids": batch["position_ids"], "pad_id": batch.get("pad_id"), "pad_piece": batch.get("pad_piece"),
+            "pad_source": batch.get("pad_source"), "prompts": (run or {}).get("prompts")}
 
 
 def pad_slots(batch: Optional[dict], row: int) -> int:

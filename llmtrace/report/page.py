@@ -222,13 +222,20 @@ def _shape(s: Optional[list], axes: Optional[list] = None, w=None) -> str:
     return "[" + ", ".join(map(str, s)) + "]"
 
 
+def batched(shape: str, d: dict) -> str:
+    """A shape of a batch's pass with its B axis first ([B=2, T=6, D=64]): the pass runs every row at once; the page's
+    numbers are one row's."""
+    b = d.get("batch")
+    return shape if b is None or not shape.startswith("[") else f'[B={b["rows"]}, {shape[1:]}'
+
+
 def section_pipeline(d: dict) -> dict:
     w = d["w"]
     stages = []
     for st in d["pipeline"]["stages"]:
         detail = ""
         if "shape" in st:
-            detail = _shape(st["shape"], w=w)
+            detail = batched(_shape(st["shape"], w=w), d)
         elif st["id"] == "s3" and st.get("padding"):
             pad = st["padding"]
             real = pad["slots"] - pad["pad_slots"]
@@ -239,11 +246,31 @@ def section_pipeline(d: dict) -> dict:
                                              if st.get("masked") is not None else "")
         elif "sampler" in st:
             detail = ", ".join(st["active"]) or w("pipeline.none_active")
-        points = [{"name": p["name"], "shape": _shape(p["shape"], p.get("axes"), w)} for p in st["points"]]
+        points = [{"name": p["name"], "shape": batched(_shape(p["shape"], p.get("axes"), w), d)} for p in st["points"]]
         stages.append({"id": st["id"], "title": w(f'step.{st["id"]}'), "layer": st["id"].startswith("s6"),
                        "detail": detail, "points": points})
     note = None if d["tensors"]["points"] else missing(d, "stats", "--trace full")
     return {"stages": stages, "missing": note}
+
+
+def section_batch(d: dict) -> Optional[dict]:
+    """s3 of a batch: each row's padded ids (the pad id named), the attention_mask as a B × S grid and the
+    position_ids of each row; a row switch picks the row whose ids and positions are shown beside the grid."""
+    b = d.get("batch")
+    if b is None:
+        return None
+    w = d["w"]
+    rows = []
+    for r, (ids, mask, pos) in enumerate(zip(b["ids"], b["attention_mask"], b["position_ids"])):
+        pads = len(mask) - sum(mask)
+        prompt = (b["prompts"] or [""] * b["rows"])[r]
+        rows.append({"r": r, "ids": ids, "mask": mask, "positions": pos, "pads": pads, "prompt": prompt,
+                     "summary": w("batch.row_summary", r=r, pads=count(w, pads, "pad_slot"),
+                                  real=count(w, len(mask) - pads, "token"))})
+    S = len(b["attention_mask"][0]) if b["attention_mask"] else 0
+    source = word_or(w, f'batch.pad_source.{b["pad_source"]}', b["pad_source"] or "")
+    return {"rows": rows, "row": b["row"], "B": b["rows"], "S": S, "slots": list(range(S)),
+            "pad": w("batch.pad", id=b["pad_id"], piece=b["pad_piece"], source=source)}
 
 
 def chip(t: dict, w=None) -> dict:
@@ -665,6 +692,7 @@ def section_explain(d: dict) -> Optional[dict]:
 SECTIONS = (
     ("run", section_run),
     ("explain", section_explain),
+    ("batch", section_batch),
     ("pipeline", section_pipeline),
     ("walk", section_walk),
     ("tokens", section_tokens),

@@ -120,6 +120,13 @@
   }
   $$("button.stage").forEach((b) => b.addEventListener("click", () => showStage(b.dataset.stage)));
 
+  // ---------------------------------------------------------------------------------------------- s3 of a batch
+  const rowSwitch = $("#batch-row");
+  if (rowSwitch) rowSwitch.addEventListener("change", () => {
+    $$(".batch-row").forEach((r) => { r.hidden = r.dataset.row !== rowSwitch.value; });
+    $$("#mask-grid tr[data-row]").forEach((r) => r.classList.toggle("chosen", r.dataset.row === rowSwitch.value));
+  });
+
   // ---------------------------------------------------------------------------------------------- BPE merges
   $$("button.word").forEach((b) => b.addEventListener("click", () => {
     $$("button.word").forEach((x) => x.setAttribute("aria-pressed", String(x === b)));
