@@ -250,6 +250,9 @@ def section_pipeline(d: dict) -> dict:
         stages.append({"id": st["id"], "title": w(f'step.{st["id"]}'), "layer": st["id"].startswith("s6"),
                        "detail": detail, "points": points})
     note = None if d["tensors"]["points"] else missing(d, "stats", "--trace full")
+    recorded = any(p["shape"] is not None for st in d["pipeline"]["stages"] for p in st["points"])
+    if d["kind"] == "lens" and not recorded:  # every tile would say "not recorded": the closing note says it once
+        return None
     return {"stages": stages, "missing": note}
 
 
@@ -723,7 +726,10 @@ def view(d: dict, w=None) -> dict:
     w = w or Words("en")
     d = dict(d, lacking=[], fill=None, w=w)
     d["fill"] = fill_command(d, "generate")  # report.js names it where a stage has no statistics
-    shown = [{"id": sid, "name": w(f"section.{sid}"), "v": v} for sid, fn in SECTIONS if (v := fn(d)) is not None]
+    order = SECTIONS
+    if d["kind"] == "lens":  # the lens page opens on the lens, then says what ran
+        order = tuple(x for x in SECTIONS if x[0] == "lens") + tuple(x for x in SECTIONS if x[0] != "lens")
+    shown = [{"id": sid, "name": w(f"section.{sid}"), "v": v} for sid, fn in order if (v := fn(d)) is not None]
     if d["lacking"]:
         shown.append({"id": "lacking", "name": w("section.lacking"), "v": lacking(d)})
     del d["lacking"], d["w"]

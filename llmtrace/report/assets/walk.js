@@ -239,6 +239,11 @@
     return { keep: keep, probs: probs.slice(0, keep), survivors: keep + (tail ? L.vocab - n : 0) };
   }
   const TOP_SHOWN = 10; // rows of the what-if table (the step's top-k, whose texts the trace has)
+  function said(id, v) { // a setting as the run table says it: temperature 0 is greedy, a truncation that cuts nothing is off
+    if (id === "#wi-temperature" && v === 0) return t("greedy");
+    if ((id === "#wi-top-k" && v === 0) || (id === "#wi-top-p" && v === 1) || (id === "#wi-min-p" && v === 0)) return t("off");
+    return String(v);
+  }
   function drawWhatif() {
     const panel = $("#whatif-panel");
     if (!panel || !D.steps.length) return;
@@ -248,7 +253,7 @@
     const T = get("#wi-temperature"), k = get("#wi-top-k"), p = get("#wi-top-p"), mp = get("#wi-min-p");
     ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((id) => {
       const inp = $(id), out = $("output[for=\"" + id.slice(1) + "\"]");
-      out.textContent = inp.value + (Number(inp.value) === Number(inp.dataset.run) ? " (" + t("whatif_run") + ")" : "");
+      out.textContent = said(id, Number(inp.value)) + (Number(inp.value) === Number(inp.dataset.run) ? " (" + t("whatif_run") + ")" : "");
     });
     const runOrder = (D.run.sampling && D.run.sampling.order) || ["temperature", "top_k", "top_p", "min_p"];
     const order = runOrder.filter((s) => ["top_k", "top_p", "min_p"].indexOf(s) >= 0);
