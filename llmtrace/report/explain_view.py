@@ -76,7 +76,7 @@ class Blocks(Console):
 
 def explain_blocks(events: list[dict], lang: str = "en") -> list[dict]:
     """The terminal explain's output as blocks, from the trace's events: the attention map's text art made a grid
-    (attention_grid), a masked score shown as −∞, and every line in the page's language (explain_words) where it is
+    (attention_grid), and every line in the page's language (explain_words) where it is
     not English."""
     from llmtrace.render.explain import render_explain
 
@@ -84,18 +84,7 @@ def explain_blocks(events: list[dict], lang: str = "en") -> list[dict]:
     render_explain(events, console)
     blocks = with_grid(console.blocks, next((e for e in events if e.get("event") == "explain"
                                              and e.get("section") == "attention_map"), None), events)
-    for b in blocks:
-        if b["kind"] == "table":
-            b["rows"] = [[_masked(c) for c in row] for row in b["rows"]]
     return [translated(b) for b in blocks] if lang == "zh" else blocks
-
-
-def _masked(cell: list[dict]) -> list[dict]:
-    """A masked score ("1.14→−∞": its value before the mask) shown as −∞, the value before the mask its title."""
-    text = "".join(g["text"] for g in cell)
-    if text.endswith("→−∞"):
-        return [{"text": "−∞", "colour": None, "bold": False, "title": text[:-3]}]
-    return cell
 
 
 def with_grid(blocks: list[dict], amap: Optional[dict], events: list[dict]) -> list[dict]:

@@ -662,7 +662,7 @@ def section_walk(d: dict) -> Optional[dict]:
     """The walk-through: the script draws the chosen token's values (data "walk"); here, its controls and, for a
     trace without values, what records them."""
     wk = d["walk"]
-    if not any("values" in s for s in wk["samples"].values()):
+    if not any(isinstance(s, list) for s in wk["samples"].values()):
         note = missing(d, "walk", "--trace full")
         return {"only_missing": note} if note else None
     toks = d["tokens"]
@@ -734,11 +734,26 @@ def view(d: dict, w=None) -> dict:
         shown.append({"id": "lacking", "name": w("section.lacking"), "v": lacking(d)})
     del d["lacking"], d["w"]
     d.pop("explain_view", None)  # laid out in the page, not read by the script
+    d["tensors"] = compact_stats(d["tensors"])
     d["words"] = w.js  # the script's texts, in the page's language
     d["step_titles"] = {st["id"]: w(f'step.{st["id"]}') for st in d["pipeline"]["stages"]}
     d["points"] = [dict(p, about=about(p, w)) for p in d["points"]]
     return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',
             "sections": shown, "stepbar": step_bar(dict(d, w=w)), "data": d, "palette": PALETTE, "w": w}
+
+
+def compact_stats(t: dict) -> dict:
+    """The per-layer statistics as the page stores them: per point, one list per field (report.js makes them rows
+    again), each number to 4 significant figures (what the stage panel shows), the shape once per step."""
+    def sig4(x):
+        return None if x is None else float(f"{x:.4g}")
+
+    points = {}
+    for name, rows in t["points"].items():
+        points[name] = {"step": [r["step"] for r in rows], "layer": [r["layer"] for r in rows],
+                        **{k: [sig4(r[k]) for r in rows] for k in ("mean", "std", "min", "max", "norm")},
+                        "shapes": {str(r["step"]): r["shape"] for r in rows}}
+    return dict(t, points=points)
 
 
 def about(point: dict, w) -> str:

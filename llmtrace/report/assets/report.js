@@ -77,6 +77,11 @@
   });
 
   // ---------------------------------------------------------------------------------------------- the pipeline
+  Object.keys(D.tensors.points).forEach((n) => { // stored a list per field (page.compact_stats): rows again
+    const c = D.tensors.points[n];
+    D.tensors.points[n] = c.step.map((s, i) => ({ step: s, layer: c.layer[i], mean: c.mean[i], std: c.std[i], min: c.min[i],
+      max: c.max[i], norm: c.norm[i], shape: c.shapes[String(s)] }));
+  });
   let stage = null;
   function showStage(id) {
     stage = id;

@@ -30,15 +30,24 @@
     for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
     return new Type(bytes.buffer);
   }
+  function unpack24(b64) { // float32 without its last byte, 3 bytes each (report/walk.py pack_f24)
+    const bin = atob(b64), n = bin.length / 3, out = new Float32Array(n), dv = new DataView(new ArrayBuffer(4));
+    for (let i = 0; i < n; i++) {
+      dv.setUint8(0, 0); dv.setUint8(1, bin.charCodeAt(3 * i)); dv.setUint8(2, bin.charCodeAt(3 * i + 1)); dv.setUint8(3, bin.charCodeAt(3 * i + 2));
+      out[i] = dv.getFloat32(0, true);
+    }
+    return out;
+  }
   const cache = {};
   function sample(step, layer, name) { // {meta, values (rows × k), norms} of one point of one pass, or null
     const key = step + "/" + layer + "/" + name;
-    const m = D.walk.samples[key];
+    let m = D.walk.samples[key];
     if (!m) return null;
     if (!cache[key]) {
+      if (Array.isArray(m)) m = D.walk.samples[key] = { m: m[0], v: m[1], n: m[2] }; // [meta, values, norms]
+      if (m.m !== undefined) Object.assign(m, D.walk.metas[m.m]); // its shape, axes, rows and entries, stored once
       if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
-      cache[key] = m.values === undefined ? { meta: m } :
-        { meta: m, values: unpack(m.values, Float32Array), norms: unpack(m.norms, Float32Array) };
+      cache[key] = m.v === undefined ? { meta: m } : { meta: m, values: unpack24(m.v), norms: unpack24(m.n) };
     }
     return cache[key];
   }
@@ -75,7 +84,7 @@
     let h = "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
       index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr>";
     cols.forEach((c) => {
-      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + num(c[1][j]) + "</td>").join("") + "</tr>";
+      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + (Number.isNaN(c[1][j]) ? "\u2212\u221e" : num(c[1][j])) + "</td>").join("") + "</tr>";
     });
     return h + "</table></div>";
   }
