@@ -16,6 +16,7 @@ draw the chosen point's error per position. The page loads nothing from the netw
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Optional, Union
 
@@ -250,7 +251,26 @@ def summary_words(doc: dict, w) -> str:
              err=_fmt(fd["rel_err"]), rest=rest)
 
 
-NOTES = {"B's tokenizer reads the prompt differently; both sides were fed A's ids (--ids-from a)": "cmp.note_ids"}
+NOTES = [(re.compile(p), key) for p, key in (  # the notes of run/compare.py and run/diff.py, said in the page's words
+    (r"^B's tokenizer reads the prompt differently; both sides were fed A's ids \(--ids-from a\)$", "cmp.note_ids"),
+    (r"^the generated tokens part at step (?P<step>\d+); later steps read different inputs and are compared only by "
+     r"what they chose$", "cmp.note_gen"),
+    (r"^only (?P<side>[AB]) saved its tensors; comparing what the traces hold$", "cmp.note_one_side"),
+    (r"^(?P<n>\d+) of (?P<of>\d+) layers were not recorded by both runs \((?P<spans>.*)\): the first divergence is "
+     r"the first among the recorded points$", "cmp.note_unrecorded"),
+    (r"^no logits were saved \(record them with --trace full or --dump logits\); KLD is not known$", "cmp.note_logits"),
+    (r"^no tensors: the first divergence is judged from each point's norm \(a lower bound of its relative error\); "
+     r"KLD needs the full logits \(--save-tensors\)$", "cmp.note_norms"),
+)]
+
+
+def note_words(note: str, w) -> str:
+    """A note of the comparison in the page's words; one no pattern knows stays as the terminal says it."""
+    for pattern, key in NOTES:
+        m = pattern.match(note)
+        if m:
+            return w(key, **m.groupdict())
+    return note
 
 
 def view(doc: dict, w=None) -> dict:
@@ -271,7 +291,7 @@ def view(doc: dict, w=None) -> dict:
         "heat": heat_strip(doc, sc, w) if doc["layers"] and any(lay["points"] for lay in doc["layers"]) else None,
         "layers": layer_chart(doc, sc, w) if any(lay.get("rel_err") is not None for lay in doc["layers"]) else None,
         "kld": kld_chart(doc, w), "differing": differing, "top": f"1e{int(sc[1])}",
-        "notes": [w(NOTES[n]) if n in NOTES else n for n in doc.get("notes") or []],
+        "notes": [note_words(n, w) for n in doc.get("notes") or []],
         "numbers": [(w("cmp.n_tolerance"), f"{doc['tolerance']:g}"), (w("cmp.n_kld_mean"), _fmt(doc.get("kld_mean"))),
                     (w("cmp.n_kld_max"), _fmt(doc.get("kld_max"))),
                     (w("cmp.n_same_top"), "—" if doc.get("same_top") is None else f"{100 * doc['same_top']:.1f}%"),
