@@ -23,7 +23,6 @@ from typing import Any, Callable, Optional
 
 from llmtrace.report.data import AFTER_EMBEDDING
 from llmtrace.trace.events import SCHEMA_ID
-from llmtrace.trace.records import fast_parts
 from llmtrace.units import human_bytes
 
 # viridis: perceptually even and readable with the common colour-vision deficiencies
