@@ -185,7 +185,7 @@ def test_a_batch_page_shows_the_mask_grid_with_each_rows_pad_cells(browser, batc
             assert row.locator("td").count() == len(mask)
             assert row.locator("td.pad").count() == mask.count(0)  # the right number of pad cells per row
             assert row.locator("td.pad").all_inner_texts() == ["0"] * mask.count(0)
-        assert mask.count(0) == 0 or batch["attention_mask"][1].count(0) > 0  # "Hi" is the padded row
+        assert batch["attention_mask"][0].count(0) == 0 < batch["attention_mask"][1].count(0)  # "Hi" is padded
         # the chosen row's ids (the pad id in its pad slots) and position_ids, and the row switch
         shown = pg.locator(".batch-row:not([hidden])")
         assert shown.get_attribute("data-row") == "1"
@@ -193,6 +193,10 @@ def test_a_batch_page_shows_the_mask_grid_with_each_rows_pad_cells(browser, batc
         assert texts[1].split("\t")[1:] == [str(i) for i in batch["ids"][1]]
         assert texts[3].split("\t")[1:] == [str(i) for i in batch["position_ids"][1]]
         assert str(batch["pad_id"]) in pg.inner_text("#batch")
+        # the padded row's walk-through shows its mask row at s3: its pad slots, then what its query sees
+        walk = pg.locator(".wstep[data-seed='s3'] table.walkmask")
+        row1 = batch["attention_mask"][1]
+        assert walk.locator("td.pad").count() == row1.count(0) and walk.locator("td.on").count() == sum(row1)
         pg.select_option("#batch-row", "0")
         assert pg.locator(".batch-row:not([hidden])").get_attribute("data-row") == "0"
         assert "B=2, T=" in pg.inner_text("#pipeline")  # B in the shapes

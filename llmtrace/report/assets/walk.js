@@ -159,6 +159,18 @@
     return "<p>" + esc(t("mask_row", { layer: layer, head: h, allowed: v.length - masked.length, slots: v.length,
       masked: masked.length ? masked.join(", ") : "\u2014" })) + "</p>";
   }
+  function padRow(pass) { // s3 of a padded batch row: the query's mask row, slot by slot (pad, seen, later)
+    if (!D.batch) return "";
+    const q = pass.step === 0 ? pass.t : PAD + nPrompt + pass.step - 1, S = pass.step === 0 ? pass.T : q + 1;
+    let head = "", cells = "";
+    for (let s = 0; s < S; s++) {
+      const kind = s < PAD ? "pad" : s > q ? "later" : "on";
+      head += "<th>" + s + "</th>";
+      cells += "<td class=\"" + kind + "\" title=\"" + esc(t("mask_" + kind)) + "\">" + (kind === "on" ? "1" : kind === "pad" ? "0" : "\u2212\u221e") + "</td>";
+    }
+    return "<p>" + esc(t("pad_row", { slot: q, pads: PAD })) + "</p><div class=scroll><table class=\"maskgrid walkmask\"><tr><th>" +
+      esc(t("slot")) + "</th>" + head + "</tr><tr><th>" + q + "</th>" + cells + "</tr></table></div>";
+  }
   function pointCard(p, pass, layer, h) {
     const lay = p.layer ? layer : "m";
     const s = sample(pass.step, lay, p.name);
@@ -195,7 +207,7 @@
           bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
           esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
       } else if (sid === "s3") {
-        body = maskLine(pass, layer, h);
+        body = maskLine(pass, layer, h) + padRow(pass);
       } else if (sid === "s10" || sid === "s11" || sid === "s12") {
         if (sid !== "s10") return;
         const st = D.steps.find((x) => x.step === pass.step);
