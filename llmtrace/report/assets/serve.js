@@ -179,8 +179,9 @@
     const a = await r.json();
     if (!r.ok) { box.textContent = t("serve_error", { error: a.error }); return; }
     box.textContent = "";
-    box.appendChild(el("p", t("serve_resample_title", { step: step, t: body.temperature, k: body.top_k, p: body.top_p,
-      m: body.min_p, draw: a.draw === "fresh" ? t("serve_draw_fresh") : t("serve_draw_run") })));
+    box.appendChild(el("p", t("serve_resample_title", { step: step, t: body.temperature === 0 ? t("greedy") : body.temperature,
+      k: body.top_k === 0 ? t("off") : body.top_k, p: body.top_p === 1 ? t("off") : body.top_p,
+      m: body.min_p === 0 ? t("off") : body.min_p, draw: a.draw === "fresh" ? t("serve_draw_fresh") : t("serve_draw_run") })));
     if (last.got.steps[step]) box.appendChild(side(t("serve_own"), last.got.steps[step], "own", null));
     box.appendChild(side(t("serve_again"), a.step, "again", a.survivors));
   }));
