@@ -343,3 +343,13 @@ def test_the_all_layers_full_trace_page_of_8_tokens_is_under_2mb(smollm_path, tm
     assert d["walk"]["layers"] == list(range(30)) and len(d["steps"]) == 8
     assert "5 significant figures" in page and "4 significant figures" in page  # what was cut, said on the page
     json.dumps(d)
+
+
+def test_the_sticky_header_is_small_on_a_laptop_too(browser, pages):
+    w, h = VIEWPORTS[0]
+    for kind in ("report", "batch", "explain", "lens"):
+        for lang in ("en", "zh"):
+            o = open_at(browser, pages[f"{kind}-{lang}"], (w, h))
+            assert o.page.evaluate("document.documentElement.scrollWidth") <= w, (kind, lang)
+            assert o.page.locator("body > header").bounding_box()["height"] <= 0.15 * h, (kind, lang)
+            o.page.close()
