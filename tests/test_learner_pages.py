@@ -197,9 +197,17 @@ def test_a_batch_page_shows_the_mask_grid_with_each_rows_pad_cells(browser, batc
         walk = pg.locator(".wstep[data-seed='s3'] table.walkmask")
         row1 = batch["attention_mask"][1]
         assert walk.locator("td.pad").count() == row1.count(0) and walk.locator("td.on").count() == sum(row1)
-        pg.select_option("#batch-row", "0")
-        assert pg.locator(".batch-row:not([hidden])").get_attribute("data-row") == "0"
         assert "B=2, T=" in pg.inner_text("#pipeline")  # B in the shapes
+        # one page holds every row: the switch opens row 0's page in place (its prompt, its unpadded heatmap), and back
+        pg.select_option("#batch-row", "0")
+        pg.locator("#run q", has_text="The quick brown fox jumps").wait_for()
+        d = pg.evaluate("JSON.parse(document.getElementById('data').textContent)")
+        assert d["batch"]["row"] == 0 and d["attention"]["pad"] == 0 and d["run"]["prompt"].startswith("The quick")
+        assert pg.locator(".batch-row:not([hidden])").get_attribute("data-row") == "0"
+        pg.select_option("#batch-row", "1")
+        pg.locator("#run q", has_text="Hi").wait_for()
+        assert pg.evaluate("JSON.parse(document.getElementById('data').textContent).attention.pad") == row1.count(0)
+        assert [m for m in o.messages if m[0] in ("error", "pageerror")] == [] and o.requests == [o.url]
         pg.close()
 
 

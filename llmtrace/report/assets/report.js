@@ -126,8 +126,19 @@
   $$("button.stage").forEach((b) => b.addEventListener("click", () => showStage(b.dataset.stage)));
 
   // ---------------------------------------------------------------------------------------------- s3 of a batch
+  // one page holds every row (report/write.py with_rows): the other rows' pages ride along in #rows; this page is
+  // kept as it was parsed, so that the switch can come back to it. Writing a row's page in place runs its scripts
+  // again; the rows stay on the window, which document.open keeps.
+  const rowsEl = document.getElementById("rows");
+  if (rowsEl && D.batch) {
+    window.llmtraceRows = JSON.parse(rowsEl.textContent);
+    rowsEl.remove();
+    window.llmtraceRows[String(D.batch.row)] = "<!DOCTYPE html>\n" + document.documentElement.outerHTML;
+  }
   const rowSwitch = $("#batch-row");
   if (rowSwitch) rowSwitch.addEventListener("change", () => {
+    const rows = window.llmtraceRows, html = rows && rows[rowSwitch.value];
+    if (html) { document.open(); document.write(html); document.close(); return; }
     $$(".batch-row").forEach((r) => { r.hidden = r.dataset.row !== rowSwitch.value; });
     $$("#mask-grid tr[data-row]").forEach((r) => r.classList.toggle("chosen", r.dataset.row === rowSwitch.value));
   });
