@@ -143,7 +143,9 @@ def _english():
 def sampling_words(s: dict, w) -> str:
     """The sampler's settings in words: "greedy" at temperature 0, "off" for a truncation that cuts nothing."""
     def off(key: str, value, none) -> str:
-        return w("run.v.off") if value is None or value == none else f"{value:g}" if isinstance(value, float) else str(value)
+        if value is None or value == none:
+            return w("run.v.off")
+        return f"{value:g}" if isinstance(value, float) else str(value)
 
     on = w("list.sep").join(word_or(w, f"stage.{x}", x) for x in s.get("stages") or []) or w("run.v.none")
     greedy = bool(s.get("greedy"))
@@ -287,8 +289,9 @@ def chip(t: dict, w=None) -> dict:
             "bytes": bytes_, "prob": f"{p:.3f}" if p is not None else None}
 
 
-MERGE_NOTES = {"added token: matched whole, never merged": "added", "the whole word is a token (ignore_merges)": "whole",
-               "a single piece: nothing to merge": "single", "no merge applies": "none"}  # tokens/bpe.py's notes
+MERGE_NOTES = {  # tokens/bpe.py's notes, by their catalogue keys (tokens.note.KEY)
+    "added token: matched whole, never merged": "added", "the whole word is a token (ignore_merges)": "whole",
+    "a single piece: nothing to merge": "single", "no merge applies": "none"}
 
 
 def merge_words(merges: dict, w=None) -> dict:
@@ -363,7 +366,8 @@ def funnel(step: dict, vocab: int, w=None) -> dict:
         kept = ""
         if prev is not None and s["survivors"] < prev["survivors"] and s["pick_prob"] > 0:
             kept = f'{prev["pick_prob"] / s["pick_prob"]:.4f}'  # a truncation renormalises: p_after = p_before / mass kept
-        rows.append({"stage": word_or(w or _english(), f'stage.{s["stage"]}', s["stage"]), "survivors": f'{s["survivors"]:,}', "width": f"{max(1.0, 100 * frac):.1f}",
+        rows.append({"stage": word_or(w or _english(), f'stage.{s["stage"]}', s["stage"]),
+                     "survivors": f'{s["survivors"]:,}', "width": f"{max(1.0, 100 * frac):.1f}",
                      "pick": f'{s["pick_prob"]:.6g}', "kept": kept or "—",
                      "why": stage_line(s, step)})  # DRY, top-nσ, XTC, mirostat: what it did over the vocabulary, and why
         prev = s
@@ -389,7 +393,8 @@ def section_steps(d: dict) -> Optional[dict]:
     vocab = d["run"]["model"]["vocab_size"]
     panels = []
     for s in steps:
-        panel = {"step": s["step"], "phase": word_or(d["w"], f'phase.{s["phase"]}', s["phase"]), "position": s["position"], "token": visible(s["token"]["text"]),
+        panel = {"step": s["step"], "phase": word_or(d["w"], f'phase.{s["phase"]}', s["phase"]),
+                 "position": s["position"], "token": visible(s["token"]["text"]),
                  "id": s["token"]["id"], "ms": num(s["ms"]), "missing": None, "topk": None, "funnel": None}
         if s["topk"] is None:
             panel["missing"] = missing(d, "topk", "--trace steps (or deeper)")
@@ -460,7 +465,8 @@ def section_attention(d: dict) -> Optional[dict]:
     binned = w("attention.binned", n=n, b=len(a["bins"])) if a["binned"] else w("attention.one_cell", n=n)
     if a.get("pad"):
         binned += " " + w("attention.padded", pads=count(w, a["pad"], "pad_slot"))
-    return {"maps": True, "binned": binned, "notes": " ".join(w(x["key"], **{k: v for k, v in x.items() if k != "key"}) for x in a["notes"]), "layers": a["layers"],
+    notes = " ".join(w(x["key"], **{k: v for k, v in x.items() if k != "key"}) for x in a["notes"])
+    return {"maps": True, "binned": binned, "notes": notes, "layers": a["layers"],
             "heads": [w("attention.head_n", h=h) if h != "mean" else w("attention.mean") for h in a["heads"]],
             "axes": heatmap_axes(d), "gqa": gqa_diagram(d), "overview": overview(a)}
 

@@ -106,7 +106,8 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         step = ev.get("step", 0)
         key = f'{step}/{"m" if ev["layer"] is None else ev["layer"]}/{ev["name"]}'
         if "positions" in ev and not s:  # the slots a pass wrote (the KV cache's point): [first, last]
-            samples[key] = {"m": meta({"shape": ev["shape"], "axes": axes_of(ev, by_name)}), "positions": ev["positions"]}
+            samples[key] = {"m": meta({"shape": ev["shape"], "axes": axes_of(ev, by_name)}),
+                            "positions": ev["positions"]}
             continue
         if not s or not s["values"]:
             continue

@@ -71,7 +71,8 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
         d["explain_view"] = explain_blocks(events, lang)
     page = render(d, lang)
     if rows > 1 and all_rows:  # one page holds every row: the others ride along, the row switch opens them
-        others = {str(r): build(events, tokenizer, merges_note, r, lang, all_rows=False) for r in range(rows) if r != row}
+        others = {str(r): build(events, tokenizer, merges_note, r, lang, all_rows=False)
+                  for r in range(rows) if r != row}
         page = with_rows(page, others)
     return page
 
