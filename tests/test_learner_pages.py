@@ -19,7 +19,8 @@ VIEWPORTS = [(1280, 900), (390, 844)]
 ALLOWED = {"llmtrace", "RoPE", "GQA", "MHA", "KV", "RMSNorm", "SwiGLU", "softmax", "argmax", "LM", "BPE", "ID", "UTF",
            "Q", "K", "V", "DRY", "XTC", "FFN", "KLD", "top-k", "top-p", "min-p", "typical-p", "logit", "logits", "cpu",
            "float32", "bfloat16", "tok", "ms", "B", "KiB", "MiB", "p", "u", "x", "y", "q", "k", "v", "h", "nats",
-           "generate", "explain", "lens", "report", "compare", "diff", "patch", "serve", "TRACE", "N", "row"}
+           "generate", "explain", "lens", "report", "compare", "diff", "patch", "serve", "TRACE", "N", "row",
+           "Wq", "Wk", "Wv", "Wo"}
 SKIP = "code, q, script, style, textarea, [translate=no], .piece, .pieces, .lab, .tok, .lt"
 
 
@@ -361,3 +362,22 @@ def test_the_sticky_header_is_small_on_a_laptop_too(browser, pages):
             assert o.page.evaluate("document.documentElement.scrollWidth") <= w, (kind, lang)
             assert o.page.locator("body > header").bounding_box()["height"] <= 0.15 * h, (kind, lang)
             o.page.close()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mixtral", "olmo2", "phi3", "mistral", "qwen3_moe_dense"])
+def test_the_explain_page_of_every_family_speaks_chinese(family, tmp_path):
+    """Each family's own lines (its differences from Llama, sliding windows, the router) come out in Chinese: no block
+    of the explain page is left in English (one would be marked lang="en")."""
+    import llmtrace
+    from families import FAMILIES, write_hf_dir
+    from llmtrace.report.explain_view import explain_blocks
+
+    write_hf_dir(tmp_path / family, FAMILIES[family])
+    m = llmtrace.load(str(tmp_path / family), threads=1)
+    blocks = explain_blocks(m.explain("The quick brown fox jumps over", layer=0).events, "zh")
+    assert [b for b in blocks if b.get("en")] == []
+    assert sum(b["kind"] == "grid" for b in blocks) == 1
+    page = m.generate("The quick brown fox", max_new_tokens=2, trace="full", for_report=True).html(lang="zh")
+    d = embedded(page)
+    assert all(not p["about"] or not re.search(r"[A-Za-z]{3,} [A-Za-z]{3,} [A-Za-z]{3,}", p["about"])
+               for p in d["points"]), [p["about"] for p in d["points"]]  # every point's note in Chinese

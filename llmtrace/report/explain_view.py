@@ -97,7 +97,10 @@ def with_grid(blocks: list[dict], amap: Optional[dict], events: list[dict]) -> l
     if start is None:
         return blocks
     tokens = next((e.get("tokens") for e in events if e.get("event") == "tokens"), None) or []
-    return blocks[:start + 1] + [attention_grid(amap, tokens)] + blocks[start + 3 + len(amap["bins"]):]
+    head = start + 1
+    while head < len(blocks) and blocks[head]["kind"] == "note":  # a sliding window's notes stay; then the key labels
+        head += 1
+    return blocks[:head] + [attention_grid(amap, tokens)] + blocks[head + 2 + len(amap["bins"]):]
 
 
 def attention_grid(amap: dict, tokens: list) -> dict:

@@ -100,6 +100,72 @@ LINES = [(re.compile(p), r) for p, r in (
     (r"^(?P<n>\d+) positions in (?P<b>\d+) bins \(keys summed, queries averaged per bin\)$",
      r"\g<n> 个位置分成 \g<b> 个区间（每个区间内键求和、查询取平均）"),
     (r"^ *(?P<l>(?:\S+ +\S+%? +)+)\(blank: masked, in the future\)$", r"\g<l>（空白：被掩码，是未来的位置）"),
+    (r"^ *(?P<l>(?:\S+ +\S+%? +)+)\(blank: masked, in the future; ╳: out of the window\)$",
+     r"\g<l>（空白：被掩码，是未来的位置；╳：在窗口之外）"),
+    (r"^a sliding-window layer: each query sees only the last (?P<w>\d+) keys, the band along the diagonal \(╳: out of "
+     r"the window\)$", r"滑动窗口层：每个查询只看最后 \g<w> 个键，即沿对角线的带状区域（带状区域之外：在窗口之外）"),
+    (r"^a global layer: every query sees every earlier key \(the model's other layers see only the last (?P<w>\d+)\)$",
+     r"全局层：每个查询看到之前所有的键（模型的其他层只看最后 \g<w> 个）"),
+    # a family's differences from Llama (model/families/*: the explain header's table)
+    (r"^(?P<f>\w+): what it changes from Llama$", r"\g<f>：与 Llama 的不同之处"),
+    (r"^embedding × √D = (?P<x>.*) \(s4\)$", r"嵌入 × √D = \g<x>（s4）"),
+    (r"^RMSNorm scales by 1 \+ w \(a GGUF stores 1 \+ w\)$", "RMSNorm 乘以 1 + w（GGUF 中存的是 1 + w）"),
+    (r"^four norms a layer: before attention, on its output \(s6.6\), before the FFN, on its output \(s6.7\)$",
+     "每层四个归一化：注意力之前、注意力输出上（s6.6）、前馈网络之前、前馈网络输出上（s6.7）"),
+    (r"^scores × (?P<s>\S+) \(query_pre_attn_scalar (?P<q>\S+), = Dh here\)$",
+     r"分数 × \g<s>（query_pre_attn_scalar \g<q>，这里等于 Dh）"),
+    (r"^scores × (?P<s>\S+) \(query_pre_attn_scalar (?P<q>\S+)\) instead of (?P<d>.*)$",
+     r"分数 × \g<s>（query_pre_attn_scalar \g<q>），而不是 \g<d>"),
+    (r"^scores soft-capped (?P<f>\S+) before the mask \(s6.4\)$", r"分数在掩码之前做软上限 \g<f>（s6.4）"),
+    (r"^GeGLU feed-forward: (?P<f>.*), width (?P<w>\d+)$", r"GeGLU 前馈网络：\g<f>，宽度 \g<w>"),
+    (r"^logits soft-capped (?P<f>\S+) \(s9\)$", r"logits 做软上限 \g<f>（s9）"),
+    (r"^(?:layer (?P<l>\d+) of (?P<n>\d+) sees|(?P<k>\d+) of (?P<m>\d+) layers see|every layer sees) only the last "
+     r"(?P<w>\d+) tokens \(a sliding window, not a context limit: positions go on to (?P<p>\d+); the KV cache keeps "
+     r"every slot\)$", lambda m: (f"第 {m['l']} 层（共 {m['n']} 层）" if m["l"] else f"{m['m']} 层中有 {m['k']} 层"
+                                 if m["k"] else "每一层都") + f"只看最后 {m['w']} 个词元（滑动窗口，不是上下文长度限制："
+                                f"位置一直到 {m['p']}；KV 缓存保留每个槽位）"),
+    (r"^layers? (?P<l>[\d, ]+) of (?P<n>\d+) keep a dense SwiGLU feed-forward \(width (?P<w>\S+)\)$",
+     r"\g<n> 层中的第 \g<l> 层保留稠密的 SwiGLU 前馈网络（宽 \g<w>）"),
+    (r"^q/k RMSNorm per head \(width (?P<w>\d+)\) after the split into heads, before RoPE$",
+     r"q/k 在拆分为多头之后、RoPE 之前按头做 RMSNorm（宽 \g<w>）"),
+    (r"^q/k RMSNorm over the whole projection \(width (?P<q>\d+) for q, (?P<k>\d+) for k\), before the split into "
+     r"heads$", r"q/k 在拆分为多头之前对整个投影做 RMSNorm（q 宽 \g<q>，k 宽 \g<k>）"),
+    (r"^RoPE base (?P<a>\S+) in the sliding-window layers, (?P<b>\S+) in the global ones$",
+     r"RoPE 基数：滑动窗口层 \g<a>，全局层 \g<b>"),
+    (r"^feed-forward: (?P<e>\d+) SwiGLU experts \(width (?P<w>\d+)\) and a router; (?P<p>p = .*?) in float32, each "
+     r"token runs its top (?P<k>\d+) experts, weights (?P<how>.*?); output (?P<o>.*)$",
+     r"前馈网络：\g<e> 个 SwiGLU 专家（宽 \g<w>）和一个路由器；\g<p>（float32），每个词元运行概率最高的 \g<k> 个专家，"
+     r"权重\g<how>；输出 \g<o>"),
+    (r"^q, k and v read from one fused matrix \((?P<r>.*) rows\), split as the maths reads it$",
+     r"q、k、v 从一个融合矩阵中读出（\g<r> 行），按数学公式的写法拆开"),
+    (r"^RoPE on (?P<n>\d+) of (?P<d>\d+) dims of each head \(dims (?P<a>\S+) turn, (?P<b>\S+) pass unchanged\)$",
+     r"RoPE 只作用于每个头 \g<d> 维中的 \g<n> 维（第 \g<a> 维旋转，第 \g<b> 维不变）"),
+    (r"^gate and up read from one fused matrix \((?P<r>.*) rows, gate first\)$",
+     r"gate 和 up 从一个融合矩阵中读出（\g<r> 行，gate 在前）"),
+    (r"^no norm before attention: the stream goes in as it is; attention's output is RMS-normed, then added$",
+     "注意力之前没有归一化：残差流原样进入；注意力的输出先做 RMS 归一化，再相加"),
+    (r"^no norm before the feed-forward: its output is RMS-normed, then added$",
+     "前馈网络之前没有归一化：它的输出先做 RMS 归一化，再相加"),
+    (r"^head width (?P<w>\d+) given on its own: (?P<f>.*), not the width (?P<d>\d+)$",
+     r"头宽 \g<w> 单独给出：\g<f>，而不是模型宽度 \g<d>"),
+    (r"^LongRoPE: short factors up to (?P<n>\d+) positions, long beyond \(a cached sequence is computed again with them "
+     r"when it first passes (?P<m>\d+), as transformers does\); cos and sin × (?P<x>\S+)$",
+     r"LongRoPE：\g<n> 个位置以内用短因子，超过则用长因子（缓存的序列在第一次超过 \g<m> 时用它们重新计算，与 transformers "
+     r"相同）；cos 和 sin × \g<x>"),
+    (r"^(?P<f>P = .*?) above the diagonal and (?P<n>\d+) or more keys back \(the sliding window\); O = P V; the mask sets "
+     r"(?P<m>\S+) entries \(every key after its query, and every key (?P<n2>\d+) or more back\) to −∞$",
+     r"\g<f> 在对角线之上以及往回 \g<n> 个及更远的键（滑动窗口）；O = P V；掩码把 \g<m> 个元素（每个查询之后的键，以及往回 "
+     r"\g<n2> 个及更远的键）设为 −∞"),
+    (r"^(?P<n>[①-⑨]) s6.3  RoPE on q and k: base θ = (?P<b>\S+), the sliding-window layers' own table, no scaling$",
+     r"\g<n> s6.3  对 q 和 k 施加旋转位置编码 RoPE：基数 θ = \g<b>，滑动窗口层自己的表，无缩放"),
+    # a mixture of experts: the router
+    (r"^(?P<p>p = softmax\(.*?\)) in float32; the K most probable experts run; (?P<r>.*)$",
+     r"\g<p>（float32）；概率最高的 K 个专家运行；\g<r>"),
+    (r"^bold: the experts a token ran; the cut: the K-th probability against the best one left out(?P<m>.*?); weights "
+     r"(?P<how>.*?); bits: the router's entropy \(log2 (?P<e>\d+) = (?P<b>\S+) when it cannot choose\)$",
+     r"粗体：词元运行的专家；分界：第 K 个概率与落选者中最好的一个相比\g<m>；权重\g<how>；bits：路由器的熵（无法选择时为 "
+     r"log2 \g<e> = \g<b>）"),
+    (r"^load over the prompt \(tokens per expert\): (?P<l>.*)$", r"整个提示上的负载（每个专家的词元数）：\g<l>"),
 )]
 
 # phrase by phrase, longest first: table headers and cells, and what no line pattern covers
@@ -115,6 +181,9 @@ PHRASES = sorted({
     "ffn_norm output": "ffn_norm 的输出", "softmax P": "softmax P", "mean over heads": "所有头的平均",
     "positions": "个位置", "no scaling": "无缩放", "layer": "层", "of": "/", "weights": "权重",
     "head": "头", "query heads": "查询头", "the router": "路由器", "experts": "专家",
+    "renormalised to sum to 1": "重新归一化为和为 1", "as the softmax gave them": "保持 softmax 给出的值",
+    " (closest margin": "（最小差距", "out of the window": "在窗口之外", "(not renormalised)": "（没有重新归一化）",
+    "as it is": "保持原值", "the sliding-window layers' own table": "滑动窗口层自己的表", "no scaling": "无缩放",
 }.items(), key=lambda kv: -len(kv[0]))
 
 _WORDS = re.compile(r"[A-Za-z]+(?:[-'][A-Za-z]+)*")
@@ -125,8 +194,9 @@ _PHRASE_OF = dict(PHRASES)
 def translate_line(text: str) -> str:
     """A whole line of the terminal explain, in Chinese where a pattern knows it (else phrase by phrase)."""
     for pattern, replacement in LINES:
-        if pattern.match(text):
-            return pattern.sub(replacement, text)
+        if pattern.match(text):  # then the phrases left in what the line carries over (a margin, a weighting)
+            text = pattern.sub(replacement, text)
+            break
     return _PHRASE.sub(lambda m: _PHRASE_OF[m.group(0)], text)
 
 
