@@ -178,14 +178,16 @@ def glu_name(o: Op) -> str:
     return o.const("name") or GLU_NAMES.get(o.const("act"), f"{o.const('act')} GLU")
 
 
-def rope_words(plan: LayerPlan) -> str:
-    """One line on this layer's RoPE: its base and rotary width, or none."""
+def rope_words(plan: LayerPlan, words: Optional[dict] = None) -> str:
+    """One line on this layer's RoPE: its base and rotary width, or none (in `words`' language: WORDS)."""
+    W = WORDS if not words else {**WORDS, **words}
     r = plan.rope
     if not r:
-        return "no rotation in this layer"
-    width = f", rotary width {r['rotary_dim']} of {r['head_dim']}" if r.get("rotary_dim") != r.get("head_dim") else ""
+        return W["rope_none"]
+    width = W["rope_width"].format(dr=r["rotary_dim"], dh=r["head_dim"]) if r.get("rotary_dim") != r.get("head_dim") else ""
     kind = (r.get("scaling") or {}).get("rope_type")
-    return f"base θ = {_n(r['base'])}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
+    return W["rope_base"].format(base=_n(r["base"])) + width + (
+        W["rope_scaled"].format(kind=kind) if kind and kind != "default" else "")
 
 
 def _n(x: float) -> str:
@@ -241,6 +243,10 @@ WORDS = {
     "prev_last": "{name} of the last layer",
     "prev_any": "{name} of the layer before (in layer 0: {first})",
     "prev_n": "{name} of layer {n}",
+    "rope_base": "base θ = {base}",
+    "rope_width": ", rotary width {dr} of {dh}",
+    "rope_none": "no rotation in this layer",
+    "window_of": "; a window of {w}",
 }
 ORDERS = {"softmax, then top-k": "order_softmax_topk", "top-k, then softmax": "order_topk_softmax"}
 

@@ -198,7 +198,7 @@ def rope_rows(d: dict, w) -> str:
     by: dict[str, list[int]] = {}
     for layer, k in enumerate(rec["layer_kind"]):
         plan = plan_from_record(rec["kinds"][k]["plan"])
-        words = rope_words(plan) + (f"; a window of {plan.window:,}" if plan.window else "")
+        words = rope_words(plan, w.maths) + (w("maths.window_of", w=f"{plan.window:,}") if plan.window else "")
         by.setdefault(words, []).append(layer)
     return " · ".join(w("run.rope_layers", rope=words, layers=layer_ranges(layers)) for words, layers in by.items())
 
