@@ -133,6 +133,9 @@ _FAMILIES = [
         "intermediate_size": 96, "norm_topk_prob": False, "rope_parameters": _ROPE},
            "top-2 weights as the softmax gave them (norm_topk_prob false)",
            transformers_needs={"norm_topk_prob": False, "moe_intermediate_size": 32}),
+    Family("smollm3", "smollm3", {"num_hidden_layers": 4, "rope_parameters": _ROPE},
+           "no RoPE in layer 3 of 4 (no_rope_layers from the default interval 4, the one llama.cpp hard-codes); "
+           "GGUF arch 'smollm3', q/k rows permuted", transformers_reads_gguf=False),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -277,9 +280,9 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
         if key == "lm_head.weight" and c.tie_word_embeddings:
             gguf_name = "token_embd.weight"  # a tied head has no output.weight
         t = tensors[gguf_name]
-        if arch_name == "llama" and key.endswith("q_proj.weight"):
+        if arch_name in ("llama", "smollm3") and key.endswith("q_proj.weight"):
             t = _unpermute_rows(t, c.num_attention_heads)
-        elif arch_name == "llama" and key.endswith("k_proj.weight"):
+        elif arch_name in ("llama", "smollm3") and key.endswith("k_proj.weight"):
             t = _unpermute_rows(t, c.num_key_value_heads)
         elif arch_name in ("gemma2", "gemma3") and key.endswith("norm.weight"):
             t = t - 1  # the converter stores 1 + w; transformers' Gemma RMSNorm multiplies by (1 + w)

@@ -82,6 +82,7 @@ class ModelConfig:
     expert_ffn_dim: Optional[int] = None  # one expert's hidden width (None: ffn_dim)
     norm_topk_prob: bool = True  # the K chosen probabilities renormalised to sum to 1
     dense_layers: Optional[list] = None  # layers whose feed-forward is dense in a mixture-of-experts model
+    no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
     @property
@@ -97,6 +98,10 @@ class ModelConfig:
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
+
+    def rotates(self, i: int) -> bool:
+        """Whether layer i applies RoPE to q and k (False in a layer without positions: SmolLM3's NoPE layers)."""
+        return i not in (self.no_rope_layers or ())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -312,10 +317,11 @@ class KVCache:
 
 class LayerInput(NamedTuple):
     """What a layer needs besides the residual stream, for one forward call: RoPE's cos and sin ((T, Dh) or
-    (B, T, Dh)), the keys each query may attend ((B or 1, 1, T, S) bool, or None: all), its cache and the first slot."""
+    (B, T, Dh); None in a layer that rotates nothing), the keys each query may attend ((B or 1, 1, T, S) bool, or
+    None: all), its cache and the first slot."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
     cache: Optional[LayerKV]
     start: int
@@ -393,9 +399,12 @@ class Attention(Module):
             self.point("v", v)
         return qk, v
 
-    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """s6.3 RoPE on q and k (v carries no position): (B, T, H+Hkv, Dh) -> q (B, T, H, Dh), k (B, T, Hkv, Dh)."""
-        q, k = apply_rope(qk, cos, sin).split_with_sizes([self.n_heads, self.n_kv_heads], dim=2)
+    def rotate(self, qk: torch.Tensor, cos: Optional[torch.Tensor],
+               sin: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """s6.3 RoPE on q and k (v carries no position): (B, T, H+Hkv, Dh) -> q (B, T, H, Dh), k (B, T, Hkv, Dh).
+        No table (cos None): a layer without positions, whose q_rope and k_rope are q and k unturned."""
+        turned = qk if cos is None else apply_rope(qk, cos, sin)
+        q, k = turned.split_with_sizes([self.n_heads, self.n_kv_heads], dim=2)
         self.point("q_rope", q)
         self.point("k_rope", k)
         return q, k
@@ -598,12 +607,13 @@ class Transformer(Module):
 
     def layer_kinds(self) -> list[tuple[str, str]]:
         """Each layer's (RoPE table, mask): ("global", "full") unless the config gives it a sliding window, whose
-        layers may have their own RoPE base ("local")."""
+        layers may have their own RoPE base ("local"), or no RoPE at all ("none": SmolLM3's NoPE layers)."""
         c = self.config
         out = []
         for i in range(c.n_layers):
             sliding = c.layer_type(i) == "sliding" and c.sliding_window is not None
-            out.append(("local" if sliding and c.rope_local_theta is not None else "global", "sliding" if sliding else "full"))
+            table = "none" if not c.rotates(i) else "local" if sliding and c.rope_local_theta is not None else "global"
+            out.append((table, "sliding" if sliding else "full"))
         return out
 
     # -- forward -----------------------------------------------------------------------------------------------
@@ -653,7 +663,8 @@ class Transformer(Module):
         out = {"global": rope_angles(self.inv_freq, positions)}
         if self.config.rope_local_theta is not None:
             out["local"] = rope_angles(self.inv_freq_local, positions)
-        return {k: (cos.to(dtype), sin.to(dtype)) if dtype is not None else (cos, sin) for k, (cos, sin) in out.items()}
+        out = {k: (cos.to(dtype), sin.to(dtype)) if dtype is not None else (cos, sin) for k, (cos, sin) in out.items()}
+        return out | {"none": (None, None)}  # a layer without positions turns nothing
 
     def run_layers(self, x: torch.Tensor, inputs: list[LayerInput], layers: Optional[Iterable[int]] = None) -> torch.Tensor:
         """s6, the layer loop: the residual stream (B, T, D) through `layers` (default: all, in order)."""

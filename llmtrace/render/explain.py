@@ -276,6 +276,13 @@ def _qkv(console: Console, ev: dict) -> None:
 
 
 def _rope(console: Console, ev: dict) -> None:
+    if ev.get("rope_table") == "none":
+        _title(console, "④ s6.3  no rotation in this layer (no RoPE)")
+        _note(console, f"{ev['formula']}. Nothing here depends on where a token sits: a query scores a key by content "
+                       f"alone, and order reaches this layer only through what earlier layers wrote into the stream "
+                       f"(and the causal mask). q_rope − q: {fmt_num(ev['check_q_rope_max_abs_diff'])}, k_rope − k: "
+                       f"{fmt_num(ev['check_k_rope_max_abs_diff'])}")
+        return
     scaling = "no scaling" if not ev["scaling"] else "scaling " + ", ".join(f"{k}={v}" for k, v in ev["scaling"].items())
     table = {"local": ", the sliding-window layers' own table", "global": ""}.get(ev.get("rope_table"), "")
     _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:,g}{table}, {scaling}")

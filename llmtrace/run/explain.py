@@ -369,6 +369,8 @@ def layer_rope(config: ModelConfig, layer: int) -> tuple[str, float, torch.Tenso
 
 def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None) -> dict:
     c = config
+    if not c.rotates(cap.layer):
+        return unrotated_section(cap, model.declared_points() if model is not None else None)
     q_in = rotated_from(model.declared_points() if model is not None else None, Q_ROPE)
     k_in = rotated_from(model.declared_points() if model is not None else None, K_ROPE)
     T, Dh = len(cap.ids), c.head_dim
@@ -409,6 +411,16 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
                      "distances": distances, "shifts": shifts, "scores": _rl(scores, 10),
                      "max_deviation": _r(deviation.max(), 3), "deviation_by_distance": _rl(deviation, 3)},
     }
+
+
+def unrotated_section(cap: Capture, points=None) -> dict:
+    """A layer that applies no RoPE: q_rope and k_rope are q and k as they came (checked on the captured values)."""
+    q_in, k_in = rotated_from(points, Q_ROPE), rotated_from(points, K_ROPE)
+    diff = {n: _r((cap.points[r] - cap.points[i].reshape(cap.points[r].shape)).abs().max())
+            for n, r, i in (("q", Q_ROPE.name, q_in), ("k", K_ROPE.name, k_in))}
+    return {"event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3", "rope_table": "none",
+            "formula": "no rotation in this layer: q_rope = q, k_rope = k",
+            "check_q_rope_max_abs_diff": diff["q"], "check_k_rope_max_abs_diff": diff["k"]}
 
 
 def _scaling_info(scaling: Optional[dict]):
