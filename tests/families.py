@@ -66,6 +66,9 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fac
              "original_max_position_embeddings": 8, "short_factor": [1.0, 1.1, 1.3, 1.6],
              "long_factor": [1.0, 2.0, 3.5, 5.0]}
 
+_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+         "truncate": False, "original_max_position_embeddings": 4096}
+
 _FAMILIES = [
     Family("llama", "llama", {"rope_parameters": _ROPE},
            "the reference: q/k rows permuted in GGUF"),
@@ -136,6 +139,13 @@ _FAMILIES = [
     Family("smollm3", "smollm3", {"num_hidden_layers": 4, "rope_parameters": _ROPE},
            "no RoPE in layer 3 of 4 (no_rope_layers from the default interval 4, the one llama.cpp hard-codes); "
            "GGUF arch 'smollm3', q/k rows permuted", transformers_reads_gguf=False),
+    Family("gpt_oss", "gpt_oss", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _YARN,
+        "max_position_embeddings": 131072},
+           "sinks; a window of 4 on layer 0 of 2; YaRN (factor 32, truncate false: the ramp bites at head_dim 16); "
+           "4 experts, top 2 of the raw logits then a softmax; biases everywhere; experts as HF stores them "
+           "(gate_up_proj (E, D, 2F), interleaved)", transformers_reads_gguf=False),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -267,12 +277,17 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
     out = {}
     for key, ref in model.state_dict().items():
         stem, _, suffix = key.rpartition(".")
+        if arch_name == "gpt-oss" and ".experts." in key:  # interleaved gate/up, stored for x·W: (E, D, 2F)
+            out[key] = _gpt_oss_experts(tensors, names, key)
+            continue
         if key.endswith("experts.gate_up_proj"):  # transformers fuses [gate; up] per expert: [E, 2F, D]
             gate = tensors[names.get_name(key.replace("gate_up_proj", "gate_proj")) + ".weight"]
             up = tensors[names.get_name(key.replace("gate_up_proj", "up_proj")) + ".weight"]
             out[key] = torch.cat([gate, up], dim=1)
             continue
-        if suffix in ("weight", "bias"):
+        if key.endswith("self_attn.sinks"):
+            gguf_name = names.get_name(key) + ".weight"
+        elif suffix in ("weight", "bias"):
             gguf_name = names.get_name(stem)
             gguf_name = gguf_name and f"{gguf_name}.{suffix}"
         else:  # a 3-D expert parameter, named without '.weight'
@@ -288,6 +303,20 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
             t = t - 1  # the converter stores 1 + w; transformers' Gemma RMSNorm multiplies by (1 + w)
         out[key] = t.reshape(ref.shape)
     return out
+
+
+def _gpt_oss_experts(tensors: dict, names, key: str) -> torch.Tensor:
+    """gpt-oss's HF expert parameter KEY from the GGUF's split tensors: gate and up interleaved again (g0 u0 g1 ...),
+    the matrices transposed back to (E, in, out)."""
+    stem, _, param = key.rpartition(".")
+    bias = param.endswith("_bias")
+    suffix = ".bias" if bias else ".weight"
+    get = lambda proj: tensors[names.get_name(f"{stem}.{proj}") + suffix]  # noqa: E731
+    if param.startswith("down_proj"):
+        return get("down_proj") if bias else get("down_proj").transpose(-1, -2)
+    gate, up = get("gate_proj"), get("up_proj")  # (E, F) or (E, F, D)
+    both = torch.stack([gate, up], dim=2).flatten(1, 2)  # (E, 2F) or (E, 2F, D): rows g0 u0 g1 u1 ...
+    return both if bias else both.transpose(-1, -2)
 
 
 def hf_model_via_state_dict(path: Path, family: Family, **config):

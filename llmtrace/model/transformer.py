@@ -83,6 +83,8 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the K chosen probabilities renormalised to sum to 1
     dense_layers: Optional[list] = None  # layers whose feed-forward is dense in a mixture-of-experts model
     no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
+    swiglu_limit: Optional[float] = None  # a clamped GLU (gpt-oss): gate ≤ limit, −limit ≤ up ≤ limit
+    swiglu_alpha: Optional[float] = None  # ... and gate·sigmoid(alpha·gate)·(up + 1)
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
     @property
@@ -184,6 +186,8 @@ def rope_inv_freq(config: ModelConfig, theta: Optional[float] = None, scaling: O
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "freq_factors":  # GGUF stores llama3 scaling as one divisor per frequency
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    elif kind == "yarn":
+        inv_freq = yarn_inv_freq(inv_freq, dh, base, scaling)
     elif kind == "llama3":
         # Llama 3.1+: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
         factor = scaling["factor"]
@@ -196,6 +200,24 @@ def rope_inv_freq(config: ModelConfig, theta: Optional[float] = None, scaling: O
         is_medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv_freq = torch.where(is_medium, interpolated, inv_freq)
     return inv_freq
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dh: int, base: float, s: dict) -> torch.Tensor:
+    """YaRN (gpt-oss, Qwen's long contexts): each frequency blended between itself (fast pairs, kept) and itself /
+    factor (slow pairs, interpolated), by a linear ramp over the pair index between the pairs that turn beta_fast and
+    beta_slow times within the original context. `truncate` rounds the ramp's ends outward to whole pairs
+    (transformers' default, and llama.cpp's only rule); gpt-oss's config turns it off. The attention factor that
+    scales cos and sin is the family's (model.families.gpt_oss)."""
+    factor, old_ctx = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32.0), float(s.get("beta_slow") or 1.0)
+    turn = lambda rotations: dh * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = turn(fast), turn(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dh - 1)
+    ramp = ((torch.arange(dh // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the pair keeps its frequency (extrapolation), 0: it is divided by the factor
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,9 +453,13 @@ class Attention(Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))  # (B, H, T, S): -inf where a key is not attended
         self.point("scores", scores)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, T, S), each row sums to 1
-        self.point("probs", probs)
+        probs = self.point("probs", self.softmax(scores))  # (B, H, T, S)
         return probs @ v  # (B, H, T, Dh)
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """s6.5 each row of scores (B, H, T, S) -> probabilities that sum to 1, computed in float32 (a family with a
+        sink changes it: gpt-oss)."""
+        return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Q Kᵀ · scale: (B, H, T, Dh), (B, H, S, Dh) -> (B, H, T, S)."""
@@ -580,7 +606,8 @@ class Transformer(Module):
             for w in module.weights():
                 sources = tuple(DeclaredSource(join(hf, s.hf) if s.hf else None, join(gguf, s.gguf) if s.gguf else None,
                                                _rows(s.rows, w, dims), s.math,
-                                               dims[s.permuted] if s.permuted else None, s.hf_add) for s in w.sources)
+                                               dims[s.permuted] if s.permuted else None, s.hf_add, s.hf_transform)
+                                for s in w.sources)
                 out.append(DeclaredWeight(join(param, w.name), w, w.dims(dims), sources))
             for attr, (hf_sub, gguf_sub) in getattr(module, "CHILDREN", {}).items():
                 child = getattr(module, attr)

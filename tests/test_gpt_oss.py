@@ -1,0 +1,139 @@
+"""gpt-oss (model/families/gpt_oss.py) on the tiny checkpoint of tests/families.py (2 layers, a window of 4 on layer
+0, sinks, YaRN, 4 experts with biases, top 2), against transformers. From the HF directory (experts as HF stores them:
+gate_up_proj (E, D, 2F), gate and up interleaved) and from the GGUF llama.cpp's converter writes from it, prompt longer
+than the window: fp32 logits within 1e-4 at every position, greedy tokens identical through the KV cache, and every
+layer's chosen experts and weights equal transformers' router. The GGUF's YaRN ramp is rounded to whole pairs, as
+llama.cpp does (the reference is transformers with truncate true; the converter undone by hand, as transformers cannot
+load this file)."""
+
+import pytest
+import torch
+from helpers import check_run
+
+from families import FAMILIES, PROMPT_IDS, hf_model_via_state_dict
+
+from llmtrace.model.capture import capture
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def reference(families):
+    cache = {}
+
+    def get(fmt: str):
+        if fmt not in cache:
+            if fmt == "hf":
+                cache[fmt] = families.model("gpt_oss")
+            else:
+                yarn = dict(FAMILIES["gpt_oss"].config["rope_parameters"], truncate=True)  # llama.cpp's ramp
+                cache[fmt] = hf_model_via_state_dict(families.gguf("gpt_oss"), FAMILIES["gpt_oss"],
+                                                     rope_parameters=yarn)
+        return cache[fmt]
+
+    return get
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_runs_as_transformers(families, loaded, reference, fmt):
+    import transformers
+
+    lm = loaded("gpt_oss", fmt)
+    c = lm.config
+    assert c.family == "gpt_oss" and c.n_experts == 4 and c.n_experts_used == 2 and c.attn_bias
+    assert c.sliding_window == 4 < len(PROMPT_IDS) and c.layer_types == ["sliding", "full"]
+    assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["truncate"] == (fmt == "gguf")
+    ids = lm.tokenizer.encode(PROMPT)
+    assert ids == transformers.AutoTokenizer.from_pretrained(str(families.hf_dir("gpt_oss"))).encode(PROMPT)
+    check_run(lm, reference(fmt), PROMPT_IDS)
+
+
+def their_routing(model, ids) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' router of each layer: {layer: (experts (T, K), weights (T, K))} from its own outputs."""
+    out, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.mlp.router.register_forward_hook(
+            lambda m, args, res, i=i: out.__setitem__(i, (res[2].detach(), res[1].detach()))))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_every_layers_router_chooses_as_transformers(loaded, reference, fmt):
+    lm = loaded("gpt_oss", fmt)
+    with torch.no_grad(), capture(lm.model, lambda layer, name: name in ("router_probs", "expert_weights")) as kept:
+        lm.model(torch.tensor([PROMPT_IDS]))
+    theirs = their_routing(reference(fmt), PROMPT_IDS)
+    assert sorted(theirs) == [0, 1]
+    for i, (experts, weights) in theirs.items():
+        probs, ours = kept[(i, "router_probs")][0], kept[(i, "expert_weights")][0]  # (T, E) each
+        chosen = probs.topk(2, dim=-1).indices
+        assert torch.equal(chosen, experts), f"layer {i}: the chosen experts differ"
+        assert float((ours.gather(-1, chosen) - weights).abs().max()) <= 1e-6, f"layer {i}: the weights differ"
+        assert int((probs > 0).sum(dim=-1).max()) == 2  # a softmax over the chosen K only: 0 elsewhere
+        assert torch.allclose(probs.sum(-1), torch.ones(len(PROMPT_IDS)))
+
+
+def test_the_sink_takes_its_share_of_every_softmax_row(loaded, reference):
+    lm = loaded("gpt_oss", "hf")
+    with torch.no_grad(), capture(lm.model, lambda layer, name: name in ("scores", "probs", "sink")) as kept:
+        lm.model(torch.tensor([PROMPT_IDS]))
+    with torch.no_grad():
+        theirs = reference("hf")(torch.tensor([PROMPT_IDS]), output_attentions=True).attentions
+    for layer in (0, 1):
+        scores, probs, sink = kept[(layer, "scores")][0], kept[(layer, "probs")][0], kept[(layer, "sink")][0]
+        total = probs.sum(-1)  # (H, T)
+        assert float(total.max()) < 1 and float(sink.min()) > 0
+        assert float((1 - total - sink).abs().max()) <= 1e-6  # the sink's share is what the row lacks
+        # the sink only rescales each row: probs = softmax(scores) · (1 − sink)
+        assert float((torch.softmax(scores, -1) * (1 - sink)[..., None] - probs).abs().max()) <= 1e-6
+        assert float((probs - theirs[layer][0]).abs().max()) <= 1e-6  # transformers' attention weights
+    window = scores[:, -1]  # layer 1 is global: every key scored; layer 0's window of 4 masks the rest
+    assert torch.isfinite(window).all() and int(torch.isfinite(kept[(0, "scores")][0][:, -1]).sum(-1)[0]) == 4
+
+
+def test_the_clamped_glu_is_transformers(families, loaded):
+    """Values far past the limit of 7, where the clamp bites, through our GLU and transformers' _apply_gate."""
+    lm = loaded("gpt_oss", "hf")
+    experts = families.model("gpt_oss").model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(0)
+    gate, up = 8 * torch.randn(50, 32, generator=gen), 8 * torch.randn(50, 32, generator=gen)
+    assert (gate > 7).any() and (up.abs() > 7).any()
+    theirs = experts._apply_gate(torch.stack([gate, up], dim=-1).flatten(-2))  # interleaved g0 u0 g1 u1 ...
+    ours = lm.model.layers[0].ffn.glu(gate, up)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_yarn_frequencies_and_factor_are_transformers(truncate, head_dim):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from llmtrace.model.families.gpt_oss import yarn_attention_factor
+    from llmtrace.model.transformer import ModelConfig, rope_inv_freq
+
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": truncate, "original_max_position_embeddings": 4096}
+    hf = transformers.GptOssConfig(head_dim=head_dim, hidden_size=head_dim * 4, num_attention_heads=4,
+                                   rope_parameters=dict(yarn))
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    scaling = {k: v for k, v in yarn.items() if k != "rope_theta"}
+    ours = rope_inv_freq(ModelConfig(head_dim=head_dim, rope_theta=150000.0, rope_scaling=scaling))
+    assert torch.equal(ours, theirs) and yarn_attention_factor(scaling) == factor
+    plain = rope_inv_freq(ModelConfig(head_dim=head_dim, rope_theta=150000.0))
+    assert (ours < plain).any() and (ours == plain).any()  # the slow pairs slowed, the fast ones kept
+
+
+def test_what_it_changes_is_said(loaded):
+    from llmtrace.model.family import describe_changes
+
+    said = describe_changes(loaded("gpt_oss", "hf").config)
+    assert any("sinks" in line for line in said) and any("top 2 of the raw router logits" in line for line in said)
+    assert any("gate ≤ 7" in line and "σ(1.702·gate)" in line for line in said)
+    assert any("YaRN" in line and "× 1.3466" in line for line in said)
