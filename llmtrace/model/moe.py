@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmtrace.model.maths import Op, op
 from llmtrace.model.moe_points import MOE_POINTS
 from llmtrace.model.points import Source, Weight
 from llmtrace.model.transformer import ACTIVATIONS, Block, FeedForward, Module
@@ -63,7 +64,7 @@ class MoEFeedForward(Module):
         self.n_experts, self.k = config.n_experts, config.n_experts_used
         self.expert_dim = config.expert_ffn_dim or config.ffn_dim  # Fe
         self.renormalise = config.norm_topk_prob
-        self.act = ACTIVATIONS[config.ffn_act]
+        self.act, self.act_name = ACTIVATIONS[config.ffn_act], config.ffn_act
         E, D, Fe = self.n_experts, config.d_model, self.expert_dim
         self.router = nn.Linear(D, E, bias=False)  # (E, D): W_r
         self.w_gate = ExpertMatrices(E, Fe, D)  # (E, Fe, D)
@@ -85,6 +86,31 @@ class MoEFeedForward(Module):
     # top K, renormalised where the family does) or "topk_softmax" (gpt-oss: the top K of the raw logits, then a
     # softmax over those K alone; router_probs is then that softmax, 0 for the experts not chosen).
     choice = "softmax_topk"
+
+    def maths(self, x: str, plan) -> dict[str, Op]:
+        """The router's three steps (in the order of its choice rule), then each chosen expert's gated
+        activation, weighted and summed; a bias wherever the family's matrices have one."""
+        if self.choice == "topk_softmax":  # the raw logits chosen, then their softmax: probs and weights are one
+            chosen = op("router", ["router_logits"], k=self.k, renormalise=False, order="top-k, then softmax")
+            probs, weights = chosen, chosen
+        else:
+            probs = op("softmax", ["router_logits"], sink=None)
+            weights = op("router", ["router_probs"], k=self.k, renormalise=self.renormalise,
+                         order="softmax, then top-k")
+        return {"router_logits": op("matmul", [x], self._with_bias("router")),
+                "router_probs": probs, "expert_weights": weights,
+                "gate": op("expert_matmul", [x, "expert_weights"], self._with_bias("w_gate")),
+                "up": op("expert_matmul", [x, "expert_weights"], self._with_bias("w_up")),
+                "act": self.glu_op(),
+                "down": op("expert_mix", ["act", "expert_weights"], self._with_bias("w_down"))}
+
+    def glu_op(self) -> Op:
+        """The declared operation of `glu`."""
+        return op("glu", ["gate", "up"], act=self.act_name, clamp=None)
+
+    def _with_bias(self, module: str) -> list[str]:
+        has_bias = getattr(getattr(self, module), "bias", None) is not None
+        return [f"{module}.weight"] + ([f"{module}.bias"] if has_bias else [])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router: x (B, T, D) -> each token's K chosen experts (B, T, K), most probable first, and their

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from llmtrace.model.llama_points import (ACT, ATTN_NORM, ATTN_OUT, DOWN, EMBED, FFN_NORM, FINAL_NORM, GATE, K, K_REPEATED,
                                          K_ROPE, KV_WRITE, LAST, LOGITS, O_PROJ, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST,
                                          RESID_PRE, SCORES, UP, V)
+from llmtrace.model.maths import PREV, LayerPlan, Maths, Op, op
 from llmtrace.model.points import (DeclaredSource, DeclaredWeight, Point, Points, Source, Weight, axis_size, splice,
                                    with_where)
 
@@ -166,6 +167,12 @@ class RMSNorm(nn.Module):
 
     def weights(self) -> tuple[Weight, ...]:
         return (Weight("weight", (self.axis,), self.step, "vector", (Source("weight", "weight"),), math="γ"),)
+
+    GAMMA = "w"  # what the parameter γ is: the stored w (Gemma's norms: 1 + w, the 1 added at load)
+
+    def op(self, x: str, prefix: str) -> Op:
+        """This norm as a declared operation on point x; `prefix`: where its γ is ("attn_norm.")."""
+        return op("rmsnorm", [x], [prefix + "weight"], eps=self.eps, gamma=self.GAMMA, over=self.axis)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -339,8 +346,8 @@ class KVCache:
 
 class LayerInput(NamedTuple):
     """What a layer needs besides the residual stream, for one forward call: RoPE's cos and sin ((T, Dh) or
-    (B, T, Dh); None in a layer that rotates nothing), the keys each query may attend ((B or 1, 1, T, S) bool, or
-    None: all), its cache and the first slot."""
+    (B, T, Dh); None in a layer without RoPE), the keys each query may attend ((B or 1, 1, T, S) bool, or None: all),
+    its cache and the first slot."""
 
     cos: Optional[torch.Tensor]
     sin: Optional[torch.Tensor]
@@ -421,12 +428,11 @@ class Attention(Module):
             self.point("v", v)
         return qk, v
 
-    def rotate(self, qk: torch.Tensor, cos: Optional[torch.Tensor],
-               sin: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """s6.3 RoPE on q and k (v carries no position): (B, T, H+Hkv, Dh) -> q (B, T, H, Dh), k (B, T, Hkv, Dh).
-        No table (cos None): a layer without positions, whose q_rope and k_rope are q and k unturned."""
-        turned = qk if cos is None else apply_rope(qk, cos, sin)
-        q, k = turned.split_with_sizes([self.n_heads, self.n_kv_heads], dim=2)
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """s6.3 RoPE on q and k (v carries no position): (B, T, H+Hkv, Dh) -> q (B, T, H, Dh), k (B, T, Hkv, Dh)."""
+        if cos is not None:  # a layer without RoPE (its plan says none) passes q and k on unturned
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk.split_with_sizes([self.n_heads, self.n_kv_heads], dim=2)
         self.point("q_rope", q)
         self.point("k_rope", k)
         return q, k
@@ -453,17 +459,41 @@ class Attention(Module):
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))  # (B, H, T, S): -inf where a key is not attended
         self.point("scores", scores)
-        probs = self.point("probs", self.softmax(scores))  # (B, H, T, S)
+        probs = self.point("probs", self.softmax(scores).to(q.dtype))  # (B, H, T, S)
         return probs @ v  # (B, H, T, Dh)
 
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
-        """s6.5 each row of scores (B, H, T, S) -> probabilities that sum to 1, computed in float32 (a family with a
-        sink changes it: gpt-oss)."""
-        return F.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        """s6.5 each row of scores (B, H, T, S) into probabilities that sum to 1, in float32. The seam where a
+        family changes the softmax (a sink: one more logit per head in each row's sum)."""
+        return F.softmax(scores, dim=-1, dtype=torch.float32)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Q Kᵀ · scale: (B, H, T, Dh), (B, H, S, Dh) -> (B, H, T, S)."""
         return (q @ k.transpose(-2, -1)) * self.scale
+
+    # -- the maths, declared (model.maths) ---------------------------------------------------------------------
+
+    ROTATED = ("q", "k")  # the points RoPE turns (Qwen3: its per-head norms' outputs)
+    SCALE_LABEL = "1/√Dh"  # how the score scale is said (Gemma: query_pre_attn_scalar^-1/2)
+
+    def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
+        """Each point's operation in a layer with this plan; x is the point attention reads."""
+        H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        q_end, k_end = H * Dh, (H + Hkv) * Dh
+        w = ("wqkv.weight",) + (("wqkv.bias",) if self.config.attn_bias else ())
+        rope = dict(plan.rope) if plan.rope else {"rotation": "none"}
+        return {"q": op("matmul", [x], w, rows=[0, q_end], split="H"),
+                "k": op("matmul", [x], w, rows=[q_end, k_end], split="Hkv"),
+                "v": op("matmul", [x], w, rows=[k_end, k_end + Hkv * Dh], split="Hkv"),
+                "q_rope": op("rope", [self.ROTATED[0]], **rope),
+                "k_rope": op("rope", [self.ROTATED[1]], **rope),
+                "kv_write": op("cache_write", ["k_rope", "v"]),
+                "k_repeated": op("repeat_kv", ["k_rope"], group=H // Hkv, cached=["k_rope"]),
+                "scores": op("scores", ["q_rope", "k_repeated"], scale=self.scale, scale_label=self.SCALE_LABEL,
+                             softcap=None, mask="causal", window=plan.window),
+                "probs": op("softmax", ["scores"], sink=None),
+                "attn_out": op("weighted_sum", ["probs", "v"], group=H // Hkv, cached=["v"]),
+                "o_proj": op("matmul", ["attn_out"], ["wo.weight"], merge="H")}
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -478,7 +508,7 @@ class FeedForward(Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.ffn_dim = config.ffn_dim
-        self.act = ACTIVATIONS[config.ffn_act]
+        self.act, self.act_name = ACTIVATIONS[config.ffn_act], config.ffn_act
         self.w_gate_up = nn.Linear(config.d_model, 2 * config.ffn_dim, bias=False)  # (2F, D): W_gate rows, then W_up
         self.w_down = nn.Linear(config.ffn_dim, config.d_model, bias=False)  # (D, F)
 
@@ -493,8 +523,19 @@ class FeedForward(Module):
         gate, up = self.w_gate_up(x).split_with_sizes([self.ffn_dim, self.ffn_dim], dim=-1)  # (B, T, F) each
         self.point("gate", gate)
         self.point("up", up)
-        act = self.point("act", self.act(gate) * up)  # (B, T, F)
+        act = self.point("act", self.glu(gate, up))  # (B, T, F)
         return self.point("down", self.w_down(act))  # (B, T, D)
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """act(gate) ⊙ up: the seam where a family changes the gated activation (GeGLU, a clamped GLU)."""
+        return self.act(gate) * up
+
+    def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
+        F_ = self.ffn_dim
+        return {"gate": op("matmul", [x], ["w_gate_up.weight"], rows=[0, F_]),
+                "up": op("matmul", [x], ["w_gate_up.weight"], rows=[F_, 2 * F_]),
+                "act": op("glu", ["gate", "up"], act=self.act_name, clamp=None),
+                "down": op("matmul", ["act"], ["w_down.weight"])}
 
 
 class Block(Module):
@@ -506,6 +547,9 @@ class Block(Module):
     CHILDREN = {"attn_norm": ("input_layernorm", "attn_norm"), "attn": ("self_attn", ""),
                 "ffn_norm": ("post_attention_layernorm", "ffn_norm"), "ffn": ("mlp", "")}
     NORMS = {ATTN_NORM.name: "attn_norm", FFN_NORM.name: "ffn_norm"}  # point -> the RMSNorm that makes it
+    # The residual wiring, declared: each sub-layer's norm before it and after it (a point of NORMS, or None), and
+    # the point its output is added at. Llama norms the input only; Gemma both; OLMo 2 the output only.
+    WIRING = {"attn": (ATTN_NORM.name, None, RESID_MID.name), "ffn": (FFN_NORM.name, None, RESID_POST.name)}
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -532,10 +576,41 @@ class Block(Module):
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         x = self.point("resid_pre", x)  # (B, T, D)
-        h = self.point("attn_norm", self.attn_norm(x))  # (B, T, D)
-        x = self.point("resid_mid", x + self.attn(h, io))  # s6.6 residual 1
-        h = self.point("ffn_norm", self.ffn_norm(x))
-        return self.point("resid_post", x + self.ffn(h))  # s6.7 residual 2
+        x = self.sublayer("attn", x, lambda h: self.attn(h, io))  # s6.6 residual 1: x + attention
+        return self.sublayer("ffn", x, self.ffn)  # s6.7 residual 2: x + feed-forward
+
+    def sublayer(self, part: str, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x + the sub-layer, wired as WIRING declares: its input normed (or not), its output normed (or not)."""
+        before, after, total = self.WIRING[part]
+        h = self.point(before, getattr(self, self.NORMS[before])(x)) if before else x  # (B, T, D)
+        h = run(h)  # (B, T, D)
+        if after:
+            h = self.point(after, getattr(self, self.NORMS[after])(h))
+        return self.point(total, x + h)
+
+    def maths(self, plan: LayerPlan) -> dict[str, Op]:
+        """Every point of this layer with its operation: the stream, the norms, the sub-layers, the adds."""
+        out = {RESID_PRE.name: op("stream", [PREV + RESID_POST.name])}
+        x = RESID_PRE.name
+        for part, module in (("attn", self.attn), ("ffn", self.ffn)):
+            before, after, total = self.WIRING[part]
+            if before:
+                out[before] = getattr(self, self.NORMS[before]).op(x, self.NORMS[before] + ".")
+            inner = module.maths(before or x, plan)
+            out.update({n: o.prefixed(part + ".") for n, o in inner.items()})
+            h = module.declared_points()[-1].name  # the sub-layer's output
+            if after:
+                out[after] = getattr(self, self.NORMS[after]).op(h, self.NORMS[after] + ".")
+            out[total] = op("add", [x, after or h])
+            x = total
+        return out
+
+    def plan(self, config: ModelConfig, rope: Optional[dict]) -> LayerPlan:
+        """This layer's plan, with the RoPE the model gives it."""
+        sliding = config.layer_type(self.layer) == "sliding" and config.sliding_window is not None
+        experts = getattr(self.ffn, "n_experts", 0)
+        return LayerPlan("window" if sliding else "global", config.sliding_window if sliding else None, rope,
+                         "experts" if experts else "dense", {"n": experts, "k": self.ffn.k} if experts else None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -562,7 +637,7 @@ class Transformer(Module):
         if config.rope_local_theta is not None:  # the sliding-window layers' own base, unscaled
             self.register_buffer("inv_freq_local", rope_inv_freq(config, config.rope_local_theta), persistent=False)
         self.layer_devices: Optional[list[torch.device]] = None  # where each layer runs, when placed over several
-        self.kinds = self.layer_kinds()  # each layer's (RoPE table, mask), worked out once
+        self.kinds = self.layer_kinds()  # each layer's (RoPE table, mask), worked out once from its plan
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         """An empty KV cache for `batch` rows of up to `max_len` slots (prompt + new tokens), in the model's dtype.
@@ -633,15 +708,48 @@ class Transformer(Module):
         return self.layers[layer].attn
 
     def layer_kinds(self) -> list[tuple[str, str]]:
-        """Each layer's (RoPE table, mask): ("global", "full") unless the config gives it a sliding window, whose
-        layers may have their own RoPE base ("local"), or no RoPE at all ("none": SmolLM3's NoPE layers)."""
+        """Each layer's (RoPE table, mask), read from its plan: the table "global", "local" (the sliding-window
+        layers' own base) or "none" (no rotation), and the mask "full" or "sliding"."""
+        return [((p.rope or {}).get("table", "none"), "sliding" if p.attention == "window" else "full")
+                for p in self.layer_plan()]
+
+    def rope_plan(self, layer: int) -> Optional[dict]:
+        """The RoPE of `layer`: its base, rotary width, scaling and the θ_i they give (`inv_freq`), and which of
+        the model's tables it uses; None for a layer without RoPE. The sliding-window layers of a model with a local
+        base use that base, unscaled (Gemma 3)."""
         c = self.config
-        out = []
-        for i in range(c.n_layers):
-            sliding = c.layer_type(i) == "sliding" and c.sliding_window is not None
-            table = "none" if not c.rotates(i) else "local" if sliding and c.rope_local_theta is not None else "global"
-            out.append((table, "sliding" if sliding else "full"))
-        return out
+        if not c.rotates(layer):
+            return None
+        local = (c.layer_type(layer) == "sliding" and c.sliding_window is not None and c.rope_local_theta is not None)
+        base, scaling = (c.rope_local_theta, None) if local else (c.rope_theta, c.rope_scaling)
+        return {"table": "local" if local else "global", "base": base, "rotary_dim": c.rotary_dim or c.head_dim,
+                "head_dim": c.head_dim, "scaling": scaling, "pairs": "halves",
+                "inv_freq": [float(f) for f in rope_inv_freq(c, base if local else None, scaling)]}
+
+    def layer_plan(self) -> tuple[LayerPlan, ...]:
+        """What differs between layers, each layer's plan: its attention (global or a window), its RoPE or none,
+        a dense feed-forward or experts. The one home of these facts: the masks, the RoPE tables and every view
+        read them from here (through `maths()` in a trace)."""
+        return tuple(block.plan(self.config, self.rope_plan(i)) for i, block in enumerate(self.layers))
+
+    def maths(self) -> Maths:
+        """The model's maths, declared (model.maths): each point's operation, in every layer, and each plan."""
+        plans, layers = [], []
+        for block, plan in zip(self.layers, self.layer_plan()):
+            table = block.maths(plan)
+            plans.append(replace(plan, norms=tuple(n for n, o in table.items() if o.kind == "rmsnorm")))
+            layers.append(table)
+        return Maths(self.model_maths(), tuple(layers), tuple(plans), self.STREAM_IN)
+
+    STREAM_IN = EMBED.name  # the model point that enters layer 0
+
+    def model_maths(self) -> dict[str, Op]:
+        """The operations outside the layers: s4 the embedding, s8 the final norm, s7 the last row, s9 the head."""
+        head = "embed.weight" if self.config.tie_embeddings else "lm_head.weight"
+        return {EMBED.name: op("lookup", ["ids"], ["embed.weight"]),
+                FINAL_NORM.name: self.norm.op(PREV + RESID_POST.name, "norm."),
+                LAST.name: op("select_last", [FINAL_NORM.name]),
+                LOGITS.name: op("matmul", [LAST.name], [head], tied=self.config.tie_embeddings)}
 
     # -- forward -----------------------------------------------------------------------------------------------
 
@@ -687,11 +795,11 @@ class Transformer(Module):
 
     def rope_tables(self, positions: torch.Tensor, dtype: Optional[torch.dtype]) -> dict[str, tuple]:
         """cos and sin ((T, Dh) or (B, T, Dh)) of each RoPE table the layers use, for these positions."""
-        out = {"global": rope_angles(self.inv_freq, positions)}
+        out = {"global": rope_angles(self.inv_freq, positions), "none": (None, None)}
         if self.config.rope_local_theta is not None:
             out["local"] = rope_angles(self.inv_freq_local, positions)
-        out = {k: (cos.to(dtype), sin.to(dtype)) if dtype is not None else (cos, sin) for k, (cos, sin) in out.items()}
-        return out | {"none": (None, None)}  # a layer without positions turns nothing
+        return {k: (cos.to(dtype), sin.to(dtype)) if dtype is not None and cos is not None else (cos, sin)
+                for k, (cos, sin) in out.items()}
 
     def run_layers(self, x: torch.Tensor, inputs: list[LayerInput], layers: Optional[Iterable[int]] = None) -> torch.Tensor:
         """s6, the layer loop: the residual stream (B, T, D) through `layers` (default: all, in order)."""

@@ -22,9 +22,11 @@ import torch
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
-from llmtrace.model.llama_points import ATTN_NORM, EMBED, FFN_NORM, K_REPEATED, LAST, LOGITS, SCORES
+from llmtrace.model.llama_points import (ATTN_NORM, EMBED, FFN_NORM, K_REPEATED, LAST, LOGITS, RESID_MID, RESID_POST,
+                                         SCORES)
+from llmtrace.model.maths import LayerPlan, Op, op
 from llmtrace.model.points import Point, Source, Weight, inserted
-from llmtrace.model.transformer import Attention, Block, LayerInput, RMSNorm, Transformer
+from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
 
 EMBED_SCALED = Point("embed_scaled", "s4", ("T", "D"), about="the embedding × √D: the stream entering layer 0",
                      input="embed")
@@ -58,6 +60,8 @@ class GemmaRMSNorm(RMSNorm):
     """RMSNorm whose scale is 1 + w: the parameter holds 1 + w (an HF checkpoint's w plus the 1 the loader adds; a
     GGUF's value as it is), so the maths is Llama's norm."""
 
+    GAMMA = "1 + w"
+
     def weights(self) -> tuple[Weight, ...]:
         return (Weight("weight", (self.axis,), self.step, "vector", (Source("weight", "weight", hf_add=1.0),),
                        math="γ"),)
@@ -67,6 +71,7 @@ class Gemma2Attention(Attention):
     """Llama's attention with the scores soft-capped before the mask; always spelled out (no fused kernel caps)."""
 
     POINTS = tuple(SCORES_CAPPED if p == SCORES else p for p in inserted(Attention.POINTS, K_REPEATED.name, SCORES_RAW))
+    SCALE_LABEL = "query_pre_attn_scalar^-1/2"
 
     def __init__(self, config):
         super().__init__(config)
@@ -80,6 +85,15 @@ class Gemma2Attention(Attention):
         raw = self.point(SCORES_RAW.name, (q @ k.transpose(-2, -1)) * self.scale)  # (B, H, T, S)
         return softcap(raw, self.cap)
 
+    def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
+        out = super().maths(x, plan)
+        mask = {k: out[SCORES.name].const(k) for k in ("mask", "window")}
+        raw = op("scores", ["q_rope", "k_repeated"], scale=self.scale, scale_label=self.SCALE_LABEL, softcap=None,
+                 mask=None, window=None)
+        capped = op("softcap", [SCORES_RAW.name], cap=self.cap, **mask) if self.cap else op(
+            "scores", ["q_rope", "k_repeated"], scale=self.scale, scale_label=self.SCALE_LABEL, softcap=None, **mask)
+        return out | {SCORES_RAW.name: raw, SCORES.name: capped}
+
 
 class Gemma2Block(Block):
     """Four norms: each sub-layer's input and its output are normed, then the output is added to the stream."""
@@ -92,6 +106,8 @@ class Gemma2Block(Block):
                 "post_ffn_norm": ("post_feedforward_layernorm", "post_ffw_norm")}
     NORMS = {ATTN_NORM.name: "attn_norm", POST_ATTN_NORM.name: "post_attn_norm", FFN_NORM.name: "ffn_norm",
              POST_FFN_NORM.name: "post_ffn_norm"}
+    WIRING = {"attn": (ATTN_NORM.name, POST_ATTN_NORM.name, RESID_MID.name),
+              "ffn": (FFN_NORM.name, POST_FFN_NORM.name, RESID_POST.name)}
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)
@@ -101,20 +117,12 @@ class Gemma2Block(Block):
         self.ffn_norm = GemmaRMSNorm(d, eps, step="s6.7")
         self.post_ffn_norm = GemmaRMSNorm(d, eps, step="s6.7")
 
-    def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
-        x = self.point("resid_pre", x)  # (B, T, D)
-        h = self.point("attn_norm", self.attn_norm(x))
-        h = self.point("post_attn_norm", self.post_attn_norm(self.attn(h, io)))  # s6.6: the output normed
-        x = self.point("resid_mid", x + h)  # residual 1
-        h = self.point("ffn_norm", self.ffn_norm(x))
-        h = self.point("post_ffn_norm", self.post_ffn_norm(self.ffn(h)))  # s6.7
-        return self.point("resid_post", x + h)  # residual 2
-
 
 class GemmaModel(Transformer):
     """The embedding scaled by √D; the final norm as x̂·(1 + w)."""
 
     POINTS = inserted(Transformer.POINTS, EMBED.name, EMBED_SCALED)
+    STREAM_IN = EMBED_SCALED.name
 
     def __init__(self, config):
         super().__init__(config)
@@ -124,6 +132,10 @@ class GemmaModel(Transformer):
         """s4: ids (B, T) -> their embedding rows × √D (B, T, D)."""
         x = self.point(EMBED.name, self.embed(idx))  # (B, T, D)
         return self.point(EMBED_SCALED.name, x * embed_scale(self.config.d_model, x.dtype))
+
+    def model_maths(self) -> dict[str, Op]:
+        factor = float(embed_scale(self.config.d_model, self.embed.weight.dtype))
+        return super().model_maths() | {EMBED_SCALED.name: op("scale", [EMBED.name], factor=factor, label="√D")}
 
 
 class Gemma2(GemmaModel):
@@ -138,6 +150,13 @@ class Gemma2(GemmaModel):
             x = self.point("last", x[:, -1, :])  # s7: (B, D)
         raw = self.point(LOGITS_RAW.name, self.lm_head(x))  # s9: (B, V) or (B, T, V)
         return self.point("logits", softcap(raw, self.config.final_softcap))
+
+    def model_maths(self) -> dict[str, Op]:
+        out = super().model_maths()
+        cap = self.config.final_softcap
+        head = out[LOGITS.name]
+        return out | {LOGITS_RAW.name: head, LOGITS.name: op("softcap", [LOGITS_RAW.name], cap=cap) if cap else
+                      Op("matmul", head.inputs, head.weights, head.consts)}
 
 
 # ----------------------------------------------------------------------------------------------------------------

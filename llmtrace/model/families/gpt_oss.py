@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
+from llmtrace.model.maths import Op, op
 from llmtrace.model.llama_points import PROBS, SCORES
 from llmtrace.model.moe import ExpertMatrices, MoEBlock, MoEFeedForward, moe_fields
 from llmtrace.model.moe_points import EXPERT_ACT, MOE_POINTS, ROUTER_PROBS
@@ -67,6 +68,13 @@ class GptOssAttention(Attention):
 
     def attend(self, q, k, v, mask):
         return self.attend_spelled_out(q, k, v, mask)
+
+    def maths(self, x: str, plan) -> dict[str, Op]:
+        out = super().maths(x, plan)
+        sink = "a learned logit per head"
+        return out | {"sink": op("softmax", ["scores"], ["sinks"], sink=sink, take="sink"),
+                      "probs": op("softmax", ["scores"], ["sinks"], sink=sink),
+                      "o_proj": op("matmul", ["attn_out"], ["wo.weight", "wo.bias"], merge="H")}
 
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
         """softmax over [scores, sink] (B, H, T, S+1) in float32, the sink's column dropped: (B, H, T, S), rows
@@ -111,6 +119,9 @@ class GptOssFeedForward(MoEFeedForward):
                   "W_down", ("transpose",)),
                 w("w_down.bias", ("E", "D"), "vector", "experts.down_proj_bias", "ffn_down_exps.bias", "E", "b_down"))
 
+    def glu_op(self) -> Op:
+        return op("glu", ["gate", "up"], act="clamped", clamp=self.limit, alpha=self.alpha, up_offset=1.0)
+
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The clamped GLU, in transformers' order: gate ≤ limit, up within ±limit, gate·σ(α·gate)·(up + 1)."""
         gate = gate.clamp(max=self.limit)
@@ -132,6 +143,10 @@ class GptOss(Transformer):
     def __init__(self, config):
         super().__init__(config)
         self.attention_factor = yarn_attention_factor(config.rope_scaling)
+
+    def rope_plan(self, layer: int):
+        plan = super().rope_plan(layer)
+        return None if plan is None else plan | {"attention_factor": yarn_attention_factor(self.config.rope_scaling)}
 
     def rope_tables(self, positions, dtype):
         cos, sin = rope_angles(self.inv_freq, positions)

@@ -14,9 +14,10 @@ import torch
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
-from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, V
+from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, RESID_MID, RESID_POST, V
+from llmtrace.model.maths import LayerPlan, Op
 from llmtrace.model.points import Point, inserted
-from llmtrace.model.transformer import Attention, Block, LayerInput, RMSNorm, Transformer
+from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
 
 Q_NORM = Point("q_norm", "s6.1/s6.2", ("T", "H*Dh"), about="the queries RMS-normalized over their whole width (γ of "
                "width H·Dh), before the split into heads", input="q")
@@ -34,6 +35,7 @@ class Olmo2Attention(Attention):
     POINTS = inserted(Attention.POINTS, V.name, Q_NORM, K_NORM)
     CHILDREN = {"q_norm": ("q_norm", "attn_q_norm"), "k_norm": ("k_norm", "attn_k_norm")}
     NORMS = {Q_NORM.name: "q_norm", K_NORM.name: "k_norm"}
+    ROTATED = (Q_NORM.name, K_NORM.name)
 
     def __init__(self, config):
         super().__init__(config)
@@ -55,6 +57,10 @@ class Olmo2Attention(Attention):
         k = self.point(K_NORM.name, self.k_norm(k))  # (B, T, Hkv*Dh)
         return torch.cat([q, k], dim=-1).view(B, T, H + Hkv, Dh), v
 
+    def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
+        out = super().maths(x, plan)
+        return out | {Q_NORM.name: self.q_norm.op("q", "q_norm."), K_NORM.name: self.k_norm.op("k", "k_norm.")}
+
 
 class Olmo2Block(Block):
     """No pre-norms: each sub-layer reads the stream as it is, and its output is normed before the residual add."""
@@ -65,19 +71,13 @@ class Olmo2Block(Block):
     CHILDREN = {"attn": ("self_attn", ""), "post_attn_norm": ("post_attention_layernorm", "post_attention_norm"),
                 "ffn": ("mlp", ""), "post_ffn_norm": ("post_feedforward_layernorm", "post_ffw_norm")}
     NORMS = {POST_ATTN_NORM.name: "post_attn_norm", POST_FFN_NORM.name: "post_ffn_norm"}
+    WIRING = {"attn": (None, POST_ATTN_NORM.name, RESID_MID.name), "ffn": (None, POST_FFN_NORM.name, RESID_POST.name)}
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)
         del self.attn_norm, self.ffn_norm  # Llama's pre-norms: none here
         self.post_attn_norm = RMSNorm(config.d_model, config.rms_eps, step="s6.6")
         self.post_ffn_norm = RMSNorm(config.d_model, config.rms_eps, step="s6.7")
-
-    def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
-        x = self.point("resid_pre", x)  # (B, T, D)
-        h = self.point("post_attn_norm", self.post_attn_norm(self.attn(x, io)))  # s6.6: the output normed
-        x = self.point("resid_mid", x + h)  # residual 1
-        h = self.point("post_ffn_norm", self.post_ffn_norm(self.ffn(x)))  # s6.7
-        return self.point("resid_post", x + h)  # residual 2
 
 
 class Olmo2(Transformer):

@@ -93,6 +93,15 @@ class Phi3(Transformer):
             self.register_buffer("inv_freq", longrope_inv_freq(config, s["short_factor"]), persistent=False)
             self.register_buffer("inv_freq_long", longrope_inv_freq(config, s["long_factor"]), persistent=False)
 
+    def rope_plan(self, layer: int) -> Optional[dict]:
+        """Llama's RoPE over the rotary width; with LongRoPE, the short and the long θ_i, the switch and the factor
+        cos and sin are multiplied by."""
+        out = super().rope_plan(layer)
+        if getattr(self, "longrope", None) is not None:  # (not yet while Transformer.__init__ works out the kinds)
+            out |= {"inv_freq": [float(f) for f in self.inv_freq], "inv_freq_long": [float(f) for f in self.inv_freq_long],
+                    "original": self.longrope.original, "attention_factor": self.longrope.attention_factor}
+        return out
+
     def rope_tables(self, positions: torch.Tensor, dtype: Optional[torch.dtype]) -> dict[str, tuple]:
         """LongRoPE: the long set when the pass reaches past the original context, else the short one (a tensor
         choice, as transformers makes it: a compiled step needs no branch), cos and sin × the attention factor."""

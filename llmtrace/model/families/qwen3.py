@@ -5,6 +5,7 @@ No bias on q, k, v. A sliding window on some layers is possible (use_sliding_win
 import torch
 
 from llmtrace.model.family import Family
+from llmtrace.model.maths import LayerPlan, Op
 from llmtrace.model.points import Point, inserted
 from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
 
@@ -16,6 +17,7 @@ class Qwen3Attention(Attention):
     POINTS = inserted(Attention.POINTS, "v", Q_NORM, K_NORM)
     CHILDREN = {"q_norm": ("q_norm", "attn_q_norm"), "k_norm": ("k_norm", "attn_k_norm")}
     NORMS = {Q_NORM.name: "q_norm", K_NORM.name: "k_norm"}
+    ROTATED = (Q_NORM.name, K_NORM.name)
 
     def __init__(self, config):
         super().__init__(config)
@@ -29,6 +31,10 @@ class Qwen3Attention(Attention):
         q = self.point(Q_NORM.name, self.q_norm(q))
         k = self.point(K_NORM.name, self.k_norm(k))
         return torch.cat([q, k], dim=2), v
+
+    def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
+        out = super().maths(x, plan)
+        return out | {Q_NORM.name: self.q_norm.op("q", "q_norm."), K_NORM.name: self.k_norm.op("k", "k_norm.")}
 
 
 class Qwen3Block(Block):

@@ -1,0 +1,194 @@
+"""The maths a model declares: for every point, the operation that computed it, and for every layer, its plan.
+
+No torch here: a saved trace carries this declaration (its `run` event's `maths`), and `show`, the report and explain
+render each step's formula from it, never from a step name, a config field or Llama's defaults.
+
+An *operation* (`Op`) names what made a point: its kind (a word of `OPS`), its operands (`inputs`: point names), the
+weights it reads (`weights`: parameter names of the model, "layers.3.attn.wqkv.weight") and its constants (`consts`:
+numbers and words, with this layer's values: the RoPE base of *this* layer, the window of *this* layer). An operand
+is a point of the same scope (the layer's own, or the model's outside the layers); "^name" is that point of the layer
+before (a layer's `resid_pre` is the previous layer's `resid_post`; the final norm reads the last layer's), and in
+layer 0 it is the model's `stream_in` (the embedding, or Gemma's embedding × √D). "ids" are the token ids.
+
+An operand named in an operation's `cached` constant spans every slot of the KV cache, not only this pass's tokens:
+the keys a query is scored against and the values it reads are this pass's `k_rope` and `v` after every earlier
+pass's.
+
+A *layer plan* (`LayerPlan`) is what differs between layers, worked out once by the model: the attention (global,
+a window of W, or none), the RoPE (base, rotary width, scaling) or none, a dense feed-forward or experts, and the
+norms present. Layers with the same plan share one table of operations in the record (`kinds`, `layer_kind`).
+
+A family that changes a step declares that step's operation in its own file (model.families); a new kind of step is
+one word added to `OPS` and one function in model.maths_eval, which applies any declared operation to recorded inputs
+in float64: the declaration's own check.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# The vocabulary: kind -> the formula as the views write it (the catalogues translate it; model.maths_eval computes it)
+OPS = {
+    "lookup": "x = E[id]",  # the embedding's row of each token id
+    "scale": "y = c · x",  # a constant factor (Gemma's √D)
+    "rmsnorm": "y = x / √(mean(x²) + ε) · γ",  # over the last axis (the width, a head, or the whole projection)
+    "matmul": "y = x · Wᵀ (+ b)",  # a projection; `split` heads after it, or `merge` the heads before it
+    "rope": "(x_i, x_i+d/2) rotated by pos · θ_i",  # θ_i = base^(-2i/d) over the rotary width d; or no rotation
+    "cache_write": "K, V → cache[slots]",  # the slots this pass writes
+    "repeat_kv": "K_h = K_{h // G}",  # GQA: each KV head seen by its G query heads
+    "scores": "s = q · kᵀ · scale",  # then the mask (−∞ outside it) and, where declared, the soft-cap
+    "softcap": "y = cap · tanh(x / cap)",
+    "softmax": "p = exp(s − max) / Σ exp(s − max)",  # with a sink: one more logit per head in the sum, dropped after
+    "weighted_sum": "o = Σ_s p_s · v_s",  # P·V, each query head reading its KV head
+    "glu": "y = act(gate) ⊙ up",  # SwiGLU (SiLU), GeGLU (GELU, tanh approximation), or a clamped GLU
+    "add": "y = a + b",  # the residual stream
+    "select_last": "x_last = x[-1]",
+    "router": "w = top-k(softmax(logits))",  # an expert's weight: its probability if chosen (renormalised), else 0
+    "expert_matmul": "y_k = x · W_{e_k}ᵀ",  # each of the token's K chosen experts
+    "expert_mix": "y = Σ_k w_k · (act_k · W_down,e_kᵀ)",
+    "stream": "x = the stream",  # a layer's input: the previous layer's output (no computation)
+}
+
+PREV = "^"  # an operand of the layer before (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One point's operation: `kind` (a word of OPS), the points it reads, the weights it reads, its constants."""
+
+    kind: str
+    inputs: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ()
+    consts: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in OPS:
+            raise ValueError(f"unknown operation {self.kind!r}: the vocabulary is {', '.join(OPS)}")
+
+    def const(self, key: str, default: Any = None) -> Any:
+        return dict(self.consts).get(key, default)
+
+    def record(self) -> dict:
+        return {"op": self.kind, "inputs": list(self.inputs), "weights": list(self.weights),
+                "consts": dict(self.consts)}
+
+    def prefixed(self, prefix: str) -> "Op":
+        """The same operation with its weights named from a parent module ("attn." + "wqkv.weight")."""
+        return Op(self.kind, self.inputs, tuple(prefix + w for w in self.weights), self.consts)
+
+
+def op(kind: str, inputs=(), weights=(), **consts) -> Op:
+    """Op(kind, ...) with its constants as keywords; None values are kept (a declared absence: no soft-cap)."""
+    return Op(kind, tuple(inputs), tuple(weights), tuple(consts.items()))
+
+
+def op_from_record(r: dict) -> Op:
+    return Op(r["op"], tuple(r.get("inputs") or ()), tuple(r.get("weights") or ()), tuple((r.get("consts") or {}).items()))
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer does differently from the others, decided once by the model.
+
+    `attention`: "global" (every earlier key), "window" (at most the last `window` keys) or a family's own word;
+    `rope`: {"base", "rotary_dim", "head_dim", "scaling", ...} or None (no rotation in this layer); `ffn`: "dense" or
+    "experts" ({"n": E, "k": K} in `experts`); `norms`: the norm points the layer has, in forward order."""
+
+    attention: str = "global"
+    window: Optional[int] = None
+    rope: Optional[dict] = None
+    ffn: str = "dense"
+    experts: Optional[dict] = None
+    norms: tuple[str, ...] = ()
+
+    def record(self) -> dict:
+        return {"attention": self.attention, "window": self.window, "rope": self.rope, "ffn": self.ffn,
+                "experts": self.experts, "norms": list(self.norms)}
+
+
+def plan_from_record(r: dict) -> LayerPlan:
+    return LayerPlan(r.get("attention", "global"), r.get("window"), r.get("rope"), r.get("ffn", "dense"),
+                     r.get("experts"), tuple(r.get("norms") or ()))
+
+
+@dataclass(frozen=True)
+class Maths:
+    """A model's maths: the operations of the points outside the layers (`model`), of each layer's points
+    (`layers[i]`), each layer's plan, and the model point that enters layer 0 (`stream_in`)."""
+
+    model: dict = field(default_factory=dict)  # point -> Op
+    layers: tuple = ()  # (point -> Op) per layer
+    plan: tuple = ()  # LayerPlan per layer
+    stream_in: str = "embed"
+
+    def op(self, layer: Optional[int], name: str) -> Optional[Op]:
+        """The operation that made point `name` of `layer` (None: outside the layers); None if none is declared."""
+        table = self.model if layer is None else (self.layers[layer] if 0 <= layer < len(self.layers) else {})
+        return table.get(name)
+
+    def operand(self, layer: Optional[int], ref: str) -> tuple[Optional[int], str]:
+        """Where an operand lives: (layer or None, point name). "^x" in layer L is x of layer L − 1 (in layer 0:
+        the model's stream_in); "^x" outside the layers is x of the last layer; a name not of the layer's table is
+        the model's."""
+        if ref.startswith(PREV):
+            name = ref[len(PREV):]
+            if layer is None:
+                return len(self.layers) - 1, name
+            return (layer - 1, name) if layer > 0 else (None, self.stream_in)
+        if layer is not None and ref not in self.layers[layer] and ref in self.model:
+            return None, ref
+        return layer, ref
+
+    def record(self) -> dict:
+        """The run event's `maths`: layers of one plan and one table of operations share an entry of `kinds`."""
+        kinds: list[dict] = []
+        keys: list[str] = []
+        layer_kind = []
+        for table, plan in zip(self.layers, self.plan):
+            entry = {"plan": plan.record(), "ops": {n: o.record() for n, o in table.items()}}
+            key = json.dumps(entry, sort_keys=True, default=str)
+            if key not in keys:
+                keys.append(key)
+                kinds.append(entry)
+            layer_kind.append(keys.index(key))
+        return {"stream_in": self.stream_in, "model": {n: o.record() for n, o in self.model.items()},
+                "kinds": kinds, "layer_kind": layer_kind}
+
+    @classmethod
+    def from_record(cls, r: Optional[dict]) -> Optional["Maths"]:
+        if not r:
+            return None
+        kinds = [({n: op_from_record(o) for n, o in k["ops"].items()}, plan_from_record(k["plan"])) for k in r["kinds"]]
+        return cls({n: op_from_record(o) for n, o in r.get("model", {}).items()},
+                   tuple(kinds[k][0] for k in r["layer_kind"]), tuple(kinds[k][1] for k in r["layer_kind"]),
+                   r.get("stream_in", "embed"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# names the views say: one place
+
+
+GLU_NAMES = {"silu": "SwiGLU", "gelu_tanh": "GeGLU"}
+
+
+def glu_name(o: Op) -> str:
+    """SwiGLU, GeGLU, or the family's own name for its gated activation (a clamped SwiGLU)."""
+    return o.const("name") or GLU_NAMES.get(o.const("act"), f"{o.const('act')} GLU")
+
+
+def rope_words(plan: LayerPlan) -> str:
+    """One line on this layer's RoPE: its base and rotary width, or none."""
+    r = plan.rope
+    if not r:
+        return "no rotation in this layer"
+    width = f", rotary width {r['rotary_dim']} of {r['head_dim']}" if r.get("rotary_dim") != r.get("head_dim") else ""
+    kind = (r.get("scaling") or {}).get("rope_type")
+    return f"base θ = {r['base']:,g}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
+
+
+def attention_words(plan: LayerPlan) -> str:
+    if plan.attention == "window":
+        return f"a window of {plan.window:,} keys"
+    return "global: every earlier key" if plan.attention == "global" else plan.attention

@@ -1,0 +1,127 @@
+"""The maths declaration's own truth (model.maths): every point's declared operation, applied in float64 to the
+recorded inputs of a real pass (model.maths_eval), reproduces the recorded output, for every family fixture, in a
+prefill past every window and in a decode step; and the plan says what each layer does."""
+
+import pytest
+import torch
+
+from families import FAMILIES, PROMPT_IDS
+from llmtrace.model.capture import capture
+from llmtrace.model.maths import OPS, Maths
+from llmtrace.model.maths_eval import apply, max_error
+
+NAMES = list(FAMILIES)
+REL, ABS = 1e-4, 1e-5
+
+
+def _check_pass(model, ids, cache=None, start=0, history=None):
+    """Every declared operation of one pass recomputed from the pass's own tensors: {(layer, point): (abs, rel)}.
+    `history`: each earlier pass's tensors, for the operands that span the cache (an operation's `cached`)."""
+    maths = model.maths()
+    with torch.no_grad(), capture(model, spell_out=True) as seen:
+        model(ids, cache, start, last_only=True)
+    if history is not None:
+        history.append(dict(seen))
+    positions = torch.arange(start, start + ids.size(1))
+    errors, unchecked = {}, []
+    for layer in [None] + list(range(model.config.n_layers)):
+        table = maths.model if layer is None else maths.layers[layer]
+        for name, o in table.items():
+            if (layer, name) not in seen:
+                continue
+            args = []
+            for ref in o.inputs:
+                if ref == "ids":
+                    args.append(ids)
+                    continue
+                where = maths.operand(layer, ref)
+                if where not in seen:
+                    break
+                if ref in (o.const("cached") or ()) and history:  # every slot: the earlier passes', then this one's
+                    args.append(torch.cat([h[where] for h in history], dim=1))
+                    continue
+                args.append(seen[where])
+            else:
+                weights = [model.get_parameter(("" if layer is None else f"layers.{layer}.") + w) for w in o.weights]
+                out = seen[(layer, name)]
+                if name == "k_repeated":
+                    out = out.reshape(out.size(0), -1, *out.shape[-2:])  # (B, H, S, Dh)
+                got = apply(o, args, weights, tuple(out.shape), positions=positions)
+                if got is None:
+                    continue
+                errors[(layer, name)] = max_error(got, out)
+                continue
+            unchecked.append((layer, name))
+    return errors, unchecked
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_declared_operation_reproduces_the_recorded_point(loaded, name):
+    lm = loaded(name, "hf")
+    model = lm.model
+    ids = torch.tensor([PROMPT_IDS])
+    cache = model.new_cache(len(PROMPT_IDS) + 2)
+    history = []
+    errors, unchecked = _check_pass(model, ids, cache, history=history)  # the prefill: 14 tokens, past every window
+    step, _ = _check_pass(model, torch.tensor([[PROMPT_IDS[3]]]), cache, len(PROMPT_IDS), history)  # a decode step
+    bad = {k: e for k, e in {**errors, **{("decode",) + k: e for k, e in step.items()}}.items()
+           if not (e[0] <= ABS or e[1] <= REL)}
+    assert not bad, bad
+    # everything the pass reported with a declared operation was checked, but the cache's slots and the decode
+    # step's repeated keys (their operand is the whole cache, not this pass's k_rope)
+    assert not [u for u in unchecked if u[1] != "kv_write"], unchecked
+    declared = {(l, n) for l in range(model.config.n_layers) for n in model.maths().layers[l]}
+    assert {k for k in errors if k[0] is not None} >= {k for k in declared if model.maths().op(*k).kind not in
+                                                       ("cache_write", "stream")} - {(l, "resid_pre") for l in range(9)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_point_declares_an_operation_of_the_vocabulary(loaded, name):
+    model = loaded(name, "hf").model
+    maths = model.maths()
+    points = model.declared_points()
+    for layer in range(model.config.n_layers):
+        for p in points.layer:
+            o = maths.op(layer, p.name)
+            if o is None:  # a dense layer of a mixture of experts reports a subset of the declared points
+                assert model.config.n_experts and p.where == "ffn", (layer, p.name)
+                continue
+            assert o.kind in OPS
+    for p in points.model:
+        assert maths.op(None, p.name) is not None, p.name
+    assert Maths.from_record(maths.record()) == maths  # the trace's record reads back to the same declaration
+
+
+def test_a_wrong_declaration_is_caught(loaded):
+    """The check can fail: the same pass against a declaration with Llama's RoPE base on Gemma 3's local layers."""
+    from dataclasses import replace
+
+    model = loaded("gemma3", "hf").model
+    maths = model.maths()
+    o = maths.layers[0]["q_rope"]
+    wrong_rope = replace(maths.plan[5].rope and o, consts=tuple(
+        (k, maths.layers[5]["q_rope"].const("inv_freq") if k == "inv_freq" else v) for k, v in o.consts))
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad(), capture(model, [(0, "q_norm"), (0, "q_rope")]) as seen:
+        model(ids)
+    got = apply(wrong_rope, [seen[(0, "q_norm")]], [], tuple(seen[(0, "q_rope")].shape),
+                positions=torch.arange(len(PROMPT_IDS)))
+    assert max_error(got, seen[(0, "q_rope")])[1] > 1e-2
+    right = apply(o, [seen[(0, "q_norm")]], [], tuple(seen[(0, "q_rope")].shape), positions=torch.arange(14))
+    assert max_error(right, seen[(0, "q_rope")])[1] < REL
+
+
+def test_gemma3s_plan_gives_each_layer_its_own_rope_and_window(loaded):
+    maths = loaded("gemma3", "hf").model.maths()
+    plans = maths.plan
+    assert [p.attention for p in plans] == ["window"] * 5 + ["global"]
+    assert [p.window for p in plans] == [4] * 5 + [None]
+    assert [p.rope["base"] for p in plans] == [10_000.0] * 5 + [1_000_000.0]
+    assert plans[0].norms == ("attn_norm", "q_norm", "k_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")
+    assert maths.op(0, "act").const("act") == "gelu_tanh"
+    assert maths.op(0, "attn_norm").const("gamma") == "1 + w"
+    assert maths.op(None, "embed_scaled").kind == "scale"
+    assert maths.operand(0, "^resid_post") == (None, "embed_scaled")  # layer 0 reads the scaled embedding
+    assert maths.op(0, "q_rope").inputs == ("q_norm",)
+    record = maths.record()
+    assert len(record["kinds"]) == 2 and record["layer_kind"] == [0] * 5 + [1]
