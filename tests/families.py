@@ -51,6 +51,7 @@ class Family:
     transformers_reads_gguf: bool = True  # transformers' GGUF loader knows this file's architecture
     converts: bool = True  # llama.cpp's converter can write it (it cannot write a dense layer into a qwen3moe)
     tokenizer_class: str = "PreTrainedTokenizerFast"  # Phi-3's converter takes a byte-level BPE only as GPT2Tokenizer
+    mxfp4: bool = False  # gpt-oss's expert matrices stored as the released checkpoints store them (mxfp4_experts)
 
 
 COMMON = dict(
@@ -146,6 +147,13 @@ _FAMILIES = [
            "sinks; a window of 4 on layer 0 of 2; YaRN (factor 32, truncate false: the ramp bites at head_dim 16); "
            "4 experts, top 2 of the raw logits then a softmax; biases everywhere; experts as HF stores them "
            "(gate_up_proj (E, D, 2F), interleaved)", transformers_reads_gguf=False),
+    Family("gpt_oss_mxfp4", "gpt_oss", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _YARN,
+        "max_position_embeddings": 131072},
+           "as gpt_oss with its expert matrices in MXFP4 (HF: *_blocks and *_scales; the converter repacks them into "
+           "MXFP4 GGUF tensors); the model holds the values the blocks stand for", transformers_reads_gguf=False,
+           mxfp4=True),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -187,11 +195,72 @@ def make_model(family: Family, seed: int = 0):
     return model
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# MXFP4, as gpt-oss's HF checkpoints store their experts (transformers' integrations/mxfp4.py reads it back)
+
+MXFP4_PARAMS = ("gate_up_proj", "down_proj")  # the expert matrices the released checkpoints quantize
+
+
+def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert parameter (E, in, out), as transformers stores it for x·W, quantized to MXFP4 by gguf's quantizer,
+    in HF's layout: blocks (E, out, in/32, 16) uint8, two codes a byte (element 2j low, 2j+1 high), and scales
+    (E, out, in/32) uint8, the e8m0 exponent of each block of 32."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rows = w.transpose(1, 2).contiguous()  # (E, out, in)
+    E, out, n = rows.shape
+    ggml = torch.from_numpy(quantize(rows.reshape(-1, n).numpy().astype(np.float32), GGMLQuantizationType.MXFP4))
+    ggml = ggml.reshape(E, out, n // 32, 17)  # each block: e, then 16 bytes (element j low, j + 16 high)
+    scales, qs = ggml[..., 0], ggml[..., 1:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (E, out, G, 32) in element order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), scales.contiguous()
+
+
+def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """transformers' own dequantization of HF MXFP4 (convert_moe_packed_tensors): (E, in, out) float32."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+
+
+def mxfp4_experts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Round the model's expert matrices to the MXFP4 values they will be stored as (so that the model is the
+    reference of its own MXFP4 directory), and return each parameter's blocks and scales by its key."""
+    out = {}
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.rpartition(".")[2] in MXFP4_PARAMS:
+                blocks, scales = mxfp4_blocks(p.detach())
+                p.copy_(mxfp4_values(blocks, scales))
+                out[key] = (blocks, scales)
+    return out
+
+
+def write_mxfp4(path: Path, model) -> None:
+    """Rewrite the saved directory as an MXFP4 checkpoint: each expert matrix as its _blocks and _scales, and the
+    quantization_config transformers writes for one."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for key, (blocks, scales) in mxfp4_experts(model).items():
+        assert torch.equal(mxfp4_values(blocks, scales), tensors.pop(key))  # the values were already MXFP4's
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def write_hf_dir(path: Path, family: Family, model=None):
     """config.json, model.safetensors and the tiny tokenizer; returns the model that holds the same weights."""
     path.mkdir(parents=True, exist_ok=True)
     model = model if model is not None else make_model(family)
     model.save_pretrained(str(path))
+    if family.mxfp4:
+        write_mxfp4(path, model)
     write_tokenizer(path, tiny_tokenizer(VOCAB_SIZE))
     if family.tokenizer_class != "PreTrainedTokenizerFast":
         config = json.loads((path / "tokenizer_config.json").read_text())
@@ -344,6 +413,8 @@ class FamilyCheckpoints:
     def model(self, name: str):
         if name not in self._models:
             self._models[name] = make_model(FAMILIES[name])
+            if FAMILIES[name].mxfp4:
+                mxfp4_experts(self._models[name])  # the values its MXFP4 directory stores
         return self._models[name]
 
     def hf_dir(self, name: str) -> Path:

@@ -137,3 +137,84 @@ def test_what_it_changes_is_said(loaded):
     assert any("sinks" in line for line in said) and any("top 2 of the raw router logits" in line for line in said)
     assert any("gate ≤ 7" in line and "σ(1.702·gate)" in line for line in said)
     assert any("YaRN" in line and "× 1.3466" in line for line in said)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MXFP4: the experts as the released checkpoints store them
+
+
+def test_the_three_mxfp4_dequantizers_agree_on_random_blocks():
+    """Random HF blocks and scales: llmtrace's HF reader, transformers' convert_moe_packed_tensors, and gguf's
+    dequantizer of the same blocks repacked by llama.cpp's converter (and llmtrace's torch copy of it, which
+    --keep-quantized runs) give the same float32 values, bit for bit."""
+    import numpy as np
+    from conversion.gpt_oss import GptOssModel
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from llmtrace.checkpoint.weights import mxfp4_dequantize
+    from llmtrace.model.quant import dequantize
+
+    gen = torch.Generator().manual_seed(3)
+    E, out, G = 3, 8, 4  # (E, out, in/32) blocks of 32
+    blocks = torch.randint(0, 256, (E, out, G, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (E, out, G), generator=gen, dtype=torch.uint8)
+    ours = mxfp4_dequantize(blocks, scales)  # (E, out, in)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # back to (E, out, in)
+    assert torch.equal(ours, theirs)
+    ggml = torch.cat([scales[..., None], GptOssModel.transform_nibble_layout(None, blocks)], dim=-1)  # (E, out, G, 17)
+    raw = ggml.reshape(E * out, G * 17)
+    reference = torch.from_numpy(gguf_dequantize(raw.numpy(), GGMLQuantizationType.MXFP4).astype(np.float32))
+    assert torch.equal(reference.reshape(E, out, G * 32), ours)
+    assert torch.equal(dequantize(raw, "MXFP4").reshape(E, out, G * 32), ours)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_mxfp4_experts_run_as_transformers(families, loaded, fmt):
+    from families import gguf_tensor_shapes
+
+    if fmt == "hf":
+        from safetensors import safe_open
+
+        with safe_open(str(families.hf_dir("gpt_oss_mxfp4") / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in keys and \
+            "model.layers.0.mlp.experts.gate_up_proj" not in keys
+        reference = families.model("gpt_oss_mxfp4")  # its experts hold the values the blocks stand for
+    else:
+        kinds = gguf_tensor_shapes(families.gguf("gpt_oss_mxfp4"))
+        assert kinds["blk.0.ffn_gate_exps.weight"][0] == "MXFP4" and kinds["blk.1.ffn_down_exps.weight"][0] == "MXFP4"
+        yarn = dict(FAMILIES["gpt_oss_mxfp4"].config["rope_parameters"], truncate=True)
+        reference = hf_model_via_state_dict(families.gguf("gpt_oss_mxfp4"), FAMILIES["gpt_oss_mxfp4"],
+                                            rope_parameters=yarn)
+    check_run(loaded("gpt_oss_mxfp4", fmt), reference, PROMPT_IDS)
+
+
+def test_mxfp4_kept_quantized_is_the_exact_path(families, loaded):
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.model.quant import QuantExperts, storage_table
+
+    exact = loaded("gpt_oss_mxfp4", "gguf")
+    kept = load_model(str(families.gguf("gpt_oss_mxfp4")), device="cpu", dtype="float32", keep_quantized=True)
+    stack = kept.model.layers[1].ffn.w_up
+    assert isinstance(stack, QuantExperts) and stack.bias is not None
+    assert stack.stored_bytes() == 4 * 32 * 64 * 17 // 32  # E·Fe·D weights, 17 bytes a block of 32
+    rows = {r["name"]: r for r in storage_table(kept.model)}
+    assert rows["layers.1.ffn.w_up"]["type"] == "MXFP4"
+    idx = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        assert torch.equal(kept.model(idx), exact.model(idx))
+
+
+def test_mxfp4_under_fast_is_stated_and_holds_the_exact_values(families, loaded):
+    """--fast runs an MXFP4 stack as dense bfloat16 (every MXFP4 value is a bfloat16 one), and says so."""
+    from llmtrace.checkpoint.load import load_model
+
+    exact = loaded("gpt_oss_mxfp4", "gguf")
+    fast = load_model(str(families.gguf("gpt_oss_mxfp4")), device="cpu", fast=True)
+    assert "layers.0.ffn.w_gate" in fast.config.extra["fast"]["bf16_matrices"]
+    stack = fast.model.layers[0].ffn.w_gate
+    for e in range(4):
+        assert torch.equal(stack.parts[e].weight, exact.model.layers[0].ffn.w_gate.weight[e].to(torch.bfloat16))
+        assert torch.equal(stack.bias[e], exact.model.layers[0].ffn.w_gate.bias[e].to(torch.bfloat16))
