@@ -1,8 +1,8 @@
-"""The README's screenshots of the HTML pages.
+"""The screenshots of the HTML pages that the README and the documentation site (docs/*.md) show.
 
     python docs/screenshot.py report.html docs/report.png [SECTION]   one page, scrolled to a section (default: steps)
     python docs/screenshot.py --all [-m MODEL] [--out docs]           every page: runs llmtrace to make the pages of
-                                                                      the README's examples, then shoots each one
+                                                                      the documentation's examples, then shoots each
     python docs/screenshot.py --serve [-m MODEL] [--out docs]         the live page: starts `llmtrace serve`, runs,
                                                                       re-samples step 0 at temperature 1.5, clicks a
                                                                       head of the heatmap, shoots the page
@@ -45,7 +45,7 @@ def llmtrace(*args: str) -> None:
 
 
 def make_all(model: list[str], out: Path) -> None:
-    """The README's examples as pages, then a screenshot of each."""
+    """The documentation's examples as pages, then a screenshot of each."""
     tmp = Path(tempfile.mkdtemp(prefix="llmtrace-shots-"))
     llmtrace("generate", PROMPT, *model, "-n", "24", "--temperature", "0.8", "--top-p", "0.9", "--seed", "1",
              "--trace", "full", "--layers", "0,-1", "--html", str(tmp / "report.html"), "--json", str(tmp / "t.json"))

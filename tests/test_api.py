@@ -1,4 +1,4 @@
-"""The Python API (llmtrace/api.py): the notebook example of the README, run as written, gives the CLI's tokens and
+"""The Python API (llmtrace/api.py): the notebook example of docs/api.md, run as written, gives the CLI's tokens and
 traces; its errors are the project's exceptions naming the keyword; `import llmtrace` stays light."""
 
 import json

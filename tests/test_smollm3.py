@@ -80,7 +80,9 @@ def test_explain_says_no_rotation_in_the_layer_without_rope(families):
     assert describe_changes(model.config) == ["no RoPE in layer 3 of 4: q and k go unrotated, so attention there "
                                               "sees content, not position"]
     rope = next(e for e in model.explain(PROMPT, layer=3).events if e.get("section") == "rope")
-    assert rope["rope_table"] == "none" and "theta" not in rope and "pairs" not in rope
-    assert rope["check_q_rope_max_abs_diff"] == 0 and rope["check_k_rope_max_abs_diff"] == 0
+    assert rope["rotation"] == "none" and "theta" not in rope and "pairs" not in rope
+    assert rope["check_q_rope_max_abs_diff"] == 0 and "content" in rope["why"]
+    plan = next(e for e in model.explain(PROMPT, layer=3).events if e.get("section") == "steps")["plan"]
+    assert plan["rope"] is None
     turned = next(e for e in model.explain(PROMPT, layer=2).events if e.get("section") == "rope")
     assert turned["rope_table"] == "global" and turned["check_q_rope_max_abs_diff"] <= 1e-5

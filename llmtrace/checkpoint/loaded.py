@@ -31,3 +31,8 @@ class LoadedModel:
     def points(self):
         """The observable points the model declares (model.points.Points)."""
         return self.model.declared_points()
+
+    @property
+    def maths(self):
+        """Each point's operation and each layer's plan, as the model declares them (model.maths.Maths)."""
+        return self.model.maths()

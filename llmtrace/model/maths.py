@@ -192,3 +192,89 @@ def attention_words(plan: LayerPlan) -> str:
     if plan.attention == "window":
         return f"a window of {plan.window:,} keys"
     return "global: every earlier key" if plan.attention == "global" else plan.attention
+
+
+ACT_WORDS = {"silu": "silu", "gelu_tanh": "gelu_tanh"}
+
+
+def _w(o: Op) -> str:
+    """A weight's short name: the last two parts of its parameter ("attn.wqkv.weight" -> "wqkv")."""
+    return o.weights[0].split(".")[-2] if o.weights else "W"
+
+
+def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None) -> str:
+    """The declared operation as one line of maths with its operands and this layer's constants: what a view shows
+    beside the point `name` of `layer` (None: outside the layers). The one home of these words: explain, the report
+    and serve take them from here."""
+    x = [_operand_words(i, layer, maths) for i in o.inputs]
+    c = dict(o.consts)
+    k = o.kind
+    if k == "rmsnorm":
+        over = {"D": "", "Dh": ", per head (width Dh)"}.get(c["over"], f", over the whole {c['over']}")
+        gamma = " (γ = 1 + w)" if c["gamma"] != "w" else ""
+        return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ{gamma}{over}"
+    if k == "rope":
+        if c.get("rotation") == "none":
+            return f"{name} = {x[0]}: no rotation in this layer (attention here sees content, not position)"
+        dr = c["rotary_dim"]
+        part = f" (the first {dr} of {c['head_dim']} dims)" if dr != c["head_dim"] else ""
+        kind = (c.get("scaling") or {}).get("rope_type")
+        scaled = f", {kind} scaling" if kind and kind != "default" else ""
+        factor = f", cos and sin × {c['attention_factor']:.4g}" if c.get("attention_factor") not in (None, 1.0) else ""
+        return (f"{name}: pairs ({x[0]}_i, {x[0]}_i+{dr // 2}) turned by pos·θ_i, θ_i = {c['base']:,g}^(−2i/{dr})"
+                f"{part}{scaled}{factor}")
+    if k == "scores":
+        s = f"{x[0]} · {x[1]}ᵀ · {c['scale']:.4g} ({c['scale_label']})"
+        if c.get("softcap"):
+            s = f"{c['softcap']:g}·tanh({s} / {c['softcap']:g})"
+        return f"{name} = {s}" + _mask_words(c)
+    if k == "softcap":
+        return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c)
+    if k == "softmax":
+        sink = f", with one sink logit per head ({o.weights[0]}) in the sum, dropped after: rows sum to less than 1" \
+            if c.get("sink") else ": each row sums to 1"
+        return f"{name} = softmax({x[0]}) over the last axis{sink}"
+    if k == "glu":
+        if c.get("clamp") is not None:
+            lim = c["clamp"]
+            return (f"{name} = g·σ({c['alpha']:g}·g) · (u + {c.get('up_offset', 0):g}), g = min({x[0]}, {lim:g}), "
+                    f"u = clamp({x[1]}, −{lim:g}, {lim:g}) ({glu_name(o)})")
+        return f"{name} = {c['act']}({x[0]}) ⊙ {x[1]} ({glu_name(o)})"
+    if k == "matmul":
+        split = {"H": ", split into H heads", "Hkv": ", split into Hkv heads"}.get(c.get("split"), "")
+        rows = f"[{c['rows'][0]}:{c['rows'][1]}]" if c.get("rows") else ""
+        merge = "concat(heads of " if c.get("merge") else ""
+        bias = " + b" if len(o.weights) > 1 else ""
+        return f"{name} = {merge}{x[0]}{')' if merge else ''} · {_w(o)}{rows}ᵀ{bias}{split}"
+    return {
+        "lookup": lambda: f"{name} = row id of {o.weights[0] if o.weights else 'E'} for each token",
+        "scale": lambda: f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}",
+        "cache_write": lambda: f"{', '.join(x)} → the cache's slots for this pass",
+        "repeat_kv": lambda: f"{name}: each KV head of {x[0]} seen by its {c.get('group')} query heads (GQA)",
+        "weighted_sum": lambda: f"{name} = {x[0]} · {x[1]} (each query head reading KV head h // {c.get('group')})",
+        "add": lambda: f"{name} = {x[0]} + {x[1]}",
+        "select_last": lambda: f"{name} = {x[0]}[last position]",
+        "router": lambda: f"{name}: {c.get('order', 'softmax, then top-k')} {c.get('k')} of {x[0]}"
+                  + (", renormalised to sum to 1" if c.get("renormalise") else "") + "; 0 elsewhere",
+        "expert_matmul": lambda: f"{name} = {x[0]} · {_w(o)}[e]ᵀ for each chosen expert e",
+        "expert_mix": lambda: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)",
+        "stream": lambda: f"{name} = {x[0]}",
+    }.get(k, lambda: OPS[k])()
+
+
+def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"]) -> str:
+    if not ref.startswith(PREV):
+        return ref
+    name = ref[len(PREV):]
+    if layer is None:
+        return f"{name} of the last layer"
+    if layer == 0:
+        return maths.stream_in if maths is not None else f"{name} of the layer before (the embedding in layer 0)"
+    return f"{name} of layer {layer - 1}"
+
+
+def _mask_words(c: dict) -> str:
+    if not c.get("mask"):
+        return " (before the mask)"
+    window = f" and keys {c['window']:,} or more back" if c.get("window") else ""
+    return f"; −∞ at later keys{window}"

@@ -117,6 +117,8 @@ def render_explain(events: list[dict], console: Console) -> None:
     _header(console, by["model"], by["tokens"])
     _batch_masks(console, events)
     _layer(console, by["layer"])
+    if "steps" in by:
+        _steps(console, by["steps"])
     _rmsnorm(console, by["rmsnorm"], toks)
     _qkv(console, by["qkv"])
     _rope(console, by["rope"])
@@ -227,7 +229,9 @@ def _rmsnorm(console: Console, evs: list[dict], toks: list[str]) -> None:
         title = "(before attention, before the FFN)"
     else:
         title = "(" + ", ".join(f"{e['norm']} {e['seed_step']}" for e in evs) + ")"
-    _title(console, f"② RMSNorm ×{len(evs)} {title}: {a['formula']}")
+    _title(console, f"② RMSNorm ×{len(evs)} {title}")
+    for ev in evs:
+        _note(console, ev["formula"])
     _note(console, f"ε = {a['eps']:g}; γ is learned, one weight per dimension")
     for ev in evs:
         g = ev["gamma"]
@@ -275,17 +279,47 @@ def _qkv(console: Console, ev: dict) -> None:
                    f"{human_bytes(c['bytes_prompt_model'])} instead of {human_bytes(c['mha_bytes_prompt_model'])})")
 
 
+def _steps(console: Console, ev: dict) -> None:
+    """Each point of the layer with the operation the model declares, and the check on this pass."""
+    plan = ev["plan"]
+    _title(console, f"⓪ s6  layer {ev['layer']}'s steps, as the model declares them: attention {plan['attention_words']}; "
+                    f"RoPE {plan['rope_words']}; {plan['ffn']} feed-forward")
+    t = _table(("point", "left"), ("op", "left"), ("formula, with this layer's constants", "left"),
+               ("computed vs trace", "right"))
+    t.columns[2].overflow = "fold"
+    t.columns[2].ratio = 1
+    for c in (0, 1, 3):
+        t.columns[c].no_wrap = True
+    t.expand = True
+    bad = 0
+    for r in ev["steps"]:
+        c = r["check"]
+        if c is None:
+            mark = Text("—", style="dim")
+        else:
+            bad += not c["ok"]
+            mark = Text(("✓ " if c["ok"] else "✗ ") + fmt_num(c["max_abs"]), style="green" if c["ok"] else "red")
+        t.add_row(r["point"], r["op"], r["formula"], mark)
+    console.print(t)
+    checked = sum(r["check"] is not None for r in ev["steps"])
+    _note(console, f"each formula applied in float64 to this pass's own inputs, beside the value the pass computed "
+                   f"(largest |difference|): {checked} of {plural(len(ev['steps']), 'step')} checked, "
+                   f"{'all agree' if not bad else plural(bad, 'disagreement')}; — marks a step with nothing to recompute "
+                   f"(the cache's slots) or an input this pass did not keep")
+
+
 def _rope(console: Console, ev: dict) -> None:
-    if ev.get("rope_table") == "none":
-        _title(console, "④ s6.3  no rotation in this layer (no RoPE)")
-        _note(console, f"{ev['formula']}. Nothing here depends on where a token sits: a query scores a key by content "
-                       f"alone, and order reaches this layer only through what earlier layers wrote into the stream "
-                       f"(and the causal mask). q_rope − q: {fmt_num(ev['check_q_rope_max_abs_diff'])}, k_rope − k: "
-                       f"{fmt_num(ev['check_k_rope_max_abs_diff'])}")
+    if ev.get("rotation") == "none":
+        _title(console, "④ s6.3  RoPE on q and k: no rotation in this layer")
+        _note(console, ev["formula"])
+        console.print(Text(ev["why"]))
+        _note(console, f"q_rope equals its input to {fmt_num(ev['check_q_rope_max_abs_diff'])}")
         return
     scaling = "no scaling" if not ev["scaling"] else "scaling " + ", ".join(f"{k}={v}" for k, v in ev["scaling"].items())
     table = {"local": ", the sliding-window layers' own table", "global": ""}.get(ev.get("rope_table"), "")
-    _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:,g}{table}, {scaling}")
+    width = (f", rotary width {ev['rotary_dim']} of {ev['head_dim']}" if ev.get("rotary_dim", ev["head_dim"]) !=
+             ev["head_dim"] else "")
+    _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:,g}{table}{width}, {scaling}")
     _note(console, ev["formula"])
     n = len(ev["pairs"][0]["angles"])
     cols = list(range(min(n, 6))) + ([n - 1] if n > 6 else [])

@@ -44,14 +44,14 @@ from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
+from llmtrace.model.maths import attention_words, formula, glu_name, rope_words
+from llmtrace.model.maths_eval import ACTS, apply, max_error
 from llmtrace.model.points import Points
-from llmtrace.model.transformer import (ACTIVATIONS, ModelConfig, Transformer, apply_rope, kv_bytes_per_position,
-                                        rope_angles, rope_inv_freq)
+from llmtrace.model.transformer import ModelConfig, Transformer, apply_rope, kv_bytes_per_position, rope_angles
 from llmtrace.trace.records import (SIGNIFICANT_DIGITS, batch_event, candidate_records, dtype_name, explain_model_record,
                                     rounded, tensor_event, tokens_event)
 from llmtrace.trace.stats import tensor_stats
 
-RMSNORM_FORMULA = "y = x / sqrt(mean(x²) + ε) ⊙ γ"
 NEAR_ZERO = 0.05  # |silu(gate)| below this counts as a unit that is (nearly) switched off
 MAP_CELLS = 40  # an attention map wider than this many positions is summarised in bins
 
@@ -98,7 +98,7 @@ class Capture:
     ids: list[int]
     layer: Optional[int]  # the layer taken apart (None for the lens alone)
     points: dict[str, torch.Tensor]  # that layer's named points, e.g. points[Q.name] (T, H, Dh), probs (H, T, T)
-    embed: torch.Tensor  # (T, D) the stream entering layer 0
+    embed: torch.Tensor  # (T, D) the stream entering layer 0 (the model's declared stream_in)
     resid_mid: list[torch.Tensor]  # L × (T, D) the stream after each layer's attention
     resid_post: list[torch.Tensor]  # L × (T, D) the stream after each layer's FFN (the layer's output)
     logits: torch.Tensor  # (T, V) the model's own output
@@ -118,19 +118,20 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
     `edits` (llmtrace.run.interventions.prepare): the interventions of this pass, or None."""
     L = model.config.n_layers
     streams = (RESID_MID.name, RESID_POST.name)
+    stream_in = model.STREAM_IN  # the model point entering layer 0 (the embedding, or Gemma's embedding × √D)
     idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)  # (1, T)
     cache = model.new_cache(len(ids))
     with contextlib.ExitStack() as held:
         if edits is not None:
             held.enter_context(model.hooked(edits, edits.layers, spell_out=False))
         kept = held.enter_context(capture_points(
-            model, lambda lay, name: lay is None and name == EMBED.name or lay == layer or name in streams,
+            model, lambda lay, name: lay is None and name in (EMBED.name, stream_in) or lay == layer or name in streams,
             layers=range(L), attention=[] if layer is None else [layer], spell_out=True))
         logits = model(idx, cache, 0)[0]  # (T, V)
     points = {name: (x if name == KV_WRITE.name else x[0]) for (lay, name), x in kept.items() if lay == layer}
     if K_REPEATED.name in points:  # (Hkv, G, S, Dh) -> (H, S, Dh), as `generate` records it
         points[K_REPEATED.name] = points[K_REPEATED.name].flatten(0, 1)
-    return Capture(ids=list(ids), layer=layer, points=points, embed=kept[(None, EMBED.name)][0],
+    return Capture(ids=list(ids), layer=layer, points=points, embed=kept[(None, stream_in)][0],
                    resid_mid=[kept[(i, RESID_MID.name)][0] for i in range(L)],
                    resid_post=[kept[(i, RESID_POST.name)][0] for i in range(L)],
                    logits=logits, kv_element_size=cache.element_size, declared=model.declared_points())
@@ -183,6 +184,64 @@ def tensor_events(cap: Capture, points) -> list[dict]:
             ev["masked"] = int((~torch.isfinite(x)).sum())
         out.append(ev)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 0. each step's maths, as the model declares it, checked on this pass
+
+
+def _operand(cap: Capture, maths, ref: str) -> Optional[torch.Tensor]:
+    """The captured tensor an operand of the chosen layer names (model.maths: "^x" is the layer before's x)."""
+    layer, name = maths.operand(cap.layer, ref)
+    if layer == cap.layer:
+        return cap.points.get(name)
+    if layer is None:
+        return cap.embed if name == maths.stream_in else None
+    return {RESID_POST.name: cap.resid_post, RESID_MID.name: cap.resid_mid}.get(name, [None] * (layer + 1))[layer]
+
+
+def _weight(model: Transformer, name: str) -> Optional[torch.Tensor]:
+    """A declared weight as a float tensor, or None where the model holds it otherwise (quantized, packed)."""
+    try:
+        w = model.get_parameter(name)
+    except AttributeError:
+        return None
+    return w.detach() if w.is_floating_point() else None
+
+
+def step_check(cap: Capture, model: Transformer, maths, name: str, o) -> Optional[dict]:
+    """The declared operation of point `name` recomputed in float64 from the pass's own operands, beside the value
+    the pass reported: {"max_abs", "max_rel", "ok"}; None where the pass did not keep an operand or a weight."""
+    out = cap.points.get(name)
+    if out is None or o.kind in ("cache_write", "lookup") or not torch.is_tensor(out):
+        return None
+    args = [_operand(cap, maths, ref) for ref in o.inputs]
+    weights = [_weight(model, f"layers.{cap.layer}.{w}") for w in o.weights]
+    if any(a is None for a in args) or any(w is None for w in weights):
+        return None
+    got = apply(o, [a[None] for a in args], [w.cpu() for w in weights], (1, *out.shape),
+                positions=torch.arange(len(cap.ids)))
+    if got is None:
+        return None
+    absolute, relative = max_error(got[0], out.cpu())
+    return {"max_abs": _r(absolute, 3), "max_rel": _r(relative, 3), "ok": absolute <= 1e-5 or relative <= 1e-4}
+
+
+def steps_section(cap: Capture, lm) -> dict:
+    """Every point of the chosen layer with the operation the model declares for it (model.maths), its formula with
+    this layer's constants, and the check: the formula applied in float64 to this pass's operands, beside the pass's
+    own value. The layer's plan (its attention, its RoPE or none, dense or experts) comes with it."""
+    maths = lm.maths
+    plan = maths.plan[cap.layer]
+    rows = []
+    table = maths.layers[cap.layer]
+    for name in [p.name for p in lm.points.layer if p.name in table]:  # forward order, as the model declares it
+        o = table[name]
+        rows.append({"point": name, "op": o.kind, "formula": formula(o, name, cap.layer, maths), "inputs": list(o.inputs),
+                     "weights": list(o.weights), "check": step_check(cap, lm.model, maths, name, o)})
+    return {"event": "explain", "section": "steps", "layer": cap.layer, "seed_step": "s6",
+            "plan": plan.record() | {"rope_words": rope_words(plan), "attention_words": attention_words(plan)},
+            "steps": rows}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -264,11 +323,12 @@ def rmsnorm_parts(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> dict[str,
     return {"rms": rms, "unit": unit, "y": y}
 
 
-def rmsnorm_section(cap: Capture, model: Transformer, point) -> dict:
-    """One of the layer's RMSNorms, taken apart: `point` is the point it computes (model.points.Point), whose
-    declared input is the stream it normalizes (attn_norm: the layer's input; ffn_norm: the stream after attention)."""
+def rmsnorm_section(cap: Capture, model: Transformer, point, maths=None) -> dict:
+    """One of the layer's RMSNorms, taken apart: `point` is the point it computes (model.points.Point); its input is
+    the operand its declared operation names (attn_norm: the layer's input; Gemma's post_attn_norm: o_proj)."""
     norm = model.norm_of(cap.layer, point.name)
-    x = cap.points[point.input]  # (T, D)
+    o = (maths or model.maths()).op(cap.layer, point.name)
+    x = _operand(cap, maths or model.maths(), o.inputs[0])  # (T, D)
     parts = rmsnorm_parts(x, norm.weight, norm.eps)
     y_model = cap.points[point.name].float()  # what the forward pass produced
     gamma = norm.weight.float()
@@ -276,7 +336,7 @@ def rmsnorm_section(cap: Capture, model: Transformer, point) -> dict:
     n_in, n_unit, n_out = x.float().norm(dim=-1), parts["unit"].norm(dim=-1), parts["y"].norm(dim=-1)
     return {
         "event": "explain", "section": "rmsnorm", "layer": cap.layer, "norm": point.name,
-        "seed_step": point.step, "formula": RMSNORM_FORMULA, "eps": _r(norm.eps),
+        "seed_step": point.step, "formula": formula(o, point.name), "eps": _r(norm.eps), "input": o.inputs[0],
         "d_model": x.size(-1),
         "gamma": _stats(gamma) | {"top_dims": top.indices.tolist(), "top_values": _rl(gamma[top.indices])},
         "tokens": [{"position": t, "rms": _r(parts["rms"][t]), "norm_in": _r(n_in[t]), "norm_unit": _r(n_unit[t]),
@@ -346,36 +406,26 @@ def rope_relative_check(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor
     return out
 
 
-def rotated_from(points, rotated) -> str:
-    """The point RoPE turns into `rotated` (q_rope), following the declared inputs from its own (q): a later point
-    computed from it takes its place (Qwen3's and OLMo 2's q_norm)."""
-    name = rotated.input
-    for p in points.layer if points is not None else ():
-        if p.name == rotated.name:
-            break
-        if p.input == name:
-            name = p.name
-    return name
-
-
-def layer_rope(config: ModelConfig, layer: int) -> tuple[str, float, torch.Tensor]:
-    """The RoPE table `layer` uses: its kind ("global", or "local": a sliding-window layer's own base), its base and
-    its theta_i (Dr/2,), as the model builds them (Transformer.layer_kinds)."""
-    sliding = config.layer_type(layer) == "sliding" and config.sliding_window is not None
-    if sliding and config.rope_local_theta is not None:
-        return "local", config.rope_local_theta, rope_inv_freq(config, config.rope_local_theta)
-    return "global", config.rope_theta, rope_inv_freq(config)  # scaled as the checkpoint says
-
-
-def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None) -> dict:
+def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Optional[Transformer] = None,
+                 maths=None) -> dict:
+    """s6.3 in this layer's terms, from its declared plan: the base, the rotary width and θ_i the layer uses (Gemma 3's
+    local layers their own base), or, in a layer without RoPE, what that means."""
     c = config
-    if not c.rotates(cap.layer):
-        return unrotated_section(cap, model.declared_points() if model is not None else None)
-    q_in = rotated_from(model.declared_points() if model is not None else None, Q_ROPE)
-    k_in = rotated_from(model.declared_points() if model is not None else None, K_ROPE)
+    maths = maths if maths is not None else model.maths()
+    plan, rope_op = maths.plan[cap.layer], maths.op(cap.layer, Q_ROPE.name)
+    if not plan.rope:
+        return {"event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3", "rotation": "none",
+                "formula": formula(rope_op, Q_ROPE.name),
+                "why": "this layer turns neither q nor k: a query's score against a key depends only on what the two "
+                       "tokens are (their content), not on how far apart they are. The layers with RoPE carry position "
+                       "into the stream; this one attends by content alone.",
+                "check_q_rope_max_abs_diff": _r((cap.points[Q_ROPE.name].float() - cap.points[rope_op.inputs[0]]
+                                                 .float().reshape(cap.points[Q_ROPE.name].shape)).abs().max())}
+    q_in, k_in = rope_op.inputs[0], maths.op(cap.layer, K_ROPE.name).inputs[0]
     T, Dh = len(cap.ids), c.head_dim
-    Dr = c.rotary_dim or Dh  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
-    table, theta, inv_freq = layer_rope(c, cap.layer)  # (Dr/2,) theta_i = base^(-2i/Dr) of this layer's table
+    Dr = plan.rope["rotary_dim"]  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
+    table, theta = plan.rope.get("table", "global"), plan.rope["base"]
+    inv_freq = torch.tensor(plan.rope["inv_freq"], dtype=torch.float32)  # (Dr/2,) θ_i of this layer, as declared
     pairs = rope_pairs(Dr)
     positions = torch.arange(T, dtype=torch.float32)
     # the model's own tables (this layer's, where layers differ or the sequence's length decides: Gemma 3, LongRoPE)
@@ -400,9 +450,9 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
     deviation = (scores - scores[:, :1]).abs().max(dim=1).values  # per distance: spread over shifts
     return {
         "event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3",
-        "theta": theta, "rope_table": table, "scaling": _scaling_info(c.rope_scaling if table == "global" else None),
-        "head_dim": Dh,
-        "formula": "θ_i = base^(-2i/Dh); pair (x_i, x_{i+Dh/2}) at position m is rotated by m·θ_i",
+        "theta": theta, "rope_table": table, "scaling": _scaling_info(plan.rope.get("scaling")),
+        "head_dim": Dh, "rotary_dim": Dr, "rotation": "rope",
+        "formula": formula(rope_op, Q_ROPE.name),
         "pairs": [{"i": i, "dims": [i, i + Dr // 2], "theta_i": _r(inv_freq[i]),
                    "wavelength": _r(2 * math.pi / inv_freq[i].item()),
                    "angles": _rl(positions * inv_freq[i])} for i in pairs],
@@ -411,16 +461,6 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
                      "distances": distances, "shifts": shifts, "scores": _rl(scores, 10),
                      "max_deviation": _r(deviation.max(), 3), "deviation_by_distance": _rl(deviation, 3)},
     }
-
-
-def unrotated_section(cap: Capture, points=None) -> dict:
-    """A layer that applies no RoPE: q_rope and k_rope are q and k as they came (checked on the captured values)."""
-    q_in, k_in = rotated_from(points, Q_ROPE), rotated_from(points, K_ROPE)
-    diff = {n: _r((cap.points[r] - cap.points[i].reshape(cap.points[r].shape)).abs().max())
-            for n, r, i in (("q", Q_ROPE.name, q_in), ("k", K_ROPE.name, k_in))}
-    return {"event": "explain", "section": "rope", "layer": cap.layer, "seed_step": "s6.3", "rope_table": "none",
-            "formula": "no rotation in this layer: q_rope = q, k_rope = k",
-            "check_q_rope_max_abs_diff": diff["q"], "check_k_rope_max_abs_diff": diff["k"]}
 
 
 def _scaling_info(scaling: Optional[dict]):
@@ -446,22 +486,11 @@ def scores_before_mask(cap: Capture, config: ModelConfig, attn=None) -> torch.Te
     return q @ k.transpose(-2, -1) / math.sqrt(config.head_dim)  # (H, T, T)
 
 
-def layer_window(config: ModelConfig, layer: int) -> Optional[int]:
-    """The sliding window W of `layer` (its queries see the last W keys), or None when it sees every earlier key."""
-    sliding = config.layer_type(layer) == "sliding" and config.sliding_window is not None
-    return config.sliding_window if sliding else None
-
-
-def attention_formula(config: ModelConfig, layer: int) -> str:
-    """softmax(scores + M) V in this layer's terms: its scale, its soft-cap, its mask."""
-    scale = ("/ sqrt(Dh)" if config.attn_scale is None or abs(config.attn_scale * math.sqrt(config.head_dim) - 1) < 1e-9
-             else f"· {config.attn_scale:.4g}")
-    scores = f"Q Kᵀ {scale}"
-    if config.attn_softcap:
-        scores = f"{config.attn_softcap:g}·tanh({scores} / {config.attn_softcap:g})"
-    window = layer_window(config, layer)
-    mask = "−∞ above the diagonal" + (f" and {window} or more keys back (the sliding window)" if window else "")
-    return f"P = softmax({scores} + M), M = {mask}; O = P V"
+def attention_formula(maths, layer: int) -> str:
+    """The attention of `layer` as the model declares it: its scores (scale, soft-cap, mask, window), its softmax
+    (a sink where the family has one), P·V."""
+    return "; ".join(formula(maths.op(layer, n), n) for n in (SCORES.name, PROBS.name, ATTN_OUT.name)
+                     if maths.op(layer, n) is not None)
 
 
 def bin_edges(n: int, max_cells: int = MAP_CELLS) -> list[tuple[int, int]]:
@@ -479,12 +508,12 @@ def binned_map(probs: torch.Tensor, edges: list[tuple[int, int]]) -> torch.Tenso
 
 
 def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = None,
-                       example: int = 6, attn=None) -> list[dict]:
+                       example: int = 6, attn=None, maths=None) -> list[dict]:
     """The attention summary, one record per head, and one map (`head`, or the mean over heads). `attn`: the layer's
-    attention module (see scores_before_mask)."""
+    attention module (see scores_before_mask); `maths`: the model's declaration (its window and formula)."""
     c = config
     T = len(cap.ids)
-    window = layer_window(c, cap.layer)
+    window = maths.plan[cap.layer].window
     pre = scores_before_mask(cap, c, attn)  # (H, T, T)
     post = cap.points[SCORES.name].float()  # (H, T, T), -inf above the diagonal
     probs = cap.points[PROBS.name].float()  # (H, T, T)
@@ -494,7 +523,7 @@ def attention_sections(cap: Capture, config: ModelConfig, head: Optional[int] = 
     n = min(T, example)
     out = [{
         "event": "explain", "section": "attention", "layer": cap.layer, "seed_step": "s6.4-s6.5",
-        "formula": attention_formula(c, cap.layer), "window": window,
+        "formula": attention_formula(maths, cap.layer), "window": window,
         "shape": [c.n_heads, T, T], "masked": int((~finite).sum()), "pre_mask": _stats(pre), "post_mask": _stats(post),
         "probs": _stats(probs), "row_sum_max_error": _r((probs.sum(-1) - 1).abs().max()),
         "check_scores_max_abs_diff": _r(agree),
@@ -551,16 +580,18 @@ def residual_section(cap: Capture) -> dict:
 # 7. SwiGLU feed-forward
 
 
-GATE_NAMES = {"silu": ("silu", "SwiGLU", "silu(g) = g·sigmoid(g)"),
-              "gelu_tanh": ("gelu", "GeGLU", "gelu(g) = g·Φ(g), tanh approximation")}
+ACT_DEFINED = {"silu": "silu(g) = g·sigmoid(g)", "gelu_tanh": "gelu_tanh(g) = g·Φ(g), tanh approximation"}
 
 
-def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO, top: int = 8) -> dict:
+def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO, top: int = 8, maths=None) -> dict:
+    """s6.7 as the layer declares it: its gated activation's name and function come from the `act` point's op."""
     T, D, Fd = len(cap.ids), config.d_model, config.ffn_dim
-    fn, kind, defined = GATE_NAMES[config.ffn_act]
+    glu = maths.op(cap.layer, ACT.name)
+    fn, kind = glu.const("act"), glu_name(glu)
+    defined = ACT_DEFINED.get(fn, fn)
     gate, up = cap.points[GATE.name].float(), cap.points[UP.name].float()  # (T, F)
     act = cap.points[ACT.name].float()  # (T, F) act(gate) * up, as the model computed it
-    s = ACTIVATIONS[config.ffn_act](gate)  # (T, F)
+    s = ACTS[fn](gate)  # (T, F)
     off = s.abs() < near_zero  # (T, F) units (nearly) switched off by the gate
     mid, post = cap.resid_mid[cap.layer].float(), cap.resid_post[cap.layer].float()
     down = cap.points[post_norm_of(cap, DOWN.name) or DOWN.name].float()  # (T, D) what the FFN adds
@@ -569,6 +600,7 @@ def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO,
     return {
         "event": "explain", "section": "ffn", "layer": cap.layer, "seed_step": "s6.7",
         "formula": f"FFN(x) = W_down ({fn}(x W_gate) ⊙ (x W_up)), {defined}", "kind": kind, "activation": fn,
+        "declared": formula(glu, ACT.name),
         "shapes": [{"name": "x̂ (ffn_norm output)", "shape": [T, D]}, {"name": "gate = x̂ W_gate", "shape": [T, Fd]},
                    {"name": "up = x̂ W_up", "shape": [T, Fd]}, {"name": f"act = {fn}(gate) ⊙ up", "shape": [T, Fd]},
                    {"name": "down = act W_down", "shape": [T, D]}],
@@ -669,23 +701,26 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     layer = resolve_layer(layer, c.n_layers)
     head = resolve_head(head, c.n_heads)
     edits = prepare(lm, interventions, [len(ids)])
+    maths = lm.maths
     yield ({"event": "explain", "section": "model", "command": "explain", "layer": layer, "head": head,
-            "model": explain_model_record(lm), "points": lm.points.records(), "prompt": prompt, "chat": chat,
+            "model": explain_model_record(lm), "points": lm.points.records(), "maths": maths.record(),
+            "prompt": prompt, "chat": chat,
             "n_tokens": len(ids), "threads": torch.get_num_threads()} | _interventions(interventions))
     yield tokens_event(lm.tokenizer, ids)
     cap = capture(lm.model, ids, layer, edits)
     yield from tensor_events(cap, lm.points)
     yield layer_section(lm.model, layer, len(ids))
+    yield steps_section(cap, lm)
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
-        yield rmsnorm_section(cap, lm.model, lm.points.get(name))
+        yield rmsnorm_section(cap, lm.model, lm.points.get(name), maths)
     yield qkv_section(cap, c)
-    yield rope_section(cap, c, head if head is not None else 0, lm.model)
-    yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer))
+    yield rope_section(cap, c, head if head is not None else 0, lm.model, maths)
+    yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
     yield residual_section(cap)
     if layer in moe_layers(c):
         yield router_section(cap.points, cap.resid_mid[layer], layer, c)
     else:
-        yield ffn_section(cap, c)
+        yield ffn_section(cap, c, maths=maths)
     yield kv_section(cap, c)
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 

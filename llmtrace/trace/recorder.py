@@ -340,6 +340,7 @@ class Recorder:
             "llmtrace_version": __version__,
             "model": model_record(lm),
             "points": self._points.records(),
+            "maths": lm.maths.record(),
             "device": str(lm.device),
             "dtype": _dtype_name(lm.dtype),
             **path_record(lm),  # "exact", and on the fast path what it computes with

@@ -14,7 +14,6 @@ Gemma 3 (gemma3.py) builds on these modules.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -71,7 +70,7 @@ class Gemma2Attention(Attention):
     """Llama's attention with the scores soft-capped before the mask; always spelled out (no fused kernel caps)."""
 
     POINTS = tuple(SCORES_CAPPED if p == SCORES else p for p in inserted(Attention.POINTS, K_REPEATED.name, SCORES_RAW))
-    SCALE_LABEL = "query_pre_attn_scalar^-1/2"
+    SCALE_LABEL = "1/√query_pre_attn_scalar"
 
     def __init__(self, config):
         super().__init__(config)

@@ -20,7 +20,9 @@ ROPE_TYPES = ("default", "linear")  # what the global layers' RoPE may be (model
 
 
 class Gemma3Attention(Qwen3Attention):
-    """Qwen3's per-head q/k RMSNorm, scaling by 1 + w."""
+    """Qwen3's per-head q/k RMSNorm, scaling by 1 + w; Gemma's score scale."""
+
+    SCALE_LABEL = "1/√query_pre_attn_scalar"
 
     def __init__(self, config):
         super().__init__(config)
