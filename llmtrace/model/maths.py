@@ -231,6 +231,9 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
     if k == "softcap":
         return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c)
     if k == "softmax":
+        if c.get("take") == "sink":  # gpt-oss: the sink's column of the same softmax, the share the keys do not get
+            return (f"{name} = exp(sink) / (Σ exp({x[0]}) + exp(sink)), one sink logit per head ({o.weights[0]}): "
+                    f"1 − Σ probs, the share of each row no key gets")
         sink = f", with one sink logit per head ({o.weights[0]}) in the sum, dropped after: rows sum to less than 1" \
             if c.get("sink") else ": each row sums to 1"
         return f"{name} = softmax({x[0]}) over the last axis{sink}"
@@ -254,9 +257,12 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
         "weighted_sum": lambda: f"{name} = {x[0]} · {x[1]} (each query head reading KV head h // {c.get('group')})",
         "add": lambda: f"{name} = {x[0]} + {x[1]}",
         "select_last": lambda: f"{name} = {x[0]}[last position]",
-        "router": lambda: f"{name}: {c.get('order', 'softmax, then top-k')} {c.get('k')} of {x[0]}"
-                  + (", renormalised to sum to 1" if c.get("renormalise") else "") + "; 0 elsewhere",
-        "expert_matmul": lambda: f"{name} = {x[0]} · {_w(o)}[e]ᵀ for each chosen expert e",
+        "router": lambda: (f"{name}: the top {c.get('k')} of {x[0]}, then a softmax over those {c.get('k')}"
+                           if c.get("order") == "top-k, then softmax" else
+                           f"{name}: {c.get('order', 'softmax, then top-k')} {c.get('k')} of {x[0]}"
+                           + (", renormalised to sum to 1" if c.get("renormalise") else "")) + "; 0 elsewhere",
+        "expert_matmul": lambda: f"{name} = {x[0]} · {_w(o)}[e]ᵀ{' + b[e]' if len(o.weights) > 1 else ''} for each "
+                                 f"chosen expert e",
         "expert_mix": lambda: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)",
         "stream": lambda: f"{name} = {x[0]}",
     }.get(k, lambda: OPS[k])()
