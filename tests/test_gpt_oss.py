@@ -218,3 +218,36 @@ def test_mxfp4_under_fast_is_stated_and_holds_the_exact_values(families, loaded)
     for e in range(4):
         assert torch.equal(stack.parts[e].weight, exact.model.layers[0].ffn.w_gate.weight[e].to(torch.bfloat16))
         assert torch.equal(stack.bias[e], exact.model.layers[0].ffn.w_gate.bias[e].to(torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the o200k split
+
+
+TEXTS = ["The quick brown fox", "HelloWorld isn't CamelCASEWords", "12345 678 9/10/2024", "a //b\n/c  d\n\n e",
+         "naïve CAFÉ's ÉCOLE", "x = foo(bar)/baz!?"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_the_o200k_split_gives_transformers_ids(families, loaded, fmt):
+    """The fixture's tokenizer.json splits the o200k way; its GGUF says `gpt-4o`, which llmtrace reads as the same
+    split: every text's pieces and ids are transformers' (texts where o200k and GPT-2 cut differently)."""
+    import transformers
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    lm = loaded("gpt_oss", fmt)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(families.hf_dir("gpt_oss")))
+    gpt2 = Tokenizer.from_str(theirs.backend_tokenizer.to_str())  # the same vocabulary, split the GPT-2 way
+    gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    differs = 0
+    for text in TEXTS:
+        ids = lm.tokenizer.encode(text)
+        assert ids == theirs.encode(text), text
+        differs += ids != gpt2.encode(text).ids
+    assert differs >= 2  # the texts and the vocabulary test the o200k split: GPT-2's would give other ids
+
+
+def test_the_gguf_names_the_o200k_split(families):
+    from families import gguf_metadata
+
+    assert gguf_metadata(families.gguf("gpt_oss"))["tokenizer.ggml.pre"] == "gpt-4o"
