@@ -251,3 +251,104 @@ def test_the_gguf_names_the_o200k_split(families):
     from families import gguf_metadata
 
     assert gguf_metadata(families.gguf("gpt_oss"))["tokenizer.ggml.pre"] == "gpt-4o"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the router ledger, expert interventions and compare's routing flip, as for Mixtral
+
+
+def _ours(lm, interventions, n_new: int = 6):
+    from llmtrace.run.generate import generate
+    from llmtrace.run.interventions import prepare
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    edits = prepare(lm, interventions, [len(PROMPT_IDS)])
+    with torch.no_grad(), lm.model.hooked(edits or (lambda *a: None), edits.layers if edits else [], spell_out=False):
+        logits = lm.model(torch.tensor([PROMPT_IDS]))[0]
+    sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
+    return logits, list(generate(lm, PROMPT_IDS, sampler, n_new, (), True, None, interventions=interventions).tokens)
+
+
+def _theirs(model, n_new: int = 6):
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT_IDS])).logits[0]
+        out = model.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+    return logits, out[0, len(PROMPT_IDS):].tolist()
+
+
+def _busiest(lm, layer: int) -> int:
+    with torch.no_grad(), capture(lm.model, [(layer, "expert_weights")]) as kept:
+        lm.model(torch.tensor([PROMPT_IDS]))
+    return int((kept[(layer, "expert_weights")][0] > 0).sum(0).argmax())
+
+
+def test_ablating_an_expert_is_its_raw_router_score_at_minus_infinity(families, loaded):
+    """gpt-oss chooses on the raw logits: -inf there drops the expert before the top-k, as transformers' router
+    written out by hand with that score at -inf."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from llmtrace.run.interventions import Ablate
+
+    lm, layer = loaded("gpt_oss", "hf"), 1
+    expert = _busiest(lm, layer)
+    model = copy.deepcopy(families.model("gpt_oss"))
+    router = model.model.layers[layer].mlp.router
+
+    def forward(hidden):
+        logits = F.linear(hidden.reshape(-1, router.hidden_dim), router.weight, router.bias)
+        logits[:, expert] = float("-inf")
+        top, idx = torch.topk(logits, router.top_k, dim=-1)
+        return logits, F.softmax(top, dim=1, dtype=top.dtype), idx
+
+    router.forward = forward
+    (a, tokens_a), (b, tokens_b) = _ours(lm, [Ablate(layer, expert=expert)]), _theirs(model)
+    assert float((a - b).abs().max()) <= 1e-4 and tokens_a == tokens_b
+    assert float((a - _ours(lm, [])[0]).abs().max()) > 1e-2  # the ablation bites
+
+
+def test_scaling_an_expert_scales_its_output_bias_and_all(families, loaded):
+    import copy
+
+    from llmtrace.run.interventions import Scale
+
+    lm, layer, factor = loaded("gpt_oss", "hf"), 0, 2.5
+    expert = _busiest(lm, layer)
+    model = copy.deepcopy(families.model("gpt_oss"))
+    with torch.no_grad():  # the expert's whole output, W_down·act + b_down, times the factor, by hand
+        model.model.layers[layer].mlp.experts.down_proj[expert] *= factor
+        model.model.layers[layer].mlp.experts.down_proj_bias[expert] *= factor
+    (a, tokens_a), (b, tokens_b) = _ours(lm, [Scale(layer, factor, expert=expert)]), _theirs(model)
+    assert float((a - b).abs().max()) <= 1e-4 and tokens_a == tokens_b
+
+
+def test_the_router_ledger_is_transformers_choice(families):
+    import llmtrace
+
+    model = llmtrace.load(str(families.hf_dir("gpt_oss")), device="cpu", dtype="float32")
+    run = model.generate(PROMPT, max_new_tokens=2, trace="layers", temperature=0)
+    events = [e for e in run.events if e["event"] == "routing"]
+    assert [(e["step"], e["layer"]) for e in events] == [(s, layer) for s in range(2) for layer in range(2)]
+    ids = [t["id"] for t in next(e for e in run.events if e["event"] == "tokens")["tokens"]] + run.tokens[:1]
+    theirs = their_routing(families.model("gpt_oss"), ids)
+    for e in events:
+        assert e["k"] == 2 and e["n_experts"] == 4
+        experts, weights = theirs[e["layer"]]
+        for p, chosen, w in zip(e["positions"], e["experts"], e["weights"]):
+            assert chosen == experts[p].tolist()
+            assert max(abs(x - y) for x, y in zip(w, weights[p].tolist())) <= 1e-5
+
+
+def test_compare_names_the_first_routing_flip(families, loaded):
+    from llmtrace.run.compare import Side, compare
+    from llmtrace.run.interventions import Ablate
+
+    lm = loaded("gpt_oss", "hf")
+    expert = _busiest(lm, 1)
+    side = Side(model=str(families.hf_dir("gpt_oss")), dtype="float32")
+    result = compare(side, side.with_changes(interventions=(Ablate(1, expert=expert),)), PROMPT, max_new_tokens=1)
+    routing = result.to_json()["routing"]
+    assert routing["first"]["layer"] == 1 and routing["flips"] > 0
+    assert routing["layers"][0] == {"layer": 0, "flips": 0}  # layer 0 routes as before: the ablation is in layer 1
+    assert expert in routing["first"]["a"] and expert not in routing["first"]["b"]
