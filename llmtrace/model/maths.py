@@ -185,7 +185,12 @@ def rope_words(plan: LayerPlan) -> str:
         return "no rotation in this layer"
     width = f", rotary width {r['rotary_dim']} of {r['head_dim']}" if r.get("rotary_dim") != r.get("head_dim") else ""
     kind = (r.get("scaling") or {}).get("rope_type")
-    return f"base θ = {r['base']:,g}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
+    return f"base θ = {_n(r['base'])}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
+
+
+def _n(x: float) -> str:
+    """1,000,000 rather than 1e+06: a RoPE base as people write it."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,g}"
 
 
 def attention_words(plan: LayerPlan) -> str:
@@ -221,7 +226,7 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
         kind = (c.get("scaling") or {}).get("rope_type")
         scaled = f", {kind} scaling" if kind and kind != "default" else ""
         factor = f", cos and sin × {c['attention_factor']:.4g}" if c.get("attention_factor") not in (None, 1.0) else ""
-        return (f"{name}: pairs ({x[0]}_i, {x[0]}_i+{dr // 2}) turned by pos·θ_i, θ_i = {c['base']:,g}^(−2i/{dr})"
+        return (f"{name}: pairs ({x[0]}_i, {x[0]}_i+{dr // 2}) turned by pos·θ_i, θ_i = {_n(c['base'])}^(−2i/{dr})"
                 f"{part}{scaled}{factor}")
     if k == "scores":
         s = f"{x[0]} · {x[1]}ᵀ · {c['scale']:.4g} ({c['scale_label']})"
@@ -274,6 +279,8 @@ def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"]) -> 
     name = ref[len(PREV):]
     if layer is None:
         return f"{name} of the last layer"
+    if layer < 0:  # any layer of a kind: said for all of them
+        return f"{name} of the layer before (in layer 0: {maths.stream_in if maths is not None else 'the embedding'})"
     if layer == 0:
         return maths.stream_in if maths is not None else f"{name} of the layer before (the embedding in layer 0)"
     return f"{name} of layer {layer - 1}"

@@ -22,7 +22,7 @@ from llmtrace.errors import LlmtraceError
 from llmtrace.tokens.vocab import CHAR_TO_BYTE
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.report.walk import (ATTENTION_AXES, attention_points, axes_of, declared_points, embedding_point,
-                                  residual_output, step_logits, walk)
+                                  maths_view, residual_output, step_logits, walk)
 
 AFTER_EMBEDDING = "e"  # the residual chart's key of the stream after the embedding (the others: layer numbers)
 MAX_POSITIONS = 128  # attention maps wider than this many positions are binned to this many bins
@@ -80,6 +80,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
         "routing": _routing(by_kind.get("routing", [])),
         "points": points,
         "walk": walk(tensors, points),
+        "maths": maths_view(run, head),
         "kept_logits": step_logits(steps, tensors, points),
         "pad": pad_slots(batch, row),
         "positions": (batch or {}).get("position_ids", [None] * (row + 1))[row] if batch else None,

@@ -80,4 +80,12 @@ def explain_blocks(events: list[dict]) -> list[dict]:
 
     console = Blocks()
     render_explain(events, console)
+    steps = next((e for e in events if e.get("event") == "explain" and e.get("section") == "steps"), None)
+    table = next((b for b in console.blocks if b["kind"] == "table" and (b["header"] or [])[:2] == ["point", "op"]),
+                 None)
+    if steps is not None and table is not None and len(table["rows"]) == len(steps["steps"]):
+        # each step's row carries its point, its declared operation and its check, for a reader or a test
+        table["row_attrs"] = [{"point": r["point"], "op": r["op"], "layer": steps["layer"]}
+                              | ({"max-error": r["check"]["max_abs"], "max-rel": r["check"]["max_rel"]}
+                                 if r["check"] else {}) for r in steps["steps"]]
     return console.blocks

@@ -128,6 +128,58 @@ def intervened(interventions: list[dict]) -> str:
     return " · ".join(iv["label"] for iv in interventions) + (f" (changes {places})" if places else "")
 
 
+def glu_of(d: dict) -> str:
+    """The gated activation's name as the model declares it (layer 0's act), e.g. SwiGLU or GeGLU."""
+    from llmtrace.model.maths import glu_name, op_from_record
+
+    rec = (d.get("maths") or {}).get("record")
+    if not rec:
+        return "SwiGLU"  # a trace written before the maths was declared: Llama's
+    for kind in rec["kinds"]:
+        act = next((o for o in kind["ops"].values() if o["op"] == "glu"), None)
+        if act:
+            return glu_name(op_from_record(act))
+    return "GLU"
+
+
+def step_title(w, sid: str, d: dict) -> str:
+    """A seed step's title in the page's words, with what this model declares filled in (its GLU's name)."""
+    return w(f"step.{sid}", glu=glu_of(d)) if sid == "s6.7" else w(f"step.{sid}")
+
+
+def rope_rows(d: dict) -> list[tuple[str, str]]:
+    """RoPE as each layer's plan declares it: one line per kind of layer (its base, rotary width, scaling, or none),
+    naming its layers; a trace without the declaration gives the config's one base."""
+    from llmtrace.model.maths import plan_from_record, rope_words
+
+    m = d["run"]["model"]
+    rec = (d.get("maths") or {}).get("record")
+    if not rec:
+        return [("RoPE base θ", num(m.get("rope_theta"), 7) + ("" if not m.get("rope_scaling") else
+                                                               f' (scaling {m["rope_scaling"]})'))]
+    by: dict[str, list[int]] = {}
+    for layer, k in enumerate(rec["layer_kind"]):
+        plan = plan_from_record(rec["kinds"][k]["plan"])
+        words = rope_words(plan) + (f"; a window of {plan.window:,}" if plan.window else "")
+        by.setdefault(words, []).append(layer)
+    w = d.get("w")
+    label = w("run.rope") if w else "RoPE, per layer"
+    lines = [(w("run.rope_layers", rope=words, layers=layer_ranges(layers)) if w else f"{words} in {layer_ranges(layers)}")
+             for words, layers in by.items()]
+    return [(label, " · ".join(lines))]
+
+
+def layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 4] -> 'layers 0–2, 4'."""
+    parts, start = [], None
+    for i, x in enumerate(layers):
+        start = x if start is None else start
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            parts.append(f"{start}" if start == x else f"{start}–{x}")
+            start = None
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
+
+
 def section_run(d: dict) -> dict:
     r = d["run"]
     m = r["model"]
@@ -139,8 +191,10 @@ def section_run(d: dict) -> dict:
         ("heads", f'{m["n_heads"]} query heads, {m["n_kv_heads"]} KV heads of width {m["head_dim"]}: '
                   f'GQA, {m["n_heads"] // m["n_kv_heads"]} query heads per KV head'),
         ("GQA groups", groups),
-        ("RoPE base θ", num(m.get("rope_theta"), 7) + ("" if not m.get("rope_scaling") else f' (scaling {m["rope_scaling"]})')),
+        *rope_rows(d),
         ("vocabulary", num(m["vocab_size"])),
+        *([(d["w"]("run.changes") if "w" in d else "what it changes from Llama", " · ".join(m["changes"]))]
+          if m.get("changes") else []),
         ("tied embeddings", "yes" if m.get("tie_embeddings") else "no"),
         ("device · dtype", f'{r["device"]} · {r["dtype"]}'),
         ("exact", "yes: the exact path" if not r.get("fast") else " · ".join(fast_parts(r["fast"]))),
@@ -203,7 +257,7 @@ def section_pipeline(d: dict) -> dict:
         elif "sampler" in st:
             detail = ", ".join(st["active"]) or w("pipeline.none_active")
         points = [{"name": p["name"], "shape": _shape(p["shape"], p.get("axes"))} for p in st["points"]]
-        stages.append({"id": st["id"], "title": w(f'step.{st["id"]}'), "layer": st["id"].startswith("s6"),
+        stages.append({"id": st["id"], "title": step_title(w, st["id"], d), "layer": st["id"].startswith("s6"),
                        "detail": detail, "points": points})
     note = None if d["tensors"]["points"] else missing(d, "stats", "--trace full")
     return {"stages": stages, "missing": note}
@@ -643,7 +697,7 @@ def view(d: dict, w=None) -> dict:
     del d["lacking"], d["w"]
     d.pop("explain_view", None)  # laid out in the page, not read by the script
     d["words"] = w.js  # the script's texts, in the page's language
-    d["step_titles"] = {st["id"]: w(f'step.{st["id"]}') for st in d["pipeline"]["stages"]}
+    d["step_titles"] = {st["id"]: step_title(w, st["id"], d) for st in d["pipeline"]["stages"]}
     return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',
             "sections": shown, "stepbar": step_bar(dict(d, w=w)), "data": d, "palette": PALETTE, "w": w}
 
@@ -675,6 +729,7 @@ def render(d: dict, lang: str = "en") -> str:
 
     # the package's own stylesheet and script, inlined as they are (escaping would break them); no trace text in them
     assets = {"css": markupsafe.Markup(_asset("report.css")),
-              "script": markupsafe.Markup(_asset("report.js") + "\n" + _asset("walk.js"))}
+              "script": markupsafe.Markup(_asset("report.js") + "\n" + _asset("cards.js") + "\n" +
+                                                _asset("walk.js"))}
     v = view(d, Words(lang))
     return environment().get_template("report.html.j2").render(v=v, w=v["w"], **assets)

@@ -59,6 +59,22 @@ def embedding_point(points: list[dict]) -> Optional[str]:
     return next((p["name"] for p in points if not p["layer"] and p["step"] == "s4"), None)
 
 
+def maths_view(run: Optional[dict], head: Optional[dict]) -> Optional[dict]:
+    """The model's declared maths for the page (model.maths): the trace's record, and each point's formula with its
+    layer kind's constants, written once here (maths.formula) so that the page shows the words explain prints.
+    None for a trace written before the maths was declared."""
+    from llmtrace.model.maths import Maths, formula
+
+    record = (run or {}).get("maths") or (head or {}).get("maths")
+    maths = Maths.from_record(record)
+    if maths is None:
+        return None
+    first = {k: record["layer_kind"].index(k) for k in range(len(record["kinds"]))}
+    kinds = [{n: formula(o, n, -1, maths) for n, o in maths.layers[first[k]].items()} for k in range(len(record["kinds"]))]
+    return {"record": record, "formulas": {"model": {n: formula(o, n, None, maths) for n, o in maths.model.items()},
+                                           "kinds": kinds}}
+
+
 def pack_f32(values: list) -> str:
     """Numbers (None for a non-finite value) as little-endian float32, base64: None becomes NaN."""
     a = np.asarray([np.nan if v is None else v for v in values], dtype="<f4")
@@ -93,10 +109,19 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         samples[key] = {"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
                         "rows": len(s["values"]), "values": pack_f32([v for row in s["values"] for v in row]),
                         "norms": pack_f32(s["norms"])}
+        for extra in ("gamma", "sink", "lse"):  # what a worked example reads besides the sample (trace.worked)
+            if s.get(extra) is not None:
+                samples[key][extra] = pack_f32(s[extra])
+        if ev.get("full"):  # whole rows of a scores operand: (rows, heads, Dh) from row t[0] of the pass
+            f = ev["full"]
+            flat = [v for row in f["values"] for head in row for v in head]
+            samples[key]["full"] = {"t": f["t"], "heads": len(f["values"][0]), "width": len(f["values"][0][0]),
+                                    "values": pack_f32(flat)}
         steps.add(step)
         if ev["layer"] is not None:
             layers.add(ev["layer"])
-    return {"samples": samples, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps)}
+    full = sorted({ev["layer"] for ev in tensors if ev.get("full") and ev["layer"] is not None})
+    return {"samples": samples, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps), "full_layers": full}
 
 
 def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> dict:

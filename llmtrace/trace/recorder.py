@@ -20,6 +20,8 @@ import torch
 
 from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
 from llmtrace.model.moe_points import EXPERT_WEIGHTS, ROUTER_PROBS
+from llmtrace.trace.stats import round_tensor
+from llmtrace.trace.worked import Worked
 from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
@@ -112,6 +114,7 @@ class Recorder:
         self._load = ExpertLoad()  # tokens per expert of each MoE layer, for the summary
         self._start = 0  # the first slot of this pass
         self._batched = False  # on_start was told of a batch (generate_batch): on_end gets a BatchResult
+        self._worked = None  # at --trace full, what the report's worked examples read besides the samples (worked.py)
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -203,7 +206,8 @@ class Recorder:
             shape = list(full_shape[1:]) if name != KV_WRITE.name else list(full_shape)
             view = None if distinct is x else (distinct.shape, distinct.stride())
             # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
-            group = (distinct.shape, x.dtype, x.device, name == "scores")
+            group = (distinct.shape, x.dtype, x.device, name == "scores",
+                     self._worked is not None and name in self._worked.softmax_inputs)
             dtype = _dtype_name(x.dtype)
             part = {"name": name, "seed_step": self._step_of.get(name), "shape": shape, "dtype": dtype}
             layout = self._layouts[key] = (shape, view, repeats, group, dtype, _ENCODER.encode(part)[1:-1])
@@ -226,6 +230,9 @@ class Recorder:
             if name == KV_WRITE.name:
                 positions = x.tolist()
                 extra = {"positions": [positions[0], positions[-1]] if positions else []}
+            if self._worked is not None and (layer, name) in self._worked.full:
+                full = self._worked.full_rows(layer, name, x)
+                extra = extra if full is None else (extra or {}) | {"full": full}
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
                 extra = (extra or {}) | {"values": (values[0] if name != KV_WRITE.name else values).detach().float().cpu()}
@@ -236,7 +243,7 @@ class Recorder:
         self._taps.clear()
         self._queued = 0
         with torch.no_grad():  # the statistics are observations, never part of a graph
-            for (_, _, _, finite_only), members in groups.items():
+            for (_, _, _, finite_only, lse), members in groups.items():
                 m = torch.stack([x for _, x, _ in members])
                 rows = _stat_rows(m.view(len(members), -1), finite_only)
                 if any(c != 1 for _, _, c in members):  # broadcast views: every distinct element stands for c
@@ -245,7 +252,7 @@ class Recorder:
                 self._stats.append(rows)
                 self._stat_order.extend(i for i, _, _ in members)
                 if self.options.level == "full":
-                    self._sample_group(members, m)
+                    self._sample_group(members, m, lse)
 
     # A few values of every point at --trace full, for the report's walk-through (generic: no point is named): along
     # the last axis of the recorded shape, the whole row when it has at most SAMPLE_WIDTH entries, else the first
@@ -254,9 +261,10 @@ class Recorder:
     SAMPLE_WIDTH = 16
     SAMPLE_ROWS = 2048
 
-    def _sample_group(self, members: list[tuple[int, torch.Tensor, int]], m: torch.Tensor) -> None:
+    def _sample_group(self, members: list[tuple[int, torch.Tensor, int]], m: torch.Tensor, lse: bool = False) -> None:
         """Keep the sample of every member of one statistics group (m: the members stacked), to be moved to the host
-        with the pass's statistics. A broadcast view (repeats > 1) or an integer tensor has none."""
+        with the pass's statistics. A broadcast view (repeats > 1) or an integer tensor has none. `lse`: the group is a
+        softmax's input, whose rows' log-sum-exp the worked softmax reads (trace.worked)."""
         if not m.is_floating_point() or m.dim() < 2 or any(c != 1 for _, _, c in members):
             return
         last = m.shape[-1]
@@ -268,7 +276,8 @@ class Recorder:
             list(range(half)) + list(range(last // 2, last // 2 + half)))
         flat = m.reshape(len(members), rows, last)
         self._samples.append(([i for i, _, _ in members], index, flat[..., index].double(),
-                              torch.linalg.vector_norm(flat.double(), dim=-1)))
+                              torch.linalg.vector_norm(flat.double(), dim=-1),
+                              torch.logsumexp(flat.double(), dim=-1) if lse else None))
 
     def _take_samples(self) -> dict[int, dict]:
         """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"}, rounded as every float;
@@ -283,10 +292,13 @@ class Recorder:
             return _nan_to_none(round_tensor(torch.where(finite, x, torch.nan)).tolist())
 
         out = {}
-        for members, index, values, norms in self._samples:
+        for members, index, values, norms, lse in self._samples:
             vals, nrm = as_list(values), as_list(norms)
+            lses = as_list(lse) if lse is not None else None
             for k, i in enumerate(members):
                 out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
+                if lses is not None:
+                    out[i]["lse"] = lses[k]
         self._samples.clear()
         return out
 
@@ -330,6 +342,8 @@ class Recorder:
         (`batch`: every row's prompt ids, `samplers` their samplers) gets one tokens event per row, with "row"."""
         c = self._config = lm.config
         self._declare(lm.points)
+        if self.options.level == "full":
+            self._worked = Worked(lm, self.options.layers)
         self._rows = len(batch) if batch is not None else 1
         self._batched = batch is not None
         self.run_info["n_layers"] = c.n_layers
@@ -379,6 +393,9 @@ class Recorder:
             ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
             if stat_index in samples:
                 ev["sample"] = samples[stat_index]
+                more = self._worked and self._worked.sample_extra(ev["layer"], ev["name"], ev["sample"]["index"])
+                if more:
+                    ev["sample"] = ev["sample"] | more
             if ev["name"] == SCORES.name:
                 ev["masked"] = int(math.prod(ev["shape"]) - count)
             if extra is not None:
@@ -386,9 +403,14 @@ class Recorder:
                     ev["positions"] = extra["positions"]
                 if "values" in extra:
                     ev["values"] = extra["values"].tolist()
-            elif len(ev) == 9 + ("sample" in ev) and None not in (mean, std, lo, hi, norm):  # the common case: its
-                layer = "null" if ev["layer"] is None else int(ev["layer"])  # JSON line made here, sample and all
+                if "full" in extra:
+                    ev["full"] = {"t": extra["full"]["t"], "values": _nan_to_none(
+                        round_tensor(extra["full"]["values"]).tolist())}
+            if (extra is None or extra.keys() == {"full"}) and None not in (mean, std, lo, hi, norm) and \
+                    len(ev) == 9 + ("sample" in ev) + ("full" in ev):  # the common case: its JSON line made here
+                layer = "null" if ev["layer"] is None else int(ev["layer"])
                 tail = f', "sample": {_ENCODER.encode(ev["sample"])}' if "sample" in ev else ""
+                tail += f', "full": {_ENCODER.encode(ev["full"])}' if "full" in ev else ""
                 ev.line = (f'{head}{layer}, {json_part}, "stats": {{"mean": {mean!r}, "std": {std!r}, "min": {lo!r}, '
                            f'"max": {hi!r}, "norm": {norm!r}}}{tail}}}')
             self.emit(ev)

@@ -39,6 +39,7 @@
       if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
       cache[key] = m.values === undefined ? { meta: m } :
         { meta: m, values: unpack(m.values, Float32Array), norms: unpack(m.norms, Float32Array) };
+      ["gamma", "sink", "lse"].forEach((x) => { if (m[x]) cache[key][x] = unpack(m[x], Float32Array); }); // worked.py
     }
     return cache[key];
   }
@@ -79,68 +80,26 @@
     });
     return h + "</table></div>";
   }
-  const layerPoints = D.points.filter((p) => p.layer), modelPoints = D.points.filter((p) => !p.layer);
-  function inputOf(p, layer) { // the point p is computed from: declared (`input`), else the same axes one step before
-    const pts = p.layer ? layerPoints : modelPoints;
-    if (p.input) {
-      const q = D.points.find((x) => x.name === p.input);
-      if (q && q.traced === false && q.residual) { // it repeats the stream entering the layer: the one before's output
-        const outs = layerPoints.filter((x) => x.residual && x.traced !== false);
-        if (layer > 0 && outs.length) return { name: outs[outs.length - 1].name, layer: layer - 1 };
-        const emb = modelPoints.find((x) => x.step === "s4");
-        return emb && layer === 0 ? { name: emb.name, layer: "m" } : null;
-      }
-      return q ? { name: q.name, layer: q.layer ? layer : "m" } : null;
-    }
-    const key = JSON.stringify(p.axes), step = p.step.split("/")[0];
-    const same = pts.filter((x) => JSON.stringify(x.axes) === key && x.axes);
-    const mine = same.filter((x) => x.step.split("/")[0] === step);
-    const before = same.filter((x) => x.step.split("/").pop() < step && pts.indexOf(x) < pts.indexOf(p));
-    const k = mine.indexOf(p);
-    if (k < 0 || k >= before.length) return null;
-    return { name: before[k].name, layer: p.layer ? layer : "m" };
+  // the worked examples (cards.js): each point's declared operation, worked out on the recorded inputs
+  function positionOf(pass) { // the token's position (RoPE's m): a batch row counts from its first real token
+    return !D.positions ? pass.position : pass.step === 0 ? D.positions[pass.t] : D.positions[D.positions.length - 1] + pass.step;
   }
-  function normCard(p, pass, layer, row, vals, s) { // y = x / rms(x) · γ, from the input's row and its norm
-    const inp = inputOf(p, layer);
-    if (!inp) return "";
-    const si = sample(pass.step, inp.layer, inp.name);
-    if (!si || !si.values || !si.meta.axes) return "";
-    const r = rowOf(si.meta.axes, si.meta.shape, pass.t, 0), n = si.meta.shape[si.meta.shape.length - 1];
-    const x = rowValues(si, r), norm = si.norms[r], rms = norm / Math.sqrt(n);
-    return "<p class=formula>" + esc(t("norm_formula", { input: inp.name, norm: num(norm), n: n, rms: num(rms) })) + "</p>" +
-      valuesTable(s.meta.index, [["x (" + inp.name + ")", x], ["y (" + p.name + ")", vals], ["γ = y·rms/x", vals.map((y, j) => y * rms / x[j])]]);
+  const T0 = PAD + nPrompt; // the prefill's slots; decode step j writes slot T0 + j - 1
+  function slotOf(pass) { return pass.step === 0 ? 0 : T0 + pass.step - 1; }
+  function fullRow(s, tRow, head) { // a whole row (Dh entries) of a point kept whole (sample.full)
+    const f = s.meta.full;
+    if (!f._v) f._v = unpack(f.values, Float32Array);
+    const at = ((tRow - f.t[0]) * f.heads + head) * f.width;
+    return Array.from(f._v.slice(at, at + f.width));
   }
-  function ropeCard(p, pass, layer, row, vals, s) { // the pairs (i, i + Dh/2) rotated by pos · θ_i
-    const inp = inputOf(p, layer);
-    if (!inp) return "";
-    const si = sample(pass.step, inp.layer, inp.name);
-    if (!si || !si.values) return "";
-    if (M.rope_scaling) return "<p class=note>" + esc(t("rope_scaled", { kind: M.rope_scaling.rope_type || M.rope_scaling.type || "?" })) + "</p>";
-    const x = rowValues(si, row), idx = s.meta.index, dh = s.meta.shape[s.meta.shape.length - 1], half = idx.length / 2;
-    // the token's position (RoPE's m): a batch row counts from its first real token, so its pad slots do not count
-    const pos = !D.positions ? pass.position : pass.step === 0 ? D.positions[pass.t] : D.positions[D.positions.length - 1] + pass.step;
-    let h = "<p class=formula>" + esc(t("rope_formula", { base: M.rope_theta, pos: pos, input: inp.name })) + "</p>";
-    h += "<table class=\"stats walkv\"><tr><th>" + esc(t("pair")) + "</th><th>" + esc(t("angle")) + "</th><th>x\u1d62, x\u1d62\u208a\u2095</th><th>" +
-      esc(t("computed")) + "</th><th>" + esc(t("recorded")) + "</th></tr>";
-    for (let j = 0; j < half && idx[j + half] === idx[j] + dh / 2; j++) {
-      const i = idx[j], a = pos * Math.pow(M.rope_theta, -2 * i / dh), c = Math.cos(a), sn = Math.sin(a);
-      const y1 = x[j] * c - x[j + half] * sn, y2 = x[j + half] * c + x[j] * sn;
-      h += "<tr><th scope=row>" + i + ", " + (i + dh / 2) + "</th><td class=num>" + num(a) + "</td><td class=num>" + num(x[j]) + ", " + num(x[j + half]) +
-        "</td><td class=num>" + num(y1) + ", " + num(y2) + "</td><td class=num>" + num(vals[j]) + ", " + num(vals[j + half]) + "</td></tr>";
-    }
-    return h + "</table>";
+  function keyRow(at, slot, kvHead) { // the key of a cache slot, from the pass that wrote it
+    const step = slot < T0 ? 0 : slot - T0 + 1, s = sample(step, at.layer, at.name);
+    if (!s || !s.meta.full) return null;
+    const tRow = slot < T0 ? slot : 0;
+    return tRow < s.meta.full.t[0] || tRow > s.meta.full.t[1] ? null : fullRow(s, tRow, kvHead);
   }
-  function softmaxCard(p, pass, layer, row, vals, s) { // p = softmax(s) over the whole row, masked entries 0
-    const inp = inputOf(p, layer);
-    const last = s.meta.shape[s.meta.shape.length - 1];
-    if (!inp || s.meta.index.length !== last) return "";
-    const si = sample(pass.step, inp.layer, inp.name);
-    if (!si || !si.values) return "";
-    const x = rowValues(si, row), fin = x.filter((v) => !Number.isNaN(v)), mx = Math.max(...fin);
-    const e = x.map((v) => (Number.isNaN(v) ? 0 : Math.exp(v - mx))), z = e.reduce((a, b) => a + b, 0);
-    return "<p class=formula>" + esc(t("softmax_formula", { input: inp.name })) + "</p>" +
-      valuesTable(s.meta.index, [[inp.name, x], [t("computed"), e.map((v) => v / z)], [t("recorded"), vals]]);
-  }
+  const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, sample: sample, rowOf: rowOf, positionOf: positionOf,
+    slotOf: slotOf, fullRow: fullRow, keyRow: keyRow, isPad: (slot) => slot < PAD });
   function maskLine(pass, layer, h) { // s3: the keys this token may attend, from the masked entries of its scores row
     const sc = D.points.find((p) => p.layer && p.step.split("/")[0] === "s6.4" && JSON.stringify(p.axes) === "[\"H\",\"T\",\"S\"]");
     const s = sc && sample(pass.step, layer, sc.name);
@@ -153,21 +112,21 @@
   function pointCard(p, pass, layer, h) {
     const lay = p.layer ? layer : "m";
     const s = sample(pass.step, lay, p.name);
-    let html = "<div class=\"wpoint\" data-point=\"" + esc(p.name) + "\"><h4>" + esc(p.name) + " <code>" +
-      (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(p.about || "") + "</span></h4>";
-    if (!s) return html + "<p class=note>" + esc(t("no_sample")) + "</p></div>";
-    if (s.meta.positions) return html + "<p>" + esc(t("slots_written", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
+    if (s && s.meta.axes && s.meta.axes.indexOf("T") < 0 && pass.t !== pass.T - 1) return "";  // the pass's last position only
+    const w = CARDS.work(p, lay, pass, h, s && !s.meta.positions ? s : null);
+    const attr = (k, v) => (v === undefined || v === null ? "" : " data-" + k + "=\"" + esc(String(v)) + "\"");
+    let html = "<div class=\"wpoint card\"" + attr("point", p.name) + attr("layer", lay) + attr("op", w.op) + attr("head", w.head) +
+      attr("max-error", w.err) + attr("max-rel", w.rel) + attr("missing", w.missing) + "><h4>" + esc(p.name) + " <code>" +
+      (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(p.about || "") + "</span>" +
+      (w.op ? " <span class=op>" + esc(w.op) + "</span>" : "") + "</h4>";
+    if (!s) return html + w.html + "<p class=note>" + esc(t("no_sample")) + "</p></div>";
+    if (s.meta.positions) return html + w.html + "<p>" + esc(t("slots_written", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
     if (!s.meta.axes) return html + "<p class=note>" + esc(t("no_axes")) + "</p></div>";
-    if (s.meta.axes.indexOf("T") < 0 && pass.t !== pass.T - 1) return "";  // a point of the pass's last position only
     const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
     const n = s.meta.shape[s.meta.shape.length - 1];
     html += "<p>" + esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) + "</p>";
-    const step = p.step.split("/")[0];
-    let extra = "";
-    if (p.input) extra = normCard(p, pass, layer, row, vals, s);
-    else if (step === "s6.3") extra = ropeCard(p, pass, layer, row, vals, s);
-    else if (step === "s6.5" && JSON.stringify(p.axes) === "[\"H\",\"T\",\"S\"]") extra = softmaxCard(p, pass, layer, row, vals, s);
-    return html + (extra || valuesTable(s.meta.index, [[t("value"), vals]])) + "</div>";
+    const checked = w.err !== undefined || w.missing;
+    return html + w.html + (checked ? "" : valuesTable(s.meta.index, [[t("value"), vals]])) + "</div>";
   }
   const SEED = Object.keys(D.step_titles);
   function drawWalk() {

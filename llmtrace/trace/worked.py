@@ -1,0 +1,85 @@
+"""The few values beyond each point's sample that the report's worked examples read (--trace full).
+
+A point's sample (the first entries of each half of every row, and each row's norm) lets a page recompute most steps
+on the same head and row: an add, a GLU, a soft-cap, RoPE's pairs. Some steps need a little more, and the model's
+declaration (model.maths) says which:
+    gamma      a norm's γ at the sampled entries (rmsnorm: y_i = x_i / rms(x) · γ_i, rms from the row's norm)
+    sink       a softmax's sink logit per head (gpt-oss), beside the scores' log-sum-exp
+    lse        the log-sum-exp of each row of a softmax's input (p_i = exp(s_i − lse) for the sampled entries)
+    full       whole rows of the scores' operands in a few layers: every key of the pass, and every query of a short
+               pass (else the last position's), so that q·k is worked out over all Dh entries
+Nothing here names a point: the operations say what is read.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from llmtrace.trace.records import rounded
+
+FULL_ROW_LAYERS = 4  # whole q/k rows are kept in at most this many layers (the selected ones, else the first and last)
+ALL_QUERIES = 64  # a pass of at most this many tokens keeps every query row whole; a longer one its last
+
+
+def full_row_layers(selected: Optional[list[int]], n_layers: int) -> list[int]:
+    """The layers whose scores' operands keep whole rows: the selected layers when there are at most four, else the
+    first and the last of them."""
+    layers = sorted({l % n_layers for l in selected}) if selected is not None else list(range(n_layers))
+    return layers if len(layers) <= FULL_ROW_LAYERS else [layers[0], layers[-1]]
+
+
+class Worked:
+    """What the worked examples read, worked out once from the model's declaration at the start of a run."""
+
+    def __init__(self, lm, selected: Optional[list[int]]):
+        maths, model, n = lm.maths, lm.model, lm.config.n_layers
+        self.layers = set(range(n)) if selected is None else {l % n for l in selected}
+        self.full_layers = full_row_layers(selected, n)
+        self.weights: dict[tuple, tuple[str, torch.Tensor]] = {}  # (layer, point) -> ("gamma" | "sink", values)
+        self.softmax_inputs: set[str] = set()
+        self.full: dict[tuple, str] = {}  # (layer, point) -> "last" (the pass's last position) or "all"
+        for layer, table in [(None, maths.model)] + [(i, maths.layers[i]) for i in sorted(self.layers)]:
+            for name, o in table.items():
+                if o.kind == "rmsnorm":
+                    self._keep(model, layer, name, "gamma", o.weights[0])
+                elif o.kind == "softmax":
+                    self.softmax_inputs.add(o.inputs[0])
+                    if o.const("sink"):
+                        self._keep(model, layer, name, "sink", o.weights[0])
+                elif o.kind == "scores" and layer in self.full_layers:
+                    q, k = o.inputs[0], o.inputs[1]
+                    if table.get(k) is not None and table[k].kind == "repeat_kv":
+                        k = table[k].inputs[0]  # the keys before the GQA view
+                    self.full[(layer, q)], self.full[(layer, k)] = "last", "all"
+
+    def _keep(self, model, layer: Optional[int], name: str, kind: str, weight: str) -> None:
+        try:
+            w = model.get_parameter(("" if layer is None else f"layers.{layer}.") + weight)
+        except AttributeError:  # a weight the model holds quantized or packed: the card says so
+            return
+        if w.is_floating_point():
+            self.weights[(layer, name)] = (kind, w.detach().double().cpu().reshape(-1))
+
+    def sample_extra(self, layer: Optional[int], name: str, index: list[int]) -> Optional[dict]:
+        """The weight values a sample of this point carries: γ at its entries, or a sink per head."""
+        got = self.weights.get((layer, name))
+        if got is None:
+            return None
+        kind, w = got
+        values = w[index] if kind == "gamma" and w.numel() > max(index) else w
+        return {kind: [rounded(v) for v in values.tolist()]}
+
+    def full_rows(self, layer: Optional[int], name: str, x: torch.Tensor) -> Optional[dict]:
+        """Whole rows of a scores operand (x: (1, T, heads, Dh)): {"t": [first, last] (the rows along the pass's T),
+        "values": (rows, heads, Dh)}."""
+        which = self.full.get((layer, name))
+        if which is None or x.dim() != 4:
+            return None
+        T = x.size(1)
+        if which == "last" and T <= ALL_QUERIES:  # a short pass keeps every query: q·k for any pair of its tokens
+            which = "all"
+        rows = x[0, -1:] if which == "last" else x[0]  # (1 or T, heads, Dh)
+        first = T - 1 if which == "last" else 0
+        return {"t": [first, T - 1], "values": rows.detach().double().cpu()}
