@@ -352,3 +352,32 @@ def test_compare_names_the_first_routing_flip(families, loaded):
     assert routing["first"]["layer"] == 1 and routing["flips"] > 0
     assert routing["layers"][0] == {"layer": 0, "flips": 0}  # layer 0 routes as before: the ablation is in layer 1
     assert expert in routing["first"]["a"] and expert not in routing["first"]["b"]
+
+
+def test_the_pages_sink_card_works_the_share_out_beside_the_trace(browser, families, tmp_path):
+    """The walk-through's card of the `sink` point (the softmax's sink column) and of `probs`, at every token of the
+    prompt and a decode step, in both layers: computed from the recorded scores' log-sum-exp and the sink logit,
+    within 1e-5 of the trace."""
+    import llmtrace
+    from helpers import Opened
+
+    model = llmtrace.load(str(families.hf_dir("gpt_oss")), device="cpu", dtype="float32")
+    run = model.generate(PROMPT, max_new_tokens=2, trace="full", layers=[0, -1], temperature=0)
+    path = tmp_path / "run.html"
+    path.write_text(run.html(), encoding="utf-8")
+    page = Opened(browser, path)
+    assert [m for m in page.messages if m[0] in ("error", "pageerror")] == []
+    p = page.page
+    seen = set()
+    tokens = p.eval_on_selector_all("#walk-token option", "els => els.map(e => e.value)")
+    for token in tokens[:-1]:  # the last token sampled is never run through the model: no card
+        for layer in ("0", "1"):
+            p.select_option("#walk-token", token)
+            p.select_option("#walk-layer", layer)
+            for point in ("sink", "probs"):
+                card = p.locator(f'[data-op][data-point="{point}"]').first
+                assert card.get_attribute("data-op") == "softmax"
+                err, rel = float(card.get_attribute("data-max-error")), float(card.get_attribute("data-max-rel"))
+                assert err <= 1e-5 or rel <= 1e-4, (token, layer, point, err, rel)
+                seen.add(point)
+    assert seen == {"sink", "probs"}
