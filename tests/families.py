@@ -54,6 +54,7 @@ class Family:
     tokenizer_class: str = "PreTrainedTokenizerFast"  # Phi-3's converter takes a byte-level BPE only as GPT2Tokenizer
     mxfp4: bool = False  # gpt-oss's expert matrices stored as the released checkpoints store them (mxfp4_experts)
     pre: str = "gpt-2"  # the tokenizer's split (tokenizer.json's pre-tokenizer; the GGUF's tokenizer.ggml.pre)
+    chat_template: str = ""  # the family's own chat format, when it has one (gpt-oss's harmony); else tiny.py's
 
 
 COMMON = dict(
@@ -149,14 +150,14 @@ _FAMILIES = [
            "sinks; a window of 4 on layer 0 of 2; YaRN (factor 32, truncate false: the ramp bites at head_dim 16); "
            "4 experts, top 2 of the raw logits then a softmax; biases everywhere; experts as HF stores them "
            "(gate_up_proj (E, D, 2F), interleaved); the tiny vocabulary split the o200k way (GGUF pre 'gpt-4o')",
-           transformers_reads_gguf=False, pre="gpt-4o"),
+           transformers_reads_gguf=False, pre="gpt-4o", chat_template="harmony"),
     Family("gpt_oss_mxfp4", "gpt_oss", {
         "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
         "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _YARN,
         "max_position_embeddings": 131072},
            "as gpt_oss with its expert matrices in MXFP4 (HF: *_blocks and *_scales; the converter repacks them into "
            "MXFP4 GGUF tensors); the model holds the values the blocks stand for", transformers_reads_gguf=False,
-           mxfp4=True, pre="gpt-4o"),
+           mxfp4=True, pre="gpt-4o", chat_template="harmony"),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -282,6 +283,30 @@ def family_tokenizer(family: Family):
     return tok
 
 
+# The harmony format of gpt-oss, written for these tests with the template features gpt-oss's own template uses
+# (a namespace set in a loop, strftime_now, raise_exception, slicing, loop.last): a system header with the date and the
+# reasoning effort, the caller's system message as the developer's instructions, each turn
+# <|start|>ROLE<|message|>TEXT<|end|>, an answer in the `final` channel, and <|start|>assistant to generate.
+HARMONY_TEMPLATE = (
+    "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Current date: {{ strftime_now('%Y-%m-%d') }}\n\nReasoning: {{ reasoning_effort }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{%- set ns = namespace(turns=messages, developer='') %}"
+    "{%- if messages[0].role in ('system', 'developer') %}"
+    "{%- set ns.developer = messages[0].content %}{%- set ns.turns = messages[1:] %}{%- endif %}"
+    "{%- if ns.developer %}<|start|>developer<|message|># Instructions\n\n{{ ns.developer }}<|end|>{%- endif %}"
+    "{%- for m in ns.turns %}"
+    "{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}"
+    "{{ '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}"
+    "{%- else %}{{ raise_exception('harmony has no role ' ~ m.role ~ ' after the first message') }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+TEMPLATES = {"harmony": HARMONY_TEMPLATE}
+
+
 def write_hf_dir(path: Path, family: Family, model=None):
     """config.json, model.safetensors and the tiny tokenizer; returns the model that holds the same weights."""
     path.mkdir(parents=True, exist_ok=True)
@@ -290,6 +315,10 @@ def write_hf_dir(path: Path, family: Family, model=None):
     if family.mxfp4:
         write_mxfp4(path, model)
     write_tokenizer(path, family_tokenizer(family))
+    if family.chat_template:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "chat_template": TEMPLATES[family.chat_template]}))
     if family.tokenizer_class != "PreTrainedTokenizerFast":
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": family.tokenizer_class}))

@@ -381,3 +381,39 @@ def test_the_pages_sink_card_works_the_share_out_beside_the_trace(browser, famil
                 assert err <= 1e-5 or rel <= 1e-4, (token, layer, point, err, rel)
                 seen.add(point)
     assert seen == {"sink", "probs"}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the harmony chat format, in the sandbox
+
+
+CHAT = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Sky colour?"},
+        {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "And grass?"}]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_the_harmony_template_renders_as_transformers_renders_it(families, loaded, fmt):
+    """The fixture's harmony template (namespace, strftime_now, raise_exception, as gpt-oss's own template uses them)
+    in llmtrace's jinja2 sandbox, from tokenizer_config.json and from the GGUF's tokenizer.chat_template: the same
+    text as transformers' apply_chat_template, and the same ids."""
+    import transformers
+
+    lm = loaded("gpt_oss", fmt)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(families.hf_dir("gpt_oss")))
+    text = lm.tokenizer.render_chat(CHAT, add_generation_prompt=True)
+    assert text == theirs.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert "<|start|>developer<|message|># Instructions\n\nAnswer in one word.<|end|>" in text
+    assert text.endswith("<|start|>user<|message|>And grass?<|end|><|start|>assistant")
+    assert "Reasoning: medium" in text and "Reasoning: high" in lm.tokenizer.render_chat(CHAT, reasoning_effort="high")
+    ids = lm.tokenizer.encode_prompt("Sky colour?", chat=True, system="Be brief.")[1]
+    assert ids == theirs.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Sky colour?"}],
+                                             tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def test_a_role_harmony_does_not_know_is_one_line(loaded):
+    from llmtrace.errors import LlmtraceError
+
+    with pytest.raises(LlmtraceError, match="harmony has no role tool after the first message"):
+        loaded("gpt_oss", "hf").tokenizer.render_chat([{"role": "user", "content": "hi"},
+                                                      {"role": "tool", "content": "x"}])

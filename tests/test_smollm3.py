@@ -86,3 +86,18 @@ def test_explain_says_no_rotation_in_the_layer_without_rope(families):
     assert plan["rope"] is None
     turned = next(e for e in model.explain(PROMPT, layer=2).events if e.get("section") == "rope")
     assert turned["rope_table"] == "global" and turned["check_q_rope_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("flags, says", [([1, 1, 0], "no_rope_layers must list 4 flags"),
+                                         ([1, 1, 2, 0], "no_rope_layers must list 4 flags")])
+def test_a_bad_no_rope_list_is_one_line(capsys, families, tmp_path, flags, says):
+    import json
+    import shutil
+
+    from helpers import fails
+
+    path = tmp_path / "smollm3"
+    shutil.copytree(families.hf_dir("smollm3"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "no_rope_layers": flags}))
+    fails(capsys, None, "generate", "hi", "-m", path, "-n", "1", says=(str(path), says))
