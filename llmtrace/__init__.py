@@ -31,6 +31,11 @@ _PUBLIC = {  # public name -> the module that defines it
     "Steer": "llmtrace.run.interventions",
     "ControlVector": "llmtrace.run.interventions",
     "patch_sweep": "llmtrace.api",
+    # the researcher's API (Model.points, run_with_cache, run_with_hooks, hooks): your own function at a point
+    "Hook": "llmtrace.run.interventions",
+    "HookError": "llmtrace.run.hookpoints",
+    "PointInfo": "llmtrace.run.hookpoints",
+    "ActivationCache": "llmtrace.run.research",
 }
 
 

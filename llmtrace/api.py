@@ -386,6 +386,7 @@ class Model:
 
     def __init__(self, loaded: LoadedModel):
         self.loaded = loaded
+        self._points: Optional[list] = None  # points(), listed once
 
     @property
     def tokenizer(self):
@@ -398,6 +399,47 @@ class Model:
     def __repr__(self) -> str:
         lm = self.loaded
         return f"Model({lm.name!r}, {lm.config.n_layers} layers, {str(lm.dtype).replace('torch.', '')} on {lm.device})"
+
+    # -- the researcher's API: points, full tensors, your own hooks (run/research.py)
+
+    def points(self, layer: Optional[int] = None, step: Optional[str] = None) -> list:
+        """Every point of this model in forward order, as a hook sees it (run.hookpoints.PointInfo: name "3.q_rope",
+        layer, seed step, axes, editable, the declared operation). `layer`: one layer's (negative from the end);
+        `step`: one seed step's ("s6.3"; "s6" takes its sub-steps)."""
+        from llmtrace.run.hookpoints import filter_points
+        from llmtrace.run.research import points_of
+
+        if self._points is None:
+            self._points = points_of(self.loaded)
+        return filter_points(self._points, layer, step, self.config.n_layers)
+
+    def run_with_cache(self, prompt, names=None, layers: Optional[Sequence[int]] = None, dtype=None, device=None,
+                       remove_batch_dim: bool = False, chat: bool = False, system: Optional[str] = None):
+        """One forward pass over `prompt` (a text, a list of texts run as a left-padded batch, ids): (logits (B, T, V)
+        float32, cache), the cache holding the full tensor of each point `names` picks (None: all; a name, a glob
+        "*.resid_post", a list, or a predicate on the name) in `layers`, float32 unless `dtype` says, on the model's
+        device unless `device` says. `remove_batch_dim` drops the batch axis of a one-prompt pass. TransformerLens's
+        `run_with_cache(tokens, names_filter=...)`."""
+        from llmtrace.run.research import run_with_cache
+
+        return run_with_cache(self.loaded, prompt, names=names, layers=layers, dtype=dtype, device=device,
+                              remove_batch_dim=remove_batch_dim, chat=chat, system=system)
+
+    def run_with_hooks(self, prompt, hooks: Sequence[Any] = (), chat: bool = False, system: Optional[str] = None):
+        """One forward pass over `prompt` with `hooks` attached: the logits (B, T, V), float32. A hook is a
+        (name, fn) pair or llmtrace.Hook(name, fn), called fn(x, point); it returns None to observe or, at an
+        editable point, the tensor the pass goes on with. The interventions (Ablate, Steer, ...) mix in.
+        TransformerLens's `run_with_hooks(tokens, fwd_hooks=[...])`."""
+        from llmtrace.run.research import run_with_hooks
+
+        return run_with_hooks(self.loaded, prompt, hooks, chat=chat, system=system)
+
+    def hooks(self, hooks: Sequence[Any]):
+        """`with model.hooks([("3.attn_out", fn)]):` every pass inside the block runs them (run_with_cache included);
+        on exit, also by an exception, the model is unhooked. TransformerLens's `with model.hooks(fwd_hooks=...)`."""
+        from llmtrace.run.research import hooks_attached
+
+        return hooks_attached(self.loaded, hooks)
 
     # -- generate
 

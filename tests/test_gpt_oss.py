@@ -375,7 +375,7 @@ def test_the_pages_sink_card_works_the_share_out_beside_the_trace(browser, famil
             p.select_option("#walk-token", token)
             p.select_option("#walk-layer", layer)
             for point in ("sink", "probs"):
-                card = p.locator(f'[data-op][data-point="{point}"]').first
+                card = p.locator(f'.wpoint.card[data-point="{point}"]').first
                 assert card.get_attribute("data-op") == "softmax"
                 err, rel = float(card.get_attribute("data-max-error")), float(card.get_attribute("data-max-rel"))
                 assert err <= 1e-5 or rel <= 1e-4, (token, layer, point, err, rel)

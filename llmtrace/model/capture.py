@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
+from llmtrace.model.points import Point, splice
 from llmtrace.model.transformer import Transformer
 
 Wanted = Union[None, Iterable[tuple[Optional[int], str]], Callable[[Optional[int], str], bool]]
@@ -38,3 +39,13 @@ def capture(model: Transformer, wanted: Wanted = None, *, layers: Optional[Itera
 
     with model.hooked(keep, layers, attention=attention, spell_out=spell_out):
         yield out
+
+
+def layer_points(model: Transformer, layer: int) -> tuple[Point, ...]:
+    """The points decoder layer `layer` of the built model reports, in forward order: its block's own with those of the
+    sub-layers it holds (a mixture-of-experts model's dense layer reports a dense feed-forward's points, not the
+    experts' its class declares). What a hook and a capture of that layer can see."""
+    block = model.layers[layer]
+    own = {p.name: p for p in type(block).declared_points()}
+    order = tuple(own[p.name] if isinstance(p, Point) else p for p in type(block).POINTS)
+    return splice(order, {part: getattr(block, part).declared_points() for part in order if isinstance(part, str)})

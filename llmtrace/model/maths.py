@@ -207,41 +207,83 @@ def _w(o: Op) -> str:
     return o.weights[0].split(".")[-2] if o.weights else "W"
 
 
-def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None) -> str:
+# The words of the formulas, by key: English here; a page in another language passes its own (its catalogue's
+# "maths.*" entries), so a formula is said in the page's language. {name} marks a value.
+WORDS = {
+    "per_head": ", per head (width Dh)",
+    "over_whole": ", over the whole {axis}",
+    "gamma_1w": " (γ = 1 + w)",
+    "no_rotation": "{name} = {x}: no rotation in this layer (attention here sees content, not position)",
+    "rope": "{name}: pairs ({x}_i, {x}_i+{half}) turned by pos·θ_i, θ_i = {base}^(−2i/{dr})",
+    "rope_part": " (the first {dr} of {dh} dims)",
+    "rope_scaled": ", {kind} scaling",
+    "rope_factor": ", cos and sin × {f}",
+    "before_mask": " (before the mask)",
+    "mask": "; −∞ at later keys",
+    "mask_window": "; −∞ at later keys and keys {w} or more back",
+    "softmax": "{name} = softmax({x}) over the last axis: each row sums to 1",
+    "softmax_sink": "{name} = softmax({x}) over the last axis, with one sink logit per head ({w}) in the sum, dropped "
+                    "after: rows sum to less than 1",
+    "split_H": ", split into H heads",
+    "split_Hkv": ", split into Hkv heads",
+    "merge": "concat(heads of {x})",
+    "lookup": "{name} = row id of {w} for each token",
+    "cache_write": "{x} → the cache's slots for this pass",
+    "repeat_kv": "{name}: each KV head of {x} seen by its {g} query heads (GQA)",
+    "weighted_sum": "{name} = {x} · {v} (each query head reading KV head h // {g})",
+    "select_last": "{name} = {x}[last position]",
+    "router": "{name}: {order} {k} of {x}",
+    "router_norm": ", renormalised to sum to 1",
+    "router_rest": "; 0 elsewhere",
+    "order_softmax_topk": "softmax, then top-k",
+    "order_topk_softmax": "top-k, then softmax",
+    "expert_matmul": "{name} = {x} · {w}[e]ᵀ for each chosen expert e",
+    "expert_matmul_bias": "{name} = {x} · {w}[e]ᵀ + b[e] for each chosen expert e",
+    "sink_share": "{name} = exp(sink) / (Σ exp({x}) + exp(sink)), one sink logit per head ({w}): 1 − Σ probs, the "
+                  "share of each row no key gets",
+    "prev_last": "{name} of the last layer",
+    "prev_any": "{name} of the layer before (in layer 0: {first})",
+    "prev_n": "{name} of layer {n}",
+}
+ORDERS = {"softmax, then top-k": "order_softmax_topk", "top-k, then softmax": "order_topk_softmax"}
+
+
+def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None,
+            words: Optional[dict] = None) -> str:
     """The declared operation as one line of maths with its operands and this layer's constants: what a view shows
-    beside the point `name` of `layer` (None: outside the layers). The one home of these words: explain, the report
-    and serve take them from here."""
-    x = [_operand_words(i, layer, maths) for i in o.inputs]
+    beside the point `name` of `layer` (None: outside the layers; −1: any layer of its kind). The one home of these
+    formulas: explain, the report and serve take them from here; `words` says them in another language (WORDS)."""
+    W = WORDS if not words else {**WORDS, **words}
+    say = lambda key, **v: W[key].format(**v)  # noqa: E731
+    x = [_operand_words(i, layer, maths, say) for i in o.inputs]
     c = dict(o.consts)
     k = o.kind
     if k == "rmsnorm":
-        over = {"D": "", "Dh": ", per head (width Dh)"}.get(c["over"], f", over the whole {c['over']}")
-        gamma = " (γ = 1 + w)" if c["gamma"] != "w" else ""
+        over = "" if c["over"] == "D" else say("per_head") if c["over"] == "Dh" else say("over_whole", axis=c["over"])
+        gamma = say("gamma_1w") if c["gamma"] != "w" else ""
+        if " " in x[0]:  # an operand said in words: name it x
+            return f"{name} = x / √(mean(x²) + {c['eps']:g}) · γ{gamma}{over}, x = {x[0]}"
         return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ{gamma}{over}"
     if k == "rope":
         if c.get("rotation") == "none":
-            return f"{name} = {x[0]}: no rotation in this layer (attention here sees content, not position)"
+            return say("no_rotation", name=name, x=x[0])
         dr = c["rotary_dim"]
-        part = f" (the first {dr} of {c['head_dim']} dims)" if dr != c["head_dim"] else ""
+        part = say("rope_part", dr=dr, dh=c["head_dim"]) if dr != c["head_dim"] else ""
         kind = (c.get("scaling") or {}).get("rope_type")
-        scaled = f", {kind} scaling" if kind and kind != "default" else ""
-        factor = f", cos and sin × {c['attention_factor']:.4g}" if c.get("attention_factor") not in (None, 1.0) else ""
-        return (f"{name}: pairs ({x[0]}_i, {x[0]}_i+{dr // 2}) turned by pos·θ_i, θ_i = {_n(c['base'])}^(−2i/{dr})"
-                f"{part}{scaled}{factor}")
+        scaled = say("rope_scaled", kind=kind) if kind and kind != "default" else ""
+        factor = say("rope_factor", f=f"{c['attention_factor']:.4g}") if c.get("attention_factor") not in (None, 1.0) else ""
+        return say("rope", name=name, x=x[0], half=dr // 2, base=_n(c["base"]), dr=dr) + part + scaled + factor
     if k == "scores":
         s = f"{x[0]} · {x[1]}ᵀ · {c['scale']:.4g} ({c['scale_label']})"
         if c.get("softcap"):
             s = f"{c['softcap']:g}·tanh({s} / {c['softcap']:g})"
-        return f"{name} = {s}" + _mask_words(c)
+        return f"{name} = {s}" + _mask_words(c, say)
     if k == "softcap":
-        return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c)
+        return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c, say)
     if k == "softmax":
-        if c.get("take") == "sink":  # gpt-oss: the sink's column of the same softmax, the share the keys do not get
-            return (f"{name} = exp(sink) / (Σ exp({x[0]}) + exp(sink)), one sink logit per head ({o.weights[0]}): "
-                    f"1 − Σ probs, the share of each row no key gets")
-        sink = f", with one sink logit per head ({o.weights[0]}) in the sum, dropped after: rows sum to less than 1" \
-            if c.get("sink") else ": each row sums to 1"
-        return f"{name} = softmax({x[0]}) over the last axis{sink}"
+        if c.get("take") == "sink":  # gpt-oss: the sink's column of the same softmax, the share no key gets
+            return say("sink_share", name=name, x=x[0], w=o.weights[0])
+        return say("softmax_sink", name=name, x=x[0], w=o.weights[0]) if c.get("sink") else say("softmax", name=name, x=x[0])
     if k == "glu":
         if c.get("clamp") is not None:
             lim = c["clamp"]
@@ -249,45 +291,43 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
                     f"u = clamp({x[1]}, −{lim:g}, {lim:g}) ({glu_name(o)})")
         return f"{name} = {c['act']}({x[0]}) ⊙ {x[1]} ({glu_name(o)})"
     if k == "matmul":
-        split = {"H": ", split into H heads", "Hkv": ", split into Hkv heads"}.get(c.get("split"), "")
+        split = say("split_" + c["split"]) if c.get("split") in ("H", "Hkv") else ""
         rows = f"[{c['rows'][0]}:{c['rows'][1]}]" if c.get("rows") else ""
-        merge = "concat(heads of " if c.get("merge") else ""
+        arg = say("merge", x=x[0]) if c.get("merge") else x[0]
         bias = " + b" if len(o.weights) > 1 else ""
-        return f"{name} = {merge}{x[0]}{')' if merge else ''} · {_w(o)}{rows}ᵀ{bias}{split}"
+        return f"{name} = {arg} · {_w(o)}{rows}ᵀ{bias}{split}"
+    if k == "router":
+        order = say(ORDERS.get(c.get("order"), "order_softmax_topk"))
+        return (say("router", name=name, order=order, k=c.get("k"), x=x[0])
+                + (say("router_norm") if c.get("renormalise") else "") + say("router_rest"))
     return {
-        "lookup": lambda: f"{name} = row id of {o.weights[0] if o.weights else 'E'} for each token",
+        "lookup": lambda: say("lookup", name=name, w=o.weights[0] if o.weights else "E"),
         "scale": lambda: f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}",
-        "cache_write": lambda: f"{', '.join(x)} → the cache's slots for this pass",
-        "repeat_kv": lambda: f"{name}: each KV head of {x[0]} seen by its {c.get('group')} query heads (GQA)",
-        "weighted_sum": lambda: f"{name} = {x[0]} · {x[1]} (each query head reading KV head h // {c.get('group')})",
+        "cache_write": lambda: say("cache_write", x=", ".join(x)),
+        "repeat_kv": lambda: say("repeat_kv", name=name, x=x[0], g=c.get("group")),
+        "weighted_sum": lambda: say("weighted_sum", name=name, x=x[0], v=x[1], g=c.get("group")),
         "add": lambda: f"{name} = {x[0]} + {x[1]}",
-        "select_last": lambda: f"{name} = {x[0]}[last position]",
-        "router": lambda: (f"{name}: the top {c.get('k')} of {x[0]}, then a softmax over those {c.get('k')}"
-                           if c.get("order") == "top-k, then softmax" else
-                           f"{name}: {c.get('order', 'softmax, then top-k')} {c.get('k')} of {x[0]}"
-                           + (", renormalised to sum to 1" if c.get("renormalise") else "")) + "; 0 elsewhere",
-        "expert_matmul": lambda: f"{name} = {x[0]} · {_w(o)}[e]ᵀ{' + b[e]' if len(o.weights) > 1 else ''} for each "
-                                 f"chosen expert e",
+        "select_last": lambda: say("select_last", name=name, x=x[0]),
+        "expert_matmul": lambda: say("expert_matmul_bias" if len(o.weights) > 1 else "expert_matmul", name=name,
+                                     x=x[0], w=_w(o)),
         "expert_mix": lambda: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)",
         "stream": lambda: f"{name} = {x[0]}",
     }.get(k, lambda: OPS[k])()
 
 
-def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"]) -> str:
+def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"], say) -> str:
     if not ref.startswith(PREV):
         return ref
     name = ref[len(PREV):]
+    first = maths.stream_in if maths is not None else "embed"
     if layer is None:
-        return f"{name} of the last layer"
+        return say("prev_last", name=name)
     if layer < 0:  # any layer of a kind: said for all of them
-        return f"{name} of the layer before (in layer 0: {maths.stream_in if maths is not None else 'the embedding'})"
-    if layer == 0:
-        return maths.stream_in if maths is not None else f"{name} of the layer before (the embedding in layer 0)"
-    return f"{name} of layer {layer - 1}"
+        return say("prev_any", name=name, first=first)
+    return first if layer == 0 else say("prev_n", name=name, n=layer - 1)
 
 
-def _mask_words(c: dict) -> str:
+def _mask_words(c: dict, say) -> str:
     if not c.get("mask"):
-        return " (before the mask)"
-    window = f" and keys {c['window']:,} or more back" if c.get("window") else ""
-    return f"; −∞ at later keys{window}"
+        return say("before_mask")
+    return say("mask_window", w=f"{c['window']:,}") if c.get("window") else say("mask")

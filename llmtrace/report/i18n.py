@@ -43,5 +43,10 @@ class Words:
         return key in self._texts
 
     @property
+    def maths(self) -> dict[str, str]:
+        """The words of the formulas (model.maths.WORDS) in this language: the catalogue's "maths." keys."""
+        return {k[6:]: v for k, v in self._texts.items() if k.startswith("maths.")}
+
+    @property
     def js(self) -> dict[str, str]:
         return {k[3:]: v for k, v in self._texts.items() if k.startswith("js.")}

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmtrace.report.data import AFTER_EMBEDDING
+from llmtrace.report.walk import maths_view
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.trace.records import fast_parts
 from llmtrace.units import human_bytes
@@ -697,6 +698,8 @@ def view(d: dict, w=None) -> dict:
     del d["lacking"], d["w"]
     d.pop("explain_view", None)  # laid out in the page, not read by the script
     d["words"] = w.js  # the script's texts, in the page's language
+    if d.get("maths") and w.maths:  # the formulas said in the page's language
+        d["maths"] = maths_view({"maths": d["maths"]["record"]}, None, w.maths)
     d["step_titles"] = {st["id"]: step_title(w, st["id"], d) for st in d["pipeline"]["stages"]}
     return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',
             "sections": shown, "stepbar": step_bar(dict(d, w=w)), "data": d, "palette": PALETTE, "w": w}

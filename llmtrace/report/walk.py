@@ -59,10 +59,10 @@ def embedding_point(points: list[dict]) -> Optional[str]:
     return next((p["name"] for p in points if not p["layer"] and p["step"] == "s4"), None)
 
 
-def maths_view(run: Optional[dict], head: Optional[dict]) -> Optional[dict]:
+def maths_view(run: Optional[dict], head: Optional[dict], words: Optional[dict] = None) -> Optional[dict]:
     """The model's declared maths for the page (model.maths): the trace's record, and each point's formula with its
-    layer kind's constants, written once here (maths.formula) so that the page shows the words explain prints.
-    None for a trace written before the maths was declared."""
+    layer kind's constants, written once here (maths.formula, in the page's `words`) so that the page shows what
+    explain prints. None for a trace written before the maths was declared."""
     from llmtrace.model.maths import Maths, formula
 
     record = (run or {}).get("maths") or (head or {}).get("maths")
@@ -70,8 +70,9 @@ def maths_view(run: Optional[dict], head: Optional[dict]) -> Optional[dict]:
     if maths is None:
         return None
     first = {k: record["layer_kind"].index(k) for k in range(len(record["kinds"]))}
-    kinds = [{n: formula(o, n, -1, maths) for n, o in maths.layers[first[k]].items()} for k in range(len(record["kinds"]))]
-    return {"record": record, "formulas": {"model": {n: formula(o, n, None, maths) for n, o in maths.model.items()},
+    kinds = [{n: formula(o, n, -1, maths, words) for n, o in maths.layers[first[k]].items()}
+             for k in range(len(record["kinds"]))]
+    return {"record": record, "formulas": {"model": {n: formula(o, n, None, maths, words) for n, o in maths.model.items()},
                                            "kinds": kinds}}
 
 

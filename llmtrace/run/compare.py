@@ -694,7 +694,7 @@ def run_side_by_side(lm_a, lm_b, ids: list[int], acc: dict, say=lambda _m: None,
     def edited():  # B's interventions, hooked around each of B's calls alone: A may be the same model (one loaded
         if edits_b is None:  # model under two settings), whose passes must stay as they are
             return contextlib.nullcontext()
-        return lm_b.model.hooked(edits_b, edits_b.layers, spell_out=False)
+        return lm_b.model.hooked(edits_b, edits_b.layers, spell_out=edits_b.spell_out)
 
     if edits_b is not None:
         edits_b.begin_pass(prompt=True, pads=[0])

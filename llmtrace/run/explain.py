@@ -123,7 +123,7 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
     cache = model.new_cache(len(ids))
     with contextlib.ExitStack() as held:
         if edits is not None:
-            held.enter_context(model.hooked(edits, edits.layers, spell_out=False))
+            held.enter_context(model.hooked(edits, edits.layers, spell_out=edits.spell_out))
         kept = held.enter_context(capture_points(
             model, lambda lay, name: lay is None and name in (EMBED.name, stream_in) or lay == layer or name in streams,
             layers=range(L), attention=[] if layer is None else [layer], spell_out=True))

@@ -490,7 +490,7 @@ class _Loop:
         start, step = 0, 0
         with contextlib.ExitStack() as held:
             if self.edits is not None:
-                held.enter_context(self.model.hooked(self.edits, self.edits.layers, spell_out=False))
+                held.enter_context(self.model.hooked(self.edits, self.edits.layers, spell_out=self.edits.spell_out))
             while True:
                 phase = "prefill" if step == 0 else "decode"
                 t0 = time.perf_counter()

@@ -1,9 +1,11 @@
 """Interventions: ablate, scale, patch and steer the forward pass, and read llama.cpp's control vectors.
 
-An intervention is a small frozen dataclass (`Ablate`, `Scale`, `Patch`, `Steer`, `ControlVector`); a run takes a plain
-list of them (`generate(..., interventions=[Ablate(3, head=2)])`, explain, lens). `prepare` checks them against the
-model and the prompts, runs the texts some of them need (each alone, without interventions) and returns an `Edits`,
-the editor that `Transformer.hooked` attaches to the model's edit points (llmtrace.model.transformer). `parse_*` turn the
+An intervention is a small frozen dataclass (`Ablate`, `Scale`, `Patch`, `Steer`, `ControlVector`, and `Hook`, a
+researcher's own function); a run takes a plain list of them (`generate(..., interventions=[Ablate(3, head=2)])`,
+explain, lens, a compare Side). `prepare` checks them against the model and the prompts, runs the texts some of them
+need (each alone, without interventions), turns each into hooks (`hooks_of`: named functions fn(x, point) at points)
+and returns an `Edits`, the editor that `Transformer.hooked` attaches to the model's points (llmtrace.model.transformer):
+the one hook, for the built-in interventions and a researcher's alike. `parse_*` turn the
 command line's strings into the same objects, in one place, with one-line errors.
 
 Definitions (tests/test_interventions.py checks each one against forward hooks on transformers' Llama):
@@ -22,6 +24,9 @@ Definitions (tests/test_interventions.py checks each one against forward hooks o
                                the source)
     Steer(L, toward, away, α)  v = layer L's output (resid_post) at the last token of `toward` minus the same for
                                `away`, each run alone; α·v is added to layer L's output at every position, in every pass
+    Hook(name, fn)             a researcher's own function at a point ("3.attn_out"), called as fn(x, point) in every
+                               pass: None observes, a tensor replaces x at an editable point (run.hookpoints). The
+                               trace names the function and says that llmtrace cannot replay it
     ControlVector(path, scale) llama.cpp's control-vector GGUF: tensor `direction.N` (N ≥ 1, float32, one per layer) is
                                added, times scale, to the output of layer N (0-based), as llama.cpp's build_cvec adds
                                it after the layer's FFN residual; several files add up. Layer 0 has no direction
@@ -174,13 +179,45 @@ class ControlVector:
         return f"{self.path}:{self.scale:g}"
 
 
-Intervention = Union[Ablate, Scale, Patch, Steer, ControlVector]
+@dataclass(frozen=True)
+class Hook:
+    """A researcher's function at one point: `name` as a hook sees it ("3.attn_out", "-1.resid_post", "embed"),
+    `fn(x, point)` returning None (it observed) or, at an editable point, the tensor the pass goes on with. It runs on
+    the same hook as the others, in every pass; a trace records its name, and says that llmtrace cannot replay it."""
+
+    name: str
+    fn: Callable
+
+    kind = "hook"
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise BadValue("hook", f": the point's name must be a text such as '3.attn_out', not {self.name!r}")
+        if not callable(self.fn):
+            raise BadValue("hook", f" {self.name}: fn must be a function fn(x, point), not {type(self.fn).__name__}")
+
+    @property
+    def spec(self) -> str:
+        return self.name
+
+    @property
+    def layer(self) -> Optional[int]:
+        head, dot, _ = self.name.partition(".")
+        return int(head) if dot and head.lstrip("-").isdigit() else None
+
+
+Intervention = Union[Ablate, Scale, Patch, Steer, ControlVector, Hook]
 
 
 def record(iv: Intervention) -> dict:
     """The intervention as the `run` event lists it (the schema's `intervention`): kind, spec (its command-line
     spelling), label (the terminal's line), then its fields."""
     out = {"kind": iv.kind, "spec": iv.spec, "label": label(iv)}
+    if isinstance(iv, Hook):
+        from llmtrace.run.hookpoints import function_name
+
+        layer = {"layer": iv.layer} if iv.layer is not None else {}
+        return out | layer | {"at": iv.name, "function": function_name(iv.fn), "replayable": False}
     for name in ("layer", "head", "part", "mean", "factor", "point", "position", "source", "toward", "away_from",
                  "strength", "path", "scale", "expert"):
         if name == "expert" and getattr(iv, name, None) is None:
@@ -196,6 +233,10 @@ def label(iv: Intervention) -> str:
         return f"patch {iv.spec} from {_quote(iv.source)}"
     if isinstance(iv, Steer):
         return f"steer {iv.layer} {iv.strength:+g}·({_quote(iv.toward)} − {_quote(iv.away_from)})"
+    if isinstance(iv, Hook):
+        from llmtrace.run.hookpoints import function_name
+
+        return f"hook {function_name(iv.fn)} at {iv.name} (your function: llmtrace cannot replay it)"
     if isinstance(iv, ControlVector):
         return f"control vector {Path(iv.path).name} ×{iv.scale:g}"
     return f"{iv.kind} {iv.spec}"
@@ -375,6 +416,9 @@ def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequenc
         name = iv.kind
         if isinstance(iv, ControlVector):
             continue
+        if isinstance(iv, Hook):
+            _hook_point(iv, config)
+            continue
         _layer(name, iv, iv.layer, config.n_layers)
         if getattr(iv, "head", None) is not None:
             _head(name, iv, iv.head, config.n_heads)
@@ -386,6 +430,26 @@ def check(interventions: Sequence[Intervention], config, prompt_lengths: Sequenc
             for r, n in enumerate(prompt_lengths):
                 position_slot(name, iv, iv.position, n, "the prompt" if len(prompt_lengths) == 1 else f"prompt {r + 1}")
     _enough_experts(interventions, config)
+
+
+def _hook_point(iv: Hook, config) -> None:
+    """A Hook's point against the model's declaration: a point of the model, or L.NAME with L one of its layers; a
+    glob matches at least one point."""
+    from llmtrace.model.family import points_of
+
+    if any(c in iv.name for c in "*?["):
+        return  # a glob ("*.resid_post"): matched against the built model's points when the run is prepared
+    points = points_of(config)
+    head, dot, rest = iv.name.partition(".")
+    if dot and head.lstrip("-").isdigit():
+        _layer("hook", iv, int(head), config.n_layers)
+        known = points.names(layer=True)
+    else:
+        rest, known = iv.name, points.names(layer=False)
+    if rest not in known:
+        raise BadValue("hook", f" {iv.name}: {rest!r} is not a point of this model; the model's own: "
+                               f"{', '.join(points.names(layer=False))}; a layer's: L.NAME with NAME one of "
+                               f"{', '.join(points.names(layer=True))}")
 
 
 def read_control_vector(path, d_model: int, n_layers: int) -> dict[int, "object"]:
@@ -441,10 +505,12 @@ class Edits:
         self.ops: dict[tuple[int, str], list[Callable]] = {}
         self.prompt_pass = True
         self.pads: list[int] = [0]
+        self.spell_out = False  # a hook observes a step that exists only where attention is spelled out
 
     @property
     def layers(self) -> list[int]:
-        return sorted({layer for layer, _ in self.ops})
+        """The layers whose points it edits or observes (the model's own points are always hooked)."""
+        return sorted({layer for layer, _ in self.ops if layer is not None})
 
     def add(self, layer: int, point: str, op: Callable) -> None:
         self.ops.setdefault((layer, point), []).append(op)
@@ -467,42 +533,62 @@ def prepare(lm, interventions: Sequence[Intervention], prompt_lengths: Sequence[
             encode: Optional[Callable[[str], list[int]]] = None) -> Optional[Edits]:
     """Check the interventions against the model and the prompts, compute what they need (the source activations of
     patches, the steering vectors, the control vectors' directions) and return the editor; None for no intervention.
-    `encode` turns a text an intervention runs into ids (default: the tokenizer's plain encoding)."""
+    `encode` turns a text an intervention runs into ids (default: the tokenizer's plain encoding). Every intervention
+    becomes hooks (`hooks_of`): named functions fn(x, point) at points, as a researcher's own Hook is."""
     if not interventions:
         return None
-    import torch
+    from llmtrace.model.capture import layer_points
+    from llmtrace.run.hookpoints import point_table
 
-    c = lm.config
-    check(interventions, c, prompt_lengths)
+    check(interventions, lm.config, prompt_lengths)
     encode = encode or (lambda text: lm.tokenizer.encode_prompt(text)[1])
     edits = Edits(interventions)
-    points = lm.points
-    out = layer_output(points)
+    table = point_table(lm.model, lambda i: layer_points(lm.model, i))
     for iv in interventions:
-        if isinstance(iv, (Ablate, Scale)) and iv.part == "expert":
-            layer = iv.layer % c.n_layers
-            router, weights = expert_points(points)
-            edits.add(layer, router if isinstance(iv, Ablate) else weights, _expert_edit(iv))
-        elif isinstance(iv, (Ablate, Scale)):
-            layer = iv.layer % c.n_layers
-            edits.add(layer, part_point(points, iv.part), _ablate_or_scale(edits, iv))
-        elif isinstance(iv, Patch):
-            layer = iv.layer % c.n_layers
-            point = part_point(points, "head") if iv.point == "head" else iv.point
-            ids = _source_ids(iv, encode, "source", iv.source, c.max_seq_len)
-            pos = position_slot("patch", iv, iv.position, len(ids), "the source text", also=("source",))
-            acts = grab(lm.model, ids, [(layer, point)])[(layer, point)]  # (T_src, D) or (T_src, H, Dh)
-            vec = acts[pos] if iv.head is None else acts[pos, iv.head]
-            edits.add(layer, point, _patch(edits, iv, vec))
-        elif isinstance(iv, Steer):
-            layer = iv.layer % c.n_layers
-            v = steering_vector(lm, layer, _source_ids(iv, encode, "toward", iv.toward, c.max_seq_len),
-                                _source_ids(iv, encode, "away_from", iv.away_from, c.max_seq_len))
-            edits.add(layer, out, _add(iv.strength * v))
-        else:
-            for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items():
-                edits.add(layer, out, _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
+        for hook in hooks_of(lm, edits, iv, encode):
+            _add_hook(lm, edits, hook, table)
     return edits
+
+
+def hooks_of(lm, edits: Edits, iv: Intervention, encode: Callable[[str], list[int]]) -> list[Hook]:
+    """The hooks an intervention is: a function fn(x, point) at each point it edits (Ablate and Scale at their part's
+    output, or an expert's router score or weight; Patch and Steer at their point, with the activations they read
+    computed here; a control vector at each layer's output it has a direction for; a Hook as it is)."""
+    import torch
+
+    if isinstance(iv, Hook):
+        return [iv]
+    c, points = lm.config, lm.points
+    at = lambda layer, point: f"{layer % c.n_layers}.{point}"  # noqa: E731
+    if isinstance(iv, (Ablate, Scale)) and iv.part == "expert":
+        router, weights = expert_points(points)
+        return [Hook(at(iv.layer, router if isinstance(iv, Ablate) else weights), _expert_edit(iv))]
+    if isinstance(iv, (Ablate, Scale)):
+        return [Hook(at(iv.layer, part_point(points, iv.part)), _ablate_or_scale(edits, iv))]
+    if isinstance(iv, Patch):
+        layer = iv.layer % c.n_layers
+        point = part_point(points, "head") if iv.point == "head" else iv.point
+        ids = _source_ids(iv, encode, "source", iv.source, c.max_seq_len)
+        pos = position_slot("patch", iv, iv.position, len(ids), "the source text", also=("source",))
+        acts = grab(lm.model, ids, [(layer, point)])[(layer, point)]  # (T_src, D) or (T_src, H, Dh)
+        vec = acts[pos] if iv.head is None else acts[pos, iv.head]
+        return [Hook(at(layer, point), _patch(edits, iv, vec))]
+    out = layer_output(points)
+    if isinstance(iv, Steer):
+        v = steering_vector(lm, iv.layer % c.n_layers, _source_ids(iv, encode, "toward", iv.toward, c.max_seq_len),
+                            _source_ids(iv, encode, "away_from", iv.away_from, c.max_seq_len))
+        return [Hook(at(iv.layer, out), _add(iv.strength * v))]
+    return [Hook(at(layer, out), _add(iv.scale * torch.from_numpy(direction).to(lm.device)))
+            for layer, direction in read_control_vector(iv.path, c.d_model, c.n_layers).items()]
+
+
+def _add_hook(lm, edits: Edits, iv: Hook, table) -> None:
+    """A hook as one more edit of the one hook, at each point of the built model its name picks."""
+    from llmtrace.run.hookpoints import canonical, hook_op, needs_spelled_attention, select
+
+    for info in select(table, canonical(iv.name, lm.config.n_layers, "hook"), None, lm.config.n_layers, "hook"):
+        edits.add(info.layer, info.point, hook_op(info, iv.fn, table))
+        edits.spell_out = edits.spell_out or needs_spelled_attention(info)
 
 
 def _source_ids(iv, encode, field_name: str, text: str, ctx: int) -> list[int]:
@@ -540,28 +626,30 @@ def steering_vector(lm, layer: int, toward: list[int], away: list[int]):
 
 
 def _ablate_or_scale(edits: Edits, iv):
-    """The edit of Ablate / Scale at its part's output point."""
+    """The hook function of Ablate / Scale at its part's output point."""
     import torch
 
     factor = 0.0 if isinstance(iv, Ablate) else iv.factor
     if iv.part != "head":  # o_proj or down, (B, T, D)
-        return (lambda x: x * factor) if factor != 0.0 else (lambda x: x.new_zeros(x.shape))
+        def scale_output(x, point):
+            return x * factor if factor != 0.0 else x.new_zeros(x.shape)
+        return scale_output
     h = iv.head
     if not getattr(iv, "mean", False):
-        def head_op(x):  # (B, T, H, Dh)
+        def scale_head(x, point):  # (B, T, H, Dh)
             x = x.clone()
             x[:, :, h] = 0.0 if factor == 0.0 else x[:, :, h] * factor
             return x
-        return head_op
+        return scale_head
     means = {}  # the mean over the prompt's positions, (B, Dh), taken in the prompt's pass and kept for decode steps
 
-    def mean_op(x):  # (B, T, H, Dh)
+    def mean_head(x, point):  # (B, T, H, Dh)
         if edits.prompt_pass:
             means["m"] = torch.stack([x[r, pad:, h].mean(0) for r, pad in enumerate(edits.pads)])
         x = x.clone()
         x[:, :, h] = means["m"][:, None]
         return x
-    return mean_op
+    return mean_head
 
 
 def _expert_edit(iv):
@@ -569,23 +657,23 @@ def _expert_edit(iv):
     its routing weight (B, T, E) times α, which multiplies its output wherever it runs."""
     k = iv.expert
 
-    def op(x):
+    def scale_expert(x, point):
         x = x.clone()
         if isinstance(iv, Ablate):
             x[..., k] = float("-inf")
         else:
             x[..., k] = x[..., k] * iv.factor
         return x
-    return op
+    return scale_expert
 
 
 def _patch(edits: Edits, iv: Patch, vec):
     """Replace the value at prompt position P by `vec` (D,) or (Dh,) in the prompt's pass only."""
     head = iv.head
 
-    def op(x):  # (B, T, D), or (B, T, H, Dh) for a head
+    def patch_position(x, point):  # (B, T, D), or (B, T, H, Dh) for a head
         if not edits.prompt_pass:
-            return x
+            return None
         x = x.clone()
         for r, slot in enumerate(edits.slots(iv.position, x.size(1))):
             if head is None:
@@ -593,11 +681,11 @@ def _patch(edits: Edits, iv: Patch, vec):
             else:
                 x[r, slot, head] = vec.to(x.dtype)
         return x
-    return op
+    return patch_position
 
 
 def _add(v):
     """Add v (D,) at every position of every pass."""
-    def op(x):
+    def add_vector(x, point):
         return x + v.to(x.dtype)
-    return op
+    return add_vector

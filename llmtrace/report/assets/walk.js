@@ -72,11 +72,11 @@
   function shapeText(m) {
     return "[" + m.shape.map((n, a) => (m.axes ? m.axes[a] + "=" : "") + n).join(", ") + "]";
   }
-  function valuesTable(index, cols) { // one row per series ([heading, values]), one column per kept entry (index i)
+  function valuesTable(index, cols, masked) { // one row per series ([heading, values]), one column per kept entry (index i); `masked`: a missing value is a masked −∞
     let h = "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
       index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr>";
     cols.forEach((c) => {
-      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + num(c[1][j]) + "</td>").join("") + "</tr>";
+      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + (masked && Number.isNaN(c[1][j]) ? "\u2212\u221e" : num(c[1][j])) + "</td>").join("") + "</tr>";
     });
     return h + "</table></div>";
   }
@@ -125,8 +125,7 @@
     const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
     const n = s.meta.shape[s.meta.shape.length - 1];
     html += "<p>" + esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) + "</p>";
-    const checked = w.err !== undefined || w.missing;
-    return html + w.html + (checked ? "" : valuesTable(s.meta.index, [[t("value"), vals]])) + "</div>";
+    return html + w.html + (w.err !== undefined ? "" : valuesTable(s.meta.index, [[t("value"), vals]], w.op === "scores" || w.op === "softcap")) + "</div>";
   }
   const SEED = Object.keys(D.step_titles);
   function drawWalk() {
@@ -157,7 +156,55 @@
     });
     panel.innerHTML = html;
   }
-  ["#walk-token", "#walk-layer", "#walk-head"].forEach((s) => { const e = $(s); if (e) e.addEventListener("change", drawWalk); });
+  ["#walk-token", "#walk-layer", "#walk-head"].forEach((s) => { const e = $(s); if (e) e.addEventListener("change", () => { drawWalk(); drawMap(); }); });
+
+  // ------------------------------------------------------------------------------------------ the map of the pass
+  // s1 -> s12 as the model declares it: each seed step a box, each of its points a button named by its operation; a
+  // button opens that point's worked card in place, on the walk-through's token, layer and head.
+  let mapOpen = null; // {name, layer} of the open block
+  function walkChoice() {
+    const v = (id, d) => { const e = $(id); return e ? Number(e.value) : d; };
+    const i = v("#walk-token", nPrompt - 1);
+    return { i: i, pass: passOf(i), layer: v("#walk-layer", (D.walk.layers || [0])[0] || 0), h: v("#walk-head", 0) };
+  }
+  function drawMap() {
+    const el = $("#passmap");
+    if (!el || !D.maths) return;
+    const c = walkChoice(), R = D.maths.record, plan = CARDS.planOf(c.layer);
+    const shapeOf = (p, lay) => { const s = sample(c.pass.step, lay, p.name); return s ? shapeText(s.meta) : ""; };
+    let html = "";
+    SEED.forEach((sid, k) => {
+      let pts = D.points.filter((p) => p.step.split("/")[0] === sid && p.traced !== false);
+      pts = pts.filter((p) => CARDS.opOf(p.layer ? c.layer : "m", p.name));
+      let extra = "";
+      if (sid === "s6.3" && plan && !plan.rope) extra = "<span class=mapnote>" + esc(t("map_no_rope")) + "</span>";
+      if (sid === "s6.4" && plan && plan.window) extra = "<span class=mapnote>" + esc(t("map_window", { w: plan.window })) + "</span>";
+      if (sid === "s6.8") extra = "<span class=mapnote data-kv-slots=\"" + (slotOf(c.pass) + c.pass.T) + "\">" +
+        esc(t("map_kv", { slots: slotOf(c.pass) + c.pass.T })) + "</span>";
+      const buttons = pts.map((p) => {
+        const lay = p.layer ? c.layer : "m", o = CARDS.opOf(lay, p.name), open = mapOpen && mapOpen.name === p.name;
+        return "<button type=button class=\"mapblock" + (open ? " open" : "") + "\" data-point=\"" + esc(p.name) + "\" data-layer=\"" + lay +
+          "\" data-op=\"" + esc(o.op) + "\" aria-expanded=\"" + (open ? "true" : "false") + "\" aria-label=\"" + esc(sid + " " + p.name + ": " + o.op) +
+          "\">" + esc(p.name) + " <span class=op>" + esc(o.op) + "</span><span class=mapshape>" + esc(shapeOf(p, lay)) + "</span></button>";
+      }).join("");
+      html += "<li class=mapstep data-seed=\"" + sid + "\"" + (sid.startsWith("s6") ? " data-in-layer" : "") + "><b>" + esc(sid) + "</b> " +
+        esc(D.step_titles[sid] || "") + (buttons ? "<div>" + buttons + "</div>" : "") + extra + "</li>";
+      if (k < SEED.length - 1) html += "<li class=maparrow aria-hidden=true>\u2192</li>";
+    });
+    el.innerHTML = "<p class=note>" + esc(t("map_intro", { layer: c.layer, kind: R.layer_kind[c.layer] })) + "</p><ol class=mapflow>" + html + "</ol>" +
+      "<div id=map-card aria-live=polite></div>";
+    el.querySelectorAll(".mapblock").forEach((b) => b.addEventListener("click", () => {
+      const same = mapOpen && mapOpen.name === b.dataset.point;
+      mapOpen = same ? null : { name: b.dataset.point };
+      drawMap();
+      const again = el.querySelector(".mapblock[data-point=\"" + b.dataset.point + "\"]");
+      if (again) again.focus();
+    }));
+    if (mapOpen) {
+      const p = D.points.find((x) => x.name === mapOpen.name);
+      $("#map-card").innerHTML = p ? pointCard(p, c.pass, c.layer, c.h) : "";
+    }
+  }
 
   // ------------------------------------------------------------------------------------------ the what-if sampler
   function logitsOf(step) { // {ids, z, tail, vocab, all} of one step, decoded once
@@ -266,5 +313,6 @@
   });
   document.addEventListener("llmtrace:step", drawWhatif);
   drawWalk();
+  drawMap();
   drawWhatif();
 })();
