@@ -155,7 +155,6 @@ class MoEFeedForward(Module):
                 self.point(name, value.view(B, T, K, Fe))
         return self.point("down", out.view(B, T, D))  # (B, T, D)
 
-
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """An expert's gated activation: act(gate) ⊙ up (a family with a clamped GLU changes it: gpt-oss)."""
         return self.act(gate) * up

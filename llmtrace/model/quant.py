@@ -159,8 +159,8 @@ def _mxfp4(b):
     return d * lut[_nibbles(b[:, 1:]).long()]
 
 
-_DEQUANT = {"MXFP4": _mxfp4, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k, "Q3_K": _q3_k,
-            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k, "Q3_K": _q3_k,
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 

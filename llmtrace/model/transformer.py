@@ -222,7 +222,8 @@ def yarn_inv_freq(inv_freq: torch.Tensor, dh: int, base: float, s: dict) -> torc
     if s.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dh - 1)
-    ramp = ((torch.arange(dh // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    pair = torch.arange(dh // 2, dtype=torch.float32, device="cpu")  # (Dr/2,)
+    ramp = ((pair - low) / (high - low if high != low else 0.001)).clamp(0, 1)
     keep = 1 - ramp  # 1: the pair keeps its frequency (extrapolation), 0: it is divided by the factor
     return inv_freq / factor * (1 - keep) + inv_freq * keep
 

@@ -100,7 +100,8 @@ class GptOssFeedForward(MoEFeedForward):
         self.w_gate = ExpertMatrices(E, Fe, D, bias=True)
         self.w_up = ExpertMatrices(E, Fe, D, bias=True)
         self.w_down = ExpertMatrices(E, D, Fe, bias=True)
-        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        self.alpha = ALPHA if config.swiglu_alpha is None else config.swiglu_alpha
+        self.limit = LIMIT if config.swiglu_limit is None else config.swiglu_limit
 
     def weights(self) -> tuple[Weight, ...]:
         def w(name, shape, kind, hf, gguf, rows, math_name, transform=()):
