@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, UsageError
 from llmtrace.run.sampler import SamplerConfig, parse_logit_bias, parse_order
+from llmtrace.units import plural
 
 if TYPE_CHECKING:
     from llmtrace.checkpoint.loaded import LoadedModel
@@ -344,7 +345,8 @@ class Trace:
         head = next((e for e in self.events if e.get("event") in ("run", "explain")), {})
         kind = head.get("command", "generate") if head.get("event") == "explain" else "generate"
         if self.text is not None:
-            return f"Trace({kind}, {len(self.events)} events, {len(self.tokens)} tokens: {self.text!r})"
+            return (f"Trace({kind}, {plural(len(self.events), 'event')}, {plural(len(self.tokens), 'token')}: "
+                    f"{self.text!r})")
         return f"Trace({kind}, {len(self.events)} events)"
 
 
@@ -398,7 +400,8 @@ class Model:
 
     def __repr__(self) -> str:
         lm = self.loaded
-        return f"Model({lm.name!r}, {lm.config.n_layers} layers, {str(lm.dtype).replace('torch.', '')} on {lm.device})"
+        return (f"Model({lm.name!r}, {plural(lm.config.n_layers, 'layer')}, {str(lm.dtype).replace('torch.', '')} "
+                f"on {lm.device})")
 
     # -- the researcher's API: points, full tensors, your own hooks (run/research.py)
 

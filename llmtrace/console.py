@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
 from rich.console import Console
 
 DEFAULT_WIDTH = 100  # when stdout is not a terminal and $COLUMNS says nothing
+_TRAILING_SPACES = re.compile(r" +(?=\n)")
+
+
+class OurConsole(Console):
+    """rich's Console with two manners of a Unix tool:
+
+    - into a file or a pipe, no line ends in spaces (rich pads each line of a table or a panel to the width, which a
+      terminal does not show and a file keeps: 101 of 156 lines of `explain > out.txt` did);
+    - when the reader goes away (`llmtrace tokenize … | head -2`), BrokenPipeError reaches the caller, where rich
+      would exit 1 on its own; the CLI ends quietly (cli/main.py)."""
+
+    def _render_buffer(self, buffer) -> str:  # the one place rich turns a print into the text it writes
+        text = super()._render_buffer(buffer)
+        return text if self.is_terminal else _TRAILING_SPACES.sub("", text)
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more to write: the reader is gone
+        raise BrokenPipeError()
 
 
 def make_console(stderr: bool = False, file=None) -> Console:
@@ -18,8 +37,8 @@ def make_console(stderr: bool = False, file=None) -> Console:
     if not stream.isatty():
         columns = os.environ.get("COLUMNS", "")
         width = int(columns) if columns.isdigit() and int(columns) > 0 else DEFAULT_WIDTH
-    return Console(stderr=stderr, file=file, no_color="NO_COLOR" in os.environ, highlight=False, soft_wrap=False,
-                   width=width)
+    return OurConsole(stderr=stderr, file=file, no_color="NO_COLOR" in os.environ, highlight=False, soft_wrap=False,
+                      width=width)
 
 
 def progress_to_stderr(label: str):

@@ -25,11 +25,12 @@ def _in_place(path: Path) -> bool:
     return path.exists() and not path.is_file() and not path.is_dir()
 
 
-def _file_mode() -> int:
-    """The mode an ordinary new file gets (0o666 less the umask); mkstemp alone would give 0o600."""
+def _file_mode(directory: bool = False) -> int:
+    """The mode an ordinary new file gets (0o666 less the umask; 0o777 less it for a directory). mkstemp alone would
+    give 0o600, mkdtemp 0o700."""
     mask = os.umask(0)
     os.umask(mask)
-    return 0o666 & ~mask
+    return (0o777 if directory else 0o666) & ~mask
 
 
 def check_writable_target(path: Path) -> None:
@@ -99,7 +100,6 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix + ".partial", dir=path.parent)
-    os.fchmod(fd, _file_mode())
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -107,6 +107,9 @@ def atomic_path(path: Path, suffix: str = "") -> Iterator[Path]:
         with sigint_deferred():
             with open(tmp_path, "rb+") as f:
                 os.fsync(f.fileno())
+                # the umask's mode, set after the writer is done: mkstemp makes 0o600, and a writer may make its own
+                # file in the place of ours (safetensors' save_file does, with 0o600 again)
+                os.fchmod(f.fileno(), _file_mode())
             os.replace(tmp_path, path)
     finally:
         if tmp_path.exists():
@@ -121,6 +124,7 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, _file_mode(directory=True))
         with sigint_deferred():
             if path.exists():
                 shutil.rmtree(path)

@@ -25,6 +25,6 @@ def human_bytes(n: Optional[float]) -> str:
     return f"{x:.1f} {unit}" if abs(x) >= 9.995 else f"{x:.2f} {unit}"
 
 
-def plural(n: int, word: str, words: Optional[str] = None) -> str:
-    """'1 token', '2 tokens', '1,024 positions'."""
-    return f"{n:,} {word if n == 1 else (words or word + 's')}"
+def plural(n: int, word: str, plural: Optional[str] = None) -> str:  # noqa: A002 (the keyword callers write)
+    """'1 position', '3 positions', '1,024 tokens'; `plural` for a word that does not take an s ('1 index', '2 indices')."""
+    return f"{n:,} {word if n == 1 else (plural or word + 's')}"

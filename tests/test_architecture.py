@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmtrace"
 
 # Bottom to top. A module may import from its own layer and the layers before it in this list.
 LAYERS = (
-    "base",  # errors.py, fsutil.py, console.py, units.py, version.py, sigint.py: used by every layer
+    "base",  # errors.py, fsutil.py, console.py, units.py, version.py, sigint.py, words.py: used by every layer
     "tokens",  # text <-> ids, no torch
     "registry",  # a model spec -> files on disk, no torch
     "model",  # the forward pass
@@ -36,7 +36,7 @@ LAYERS = (
     "serve",  # llmtrace serve: the live page's server, on the API
     "cli",  # the commands
 )
-BASE = {"errors", "fsutil", "console", "units", "version", "sigint"}
+BASE = {"errors", "fsutil", "console", "units", "version", "sigint", "words"}
 
 
 def module_name(path: Path) -> str:
@@ -303,6 +303,59 @@ def test_no_error_below_the_cli_names_a_flag():
              for hit in flags_in_errors(m)]
     assert not named, "errors below cli/ that name a flag (name the keyword; the CLI names the flag):\n" + \
         "\n".join(named)
+
+
+OUTPUT_FLAGS = {"--json", "--jsonl", "--html"}  # the CLI's outputs: a Python caller has the objects themselves
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+
+
+def flags_in_strings(module: str) -> list[str]:
+    """`line: --flag` for each CLI flag written in a string of `module` that reaches a person: a note, a message, a
+    view's words (docstrings aside). Not counted: a command line shown whole ("llmtrace lens PROMPT --positions all",
+    or the pieces of one in a function that writes commands), a bare flag given to another program (pip's
+    "--quiet"), and, in a view (render/, report/), the CLI's outputs (--json, --jsonl, --html), which have no keyword.
+    Everything else names the keyword in backticks (`dtype='float32'`), which the CLI writes as its flag."""
+    tree, found = TREES[module], []
+    docs, in_commands = _docstrings(tree), set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and "command" in fn.name:
+            in_commands |= {id(n) for n in ast.walk(fn)}
+    parts_of = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts_of | docs:
+            text = node.value
+        else:
+            continue
+        if "llmtrace " in text or id(node) in in_commands or re.fullmatch(FLAG, text):
+            continue
+        view = layer_of(module) in ("render", "report")
+        found += [(node.lineno, flag) for flag in FLAG.findall(text) if not (view and flag in OUTPUT_FLAGS)]
+    return [f"{line}: {flag}" for line, flag in sorted(found)]
+
+
+def test_no_note_or_message_below_the_cli_names_a_flag():
+    """Notes and messages that reach a Python caller (placement's "(--dtype float32 overrides)", compare's and diff's
+    notes, the tokenizer's, the trace's "--fast: approximate") named CLI flags. The library names the keyword in
+    backticks; the CLI has it written as its flag (cli/options.flag_words, through words.in_words)."""
+    named = [f"{m}:{hit}" for m in SOURCES if layer_of(m) not in ("cli", "face") for hit in flags_in_strings(m)]
+    assert not named, "strings below cli/ that name a flag (write `keyword=value`; the CLI names the flag):\n" + \
+        "\n".join(named)
+
+
+def test_the_flag_check_sees_a_flag_in_a_note():
+    TREES["__probe__"] = ast.parse('def f():\n    """--doc is fine"""\n    notes.append(f"use --dtype {x} instead")\n'
+                                   'say("(--json)")\nrun(["pip", "--quiet"])\nc = f"llmtrace lens {p} --last 3"')
+    try:
+        assert flags_in_strings("__probe__") == ["3: --dtype", "4: --json"]
+    finally:
+        del TREES["__probe__"]
 
 
 def test_the_flag_check_sees_a_flag_in_an_error():

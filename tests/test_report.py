@@ -169,14 +169,25 @@ def test_binned_rows_still_sum_to_one():
     np.testing.assert_allclose(b.sum(axis=-1), 1.0, atol=1e-12)
 
 
+def test_a_page_made_by_the_cli_names_the_flags(tiny_lm):
+    """The same page, made while a command runs (cli/main.py sets the CLI's words): flags, not keywords."""
+    from llmtrace.cli.options import flag_words
+    from llmtrace.words import worded
+
+    with worded(flag_words):
+        page = build(run_events(tiny_lm, level="steps", layers=None, n=2, dump=()))
+    assert "--dump 0.probs" in page and "--trace layers" in page and "`" not in page.split("<script")[0]
+
+
 @pytest.mark.parametrize("which", model_param())
 def test_a_section_without_its_values_names_the_flags(which, request):
     page = build(run_events(request.getfixturevalue(which), level="steps", layers=None, n=2, dump=()))
     attention = page.split('id="attention"')[1].split("</section>")[0]
     residual = page.split('id="residual"')[1].split("</section>")[0]
     lens = page.split('id="lens"')[1].split("</section>")[0]
-    assert "Not in this trace" in attention and "--dump 0.probs" in attention
-    assert "Not in this trace" in residual and "--trace layers" in residual
+    # made from Python, the page names the keywords; made by the CLI, its flags (test_a_page_made_by_the_cli_...)
+    assert "Not in this trace" in attention and "`dump=[&#39;0.probs&#39;]`" in attention and "--dump" not in page
+    assert "Not in this trace" in residual and "`trace=&#39;layers&#39;`" in residual and "--trace" not in residual
     assert "llmtrace lens" in lens
     assert "BPE merges" in page and "without it" in page  # no tokenizer given
 

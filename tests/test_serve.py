@@ -129,6 +129,19 @@ def test_a_path_in_a_request_is_refused_and_the_server_lives_on(tiny, tiny_dir):
         assert r.status_code == 413
         r = c.post("/api/generate", headers=AUTH, content=b"{not json")
         assert r.status_code == 400
+        # the message, never a Python class ("ValueError: the request body is not JSON ..." was the answer)
+        for body, says in ((b"{not json", "the request body is not JSON (Expecting property name enclosed in double "
+                                        "quotes)"),
+                           (b"\xff\xfe{", "the request body is not JSON (it is not UTF-8 text)"),
+                           (b'{"prompt": "Hi", "temperature": "hot"}', 'temperature must be a number, not "hot"'),
+                           (b'{"prompt": "Hi", "top_k": 1.5}', "top_k must be a whole number, not 1.5"),
+                           (b'{"prompt": "Hi", "stop": 5}', "stop must be a text or a list of texts, not 5"),
+                           (b'{"prompt": "Hi", "layers": {"a": 1}}', "layers must be a text or a list of whole "
+                                                                     "numbers or null, not an object")):
+            r = c.post("/api/generate", headers=AUTH, content=body)
+            assert r.status_code == 400 and r.json() == {"error": says}, (body, r.text)
+        r = c.post("/api/resample", headers=AUTH, content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"].startswith("the request body is not JSON ("), r.text
         r = c.post("/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200 and sum(e["event"] == "step" for e in lines(r)) == 2  # still answering
 
@@ -366,6 +379,21 @@ def press(page, name: str) -> None:
     button.click()
 
 
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_before_the_first_run_the_page_shows_one_line_not_an_empty_frame(browser, lang):
+    """Before any run, the learner's page's frame was a large empty framed box (80% of the window's height): now it
+    is not drawn, and one line says what will appear there."""
+    from llmtrace.report.i18n import Words
+    from llmtrace.report.serve_page import serve_page
+
+    page = browser.new_page(viewport={"width": 1000, "height": 800})
+    page.set_content(serve_page(["tinyhf"], Limits(), lang))
+    assert page.locator("#page").bounding_box() is None  # not drawn at all
+    note = page.locator("#page-note")
+    assert note.is_visible() and note.inner_text() == Words(lang)("serve.page_note")
+    page.close()
+
+
 def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser):
     from playwright.sync_api import expect
 
@@ -381,6 +409,7 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     page.goto(url)
     assert "token=" not in page.url  # the token left the address bar
     assert page.locator("#model option").all_inner_texts() == ["tinyhf"]  # the model by its name, never its path
+    assert not page.locator("#page").is_visible() and page.locator("#page-note").is_visible()  # no empty frame yet
     page.get_by_label("Prompt").fill("The capital of France is")
     page.get_by_label("new tokens").fill("8")
     page.get_by_role("button", name="Run").click()
@@ -394,6 +423,7 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     frame = page.frame_locator("#page")
     frame.locator("#whatif").wait_for(timeout=60_000)
     assert frame.locator("#walk").count() == 1
+    assert page.locator("#page").is_visible() and not page.locator("#page-note").is_visible()  # the page took its place
 
     # re-sample: the what-if slider's temperature, the step the page shows, the real sampler on the server
     frame.locator("#step-next").click()

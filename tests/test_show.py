@@ -146,7 +146,7 @@ def test_a_damaged_pretty_document_names_its_line(capsys, traces, tmp_path):
 # malformed events: one line, the place and the field
 
 
-NOT_OURS = "not a file llmtrace reads back (it reads the --json and --jsonl of generate, explain, lens, compare, diff"
+NOT_OURS = "not a file llmtrace reads back (it reads the traces that generate, explain, lens, compare, diff and patch"
 
 
 @pytest.mark.parametrize("text, code, says", [
@@ -167,12 +167,15 @@ NOT_OURS = "not a file llmtrace reads back (it reads the --json and --jsonl of g
     # not a file llmtrace writes: exit 2
     ('[1, 2]\n{"event":"step"}\n', 2, "line 1: a list, not an event"),
     ('{"step": 1}\n{"event":"step"}\n', 2, 'line 1: an object without "event"'),
-    ('{"step": 1}', 2, "valid JSON but " + NOT_OURS),
-    ('"just a string"', 2, "valid JSON but " + NOT_OURS),
-    ("null", 2, "valid JSON but " + NOT_OURS),
+    ('{"step": 1}', 2, "valid JSON; " + NOT_OURS),
+    ('"just a string"', 2, "valid JSON; " + NOT_OURS),
+    ("null", 2, "valid JSON; " + NOT_OURS),
     ('{"event": "bogus"}', 2, 'line 1: an event of kind "bogus", which llmtrace does not write; ' + NOT_OURS),
     ('{"schema":"llmtrace.trace/1","events":[{"event":"bogus"}]}', 2, 'event 1: an event of kind "bogus"'),
     ('{"model": "x", "tokens": [{"id": 1}]}', 2, NOT_OURS),  # tokenize --json
+    ("hello\n", 2, "line 1 is not valid JSON; " + NOT_OURS),  # show notamodel.txt
+    ("<!doctype html>\n<html><body>a report</body></html>\n", 2, "line 1 is not valid JSON; " + NOT_OURS),  # a page
+    ("\n\nname,value\na,1\n", 2, "line 3 is not valid JSON; " + NOT_OURS),
     ('{"event":"compare_layer","layer":0,"rel_err":0,"added_rel_err":0,"points":[]}', 2,
      "its events (compare_layer) are not a whole file of any command"),
 ])

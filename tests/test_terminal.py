@@ -88,7 +88,7 @@ def test_detokenize_drops_columns_to_fit_and_cuts_nothing(capsys, monkeypatch, t
     table = [line for line in lines if line.startswith("│")]
     assert [[c.strip() for c in line.split("│")][1] for line in table] == ids and "…" not in out
     assert wide("\n".join(table), 30) == []
-    assert lines[0].startswith("(left out to fit 30 columns: ") and "#" in lines[0] + lines[1]
+    assert lines[0].startswith("(left out to fit 30 columns:") and "#" in lines[0] + lines[1]
     assert lines[-1].startswith("text: ")
 
 
@@ -224,3 +224,107 @@ def test_the_compile_notice_says_its_cache_is_per_thread_count(capsys, tiny_dir,
     assert code == 0, err
     assert "  kept per thread count (1 thread here): another count compiles anew\n" in err
     assert wide("\n".join(line for line in err.splitlines() if "its cache: " not in line), 80) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# output into a pipe or a file (issue 38, items 7 and 9)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "Hello", "-n", "20", "--ignore-eos", "--jsonl", "-"],  # the JSONL stream
+    ["generate", "Hello", "-n", "20", "--ignore-eos"],  # the terminal view (rich), into a pipe
+    ["tokenize", "Hello world"],  # rich, without a model loaded
+    ["generate", "--help"],  # click's help
+])
+def test_a_reader_that_goes_away_ends_the_command_quietly_with_141(tiny_dir, argv):
+    """`llmtrace generate "Hello" -n 20 --jsonl - | head -2` left exit 1 and nothing said; now 141 (a process ended by
+    SIGPIPE, as a shell reports `yes | head -1`), nothing on stderr. The reader is gone before the first write, so the
+    write fails whatever the timing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if argv[-1] != "--help":
+        argv = argv + ["-m", str(tiny_dir)]
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMTRACE_DEBUG", "COLUMNS")}
+    p = subprocess.Popen([sys.executable, "-m", "llmtrace", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=Path(__file__).resolve().parent.parent, env=env | {"OMP_NUM_THREADS": "1"})
+    p.stdout.close()  # the reader goes away
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141 and err == ""
+
+
+def test_output_into_a_file_has_no_trailing_spaces(capsys, tiny_dir):
+    """Piped to a file, `explain` carried trailing spaces on 101 of 156 lines (rich pads tables to the width)."""
+    code, out, err = run_cli(capsys, "explain", "Hello world", "-m", tiny_dir)
+    assert code == 0, err
+    assert out.count("\n") > 50 and "resid_post" in out  # the whole view, tables and all
+    assert [line for line in out.splitlines() if line.endswith(" ")] == []
+
+
+def test_the_console_strips_line_ends_only_off_a_terminal():
+    import io
+
+    from rich.table import Table
+
+    from llmtrace.console import make_console
+
+    table = Table("a", "b", box=None)  # no border: rich pads each row's last cell to the width
+    table.add_row("1", "a long cell that sets the width")
+    table.add_row("22", "x")
+    for tty in (False, True):
+        buf = io.StringIO()
+        buf.isatty = lambda tty=tty: tty  # noqa: B023
+        console = make_console(file=buf)
+        console.print(table)
+        console.print("kept: ", end="")  # a space before more text on the same line is not a line end
+        console.print("here")
+        text = buf.getvalue()
+        assert ("kept: here" in text) and any(line.endswith(" ") for line in text.splitlines()) == tty, text
+
+
+def test_a_skin_tone_keeps_the_table_border_straight(capsys, tiny_dir):
+    """`tokenize "🎉👍🏽 👨‍👩‍👧"`: the rows naming the skin tone 🏽 on its own ("1/4 of 🏽") were two columns wider,
+    since rich counts a lone skin tone as 0 columns and a terminal draws it as 2. Measured here as a terminal draws
+    (wcwidth, grapheme clusters), every line of the table has one width; the lone skin tone is named by code point."""
+    import wcwidth
+
+    from llmtrace.tokens.token_facts import shown_char, visible_text
+
+    code, out, err = run_cli(capsys, "tokenize", "🎉👍🏽 👨‍👩‍👧", "-m", tiny_dir)
+    assert code == 0, err
+    table = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert len(table) > 30 and "(1/4 of <U+1F3FD>)" in out
+    assert {wcwidth.wcswidth(line) for line in table} == {wcwidth.wcswidth(table[0])}
+    assert shown_char("🏽") == "<U+1F3FD>" and visible_text("👍🏽".encode()) == "👍🏽"  # on its emoji: as written
+    assert visible_text("a🏽".encode()) == "a<U+1F3FD>"  # a letter takes no skin tone: the terminal draws it apart
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the Python API speaks keywords, the CLI flags (issue 38, item 15)
+
+
+def test_a_library_note_names_keywords_and_the_cli_writes_them_as_flags(capsys):
+    from llmtrace.cli.options import flag_words
+    from llmtrace.words import in_words, say, worded
+
+    note = "no logits were saved (record them with `trace='full'` or `dump=['logits']`); KLD is not known"
+    assert in_words(note) == note  # a Python caller reads the keywords
+    say("loading in bfloat16 instead (`dtype='float32'` overrides)")
+    with worded(flag_words):
+        assert in_words(note) == "no logits were saved (record them with --trace full or --dump logits); KLD is not known"
+        say("loading in bfloat16 instead (`dtype='float32'` overrides)")
+        assert in_words("`chat=True` uses Gemma's turn format; `save_tensors`; `for_report=True`; `order`") == \
+            "--chat uses Gemma's turn format; --save-tensors; --html; --sampler-order"
+    assert flag_words("`chat=True` and a `prompt_of_mine`", known=frozenset({"--chat"})) == \
+        "--chat and a `prompt_of_mine`"  # a name that is no flag of the CLI stays as written
+    assert capsys.readouterr().err == ("note: loading in bfloat16 instead (`dtype='float32'` overrides)\n"
+                                       "note: loading in bfloat16 instead (--dtype float32 overrides)\n")
+
+
+def test_the_cli_says_the_fast_notes_in_flags_and_the_api_in_keywords():
+    from llmtrace.trace.records import fast_parts
+
+    fast = {"compute_dtype": "bfloat16", "kernel_choice": {"by": "cuda", "int4": True}}
+    assert fast_parts(fast)[0] == "`fast=True`: approximate, not the exact values"

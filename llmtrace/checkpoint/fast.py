@@ -166,5 +166,5 @@ def bf16_note(lm) -> Optional[str]:
     kinds = sorted({s.kind for n in names for s in model.get_submodule(n).segments if s.kind not in GROUP_KINDS})
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     kinds = " and ".join(kinds) + (" have" if len(kinds) > 1 else " has")
-    return (f"--fast: {len(names)} matri{'x' if len(names) == 1 else 'ces'} ({shown}) run in bfloat16, whole or in "
+    return (f"`fast=True`: {len(names)} matri{'x' if len(names) == 1 else 'ces'} ({shown}) run in bfloat16, whole or in "
             f"part: {kinds} no int4 form")

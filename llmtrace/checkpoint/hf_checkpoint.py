@@ -11,6 +11,7 @@ from llmtrace.errors import LlmtraceError
 from llmtrace.checkpoint.weights import FileTensor, safetensors_entries
 from llmtrace.model.family import Family, family_of_hf, hf_types, not_yet
 from llmtrace.model.transformer import ModelConfig
+from llmtrace.units import plural
 
 def hf_family(cfg: dict, where: str) -> Family:
     """The model family of a config.json, decided as transformers' auto classes decide it: by `model_type` (its
@@ -72,7 +73,8 @@ def hf_window(cfg: dict, n_layers: int, where: str) -> dict:
         raise LlmtraceError(f"{where}: layer_types {unknown[0]!r} is not supported (llmtrace runs "
                             f"{', '.join(LAYER_TYPES)})")
     if len(types) != n_layers:
-        raise LlmtraceError(f"{where}: layer_types has {len(types)} entries for {n_layers} layers")
+        raise LlmtraceError(f"{where}: layer_types has {plural(len(types), 'entry', 'entries')} "
+                            f"for {plural(n_layers, 'layer')}")
     return {"sliding_window": int(window), "layer_types": [LAYER_TYPES[t] for t in types]}
 
 

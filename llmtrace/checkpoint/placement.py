@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -21,7 +20,8 @@ import torch
 
 from llmtrace.checkpoint.choices import max_memory_entry, parse_size
 from llmtrace.errors import BadValue, FieldError, UsageError
-from llmtrace.units import human_bytes
+from llmtrace.units import human_bytes, plural
+from llmtrace.words import say
 
 BASELINE_BYTES = 300 << 20  # Python, torch and the tokenizer, before any weight
 FP32_SHARE = 0.70  # float32 weights may take this share of available memory before bfloat16 is chosen instead
@@ -95,11 +95,11 @@ def choose_dtype(requested: Optional[str], device: torch.device, name: str, n_we
         have = available_memory()
         if 4 * n_weights + BASELINE_BYTES > FP32_SHARE * have:
             dtype = torch.bfloat16
-            note = (f"note: float32 weights would take {human_bytes(4 * n_weights)} of {human_bytes(have)} available; "
-                    f"loading in bfloat16 ({human_bytes(2 * n_weights)}) instead (--dtype float32 overrides)")
+            note = (f"float32 weights would take {human_bytes(4 * n_weights)} of {human_bytes(have)} available; "
+                    f"loading in bfloat16 ({human_bytes(2 * n_weights)}) instead (`dtype='float32'` overrides)")
     check_fits(name, n_weights * dtype.itemsize, f"its weights in {str(dtype).replace('torch.', '')}", device)
     if note:
-        print(note, file=sys.stderr)
+        say(note)
     return dtype
 
 
@@ -211,7 +211,7 @@ def _machine_has(key, item: str):
         raise BadValue("max_memory", " names mps, but MPS is not available here")
     if isinstance(key, int) and key >= torch.cuda.device_count():
         have = torch.cuda.device_count()
-        raise BadValue("max_memory", f" names {dev!r}, but this machine has {have} CUDA device{'s' if have != 1 else ''}")
+        raise BadValue("max_memory", f" names {dev!r}, but this machine has {plural(have, 'CUDA device')}")
     return key
 
 

@@ -3,8 +3,32 @@
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
+
+
+class ReaderGone(Exception):
+    """stdout's reader went away (`llmtrace generate "Hi" --jsonl - | head -2`). Raised in place of BrokenPipeError,
+    which click would turn into a bare exit 1; cli/main.py ends quietly with 141, as a process ended by SIGPIPE."""
+
+
+def _reader_may_go(method):
+    def method_or_reader_gone(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except BrokenPipeError:
+            raise ReaderGone() from None
+    return method_or_reader_gone
+
+
+class Commands(TyperGroup):
+    """llmtrace's command group: a reader that goes away is ReaderGone in every command and in every --help."""
+
+    make_context = _reader_may_go(TyperGroup.make_context)  # `llmtrace --help | head -1`
+    invoke = _reader_may_go(TyperGroup.invoke)  # every command's run and its own --help
+
 
 app = typer.Typer(
+    cls=Commands,
     name="llmtrace",
     help=(
         "Watch a real LLaMA-family model turn a prompt into tokens, step by step.\n\n"

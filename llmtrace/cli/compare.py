@@ -176,7 +176,9 @@ def show(doc: dict, json_out: Optional[str], jsonl: Optional[str]) -> None:
     """The terminal view (stdout, or stderr when stdout carries JSON and stderr is a terminal), --json, --jsonl."""
     from llmtrace.console import make_console
     from llmtrace.render.compare import render_compare
+    from llmtrace.words import in_words
 
+    doc = doc | {"notes": [in_words(note) for note in doc.get("notes", [])]}  # the CLI's words, in its JSON too
     if json_out:
         write_output(json_out, json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     if jsonl:

@@ -238,8 +238,10 @@ def run(model, prompts, options, *, jsonl_sink, json_out, html=None, lang: str =
             view_console.file.flush()
 
     prepared = model.prepare_generate(prompts, options)
+    from llmtrace.words import say
+
     for note in prepared.notes:
-        print(f"note: {note}", file=sys.stderr)
+        say(note)
     trace = prepared.run(sinks=sinks, on_text=on_text, keep_events=html is not None)
     if doc_sink is not None:
         doc_sink.write()  # complete (and marked interrupted if it was), or not written at all

@@ -12,7 +12,7 @@ except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError as ClickUsageError
 
 from llmtrace import sigint
-from llmtrace.cli.app import app
+from llmtrace.cli.app import ReaderGone, app
 from llmtrace.errors import FieldError, LlmtraceError
 
 # Importing a command module registers its commands on `app`.
@@ -33,12 +33,32 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+# The exit status when stdout's reader goes away (`llmtrace generate "Hi" --jsonl - | head -2`): a shell's status of
+# a process ended by SIGPIPE (128 + 13), which is what `yes | head -1` leaves in ${PIPESTATUS[0]}. Nothing on stderr.
+READER_GONE_EXIT = 141
+
+
+def _reader_gone() -> NoReturn:
+    """End quietly, as Unix tools do when the reader of their output goes away: no message, no traceback."""
+    try:  # what is still buffered for stdout goes nowhere, so Python's flush at exit has nothing to complain about
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(READER_GONE_EXIT)
+
+
 def main(argv=None) -> None:
     """Run the CLI. User errors print one line on stderr (no traceback unless LLMTRACE_DEBUG=1)."""
     debug = os.environ.get("LLMTRACE_DEBUG") == "1"
     try:
-        rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
+        from llmtrace.cli.options import flag_words
+        from llmtrace.words import worded
+
+        with worded(flag_words):  # the library's `keyword=value` reach a person as this CLI's flags
+            rv = app(args=argv, standalone_mode=False, prog_name="llmtrace")
         sigint.release()  # a Ctrl-C held by a command that ended before it released the hold (--help) is not lost
+        sys.stdout.flush()  # here, where a reader that went away is seen, not in Python's exit
         # Without standalone mode click returns (instead of raising) Ctrl-C as 130 and typer.Exit(n) as n.
         if isinstance(rv, int) and rv != 0:
             if rv == 130:
@@ -71,17 +91,13 @@ def main(argv=None) -> None:
     except LlmtraceError as e:
         if debug:
             raise
-        _fail(str(e), e.exit_code)
+        from llmtrace.cli.options import flag_words
+
+        _fail(flag_words(str(e)), e.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
-    except BrokenPipeError:
-        # The reader went away (`llmtrace ... | head -1`): end quietly, like other Unix tools.
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except OSError:
-            pass
-        sys.exit(1)
+    except (ReaderGone, BrokenPipeError):  # BrokenPipeError: from the flush above
+        _reader_gone()
     except OSError as e:
         # Whatever the checks did not foresee (a full disk, a file that vanished): still one line, not a traceback.
         if debug:

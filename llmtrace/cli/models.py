@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.registry.cache import cache_dir, cache_status, cached_files, remove
-from llmtrace.units import human_bytes
+from llmtrace.units import human_bytes, plural
 from llmtrace.registry.models_toml import DEFAULT_MODEL, ModelEntry, default_model, load_registry, user_registry_path
 from llmtrace.registry.resolve import cache_key, pull
 from llmtrace.cli.app import app
@@ -169,12 +169,13 @@ def pull_command(
         what = "already in the cache"
     else:
         what = "a local path, nothing to download"
-    print(f"{model.name}: {what} ({model.kind})", file=sys.stderr)
+    files = sorted(p for p in model.path.rglob("*") if p.is_file()) if model.path.is_dir() else [model.path]
+    size = sum(p.stat().st_size for p in files)  # the figure the pull's first line and its bar gave (MiB)
+    print(f"{model.name}: {what} ({model.kind}, {human_bytes(size)})", file=sys.stderr)
     if json_out:
         doc = {"name": model.name, "kind": model.kind, "path": str(model.path), "downloaded": model.downloaded}
         write_output(json_out, json.dumps(doc) + "\n")
     if jsonl:  # one file of the model per line
-        files = sorted(p for p in model.path.rglob("*") if p.is_file()) if model.path.is_dir() else [model.path]
         lines = [{"name": model.name, "kind": model.kind, "file": str(p), "bytes": p.stat().st_size} for p in files]
         write_output(jsonl, "".join(json.dumps(line) + "\n" for line in lines))
     if "-" not in (json_out, jsonl):
@@ -216,7 +217,7 @@ def rm_command(
     if not yes:
         if not sys.stdin.isatty():
             raise UsageError("rm asks before it removes anything; pass --yes to remove without asking")
-        if not _confirm(f"Remove {len(found)} model{'s' if len(found) > 1 else ''} ({human_bytes(total)})?"):
+        if not _confirm(f"Remove {plural(len(found), 'model')} ({human_bytes(total)})?"):
             print("nothing removed: you answered no", file=sys.stderr)
             return  # a question answered is not a failure (exit 0)
     for files in found:

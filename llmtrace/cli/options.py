@@ -7,6 +7,8 @@ goes to stderr, and only when stderr is a terminal.
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -111,6 +113,56 @@ def flag_of(field: str) -> str:
     return FLAG_OF_FIELD.get(field) or "--" + field.replace("_", "-")
 
 
+KEYWORD = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")  # `dtype="float32"`, `chat=True`, `save_tensors`
+
+
+def cli_flags() -> Optional[frozenset]:
+    """Every long flag of every command of the CLI that runs (--dtype, --chat, --no-merges, ...), read from its
+    commands; None outside a command."""
+    try:
+        import click
+
+        root = click.get_current_context().find_root().command
+    except RuntimeError:  # no command is running
+        return None
+    return _flags_of(root)
+
+
+@functools.cache
+def _flags_of(command) -> frozenset:
+    def walk(cmd):
+        yield from (o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("--"))
+        for sub in getattr(cmd, "commands", {}).values():
+            yield from walk(sub)
+
+    return frozenset(walk(command))
+
+
+def flag_words(text: str, known: Optional[frozenset] = None) -> str:
+    """The CLI's words for a library's text: each `keyword=value` it names becomes the flag that gives it
+    (`dtype="float32"` -> --dtype float32, `chat=True` -> --chat, `dump=["logits"]` -> --dump logits,
+    `save_tensors` -> --save-tensors). A name that is no flag of the running CLI stays as written. The one translation:
+    console.in_words applies it while a command runs (cli/main.py)."""
+    import json
+
+    def flag(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        option, flags = flag_of(name), known if known is not None else cli_flags()
+        if flags is not None and option not in flags:
+            return m.group(0)
+        if value is None or value == "True":
+            return option
+        try:
+            given = json.loads(value.replace("'", '"'))
+        except ValueError:
+            given = value
+        if isinstance(given, list):
+            return " ".join(f"{option} {v}" for v in given)
+        return f"{option} {given}"
+
+    return KEYWORD.sub(flag, text)
+
+
 # -- flag groups: the flags several commands share, declared once
 
 
@@ -204,9 +256,11 @@ def say_fast_note(lm) -> None:
     if lm.config.extra.get("fast"):
         from llmtrace.checkpoint.fast import bf16_note
 
+        from llmtrace.words import say
+
         note = bf16_note(lm)
         if note:
-            print(f"note: {note}", file=sys.stderr)
+            say(note)
 
 
 def check_outputs(json_out: Optional[str], jsonl: Optional[str], *others: Optional[str]) -> None:

@@ -51,7 +51,9 @@ def _console(err: bool = False):
 
 
 def _note(message: str) -> None:
-    print(f"note: {message}", file=sys.stderr)
+    from llmtrace.words import say
+
+    say(message)
 
 
 def _check_one_format(**flags: bool) -> None:

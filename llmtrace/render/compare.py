@@ -22,6 +22,7 @@ from llmtrace.render.generate import visible
 from llmtrace.run.compare import summary_line
 from llmtrace.trace.comparison import model_points_around
 from llmtrace.units import plural
+from llmtrace.words import in_words
 
 
 def short_names(names: list[str]) -> dict[str, str]:
@@ -70,7 +71,7 @@ def render_compare(doc: dict, console: Console) -> None:
     for key in ("a", "b"):
         s = doc[key]
         extra = ", quantized blocks" if s.get("keep_quantized") else ""
-        extra += ", --fast: int4 kernels, approximate" if s.get("exact") is False else ""
+        extra += in_words(", `fast=True`: int4 kernels, approximate") if s.get("exact") is False else ""
         console.print(f"{key.upper()}  {s['model']}  ({s['dtype']}, {s['device']}{extra})")
         for iv in s.get("interventions", []):
             console.print(f"   intervention: {iv['label']}", style="yellow")
@@ -79,7 +80,7 @@ def render_compare(doc: dict, console: Console) -> None:
     console.print(f"{plural(n, 'position')} ({n - n_decode} prompt, {n_decode} decode), tolerance {doc['tolerance']:g}"
                   + ("; from two saved traces" if doc.get("source") == "diff" else ""))
     for note in doc.get("notes", []):
-        console.print(f"note: {note}", style="yellow")
+        console.print(f"note: {in_words(note)}", style="yellow")
     if doc["layers"] and any(lay["points"] for lay in doc["layers"]):
         console.print()
         _matrix(doc, first, console)
@@ -144,7 +145,8 @@ def _holdings(d: dict, console: Console) -> None:
     if t["same"]:
         console.print(f"tokens: the same {len(t['a'])} generated tokens")
     else:
-        console.print(f"tokens: part at step {t['first_different_step']} (A {len(t['a'])} tokens, B {len(t['b'])})")
+        console.print(f"tokens: part at step {t['first_different_step']} "
+                      f"(A {plural(len(t['a']), 'token')}, B {len(t['b'])})")
     ledger = [s for s in d["steps"] if s.get("sampler_differs")]
     if ledger:
         console.print(f"sampler ledger: survivors differ at {len(ledger)} step(s), first at step {ledger[0]['step']} "
@@ -173,7 +175,7 @@ def _answers(doc: dict, console: Console) -> None:
     if not differing:
         console.print("the top-1 token agrees at every position")
         return
-    console.print(f"top-1 differs at {len(differing)} position{'s' if len(differing) != 1 else ''}:")
+    console.print(f"top-1 differs at {plural(len(differing), 'position')}:")
     console.print(Text(f"{'pos':>5}  {'token':<14} {'A top':<16} {'B top':<16} {'KLD':>8} {'Δp':>9}", style="bold"))
     for p in differing[:MAX_DIFFERING_ROWS]:
         where = f"{p['prompt']}:{p['position']}" if "prompt" in p else str(p["position"])

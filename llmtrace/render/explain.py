@@ -14,6 +14,7 @@ from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, LOGITS, RESID_MID, 
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
+from llmtrace.words import in_words
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -182,7 +183,7 @@ def _header(console: Console, m: dict, tokens: dict) -> None:
         print_parts(console, fast_parts(info["fast"]), style="yellow")
     toks = tokens["tokens"]
     shown = toks if len(toks) <= 40 else toks[:20] + [None] + toks[-19:]
-    line = Text(f"{len(toks)} tokens: ", style="bold")
+    line = Text(f"{plural(len(toks), 'token')}: ", style="bold")
     for i, t in enumerate(shown):
         if i:
             line.append(" · ", style="dim")
@@ -319,7 +320,9 @@ def _rope(console: Console, ev: dict) -> None:
     table = {"local": ", the sliding-window layers' own table", "global": ""}.get(ev.get("rope_table"), "")
     width = (f", rotary width {ev['rotary_dim']} of {ev['head_dim']}" if ev.get("rotary_dim", ev["head_dim"]) !=
              ev["head_dim"] else "")
-    _title(console, f"④ s6.3  RoPE on q and k: base θ = {ev['theta']:,g}{table}{width}, {scaling}")
+    theta = ev["theta"]
+    base = f"{theta:,.0f}" if float(theta).is_integer() else f"{theta:,g}"  # 1,000,000 as the steps' formula says it
+    _title(console, f"④ s6.3  RoPE on q and k: base θ = {base}{table}{width}, {scaling}")
     _note(console, ev["formula"])
     n = len(ev["pairs"][0]["angles"])
     cols = list(range(min(n, 6))) + ([n - 1] if n > 6 else [])
@@ -367,7 +370,7 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
     _title(console, f"⑤ s6.4–s6.5  attention: scores {shape_text(ev['shape'])} → causal mask → softmax → P·V")
     window = ev.get("window")
     which = f"every key after its query, and every key {window} or more back" if window else "every key after its query"
-    _note(console, f"{ev['formula']}; the mask sets {ev['masked']:,} entries ({which}) to −∞")
+    _note(console, f"{ev['formula']}; the mask sets {plural(ev['masked'], 'entry', 'entries')} ({which}) to −∞")
     _note(console, f"scores before the mask: min {fmt_num(ev['pre_mask']['min'])}, max {fmt_num(ev['pre_mask']['max'])}; "
                    f"after (the entries a position may see): min {fmt_num(ev['post_mask']['min'])}, max "
                    f"{fmt_num(ev['post_mask']['max'])}; every softmax row sums to 1 (largest error "
@@ -383,7 +386,7 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
         print_fitted(console, scores)
         print_fitted(console, probs)
     if ex["positions"] < T:
-        _note(console, f"(the first {ex['positions']} positions of {T})")
+        _note(console, f"(the first {plural(ex['positions'], 'position')} of {T})")
     # for each head, the position each query attends to most
     console.print(Text("the key each position attends to most, per head (position:weight)", style="bold"))
     for lo in range(0, H, 10):
@@ -402,10 +405,11 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
 def _heatmap(console: Console, amap: dict, toks: list[str]) -> None:
     bins, m = amap["bins"], amap["matrix"]
     window = amap.get("window")
-    how = (f"{amap['n_tokens']} positions in {len(bins)} bins (keys summed, queries averaged per bin)"
-           if amap["binned"] else f"{amap['n_tokens']} positions")
-    console.print(Text(f"attention map, {amap['what']} ({how}): rows are queries, columns keys; pick a head with --head",
-                       style="bold"))
+    how = (f"{plural(amap['n_tokens'], 'position')} in {plural(len(bins), 'bin')} "
+           f"(keys summed, queries averaged per bin)"
+           if amap["binned"] else plural(amap['n_tokens'], 'position'))
+    console.print(Text(f"attention map, {amap['what']} ({how}): rows are queries, columns keys; "
+                       + in_words("pick a head with `head`"), style="bold"))
     if window:
         _note(console, f"a sliding-window layer: each query sees only the last {window} keys, the band along the "
                        f"diagonal (╳: out of the window)")
@@ -495,7 +499,8 @@ def _router(console: Console, ev: dict, toks: list[str], shown: int = 12) -> Non
     """A mixture-of-experts layer's router, a row per prompt token: each expert's probability (chosen ones bold,
     the K-th marked where the cut falls) when the E columns fit, else the 2K most probable; the weights; entropy."""
     E, K = ev["n_experts"], ev["k"]
-    _title(console, f"⑦ s6.7  the router: each token runs {K} of {E} experts (width {ev['expert_ffn_dim']:,} each)")
+    _title(console, f"⑦ s6.7  the router: each token runs {K} of {plural(E, 'expert')} "
+                    f"(width {ev['expert_ffn_dim']:,} each)")
     _note(console, ev["formula"])
     wide = E <= shown
     cols = [("pos", "right"), ("token", "left")] + ([(f"e{e}", "right") for e in range(E)] if wide else

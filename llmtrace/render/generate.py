@@ -20,6 +20,7 @@ from llmtrace.model.points import AXES
 from llmtrace.model.llama_points import DOWN, KV_WRITE, LOGITS, O_PROJ, PROBS, RESID_MID, RESID_POST, SCORES
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
+from llmtrace.words import in_words
 
 DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
 GAP = 2  # columns between two table columns (padding 1 on each side, none at the edges)
@@ -515,13 +516,14 @@ class TerminalRenderer:
         if not self.show_steps:  # --trace none: only the text and the timings
             return
         m = ev["model"]
-        gqa = f"GQA {m['n_heads']}q/{m['n_kv_heads']}kv" if m["n_kv_heads"] < m["n_heads"] else f"MHA {m['n_heads']} heads"
+        gqa = (f"GQA {m['n_heads']}q/{m['n_kv_heads']}kv" if m["n_kv_heads"] < m["n_heads"]
+               else f"MHA {plural(m['n_heads'], 'head')}")
         parts = [f"model {m['name']}", m.get("arch", "?"), plural(m["n_layers"], "layer"), f"D={m['d_model']}", gqa,
                  f"Dh={m['head_dim']}", f"F={m['ffn_dim']}", f"V={m['vocab_size']:,}", f"RoPE θ={m['rope_theta']:,g}"]
         if m.get("n_params"):
             parts.append(f"{m['n_params'] / 1e6:.1f}M params")
         if m.get("n_experts"):  # a mixture of experts: what one token uses
-            parts.append(f"{m['n_experts_used']} of {m['n_experts']} experts a token: "
+            parts.append(f"{m['n_experts_used']} of {plural(m['n_experts'], 'expert')} a token: "
                          f"{m['active_params'] / 1e6:.1f}M active")
         print_parts(self.console, parts)
         print_changes(self.console, m)
@@ -833,7 +835,7 @@ class TerminalRenderer:
         parts = [plural(ev["prompt_tokens"], "prompt token"), f"{n_gen:,} generated"] + _stop(ev)
         parts += [f"TTFT {ev['ttft_ms']:.0f} ms", f"prefill {ev['prefill_tok_s']:.1f} tok/s", decode]
         if self.run is not None and self.run.get("exact") is False:
-            parts.append("--fast (approximate)")
+            parts.append(in_words("`fast=True` (approximate)"))
         print_parts(self.console, parts, style="dim")
         self._load_lines(ev)
         if self.run is not None and self._last_kv is not None:

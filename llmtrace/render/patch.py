@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmtrace.render.generate import visible
+from llmtrace.units import plural
 
 LABEL = 4  # "L29 "
 
@@ -39,7 +40,8 @@ def _cell(recovery: Optional[float], w: int) -> Text:
 def render_patch(ev: dict, console: Console) -> None:
     L, T = ev["n_layers"], ev["n_positions"]
     rec = {(c["layer"], c["position"]): c["recovery"] for c in ev["cells"]}
-    console.print(Text(f"activation patching at {ev['at']}: {L} layers × {T} positions, {L * T} runs, "
+    console.print(Text(f"activation patching at {ev['at']}: {plural(L, 'layer')} × {plural(T, 'position')}, "
+                       f"{plural(L * T, 'run')}, "
                        f"{ev['seconds']:.1f} s", style="bold cyan"))
     console.print(Text.assemble(("clean   ", "bold"), repr(ev["clean"])))
     console.print(Text.assemble(("corrupt ", "bold"), repr(ev["corrupt"])))

@@ -7,17 +7,18 @@ import json
 
 from llmtrace.tokens.tokenizer import TextTokenizer
 from llmtrace.tokens.token_facts import TokenInfo
+from llmtrace.units import plural
 
 
 def quoted(s: str) -> str:
-    """A JSON string, with every invisible character (U+00A0, U+200B, ...), and a combining mark with no character
-    before it to sit on (it would sit on the quote), escaped as \\u00a0 so that it shows."""
-    from llmtrace.tokens.token_facts import combining, invisible
+    """A JSON string, with every invisible character (U+00A0, U+200B, ...), and a combining mark or a skin tone with no
+    character before it to sit on (it would sit on the quote), escaped as \\u00a0 so that it shows."""
+    from llmtrace.tokens.token_facts import drawn_alone
 
     out: list[str] = []
     for c in json.dumps(s, ensure_ascii=False):
-        lone_mark = combining(c) and (not out or out[-1] in ('"', " ") or len(out[-1]) > 1)
-        out.append(f"\\u{ord(c):04x}" if (invisible(c) and ord(c) >= 0x20) or lone_mark else c)
+        shown = ord(c) < 0x20 or not drawn_alone(c, out[-1] if out else None)  # json.dumps escaped controls already
+        out.append(c if shown else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else json.dumps(c)[1:-1])
     return "".join(out)
 
 
@@ -121,7 +122,7 @@ def merge_lines(tt: TextTokenizer, traces, total_words: int | None):
             out.append(f"  →  {joined(s.pieces)}\n")
         n_final = len(w.final)
         out.append(f"   = {joined(w.final)}", style="bold")
-        out.append(f"  ({n_final} token{'s' if n_final != 1 else ''}" + (f"; {w.note}" if w.note else "") + ")\n", style="dim")
+        out.append(f"  ({plural(n_final, 'token')}" + (f"; {w.note}" if w.note else "") + ")\n", style="dim")
     return out
 
 
@@ -132,8 +133,8 @@ def summary_line(tt: TextTokenizer, text: str, tokens: list[TokenInfo], info: di
     ratio = f"{len(text) / n:.2f} chars/token" if n else "– chars/token"
     bos = tt.piece(tt.bos_id) if tt.bos_id is not None else None
     out = Text()
-    out.append(f"{n} token{'s' if n != 1 else ''}", style="bold")
-    out.append(f" · {len(text)} chars · {len(text.encode('utf-8'))} bytes · {ratio}\n")
+    out.append(plural(n, "token"), style="bold")
+    out.append(f" · {plural(len(text), 'char')} · {plural(len(text.encode('utf-8')), 'byte')} · {ratio}\n")
     out.append(f"BOS {bos or '(none)'}: {'added' if info['bos_added'] else 'not added'} ({info['reason']})")
     out.append(f" · EOS: {'added' if info['eos_added'] else 'not added'}")
     return out

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from llmtrace.report.page import colour
+from llmtrace.words import in_words
 
 LOG_LO, LOG_HI = -9.0, -1.0  # the colour and chart scale: relative errors from 1e-9 to 1e-1
 CELL_W, CELL_H = 22, 15
@@ -214,6 +215,7 @@ def render_compare_page(doc: dict) -> str:
                              autoescape=jinja2.select_autoescape(default=True, default_for_string=True),
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     script = Path(__file__).with_name("assets").joinpath("compare.js").read_text(encoding="utf-8")
+    doc = doc | {"notes": [in_words(note) for note in doc.get("notes", [])]}  # the words of the front end that runs
     return env.get_template("compare.html.j2").render(v=view(doc), script=markupsafe.Markup(script))
 
 

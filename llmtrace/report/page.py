@@ -25,7 +25,8 @@ from llmtrace.report.data import AFTER_EMBEDDING
 from llmtrace.report.walk import maths_view
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.trace.records import fast_parts
-from llmtrace.units import human_bytes
+from llmtrace.units import human_bytes, plural
+from llmtrace.words import in_words
 
 # viridis: perceptually even and readable with the common colour-vision deficiencies
 PALETTE = ("#440154", "#482878", "#3e4989", "#31688e", "#26828e", "#1f9e89", "#35b779", "#6ece58", "#b5de2b",
@@ -65,10 +66,6 @@ def num(x: Any, digits: int = 4) -> str:
     return f"{x:.{digits}g}"
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
 def fill_command(d: dict, command: str) -> str:
     """The exact command that records what this trace lacks, for its prompt and model: `generate` (steps, per-layer
     statistics, attention, the KV cache, the residual stream), `lens` or `explain`."""
@@ -99,7 +96,7 @@ def missing(d: dict, what: str, flags: Optional[str] = None, command: str = "gen
     has and collects what it lacks for the one note at its end (`lacking`), each with the exact command that records
     it, and gets None here."""
     what = d["w"](f"what.{what}")  # a key of the catalogue's "what." texts
-    how = flags if flags and command == d["kind"] == "generate" else fill_command(d, command)
+    how = in_words(flags) if flags and command == d["kind"] == "generate" else fill_command(d, command)
     if d["kind"] != "generate":
         d["lacking"].append((what, fill_command(d, command)))
         return None
@@ -218,7 +215,7 @@ def section_run(d: dict) -> dict:
             rows.append(("llama.cpp samplers", "; ".join(extra)))
     if r["trace"] is not None:
         t = r["trace"]
-        rows.append(("trace", f'--trace {t.get("level")}, layers {t.get("layers") or "all"}, '
+        rows.append(("trace", in_words(f'`trace={t.get("level")!r}`') + f', layers {t.get("layers") or "all"}, '
                               f'dumps {", ".join(t.get("dump") or []) or "none"}'))
     sm = r["summary"]
     if sm is not None:
@@ -260,7 +257,7 @@ def section_pipeline(d: dict) -> dict:
         points = [{"name": p["name"], "shape": _shape(p["shape"], p.get("axes"))} for p in st["points"]]
         stages.append({"id": st["id"], "title": step_title(w, st["id"], d), "layer": st["id"].startswith("s6"),
                        "detail": detail, "points": points})
-    note = None if d["tensors"]["points"] else missing(d, "stats", "--trace full")
+    note = None if d["tensors"]["points"] else missing(d, "stats", "`trace='full'`")
     return {"stages": stages, "missing": note}
 
 
@@ -361,7 +358,7 @@ def section_steps(d: dict) -> Optional[dict]:
         panel = {"step": s["step"], "phase": s["phase"], "position": s["position"], "token": visible(s["token"]["text"]),
                  "id": s["token"]["id"], "ms": num(s["ms"]), "missing": None, "topk": None, "funnel": None}
         if s["topk"] is None:
-            panel["missing"] = missing(d, "topk", "--trace steps (or deeper)")
+            panel["missing"] = missing(d, "topk", "`trace='steps'` (or deeper)")
         else:
             panel.update(topk=topk_chart(s), funnel=funnel(s, vocab))
         panels.append(panel)
@@ -422,7 +419,8 @@ def section_attention(d: dict) -> Optional[dict]:
     a = d["attention"]
     if not a["maps"]:
         note = missing(d, "attention",
-                       "--html with any --trace but none (it records the probabilities of --layers), or --dump 0.probs")
+                       "`for_report=True` with any `trace` but 'none' (it records the probabilities of `layers`), "
+                       "or `dump=['0.probs']`")
         return {"maps": False, "missing": note, "gqa": gqa_diagram(d)} if note else None
     n = a["n"]
     w = d["w"]
@@ -532,10 +530,11 @@ def section_kv(d: dict) -> Optional[dict]:
     per_layer = kv["per_layer"]
     el = kv["element_size"]
     return {"chart": chart, "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"],
-            "per_token": f'{kv["bytes_per_token"]:,} = 2 (K, V) × {m["n_layers"]} layers × {m["n_kv_heads"]} KV heads '
+            "per_token": f'{kv["bytes_per_token"]:,} = 2 (K, V) × {plural(m["n_layers"], "layer")} × '
+                         f'{plural(m["n_kv_heads"], "KV head")} '
                          f'× {m["head_dim"]} × {num(el)} bytes',
             "per_layer": f"{per_layer:,.0f} bytes per token (K {per_layer / 2:,.0f} + V {per_layer / 2:,.0f})",
-            "at_end": f'{last["seq_len"]} positions: {human_bytes(last["bytes_used"])} used, '
+            "at_end": f'{plural(last["seq_len"], "position")}: {human_bytes(last["bytes_used"])} used, '
                       f'{human_bytes(last["bytes_allocated"])} allocated; MHA would use '
                       f'{human_bytes(last["mha_bytes_used"])} ({last["mha_bytes_used"] / max(1, last["bytes_used"]):.1f}×)',
             "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"],
@@ -549,7 +548,7 @@ def section_residual(d: dict) -> Optional[dict]:
     recorded, and no line crosses a gap."""
     r = d["residual"]
     if r is None:
-        note = missing(d, "residual", "--trace layers or --trace full")
+        note = missing(d, "residual", "`trace='layers'` or `trace='full'`")
         return {"only_missing": note} if note else None
     w = d["w"]
     xs = r["layers"]
@@ -592,7 +591,7 @@ def section_routing(d: dict) -> Optional[dict]:
     if r is None:
         if not model.get("n_experts"):
             return None
-        note = missing(d, "routing", "--trace layers or --trace full")
+        note = missing(d, "routing", "`trace='layers'` or `trace='full'`")
         return {"only_missing": note} if note else None
     toks = {t["index"]: t for t in d["tokens"]}
     positions = sorted({int(p) for by in r["cells"].values() for p in by})
@@ -618,7 +617,7 @@ def section_routing(d: dict) -> Optional[dict]:
         most = max(entry["load"]) or 1
         loads.append({"layer": entry["layer"], "imbalance": num(entry["imbalance"], 3), "bars": [
             {"e": e, "h": f"{100 * n / most:.1f}", "colour": expert_colour(e),
-             "title": f"layer {entry['layer']} · e{e}: {n} of {entry['tokens']} tokens"}
+             "title": f"layer {entry['layer']} · e{e}: {n} of {plural(entry['tokens'], 'token')}"}
             for e, n in enumerate(entry["load"])]})
     return {"columns": columns, "rows": rows, "loads": loads, "k": r["k"], "n_experts": E,
             "legend": [{"e": e, "colour": expert_colour(e)} for e in range(E)] if E <= 32 else None,
@@ -630,7 +629,7 @@ def section_walk(d: dict) -> Optional[dict]:
     trace without values, what records them."""
     wk = d["walk"]
     if not any("values" in s for s in wk["samples"].values()):
-        note = missing(d, "walk", "--trace full")
+        note = missing(d, "walk", "`trace='full'`")
         return {"only_missing": note} if note else None
     toks = d["tokens"]
     n_prompt = sum(t["step"] is None for t in toks)
@@ -644,7 +643,7 @@ def section_whatif(d: dict) -> Optional[dict]:
     if not d["steps"]:
         return None
     if not d["kept_logits"]:
-        note = missing(d, "kept_logits", "--html or --trace full")
+        note = missing(d, "kept_logits", "`for_report=True` or `trace='full'`")
         return {"only_missing": note} if note else None
     s = d["run"]["sampling"] or {}
     temperature = 0.0 if s.get("greedy") else float(s.get("temperature") or 1.0)

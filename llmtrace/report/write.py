@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
+from llmtrace.units import plural
 
 MAX_MERGE_WORDS = 200
 
@@ -52,7 +53,7 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     run = next((e for e in events if e.get("event") == "run"), None)
     rows = (run or {}).get("batch") or 1
     if not 0 <= row < rows:
-        raise BadValue("row", f" {row} is out of range: the trace has {rows} row{'s' if rows != 1 else ''} "
+        raise BadValue("row", f" {row} is out of range: the trace has {plural(rows, 'row')} "
                               f"(0..{rows - 1})")
     if run is not None and run.get("batch"):
         prompt = (run.get("prompts") or [""] * rows)[row]

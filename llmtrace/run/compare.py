@@ -171,7 +171,7 @@ def check_ids(tok_a, tok_b, ids_a: list[int], ids_b: list[int], ids_from: Option
         return ids_a
     i = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), min(len(ids_a), len(ids_b)))
     what = (f"at position {i} A has {_id_text(tok_a, ids_a, i)} and B {_id_text(tok_b, ids_b, i)}"
-            if i < min(len(ids_a), len(ids_b)) else f"A gives {len(ids_a)} tokens and B {len(ids_b)}")
+            if i < min(len(ids_a), len(ids_b)) else f"A gives {plural(len(ids_a), 'token')} and B {len(ids_b)}")
     raise FieldError("ids_from", " a feeds A's ids to both sides", before=f"the two tokenizers give different ids for "
                      f"the prompt ({what}); ")
 
@@ -579,7 +579,7 @@ def _encode_prompts(tok_a, tok_b, texts: list[str], chat: bool, system: Optional
             raise UsageError(f"prompt {k + 1} has no tokens; give some text" if len(texts) > 1
                              else "the prompt has no tokens; give some text")
         if ids_a != ids_b and not notes:
-            notes.append("B's tokenizer reads the prompt differently; both sides were fed A's ids (--ids-from a)")
+            notes.append("B's tokenizer reads the prompt differently; both sides were fed A's ids (`ids_from='a'`)")
         prompts.append(text_a)
         all_ids.append(ids)
     return prompts, all_ids, notes
@@ -608,7 +608,7 @@ def _load_sides(a: tuple, b: tuple, ivs_b: list, all_ids: list[list[int]], max_n
     limit = min(lm_a.config.max_seq_len, lm_b.config.max_seq_len)
     longest = max(len(ids) for ids in all_ids)
     if longest + max_new_tokens > limit:
-        raise BadValue("max_new_tokens", f" {max_new_tokens} exceed the context window of {limit} tokens",
+        raise BadValue("max_new_tokens", f" {max_new_tokens} exceed the context window of {plural(limit, 'token')}",
                        before=f"the prompt's {plural(longest, 'token')} + ")
     return lm_a, lm_b
 

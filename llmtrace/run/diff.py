@@ -24,6 +24,7 @@ from llmtrace.run.interventions import layer_output
 from llmtrace.trace.reader import trace_points
 from llmtrace.run.compare import (CompareResult, PointSums, answer_metrics, compared_points, position_axis,
                                   find_first_divergence, label_divergence, round_sig, summarize_answers)
+from llmtrace.units import plural
 
 
 
@@ -133,13 +134,14 @@ def _diff_tensors(ta, tb, a, b, run_a, ids, gen, same_gen, tolerance, holds, not
     layers, model_points = _tensor_records(acc, index, len(order), a["n_layers"], points)
     unrecorded = [lay["layer"] for lay in layers if not lay["points"]]
     if unrecorded:
-        notes.append(f"{len(unrecorded)} of {a['n_layers']} layers were not recorded by both runs "
+        notes.append(f"{len(unrecorded)} of {plural(a['n_layers'], 'layer')} "
+                     f"{'was' if len(unrecorded) == 1 else 'were'} not recorded by both runs "
                      f"({_spans(unrecorded)}): the first divergence is the first among the recorded points")
     first, before = find_first_divergence(model_points, layers, tolerance)
     summary = summarize_answers(answers) if answers else {"kld_mean": None, "kld_max": None, "same_top": None,
                                                           "dp_mean_abs": None}
     if not answers:
-        notes.append("no logits were saved (record them with --trace full or --dump logits); KLD is not known")
+        notes.append("no logits were saved (record them with `trace='full'` or `dump=['logits']`); KLD is not known")
     return CompareResult(a=a, b=b, prompt=run_a.get("prompt", ""), ids=(ids + gen)[: n_prompt + max_step],
                          n_prompt=n_prompt, tolerance=tolerance, layers=layers, model_points=model_points,
                          positions=positions, first_divergence=label_divergence(first, positions),
@@ -345,7 +347,7 @@ def _diff_holdings(a, b, run_a, ids, gen, tolerance, holds, notes) -> CompareRes
     dps = [abs(p["dp"]) for p in positions if p.get("dp") is not None]
     first = holds["statistics"]["first_difference"]
     notes.append("no tensors: the first divergence is judged from each point's norm (a lower bound of its relative "
-                 "error); KLD needs the full logits (--save-tensors)")
+                 "error); KLD needs the full logits (`save_tensors`)")
     return CompareResult(a=a, b=b, prompt=run_a.get("prompt", ""), ids=ids + gen, n_prompt=len(ids),
                          tolerance=tolerance, layers=[], model_points={}, positions=positions, first_divergence=first,
                          max_rel_err_before=holds["statistics"]["max_norm_diff_before"], kld_mean=None, kld_max=None,

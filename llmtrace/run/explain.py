@@ -51,6 +51,7 @@ from llmtrace.model.transformer import ModelConfig, Transformer, apply_rope, kv_
 from llmtrace.trace.records import (SIGNIFICANT_DIGITS, batch_event, candidate_records, dtype_name, explain_model_record,
                                     rounded, tensor_event, tokens_event)
 from llmtrace.trace.stats import tensor_stats
+from llmtrace.units import plural
 
 NEAR_ZERO = 0.05  # |silu(gate)| below this counts as a unit that is (nearly) switched off
 MAP_CELLS = 40  # an attention map wider than this many positions is summarised in bins
@@ -63,7 +64,7 @@ MAP_CELLS = 40  # an attention map wider than this many positions is summarised 
 def resolve_layer(layer: int, n_layers: int) -> int:
     """Layer N, with negative N counting from the end (-1 is the last layer)."""
     if not -n_layers <= layer < n_layers:
-        raise BadValue("layer", f" {layer} is out of range: this model has {n_layers} layers "
+        raise BadValue("layer", f" {layer} is out of range: this model has {plural(n_layers, 'layer')} "
                        f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
     return layer % n_layers
 

@@ -167,7 +167,8 @@ def context_note(lm: LoadedModel, prompt_lengths: list[int], max_new_tokens: int
                 f"{plural(fit, 'token')} {'fits' if fit == 1 else 'fit'}, not {max_new_tokens:,} "
                 f"(stop reason: context)")
     rows = ", ".join(f"row {r}: {room:,}" for r, room in cut)
-    return (f"the context window of {lm.name} ({ctx:,} tokens) leaves fewer than {max_new_tokens:,} tokens to "
+    return (f"the context window of {lm.name} ({plural(ctx, 'token')}) leaves fewer than "
+            f"{plural(max_new_tokens, 'token')} to "
             f"{len(cut)} of {len(prompt_lengths)} rows ({rows}); "
             f"{'it stops' if len(cut) == 1 else 'they stop'} there (stop reason: context)")
 

@@ -46,6 +46,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, LlmtraceError
 from llmtrace.model.moe_points import expert_points
+from llmtrace.units import plural
 
 PARTS = ("head", "attn", "ffn", "expert")
 
@@ -357,7 +358,8 @@ def parse_interventions(ablate=(), scale=(), patch=(), source: Optional[str] = N
 
 def _layer(field_name: str, iv, layer: int, n_layers: int) -> int:
     if not -n_layers <= layer < n_layers:
-        raise BadValue(field_name, f" {iv.spec}: layer {layer} is out of range; this model has {n_layers} layers "
+        raise BadValue(field_name, f" {iv.spec}: layer {layer} is out of range; "
+                                   f"this model has {plural(n_layers, 'layer')} "
                                    f"(0..{n_layers - 1}, or -1..-{n_layers} from the end)")
     return layer % n_layers
 
@@ -380,7 +382,7 @@ def _expert(field_name: str, iv, config) -> None:
         raise BadValue(field_name, f" {iv.spec}: {what}; L.eK names an expert of a mixture-of-experts layer")
     if not 0 <= iv.expert < config.n_experts:
         raise BadValue(field_name, f" {iv.spec}: expert {iv.expert} is out of range; layer {layer} has "
-                                   f"{config.n_experts} experts (0..{config.n_experts - 1})")
+                                   f"{plural(config.n_experts, 'expert')} (0..{config.n_experts - 1})")
 
 
 def _enough_experts(interventions, config) -> None:
@@ -400,8 +402,9 @@ def position_slot(field_name: str, iv, position: int, n_tokens: int, what: str, 
     """Position P (negative: from the end) of a text of n_tokens as 0-based, or a one-line error naming the range
     (`also`: the fields `what` names)."""
     if not -n_tokens <= position < n_tokens:
-        raise BadValue(field_name, f" {iv.spec}: position {position} is out of range; {what} has {n_tokens} token"
-                                   f"{'s' if n_tokens != 1 else ''} (0..{n_tokens - 1}, or -1..-{n_tokens} from the end)",
+        raise BadValue(field_name, f" {iv.spec}: position {position} is out of range; "
+                                   f"{what} has {plural(n_tokens, 'token')}"
+                                   f" (0..{n_tokens - 1}, or -1..-{n_tokens} from the end)",
                        also=also)
     return position % n_tokens
 
@@ -485,8 +488,9 @@ def read_control_vector(path, d_model: int, n_layers: int) -> dict[int, "object"
                             f"model's width is {d_model}; it was made for another model")
     top = max(out)
     if top >= n_layers:
-        raise LlmtraceError(f"control vector {p} has directions up to direction.{top} ({top} layers), but this model "
-                            f"has {n_layers} layers (directions 1..{n_layers - 1}); it was made for another model")
+        raise LlmtraceError(f"control vector {p} has directions up to direction.{top} ({plural(top, 'layer')}), "
+                            f"but this model has {plural(n_layers, 'layer')} (directions 1..{n_layers - 1}); "
+                            "it was made for another model")
     return out
 
 
@@ -598,7 +602,8 @@ def _source_ids(iv, encode, field_name: str, text: str, ctx: int) -> list[int]:
         raise BadValue(iv.kind, f" {iv.spec}: the {field_name} text is empty (it encodes to zero tokens)",
                        also=(field_name,))
     if len(ids) > ctx:
-        raise BadValue(iv.kind, f" {iv.spec}: the {field_name} text has {len(ids)} tokens, more than the context "
+        raise BadValue(iv.kind, f" {iv.spec}: the {field_name} text has {plural(len(ids), 'token')}, "
+                       "more than the context "
                        f"window ({ctx})", also=(field_name,))
     return ids
 

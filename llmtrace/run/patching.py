@@ -61,7 +61,8 @@ def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: Opt
                             f"tokens")
     T, L = len(corrupt_ids), lm.config.n_layers
     if T > lm.config.max_seq_len:
-        raise LlmtraceError(f"the prompts have {T} tokens but the context window of {lm.name} is {lm.config.max_seq_len}")
+        raise LlmtraceError(f"the prompts have {plural(T, 'token')} but the context window of {lm.name} "
+                            f"is {lm.config.max_seq_len}")
     t0 = time.perf_counter()
     grid = sweep_metrics(model, clean_ids, corrupt_ids, a_id, b_id, at, on_progress)
     seconds = time.perf_counter() - t0

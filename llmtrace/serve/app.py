@@ -31,7 +31,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llmtrace.errors import UsageError
 from llmtrace.serve.runs import KEYS, History, Job, Limits, Served, error_body, options_of, pick_model, stream
+from llmtrace.units import plural
 
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
@@ -87,18 +89,25 @@ class Guard:
         return None
 
 
+class BodyTooLarge(UsageError):
+    """A request body over the server's limit (HTTP 413)."""
+
+
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, read up to `limit` bytes (a body without a length is counted as it comes)."""
+    """The body as JSON, read up to `limit` bytes (a body without a length is counted as it comes). A body that is
+    too large or not JSON is a UsageError: its message is the answer, as the CLI's is."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ValueError(f"the request body is larger than {limit:,} bytes")
+            raise BodyTooLarge(f"the request body is larger than {limit:,} bytes")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks) or b"{}")
+        return json.loads((b"".join(chunks) or b"{}").decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError("the request body is not JSON (it is not UTF-8 text)") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"the request body is not JSON ({e.msg})") from None
+        raise UsageError(f"the request body is not JSON ({e.msg})") from None
 
 
 def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", port: int = 8321,
@@ -110,7 +119,7 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
     pull = load or (lambda name: None)
 
     def refused(e: Exception) -> Response:  # BadValue, UsageError, a body too large or not JSON, a wrong type
-        return JSONResponse(error_body(e), 413 if "larger than" in str(e) else 400, headers=SECURITY_HEADERS)
+        return JSONResponse(error_body(e), 413 if isinstance(e, BodyTooLarge) else 400, headers=SECURITY_HEADERS)
 
     async def page(request: Request) -> Response:
         from llmtrace.report.serve_page import serve_page
@@ -137,7 +146,9 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
         except Exception as e:  # the caller's request, never the server's end
             return refused(e)
         if s.waiting >= limits.queued_per_model:
-            return JSONResponse({"error": f"{s.waiting} runs already wait for {s.name}; try again later"}, 429,
+            waits = 'waits' if s.waiting == 1 else 'wait'
+            busy = f"{plural(s.waiting, 'run')} already {waits} for {s.name}; try again later"
+            return JSONResponse({"error": busy}, 429,
                                 headers=SECURITY_HEADERS)
         job = Job(s, kind, prompt, options, secrets.token_hex(8), other)
         return StreamingResponse(stream(job, limits, history), media_type="application/x-ndjson",

@@ -10,12 +10,13 @@ as a JSON error. `History` keeps the last runs' pages and, for re-sampling, thei
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from llmtrace.errors import BadValue, LlmtraceError, UsageError
+from llmtrace.errors import BadValue, LlmtraceError, UsageError, one_line
 from llmtrace.trace.sinks import ENCODER
 
 # The keywords a request may give, per kind of run (beside "prompt" and "model").
@@ -104,6 +105,7 @@ def options_of(kind: str, body: dict, limits: Limits) -> tuple[Any, Any]:
         if len(given["clean"]) + len(given["corrupt"]) > limits.prompt_chars:
             raise BadValue("clean", f" and corrupt are longer than this server takes ({limits.prompt_chars:,})")
         return None, given
+    check_json_types(kind, body)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise BadValue("prompt", " must be a non-empty text")
@@ -118,6 +120,67 @@ def options_of(kind: str, body: dict, limits: Limits) -> tuple[Any, Any]:
         return prompt, GenerateOptions.of(**given, for_report=True)
     cls = ExplainOptions if kind == "explain" else LensOptions
     return prompt, cls(**given)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value can be the Python value of type HINT (an options field's annotation)."""
+    import collections.abc
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        return any(_fits(value, a) for a in args)
+    if origin in (list, tuple, collections.abc.Sequence) and args:
+        text_ok = args[0] is str and isinstance(value, str)  # stop="." as well as stop=[".", "!"]
+        return text_ok or (isinstance(value, list) and all(_fits(v, args[0]) for v in value))
+    return True  # Any, dicts, the options' own objects: their checks say what is wrong
+
+
+def _wanted(hint: Any) -> str:
+    import typing
+
+    words = {bool: "true or false", int: "a whole number", float: "a number", str: "a text", type(None): "null"}
+    if hint in words:
+        return words[hint]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (list, tuple) or (args and len(args) == 1):
+        if not args:
+            return "a list"
+        return ("a text or " if args[0] is str else "") + f"a list of {_wanted(args[0]).removeprefix('a ')}s"
+    return " or ".join(dict.fromkeys(_wanted(a) for a in args))
+
+
+JSON_KINDS = {list: "a list", dict: "an object"}  # a value of these is named by its kind, any other by itself
+
+
+def check_json_types(kind: str, body: dict) -> None:
+    """Each keyword's JSON type against the options' own annotations, so that `"temperature": "hot"` is named as the
+    CLI names a bad value (BadValue), not met later as a TypeError of Python's ("must be real number, not str")."""
+    import typing
+
+    from llmtrace.api import ExplainOptions, GenerateOptions, LensOptions
+    from llmtrace.run.sampler import SamplerConfig
+
+    classes = {"generate": (GenerateOptions, SamplerConfig), "explain": (ExplainOptions,), "lens": (LensOptions,)}
+    hints: dict[str, Any] = {}
+    for cls in classes.get(kind, ()):
+        hints |= typing.get_type_hints(cls)
+    hints["sampler_order"] = hints.get("order")
+    for key, value in body.items():
+        hint = hints.get(key)
+        if hint is not None and not _fits(value, hint):
+            given = json.dumps(value)[:40] if not isinstance(value, (list, dict)) else JSON_KINDS[type(value)]
+            raise BadValue(key, f" must be {_wanted(hint)}, not {given}")
 
 
 def check_tokens(n: Any, limits: Limits) -> None:
@@ -270,10 +333,9 @@ def line(ev: dict) -> str:
 
 
 def error_body(e: Exception) -> dict:
-    """The one line the CLI prints, without its "error: ", as a JSON error body."""
-    if isinstance(e, (BadValue, UsageError, LlmtraceError)):
-        return {"error": str(e)}
-    return {"error": f"{type(e).__name__}: {e}"}
+    """The one line the CLI prints, without its "error: ", as a JSON error body: the message, never the Python class
+    (a library's exception that no check foresaw is its text on one line, as the CLI quotes one)."""
+    return {"error": str(e) if isinstance(e, (BadValue, UsageError, LlmtraceError)) else one_line(e)}
 
 
 def queue_line(position: int) -> str:

@@ -61,7 +61,7 @@ def gguf_chat_template(get, notes: list[str]) -> str | None:
     """tokenizer.chat_template; for a Gemma file without one, Gemma's turn format (and a note that says so)."""
     template = get("tokenizer.chat_template")
     if template is None and get("general.architecture") in GEMMA_ARCHITECTURES:
-        notes.append("this GGUF has no chat template; --chat uses Gemma's turn format "
+        notes.append("this GGUF has no chat template; `chat=True` uses Gemma's turn format "
                      "(<start_of_turn>user … <end_of_turn>, then <start_of_turn>model)")
         return GEMMA_TURNS
     return template

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import unicodedata
 from dataclasses import dataclass
+from typing import Optional
 
 
 from llmtrace.tokens.vocab import BYTE_FALLBACK, CHAR_TO_BYTE, SPACE_MARK
@@ -90,10 +91,33 @@ def combining(ch: str) -> bool:
     return unicodedata.category(ch) in ("Mn", "Me")
 
 
+def emoji_modifier(ch: str) -> bool:
+    """One of the five skin tones (U+1F3FB-U+1F3FF, Unicode's Emoji_Modifier): drawn into the emoji before it (👍🏽, two
+    columns in all), but alone, or after a letter, a terminal draws it as a two-column swatch of its own, where rich
+    counts none: a table with one in a cell was two columns wider on that row."""
+    return 0x1F3FB <= ord(ch) <= 0x1F3FF
+
+
+def sits_on(ch: str, before: Optional[str]) -> bool:
+    """Whether CH is drawn together with BEFORE (the character shown just before it, None for none), so that the two
+    take the columns rich counts for them: a combining mark on a letter or a symbol, a skin tone on an emoji."""
+    if before is None or len(before) != 1 or before in ' "▁':
+        return False
+    if emoji_modifier(ch):
+        return unicodedata.category(before) == "So" and unicodedata.east_asian_width(before) == "W"
+    return combining(ch)
+
+
+def drawn_alone(ch: str, before: Optional[str]) -> bool:
+    """A character that needs its code point to be seen where it stands: one that is invisible, or one that is drawn
+    on the character before it (a combining mark, a skin tone) with nothing here to be drawn on."""
+    return invisible(ch) or ((combining(ch) or emoji_modifier(ch)) and not sits_on(ch, before))
+
+
 def shown_char(ch: str) -> str:
     """One character named on its own ("1/2 of é"), as a reader can see it: '<U+0301>' for a combining mark or an
     invisible character, else the character."""
-    return f"<U+{ord(ch):04X}>" if invisible(ch) or combining(ch) else ch
+    return f"<U+{ord(ch):04X}>" if drawn_alone(ch, None) else ch
 
 
 def visible_text(data: bytes) -> str:
@@ -119,18 +143,13 @@ def visible_text(data: bytes) -> str:
             out.append("\\r")
         elif ord(ch) < 0x20 or ord(ch) == 0x7F:
             out.append(f"\\x{ord(ch):02x}")
-        elif invisible(ch) or (combining(ch) and not _has_base(out)):  # a mark with nothing of its own to sit on
+        elif drawn_alone(ch, out[-1] if out else None):  # a mark (or a skin tone) with nothing of its own to sit on
             out.append(f"<U+{ord(ch):04X}>")
         else:
             out.append(ch)
     if raw:
         out.append("<" + bytes(raw).hex(" ") + ">")
     return "".join(out)
-
-
-def _has_base(out: list[str]) -> bool:
-    """Whether the text made so far ends in a character a combining mark can sit on (not a mark made visible)."""
-    return bool(out) and len(out[-1]) == 1 and out[-1] != SPACE_MARK
 
 
 def char_parts_of(char_starts: list[int], text: str, b0: int, b1: int) -> tuple[CharPart, ...]:

@@ -38,6 +38,7 @@ from llmtrace.tokens.vocab import (BYTE_FALLBACK, DAMAGED, BYTE_TO_CHAR, NORMAL,
                                    check_gguf_vocab, check_tokenizer_json, detect_kind, from_library,
                                    library_errors, parse_json, post_processor_of, post_processor_problem, read_json,
                                    read_text_file, sentencepiece_bpe, split_merge)
+from llmtrace.units import plural
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf
@@ -343,7 +344,7 @@ class TextTokenizer:
             return None
         n = len(found)
         shown = ", ".join(f"U+{ord(text[i]):04X} at char {i}" for i in found[:5]) + (" …" if n > 5 else "")
-        return (f"{n} character{'s' if n != 1 else ''} of the {what} ha{'ve' if n != 1 else 's'} no token in this "
+        return (f"{plural(n, 'character')} of the {what} ha{'ve' if n != 1 else 's'} no token in this "
                 f"vocabulary and {'are' if n != 1 else 'is'} left out of the ids ({shown}); the model never sees "
                 f"{'them' if n != 1 else 'it'}")
 

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from llmtrace.errors import LlmtraceError, one_line
+from llmtrace.units import plural
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -135,7 +136,8 @@ def check_gguf_vocab(get, tokens: list, types: list, merges: list | None, where:
         if not isinstance(values, list) or not all(isinstance(v, kind) for v in values):
             raise bad(f"tokenizer.ggml.{key} is not a list of {kind.__name__}s")
     if len(types) != len(tokens):
-        raise bad(f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        raise bad(f"tokenizer.ggml.token_type has {plural(len(types), 'entry', 'entries')} "
+                  f"for {plural(len(tokens), 'token')}")
     for i, ty in enumerate(types):
         if not UNDEFINED <= ty <= BYTE:
             raise bad(f"token {i} ({tokens[i]!r}) has type {ty} in tokenizer.ggml.token_type (types are 0..6)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from llmtrace.errors import BadValue
+from llmtrace.units import plural
 
 
 def parse_index_ranges(spec: str, field: str, noun: str) -> list[tuple[int, int]]:
@@ -31,7 +32,8 @@ def parse_indices(spec: str, n: int, field: str, noun: str, of: str) -> list[int
     for lo, hi in parse_index_ranges(spec, field, noun):
         for end in (lo, hi):  # check before building a range
             if not -n <= end < n:
-                raise BadValue(field, f": {noun} {end} is out of range; {of} {n} {noun}s (0..{n - 1}, or -1 for the last)")
+                raise BadValue(field, f": {noun} {end} is out of range; {of} {plural(n, noun)} "
+                                      f"(0..{n - 1}, or -1 for the last)")
         lo, hi = (e + n if e < 0 else e for e in (lo, hi))
         out.extend(i for i in range(lo, hi + 1) if i not in out)
     return sorted(out)

@@ -23,9 +23,11 @@ from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.fsutil import read_user_file
 from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events
 from llmtrace.trace.events import SCHEMA_ID, schema_path
+from llmtrace.units import plural
 
-# what the files llmtrace reads back are, for the message that refuses anything else
-WRITERS = "it reads the --json and --jsonl of generate, explain, lens, compare, diff and patch"
+# what the files llmtrace reads back are, for the message that refuses anything else (in the words of both the CLI
+# and the Python API: the commands' and the functions' names are the same, the way of asking for the file is not)
+WRITERS = "it reads the traces that generate, explain, lens, compare, diff and patch save, as JSON or JSONL"
 GENERATE_EVENTS = {"run", "tokens", "shapes", "tensor", "step", "prediction", "batch", "summary"}
 
 # A check returns None, or (the path to the bad value, a function that says what is wrong with it). Both are built
@@ -42,7 +44,7 @@ IGNORED = {"$schema", "$id", "$defs", "title", "description", "oneOf"}  # annota
 def load_trace(path: str, warn: Callable[[str], None] = lambda msg: print(f"warning: {msg}", file=sys.stderr)
                ) -> list[dict]:
     """The events of a file llmtrace wrote (a trace of generate, explain, lens or patch; a comparison of compare or
-    diff, as its --jsonl events), each checked against the schema. Raises LlmtraceError naming the file and place; a
+    diff, as the events of its JSONL), each checked against the schema. Raises LlmtraceError naming the file and place; a
     file that is no llmtrace output at all is a UsageError."""
     data = sys.stdin.buffer.read() if path == "-" else read_user_file(Path(path), "trace")
     name = "stdin" if path == "-" else path
@@ -60,15 +62,23 @@ def load_trace(path: str, warn: Callable[[str], None] = lambda msg: print(f"warn
             return [_checked(whole, f"{name} line {_first_line(data)}", first=True)]
         if isinstance(whole, dict) and str(whole.get("schema", "")).startswith("llmtrace.compare/"):
             return _comparison_events(whole, name)
-        raise UsageError(f"{name}: valid JSON but not a file llmtrace reads back ({WRITERS})")
+        raise not_ours(name, "valid JSON")
     lines = data.split(b"\n")
     first = next(i for i, line in enumerate(lines) if line.strip())
+    if not lines[first].lstrip().startswith(b"{") and not _parses(lines[first]):
+        raise not_ours(name, f"line {first + 1} is not valid JSON")  # text, a page, a model: each file of ours is JSON
     if len([line for line in lines if line.strip()]) > 1 and not _parses(lines[first]):
         # several lines, and the first is no event on its own: a document written over several lines, damaged
         where = f"line {error.lineno}, column {error.colno}: {error.msg}" if isinstance(error, json.JSONDecodeError) \
             else f"byte {error.start} is not UTF-8"
         raise LlmtraceError(f"{name}: not valid JSON ({where})")
     return _stream_events(lines, name, ends_cleanly=data.endswith(b"\n"), warn=warn)
+
+
+def not_ours(where: str, what: str) -> UsageError:
+    """The one rule for a file that llmtrace did not write (a text file, a page, a model, another tool's JSON): a
+    usage problem, exit 2, worded here once. A file of llmtrace's that is damaged is an LlmtraceError (exit 1)."""
+    return UsageError(f"{where}: {what}; not a file llmtrace reads back ({WRITERS})")
 
 
 def _comparison_events(doc: dict, name: str) -> list[dict]:
@@ -111,12 +121,12 @@ def _stream_events(lines: list[bytes], name: str, ends_cleanly: bool, warn: Call
                 "is not UTF-8 text"
             if not events:
                 raise LlmtraceError(f"{name}: no complete event (line {i + 1} {how})")
-            warn(f"{where} {how}; showing the {len(events)} complete event{'s' if len(events) != 1 else ''} "
+            warn(f"{where} {how}; showing the {plural(len(events), 'complete event')} "
                  f"before it")
             return events
         events.append(_checked(ev, where, first=not events))
     if events[0]["event"] == "run" and events[-1]["event"] != "summary":  # generate's stream ends with its summary
-        warn(f"{name} ends after {len(events)} event{'s' if len(events) != 1 else ''} without a summary: the trace is "
+        warn(f"{name} ends after {plural(len(events), 'event')} without a summary: the trace is "
              f"incomplete (the run was killed, or the file was cut); showing what it has")
     return events
 
@@ -124,16 +134,13 @@ def _stream_events(lines: list[bytes], name: str, ends_cleanly: bool, warn: Call
 def _checked(ev: Any, where: str, first: bool = False) -> dict:
     """The event, checked against the schema. An event of a kind llmtrace never writes, or a first line that is no
     event at all, is not an llmtrace file (a UsageError); damage further on is an LlmtraceError."""
-    not_ours = UsageError if first else LlmtraceError
+    refuse = (lambda what: not_ours(where, what)) if first else (lambda what: LlmtraceError(f"{where}: {what}"))
     if not isinstance(ev, dict):
-        raise not_ours(f"{where}: {_kind(ev)}, not an event (a JSON object with \"event\")" +
-                       (f"; not a file llmtrace reads back ({WRITERS})" if first else ""))
+        raise refuse(f"{_kind(ev)}, not an event (a JSON object with \"event\")")
     if "event" not in ev:
-        raise not_ours(f"{where}: an object without \"event\"; not an llmtrace event" +
-                       (f" ({WRITERS})" if first else ""))
+        raise refuse("an object without \"event\", not an llmtrace event")
     if isinstance(ev["event"], str) and ev["event"] not in event_kinds():
-        raise UsageError(f"{where}: an event of kind {_short(ev['event'])}, which llmtrace does not write; not a file "
-                         f"llmtrace reads back ({WRITERS})")
+        raise not_ours(where, f"an event of kind {_short(ev['event'])}, which llmtrace does not write")
     if ev["event"] == "run" and isinstance(ev.get("schema"), str) and ev["schema"] != SCHEMA_ID:
         # a newer (or older) contract: say so, rather than name the first field this version misses
         raise LlmtraceError(f"{where}: a trace of schema {ev['schema']!r}; this llmtrace reads {SCHEMA_ID}")
@@ -210,8 +217,8 @@ def trace_kind(events: list[dict], name: str = "the file") -> str:
         return "lens" if model.get("command") == "lens" else "explain"
     if any(e["event"] in GENERATE_EVENTS for e in events):
         return "generate"
-    raise UsageError(f"{name}: its events ({', '.join(sorted({e['event'] for e in events}))}) are not a whole file of "
-                     f"any command ({WRITERS})")
+    raise not_ours(name, f"its events ({', '.join(sorted({e['event'] for e in events}))}) are not a whole file of "
+                         "any command")
 
 
 JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", int: "integer",
@@ -322,7 +329,7 @@ def _items(v, item, lo, hi) -> Problem:
     if not isinstance(v, list):
         return None
     if not lo <= len(v) <= hi:
-        return [], lambda: f"has {{field}} with {len(v)} items, not {lo}" + ("" if lo == hi else f" to {hi}")
+        return [], lambda: f"has {{field}} with {plural(len(v), 'item')}, not {lo}" + ("" if lo == hi else f" to {hi}")
     if item is not None:
         for i, value in enumerate(v):
             problem = item(value)

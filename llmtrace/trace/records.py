@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from typing import Any, Iterable, NotRequired, Optional, TypedDict
+from llmtrace.words import in_words
 
 
 SIGNIFICANT_DIGITS = 7  # float32 carries about 7
@@ -193,7 +194,7 @@ def fast_parts(fast: dict) -> list[str]:
         choice["by"], f"measured at load on {choice.get('capability')}: int4 {choice.get('int4_ms')} ms, bf16 "
                       f"{choice.get('bf16_ms')} ms a GEMV")
     kernel = "int4 kernel" if choice["int4"] else "bf16 matrices (int4 kernel not chosen)"
-    return ["--fast: approximate, not the exact values", f"{fast['compute_dtype']} activations, float32 norm and "
+    return [in_words("`fast=True`: approximate, not the exact values"), f"{fast['compute_dtype']} activations, float32 norm and "
             f"softmax statistics", f"{kernel} ({why})"]
 
 

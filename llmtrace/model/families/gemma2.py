@@ -26,6 +26,7 @@ from llmtrace.model.llama_points import (ATTN_NORM, EMBED, FFN_NORM, K_REPEATED,
 from llmtrace.model.maths import LayerPlan, Op, op
 from llmtrace.model.points import Point, Source, Weight, inserted
 from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
+from llmtrace.units import plural
 
 EMBED_SCALED = Point("embed_scaled", "s4", ("T", "D"), about="the embedding × √D: the stream entering layer 0",
                      input="embed")
@@ -185,7 +186,7 @@ def gemma_hf_common(cfg: dict, default_window: int, default_ctx: int, pattern: C
         if unknown:
             raise refuse("layer_types", unknown[0], "Gemma's layers are sliding_attention or full_attention")
         if len(types) != n:
-            raise LlmtraceError(f"layer_types has {len(types)} entries for {n} layers")
+            raise LlmtraceError(f"layer_types has {plural(len(types), 'entry', 'entries')} for {plural(n, 'layer')}")
         out.update(sliding_window=int(window),
                    layer_types=["sliding" if t == "sliding_attention" else "full" for t in types])
     return out

@@ -8,6 +8,7 @@ from llmtrace.model.family import Family
 from llmtrace.model.maths import LayerPlan, Op
 from llmtrace.model.points import Point, inserted
 from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
+from llmtrace.units import plural
 
 Q_NORM = Point("q_norm", "s6.2", ("T", "H", "Dh"), about="each query head RMS-normalized (γ of width Dh)", input="q")
 K_NORM = Point("k_norm", "s6.2", ("T", "Hkv", "Dh"), about="each key head RMS-normalized (γ of width Dh)", input="k")
@@ -48,7 +49,7 @@ class Qwen3(Transformer):
 def changes(c) -> list[str]:
     out = [f"q/k RMSNorm per head (width {c.head_dim}) after the split into heads, before RoPE"]
     if c.n_heads * c.head_dim != c.d_model:
-        out.append(f"head width {c.head_dim} given on its own: {c.n_heads} heads × {c.head_dim} = "
+        out.append(f"head width {c.head_dim} given on its own: {plural(c.n_heads, 'head')} × {c.head_dim} = "
                    f"{c.n_heads * c.head_dim}, not the width {c.d_model}")
     return out
 

@@ -12,6 +12,7 @@ from llmtrace.model.family import Family
 from llmtrace.model.families.qwen3 import Qwen3Attention, changes as qwen3_changes
 from llmtrace.model.moe import MoEBlock, moe_changes, moe_fields
 from llmtrace.model.transformer import Transformer
+from llmtrace.units import plural
 
 
 class Qwen3MoeBlock(MoEBlock):
@@ -29,7 +30,8 @@ def dense_layers(cfg: dict, n_experts: int) -> list[int]:
     n = int(cfg["num_hidden_layers"])
     bad = [i for i in only if not isinstance(i, int) or not 0 <= i < n]
     if bad:
-        raise LlmtraceError(f"config.json: mlp_only_layers names layer {bad[0]!r}, but the model has {n} layers")
+        raise LlmtraceError(f"config.json: mlp_only_layers names layer {bad[0]!r}, "
+                            f"but the model has {plural(n, 'layer')}")
     return [i for i in range(n) if i in only or not (n_experts > 0 and (i + 1) % int(step) == 0)]
 
 

@@ -222,7 +222,7 @@ window.llmtraceCards = function (api) {
   function work(p, layer, pass, h, s) {
     const o = opOf(layer, p.name);
     if (!o) return { html: "" };
-    const res = { op: o.op, head: s && s.meta.axes ? headOf(s.meta.axes, h) : null, formula: formulaOf(layer, p.name) };
+    const res = { op: o.op, head: headOf(s && s.meta.axes ? s.meta.axes : p.axes, h), formula: formulaOf(layer, p.name) };
     let html = "<p class=formula data-formula>" + esc(res.formula || "") + "</p>";
     const fn = WORK[o.op];
     if (!fn || !s || !s.values || !s.meta.axes) { res.html = html; return res; }

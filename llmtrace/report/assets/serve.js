@@ -115,7 +115,10 @@
     if (!runId) return;
     const r = await fetch("/api/page?run=" + encodeURIComponent(runId) + "&lang=" + $("#lang").value,
       { headers: { "Authorization": "Bearer " + TOKEN }, signal: controller ? controller.signal : undefined });
-    if (r.ok) { $(frame).srcdoc = await r.text(); $(frame).hidden = false; }
+    if (r.ok) {
+      $(frame).srcdoc = await r.text(); $(frame).hidden = false;
+      if (frame === "#page") $("#page-note").hidden = true;  // the page is here: the line that promised it goes
+    }
   }
   const MAIN = { tokens: $("#tokens"), text: $("#text"), steps: true, page: true };
 
