@@ -79,6 +79,8 @@ def test_explain_says_no_rotation_in_the_layer_without_rope(families):
     model = llmtrace.load(str(families.hf_dir("smollm3")), device="cpu")
     assert describe_changes(model.config) == ["no RoPE in layer 3 of 4: q and k go unrotated, so attention there "
                                               "sees content, not position"]
+    gguf = llmtrace.load(str(families.gguf("smollm3")), device="cpu")
+    assert "(the GGUF has no key for them: llama.cpp's every 4th)" in describe_changes(gguf.config)[0]
     rope = next(e for e in model.explain(PROMPT, layer=3).events if e.get("section") == "rope")
     assert rope["rotation"] == "none" and "theta" not in rope and "pairs" not in rope
     assert rope["check_q_rope_max_abs_diff"] == 0 and "content" in rope["why"]

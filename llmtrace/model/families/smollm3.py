@@ -42,8 +42,9 @@ def changes(c) -> list[str]:
     if not layers:
         return ["every layer applies RoPE (no_rope_layers all 1)"]
     which = ", ".join(map(str, layers))
-    return [f"no RoPE in layer{'s' if len(layers) > 1 else ''} {which} of {c.n_layers}: q and k go unrotated, so "
-            f"attention there sees content, not position"]
+    gguf = " (the GGUF has no key for them: llama.cpp's every 4th)" if (c.extra or {}).get("format") == "gguf" else ""
+    return [f"no RoPE in layer{'s' if len(layers) > 1 else ''} {which} of {c.n_layers}{gguf}: q and k go unrotated, "
+            f"so attention there sees content, not position"]
 
 
 FAMILY = Family(
