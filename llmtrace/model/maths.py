@@ -240,6 +240,9 @@ WORDS = {
     "order_softmax_topk": "softmax, then top-k",
     "order_topk_softmax": "top-k, then softmax",
     "expert_matmul": "{name} = {x} · {w}[e]ᵀ for each chosen expert e",
+    "expert_matmul_bias": "{name} = {x} · {w}[e]ᵀ + b[e] for each chosen expert e",
+    "sink_share": "{name} = exp(sink) / (Σ exp({x}) + exp(sink)), one sink logit per head ({w}): 1 − Σ probs, the "
+                  "share of each row no key gets",
     "prev_last": "{name} of the last layer",
     "prev_any": "{name} of the layer before (in layer 0: {first})",
     "prev_n": "{name} of layer {n}",
@@ -284,6 +287,8 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
     if k == "softcap":
         return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c, say)
     if k == "softmax":
+        if c.get("take") == "sink":  # gpt-oss: the sink's column of the same softmax, the share no key gets
+            return say("sink_share", name=name, x=x[0], w=o.weights[0])
         return say("softmax_sink", name=name, x=x[0], w=o.weights[0]) if c.get("sink") else say("softmax", name=name, x=x[0])
     if k == "glu":
         if c.get("clamp") is not None:
@@ -309,7 +314,8 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
         "weighted_sum": lambda: say("weighted_sum", name=name, x=x[0], v=x[1], g=c.get("group")),
         "add": lambda: f"{name} = {x[0]} + {x[1]}",
         "select_last": lambda: say("select_last", name=name, x=x[0]),
-        "expert_matmul": lambda: say("expert_matmul", name=name, x=x[0], w=_w(o)),
+        "expert_matmul": lambda: say("expert_matmul_bias" if len(o.weights) > 1 else "expert_matmul", name=name,
+                                     x=x[0], w=_w(o)),
         "expert_mix": lambda: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)",
         "stream": lambda: f"{name} = {x[0]}",
     }.get(k, lambda: OPS[k])()

@@ -158,7 +158,9 @@ class Source:
     this many heads ("H" or "Hkv") in the archs that do so (model.families); `hf_add`: a constant the HF tensor is
     stored without (Gemma's norms multiply by 1 + w; llama.cpp's converter adds the 1, so a GGUF stores it). An HF key
     with `{e}` in it is one tensor per expert (experts.{e}.w1.weight), `rows` of them ("E") stacked along a new first
-    axis; a GGUF holds the same stack as one 3-D tensor."""
+    axis; a GGUF holds the same stack as one 3-D tensor. `hf_transform`: the load transforms (TRANSFORMS' names, in
+    order) that turn the HF tensor into this part, where HF stores it in another layout (gpt-oss's experts: x·W as
+    (E, in, out), gate and up interleaved in one tensor that two sources then share)."""
 
     hf: Optional[str]
     gguf: Optional[str]
@@ -166,6 +168,16 @@ class Source:
     math: str = ""
     permuted: Optional[str] = None
     hf_add: float = 0.0
+    hf_transform: tuple[str, ...] = ()
+
+
+# The load transforms a Source may name: small, named changes of layout, applied by the loader in the order given
+# (checkpoint.weights.TRANSFORMS holds their code). Each keeps the values; none computes.
+TRANSFORMS = {
+    "transpose": "the last two axes swapped: a stack stored for x·W, (E, in, out), held as (E, out, in)",
+    "even": "the even entries of the axis after the first (gate of an interleaved gate/up: g0 u0 g1 u1 ...)",
+    "odd": "the odd entries of the axis after the first (up of an interleaved gate/up)",
+}
 
 
 @dataclass(frozen=True)
@@ -213,4 +225,5 @@ class DeclaredSource:
     math: str
     permuted_heads: Optional[int]  # heads whose rows llama.cpp reorders for its RoPE, in the archs it does so
     hf_add: float
+    hf_transform: tuple[str, ...] = ()
 

@@ -719,7 +719,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
     yield residual_section(cap)
     if layer in moe_layers(c):
-        yield router_section(cap.points, cap.resid_mid[layer], layer, c)
+        yield router_section(cap.points, cap.resid_mid[layer], layer, c, maths=maths)
     else:
         yield ffn_section(cap, c, maths=maths)
     yield kv_section(cap, c)
