@@ -120,6 +120,18 @@ def localized(events: list[dict], lang: str) -> list[dict]:
             e = dict(e, steps=[dict(r, formula=said(e["layer"], r["point"], r["formula"])) for r in e["steps"]],
                      plan=dict(e["plan"], rope_words=words.get("rope_none", e["plan"]["rope_words"])
                                if not e["plan"].get("rope") else e["plan"]["rope_words"]))
+        elif sec == "attention":  # the declared scores, softmax and P·V, as explain joins them
+            table = maths.layers[e["layer"]]
+            names = [n for n, o in table.items() if o.kind in ("scores", "softcap", "softmax", "weighted_sum")]
+            e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names[-3:]))
+        elif sec == "router" and e.get("layer") is not None:  # the declared choice rule, GLU and weighted sum
+            table = maths.layers[e["layer"]]
+            router = next((n for n, o in table.items() if o.kind == "router"), None)
+            if router is not None:
+                first = table[router].inputs[0]
+                names = ([first] if first in table and table[first].kind == "softmax" else []) + [router] + [
+                    n for n, o in table.items() if o.kind in ("glu", "expert_mix")]
+                e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names))
         elif sec == "rmsnorm":
             e = dict(e, formula=said(e["layer"], e["norm"], e["formula"]))
         elif sec == "rope":

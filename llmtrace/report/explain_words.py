@@ -70,7 +70,7 @@ LINES = [(re.compile(p), r) for p, r in (
     (r"^head (?P<h>\d+): scores, masked →−∞$", r"头 \g<h>：分数，被掩码的 →−∞"),
     (r"^\(the first (?P<n>\d+) positions of (?P<t>\d+)\)$", r"（\g<t> 个位置中的前 \g<n> 个）"),
     (r"^the key each position attends to most, per head \(position:weight\)$", "每个头中，每个位置最关注的键（位置:权重）"),
-    (r"^attention map, (?P<w>.*) \((?P<h>.*)\): rows are queries, columns keys; pick a head with --head$",
+    (r"^attention map, (?P<w>.*) \((?P<h>.*)\): rows are queries, columns keys; pick a head with (?:--head|`head`)$",
      r"注意力图，\g<w>（\g<h>）：行是查询，列是键；用 --head 选择一个头"),
     (r"^(?P<n>[①-⑨]) s6.6  output projection and residual: (?P<f>.*)$", r"\g<n> s6.6  输出投影与残差：\g<f>"),
     (r"^x enters the layer; attn = what attention adds to it; x' = x \+ attn \(so (?P<a>.*)\); x'' = x' \+ FFN\(x'\) "
@@ -181,6 +181,10 @@ LINES = [(re.compile(p), r) for p, r in (
     (r"^this layer turns neither q nor k: .*$", "这一层既不旋转 q 也不旋转 k：查询对键的分数只取决于两个词元是什么（内容），"
      "而不取决于它们相隔多远。有 RoPE 的层把位置带进残差流；这一层只按内容做注意力。"),
     (r"^q_rope equals its input to (?P<x>\S+)$", r"q_rope 与它的输入相差 \g<x>"),
+    (r"^(?P<f>.*); the mask sets (?P<m>\S+) entr(?:y|ies) \(every key after its query, and every key (?P<w>\d+) or more "
+     r"back\) to −∞$", r"\g<f>；掩码把 \g<m> 个元素（每个查询之后的键，以及往回 \g<w> 个及更远的键）设为 −∞"),
+    (r"^(?P<f>.*); the mask sets (?P<m>\S+) entr(?:y|ies) \(every key after its query\) to −∞$",
+     r"\g<f>；掩码把 \g<m> 个元素（每个查询之后的键）设为 −∞"),
     (r"^(?P<n>[①-⑨]) s6.3  RoPE on q and k: base θ = (?P<b>\S+), rotary width (?P<w>\d+) of (?P<d>\d+), (?P<s>.*)$",
      r"\g<n> s6.3  对 q 和 k 施加旋转位置编码 RoPE：基数 θ = \g<b>，旋转宽度 \g<w>/\g<d>，\g<s>"),
 )]
