@@ -691,16 +691,16 @@ class Comparison:
     def __getattr__(self, name: str):
         return getattr(self.result, name)
 
-    def html(self) -> str:
+    def html(self, lang: str = "en") -> str:
         from llmtrace.report.compare import render_compare_page
 
-        return render_compare_page(self.result.to_json())
+        return render_compare_page(self.result.to_json(), lang)
 
-    def report(self, path: Union[str, Path]) -> int:
-        """The HTML comparison page to `path` (atomically). Returns its size in bytes."""
+    def report(self, path: Union[str, Path], lang: str = "en") -> int:
+        """The HTML comparison page to `path` (atomically), its words in `lang` (en, zh). Returns its size in bytes."""
         from llmtrace.report.compare import write_compare_page
 
-        return write_compare_page(self.result, path)
+        return write_compare_page(self.result, path, lang)
 
     def _repr_html_(self) -> str:
         import html

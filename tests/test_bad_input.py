@@ -227,10 +227,10 @@ def test_truncated_gguf(capsys, tmp_path, tiny_gguf, fresh_home, where):
 def test_gguf_with_a_quantization_we_cannot_dequantize(capsys, tmp_path, fresh_home):
     from tiny import TinySpec, make_hf_model, mixed_plan, write_gguf
 
-    path = tmp_path / "mxfp4.gguf"
-    plan = lambda name, a: "MXFP4" if "ffn_down" in name else mixed_plan(name, a)  # noqa: E731
-    write_gguf(path, make_hf_model(TinySpec()), plan=plan)
-    fails(capsys, 1, "generate", "hi", "-m", path, says=("blk.0.ffn_down.weight", "MXFP4", "cannot dequantize", "Q8_0"))
+    path = tmp_path / "tq2.gguf"  # a ternary type of BitNet's: no family llmtrace runs has one (MXFP4 it reads)
+    plan = lambda name, a: "TQ2_0" if "ffn_down" in name else mixed_plan(name, a)  # noqa: E731
+    write_gguf(path, make_hf_model(TinySpec(ffn_dim=256)), plan=plan)  # rows of 256: TQ2_0's block
+    fails(capsys, 1, "generate", "hi", "-m", path, says=("blk.0.ffn_down.weight", "TQ2_0", "cannot dequantize", "Q8_0"))
 
 
 def test_models_toml_syntax_error_names_the_line(capsys, monkeypatch, tmp_path):

@@ -274,7 +274,7 @@ def test_the_reports_kv_chart_shows_the_state_and_the_sum(families):
     assert all(t < g and t < s for t, g, s in zip(lines["total"], lines["gqa"], lines["state"]))  # the sum, above
     assert page.count('class="kvl state"') == 3
     assert "3 layers × 3,200 bytes = 9.38 KiB, the same at every step" in page
-    assert "= 2 (K, V) × 1 layer × 2 KV heads" in page
+    assert "= 2 (K, V) × 1 layers × 2 KV heads" in page
 
 
 def test_the_report_page_draws_a_linear_layer_from_its_declaration(browser, loaded, tmp_path):

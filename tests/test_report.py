@@ -110,9 +110,10 @@ def test_residual_norms_and_kv_are_the_traces(recorded):
     assert d["kv"]["bytes_per_token"] == bpt and d["kv"]["per_layer"] == bpt / c.n_layers
     for s in d["kv"]["steps"]:
         assert s["bytes_used"] == s["seq_len"] * bpt
-    stats = {(r["step"], r["layer"]): r["norm"] for r in d["tensors"]["points"]["q"]}
+    q = d["tensors"]["points"]["q"]  # a list per field (page.compact_stats), to the 4 figures the panel shows
+    stats = dict(zip(zip(q["step"], q["layer"]), q["norm"]))
     for e in (e for e in events if e["event"] == "tensor" and e["name"] == "q"):
-        assert stats[(e["step"], e["layer"])] == e["stats"]["norm"]
+        assert stats[(e["step"], e["layer"])] == float(f'{e["stats"]["norm"]:.4g}')
 
 
 def test_the_residual_chart_joins_only_neighbouring_recorded_layers(recorded):

@@ -34,7 +34,8 @@ ABS, REL = 1e-5, 1e-4  # the issue's tolerance: a card checks within 1e-5 absolu
 CHECKING = {"rmsnorm", "rope", "scores", "softmax", "glu", "add", "scale", "softcap", "router", "select_last", "stream"}
 TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4) and LongRoPE's 8
 CARD_FAMILIES = ["llama", "mistral", "qwen3", "qwen3_swa", "gemma2", "gemma3", "phi3", "phi3_longrope", "olmo2",
-                 "mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense", "qwen3_5"]
+                 "mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense", "smollm3", "gpt_oss", "gpt_oss_mxfp4",
+                 "qwen3_5"]
 
 
 def test_the_card_families_are_the_fixtures():

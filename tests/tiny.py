@@ -42,8 +42,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Attention looks back at e
 # tokenizer
 
 
-def tiny_tokenizer(vocab_size: int = VOCAB_SIZE):
-    """A byte-level BPE trained on CORPUS, the specials first. Deterministic for a fixed corpus."""
+def tiny_tokenizer(vocab_size: int = VOCAB_SIZE, corpus: list[str] = CORPUS):
+    """A byte-level BPE trained on CORPUS (or `corpus`), the specials first. Deterministic for a fixed corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -55,7 +55,7 @@ def tiny_tokenizer(vocab_size: int = VOCAB_SIZE):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
     return tok
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from llmtrace.model.fast import COMPUTE, DENSE, FastLinear, choose_kernel, fast_experts, fast_linear
 from llmtrace.model.quant import BLOCKS, GROUP_KINDS, QuantEmbedding, Segment
+from llmtrace.checkpoint.quantized import is_matrix
 from llmtrace.model.transformer import Attention
 
 
@@ -31,13 +32,13 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     """Config, model and tokenizer of a GGUF file for the fast path: matrices on FastLinear, the embedding in its
     blocks, vectors in bfloat16. config.extra["fast"] records the kernel choice and the matrices that run in bf16."""
     from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
-    from llmtrace.checkpoint.weights import block_matrices, build_model, read_weights
+    from llmtrace.checkpoint.weights import build_model, read_weights
     from llmtrace.errors import FieldError
 
     where = str(path)
     config, plan, tokenizer, facts = open_gguf_checkpoint(path)
     choice = choice or choose_kernel(device)
-    matrices = block_matrices(plan, config)
+    matrices = {name: parts for name, parts in plan.items() if is_matrix(name, parts)}
     for parts in matrices.values():
         for p in parts:
             if p.kind not in BLOCKS:
@@ -59,7 +60,8 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
             return_freed_memory()
             continue
         if len(parts[0].shape) == 3:  # a mixture of experts' stack: each expert packed on its own
-            modules[module] = fast_experts(parts[0].raw(), segments[0], parts[0].shape, device, choice["int4"])
+            modules[module] = fast_experts(parts[0].raw(), segments[0], parts[0].shape, device, choice["int4"],
+                                           bias=sd.pop(module + ".bias", None))
             return_freed_memory()
             continue
         raws = [p.raw() for p in parts]  # one matrix's blocks at a time, freed once it is packed

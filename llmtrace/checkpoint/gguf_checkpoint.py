@@ -145,7 +145,7 @@ def read_gguf_weights(reader, config: ModelConfig, where: str) -> dict[str, torc
 
 
 GGUF_DEQUANTIZABLE = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_K", "Q2_K",
-                      "Q3_K"}
+                      "Q3_K", "MXFP4"}
 
 
 class GGUFCheckpoint(NamedTuple):

@@ -146,17 +146,6 @@ def declared(config: ModelConfig) -> list[DeclaredWeight]:
         return build_family(config).declared_weights()
 
 
-MATRIX_KINDS = ("matrix", "embedding", "experts")  # the weights a quantized load keeps in a GGUF's blocks
-
-
-def block_matrices(plan: dict[str, list], config: ModelConfig) -> dict[str, list]:
-    """The planned weights that are matrices (model.points.Weight.kind: a projection, the embedding, an expert
-    stack), which --keep-quantized and --fast keep in blocks; the rest (norms, biases, a depthwise convolution's
-    kernels) are read as numbers."""
-    kinds = {w.param: w.weight.kind for w in declared(config)}
-    return {name: parts for name, parts in plan.items() if kinds.get(name) in MATRIX_KINDS}
-
-
 def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: str) -> dict[str, list[Any]]:
     """Which checkpoint tensors make each of the model's parameters, as the model declares them: {parameter: its
     parts, stacked along the first axis} (q, k and v into wqkv). `entries` maps the file's own keys to objects with a
@@ -166,6 +155,7 @@ def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: 
     sd = dict(entries)
     permuted = fmt == "gguf" and family_named(config.family).gguf_archs.get(config.arch, False)
     out: dict[str, list[Any]] = {}
+    taken: dict[str, Any] = {}  # tensors already planned: two sources may read one (gpt-oss's interleaved gate/up)
     for w in declared(config):
         parts = []
         for src in w.sources:
@@ -173,20 +163,19 @@ def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: 
             if key is not None and "{e}" in key:  # one tensor per expert (an HF directory's), stacked into E
                 parts.append(ExpertStack.of(sd, key, w, src, where))
                 continue
-            if key is None or key not in sd:
+            if fmt == "hf" and key is not None and key not in sd and key not in taken:
+                MXFP4Entry.take(sd, key, where)  # an HF MXFP4 tensor: its _blocks and _scales, read as the tensor
+            if key is None or (key not in sd and key not in taken):
                 raise LlmtraceError(f"{where}: tensor {key or src.math} ({_what(w.param, src.math)}) is missing from "
                                     f"the checkpoint; download it again")
-            part = sd.pop(key)
-            shape = (src.rows, *w.shape[1:])
-            if _unit_axes_only(part.shape, shape):  # a depthwise conv's (C, 1, K) read as (C, K), or the reverse
-                part = Reshaped(part, shape)
-            check_shape(where, key, part, shape)
+            part = taken[key] = sd.pop(key) if key in sd else taken[key]
+            if fmt == "hf" and src.hf_transform:
+                part = Transformed(part, src.hf_transform)
+            check_shape(where, key, part, (src.rows, *w.shape[1:]))
             if permuted and src.permuted_heads:
                 part = part._replace(heads=src.permuted_heads)
             if fmt == "hf" and src.hf_add:
                 part = Offset(part, src.hf_add)
-            if fmt == "hf" and src.hf_map:
-                part = Mapped(part, src.hf_map)
             parts.append(part)
         out[w.param] = parts
     if sd:
@@ -221,47 +210,95 @@ class Offset(NamedTuple):
         out.add_(self.add)
 
 
-def _unit_axes_only(a: tuple, b: tuple) -> bool:
-    """Two shapes that differ only in axes of size 1."""
-    return tuple(a) != tuple(b) and [n for n in a if n != 1] == [n for n in b if n != 1]
+def _even(t: torch.Tensor) -> torch.Tensor:
+    return t[:, 0::2]
 
 
-class Reshaped(NamedTuple):
-    """A checkpoint tensor read into a parameter of the same numbers in a shape that differs in axes of size 1."""
+def _odd(t: torch.Tensor) -> torch.Tensor:
+    return t[:, 1::2]
+
+
+# The load transforms a weight's Source may name (model.points.TRANSFORMS says what each does): each takes the
+# tensor as read and returns a view of it in the model's layout.
+TRANSFORMS = {"transpose": lambda t: t.transpose(-1, -2), "even": _even, "odd": _odd,
+              "squeeze1": lambda t: t.squeeze(1), "neg_exp": lambda t: -t.exp()}
+
+
+class Transformed(NamedTuple):
+    """A checkpoint tensor read through named load transforms (Source.hf_transform): read whole in float32, changed in
+    layout (a view), then copied into its place."""
 
     entry: Any
-    shape: tuple
+    transforms: tuple[str, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._apply(torch.empty(self.entry.shape, device="meta")).shape)
 
     @property
     def key(self):
         return self.entry.key
 
-    def read_into(self, out: torch.Tensor) -> None:
-        self.entry.read_into(out.view(self.entry.shape))
-
-
-LOAD_MAPS = {"-exp": lambda t: t.exp_().neg_()}  # model.points.LOAD_MAPS says what each one is
-
-
-class Mapped(NamedTuple):
-    """A checkpoint tensor read through a function the model declares (Source.hf_map: Qwen3.5's A = -exp(A_log)),
-    computed in float32 as the reference computes it, then stored in the parameter's dtype."""
-
-    entry: Any
-    fn: str
-
-    @property
-    def shape(self):
-        return self.entry.shape
-
-    @property
-    def key(self):
-        return self.entry.key
+    def _apply(self, t: torch.Tensor) -> torch.Tensor:
+        for name in self.transforms:
+            t = TRANSFORMS[name](t)
+        return t
 
     def read_into(self, out: torch.Tensor) -> None:
-        t = torch.empty(out.shape, dtype=torch.float32)
-        self.entry.read_into(t)
-        out.copy_(LOAD_MAPS[self.fn](t))
+        whole = torch.empty(self.entry.shape, dtype=torch.float32)
+        self.entry.read_into(whole)
+        out.copy_(self._apply(whole))
+
+
+# transformers' MXFP4 (gpt-oss): a parameter P (E, in, out) is stored as P_blocks (E, out, in/32, 16) uint8, two
+# 4-bit e2m1 codes a byte (low nibble first), and P_scales (E, out, in/32) uint8, an e8m0 exponent biased by 127 for
+# each block of 32; P = (code's value · 2^(scale − 127)), transposed back to (E, in, out).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """HF MXFP4 blocks (..., G, 16) uint8 and scales (..., G) uint8 -> float32 (..., G·32): each byte's low nibble,
+    then its high one, times 2^(scale − 127)."""
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # (..., G, 32)
+    values = torch.ldexp(lut[codes], (scales.to(torch.int32) - 127)[..., None].float())
+    return values.flatten(-2)  # (..., G·32)
+
+
+class MXFP4Entry(NamedTuple):
+    """An HF MXFP4 parameter (its _blocks and _scales FileTensors), read as the float tensor it stands for."""
+
+    key: str
+    blocks: Any
+    scales: Any
+
+    @classmethod
+    def take(cls, sd: dict, key: str, where: str) -> None:
+        """Put KEY in sd as an MXFP4Entry when the directory holds KEY_blocks and KEY_scales (else leave sd as is)."""
+        b, s = sd.get(key + "_blocks"), sd.get(key + "_scales")
+        if b is None or s is None:
+            return
+        if b.dtype_name != "U8" or s.dtype_name != "U8" or tuple(b.shape[:-1]) != tuple(s.shape) or b.shape[-1] != 16 \
+                or len(b.shape) != 4:
+            raise LlmtraceError(f"{where}: tensors {key}_blocks {list(b.shape)} and {key}_scales {list(s.shape)} are "
+                                f"not MXFP4 blocks (uint8, (E, out, in/32, 16) and (E, out, in/32))")
+        sd[key] = cls(key, sd.pop(key + "_blocks"), sd.pop(key + "_scales"))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        E, out, groups, _ = self.blocks.shape
+        return (E, groups * 32, out)
+
+    @staticmethod
+    def raw(entry) -> torch.Tensor:
+        t = torch.empty(entry.shape, dtype=torch.uint8)
+        read_bytes(entry.path, entry.offset, t)
+        return t
+
+    def read_into(self, out: torch.Tensor) -> None:
+        blocks, scales = self.raw(self.blocks), self.raw(self.scales)  # 17 bytes for 32 weights
+        for e in range(blocks.shape[0]):  # dequantized an expert at a time
+            out[e].copy_(mxfp4_dequantize(blocks[e], scales[e]).transpose(0, 1))
 
 
 class ExpertStack(NamedTuple):

@@ -11,8 +11,8 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptsFileOpt, read_prompt_list
-from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, JsonOpt, KeepQuantizedOpt, PromptArg,
-                                  SystemOpt, ThreadsOpt, check_outputs, html_target, interventions_from, jsonl_opt,
+from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, JsonOpt, KeepQuantizedOpt, LangOpt, PromptArg,
+                                  SystemOpt, ThreadsOpt, check_lang, check_outputs, html_target, interventions_from, jsonl_opt,
                                   write_output)
 from llmtrace.cli.text_input import read_prompt
 from llmtrace.errors import UsageError
@@ -48,6 +48,7 @@ Examples:
   llmtrace compare -p "One" -p "Two" -m A -m B --tolerance 1e-3
   llmtrace compare "The capital of France is" --b-ablate 3.h2   # one head
   llmtrace compare --file passage.txt --b-fast     # how far --fast drifts
+  llmtrace compare "Hello" --b-ablate 0.attn --html cmp.html --lang zh   # the page in Chinese
 """
 
 
@@ -97,9 +98,12 @@ def compare(
     json_out: JsonOpt = None,
     jsonl: JsonlOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
     threads: ThreadsOpt = None,
 ) -> None:
     from llmtrace.api import LoadOptions
+
+    check_lang(lang, html)
 
     with side_b_flags():
         b_interventions = interventions_from(b_ablate, b_scale, b_patch, b_from, b_steer, b_toward, b_away_from,
@@ -140,7 +144,7 @@ def compare(
                              tolerance=tolerance, ids_from=ids_from, progress=_progress)
     show(result.to_json(), json_out, jsonl)
     if html:
-        n = result.report(html)
+        n = result.report(html, lang)
         print(f"wrote {html} ({n / 1e6:.2f} MB)", file=sys.stderr)
 
 
@@ -208,6 +212,8 @@ Examples:
   llmtrace generate "Hello" --trace full -n 4 --json gpu.json --save-tensors gpu.safetensors --device cuda
 
   llmtrace diff cpu.json gpu.json --html diff.html
+
+  llmtrace diff cpu.json gpu.json --html diff-zh.html --lang zh
 """
 
 
@@ -220,8 +226,11 @@ def diff(
     json_out: JsonOpt = None,
     jsonl: JsonlOpt = None,
     html: HtmlOpt = None,
+    lang: LangOpt = "en",
 ) -> None:
     from llmtrace.api import diff as run_diff
+
+    check_lang(lang, html)
 
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, not {tolerance:g}")
@@ -229,5 +238,5 @@ def diff(
     result = run_diff(trace_a, trace_b, tolerance=tolerance, tensors=not no_tensors)
     show(result.to_json(), json_out, jsonl)
     if html:
-        n = result.report(html)
+        n = result.report(html, lang)
         print(f"wrote {html} ({n / 1e6:.2f} MB)", file=sys.stderr)

@@ -316,6 +316,12 @@ LangOpt = Annotated[str, typer.Option(
     "terms). The terminal stays English.", callback=html_lang)]
 
 
+def check_lang(lang: str, html: Optional[str]) -> None:
+    """--lang names the language of the --html page: without one, it would be ignored, so it is refused."""
+    if lang != "en" and not html:
+        raise UsageError(f"--lang {lang} sets the language of the --html page; give --html FILE too")
+
+
 def write_html(events: list[dict], target: str, tokenizer, **kwargs) -> None:
     """Write the HTML report of `events` (llmtrace.report) and say where on stderr: `report`, and --html of generate,
     explain and lens."""

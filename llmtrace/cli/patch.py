@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (JsonOpt, OneDeviceLoadFlags, check_outputs, flag_groups, html_target, load_for_cli,
+from llmtrace.cli.options import (JsonOpt, LangOpt, OneDeviceLoadFlags, check_lang, check_outputs, flag_groups, html_target, load_for_cli,
                                   write_output)
 from llmtrace.errors import UsageError
 
@@ -34,6 +34,8 @@ Examples:
       --at resid_pre --json sweep.json
   llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" \\
       --html sweep.html
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" \\
+      --html sweep-zh.html --lang zh     # the page in Chinese
 
 One cell equals `llmtrace generate CORRUPT -n 0 --patch L.AT@P --from CLEAN` (the same run, alone).
 """
@@ -58,7 +60,9 @@ def patch(
     html: Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Also write the heatmap as a "
                                                 "self-contained HTML page.", show_default=False,
                                                 callback=html_target)] = None,
+    lang: LangOpt = "en",
 ) -> None:
+    check_lang(lang, html)
     if at is not None:  # no torch: every family keeps Llama's residual-stream points (the model's own are checked after)
         from llmtrace.model.llama_points import llama_points
 
@@ -85,7 +89,7 @@ def patch(
     if html:
         from llmtrace.report.patch import write_patch_html
 
-        n = write_patch_html(event, html)
+        n = write_patch_html(event, html, lang)
         print(f"wrote {html} ({n / 1e3:.0f} kB)", file=sys.stderr)
     if json_out != "-" or sys.stderr.isatty():
         from llmtrace.console import make_console

@@ -96,8 +96,6 @@ NOT_YET = {
     "deepseek_v2": "DeepSeek V2 has a multi-head latent attention and shared experts",
     "deepseek_v3": "DeepSeek V3 has a sigmoid router with a selection bias, group-limited top-k and shared experts",
     "deepseek2": "DeepSeek V2/V3 have a multi-head latent attention, shared experts and (V3) a sigmoid router",
-    "gpt_oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
-    "gpt-oss": "gpt-oss has a router with a bias, top-k before the softmax, clamped experts and attention sinks",
 }
 
 

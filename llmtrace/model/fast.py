@@ -245,12 +245,14 @@ class FastExperts(FastLinear):
     """E matrices of one GGUF tensor (a mixture of experts' stack (E, out, in)), each packed on its own kernel, used
     one expert at a time as model.moe.ExpertMatrices is: y = x W_eᵀ."""
 
-    def __init__(self, parts: list[nn.Module], segment: Segment, shape: tuple[int, int, int]):
-        super().__init__(parts, [segment], shape[2])
+    def __init__(self, parts: list[nn.Module], segment: Segment, shape: tuple[int, int, int],
+                 bias: Optional[torch.Tensor] = None):
+        super().__init__(parts, [segment], shape[2], bias)  # bias (E, out): gpt-oss's experts have one
         self.n_experts, self.out_features = shape[0], shape[1]
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return self._parts[e].forward(x)
+        y = self._parts[e].forward(x)
+        return y if self.bias is None else y + self.bias[e]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -261,12 +263,12 @@ class FastExperts(FastLinear):
 
 
 def fast_experts(raw: torch.Tensor, segment: Segment, shape: tuple[int, int, int], device: torch.device,
-                 int4: bool) -> FastExperts:
+                 int4: bool, bias: Optional[torch.Tensor] = None) -> FastExperts:
     """A FastExperts of a stack's blocks, raw (E·out, bytes per row): expert e is rows [e·out, (e+1)·out)."""
     E, out, in_features = shape
     parts = [fast_linear([raw[e * out : (e + 1) * out]], [segment], in_features, device, int4).parts[0]
              for e in range(E)]
-    return FastExperts(parts, segment, shape)
+    return FastExperts(parts, segment, shape, bias)
 
 
 def _run_key(kind: str, int4: bool) -> tuple:

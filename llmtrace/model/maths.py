@@ -189,14 +189,16 @@ def glu_name(o: Op) -> str:
     return o.const("name") or GLU_NAMES.get(o.const("act"), f"{o.const('act')} GLU")
 
 
-def rope_words(plan: LayerPlan) -> str:
-    """One line on this layer's RoPE: its base and rotary width, or none."""
+def rope_words(plan: LayerPlan, words: Optional[dict] = None) -> str:
+    """One line on this layer's RoPE: its base and rotary width, or none (in `words`' language: WORDS)."""
+    W = WORDS if not words else {**WORDS, **words}
     r = plan.rope
     if not r:
-        return "no rotation in this layer"
-    width = f", rotary width {r['rotary_dim']} of {r['head_dim']}" if r.get("rotary_dim") != r.get("head_dim") else ""
+        return W["rope_none"]
+    width = W["rope_width"].format(dr=r["rotary_dim"], dh=r["head_dim"]) if r.get("rotary_dim") != r.get("head_dim") else ""
     kind = (r.get("scaling") or {}).get("rope_type")
-    return f"base θ = {_n(r['base'])}{width}" + (f", {kind} scaling" if kind and kind != "default" else "")
+    return W["rope_base"].format(base=_n(r["base"])) + width + (
+        W["rope_scaled"].format(kind=kind) if kind and kind != "default" else "")
 
 
 def _n(x: float) -> str:
@@ -251,9 +253,16 @@ WORDS = {
     "order_softmax_topk": "softmax, then top-k",
     "order_topk_softmax": "top-k, then softmax",
     "expert_matmul": "{name} = {x} · {w}[e]ᵀ for each chosen expert e",
+    "expert_matmul_bias": "{name} = {x} · {w}[e]ᵀ + b[e] for each chosen expert e",
+    "sink_share": "{name} = exp(sink) / (Σ exp({x}) + exp(sink)), one sink logit per head ({w}): 1 − Σ probs, the "
+                  "share of each row no key gets",
     "prev_last": "{name} of the last layer",
     "prev_any": "{name} of the layer before (in layer 0: {first})",
     "prev_n": "{name} of layer {n}",
+    "rope_base": "base θ = {base}",
+    "rope_width": ", rotary width {dr} of {dh}",
+    "rope_none": "no rotation in this layer",
+    "window_of": "; a window of {w}",
 }
 ORDERS = {"softmax, then top-k": "order_softmax_topk", "top-k, then softmax": "order_topk_softmax"}
 
@@ -291,6 +300,8 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
     if k == "softcap":
         return f"{name} = {c['cap']:g} · tanh({x[0]} / {c['cap']:g})" + _mask_words(c, say)
     if k == "softmax":
+        if c.get("take") == "sink":  # gpt-oss: the sink's column of the same softmax, the share no key gets
+            return say("sink_share", name=name, x=x[0], w=o.weights[0])
         return say("softmax_sink", name=name, x=x[0], w=o.weights[0]) if c.get("sink") else say("softmax", name=name, x=x[0])
     if k == "glu":
         if c.get("clamp") is not None:
@@ -320,7 +331,8 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
         "weighted_sum": lambda: say("weighted_sum", name=name, x=x[0], v=x[1], g=c.get("group")),
         "add": lambda: f"{name} = {x[0]} + {x[1]}",
         "select_last": lambda: say("select_last", name=name, x=x[0]),
-        "expert_matmul": lambda: say("expert_matmul", name=name, x=x[0], w=_w(o)),
+        "expert_matmul": lambda: say("expert_matmul_bias" if len(o.weights) > 1 else "expert_matmul", name=name,
+                                     x=x[0], w=_w(o)),
         "expert_mix": lambda: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)",
         "stream": lambda: f"{name} = {x[0]}",
     }.get(k, lambda: OPS[k])()

@@ -132,7 +132,8 @@ def _softmax(o, x, w, shape, **_):
     if o.const("sink") is None:
         return torch.softmax(s, dim=-1)
     sink = w[0].reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)  # (B, H, T, 1): one more logit per head
-    return torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    both = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)
+    return both[..., -1] if o.const("take") == "sink" else both[..., :-1]  # the sink's share, or the keys' probs
 
 
 def _weighted_sum(o, x, w, shape, **_):

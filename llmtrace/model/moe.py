@@ -37,15 +37,17 @@ from llmtrace.units import plural
 
 
 class ExpertMatrices(nn.Module):
-    """E matrices of one shape, (E, out, in), used one expert at a time: y = x W_eᵀ. (--keep-quantized and --fast
-    replace it by a module of the same call that holds the GGUF's blocks: model.quant.QuantExperts, model.fast.)"""
+    """E matrices of one shape, (E, out, in), used one expert at a time: y = x W_eᵀ (+ b_e where the family has
+    biases: gpt-oss). (--keep-quantized and --fast replace it by a module of the same call that holds the GGUF's
+    blocks: model.quant.QuantExperts, model.fast.)"""
 
-    def __init__(self, n: int, out_features: int, in_features: int):
+    def __init__(self, n: int, out_features: int, in_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features))  # (E, out, in)
+        self.bias = nn.Parameter(torch.empty(n, out_features)) if bias else None  # (E, out)
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        return F.linear(x, self.weight[e])  # (n, in) -> (n, out)
+        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])  # (n, in) -> (n, out)
 
 
 class MoEFeedForward(Module):
@@ -81,23 +83,47 @@ class MoEFeedForward(Module):
                 Weight("w_down.weight", ("E", "D", "Fe"), "s6.7", "experts",
                        (Source(hf["down"], "ffn_down_exps.weight", "E", "W_down"),)))
 
+    # The choice rule, a declared variant: "softmax_topk" (Mixtral, Qwen3-MoE: softmax over the E experts, keep the
+    # top K, renormalised where the family does) or "topk_softmax" (gpt-oss: the top K of the raw logits, then a
+    # softmax over those K alone; router_probs is then that softmax, 0 for the experts not chosen).
+    choice = "softmax_topk"
+
     def maths(self, x: str, plan) -> dict[str, Op]:
-        """The router's three steps, then each chosen expert's SwiGLU, weighted and summed."""
-        return {"router_logits": op("matmul", [x], ["router.weight"]),
-                "router_probs": op("softmax", ["router_logits"], sink=None),
-                "expert_weights": op("router", ["router_probs"], k=self.k, renormalise=self.renormalise,
-                                     order="softmax, then top-k"),
-                "gate": op("expert_matmul", [x, "expert_weights"], ["w_gate.weight"]),
-                "up": op("expert_matmul", [x, "expert_weights"], ["w_up.weight"]),
-                "act": op("glu", ["gate", "up"], act=self.act_name, clamp=None),
-                "down": op("expert_mix", ["act", "expert_weights"], ["w_down.weight"])}
+        """The router's three steps (in the order of its choice rule), then each chosen expert's gated
+        activation, weighted and summed; a bias wherever the family's matrices have one."""
+        if self.choice == "topk_softmax":  # the raw logits chosen, then their softmax: probs and weights are one
+            chosen = op("router", ["router_logits"], k=self.k, renormalise=False, order="top-k, then softmax")
+            probs, weights = chosen, chosen
+        else:
+            probs = op("softmax", ["router_logits"], sink=None)
+            weights = op("router", ["router_probs"], k=self.k, renormalise=self.renormalise,
+                         order="softmax, then top-k")
+        return {"router_logits": op("matmul", [x], self._with_bias("router")),
+                "router_probs": probs, "expert_weights": weights,
+                "gate": op("expert_matmul", [x, "expert_weights"], self._with_bias("w_gate")),
+                "up": op("expert_matmul", [x, "expert_weights"], self._with_bias("w_up")),
+                "act": self.glu_op(),
+                "down": op("expert_mix", ["act", "expert_weights"], self._with_bias("w_down"))}
+
+    def glu_op(self) -> Op:
+        """The declared operation of `glu`."""
+        return op("glu", ["gate", "up"], act=self.act_name, clamp=None)
+
+    def _with_bias(self, module: str) -> list[str]:
+        has_bias = getattr(getattr(self, module), "bias", None) is not None
+        return [f"{module}.weight"] + ([f"{module}.bias"] if has_bias else [])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The router: x (B, T, D) -> each token's K chosen experts (B, T, K), most probable first, and their
         weights (B, T, K) in float32."""
         logits = self.point("router_logits", self.router(x))  # (B, T, E)
-        probs = self.point("router_probs", F.softmax(logits, dim=-1, dtype=torch.float32))  # (B, T, E)
-        top_p, top_e = probs.topk(self.k, dim=-1)  # (B, T, K) each
+        if self.choice == "topk_softmax":
+            top_l, top_e = logits.topk(self.k, dim=-1)  # (B, T, K) each: the K largest scores
+            top_p = F.softmax(top_l, dim=-1, dtype=torch.float32)  # (B, T, K): a softmax over the chosen K
+            probs = self.point("router_probs", torch.zeros_like(logits, dtype=torch.float32).scatter(-1, top_e, top_p))
+        else:
+            probs = self.point("router_probs", F.softmax(logits, dim=-1, dtype=torch.float32))  # (B, T, E)
+            top_p, top_e = probs.topk(self.k, dim=-1)  # (B, T, K) each
         if self.renormalise:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         if self.hook is not None:  # the weights as one (B, T, E) tensor, 0 where not chosen: a hook may scale them
@@ -119,7 +145,7 @@ class MoEFeedForward(Module):
             tokens, slot = (chosen == e).nonzero(as_tuple=True)  # the rows that chose e, and where in their K
             xe = h[tokens]  # (n, D)
             gate, up = self.w_gate(xe, e), self.w_up(xe, e)  # (n, Fe) each
-            act = self.act(gate) * up  # (n, Fe)
+            act = self.glu(gate, up)  # (n, Fe)
             y = self.w_down(act, e)  # (n, D)
             out.index_add_(0, tokens, (y * weight[tokens, slot, None]).to(out.dtype))
             if seen is not None:
@@ -129,6 +155,10 @@ class MoEFeedForward(Module):
             for name, value in seen.items():
                 self.point(name, value.view(B, T, K, Fe))
         return self.point("down", out.view(B, T, D))  # (B, T, D)
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """An expert's gated activation: act(gate) ⊙ up (a family with a clamped GLU changes it: gpt-oss)."""
+        return self.act(gate) * up
 
 
 class MoEBlock(Block):

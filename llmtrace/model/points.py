@@ -163,10 +163,12 @@ class Source:
     where the format has no such tensor. `rows` is the tensor's first dimension as axes ("H*Dh"); `math` its name in
     the maths (Wq); `permuted`: llama.cpp's converter reorders this tensor's rows for its RoPE pairing, per head of
     this many heads ("H" or "Hkv") in the archs that do so (model.families); `hf_add`: a constant the HF tensor is
-    stored without (Gemma's norms multiply by 1 + w; llama.cpp's converter adds the 1, so a GGUF stores it);
-    `hf_map`: a function of LOAD_MAPS the HF tensor is stored before (Qwen3.5's A_log; a GGUF stores -exp). An HF key
+    stored without (Gemma's norms multiply by 1 + w; llama.cpp's converter adds the 1, so a GGUF stores it). An HF key
     with `{e}` in it is one tensor per expert (experts.{e}.w1.weight), `rows` of them ("E") stacked along a new first
-    axis; a GGUF holds the same stack as one 3-D tensor."""
+    axis; a GGUF holds the same stack as one 3-D tensor. `hf_transform`: the load transforms (TRANSFORMS' names, in
+    order) that turn the HF tensor into this part, where HF stores it in another layout (gpt-oss's experts: x·W as
+    (E, in, out), gate and up interleaved in one tensor that two sources then share; Qwen3.5's convolution as
+    (C, 1, Kc)) or as another quantity (Qwen3.5's A_log, whose −exp a GGUF stores)."""
 
     hf: Optional[str]
     gguf: Optional[str]
@@ -174,11 +176,20 @@ class Source:
     math: str = ""
     permuted: Optional[str] = None
     hf_add: float = 0.0
-    hf_map: str = ""
+    hf_transform: tuple[str, ...] = ()
 
 
-# the functions a Source's hf_map may name (applied by the loader, checkpoint.weights)
-LOAD_MAPS = {"-exp": "x -> -exp(x): a decay rate stored as its log (A_log), read as the negative rate A = -exp(A_log)"}
+# The load transforms a Source may name: small, named changes of layout, applied by the loader in the order given
+# (checkpoint.weights.TRANSFORMS holds their code). Each keeps the values but neg_exp, which reads a quantity stored
+# as its log, as llama.cpp's converter writes it.
+TRANSFORMS = {
+    "transpose": "the last two axes swapped: a stack stored for x·W, (E, in, out), held as (E, out, in)",
+    "even": "the even entries of the axis after the first (gate of an interleaved gate/up: g0 u0 g1 u1 ...)",
+    "odd": "the odd entries of the axis after the first (up of an interleaved gate/up)",
+    "squeeze1": "the axis of size 1 after the first dropped: a depthwise convolution's (C, 1, Kc) held as (C, Kc)",
+    "neg_exp": "x -> −exp(x): a decay rate stored as its log (A_log), held as the negative rate A = −exp(A_log), "
+               "computed in float32 as transformers computes it",
+}
 
 
 @dataclass(frozen=True)
@@ -226,5 +237,5 @@ class DeclaredSource:
     math: str
     permuted_heads: Optional[int]  # heads whose rows llama.cpp reorders for its RoPE, in the archs it does so
     hf_add: float
-    hf_map: str = ""
+    hf_transform: tuple[str, ...] = ()
 

@@ -26,6 +26,7 @@ BLOCKS = {
     "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
     "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
     "Q2_K": (QK_K, 84), "Q3_K": (QK_K, 110), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
+    "MXFP4": (32, 17),
 }  # fmt: skip
 
 
@@ -145,8 +146,21 @@ def _q6_k(b):
     return (dl * q).reshape(n, QK_K)
 
 
+_E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1's 16 values, × 2
+
+
+def _mxfp4(b):
+    """gpt-oss's experts: an e8m0 exponent e, then 32 4-bit e2m1 codes (byte j: element j low, j + 16 high); w =
+    code's value × 2^(e − 127), computed as ggml does: the doubled value × 2^(e − 128) (a float built from bits)."""
+    e = b[:, :1].to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    d = bits.view(torch.float32)  # (n, 1): 2^(e − 128)
+    lut = torch.tensor(_E2M1_DOUBLED, dtype=torch.float32, device=b.device)
+    return d * lut[_nibbles(b[:, 1:]).long()]
+
+
 _DEQUANT = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k, "Q3_K": _q3_k,
-            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
 _FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -320,21 +334,23 @@ class QuantExperts(nn.Module):
     at a time as model.moe.ExpertMatrices is: y = x W_eᵀ, W_e dequantized from its rows [e·out, (e+1)·out) at each
     call (an expert's rows are whole blocks)."""
 
-    def __init__(self, raw: torch.Tensor, segment: Segment, shape: tuple[int, int, int], compute: torch.dtype):
+    def __init__(self, raw: torch.Tensor, segment: Segment, shape: tuple[int, int, int], compute: torch.dtype,
+                 bias: Optional[torch.Tensor] = None):
         super().__init__()
         self.segments = [segment]
         self.n_experts, self.out_features, self.in_features = shape
         self.compute = compute
         self.register_buffer("raw0", raw)  # (E * out, bytes per row)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)  # (E, out): gpt-oss's
 
     def raws(self) -> list[torch.Tensor]:
         return [self.raw0]
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
         raw = self.raw0[e * self.out_features : (e + 1) * self.out_features]
-        if fused_on(x.device):
-            return fused_linear(self.segments[0].kind)(x, raw)
-        return F.linear(x, dequantize(raw, self.segments[0].kind).to(self.compute))
+        y = (fused_linear(self.segments[0].kind)(x, raw) if fused_on(x.device) else
+             F.linear(x, dequantize(raw, self.segments[0].kind).to(self.compute)))
+        return y if self.bias is None else y + self.bias[e]
 
     @property
     def weight(self) -> torch.Tensor:

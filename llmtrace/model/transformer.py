@@ -87,6 +87,9 @@ class ModelConfig:
     # v_heads, k_dim, v_dim, and v_order ("grouped": value head j reads key head j // (Hv/Hk), HF's order; "tiled":
     # j % Hk, the order llama.cpp's converter writes)
     linear_attn: Optional[dict] = None
+    no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
+    swiglu_limit: Optional[float] = None  # a clamped GLU (gpt-oss): gate ≤ limit, −limit ≤ up ≤ limit
+    swiglu_alpha: Optional[float] = None  # ... and gate·sigmoid(alpha·gate)·(up + 1)
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
     @property
@@ -107,6 +110,10 @@ class ModelConfig:
 
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full"
+
+    def rotates(self, i: int) -> bool:
+        """Whether layer i applies RoPE to q and k (False in a layer without positions: SmolLM3's NoPE layers)."""
+        return i not in (self.no_rope_layers or ())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,6 +202,8 @@ def rope_inv_freq(config: ModelConfig, theta: Optional[float] = None, scaling: O
         inv_freq = inv_freq / scaling["factor"]
     elif kind == "freq_factors":  # GGUF stores llama3 scaling as one divisor per frequency
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    elif kind == "yarn":
+        inv_freq = yarn_inv_freq(inv_freq, dh, base, scaling)
     elif kind == "llama3":
         # Llama 3.1+: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
         factor = scaling["factor"]
@@ -207,6 +216,25 @@ def rope_inv_freq(config: ModelConfig, theta: Optional[float] = None, scaling: O
         is_medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv_freq = torch.where(is_medium, interpolated, inv_freq)
     return inv_freq
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, dh: int, base: float, s: dict) -> torch.Tensor:
+    """YaRN (gpt-oss, Qwen's long contexts): each frequency blended between itself (fast pairs, kept) and itself /
+    factor (slow pairs, interpolated), by a linear ramp over the pair index between the pairs that turn beta_fast and
+    beta_slow times within the original context. `truncate` rounds the ramp's ends outward to whole pairs
+    (transformers' default, and llama.cpp's only rule); gpt-oss's config turns it off. The attention factor that
+    scales cos and sin is the family's (model.families.gpt_oss)."""
+    factor, old_ctx = float(s["factor"]), float(s["original_max_position_embeddings"])
+    fast, slow = float(s.get("beta_fast") or 32.0), float(s.get("beta_slow") or 1.0)
+    turn = lambda rotations: dh * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    low, high = turn(fast), turn(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dh - 1)
+    pair = torch.arange(dh // 2, dtype=torch.float32, device="cpu")  # (Dr/2,)
+    ramp = ((pair - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the pair keeps its frequency (extrapolation), 0: it is divided by the factor
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -718,7 +746,7 @@ class Transformer(Module):
             for w in module.weights():
                 sources = tuple(DeclaredSource(join(hf, s.hf) if s.hf else None, join(gguf, s.gguf) if s.gguf else None,
                                                _rows(s.rows, w, dims), s.math,
-                                               dims[s.permuted] if s.permuted else None, s.hf_add, s.hf_map)
+                                               dims[s.permuted] if s.permuted else None, s.hf_add, s.hf_transform)
                                 for s in w.sources)
                 out.append(DeclaredWeight(join(param, w.name), w, w.dims(dims), sources))
             for attr, (hf_sub, gguf_sub) in getattr(module, "CHILDREN", {}).items():
@@ -755,6 +783,8 @@ class Transformer(Module):
         the model's tables it uses; None for a layer without RoPE. The sliding-window layers of a model with a local
         base use that base, unscaled (Gemma 3)."""
         c = self.config
+        if not c.rotates(layer):
+            return None
         local = (c.layer_type(layer) == "sliding" and c.sliding_window is not None and c.rope_local_theta is not None)
         base, scaling = (c.rope_local_theta, None) if local else (c.rope_theta, c.rope_scaling)
         return {"table": "local" if local else "global", "base": base, "rotary_dim": c.rotary_dim or c.head_dim,

@@ -83,6 +83,7 @@ def extract(events: list[dict], *, row: int = 0, merges: Optional[list[dict]] = 
         "maths": maths_view(run, head),
         "kept_logits": step_logits(steps, tensors, points),
         "pad": pad_slots(batch, row),
+        "batch": _batch(batch, row, run),
         "positions": (batch or {}).get("position_ids", [None] * (row + 1))[row] if batch else None,
         "merges": {"words": merges, "note": merges_note} if merges is not None else {"words": None, "note": merges_note},
     }
@@ -128,8 +129,7 @@ def _run_facts(run: Optional[dict], head: Optional[dict], model: dict, summary: 
         facts["summary"] = {k: summary.get(k) for k in ("prompt_tokens", "generated_tokens", "stop_reason", "ttft_ms",
                                                          "prefill_tok_s", "decode_tok_s", "interrupted", "text")}
     if batch:
-        facts["command"] = (f"generate, a batch of {batch} prompts: this report shows row {row} "
-                            f"(llmtrace report TRACE --row N shows another)")
+        facts["batch"] = {"rows": batch, "row": row}  # the page says it: "generate, a batch of ..."
         facts["prompt"] = (run.get("prompts") or [""] * batch)[row]
         entry = next((r for r in (summary or {}).get("rows", []) if r["row"] == row), None)
         if entry is not None:
@@ -280,6 +280,16 @@ def unpack_attention(text: str, shape: tuple[int, ...]) -> np.ndarray:
     return (np.frombuffer(base64.b64decode(text), dtype="<u2").astype(np.float64) / Q16).reshape(shape)
 
 
+def _batch(batch: Optional[dict], row: int, run: Optional[dict]) -> Optional[dict]:
+    """s3 of a batch of prompts: every row's padded ids, attention_mask and position_ids as the first pass saw them,
+    the pad id and its piece, and the row this page shows. None for one prompt (no padding: the mask is all ones)."""
+    if batch is None:
+        return None
+    return {"rows": len(batch["ids"]), "row": row, "ids": batch["ids"], "attention_mask": batch["attention_mask"],
+            "position_ids": batch["position_ids"], "pad_id": batch.get("pad_id"), "pad_piece": batch.get("pad_piece"),
+            "pad_source": batch.get("pad_source"), "prompts": (run or {}).get("prompts")}
+
+
 def pad_slots(batch: Optional[dict], row: int) -> int:
     """The slots of a batch row that hold its left padding (s3): the row's tokens start after them. 0 for one prompt.
     The attention maps of a row are indexed by slot; its tokens and positions by token."""
@@ -322,7 +332,7 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, pad: int =
         out.update(source="maps", n=n, layers=sorted(maps), bins=[list(b) for b in bins], binned=len(bins) < n)
         if H * len(bins) ** 2 * len(maps) > ATTENTION_BUDGET:  # many layers: keep the first ones that fit
             keep = max(1, ATTENTION_BUDGET // (H * len(bins) ** 2))
-            out["notes"].append(f"only {keep} of the {len(maps)} recorded layers are embedded (size)")
+            out["notes"].append({"key": "attention.note_kept", "keep": keep, "n": len(maps)})
             maps = dict(list(maps.items())[:keep])
             out["layers"] = sorted(maps)
         out["maps"] = {str(k): pack_attention(v) for k, v in maps.items()}
@@ -335,7 +345,8 @@ def _attention(tensors: list[dict], explain: list[dict], model: dict, pad: int =
         out.update(source="explain", n=e["n_tokens"], layers=[e["layer"]], bins=e["bins"], binned=e["binned"],
                    heads=[head if head is not None else "mean"], pad=0)
         out["maps"] = {str(e["layer"]): pack_attention(m)}
-        out["notes"].append("explain records one map: " + ("the mean over all heads" if head is None else f"head {head}"))
+        out["notes"].append({"key": "attention.note_explain_mean"} if head is None else
+                            {"key": "attention.note_explain_head", "head": head})
     return out
 
 

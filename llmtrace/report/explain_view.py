@@ -10,7 +10,7 @@ as each segment's colour; text is escaped by the template like any other.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.table import Table
@@ -74,12 +74,14 @@ class Blocks(Console):
             self.blocks.append({"kind": kind, "segments": _segments(text)})
 
 
-def explain_blocks(events: list[dict]) -> list[dict]:
-    """The terminal explain's output as blocks, from the trace's events."""
+def explain_blocks(events: list[dict], lang: str = "en") -> list[dict]:
+    """The terminal explain's output as blocks, from the trace's events: the attention map's text art made a grid
+    (attention_grid), and every line in the page's language (explain_words) where it is
+    not English."""
     from llmtrace.render.explain import render_explain
 
     console = Blocks()
-    render_explain(events, console)
+    render_explain(localized(events, lang), console)
     steps = next((e for e in events if e.get("event") == "explain" and e.get("section") == "steps"), None)
     table = next((b for b in console.blocks if b["kind"] == "table" and (b["header"] or [])[:2] == ["point", "op"]),
                  None)
@@ -88,4 +90,120 @@ def explain_blocks(events: list[dict]) -> list[dict]:
         table["row_attrs"] = [{"point": r["point"], "op": r["op"], "layer": steps["layer"]}
                               | ({"max-error": r["check"]["max_abs"], "max-rel": r["check"]["max_rel"]}
                                  if r["check"] else {}) for r in steps["steps"]]
-    return console.blocks
+    blocks = with_grid(console.blocks, next((e for e in events if e.get("event") == "explain"
+                                             and e.get("section") == "attention_map"), None), events)
+    return [translated(b) for b in blocks] if lang == "zh" else blocks
+
+
+def localized(events: list[dict], lang: str) -> list[dict]:
+    """The events with each formula the model's declaration makes said in the page's language (model.maths.formula
+    with the catalogue's "maths." words): the steps' table, the norms, RoPE and the GLU."""
+    if lang == "en":
+        return events
+    from llmtrace.model.maths import Maths, formula
+    from llmtrace.report.i18n import Words
+
+    head = next((e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
+    maths = Maths.from_record((head or {}).get("maths"))
+    words = Words(lang).maths
+    if maths is None or not words:
+        return events
+
+    def said(layer: int, name: str, text: str) -> str:
+        o = maths.op(layer, name)
+        return text if o is None else formula(o, name, layer, maths, words)
+
+    out = []
+    for e in events:
+        sec = e.get("section") if e.get("event") == "explain" else None
+        if sec == "steps":
+            e = dict(e, steps=[dict(r, formula=said(e["layer"], r["point"], r["formula"])) for r in e["steps"]],
+                     plan=dict(e["plan"], rope_words=words.get("rope_none", e["plan"]["rope_words"])
+                               if not e["plan"].get("rope") else e["plan"]["rope_words"]))
+        elif sec == "attention":  # the declared scores, softmax and P·V, as explain joins them
+            table = maths.layers[e["layer"]]
+            names = [n for n, o in table.items() if o.kind in ("scores", "softcap", "softmax", "weighted_sum")]
+            e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names[-3:]))
+        elif sec == "router" and e.get("layer") is not None:  # the declared choice rule, GLU and weighted sum
+            table = maths.layers[e["layer"]]
+            router = next((n for n, o in table.items() if o.kind == "router"), None)
+            if router is not None:
+                first = table[router].inputs[0]
+                names = ([first] if first in table and table[first].kind == "softmax" else []) + [router] + [
+                    n for n, o in table.items() if o.kind in ("glu", "expert_mix")]
+                e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names))
+        elif sec == "rmsnorm":
+            e = dict(e, formula=said(e["layer"], e["norm"], e["formula"]))
+        elif sec == "rope":
+            rope = next((n for n, o in maths.layers[e["layer"]].items() if o.kind == "rope"), None)  # q's, declared first
+            e = dict(e, formula=said(e["layer"], rope, e["formula"]) if rope else e["formula"])
+        out.append(e)
+    return out
+
+
+def with_grid(blocks: list[dict], amap: Optional[dict], events: list[dict]) -> list[dict]:
+    """The blocks with the attention map's lines (a header of key labels, a line per query bin, the legend) replaced
+    by one grid block: a real table, each column a key under its own label."""
+    if amap is None:
+        return blocks
+    start = next((i for i, b in enumerate(blocks) if b["kind"] == "text"
+                  and "".join(g["text"] for g in b["segments"]).startswith("attention map,")), None)
+    if start is None:
+        return blocks
+    tokens = next((e.get("tokens") for e in events if e.get("event") == "tokens"), None) or []
+    head = start + 1
+    while head < len(blocks) and blocks[head]["kind"] == "note":  # a sliding window's notes stay; then the key labels
+        head += 1
+    return blocks[:head] + [attention_grid(amap, tokens)] + blocks[head + 2 + len(amap["bins"]):]
+
+
+def attention_grid(amap: dict, tokens: list) -> dict:
+    """The explain attention map as a grid: rows are query bins, columns key bins, a cell coloured by its weight (the
+    palette of the page) with the weight as its title; masked cells (a key after every query of its row, or out of a
+    sliding window) are blank and say so."""
+    from llmtrace.report.page import colour, ink, visible
+
+    bins, window = amap["bins"], amap.get("window")
+
+    def label(lo: int, hi: int) -> str:
+        if hi - lo > 1:
+            return f"{lo}–{hi - 1}"
+        t = tokens[lo] if lo < len(tokens) else None
+        text = t.get("text", "") if isinstance(t, dict) else (t or "")
+        return f"{lo} {visible(text)[:8]}"
+
+    rows = []
+    for i, (lo, hi) in enumerate(bins):
+        cells = []
+        for j, (klo, khi) in enumerate(bins):
+            v = amap["matrix"][i][j]
+            if klo > hi - 1:
+                cells.append({"masked": "future"})
+            elif window and khi - 1 <= lo - window:
+                cells.append({"masked": "window"})
+            else:
+                x = None if v is None else max(0.0, min(1.0, v))
+                cells.append({"bg": colour(x), "fg": ink(x), "p": "—" if v is None else f"{v:.2f}"})
+        rows.append({"label": label(lo, hi), "cells": cells})
+    return {"kind": "grid", "columns": [str(lo) for lo, _ in bins], "rows": rows, "window": bool(window)}
+
+
+def translated(b: dict) -> dict:
+    """One block in Chinese (report.explain_words); "en": True where English words are left (the page says so)."""
+    from llmtrace.report.explain_words import english_run, translate_line
+
+    if b["kind"] == "grid":
+        return b
+    if b["kind"] == "table":
+        out = dict(b, title=translate_line(b["title"]) if b["title"] else None,
+                   header=[translate_line(h) for h in b["header"]] if b["header"] else None,
+                   rows=[[[dict(g, text=translate_line(g["text"])) for g in c] for c in row] for row in b["rows"]])
+        texts = [out["title"] or ""] + (out["header"] or []) + [g["text"] for row in out["rows"] for c in row for g in c]
+        return out | {"en": any(english_run(t) for t in texts)}
+    segs = b["segments"]
+    if len({(g["colour"], g["bold"]) for g in segs}) == 1:  # one style: the whole line at once
+        text = translate_line("".join(g["text"] for g in segs))
+        segs = [dict(segs[0], text=text)]
+    else:
+        segs = [dict(g, text=translate_line(g["text"])) for g in segs]
+    return dict(b, segments=segs, en=english_run("".join(g["text"] for g in segs)))

@@ -42,6 +42,9 @@ class Words:
     def has(self, key: str) -> bool:
         return key in self._texts
 
+    def keys(self) -> list[str]:
+        return list(self._texts)
+
     @property
     def maths(self) -> dict[str, str]:
         """The words of the formulas (model.maths.WORDS) in this language: the catalogue's "maths." keys."""

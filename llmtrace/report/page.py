@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional
 from llmtrace.report.data import AFTER_EMBEDDING
 from llmtrace.report.walk import maths_view
 from llmtrace.trace.events import SCHEMA_ID
-from llmtrace.trace.records import fast_parts
 from llmtrace.units import human_bytes, plural
 from llmtrace.words import in_words
 
@@ -64,6 +63,13 @@ def num(x: Any, digits: int = 4) -> str:
     if isinstance(x, int):
         return f"{x:,}"
     return f"{x:.{digits}g}"
+
+
+def count(w, n: int, key: str) -> str:
+    """n things in the page's words, agreeing in number: the catalogue's "count.KEY" is "{n} thing|{n} things" (one
+    form for a language without plurals)."""
+    forms = w(f"count.{key}").split("|")
+    return (forms[0] if n == 1 else forms[-1]).format(n=f"{n:,}")
 
 
 def fill_command(d: dict, command: str) -> str:
@@ -108,7 +114,8 @@ def lacking(d: dict) -> dict:
     by: dict[str, list[str]] = {}
     for what, command in d["lacking"]:
         by.setdefault(command, []).append(what)
-    return {"kind": d["kind"], "entries": [{"whats": ", ".join(whats), "command": command} for command, whats in by.items()]}
+    return {"kind": d["kind"], "entries": [{"whats": d["w"]("list.sep").join(whats), "command": command}
+                                           for command, whats in by.items()]}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -116,14 +123,47 @@ def lacking(d: dict) -> dict:
 # section that only says what is missing, or None for a section left out
 
 
-def intervened(interventions: list[dict]) -> str:
+def intervened(interventions: list[dict], w=None) -> str:
     """The run's interventions in words, naming the layers and heads they change ("none": the model as it is)."""
+    w = w or _english()
     if not interventions:
-        return "none: the model as it is"
+        return w("run.v.no_interventions")
     where = sorted({(iv["layer"], iv.get("head")) for iv in interventions if iv.get("layer") is not None},
                    key=lambda lh: (lh[0], -1 if lh[1] is None else lh[1]))
-    places = ", ".join(f"layer {lay}" + ("" if head is None else f" head {head}") for lay, head in where)
-    return " · ".join(iv["label"] for iv in interventions) + (f" (changes {places})" if places else "")
+    places = ", ".join(w("run.v.layer", layer=lay) if head is None else w("run.v.layer_head", layer=lay, head=head)
+                       for lay, head in where)
+    return " · ".join(iv["label"] for iv in interventions) + (" " + w("run.v.changes", places=places) if places else "")
+
+
+@functools.lru_cache(maxsize=1)
+def _english():
+    from llmtrace.report.i18n import Words
+
+    return Words("en")
+
+
+def sampling_words(s: dict, w) -> str:
+    """The sampler's settings in words: "greedy" at temperature 0, "off" for a truncation that cuts nothing."""
+    def off(key: str, value, none) -> str:
+        if value is None or value == none:
+            return w("run.v.off")
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    on = w("list.sep").join(word_or(w, f"stage.{x}", x) for x in s.get("stages") or []) or w("run.v.none")
+    greedy = bool(s.get("greedy"))
+    t = s.get("temperature")
+    temp = w("run.v.greedy_temp") if greedy or not t else f"{t:g}"
+    text = w("run.v.sampling", mode=w("run.v.greedy") if greedy else w("run.v.sample"), temperature=temp,
+             top_k=off("top_k", s.get("top_k"), 0), top_p=off("top_p", s.get("top_p"), 1.0),
+             min_p=off("min_p", s.get("min_p"), 0.0), typical_p=off("typical_p", s.get("typical_p"), 1.0), stages=on)
+    return text + ("" if greedy else w("run.v.seed", seed=s.get("seed")))
+
+
+def fast_words(fast: dict, w) -> str:
+    """The fast path in the page's words (trace.records.fast_parts is the terminal's)."""
+    choice = fast["kernel_choice"]
+    kernel = w("run.v.int4") if choice["int4"] else w("run.v.bf16")
+    return w("run.v.fast", dtype=fast["compute_dtype"], kernel=kernel, by=choice.get("capability") or choice["by"])
 
 
 def glu_of(d: dict) -> str:
@@ -145,26 +185,22 @@ def step_title(w, sid: str, d: dict) -> str:
     return w(f"step.{sid}", glu=glu_of(d)) if sid == "s6.7" else w(f"step.{sid}")
 
 
-def rope_rows(d: dict) -> list[tuple[str, str]]:
-    """RoPE as each layer's plan declares it: one line per kind of layer (its base, rotary width, scaling, or none),
-    naming its layers; a trace without the declaration gives the config's one base."""
+def rope_rows(d: dict, w) -> str:
+    """RoPE as each layer's plan declares it: one line per kind of layer (its base, rotary width, scaling, or none, and
+    its window), naming its layers; a trace without the declaration gives the config's one base."""
     from llmtrace.model.maths import plan_from_record, rope_words
 
     m = d["run"]["model"]
     rec = (d.get("maths") or {}).get("record")
     if not rec:
-        return [("RoPE base θ", num(m.get("rope_theta"), 7) + ("" if not m.get("rope_scaling") else
-                                                               f' (scaling {m["rope_scaling"]})'))]
+        return num(m.get("rope_theta"), 7) + ("" if not m.get("rope_scaling") else
+                                              " " + w("run.v.scaling", kind=m["rope_scaling"]))
     by: dict[str, list[int]] = {}
     for layer, k in enumerate(rec["layer_kind"]):
         plan = plan_from_record(rec["kinds"][k]["plan"])
-        words = rope_words(plan) + (f"; a window of {plan.window:,}" if plan.window else "")
+        words = rope_words(plan, w.maths) + (w("maths.window_of", w=f"{plan.window:,}") if plan.window else "")
         by.setdefault(words, []).append(layer)
-    w = d.get("w")
-    label = w("run.rope") if w else "RoPE, per layer"
-    lines = [(w("run.rope_layers", rope=words, layers=layer_ranges(layers)) if w else f"{words} in {layer_ranges(layers)}")
-             for words, layers in by.items()]
-    return [(label, " · ".join(lines))]
+    return " · ".join(w("run.rope_layers", rope=words, layers=layer_ranges(layers)) for words, layers in by.items())
 
 
 def layer_ranges(layers: list[int]) -> str:
@@ -181,60 +217,67 @@ def layer_ranges(layers: list[int]) -> str:
 def section_run(d: dict) -> dict:
     r = d["run"]
     m = r["model"]
-    groups = "; ".join(f"KV head {k} ← query heads {', '.join(map(str, g))}" for k, g in enumerate(r["groups"]))
+    w = d["w"]
+    groups = "; ".join(w("run.v.group", k=k, heads=", ".join(map(str, g))) for k, g in enumerate(r["groups"]))
+    yes, no = w("run.v.yes"), w("run.v.no")
     rows = [
         ("model", f'{m["name"]} ({m.get("arch", "llama")}, {m.get("source", "?")})'),
         ("parameters", num(m.get("n_params"))),
-        ("layers × width", f'{m["n_layers"]} × {m["d_model"]} (FFN {m["ffn_dim"]})'),
-        ("heads", f'{m["n_heads"]} query heads, {m["n_kv_heads"]} KV heads of width {m["head_dim"]}: '
-                  f'GQA, {m["n_heads"] // m["n_kv_heads"]} query heads per KV head'),
-        ("GQA groups", groups),
-        *rope_rows(d),
-        ("vocabulary", num(m["vocab_size"])),
-        *([(d["w"]("run.changes") if "w" in d else "what it changes from Llama", " · ".join(m["changes"]))]
-          if m.get("changes") else []),
-        ("tied embeddings", "yes" if m.get("tie_embeddings") else "no"),
-        ("device · dtype", f'{r["device"]} · {r["dtype"]}'),
-        ("exact", "yes: the exact path" if not r.get("fast") else " · ".join(fast_parts(r["fast"]))),
-        ("interventions", intervened(r["interventions"])),
-        ("threads", num(r["threads"]) if r["threads"] is not None else "not recorded in this trace"),
-        ("command", r["command"] + (f' (layer {r["layer"]})' if r["layer"] is not None else "")),
+        ("layers", w("run.v.layers", n=m["n_layers"], d=m["d_model"], f=m["ffn_dim"])),
+        ("heads", w("run.v.heads", h=m["n_heads"], kv=m["n_kv_heads"], dh=m["head_dim"],
+                    g=m["n_heads"] // m["n_kv_heads"])),
+        ("groups", groups),
+        ("rope", rope_rows(d, w)),
+        ("vocab", num(m["vocab_size"])),
+        *([("changes", " · ".join(m["changes"]))] if m.get("changes") else []),
+        ("tied", yes if m.get("tie_embeddings") else no),
+        ("device", f'{r["device"]} · {r["dtype"]}'),
+        ("exact", w("run.v.exact") if not r.get("fast") else fast_words(r["fast"], w)),
+        ("interventions", intervened(r["interventions"], w)),
+        ("threads", num(r["threads"]) if r["threads"] is not None else w("run.v.not_recorded")),
+        ("command", w("run.v.batch", rows=r["batch"]["rows"], row=r["batch"]["row"]) if r.get("batch") else
+         r["command"] + (" " + w("run.v.layer_of", layer=r["layer"]) if r["layer"] is not None else "")),
     ]
     s = r["sampling"]
     if s is not None:
-        on = ", ".join(s.get("stages") or []) or "none"
-        mode = "greedy (argmax)" if s.get("greedy") else "sampling"
-        rows.append(("sampling", f'{mode}; temperature {s.get("temperature")}, top-k {s.get("top_k")}, top-p '
-                                 f'{s.get("top_p")}, min-p {s.get("min_p")}, typical-p {s.get("typical_p")}; '
-                                 f'active stages: {on}' + ("" if s.get("greedy") else f'; seed {s.get("seed")}')))
-        rows.append(("stage order", " → ".join(s.get("order") or [])))
+        rows.append(("sampling", sampling_words(s, w)))
+        rows.append(("order", " → ".join(word_or(w, f"stage.{x}", x) for x in s.get("order") or [])))
         from llmtrace.render.generate import llama_cpp_settings
 
         extra = llama_cpp_settings(s)
         if extra:
-            rows.append(("llama.cpp samplers", "; ".join(extra)))
+            rows.append(("llama_cpp", "; ".join(extra)))
     if r["trace"] is not None:
         t = r["trace"]
-        rows.append(("trace", in_words(f'`trace={t.get("level")!r}`') + f', layers {t.get("layers") or "all"}, '
-                              f'dumps {", ".join(t.get("dump") or []) or "none"}'))
+        rows.append(("trace", w("run.v.trace", level=in_words(f'`trace={t.get("level")!r}`'), layers=t.get("layers") or w("run.v.all"),
+                                dumps=", ".join(t.get("dump") or []) or w("run.v.none"))))
     sm = r["summary"]
     if sm is not None:
         rows += [
-            ("tokens", f'{sm["prompt_tokens"]} prompt + {sm["generated_tokens"]} generated; stopped: {sm["stop_reason"]}'),
-            ("time to first token", f'{num(sm["ttft_ms"])} ms'),
-            ("prefill · decode", f'{num(sm["prefill_tok_s"])} tok/s · {num(sm["decode_tok_s"])} tok/s'),
+            ("tokens", w("run.v.tokens", prompt=sm["prompt_tokens"], generated=sm["generated_tokens"],
+                         stop=sm["stop_reason"])),
+            ("ttft", f'{num(sm["ttft_ms"])} ms'),
+            ("speed", f'{num(sm["prefill_tok_s"])} tok/s · {num(sm["decode_tok_s"])} tok/s'),
         ]
+    rows = [(w(f"run.k.{k}"), v) for k, v in rows]
     return {"prompt": r["prompt"], "chat": bool(r["chat"]), "version": r["version"], "schema": SCHEMA_ID,
             "output": sm["text"] if sm is not None else None, "rows": rows}
 
 
-def _shape(s: Optional[list], axes: Optional[list] = None) -> str:
+def _shape(s: Optional[list], axes: Optional[list] = None, w=None) -> str:
     """A shape as the seed table writes it, with the model's axis names where the trace gives them: [T=9, H=9, Dh=64]."""
     if s is None:
-        return "not recorded"
+        return (w or _english())("run.v.not_recorded")
     if axes and len(axes) == len(s):
         return "[" + ", ".join(f"{a}={n}" for a, n in zip(axes, s)) + "]"
     return "[" + ", ".join(map(str, s)) + "]"
+
+
+def batched(shape: str, d: dict) -> str:
+    """A shape of a batch's pass with its B axis first ([B=2, T=6, D=64]): the pass runs every row at once; the page's
+    numbers are one row's."""
+    b = d.get("batch")
+    return shape if b is None or not shape.startswith("[") else f'[B={b["rows"]}, {shape[1:]}'
 
 
 def section_pipeline(d: dict) -> dict:
@@ -243,56 +286,95 @@ def section_pipeline(d: dict) -> dict:
     for st in d["pipeline"]["stages"]:
         detail = ""
         if "shape" in st:
-            detail = _shape(st["shape"])
+            detail = batched(_shape(st["shape"], w=w), d)
         elif st["id"] == "s3" and st.get("padding"):
             pad = st["padding"]
             real = pad["slots"] - pad["pad_slots"]
-            detail = w("pipeline.padding", pads=plural(pad["pad_slots"], "pad slot"), real=plural(real, "token"),
+            detail = w("pipeline.padding", pads=count(w, pad["pad_slots"], "pad_slot"), real=count(w, real, "token"),
                        slots=pad["slots"])
         elif st["id"] == "s3":
             detail = w("pipeline.causal") + (", " + w("pipeline.masked", n=f'{st["masked"]:,}')
                                              if st.get("masked") is not None else "")
         elif "sampler" in st:
             detail = ", ".join(st["active"]) or w("pipeline.none_active")
-        points = [{"name": p["name"], "shape": _shape(p["shape"], p.get("axes"))} for p in st["points"]]
+        points = [{"name": p["name"], "shape": batched(_shape(p["shape"], p.get("axes"), w), d)} for p in st["points"]]
         stages.append({"id": st["id"], "title": step_title(w, st["id"], d), "layer": st["id"].startswith("s6"),
                        "detail": detail, "points": points})
     note = None if d["tensors"]["points"] else missing(d, "stats", "`trace='full'`")
+    recorded = any(p["shape"] is not None for st in d["pipeline"]["stages"] for p in st["points"])
+    if d["kind"] == "lens" and not recorded:  # every tile would say "not recorded": the closing note says it once
+        return None
     return {"stages": stages, "missing": note}
 
 
-def chip(t: dict) -> dict:
+def section_batch(d: dict) -> Optional[dict]:
+    """s3 of a batch: each row's padded ids (the pad id named), the attention_mask as a B × S grid and the
+    position_ids of each row; a row switch picks the row whose ids and positions are shown beside the grid."""
+    b = d.get("batch")
+    if b is None:
+        return None
+    w = d["w"]
+    rows = []
+    for r, (ids, mask, pos) in enumerate(zip(b["ids"], b["attention_mask"], b["position_ids"])):
+        pads = len(mask) - sum(mask)
+        prompt = (b["prompts"] or [""] * b["rows"])[r]
+        rows.append({"r": r, "ids": ids, "mask": mask, "positions": pos, "pads": pads, "prompt": prompt,
+                     "summary": w("batch.row_summary", r=r, pads=count(w, pads, "pad_slot"),
+                                  real=count(w, len(mask) - pads, "token"))})
+    S = len(b["attention_mask"][0]) if b["attention_mask"] else 0
+    source = word_or(w, f'batch.pad_source.{b["pad_source"]}', b["pad_source"] or "")
+    return {"rows": rows, "row": b["row"], "B": b["rows"], "S": S, "slots": list(range(S)),
+            "pad": w("batch.pad", id=b["pad_id"], piece=b["pad_piece"], source=source)}
+
+
+def chip(t: dict, w=None) -> dict:
+    w = w or _english()
     p = t["prob"]
     gen = t["step"] is not None
     bytes_ = " ".join(f"{b:02x}" for b in t["bytes"])
-    label = (f'{"generated at step " + str(t["step"]) if gen else "prompt"} token {t["index"]}: id {t["id"]}, '
-             f'vocabulary piece {t["piece"]!r}, bytes {bytes_}' + (f", p = {p:.4g}" if p is not None else ""))
+    label = w("tokens.chip_gen" if gen else "tokens.chip", step=t["step"], index=t["index"], id=t["id"],
+              piece=repr(t["piece"]), bytes=bytes_) + (f", p = {p:.4g}" if p is not None else "")
     return {"cls": "chip" + (" gen" if gen else "") + (" special" if t["special"] else ""), "step": t["step"],
             "bg": colour(p), "fg": ink(p), "label": label, "piece": visible(t["text"]), "id": t["id"],
             "bytes": bytes_, "prob": f"{p:.3f}" if p is not None else None}
 
 
-def merge_words(merges: dict) -> dict:
+MERGE_NOTES = {  # tokens/bpe.py's notes, by their catalogue keys (tokens.note.KEY)
+    "added token: matched whole, never merged": "added", "the whole word is a token (ignore_merges)": "whole",
+    "a single piece: nothing to merge": "single", "no merge applies": "none"}
+
+
+def merge_words(merges: dict, w=None) -> dict:
     """The BPE merge story of each prompt word: its lines of pieces (`at`: the piece a merge just made), the word
     with the most merges shown first."""
+    w = w or _english()
     words = merges["words"]
     if not words:
-        return {"note": merges["note"] or "the merge story needs the model's tokenizer", "words": []}
+        note = merges["note"]
+        if note and note.startswith("the merge story is not available"):
+            note = w("tokens.merges_not_bpe", why=note.split("(", 1)[-1].rstrip(")"))
+        elif note and note.startswith("the merge story needs"):
+            note = w("tokens.merges_no_tokenizer")
+        return {"note": note or w("tokens.merges_no_tokenizer"), "words": []}
     default = max(range(len(words)), key=lambda i: len(words[i]["steps"]))
     out = []
-    for i, w in enumerate(words):
-        lines = [{"pieces": w["start"], "at": None, "rank": "start"}]
-        lines += [{"pieces": s["pieces"], "at": s["at"], "rank": f'merged {s["pair"][0]} + {s["pair"][1]} (rank {s["rank"]})'}
-                  for s in w["steps"]]
-        out.append({"text": visible(w["text"]), "lines": lines, "note": w.get("note"), "shown": i == default})
+    for i, wd in enumerate(words):
+        lines = [{"pieces": wd["start"], "at": None, "rank": w("tokens.merge_start")}]
+        lines += [{"pieces": s["pieces"], "at": s["at"],
+                   "rank": w("tokens.merged", a=s["pair"][0], b=s["pair"][1], rank=s["rank"])} for s in wd["steps"]]
+        note = wd.get("note")
+        out.append({"text": visible(wd["text"]), "lines": lines, "shown": i == default,
+                    "note": word_or(w, "tokens.note." + MERGE_NOTES[note], note) if note in MERGE_NOTES else note})
     return {"note": None, "words": out}
 
 
 def section_tokens(d: dict) -> dict:
     toks = d["tokens"]
     n_gen = sum(t["step"] is not None for t in toks)
-    return {"prompt": plural(len(toks) - n_gen, "prompt token"),
-            "generated": plural(n_gen, "generated token") if n_gen else None, "chips": [chip(t) for t in toks], "merges": merge_words(d["merges"])}
+    w = d["w"]
+    return {"prompt": count(w, len(toks) - n_gen, "prompt_token"),
+            "generated": count(w, n_gen, "generated_token") if n_gen else None, "chips": [chip(t, w) for t in toks],
+            "merges": merge_words(d["merges"], w)}
 
 
 def topk_chart(step: dict) -> dict:
@@ -315,7 +397,12 @@ def topk_chart(step: dict) -> dict:
 DRAW_X0, DRAW_W = 12, 400  # the draw bar: [0, 1) drawn from x0 over w pixels, room for its end labels either side
 
 
-def funnel(step: dict, vocab: int) -> dict:
+def word_or(w, key: str, fallback: str) -> str:
+    """The catalogue's text for `key`, or `fallback` (a name the catalogue does not know stays as it is)."""
+    return w(key) if w.has(key) else fallback
+
+
+def funnel(step: dict, vocab: int, w=None) -> dict:
     """The sampler's stages at one step: candidates left (on a log scale of the vocabulary), the chosen token's
     probability and the mass each truncation kept; then the draw."""
     from llmtrace.render.generate import stage_line
@@ -329,7 +416,8 @@ def funnel(step: dict, vocab: int) -> dict:
         kept = ""
         if prev is not None and s["survivors"] < prev["survivors"] and s["pick_prob"] > 0:
             kept = f'{prev["pick_prob"] / s["pick_prob"]:.4f}'  # a truncation renormalises: p_after = p_before / mass kept
-        rows.append({"stage": s["stage"], "survivors": f'{s["survivors"]:,}', "width": f"{max(1.0, 100 * frac):.1f}",
+        rows.append({"stage": word_or(w or _english(), f'stage.{s["stage"]}', s["stage"]),
+                     "survivors": f'{s["survivors"]:,}', "width": f"{max(1.0, 100 * frac):.1f}",
                      "pick": f'{s["pick_prob"]:.6g}', "kept": kept or "—",
                      "why": stage_line(s, step)})  # DRY, top-nσ, XTC, mirostat: what it did over the vocabulary, and why
         prev = s
@@ -355,12 +443,13 @@ def section_steps(d: dict) -> Optional[dict]:
     vocab = d["run"]["model"]["vocab_size"]
     panels = []
     for s in steps:
-        panel = {"step": s["step"], "phase": s["phase"], "position": s["position"], "token": visible(s["token"]["text"]),
+        panel = {"step": s["step"], "phase": word_or(d["w"], f'phase.{s["phase"]}', s["phase"]),
+                 "position": s["position"], "token": visible(s["token"]["text"]),
                  "id": s["token"]["id"], "ms": num(s["ms"]), "missing": None, "topk": None, "funnel": None}
         if s["topk"] is None:
             panel["missing"] = missing(d, "topk", "`trace='steps'` (or deeper)")
         else:
-            panel.update(topk=topk_chart(s), funnel=funnel(s, vocab))
+            panel.update(topk=topk_chart(s), funnel=funnel(s, vocab, d["w"]))
         panels.append(panel)
     return {"panels": panels}
 
@@ -426,9 +515,10 @@ def section_attention(d: dict) -> Optional[dict]:
     w = d["w"]
     binned = w("attention.binned", n=n, b=len(a["bins"])) if a["binned"] else w("attention.one_cell", n=n)
     if a.get("pad"):
-        binned += " " + w("attention.padded", pads=plural(a["pad"], "pad slot"))
-    return {"maps": True, "binned": binned, "notes": " ".join(x + "." for x in a["notes"]), "layers": a["layers"],
-            "heads": ["head " + str(h) if h != "mean" else "mean over heads" for h in a["heads"]],
+        binned += " " + w("attention.padded", pads=count(w, a["pad"], "pad_slot"))
+    notes = " ".join(w(x["key"], **{k: v for k, v in x.items() if k != "key"}) for x in a["notes"])
+    return {"maps": True, "binned": binned, "notes": notes, "layers": a["layers"],
+            "heads": [w("attention.head_n", h=h) if h != "mean" else w("attention.mean") for h in a["heads"]],
             "axes": heatmap_axes(d), "gqa": gqa_diagram(d), "overview": overview(a)}
 
 
@@ -450,7 +540,8 @@ def section_lens(d: dict) -> Optional[dict]:
             cells.append({"row": ri, "pos": p, "bg": colour(t["prob"]), "fg": ink(t["prob"]), "text": visible(t["text"]),
                           "p": f'{t["prob"]:.2f}' if t["prob"] >= 0.005 else f'{t["prob"]:.0e}',
                           "tip": " · ".join(f'{visible(c["text"])} {c["prob"]:.3g}' for c in top)})
-        rows.append({"label": "output" if r["layer"] is None else f'layer {r["label"]}', "cells": cells})
+        rows.append({"label": d["w"]("lens.output") if r["layer"] is None else d["w"]("run.v.layer", layer=r["label"]),
+                     "cells": cells})
     return {"columns": [{"pos": p, "token": visible(lens["pieces"].get(str(p), ""))} for p in pos], "rows": rows,
             "k": len(lens["rows"][0]["cells"][str(pos[0])])}
 
@@ -524,7 +615,7 @@ def section_kv(d: dict) -> Optional[dict]:
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
     w = d["w"]
-    series = [("mha", mha, "full multi-head attention would need"), ("gqa", pts, "this model's cache (GQA)")]
+    series = [("mha", mha, w("kv.mha_title")), ("gqa", pts, w("kv.gqa_title"))]
     state = kv.get("state")
     if state:  # the recurrent states: a flat line; and the sum, which grows only by the KV cache's positions
         series += [("state", [(s["step"], state["bytes"]) for s in kv["steps"]], w("kv.state")),
@@ -537,16 +628,14 @@ def section_kv(d: dict) -> Optional[dict]:
     return {"chart": chart, "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"],
             "state": None if not state else {
                 "layers": state["layers"], "bytes": state["bytes_per_layer"],
-                "text": f'{len(state["layers"])} layers × {state["bytes_per_layer"]:,} bytes = '
-                        f'{human_bytes(state["bytes"])}, the same at every step; with the KV cache '
-                        f'{human_bytes(last["bytes_used"] + state["bytes"])} at the end'},
-            "per_token": f'{kv["bytes_per_token"]:,} = 2 (K, V) × {plural(n_kv, "layer")} × '
-                         f'{plural(m["n_kv_heads"], "KV head")} '
-                         f'× {m["head_dim"]} × {num(el)} bytes',
-            "per_layer": f"{per_layer:,.0f} bytes per token (K {per_layer / 2:,.0f} + V {per_layer / 2:,.0f})",
-            "at_end": f'{plural(last["seq_len"], "position")}: {human_bytes(last["bytes_used"])} used, '
-                      f'{human_bytes(last["bytes_allocated"])} allocated; MHA would use '
-                      f'{human_bytes(last["mha_bytes_used"])} ({last["mha_bytes_used"] / max(1, last["bytes_used"]):.1f}×)',
+                "text": w("kv.v.state", n=len(state["layers"]), per=f'{state["bytes_per_layer"]:,}',
+                          bytes=human_bytes(state["bytes"]), total=human_bytes(last["bytes_used"] + state["bytes"]))},
+            "per_token": w("kv.v.per_token", bytes=f'{kv["bytes_per_token"]:,}', layers=n_kv,
+                           kv=m["n_kv_heads"], dh=m["head_dim"], el=num(el)),
+            "per_layer": w("kv.v.per_layer", bytes=f"{per_layer:,.0f}", half=f"{per_layer / 2:,.0f}"),
+            "at_end": w("kv.v.at_end", n=last["seq_len"], used=human_bytes(last["bytes_used"]),
+                        allocated=human_bytes(last["bytes_allocated"]), mha=human_bytes(last["mha_bytes_used"]),
+                        x=f'{last["mha_bytes_used"] / max(1, last["bytes_used"]):.1f}'),
             "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"],
                        "labelled": [i for i in range(m["n_layers"]) if i % max(1, -(-m["n_layers"] // 10)) == 0
                                     or i == m["n_layers"] - 1]}}
@@ -573,17 +662,17 @@ def section_residual(d: dict) -> Optional[dict]:
             ticks.append((at, "⋯"))
             at += 1
         place[k] = at
-        ticks.append((at, "emb" if k == AFTER_EMBEDDING else k))
+        ticks.append((at, w("residual.emb") if k == AFTER_EMBEDDING else k))
         at += 1
     series = []
     for step in r["steps"]:
         n = r["norms"][str(step)]
         pts = [(place[k], n[k]) for k in keys if k in n]
-        series.append((f"resid s{step}", pts, f"step {step}"))
+        series.append((f"resid s{step}", pts, w("residual.step", step=step)))
     chart = line_chart(series, w("residual.x"), w("residual.y"), fmt=lambda y: f"{y:.4g}", dots=len(keys) < 40,
                        join=1, xticks=ticks)  # only neighbours are joined: nothing drawn is unrecorded
     n_layers = d["run"]["model"]["n_layers"]
-    which = ", ".join((["embedding"] if has_embed else []) + [f"layer {lay}" for lay in xs])
+    which = ", ".join(([w("residual.embedding")] if has_embed else []) + [w("run.v.layer", layer=lay) for lay in xs])
     return {"chart": chart, "recorded": which if len(xs) < n_layers else None, "n_layers": n_layers}
 
 
@@ -638,7 +727,7 @@ def section_walk(d: dict) -> Optional[dict]:
     """The walk-through: the script draws the chosen token's values (data "walk"); here, its controls and, for a
     trace without values, what records them."""
     wk = d["walk"]
-    if not any("values" in s for s in wk["samples"].values()):
+    if not any(isinstance(s, list) for s in wk["samples"].values()):
         note = missing(d, "walk", "`trace='full'`")
         return {"only_missing": note} if note else None
     toks = d["tokens"]
@@ -671,6 +760,7 @@ def section_explain(d: dict) -> Optional[dict]:
 SECTIONS = (
     ("run", section_run),
     ("explain", section_explain),
+    ("batch", section_batch),
     ("pipeline", section_pipeline),
     ("walk", section_walk),
     ("tokens", section_tokens),
@@ -701,17 +791,46 @@ def view(d: dict, w=None) -> dict:
     w = w or Words("en")
     d = dict(d, lacking=[], fill=None, w=w)
     d["fill"] = fill_command(d, "generate")  # report.js names it where a stage has no statistics
-    shown = [{"id": sid, "name": w(f"section.{sid}"), "v": v} for sid, fn in SECTIONS if (v := fn(d)) is not None]
+    order = SECTIONS
+    if d["kind"] == "lens":  # the lens page opens on the lens, then says what ran
+        order = tuple(x for x in SECTIONS if x[0] == "lens") + tuple(x for x in SECTIONS if x[0] != "lens")
+    shown = [{"id": sid, "name": w(f"section.{sid}"), "v": v} for sid, fn in order if (v := fn(d)) is not None]
     if d["lacking"]:
         shown.append({"id": "lacking", "name": w("section.lacking"), "v": lacking(d)})
     del d["lacking"], d["w"]
     d.pop("explain_view", None)  # laid out in the page, not read by the script
+    d["tensors"] = compact_stats(d["tensors"])
     d["words"] = w.js  # the script's texts, in the page's language
     if d.get("maths") and w.maths:  # the formulas said in the page's language
         d["maths"] = maths_view({"maths": d["maths"]["record"]}, None, w.maths)
     d["step_titles"] = {st["id"]: step_title(w, st["id"], d) for st in d["pipeline"]["stages"]}
+    d["points"] = [dict(p, about=about(p, w)) for p in d["points"]]
     return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',
             "sections": shown, "stepbar": step_bar(dict(d, w=w)), "data": d, "palette": PALETTE, "w": w}
+
+
+def compact_stats(t: dict) -> dict:
+    """The per-layer statistics as the page stores them: per point, one list per field (report.js makes them rows
+    again), each number to 4 significant figures (what the stage panel shows), the shape once per step."""
+    def sig4(x):
+        return None if x is None else float(f"{x:.4g}")
+
+    points = {}
+    for name, rows in t["points"].items():
+        points[name] = {"step": [r["step"] for r in rows], "layer": [r["layer"] for r in rows],
+                        **{k: [sig4(r[k]) for r in rows] for k in ("mean", "std", "min", "max", "norm")},
+                        "shapes": {str(r["step"]): r["shape"] for r in rows}}
+    return dict(t, points=points)
+
+
+def about(point: dict, w) -> str:
+    """A point's note (declared in English in llmtrace/model/) in the page's language: the catalogue's "about.NAME"
+    (or "about.NAME.alt", a family's variant) where its English is the declared one; else the declaration's own."""
+    en = _english()
+    for key in (f'about.{point["name"]}', f'about.{point["name"]}.alt'):
+        if en.has(key) and en(key) == point.get("about"):
+            return w(key)
+    return point.get("about", "")
 
 
 def _asset(name: str) -> str:

@@ -20,9 +20,11 @@ def _cell(recovery: Optional[float]) -> dict:
     return {"bg": colour(x), "fg": ink(x), "label": "·" if recovery is None else two_places(recovery)}
 
 
-def patch_page(ev: dict) -> str:
-    """The page's HTML, from the `patch` event (llmtrace.run.patching.patch_sweep)."""
+def patch_page(ev: dict, lang: str = "en") -> str:
+    """The page's HTML, from the `patch` event (llmtrace.run.patching.patch_sweep), its words in `lang`."""
     import jinja2
+
+    from llmtrace.report.i18n import Words
 
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     template = env.from_string((Path(__file__).with_name("templates") / "patch.html.j2").read_text(encoding="utf-8"))
@@ -34,13 +36,13 @@ def patch_page(ev: dict) -> str:
                                             metric=rec[(layer, p)]["metric"]) for p in range(ev["n_positions"])]}
             for layer in range(ev["n_layers"])]
     legend = [_cell(v) for v in (0.0, 0.25, 0.5, 0.75, 1.0)]
-    return template.render(ev=ev, columns=columns, rows=rows, legend=legend)
+    return template.render(ev=ev, columns=columns, rows=rows, legend=legend, w=Words(lang))
 
 
-def write_patch_html(ev: dict, target) -> int:
+def write_patch_html(ev: dict, target, lang: str = "en") -> int:
     """Write the page to `target`, whole or not at all; its size in bytes."""
     from llmtrace.fsutil import write_text_atomic
 
-    html = patch_page(ev)
+    html = patch_page(ev, lang)
     write_text_atomic(Path(target), html)
     return len(html.encode("utf-8"))

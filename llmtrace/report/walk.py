@@ -82,47 +82,77 @@ def pack_f32(values: list) -> str:
     return base64.b64encode(a.tobytes()).decode("ascii")
 
 
+def pack_f24(values) -> str:
+    """Numbers as float32 without their last 8 bits (rounded to nearest), 3 bytes each, little-endian, base64: about
+    5 significant figures (relative error below 2e-5), what the walk-through shows. None becomes NaN."""
+    f = np.asarray([np.nan if v is None else v for v in values], dtype="<f4")
+    a = f.view("<u4").astype(np.uint64)
+    sign, mag = a & 0x80000000, a & 0x7FFFFFFF
+    mag = np.where(np.isfinite(f), np.minimum(mag + 0x80, 0x7F7FFFFF), mag)  # rounding never makes an infinity
+    a = (sign | mag).astype(np.uint32)
+    b = a.view(np.uint8).reshape(-1, 4)[:, 1:]  # the three high bytes of each little-endian float32
+    return base64.b64encode(b.tobytes()).decode("ascii")
+
+
 def pack_ids(values: list[int], vocab: int) -> str:
     """Token ids as little-endian uint16 when the vocabulary fits (49,152 for SmolLM2), else uint32, base64."""
     return base64.b64encode(np.asarray(values, dtype="<u2" if vocab <= 1 << 16 else "<u4").tobytes()).decode("ascii")
 
 
 def walk(tensors: list[dict], points: list[dict]) -> dict:
-    """The walk-through's values: {"samples": {"STEP/LAYER/NAME": {...}}, "indexes": [...], "layers": [...],
-    "steps": [...]}, LAYER "m" for a point outside the layers. A sample is `rows` rows (the recorded shape's other
-    axes, row-major) of the entries `indexes[ix]` along the last axis (values: rows × entries, float32) and each row's
-    norm; the few distinct index lists are kept once."""
+    """The walk-through's values: {"samples": {"STEP/LAYER/NAME": [m, v, n]}, "metas": [...], "indexes": [...],
+    "layers": [...], "steps": [...]}, LAYER "m" for a point outside the layers. A sample's meta `metas[m]` gives its
+    shape, axes, `rows` (the recorded shape's other axes, row-major) and `ix`, the entries `indexes[ix]` kept along
+    the last axis; `v` its values (rows × entries) and `n` each row's norm, packed by pack_f24 (the slots a pass
+    wrote, the KV cache's point, are {"m", "positions"}) (about 5 significant
+    figures, what the page shows). A fourth entry holds what a worked example reads besides (trace.worked: gamma,
+    sink, lse, full rows, packed as float32), and "f32": the values of a softmax's input are float32, since exp(s − lse)
+    needs their 7 digits. The few distinct metas and index lists are kept once: a page of every layer stays within
+    2 MB."""
     by_name = {p["name"]: p for p in points}
     samples: dict[str, Any] = {}
     indexes: list[list[int]] = []
+    metas: list[dict] = []  # the few distinct (shape, axes, entries kept, rows) of the samples, each stored once
+
+    def meta(m: dict) -> int:
+        if m not in metas:
+            metas.append(m)
+        return metas.index(m)
+
     layers, steps = set(), set()
     for ev in tensors:
         s = ev.get("sample")
         step = ev.get("step", 0)
         key = f'{step}/{"m" if ev["layer"] is None else ev["layer"]}/{ev["name"]}'
         if "positions" in ev and not s:  # the slots a pass wrote (the KV cache's point): [first, last]
-            samples[key] = {"shape": ev["shape"], "axes": axes_of(ev, by_name), "positions": ev["positions"]}
+            samples[key] = {"m": meta({"shape": ev["shape"], "axes": axes_of(ev, by_name)}),
+                            "positions": ev["positions"]}
             continue
         if not s or not s["values"]:
             continue
         if s["index"] not in indexes:
             indexes.append(s["index"])
-        samples[key] = {"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
-                        "rows": len(s["values"]), "values": pack_f32([v for row in s["values"] for v in row]),
-                        "norms": pack_f32(s["norms"])}
-        for extra in ("gamma", "sink", "lse"):  # what a worked example reads besides the sample (trace.worked)
-            if s.get(extra) is not None:
-                samples[key][extra] = pack_f32(s[extra])
+        exact = s.get("lse") is not None  # a softmax's input: exp(s − lse) needs its 7 digits, not f24's 5
+        samples[key] = [meta({"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
+                              "rows": len(s["values"])}),
+                        (pack_f32 if exact else pack_f24)([v for row in s["values"] for v in row]), pack_f24(s["norms"])]
+        extra = {"f32": True} if exact else {}
+        for name in ("gamma", "sink", "lse"):  # what a worked example reads besides the sample (trace.worked)
+            if s.get(name) is not None:
+                extra[name] = pack_f32(s[name])
         if ev.get("full"):  # whole rows of a scores operand: (rows, heads, Dh) from row t[0] of the pass
             f = ev["full"]
             flat = [v for row in f["values"] for head in row for v in head]
-            samples[key]["full"] = {"t": f["t"], "heads": len(f["values"][0]), "width": len(f["values"][0][0]),
-                                    "values": pack_f32(flat)}
+            extra["full"] = {"t": f["t"], "heads": len(f["values"][0]), "width": len(f["values"][0][0]),
+                             "values": pack_f32(flat)}
+        if extra:
+            samples[key].append(extra)
         steps.add(step)
         if ev["layer"] is not None:
             layers.add(ev["layer"])
     full = sorted({ev["layer"] for ev in tensors if ev.get("full") and ev["layer"] is not None})
-    return {"samples": samples, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps), "full_layers": full}
+    return {"samples": samples, "metas": metas, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps),
+            "full_layers": full}
 
 
 def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> dict:

@@ -38,15 +38,17 @@ def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[
     return words, None
 
 
-def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0, lang: str = "en") -> str:
-    """The report page of a trace, as a string: of one row when the trace is a batch of prompts. `tokenizer` (the
-    model's) adds the BPE merge story; `lang` is the language of its words (report.i18n: en, zh). The events of a
-    comparison (compare, diff) or of a patching sweep make the page their command's --html writes."""
+def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None, row: int = 0, lang: str = "en",
+          all_rows: bool = True) -> str:
+    """The report page of a trace, as a string. A batch of prompts: the page of row `row`, holding every other row's
+    page too (`all_rows`), which its row switch (s3) opens in place. `tokenizer` (the model's) adds the BPE merge
+    story; `lang` is the language of its words (report.i18n: en, zh). The events of a comparison (compare, diff) or
+    of a patching sweep make the page their command's --html writes."""
     from llmtrace.errors import BadValue
     from llmtrace.report.data import check_schema, extract
     from llmtrace.report.page import render
 
-    other = _other_page(events, row)
+    other = _other_page(events, row, lang)
     if other is not None:
         return other
     check_schema(events)
@@ -67,11 +69,27 @@ def build(events: list[dict], tokenizer=None, merges_note: Optional[str] = None,
     if d["kind"] == "explain":  # the page carries everything the terminal explain prints
         from llmtrace.report.explain_view import explain_blocks
 
-        d["explain_view"] = explain_blocks(events)
-    return render(d, lang)
+        d["explain_view"] = explain_blocks(events, lang)
+    page = render(d, lang)
+    if rows > 1 and all_rows:  # one page holds every row: the others ride along, the row switch opens them
+        others = {str(r): build(events, tokenizer, merges_note, r, lang, all_rows=False)
+                  for r in range(rows) if r != row}
+        page = with_rows(page, others)
+    return page
 
 
-def _other_page(events: list[dict], row: int) -> Optional[str]:
+def with_rows(page: str, others: dict[str, str]) -> str:
+    """The page with the other rows' pages embedded (a JSON object of HTML strings, every <, > and & escaped so that
+    nothing in them can close the script); report.js's row switch writes the chosen one in place."""
+    import json
+
+    blob = (json.dumps(others, ensure_ascii=False, separators=(",", ":"))
+            .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+    at = page.rindex('<script type="application/json" id="data">')  # before the page's script, which reads it
+    return page[:at] + f'<script type="application/json" id="rows">{blob}</script>\n' + page[at:]
+
+
+def _other_page(events: list[dict], row: int, lang: str = "en") -> Optional[str]:
     """The page of a comparison's or a sweep's events (what compare, diff and patch write with --html), or None."""
     from llmtrace.errors import BadValue
 
@@ -85,10 +103,10 @@ def _other_page(events: list[dict], row: int) -> Optional[str]:
         from llmtrace.report.compare import render_compare_page
         from llmtrace.trace.comparison import document
 
-        return render_compare_page(document(events))
+        return render_compare_page(document(events), lang)
     from llmtrace.report.patch import patch_page
 
-    return patch_page(next(e for e in events if e["event"] == "patch"))
+    return patch_page(next(e for e in events if e["event"] == "patch"), lang)
 
 
 def write_report(events: list[dict], path: str | Path, tokenizer=None, merges_note: Optional[str] = None,

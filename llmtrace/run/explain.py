@@ -730,7 +730,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
                                  else 0)
     yield residual_section(cap, maths)
     if layer in moe_layers(c):
-        yield router_section(cap.points, cap.resid_mid[layer], layer, c)
+        yield router_section(cap.points, cap.resid_mid[layer], layer, c, maths=maths)
     else:
         yield ffn_section(cap, c, maths=maths)
     yield kv_section(cap, c, maths) if state is None else state_cache_section(cap, maths, c, cap.kv_element_size)

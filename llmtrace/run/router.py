@@ -16,7 +16,7 @@ def _rl(t: torch.Tensor) -> list:
     return [rounded(float(v)) for v in t.tolist()]
 
 
-def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config) -> dict:
+def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config, maths=None) -> dict:
     """Every prompt token's routing at `layer`: all E scores and probabilities, the K experts it ran and their
     weights, the cut (the least probability chosen, the most left out), the entropy in bits, and how much the
     experts' sum changed the stream; the layer's load over the prompt. `points`: the layer's points, batch axis
@@ -45,11 +45,22 @@ def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config) ->
                     "p = softmax(x̂ W_routerᵀ) in float32; the K most probable experts run; w = p as it is")
         + "; FFN(x̂) = Σ_chosen w_e · W_down,e (silu(x̂ W_gate,e) ⊙ x̂ W_up,e)",
         "n_experts": E, "k": K, "renormalised": config.norm_topk_prob,
+        **({} if maths is None else {"formula": declared_formula(maths, layer)}),
         "expert_ffn_dim": config.expert_ffn_dim or config.ffn_dim, "tokens": tokens, "load": load,
         "imbalance": rounded(max(load) / mean) if mean else None,
         "check_weights_sum": rounded(float((weights.sum(-1) - (1.0 if config.norm_topk_prob else
                                                                order.values[:, :K].sum(-1))).abs().max())),
     }
+
+
+def declared_formula(maths, layer: int) -> str:
+    """The router and the experts as the model declares them (model.maths): its choice rule (softmax then top-k, or
+    gpt-oss's top-k then softmax), the experts' gated activation (a clamped GLU) and the weighted sum."""
+    from llmtrace.model.maths import formula
+
+    return "; ".join(formula(maths.op(layer, name), name, layer, maths)
+                     for name in (ROUTER_PROBS.name, EXPERT_WEIGHTS.name, "act", EXPERT_DOWN.name)
+                     if maths.op(layer, name) is not None)
 
 
 def moe_costs(model, layer: int, n_tokens: int) -> dict:

@@ -177,7 +177,7 @@ def make_app(served: dict[str, Served], token: str, *, host: str = "127.0.0.1", 
         if "compare" in r:  # the comparison page
             from llmtrace.report.compare import render_compare_page
 
-            return HTMLResponse(await asyncio.to_thread(render_compare_page, r["compare"]), headers=SECURITY_HEADERS)
+            return HTMLResponse(await asyncio.to_thread(render_compare_page, r["compare"], want), headers=SECURITY_HEADERS)
         from llmtrace.report.write import build
 
         html = await asyncio.to_thread(build, r["events"], r["tokenizer"], None, 0, want)

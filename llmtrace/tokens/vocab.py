@@ -57,9 +57,19 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-oss, GPT-4o; llama.cpp's 'gpt-4o'): a word is cut where lower case turns to upper case and keeps a
+# contraction as its suffix; digits go in runs of up to 3; a punctuation run takes a trailing '/' with its newlines.
+_O200K_LETTERS = r"[^\r\n\p{L}\p{N}]?"
+_O200K_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_O200K_SPLIT = (
+    _O200K_LETTERS + r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _O200K_CONTRACTION + "|"
+    + _O200K_LETTERS + r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _O200K_CONTRACTION
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_SPLITS = {
     **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3", "pixtral"], _LLAMA3_SPLIT),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], _QWEN2_SPLIT),
+    "gpt-4o": _O200K_SPLIT,
 }
 _GPT2_PRES = {None, "", "default", "gpt2", "gpt-2"}
 

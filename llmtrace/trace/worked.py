@@ -59,7 +59,7 @@ class Worked:
             w = model.get_parameter(("" if layer is None else f"layers.{layer}.") + weight)
         except AttributeError:  # a weight the model holds quantized or packed: the card says so
             return
-        if w.is_floating_point():
+        if w.is_floating_point() and w.device.type != "meta":  # a layer offloaded to disk (device_map) keeps none
             self.weights[(layer, name)] = (kind, w.detach().double().cpu().reshape(-1))
 
     def sample_extra(self, layer: Optional[int], name: str, index: list[int]) -> Optional[dict]:

@@ -141,9 +141,9 @@ class GatedDeltaNet(Module):
                     Source("in_proj_z.weight", "attn_gate.weight", "Hv*Dv", "W_z"),
                     Source("in_proj_b.weight", "ssm_beta.weight", "Hv", "W_b"),
                     Source("in_proj_a.weight", "ssm_alpha.weight", "Hv", "W_a"))),
-                Weight("conv", ("C", "Kc"), "s6.3", "conv", (Source("conv1d.weight", "ssm_conv1d.weight", "C", "w_conv"),)),
+                Weight("conv", ("C", "Kc"), "s6.3", "conv", (Source("conv1d.weight", "ssm_conv1d.weight", "C", "w_conv", hf_transform=("squeeze1",)),)),
                 Weight("dt_bias", ("Hv",), "s6.4", "vector", (Source("dt_bias", "ssm_dt.bias", "Hv", "dt_bias"),)),
-                Weight("A", ("Hv",), "s6.4", "vector", (Source("A_log", "ssm_a", "Hv", "A", hf_map="-exp"),)),
+                Weight("A", ("Hv",), "s6.4", "vector", (Source("A_log", "ssm_a", "Hv", "A", hf_transform=("neg_exp",)),)),
                 Weight("w_out.weight", ("D", "Hv*Dv"), "s6.6", "matrix",
                        (Source("out_proj.weight", "ssm_out.weight", "D", "W_out"),)))
 

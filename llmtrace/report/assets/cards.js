@@ -54,6 +54,20 @@ window.llmtraceCards = function (api) {
     return { s: s, row: row, byIndex: out, n: s.meta.shape[s.meta.shape.length - 1] };
   }
   function missing(why) { return { missing: why }; }
+  // the sink's column of a softmax with a sink (its point has one entry per query): exp(sink) / (Σ exp(s) + exp(sink))
+  // = 1 / (1 + exp(lse(s) − sink)) for each query row of this head, from the input's log-sum-exp per row
+  function sinkColumn(o, layer, pass, h, out) {
+    const at = source(layer, o.inputs[0]), sc = api.sample(pass.step, at.layer, at.name);
+    if (!sc || !sc.lse || !sc.meta.axes) return missing(t("card_lse_missing"));
+    if (!out.s.sink) return missing(t("card_gamma_missing"));
+    const sk = out.s.sink[headOf(out.s.meta.axes, h) || 0], computed = {};
+    out.index.forEach((i) => {
+      const lse = sc.lse[api.rowOf(sc.meta.axes, sc.meta.shape, i, h)];
+      if (lse !== undefined) computed[i] = 1 / (1 + Math.exp(lse - sk));
+    });
+    const here = computed[pass.t];
+    return { computed: computed, note: here === undefined ? "" : t("card_sink", { share: num(here, 4) }) };
+  }
   const gelu = (x) => 0.5 * x * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (x + 0.044715 * x * x * x)));
   const silu = (x) => x / (1 + Math.exp(-x));
   const ACT = { silu: silu, gelu_tanh: gelu };
@@ -134,6 +148,7 @@ window.llmtraceCards = function (api) {
       return { computed: computed, note: t("card_softcap", { cap: c.cap }) };
     },
     softmax(o, p, layer, pass, h, out) {
+      if (o.consts.take === "sink") return sinkColumn(o, layer, pass, h, out);
       const x = entries(pass, source(layer, o.inputs[0]), h);
       if (!x || !x.s.lse) return missing(t("card_lse_missing"));
       let lse = x.s.lse[x.row], sinkShare = null;

@@ -8,7 +8,7 @@
   const label = document.getElementById("point-label");
   const numbers = document.getElementById("point-numbers");
   const NS = "http://www.w3.org/2000/svg";
-  const W = data.bar, H = data.height, L = data.left; // L: the left margin, where the y axis and its ticks are
+  const W = data.bar, H = data.height, L = data.left, TOP = 8; // TOP: room for the top tick's label // L: the left margin, where the y axis and its ticks are
 
   function el(name, attrs, text) {
     const e = document.createElementNS(NS, name);
@@ -16,7 +16,12 @@
     if (text !== undefined) e.textContent = text;
     return e;
   }
-  function fmt(x) { return x === null || x === undefined ? "—" : (x === 0 ? "0" : x.toExponential(2)); }
+  function tr(key, vals) { // a text of the page's language (the catalogue's "js." keys), {name} filled in
+    let s = (data.words || {})[key] || key;
+    Object.keys(vals || {}).forEach((k) => { s = s.split("{" + k + "}").join(String(vals[k])); });
+    return s;
+  }
+  function fmt(x) { return x === null || x === undefined ? "—" : (x === 0 ? "0" : x.toExponential(2).replace(/e([+-])0*(\d)/, (m, s, d) => "e" + (s === "-" ? "-" : "") + d)); }
 
   function choose(key) {
     const p = data.points[key];
@@ -26,9 +31,9 @@
     label.textContent = p.label;
     svg.dataset.key = key;
     while (svg.firstChild) svg.removeChild(svg.firstChild);
-    svg.appendChild(el("line", { class: "axis", x1: L - 2, x2: L - 2, y1: 0, y2: H }));
+    svg.appendChild(el("line", { class: "axis", x1: L - 2, x2: L - 2, y1: TOP, y2: TOP + H }));
     data.ticks.forEach((t) => { // the log scale's ticks, 1e-9 .. 1e-1
-      const y = H - t.f * H;
+      const y = TOP + H - t.f * H;
       svg.appendChild(el("line", { class: "axis", x1: L - 6, x2: L - 2, y1: y, y2: y }));
       svg.appendChild(el("text", { class: "ytick", x: L - 8, y: y + 4, "text-anchor": "end" }, t.text));
     });
@@ -40,23 +45,22 @@
     p.h_rel.forEach((f, i) => {
       if (f === null) return;
       const h = Math.max(f > 0 ? 1 : 0, f * H);
-      const r = el("rect", { class: "bar", x: L + i * W + 2, y: H - h, width: half, height: h });
-      r.appendChild(el("title", {}, "position " + data.positions[i].position + " " + data.positions[i].token +
-        ": rel. error " + fmt(p.rel[i]) + ", max |a−b| " + fmt(p.max_abs[i]) + ", cos " + p.cos[i] +
-        (p.added.length ? ", added " + fmt(p.added[i]) : "")));
+      const r = el("rect", { class: "bar", x: L + i * W + 2, y: TOP + H - h, width: half, height: h });
+      r.appendChild(el("title", {}, tr("cmp_bar", { position: data.positions[i].position, token: data.positions[i].token,
+        err: fmt(p.rel[i]), abs: fmt(p.max_abs[i]), cos: p.cos[i] }) + (p.added.length ? tr("cmp_bar_added", { added: fmt(p.added[i]) }) : "")));
       svg.appendChild(r);
       if (p.h_added.length && p.h_added[i] !== null) {
         const ha = Math.max(p.h_added[i] > 0 ? 1 : 0, p.h_added[i] * H);
-        svg.appendChild(el("rect", { class: "bar added", x: L + i * W + 2 + half, y: H - ha, width: half, height: ha }));
+        svg.appendChild(el("rect", { class: "bar added", x: L + i * W + 2 + half, y: TOP + H - ha, width: half, height: ha }));
       }
     });
     data.positions.forEach((pos, i) => {
-      svg.appendChild(el("text", { class: "token", transform: "translate(" + (L + i * W + W / 2 + 3) + "," + (H + 8) +
+      svg.appendChild(el("text", { class: "token", translate: "no", transform: "translate(" + (L + i * W + W / 2 + 3) + "," + (TOP + H + 8) +
         ") rotate(60)" }, pos.token));
     });
     svg.dataset.bars = String(svg.querySelectorAll("rect.bar:not(.added)").length);
-    numbers.textContent = p.rel.length ? "largest: position " + data.positions[worst].position + ", rel. error " +
-      fmt(p.rel[worst]) + "; max |a−b| " + fmt(p.max_abs[worst]) + "; cosine " + p.cos[worst] : "";
+    numbers.textContent = p.rel.length ? tr("cmp_largest", { position: data.positions[worst].position,
+      err: fmt(p.rel[worst]), abs: fmt(p.max_abs[worst]), cos: p.cos[worst] }) : "";
   }
 
   document.querySelectorAll("rect.cell[data-key]").forEach((c) => {

@@ -44,7 +44,7 @@
     const range = $("#step");
     if (range) range.value = String(cur);
     const label = $("#step-label");
-    if (label) label.textContent = tr("step_label", { step: s.step, n: steps.length, phase: s.phase, token: vis(s.token.text) });
+    if (label) label.textContent = tr("step_label", { step: s.step, n: steps.length, phase: tr("phase_" + s.phase), token: vis(s.token.text) });
     $$(".chip.gen").forEach((c) => c.classList.toggle("current", Number(c.dataset.step) === s.step));
     const mk = $("#kv .marker");
     if (mk) {
@@ -77,6 +77,11 @@
   });
 
   // ---------------------------------------------------------------------------------------------- the pipeline
+  Object.keys(D.tensors.points).forEach((n) => { // stored a list per field (page.compact_stats): rows again
+    const c = D.tensors.points[n];
+    D.tensors.points[n] = c.step.map((s, i) => ({ step: s, layer: c.layer[i], mean: c.mean[i], std: c.std[i], min: c.min[i],
+      max: c.max[i], norm: c.norm[i], shape: c.shapes[String(s)] }));
+  });
   let stage = null;
   function showStage(id) {
     stage = id;
@@ -108,7 +113,7 @@
       if (!rows.length) return;
       const nmax = Math.max(...rows.map((r) => Math.abs(r.norm || 0))) || 1;
       html += "<table class=\"stats\"><caption>" + esc(n) + " " + esc("[" + rows[0].shape.join(", ") + "]") +
-        "</caption><tr><th>layer</th><th>mean</th><th>std</th><th>min</th><th>max</th><th>norm</th><th></th></tr>";
+        "</caption><tr>" + ["layer", "mean", "std", "min", "max", "norm"].map((k) => "<th>" + esc(tr("stats_" + k)) + "</th>").join("") + "<th></th></tr>";
       rows.forEach((r) => {
         html += "<tr><th scope=row>" + (r.layer === null ? "\u2014" : r.layer) + "</th>" +
           ["mean", "std", "min", "max", "norm"].map((k) => "<td class=num>" + fmt(r[k]) + "</td>").join("") +
@@ -119,6 +124,24 @@
     panel.innerHTML = html;
   }
   $$("button.stage").forEach((b) => b.addEventListener("click", () => showStage(b.dataset.stage)));
+
+  // ---------------------------------------------------------------------------------------------- s3 of a batch
+  // one page holds every row (report/write.py with_rows): the other rows' pages ride along in #rows; this page is
+  // kept as it was parsed, so that the switch can come back to it. Writing a row's page in place runs its scripts
+  // again; the rows stay on the window, which document.open keeps.
+  const rowsEl = document.getElementById("rows");
+  if (rowsEl && D.batch) {
+    window.llmtraceRows = JSON.parse(rowsEl.textContent);
+    rowsEl.remove();
+    window.llmtraceRows[String(D.batch.row)] = "<!DOCTYPE html>\n" + document.documentElement.outerHTML;
+  }
+  const rowSwitch = $("#batch-row");
+  if (rowSwitch) rowSwitch.addEventListener("change", () => {
+    const rows = window.llmtraceRows, html = rows && rows[rowSwitch.value];
+    if (html) { document.open(); document.write(html); document.close(); return; }
+    $$(".batch-row").forEach((r) => { r.hidden = r.dataset.row !== rowSwitch.value; });
+    $$("#mask-grid tr[data-row]").forEach((r) => r.classList.toggle("chosen", r.dataset.row === rowSwitch.value));
+  });
 
   // ---------------------------------------------------------------------------------------------- BPE merges
   $$("button.word").forEach((b) => b.addEventListener("click", () => {
@@ -199,7 +222,7 @@
     canvas.dataset.rows = String(B); canvas.dataset.cols = String(B); canvas.dataset.cells = String(drawn);
     canvas.dataset.layer = layer; canvas.dataset.head = String(A.heads[hi]);
     canvas.dataset.cell = String(cell);
-    const ends = { log: ["p \u2264 0.0001", "1"], linear: ["p = 0", "1"], rank: [tr("rank_lo"), tr("rank_hi")] }[scale];
+    const ends = { log: [tr("log_lo"), "1"], linear: ["p = 0", "1"], rank: [tr("rank_lo"), tr("rank_hi")] }[scale];
     $("#att-lo").textContent = ends[0]; $("#att-hi").textContent = ends[1];
     const h = A.heads[hi];
     $$(".gqa .qh, .gqa .link").forEach((el) => el.classList.toggle("on", h !== "mean" && Number(el.dataset.head) === h));
@@ -246,8 +269,8 @@
   function readout() {
     const out = $("#att-readout");
     const h = A.heads[Number($("#att-head").value)];
-    let text = "layer " + $("#att-layer").value + ", " + (h === "mean" ? "mean over heads" : "head " + h + " (reads KV head " +
-      A.groups.findIndex((g) => g.includes(h)) + ")") + ": " + A.bins.length + " \u00d7 " + A.bins.length + " cells.";
+    let text = tr("readout_layer", { layer: $("#att-layer").value, n: A.bins.length,
+      head: h === "mean" ? tr("readout_mean") : tr("readout_head", { h: h, kv: A.groups.findIndex((g) => g.includes(h)) }) });
     if (steps.length && A.source === "maps") text += " " + tr("outline", { step: steps[cur].step });
     if (cursor) {
       const [r, c] = cursor, B = A.bins.length;
@@ -281,9 +304,9 @@
     const W = D.words;
     const where = (row.layer === null ? W.lens_output : W.lens_after.replace("{layer}", row.label)) + ", " +
       W.lens_position.replace("{pos}", td.dataset.pos);
-    let html = "<h3>" + esc(where) + "</h3><table class=\"stats\"><tr><th>token</th><th>id</th><th>p</th><th>logit</th><th></th></tr>";
+    let html = "<h3>" + esc(where) + "</h3><table class=\"stats\"><tr><th>" + esc(tr("lens_token")) + "</th><th>id</th><th>p</th><th>logit</th><th></th></tr>";
     top.forEach((c) => {
-      html += "<tr><td>" + esc(vis(c.text)) + "</td><td class=num>" + c.id + "</td><td class=num>" + fmt(c.prob, 4) +
+      html += "<tr><td translate=no>" + esc(vis(c.text)) + "</td><td class=num>" + c.id + "</td><td class=num>" + fmt(c.prob, 4) +
         "</td><td class=num>" + fmt(c.logit, 5) + "</td><td><span class=\"nbar\" style=\"width:" + (100 * c.prob).toFixed(1) + "px\"></span></td></tr>";
     });
     $("#lens-panel").innerHTML = html + "</table>";

@@ -6,10 +6,11 @@
 // runs layer by layer (POST /api/compare).
 "use strict";
 (function () {
-  const W = JSON.parse(document.getElementById("words").textContent);
+  const WORDS = JSON.parse(document.getElementById("words").textContent);
+  let W = WORDS.all[WORDS.lang];
   const $ = (sel) => document.querySelector(sel);
   function t(key, vals) {
-    let s = W[key] || key;
+    let s = W["js." + key] || key;
     Object.keys(vals || {}).forEach((k) => { s = s.split("{" + k + "}").join(String(vals[k])); });
     return s;
   }
@@ -120,6 +121,17 @@
       if (frame === "#page") $("#page-note").hidden = true;  // the page is here: the line that promised it goes
     }
   }
+  function speak(lang) { // the page's own words in the chosen language (the report in its frame follows on the next run)
+    if (!WORDS.all[lang]) return;
+    W = WORDS.all[lang];
+    document.documentElement.lang = lang === "zh" ? "zh-Hans" : lang;
+    document.querySelectorAll("[data-w]").forEach((e) => { if (W[e.dataset.w]) e.textContent = W[e.dataset.w]; });
+    document.querySelectorAll("[data-w-title]").forEach((e) => { if (W[e.dataset.wTitle]) e.title = W[e.dataset.wTitle]; });
+  }
+  $("#lang").addEventListener("change", () => {
+    speak($("#lang").value);
+    if (last && last.got && last.got.runId) guarded(() => showPage("#page", last.got.runId)); // the report too
+  });
   const MAIN = { tokens: $("#tokens"), text: $("#text"), steps: true, page: true };
 
   $("#run-form").addEventListener("submit", async (e) => {
@@ -170,8 +182,9 @@
     const a = await r.json();
     if (!r.ok) { box.textContent = t("serve_error", { error: a.error }); return; }
     box.textContent = "";
-    box.appendChild(el("p", t("serve_resample_title", { step: step, t: body.temperature, k: body.top_k, p: body.top_p,
-      m: body.min_p, draw: a.draw === "fresh" ? t("serve_draw_fresh") : t("serve_draw_run") })));
+    box.appendChild(el("p", t("serve_resample_title", { step: step, t: body.temperature === 0 ? t("greedy") : body.temperature,
+      k: body.top_k === 0 ? t("off") : body.top_k, p: body.top_p === 1 ? t("off") : body.top_p,
+      m: body.min_p === 0 ? t("off") : body.min_p, draw: a.draw === "fresh" ? t("serve_draw_fresh") : t("serve_draw_run") })));
     if (last.got.steps[step]) box.appendChild(side(t("serve_own"), last.got.steps[step], "own", null));
     box.appendChild(side(t("serve_again"), a.step, "again", a.survivors));
   }));

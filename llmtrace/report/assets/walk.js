@@ -30,16 +30,28 @@
     for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
     return new Type(bytes.buffer);
   }
+  function unpack24(b64) { // float32 without its last byte, 3 bytes each (report/walk.py pack_f24)
+    const bin = atob(b64), n = bin.length / 3, out = new Float32Array(n), dv = new DataView(new ArrayBuffer(4));
+    for (let i = 0; i < n; i++) {
+      dv.setUint8(0, 0); dv.setUint8(1, bin.charCodeAt(3 * i)); dv.setUint8(2, bin.charCodeAt(3 * i + 1)); dv.setUint8(3, bin.charCodeAt(3 * i + 2));
+      out[i] = dv.getFloat32(0, true);
+    }
+    return out;
+  }
   const cache = {};
   function sample(step, layer, name) { // {meta, values (rows × k), norms} of one point of one pass, or null
     const key = step + "/" + layer + "/" + name;
-    const m = D.walk.samples[key];
+    let m = D.walk.samples[key];
     if (!m) return null;
     if (!cache[key]) {
+      if (Array.isArray(m)) m = D.walk.samples[key] = { m: m[0], v: m[1], n: m[2], x: m[3] }; // [meta, values, norms, extra]
+      if (m.m !== undefined) Object.assign(m, D.walk.metas[m.m]); // its shape, axes, rows and entries, stored once
       if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
-      cache[key] = m.values === undefined ? { meta: m } :
-        { meta: m, values: unpack(m.values, Float32Array), norms: unpack(m.norms, Float32Array) };
-      ["gamma", "sink", "lse"].forEach((x) => { if (m[x]) cache[key][x] = unpack(m[x], Float32Array); }); // worked.py
+      const x = m.x || {}; // what a worked example reads besides (report/walk.py: gamma, sink, lse, full, f32)
+      cache[key] = m.v === undefined ? { meta: m } :
+        { meta: m, values: x.f32 ? unpack(m.v, Float32Array) : unpack24(m.v), norms: unpack24(m.n) };
+      ["gamma", "sink", "lse"].forEach((k) => { if (x[k]) cache[key][k] = unpack(x[k], Float32Array); });
+      if (x.full) m.full = x.full;
     }
     return cache[key];
   }
@@ -109,6 +121,18 @@
     return "<p>" + esc(t("mask_row", { layer: layer, head: h, allowed: v.length - masked.length, slots: v.length,
       masked: masked.length ? masked.join(", ") : "\u2014" })) + "</p>";
   }
+  function padRow(pass) { // s3 of a padded batch row: the query's mask row, slot by slot (pad, seen, later)
+    if (!D.batch) return "";
+    const q = pass.step === 0 ? pass.t : PAD + nPrompt + pass.step - 1, S = pass.step === 0 ? pass.T : q + 1;
+    let head = "", cells = "";
+    for (let s = 0; s < S; s++) {
+      const kind = s < PAD ? "pad" : s > q ? "later" : "on";
+      head += "<th>" + s + "</th>";
+      cells += "<td class=\"" + kind + "\" title=\"" + esc(t("mask_" + kind)) + "\">" + (kind === "on" ? "1" : kind === "pad" ? "0" : "\u2212\u221e") + "</td>";
+    }
+    return "<p>" + esc(t("pad_row", { slot: q, pads: PAD })) + "</p><div class=scroll><table class=\"maskgrid walkmask\"><tr><th>" +
+      esc(t("slot")) + "</th>" + head + "</tr><tr><th>" + q + "</th>" + cells + "</tr></table></div>";
+  }
   function pointCard(p, pass, layer, h) {
     const lay = p.layer ? layer : "m";
     const s = sample(pass.step, lay, p.name);
@@ -144,7 +168,7 @@
           bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
           esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
       } else if (sid === "s3") {
-        body = maskLine(pass, layer, h);
+        body = maskLine(pass, layer, h) + padRow(pass);
       } else if (sid === "s10" || sid === "s11" || sid === "s12") {
         if (sid !== "s10") return;
         const st = D.steps.find((x) => x.step === pass.step);
@@ -248,6 +272,11 @@
     return { keep: keep, probs: probs.slice(0, keep), survivors: keep + (tail ? L.vocab - n : 0) };
   }
   const TOP_SHOWN = 10; // rows of the what-if table (the step's top-k, whose texts the trace has)
+  function said(id, v) { // a setting as the run table says it: temperature 0 is greedy, a truncation that cuts nothing is off
+    if (id === "#wi-temperature" && v === 0) return t("greedy");
+    if ((id === "#wi-top-k" && v === 0) || (id === "#wi-top-p" && v === 1) || (id === "#wi-min-p" && v === 0)) return t("off");
+    return String(v);
+  }
   function drawWhatif() {
     const panel = $("#whatif-panel");
     if (!panel || !D.steps.length) return;
@@ -257,7 +286,7 @@
     const T = get("#wi-temperature"), k = get("#wi-top-k"), p = get("#wi-top-p"), mp = get("#wi-min-p");
     ["#wi-temperature", "#wi-top-k", "#wi-top-p", "#wi-min-p"].forEach((id) => {
       const inp = $(id), out = $("output[for=\"" + id.slice(1) + "\"]");
-      out.textContent = inp.value + (Number(inp.value) === Number(inp.dataset.run) ? " (" + t("whatif_run") + ")" : "");
+      out.textContent = said(id, Number(inp.value)) + (Number(inp.value) === Number(inp.dataset.run) ? " (" + t("whatif_run") + ")" : "");
     });
     const runOrder = (D.run.sampling && D.run.sampling.order) || ["temperature", "top_k", "top_p", "min_p"];
     const order = runOrder.filter((s) => ["top_k", "top_p", "min_p"].indexOf(s) >= 0);
@@ -269,12 +298,12 @@
     };
     let html = "<p class=note>" + esc(L.all ? t("whatif_source_all", { vocab: L.vocab }) : t("whatif_source_top", { n: L.n, rest: L.vocab - L.n })) +
       " \u00b7 " + esc(t("whatif_order", { order: ["temperature"].concat(order).join(" \u2192 ") })) + "</p>";
-    html += "<p id=\"whatif-summary\">" + esc(t("whatif_survivors", { n: r.survivors.toLocaleString("en"), vocab: L.vocab.toLocaleString("en") })) +
+    html += "<p id=\"whatif-summary\">" + esc(t(r.survivors === 1 ? "whatif_survivor_one" : "whatif_survivors", { n: r.survivors.toLocaleString("en"), vocab: L.vocab.toLocaleString("en") })) +
       " \u00b7 <span id=\"whatif-top1\">" + esc(t("whatif_top1", { token: text(L._ids[0]), p: r.probs[0].toFixed(6) })) + "</span></p>";
-    html += "<table class=\"stats whatif-bars\"><tr><th>token</th><th>id</th><th>p</th><th></th></tr>";
+    html += "<table class=\"stats whatif-bars\"><tr><th>" + esc(t("whatif_token")) + "</th><th>id</th><th>p</th><th></th></tr>";
     for (let j = 0; j < Math.min(Math.max(TOP_SHOWN, (st.topk || []).length), L._z.length); j++) {
       const id = L._ids[j], pj = j < r.keep ? r.probs[j] : 0, chosen = id === st.token.id;
-      html += "<tr" + (chosen ? " class=chosen" : "") + " data-id=\"" + id + "\"><td>" + esc(text(id)) + (chosen ? " \u2190 " + esc(t("whatif_chosen")) : "") +
+      html += "<tr" + (chosen ? " class=chosen" : "") + " data-id=\"" + id + "\"><td><span translate=no>" + esc(text(id)) + "</span>" + (chosen ? " \u2190 " + esc(t("whatif_chosen")) : "") +
         "</td><td class=num>" + id + "</td><td class=num>" + (j < r.keep ? pj.toFixed(4) : "\u2014") + "</td><td><span class=\"nbar\" style=\"width:" + (200 * pj).toFixed(1) + "px\"></span></td></tr>";
     }
     html += "</table>" + drawBar(L, r, st, text);
