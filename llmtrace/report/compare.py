@@ -252,18 +252,17 @@ def summary_words(doc: dict, w) -> str:
              err=_fmt(fd["rel_err"]), rest=rest)
 
 
-NOTES = [(re.compile(p), key) for p, key in (  # the notes of run/compare.py and run/diff.py, said in the page's words
-    (r"^B's tokenizer reads the prompt differently; both sides were fed A's ids \((?:--ids-from a|`ids_from='a'`)\)$",
-     "cmp.note_ids"),
+NOTES = [(re.compile(p), key) for p, key in (  # the notes of run/compare.py and run/diff.py, said in the page's words;
+    # what to run is carried over as the note says it (a flag from the CLI, a keyword from Python)
+    (r"^B's tokenizer reads the prompt differently; both sides were fed A's ids \((?P<how>.*)\)$", "cmp.note_ids"),
     (r"^the generated tokens part at step (?P<step>\d+); later steps read different inputs and are compared only by "
      r"what they chose$", "cmp.note_gen"),
     (r"^only (?P<side>[AB]) saved its tensors; comparing what the traces hold$", "cmp.note_one_side"),
     (r"^(?P<n>\d+) of (?P<of>\d+) layers were not recorded by both runs \((?P<spans>.*)\): the first divergence is "
      r"the first among the recorded points$", "cmp.note_unrecorded"),
-    (r"^no logits were saved \(record them with (?:--trace full or --dump logits|`trace='full'` or "
-     r"`dump=\['logits'\]`)\); KLD is not known$", "cmp.note_logits"),
+    (r"^no logits were saved \(record them with (?P<how>.*)\); KLD is not known$", "cmp.note_logits"),
     (r"^no tensors: the first divergence is judged from each point's norm \(a lower bound of its relative error\); "
-     r"KLD needs the full logits \((?:--save-tensors|`save_tensors`)\)$", "cmp.note_norms"),
+     r"KLD needs the full logits \((?P<how>.*)\)$", "cmp.note_norms"),
 )]
 
 

@@ -70,8 +70,8 @@ LINES = [(re.compile(p), r) for p, r in (
     (r"^head (?P<h>\d+): scores, masked →−∞$", r"头 \g<h>：分数，被掩码的 →−∞"),
     (r"^\(the first (?P<n>\d+) positions of (?P<t>\d+)\)$", r"（\g<t> 个位置中的前 \g<n> 个）"),
     (r"^the key each position attends to most, per head \(position:weight\)$", "每个头中，每个位置最关注的键（位置:权重）"),
-    (r"^attention map, (?P<w>.*) \((?P<h>.*)\): rows are queries, columns keys; pick a head with (?:--head|`head`)$",
-     r"注意力图，\g<w>（\g<h>）：行是查询，列是键；用 --head 选择一个头"),
+    (r"^attention map, (?P<w>.*) \((?P<h>.*)\): rows are queries, columns keys; pick a head with (?P<how>\S+)$",
+     r"注意力图，\g<w>（\g<h>）：行是查询，列是键；用 \g<how> 选择一个头"),
     (r"^(?P<n>[①-⑨]) s6.6  output projection and residual: (?P<f>.*)$", r"\g<n> s6.6  输出投影与残差：\g<f>"),
     (r"^x enters the layer; attn = what attention adds to it; x' = x \+ attn \(so (?P<a>.*)\); x'' = x' \+ FFN\(x'\) "
      r"leaves the layer. A cosine near 1: the layer nudged the token's vector rather than replacing it$",
