@@ -31,6 +31,9 @@ _PUBLIC = {  # public name -> the module that defines it
     "Steer": "llmtrace.run.interventions",
     "ControlVector": "llmtrace.run.interventions",
     "patch_sweep": "llmtrace.api",
+    # evaluating over a corpus (llmtrace/run/eval.py): perplexity, KLD against a second side or a base file
+    "evaluate": "llmtrace.api",  # evaluate(model, text, ctx=, b=, ...) -> Evaluation
+    "Evaluation": "llmtrace.api",
 }
 
 
