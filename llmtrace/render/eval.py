@@ -33,9 +33,8 @@ def chunk_line(running: dict, done: int, total: int, tokens_per_s: float, eta_s:
     if "kld" not in running:
         return f"{head} PPL {_pm(running['ppl'])}  {tail}"
     kld = running["kld"]
-    return (f"{head} PPL(B) {_pm(running['ppl_b'])}  ln ratio {_pm(running['ln_ppl_ratio'], 5)}  "
-            f"KLD {kld['mean']:.5f} ± {kld['uncertainty']:.5f}  Δp RMS {_pm(running['dp_rms'], 3, True)}  "
-            f"same top {_pm(running['same_top'], 2, True)}  {tail}")
+    return (f"{head} KLD {kld['mean']:.5f} ± {kld['uncertainty']:.5f}  same top "
+            f"{100 * running['same_top']['value']:.2f}%  PPL(B) {running['ppl_b']['value']:.4f}  {tail}")
 
 
 def summary_text(header: dict, s: dict) -> str:

@@ -17,7 +17,6 @@ after an interruption, with `interrupted: true`; a resumed run drops it and goes
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -26,11 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from llmtrace.errors import BadValue, LlmtraceError, UsageError
-from llmtrace.run.eval_score import DEFAULT_TOLERANCE, Chunking
+from llmtrace.run.eval_score import DEFAULT_TOLERANCE
 from llmtrace.run.eval_stats import running_line, summarize_layers, summarize_one, summarize_two
-from llmtrace.units import plural
 
-EVAL_SCHEMA = "llmtrace.eval/1"
 DEFAULT_CTX = 512
 DEFAULT_TOP_K = 64
 # what a resumed run must share with the run it continues
@@ -74,16 +71,6 @@ class EvalResult:
 # the text
 
 
-def text_sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def chunk_count(n_tokens: int, ctx: int, chunks: Optional[int]) -> int:
-    """How many chunks a text of n_tokens gives at ctx (llama.cpp: n_tokens // ctx), at most `chunks`."""
-    n = n_tokens // ctx
-    return n if chunks is None else min(n, chunks)
-
-
 def check_settings(ctx: int, chunks: Optional[int], batch: int, top_k: int, workers: int) -> None:
     """The values that need no model, before anything is read."""
     if ctx < 4:
@@ -96,20 +83,6 @@ def check_settings(ctx: int, chunks: Optional[int], batch: int, top_k: int, work
         raise BadValue("top_k", f" must be ≥ 1, not {top_k}")
     if workers < 1:
         raise BadValue("workers", f" must be ≥ 1, not {workers}")
-
-
-def encode_text(tok, text: str, ctx: int, max_ctx: int) -> list[int]:
-    """The text's ids (BOS first where the tokenizer adds one), refusing an empty text, a ctx beyond the model's
-    window and a text shorter than one chunk."""
-    if not text.strip():
-        raise UsageError("the text is empty: give a file with some text to score")
-    if ctx > max_ctx:
-        raise BadValue("ctx", f" {ctx} exceeds the model's context window of {max_ctx} tokens")
-    ids = tok.encode(text)
-    if len(ids) < ctx:
-        raise BadValue("ctx", f" {ctx} needs at least one chunk of {ctx} tokens",
-                       before=f"the text has {plural(len(ids), 'token')}, shorter than one chunk: ")
-    return ids
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -22,10 +22,39 @@ distributions, as Python floats: written to JSON and read back, they are the sam
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from llmtrace.errors import BadValue, UsageError
+from llmtrace.units import plural
+
+EVAL_SCHEMA = "llmtrace.eval/1"
 DEFAULT_TOLERANCE = 1e-4  # compare's: a relative error above it is a divergence
+
+
+def text_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def chunk_count(n_tokens: int, ctx: int, chunks: Optional[int]) -> int:
+    """How many chunks a text of n_tokens gives at ctx (llama.cpp: n_tokens // ctx), at most `chunks`."""
+    n = n_tokens // ctx
+    return n if chunks is None else min(n, chunks)
+
+
+def encode_text(tok, text: str, ctx: int, max_ctx: int) -> list[int]:
+    """The text's ids (BOS first where the tokenizer adds one), refusing an empty text, a ctx beyond the model's
+    window and a text shorter than one chunk."""
+    if not text.strip():
+        raise UsageError("the text is empty: give a file with some text to score")
+    if ctx > max_ctx:
+        raise BadValue("ctx", f" {ctx} exceeds the model's context window of {max_ctx} tokens")
+    ids = tok.encode(text)
+    if len(ids) < ctx:
+        raise BadValue("ctx", f" {ctx} needs at least one chunk of {ctx} tokens",
+                       before=f"the text has {plural(len(ids), 'token')}, shorter than one chunk: ")
+    return ids
 
 
 @dataclass
@@ -181,12 +210,14 @@ def _against_base(base: dict, lp_b, tgt) -> dict:
 # --layers: both sides layer by layer
 
 
-def _rel_rows(a, b, first: int) -> list[list[float]]:
-    """Per row and scored position, ‖a − b‖ / ‖a‖ (‖a − b‖ where ‖a‖ is 0) in float64: compare's relative error."""
+def _rel_rows(a, b, first: Optional[int]) -> list[list[float]]:
+    """Per row and scored position (positions first … −2 of (B, T, N) tensors; every one where first is None),
+    ‖a − b‖ / ‖a‖ (‖a − b‖ where ‖a‖ is 0) in float64: compare's relative error."""
     import torch
 
-    a = a[:, first:-1].double().cpu() if a.dim() == 3 else a.double().cpu()
-    b = b[:, first:-1].double().cpu() if b.dim() == 3 else b.double().cpu()
+    if first is not None:
+        a, b = a[:, first:-1], b[:, first:-1]
+    a, b = a.double().cpu(), b.to(a.device).double().cpu()
     d = torch.linalg.vector_norm(a - b, dim=-1)  # (B, P)
     n = torch.linalg.vector_norm(a, dim=-1)
     return torch.where(n > 0, d / torch.where(n > 0, n, torch.ones_like(n)), d).tolist()
@@ -229,7 +260,7 @@ def side_by_side(scorer: Scorer, rows: list[list[int]], first: int):
     lb = _b_call(scorer, lambda: mb.head(xb[:, first:-1]), len(rows))
     x_in = xa[:, first:-1].to(lm_b.device, lm_b.dtype)
     lz = lb if torch.equal(x_in, xb[:, first:-1]) else _b_call(scorer, lambda: mb.head(x_in), len(rows))
-    stages.append((_rel_rows(la, lb, 0), _rel_rows(la, lz, 0)))
+    stages.append((_rel_rows(la, lb, None), _rel_rows(la, lz, None)))
     recs = [_layer_record(stages, routing, r, scorer.tolerance) for r in range(len(rows))]
     return la.float().cpu(), lb.float().cpu(), recs
 

@@ -55,7 +55,7 @@ class Job:
               say: Callable[[str], None]) -> "Job":
         """The job of one evaluation: the sides named, the text's ids checked against both tokenizers and the base
         file, before a weight is read where no process of this machine scores."""
-        from llmtrace.run.eval import chunk_count, encode_text
+        from llmtrace.run.eval_score import chunk_count, encode_text
 
         if base is not None:
             side_a, lm_a, (side_b, lm_b) = None, None, as_side(model)
@@ -75,13 +75,14 @@ class Job:
         job = cls(side_a, side_b, ids, chunking, chunk_count(len(ids), ctx, chunks), batch, layers, tolerance, top_k,
                   top_k if save_base is not None else 0, threads, tok=tok)
         job.loaded = {k: v for k, v in (("a", lm_a), ("b", lm_b)) if v is not None}
-        job.facts = {"a": _facts(side_a, lm_a), "b": _facts(side_b, lm_b) if side_b is not None else None}
+        job.facts = {"a": _facts(side_a, lm_a) if side_a is not None else {},
+                     "b": _facts(side_b, lm_b) if side_b is not None else None}
         if base is not None:
             job.open_base(base, text)
         return job
 
     def open_base(self, path, text: str) -> None:
-        from llmtrace.run.eval import text_sha256
+        from llmtrace.run.eval_score import text_sha256
         from llmtrace.run.eval_base import open_base, tokenizer_hash
 
         self.base = open_base(path)
@@ -93,7 +94,7 @@ class Job:
 
     def header(self, text: str) -> dict:
         """The `eval` event."""
-        from llmtrace.run.eval import EVAL_SCHEMA, text_sha256
+        from llmtrace.run.eval_score import EVAL_SCHEMA, text_sha256
 
         c = self.chunking
         return {"event": "eval", "schema": EVAL_SCHEMA, "a": self.facts["a"], "b": self.facts["b"],
