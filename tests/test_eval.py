@@ -336,3 +336,90 @@ def test_moe_routing_agreement_is_one_against_itself_and_less_against_fast(famil
     drift = evaluate(exact, text, b=fast, ctx=ctx, chunks=3, layers=True).summary
     agreement = [r["agreement"] for r in drift["layers"]["routing"]]
     assert min(agreement) < 1.0 and drift["kld"]["mean"] > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# beyond one process
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(threads)
+
+
+def test_two_worker_processes_give_the_figures_of_one(tiny_lm, text, one_thread):
+    from llmtrace.run.compare import Side
+    from llmtrace.run.eval import evaluate
+
+    spec = str(tiny_lm.path)
+    opts = dict(b=Side(model=spec, dtype="bfloat16"), ctx=32, chunks=7, batch=2, threads=one_thread)
+    one = evaluate(spec, text, **opts)
+    seen = []
+    two = evaluate(spec, text, workers=2, on_chunk=lambda rec, p: seen.append(rec["chunk"]), **opts)
+    assert seen == list(range(7))  # heard in chunk order
+    assert two.summary == one.summary and two.chunks == one.chunks
+
+
+@pytest.mark.slow  # Ray starts a local cluster: about 10 s
+def test_ray_actors_give_the_figures_of_one(tiny_lm, text, one_thread):
+    ray = pytest.importorskip("ray")
+    from llmtrace.run.compare import Side
+    from llmtrace.run.eval import evaluate
+
+    spec = str(tiny_lm.path)
+    opts = dict(b=Side(model=spec, dtype="bfloat16"), ctx=32, chunks=5, batch=2, threads=one_thread)
+    one = evaluate(spec, text, **opts)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        on_ray = evaluate(spec, text, workers=2, ray="local", **opts)
+    finally:
+        ray.shutdown()
+    assert on_ray.summary == one.summary
+
+
+def test_ray_missing_is_one_line(tiny_lm, tmp_path, capsys, text, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails, as where it is not installed
+    p = tmp_path / "t.txt"
+    p.write_text(text)
+    fails(capsys, 2, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 2, "--ray", "local",
+          says=("ray is not installed", "llmtrace[ray]"))
+
+
+def test_ctrl_c_keeps_a_valid_stream_and_resume_ends_on_the_same_summary(smollm_path, text, tmp_path):
+    """A real SIGINT to the command mid-run: every line of --jsonl is whole JSON, the last an interrupted summary;
+    --resume then finishes with the summary of a run that was never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = tmp_path / "t.txt"
+    p.write_text(text)
+    out, whole = tmp_path / "run.jsonl", tmp_path / "whole.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    args = [sys.executable, "-m", "llmtrace", "eval", str(p), "-m", str(smollm_path), "--ctx", "64", "--threads", "1"]
+    proc = subprocess.Popen(args + ["--jsonl", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    assert events[-1]["event"] == "eval_summary" and events[-1]["interrupted"]
+    n_cut = events[-1]["chunks"]
+    assert 2 <= n_cut < events[0]["chunks"]
+    done = subprocess.run(args + ["--resume", str(out)], env=env, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    again = subprocess.run(args + ["--jsonl", str(whole)], env=env, capture_output=True, timeout=600)
+    assert again.returncode == 0
+    resumed = [json.loads(line) for line in out.read_text().splitlines()]
+    uninterrupted = [json.loads(line) for line in whole.read_text().splitlines()]
+    assert [e["event"] for e in resumed] == [e["event"] for e in uninterrupted]
+    assert resumed[-1] == uninterrupted[-1] and not resumed[-1]["interrupted"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional
 
-from llmtrace.errors import BadValue, LlmtraceError, UsageError
+from llmtrace.errors import BadValue, UsageError
 from llmtrace.run.compare import Side, check_comparable, check_ids, read_config
 from llmtrace.run.eval_score import Chunking, Scorer
 
@@ -239,12 +239,18 @@ class EvalActor:
         return self.scorer.score(self.job.tokens, self.job.chunking, group, base_rows)
 
 
-def start_ray(address: str):
-    """Ray, joined to the cluster at `address` ("local": a cluster of this machine, or the one already started)."""
+def require_ray():
+    """The ray module, or a one-line usage error where it is not installed."""
     try:
         import ray
     except ImportError:
-        raise LlmtraceError("Ray is not installed: pip install 'llmtrace[ray]' (or pip install ray)") from None
+        raise UsageError("Ray is not installed: pip install 'llmtrace[ray]' (or pip install ray)") from None
+    return ray
+
+
+def start_ray(address: str):
+    """Ray, joined to the cluster at `address` ("local": a cluster of this machine, or the one already started)."""
+    ray = require_ray()
     if not ray.is_initialized():
         ray.init(address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False)
     return ray
