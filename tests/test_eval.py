@@ -423,3 +423,31 @@ def test_ctrl_c_keeps_a_valid_stream_and_resume_ends_on_the_same_summary(smollm_
     uninterrupted = [json.loads(line) for line in whole.read_text().splitlines()]
     assert [e["event"] for e in resumed] == [e["event"] for e in uninterrupted]
     assert resumed[-1] == uninterrupted[-1] and not resumed[-1]["interrupted"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the page
+
+
+def test_the_page_draws_the_distributions_and_the_layers_offline(tiny_lm, text, tmp_path, capsys, browser):
+    from helpers import Opened
+
+    p = tmp_path / "t.txt"
+    p.write_text(text)
+    html, doc = tmp_path / "eval.html", tmp_path / "eval.json"
+    code, _, err = run_cli(capsys, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 8, "--b-dtype", "bfloat16",
+                           "--layers", "--html", html, "--json", doc, "--threads", 1)
+    assert code == 0, err
+    d = json.loads(doc.read_text())
+    o = Opened(browser, html)
+    try:
+        assert o.messages == [] and o.requests == [o.url]  # nothing from the network, no script error
+        summary = o.page.inner_text("#summary")
+        assert f"{d['summary']['kld']['mean']:10.6f}".strip() in summary and "Same top p" in summary
+        n = d["summary"]["tokens_scored"]
+        for chart in ("#kld-svg", "#dp-svg"):  # every scored position falls in one bar
+            titles = o.page.eval_on_selector_all(f"{chart} rect title", "ts => ts.map(t => t.textContent)")
+            assert sum(int(t.rsplit(": ", 1)[1]) for t in titles) == n
+        assert o.page.locator("#layers polyline").count() == 3 and o.page.locator("#ppl polyline").count() == 2
+    finally:
+        o.page.close()

@@ -14,15 +14,15 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-W, H, LEFT, TOP, BOTTOM = 760, 200, 56, 12, 28
-KLD_LO, KLD_HI = -8, 1  # log10 KLD histogram range
+W, H, LEFT, TOP, BOTTOM = 760, 200, 64, 12, 28
+KLD_LO, KLD_HI = -8, 0  # log10 KLD histogram range
 
 
 def _axis_y(lo: float, hi: float, log: bool, n: int = 4) -> list[dict]:
     out = []
     for k in range(n + 1):
         v = lo + (hi - lo) * k / n
-        out.append({"y": _y(k / n), "text": f"1e{v:.0f}" if log else f"{v:.3g}"})
+        out.append({"y": _y(k / n), "text": f"1e{v:.0f}" if log else f"{v:.4g}"})
     return out
 
 
@@ -34,8 +34,10 @@ def _x(f: float) -> float:
     return round(LEFT + f * (W - LEFT - 10), 1)
 
 
-def line_chart(series: list[tuple[str, str, list[Optional[float]]]], log: bool = False) -> Optional[dict]:
-    """Polylines of (name, css class, values) over a shared x (index) and y axis."""
+def line_chart(series: list[tuple[str, str, list[Optional[float]]]], log: bool = False,
+               xlabels: Optional[list[str]] = None) -> Optional[dict]:
+    """Polylines of (name, css class, values) over a shared x (index) and y axis (decades on a log axis), with a
+    label under every x (thinned to about 30) when `xlabels` are given."""
     vals = [v for _, _, vs in series for v in vs if v is not None and (v > 0 or not log)]
     if not vals:
         return None
@@ -52,7 +54,10 @@ def line_chart(series: list[tuple[str, str, list[Optional[float]]]], log: bool =
                if v is not None and (v > 0 or not log)]
         out.append({"name": name, "css": css, "points": " ".join(f"{x},{y}" for x, y in pts),
                     "dots": [{"x": x, "y": y} for x, y in pts] if len(pts) <= 80 else []})
-    return {"series": out, "yticks": _axis_y(lo, hi, log), "n": n, "width": W, "height": H}
+    step = max(1, math.ceil(n / 30))
+    xs = [{"x": _x(i / max(n - 1, 1)), "text": t} for i, t in enumerate(xlabels or []) if i % step == 0]
+    return {"series": out, "yticks": _axis_y(lo, hi, log, int(hi - lo) if log else 4), "n": n, "width": W,
+            "height": H, "xlabels": xs}
 
 
 def histogram(values: list[float], lo: float, hi: float, bins: int, label) -> dict:
@@ -86,7 +91,9 @@ def view(events: list[dict]) -> dict:
         kld = [math.log10(max(x, 1e-30)) for c in chunks for x in c["kld"]]
         v["kld"] = histogram(kld, KLD_LO, KLD_HI, 45, lambda x: f"1e{x:.0f}" if x == int(x) else f"1e{x:.1f}")
         dp = [x for c in chunks for x in c["dp"]]
-        v["dp"] = histogram(dp, -1.0, 1.0, 40, lambda x: f"{100 * x:+.0f}%")
+        reach = next((r for r in (1e-4, 1e-3, 1e-2, 1e-1) if max(map(abs, dp), default=0) <= r), 1.0)
+        v["dp"] = histogram(dp, -reach, reach, 40, lambda x: f"{100 * x:+.3g}%")
+        v["dp_reach"] = f"{100 * reach:g}%"
     lay = summary.get("layers")
     if lay:
         rows = lay["rows"]
@@ -94,7 +101,8 @@ def view(events: list[dict]) -> dict:
                        for r in rows]
         v["layers"] = line_chart([("added, mean", "add", [r["added"]["mean"] for r in rows]),
                                   ("added, 99th percentile", "add99", [r["added"]["p99"] for r in rows]),
-                                  ("accumulated, mean", "acc", [r["accumulated"]["mean"] for r in rows])], log=True)
+                                  ("accumulated, mean", "acc", [r["accumulated"]["mean"] for r in rows])], log=True,
+                                 xlabels=v["stages"])
         total = sum(lay["first_divergence"]) or 1
         v["first"] = [{"stage": s, "share": 100 * c / total} for s, c in
                       zip(v["stages"] + ["never"], lay["first_divergence"]) if c]
