@@ -194,14 +194,17 @@ def _tail_kl(lm, b, text, ctx, k, top_k) -> float:
 
 
 def test_a_base_file_refuses_another_text_model_or_ctx(tiny_lm, text, tmp_path, capsys):
-    from llmtrace.run.eval import evaluate
-
     path = tmp_path / "base.safetensors"
-    evaluate(tiny_lm, text, ctx=32, chunks=2, save_base=path, top_k=8)
-    hf = tmp_path / "hf"
-    _write_other_tiny(hf)
     p = tmp_path / "t.txt"
     p.write_text(text)
+    code, _, err = run_cli(capsys, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 2, "--save-base", path,
+                           "--top-k", 8)
+    assert code == 0 and f"wrote {path}" in err
+    code, out, err = run_cli(capsys, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 2, "--base", path,
+                             "--dtype", "bfloat16")
+    assert code == 0 and "Mean    KLD" in out, err
+    hf = tmp_path / "hf"
+    _write_other_tiny(hf)
     other = tmp_path / "other.txt"
     other.write_text(text.replace("truth", "fact"))
     fails(capsys, 2, "eval", other, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 2, "--base", path,

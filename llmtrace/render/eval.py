@@ -28,7 +28,8 @@ def clock(seconds: float) -> str:
 def chunk_line(running: dict, done: int, total: int, tokens_per_s: float, eta_s: float) -> str:
     """After each chunk: the running figures over the chunks so far, the rate and the time left."""
     width = len(str(total))
-    head = f"[{done:>{width}}/{total}]"
+    filled = round(12 * done / total) if total else 12
+    head = f"[{done:>{width}}/{total}] {'█' * filled}{'░' * (12 - filled)}"
     tail = f"{tokens_per_s:,.0f} tok/s, {clock(eta_s)} left"
     if "kld" not in running:
         return f"{head} PPL {_pm(running['ppl'])}  {tail}"
