@@ -30,14 +30,14 @@ model against it.
 Examples:
 
 \b
-  llmtrace eval wiki.test.raw -m smollm2-135m-instruct --ctx 512 --chunks 20
-  llmtrace eval wiki.test.raw --ctx 512 --b-dtype bfloat16 --layers
-  llmtrace eval wiki.test.raw -m model.gguf --b-fast --batch 4 --jsonl run.jsonl
-  llmtrace eval wiki.test.raw --resume run.jsonl --b-fast --batch 4 -m model.gguf
-  llmtrace eval wiki.test.raw -m model.gguf --save-base base.safetensors
-  llmtrace eval wiki.test.raw -m model.gguf --fast --base base.safetensors --html eval.html
-  llmtrace eval wiki.test.raw --workers 4 --threads 2
-  llmtrace eval wiki.test.raw --ray auto --workers 8    # a Ray cluster (pip install 'llmtrace[ray]')
+  llmtrace eval wiki.raw -m smollm2-135m-instruct --ctx 512 --chunks 20
+  llmtrace eval wiki.raw --ctx 512 --b-dtype bfloat16 --layers
+  llmtrace eval wiki.raw -m q4.gguf --b-fast --batch 4 --jsonl run.jsonl
+  llmtrace eval wiki.raw -m q4.gguf --b-fast --batch 4 --resume run.jsonl
+  llmtrace eval wiki.raw -m f16.gguf --save-base base.safetensors
+  llmtrace eval wiki.raw -m q4.gguf --base base.safetensors --html eval.html
+  llmtrace eval wiki.raw --workers 4 --threads 2
+  llmtrace eval wiki.raw --ray auto --workers 8     # pip install 'llmtrace[ray]'
 """
 
 EvalJsonOpt = json_opt("the whole run (its settings, every chunk and the summary) as one JSON document")

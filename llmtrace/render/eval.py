@@ -85,16 +85,17 @@ def _distribution(d: dict, name: str, fmt) -> list[str]:
 def layers_text(lay: dict) -> list[str]:
     """--layers: per stage, the relative error it adds and the accumulated one (mean, median, 99th percentile); where
     positions first diverge; MoE routing agreement."""
-    out = ["====== Where the error enters (relative error ‖a−b‖/‖a‖ over scored positions) ======",
-           "stage        added: mean    median      p99   accumulated: mean    p99   first diverge"]
+    out = ["====== Where the error enters ======",
+           "‖a−b‖/‖a‖ over scored positions: added by the stage alone; accumulated to it",
+           f"{'stage':<10}{'added mean':>12}{'median':>9}{'p99':>9}{'accum. mean':>13}{'p99':>9}{'first div.':>12}"]
     first = lay["first_divergence"]
     total = sum(first) or 1
     for k, row in enumerate(lay["rows"]):
         name = "embed" if row["where"] == "embed" else "logits" if row["where"] == "logits" else f"layer {row['layer']}"
         ad, ac = row["added"], row["accumulated"]
-        out.append(f"{name:<10} {_e(ad['mean']):>13} {_e(ad['p50']):>9} {_e(ad['p99']):>8} {_e(ac['mean']):>19} "
-                   f"{_e(ac['p99']):>7} {100 * first[k] / total:>8.1f}%")
-    out.append(f"{'nowhere':<10} {'':>59} {100 * first[-1] / total:>8.1f}%")
+        out.append(f"{name:<10}{_e(ad['mean']):>12}{_e(ad['p50']):>9}{_e(ad['p99']):>9}{_e(ac['mean']):>13}"
+                   f"{_e(ac['p99']):>9}{100 * first[k] / total:>11.1f}%")
+    out.append(f"{'never':<10}{'':>52}{100 * first[-1] / total:>11.1f}%")
     for r in lay.get("routing", []):
         out.append(f"layer {r['layer']}: routing agreement {100 * r['agreement']:.2f}% of {r['positions']:,} positions")
     return out
