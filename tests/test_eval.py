@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fails, run_cli
+from helpers import fails, run_cli, undeclared_fields
 
 PASSAGE = Path(__file__).resolve().parents[1] / "benchmarks" / "passage.txt"  # Pride and Prejudice (public domain)
 
@@ -262,6 +262,7 @@ def test_cli_jsonl_is_valid_line_by_line_and_resume_continues(tiny_lm, text, tmp
     validator = jsonschema.Draft202012Validator(json.loads(schema_path().read_text()))
     for ev in events:
         validator.validate(ev)
+    assert undeclared_fields(events) == []
     s = events[-1]
     assert s["tokens_scored"] == 4 * 15 and s["kld"]["mean"] > 0 and 0 <= s["same_top"]["value"] <= 1
     # cut the file after two chunks (as a Ctrl-C leaves it, with an interrupted summary), resume

@@ -117,6 +117,8 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
         require_ray()  # before anything is read
     if base is not None and b is not None:
         raise UsageError("give side B or a base file, not both: with a base file, the model is the one under test")
+    if resume and save_base is not None:
+        raise BadValue("save_base", " needs every chunk's log-probabilities: run it whole, not resumed")
     if layers and b is None:
         raise BadValue("layers", " compares two sides run here: give side B (a base file holds no layers)")
     say = progress or (lambda _m: None)

@@ -44,13 +44,14 @@ def chunk_count(n_tokens: int, ctx: int, chunks: Optional[int]) -> int:
 
 
 def encode_text(tok, text: str, ctx: int, max_ctx: int) -> list[int]:
-    """The text's ids (BOS first where the tokenizer adds one), refusing an empty text, a ctx beyond the model's
+    """The text's ids (BOS first where the tokenizer adds one; text that spells a special token is read as text, as
+    llama-perplexity reads it), refusing an empty text, a ctx beyond the model's
     window and a text shorter than one chunk."""
     if not text.strip():
         raise UsageError("the text is empty: give a file with some text to score")
     if ctx > max_ctx:
         raise BadValue("ctx", f" {ctx} exceeds the model's context window of {max_ctx} tokens")
-    ids = tok.encode(text)
+    ids = tok.encode(text, parse_special=False)  # as llama-perplexity: special tokens' text is plain text
     if len(ids) < ctx:
         raise BadValue("ctx", f" {ctx} needs at least one chunk of {ctx} tokens",
                        before=f"the text has {plural(len(ids), 'token')}, shorter than one chunk: ")

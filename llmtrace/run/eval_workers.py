@@ -68,7 +68,7 @@ class Job:
         if side_a is not None and side_b is not None:
             tok_b, cfg_b = _tokenizer_and_config(side_b, lm_b)
             check_comparable(cfg, cfg_b)
-            ids = check_ids(tok, tok_b, ids, tok_b.encode(text), ids_from)
+            ids = check_ids(tok, tok_b, ids, tok_b.encode(text, parse_special=False), ids_from)
             if ctx > cfg_b.max_seq_len:
                 raise BadValue("ctx", f" {ctx} exceeds side B's context window of {cfg_b.max_seq_len} tokens")
         chunking = Chunking(ctx, tok.bos_id if tok.add_bos else None)
