@@ -407,7 +407,8 @@ def test_ctrl_c_keeps_a_valid_stream_and_resume_ends_on_the_same_summary(smollm_
     p.write_text(text)
     out, whole = tmp_path / "run.jsonl", tmp_path / "whole.jsonl"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    args = [sys.executable, "-m", "llmtrace", "eval", str(p), "-m", str(smollm_path), "--ctx", "64", "--threads", "1"]
+    args = [sys.executable, "-m", "llmtrace", "eval", str(p), "-m", str(smollm_path), "--ctx", "64", "--threads", "1",
+            "--batch", "1"]
     proc = subprocess.Popen(args + ["--jsonl", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 300
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):

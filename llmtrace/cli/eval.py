@@ -65,7 +65,7 @@ def eval_command(
     model: Annotated[Optional[list[str]], typer.Option("--model", "-m", help="The model (side A); repeat for side B: -m A -m B.", show_default=False)] = None,
     ctx: Annotated[int, typer.Option("--ctx", "-c", help="Tokens per chunk; the second half of each is scored.")] = 512,
     chunks: Annotated[Optional[int], typer.Option("--chunks", metavar="K", help="Score at most K chunks.", show_default=False)] = None,
-    batch: Annotated[int, typer.Option("--batch", "-b", metavar="B", help="Chunks per forward pass (the rows of one batch).")] = 1,
+    batch: Annotated[Optional[int], typer.Option("--batch", "-b", metavar="B", help="Chunks per forward pass, the rows of one batch (default: 2048 // --ctx, as llama-perplexity's default batch holds them).", show_default=False)] = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     keep_quantized: KeepQuantizedOpt = False,

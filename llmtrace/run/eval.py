@@ -30,6 +30,7 @@ from llmtrace.run.eval_stats import running_line, summarize_layers, summarize_on
 
 DEFAULT_CTX = 512
 DEFAULT_TOP_K = 64
+DEFAULT_BATCH_TOKENS = 2048  # llama-perplexity's default -b: that many tokens' chunks per pass
 # what a resumed run must share with the run it continues
 SAME_ON_RESUME = ("text_sha256", "ctx", "chunks", "batch", "layers", "tolerance", "base", "top_k")
 
@@ -71,13 +72,13 @@ class EvalResult:
 # the text
 
 
-def check_settings(ctx: int, chunks: Optional[int], batch: int, top_k: int, workers: int) -> None:
+def check_settings(ctx: int, chunks: Optional[int], batch: Optional[int], top_k: int, workers: int) -> None:
     """The values that need no model, before anything is read."""
     if ctx < 4:
         raise BadValue("ctx", f" must be ≥ 4 (half of each chunk is scored), not {ctx}")
     if chunks is not None and chunks < 1:
         raise BadValue("chunks", f" must be ≥ 1, not {chunks}")
-    if batch < 1:
+    if batch is not None and batch < 1:
         raise BadValue("batch", f" must be ≥ 1, not {batch}")
     if top_k < 1:
         raise BadValue("top_k", f" must be ≥ 1, not {top_k}")
@@ -90,7 +91,7 @@ def check_settings(ctx: int, chunks: Optional[int], batch: int, top_k: int, work
 
 
 def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, ctx: int = DEFAULT_CTX,
-             chunks: Optional[int] = None, batch: int = 1, save_base: Union[str, Path, None] = None,
+             chunks: Optional[int] = None, batch: Optional[int] = None, save_base: Union[str, Path, None] = None,
              top_k: int = DEFAULT_TOP_K, layers: bool = False, tolerance: float = DEFAULT_TOLERANCE,
              workers: int = 1, ray: Optional[str] = None, threads: Optional[int] = None,
              resume: Optional[list[dict]] = None, ids_from: Optional[str] = None,
@@ -101,7 +102,8 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
 
     `model`: side A (a spec, a run.compare.Side, or a loaded model). `b`: side B, for the two-sided statistics (A is
     the base, B the model under test). `base`: a base file written by `save_base=`; `model` is then the model under
-    test (side B) and A's figures come from the file. `chunks`: at most this many. `batch`: chunks per pass.
+    test (side B) and A's figures come from the file. `chunks`: at most this many. `batch`: chunks per pass (default:
+    as llama-perplexity's default batch of 2,048 tokens holds them, 2048 // ctx, at least 1).
     `save_base`: write A's top `top_k` log-probabilities per scored position to this file. `layers` (two sides):
     where the error enters, layer by layer (compare's relative error; `tolerance` marks a divergence); MoE routing.
     `workers` > 1: that many local processes; `ray`: a Ray address ("local" for a cluster of this machine), `workers`
@@ -122,6 +124,7 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
     if layers and b is None:
         raise BadValue("layers", " compares two sides run here: give side B (a base file holds no layers)")
     say = progress or (lambda _m: None)
+    batch = batch if batch is not None else max(1, DEFAULT_BATCH_TOKENS // ctx)
     job = Job.build(model, b, base, ctx, chunks, batch, save_base, top_k, layers, tolerance, threads, ids_from,
                     text, say)
     header = job.header(text)
