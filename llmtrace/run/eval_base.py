@@ -2,8 +2,9 @@
 
 One safetensors file (no pickle): per scored position, the top K token ids (int32) and their log-probabilities
 (float32), the mass of every other token (the tail, float64) and the next token's log-probability (float64); and the
-chunks' token ids (int32). That is K·8 + 16 bytes a position, not the vocabulary's 2 bytes per token that llama.cpp's
---kl-divergence-base writes (K = 64 on SmolLM2's 49,152 tokens: 528 bytes against 98 KB, about 186 times smaller), and O(K) memory to read.
+chunks' token ids (int32). That is K·8 + 16 bytes a position, not the 2 bytes per vocabulary entry that llama.cpp's
+--kl-divergence-base writes (K = 64 on SmolLM2's 49,152 tokens: 528 bytes against 98 KB, about 186 times smaller),
+and O(K) memory a position to read.
 
 Its JSON header (the safetensors metadata, strings only) names what the figures belong to: the model, its shape and
 tokenizer (a hash of its vocabulary), the text (its SHA-256), ctx, K and the chunks. A run against it refuses another
