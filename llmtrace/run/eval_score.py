@@ -117,13 +117,25 @@ class Scorer:
                 a = base_rows[r] if base_rows is not None else logits_a[r]
                 b = logits_b[r] if logits_b is not None else None
                 rec, kept = score_row(a, b, tgt, self.keep_top)
-                rec = {"event": "chunk", "chunk": i, "start": i * chunking.ctx} | rec
+                rec = {"event": "chunk", "chunk": i, "start": i * chunking.ctx} | own_figures(rec) | rec
                 if layer_recs[r] is not None:
                     rec["layers"] = layer_recs[r]
                 if kept is not None:
                     rec["_base"] = kept
                 out.append(rec)
         return out
+
+
+def own_figures(rec: dict) -> dict:
+    """The chunk's own figures, from its sums, for a reader of the stream: its PPL, and with two sides B's PPL, its
+    mean KLD and its share of same top tokens."""
+    import math
+
+    s, n = rec["sums"], rec["tokens_scored"]
+    out = {"ppl": math.exp(s["nll"] / n)}
+    if "kld" in s:
+        out |= {"ppl_b": math.exp(s["nll_b"] / n), "kld_mean": s["kld"] / n, "same_top": s["same_top"] / n}
+    return out
 
 
 def _logits(lm, rows: list[list[int]], first: int, edits=None):
