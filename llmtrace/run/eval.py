@@ -129,8 +129,8 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
                     text, say)
     header = job.header(text)
     done = check_resume(resume, header) if resume else []
-    todo = [i for i in range(header["chunks"]) if i not in {c["chunk"] for c in done}]
     records = {c["chunk"]: c for c in done}
+    todo = [i for i in range(header["chunks"]) if i not in records]
     if on_start is not None:
         on_start(header, [records[i] for i in sorted(records)])
     base_rows: dict[int, dict] = {}
@@ -156,16 +156,22 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
 
 
 class _Counter:
-    """The rate and the time left, from the chunks scored by this run (a resumed run's earlier chunks excluded)."""
+    """The rate and the time left, from the chunks scored by this run (a resumed run's earlier chunks excluded): after
+    the first chunk, from the chunks since it, so that loading the model does not count."""
 
     def __init__(self, total: int, scored: int, before: int):
         self.total, self.scored, self.before = total, scored, before
-        self.t0, self.n = time.perf_counter(), 0
+        self.t0, self.n, self.t1, self.n1 = time.perf_counter(), 0, None, 0
 
     def tick(self, ordered: list[dict]) -> Progress:
         self.n += 1
-        dt = time.perf_counter() - self.t0
-        rate = self.n * self.scored / dt if dt > 0 else 0.0
+        now = time.perf_counter()
+        if self.t1 is None or now - self.t1 < 1e-3:  # the first chunk, or one of its batch
+            rate = self.n * self.scored / (now - self.t0) if now > self.t0 else 0.0
+            self.t1 = now if self.t1 is None else self.t1
+            self.n1 = self.n
+        else:
+            rate = (self.n - self.n1) * self.scored / (now - self.t1)
         eta = (self.total - self.n) * self.scored / rate if rate > 0 else math.inf
         return Progress(done=self.before + self.n, total=self.before + self.total, tokens_per_s=rate, eta_s=eta,
                         running=running_line(ordered))

@@ -100,8 +100,9 @@ def summarize_one(chunks: list[dict]) -> dict:
     return {"tokens_scored": s["n"], "ppl": ppl_figure(s["nll"], s["nll2"], s["n"])}
 
 
-def summarize_two(chunks: list[dict]) -> dict:
-    """A against B, as llama.cpp's KL-divergence mode prints them (A the base, B the model under test)."""
+def summarize_two(chunks: list[dict], distributions: bool = True) -> dict:
+    """A against B, as llama.cpp's KL-divergence mode prints them (A the base, B the model under test);
+    `distributions`: also the percentiles of KLD and Δp (from 100 scored tokens on)."""
     s = add_sums(chunks, SUMS_TWO)
     n = s["n"]
     (la, ua), (lb, ub) = mean_unc(s["nll"], s["nll2"], n), mean_unc(s["nll_b"], s["nll_b2"], n)
@@ -123,7 +124,7 @@ def summarize_two(chunks: list[dict]) -> dict:
            "kld_ba": {"mean": s["kld_ba"] / n if n else 0.0},
            "dp": {"mean": dp_m, "uncertainty": dp_u, "rms": vu(rms, 0.5 / rms * mse_u if rms > 0 else 0.0)},
            "same_top": vu(same, math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0)}
-    if n >= MIN_FOR_DISTRIBUTIONS:
+    if distributions and n >= MIN_FOR_DISTRIBUTIONS:
         kld = sorted(v for c in chunks for v in c["kld"])
         dp = sorted(v for c in chunks for v in c["dp"])
         out["kld"] |= distribution(kld, KLD_PERCENTILES)
@@ -136,7 +137,7 @@ def running_line(chunks: list[dict]) -> dict:
     Δp RMS and same top, each ± its uncertainty."""
     if "kld" not in chunks[0]["sums"]:
         return summarize_one(chunks)
-    out = summarize_two(chunks)
+    out = summarize_two(chunks, distributions=False)
     return {k: out[k] for k in ("tokens_scored", "ppl", "ppl_b", "ln_ppl_ratio", "same_top")} | {
         "kld": {"mean": out["kld"]["mean"], "uncertainty": out["kld"]["uncertainty"]}, "dp_rms": out["dp"]["rms"]}
 
