@@ -456,3 +456,19 @@ def test_the_page_draws_the_distributions_and_the_layers_offline(tiny_lm, text, 
         assert o.page.locator("#layers polyline").count() == 3 and o.page.locator("#ppl polyline").count() == 2
     finally:
         o.page.close()
+
+
+def test_the_python_api_takes_loaded_models_and_renders_the_page(tiny_lm, text):
+    import llmtrace
+    from llmtrace.api import Model
+
+    m = Model(tiny_lm)
+    r = llmtrace.evaluate(m, text, b=m, ctx=32, chunks=7)
+    assert isinstance(r, llmtrace.Evaluation) and r.summary["kld"]["mean"] == 0 and not r.interrupted
+    assert repr(r).startswith("Evaluation(chunks=7, ppl=")
+    page = r.html()
+    assert "<svg" in page and "KL(A‖B)" in page and "http" not in page.split("</head>")[0].replace(
+        "http-equiv", "")
+    assert [e["event"] for e in r.to_jsonl_events()] == ["eval"] + ["chunk"] * 7 + ["eval_summary"]
+    one = llmtrace.evaluate(m, text, ctx=32, chunks=3)
+    assert 'id="ppl"' in one.html() and 'id="kld"' not in one.html()

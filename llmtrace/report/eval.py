@@ -86,7 +86,8 @@ def view(events: list[dict]) -> dict:
     chunks = [e for e in events if e.get("event") == "chunk"]
     two = "kld" in summary
     series = [("PPL(A)", "a", _chunk_ppl(chunks, "nll"))] + ([("PPL(B)", "b", _chunk_ppl(chunks, "nll_b"))] if two else [])
-    v = {"header": header, "summary": summary, "text": summary_text(header, summary), "ppl": line_chart(series)}
+    v = {"header": header, "summary": summary, "text": summary_text(header, summary), "ppl": line_chart(series),
+         "kld": None, "dp": None, "dp_reach": None, "layers": None, "stages": [], "first": [], "routing": []}
     if two:
         kld = [math.log10(max(x, 1e-30)) for c in chunks for x in c["kld"]]
         v["kld"] = histogram(kld, KLD_LO, KLD_HI, 45, lambda x: f"1e{x:.0f}" if x == int(x) else f"1e{x:.1f}")
