@@ -114,7 +114,7 @@ def main() -> None:
     for name, runs in results.items():
         med = statistics.median(x["tok_s"] for x in runs)
         ratio = f"{med / base:.2f}" if base else "—"
-        print(f"| {name} | {med:.1f} | {ratio} | {runs[0]['ppl']:.4f} |")
+        print(f"| {name} | {med:.1f} | {ratio} | {runs[0]['ppl']:.6f} |")
 
 
 if __name__ == "__main__":
