@@ -472,3 +472,21 @@ def test_the_python_api_takes_loaded_models_and_renders_the_page(tiny_lm, text):
     assert [e["event"] for e in r.to_jsonl_events()] == ["eval"] + ["chunk"] * 7 + ["eval_summary"]
     one = llmtrace.evaluate(m, text, ctx=32, chunks=3)
     assert 'id="ppl"' in one.html() and 'id="kld"' not in one.html()
+
+
+def test_statistics_are_llama_cpps():
+    """Percentiles linear between ranks (numpy's default), the median of an even count the mean of the middle two,
+    and llama.cpp's uncertainty of a mean (none over 10 values or fewer)."""
+    import numpy as np
+
+    from llmtrace.run.eval_stats import mean_unc, median, percentile
+
+    rng = np.random.default_rng(0)
+    v = sorted(rng.standard_normal(1001).tolist())
+    for q in (0.1, 1, 5, 10, 25, 75, 90, 95, 99, 99.9):
+        assert percentile(v, q) == pytest.approx(float(np.percentile(v, q)), rel=1e-12, abs=1e-12)
+    assert median(v[:10]) == pytest.approx((v[4] + v[5]) / 2)
+    x = rng.standard_normal(50)
+    m, u = mean_unc(float(x.sum()), float((x ** 2).sum()), 50)
+    assert m == pytest.approx(x.mean()) and u == pytest.approx(x.std() / math.sqrt(49), rel=1e-9)
+    assert mean_unc(1.0, 1.0, 10)[1] == 0.0
