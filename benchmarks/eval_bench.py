@@ -10,8 +10,9 @@ The text is Python's own documentation of a few standard modules (`pydoc`, offli
 Python), long enough for --chunks chunks. Each arm runs in its own process, the arms alternate round by round so that
 a busy machine slows them alike, and the table gives each arm's median over the rounds and its ratio to llama.cpp:
 
-    llama.cpp        llama-perplexity -c CTX --chunks K -b CTX·B: its own "prompt eval time" (the decode passes) over
-                     the tokens it scored, K · (CTX/2 − 1)
+    llama.cpp        llama-perplexity -c CTX --chunks K, its default batch (2048 // CTX chunks a pass): the tokens it
+                     scored, K · (CTX/2 − 1), over the time its log stamps from "calculating perplexity" to "Final
+                     estimate" (the passes and the log-softmax, the model loaded)
     exact (B rows)   llmtrace eval --batch B, float32 from the GGUF's blocks: the wall time of evaluate() once the
                      model is loaded (the passes and the log-softmax)
     --fast (B rows)  the same on int4 kernels, bfloat16 activations
@@ -67,16 +68,25 @@ def run_llmtrace(gguf: str, text: str, ctx: int, chunks: int, batch: int, thread
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _stamp(line: str) -> float:
+    """Seconds from a llama.cpp log line's timestamp, M.SS.mmm.uuu."""
+    m, sec, ms, us = (int(x) for x in line.split()[0].split("."))
+    return 60 * m + sec + ms / 1e3 + us / 1e6
+
+
 def run_llama(binary: str, gguf: str, text: str, ctx: int, chunks: int, threads: int) -> dict:
-    proc = subprocess.run([binary, "-m", gguf, "-f", text, "-c", str(ctx), "--chunks", str(chunks), "-b", str(ctx),
-                           "-t", str(threads), "-tb", str(threads)], capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
+    """llama-perplexity with its default batch (2,048 tokens: 2048 // ctx chunks a pass); its scoring time is from its
+    log's timestamps, from "calculating perplexity" to "Final estimate" (the passes and the log-softmax)."""
+    proc = subprocess.run([binary, "-m", gguf, "-f", text, "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads),
+                           "-tb", str(threads)], capture_output=True, text=True)
+    log = (proc.stdout + proc.stderr).splitlines()
     if proc.returncode != 0:
-        raise SystemExit(f"llama-perplexity failed ({proc.returncode}): {log[-400:]}")
-    ms = float(re.search(r"prompt eval time =\s*([\d.]+) ms", log).group(1))
-    ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", log).group(1))
+        raise SystemExit(f"llama-perplexity failed ({proc.returncode}): {log[-5:]}")
+    start = next(_stamp(x) for x in log if "calculating perplexity over" in x)
+    final = next(x for x in log if "Final estimate: PPL = " in x)
+    ppl = float(re.search(r"PPL = ([\d.]+)", final).group(1))
     scored = chunks * (ctx - 1 - ctx // 2)
-    return {"tok_s": scored / (ms / 1e3), "ppl": ppl}
+    return {"tok_s": scored / (_stamp(final) - start), "ppl": ppl}
 
 
 def main() -> None:
