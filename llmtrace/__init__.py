@@ -36,6 +36,9 @@ _PUBLIC = {  # public name -> the module that defines it
     "HookError": "llmtrace.run.hookpoints",
     "PointInfo": "llmtrace.run.hookpoints",
     "ActivationCache": "llmtrace.run.research",
+    # evaluating over a corpus (llmtrace/run/eval.py): perplexity, KLD against a second side or a base file
+    "evaluate": "llmtrace.api",  # evaluate(model, text, ctx=, b=, ...) -> Evaluation
+    "Evaluation": "llmtrace.api",
 }
 
 

@@ -712,6 +712,57 @@ class Comparison:
         return f"Comparison({self.result.summary_line()!r})"
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# evaluating over a corpus
+
+
+def evaluate(model, text: str, **options) -> "Evaluation":
+    """Score `text` in chunks as llama.cpp's llama-perplexity does (`llmtrace eval`): PPL ± its uncertainty, and
+    with side `b=` (a spec, a `Side` or a loaded `Model`) llama.cpp's KL-divergence statistics of B against A.
+    `model`: a spec, a `Side` or a loaded `Model`. Keywords: ctx=, chunks=, batch=, b=, base=, save_base=, top_k=,
+    layers=, tolerance=, workers=, ray=, threads=, resume=, on_start=, on_chunk=, progress= (run/eval.py)."""
+    from llmtrace.run.eval import evaluate as run_eval
+
+    if isinstance(options.get("b"), Model):
+        options["b"] = options["b"].loaded
+    return Evaluation(run_eval(model.loaded if isinstance(model, Model) else model, text, **options))
+
+
+class Evaluation:
+    """What `evaluate` found (run.eval.EvalResult: `.summary`, `.chunks`, `.header`, `.interrupted`, `.to_json()`,
+    `.to_jsonl_events()`) with the views a notebook needs: `.report(path)` and the page inline."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def __getattr__(self, name: str):
+        return getattr(self.result, name)
+
+    def html(self) -> str:
+        from llmtrace.report.eval import render_eval_page
+
+        return render_eval_page(self.result.to_jsonl_events())
+
+    def report(self, path: Union[str, Path]) -> int:
+        """The HTML evaluation page to `path` (atomically). Returns its size in bytes."""
+        from llmtrace.fsutil import write_text_atomic
+
+        page = self.html()
+        write_text_atomic(Path(path), page)
+        return len(page.encode("utf-8"))
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return (f'<iframe sandbox="allow-scripts" style="width:100%;height:640px;border:1px solid #ddd" '
+                f'srcdoc="{html.escape(self.html(), quote=True)}"></iframe>')
+
+    def __repr__(self) -> str:
+        s = self.result.summary
+        ppl = s.get("ppl", {}).get("value")
+        return f"Evaluation(chunks={s['chunks']}, ppl={ppl!r}, kld={s.get('kld', {}).get('mean')!r})"
+
+
 def patch_sweep(model, clean: str, corrupt: str, answer: str, against: str, at: Optional[str] = None,
                 **options) -> dict:
     """The activation-patching sweep (`llmtrace patch`): the corrupt prompt run once per layer and position with the

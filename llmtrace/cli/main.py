@@ -23,6 +23,7 @@ import llmtrace.cli.explain  # noqa: F401,E402
 import llmtrace.cli.trace_files  # noqa: F401,E402
 import llmtrace.cli.report  # noqa: F401,E402
 import llmtrace.cli.compare  # noqa: F401,E402
+import llmtrace.cli.eval  # noqa: F401,E402
 import llmtrace.cli.patch  # noqa: F401,E402
 import llmtrace.cli.serve  # noqa: F401,E402
 

@@ -1,0 +1,105 @@
+"""The terminal view of `llmtrace eval`: a line per chunk as it finishes, and the summary as llama.cpp's
+llama-perplexity prints it (its KL-divergence statistics with two sides). Plain text, from the events alone."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+def _pm(f: Optional[dict], digits: int = 4, pct: bool = False) -> str:
+    if not f:
+        return "n/a"
+    k = 100.0 if pct else 1.0
+    unit = "%" if pct else ""
+    return f"{f['value'] * k:.{digits}f} ± {f['uncertainty'] * k:.{digits}f}{unit}"
+
+
+def clock(seconds: float) -> str:
+    """1:02:03, 4:05, or '?'."""
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    h, m = divmod(s, 3600)
+    m, s = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def chunk_line(running: dict, done: int, total: int, tokens_per_s: float, eta_s: float) -> str:
+    """After each chunk: the running figures over the chunks so far, the rate and the time left."""
+    width = len(str(total))
+    filled = round(12 * done / total) if total else 12
+    head = f"[{done:>{width}}/{total}] {'█' * filled}{'░' * (12 - filled)}"
+    tail = f"{tokens_per_s:,.0f} tok/s, {clock(eta_s)} left"
+    if "kld" not in running:
+        return f"{head} PPL {_pm(running['ppl'])}  {tail}"
+    kld = running["kld"]
+    return (f"{head} KLD {kld['mean']:.5f} ± {kld['uncertainty']:.5f}  same top "
+            f"{100 * running['same_top']['value']:.2f}%  PPL(B) {running['ppl_b']['value']:.4f}  {tail}")
+
+
+def summary_text(header: dict, s: dict) -> str:
+    """The final figures, as llama.cpp users read them."""
+    lines = []
+    if s.get("interrupted"):
+        lines.append(f"interrupted after {s['chunks']} of {header['chunks']} chunks (--resume continues)")
+    if not s.get("tokens_scored"):
+        return "\n".join(lines + ["no chunk was scored"]) + "\n"
+    n = f"{s['tokens_scored']:,} tokens scored in {s['chunks']:,} chunks of {header['ctx']}"
+    if "kld" not in s:
+        ppl = s["ppl"]
+        return "\n".join(lines + [n, f"Final estimate: PPL = {ppl['value']:.4f} +/- {ppl['uncertainty']:.5f}"]) + "\n"
+    lines += [n, "", "====== Perplexity statistics ======"]
+    lines += [f"Mean PPL(B)                   : {_pm(s['ppl_b'], 6)}",
+              f"Mean PPL(A, base)             : {_pm(s['ppl'], 6)}"]
+    cor = s.get("ln_ppl_correlation")
+    lines.append(f"Cor(ln(PPL(B)), ln(PPL(A)))   : {100 * cor:6.2f}%" if cor is not None else
+                 "Cor(ln(PPL(B)), ln(PPL(A)))   : n/a")
+    lines += [f"Mean ln(PPL(B)/PPL(A))        : {_pm(s['ln_ppl_ratio'], 6)}",
+              f"Mean PPL(B)/PPL(A)            : {_pm(s['ppl_ratio'], 6)}",
+              f"Mean PPL(B)-PPL(A)            : {_pm(s['ppl_diff'], 6)}", "", "====== KL divergence statistics ======"]
+    kld = s["kld"]
+    lines.append(f"Mean    KLD: {kld['mean']:10.6f} ± {kld['uncertainty']:10.6f}   (KL(B‖A): {s['kld_ba']['mean']:.6f})")
+    lines += _distribution(kld, "KLD", lambda v: f"{v:10.6f}")
+    dp = s["dp"]
+    lines += ["", "====== Token probability statistics ======",
+              f"Mean    Δp: {100 * dp['mean']:6.3f} ± {100 * dp['uncertainty']:5.3f} %"]
+    lines += _distribution(dp, "Δp", lambda v: f"{100 * v:6.3f}%")
+    lines += [f"RMS Δp    : {_pm(dp['rms'], 3, True)}", f"Same top p: {_pm(s['same_top'], 3, True)}"]
+    if s.get("layers"):
+        lines += [""] + layers_text(s["layers"])
+    return "\n".join(lines) + "\n"
+
+
+def _distribution(d: dict, name: str, fmt) -> list[str]:
+    if "percentiles" not in d:
+        return [f"(no distribution of {name} over fewer than 100 scored tokens)"]
+    out = [f"Maximum {name}: {fmt(d['max'])}"]
+    for q, v in d["percentiles"].items():
+        label = "Median " if q == "50" else f"{float(q):4.1f}%  "
+        out.append(f"{label} {name}: {fmt(v)}")
+    out.append(f"Minimum {name}: {fmt(d['min'])}")
+    return out
+
+
+def layers_text(lay: dict) -> list[str]:
+    """--layers: per stage, the relative error it adds and the accumulated one (mean, median, 99th percentile); where
+    positions first diverge; MoE routing agreement."""
+    out = ["====== Where the error enters ======",
+           "‖a−b‖/‖a‖ over scored positions: added by the stage alone; accumulated to it",
+           f"{'stage':<10}{'added mean':>12}{'median':>9}{'p99':>9}{'accum. mean':>13}{'p99':>9}{'first div.':>12}"]
+    first = lay["first_divergence"]
+    total = sum(first) or 1
+    for k, row in enumerate(lay["rows"]):
+        name = "embed" if row["where"] == "embed" else "logits" if row["where"] == "logits" else f"layer {row['layer']}"
+        ad, ac = row["added"], row["accumulated"]
+        out.append(f"{name:<10}{_e(ad['mean']):>12}{_e(ad['p50']):>9}{_e(ad['p99']):>9}{_e(ac['mean']):>13}"
+                   f"{_e(ac['p99']):>9}{100 * first[k] / total:>11.1f}%")
+    out.append(f"{'never':<10}{'':>52}{100 * first[-1] / total:>11.1f}%")
+    for r in lay.get("routing", []):
+        out.append(f"layer {r['layer']}: routing agreement {100 * r['agreement']:.2f}% of {r['positions']:,} positions")
+    return out
+
+
+def _e(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.1e}"
