@@ -12,7 +12,7 @@ from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.run.sampler import (HF_ORDER, LLAMA_CPP_ORDER, STAGES, Sampler, SamplerConfig, banned_ids, inverse_cdf,
                                   parse_logit_bias, parse_order)
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the sums of one thread, whatever ran before
 
 INF = float("inf")
 # a distribution whose nucleus / min-p cuts are easy to do by hand (id order = probability order)
