@@ -555,24 +555,14 @@ class GenerateRun:
             from llmtrace.trace.tensors import TensorStore
 
             store = TensorStore(Path(options.save_tensors))
-        # the sinks of a trace that records every pass are fed on a thread of their own (trace.recorder.EventWriter)
-        recorder = Recorder(self.trace, [*sinks, kept], run_info=run_info, tensors=store,
-                            writer=self.trace.level in ("layers", "full"))
+        recorder = Recorder(self.trace, [*sinks, kept], run_info=run_info, tensors=store)
         common = dict(stop_texts=tuple(options.stop), ignore_eos=options.ignore_eos, observer=recorder,
                       on_prefill_progress=prefill_progress(), interventions=list(options.interventions))
-        try:
-            if self.samplers is not None:
-                result = generate_batch(lm, [i for _, i in self.encoded], self.samplers, options.max_new_tokens,
-                                        **common)
-            else:
-                result = generate(lm, self.encoded[0][1], self.sampler, options.max_new_tokens, on_text=on_text,
-                                  compiled=compiled, **common)
-        except BaseException:
-            try:  # what was made is delivered before the caller closes its sinks
-                recorder.settle()
-            except Exception:
-                pass  # the run's own error is the one to raise
-            raise
+        if self.samplers is not None:
+            result = generate_batch(lm, [i for _, i in self.encoded], self.samplers, options.max_new_tokens, **common)
+        else:
+            result = generate(lm, self.encoded[0][1], self.sampler, options.max_new_tokens, on_text=on_text,
+                              compiled=compiled, **common)
         if store is not None:
             store.write()  # before the caller writes the trace document, which names it
         return Trace(events, tokenizer=lm.tokenizer, result=result, notes=self.notes)

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import queue
-import threading
-import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -72,62 +69,6 @@ def _nan_to_none(x: list) -> list:
 # the recorder
 
 
-class EventWriter:
-    """Hands events to the sinks on a thread of its own, in the order they were made, so that what a full trace
-    writes per pass (574 tensor events on SmolLM2, 31,000 rounded floats turned into JSON text) is done while the
-    generation loop computes the next pass, not between passes.
-
-    A job is a function that makes events and delivers them; the thread runs jobs one after another. Between events
-    a job yields the interpreter (`time.sleep(0)`): Python runs one thread at a time, and a thread that only computes
-    lets go of it every 5 ms, so without the yields the loop would wait up to 5 ms each time one of torch's kernels
-    returns. An exception of a job (a full disk, a closed pipe) stops the writer and is raised in the loop's thread at
-    its next `put`, or at `drain`."""
-
-    def __init__(self):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: Optional[BaseException] = None
-        self._failed = False
-        self._thread = threading.Thread(target=self._run, name="llmtrace-trace-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if isinstance(job, threading.Event):
-                job.set()
-            elif not self._failed:
-                try:
-                    job()
-                except BaseException as e:  # raised again in the loop's thread
-                    self._error, self._failed = e, True
-
-    def put(self, job: Callable[[], None]) -> None:
-        self._raise()
-        self._jobs.put(job)
-
-    def drain(self) -> None:
-        """Wait until every job put so far has run; raise what one of them raised."""
-        done = threading.Event()
-        self._jobs.put(done)
-        done.wait()
-        self._raise()
-
-    def close(self) -> None:
-        """Drain, then end the thread."""
-        try:
-            self.drain()
-        finally:
-            self._jobs.put(None)
-            self._thread.join()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-
 class TensorEvent(dict):
     """A tensor event: a plain dict to every sink, which may also carry its own JSON text.
 
@@ -145,12 +86,8 @@ class Recorder:
     generation loop opens the observation scope it asks for (`observation`) and hands it every fact it reports."""
 
     def __init__(self, options: TraceOptions, sinks: list[Callable[[dict], None]], run_info: Optional[dict] = None,
-                 tensors=None, writer: bool = False):
+                 tensors=None):
         self.options = options
-        # writer: the sinks are called on a thread of their own (EventWriter), from on_start to on_end; the events and
-        # their order are the same either way
-        self._use_writer = writer
-        self._writer: Optional[EventWriter] = None
         self.tensors = tensors  # a trace.tensors.TensorStore keeping the full values (--save-tensors), or None
         self.sinks = sinks
         self.run_info = run_info or {}
@@ -188,28 +125,8 @@ class Recorder:
         self._axes = {p.name: list(p.axes) for p in points}
 
     def emit(self, event: dict) -> None:
-        if self._writer is not None:
-            self._writer.put(functools.partial(self._deliver, event))
-        else:
-            self._deliver(event)
-
-    def _deliver(self, event: dict) -> None:
         for sink in self.sinks:
             sink(event)
-
-    def _later(self, job: Callable[[], None]) -> None:
-        """Run job (which makes events and delivers them) on the writer's thread, or now without one."""
-        if self._writer is not None:
-            self._writer.put(job)
-        else:
-            job()
-
-    def settle(self) -> None:
-        """Deliver what is still queued and end the writer's thread (on_end does; a caller whose run failed calls
-        it before closing its sinks)."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
 
     def wants_ledger(self) -> bool:
         return self.options.level != "none"
@@ -311,9 +228,7 @@ class Recorder:
                 extra = {"positions": [positions[0], positions[-1]] if positions else []}
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
-                held = (values[0] if name != KV_WRITE.name else values).detach().float().cpu()
-                # written later (EventWriter): a copy, never a view of a tensor the model goes on to change
-                extra = (extra or {}) | {"values": held.clone() if self._writer is not None else held}
+                extra = (extra or {}) | {"values": (values[0] if name != KV_WRITE.name else values).detach().float().cpu()}
             event = tensor_event(step, phase, layer, name, self._step_of.get(name), list(shape), dtype, cls=TensorEvent)
             if row is not None:
                 event["row"] = row
@@ -355,7 +270,7 @@ class Recorder:
         self._samples.append(([i for i, _, _ in members], index, flat[..., index].double(),
                               torch.linalg.vector_norm(flat.double(), dim=-1)))
 
-    def _take_samples(self, groups: list) -> dict[int, dict]:
+    def _take_samples(self) -> dict[int, dict]:
         """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"}, rounded as every float;
         a non-finite value (a masked score: -inf, and its row's norm) as null."""
         from llmtrace.trace.stats import round_tensor
@@ -368,10 +283,11 @@ class Recorder:
             return _nan_to_none(round_tensor(torch.where(finite, x, torch.nan)).tolist())
 
         out = {}
-        for members, index, values, norms in groups:
+        for members, index, values, norms in self._samples:
             vals, nrm = as_list(values), as_list(norms)
             for k, i in enumerate(members):
                 out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
+        self._samples.clear()
         return out
 
     # -- the generation loop's observer ------------------------------------------------------------------------
@@ -414,8 +330,6 @@ class Recorder:
         (`batch`: every row's prompt ids, `samplers` their samplers) gets one tokens event per row, with "row"."""
         c = self._config = lm.config
         self._declare(lm.points)
-        if self._use_writer and self._writer is None:
-            self._writer = EventWriter()
         self._rows = len(batch) if batch is not None else 1
         self._batched = batch is not None
         self.run_info["n_layers"] = c.n_layers
@@ -453,36 +367,13 @@ class Recorder:
 
     def after_forward(self, step: int) -> None:
         self._reduce_queue()
-        # the pass's statistics and samples are computed (on the device); their events are made and written on the
-        # writer's thread while the next pass runs
-        stats = _summaries(torch.cat(self._stats)) if self._stats else None
-        job = functools.partial(self._pass_events, self._pending, stats, list(self._stat_order), self._n_stats,
-                                self._samples, self.step, self.phase)
-        self._pending, self._samples = [], []
-        self._later(job)
-        self._emit_routing()
-        self._layouts.clear()
-        self._stats.clear()
-        self._stat_order.clear()
-        self._n_stats = 0
-        if self._shape_table is not None:
-            self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
-                       "n_layers": self._config.n_layers, "points": [self._shape_entry(r) for r in self._shape_table]})
-            self._shape_table = None
-
-    def _pass_events(self, pending: list, stats: Optional[torch.Tensor], stat_order: list[int], n_stats: int,
-                     sample_groups: list, step: int, phase: str) -> None:
-        """The tensor events of one pass, made from its statistics and samples and delivered in order."""
-        values: list = [None] * n_stats  # (mean, std, min, max, norm, count) of each recorded tensor
-        if stats is not None:  # one transfer for the whole pass, then rounded in one batch
-            for i, row in zip(stat_order, _rounded_rows(stats)):
+        values: list = [None] * self._n_stats  # (mean, std, min, max, norm, count) of each recorded tensor
+        if self._stats:  # one transfer for the whole pass, then rounded in one batch
+            for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
                 values[i] = row
-        head = f'{{"event": "tensor", "step": {int(step)}, "phase": {_ENCODER.encode(phase)}, "layer": '
-        samples = self._take_samples(sample_groups) if sample_groups else {}
-        yield_every = 8 if self._writer is not None else 0
-        for n, (ev, stat_index, extra, json_part) in enumerate(pending):
-            if yield_every and n % yield_every == 0:
-                time.sleep(0)  # let the loop's thread take the interpreter back (EventWriter)
+        head = f'{{"event": "tensor", "step": {int(self.step)}, "phase": {_ENCODER.encode(self.phase)}, "layer": '
+        samples = self._take_samples() if self._samples else {}
+        for ev, stat_index, extra, json_part in self._pending:
             mean, std, lo, hi, norm, count = values[stat_index]
             ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
             if stat_index in samples:
@@ -499,7 +390,17 @@ class Recorder:
                 tail = f', "sample": {_ENCODER.encode(ev["sample"])}' if "sample" in ev else ""
                 ev.line = (f'{head}{layer}, {json_part}, "stats": {{"mean": {mean!r}, "std": {std!r}, "min": {lo!r}, '
                            f'"max": {hi!r}, "norm": {norm!r}}}{tail}}}')
-            self._deliver(ev)
+            self.emit(ev)
+        self._pending.clear()
+        self._emit_routing()
+        self._layouts.clear()
+        self._stats.clear()
+        self._stat_order.clear()
+        self._n_stats = 0
+        if self._shape_table is not None:
+            self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
+                       "n_layers": self._config.n_layers, "points": [self._shape_entry(r) for r in self._shape_table]})
+            self._shape_table = None
 
     def _emit_routing(self) -> None:
         """One routing event per MoE layer observed in this pass (and per row of a batch), its positions each row's
@@ -577,18 +478,10 @@ class Recorder:
             if led.slice is not None:  # where the chosen token's slice of [0, 1) lies, in id order
                 ev["rng"]["slice"] = [_round(led.slice[0]), _round(led.slice[1])]
             if self.options.logits_top and led.raw is not None:
-                ev["logits"] = None  # its place among the keys; made where the event is delivered
-                raw = led.raw.detach().clone() if self._writer is not None else led.raw
+                ev["logits"] = logits_record(led.raw, self.options.logits_top)
         ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
         ev["ms"] = round(rec.ms, 3)
-        if "logits" in ev:
-            self._later(functools.partial(self._with_logits, ev, raw))
-        else:
-            self.emit(ev)
-
-    def _with_logits(self, ev: dict, raw: torch.Tensor) -> None:
-        ev["logits"] = logits_record(raw, self.options.logits_top)
-        self._deliver(ev)
+        self.emit(ev)
 
     def on_prediction(self, ledger, position: int, kv, row: Optional[int] = None) -> None:
         """A prefill-only run (-n 0): what the model would predict at `position`; no token was taken."""
@@ -602,7 +495,6 @@ class Recorder:
         if loads:  # a mixture of experts traced at --trace layers or full: each layer's expert load
             ev["routing"] = loads
         self.emit(ev)
-        self.settle()  # every event delivered before the run returns
 
 
 TAIL_BINS = 128
