@@ -40,11 +40,11 @@ def main() -> None:
     import torch
 
     from llmtrace.run.generate import generate, generate_batch
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.run.sampler import Sampler, SamplerConfig
 
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device="cpu", dtype="float32")
+    lm = llmtrace.load(args.model, device="cpu", dtype="float32").loaded
     prompts = [lm.tokenizer.encode_prompt(t, chat=False, system=None)[1] for t in PROMPTS]
     greedy = SamplerConfig(temperature=0, seed=0)
     n = args.new_tokens

@@ -81,7 +81,7 @@ def main() -> None:
     import torch
 
     from llmtrace.checkpoint.devices import set_threads
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.run.compare import compare
     from llmtrace.run.generate import generate
     from llmtrace.run.sampler import Sampler, SamplerConfig
@@ -90,8 +90,9 @@ def main() -> None:
     from llmtrace.trace.sinks import JsonlSink
 
     set_threads(args.threads)
-    a = load_model(args.model, device="cpu", dtype="float32")
-    b = (load_model(args.model, device="cpu", dtype=args.b_dtype, keep_quantized=args.b_keep_quantized)
+    a = llmtrace.load(args.model, device="cpu", dtype="float32", threads=args.threads).loaded
+    b = (llmtrace.load(args.model, device="cpu", dtype=args.b_dtype, keep_quantized=args.b_keep_quantized,
+                       threads=args.threads).loaded
          if args.memory != "full" else None)
     ids = prompt_ids(a, args.tokens)
     text = a.tokenizer.decode(ids)

@@ -49,14 +49,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     from llmtrace.checkpoint.devices import set_threads
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
 
     set_threads(args.threads)
     text = args.passage.read_text()
     out = {}
     logits = {}
     for name, opts in (("exact", {"dtype": "float32"}), ("fast", {"fast": True})):
-        lm = load_model(args.model, device="cpu", **opts)
+        lm = llmtrace.load(args.model, device="cpu", **opts, threads=args.threads).loaded
         ids = lm.tokenizer.encode(text)
         logits[name] = passage_logits(lm, ids)
         del lm

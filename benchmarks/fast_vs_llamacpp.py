@@ -236,7 +236,7 @@ def in_process(args, gguf: str) -> None:
     import torch
 
     from llmtrace.checkpoint.devices import set_threads
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.run.generate import compile_decode, generate
     from llmtrace.run.sampler import Sampler, SamplerConfig
 
@@ -250,8 +250,9 @@ def in_process(args, gguf: str) -> None:
         p.n_ctx = 1024
         p.cpuparams.n_threads = p.cpuparams_batch.n_threads = args.threads
         server = xllamacpp.Server(p)
-    exact = None if args.no_exact else load_model(gguf, device="cpu", dtype="float32")
-    fast = load_model(gguf, device="cpu", fast=True)
+    exact = None if args.no_exact else llmtrace.load(gguf, device="cpu", dtype="float32",
+                                                     threads=args.threads).loaded
+    fast = llmtrace.load(gguf, device="cpu", fast=True, threads=args.threads).loaded
     ids = fast.tokenizer.encode(PROMPT)
     compiled = compile_decode(fast, len(ids), args.tokens, freeze=True)
 

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from llmtrace.run.generate import generate
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.checkpoint.devices import set_threads
     from llmtrace.run.sampler import Sampler, SamplerConfig
     from llmtrace.trace.sinks import JsonDocSink, JsonlSink
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     from llmtrace.trace.options import TraceOptions
 
     set_threads(args.threads)
-    lm = load_model(args.model, device="cpu", dtype="float32")
+    lm = llmtrace.load(args.model, device="cpu", dtype="float32", threads=args.threads).loaded
     ids = lm.tokenizer.encode(args.prompt)
     at = {args.at, args.tokens} | (set(range(args.every, args.tokens, args.every)) if args.every else set())
     with tempfile.TemporaryDirectory() as tmp:

@@ -97,7 +97,7 @@ def _same(ours: str, theirs: str) -> str:
 def ledger(gguf: str, args) -> None:
     """The routing event's cost at --trace layers, in one process (the module's docstring)."""
     from llmtrace.checkpoint.devices import set_threads
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.run.generate import generate
     from llmtrace.run.sampler import Sampler, SamplerConfig
     from llmtrace.trace import recorder as recorder_module
@@ -105,7 +105,7 @@ def ledger(gguf: str, args) -> None:
     from llmtrace.trace.recorder import Recorder
 
     set_threads(args.threads)
-    lm = load_model(gguf, device="cpu", dtype="float32")
+    lm = llmtrace.load(gguf, device="cpu", dtype="float32", threads=args.threads).loaded
     ids = lm.tokenizer.encode_prompt(PROMPT)[1]
     routing = recorder_module.ROUTING
 

@@ -28,11 +28,11 @@ def main() -> None:
 
     import torch
 
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.run.patching import sweep_metrics
 
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device="cpu", dtype="float32")
+    lm = llmtrace.load(args.model, device="cpu", dtype="float32").loaded
     tok = lm.tokenizer
     clean, corrupt = tok.encode_prompt(args.clean)[1], tok.encode_prompt(args.corrupt)[1]
     a, b = tok.encode(" Paris", add_special_tokens=False)[0], tok.encode(" Rome", add_special_tokens=False)[0]

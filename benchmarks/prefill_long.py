@@ -4,7 +4,7 @@ llmtrace prefills a long prompt in chunks of `llmtrace.run.generate.PREFILL_CHUN
 attention scores of a pass are (H, chunk, S) rather than (H, T, T). This measures what that costs and saves on a real
 prompt of ~8k tokens (prose repeated to length), each side in a fresh process with torch pinned to `--threads`:
 
-    llmtrace   load_model, then generate(-n 1, no trace): prefill_s from the generation loop itself
+    llmtrace   llmtrace.load, then generate(-n 1, no trace): prefill_s from the generation loop itself
     hf         AutoModelForCausalLM from the same GGUF (float32, transformers' default attention, sdpa), then one
                forward over the prompt with a cache, logits of the last position only
 
@@ -50,9 +50,9 @@ def arm(side: str, gguf: str, n_tokens: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
 
-    lm = load_model(gguf, device="cpu", dtype="float32")  # llmtrace's tokenizer gives both sides the same ids
+    lm = llmtrace.load(gguf, device="cpu", dtype="float32").loaded  # llmtrace's tokenizer gives both sides the same ids
     ids = lm.tokenizer.encode(PROSE * (n_tokens // 30 + 1), add_special_tokens=False)[:n_tokens]
     if side == "hf":
         import transformers

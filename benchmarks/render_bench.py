@@ -38,13 +38,13 @@ def main() -> None:
     from rich.console import Console
 
     from llmtrace.run.generate import generate
-    from llmtrace.checkpoint.load import load_model
+    import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.render.generate import render_events
     from llmtrace.run.sampler import Sampler, SamplerConfig
     from llmtrace.trace.recorder import Recorder
     from llmtrace.trace.options import TraceOptions
 
-    lm = load_model(None, device="cpu", dtype="float32")
+    lm = llmtrace.load(None, device="cpu", dtype="float32").loaded
     ids = lm.tokenizer.encode(PROMPT)
     events: list[dict] = []
     recorder = Recorder(TraceOptions(level=args.level), [events.append], run_info={"prompt": PROMPT})

@@ -75,7 +75,7 @@ def arm(kind: str, path: str, dtype: str, decode: int) -> dict:
     if kind.startswith("hf"):
         import transformers  # noqa: F401  (imported before the baseline, like llmtrace below)
     else:
-        from llmtrace.checkpoint.load import load_model
+        import llmtrace  # the public API: a benchmark measures what users run
     base = rss_bytes()
     t0 = time.perf_counter()
     if kind.startswith("hf"):
@@ -87,7 +87,7 @@ def arm(kind: str, path: str, dtype: str, decode: int) -> dict:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         forward = lambda idx: model(idx).logits  # noqa: E731
     else:
-        lm = load_model(path, device="cpu", dtype=dtype, keep_quantized=kind == "llmtrace-quantized")
+        lm = llmtrace.load(path, device="cpu", dtype=dtype, keep_quantized=kind == "llmtrace-quantized").loaded
         from llmtrace.model.quant import QUANT_MODULES
 
         seen, weights = set(), 0

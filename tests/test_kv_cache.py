@@ -79,7 +79,7 @@ def test_chunked_prefill(tiny, spelled_out):
         ref = model(idx)  # (1, 18, V)
         cache = model.new_cache(32)
         parts = [model(idx[:, s : s + 5], cache, s) for s in range(0, 18, 5)]
-    torch.testing.assert_close(torch.cat(parts, dim=1), ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat(parts, dim=1), ref, atol=1e-5, rtol=1e-4)
 
 
 @torch.no_grad()
@@ -92,7 +92,7 @@ def test_generation_prefill_in_chunks_observes_the_last_chunk(tiny):
     cache = model.new_cache(23)
     logits = prefill(model, idx, cache, lambda: model.hooked(lambda lay, name, x: seen.append((name, x.shape))),
                      on_progress=lambda done, total: progress.append((done, total)), chunk=8)
-    torch.testing.assert_close(logits, model(idx)[:, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, model(idx)[:, -1], atol=1e-5, rtol=1e-4)
     assert cache.seq_len == 23
     assert progress == [(8, 23), (16, 23), (23, 23)]
     scores = [shape for name, shape in seen if name == "scores"]
@@ -124,7 +124,7 @@ def test_eager_equals_sdpa_tiny(tiny):
     with attention(tiny.model, True):
         a = tiny.model(idx)
     b = tiny.model(idx)
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 @torch.no_grad()
@@ -159,7 +159,7 @@ def test_batch_rows_equal_each_row_alone(tiny, spelled_out):
     with attention(tiny.model, spelled_out):
         batch = tiny.model(idx)  # (3, 9, V)
         for r in range(3):
-            torch.testing.assert_close(batch[r], tiny.model(idx[r : r + 1])[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(batch[r], tiny.model(idx[r : r + 1])[0], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("spelled_out", [True, False], ids=["eager", "sdpa"])
@@ -187,7 +187,7 @@ def test_left_padded_rows_with_mask_and_positions_equal_each_row_alone(tiny, spe
         for r, row in enumerate(rows):
             alone = model(torch.tensor([row + idx[r, T:].tolist()]))[0]  # (len + steps, V)
             for s, lg in enumerate(got):
-                torch.testing.assert_close(lg[r], alone[len(row) - 1 + s], atol=1e-5, rtol=0)
+                torch.testing.assert_close(lg[r], alone[len(row) - 1 + s], atol=1e-5, rtol=1e-4)
     assert torch.isfinite(torch.stack(got)).all()
 
 
@@ -212,7 +212,7 @@ def test_eager_equals_sdpa_smollm(smollm):
     with attention(model, True):
         a = model(torch.tensor([ids]))
     b = model(torch.tensor([ids]))
-    torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     # and the spelled-out path through the cache: prefill then 4 single-token steps
     with attention(model, True):
         _, worst = decode_vs_recompute(model, ids, steps=4, per_step=False)

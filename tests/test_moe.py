@@ -199,7 +199,7 @@ def test_keep_quantized_holds_each_expert_stack_in_its_blocks(families):
     assert kept.model.num_params() == exact.model.num_params()
     idx = torch.tensor([PROMPT_IDS])
     with torch.no_grad():
-        torch.testing.assert_close(kept.model(idx), exact.model(idx), rtol=0, atol=1e-5)
+        torch.testing.assert_close(kept.model(idx), exact.model(idx), rtol=1e-4, atol=1e-5)
 
 
 def test_fast_packs_each_expert_on_its_kernel(families):

@@ -296,3 +296,24 @@ def test_the_compiled_decode_step_hands_the_switch_to_the_eager_pass(loaded, ref
             got.append(decode_step(lm.model, step, torch.tensor([[PROMPT_IDS[p]]]), cache, p,
                                    next_of_same_run=p > 5)[0])
     assert float((torch.stack(got) - want).abs().max()) <= TOL
+
+
+def test_the_hooks_see_only_the_pass_that_crosses_not_its_recompute(loaded):
+    """The pass that first passes the original context (8) computes the 8 cached slots again (a pass of 8 tokens)
+    before its own 1-token pass; a hook attached around it sees the 1-token pass only, and is attached again after
+    (the model's `unhooked`, not a caller's save-clear-restore of its attributes)."""
+    import torch
+
+    lm = loaded("phi3_longrope", "hf")
+    m, ids = lm.model, PROMPT_IDS[:9]
+    seen = []
+    with torch.no_grad():
+        cache = m.new_cache(16)
+        m(torch.tensor([ids[:8]]), cache, 0)  # 8 slots: within the original context, the short factors
+        with m.hooked(lambda layer, name, x: seen.append((layer, name, tuple(x.shape)))):
+            m(torch.tensor([ids[8:9]]), cache, 8)  # position 8 passes it: the recompute, then this pass
+            hooked = [mod for mod in m.modules() if getattr(mod, "hook", None) is not None]
+    assert seen and {shape[1] for layer, name, shape in seen if name == "embed"} == {1}
+    assert len([s for s in seen if s[1] == "embed"]) == 1  # one pass reported, not two
+    assert len(hooked) > 1  # the hooks are back after the recompute, still inside the block
+    assert all(getattr(mod, "hook", None) is None for mod in m.modules())

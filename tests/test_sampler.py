@@ -12,7 +12,7 @@ from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.run.sampler import (HF_ORDER, LLAMA_CPP_ORDER, STAGES, Sampler, SamplerConfig, banned_ids, inverse_cdf,
                                   parse_logit_bias, parse_order)
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # the sums of one thread, whatever ran before
 
 INF = float("inf")
 # a distribution whose nucleus / min-p cuts are easy to do by hand (id order = probability order)
@@ -508,3 +508,20 @@ def test_properties(case):
         assert all(STAGES[r.stage].kind == "logits" for r in ledger.stages[1:])
     # the same seed, without the ledger, picks the same token
     assert Sampler(cfg, logits.shape[0]).sample(logits, history, ledger=False)[0] == token
+
+
+@pytest.mark.parametrize("fill", [None, -INF, INF, float("nan"), "both"])
+def test_the_ledgers_survivor_count_is_the_count_of_finite_logits(fill):
+    """The ledger counts a stage's survivors; its shortcut (a finite sum: all finite) gives the plain count."""
+    from llmtrace.run.sampler import _finite_count
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    if fill == "both":
+        x[[3, 500]] = torch.tensor([INF, -INF])
+    elif fill is not None:
+        x[[3, 7, 999]] = fill
+    assert int(_finite_count(x)) == int(torch.isfinite(x).sum())
+    sampler = Sampler(SamplerConfig(temperature=0.0), 1000)
+    if fill is None:  # the greedy ledger of a full vocabulary: every id survives the input stage
+        _, ledger = sampler.sample(x, [], ledger=True)
+        assert ledger.stages[0].survivors == 1000 and ledger.token == int(x.argmax())

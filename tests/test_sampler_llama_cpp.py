@@ -23,7 +23,7 @@ from llmtrace.run.sampler import (
     repeat_lengths,
 )
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")  # sums in one order, as llama.cpp's one thread makes them
 
 
 class CharTokenizer:

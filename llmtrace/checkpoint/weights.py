@@ -4,8 +4,10 @@ layout that turns renamed tensors into a Transformer (q/k/v and gate/up fused, s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
@@ -179,8 +181,56 @@ def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: 
             parts.append(part)
         out[w.param] = parts
     if sd:
-        raise LlmtraceError(f"{where}: unexpected tensor {next(iter(sd))} (the config says {config.n_layers} layers)")
+        raise LlmtraceError(f"{where}: unexpected tensor {next(iter(sd))} ({_why_unexpected(next(iter(sd)), config)}); "
+                            f"the config and the weights do not belong together")
     return out
+
+
+def _why_unexpected(key: str, config: ModelConfig) -> str:
+    """Why a file's tensor has no parameter: a layer past the config's count, or nothing of this model reads it."""
+    m = re.search(r"(?:^|\.)(?:layers|blk)\.(\d+)\.", key)
+    if m and int(m.group(1)) >= config.n_layers:
+        return f"layer {m.group(1)}, but the config says {config.n_layers} layer{'s' * (config.n_layers != 1)}"
+    return f"no weight of a {config.family} model with this config is read from it"
+
+
+def tied_head(entries: dict[str, Any], config: ModelConfig, where: str) -> tuple[ModelConfig, Optional[str]]:
+    """A config that ties the LM head to the embedding (tie_word_embeddings) in an HF directory that stores the head
+    as well, as many do: equal tensors are one matrix, the stored copy left out of `entries` and nothing said. A
+    head that differs is kept as the head, untied, as transformers (5.x) loads it: the config returned unties it, and
+    the note (one line) says so. Other configs and directories come back as they are, with no note."""
+    if not config.tie_embeddings:
+        return config, None
+    untied = dataclasses.replace(config, tie_embeddings=False)
+    keys = {w.param: w.sources[0].hf for w in declared(untied) if w.param in ("embed.weight", "lm_head.weight")}
+    head, embed = entries.get(keys["lm_head.weight"]), entries.get(keys["embed.weight"])
+    if head is None or embed is None:
+        return config, None
+    if same_values(head, embed):
+        del entries[keys["lm_head.weight"]]
+        return config, None
+    return untied, (f"note: {where}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "
+                    f"checkpoint's {head.key} differs from {embed.key}; the stored head is used, as transformers does")
+
+
+def same_values(a: FileTensor, b: FileTensor) -> bool:
+    """Whether two safetensors tensors hold the same values (same shape, every element equal), read a band of rows
+    at a time."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype is None or b.dtype is None or not a.shape:
+        return False
+    per_row = math.prod(a.shape[1:])
+    step = max(1, CHUNK_BYTES // max(1, per_row * max(a.dtype.itemsize, b.dtype.itemsize)))
+    common = a.dtype if a.dtype == b.dtype else torch.float64
+    for r in range(0, a.shape[0], step):
+        n = min(step, a.shape[0] - r)
+        band = []
+        for t in (a, b):
+            x = torch.empty((n, per_row), dtype=t.dtype)
+            read_bytes(t.path, t.offset + r * per_row * t.dtype.itemsize, x)
+            band.append(x.to(common))
+        if not torch.equal(*band):
+            return False
+    return True
 
 
 def _what(param: str, math_name: str) -> str:

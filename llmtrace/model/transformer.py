@@ -909,6 +909,22 @@ class Transformer(Module):
             for m, before in saved_spell:
                 m.spell_out = before
 
+    @contextlib.contextmanager
+    def unhooked(self):
+        """A pass that no hook sees, inside a hooked block: one the model runs for its own sake (Phi-3's LongRoPE
+        computes its cached slots again when a sequence passes the original context), which is not the pass an
+        observer or an editor asked for. The hooks attached around the block are back on exit, as `hooked` leaves
+        them: attaching and detaching are the model's, in this one place."""
+        modules = [m for m in self.modules() if isinstance(m, Module) and m.hook is not None]
+        saved = [(m, m.hook) for m in modules]
+        for m in modules:
+            m.hook = None
+        try:
+            yield self
+        finally:
+            for m, before in saved:
+                m.hook = before
+
     def num_params(self) -> int:
         """The weights, a matrix held as GGUF blocks or packed from them (--keep-quantized, --fast) counted by its
         weights, not by its storage's elements."""

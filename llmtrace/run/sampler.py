@@ -899,8 +899,8 @@ class Sampler:
                 details: dict[str, dict] | None = None, drawn: tuple[float, float] | None = None) -> Ledger:
         raw = steps[0][1]
         logps = torch.stack([x.log_softmax(dim=-1) for _, x in steps])  # (S, V)
-        finite = torch.stack([torch.isfinite(x).sum() for _, x in steps]).to(torch.float64)  # (S,)
-        tops = logps.argmax(dim=-1).double()  # (S,) ids below 2**53 are exact in float64
+        finite = torch.stack([_finite_count(x) for _, x in steps]).to(torch.float64)  # (S,)
+        tops = logps.max(dim=-1).indices.double()  # (S,) the first largest, as argmax; ids below 2**53 are exact
         facts = torch.stack([finite, logps[:, token].exp().double(), logps.exp().sum(dim=-1).double(), tops], dim=1)
         k = min(self.k_show, raw.shape[0])
         top_logits, top_ids = torch.topk(raw, k)
@@ -919,6 +919,14 @@ class Sampler:
             slice=drawn,
             raw=raw,
         )
+
+
+def _finite_count(x: torch.Tensor) -> torch.Tensor:
+    """How many entries of x are finite (a stage's survivors). On the CPU a finite sum says at once that all are
+    (an inf or a nan makes the sum inf or nan), which spares a pass over the vocabulary at every step of a trace."""
+    if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):
+        return torch.tensor(x.numel())
+    return torch.isfinite(x).sum()
 
 
 def banned_sequences(tok, texts: list[str]) -> list[list[int]]:

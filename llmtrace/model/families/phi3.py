@@ -20,7 +20,6 @@ GGUF loader both leave it out).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import replace
 from typing import NamedTuple, Optional
@@ -31,7 +30,7 @@ from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
 from llmtrace.model.llama_points import K_ROPE, Q_ROPE
 from llmtrace.model.points import Source, Weight
-from llmtrace.model.transformer import (Attention, Block, FeedForward, KVCache, Module, Transformer, rope_angles)
+from llmtrace.model.transformer import Attention, Block, FeedForward, KVCache, Transformer, rope_angles
 
 LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
 Q_ROPE_PARTIAL = replace(Q_ROPE, about="queries with the first Dr dims of each head rotated by their positions")
@@ -153,7 +152,7 @@ class Phi3(Transformer):
         Nothing observes or edits this pass (the hooks see the pass that asked for it)."""
         ids, pos = cache.ids[:, :start], cache.pos[:, :start]  # (B, start) each
         mask = None if attention_mask is None else attention_mask[:, :start]
-        with _unhooked(self):
+        with self.unhooked():
             x = self.embed_tokens(ids)  # (B, start, D)
             cos, sin = self._scaled_angles(self.inv_freq_long, pos, x.dtype)
             inputs = [io._replace(cos=cos, sin=sin) for io in self.layer_inputs(ids, cache, 0, pos, mask, x.dtype)]
@@ -163,18 +162,6 @@ class Phi3(Transformer):
 def _seq_len(start: int, n: int, input_pos: Optional[torch.Tensor]) -> int:
     """The sequence length a pass reaches, as transformers counts it: its largest position + 1."""
     return start + n if input_pos is None else int(input_pos.max()) + 1
-
-
-@contextlib.contextmanager
-def _unhooked(model: Transformer):
-    saved = [(m, m.hook) for m in model.modules() if isinstance(m, Module)]
-    for m, _ in saved:
-        m.hook = None
-    try:
-        yield
-    finally:
-        for m, hook in saved:
-            m.hook = hook
 
 
 def longrope_inv_freq(config, factors: list) -> torch.Tensor:
