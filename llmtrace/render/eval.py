@@ -3,6 +3,8 @@ llama-perplexity prints it (its KL-divergence statistics with two sides). Plain 
 
 from __future__ import annotations
 
+from llmtrace.words import in_words
+
 import math
 from typing import Optional
 
@@ -42,7 +44,7 @@ def summary_text(header: dict, s: dict) -> str:
     """The final figures, as llama.cpp users read them."""
     lines = []
     if s.get("interrupted"):
-        lines.append(f"interrupted after {s['chunks']} of {header['chunks']} chunks (--resume continues)")
+        lines.append(f"interrupted after {s['chunks']} of {header['chunks']} chunks (" + in_words("`resume` continues") + ")")
     if not s.get("tokens_scored"):
         return "\n".join(lines + ["no chunk was scored"]) + "\n"
     n = f"{s['tokens_scored']:,} tokens scored in {s['chunks']:,} chunks of {header['ctx']}"
