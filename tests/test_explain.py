@@ -254,7 +254,8 @@ def test_5_attention_argmax_mask_and_map(smollm, real):
     assert ex["masked_scores"][0][1] is None and ex["scores"][0][1] is not None
     assert ex["masked_scores"][2][1] == pytest.approx(float(cap.points["scores"][0, 2, 1]), abs=1e-3)
     # --head picks one head's map
-    picked = [e for e in attention_sections(cap, smollm.config, head=8) if e["section"] == "attention_map"][0]
+    picked = [e for e in attention_sections(cap, smollm.config, head=8, maths=smollm.maths)
+              if e["section"] == "attention_map"][0]
     assert torch.tensor(picked["matrix"]) == pytest.approx(probs[8], abs=1e-4)
 
 
