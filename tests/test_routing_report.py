@@ -59,8 +59,10 @@ def test_each_layers_load_is_a_bar_per_expert(traced):
 
 
 def test_without_the_ledger_the_section_names_the_flags(moe):
-    page = moe.generate(TEXT, max_new_tokens=1, trace="steps").html()
-    assert "--trace layers or --trace full" in section(page, "routing")
+    from html import unescape
+
+    page = moe.generate(TEXT, max_new_tokens=1, trace="steps").html()  # made from Python: it names the keywords
+    assert "`trace='layers'` or `trace='full'`" in unescape(section(page, "routing"))
 
 
 def test_a_dense_model_has_no_routing_section(families):
