@@ -403,7 +403,7 @@ def test_cli_explain_json_validates(smollm_path, validator):
     tensors = [e for e in events if e["event"] == "tensor"]
     assert len(tensors) == 19 and all(e["layer"] == 3 and e["step"] == 0 for e in tensors)
     assert {e["section"] for e in events if e["event"] == "explain"} == {
-        "model", "layer", "rmsnorm", "qkv", "rope", "attention", "attention_head", "attention_map", "residual", "ffn",
+        "model", "layer", "steps", "rmsnorm", "qkv", "rope", "attention", "attention_head", "attention_map", "residual", "ffn",
         "kv_cache"}
     assert [e["stage"] for e in events if e["event"] == "lens"] == ["resid_mid", "resid_post", "logits"]
 

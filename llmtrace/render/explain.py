@@ -224,7 +224,7 @@ def _layer(console: Console, ev: dict) -> None:
     rows = [(label, formula, value) for _, label, formula, value in f["rows"]] if "rows" in f else [
         (label, formula, f[key]) for key, label, formula in (
             ("qkv", "Q, K, V projections", "2·T·D·(H + 2·Hkv)·Dh"), ("scores", "scores Q·Kᵀ", "2·H·T·T·Dh"),
-            ("pv", "weighted sum P·V", "2·H·T·T·Dh"), ("o", "output projection", "2·T·H·Dh·D"), *ffn)]
+            ("pv", "weighted sum P·V", "2·H·T·T·Dh"), ("o", "output projection", "2·T·H·Dh·D"), *ffn) if key in f]
     for label, formula, value in rows:
         t.add_row(label, formula, f"{value:,}")
     t.add_row(Text("layer total", style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))

@@ -870,7 +870,7 @@ def _rope_words(points: list[dict], maths: Optional[dict]) -> tuple[str, str]:
     from llmtrace.model.maths import attention_words, plan_from_record
 
     other = plan_from_record(plans[next(i for i in range(len(plans)) if i not in turning)])
-    return " and ".join(names), (f"in layer{'s' if len(turning) > 1 else ''} {', '.join(map(str, turning))} only "
+    return " and ".join(names), (f"in {plural(len(turning), 'layer').split(' ', 1)[1]} {', '.join(map(str, turning))} only "
                                  f"(the others turn nothing: {attention_words(other)})")
 
 
