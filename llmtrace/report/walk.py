@@ -120,6 +120,8 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         return metas.index(m)
 
     layers, steps = set(), set()
+    weights: dict[str, str] = {}  # "gamma/LAYER/NAME" or "sink/LAYER/NAME" -> the values a worked example reads
+    full = {ev["layer"] for ev in tensors if ev.get("full") and ev["layer"] is not None}  # q/k kept whole (worked.py)
     for ev in tensors:
         s = ev.get("sample")
         step = ev.get("step", 0)
@@ -132,14 +134,17 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
             continue
         if s["index"] not in indexes:
             indexes.append(s["index"])
-        exact = s.get("lse") is not None  # a softmax's input: exp(s − lse) needs its 7 digits, not f24's 5
+        # a softmax's input in a layer whose q·k is worked out whole: exp(s − lse) needs its 7 digits, not f24's 5
+        exact = s.get("lse") is not None and ev["layer"] in full
         samples[key] = [meta({"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
                               "rows": len(s["values"])}),
                         (pack_f32 if exact else pack_f24)([v for row in s["values"] for v in row]), pack_f24(s["norms"])]
         extra = {"f32": True} if exact else {}
-        for name in ("gamma", "sink", "lse"):  # what a worked example reads besides the sample (trace.worked)
+        for name in ("gamma", "sink"):  # a weight's values: the same in every pass, kept once per layer and point
             if s.get(name) is not None:
-                extra[name] = pack_f32(s[name])
+                weights.setdefault(f'{name}/{key.split("/", 1)[1]}', pack_f32(s[name]))
+        if exact:  # what a worked softmax reads besides the sample (trace.worked), where it can be checked
+            extra["lse"] = pack_f32(s["lse"])
         if ev.get("full"):  # whole rows of a scores operand: (rows, heads, Dh) from row t[0] of the pass
             f = ev["full"]
             flat = [v for row in f["values"] for head in row for v in head]
@@ -150,9 +155,8 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         steps.add(step)
         if ev["layer"] is not None:
             layers.add(ev["layer"])
-    full = sorted({ev["layer"] for ev in tensors if ev.get("full") and ev["layer"] is not None})
     return {"samples": samples, "metas": metas, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps),
-            "full_layers": full}
+            "full_layers": sorted(full), "weights": weights}
 
 
 def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> dict:

@@ -37,6 +37,7 @@ class Worked:
         maths, model, n = lm.maths, lm.model, lm.config.n_layers
         self.layers = set(range(n)) if selected is None else {l % n for l in selected}
         self.full_layers = full_row_layers(selected, n)
+        self.every_query = selected is not None  # with every layer traced, the last query's rows only (a page's size)
         self.weights: dict[tuple, tuple[str, torch.Tensor]] = {}  # (layer, point) -> ("gamma" | "sink", values)
         self.softmax_inputs: set[str] = set()
         self.full: dict[tuple, str] = {}  # (layer, point) -> "last" (the pass's last position) or "all"
@@ -78,7 +79,7 @@ class Worked:
         if which is None or x.dim() != 4:
             return None
         T = x.size(1)
-        if which == "last" and T <= ALL_QUERIES:  # a short pass keeps every query: q·k for any pair of its tokens
+        if which == "last" and T <= ALL_QUERIES and self.every_query:  # a short pass keeps every query
             which = "all"
         rows = x[0, -1:] if which == "last" else x[0]  # (1 or T, heads, Dh)
         first = T - 1 if which == "last" else 0

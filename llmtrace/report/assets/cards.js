@@ -150,6 +150,8 @@ window.llmtraceCards = function (api) {
     softmax(o, p, layer, pass, h, out) {
       if (o.consts.take === "sink") return sinkColumn(o, layer, pass, h, out);
       const x = entries(pass, source(layer, o.inputs[0]), h);
+      if (x && !x.s.exact && (D.walk.full_layers || []).length)
+        return missing(t("card_coarse", { layers: D.walk.full_layers.join(", ") }));
       if (!x || !x.s.lse) return missing(t("card_lse_missing"));
       let lse = x.s.lse[x.row], sinkShare = null;
       if (o.consts.sink) {

@@ -50,7 +50,12 @@
       const x = m.x || {}; // what a worked example reads besides (report/walk.py: gamma, sink, lse, full, f32)
       cache[key] = m.v === undefined ? { meta: m } :
         { meta: m, values: x.f32 ? unpack(m.v, Float32Array) : unpack24(m.v), norms: unpack24(m.n) };
-      ["gamma", "sink", "lse"].forEach((k) => { if (x[k]) cache[key][k] = unpack(x[k], Float32Array); });
+      if (x.lse) cache[key].lse = unpack(x.lse, Float32Array);
+      cache[key].exact = !!x.f32; // values to float32's 7 digits (else 24-bit floats: about 5)
+      ["gamma", "sink"].forEach((k) => { // a weight's values, kept once per layer and point (report/walk.py)
+        const w = (D.walk.weights || {})[k + "/" + layer + "/" + name];
+        if (w) cache[key][k] = unpack(w, Float32Array);
+      });
       if (x.full) m.full = x.full;
     }
     return cache[key];
