@@ -16,6 +16,7 @@ from typing import Optional
 from llmtrace.units import plural
 
 MAX_MERGE_WORDS = 200
+MAX_MERGE_CHARS = 64  # a longer "word" (SentencePiece merges across spaces) is named, not told merge by merge
 
 
 def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[str]]:
@@ -25,7 +26,8 @@ def merge_story(tokenizer, prompt: str) -> tuple[Optional[list[dict]], Optional[
     try:
         from llmtrace.tokens.bpe import trace_merges
 
-        words = [w.to_dict() for w in trace_merges(tokenizer, prompt, max_words=MAX_MERGE_WORDS)]
+        words = [w.to_dict() for w in trace_merges(tokenizer, prompt, max_words=MAX_MERGE_WORDS,
+                                                max_chars=MAX_MERGE_CHARS)]
     except Exception as e:  # a tokenizer without a merge table (not BPE): the section says so, the page is still made
         return None, f"the merge story is not available for this tokenizer ({' '.join(str(e).split())[:120]})"
     # the pieces as the reader sees them everywhere else (▁ for a space), not in the vocabulary's own alphabet (Ġ)

@@ -111,9 +111,12 @@ def _initial_symbols(tt: TextTokenizer, word: str, vocab: dict[str, int], byte_f
 
 
 def trace_merges(
-    tt: TextTokenizer, text: str, parse_special: bool = True, max_words: int | None = None
+    tt: TextTokenizer, text: str, parse_special: bool = True, max_words: int | None = None,
+    max_chars: int | None = None,
 ) -> list[WordTrace]:
-    """The merge story of each word of `text`, using the tokenizer's own normalizer, pre-tokenizer and merge table."""
+    """The merge story of each word of `text`, using the tokenizer's own normalizer, pre-tokenizer and merge table.
+    `max_chars`: a longer word (a tokenizer that merges across spaces, SentencePiece's, sees the whole text as one)
+    gets no story: each of its merges would repeat every piece of it."""
     ranks = tt.merge_ranks
     options = tt.model_options
     vocab = tt.tok.get_vocab(with_added_tokens=False)
@@ -141,6 +144,10 @@ def trace_merges(
             # Offsets are in the normalized segment; without a normalizer they are the input's characters.
             span = (offset + s, offset + e) if norm is None else (offset, offset + len(segment))
             source = text[span[0] : span[1]]
+            if max_chars is not None and len(word) > max_chars:
+                traces.append(WordTrace(word, source, span, (word,), note=f"{len(word):,} characters merged as one "
+                                        f"word: too long to show merge by merge"))
+                continue
             if options.get("ignore_merges") and word in vocab:
                 traces.append(WordTrace(word, source, span, (word,), note="the whole word is a token (ignore_merges)"))
                 continue
