@@ -1,4 +1,4 @@
-"""The points of a loaded model as a researcher's hook sees them: named "3.q_rope", "embed", "logits".
+"""The points of a loaded model as a researcher's hook sees them: named `3.q_rope`, `embed`, `logits`.
 
 A model declares its points once (model.points, Transformer.declared_points); this module lists those of a built
 model in forward order with the name a hook is given (`PointInfo`), selects some by name, glob or predicate, and wraps
@@ -37,8 +37,8 @@ class HookError(LlmtraceError):
 @dataclass(frozen=True)
 class PointInfo:
     """One point of a loaded model, as `model.points()` lists it and as a hook's second argument: `name` as a hook
-    and a cache name it ("3.q_rope"; a model-level point has no layer: "embed"), `layer` (None outside the layers),
-    `point` its declared name ("q_rope"), its seed `step`, its `axes` as the hook's tensor has them, whether it is
+    and a cache name it (`3.q_rope`; a model-level point has no layer: `embed`), `layer` (None outside the layers),
+    `point` its declared name (`q_rope`), its seed `step`, its `axes` as the hook's tensor has them, whether it is
     `editable` (a hook may return a replacement), what it is (`about`), the part reporting it (`where`: model,
     block, attn, ffn) and its declared operation (`op`: the maths declaration's record, None where the model
     declares none)."""
