@@ -155,8 +155,12 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         steps.add(step)
         if ev["layer"] is not None:
             layers.add(ev["layer"])
+    # a long prompt is prefilled in chunks (run.generate.PREFILL_CHUNK): each chunk's events share step 0, and the
+    # page keeps the last chunk's; its rows along T are the prompt's last ones
+    rows = [ev["shape"][0] for ev in tensors if ev.get("step", 0) == 0 and ev["layer"] is not None and ev.get("shape")
+            and (axes_of(ev, by_name) or [None])[0] == "T"]
     return {"samples": samples, "metas": metas, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps),
-            "full_layers": sorted(full), "weights": weights}
+            "full_layers": sorted(full), "weights": weights, "prefill_rows": rows[-1] if rows else None}
 
 
 def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> dict:

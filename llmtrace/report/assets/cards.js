@@ -123,7 +123,7 @@ window.llmtraceCards = function (api) {
       const q = api.sample(pass.step, qa.layer, qa.name);
       if (!q || !q.meta.full || pass.t < q.meta.full.t[0] || pass.t > q.meta.full.t[1])
         return missing(t("card_full_missing", { layers: (D.walk.full_layers || []).join(", ") || "\u2014" }));
-      const qrow = api.fullRow(q, pass.t, headOf(q.meta.axes, h)), slot0 = pass.step === 0 ? 0 : api.slotOf(pass);
+      const qrow = api.fullRow(q, pass.t, headOf(q.meta.axes, h)), slot0 = api.slotOf(pass);
       const computed = {}, W = c.window, qslot = slot0 + pass.t;
       out.index.forEach((s) => {
         if (c.mask && (s > qslot || (W && qslot - s >= W) || api.isPad(s))) { computed[s] = -Infinity; return; }
@@ -140,7 +140,7 @@ window.llmtraceCards = function (api) {
     softcap(o, p, layer, pass, h, out) {
       const x = entries(pass, source(layer, o.inputs[0]), h);
       if (!x) return missing(t("card_input_missing", { input: o.inputs[0], layer: layer }));
-      const c = o.consts, computed = {}, qslot = (pass.step === 0 ? 0 : api.slotOf(pass)) + pass.t;
+      const c = o.consts, computed = {}, qslot = api.slotOf(pass) + pass.t;
       out.index.forEach((i) => {
         const masked = c.mask && (i > qslot || (c.window && qslot - i >= c.window) || api.isPad(i));
         computed[i] = masked ? -Infinity : c.cap * Math.tanh(x.byIndex[i] / c.cap);

@@ -65,10 +65,12 @@
   const PAD = D.pad || 0;
 
   // ------------------------------------------------------------------------------------------ the walk-through
-  function passOf(i) { // the pass that takes token i as input, and its row along T
-    if (i < nPrompt) return { step: 0, t: PAD + i, T: PAD + nPrompt, position: i };
+  // a long prompt's prefill ran in chunks: the page keeps the last chunk, the prompt's last OFF0.. slots
+  const OFF0 = D.walk.prefill_rows ? Math.max(0, PAD + nPrompt - D.walk.prefill_rows) : 0;
+  function passOf(i) { // the pass that takes token i as input, and its row along T (off: the pass's first slot)
+    if (i < nPrompt) return { step: 0, t: PAD + i - OFF0, T: PAD + nPrompt - OFF0, position: i, off: OFF0, abs: PAD + i };
     const step = i - nPrompt + 1;
-    return { step: step, t: 0, T: 1, position: i };
+    return { step: step, t: 0, T: 1, position: i, off: 0, abs: PAD + nPrompt + step - 1 };
   }
   function rowOf(axes, shape, t, h) { // the row of a sample (all axes but the last, row-major) for token t, head h
     let row = 0;
@@ -99,10 +101,10 @@
   }
   // the worked examples (cards.js): each point's declared operation, worked out on the recorded inputs
   function positionOf(pass) { // the token's position (RoPE's m): a batch row counts from its first real token
-    return !D.positions ? pass.position : pass.step === 0 ? D.positions[pass.t] : D.positions[D.positions.length - 1] + pass.step;
+    return !D.positions ? pass.position : pass.step === 0 ? D.positions[pass.abs] : D.positions[D.positions.length - 1] + pass.step;
   }
   const T0 = PAD + nPrompt; // the prefill's slots; decode step j writes slot T0 + j - 1
-  function slotOf(pass) { return pass.step === 0 ? 0 : T0 + pass.step - 1; }
+  function slotOf(pass) { return pass.step === 0 ? pass.off : T0 + pass.step - 1; } // the pass's first slot
   function fullRow(s, tRow, head) { // a whole row (Dh entries) of a point kept whole (sample.full)
     const f = s.meta.full;
     if (!f._v) f._v = unpack(f.values, Float32Array);
@@ -112,7 +114,7 @@
   function keyRow(at, slot, kvHead) { // the key of a cache slot, from the pass that wrote it
     const step = slot < T0 ? 0 : slot - T0 + 1, s = sample(step, at.layer, at.name);
     if (!s || !s.meta.full) return null;
-    const tRow = slot < T0 ? slot : 0;
+    const tRow = slot < T0 ? slot - OFF0 : 0; // an earlier prefill chunk's slot: not kept (tRow < 0)
     return tRow < s.meta.full.t[0] || tRow > s.meta.full.t[1] ? null : fullRow(s, tRow, kvHead);
   }
   const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, sample: sample, rowOf: rowOf, positionOf: positionOf,
@@ -164,6 +166,9 @@
     const tok = D.tokens[i], pass = passOf(i);
     panel.dataset.token = String(i); panel.dataset.step = String(pass.step);
     if (D.walk.steps.indexOf(pass.step) < 0) { panel.innerHTML = "<p class=missing>" + esc(t("not_passed")) + "</p>"; return; }
+    if (pass.t < 0) { // an earlier chunk of a long prompt's prefill: the page keeps the last one
+      panel.innerHTML = "<p class=missing>" + esc(t("earlier_chunk", { first: OFF0 - PAD })) + "</p>"; return;
+    }
     let html = "";
     SEED.forEach((sid) => {
       let body = "";
