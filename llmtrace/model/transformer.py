@@ -271,6 +271,15 @@ def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x[:, :, None].expand(B, Hkv, group, S, Dh)
 
 
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b where a has H heads (B, H, T, X) and b has Hkv (B, Hkv, X, Y), H a multiple of Hkv: head h of a is
+    multiplied by head h // G of b (G = H / Hkv), as if b were repeated (expand_kv) but without the copy: the G heads
+    of a that share a head of b are stacked into one (B, Hkv, G·T, X) matrix. -> (B, H, T, Y)."""
+    B, H, T, X = a.shape
+    Hkv = b.size(1)
+    return (a.reshape(B, Hkv, (H // Hkv) * T, X) @ b).view(B, H, T, b.size(-1))
+
+
 def allowed_keys(T: int, start: int, padding: Optional[torch.Tensor], device,
                  window: Optional[int] = None) -> Optional[torch.Tensor]:
     """Which keys each query may attend: (B or 1, 1, T, S) bool, True where allowed; None when every query sees every
@@ -504,16 +513,16 @@ class Attention(Module):
     def attend_spelled_out(self, q, k, v, mask):
         """softmax(Q K^T · scale + mask) V, step by step (s6.4, s6.5): the path a hooked layer takes."""
         B, H, T, Dh = q.shape
-        Hkv, S = k.size(1), k.size(2)
-        k_groups = expand_kv(k, H // Hkv)  # (B, Hkv, G, S, Dh): GQA, query head h reads KV head h // G
-        self.point("k_repeated", k_groups)  # recorded as the (H, S, Dh) it lays out, without a copy
-        k, v = k_groups.reshape(B, H, S, Dh), expand_kv(v, H // Hkv).reshape(B, H, S, Dh)  # (B, H, S, Dh) each
+        Hkv = k.size(1)
+        # GQA: query head h reads KV head h // G. Reported as the (B, Hkv, G, S, Dh) view it stands for (recorded as
+        # (H, S, Dh), without a copy); the products read each KV head once for its G query heads (grouped_matmul)
+        self.point("k_repeated", expand_kv(k, H // Hkv))
         scores = self.scores(q, k)  # (B, H, T, S)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))  # (B, H, T, S): -inf where a key is not attended
         self.point("scores", scores)
         probs = self.point("probs", self.softmax(scores).to(q.dtype))  # (B, H, T, S)
-        return probs @ v  # (B, H, T, Dh)
+        return grouped_matmul(probs, v)  # (B, H, T, Dh)
 
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
         """s6.5 each row of scores (B, H, T, S) into probabilities that sum to 1, in float32. The seam where a
@@ -521,8 +530,8 @@ class Attention(Module):
         return F.softmax(scores, dim=-1, dtype=torch.float32)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Q Kᵀ · scale: (B, H, T, Dh), (B, H, S, Dh) -> (B, H, T, S)."""
-        return (q @ k.transpose(-2, -1)) * self.scale
+        """Q Kᵀ · scale: (B, H, T, Dh), (B, Hkv, S, Dh) -> (B, H, T, S), query head h reading KV head h // (H / Hkv)."""
+        return grouped_matmul(q, k.transpose(-2, -1)) * self.scale
 
     # -- the maths, declared (model.maths) ---------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from llmtrace.model.llama_points import (ATTN_NORM, EMBED, FFN_NORM, K_REPEATED,
                                          SCORES)
 from llmtrace.model.maths import LayerPlan, Op, op
 from llmtrace.model.points import Point, Source, Weight, inserted
-from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
+from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer, grouped_matmul
 from llmtrace.units import plural
 
 EMBED_SCALED = Point("embed_scaled", "s4", ("T", "D"), about="the embedding × √D: the stream entering layer 0",
@@ -81,8 +81,8 @@ class Gemma2Attention(Attention):
         return self.attend_spelled_out(q, k, v, mask)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """cap·tanh(Q Kᵀ · scale / cap): (B, H, T, Dh), (B, H, S, Dh) -> (B, H, T, S)."""
-        raw = self.point(SCORES_RAW.name, (q @ k.transpose(-2, -1)) * self.scale)  # (B, H, T, S)
+        """cap·tanh(Q Kᵀ · scale / cap): (B, H, T, Dh), (B, Hkv, S, Dh) -> (B, H, T, S)."""
+        raw = self.point(SCORES_RAW.name, grouped_matmul(q, k.transpose(-2, -1)) * self.scale)  # (B, H, T, S)
         return softcap(raw, self.cap)
 
     def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
