@@ -161,7 +161,7 @@ def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
     proc = start(["--jsonl", "-", "--trace", "none"], tmp_path)
     stdout = tmp_path / "stdout.txt"
     try:
-        wait_for(lambda: stdout.read_text().count('"event": "step"') >= 3, 300, proc, "three steps")
+        wait_for(lambda: stdout.read_text().count('"event":"step"') >= 3, 300, proc, "three steps")
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=120)
     finally:
@@ -207,8 +207,8 @@ def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkey
     # before each decode pass, everything up to the previous step is on disk
     assert on_disk_at_forward[1:] == [i + 1 for i in steps[:-1]]
     # one write per step: the step's tensor events and the step event together
-    assert sum(w.count(b'"event": "step"') for w in writes) == len(steps) == 3
-    assert all(w.count(b'"event": "step"') <= 1 for w in writes)
+    assert sum(w.count(b'"event":"step"') for w in writes) == len(steps) == 3
+    assert all(w.count(b'"event":"step"') <= 1 for w in writes)
 
 
 # ----------------------------------------------------------------------------------------------------------------

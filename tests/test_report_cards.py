@@ -28,6 +28,7 @@ import torch
 
 from families import FAMILIES
 from helpers import Opened, check_run, embedded, run_cli
+from llmtrace.trace.packed import pack, unpack
 
 ABS, REL = 1e-5, 1e-4  # the issue's tolerance: a card checks within 1e-5 absolute or 1e-4 relative
 # the operations a card works out on real numbers and checks (issue 39, item 4 and the card contract)
@@ -254,8 +255,8 @@ def report_of_changed_trace(capsys, tmp_path, events, layer: int, name: str, cha
     for ev in events:
         if ev["event"] == "tensor" and ev.get("step", 0) == 0 and ev["layer"] == layer and ev["name"] == name:
             ev = json.loads(json.dumps(ev))
-            ev["sample"]["values"] = [[v * 1.01 for v in row] if changed_row(i) else row
-                                      for i, row in enumerate(ev["sample"]["values"])]
+            rows = unpack(ev["sample"]["values"], len(ev["sample"]["index"]))
+            ev["sample"]["values"] = pack([row * 1.01 if changed_row(i) else row for i, row in enumerate(rows)])
         out.append(ev)
     trace = tmp_path / f"changed-{name}.jsonl"
     trace.write_text("".join(json.dumps(e) + "\n" for e in out), encoding="utf-8")

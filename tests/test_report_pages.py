@@ -226,6 +226,8 @@ def test_a_page_made_with_the_tokenizer_never_says_it_lacks_it(tiny, tmp_path):
 def test_trace_full_samples_every_float_point_and_the_logits(tiny):
     import torch
 
+    from llmtrace.trace.packed import unpack
+
     run = tiny.generate("The quick brown fox", max_new_tokens=2, trace="full", ignore_eos=True)
     tensors = [e for e in run.events if e["event"] == "tensor"]
     sampled = [e for e in tensors if "sample" in e]
@@ -237,10 +239,11 @@ def test_trace_full_samples_every_float_point_and_the_logits(tiny):
     W = tiny.loaded.model.embed.weight.detach().double()
     s = embed["sample"]
     assert s["index"] == list(range(8)) + list(range(32, 40))  # D = 64: the first 8 of each half
-    for t, tok in enumerate(prompt):  # every token's row: the embedding's own values and the row's norm
-        torch.testing.assert_close(torch.tensor(s["values"][t], dtype=torch.float64), W[tok["id"], s["index"]],
-                                   rtol=1e-6, atol=1e-7)
-        assert abs(s["norms"][t] - float(W[tok["id"]].norm())) < 1e-5 * s["norms"][t]
+    values, norms = unpack(s["values"], len(s["index"])), unpack(s["norms"])  # packed float32 (trace.packed)
+    assert values.shape == (len(prompt), 16) and norms.shape == (len(prompt),)
+    for t, tok in enumerate(prompt):  # every token's row: the embedding's own values, exactly, and the row's norm
+        torch.testing.assert_close(torch.from_numpy(values[t]), W[tok["id"], s["index"]], rtol=0, atol=0)
+        assert abs(norms[t] - float(W[tok["id"]].norm())) < 1e-6 * norms[t]
     step = next(e for e in run.events if e["event"] == "step")
     assert len(step["logits"]["ids"]) == tiny.loaded.config.vocab_size and step["logits"]["tail"] is None
     assert step["logits"]["ids"][0] == step["topk"][0]["id"] and step["logits"]["values"][0] == step["topk"][0]["logit"]

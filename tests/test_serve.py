@@ -173,7 +173,7 @@ def test_a_run_stops_when_its_client_goes_away(tiny):
         with c.stream("POST", "/api/generate", headers=AUTH, json={"prompt": PROMPT, "max_new_tokens": 4000,
                                                                      "ignore_eos": True, "trace": "full"}) as r:
             for raw in r.iter_lines():
-                steps += '"event": "step"' in raw
+                steps += '"event":"step"' in raw
                 if steps == 3:
                     break  # the client leaves after three tokens of four thousand
         s = served["tiny"]

@@ -86,7 +86,7 @@ def test_a_document_with_the_keys_in_another_order_and_a_single_event_stream(cap
 
 def test_truncated_stream_renders_the_complete_lines_and_names_the_cut_one(capsys, traces, tmp_path):
     lines = traces["steps"].with_suffix(".jsonl").read_bytes().splitlines(keepends=True)
-    steps = [i for i, line in enumerate(lines) if b'"event": "step"' in line]
+    steps = [i for i, line in enumerate(lines) if b'"event":"step"' in line]
     cut_at = steps[2]  # cut inside the third step's line: two steps are whole
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(b"".join(lines[:cut_at]) + lines[cut_at][: len(lines[cut_at]) // 2])
@@ -101,7 +101,7 @@ def test_truncated_stream_renders_the_complete_lines_and_names_the_cut_one(capsy
 def test_a_stream_cut_at_a_line_boundary_says_it_is_incomplete(capsys, traces, tmp_path):
     """Every line whole, but no summary: a run killed between two writes. The warning says so; the steps show."""
     lines = traces["steps"].with_suffix(".jsonl").read_bytes().splitlines(keepends=True)
-    steps = [i for i, line in enumerate(lines) if b'"event": "step"' in line]
+    steps = [i for i, line in enumerate(lines) if b'"event":"step"' in line]
     cut = tmp_path / "cut.jsonl"
     cut.write_bytes(b"".join(lines[: steps[2]]))
     code, out, err = show(capsys, cut)
@@ -190,7 +190,7 @@ def test_a_malformed_trace_is_one_line(capsys, tmp_path, text, code, says):
 
 def test_a_missing_field_deep_in_a_real_trace_names_line_and_field(capsys, traces, tmp_path):
     lines = traces["steps"].with_suffix(".jsonl").read_text().splitlines()
-    n = next(i for i, line in enumerate(lines) if '"event": "step"' in line and '"step": 2' in line)
+    n = next(i for i, line in enumerate(lines) if '"event":"step"' in line and '"step":2' in line)
     ev = json.loads(lines[n])
     del ev["kv_cache"]["bytes_used"]
     lines[n] = json.dumps(ev)

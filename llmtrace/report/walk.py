@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from llmtrace.trace.packed import pack, unpack
+
 # The axes of an attention map (a declared point): query heads × the pass's tokens × the key slots they attend.
 ATTENTION_AXES = ["H", "T", "S"]
 
@@ -76,16 +78,17 @@ def maths_view(run: Optional[dict], head: Optional[dict], words: Optional[dict] 
                                            "kinds": kinds}}
 
 
-def pack_f32(values: list) -> str:
-    """Numbers (None for a non-finite value) as little-endian float32, base64: None becomes NaN."""
-    a = np.asarray([np.nan if v is None else v for v in values], dtype="<f4")
-    return base64.b64encode(a.tobytes()).decode("ascii")
+def pack_f32(values) -> str:
+    """Numbers as little-endian float32, base64 (trace.packed): a trace's packed values as they are; a list (None for
+    a non-finite value) or an array packed."""
+    return values if isinstance(values, str) else pack(values)
 
 
 def pack_f24(values) -> str:
     """Numbers as float32 without their last 8 bits (rounded to nearest), 3 bytes each, little-endian, base64: about
-    5 significant figures (relative error below 2e-5), what the walk-through shows. None becomes NaN."""
-    f = np.asarray([np.nan if v is None else v for v in values], dtype="<f4")
+    5 significant figures (relative error below 2e-5), what the walk-through shows. A trace's packed values, a list
+    (None for a non-finite value) or an array."""
+    f = unpack(values).astype("<f4")
     a = f.view("<u4").astype(np.uint64)
     sign, mag = a & 0x80000000, a & 0x7FFFFFFF
     mag = np.where(np.isfinite(f), np.minimum(mag + 0x80, 0x7F7FFFFF), mag)  # rounding never makes an infinity
@@ -130,15 +133,15 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
             samples[key] = {"m": meta({"shape": ev["shape"], "axes": axes_of(ev, by_name)}),
                             "positions": ev["positions"]}
             continue
-        if not s or not s["values"]:
+        if not s or not len(s["values"]):
             continue
         if s["index"] not in indexes:
             indexes.append(s["index"])
         # a softmax's input in a layer whose q·k is worked out whole: exp(s − lse) needs its 7 digits, not f24's 5
         exact = s.get("lse") is not None and ev["layer"] in full
         samples[key] = [meta({"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
-                              "rows": len(s["values"])}),
-                        (pack_f32 if exact else pack_f24)([v for row in s["values"] for v in row]), pack_f24(s["norms"])]
+                              "rows": len(unpack(s["norms"]))}),
+                        (pack_f32 if exact else pack_f24)(s["values"]), pack_f24(s["norms"])]
         extra = {"f32": True} if exact else {}
         for name in ("gamma", "sink"):  # a weight's values: the same in every pass, kept once per layer and point
             if s.get(name) is not None:
@@ -147,9 +150,8 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
             extra["lse"] = pack_f32(s["lse"])
         if ev.get("full"):  # whole rows of a scores operand: (rows, heads, Dh) from row t[0] of the pass
             f = ev["full"]
-            flat = [v for row in f["values"] for head in row for v in head]
-            extra["full"] = {"t": f["t"], "heads": len(f["values"][0]), "width": len(f["values"][0][0]),
-                             "values": pack_f32(flat)}
+            extra["full"] = {"t": f["t"], "heads": ev["shape"][-2], "width": ev["shape"][-1],
+                             "values": pack_f32(f["values"])}
         if extra:
             samples[key].append(extra)
         steps.add(step)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from llmtrace.errors import BadValue, LlmtraceError, UsageError, one_line
-from llmtrace.trace.sinks import ENCODER
+from llmtrace.trace.sinks import dumps
 
 # The keywords a request may give, per kind of run (beside "prompt" and "model").
 GENERATE_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
@@ -329,7 +329,7 @@ def compare_in_thread(job: Job, alive: Callable[[], None]) -> dict:
 
 def line(ev: dict) -> str:
     """An event as one line of the stream: the same text a --jsonl file holds."""
-    return (getattr(ev, "line", None) or ENCODER.encode(ev)) + "\n"
+    return (getattr(ev, "line", None) or dumps(ev)) + "\n"
 
 
 def error_body(e: Exception) -> dict:
@@ -340,7 +340,7 @@ def error_body(e: Exception) -> dict:
 
 def queue_line(position: int) -> str:
     """A line of the stream that is not a trace event: the run waits behind `position` others (0: it starts)."""
-    return ENCODER.encode({"event": "queue", "position": position}) + "\n"
+    return dumps({"event": "queue", "position": position}) + "\n"
 
 
 async def stream(job: Job, limits: Limits, history: History):
@@ -368,7 +368,7 @@ async def stream(job: Job, limits: Limits, history: History):
             history.forget(job.run_id)
         except Exception as e:  # one error line, as JSON, and the server lives on
             history.forget(job.run_id)
-            loop.call_soon_threadsafe(queue.put_nowait, ENCODER.encode({"event": "error", **error_body(e)}) + "\n")
+            loop.call_soon_threadsafe(queue.put_nowait, dumps({"event": "error", **error_body(e)}) + "\n")
         finally:
             loop.call_soon_threadsafe(queue.put_nowait, None)
 
@@ -383,7 +383,7 @@ async def stream(job: Job, limits: Limits, history: History):
             waiting = False
             served.active += 1
             try:
-                yield ENCODER.encode({"event": "run_id", "id": job.run_id}) + "\n"
+                yield dumps({"event": "run_id", "id": job.run_id}) + "\n"
                 task = loop.run_in_executor(None, work)
                 try:
                     while (item := await queue.get()) is not None:

@@ -20,14 +20,14 @@ import torch
 
 from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
 from llmtrace.model.moe_points import EXPERT_WEIGHTS, ROUTER_PROBS
-from llmtrace.trace.stats import round_tensor
+from llmtrace.trace.packed import pack, pack_bytes
 from llmtrace.trace.worked import Worked
 from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
                                     tensor_event, tokens_event)
-from llmtrace.trace.sinks import ENCODER as _ENCODER
-from llmtrace.trace.stats import rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
+from llmtrace.trace.sinks import dumps as _dumps
+from llmtrace.trace.stats import rounded_floats, rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
 from llmtrace.trace.options import TraceOptions
 from llmtrace.trace.routing import ExpertLoad, routing_event, routing_tables
 
@@ -63,22 +63,17 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
     return torch.Size(sizes), x.as_strided(kept_sizes, kept_strides), count
 
 
-def _nan_to_none(x: list) -> list:
-    return [_nan_to_none(v) if isinstance(v, list) else None if math.isnan(v) else v for v in x]
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the recorder
 
 
 class TensorEvent(dict):
-    """A tensor event: a plain dict to every sink, which may also carry its own JSON text.
+    """A tensor event: a plain dict to every sink, which also carries its own JSON text.
 
-    A full trace writes 574 of them per step, and encoding them took about a third of what tracing cost (~8 of ~23 ms
-    a step, measured by leaving the encoding out). For the common kind (no extra fields such as a dump or a mask
-    count, finite statistics) the recorder writes the line itself from parts it encoded once per pass, and `line`
-    holds it: the same text `_ENCODER.encode(event)` gives (tests/test_trace.py checks every event of a full trace).
-    `line` is None otherwise, and must not be set on an event that is changed afterwards."""
+    A full trace writes 574 of them per step. The recorder writes every tensor event's line itself (trace.sinks.dumps)
+    once it is whole; `line` holds it, and the JSONL sink and the server write it as it is (tests/test_trace.py parses
+    every line of a full trace back to its event). `line` is None until the recorder has made it, and must not be set
+    on an event that is changed afterwards."""
 
     line: Optional[str] = None  # (a class default: a Python __init__ would cost more than the dict itself)
 
@@ -95,8 +90,8 @@ class Recorder:
         self.run_info = run_info or {}
         self.step = 0
         self.phase = "prefill"
-        self._pending: list[tuple[TensorEvent, int, Optional[dict], str]] = []  # (tensor event without its stats,
-        #                                           stat index, extra fields or None, its JSON from "name" to "dtype")
+        self._pending: list[tuple[TensorEvent, int, Optional[dict]]] = []  # (tensor event without its stats,
+        #                                                                       stat index, extra fields or None)
         self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
         self._taps: list[tuple] = []  # (layer, name, tensor, dumped, row or None), kept for _reduce_queue
         self._queued = 0  # elements in self._taps
@@ -198,8 +193,8 @@ class Recorder:
     def _layout(self, name: str, x: torch.Tensor) -> tuple:
         """What a point's tensor layout means for the trace, worked out once per pass for all the layers that share it:
         (recorded shape, the view of its distinct entries or None, how often each repeats, statistics group key, dtype
-        name, the event's JSON from "name" to "dtype"). The recorded shape drops the batch dimension, except for
-        kv_write (its tensor is the positions written)."""
+        name). The recorded shape drops the batch dimension, except for kv_write (its tensor is the positions
+        written). The key is the one _reduce_queue looks up first."""
         key = (name, x.shape, x.stride(), x.dtype)
         layout = self._layouts.get(key)
         if layout is None:
@@ -209,9 +204,7 @@ class Recorder:
             # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
             group = (distinct.shape, x.dtype, x.device, name == "scores",
                      self._worked is not None and name in self._worked.softmax_inputs)
-            dtype = _dtype_name(x.dtype)
-            part = {"name": name, "seed_step": self._step_of.get(name), "shape": shape, "dtype": dtype}
-            layout = self._layouts[key] = (shape, view, repeats, group, dtype, _ENCODER.encode(part)[1:-1])
+            layout = self._layouts[key] = (shape, view, repeats, group, _dtype_name(x.dtype))
         return layout
 
     def _reduce_queue(self) -> None:
@@ -221,26 +214,29 @@ class Recorder:
         if not self._taps:
             return  # a pass nothing recorded (every pass of --trace none and most of --trace steps)
         groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
-        step, phase = self.step, self.phase
-        for layer, name, x, dumped, row in self._taps:
-            shape, view, repeats, group, dtype, json_part = self._layout(name, x)
-            i = self._n_stats
-            self._n_stats += 1
+        step, phase, layouts, step_of, pending = self.step, self.phase, self._layouts, self._step_of, self._pending
+        full = self._worked.full if self._worked is not None else {}
+        i = self._n_stats
+        for layer, name, x, dumped, row in self._taps:  # 574 a decode step at --trace full: kept lean
+            layout = layouts.get((name, x.shape, x.stride(), x.dtype))
+            shape, view, repeats, group, dtype = layout if layout is not None else self._layout(name, x)
             groups.setdefault(group, []).append((i, x if view is None else x.as_strided(*view), repeats))
             extra = None
             if name == KV_WRITE.name:
                 positions = x.tolist()
                 extra = {"positions": [positions[0], positions[-1]] if positions else []}
-            if self._worked is not None and (layer, name) in self._worked.full:
-                full = self._worked.full_rows(layer, name, x)
-                extra = extra if full is None else (extra or {}) | {"full": full}
+            if (layer, name) in full:
+                rows = self._worked.full_rows(layer, name, x)
+                extra = extra if rows is None else (extra or {}) | {"full": rows}
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
                 extra = (extra or {}) | {"values": (values[0] if name != KV_WRITE.name else values).detach().float().cpu()}
-            event = tensor_event(step, phase, layer, name, self._step_of.get(name), list(shape), dtype, cls=TensorEvent)
+            event = tensor_event(step, phase, layer, name, step_of.get(name), list(shape), dtype, cls=TensorEvent)
             if row is not None:
                 event["row"] = row
-            self._pending.append((event, i, extra, json_part))
+            pending.append((event, i, extra))
+            i += 1
+        self._n_stats = i
         self._taps.clear()
         self._queued = 0
         with torch.no_grad():  # the statistics are observations, never part of a graph
@@ -276,26 +272,32 @@ class Recorder:
         index = list(range(last)) if last <= self.SAMPLE_WIDTH else (
             list(range(half)) + list(range(last // 2, last // 2 + half)))
         flat = m.reshape(len(members), rows, last)
-        self._samples.append(([i for i, _, _ in members], index, flat[..., index].double(),
-                              torch.linalg.vector_norm(flat.double(), dim=-1),
-                              torch.logsumexp(flat.double(), dim=-1) if lse else None))
+        # the norms and log-sum-exps are kept as float32 (trace.packed), so they are taken in float32 (a float64 copy
+        # of the group cost more than the rest of the sample); bfloat16 and float16 are widened first
+        wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
+        self._samples.append(([i for i, _, _ in members], index, flat[..., index],
+                              torch.linalg.vector_norm(wide, dim=-1), torch.logsumexp(wide, dim=-1) if lse else None))
 
     def _take_samples(self) -> dict[int, dict]:
-        """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"}, rounded as every float;
-        a non-finite value (a masked score: -inf, and its row's norm) as null."""
-        from llmtrace.trace.stats import round_tensor
+        """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"[, "lse"]}, each packed as
+        float32 (trace.packed). Every group's values cross to the host together, as one float32 array whose slices
+        are the members' packed bytes: a few calls a pass, nothing per float."""
+        parts = [t.reshape(-1).float() for _, _, values, norms, lse in self._samples
+                 for t in (values, norms, lse) if t is not None]
+        data = memoryview(torch.cat(parts).cpu().numpy().astype("<f4", copy=False).tobytes())
+        offset = 0
 
-        def as_list(x: torch.Tensor) -> list:
-            x = x.cpu()
-            finite = torch.isfinite(x)
-            if bool(finite.all()):
-                return round_tensor(x).tolist()
-            return _nan_to_none(round_tensor(torch.where(finite, x, torch.nan)).tolist())
+        def take(t: torch.Tensor, n_members: int) -> list[str]:
+            nonlocal offset
+            each = 4 * (t.numel() // n_members)
+            out = [pack_bytes(data[offset + k * each: offset + (k + 1) * each]) for k in range(n_members)]
+            offset += each * n_members
+            return out
 
         out = {}
         for members, index, values, norms, lse in self._samples:
-            vals, nrm = as_list(values), as_list(norms)
-            lses = as_list(lse) if lse is not None else None
+            vals, nrm = take(values, len(members)), take(norms, len(members))
+            lses = take(lse, len(members)) if lse is not None else None
             for k, i in enumerate(members):
                 out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
                 if lses is not None:
@@ -387,9 +389,8 @@ class Recorder:
         if self._stats:  # one transfer for the whole pass, then rounded in one batch
             for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
                 values[i] = row
-        head = f'{{"event": "tensor", "step": {int(self.step)}, "phase": {_ENCODER.encode(self.phase)}, "layer": '
         samples = self._take_samples() if self._samples else {}
-        for ev, stat_index, extra, json_part in self._pending:
+        for ev, stat_index, extra in self._pending:
             mean, std, lo, hi, norm, count = values[stat_index]
             ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
             if stat_index in samples:
@@ -405,15 +406,8 @@ class Recorder:
                 if "values" in extra:
                     ev["values"] = extra["values"].tolist()
                 if "full" in extra:
-                    ev["full"] = {"t": extra["full"]["t"], "values": _nan_to_none(
-                        round_tensor(extra["full"]["values"]).tolist())}
-            if (extra is None or extra.keys() == {"full"}) and None not in (mean, std, lo, hi, norm) and \
-                    len(ev) == 9 + ("sample" in ev) + ("full" in ev):  # the common case: its JSON line made here
-                layer = "null" if ev["layer"] is None else int(ev["layer"])
-                tail = f', "sample": {_ENCODER.encode(ev["sample"])}' if "sample" in ev else ""
-                tail += f', "full": {_ENCODER.encode(ev["full"])}' if "full" in ev else ""
-                ev.line = (f'{head}{layer}, {json_part}, "stats": {{"mean": {mean!r}, "std": {std!r}, "min": {lo!r}, '
-                           f'"max": {hi!r}, "norm": {norm!r}}}{tail}}}')
+                    ev["full"] = {"t": extra["full"]["t"], "values": pack(extra["full"]["values"].numpy())}
+            ev.line = _dumps(ev)
             self.emit(ev)
         self._pending.clear()
         self._emit_routing()
@@ -534,22 +528,29 @@ def logits_record(raw: torch.Tensor, n: int) -> dict:
     the other V - n as a histogram of TAIL_BINS equal bins between their least and largest value (each bin's count and
     mean), so that a page can take softmax(z / T) over the whole vocabulary at any temperature: the tail's share is
     Σ count · exp(mean / T), within (bin width / T)² / 24 of exact."""
-    z = raw.detach().float().reshape(-1)
+    z = raw.detach().float().reshape(-1).cpu()
     finite = torch.isfinite(z)
-    k = min(n, int(finite.sum()))
-    top, ids = torch.topk(torch.where(finite, z, -torch.inf), k)
-    rest = torch.ones_like(finite)
-    rest[ids] = False
-    tail = z[rest & finite].double()
-    out = {"ids": ids.tolist(), "values": [_round(v) for v in top.tolist()], "vocab": z.numel(), "tail": None}
-    if tail.numel():
-        lo, hi = float(tail.min()), float(tail.max())
-        edges = torch.clamp(((tail - lo) / max(hi - lo, 1e-12) * TAIL_BINS).long(), 0, TAIL_BINS - 1)
-        counts = torch.bincount(edges, minlength=TAIL_BINS)
-        sums = torch.zeros(TAIL_BINS, dtype=torch.float64).index_add_(0, edges, tail)
+    all_finite = bool(finite.all())
+    n_finite = z.numel() if all_finite else int(finite.sum())
+    k = min(n, n_finite)
+    zf = z if all_finite else torch.where(finite, z, -torch.inf)
+    top, ids = torch.topk(zf, k)
+    out = {"ids": ids.tolist(), "values": rounded_floats(top.double().numpy()), "vocab": z.numel(), "tail": None}
+    if n_finite > k:  # the histogram of the tail, over the whole vocabulary: the top k and any non-finite logit are
+        #               put in an extra bin that is dropped (no gather of the tail: a third of the time)
+        rest = zf.clone()
+        rest[ids] = -torch.inf
+        lo = float(zf.min() if all_finite else torch.where(finite, z, torch.inf).min())
+        hi = float(rest.max())
+        zd = z.double()
+        edges = torch.clamp(((zd - lo) / max(hi - lo, 1e-12) * TAIL_BINS).long(), 0, TAIL_BINS - 1)
+        edges[ids] = TAIL_BINS
+        if not all_finite:
+            edges[~finite] = TAIL_BINS
+        counts = torch.bincount(edges, minlength=TAIL_BINS + 1)[:TAIL_BINS]
+        sums = torch.zeros(TAIL_BINS + 1, dtype=torch.float64).index_add_(0, edges, zd)[:TAIL_BINS]
         keep = counts > 0
-        out["tail"] = {"counts": counts[keep].tolist(),
-                       "means": [_round(v) for v in (sums[keep] / counts[keep]).tolist()]}
+        out["tail"] = {"counts": counts[keep].tolist(), "means": rounded_floats((sums[keep] / counts[keep]).numpy())}
     return out
 
 

@@ -16,7 +16,8 @@ SIGNIFICANT_DIGITS = 7  # float32 carries about 7
 
 def rounded(x: Any, digits: int = SIGNIFICANT_DIGITS) -> Any:
     """A float to `digits` significant digits, or None for inf and nan (JSON has neither); other values as they are.
-    Every float of a trace goes through this rule (stats.round_tensor applies it to a batch at once)."""
+    Every float of a trace written as a JSON number goes through this rule (stats.round_array applies it to a batch at
+    once); a --trace full sample's values are packed float32 instead (trace.packed)."""
     if isinstance(x, float):
         if math.isinf(x) or math.isnan(x):
             return None

@@ -3,6 +3,7 @@ the end of a pass; and the trace's rounding rule (records.rounded) applied to a 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from llmtrace.trace.records import rounded
@@ -21,9 +22,11 @@ def stat_rows(m: torch.Tensor, finite_only: bool) -> torch.Tensor:
     else:  # amin and amax apart: faster here than aminmax
         lo, hi = m.amin(dim=1), m.amax(dim=1)
         n = torch.full((m.size(0),), float(m.size(1)), dtype=torch.float64, device=m.device)
-    # both sums read m as it is and accumulate in float64 (no float64 copy of m is made)
-    s1 = m.sum(dim=1, dtype=torch.float64)
-    s2 = torch.linalg.vector_norm(m, dim=1, dtype=torch.float64).square()
+    # both sums accumulate in float64, from one float64 copy of m: casting once and reading the copy twice is about
+    # 1.6x faster than casting in each reduction (on the CPU, 30 layers' keys of a 104-token cache: 0.6 vs 0.96 ms)
+    d = m.double()
+    s1 = d.sum(dim=1)
+    s2 = torch.linalg.vector_norm(d, dim=1).square()
     return torch.stack([s1, s2, lo.double(), hi.double(), n], dim=1)
 
 
@@ -48,32 +51,47 @@ def tensor_stats(x: torch.Tensor) -> dict:
     return dict(zip(STAT_NAMES, summaries(stat_vector(x, finite_only=True)[None])[0].tolist()))
 
 
-def round_tensor(x: torch.Tensor) -> torch.Tensor:
-    """records.rounded for every entry of a float64 tensor at once: each finite x becomes n * 10^e with n a 7-digit integer,
-    computed so that the result is the double nearest to that decimal (the value `float("%.7g" % x)` gives). Entries
-    this cannot do exactly (magnitudes below 1e-15 or above 1e22) and non-finite ones are left as they are."""
-    mag = x.abs()
-    k = 6 - torch.floor(torch.log10(mag))  # x * 10^k has 7 digits before the point
-    k = torch.where(torch.isfinite(k), k, 0.0)
-    up = torch.pow(10.0, k.clamp(0, 22))  # powers of ten up to 1e22 are exact doubles
-    down = torch.pow(10.0, (-k).clamp(0, 22))
+_POW10 = np.array([10.0**i for i in range(23)])  # 10^0 .. 10^22: every one an exact double
+
+
+def round_array(x: np.ndarray) -> np.ndarray:
+    """records.rounded for every entry of a float64 array at once: each finite x becomes n * 10^e with n a 7-digit
+    integer, computed so that the result is the double nearest to that decimal (the value `float("%.7g" % x)` gives).
+    Entries this cannot do exactly (magnitudes below 1e-15 or above 1e22) and non-finite ones are left as they are.
+    In numpy, not torch: a trace rounds a few small arrays per pass, where each torch call costs ~10x numpy's."""
+    mag = np.abs(x)
+    ok = (mag > 1e-15) & (mag < 1e22)  # false for nan, and inf fails the upper bound; rounded_rows reads the same
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.where(ok, 6 - np.floor(np.log10(mag)), 0.0).astype(np.int64)  # x * 10^k has 7 digits before the point
+    up, down = _POW10[np.clip(k, 0, 22)], _POW10[np.clip(-k, 0, 22)]
     # n / 10^k (k >= 0) and n * 10^-k (k < 0) are single correctly rounded operations on exact operands
-    out = torch.where(k >= 0, torch.round(x * up) / up, torch.round(x / down) * down)
-    return torch.where(batch_roundable(x), out, x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.where(k >= 0, np.round(x * up) / up, np.round(x / down) * down)
+    return np.where(ok, out, x)
 
 
-def batch_roundable(x: torch.Tensor) -> torch.Tensor:
-    """Where round_tensor rounds exactly: finite, nonzero magnitudes in (1e-15, 1e22)."""
-    mag = x.abs()
-    return (mag > 1e-15) & (mag < 1e22)  # false for nan, and inf fails the upper bound
+def round_tensor(x: torch.Tensor) -> torch.Tensor:
+    """round_array for a float64 tensor (moved to the host)."""
+    return torch.from_numpy(round_array(x.detach().cpu().numpy()))
+
+
+def rounded_floats(a: np.ndarray) -> list:
+    """A 1-D float64 array as a list rounded by records.rounded, in one batch (round_array), the values it leaves
+    (zero aside) one by one; None for a non-finite one."""
+    out = round_array(a).tolist()
+    mag = np.abs(a)
+    for i in np.nonzero((a != 0) & ~((mag > 1e-15) & (mag < 1e22)))[0]:
+        out[i] = rounded(out[i])
+    return out
 
 
 def rounded_rows(rows: torch.Tensor) -> list[list]:
     """(n, 6) float64 rows of (mean, std, min, max, norm, count) -> lists with the five statistics rounded (records.rounded), all
     rounded in one batch; the count stays exact."""
-    rows = rows.cpu()
-    stats = rows[:, :5]
-    out = torch.cat([round_tensor(stats), rows[:, 5:]], dim=1).tolist()
-    for r, c in ((stats != 0) & ~batch_roundable(stats)).nonzero().tolist():  # what round_tensor left
+    a = rows.cpu().numpy()
+    stats = a[:, :5]
+    out = np.concatenate([round_array(stats), a[:, 5:]], axis=1).tolist()
+    mag = np.abs(stats)
+    for r, c in zip(*np.nonzero((stats != 0) & ~((mag > 1e-15) & (mag < 1e22)))):  # what round_array left
         out[r][c] = rounded(out[r][c])
     return out

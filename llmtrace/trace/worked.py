@@ -7,7 +7,8 @@ declaration (model.maths) says which:
     sink       a softmax's sink logit per head (gpt-oss), beside the scores' log-sum-exp
     lse        the log-sum-exp of each row of a softmax's input (p_i = exp(s_i − lse) for the sampled entries)
     full       whole rows of the scores' operands in a few layers: every key of the pass, and every query of a short
-               pass (else the last position's), so that q·k is worked out over all Dh entries
+               pass (else the last position's), so that q·k is worked out over all Dh entries (packed as float32,
+               trace.packed, as the samples are)
 Nothing here names a point: the operations say what is read.
 """
 
@@ -39,6 +40,7 @@ class Worked:
         self.full_layers = full_row_layers(selected, n)
         self.every_query = selected is not None  # with every layer traced, the last query's rows only (a page's size)
         self.weights: dict[tuple, tuple[str, torch.Tensor]] = {}  # (layer, point) -> ("gamma" | "sink", values)
+        self._extra: dict[tuple, Optional[dict]] = {}  # sample_extra's answers: the same in every pass
         self.softmax_inputs: set[str] = set()
         self.full: dict[tuple, str] = {}  # (layer, point) -> "last" (the pass's last position) or "all"
         for layer, table in [(None, maths.model)] + [(i, maths.layers[i]) for i in sorted(self.layers)]:
@@ -64,13 +66,18 @@ class Worked:
             self.weights[(layer, name)] = (kind, w.detach().double().cpu().reshape(-1))
 
     def sample_extra(self, layer: Optional[int], name: str, index: list[int]) -> Optional[dict]:
-        """The weight values a sample of this point carries: γ at its entries, or a sink per head."""
-        got = self.weights.get((layer, name))
-        if got is None:
-            return None
-        kind, w = got
-        values = w[index] if kind == "gamma" and w.numel() > max(index) else w
-        return {kind: [rounded(v) for v in values.tolist()]}
+        """The weight values a sample of this point carries: γ at its entries, or a sink per head (worked out once per
+        point and entries, then the same dict every pass)."""
+        key = (layer, name, len(index), index[-1])  # an index list is fixed by its length and last entry (recorder)
+        if key not in self._extra:
+            got = self.weights.get((layer, name))
+            if got is None:
+                self._extra[key] = None
+            else:
+                kind, w = got
+                values = w[index] if kind == "gamma" and w.numel() > max(index) else w
+                self._extra[key] = {kind: [rounded(v) for v in values.tolist()]}
+        return self._extra[key]
 
     def full_rows(self, layer: Optional[int], name: str, x: torch.Tensor) -> Optional[dict]:
         """Whole rows of a scores operand (x: (1, T, heads, Dh)): {"t": [first, last] (the rows along the pass's T),
@@ -83,4 +90,4 @@ class Worked:
             which = "all"
         rows = x[0, -1:] if which == "last" else x[0]  # (1 or T, heads, Dh)
         first = T - 1 if which == "last" else 0
-        return {"t": [first, T - 1], "values": rows.detach().double().cpu()}
+        return {"t": [first, T - 1], "values": rows.detach().float().cpu()}
