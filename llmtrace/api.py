@@ -588,7 +588,7 @@ class GenerateRun:
 
         lm, options = self.model.loaded, self.options
         events: list[dict] = []
-        kept: Sink = events.append if keep_events else (lambda ev: ev.get("event") == "summary" and events.append(ev))
+        kept: Sink = _Kept(events, every=keep_events)
         run_info = self._run_info()
         compiled = None
         if options.compile:
@@ -624,6 +624,21 @@ class GenerateRun:
         if self.samplers is not None:
             info["prompts"] = [p for p, _ in self.encoded]
         return info
+
+
+class _Kept:
+    """The sink that keeps a run's events for its Trace: every event, or (every=False) the summary alone."""
+
+    def __init__(self, events: list[dict], every: bool):
+        self.events, self.every = events, every
+
+    def __call__(self, event: dict) -> None:
+        if self.every or event.get("event") == "summary":
+            self.events.append(event)
+
+    def many(self, events: list[dict]) -> None:  # a pass's tensor events (Recorder.emit_many): never a summary
+        if self.every:
+            self.events.extend(events)
 
 
 def _layer_spec(layers) -> Optional[str]:

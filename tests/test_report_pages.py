@@ -5,6 +5,7 @@ report (the walk-through, live sampling, named axes, the page in Chinese)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from html import unescape
 from pathlib import Path
@@ -233,7 +234,7 @@ def test_trace_full_samples_every_float_point_and_the_logits(tiny):
     sampled = [e for e in tensors if "sample" in e]
     assert len(sampled) >= 0.85 * len(tensors)
     prompt = next(e for e in run.events if e["event"] == "tokens")["tokens"]
-    embed = next(e for e in sampled if e["step"] == 0 and e["layer"] is None and e["sample"]["norms"]
+    embed = next(e for e in sampled if e["step"] == 0 and e["layer"] is None and e["sample"].get("norms")
                  and len(e["shape"]) == 2 and e["shape"][1] == tiny.loaded.config.d_model
                  and e["seed_step"] == "s4")
     W = tiny.loaded.model.embed.weight.detach().double()
@@ -244,6 +245,10 @@ def test_trace_full_samples_every_float_point_and_the_logits(tiny):
     for t, tok in enumerate(prompt):  # every token's row: the embedding's own values, exactly, and the row's norm
         torch.testing.assert_close(torch.from_numpy(values[t]), W[tok["id"], s["index"]], rtol=0, atol=0)
         assert abs(norms[t] - float(W[tok["id"]].norm())) < 1e-6 * norms[t]
+    # a tensor of one row (every decode step's hidden state) has no norms in its sample: its statistics hold its norm
+    one_row = [e for e in sampled if e["step"] > 0 and e["name"] == "embed"]
+    assert one_row and all("norms" not in e["sample"] and len(unpack(e["sample"]["values"])) == 16 for e in one_row)
+    assert all("norms" in e["sample"] for e in sampled if math.prod(e["shape"][:-1]) > 1)
     step = next(e for e in run.events if e["event"] == "step")
     assert len(step["logits"]["ids"]) == tiny.loaded.config.vocab_size and step["logits"]["tail"] is None
     assert step["logits"]["ids"][0] == step["topk"][0]["id"] and step["logits"]["values"][0] == step["topk"][0]["logit"]

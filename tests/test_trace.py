@@ -278,7 +278,7 @@ def test_prepared_json_lines_equal_the_encoder(lm):
     assert all(type(e) is TensorEvent and e.line is not None for e in tensors)
     assert any(v == float("-inf") for row in dumped_scores[0]["values"][0] for v in row)
     for ev in tensors:
-        assert "\n" not in ev.line and json.loads(ev.line) == finite(dict(ev))
+        assert b"\n" not in ev.line and json.loads(ev.line) == finite(dict(ev))
 
 
 def test_statistics_rounded_on_the_device_equal_rounding_each_value():

@@ -329,7 +329,8 @@ def compare_in_thread(job: Job, alive: Callable[[], None]) -> dict:
 
 def line(ev: dict) -> str:
     """An event as one line of the stream: the same text a --jsonl file holds."""
-    return (getattr(ev, "line", None) or dumps(ev)) + "\n"
+    line = getattr(ev, "line", None)  # a tensor event's, as bytes (trace.recorder.TensorEvent)
+    return (line.decode() if line is not None else dumps(ev)) + "\n"
 
 
 def error_body(e: Exception) -> dict:

@@ -45,3 +45,4 @@ def _flatten(value: Any) -> list:
         else:
             out.append(v)
     return out
+

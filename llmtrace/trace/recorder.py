@@ -16,6 +16,7 @@ import functools
 import math
 from typing import Any, Callable, Optional
 
+import orjson
 import torch
 
 from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
@@ -26,7 +27,7 @@ from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
                                     tensor_event, tokens_event)
-from llmtrace.trace.sinks import dumps as _dumps
+from llmtrace.trace.sinks import ORJSON_OPTIONS as _ORJSON
 from llmtrace.trace.stats import rounded_floats, rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
 from llmtrace.trace.options import TraceOptions
 from llmtrace.trace.routing import ExpertLoad, routing_event, routing_tables
@@ -70,12 +71,12 @@ def _unbroadcast(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
 class TensorEvent(dict):
     """A tensor event: a plain dict to every sink, which also carries its own JSON text.
 
-    A full trace writes 574 of them per step. The recorder writes every tensor event's line itself (trace.sinks.dumps)
-    once it is whole; `line` holds it, and the JSONL sink and the server write it as it is (tests/test_trace.py parses
-    every line of a full trace back to its event). `line` is None until the recorder has made it, and must not be set
+    A full trace writes 574 of them per step. The recorder writes every tensor event's line itself once it is whole
+    (trace.sinks.dumps_bytes: UTF-8 bytes, as a file receives them); `line` holds it, and the JSONL sink and the server write it as it is (tests/test_trace.py parses
+    every line of a full trace back to its event). `line` is unset until the recorder has made it, and must not be set
     on an event that is changed afterwards."""
 
-    line: Optional[str] = None  # (a class default: a Python __init__ would cost more than the dict itself)
+    __slots__ = ("line",)  # no per-event __dict__; unset until the recorder makes the line (getattr(ev, "line", None))
 
 
 class Recorder:
@@ -92,7 +93,9 @@ class Recorder:
         self.phase = "prefill"
         self._pending: list[tuple[TensorEvent, int, Optional[dict]]] = []  # (tensor event without its stats,
         #                                                                       stat index, extra fields or None)
-        self._wanted_memo: dict[tuple, tuple[bool, bool]] = {}  # (layer, name, is prefill) -> (wanted, dumped)
+        self._wanted_memo: dict[bool, dict] = {True: {}, False: {}}  # is prefill -> {(layer, name): (wanted, dumped)}
+        self._memo = self._wanted_memo[True]  # this pass's (before_forward)
+        self._index: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # (row width, device) -> a sample's entries
         self._taps: list[tuple] = []  # (layer, name, tensor, dumped, row or None), kept for _reduce_queue
         self._queued = 0  # elements in self._taps
         self._layouts: dict[tuple, tuple] = {}  # see _layout; cleared after each pass
@@ -125,6 +128,18 @@ class Recorder:
     def emit(self, event: dict) -> None:
         for sink in self.sinks:
             sink(event)
+
+    def emit_many(self, events: list[dict]) -> None:
+        """Events in order, to each sink in turn: a sink with a `many` method (the JSONL sink) takes the whole list at
+        once (a pass's 574 tensor events at --trace full), any other sink one event at a time. Only for events
+        that end nothing (no step, no summary): a sink writes what it holds at the event that follows."""
+        for sink in self.sinks:
+            many = getattr(sink, "many", None)
+            if many is not None:
+                many(events)
+            else:
+                for event in events:
+                    sink(event)
 
     def wants_ledger(self) -> bool:
         return self.options.level != "none"
@@ -164,9 +179,9 @@ class Recorder:
         if name in ROUTING and layer is not None and self.options.level in ("layers", "full") and \
                 self._layer_selected(layer):  # the router ledger: a routing event per MoE layer per pass
             self._routes.setdefault(layer, {})[name] = x
-        wanted = self._wanted_memo.get((layer, name, self.step == 0))
+        wanted = self._memo.get((layer, name))
         if wanted is None:
-            wanted = self._wanted_memo[(layer, name, self.step == 0)] = (self._wanted(layer, name), self._dumped(layer, name))
+            wanted = self._memo[(layer, name)] = (self._wanted(layer, name), self._dumped(layer, name))
         if self._shape_table is not None:
             self._note_shape(layer, name, x)
         if not wanted[0]:
@@ -268,38 +283,55 @@ class Recorder:
         rows = m[0].numel() // last if last else 0
         if not rows or rows > self.SAMPLE_ROWS:
             return
-        half = self.SAMPLE_WIDTH // 2
-        index = list(range(last)) if last <= self.SAMPLE_WIDTH else (
-            list(range(half)) + list(range(last // 2, last // 2 + half)))
+        got = self._index.get((last, m.device))
+        if got is None:
+            half = self.SAMPLE_WIDTH // 2
+            index = list(range(last)) if last <= self.SAMPLE_WIDTH else (
+                list(range(half)) + list(range(last // 2, last // 2 + half)))
+            got = self._index[(last, m.device)] = (index, torch.tensor(index, device=m.device))
+        index, at = got
         flat = m.reshape(len(members), rows, last)
         # the norms and log-sum-exps are kept as float32 (trace.packed), so they are taken in float32 (a float64 copy
         # of the group cost more than the rest of the sample); bfloat16 and float16 are widened first
         wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
-        self._samples.append(([i for i, _, _ in members], index, flat[..., index],
-                              torch.linalg.vector_norm(wide, dim=-1), torch.logsumexp(wide, dim=-1) if lse else None))
+        # a tensor of one row (a decode step's hidden states, most of a full trace's points) has no norms: its
+        # statistics hold that row's norm
+        self._samples.append(([i for i, _, _ in members], index, flat.index_select(-1, at),
+                              torch.linalg.vector_norm(wide, dim=-1) if rows > 1 else None,
+                              torch.logsumexp(wide, dim=-1) if lse else None))
 
     def _take_samples(self) -> dict[int, dict]:
-        """The pass's samples, by stat index: {"index", "values" (rows × entries), "norms"[, "lse"]}, each packed as
-        float32 (trace.packed). Every group's values cross to the host together, as one float32 array whose slices
+        """The pass's samples, by stat index: {"index", "values" (rows × entries)[, "norms"][, "lse"]}, each packed as
+        float32 (trace.packed); "norms" only for more than one row. Every group's values cross to the host together, as one float32 array whose slices
         are the members' packed bytes: a few calls a pass, nothing per float."""
-        parts = [t.reshape(-1).float() for _, _, values, norms, lse in self._samples
-                 for t in (values, norms, lse) if t is not None]
-        data = memoryview(torch.cat(parts).cpu().numpy().astype("<f4", copy=False).tobytes())
+        parts = [t.reshape(-1) for _, _, values, norms, lse in self._samples for t in (values, norms, lse)
+                 if t is not None]
+        data = memoryview(torch.cat(parts).float().cpu().numpy().astype("<f4", copy=False).tobytes())
         offset = 0
 
         def take(t: torch.Tensor, n_members: int) -> list[str]:
             nonlocal offset
-            each = 4 * (t.numel() // n_members)
-            out = [pack_bytes(data[offset + k * each: offset + (k + 1) * each]) for k in range(n_members)]
+            each = 4 * (t.numel() // n_members)  # bytes a member
+            if each % 3 == 0:  # base64 of the whole group splits into the members' at every 4 * each / 3 characters
+                text, width = pack_bytes(data[offset: offset + each * n_members]), 4 * each // 3
+                out = [text[k * width: (k + 1) * width] for k in range(n_members)]
+            else:
+                out = [pack_bytes(data[offset + k * each: offset + (k + 1) * each]) for k in range(n_members)]
             offset += each * n_members
             return out
 
         out = {}
         for members, index, values, norms, lse in self._samples:
-            vals, nrm = take(values, len(members)), take(norms, len(members))
+            vals = take(values, len(members))
+            if norms is None and lse is None:
+                out.update({i: {"index": index, "values": v} for i, v in zip(members, vals)})
+                continue
+            nrm = take(norms, len(members)) if norms is not None else None
             lses = take(lse, len(members)) if lse is not None else None
             for k, i in enumerate(members):
-                out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
+                out[i] = {"index": index, "values": vals[k]}
+                if nrm is not None:
+                    out[i]["norms"] = nrm[k]
                 if lses is not None:
                     out[i]["lse"] = lses[k]
         self._samples.clear()
@@ -379,6 +411,7 @@ class Recorder:
 
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
+        self._memo = self._wanted_memo[step == 0]
         self._n_tokens, self._start = n_tokens, start
         if step == 0 and self.options.level != "none":
             self._shape_table = []
@@ -390,14 +423,15 @@ class Recorder:
             for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
                 values[i] = row
         samples = self._take_samples() if self._samples else {}
+        weights = self._worked.weights if self._worked is not None else {}
         for ev, stat_index, extra in self._pending:
             mean, std, lo, hi, norm, count = values[stat_index]
             ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
             if stat_index in samples:
                 ev["sample"] = samples[stat_index]
-                more = self._worked and self._worked.sample_extra(ev["layer"], ev["name"], ev["sample"]["index"])
-                if more:
-                    ev["sample"] = ev["sample"] | more
+                if (ev["layer"], ev["name"]) in weights:  # a norm's γ, a softmax's sinks (trace.worked)
+                    ev["sample"] = ev["sample"] | self._worked.sample_extra(ev["layer"], ev["name"],
+                                                                            ev["sample"]["index"])
             if ev["name"] == SCORES.name:
                 ev["masked"] = int(math.prod(ev["shape"]) - count)
             if extra is not None:
@@ -407,8 +441,8 @@ class Recorder:
                     ev["values"] = extra["values"].tolist()
                 if "full" in extra:
                     ev["full"] = {"t": extra["full"]["t"], "values": pack(extra["full"]["values"].numpy())}
-            ev.line = _dumps(ev)
-            self.emit(ev)
+            ev.line = orjson.dumps(ev, option=_ORJSON)  # trace.sinks.dumps_bytes, inlined: 574 a step
+        self.emit_many([ev for ev, _, _ in self._pending])
         self._pending.clear()
         self._emit_routing()
         self._layouts.clear()
@@ -529,8 +563,8 @@ def logits_record(raw: torch.Tensor, n: int) -> dict:
     mean), so that a page can take softmax(z / T) over the whole vocabulary at any temperature: the tail's share is
     Σ count · exp(mean / T), within (bin width / T)² / 24 of exact."""
     z = raw.detach().float().reshape(-1).cpu()
-    finite = torch.isfinite(z)
-    all_finite = bool(finite.all())
+    all_finite = math.isfinite(float(z.sum(dtype=torch.float64)))  # a finite sum has no inf or nan in it
+    finite = None if all_finite else torch.isfinite(z)
     n_finite = z.numel() if all_finite else int(finite.sum())
     k = min(n, n_finite)
     zf = z if all_finite else torch.where(finite, z, -torch.inf)

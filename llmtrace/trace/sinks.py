@@ -22,7 +22,7 @@ from llmtrace.errors import LlmtraceError
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.fsutil import sigint_deferred
 
-_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 # what orjson cannot write (an integer beyond 64 bits) goes to the json module, in orjson's compact layout
 _FALLBACK = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
@@ -34,10 +34,28 @@ def dumps(value) -> str:
     third of what tracing did. Numbers are the shortest text that reads back as the same double (Python's repr, except
     that 1e-05 is written 0.00001); text is UTF-8 as it is (no \\u escapes); a non-finite float becomes null (JSON
     has none; the trace writes None for one anyway)."""
+    return dumps_bytes(value).decode()
+
+
+def dumps_bytes(value) -> bytes:
+    """dumps, as the UTF-8 bytes a file receives (what the JSONL sink writes, and TensorEvent.line holds)."""
     try:
-        return orjson.dumps(value, option=_OPTIONS).decode()
+        return orjson.dumps(value, option=ORJSON_OPTIONS)
     except orjson.JSONEncodeError:
-        return _FALLBACK.encode(value)
+        return _FALLBACK.encode(value).encode()
+
+
+def _write_stdout(data: bytes) -> None:
+    """UTF-8 lines to standard output: to its byte stream, after what its text layer holds (a stand-in without one,
+    as a test's capture may be, gets the text)."""
+    raw = getattr(sys.stdout, "buffer", None)
+    if raw is None:
+        sys.stdout.write(data.decode("utf-8"))
+        sys.stdout.flush()
+        return
+    sys.stdout.flush()
+    raw.write(data)
+    raw.flush()
 
 
 class JsonlSink:
@@ -52,31 +70,35 @@ class JsonlSink:
         self.target = target
         self.started = False  # something has been written
         self.ended = False  # the last event written was the summary
-        self._held: list[str] = []  # lines of tensor events not written yet
+        self._held: list[bytes] = []  # lines of tensor events not written yet, as UTF-8
         self._fd: Optional[int] = None
 
     def __call__(self, event: dict) -> None:
         # A tensor event carries its JSON line already (trace.recorder.TensorEvent.line).
-        self._held.append(getattr(event, "line", None) or dumps(event))
+        self._held.append(getattr(event, "line", None) or dumps_bytes(event))
         kind = event.get("event")
         self.ended = kind == "summary"
         if kind != "tensor":  # one write per step instead of hundreds at --trace full
             self._write_held()
 
+    def many(self, events: list[dict]) -> None:
+        """Tensor events, held to be written with the event that follows them (Recorder.emit_many)."""
+        self._held.extend(getattr(event, "line", None) or dumps_bytes(event) for event in events)
+        self.ended = False
+
     def _write_held(self) -> None:
         if not self._held:
             return
         with sigint_deferred():  # a Ctrl-C waits until the lines are out whole
-            text = "\n".join(self._held) + "\n"
+            data = b"\n".join(self._held) + b"\n"
             self._held.clear()
             self.started = True
             if self.target == "-":
-                sys.stdout.write(text)
-                sys.stdout.flush()
+                _write_stdout(data)
                 return
             if self._fd is None:
                 self._fd = self._open()
-            data = memoryview(text.encode("utf-8"))
+            data = memoryview(data)
             try:
                 while data:  # one call writes it all, but a write may legally stop short
                     data = data[os.write(self._fd, data):]
