@@ -357,3 +357,40 @@ def test_the_recorder_keeps_no_model_and_leaves_nothing_attached(lm):
              2, ignore_eos=True, observer=rec)
     assert not any(isinstance(v, torch.nn.Module) for v in vars(rec).values())
     assert all(getattr(m, "observer", None) is None for m in lm.model.modules())
+
+
+def test_the_cache_views_statistics_carried_from_pass_to_pass_equal_reducing_them_whole(tiny_lm, monkeypatch):
+    """k_repeated (every key cached so far) is reduced, after its first pass, by the slots each pass wrote
+    (trace.growing): over a prefill in two passes (the first one not observed) and decode steps its statistics equal
+    those of the whole cache reduced at every pass, and the carried path is the one taken after the first pass."""
+    from llmtrace.run import generate as generation
+    from llmtrace.trace import growing
+
+    lm = tiny_lm
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 24)  # a 40-token prompt is prefilled in two passes
+    ids = (lm.tokenizer.encode(PROMPT) * 20)[:40]
+    taken = []
+    split = growing.Growing.split
+
+    def counted(self, *args):
+        got = split(self, *args)
+        taken.append(got is not None)
+        return got
+
+    def run(carried: bool) -> list[dict]:
+        events = []
+        rec = Recorder(TraceOptions(level="full"), [events.append], run_info={"prompt": PROMPT})
+        monkeypatch.setattr(growing.Growing, "split", counted if carried else (lambda self, *a: None))
+        generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), 4, ignore_eos=True,
+                 observer=rec)
+        return [e for e in events if e["event"] == "tensor" and e["name"] == "k_repeated"]
+
+    carried, whole = run(True), run(False)
+    assert [(e["step"], e["layer"], e["shape"]) for e in carried] == [(e["step"], e["layer"], e["shape"]) for e in whole]
+    assert len({e["step"] for e in carried}) == 4 and len(carried) == 4 * lm.config.n_layers  # the prefill's last pass
+    for a, b in zip(carried, whole):
+        for k in ("mean", "std", "min", "max", "norm"):
+            assert a["stats"][k] == pytest.approx(b["stats"][k], rel=1e-12, abs=1e-15), (a["step"], a["layer"], k)
+    n = lm.config.n_layers
+    assert taken == [False] * n + [True] * (3 * n)  # the first pass reduced whole, each later one by its slots
+    assert carried[0]["shape"][1] == 40 and carried[-1]["shape"][1] == 43  # every slot cached, both chunks' too

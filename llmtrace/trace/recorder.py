@@ -21,6 +21,7 @@ import torch
 
 from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
 from llmtrace.model.moe_points import EXPERT_WEIGHTS, ROUTER_PROBS
+from llmtrace.trace.growing import Growing, combine, gather
 from llmtrace.trace.packed import pack, pack_bytes
 from llmtrace.trace.worked import Worked
 from llmtrace.version import __version__
@@ -113,6 +114,8 @@ class Recorder:
         self._start = 0  # the first slot of this pass
         self._batched = False  # on_start was told of a batch (generate_batch): on_end gets a BatchResult
         self._worked = None  # at --trace full, what the report's worked examples read besides the samples (worked.py)
+        self._growing = Growing()  # the KV cache's broadcast views, reduced by the slots each pass adds (growing.py)
+        self._written: dict[Optional[int], tuple[int, int]] = {}  # this pass: layer -> [first, last] slot written
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -228,18 +231,30 @@ class Recorder:
         a few per tensor (hundreds)."""
         if not self._taps:
             return  # a pass nothing recorded (every pass of --trace none and most of --trace steps)
-        groups: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
+        groups: dict[tuple, list[tuple]] = {}  # key -> [(stat index, distinct entries, repeats, growing key or None)]
         step, phase, layouts, step_of, pending = self.step, self.phase, self._layouts, self._step_of, self._pending
         full = self._worked.full if self._worked is not None else {}
         i = self._n_stats
+        grown: list[tuple] = []  # (stat index, the slots this pass wrote, repeats, key, whole view, last pass's row)
         for layer, name, x, dumped, row in self._taps:  # 574 a decode step at --trace full: kept lean
             layout = layouts.get((name, x.shape, x.stride(), x.dtype))
             shape, view, repeats, group, dtype = layout if layout is not None else self._layout(name, x)
-            groups.setdefault(group, []).append((i, x if view is None else x.as_strided(*view), repeats))
+            distinct = x if view is None else x.as_strided(*view)
+            if repeats == 1:
+                groups.setdefault(group, []).append((i, distinct, repeats, None))
+            else:  # a broadcast view of the KV cache (k_repeated): reduce only what this pass wrote (trace.growing)
+                key = (layer, name, row)
+                split = None if group[3] else self._growing.split(key, distinct, self._written.get(layer))
+                if split is None:
+                    groups.setdefault(group, []).append((i, distinct, repeats, key))
+                else:
+                    grown.append((i, split[1], repeats, key, distinct, split[0]))
             extra = None
             if name == KV_WRITE.name:
                 positions = x.tolist()
                 extra = {"positions": [positions[0], positions[-1]] if positions else []}
+                if positions and positions[-1] - positions[0] + 1 == len(positions):
+                    self._written[layer] = (positions[0], positions[-1])
             if (layer, name) in full:
                 rows = self._worked.full_rows(layer, name, x)
                 extra = extra if rows is None else (extra or {}) | {"full": rows}
@@ -256,15 +271,31 @@ class Recorder:
         self._queued = 0
         with torch.no_grad():  # the statistics are observations, never part of a graph
             for (_, _, _, finite_only, lse), members in groups.items():
-                m = torch.stack([x for _, x, _ in members])
+                m = torch.stack([x for _, x, _, _ in members])
                 rows = _stat_rows(m.view(len(members), -1), finite_only)
-                if any(c != 1 for _, _, c in members):  # broadcast views: every distinct element stands for c
-                    counts = torch.tensor([c for _, _, c in members], dtype=rows.dtype, device=rows.device)
-                    rows[:, [0, 1, 4]] *= counts[:, None]  # sum, sum of squares and count scale; min and max do not
+                if any(c != 1 for _, _, c, _ in members):  # broadcast views: every distinct element stands for c
+                    for j, (_, x, _, key) in enumerate(members):
+                        if key is not None:
+                            self._growing.keep(key, x, rows, j)
+                    rows = self._repeated(rows, [c for _, _, c, _ in members])
                 self._stats.append(rows)
-                self._stat_order.extend(i for i, _, _ in members)
+                self._stat_order.extend(i for i, _, _, _ in members)
                 if self.options.level == "full":
                     self._sample_group(members, m, lse)
+            if grown:
+                new = _stat_rows(torch.stack([part for _, part, _, _, _, _ in grown]).view(len(grown), -1), False)
+                rows = combine(gather([before for *_, before in grown]), new)
+                for j, (_, _, _, key, x, _) in enumerate(grown):
+                    self._growing.keep(key, x, rows, j)
+                self._stats.append(self._repeated(rows, [c for _, _, c, _, _, _ in grown]))
+                self._stat_order.extend(i for i, *_ in grown)
+
+    @staticmethod
+    def _repeated(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Statistics rows of distinct entries -> those of the view where each stands for `counts` of them: the sum,
+        sum of squares and count scale; min and max do not."""
+        scale = torch.tensor([[c, c, 1, 1, c] for c in counts], dtype=rows.dtype, device=rows.device)
+        return rows * scale
 
     # A few values of every point at --trace full, for the report's walk-through (generic: no point is named): along
     # the last axis of the recorded shape, the whole row when it has at most SAMPLE_WIDTH entries, else the first
@@ -273,11 +304,11 @@ class Recorder:
     SAMPLE_WIDTH = 16
     SAMPLE_ROWS = 2048
 
-    def _sample_group(self, members: list[tuple[int, torch.Tensor, int]], m: torch.Tensor, lse: bool = False) -> None:
+    def _sample_group(self, members: list[tuple], m: torch.Tensor, lse: bool = False) -> None:
         """Keep the sample of every member of one statistics group (m: the members stacked), to be moved to the host
         with the pass's statistics. A broadcast view (repeats > 1) or an integer tensor has none. `lse`: the group is a
         softmax's input, whose rows' log-sum-exp the worked softmax reads (trace.worked)."""
-        if not m.is_floating_point() or m.dim() < 2 or any(c != 1 for _, _, c in members):
+        if not m.is_floating_point() or m.dim() < 2 or any(c != 1 for _, _, c, _ in members):
             return
         last = m.shape[-1]
         rows = m[0].numel() // last if last else 0
@@ -296,7 +327,7 @@ class Recorder:
         wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
         # a tensor of one row (a decode step's hidden states, most of a full trace's points) has no norms: its
         # statistics hold that row's norm
-        self._samples.append(([i for i, _, _ in members], index, flat.index_select(-1, at),
+        self._samples.append(([i for i, _, _, _ in members], index, flat.index_select(-1, at),
                               torch.linalg.vector_norm(wide, dim=-1) if rows > 1 else None,
                               torch.logsumexp(wide, dim=-1) if lse else None))
 
@@ -412,6 +443,7 @@ class Recorder:
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
         self._memo = self._wanted_memo[step == 0]
+        self._written = {}
         self._n_tokens, self._start = n_tokens, start
         if step == 0 and self.options.level != "none":
             self._shape_table = []
@@ -547,6 +579,7 @@ class Recorder:
                    "topk": self._topk(ledger), "kv_cache": self._kv_event(kv, position if row is not None else None)})
 
     def on_end(self, result) -> None:
+        self._growing.clear()  # nothing of the run's cache is held after it
         ev = batch_summary_event(result) if self._batched else summary_event(result)
         loads = self._load.records()
         if loads:  # a mixture of experts traced at --trace layers or full: each layer's expert load
