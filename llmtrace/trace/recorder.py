@@ -29,7 +29,8 @@ from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
                                     tensor_event, tokens_event)
 from llmtrace.trace.sinks import ORJSON_OPTIONS as _ORJSON
-from llmtrace.trace.stats import rounded_floats, rounded_rows as _rounded_rows, stat_rows as _stat_rows, summaries as _summaries
+from llmtrace.trace.stats import (rounded_floats, rounded_rows as _rounded_rows, stat_rows as _stat_rows,
+                                  summaries as _summaries)
 from llmtrace.trace.options import TraceOptions
 from llmtrace.trace.routing import ExpertLoad, routing_event, routing_tables
 
@@ -73,9 +74,9 @@ class TensorEvent(dict):
     """A tensor event: a plain dict to every sink, which also carries its own JSON text.
 
     A full trace writes 574 of them per step. The recorder writes every tensor event's line itself once it is whole
-    (trace.sinks.dumps_bytes: UTF-8 bytes, as a file receives them); `line` holds it, and the JSONL sink and the server write it as it is (tests/test_trace.py parses
-    every line of a full trace back to its event). `line` is unset until the recorder has made it, and must not be set
-    on an event that is changed afterwards."""
+    (trace.sinks.dumps_bytes: UTF-8 bytes, as a file receives them); `line` holds it, and the JSONL sink and the
+    server write it as it is (tests/test_trace.py parses every line of a full trace back to its event). `line` is
+    unset until the recorder has made it, and must not be set on an event that is changed afterwards."""
 
     __slots__ = ("line",)  # no per-event __dict__; unset until the recorder makes the line (getattr(ev, "line", None))
 
@@ -333,8 +334,8 @@ class Recorder:
 
     def _take_samples(self) -> dict[int, dict]:
         """The pass's samples, by stat index: {"index", "values" (rows × entries)[, "norms"][, "lse"]}, each packed as
-        float32 (trace.packed); "norms" only for more than one row. Every group's values cross to the host together, as one float32 array whose slices
-        are the members' packed bytes: a few calls a pass, nothing per float."""
+        float32 (trace.packed); "norms" only for more than one row. Every group's values cross to the host together,
+        as one float32 array whose slices are the members' packed bytes: a few calls a pass, nothing per float."""
         parts = [t.reshape(-1) for _, _, values, norms, lse in self._samples for t in (values, norms, lse)
                  if t is not None]
         data = memoryview(torch.cat(parts).float().cpu().numpy().astype("<f4", copy=False).tobytes())
