@@ -1,7 +1,7 @@
 """Statistics of a view over a cache that grows by the slots each pass writes, carried from pass to pass.
 
 A point such as k_repeated (the keys laid out for the query heads) is every key cached so far: at --trace full its
-statistics are reduced over the whole cache at every step, which made a decode step's tracing cost grow with the
+statistics were reduced over the whole cache at every step, which made a decode step's tracing cost grow with the
 context (30 layers of SmolLM2 at 104 slots: 60% of the time of all the pass's statistics). Each pass writes only its
 own slots, so the statistics of the slots before them are those of the pass before: this keeps, per point, the
 (sum, sum of squares, min, max, count) row of the last pass and reduces only the slots the pass wrote.
@@ -11,8 +11,8 @@ strides, and has grown along one axis by exactly the slots the layer's kv_write 
 the cache being append-only: LayerKV.update is its one writer (it reports kv_write), and a hook may not edit a point
 in place (Module.point). A pass in inference mode tracks no version counters to check it by. Anything else (a first
 pass, another run's or a copied cache, a pass not seen) is reduced whole, as before. The sums are the same float64
-sums in another order: equal to the whole reduction to ~1e-16 relative, far below the 7 digits a trace keeps
-(tests/test_trace.py compares them over a run).
+sums in another order, equal to the whole reduction far below the 7 digits a trace keeps (tests/test_trace.py:
+within 1e-12 relative over a run).
 """
 
 from __future__ import annotations
