@@ -27,4 +27,9 @@ def human_bytes(n: Optional[float]) -> str:
 
 def plural(n: int, word: str, plural: Optional[str] = None) -> str:  # noqa: A002 (the keyword callers write)
     """'1 position', '3 positions', '1,024 tokens'; `plural` for a word that does not take an s ('1 index', '2 indices')."""
-    return f"{n:,} {word if n == 1 else (plural or word + 's')}"
+    return f"{n:,} {noun(n, word, plural)}"
+
+
+def noun(n: int, word: str, plural: Optional[str] = None) -> str:  # noqa: A002
+    """The word alone, as plural() counts it: 'layer' for 1, 'layers' for any other n ('in layers 0, 3')."""
+    return word if n == 1 else (plural or word + "s")

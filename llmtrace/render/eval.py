@@ -3,10 +3,10 @@ llama-perplexity prints it (its KL-divergence statistics with two sides). Plain 
 
 from __future__ import annotations
 
-from llmtrace.words import in_words
-
 import math
 from typing import Optional
+
+from llmtrace.words import in_words
 
 
 def _pm(f: Optional[dict], digits: int = 4, pct: bool = False) -> str:

@@ -19,7 +19,7 @@ from rich.text import Text
 from llmtrace.model.points import AXES
 from llmtrace.model.llama_points import DOWN, KV_WRITE, LOGITS, O_PROJ, PROBS, RESID_MID, RESID_POST, SCORES
 from llmtrace.trace.reader import trace_points
-from llmtrace.units import human_bytes, plural
+from llmtrace.units import human_bytes, noun, plural
 from llmtrace.words import in_words
 
 DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
@@ -870,7 +870,7 @@ def _rope_words(points: list[dict], maths: Optional[dict]) -> tuple[str, str]:
     from llmtrace.model.maths import attention_words, plan_from_record
 
     other = plan_from_record(plans[next(i for i in range(len(plans)) if i not in turning)])
-    return " and ".join(names), (f"in {plural(len(turning), 'layer').split(' ', 1)[1]} {', '.join(map(str, turning))} only "
+    return " and ".join(names), (f"in {noun(len(turning), 'layer')} {', '.join(map(str, turning))} only "
                                  f"(the others turn nothing: {attention_words(other)})")
 
 

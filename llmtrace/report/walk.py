@@ -140,9 +140,9 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         # a softmax's input in a layer whose q·k is worked out whole: exp(s − lse) needs its 7 digits, not f24's 5
         exact = s.get("lse") is not None and ev["layer"] in full
         # a tensor of one row has no norms in its sample: its statistics' norm is that row's
-        norms = s["norms"] if s.get("norms") is not None else [ev["stats"]["norm"]]
+        norms = unpack(s["norms"] if s.get("norms") is not None else [ev["stats"]["norm"]])
         samples[key] = [meta({"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
-                              "rows": len(unpack(norms))}),
+                              "rows": len(norms)}),
                         (pack_f32 if exact else pack_f24)(s["values"]), pack_f24(norms)]
         extra = {"f32": True} if exact else {}
         for name in ("gamma", "sink"):  # a weight's values: the same in every pass, kept once per layer and point

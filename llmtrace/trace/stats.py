@@ -76,22 +76,20 @@ def round_tensor(x: torch.Tensor) -> torch.Tensor:
 
 
 def rounded_floats(a: np.ndarray) -> list:
-    """A 1-D float64 array as a list rounded by records.rounded, in one batch (round_array), the values it leaves
-    (zero aside) one by one; None for a non-finite one."""
+    """A float64 array as (nested) lists rounded by records.rounded, in one batch (round_array), the few values it
+    leaves (zero aside) one by one; None for a non-finite one."""
     out = round_array(a).tolist()
     mag = np.abs(a)
-    for i in np.nonzero((a != 0) & ~((mag > 1e-15) & (mag < 1e22)))[0]:
-        out[i] = rounded(out[i])
+    for at in np.argwhere((a != 0) & ~((mag > 1e-15) & (mag < 1e22))):
+        cell = out
+        for i in at[:-1]:
+            cell = cell[i]
+        cell[at[-1]] = rounded(cell[at[-1]])
     return out
 
 
 def rounded_rows(rows: torch.Tensor) -> list[list]:
-    """(n, 6) float64 rows of (mean, std, min, max, norm, count) -> lists with the five statistics rounded (records.rounded), all
-    rounded in one batch; the count stays exact."""
+    """(n, 6) float64 rows of (mean, std, min, max, norm, count) -> lists with the five statistics rounded
+    (records.rounded) in one batch; the count stays exact."""
     a = rows.cpu().numpy()
-    stats = a[:, :5]
-    out = np.concatenate([round_array(stats), a[:, 5:]], axis=1).tolist()
-    mag = np.abs(stats)
-    for r, c in zip(*np.nonzero((stats != 0) & ~((mag > 1e-15) & (mag < 1e22)))):  # what round_array left
-        out[r][c] = rounded(out[r][c])
-    return out
+    return [r + [n] for r, n in zip(rounded_floats(a[:, :5]), a[:, 5].tolist())]

@@ -9,7 +9,7 @@ A GGUF (arch `smollm3`, q/k rows permuted as Llama's) has no key for this: llama
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
-from llmtrace.units import plural
+from llmtrace.units import noun
 from llmtrace.model.transformer import Transformer
 
 GGUF_INTERVAL = 4  # llama.cpp's n_no_rope_layer_step for smollm3: no GGUF key says it
@@ -44,8 +44,7 @@ def changes(c) -> list[str]:
         return ["every layer applies RoPE (no_rope_layers all 1)"]
     which = ", ".join(map(str, layers))
     gguf = " (the GGUF has no key for them: llama.cpp's every 4th)" if (c.extra or {}).get("format") == "gguf" else ""
-    word = plural(len(layers), "layer").split(" ", 1)[1]  # layer or layers
-    return [f"no RoPE in {word} {which} of {c.n_layers}{gguf}: q and k go unrotated, "
+    return [f"no RoPE in {noun(len(layers), 'layer')} {which} of {c.n_layers}{gguf}: q and k go unrotated, "
             f"so attention there sees content, not position"]
 
 
