@@ -45,6 +45,8 @@ from llmtrace.model.llama_points import (ACT, ATTN_NORM, ATTN_OUT, DOWN, EMBED, 
                                          K_ROPE, KV_WRITE, LAST, LOGITS, O_PROJ, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST,
                                          RESID_PRE, SCORES, UP, V)
 from llmtrace.model.maths import PREV, LayerPlan, Maths, Op, op
+from llmtrace.model.memory import Memory, kv_memory
+from llmtrace.model.memory import totals as memory_totals
 from llmtrace.model.points import (DeclaredSource, DeclaredWeight, Point, Points, Source, Weight, axis_size, splice,
                                    with_where)
 
@@ -317,11 +319,57 @@ class LayerKV:
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def read(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [0, end) as they are, for a layer that reads this one's keys and values and writes none."""
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def rows(self, n: int, end: int) -> "LayerKV":
+        """A copy of slots [0, end) of row 0 for n rows (a patching sweep's batch of variants of one run)."""
+        return LayerKV(self.k[:1, :, :end].expand(n, -1, -1, -1).clone(), self.v[:1, :, :end].expand(n, -1, -1, -1).clone())
+
+    def joined(self, other: "LayerKV") -> "LayerKV":
+        """These rows, then other's."""
+        return LayerKV(torch.cat([self.k, other.k]), torch.cat([self.v, other.v]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class LayerSlots:
+    """One layer's per-token entries other than attention's K and V (an MLA layer's latent and its RoPE key): one
+    preallocated (B, S_max, ...) buffer a name, written at the slots being computed."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor]):
+        self.buffers = buffers
+
+    def update(self, start: int, **parts: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Write each part (B, T, ...) at slots [start, start+T); return every filled slot's entries (B, S, ...)."""
+        out = {}
+        for name, x in parts.items():
+            end = start + x.size(1)
+            self.buffers[name][:, start:end] = x
+            out[name] = self.buffers[name][:, :end]
+        return out
+
+    def read(self, end: int) -> dict[str, torch.Tensor]:
+        return {n: b[:, :end] for n, b in self.buffers.items()}
+
+    def rows(self, n: int, end: int) -> "LayerSlots":
+        return LayerSlots({k: b[:1, :end].expand(n, *b.shape[1:2], *b.shape[2:]).clone() for k, b in self.buffers.items()})
+
+    def joined(self, other: "LayerSlots") -> "LayerSlots":
+        return LayerSlots({k: torch.cat([b, other.buffers[k]]) for k, b in self.buffers.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
 
 class LayerState:
-    """One layer's recurrent state, where its memory is not keys and values but fixed-size tensors updated in place
-    by each pass (linear attention: model.families.qwen3_5). `buffers` maps a name to a (B, ...) tensor of the shape
-    the layer declared; unlike a LayerKV it does not grow with the sequence: a pass reads it and writes it back."""
+    """One layer's memory of a constant size: fixed-size tensors updated in place by each pass (linear attention's
+    recurrent state, a convolution's last inputs). `buffers` maps a name to a (B, ...) tensor of the shape the layer
+    declared; unlike a LayerKV it does not grow with the sequence: a pass reads it and writes it back."""
 
     def __init__(self, buffers: dict[str, torch.Tensor]):
         self.buffers = buffers
@@ -332,77 +380,111 @@ class LayerState:
     def write(self, name: str, value: torch.Tensor) -> None:
         self.buffers[name].copy_(value)
 
+    def rows(self, n: int, end: int = 0) -> "LayerState":
+        """Row 0's state for n rows (its size does not depend on `end`)."""
+        return LayerState({k: b[:1].expand(n, *b.shape[1:]).clone() for k, b in self.buffers.items()})
+
+    def joined(self, other: "LayerState") -> "LayerState":
+        return LayerState({k: torch.cat([b, other.buffers[k]]) for k, b in self.buffers.items()})
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
 
 
 def kv_bytes_per_position(config: ModelConfig, element_size: int, n_heads: Optional[int] = None) -> int:
-    """Bytes the cache takes for one position of one row in one layer: K and V, 2 · Hkv · Dh · element size. With
-    `n_heads` (the query heads) instead: what the same cache would take without GQA, one K and V per query head. The
-    one home of this figure: the cache, the trace's events and `explain` all take it from here."""
+    """Bytes an attention layer of Llama's kind caches for one position of one row: K and V, 2 · Hkv · Dh · element
+    size; with `n_heads` (the query heads) instead, what the same cache would take without GQA. A layer's own figure
+    is its declared memory (model.memory); this is that declaration's value for Llama's attention."""
     return 2 * (n_heads or config.n_kv_heads) * config.head_dim * element_size
 
 
 class KVCache:
-    """Preallocated keys and values of B rows for every layer; slots [0, seq_len) hold valid entries.
+    """Every layer's memory for B rows, allocated from what each layer declares (model.memory.Memory): preallocated
+    keys and values (or other per-token entries) of up to S_max slots, fixed-size states, or nothing of its own where
+    a layer reads an earlier layer's keys and values. Slots [0, seq_len) hold valid entries.
 
     The caller owns it and passes it to `Transformer.forward`; a forward without one is a plain pass from position 0.
     Every row has the same slots; which of a row's slots are padding is the caller's `attention_mask`. Every slot is
     kept, in sliding-window layers too (they read only the last W of them): the bytes it counts are the bytes held."""
 
     def __init__(self, config: ModelConfig, max_len: int, batch: int = 1, dtype=torch.float32, device=None,
-                 states: Optional[list] = None):
-        shape = (batch, config.n_kv_heads, max_len, config.head_dim)  # (B, Hkv, S_max, Dh) per layer
+                 memory: Optional[list[Memory]] = None):
         # One buffer per layer, handed to the layer itself: the layer's code needs no layer index, and a compiled step
         # gets separate inputs rather than views into one shared tensor. `device` may name one device per layer.
-        # `states[i]` (name -> shape without B): layer i keeps a fixed-size recurrent state instead (LayerState),
-        # kept in float32 as the reference keeps it.
         devices = device if isinstance(device, (list, tuple)) else [device] * config.n_layers
-        states = states or [None] * config.n_layers
-        self.layers = [LayerState({n: torch.zeros((batch, *s), dtype=torch.float32, device=d) for n, s in st.items()})
-                       if st else
-                       LayerKV(torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
-                       for d, st in zip(devices, states)]
-        self.kv_layers = sum(isinstance(kv, LayerKV) for kv in self.layers)
+        self.memory = memory or [kv_memory(config.n_kv_heads, config.head_dim, config.n_heads)] * config.n_layers
+        self.layers: list = []
+        for i, (m, d) in enumerate(zip(self.memory, devices)):
+            if m.reads is not None:  # a KV-shared layer: the earlier layer's own buffers, nothing allocated
+                self.layers.append(self.layers[m.reads])
+                continue
+            per = {n: (batch, *s[:-1], max_len, s[-1]) if set(m.per_token) == {"k", "v"} else (batch, max_len, *s)
+                   for n, s in m.per_token.items()}  # K and V as (B, Hkv, S_max, Dh), the layout attention reads
+            if set(m.per_token) == {"k", "v"}:
+                self.layers.append(LayerKV(*(torch.zeros(per[n], dtype=dtype, device=d) for n in ("k", "v"))))
+            elif m.per_token:
+                self.layers.append(LayerSlots({n: torch.zeros(s, dtype=dtype, device=d) for n, s in per.items()}))
+            elif m.constant:
+                st = torch.float32 if m.constant_float32 else dtype
+                self.layers.append(LayerState({n: torch.zeros((batch, *s), dtype=st, device=d)
+                                               for n, s in m.constant.items()}))
+            else:
+                self.layers.append(None)
+        self.dtype = dtype
         self.config = config
         self.batch = batch
         self.max_len = max_len
         self.seq_len = 0  # slots [0, seq_len) hold valid keys and values
+        self._totals = memory_totals(self.memory, self.element_size)
 
     @property
     def element_size(self) -> int:
-        return next((kv.k.element_size() for kv in self.layers if isinstance(kv, LayerKV)), 4)
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers whose memory grows with each token."""
+        return len(self._totals["growing_layers"])
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one cached position of one row takes across the layers that cache keys and values:
-        2 (K and V) * L * Hkv * Dh * element size (L: those layers)."""
-        return self.kv_layers * kv_bytes_per_position(self.config, self.element_size)
+        """Bytes one cached position of one row takes across the layers, from each layer's declared memory (Llama:
+        2 (K and V) · L · Hkv · Dh · element size)."""
+        return self._totals["bytes_per_token"]
 
     @property
     def mha_bytes_per_token(self) -> int:
-        """The same for a cache without GQA (one K and V per query head): what grouped-query attention saves."""
-        return self.kv_layers * kv_bytes_per_position(self.config, self.element_size, self.config.n_heads)
+        """The same for full multi-head attention (one K and V per query head) in the layers that grow: what
+        grouped-query attention, or a latent, saves."""
+        return self._totals["mha_bytes_per_token"]
 
     @property
     def bytes_allocated(self) -> int:
-        """The keys' and values' buffers (the recurrent states are `state_bytes`)."""
-        return sum(kv.k.nbytes + kv.v.nbytes for kv in self.layers if isinstance(kv, LayerKV))
+        """The growing buffers, every row and slot (the constant-size memory is `state_bytes`)."""
+        return sum(kv.nbytes for kv in self._distinct() if isinstance(kv, (LayerKV, LayerSlots)))
 
     @property
     def state_layers(self) -> list[int]:
-        """The layers that keep a recurrent state instead of keys and values."""
-        return [i for i, kv in enumerate(self.layers) if isinstance(kv, LayerState)]
+        """The layers that keep a memory of constant size (a recurrent state, a convolution window)."""
+        return list(self._totals["constant_layers"])
 
     @property
     def state_bytes_per_layer(self) -> int:
-        """One such layer's state, every row: the same at every step, however long the sequence."""
-        return next((kv.nbytes for kv in self.layers if isinstance(kv, LayerState)), 0)
+        """The largest such layer's memory, every row: the same at every step."""
+        return max((kv.nbytes for kv in self.layers if isinstance(kv, LayerState)), default=0)
 
     @property
     def state_bytes(self) -> int:
         return sum(kv.nbytes for kv in self.layers if isinstance(kv, LayerState))
+
+    def _distinct(self) -> list:
+        seen, out = set(), []
+        for kv in self.layers:
+            if kv is not None and id(kv) not in seen:
+                seen.add(id(kv))
+                out.append(kv)
+        return out
 
 
 class LayerInput(NamedTuple):
@@ -458,6 +540,10 @@ class Attention(Module):
         out.append(Weight("wo.weight", ("D", "H*Dh"), "s6.6", "matrix",
                           (Source("o_proj.weight", "attn_output.weight", "D", "Wo"),)))
         return tuple(out)
+
+    def memory(self) -> Memory:
+        """s6.8 what the layer keeps: K and V of each KV head, one entry a token."""
+        return kv_memory(self.n_kv_heads, self.head_dim, self.n_heads)
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         B, T, _ = x.shape
@@ -641,6 +727,10 @@ class Block(Module):
         return splice(tuple(own[p.name] if isinstance(p, Point) else p for p in cls.POINTS),
                       {"attn": cls.attention.declared_points(), "ffn": cls.feed_forward.declared_points()})
 
+    def memory(self) -> Memory:
+        """What this layer keeps between passes: its sequence mixer's declaration."""
+        return self.attn.memory()
+
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         x = self.point("resid_pre", x)  # (B, T, D)
         x = self.sublayer("attn", x, lambda h: self.attn(h, io))  # s6.6 residual 1: x + attention
@@ -711,13 +801,12 @@ class Transformer(Module):
         Each layer's keys and values sit where that layer runs."""
         p = self.embed.weight
         return KVCache(self.config, max_len, batch=batch, dtype=p.dtype, device=self.layer_devices or p.device,
-                       states=self.state_shapes())
+                       memory=self.memory())
 
-    def state_shapes(self) -> Optional[list]:
-        """Each layer's recurrent state (name -> shape without the batch axis), None for a layer that caches keys
-        and values: what `new_cache` allocates. None: every layer caches keys and values (Llama)."""
-        shapes = [getattr(layer, "state_shapes", lambda: None)() for layer in self.layers]
-        return shapes if any(shapes) else None
+    def memory(self) -> list[Memory]:
+        """Each layer's memory as its kind declares it (model.memory): what `new_cache` allocates and every byte count
+        the views show."""
+        return [layer.memory() for layer in self.layers]
 
     def cache_stale(self, cache: KVCache, start: int, n: int, input_pos: Optional[torch.Tensor] = None) -> bool:
         """Whether a pass of n tokens at slot `start` makes the cache's slots [0, start) out of date, so that the

@@ -109,7 +109,7 @@ def sweep_metrics(model, clean_ids: list[int], corrupt_ids: list[int], answer: i
         m_corrupt = metric(model(idx, base, 0, last_only=True))[0].item()
     entering = {layer: kept[(layer, entering_point)][0] for layer in range(L)}  # L × (T, D)
     grid = torch.empty(L, T, dtype=torch.float64)
-    stateful = model.state_shapes() is not None  # layers whose memory is a state, not slots (linear attention)
+    stateful = any(m.constant for m in model.memory())  # a memory of constant size (a state), not slots
     for p in range(T):
         before = _corrupt_prefix(model, idx, p, T) if stateful else base
         grid[:, p] = metric(_patched_at_position(model, before, entering, clean_acts, at, p, T)).double().cpu()
@@ -136,9 +136,9 @@ def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str,
     row ℓ joins the batch at layer ℓ with the corrupt stream entering that layer (positions [p, T)). This is the
     model's layer loop (`run_layers`, one layer at a time) over a batch that grows by one row per layer, each layer
     with its own copy of the corrupt cache; the patch itself is made by the model's hook."""
-    from llmtrace.model.transformer import LayerKV, LayerState
-
     L = model.config.n_layers
+    memory = model.memory()
+    copies: dict = {}  # layer -> its cache copy for this position's rows (a KV-shared layer reads an earlier one's)
     idx = torch.empty(1, T - p, dtype=torch.long, device=entering[0].device)  # positions [p, T): only its size is read
     inputs = model.layer_inputs(idx, None, p, dtype=entering[0].dtype)
 
@@ -155,12 +155,11 @@ def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str,
             if layer > 0:
                 x = torch.cat([x, entering[layer][None, p:]])  # row ℓ = layer joins: (ℓ + 1, T - p, D)
             rows = layer + 1
-            kv = base.layers[layer]
-            if isinstance(kv, LayerState):  # the state after the corrupt positions [0, p), one copy a row
-                cache = LayerState({n: b.expand(rows, *b.shape[1:]).clone() for n, b in kv.buffers.items()})
-            else:
-                cache = LayerKV(kv.k[:, :, :T].expand(rows, -1, -1, -1).clone(),
-                                kv.v[:, :, :T].expand(rows, -1, -1, -1).clone())
+            j = memory[layer].reads
+            if j is not None:  # rows that joined after layer j read layer j's corrupt entries
+                cache = copies[j].joined(base.layers[j].rows(rows - j - 1, T)) if rows > j + 1 else copies[j]
+            else:  # the corrupt run's memory after positions [0, p) (a state), or its slots: one copy a row
+                cache = copies[layer] = base.layers[layer].rows(rows, T)
             inputs[layer] = inputs[layer]._replace(cache=cache)  # slots [p, T) written over the copy; [0, p) corrupt
             x = model.run_layers(x, inputs, [layer])
     return model.head(x, last_only=True)  # (L, V)

@@ -81,6 +81,7 @@ class ModelRecord(TypedDict):
     n_experts_used: NotRequired[int]
     expert_ffn_dim: NotRequired[int]
     active_params: NotRequired[int]
+    memory: NotRequired[list[dict]]  # each layer's declared memory (model.memory.Memory.record)
 
 
 class FastRecord(TypedDict):
@@ -161,7 +162,14 @@ def model_record(lm) -> ModelRecord:
             "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
             "rope_scaling": json.loads(json.dumps(c.rope_scaling)) if c.rope_scaling is not None else None,
             "rms_eps": rounded(c.rms_eps), "tie_embeddings": c.tie_embeddings, "max_seq_len": c.max_seq_len,
-            "n_params": weight_count(lm.model), "storage": storage_table(lm.model)} | experts_record(lm)
+            "n_params": weight_count(lm.model), "storage": storage_table(lm.model),
+            "memory": memory_record(lm)} | experts_record(lm)
+
+
+def memory_record(lm) -> list[dict]:
+    """Each layer's memory, from its kind's declaration, at the element size the cache keeps."""
+    es = lm.model.embed.weight.element_size() if lm.model.embed.weight.is_floating_point() else 4
+    return [m.record(es) for m in lm.model.memory()]
 
 
 def experts_record(lm) -> dict:

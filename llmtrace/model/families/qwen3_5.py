@@ -44,6 +44,7 @@ from llmtrace.model.families.gemma2 import GemmaRMSNorm
 from llmtrace.model.families.qwen3 import K_NORM, Q_NORM
 from llmtrace.model.llama_points import ATTN_OUT, K, O_PROJ, Q, V
 from llmtrace.model.maths import LayerPlan, Op, op
+from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight, inserted, splice
 from llmtrace.model.transformer import Attention, Block, LayerInput, Module, RMSNorm, Transformer
 
@@ -173,9 +174,9 @@ class GatedDeltaNet(Module):
                                     eps=self.norm.eps, gamma="w", over="Dv"),
                 O_PROJ.name: op("matmul", [DELTA_NORM.name], ["w_out.weight"], merge="Hv")}
 
-    def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The layer's memory, without the batch axis: the same size at every step."""
-        return {"state": (self.hv, self.dk, self.dv), "conv": (self.channels, self.kc - 1)}
+    def memory(self) -> Memory:
+        """s6.8 the layer's memory, without the batch axis: the same size at every step."""
+        return Memory("state", constant={"state": (self.hv, self.dk, self.dv), "conv": (self.channels, self.kc - 1)})
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         B, T, _ = x.shape
@@ -314,9 +315,6 @@ class Qwen35Block(Block):
 
     def attention_of(self, config, layer: int) -> Module:
         return (self.linear_attention if config.layer_type(layer) == "linear" else self.attention)(config)
-
-    def state_shapes(self) -> Optional[dict]:
-        return self.attn.state_shapes() if isinstance(self.attn, GatedDeltaNet) else None
 
     def plan(self, config, rope: Optional[dict]) -> LayerPlan:
         """A linear layer: no window, no RoPE (its convolution gives it order), no KV cache."""
