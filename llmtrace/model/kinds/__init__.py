@@ -1,0 +1,20 @@
+"""Kinds of layer: each kind of sequence mixer is one module here, its torch code beside its declarations.
+
+A kind is a `model.transformer.Module` subclass that a family's `Block.attention_of` puts in a layer. Besides its
+forward pass it declares, in its own file:
+
+- `KIND`: its key ("attention", "linear_attention", "mla", "mamba2", "short_conv"), which the layer plan carries and
+  the views translate; never an English phrase used as a protocol value;
+- `POINTS`, `weights()` and `maths(x, plan)`: its named tensors, its weights with their HF and GGUF keys, and each
+  point's operation (model.maths), as attention does;
+- `memory()`: what it keeps between passes (model.memory.Memory: per-token entries, a constant-size state, or an
+  earlier layer's entries it reads); `KVCache` allocates exactly that and hands it to the layer as `io.cache`
+  (a LayerKV for K and V, a LayerSlots for other per-token entries, a LayerState for constant tensors);
+- `flops(n_tokens)`: multiply-add FLOPs (2 per multiply-add) of its matrix products over a pass of n tokens, as a
+  dict of named parts with "total";
+- `HEADINGS`: the seed steps its points sit under, each with the heading a learner reads for this kind, in English
+  and Chinese ({"s6.3": ("causal convolution", "因果卷积"), ...}); a step it does not name keeps the seed table's
+  heading. A kind that is not attention never borrows attention's headings.
+
+Attention itself (`model.transformer.Attention`) declares the same; the families' variants subclass it.
+"""
