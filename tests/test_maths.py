@@ -88,7 +88,7 @@ def test_every_point_declares_an_operation_of_the_vocabulary(loaded, name):
             o = maths.op(layer, p.name)
             if o is None:  # a layer that reports a subset of the declared points: a dense layer of a mixture of
                 # experts, or a hybrid model's layer of one mixer kind (Qwen3.5: linear attention or attention)
-                hybrid = len({plan.attention == "linear" for plan in maths.plan}) == 2
+                hybrid = len({plan.mixer for plan in maths.plan}) == 2
                 assert (model.config.n_experts and p.where == "ffn") or (hybrid and p.where == "attn"), (layer, p.name)
                 continue
             assert o.kind in OPS

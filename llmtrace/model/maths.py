@@ -103,9 +103,12 @@ def op_from_record(r: dict) -> Op:
 class LayerPlan:
     """What one layer does differently from the others, decided once by the model.
 
-    `attention`: "global" (every earlier key), "window" (at most the last `window` keys) or a family's own word;
-    `rope`: {"base", "rotary_dim", "head_dim", "scaling", ...} or None (no rotation in this layer); `ffn`: "dense" or
-    "experts" ({"n": E, "k": K} in `experts`); `norms`: the norm points the layer has, in forward order."""
+    `attention`: which keys a query reads, "global" (every earlier key), "window" (at most the last `window` keys),
+    or "none" in a layer whose mixer is not attention; `rope`: {"base", "rotary_dim", "head_dim", "scaling", ...} or
+    None (no rotation in this layer); `ffn`: "dense" or "experts" ({"n": E, "k": K} in `experts`); `norms`: the norm
+    points the layer has, in forward order. `mixer`: the key of the layer's kind (model.kinds: "attention",
+    "linear_attention", ...), and `headings`: the titles its kind teaches its seed steps under ({step: [English,
+    Chinese]}, with "summary": one line on the kind), where they are not the seed table's."""
 
     attention: str = "global"
     window: Optional[int] = None
@@ -113,15 +116,26 @@ class LayerPlan:
     ffn: str = "dense"
     experts: Optional[dict] = None
     norms: tuple[str, ...] = ()
+    mixer: str = "attention"
+    headings: Optional[dict] = None
 
     def record(self) -> dict:
         return {"attention": self.attention, "window": self.window, "rope": self.rope, "ffn": self.ffn,
-                "experts": self.experts, "norms": list(self.norms)}
+                "experts": self.experts, "norms": list(self.norms), "mixer": self.mixer,
+                "headings": self.headings or {}}
+
+    def heading(self, step: str, lang: str = "en") -> Optional[str]:
+        """This layer's title for a seed step, where its kind gives its own (None: the seed table's)."""
+        h = (self.headings or {}).get(step)
+        return None if not h else h[1 if lang == "zh" and len(h) > 1 else 0]
 
 
 def plan_from_record(r: dict) -> LayerPlan:
-    return LayerPlan(r.get("attention", "global"), r.get("window"), r.get("rope"), r.get("ffn", "dense"),
-                     r.get("experts"), tuple(r.get("norms") or ()))
+    attention = r.get("attention", "global")
+    mixer = r.get("mixer") or ("linear_attention" if attention == "linear" else "attention")  # a trace before kinds
+    return LayerPlan("none" if attention == "linear" else attention, r.get("window"), r.get("rope"),
+                     r.get("ffn", "dense"), r.get("experts"), tuple(r.get("norms") or ()), mixer,
+                     r.get("headings") or None)
 
 
 @dataclass(frozen=True)
@@ -207,8 +221,8 @@ def _n(x: float) -> str:
 
 
 def attention_words(plan: LayerPlan) -> str:
-    if plan.attention == "linear":
-        return "linear attention: a fixed-size state, no KV cache"
+    if plan.heading("summary"):  # a kind of layer other than attention says what it is
+        return plan.heading("summary")
     if plan.attention == "window":
         return f"a window of {plan.window:,} keys"
     return "global: every earlier key" if plan.attention == "global" else plan.attention

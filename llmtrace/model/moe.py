@@ -156,6 +156,12 @@ class MoEFeedForward(Module):
                 self.point(name, value.view(B, T, K, Fe))
         return self.point("down", out.view(B, T, D))  # (B, T, D)
 
+    def flops(self, n_tokens: int) -> list[tuple]:
+        """Over T tokens: the router's scores, then K experts a token (each a gated FFN of width Fe)."""
+        T, D, E, K, Fe = n_tokens, self.router.in_features, self.n_experts, self.k, self.expert_dim
+        return [("router", "router scores", "2·T·D·E", 2 * T * D * E),
+                ("ffn", "K gated experts a token", "K·(2·T·D·2Fe + 2·T·Fe·D)", K * (2 * T * D * 2 * Fe + 2 * T * Fe * D))]
+
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """An expert's gated activation: act(gate) ⊙ up (a family with a clamped GLU changes it: gpt-oss)."""
         return self.act(gate) * up

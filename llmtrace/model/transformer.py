@@ -541,9 +541,23 @@ class Attention(Module):
                           (Source("o_proj.weight", "attn_output.weight", "D", "Wo"),)))
         return tuple(out)
 
+    # -- the kind, declared (model.kinds) -----------------------------------------------------------------------
+    KIND = "attention"
+    HEADINGS: dict = {}  # s6.1-s6.8 as the seed table names them (model.points.SEED_STEPS)
+    EXPLAIN = ("attention",)  # explain's sections for this kind (run.explain), besides the generic ones
+    FLOPS_NOTE = "the scores count the full T×T square the eager path computes (the causal mask then discards the upper half)"
+
     def memory(self) -> Memory:
         """s6.8 what the layer keeps: K and V of each KV head, one entry a token."""
         return kv_memory(self.n_kv_heads, self.head_dim, self.n_heads)
+
+    def flops(self, n_tokens: int) -> list[tuple]:
+        """Its matrix products over a pass of T tokens, (key, label, formula, FLOPs), 2 per multiply-add."""
+        T, D, H, Hkv, Dh = n_tokens, self.config.d_model, self.n_heads, self.n_kv_heads, self.head_dim
+        return [("qkv", "Q, K, V projections", "2·T·D·(H + 2·Hkv)·Dh", 2 * T * D * (H + 2 * Hkv) * Dh),
+                ("scores", "scores Q·Kᵀ", "2·H·T·T·Dh", 2 * H * T * T * Dh),
+                ("pv", "weighted sum P·V", "2·H·T·T·Dh", 2 * H * T * T * Dh),
+                ("o", "output projection", "2·T·H·Dh·D", 2 * T * H * Dh * D)]
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         B, T, _ = x.shape
@@ -674,6 +688,11 @@ class FeedForward(Module):
         act = self.point("act", self.glu(gate, up))  # (B, T, F)
         return self.point("down", self.w_down(act))  # (B, T, D)
 
+    def flops(self, n_tokens: int) -> list[tuple]:
+        """Its matrix products over T tokens: gate and up, then down."""
+        T, D, Fd = n_tokens, self.w_down.out_features, self.ffn_dim
+        return [("ffn", "gated FFN", "2·T·D·2F + 2·T·F·D", 2 * T * D * 2 * Fd + 2 * T * Fd * D)]
+
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) ⊙ up: the seam where a family changes the gated activation (GeGLU, a clamped GLU)."""
         return self.act(gate) * up
@@ -731,6 +750,13 @@ class Block(Module):
         """What this layer keeps between passes: its sequence mixer's declaration."""
         return self.attn.memory()
 
+    def flops(self, n_tokens: int) -> dict:
+        """The layer's FLOPs over a pass of T tokens, as its parts declare them: each part by its key, the rows as
+        explain shows them, the total, and the mixer's note on what it counts."""
+        rows = [*self.attn.flops(n_tokens), *self.ffn.flops(n_tokens)]
+        return {**{r[0]: r[3] for r in rows}, "rows": [list(r) for r in rows], "total": sum(r[3] for r in rows),
+                "note": self.attn.FLOPS_NOTE}
+
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         x = self.point("resid_pre", x)  # (B, T, D)
         x = self.sublayer("attn", x, lambda h: self.attn(h, io))  # s6.6 residual 1: x + attention
@@ -767,7 +793,8 @@ class Block(Module):
         sliding = config.layer_type(self.layer) == "sliding" and config.sliding_window is not None
         experts = getattr(self.ffn, "n_experts", 0)
         return LayerPlan("window" if sliding else "global", config.sliding_window if sliding else None, rope,
-                         "experts" if experts else "dense", {"n": experts, "k": self.ffn.k} if experts else None)
+                         "experts" if experts else "dense", {"n": experts, "k": self.ffn.k} if experts else None,
+                         mixer=self.attn.KIND, headings=dict(self.attn.HEADINGS) or None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

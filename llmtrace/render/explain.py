@@ -219,20 +219,12 @@ def _layer(console: Console, ev: dict) -> None:
     f = ev["flops"]
     T = ev["n_tokens"]
     t = _table(("FLOPs for this prompt", "left"), ("formula (T = " + str(T) + ")", "left"), ("FLOPs", "right"))
-    ffn = (("router", "router scores", "2·T·D·E"), ("ffn", "K SwiGLU experts a token", "K·(2·T·D·2Fe + 2·T·Fe·D)")) \
-        if "router" in f else (("ffn", "gated FFN", "2·T·D·2F + 2·T·F·D"),)
-    rows = [(label, formula, value) for _, label, formula, value in f["rows"]] if "rows" in f else [
-        (label, formula, f[key]) for key, label, formula in (
-            ("qkv", "Q, K, V projections", "2·T·D·(H + 2·Hkv)·Dh"), ("scores", "scores Q·Kᵀ", "2·H·T·T·Dh"),
-            ("pv", "weighted sum P·V", "2·H·T·T·Dh"), ("o", "output projection", "2·T·H·Dh·D"), *ffn) if key in f]
+    rows = [(label, formula, value) for _, label, formula, value in f["rows"]]  # as the layer's kinds declare them
     for label, formula, value in rows:
         t.add_row(label, formula, f"{value:,}")
     t.add_row(Text("layer total", style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))
     print_fitted(console, t)
-    _note(console, "2 FLOPs per multiply-add; " + ("the delta rule grows with T, not T²: each token updates a state "
-                                                   "of fixed size" if "rows" in f else
-                                                   "the scores count the full T×T square the eager path computes "
-                                                   "(the causal mask then discards the upper half)"))
+    _note(console, "2 FLOPs per multiply-add" + (f"; {f['note']}" if f.get("note") else ""))
 
 
 def _rmsnorm(console: Console, evs: list[dict], toks: list[str]) -> None:

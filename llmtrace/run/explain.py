@@ -40,7 +40,7 @@ from llmtrace.errors import BadValue
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
-from llmtrace.run.explain_state import delta_rule_section, linear_flops, state_cache_section, state_op
+from llmtrace.run.explain_state import delta_rule_section, state_cache_section, state_op
 from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
@@ -270,24 +270,6 @@ def layer_params(model: Transformer, layer: int) -> list[dict]:
     return rows
 
 
-def layer_flops(config: ModelConfig, n_tokens: int) -> dict:
-    """Multiply-add FLOPs (2 per multiply-add) of one layer over a prompt of T tokens, as the prefill computes them.
-
-    The eager path computes all T×T scores and masks the upper triangle afterwards, so `scores` and `pv` count the
-    full square; the causal half is what actually matters. Norms, RoPE, softmax and SiLU are O(T·D) and left out."""
-    c, T = config, n_tokens
-    H, Hkv, Dh, D, Fd = c.n_heads, c.n_kv_heads, c.head_dim, c.d_model, c.ffn_dim
-    parts = {
-        "qkv": 2 * T * D * (H + 2 * Hkv) * Dh,  # X @ [Wq Wk Wv]
-        "scores": 2 * H * T * T * Dh,  # Q K^T
-        "pv": 2 * H * T * T * Dh,  # P V
-        "o": 2 * T * H * Dh * D,  # concat(heads) @ Wo
-        "ffn": 2 * T * D * 2 * Fd + 2 * T * Fd * D,  # X @ [W_gate W_up], then @ W_down
-    }
-    parts["total"] = sum(parts.values())
-    return parts
-
-
 def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
     """Where the layer sits: its parameters, their share of the model, its FLOPs over the prompt; in a
     mixture-of-experts layer also the weights one token uses (router.moe_costs)."""
@@ -302,15 +284,10 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
         "event": "explain", "section": "layer", "layer": layer, "n_layers": c.n_layers, "seed_step": "s6",
         "params": params, "layer_params": n_layer, "model_params": n_model, "embedding_params": n_embed,
         "share": _r(n_layer / n_model), "share_of_layers": _r(n_layer / n_layers_all),
-        "n_tokens": n_tokens, "flops": layer_flops(c, n_tokens),
+        "n_tokens": n_tokens, "flops": model.layers[layer].flops(n_tokens),  # as the layer's kinds declare them
     }
-    if state_op(model.maths(), layer, "o")[1] is not None:  # linear attention: no scores, no P·V
-        out["flops"] = linear_flops(c, n_tokens)
     if layer in moe_layers(c):  # a mixture of experts: a token runs K of E experts
-        costs = moe_costs(model, layer, n_tokens)
-        out["flops"] |= costs.pop("flops")
-        out["flops"]["total"] = sum(v for k, v in out["flops"].items() if k != "total")
-        out |= costs
+        out |= moe_costs(model, layer, n_tokens)
     return out
 
 
@@ -628,9 +605,9 @@ def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO,
 # 8. KV cache write
 
 
-def kv_section(cap: Capture, config: ModelConfig, maths=None) -> dict:
+def kv_section(cap: Capture, config: ModelConfig, memory: list) -> dict:
     c = config
-    kv_layers = c.n_layers if maths is None else sum(plan.attention != "linear" for plan in maths.plan)
+    kv_layers = sum(bool(m.per_token) and m.reads is None for m in memory)  # the layers that write K and V
     pos = cap.points[KV_WRITE.name]
     T = int(pos.numel())
     es = cap.kv_element_size
@@ -720,21 +697,41 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     yield steps_section(cap, lm)
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name), maths)
-    state = state_op(maths, layer, "o")[1]  # a layer that keeps a recurrent state, as its declaration says
-    if state is None:
-        yield qkv_section(cap, c)
-        yield rope_section(cap, c, head if head is not None else 0, lm.model, maths)
-        yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
-    else:  # one delta-rule update on this pass's numbers, in place of the attention sections
-        yield delta_rule_section(cap, maths, head if head is not None and head < cap.points[state.inputs[2]].size(1)
-                                 else 0)
+    mixer = lm.model.layers[layer].attn  # the layer's kind: its own sections, as it declares them (model.kinds)
+    for key in mixer.EXPLAIN:
+        yield from MIXER_SECTIONS[key](cap, lm, layer, head, maths)
     yield residual_section(cap, maths)
     if layer in moe_layers(c):
         yield router_section(cap.points, cap.resid_mid[layer], layer, c, maths=maths)
     else:
         yield ffn_section(cap, c, maths=maths)
-    yield kv_section(cap, c, maths) if state is None else state_cache_section(cap, maths, c, cap.kv_element_size)
+    memory = lm.model.memory()
+    if memory[layer].kind in MEMORY_SECTIONS:
+        yield MEMORY_SECTIONS[memory[layer].kind](cap, lm, maths, memory)
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
+
+
+def _attention_sections(cap, lm, layer, head, maths):
+    c = lm.config
+    yield qkv_section(cap, c)
+    yield rope_section(cap, c, head if head is not None else 0, lm.model, maths)
+    yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
+
+
+def _delta_rule_sections(cap, lm, layer, head, maths):
+    """One delta-rule update on this pass's numbers, in place of the attention sections."""
+    state = state_op(maths, layer, "o")[1]
+    yield delta_rule_section(cap, maths, head if head is not None and head < cap.points[state.inputs[2]].size(1) else 0)
+
+
+# explain's sections of a layer's mixer, by the keys its kind declares (EXPLAIN); a kind with none of its own is
+# taught by the generic sections (the steps table works every declared operation; the memory section below)
+MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections}
+# s6.8 by the kind of memory the layer declares (model.memory)
+MEMORY_SECTIONS = {
+    "kv": lambda cap, lm, maths, memory: kv_section(cap, lm.config, memory),
+    "state": lambda cap, lm, maths, memory: state_cache_section(cap, maths, lm.config, cap.kv_element_size, memory),
+}
 
 
 def lens_events(lm, ids: list[int], positions: list[int], layers: Optional[list[int]] = None, top: int = 5,

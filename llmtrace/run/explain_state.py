@@ -76,22 +76,7 @@ def delta_rule_section(cap, maths, head: Optional[int] = None) -> dict:
     }
 
 
-def linear_flops(config, n_tokens: int) -> dict:
-    """Multiply-add FLOPs (2 per multiply-add) of a linear-attention layer over T tokens: the projections, the
-    convolution, the delta rule (per token and value head: decay Dk·Dv, Sᵀk, the write and Sᵀq, ~7·Dk·Dv; linear in T,
-    no T×T square), the output projection and the FFN. `rows`: (key, label, formula, FLOPs) as explain shows them."""
-    la, T, D, Fd = config.linear_attn, n_tokens, config.d_model, config.ffn_dim
-    hv, hk, dk, dv, kc = la["v_heads"], la["k_heads"], la["k_dim"], la["v_dim"], la["conv_kernel"]
-    C = 2 * hk * dk + hv * dv
-    rows = [("in", "q, k, v, z, b, a projections", "2·T·D·(C + Hv·Dv + 2·Hv)", 2 * T * D * (C + hv * dv + 2 * hv)),
-            ("conv", "causal convolution", "2·T·C·Kc", 2 * T * C * kc),
-            ("delta", "delta rule (no T×T scores)", "7·T·Hv·Dk·Dv", 7 * T * hv * dk * dv),
-            ("o", "output projection", "2·T·Hv·Dv·D", 2 * T * hv * dv * D),
-            ("ffn", "gated FFN", "2·T·D·2F + 2·T·F·D", 2 * T * D * 2 * Fd + 2 * T * Fd * D)]
-    return {"rows": [list(r) for r in rows], "total": sum(r[3] for r in rows)}
-
-
-def state_cache_section(cap, maths, config, kv_element_size: int) -> dict:
+def state_cache_section(cap, maths, config, kv_element_size: int, memory: list) -> dict:
     """s6.8 for a state layer: what it keeps (its carried points, the same size at every step) beside what an
     attention layer of this model caches for the same tokens (growing by 2·Hkv·Dh numbers a token)."""
     carried = [n for n, o in maths.layers[cap.layer].items() if n in (o.const("carried") or ())]
@@ -99,11 +84,10 @@ def state_cache_section(cap, maths, config, kv_element_size: int) -> dict:
     numbers = sum(int(torch.tensor(s).prod()) for s in kept.values())
     T = len(cap.ids)
     per_token = 2 * config.n_kv_heads * config.head_dim * kv_element_size
-    attention_layers = [i for i, plan in enumerate(maths.plan) if plan.attention != "linear"]
+    attention_layers = [i for i, m in enumerate(memory) if m.per_token]  # layers whose memory grows (model.memory)
     state_bytes = numbers * 4  # kept in float32
     even = -(-state_bytes // per_token) if per_token else None  # tokens at which one attention layer's cache is as big
     return {"event": "explain", "section": "state_cache", "layer": cap.layer, "seed_step": "s6.8", "n_tokens": T,
             "state": kept, "state_bytes": state_bytes, "kv_bytes_per_token": per_token, "kv_bytes_now": per_token * T,
             "kv_bytes_context": per_token * config.max_seq_len, "context": config.max_seq_len, "break_even": even,
-            "attention_layers": attention_layers, "state_layers": [i for i in range(config.n_layers)
-                                                                   if i not in attention_layers]}
+            "attention_layers": attention_layers, "state_layers": [i for i, m in enumerate(memory) if m.constant]}

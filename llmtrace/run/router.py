@@ -65,7 +65,7 @@ def declared_formula(maths, layer: int) -> str:
 
 def moe_costs(model, layer: int, n_tokens: int) -> dict:
     """What a token costs in MoE layer `layer`: the weights it uses there and in the whole model (K of E experts in
-    each MoE layer), and the FLOPs of the feed-forward over a prompt of T tokens (K experts a token, and the router)."""
+    each MoE layer). Its FLOPs are the layer's declaration (MoEFeedForward.flops)."""
     from llmtrace.model.moe import active_weights
 
     c = model.config
@@ -73,6 +73,4 @@ def moe_costs(model, layer: int, n_tokens: int) -> dict:
     mine = [w for w in declared if w.param.startswith(f"layers.{layer}.")]
     active_layer, _ = active_weights(c, mine)
     active_model, total = active_weights(c, declared)
-    T, D, K, E, Fe = n_tokens, c.d_model, c.n_experts_used, c.n_experts, c.expert_ffn_dim or c.ffn_dim
-    return {"layer_active_params": active_layer, "model_active_params": model.num_params() - (total - active_model),
-            "flops": {"ffn": K * (2 * T * D * 2 * Fe + 2 * T * Fe * D), "router": 2 * T * D * E}}
+    return {"layer_active_params": active_layer, "model_active_params": model.num_params() - (total - active_model)}

@@ -174,6 +174,32 @@ class GatedDeltaNet(Module):
                                     eps=self.norm.eps, gamma="w", over="Dv"),
                 O_PROJ.name: op("matmul", [DELTA_NORM.name], ["w_out.weight"], merge="Hv")}
 
+    # -- the kind, declared (model.kinds) -----------------------------------------------------------------------
+    KIND = "linear_attention"
+    HEADINGS = {
+        "summary": ("linear attention: a fixed-size state, no KV cache", "线性注意力：固定大小的状态，没有 KV 缓存"),
+        "s6.1": ("pre-norm and projections: q, k, v, the gate z, β's and α's inputs",
+                 "预归一化与投影：q、k、v，门控 z，β 与 α 的输入"),
+        "s6.2": ("split into heads; q and k L2-normalized", "拆分成头；q 与 k 做 L2 归一化"),
+        "s6.3": ("causal convolution over the last Kc tokens", "因果卷积：覆盖最近 Kc 个词元"),
+        "s6.4": ("decay α and write strength β", "衰减 α 与写入强度 β"),
+        "s6.5": ("the delta rule: update the state, read it with q", "delta 规则：更新状态，再用 q 读出"),
+        "s6.6": ("gated norm, output projection + residual", "门控归一化、输出投影 + 残差"),
+        "s6.8": ("the state kept: a fixed size, no KV cache", "保留的状态：大小固定，没有 KV 缓存"),
+    }
+    EXPLAIN = ("delta_rule",)
+    FLOPS_NOTE = "the delta rule grows with T, not T²: each token updates a state of fixed size"
+
+    def flops(self, n_tokens: int) -> list[tuple]:
+        """Over T tokens: the projections, the convolution, the delta rule (per token and value head: decay Dk·Dv,
+        Sᵀk, the write and Sᵀq, ~7·Dk·Dv; linear in T, no T×T square), the output projection."""
+        T, D = n_tokens, self.w_out.out_features
+        hv, hk, dk, dv, kc, C = self.hv, self.hk, self.dk, self.dv, self.kc, self.channels
+        return [("in", "q, k, v, z, b, a projections", "2·T·D·(C + Hv·Dv + 2·Hv)", 2 * T * D * (C + hv * dv + 2 * hv)),
+                ("conv", "causal convolution", "2·T·C·Kc", 2 * T * C * kc),
+                ("delta", "delta rule (no T×T scores)", "7·T·Hv·Dk·Dv", 7 * T * hv * dk * dv),
+                ("o", "output projection", "2·T·Hv·Dv·D", 2 * T * hv * dv * D)]
+
     def memory(self) -> Memory:
         """s6.8 the layer's memory, without the batch axis: the same size at every step."""
         return Memory("state", constant={"state": (self.hv, self.dk, self.dv), "conv": (self.channels, self.kc - 1)})
@@ -317,9 +343,9 @@ class Qwen35Block(Block):
         return (self.linear_attention if config.layer_type(layer) == "linear" else self.attention)(config)
 
     def plan(self, config, rope: Optional[dict]) -> LayerPlan:
-        """A linear layer: no window, no RoPE (its convolution gives it order), no KV cache."""
+        """A linear layer: no keys to attend, no RoPE (its convolution gives it order), no KV cache."""
         if isinstance(self.attn, GatedDeltaNet):
-            return LayerPlan("linear", None, None, "dense")
+            return LayerPlan("none", None, None, "dense", mixer=self.attn.KIND, headings=dict(self.attn.HEADINGS))
         return super().plan(config, rope)
 
     @classmethod
