@@ -422,3 +422,125 @@ def test_nothing_above_the_model_walks_its_layers():
              for i, line in enumerate(SOURCES[m].read_text(encoding="utf-8").splitlines())
              if re.search(r"\bmodel\.layers\b", line) and not line.lstrip().startswith("#")]
     assert not walks, "model.layers used outside llmtrace/model/: " + ", ".join(walks)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kinds of layer: what a family or a kind of layer changes is declared in model/, and nothing above it branches on it
+
+
+def family_words() -> set[str]:
+    """Every name a family goes by: its own, its HF model types and its GGUF architectures."""
+    from llmtrace.model.family import families
+
+    out = set()
+    for f in families():
+        out |= {f.name, *f.hf_types, *f.gguf_archs}
+    return out
+
+
+# The few places a file format forces a family's name outside model/: (module, the string, why).
+FAMILY_NAMES_ALLOWED = {
+    ("llmtrace.checkpoint.gguf_checkpoint", "mistral"): "llama.cpp's converter drops Mistral's window: the file's name says it",
+    ("llmtrace.checkpoint.hf_checkpoint", "qwen2"): "Qwen2's config.json has no attention_bias; its q/k/v have biases",
+    ("llmtrace.tokens.vocab", "qwen2"): "a GGUF's tokenizer.ggml.pre names the pre-tokenizer, not the family",
+    ("llmtrace.tokens.vocab", "gemma"): "SentencePiece's space handling follows general.architecture",
+    ("llmtrace.tokens.vocab", "gemma2"): "SentencePiece's space handling follows general.architecture",
+    ("llmtrace.tokens.vocab", "gemma3"): "SentencePiece's space handling follows general.architecture",
+    ("llmtrace.tokens.chat_template", "gemma"): "a GGUF without a template: Gemma's turn markers",
+    ("llmtrace.tokens.chat_template", "gemma2"): "a GGUF without a template: Gemma's turn markers",
+    ("llmtrace.tokens.chat_template", "gemma3"): "a GGUF without a template: Gemma's turn markers",
+    ("llmtrace.tokens.tokenizer", "llama"): "tokenizer.ggml.model 'llama' is SentencePiece, not the family",
+    ("llmtrace.report.page", "llama"): "a trace from before the run event named its arch",
+    ("llmtrace.registry.models_toml", "llama"): "an entry that names no architecture",
+}
+
+
+def string_constants(tree) -> list[tuple[int, str]]:
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def test_no_module_outside_the_model_names_a_family():
+    """A family is one file in model/families/ (and its kind in model/kinds/): no module above the model writes a
+    family's name, its HF model type or its GGUF architecture, except where a file format forces it (the allowlist,
+    each with its reason)."""
+    words = family_words()
+    assert {"qwen3_5", "gpt_oss", "gemma3"} <= words
+    named = [f"{SOURCES[m]}:{line} {s!r}" for m, tree in TREES.items() if layer_of(m) not in ("model",)
+             for line, s in string_constants(tree) if s in words and (m, s) not in FAMILY_NAMES_ALLOWED]
+    assert not named, "a family named outside llmtrace/model/ (declare what it changes instead):\n" + "\n".join(named)
+
+
+def test_the_family_check_sees_a_family_name():
+    tree = ast.parse('if config.family == "qwen3_5":\n    pass\n')
+    assert any(s in family_words() for _, s in string_constants(tree))
+
+
+def kind_keys() -> set[str]:
+    """The keys of the kinds of layer and of memory: the model declares them (model.kinds, model.memory)."""
+    from llmtrace.model.memory import KINDS
+
+    return {"linear_attention", "mla", "mamba2", "short_conv", *KINDS} - {"none", "window"}
+
+
+def compared_strings(tree) -> list[tuple[int, str]]:
+    """The strings a comparison tests against: x == "s", x != "s", x in ("s", ...)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for c in [node.left, *node.comparators]:
+                items = c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set)) else [c]
+                out += [(node.lineno, i.value) for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)]
+    return out
+
+
+def test_nothing_above_the_model_branches_on_a_kind_of_layer_or_memory():
+    """The views iterate over what each layer's kind declares (its memory, FLOPs, headings, explain sections): no
+    module above the model compares a value with a kind's key ("linear_attention", "mla", "state", ...)."""
+    keys = kind_keys()
+    found = [f"{SOURCES[m]}:{line} {s!r}" for m, tree in TREES.items() if layer_of(m) != "model"
+             for line, s in compared_strings(tree) if s in keys]
+    assert not found, "a branch on a kind outside llmtrace/model/ (let the kind declare it):\n" + "\n".join(found)
+
+
+# Where a view branches on an operation's kind (each is the view of that one operation: the float64 evaluator's
+# table is in model/; these pick which recorded values a card or section shows). A new branch must be declared.
+OP_BRANCHES_ALLOWED = {
+    "llmtrace.trace.worked": {"rmsnorm", "softmax", "scores", "repeat_kv"},
+    "llmtrace.report.explain_view": {"scores", "softcap", "softmax", "weighted_sum", "router", "glu", "expert_mix", "rope",
+                                     "rmsnorm"},  # (rmsnorm: the section's name)
+    "llmtrace.report.page": {"glu"},
+    "llmtrace.render.generate": {"rope"},
+    "llmtrace.run.explain": {"cache_write", "lookup"},
+    "llmtrace.run.explain_state": {"delta_rule"},
+    # not operations: strings that are also an operation's name
+    "llmtrace.render.explain": {"rmsnorm", "delta_rule", "router", "rope"},  # explain's section names, drawn if present
+    "llmtrace.serve.runs": {"scale"},  # a request's field (an intervention's scale)
+    "llmtrace.trace.recorder": {"scores"},  # the point named scores (its masked entries left out of statistics)
+}
+
+
+def test_branches_on_an_operation_kind_are_declared():
+    from llmtrace.model.maths import OPS
+
+    found = []
+    for m, tree in TREES.items():
+        if layer_of(m) == "model":
+            continue
+        for line, s in compared_strings(tree):
+            if s in OPS and s not in OP_BRANCHES_ALLOWED.get(m, set()):
+                found.append(f"{SOURCES[m]}:{line} {s!r}")
+    assert not found, "a branch on an operation kind outside llmtrace/model/:\n" + "\n".join(found)
+
+
+def test_no_script_compares_a_kind_or_an_english_phrase():
+    """The page's scripts read keys: no comparison with a kind of layer's key, and none with an English phrase as a
+    protocol value (a string with a space or a comma)."""
+    keys = kind_keys()
+    bad = []
+    for js in sorted((PACKAGE / "report" / "assets").glob("*.js")):
+        for i, line in enumerate(js.read_text(encoding="utf-8").splitlines(), 1):
+            for m in re.finditer(r'={2,3}\s*"([^"]*)"', line):
+                legacy = "a trace before" in line  # reading an older trace's value, said so on the line
+                if (m.group(1) in keys or (", " in m.group(1) and not legacy)):
+                    bad.append(f"{js.name}:{i} {m.group(1)!r}")
+    assert not bad, "\n".join(bad)

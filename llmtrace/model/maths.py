@@ -96,7 +96,10 @@ def op(kind: str, inputs=(), weights=(), **consts) -> Op:
 
 
 def op_from_record(r: dict) -> Op:
-    return Op(r["op"], tuple(r.get("inputs") or ()), tuple(r.get("weights") or ()), tuple((r.get("consts") or {}).items()))
+    consts = dict(r.get("consts") or {})
+    if consts.get("order") in LEGACY_ORDERS:  # a trace written when the order was an English phrase
+        consts["order"] = LEGACY_ORDERS[consts["order"]]
+    return Op(r["op"], tuple(r.get("inputs") or ()), tuple(r.get("weights") or ()), tuple(consts.items()))
 
 
 @dataclass(frozen=True)
@@ -278,7 +281,9 @@ WORDS = {
     "rope_none": "no rotation in this layer",
     "window_of": "; a window of {w}",
 }
-ORDERS = {"softmax, then top-k": "order_softmax_topk", "top-k, then softmax": "order_topk_softmax"}
+# the router's `order`: a key, said in the reader's language by these words' keys
+ORDERS = {"softmax_topk": "order_softmax_topk", "topk_softmax": "order_topk_softmax"}
+LEGACY_ORDERS = {"softmax, then top-k": "softmax_topk", "top-k, then softmax": "topk_softmax"}  # traces before keys
 
 
 def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None,

@@ -162,7 +162,7 @@ def _select_last(o, x, w, shape, **_):
 def _router(o, x, w, shape, **_):
     z = x[0]
     k = o.const("k")
-    if o.const("order") == "top-k, then softmax":  # the raw logits chosen, then their softmax
+    if o.const("order") == "topk_softmax":  # the raw logits chosen, then their softmax
         top, idx = z.topk(k, dim=-1)
         p = torch.softmax(top, dim=-1)
     else:

@@ -92,12 +92,12 @@ class MoEFeedForward(Module):
         """The router's three steps (in the order of its choice rule), then each chosen expert's gated
         activation, weighted and summed; a bias wherever the family's matrices have one."""
         if self.choice == "topk_softmax":  # the raw logits chosen, then their softmax: probs and weights are one
-            chosen = op("router", ["router_logits"], k=self.k, renormalise=False, order="top-k, then softmax")
+            chosen = op("router", ["router_logits"], k=self.k, renormalise=False, order="topk_softmax")
             probs, weights = chosen, chosen
         else:
             probs = op("softmax", ["router_logits"], sink=None)
             weights = op("router", ["router_probs"], k=self.k, renormalise=self.renormalise,
-                         order="softmax, then top-k")
+                         order="softmax_topk")
         return {"router_logits": op("matmul", [x], self._with_bias("router")),
                 "router_probs": probs, "expert_weights": weights,
                 "gate": op("expert_matmul", [x, "expert_weights"], self._with_bias("w_gate")),

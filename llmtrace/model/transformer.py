@@ -897,6 +897,10 @@ class Transformer(Module):
         recomputes the scores with the layer's own `scores`: its scale, a family's soft-cap)."""
         return self.layers[layer].attn
 
+    def layer_flops(self, layer: int, n_tokens: int) -> dict:
+        """The FLOPs of `layer` over a pass of T tokens, as its kinds declare them (Block.flops)."""
+        return self.layers[layer].flops(n_tokens)
+
     def layer_kinds(self) -> list[tuple[str, str]]:
         """Each layer's (RoPE table, mask), read from its plan: the table "global", "local" (the sliding-window
         layers' own base) or "none" (no rotation), and the mask "full" or "sliding"."""

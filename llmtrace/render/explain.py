@@ -122,11 +122,14 @@ def render_explain(events: list[dict], console: Console) -> None:
     if "steps" in by:
         _steps(console, by["steps"])
     _rmsnorm(console, by["rmsnorm"], toks)
+    # the mixer's sections, those its kind declared (model.kinds EXPLAIN): drawn as they are present
     if "delta_rule" in by:  # a layer whose memory is a recurrent state (render.explain_state)
         delta_rule(console, by["delta_rule"], toks)
-    else:
+    if "qkv" in by:
         _qkv(console, by["qkv"])
+    if "rope" in by:
         _rope(console, by["rope"])
+    if "attention" in by:
         _attention(console, by["attention"], heads, by["attention_map"], toks)
     _residual(console, by["residual"], toks)
     if "router" in by:
@@ -296,7 +299,11 @@ def _steps(console: Console, ev: dict) -> None:
         t.columns[c].no_wrap = True
     t.expand = True
     bad = 0
+    step = None
     for r in ev["steps"]:
+        if r.get("seed_step") and r["seed_step"] != step:  # the step's title, as this layer's kind teaches it
+            step = r["seed_step"]
+            t.add_row(Text(f"{step} {r.get('heading', '')}", style="bold"), "", "", "")
         c = r["check"]
         if c is None:
             mark = Text("—", style="dim")

@@ -383,8 +383,10 @@ def _kv(steps: list[dict], model: dict) -> Optional[dict]:
     figure included; a trace from before they were recorded shows those two as unknown)."""
     kv = [{"step": e["step"], **e["kv_cache"]} for e in steps]
     first = kv[0]
-    state = first.get("state")  # layers whose memory is a fixed-size recurrent state, not K and V
-    kv_layers = model["n_layers"] - len(state["layers"] if state else ())
+    state = first.get("state")  # layers whose memory is of a fixed size (a state, a window), not K and V
+    memory = model.get("memory")  # each layer's declared memory (model.memory); a trace from before: K and V or a state
+    kv_layers = (sum(1 for m in memory if m["per_token_bytes"]) if memory else
+                 model["n_layers"] - len(state["layers"] if state else ()))
     return {"steps": kv, "bytes_per_token": first["bytes_per_token"], "state": state, "kv_layers": kv_layers,
             "per_layer": first["bytes_per_token"] / max(1, kv_layers),
             "element_size": first.get("element_size"), "mha_bytes_per_token": first.get("mha_bytes_per_token")}

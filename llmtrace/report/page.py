@@ -185,6 +185,21 @@ def step_title(w, sid: str, d: dict) -> str:
     return w(f"step.{sid}", glu=glu_of(d)) if sid == "s6.7" else w(f"step.{sid}")
 
 
+def kind_titles(d: dict, lang: str) -> list[dict]:
+    """Per kind of layer in the maths record (its `layer_kind` index): the seed steps its kind teaches under titles of
+    its own (model.kinds: a linear-attention layer's s6.3 is its convolution, not RoPE), in the page's language."""
+    from llmtrace.model.maths import plan_from_record
+
+    rec = (d.get("maths") or {}).get("record")
+    if not rec:
+        return []
+    out = []
+    for kind in rec["kinds"]:
+        plan = plan_from_record(kind["plan"])
+        out.append({sid: plan.heading(sid, lang) for sid in (plan.headings or {}) if sid != "summary"})
+    return out
+
+
 def rope_rows(d: dict, w) -> str:
     """RoPE as each layer's plan declares it: one line per kind of layer (its base, rotary width, scaling, or none, and
     its window), naming its layers; a trace without the declaration gives the config's one base."""
@@ -625,13 +640,21 @@ def section_kv(d: dict) -> Optional[dict]:
     per_layer = kv["per_layer"]
     el = kv["element_size"]
     n_kv = kv.get("kv_layers", m["n_layers"])
-    return {"chart": chart, "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"],
+    boxes = memory_boxes(m, w, int(per_layer), state)
+    kinds = {b["kind"] for b in boxes["boxes"]}  # the legend: each kind of memory present
+    return {"chart": chart, "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"], "boxes": boxes,
+            "intro": w("kv.intro") if boxes["uniform_kv"] else memory_intro(boxes, w),
+            "legend": [{"kind": k, "text": w(f"kv.kind.{k}")} for k in MEMORY_ORDER if k in kinds],
             "state": None if not state else {
                 "layers": state["layers"], "bytes": state["bytes_per_layer"],
                 "text": w("kv.v.state", n=len(state["layers"]), per=f'{state["bytes_per_layer"]:,}',
                           bytes=human_bytes(state["bytes"]), total=human_bytes(last["bytes_used"] + state["bytes"]))},
-            "per_token": w("kv.v.per_token", bytes=f'{kv["bytes_per_token"]:,}', layers=n_kv,
-                           kv=m["n_kv_heads"], dh=m["head_dim"], el=num(el)),
+            "per_token": (w("kv.v.per_token_kinds", bytes=f'{kv["bytes_per_token"]:,}', parts=boxes["parts"])
+                          if not boxes["uniform"] else
+                          w("kv.v.per_token", bytes=f'{kv["bytes_per_token"]:,}', layers=n_kv, kv=m["n_kv_heads"],
+                            dh=m["head_dim"], el=num(el)) if not boxes["shapes"] else
+                          w("kv.v.per_token_shapes", bytes=f'{kv["bytes_per_token"]:,}', layers=n_kv,
+                            parts=boxes["shapes"], el=num(el))),
             "per_layer": w("kv.v.per_layer", bytes=f"{per_layer:,.0f}", half=f"{per_layer / 2:,.0f}"),
             "at_end": w("kv.v.at_end", n=last["seq_len"], used=human_bytes(last["bytes_used"]),
                         allocated=human_bytes(last["bytes_allocated"]), mha=human_bytes(last["mha_bytes_used"]),
@@ -639,6 +662,43 @@ def section_kv(d: dict) -> Optional[dict]:
             "layers": {"width": f'{100 / m["n_layers"]:.3f}', "bytes": int(per_layer), "n": m["n_layers"],
                        "labelled": [i for i in range(m["n_layers"]) if i % max(1, -(-m["n_layers"] // 10)) == 0
                                     or i == m["n_layers"] - 1]}}
+
+
+MEMORY_ORDER = ("kv", "latent", "shared", "state", "window", "none")  # the legend's order: growing, then fixed
+
+
+def memory_boxes(m: dict, w, per_layer: int, state: Optional[dict]) -> dict:
+    """One box per layer, from each layer's declared memory (the run event's model.memory): its kind and its bytes,
+    in the page's words. A trace from before the declarations: K and V in every layer, or a state where the kv
+    records say so."""
+    mem = m.get("memory")
+    if not mem:
+        st = set((state or {}).get("layers") or ())
+        mem = [{"kind": "state", "per_token_bytes": 0, "constant_bytes": (state or {}).get("bytes_per_layer", 0),
+                "reads": None} if i in st else {"kind": "kv", "per_token_bytes": per_layer, "constant_bytes": 0,
+                                                "reads": None} for i in range(m["n_layers"])]
+    boxes = [{"i": i, "kind": r["kind"], "title": w(f"kv.box.{r['kind']}", i=i, per=f'{r["per_token_bytes"]:,}',
+                                                    const=f'{r["constant_bytes"]:,}', reads=r.get("reads"))}
+             for i, r in enumerate(mem)]
+    growing: dict[tuple, int] = {}
+    for r in mem:
+        if r["per_token_bytes"]:
+            growing[(r["kind"], r["per_token_bytes"])] = growing.get((r["kind"], r["per_token_bytes"]), 0) + 1
+    parts = " + ".join(f"{n} × {b:,} B ({w(f'kv.kind.{k}')})" for (k, b), n in growing.items())
+    # every layer keeps the same thing, growing by the same bytes a token: one box size, one formula from its shapes
+    uniform = len({(r["kind"], r["per_token_bytes"], r["constant_bytes"], r.get("reads")) for r in mem}) == 1 \
+        and not mem[0]["constant_bytes"]
+    shapes = " + ".join(f"{n} ({' × '.join(map(str, s))})" for n, s in (mem[0].get("per_token") or {}).items())
+    return {"boxes": boxes, "parts": parts, "uniform": uniform, "shapes": shapes if uniform else "",
+            "uniform_kv": uniform,
+            "n_grow": sum(growing.values()), "n_fixed": sum(1 for r in mem if r["constant_bytes"]),
+            "n_shared": sum(1 for r in mem if r.get("reads") is not None), "n": len(mem)}
+
+
+def memory_intro(boxes: dict, w) -> str:
+    """What a step adds, when the layers remember in more than one way."""
+    text = w("kv.intro_kinds", grow=boxes["n_grow"], n=boxes["n"], fixed=boxes["n_fixed"])
+    return text + (" " + w("kv.intro_shared", k=boxes["n_shared"]) if boxes["n_shared"] else "")
 
 
 def section_residual(d: dict) -> Optional[dict]:
@@ -804,6 +864,7 @@ def view(d: dict, w=None) -> dict:
     if d.get("maths") and w.maths:  # the formulas said in the page's language
         d["maths"] = maths_view({"maths": d["maths"]["record"]}, None, w.maths)
     d["step_titles"] = {st["id"]: step_title(w, st["id"], d) for st in d["pipeline"]["stages"]}
+    d["kind_titles"] = kind_titles(d, w.lang)
     d["points"] = [dict(p, about=about(p, w)) for p in d["points"]]
     return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',
             "sections": shown, "stepbar": step_bar(dict(d, w=w)), "data": d, "palette": PALETTE, "w": w}

@@ -45,6 +45,7 @@ from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
+from llmtrace.model.points import SEED_STEPS
 from llmtrace.model.maths import attention_words, formula, glu_name, rope_words
 from llmtrace.model.maths_eval import ACTS, apply, max_error
 from llmtrace.model.points import Points
@@ -240,8 +241,10 @@ def steps_section(cap: Capture, lm) -> dict:
     table = maths.layers[cap.layer]
     for name in [p.name for p in lm.points.layer if p.name in table]:  # forward order, as the model declares it
         o = table[name]
+        sid = lm.points.get(name).step.split("/")[0]
         rows.append({"point": name, "op": o.kind, "formula": formula(o, name, cap.layer, maths), "inputs": list(o.inputs),
-                     "weights": list(o.weights), "check": step_check(cap, lm.model, maths, name, o)})
+                     "weights": list(o.weights), "check": step_check(cap, lm.model, maths, name, o),
+                     "seed_step": sid, "heading": plan.heading(sid) or SEED_STEPS.get(sid, "")})
     return {"event": "explain", "section": "steps", "layer": cap.layer, "seed_step": "s6",
             "plan": plan.record() | {"rope_words": rope_words(plan), "attention_words": attention_words(plan)},
             "steps": rows}
@@ -284,7 +287,7 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
         "event": "explain", "section": "layer", "layer": layer, "n_layers": c.n_layers, "seed_step": "s6",
         "params": params, "layer_params": n_layer, "model_params": n_model, "embedding_params": n_embed,
         "share": _r(n_layer / n_model), "share_of_layers": _r(n_layer / n_layers_all),
-        "n_tokens": n_tokens, "flops": model.layers[layer].flops(n_tokens),  # as the layer's kinds declare them
+        "n_tokens": n_tokens, "flops": model.layer_flops(layer, n_tokens),  # as the layer's kinds declare them
     }
     if layer in moe_layers(c):  # a mixture of experts: a token runs K of E experts
         out |= moe_costs(model, layer, n_tokens)
@@ -697,7 +700,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     yield steps_section(cap, lm)
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name), maths)
-    mixer = lm.model.layers[layer].attn  # the layer's kind: its own sections, as it declares them (model.kinds)
+    mixer = lm.model.attention_of(layer)  # the layer's kind: its own sections, as it declares them (model.kinds)
     for key in mixer.EXPLAIN:
         yield from MIXER_SECTIONS[key](cap, lm, layer, head, maths)
     yield residual_section(cap, maths)

@@ -49,8 +49,9 @@ class KVFacts:
     bytes_allocated: int
     element_size: int  # bytes per cached number
     mha_bytes_per_token: int  # bytes_per_token without GQA (one K and V per query head)
-    state_layers: tuple = ()  # the layers that keep a fixed-size recurrent state instead of keys and values
-    state_bytes_per_layer: int = 0  # one such layer's state, every row: the same at every step
+    state_layers: tuple = ()  # the layers that keep a memory of fixed size (a recurrent state, a convolution window)
+    state_bytes_per_layer: int = 0  # the largest such layer's, every row: the same at every step
+    state_bytes: int = 0  # all of them together
 
 
 @dataclass
@@ -227,7 +228,7 @@ def kv_facts(cache: KVCache) -> KVFacts:
     return KVFacts(seq_len=cache.seq_len, capacity=cache.max_len, bytes_per_token=cache.bytes_per_token,
                    bytes_allocated=cache.bytes_allocated, element_size=cache.element_size,
                    mha_bytes_per_token=cache.mha_bytes_per_token, state_layers=tuple(cache.state_layers),
-                   state_bytes_per_layer=cache.state_bytes_per_layer)
+                   state_bytes_per_layer=cache.state_bytes_per_layer, state_bytes=cache.state_bytes)
 
 
 def prefill_split(n_prompt: int, chunk: int = PREFILL_CHUNK) -> int:

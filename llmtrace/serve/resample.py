@@ -176,7 +176,7 @@ def _state(kv: dict) -> dict:
     """A recorded step's recurrent state (kv_cache.state), as KVFacts holds it."""
     state = kv.get("state")
     return {} if not state else {"state_layers": tuple(state["layers"]),
-                                 "state_bytes_per_layer": state["bytes_per_layer"]}
+                                 "state_bytes_per_layer": state["bytes_per_layer"], "state_bytes": state["bytes"]}
 
 
 def resample_request(body: Any, kept: Kept, served: dict) -> dict:

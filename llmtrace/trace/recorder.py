@@ -546,8 +546,9 @@ class Recorder:
         layers = list(getattr(kv, "state_layers", ()))
         if layers:  # layers whose memory is a fixed-size state (linear attention): constant, where K and V grow
             per = kv.state_bytes_per_layer
-            ev["state"] = {"layers": layers, "bytes_per_layer": per, "bytes": per * len(layers)}
-            ev["total_bytes_used"] = ev["bytes_used"] + per * len(layers)
+            total = getattr(kv, "state_bytes", 0) or per * len(layers)  # layers of several kinds differ in size
+            ev["state"] = {"layers": layers, "bytes_per_layer": per, "bytes": total}
+            ev["total_bytes_used"] = ev["bytes_used"] + total
         return ev
 
     def on_step(self, rec, row: Optional[int] = None) -> None:

@@ -205,7 +205,7 @@ window.llmtraceCards = function (api) {
       const c = o.consts, z = x.s.meta.index.map((i) => x.byIndex[i]);
       const order = z.map((v, i) => i).sort((a, b) => z[b] - z[a]).slice(0, c.k);
       let w = order.map((i) => z[i]);
-      if (c.order === "top-k, then softmax") { const m = w[0], e = w.map((v) => Math.exp(v - m)), s = e.reduce((a, b) => a + b, 0); w = e.map((v) => v / s); }
+      if (c.order === "topk_softmax" || c.order === "top-k, then softmax") { const m = w[0], e = w.map((v) => Math.exp(v - m)), s = e.reduce((a, b) => a + b, 0); w = e.map((v) => v / s); } // the second: a trace before keys
       else if (c.renormalise) { const s = w.reduce((a, b) => a + b, 0); w = w.map((v) => v / s); }
       const computed = {};
       out.index.forEach((i) => { computed[i] = 0; });

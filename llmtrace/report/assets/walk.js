@@ -188,7 +188,7 @@
           .filter((p) => !D.maths || CARDS.opOf(p.layer ? layer : "m", p.name)) // a layer's own points (a hybrid's: its kind's)
           .forEach((p) => { body += pointCard(p, pass, layer, h); });
       }
-      if (body) html += "<section class=\"wstep\" data-seed=\"" + sid + "\"><h3>" + esc(sid + (sid === "s1" ? "\u2013s2" : sid === "s10" ? "\u2013s12" : "") + " " + D.step_titles[sid]) + "</h3>" + body + "</section>";
+      if (body) html += "<section class=\"wstep\" data-seed=\"" + sid + "\"><h3>" + esc(sid + (sid === "s1" ? "\u2013s2" : sid === "s10" ? "\u2013s12" : "") + " " + titleOf(sid, layer)) + "</h3>" + body + "</section>";
     });
     panel.innerHTML = html;
   }
@@ -198,6 +198,10 @@
   // s1 -> s12 as the model declares it: each seed step a box, each of its points a button named by its operation; a
   // button opens that point's worked card in place, on the walk-through's token, layer and head.
   let mapOpen = null; // {name, layer} of the open block
+  function titleOf(sid, layer) { // a seed step's title in this layer: its kind's own where it declares one (model.kinds)
+    const R = D.maths && D.maths.record, own = R && D.kind_titles && D.kind_titles[R.layer_kind[layer]];
+    return (own && own[sid]) || D.step_titles[sid];
+  }
   function walkChoice() {
     const v = (id, d) => { const e = $(id); return e ? Number(e.value) : d; };
     const i = v("#walk-token", nPrompt - 1);
@@ -215,7 +219,11 @@
       let extra = "";
       if (sid === "s6.3" && plan && !plan.rope) extra = "<span class=mapnote>" + esc(t("map_no_rope")) + "</span>";
       if (sid === "s6.4" && plan && plan.window) extra = "<span class=mapnote>" + esc(t("map_window", { w: plan.window })) + "</span>";
-      if (sid === "s6.8") extra = plan && plan.attention === "linear" ? "<span class=mapnote>" + esc(t("map_state")) + "</span>" :
+      const mem = (M.memory || [])[c.layer]; // the layer's declared memory (model.memory): grows a slot a token, or not
+      if (sid === "s6.8") extra = mem ? (mem.reads != null ? "<span class=mapnote>" + esc(t("map_shared", { layer: mem.reads })) + "</span>" :
+        !mem.per_token_bytes ? "<span class=mapnote>" + esc(t("map_state")) + "</span>" : null) : (plan && plan.attention === "linear" ? // a trace before the kinds
+        "<span class=mapnote>" + esc(t("map_state")) + "</span>" : null);
+      if (sid === "s6.8" && extra === null) extra =
         "<span class=mapnote data-kv-slots=\"" + (slotOf(c.pass) + c.pass.T) + "\">" +
         esc(t("map_kv", { slots: slotOf(c.pass) + c.pass.T })) + "</span>";
       const buttons = pts.map((p) => {
@@ -225,7 +233,7 @@
           "\">" + esc(p.name) + " <span class=op>" + esc(o.op) + "</span><span class=mapshape>" + esc(shapeOf(p, lay)) + "</span></button>";
       }).join("");
       html += "<li class=mapstep data-seed=\"" + sid + "\"" + (sid.startsWith("s6") ? " data-in-layer" : "") + "><b>" + esc(sid) + "</b> " +
-        esc(D.step_titles[sid] || "") + (buttons ? "<div>" + buttons + "</div>" : "") + extra + "</li>";
+        esc(titleOf(sid, c.layer) || "") + (buttons ? "<div>" + buttons + "</div>" : "") + extra + "</li>";
       if (k < SEED.length - 1) html += "<li class=maparrow aria-hidden=true>\u2192</li>";
     });
     el.innerHTML = "<p class=note>" + esc(t("map_intro", { layer: c.layer, kind: R.layer_kind[c.layer] })) + "</p><ol class=mapflow>" + html + "</ol>" +
