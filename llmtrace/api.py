@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, UsageError
 from llmtrace.run.sampler import SamplerConfig, parse_logit_bias, parse_order
+from llmtrace.trace.events import Level
 from llmtrace.units import plural
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class GenerateOptions:
         try:
             # the report's what-if sampler reads each step's 1,000 largest logits: kept for a page (for_report) and
             # at trace full; dump logits keeps all of them
-            logits_top = 1000 if self.for_report or self.trace == "full" else 0
+            logits_top = 1000 if self.for_report or Level.of(self.trace).full else 0
             self.trace_options = TraceOptions(level=self.trace, dump=tuple(self.dump), topk=self.show_top,
                                               logits_top=logits_top)
         except BadValue as e:  # the trace's own name for it is its level
@@ -150,7 +151,7 @@ class GenerateOptions:
         if self.compile and self.interventions:
             raise BadValue("compile", " runs the model as it is; a run with interventions runs eagerly, so leave "
                            "compile out", also=("compile",))
-        if self.compile and (self.trace in ("layers", "full") or self.dump or self.for_report):
+        if self.compile and (Level.of(self.trace).every_pass or self.dump or self.for_report):
             raise BadValue("compile", " speeds up decode steps that nothing observes; with trace layers/full, dump or "
                            "for_report (which records attention) every step is observed and runs eagerly, so leave "
                            "compile out", also=("trace", "dump", "for_report", "compile"))

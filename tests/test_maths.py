@@ -130,3 +130,17 @@ def test_gemma3s_plan_gives_each_layer_its_own_rope_and_window(loaded):
     assert maths.op(0, "q_rope").inputs == ("q_norm",)
     record = maths.record()
     assert len(record["kinds"]) == 2 and record["layer_kind"] == [0] * 5 + [1]
+
+
+def test_the_schema_and_the_evaluator_know_exactly_the_declared_operations():
+    """One home per operation kind: model.maths.OPS. The trace schema's list of kinds and the float64 evaluator's
+    table are checked equal to it (a kind added in one place and not the others fails here); the cache's write is the
+    one kind with nothing to recompute."""
+    import json
+
+    from llmtrace.model.maths_eval import _KINDS
+    from llmtrace.trace.events import schema_path
+
+    schema = json.loads(schema_path().read_text(encoding="utf-8"))
+    assert set(schema["$defs"]["op_decl"]["properties"]["op"]["enum"]) == set(OPS)
+    assert set(_KINDS) == set(OPS) - {"cache_write"}

@@ -16,6 +16,7 @@ from llmtrace.cli.options import (ChatOpt, FlagGroup, HtmlOpt, InterventionFlags
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace import sigint
 from llmtrace.errors import UsageError
+from llmtrace.trace.events import Level
 from llmtrace.registry.models_toml import DEFAULT_MODEL
 
 SAMPLING = "Sampling (s10–s12)"
@@ -227,9 +228,9 @@ def run(model, prompts, options, *, jsonl_sink, json_out, html=None, lang: str =
         sinks.append(jsonl_sink)
     if doc_sink:
         sinks.append(doc_sink)
-    stream_text = options.trace == "none" and not batch  # a batch's texts are printed at the end, row by row
+    stream_text = not Level.of(options.trace).records and not batch  # a batch's texts are printed at the end, row by row
     if view_console is not None:
-        sinks.append(TerminalRenderer(view_console, show_steps=options.trace != "none", stream_text=stream_text))
+        sinks.append(TerminalRenderer(view_console, show_steps=Level.of(options.trace).records, stream_text=stream_text))
 
     on_text = None
     if stream_text and view_console is not None:

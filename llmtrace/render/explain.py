@@ -299,11 +299,7 @@ def _steps(console: Console, ev: dict) -> None:
         t.columns[c].no_wrap = True
     t.expand = True
     bad = 0
-    step = None
     for r in ev["steps"]:
-        if r.get("seed_step") and r["seed_step"] != step:  # the step's title, as this layer's kind teaches it
-            step = r["seed_step"]
-            t.add_row(Text(f"{step} {r.get('heading', '')}", style="bold"), "", "", "")
         c = r["check"]
         if c is None:
             mark = Text("—", style="dim")

@@ -2,12 +2,50 @@
 model's to declare (model.points); a trace carries them in its `run` event.
 """
 
+from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace
 
 
 SCHEMA_ID = "llmtrace.trace/1"
 LEVELS = ("none", "steps", "layers", "full")
+
+
+class Level(str, Enum):
+    """How much a trace records (--trace): a type, so code asks what a level means instead of comparing strings.
+    A str, so it is written and read as its name ("full")."""
+
+    NONE = "none"
+    STEPS = "steps"
+    LAYERS = "layers"
+    FULL = "full"
+
+    @property
+    def records(self) -> bool:
+        """Whether anything beyond the tokens is recorded."""
+        return self is not Level.NONE
+
+    @property
+    def every_pass(self) -> bool:
+        """Whether every pass (each decode step too) is observed, not only the prefill."""
+        return self in (Level.LAYERS, Level.FULL)
+
+    @property
+    def full(self) -> bool:
+        """Whether every point's statistics (and samples) are recorded, attention included."""
+        return self is Level.FULL
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, value) -> "Level":
+        """A level from its name, refused in one line when it names none."""
+        from llmtrace.errors import BadValue
+
+        if value not in LEVELS:
+            raise BadValue("trace", f" must be one of {', '.join(LEVELS)}, not {value!r}")
+        return cls(value)
 
 def schema_path() -> Path:
     return Path(__file__).with_name("trace.schema.json")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from llmtrace.errors import BadValue
-from llmtrace.trace.events import LEVELS
+from llmtrace.trace.events import LEVELS, Level
 
 
 class Dump(NamedTuple):
@@ -37,7 +37,7 @@ def parse_dump(text: str) -> Dump:
 
 @dataclass
 class TraceOptions:
-    level: str = "steps"
+    level: Level = Level.STEPS  # a name ("full") is taken too
     layers: Optional[list[int]] = None  # None: all layers
     dump: tuple[str, ...] = ()  # point names ("logits") or "LAYER.name" ("3.probs") whose values are recorded
     topk: int = 10
@@ -47,6 +47,7 @@ class TraceOptions:
     def __post_init__(self):
         if self.level not in LEVELS:
             raise BadValue("level", f" must be one of {', '.join(LEVELS)}, not {self.level!r}")
+        self.level = Level.of(self.level)
         self.dumps = tuple(parse_dump(d) for d in self.dump)
 
     def check_dumps(self, n_layers: int, points) -> None:

@@ -146,7 +146,7 @@ class Recorder:
                     sink(event)
 
     def wants_ledger(self) -> bool:
-        return self.options.level != "none"
+        return self.options.level.records
 
     def _layer_selected(self, layer: int) -> bool:
         return self.options.layers is None or layer in self.options.layers
@@ -158,11 +158,11 @@ class Recorder:
             return True
         if name not in self._traced:  # a point that repeats another (resid_pre is the layer before's resid_post)
             return False
-        if level == "full":
+        if level.full:
             return layer is None or self._layer_selected(layer)
-        if level == "layers":
+        if level.every_pass:  # layers: the residual stream at every pass
             return layer is None or (name in self._residual and self._layer_selected(layer))
-        if level == "steps":  # per-layer detail only for the prefill, and only if --layers narrowed it
+        if level.records:  # steps  # per-layer detail only for the prefill, and only if --layers narrowed it
             return self.step == 0 and layer is not None and self.options.layers is not None and self._layer_selected(layer)
         return False
 
@@ -180,7 +180,7 @@ class Recorder:
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
         # Called at every named point of every observed pass (574 per step at --trace full): it only keeps the tensor.
         # Shapes, events and statistics are made for the whole batch in _reduce_queue.
-        if name in ROUTING and layer is not None and self.options.level in ("layers", "full") and \
+        if name in ROUTING and layer is not None and self.options.level.every_pass and \
                 self._layer_selected(layer):  # the router ledger: a routing event per MoE layer per pass
             self._routes.setdefault(layer, {})[name] = x
         wanted = self._memo.get((layer, name))
@@ -281,7 +281,7 @@ class Recorder:
                     rows = self._repeated(rows, [c for _, _, c, _ in members])
                 self._stats.append(rows)
                 self._stat_order.extend(i for i, _, _, _ in members)
-                if self.options.level == "full":
+                if self.options.level.full:
                     self._sample_group(members, m, lse)
             if grown:
                 new = _stat_rows(torch.stack([part for _, part, _, _, _, _ in grown]).view(len(grown), -1), False)
@@ -376,8 +376,8 @@ class Recorder:
         keyword arguments), or None. The prefill is observed for its shape table (model-level points and layer 0);
         decode passes only at --trace layers/full or with --dump (which records at every level, none included)."""
         o = self.options
-        every = o.level in ("layers", "full")
-        if (o.level == "none" and not o.dump) or (phase == "decode" and not every and not o.dump):
+        every = o.level.every_pass
+        if (not o.level.records and not o.dump) or (phase == "decode" and not every and not o.dump):
             return None
         if every:
             layers = None if o.layers is None else set(o.layers)
@@ -387,7 +387,7 @@ class Recorder:
             layers.add(0)  # the shape table's layer
         dumped = self._dump_layers(o.dumps)
         layers = None if layers is None or dumped is None else sorted(layers | dumped)
-        if phase == "prefill" or o.level == "full":
+        if phase == "prefill" or o.level.full:
             return {"layers": layers}  # attention too: spelled out where observed
         # decode at --trace layers/steps: the residual stream, and the attention of layers whose attention is dumped
         attention = self._dump_layers([d for d in o.dumps if d.point in self._points.names("attn")])
@@ -409,7 +409,7 @@ class Recorder:
         (`batch`: every row's prompt ids, `samplers` their samplers) gets one tokens event per row, with "row"."""
         c = self._config = lm.config
         self._declare(lm.points)
-        if self.options.level == "full":
+        if self.options.level.full:
             self._worked = Worked(lm, self.options.layers)
         self._rows = len(batch) if batch is not None else 1
         self._batched = batch is not None
@@ -430,7 +430,7 @@ class Recorder:
             "prompt": self.run_info.get("prompt", ""),
             "chat": self.run_info.get("chat", False),
             "compiled": self.run_info.get("compiled", {"decode_step": False}),
-            "trace": {"level": self.options.level, "layers": self.options.layers, "dump": list(self.options.dump)},
+            "trace": {"level": self.options.level.value, "layers": self.options.layers, "dump": list(self.options.dump)},
         } | ({"interventions": self.run_info["interventions"]} if self.run_info.get("interventions") else {}) | ({"tensors": self.tensors.begin(lm.name, prompt_ids)} if self.tensors is not None else {}) | ({"batch": self._rows, "prompts": self.run_info.get("prompts") or [lm.tokenizer.decode(p) for p in batch],
               "row_seeds": [s.seed for s in samplers]} if batch is not None else {}))
         for row, ids in enumerate(batch) if batch is not None else [(None, prompt_ids)]:
@@ -446,7 +446,7 @@ class Recorder:
         self._memo = self._wanted_memo[step == 0]
         self._written = {}
         self._n_tokens, self._start = n_tokens, start
-        if step == 0 and self.options.level != "none":
+        if step == 0 and self.options.level.records:
             self._shape_table = []
 
     def after_forward(self, step: int) -> None:
