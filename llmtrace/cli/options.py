@@ -48,8 +48,8 @@ def jsonl_opt(what: str = "the output as one JSON object per line", more: str = 
 JsonOpt = json_opt()
 JsonlOpt = jsonl_opt()
 ForceOpt = Annotated[bool, typer.Option(
-    "--force", help="Write over an existing output file that llmtrace did not write. (A file llmtrace wrote is "
-    "replaced without it; an input of the command, never.)")]
+    "--force", help="Write over an existing output file that llmtrace did not write. (Its own files are replaced "
+    "without it; an input of the command, never.)")]
 
 # -- the model and where it runs
 
