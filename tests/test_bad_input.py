@@ -388,7 +388,8 @@ def test_a_failed_run_leaves_existing_outputs_alone(capsys, with_smollm, tmp_pat
     old_json, old_jsonl = tmp_path / "t.json", tmp_path / "t.jsonl"
     old_json.write_text("OLD JSON\n")
     old_jsonl.write_text("OLD JSONL\n")
-    fails(capsys, 1, "generate", "hello " * 8300, "--json", old_json, "--jsonl", old_jsonl, says=("context window",))
+    fails(capsys, 1, "generate", "hello " * 8300, "--json", old_json, "--jsonl", old_jsonl, "--force",
+          says=("context window",))
     assert old_json.read_text() == "OLD JSON\n" and old_jsonl.read_text() == "OLD JSONL\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config", "t.json", "t.jsonl"]  # no temporary files left
 

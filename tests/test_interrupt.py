@@ -103,8 +103,8 @@ def test_sigint_during_generation_finishes_every_output(smollm_path, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     jsonl, doc = out / "run.jsonl", out / "run.json"
-    doc.write_text("OLD\n")  # replaced only by a finished document
-    proc = start(["--jsonl", str(jsonl), "--json", str(doc)], tmp_path)
+    doc.write_text("OLD\n")  # replaced only by a finished document (--force: llmtrace did not write it)
+    proc = start(["--jsonl", str(jsonl), "--json", str(doc), "--force"], tmp_path)
     try:
         # the stream can be followed at its own name while the run goes on; the document waits for the end
         wait_for(lambda: count_steps(jsonl) >= 3, 300, proc, "three steps in the stream")
@@ -275,7 +275,8 @@ def test_ctrl_c_while_the_summary_is_written(capsys, monkeypatch, real_model, tm
     doc = tmp_path / "t.json"
     doc.write_text("OLD\n")
     sigint_on_event(monkeypatch, "summary")
-    code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--jsonl", tmp_path / "t.jsonl", "--json", doc)
+    code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--jsonl", tmp_path / "t.jsonl", "--json", doc,
+                           "--force")
     assert code == 130 and err == "error: interrupted\n"
     events = read_jsonl(tmp_path / "t.jsonl")
     assert events[-1]["event"] == "summary" and events[-1]["generated_tokens"] == 3
@@ -315,7 +316,8 @@ def test_ctrl_c_during_the_load_keeps_the_users_files(capsys, monkeypatch, tmp_p
     monkeypatch.setattr("llmtrace.checkpoint.load.load_model", interrupted_load)
     (tmp_path / "t.jsonl").write_text("OLD\n")
     (tmp_path / "t.json").write_text("OLD\n")
-    code, _, err = run_cli(capsys, command, PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json")
+    code, _, err = run_cli(capsys, command, PROMPT, "--jsonl", tmp_path / "t.jsonl", "--json", tmp_path / "t.json",
+                           "--force")
     assert code == 130 and err == "error: interrupted\n"
     assert (tmp_path / "t.jsonl").read_text() == "OLD\n" and (tmp_path / "t.json").read_text() == "OLD\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.jsonl"]
@@ -455,7 +457,7 @@ def test_sigint_at_any_moment_of_the_start_up_ends_the_stream_with_a_summary(smo
     out.mkdir()
     jsonl = out / "run.jsonl"
     jsonl.write_text("OLD\n")
-    proc = start_traced_imports(["--jsonl", str(jsonl)], tmp_path)
+    proc = start_traced_imports(["--jsonl", str(jsonl), "--force"], tmp_path)
     try:
         wait_for(lambda: imported(tmp_path, module), 300, proc, f"the import of {module}")
         time.sleep(delay)
@@ -524,7 +526,7 @@ def test_explain_and_lens_stream_as_the_pass_goes_and_end_with_a_summary(capsys,
     stream.write_text("OLD\n")
     seen = capture_seeing(monkeypatch, stream, interrupt=False)
     code, out, err = run_cli(capsys, command, "The lazy dog", "-m", tiny_dir, "--jsonl", stream, "--json",
-                             tmp_path / "t.json")
+                             tmp_path / "t.json", "--force")
     assert code == 0, err
     # before the pass ran, the file held the header and the prompt's tokens already (the old content was gone)
     assert [json.loads(line)["event"] for line in seen[0].splitlines()] == ["explain", "tokens"]

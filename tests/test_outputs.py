@@ -181,6 +181,17 @@ def test_every_output_of_every_command_opens(ran, name, kind):
             assert {Path(x["file"]).name for x in got} >= {"config.json", "model.safetensors", "tokenizer.json"}
 
 
+def test_every_output_is_one_llmtrace_may_write_over(ran):
+    """A second run over its own outputs is allowed: each file a command writes (and --save-tensors' file) is
+    recognised as llmtrace's by its content (cli/outputs.py), which a user's file is not (tests/test_overwrite.py)."""
+    from llmtrace.cli.outputs import written_by_llmtrace
+
+    files = [ran[name][3][kind] for name, kind in ALL_OUTPUTS]
+    files += sorted(ran["generate"][3]["json"].parent.glob("*.safetensors"))
+    assert len(files) == len(ALL_OUTPUTS) + 2
+    assert [str(f) for f in files if not written_by_llmtrace(f)] == []
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # show and report read them back
 

@@ -219,11 +219,12 @@ def test_report_of_bad_input_is_one_line_and_keeps_the_old_page(tmp_path, conten
     trace = tmp_path / "trace.json"
     trace.write_text(content)
     out = tmp_path / "report.html"
-    out.write_text("an earlier report")
+    earlier = '<!doctype html>\n<meta name="generator" content="llmtrace">\n<p>an earlier report</p>\n'
+    out.write_text(earlier)  # a page of llmtrace's, which a report may replace
     r = llmtrace("report", str(trace), "-o", str(out))
     assert r.returncode != 0
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and says in r.stderr, r.stderr
-    assert out.read_text() == "an earlier report"
+    assert out.read_text() == earlier
     assert [p.name for p in tmp_path.iterdir()] != [] and len(list(tmp_path.iterdir())) == 2  # no temporary left
 
 

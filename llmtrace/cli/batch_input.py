@@ -35,6 +35,10 @@ class PromptFlags(FlagGroup):
     prompts_file: PromptsFileOpt = None
     max_batch: MaxBatchOpt = 64
 
+    def inputs(self) -> dict:
+        """The files the prompts are read from, for cli.outputs.check_outputs (no output may be one of them)."""
+        return {"the prompt file (--file)": self.file, "the prompts file (--prompts)": self.prompts_file}
+
     def read(self, row: Optional[int] = None):
         """The prompt (a str) or the batch's prompts (a list): read_prompts."""
         return read_prompts(self.prompt, self.file, self.prompt_list, self.prompts_file, self.max_batch, row)

@@ -11,9 +11,10 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptsFileOpt, read_prompt_list
-from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, JsonOpt, KeepQuantizedOpt, LangOpt, PromptArg,
-                                  SystemOpt, ThreadsOpt, check_lang, check_outputs, html_target, interventions_from, jsonl_opt,
-                                  write_output)
+from llmtrace.cli.options import (ChatOpt, DeviceOpt, DtypeOpt, FileOpt, ForceOpt, JsonOpt, KeepQuantizedOpt, LangOpt,
+                                  PromptArg, SystemOpt, ThreadsOpt, check_lang, html_target, interventions_from,
+                                  jsonl_opt, write_output)
+from llmtrace.cli.outputs import check_outputs, control_vector_files
 from llmtrace.cli.text_input import read_prompt
 from llmtrace.errors import UsageError
 
@@ -100,6 +101,7 @@ def compare(
     html: HtmlOpt = None,
     lang: LangOpt = "en",
     threads: ThreadsOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     from llmtrace.api import LoadOptions
 
@@ -120,7 +122,9 @@ def compare(
         raise UsageError(f"--ids-from takes a (A's ids for both sides), not {ids_from!r}")
     if system is not None and not chat:
         raise UsageError("--system only applies with --chat")
-    check_outputs(json_out, jsonl, html)
+    check_outputs({"--json": json_out, "--jsonl": jsonl, "--html": html},
+                  {"the prompt file (--file)": file, "the prompts file (--prompts)": prompts_file, "a model (-m)": model,
+                   "a control vector (--b-control-vector)": control_vector_files(b_interventions)}, force=force)
     texts = read_prompt_list(prompt_list, prompts_file, sys.maxsize)
     if texts is not None and (prompt is not None or file is not None):
         raise UsageError("give the prompt as an argument or --file, or prompts with -p/--prompts, not both")
@@ -227,6 +231,7 @@ def diff(
     jsonl: JsonlOpt = None,
     html: HtmlOpt = None,
     lang: LangOpt = "en",
+    force: ForceOpt = False,
 ) -> None:
     from llmtrace.api import diff as run_diff
 
@@ -234,7 +239,8 @@ def diff(
 
     if not tolerance > 0:
         raise UsageError(f"--tolerance must be > 0, not {tolerance:g}")
-    check_outputs(json_out, jsonl, html)
+    check_outputs({"--json": json_out, "--jsonl": jsonl, "--html": html},
+                  {"trace A": trace_a, "trace B": trace_b}, force=force)
     result = run_diff(trace_a, trace_b, tolerance=tolerance, tensors=not no_tensors)
     show(result.to_json(), json_out, jsonl)
     if html:

@@ -12,8 +12,9 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.compare import side_b_flags
-from llmtrace.cli.options import (DeviceOpt, DtypeOpt, FastOpt, KeepQuantizedOpt, ThreadsOpt, check_outputs,
-                                  html_target, interventions_from, json_opt, write_output)
+from llmtrace.cli.options import (DeviceOpt, DtypeOpt, FastOpt, ForceOpt, KeepQuantizedOpt, ThreadsOpt, html_target,
+                                  interventions_from, json_opt, write_output)
+from llmtrace.cli.outputs import check_outputs, control_vector_files
 from llmtrace.errors import UsageError
 
 EVAL_HELP = """Score a text as llama.cpp's llama-perplexity does: PPL ± its uncertainty, or two sides' KLD.
@@ -94,6 +95,7 @@ def eval_command(
     jsonl: EvalJsonlOpt = None,
     html: Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Also write the evaluation page (self-contained HTML) to FILE.", show_default=False, callback=html_target)] = None,
     threads: ThreadsOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     with side_b_flags():
         b_ivs = interventions_from(b_ablate, b_scale, None, None, b_steer, b_toward, b_away_from, b_strength,
@@ -105,7 +107,10 @@ def eval_command(
         if jsonl not in (None, resume):
             raise UsageError("--resume FILE writes on FILE: give no other --jsonl")
         jsonl = resume
-    check_outputs(json_out, jsonl, html, save_base)
+    check_outputs({"--resume" if resume is not None else "--jsonl": jsonl, "--json": json_out, "--html": html,
+                   "--save-base": save_base},
+                  {"the text to score": file, "a model (-m)": model, "the --base file": base,
+                   "a control vector (--b-control-vector)": control_vector_files(b_ivs)}, force=force)
     text = _read_text(file)
     events = _resume_events(resume)
     from llmtrace.api import LoadOptions

@@ -13,8 +13,9 @@ import typer
 
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptFlags
-from llmtrace.cli.options import (INTERVENTIONS_HELP, ChatOpt, HtmlOpt, InterventionFlags, JsonlOpt, JsonOpt, LoadFlags,
-                                  LangOpt, SystemOpt, check_outputs, flag_groups, load_for_cli, write_html)
+from llmtrace.cli.options import (INTERVENTIONS_HELP, ChatOpt, ForceOpt, HtmlOpt, InterventionFlags, JsonlOpt, JsonOpt,
+                                  LoadFlags, LangOpt, SystemOpt, flag_groups, load_for_cli, write_html)
+from llmtrace.cli.outputs import check_outputs, control_vector_files
 from llmtrace import sigint
 from llmtrace.console import make_console
 from llmtrace.render.explain import render_explain, render_lens
@@ -88,12 +89,13 @@ def explain(
     load: LoadFlags = None,
     row: RowOpt = 0,
     interventions: InterventionFlags = None,
+    force: ForceOpt = False,
 ) -> None:
     from llmtrace.api import ExplainOptions
 
     options = ExplainOptions(layer=layer, head=head, top=top, chat=chat, system=system, row=row,
                              interventions=interventions.parse())
-    check_outputs(json_out, jsonl, html)
+    _check_outputs(jsonl, json_out, html, prompts, load, options, force)
     texts = prompts.read(row)
     _run("explain", lambda m, sinks: m.explain_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html,
          lang)
@@ -118,14 +120,22 @@ def lens(
     load: LoadFlags = None,
     row: RowOpt = 0,
     interventions: InterventionFlags = None,
+    force: ForceOpt = False,
 ) -> None:
     from llmtrace.api import LensOptions
 
     options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row,
                           interventions=interventions.parse())
-    check_outputs(json_out, jsonl, html)
+    _check_outputs(jsonl, json_out, html, prompts, load, options, force)
     texts = prompts.read(row)
     _run("lens", lambda m, sinks: m.lens_with(texts, options, sinks=sinks), load.options(), jsonl, json_out, html, lang)
+
+
+def _check_outputs(jsonl, json_out, html, prompts, load, options, force: bool) -> None:
+    check_outputs({"--json": json_out, "--jsonl": jsonl, "--html": html},
+                  prompts.inputs() | {"the model (-m)": load.model,
+                                      "a control vector (--control-vector)": control_vector_files(options.interventions)},
+                  force=force)
 
 
 def _release() -> None:

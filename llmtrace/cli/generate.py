@@ -11,8 +11,9 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptFlags
 from llmtrace.cli.options import (ChatOpt, FlagGroup, HtmlOpt, InterventionFlags, INTERVENTIONS_HELP, JsonlOpt,
-                                  JsonOpt, LangOpt, LoadFlags, PanelCommand, SystemOpt, check_outputs, flag_groups, load_for_cli,
-                                  write_html)
+                                  JsonOpt, ForceOpt, LangOpt, LoadFlags, PanelCommand, SystemOpt, flag_groups,
+                                  load_for_cli, write_html)
+from llmtrace.cli.outputs import check_outputs, control_vector_files
 from llmtrace.cli.text_input import NEWLINE_NOTE
 from llmtrace import sigint
 from llmtrace.errors import UsageError
@@ -162,6 +163,7 @@ def generate(
                                          "(measured on two CPUs), but the compile takes 11-14 s longer every run (it "
                                          "is not cached), so it pays off only after ~5,000-17,000 tokens.")] = False,
     interventions: InterventionFlags = None,
+    force: ForceOpt = False,
 ) -> None:
     from llmtrace.api import GenerateOptions
 
@@ -171,7 +173,10 @@ def generate(
         ignore_eos=ignore_eos, trace=trace, layers=layers, dump=tuple(dump or ()), show_top=show_top,
         for_report=html is not None, compile=compile_, freeze=freeze, save_tensors=save_tensors,
         interventions=interventions.parse())
-    check_outputs(json_out, jsonl, html, save_tensors)
+    check_outputs({"--json": json_out, "--jsonl": jsonl, "--html": html, "--save-tensors": save_tensors},
+                  prompts.inputs() | {"the model (-m)": load.model,
+                                      "a control vector (--control-vector)": control_vector_files(options.interventions)},
+                  force=force)
     if save_tensors is not None and json_out is None and jsonl in (None, "-"):
         raise UsageError("--save-tensors stores tensors beside a trace file; give --json FILE or --jsonl FILE too")
     texts = prompts.read()

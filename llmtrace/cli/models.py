@@ -13,7 +13,8 @@ from llmtrace.units import human_bytes, plural
 from llmtrace.registry.models_toml import DEFAULT_MODEL, ModelEntry, default_model, load_registry, user_registry_path
 from llmtrace.registry.resolve import cache_key, pull
 from llmtrace.cli.app import app
-from llmtrace.cli.options import JsonlOpt, JsonOpt, check_outputs, jsonl_opt, write_output
+from llmtrace.cli.options import ForceOpt, JsonlOpt, JsonOpt, jsonl_opt, write_output
+from llmtrace.cli.outputs import check_outputs
 from llmtrace.errors import UsageError
 
 
@@ -54,8 +55,8 @@ def _model_row(entry: ModelEntry, default: str) -> dict:
         "  llmtrace models --jsonl - | jq -r .name"
     ),
 )
-def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None) -> None:
-    check_outputs(json_out, jsonl)
+def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None, force: ForceOpt = False) -> None:
+    check_outputs({"--json": json_out, "--jsonl": jsonl}, force=force)
     entries = load_registry()
     default = default_model()
     rows = [_model_row(entry, default) for entry in entries.values()]
@@ -157,11 +158,12 @@ def pull_command(
             metavar="NAME", help="Registry name or hub id (default: the default model).", show_default=False
         )
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Download again even if a whole copy is cached.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Download again even if a whole copy is cached, and write "
+                                        "over an existing --json/--jsonl FILE that llmtrace did not write.")] = False,
     json_out: JsonOpt = None,
     jsonl: jsonl_opt("one JSON object per file of the model", "") = None,
 ) -> None:
-    check_outputs(json_out, jsonl)
+    check_outputs({"--json": json_out, "--jsonl": jsonl}, {"the model": name}, force=force)
     model = pull(name, force=force)
     if model.downloaded:
         what = "downloaded"

@@ -47,6 +47,9 @@ def jsonl_opt(what: str = "the output as one JSON object per line", more: str = 
 
 JsonOpt = json_opt()
 JsonlOpt = jsonl_opt()
+ForceOpt = Annotated[bool, typer.Option(
+    "--force", help="Write over an existing output file that llmtrace did not write. (Its own files are replaced "
+    "without it; an input of the command, never.)")]
 
 # -- the model and where it runs
 
@@ -261,21 +264,6 @@ def say_fast_note(lm) -> None:
         note = bf16_note(lm)
         if note:
             say(note)
-
-
-def check_outputs(json_out: Optional[str], jsonl: Optional[str], *others: Optional[str]) -> None:
-    """Before any slow work: at most one output on stdout, and every named FILE writable."""
-    from llmtrace.fsutil import check_writable_target
-
-    if json_out == "-" and jsonl == "-":
-        raise UsageError("--jsonl - and --json - both want stdout; send one of them to a file")
-    if jsonl not in (None, "-") and json_out not in (None, "-"):
-        same = Path(jsonl).resolve()
-        if same == Path(json_out).resolve() and (same.is_file() or not same.exists()):  # /dev/null twice is fine
-            raise UsageError("--jsonl and --json name the same file; give them different names")
-    for target in (json_out, jsonl, *others):
-        if target not in (None, "-"):
-            check_writable_target(Path(target))
 
 
 def write_output(target: str, text: str) -> None:

@@ -8,8 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import (JsonOpt, LangOpt, OneDeviceLoadFlags, check_lang, check_outputs, flag_groups, html_target, load_for_cli,
-                                  write_output)
+from llmtrace.cli.options import (ForceOpt, JsonOpt, LangOpt, OneDeviceLoadFlags, check_lang, flag_groups, html_target,
+                                  load_for_cli, write_output)
+from llmtrace.cli.outputs import check_outputs
 from llmtrace.errors import UsageError
 
 PATCH_HELP = """The activation-patching sweep: which layer and position carry the answer.
@@ -61,6 +62,7 @@ def patch(
                                                 "self-contained HTML page.", show_default=False,
                                                 callback=html_target)] = None,
     lang: LangOpt = "en",
+    force: ForceOpt = False,
 ) -> None:
     check_lang(lang, html)
     if at is not None:  # no torch: every family keeps Llama's residual-stream points (the model's own are checked after)
@@ -72,7 +74,7 @@ def patch(
     for flag, text in (("--clean", clean), ("--corrupt", corrupt), ("--answer", answer), ("--against", against)):
         if text == "":
             raise UsageError(f"{flag} is empty; give some text")
-    check_outputs(json_out, None, html)
+    check_outputs({"--json": json_out, "--html": html}, {"the model (-m)": load.model}, force=force)
     model_ = load_for_cli(load.options())
 
     from llmtrace.api import patch_sweep

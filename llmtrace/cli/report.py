@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import LangOpt, html_target, write_html
+from llmtrace.cli.options import ForceOpt, LangOpt, html_target, write_html
+from llmtrace.cli.outputs import check_outputs
 
 REPORT_HELP = """Render a saved trace (--json or --jsonl of generate, explain or lens) as one HTML page; a saved
 comparison (compare, diff) or patching sweep (patch) as the page its --html writes.
@@ -99,14 +100,14 @@ def report(
     row: Annotated[int, typer.Option("--row", help="For a trace of several prompts (generate -p … -p …): the row "
                                      "the page shows, 0-based.")] = 0,
     lang: LangOpt = "en",
+    force: ForceOpt = False,
 ) -> None:
     from llmtrace.api import read_trace
-    from llmtrace.fsutil import check_writable_target
     from llmtrace.report.data import check_schema
     from llmtrace.errors import LlmtraceError
     from llmtrace.trace.reader import trace_kind
 
-    check_writable_target(Path(output))
+    check_outputs({"-o": output}, {"the trace to render": trace, "the model (-m)": model}, force=force)
     events = read_trace(trace).events
     if trace_kind(events, trace) not in ("generate", "explain", "lens"):  # compare, diff, patch: their --html page
         write_html(events, output, None, row=row)

@@ -13,7 +13,8 @@ from typing import Annotated, Optional
 import typer
 
 from llmtrace.cli.app import app
-from llmtrace.cli.options import JsonOpt, ModelOpt, check_outputs, json_opt, jsonl_opt, write_output
+from llmtrace.cli.options import ForceOpt, JsonOpt, ModelOpt, json_opt, jsonl_opt, write_output
+from llmtrace.cli.outputs import check_outputs
 from llmtrace.cli.text_input import NEWLINE_NOTE, read_file, read_stdin, read_text
 from llmtrace.errors import LlmtraceError, UsageError
 from llmtrace.render.generate import columns_left_out
@@ -97,13 +98,15 @@ def tokenize(
     ids: Annotated[bool, typer.Option("--ids", help="Print only the ids, space-separated.")] = False,
     as_json: json_opt("one JSON document", "") = None,
     as_jsonl: jsonl_opt("one JSON object per token (and per merged word with --merges)", "") = None,
+    force: ForceOpt = False,
 ) -> None:
     """Split text into tokens and show each one: id, piece, text, UTF-8 bytes, character span, special or not.
 
     Tokens that hold only part of a character (CJK, emoji) say which bytes they carry, e.g. "e4 bd (1-2/3 of 你)".
     """
     _check_one_format(ids=ids, json=as_json == "-", jsonl=as_jsonl == "-")
-    check_outputs(as_json, as_jsonl)
+    check_outputs({"--json": as_json, "--jsonl": as_jsonl},
+                  {"the text file (--file)": file, "the --messages file": messages, "the model (-m)": model}, force=force)
     chat = chat or system is not None or role is not None or messages is not None
     source = read_text(text, file, "text", stdin=messages is None)
 
@@ -229,9 +232,10 @@ def detokenize(
     skip_special: Annotated[bool, typer.Option("--skip-special", help="Leave special tokens out of the joined text.")] = False,
     as_json: JsonOpt = None,
     as_jsonl: jsonl_opt("one JSON object per id", "") = None,
+    force: ForceOpt = False,
 ) -> None:
     """Turn token ids back into text: each id's piece and text, then the joined text."""
-    check_outputs(as_json, as_jsonl)
+    check_outputs({"--json": as_json, "--jsonl": as_jsonl}, {"the model (-m)": model}, force=force)
     if token_ids:
         values = list(token_ids)
     elif not sys.stdin.isatty():
