@@ -272,9 +272,9 @@ def test_the_reports_kv_chart_shows_the_state_and_the_sum(families):
              for pts, cls in re.findall(r'<polyline points="([^"]+)" class="(gqa|state|total)"', page)}
     assert len(set(lines["state"])) == 1 and lines["gqa"][0] > lines["gqa"][-1]  # flat; growing (y points down)
     assert all(t < g and t < s for t, g, s in zip(lines["total"], lines["gqa"], lines["state"]))  # the sum, above
-    assert page.count('class="kvl state"') == 3
+    assert page.count('data-kind="state"') == 3
     assert "3 layers × 3,200 bytes = 9.38 KiB, the same at every step" in page
-    assert "= 2 (K, V) × 1 layers × 2 KV heads" in page
+    assert "= the layers whose memory grows: 1 × 256 B (K and V, one entry a token)" in page
 
 
 def test_the_report_page_draws_a_linear_layer_from_its_declaration(browser, loaded, tmp_path):
@@ -297,7 +297,31 @@ def test_the_report_page_draws_a_linear_layer_from_its_declaration(browser, load
     assert {p: blocks[p] for p in ops if p in blocks} == {p: ops[p]["op"] for p in ops if p in blocks}
     o.page.click('#passmap .mapblock[data-point="delta_state"]')
     assert not [m for m in o.messages if m[0] in ("error", "pageerror")], o.messages
+    # the linear layer is taught under its kind's own headings, never attention's; the attention layer keeps them
+    titles = lambda: o.page.eval_on_selector_all("#passmap .mapstep", "ls => ls.map(l => l.textContent)")  # noqa: E731
+    assert "linear attention" in o.page.text_content("#passmap .note")
+    layer0 = " ".join(titles())
+    assert "causal convolution over the last Kc tokens" in layer0 and "the delta rule" in layer0
+    assert "RoPE on Q and K" not in layer0 and "softmax" not in layer0
+    o.page.select_option("#walk-layer", "3")
+    layer3 = " ".join(titles())
+    assert "RoPE on Q and K" in layer3 and "causal convolution" not in layer3
     o.page.close()
+
+
+def test_the_memory_section_names_each_layers_kind_of_memory(families):
+    """The KV section reads each layer's declared memory: no "every layer caches the same" on a hybrid, a box per
+    layer with its kind and bytes, in both languages."""
+    import llmtrace
+
+    run = llmtrace.load(str(families.hf_dir("qwen3_5")), device="cpu").generate("The quick brown fox",
+                                                                               max_new_tokens=2, trace="steps")
+    en, zh = run.html(), run.html(lang="zh")
+    assert "every layer caches the same" not in en and "每层缓存的大小相同" not in zh
+    assert en.count('data-kind="state"') == 3 and en.count('data-kind="kv"') == 1
+    assert "layer 0: a state of 3,200 bytes, the same at every step" in en
+    assert "第 0 层：3,200 字节的状态，每一步都相同" in zh
+    assert "Each step appends one position to the 1 of 4 layers whose memory grows; 3 keep" in en
 
 
 @pytest.mark.parametrize("name", NAMES)

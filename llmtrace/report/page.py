@@ -200,6 +200,22 @@ def kind_titles(d: dict, lang: str) -> list[dict]:
     return out
 
 
+def kind_words(d: dict, w) -> list[str]:
+    """Per kind of layer in the maths record: what it is, in the page's words (its own summary where its kind declares
+    one; attention over every earlier key or over a window), with its RoPE: the map says it instead of a number."""
+    from llmtrace.model.maths import plan_from_record
+
+    rec = (d.get("maths") or {}).get("record")
+    out = []
+    for kind in (rec or {}).get("kinds", ()):
+        plan = plan_from_record(kind["plan"])
+        what = plan.heading("summary", w.lang) or (w("js.kind_window", w=f"{plan.window:,}") if plan.window else
+                                                    w("js.kind_global"))
+        out.append(what + ("" if plan.heading("summary") else "; " + (w("js.kind_rope") if plan.rope else
+                                                                        w("js.kind_no_rope"))))
+    return out
+
+
 def rope_rows(d: dict, w) -> str:
     """RoPE as each layer's plan declares it: one line per kind of layer (its base, rotary width, scaling, or none, and
     its window), naming its layers; a trace without the declaration gives the config's one base."""
@@ -865,6 +881,7 @@ def view(d: dict, w=None) -> dict:
         d["maths"] = maths_view({"maths": d["maths"]["record"]}, None, w.maths)
     d["step_titles"] = {st["id"]: step_title(w, st["id"], d) for st in d["pipeline"]["stages"]}
     d["kind_titles"] = kind_titles(d, w.lang)
+    d["kind_words"] = kind_words(d, w)
     d["points"] = [dict(p, about=about(p, w)) for p in d["points"]]
     return {"title": f'{w("page.title")} · {d["run"]["model"]["name"]} · {d["run"]["prompt"][:60]}',
             "sections": shown, "stepbar": step_bar(dict(d, w=w)), "data": d, "palette": PALETTE, "w": w}

@@ -236,7 +236,7 @@
         esc(titleOf(sid, c.layer) || "") + (buttons ? "<div>" + buttons + "</div>" : "") + extra + "</li>";
       if (k < SEED.length - 1) html += "<li class=maparrow aria-hidden=true>\u2192</li>";
     });
-    el.innerHTML = "<p class=note>" + esc(t("map_intro", { layer: c.layer, kind: R.layer_kind[c.layer] })) + "</p><ol class=mapflow>" + html + "</ol>" +
+    el.innerHTML = "<p class=note>" + esc(t("map_intro", { layer: c.layer, kind: (D.kind_words || [])[R.layer_kind[c.layer]] || R.layer_kind[c.layer] })) + "</p><ol class=mapflow>" + html + "</ol>" +
       "<div id=map-card aria-live=polite></div>";
     el.querySelectorAll(".mapblock").forEach((b) => b.addEventListener("click", () => {
       const same = mapOpen && mapOpen.name === b.dataset.point;
