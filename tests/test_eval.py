@@ -620,8 +620,9 @@ def test_the_python_api_takes_loaded_models_and_renders_the_page(tiny_lm, text):
 
 def test_progress_moves_within_a_batch_and_its_rate_is_measured(tiny_lm, text, monkeypatch):
     """Each chunk is heard as soon as it is scored, in order, with a count that only grows; between them the
-    position moves with every layer of the pass; the rate is the tokens finished over the time they took on the
-    clock (here one that reads half a second later at each look), and the time left the tokens to go at that rate."""
+    position moves with every layer of the pass; the rate is the work done (in scored tokens, the batch in flight
+    counted by its steps) over the time it took on the clock (here one that reads half a second later at each look),
+    and the time left the work to go at that rate."""
     from llmtrace.run import eval as run_eval
 
     reads: list[float] = []
@@ -648,9 +649,10 @@ def test_progress_moves_within_a_batch_and_its_rate_is_measured(tiny_lm, text, m
     assert all(x < y for x, y in zip(before_first, before_first[1:]))
     t0 = reads[0]  # the first look: the first pass starts
     for _, p, t in chunks:
-        assert p.tokens_per_s == pytest.approx(p.done * 15 / (t - t0), rel=1e-12)
-        assert p.eta_s == pytest.approx((6 - p.done) * 15 / p.tokens_per_s, rel=1e-12, abs=1e-12)
-        assert p.running["tokens_scored"] == p.done * 15
+        assert p.tokens_per_s == pytest.approx(p.position * 15 / (t - t0), rel=1e-12)
+        assert p.eta_s == pytest.approx((6 - p.position) * 15 / p.tokens_per_s, rel=1e-12, abs=1e-12)
+        assert p.position >= p.done and p.running["tokens_scored"] == p.done * 15
+    assert heard[0].tokens_per_s is None  # nothing measured yet
 
 
 def test_the_bar_and_the_plain_lines_fit_80_columns():

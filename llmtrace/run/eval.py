@@ -39,9 +39,9 @@ SAME_ON_RESUME = ("text_sha256", "ctx", "chunks", "batch", "layers", "tolerance"
 class Progress:
     """Where a run is, for a listener: `done` chunks finished of `total` (a resumed run's earlier chunks counted),
     `position` the same with the batch in flight counted in part (a step per layer of its pass, one per chunk
-    scored), the rate of this run in scored tokens per second and the time left, both measured (None until this run
-    has finished a chunk), and the running figures over every chunk so far (eval_stats.running_line; None until the
-    first chunk)."""
+    scored), the rate of this run in scored tokens per second and the time left, both measured (Counter; None until
+    there is something to measure), and the running figures over every chunk so far (eval_stats.running_line; None
+    until the first chunk)."""
 
     done: int
     total: int
@@ -130,7 +130,7 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
     if resume and save_base is not None:
         raise BadValue("save_base", " needs every chunk's log-probabilities: run it whole, not resumed")
     if base_top_k is not None and save_base is None:
-        raise BadValue("base_top_k", " is the form of a base file written: give `save_base` too")
+        raise BadValue("base_top_k", " is the form of a base file written: give save_base too", also=("save_base",))
     if layers and b is None:
         raise BadValue("layers", " compares two sides run here: give side B (a base file holds no layers)")
     say = say or (lambda _m: None)
@@ -174,49 +174,48 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
 
 
 class Counter:
-    """Where a run is, and its rate and time left, measured: the clock starts when this run's first pass starts (a
-    step of it heard, or its first chunk, so that loading the models does not count); the rate is the tokens of the
-    chunks this run has finished over the time they took; the time left, the tokens to go at that rate, less the
-    time since the last chunk finished. `clock`: seconds (time.perf_counter; a test sets its own)."""
+    """Where a run is, and its rate and time left, measured. The clock starts when this run's first pass starts (its
+    first step heard; where only whole chunks are heard, as from workers, when the first arrives), so that loading
+    the models does not count. The rate is the work done since then (chunks, the batch in flight counted by its
+    steps: a pass's layers and its chunks scored) in scored tokens, over the time it took; the time left, the work
+    to go at that rate. `clock`: seconds (time.perf_counter; a test sets its own)."""
 
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, total: int, before: int, scored: int):
-        self.total, self.before, self.scored = total, before, scored
+        self.total, self.scored = total, scored
         self.done = self.batch_from = before
         self.position = float(before)
         self.t0: Optional[float] = None
-        self.t_last: Optional[float] = None
+        self.p0 = 0.0
         self.running: Optional[dict] = None
 
     def moving(self, in_flight: float, starts: bool) -> Progress:
         """A step of the batch in flight: `in_flight` chunks of it, in part; `starts`: its pass starts."""
         now = self.clock()
         if self.t0 is None:
-            self.t0 = now
+            self.t0, self.p0 = now, self.position
         if starts:
             self.batch_from = self.done
-        return self._progress(now, max(self.batch_from + in_flight, self.done))
+        return self._progress(now, self.batch_from + in_flight)
 
     def finished(self, ordered: list[dict]) -> Progress:
         """A chunk finished; `ordered` every chunk so far."""
         now = self.clock()
-        if self.t0 is None:  # no step was heard: workers report whole chunks, the first from its start unknown
-            self.t0, self.before = now, self.before + 1
         self.done += 1
-        self.t_last = now
+        if self.t0 is None:  # no step was heard: the first chunk's start is not known, so it does not count
+            self.t0, self.p0 = now, float(self.done)
         self.running = running_line(ordered)
         return self._progress(now, float(self.done))
 
     def _progress(self, now: float, position: float) -> Progress:
-        rate = eta = None
-        mine = self.done - self.before
-        if mine > 0 and self.t_last > self.t0:
-            rate = mine * self.scored / (self.t_last - self.t0)
-            eta = max(0.0, (self.total - self.done) * self.scored / rate - (now - self.t_last))
         self.position = min(max(self.position, position), float(self.total))  # the batch's steps may run ahead
-        return Progress(done=self.done, total=self.total, position=self.position,
-                        tokens_per_s=rate, eta_s=eta, running=self.running)
+        rate = eta = None
+        if now > self.t0 and self.position > self.p0:
+            rate = (self.position - self.p0) * self.scored / (now - self.t0)
+            eta = (self.total - self.position) * self.scored / rate
+        return Progress(done=self.done, total=self.total, position=self.position, tokens_per_s=rate, eta_s=eta,
+                        running=self.running)
 
 
 def base_writer(job, path, header: dict):
