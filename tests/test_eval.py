@@ -201,6 +201,9 @@ def test_a_top_k_base_is_a_lower_bound_short_by_at_most_its_stated_bound(tiny_lm
     assert s2["ppl"]["value"] == pytest.approx(s1["ppl"]["value"], rel=1e-9) and s2["same_top"] == s1["same_top"]
     text_out = summary_text(two.header, s2)
     assert "top-16 base: a lower bound" in text_out and f"{s2['kld']['bound']:.2e}" in text_out
+    tails = [1 - math.fsum(math.exp(x) for x in row) for row in _top_logp(tiny_lm, text, 32, 8, 16)]
+    assert s2["kld"]["tail"] == pytest.approx(sum(tails) / len(tails), rel=1e-5)
+    assert f"its tail held {100 * s2['kld']['tail']:.2f}% of A's mass" in text_out
     # K = the whole vocabulary: nothing is missing, the bound is 0 and the KLD the one-run KLD
     whole = tmp_path / "base_all.safetensors"
     evaluate(tiny_lm, text, ctx=32, chunks=8, save_base=whole, base_top_k=tiny_lm.config.vocab_size)
@@ -230,6 +233,15 @@ def _tail_kl(lm, b, text, ctx, k, top_k) -> float:
         total += float((ta * ((qa.exp() * (qa - qb)) * mask).sum(-1)).sum())
         n += la.size(0)
     return total / n
+
+
+def _top_logp(lm, text, ctx, k, top_k) -> list[list[float]]:
+    """A's top `top_k` log-probs at every scored position of the first k chunks."""
+    from llmtrace.run.eval_score import Chunking, _logits
+
+    ids, ch = lm.tokenizer.encode(text), Chunking(ctx, None)
+    return [row for i in range(k) for row in torch.log_softmax(
+        _logits(lm, [ch.ids(ids, i)], ch.first)[0].double(), -1).topk(top_k, -1).values.tolist()]
 
 
 def test_the_tail_bound_is_reached_by_the_worst_tail_and_holds_for_others():

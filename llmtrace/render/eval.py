@@ -142,8 +142,9 @@ def base_bound_lines(header: dict, kld: dict) -> list[str]:
     b = kld["bound"]
     if header.get("base_form") == "exact":
         return [f"(exact base, 16-bit log-probs: within ± {b:.2e} of a one-run KLD)"]
-    return [f"(top-{header.get('top_k')} base: a lower bound; the KLD is at most {b:.2e} more,",
-            f" at most {kld['mean'] + b:.6f})"]
+    tail = f"; its tail held {100 * kld['tail']:.2f}% of A's mass" if "tail" in kld else ""
+    return [f"(top-{header.get('top_k')} base: a lower bound{tail};",
+            f" the KLD is at most {b:.2e} more, at most {kld['mean'] + b:.6f})"]
 
 
 def _distribution(d: dict, name: str, fmt) -> list[str]:

@@ -224,6 +224,8 @@ def score_row(a, b, tgt, keep: Optional[int] = None) -> tuple[dict, Optional[dic
             "dp4": (dp ** 4).sum()}
     if "bound" in figures:
         sums["kld_bound"] = figures["bound"].sum()
+    if "tail" in figures:  # a top-K base: A's mass outside its top K
+        sums["base_tail"] = figures["tail"].sum()
     rec = {"tokens_scored": len(tgt), "sums": {k: float(v) for k, v in sums.items()} | {
         "same_top": int(figures["same"].sum())}, "kld": kld.tolist(), "dp": dp.tolist()}
     return rec, kept
@@ -292,7 +294,7 @@ def _against_top_k(base: dict, lp_b, tgt) -> dict:
     nll_a = -base["target_logp"].double()
     return {"nll": nll_a, "kld": kld, "kld_ba": kld_ba, "same": ids[:, 0] == lp_b.argmax(-1),
             "p_a": (-nll_a).exp(), "lp_b_t": lp_b.gather(1, tgt[:, None])[:, 0],
-            "bound": _tail_bound(lp_top[:, -1], t_a, lp_b, ids, lt_b)}
+            "bound": _tail_bound(lp_top[:, -1], t_a, lp_b, ids, lt_b), "tail": t_a}
 
 
 def _tail_bound(lp_k, t_a, lp_b, ids, lt_b):

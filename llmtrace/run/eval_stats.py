@@ -128,6 +128,8 @@ def summarize_two(chunks: list[dict], distributions: bool = True) -> dict:
            "same_top": vu(same, math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0)}
     if "kld_bound" in chunks[0]["sums"]:  # side A from a base file (eval_score.py derives the bound)
         out["kld"]["bound"] = math.fsum(c["sums"]["kld_bound"] for c in chunks) / n
+    if "base_tail" in chunks[0]["sums"]:  # a top-K base: the mean mass outside the top K
+        out["kld"]["tail"] = math.fsum(c["sums"]["base_tail"] for c in chunks) / n
     if distributions and n >= MIN_FOR_DISTRIBUTIONS:
         kld = sorted(v for c in chunks for v in c["kld"])
         dp = sorted(v for c in chunks for v in c["dp"])
