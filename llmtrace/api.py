@@ -732,16 +732,32 @@ class Comparison:
 # evaluating over a corpus
 
 
-def evaluate(model, text: str, **options) -> "Evaluation":
+def evaluate(model, text: str, progress: bool = False, **options) -> "Evaluation":
     """Score `text` in chunks as llama.cpp's llama-perplexity does (`llmtrace eval`): PPL ± its uncertainty, and
     with side `b=` (a spec, a `Side` or a loaded `Model`) llama.cpp's KL-divergence statistics of B against A.
-    `model`: a spec, a `Side` or a loaded `Model`. Keywords: ctx=, chunks=, batch=, b=, base=, save_base=, top_k=,
-    layers=, tolerance=, workers=, ray=, threads=, resume=, on_start=, on_chunk=, progress= (run/eval.py)."""
+    `model`: a spec, a `Side` or a loaded `Model`. `progress=True`: show the run's progress on stderr, as the
+    command does (a live bar on a terminal, a line at each tenth of the run elsewhere); quiet by default. Keywords:
+    ctx=, chunks=, batch=, b=, base=, save_base=, base_top_k=, layers=, tolerance=, workers=, ray=, threads=,
+    resume=, on_start=, on_chunk=, on_progress=, say= (run/eval.py)."""
     from llmtrace.run.eval import evaluate as run_eval
 
+    if not isinstance(progress, bool):
+        raise BadValue("progress", f" is True or False (a listener goes to `on_progress`), not {progress!r}")
     if isinstance(options.get("b"), Model):
         options["b"] = options["b"].loaded
-    return Evaluation(run_eval(model.loaded if isinstance(model, Model) else model, text, **options))
+    bar = None
+    if progress:
+        from llmtrace.render.eval import EvalBar
+
+        bar = EvalBar()
+        heard, said = options.get("on_progress"), options.get("say")
+        options["on_progress"] = bar.update if heard is None else (lambda p: (bar.update(p), heard(p)))
+        options["say"] = bar.say if said is None else (lambda m: (bar.say(m), said(m)))
+    try:
+        return Evaluation(run_eval(model.loaded if isinstance(model, Model) else model, text, **options))
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class Evaluation:

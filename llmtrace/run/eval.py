@@ -4,6 +4,7 @@ over a whole text.
     evaluate(model, text, ctx=512)                    -> EvalResult   one side: PPL ± its uncertainty
     evaluate(a, text, b=Side(...))                    -> EvalResult   A the base, B under test: KLD, Δp, same top, …
     evaluate(a, text, save_base="base.safetensors")   then  evaluate(b, text, base="base.safetensors")
+    evaluate(a, text, save_base="base.safetensors", base_top_k=64)     a smaller base; its KLD a lower bound
 
 The text is tokenized once (BOS first where the tokenizer adds one) and cut into chunks of `ctx` tokens, the way
 llama.cpp's llama-perplexity cuts it (eval_score.py says which positions are scored); `chunks` stops early. Chunks
@@ -17,8 +18,8 @@ after an interruption, with `interrupted: true`; a resumed run drops it and goes
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,6 @@ from llmtrace.run.eval_score import DEFAULT_TOLERANCE
 from llmtrace.run.eval_stats import running_line, summarize_layers, summarize_one, summarize_two
 
 DEFAULT_CTX = 512
-DEFAULT_TOP_K = 64
 DEFAULT_BATCH_TOKENS = 2048  # llama-perplexity's default -b: that many tokens' chunks per pass
 # what a resumed run must share with the run it continues
 SAME_ON_RESUME = ("text_sha256", "ctx", "chunks", "batch", "layers", "tolerance", "base", "top_k")
@@ -37,14 +37,18 @@ SAME_ON_RESUME = ("text_sha256", "ctx", "chunks", "batch", "layers", "tolerance"
 
 @dataclass
 class Progress:
-    """What a chunk's listener hears besides the record: chunks done and to do, the rate, the time left, and the
-    running figures over every chunk so far (eval_stats.running_line)."""
+    """Where a run is, for a listener: `done` chunks finished of `total` (a resumed run's earlier chunks counted),
+    `position` the same with the batch in flight counted in part (a step per layer of its pass, one per chunk
+    scored), the rate of this run in scored tokens per second and the time left, both measured (Counter; None until
+    there is something to measure), and the running figures over every chunk so far (eval_stats.running_line; None
+    until the first chunk)."""
 
     done: int
     total: int
-    tokens_per_s: float
-    eta_s: float
-    running: dict
+    position: float
+    tokens_per_s: Optional[float]
+    eta_s: Optional[float]
+    running: Optional[dict]
 
 
 @dataclass
@@ -72,7 +76,8 @@ class EvalResult:
 # the text
 
 
-def check_settings(ctx: int, chunks: Optional[int], batch: Optional[int], top_k: int, workers: int) -> None:
+def check_settings(ctx: int, chunks: Optional[int], batch: Optional[int], base_top_k: Optional[int],
+                   workers: int) -> None:
     """The values that need no model, before anything is read."""
     if ctx < 4:
         raise BadValue("ctx", f" must be ≥ 4 (half of each chunk is scored), not {ctx}")
@@ -80,8 +85,8 @@ def check_settings(ctx: int, chunks: Optional[int], batch: Optional[int], top_k:
         raise BadValue("chunks", f" must be ≥ 1, not {chunks}")
     if batch is not None and batch < 1:
         raise BadValue("batch", f" must be ≥ 1, not {batch}")
-    if top_k < 1:
-        raise BadValue("top_k", f" must be ≥ 1, not {top_k}")
+    if base_top_k is not None and base_top_k < 1:
+        raise BadValue("base_top_k", f" must be ≥ 1, not {base_top_k}")
     if workers < 1:
         raise BadValue("workers", f" must be ≥ 1, not {workers}")
 
@@ -92,40 +97,45 @@ def check_settings(ctx: int, chunks: Optional[int], batch: Optional[int], top_k:
 
 def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, ctx: int = DEFAULT_CTX,
              chunks: Optional[int] = None, batch: Optional[int] = None, save_base: Union[str, Path, None] = None,
-             top_k: int = DEFAULT_TOP_K, layers: bool = False, tolerance: float = DEFAULT_TOLERANCE,
+             base_top_k: Optional[int] = None, layers: bool = False, tolerance: float = DEFAULT_TOLERANCE,
              workers: int = 1, ray: Optional[str] = None, threads: Optional[int] = None,
              resume: Optional[list[dict]] = None, ids_from: Optional[str] = None,
              on_start: Optional[Callable[[dict, list[dict]], None]] = None,
              on_chunk: Optional[Callable[[dict, Progress], None]] = None,
-             progress: Optional[Callable[[str], None]] = None) -> EvalResult:
+             on_progress: Optional[Callable[[Progress], None]] = None,
+             say: Optional[Callable[[str], None]] = None) -> EvalResult:
     """Score `text` in chunks of `ctx` tokens, as llama.cpp's llama-perplexity does.
 
     `model`: side A (a spec, a run.compare.Side, or a loaded model). `b`: side B, for the two-sided statistics (A is
     the base, B the model under test). `base`: a base file written by `save_base=`; `model` is then the model under
     test (side B) and A's figures come from the file. `chunks`: at most this many. `batch`: chunks per pass (default:
     as llama-perplexity's default batch of 2,048 tokens holds them, 2048 // ctx, at least 1).
-    `save_base`: write A's top `top_k` log-probabilities per scored position to this file. `layers` (two sides):
-    where the error enters, layer by layer (compare's relative error; `tolerance` marks a divergence); MoE routing.
-    `workers` > 1: that many local processes; `ray`: a Ray address ("local" for a cluster of this machine), `workers`
-    actors. `threads`: torch threads of each worker. `resume`: the events of an interrupted run (its file's lines):
-    its chunks are kept, the rest are scored. `on_start(header, chunks kept from resume)` hears the `eval` event
-    before the first chunk; `on_chunk(record, Progress)` hears each chunk in chunk order;
-    `progress(message)` what is happening. Ctrl-C (KeyboardInterrupt) ends the run early: the result holds the
-    chunks done, and `interrupted` is True."""
+    `save_base`: write A's log-probabilities per scored position to this file: each whole row as 16 bits (exact),
+    or with `base_top_k` K only its top K and the rest's mass (a KLD that is a lower bound; eval_base.py). `layers`
+    (two sides): where the error enters, layer by layer (compare's relative error; `tolerance` marks a divergence);
+    MoE routing. `workers` > 1: that many local processes; `ray`: a Ray address ("local" for a cluster of this
+    machine), `workers` actors. `threads`: torch threads of each worker. `resume`: the events of an interrupted run
+    (its file's lines): its chunks are kept, the rest are scored. `on_start(header, chunks kept from resume)` hears
+    the `eval` event before the first chunk; `on_chunk(record, Progress)` hears each chunk in chunk order, as soon as
+    it is scored; `on_progress(Progress)` hears every move (each layer of a pass, each chunk); `say(message)` what is
+    happening. Ctrl-C (KeyboardInterrupt) ends the run early: the result holds the chunks done, and `interrupted` is
+    True."""
     from llmtrace.run.eval_workers import Job, require_ray, run_job
 
-    check_settings(ctx, chunks, batch, top_k, workers)
+    check_settings(ctx, chunks, batch, base_top_k, workers)
     if ray is not None:
         require_ray()  # before anything is read
     if base is not None and b is not None:
         raise UsageError("give side B or a base file, not both: with a base file, the model is the one under test")
     if resume and save_base is not None:
         raise BadValue("save_base", " needs every chunk's log-probabilities: run it whole, not resumed")
+    if base_top_k is not None and save_base is None:
+        raise BadValue("base_top_k", " is the form of a base file written: give save_base too", also=("save_base",))
     if layers and b is None:
         raise BadValue("layers", " compares two sides run here: give side B (a base file holds no layers)")
-    say = progress or (lambda _m: None)
+    say = say or (lambda _m: None)
     batch = batch if batch is not None else max(1, DEFAULT_BATCH_TOKENS // ctx)
-    job = Job.build(model, b, base, ctx, chunks, batch, save_base, top_k, layers, tolerance, threads, ids_from,
+    job = Job.build(model, b, base, ctx, chunks, batch, save_base, base_top_k, layers, tolerance, threads, ids_from,
                     text, say)
     header = job.header(text)
     done = check_resume(resume, header) if resume else []
@@ -133,63 +143,93 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
     todo = [i for i in range(header["chunks"]) if i not in records]
     if on_start is not None:
         on_start(header, [records[i] for i in sorted(records)])
-    base_rows: dict[int, dict] = {}
-    counter = _Counter(len(todo), header["scored_per_chunk"], len(done))
+    counter = Counter(header["chunks"], len(done), header["scored_per_chunk"])
+    listen = on_progress or (lambda _p: None)
+
+    def on_step(group: list[int], step: int, steps: int) -> None:
+        listen(counter.moving(len(group) * step / steps, step == 0))
+
     interrupted = False
-    try:
-        for rec in run_job(job, todo, workers, ray, say):
-            kept = rec.pop("_base", None)
-            if kept is not None:
-                base_rows[rec["chunk"]] = kept
-            records[rec["chunk"]] = rec
-            ordered = [records[i] for i in sorted(records)]
-            if on_chunk is not None:
-                on_chunk(rec, counter.tick(ordered))
-    except KeyboardInterrupt:
-        interrupted = True
-    chunk_list = [records[i] for i in sorted(records)]
-    result = EvalResult(header=header, chunks=chunk_list, summary=summary_event(header, chunk_list, interrupted),
-                        interrupted=interrupted)
-    if save_base is not None and not interrupted:
-        write_base_file(job, save_base, header, base_rows, result)
+    with contextlib.ExitStack() as stack:
+        writer = stack.enter_context(base_writer(job, save_base, header)) if save_base is not None else None
+        try:
+            for rec in run_job(job, todo, workers, ray, say, on_step):
+                kept = rec.pop("_base", None)
+                if writer is not None:
+                    writer.add(rec["chunk"], kept)
+                records[rec["chunk"]] = rec
+                p = counter.finished([records[i] for i in sorted(records)])
+                if on_chunk is not None:
+                    on_chunk(rec, p)
+                listen(p)
+        except KeyboardInterrupt:
+            interrupted = True
+        chunk_list = [records[i] for i in sorted(records)]
+        result = EvalResult(header=header, chunks=chunk_list,
+                            summary=summary_event(header, chunk_list, interrupted), interrupted=interrupted)
+        if writer is not None and not interrupted:
+            writer.finish()
+            result.base_written = str(save_base)
     return result
 
 
-class _Counter:
-    """The rate and the time left, from the chunks scored by this run (a resumed run's earlier chunks excluded): after
-    the first chunk, from the chunks since it, so that loading the model does not count."""
+class Counter:
+    """Where a run is, and its rate and time left, measured. The clock starts when this run's first pass starts (its
+    first step heard; where only whole chunks are heard, as from workers, when the first arrives), so that loading
+    the models does not count. The rate is the work done since then (chunks, the batch in flight counted by its
+    steps: a pass's layers and its chunks scored) in scored tokens, over the time it took; the time left, the work
+    to go at that rate. `clock`: seconds (time.perf_counter; a test sets its own)."""
 
-    def __init__(self, total: int, scored: int, before: int):
-        self.total, self.scored, self.before = total, scored, before
-        self.t0, self.n, self.t1, self.n1 = time.perf_counter(), 0, None, 0
+    clock = staticmethod(time.perf_counter)
 
-    def tick(self, ordered: list[dict]) -> Progress:
-        self.n += 1
-        now = time.perf_counter()
-        if self.t1 is None or now - self.t1 < 1e-3:  # the first chunk, or one of its batch
-            rate = self.n * self.scored / (now - self.t0) if now > self.t0 else 0.0
-            self.t1 = now if self.t1 is None else self.t1
-            self.n1 = self.n
-        else:
-            rate = (self.n - self.n1) * self.scored / (now - self.t1)
-        eta = (self.total - self.n) * self.scored / rate if rate > 0 else math.inf
-        return Progress(done=self.before + self.n, total=self.before + self.total, tokens_per_s=rate, eta_s=eta,
-                        running=running_line(ordered))
+    def __init__(self, total: int, before: int, scored: int):
+        self.total, self.scored = total, scored
+        self.done = self.batch_from = before
+        self.position = float(before)
+        self.t0: Optional[float] = None
+        self.p0 = 0.0
+        self.running: Optional[dict] = None
+
+    def moving(self, in_flight: float, starts: bool) -> Progress:
+        """A step of the batch in flight: `in_flight` chunks of it, in part; `starts`: its pass starts."""
+        now = self.clock()
+        if self.t0 is None:
+            self.t0, self.p0 = now, self.position
+        if starts:
+            self.batch_from = self.done
+        return self._progress(now, self.batch_from + in_flight)
+
+    def finished(self, ordered: list[dict]) -> Progress:
+        """A chunk finished; `ordered` every chunk so far."""
+        now = self.clock()
+        self.done += 1
+        if self.t0 is None:  # no step was heard: the first chunk's start is not known, so it does not count
+            self.t0, self.p0 = now, float(self.done)
+        self.running = running_line(ordered)
+        return self._progress(now, float(self.done))
+
+    def _progress(self, now: float, position: float) -> Progress:
+        self.position = min(max(self.position, position), float(self.total))  # the batch's steps may run ahead
+        rate = eta = None
+        if now > self.t0 and self.position > self.p0:
+            rate = (self.position - self.p0) * self.scored / (now - self.t0)
+            eta = (self.total - self.position) * self.scored / rate
+        return Progress(done=self.done, total=self.total, position=self.position, tokens_per_s=rate, eta_s=eta,
+                        running=self.running)
 
 
-def write_base_file(job, path, header: dict, base_rows: dict, result: EvalResult) -> None:
-    from llmtrace.run.eval_base import tokenizer_hash, write_base
+def base_writer(job, path, header: dict):
+    """The writer of the base file `path` (eval_base.BaseWriter), its header from the run's."""
+    from llmtrace.run.eval_base import BaseWriter, tokenizer_hash
 
-    if len(base_rows) != len(result.chunks):  # a resumed run holds no rows of the chunks scored before
-        raise LlmtraceError("a base file needs every chunk's log-probabilities; a resumed run has only its own: run "
-                            "it again whole to write the base file")
     facts = header["a"]
     base_header = {"model": {k: facts[k] for k in ("model", "arch", "n_layers", "d_model", "vocab_size")},
                    "tokenizer": tokenizer_hash(job.tok), "text_sha256": header["text_sha256"], "ctx": header["ctx"],
-                   "chunks": header["chunks"], "top_k": job.top_k, "bos": job.chunking.bos}
+                   "chunks": header["chunks"], "form": header["base_form"], "top_k": header["top_k"],
+                   "bos": job.chunking.bos}
     n = header["chunks"] * header["ctx"]
-    write_base(path, base_header, job.tokens[:n], [base_rows[i] for i in sorted(base_rows)])
-    result.base_written = str(path)
+    return BaseWriter(path, base_header, job.tokens[:n], header["chunks"] * header["scored_per_chunk"],
+                      facts["vocab_size"])
 
 
 def summary_event(header: dict, chunks: list[dict], interrupted: bool) -> dict:

@@ -12,6 +12,8 @@ averages.
     cov                  (S_AB/n − (S_A/n)(S_B/n)) / (n − 1)
     Δp RMS               sqrt(mean Δp²) ± σ(Δp²) / (2 RMS)
     same top             f ± sqrt(f (1 − f) / (n − 1))
+    KLD's bound          with a base file: the mean of the per-position bound (an exact base: the KLD is within it
+                         of the one-run KLD; a top-K base: the KLD is a lower bound, short by at most it)
     percentile q         the sorted values v: (1 − t) v[i] + t v[i+1], i + t = q (n − 1)
 """
 
@@ -124,6 +126,10 @@ def summarize_two(chunks: list[dict], distributions: bool = True) -> dict:
            "kld_ba": {"mean": s["kld_ba"] / n if n else 0.0},
            "dp": {"mean": dp_m, "uncertainty": dp_u, "rms": vu(rms, 0.5 / rms * mse_u if rms > 0 else 0.0)},
            "same_top": vu(same, math.sqrt(same * (1 - same) / (n - 1)) if n > 1 else 0.0)}
+    if "kld_bound" in chunks[0]["sums"]:  # side A from a base file (eval_score.py derives the bound)
+        out["kld"]["bound"] = math.fsum(c["sums"]["kld_bound"] for c in chunks) / n
+    if "base_tail" in chunks[0]["sums"]:  # a top-K base: the mean mass outside the top K
+        out["kld"]["tail"] = math.fsum(c["sums"]["base_tail"] for c in chunks) / n
     if distributions and n >= MIN_FOR_DISTRIBUTIONS:
         kld = sorted(v for c in chunks for v in c["kld"])
         dp = sorted(v for c in chunks for v in c["dp"])

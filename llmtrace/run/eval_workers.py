@@ -42,8 +42,8 @@ class Job:
     batch: int
     layers: bool
     tolerance: float
-    top_k: int
-    keep_top: int  # > 0: keep A's top K rows (save_base)
+    top_k: Optional[int]  # a top-K base file's K (written or read); None: exact, or no base file
+    keep: Optional[int]  # save_base: keep A's whole rows (0) or its top K (K); None: nothing
     threads: Optional[int]
     facts: dict = field(default_factory=dict)  # each side's header record
     base: Any = None  # eval_base.BaseFile
@@ -51,8 +51,8 @@ class Job:
     loaded: dict = field(default_factory=dict)  # "a", "b": loaded models, in the process that scores
 
     @classmethod
-    def build(cls, model, b, base, ctx, chunks, batch, save_base, top_k, layers, tolerance, threads, ids_from, text,
-              say: Callable[[str], None]) -> "Job":
+    def build(cls, model, b, base, ctx, chunks, batch, save_base, base_top_k, layers, tolerance, threads, ids_from,
+              text, say: Callable[[str], None]) -> "Job":
         """The job of one evaluation: the sides named, the text's ids checked against both tokenizers and the base
         file, before a weight is read where no process of this machine scores."""
         from llmtrace.run.eval_score import chunk_count, encode_text
@@ -72,8 +72,9 @@ class Job:
             if ctx > cfg_b.max_seq_len:
                 raise BadValue("ctx", f" {ctx} exceeds side B's context window of {cfg_b.max_seq_len} tokens")
         chunking = Chunking(ctx, tok.bos_id if tok.add_bos else None)
-        job = cls(side_a, side_b, ids, chunking, chunk_count(len(ids), ctx, chunks), batch, layers, tolerance, top_k,
-                  top_k if save_base is not None else 0, threads, tok=tok)
+        keep = None if save_base is None else (base_top_k or 0)
+        job = cls(side_a, side_b, ids, chunking, chunk_count(len(ids), ctx, chunks), batch, layers, tolerance,
+                  base_top_k if save_base is not None else None, keep, threads, tok=tok)
         job.loaded = {k: v for k, v in (("a", lm_a), ("b", lm_b)) if v is not None}
         job.facts = {"a": _facts(side_a, lm_a) if side_a is not None else {},
                      "b": _facts(side_b, lm_b) if side_b is not None else None}
@@ -91,6 +92,7 @@ class Job:
         if self.base.tokens[:self.n_chunks * self.chunking.ctx] != self.tokens[:self.n_chunks * self.chunking.ctx]:
             raise UsageError(f"{path}: its token ids differ from this tokenizer's ids of the text")
         self.facts["a"] = dict(self.base.header["model"]) | {"base": str(path)}
+        self.top_k = self.base.top_k
 
     def header(self, text: str) -> dict:
         """The `eval` event."""
@@ -101,7 +103,13 @@ class Job:
                 "base": self.facts["a"].get("base"), "text_sha256": text_sha256(text), "n_tokens": len(self.tokens),
                 "ctx": c.ctx, "first_scored": c.first, "scored_per_chunk": c.scored, "bos": c.bos,
                 "chunks": self.n_chunks, "batch": self.batch, "layers": self.layers, "tolerance": self.tolerance,
-                "top_k": self.top_k if (self.keep_top or self.base is not None) else None}
+                "top_k": self.top_k, "base_form": self.base_form()}
+
+    def base_form(self) -> Optional[str]:
+        """The form of the base file written or read ("exact" or "top_k"), None without one."""
+        if self.base is not None:
+            return self.base.form
+        return None if self.keep is None else "top_k" if self.keep else "exact"
 
     def portable(self) -> "Job":
         """This job without its loaded models and base file: what a worker process receives."""
@@ -127,7 +135,7 @@ class Job:
 
             edits = prepare(lm_b, list(self.side_b.interventions), [self.chunking.ctx])
         return Scorer(lm_a=lm_a, lm_b=lm_b, edits_b=edits, layers=self.layers, tolerance=self.tolerance,
-                      keep_top=self.keep_top)
+                      keep=self.keep)
 
     def base_rows(self, group: list[int]) -> Optional[list]:
         return [self.base.rows(i, self.chunking.scored) for i in group] if self.base is not None else None
@@ -180,8 +188,10 @@ def groups_of(todo: list[int], batch: int) -> list[list[int]]:
     return list(out.values())
 
 
-def run_job(job: Job, todo: list[int], workers: int, ray: Optional[str], say) -> Iterator[dict]:
-    """The chunk records of chunks `todo`, in chunk order."""
+def run_job(job: Job, todo: list[int], workers: int, ray: Optional[str], say,
+            on_step: Optional[Callable[[list[int], int, int], None]] = None) -> Iterator[dict]:
+    """The chunk records of chunks `todo`, in chunk order, each as soon as it is scored. `on_step(group, done,
+    total)` hears a batch move within its pass (this process only: workers report whole groups)."""
     groups = groups_of(todo, job.batch)
     if not groups:
         return
@@ -194,7 +204,8 @@ def run_job(job: Job, todo: list[int], workers: int, ray: Optional[str], say) ->
             say("loading the model" + ("s" if job.side_a is not None and job.side_b is not None else ""))
         scorer = job.scorer()
         for g in groups:
-            yield from scorer.score(job.tokens, job.chunking, g, job.base_rows(g))
+            step = (lambda d, t, g=g: on_step(g, d, t)) if on_step is not None else None
+            yield from scorer.scored(job.tokens, job.chunking, g, job.base_rows(g), step)
 
 
 _WORKER: dict = {}  # a worker process's job and scorer
