@@ -391,7 +391,7 @@ def test_ray_missing_is_one_line(tiny_lm, tmp_path, capsys, text, monkeypatch):
     p = tmp_path / "t.txt"
     p.write_text(text)
     fails(capsys, 2, "eval", p, "-m", tiny_lm.path, "--ctx", 32, "--chunks", 2, "--ray", "local",
-          says=("ray is not installed", "llmtrace[ray]"))
+          says=("ray is not installed", "[ray]'", "pip install"))
 
 
 def test_ctrl_c_keeps_a_valid_stream_and_resume_ends_on_the_same_summary(smollm_path, text, tmp_path):

@@ -244,7 +244,9 @@ def require_ray():
     try:
         import ray
     except ImportError:
-        raise UsageError("Ray is not installed: pip install 'llmtrace[ray]' (or pip install ray)") from None
+        from llmtrace.extras import install_hint
+
+        raise UsageError(f"Ray is not installed: {install_hint('ray')} (or pip install ray)") from None
     return ray
 
 
