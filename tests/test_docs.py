@@ -334,6 +334,30 @@ def test_a_file_an_earlier_shell_line_makes_counts():
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def test_the_tour_marks_each_line_that_needs_an_extra_and_promises_only_what_it_runs():
+    """After the README's own install (`pip install -e .`) every line of the tour runs, or says on the line which
+    extra it needs and how to install it; a comment promises per-layer figures only where the line asks for them."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    tour = readme[readme.index("## A ten-line tour"):].split("```")[1].splitlines()[1:]
+    needs = {"serve": "serve", "--ray": "ray", "--device-map": "big"}
+    for line in tour:
+        command, _, comment = line.partition("#")
+        for word, extra in needs.items():
+            if re.search(rf"(^llmtrace {word}\b|\s{word}\b)", command):
+                assert f"pip install -e '.[{extra}]'" in comment, line
+        if "per layer" in comment and command.split()[1] in ("eval", "generate"):
+            assert "--layers" in command, line
+    assert any(line.startswith("llmtrace serve") for line in tour)
+
+
+def test_no_page_gives_a_count_of_tests_to_go_stale():
+    """The suite's size is what `pytest --collect-only` says; the README and the pages give no figure to keep in
+    sync (they gave 1,702 and 1,383 for one suite)."""
+    for path in DOC_FILES:
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"\b\d[\d,]* (quick )?tests\b|collects [\d,]+", text), path.name
+
+
 def test_the_readme_is_short_and_starts_with_the_set_up():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 200
