@@ -112,7 +112,8 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
     before the first chunk; `on_chunk(record, Progress)` hears each chunk in chunk order;
     `progress(message)` what is happening. Ctrl-C (KeyboardInterrupt) ends the run early: the result holds the
     chunks done, and `interrupted` is True."""
-    from llmtrace.run.eval_workers import Job, require_ray, run_job
+    from llmtrace.run.eval_workers import Job, run_job
+    from llmtrace.run.ray_cluster import require_ray
 
     check_settings(ctx, chunks, batch, top_k, workers)
     if ray is not None:
