@@ -200,12 +200,21 @@ def test_kv_chart_has_round_ticks_and_the_layers_are_numbered(tiny):
 
 
 def test_report_of_a_file_models_trace_says_to_give_its_path(tiny, tmp_path):
+    """The run event names the model's directory (model.path); where it is no longer there, the page and the
+    terminal say to give it with -m PATH."""
     import subprocess
     import sys
 
     run = tiny.generate("The quick brown fox", max_new_tokens=2, ignore_eos=True)
+    import json
+
+    head = next(e for e in run.events if e["event"] == "run")
+    assert head["model"]["path"] == str(tiny.loaded.path.resolve())
     trace = tmp_path / "t.json"
     run.save(trace)
+    doc = json.loads(trace.read_text())
+    next(e for e in doc["events"] if e["event"] == "run")["model"]["path"] = str(tmp_path / "gone")  # moved since
+    trace.write_text(json.dumps(doc))
     r = subprocess.run([sys.executable, "-m", "llmtrace", "report", str(trace), "-o", str(tmp_path / "r.html")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -224,8 +224,9 @@ def test_a_one_token_comparison_and_a_page_of_one_recorded_layer_read_in_the_sin
 
 
 def test_report_of_a_local_gguf_trace_warns_and_names_the_flag(capsys, tmp_path):
-    """The trace names the model by the file's stem, which no registry knows: the terminal says so in one warning
-    naming -m PATH (the page says the same); with -m PATH the story is drawn and nothing is said."""
+    """The trace names the model by the file's stem, which no registry knows, and carries the file's path: while the
+    file is there the story is drawn from it and nothing is said; once it is gone, the terminal says so in one
+    warning naming -m PATH (the page says the same); with -m PATH the story is drawn and nothing is said."""
     from tiny import TinySpec, write_gguf
 
     gguf = tmp_path / "local.gguf"
@@ -234,9 +235,14 @@ def test_report_of_a_local_gguf_trace_warns_and_names_the_flag(capsys, tmp_path)
     code, _, err = run_cli(capsys, "generate", "The lazy dog", "-m", gguf, "-n", "2", "--json", trace)
     assert code == 0, err
     code, out, err = run_cli(capsys, "report", trace, "-o", page)
+    assert code == 0 and "warning" not in err, err  # the run event's path: the file is still there
+    assert '<button class="word" data-word="1"' in page.read_text() and "-m PATH" not in page.read_text()
+    gguf = gguf.rename(tmp_path / "moved.gguf")
+    code, out, err = run_cli(capsys, "report", trace, "-o", page)
     assert code == 0 and out == ""
     warning, wrote = err.splitlines()
     assert warning.startswith("warning: the page has no BPE merge story: the trace names its model 'local'")
+    assert f"its file {tmp_path / 'local.gguf'} is not here" in warning
     assert "-m PATH" in warning and wrote.startswith(f"wrote {page}")
     assert "-m PATH" in page.read_text()
     code, _, err = run_cli(capsys, "report", trace, "-o", page, "-m", gguf)
