@@ -468,3 +468,22 @@ def test_every_shape_has_axes_of_its_length(tiny):
     assert shapes and all(len(p.get("axes", [])) == len(p["shape"]) for p in shapes)
     page = run.html()
     assert "[B=2, T=" in section(page, "pipeline") and "Dh=" in section(page, "pipeline")  # a batch: B first
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 52 item 10: a --trace full trace's page says exactly why it has no heatmaps
+
+
+def test_a_full_traces_page_says_why_it_has_no_heatmaps_while_its_walk_shows_probabilities(tiny, tmp_path):
+    """`--trace full --jsonl` then `report`: the walk shows the sampled probabilities, and the attention section says
+    that the heatmaps need the whole matrices, which such a trace does not keep (not a bare "attention probabilities",
+    which the walk contradicts); the same run for a page (`--html`, for_report) draws them."""
+    full = tiny.generate("The quick brown fox", max_new_tokens=2, trace="full", ignore_eos=True)
+    page = full.report(tmp_path / "full.html").read_text(encoding="utf-8")
+    assert 'id="walk"' in page
+    note = " ".join(unescape(section(page, "attention")).split())
+    assert "Not in this trace: the whole attention probability matrices the heatmaps draw" in note, note
+    assert "keeps a sample of each point, which the walk-through shows" in note
+    drawn = tiny.generate("The quick brown fox", max_new_tokens=2, trace="full", ignore_eos=True, for_report=True)
+    page = drawn.report(tmp_path / "drawn.html").read_text(encoding="utf-8")
+    assert "Not in this trace" not in section(page, "attention") and "heatmaps draw" not in page
