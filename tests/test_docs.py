@@ -408,9 +408,10 @@ def test_mkdocs_build_strict(tmp_path):
     """The site builds with no warning (links, anchors, nav) in both languages."""
     missing = [m for m in ("mkdocs", "material", "mkdocs_static_i18n") if _missing(m)]
     if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"the docs extra is not installed ({', '.join(missing)}): pip install -e '.[docs]'")
-        pytest.skip(f"the docs extra is not installed ({', '.join(missing)})")
+        from llmtrace.extras import install_hint
+
+        said = f"the docs extra is not installed ({', '.join(missing)}): {install_hint('docs')}"
+        pytest.fail(said) if os.environ.get("CI") == "true" else pytest.skip(said)
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / "mkdocs.yml"),
