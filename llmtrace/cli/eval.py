@@ -37,7 +37,7 @@ Examples:
   llmtrace eval wiki.raw -m f16.gguf --save-base base.safetensors
   llmtrace eval wiki.raw -m q4.gguf --base base.safetensors --html eval.html
   llmtrace eval wiki.raw --workers 4 --threads 2
-  llmtrace eval wiki.raw --ray auto --workers 8     # needs the extra ray: pip install 'llmtrace[ray]'
+  llmtrace eval wiki.raw --ray auto --workers 8     # needs the ray extra
 """
 
 EvalJsonOpt = json_opt("the whole run (its settings, every chunk and the summary) as one JSON document")
