@@ -1,6 +1,7 @@
 """Shared fixtures. The real SmolLM2 model (and transformers' copy of it) is loaded once per test session."""
 
 import os
+import tempfile
 import warnings
 
 import pytest
@@ -18,6 +19,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub; the
 # LLMTRACE_HOME elsewhere themselves.
 os.environ["LLMTRACE_HOME"] = os.environ.get("LLMTRACE_TEST_HOME") or os.path.expanduser("~/.cache/llmtrace-tests")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# torch.compile's kernels: a cache of their own for each of torch's CPU kernel sets. Inductor's cache (by default one
+# per user, /tmp/torchinductor_USER) does not tell ATEN_CPU_CAPABILITY=avx2 from the default: a kernel cached by one
+# run, loaded by a run under the other, gave NaN logits or corrupted the heap (issue 52, measured on an AVX-512 CPU).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"llmtrace-tests-inductor-{torch.backends.cpu.get_cpu_capability()}"))
 warnings.filterwarnings("ignore", message=".*torch_dtype.*")
 
 

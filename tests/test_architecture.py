@@ -23,7 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "llmtrace"
 
 # Bottom to top. A module may import from its own layer and the layers before it in this list.
 LAYERS = (
-    "base",  # errors.py, fsutil.py, console.py, units.py, version.py, sigint.py, words.py: used by every layer
+    "base",  # errors.py, extras.py, fsutil.py, console.py, units.py, version.py, sigint.py, words.py: every layer
     "tokens",  # text <-> ids, no torch
     "registry",  # a model spec -> files on disk, no torch
     "model",  # the forward pass
@@ -36,7 +36,7 @@ LAYERS = (
     "serve",  # llmtrace serve: the live page's server, on the API
     "cli",  # the commands
 )
-BASE = {"errors", "fsutil", "console", "units", "version", "sigint", "words"}
+BASE = {"errors", "extras", "fsutil", "console", "units", "version", "sigint", "words"}
 
 
 def module_name(path: Path) -> str:

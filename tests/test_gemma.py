@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 (model/families/gemma2.py, gemma3.py) on the tiny checkpoints of tests/families.py, against
-transformers: from the HF directory and from the GGUF llama.cpp's converter writes from it, prompt ids identical, fp32
-logits within 1e-4 at every position of a prompt longer than the window, greedy tokens identical through the KV
-cache; every Gemma step a declared point the trace shows; configs with what llmtrace does not run refused by field."""
+transformers: from the HF directory and from the GGUF llama.cpp's converter writes from it, prompt ids identical,
+fp32 logits within 8x their own float32 error at every position of a prompt longer than the window, greedy tokens
+identical through the KV cache; every Gemma step a declared point the trace shows; configs with what llmtrace does
+not run refused by field."""
 
 import json
 from dataclasses import replace
@@ -10,10 +11,9 @@ import pytest
 import torch
 
 from families import FAMILIES, PROMPT_IDS, hf_model_from_gguf, hf_model_via_state_dict, prompt_ids
-from helpers import fails, run_cli
+from helpers import fails, logits_tol, run_cli
 
 GEMMAS = ["gemma3", "gemma2"]
-TOL = 1e-4
 PROMPT = "The quick brown fox jumps over the lazy dog"  # more tokens than the window (4)
 N_NEW = 10
 # what llama.cpp and llmtrace take as the score scale of a Gemma GGUF: 1/sqrt(key_length) (the file has no
@@ -45,8 +45,8 @@ def test_logits_equal_transformers_past_the_window(families, loaded, name, fmt):
     with torch.no_grad():
         ours, theirs = lm.model(prompt_ids())[0], ref(prompt_ids()).logits[0]  # (T, V), T = 14 > the window 4
     assert len(PROMPT_IDS) > lm.config.sliding_window + 2
-    diff = float((ours - theirs).abs().max())
-    assert diff <= TOL, f"{name} {fmt}: logits differ by {diff:.3g}"
+    diff, tol = float((ours - theirs).abs().max()), logits_tol(lm, PROMPT_IDS)  # 8x the pass's float32 error
+    assert diff <= tol, f"{name} {fmt}: logits differ by {diff:.3g}, over {tol:.3g}"
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
@@ -78,7 +78,7 @@ def test_gemma3_gguf_scale_is_llama_cpps(families, loaded):
     with torch.no_grad():
         ours, theirs = gguf.model(prompt_ids())[0], loader(prompt_ids()).logits[0]
         other = hf.model(prompt_ids())[0]
-    assert float((ours - theirs).abs().max()) <= TOL
+    assert float((ours - theirs).abs().max()) <= logits_tol(gguf, PROMPT_IDS)
     assert float((ours - other).abs().max()) > 1e-2  # the scalar matters
     from llmtrace.model.family import describe_changes
 
@@ -323,7 +323,7 @@ def test_gemma3_linear_rope_scaling_on_the_global_layers(tmp_path):
     lm = load_model(str(tmp_path), device="cpu", dtype="float32")
     assert lm.config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     ours, theirs = lm.model(prompt_ids())[0], model(prompt_ids()).logits[0]
-    assert float((ours - theirs).abs().max()) <= TOL
+    assert float((ours - theirs).abs().max()) <= logits_tol(lm, PROMPT_IDS)
     unscaled = make_model(FAMILIES["gemma3"])  # the same weights (same seed), no scaling: another model
     assert float((unscaled(prompt_ids()).logits[0] - theirs).abs().max()) > 1e-3
 

@@ -1,15 +1,15 @@
 """OLMo 2 (model/families/olmo2.py) on the tiny checkpoint of tests/families.py, against transformers: from the HF
-directory and from the GGUF llama.cpp's converter writes from it (which transformers cannot load: the reference is the
-converter undone by hand, families.hf_model_via_state_dict), prompt ids identical, fp32 logits within 1e-4 at every
-position, greedy tokens identical through the KV cache; its norms are points of the trace where the maths has them."""
+directory and from the GGUF llama.cpp's converter writes from it (which transformers cannot load: the reference is
+the converter undone by hand, families.hf_model_via_state_dict), prompt ids identical, fp32 logits within 8x their
+own float32 error at every position, greedy tokens identical through the KV cache; its norms are points of the trace
+where the maths has them."""
 
 import pytest
 import torch
 
-from families import FAMILIES, hf_model_via_state_dict, prompt_ids
-from helpers import fails
+from families import FAMILIES, PROMPT_IDS, hf_model_via_state_dict, prompt_ids
+from helpers import fails, logits_tol
 
-TOL = 1e-4
 PROMPT = "The quick brown fox"
 N_NEW = 8
 
@@ -39,8 +39,8 @@ def test_logits_equal_transformers(olmo, reference, fmt):
     assert lm.config.family == "olmo2" and lm.config.head_dim == 16
     with torch.no_grad():
         ours, theirs = lm.model(prompt_ids())[0], ref(prompt_ids()).logits[0]
-    diff = float((ours - theirs).abs().max())
-    assert diff <= TOL, f"olmo2 {fmt}: logits differ by {diff:.3g}"
+    diff, tol = float((ours - theirs).abs().max()), logits_tol(lm, PROMPT_IDS)  # 8x the pass's float32 error
+    assert diff <= tol, f"olmo2 {fmt}: logits differ by {diff:.3g}, over {tol:.3g}"
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 

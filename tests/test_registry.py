@@ -593,3 +593,21 @@ def test_first_run_shows_our_progress_not_pips_lines_then_where_the_conversion_g
     assert len(lines) == 3, err
     load_model("fake")
     assert "conversion" not in capfd.readouterr().err
+
+
+def test_a_hub_id_offline_names_its_registry_entry_with_the_sources_models_lists(capsys, monkeypatch):
+    """Offline, a hub id that is also a registry entry: the line says what other sources the entry has, as
+    `llmtrace models` lists them (smollm2-360m-instruct: the hub only; the default model: the hub and pypi), never
+    "more sources" for an entry that has none."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    entries = load_registry()
+    for name in ("smollm2-360m-instruct", DEFAULT_MODEL):
+        repo = next(s.repo for s in entries[name].sources if s.kind == "hub")
+        code, _, err = run_cli(capsys, "generate", "hi", "-n", "1", "-m", repo)
+        assert code == 1 and err.count("\n") == 1, err
+        assert "more sources" not in err and f"as '{name}'" in err
+        other = sorted({s.kind for s in entries[name].sources} - {"hub", "cache"})
+        assert (f"which also comes from {', '.join(other)}" if other else "no source but this hub repository") in err
+        code, out, _ = run_cli(capsys, "models", "--jsonl", "-")
+        row = next(json.loads(line) for line in out.splitlines() if json.loads(line)["name"] == name)
+        assert sorted(s["kind"] for s in row["sources"] if s["kind"] not in ("hub", "cache")) == other

@@ -271,3 +271,20 @@ def test_tokenize_and_detokenize_show_the_no_break_space(capsys, monkeypatch, sm
     assert "<U+00A0>" in row and '"\\u00a0"' in row and "c2 a0" in row
     code, out, _ = run_cli(capsys, "tokenize", "a\u00a0b")
     assert code == 0 and "<U+00A0>" in out and "\u00a0" not in out
+
+
+def test_sampler_notes_wrap_onto_indented_lines_at_80_columns(smollm, monkeypatch):
+    """A stage's note under a step row (top-nσ's numbers) and a header part wider than the console (mirostat's) wrap
+    between words onto lines indented past the labels, never back to column 0, and nothing is lost."""
+    events, _ = record(smollm, n=1, temperature=1.5, top_n_sigma=1.0, seed=1)
+    lines = render(events, 80, monkeypatch).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  top-nσ: kept"))
+    assert lines[at + 1].startswith("    ") and not lines[at + 1].startswith("     ")
+    note = " ".join(line.strip() for line in lines[at:at + 2])
+    assert note.endswith("logits; the same tokens at any temperature)") and "(σ of 49,152 logits" in note
+    assert all(len(line) <= 80 for line in lines[at:at + 2])
+    events, _ = record(smollm, n=1, temperature=1.0, mirostat=2, seed=1)
+    lines = render(events, 80, monkeypatch).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  mirostat 2 ("))
+    assert lines[at + 1].startswith("    ") and "llama.cpp" in lines[at] + lines[at + 1]
+    assert all(len(line) <= 80 for line in lines[at:at + 2])

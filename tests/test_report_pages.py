@@ -200,12 +200,21 @@ def test_kv_chart_has_round_ticks_and_the_layers_are_numbered(tiny):
 
 
 def test_report_of_a_file_models_trace_says_to_give_its_path(tiny, tmp_path):
+    """The run event names the model's directory (model.path); where it is no longer there, the page and the
+    terminal say to give it with -m PATH."""
     import subprocess
     import sys
 
     run = tiny.generate("The quick brown fox", max_new_tokens=2, ignore_eos=True)
+    import json
+
+    head = next(e for e in run.events if e["event"] == "run")
+    assert head["model"]["path"] == str(tiny.loaded.path.resolve())
     trace = tmp_path / "t.json"
     run.save(trace)
+    doc = json.loads(trace.read_text())
+    next(e for e in doc["events"] if e["event"] == "run")["model"]["path"] = str(tmp_path / "gone")  # moved since
+    trace.write_text(json.dumps(doc))
     r = subprocess.run([sys.executable, "-m", "llmtrace", "report", str(trace), "-o", str(tmp_path / "r.html")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -459,3 +468,22 @@ def test_every_shape_has_axes_of_its_length(tiny):
     assert shapes and all(len(p.get("axes", [])) == len(p["shape"]) for p in shapes)
     page = run.html()
     assert "[B=2, T=" in section(page, "pipeline") and "Dh=" in section(page, "pipeline")  # a batch: B first
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# issue 52 item 10: a --trace full trace's page says exactly why it has no heatmaps
+
+
+def test_a_full_traces_page_says_why_it_has_no_heatmaps_while_its_walk_shows_probabilities(tiny, tmp_path):
+    """`--trace full --jsonl` then `report`: the walk shows the sampled probabilities, and the attention section says
+    that the heatmaps need the whole matrices, which such a trace does not keep (not a bare "attention probabilities",
+    which the walk contradicts); the same run for a page (`--html`, for_report) draws them."""
+    full = tiny.generate("The quick brown fox", max_new_tokens=2, trace="full", ignore_eos=True)
+    page = full.report(tmp_path / "full.html").read_text(encoding="utf-8")
+    assert 'id="walk"' in page
+    note = " ".join(unescape(section(page, "attention")).split())
+    assert "Not in this trace: the whole attention probability matrices the heatmaps draw" in note, note
+    assert "keeps a sample of each point, which the walk-through shows" in note
+    drawn = tiny.generate("The quick brown fox", max_new_tokens=2, trace="full", ignore_eos=True, for_report=True)
+    page = drawn.report(tmp_path / "drawn.html").read_text(encoding="utf-8")
+    assert "Not in this trace" not in section(page, "attention") and "heatmaps draw" not in page

@@ -128,6 +128,47 @@ def test_models_at_80_columns_keeps_each_path_on_one_line(capsys, monkeypatch, f
     assert f"    models/{DEFAULT_MODEL}/{path.name}" in out.splitlines(), out
 
 
+@pytest.mark.parametrize("columns", [80, 200])
+def test_models_never_cuts_a_value_and_keeps_the_defaults_marker(capsys, monkeypatch, fresh_home, columns):
+    """Every value of every row appears whole (the name with the default's `*`, the model and its license, the
+    sources, the size), or its column is named in the note as left out; the `*` is there whenever the legend is."""
+    import json
+
+    import llmtrace.cli.models as models
+    from llmtrace.registry.cache import write_manifest
+    from llmtrace.registry.models_toml import DEFAULT_MODEL, Source
+
+    folder = fresh_home / "models" / DEFAULT_MODEL
+    folder.mkdir(parents=True)
+    path = folder / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path.write_bytes(b"GGUF" + bytes(100))
+    write_manifest(folder, DEFAULT_MODEL, "gguf", path.name, Source(kind="pypi", package="p", version="1",
+                                                                    member="m.gguf"), {})
+    code, doc, _ = run_cli(capsys, "models", "--json", "-")
+    rows = json.loads(doc)["models"]
+    monkeypatch.setattr(models.sys.stdout, "isatty", lambda: True)  # the table, not a pipe's tab-separated lines
+    monkeypatch.setenv("COLUMNS", str(columns))
+    code, out, err = run_cli(capsys, "models")
+    assert code == 0, err
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    assert wide(out, columns) == []
+    note = next((line for line in out.splitlines() if "left out" in line), "")
+    assert (note == "") == (columns == 200), out  # 200 columns hold every column
+    cells = [line.split("│") for line in out.splitlines() if line.startswith("│")]
+    shown = {c.strip() for row in cells for c in row}
+    for row in rows:
+        name = row["name"] + (" *" if row["default"] else "")
+        assert name in shown, (name, out)
+        values = {"model / license": [f"{row['architecture']} {row['params']}", row["license"]],
+                  "sources": [",".join(s["kind"] for s in row["sources"] if s["kind"] != "cache")],
+                  "tested": ["yes" if row["tested"] else "no"]}
+        for column, whole in values.items():
+            if column not in note:
+                assert all(v in shown for v in whole), (column, whole, out)
+    assert "93.8 MiB" not in shown and any(c.endswith(" B") for c in shown)  # the size, whole (this one is tiny)
+    assert "* default model" in err and any(c.endswith(" *") for c in shown)
+
+
 def test_patch_help_fits_80_columns_and_keeps_the_leading_space_whole(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = run_cli(capsys, "patch", "--help")
@@ -183,8 +224,9 @@ def test_a_one_token_comparison_and_a_page_of_one_recorded_layer_read_in_the_sin
 
 
 def test_report_of_a_local_gguf_trace_warns_and_names_the_flag(capsys, tmp_path):
-    """The trace names the model by the file's stem, which no registry knows: the terminal says so in one warning
-    naming -m PATH (the page says the same); with -m PATH the story is drawn and nothing is said."""
+    """The trace names the model by the file's stem, which no registry knows, and carries the file's path: while the
+    file is there the story is drawn from it and nothing is said; once it is gone, the terminal says so in one
+    warning naming -m PATH (the page says the same); with -m PATH the story is drawn and nothing is said."""
     from tiny import TinySpec, write_gguf
 
     gguf = tmp_path / "local.gguf"
@@ -193,9 +235,14 @@ def test_report_of_a_local_gguf_trace_warns_and_names_the_flag(capsys, tmp_path)
     code, _, err = run_cli(capsys, "generate", "The lazy dog", "-m", gguf, "-n", "2", "--json", trace)
     assert code == 0, err
     code, out, err = run_cli(capsys, "report", trace, "-o", page)
+    assert code == 0 and "warning" not in err, err  # the run event's path: the file is still there
+    assert '<button class="word" data-word="1"' in page.read_text() and "-m PATH" not in page.read_text()
+    gguf = gguf.rename(tmp_path / "moved.gguf")
+    code, out, err = run_cli(capsys, "report", trace, "-o", page)
     assert code == 0 and out == ""
     warning, wrote = err.splitlines()
     assert warning.startswith("warning: the page has no BPE merge story: the trace names its model 'local'")
+    assert f"its file {tmp_path / 'local.gguf'} is not here" in warning
     assert "-m PATH" in warning and wrote.startswith(f"wrote {page}")
     assert "-m PATH" in page.read_text()
     code, _, err = run_cli(capsys, "report", trace, "-o", page, "-m", gguf)

@@ -95,7 +95,9 @@ def check_placement(device_map: Optional[str], max_memory: Optional[Sequence[str
     for item in max_memory or ():
         max_memory_entry(item)
     if importlib.util.find_spec("accelerate") is None:  # found without importing it (it imports torch)
-        raise FieldError("device_map", " needs accelerate: pip install 'llmtrace[big]' (or pip install accelerate)")
+        from llmtrace.extras import install_hint
+
+        raise FieldError("device_map", f" needs accelerate: {install_hint('big')} (or pip install accelerate)")
 
 
 def check_load_values(device: Optional[str], dtype: Optional[str], keep_quantized: bool, device_map: Optional[str],

@@ -39,7 +39,7 @@ Examples:
   llmtrace eval wiki.raw -m f16.gguf --save-base base.safetensors
   llmtrace eval wiki.raw -m q4.gguf --base base.safetensors --html eval.html
   llmtrace eval wiki.raw --workers 4 --threads 2
-  llmtrace eval wiki.raw --ray auto --workers 8     # pip install 'llmtrace[ray]'
+  llmtrace eval wiki.raw --ray auto --workers 8     # needs the ray extra
 """
 
 EvalJsonOpt = json_opt("the whole run (its settings, every chunk and the summary) as one JSON document")
@@ -89,7 +89,7 @@ def eval_command(
     layers: Annotated[bool, typer.Option("--layers", help="Two sides: the relative error each layer adds, where positions first diverge, MoE routing agreement.")] = False,
     tolerance: Annotated[float, typer.Option("--tolerance", help="--layers: the relative error above which a position has diverged.")] = 1e-4,
     workers: Annotated[int, typer.Option("--workers", metavar="N", help="Score on N local processes (or N Ray actors with --ray); each loads the model once.")] = 1,
-    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run the workers as Ray actors on the cluster at ADDRESS (auto, ray://host:10001, or local). Needs pip install 'llmtrace[ray]'.", show_default=False)] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run the workers as Ray actors on the cluster at ADDRESS (auto, ray://host:10001, or local). Needs the extra ray: pip install 'llmtrace[ray]', or pip install -e '.[ray]' in a clone.", show_default=False)] = None,
     resume: Annotated[Optional[str], typer.Option("--resume", metavar="FILE", help="Continue the interrupted run whose --jsonl FILE this is (same settings); it is written on.", show_default=False)] = None,
     json_out: EvalJsonOpt = None,
     jsonl: EvalJsonlOpt = None,

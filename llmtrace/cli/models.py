@@ -93,15 +93,33 @@ def models_command(json_out: JsonOpt = None, jsonl: JsonlOpt = None, force: Forc
         cells.append([name, model, kinds, "yes" if row["tested"] else "no", _disk_use(row), where])
     heads = ["name", "model / license", "sources", "tested", "cached", "where"]
     console = make_console()
-    # a bordered column takes its text and 3 more, the table 1 more: a path that does not fit its column whole goes
-    # under the table on a line of its own, rather than wrapped a few characters at a time
+    # every kept column at its full width, so that no value is cut (a name, a size, a license): a bordered column
+    # takes its text and 3 more, the table 1 more. What does not fit: the paths go under the table, each on a line of
+    # its own; then tested, sources and model / license are left out, in that order, with the note every table has
     natural = [max(len(h), *(_width(r[i]) for r in cells)) for i, h in enumerate(heads)]
-    paths_below = 1 + sum(w + 3 for w in natural) > console.width
+    keep = list(range(len(heads)))
+
+    def fits() -> bool:
+        return 1 + sum(natural[i] + 3 for i in keep) <= console.width
+
+    paths_below = not fits()
+    if paths_below:
+        keep.remove(len(heads) - 1)
+    dropped = []
+    for i in (3, 2, 1):
+        if fits():
+            break
+        keep.remove(i)
+        dropped.append(heads[i])
     table = Table()
-    for head in heads[:-1] if paths_below else heads:
-        table.add_column(head, no_wrap=head != "where", overflow="fold")
+    for i in keep:  # (narrower than the name and the size together, rich folds what it must)
+        table.add_column(heads[i], no_wrap=True, min_width=natural[i], overflow="fold")
     for r in cells:
-        table.add_row(*(r[:-1] if paths_below else r))
+        table.add_row(*(r[i] for i in keep))
+    if dropped:  # above the table, as every table's note
+        from llmtrace.render.generate import columns_left_out
+
+        console.print(columns_left_out(console, dropped))
     console.print(table)
     if paths_below and any(r[-1] != "-" for r in cells):
         console.print("where:")

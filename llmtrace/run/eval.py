@@ -120,7 +120,8 @@ def evaluate(model, text: str, *, b=None, base: Union[str, Path, None] = None, c
     it is scored; `on_progress(Progress)` hears every move (each layer of a pass, each chunk); `say(message)` what is
     happening. Ctrl-C (KeyboardInterrupt) ends the run early: the result holds the chunks done, and `interrupted` is
     True."""
-    from llmtrace.run.eval_workers import Job, require_ray, run_job
+    from llmtrace.run.eval_workers import Job, run_job
+    from llmtrace.run.ray_cluster import require_ray
 
     check_settings(ctx, chunks, batch, base_top_k, workers)
     if ray is not None:

@@ -5,9 +5,9 @@ the chunking, and the options. `run_job` hands out groups of chunks (the chunks 
 a chunk shares its pass with the same neighbours wherever it runs) and yields the chunk records in chunk order.
 
 Local processes start by `spawn` (concurrent.futures); each loads the models once. Ray actors do the same on the
-nodes of a cluster (`ray.init(address)`; "local" starts one on this machine): each actor loads the models once, from
-the spec it is given (a registry name each node pulls, or a path that exists on each node), and scores the groups
-Ray's ActorPool sends it. The driver merges the records by chunk number: the figures are the same as one process's,
+nodes of a cluster (run/ray_cluster.py; "local" starts one on this machine, on loopback): each actor loads the models
+once, from the spec it is given (a registry name each node pulls, or a path that exists on each node), and scores the
+groups Ray's ActorPool sends it. The driver merges the records by chunk number: the figures are the same as one process's,
 given the same torch thread count per scorer (a matrix product's sums may be split by threads).
 """
 
@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 from llmtrace.errors import BadValue, UsageError
 from llmtrace.run.compare import Side, check_comparable, check_ids, read_config
 from llmtrace.run.eval_score import Chunking, Scorer
+from llmtrace.run.ray_cluster import start_ray
 
 
 def as_side(x) -> tuple[Side, Any]:
@@ -248,23 +249,6 @@ class EvalActor:
 
     def score(self, group: list[int], base_rows) -> list[dict]:
         return self.scorer.score(self.job.tokens, self.job.chunking, group, base_rows)
-
-
-def require_ray():
-    """The ray module, or a one-line usage error where it is not installed."""
-    try:
-        import ray
-    except ImportError:
-        raise UsageError("Ray is not installed: pip install 'llmtrace[ray]' (or pip install ray)") from None
-    return ray
-
-
-def start_ray(address: str):
-    """Ray, joined to the cluster at `address` ("local": a cluster of this machine, or the one already started)."""
-    ray = require_ray()
-    if not ray.is_initialized():
-        ray.init(address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False)
-    return ray
 
 
 def _on_ray(job: Job, groups: list[list[int]], workers: int, address: str, say) -> Iterator[dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any, Iterable, NotRequired, Optional, TypedDict
 from llmtrace.words import in_words
 
@@ -60,6 +61,7 @@ class ModelRecord(TypedDict):
 
     name: str
     source: str
+    path: NotRequired[str]  # where the weights were read from: report finds a file-loaded model's tokenizer there
     arch: str
     family: str
     changes: NotRequired[list[str]]
@@ -157,7 +159,7 @@ def model_record(lm) -> ModelRecord:
     from llmtrace.model.quant import storage_table, weight_count
 
     c = lm.config
-    return {"name": lm.name, "source": lm.source, "arch": c.arch, "family": c.family, "changes": describe_changes(c),
+    return {"name": lm.name, "source": lm.source, "path": str(Path(lm.path).resolve()), "arch": c.arch, "family": c.family, "changes": describe_changes(c),
             "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
             "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
             "rope_scaling": json.loads(json.dumps(c.rope_scaling)) if c.rope_scaling is not None else None,
