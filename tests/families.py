@@ -481,6 +481,13 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
             up = tensors[names.get_name(key.replace("gate_up_proj", "up_proj")) + ".weight"]
             out[key] = torch.cat([gate, up], dim=1)
             continue
+        if key.endswith("self_attn.kv_b_proj.weight"):  # split by the converter for MLA's absorbed form
+            out[key] = _deepseek_kv_b(tensors, key, c)
+            continue
+        if key.endswith("e_score_correction_bias"):
+            out[key] = tensors[key.replace("model.layers.", "blk.").replace(".mlp.gate.e_score_correction_bias",
+                                                                            ".exp_probs_b.bias")]
+            continue
         if key.endswith("self_attn.sinks"):
             gguf_name = names.get_name(key) + ".weight"
         elif suffix in ("weight", "bias"):
@@ -533,6 +540,14 @@ def _qwen35_undone(key: str, t: torch.Tensor, c) -> torch.Tensor:
     if key.endswith("out_proj.weight"):
         return grouped(t, 1, dv)
     return t
+
+
+def _deepseek_kv_b(tensors: dict, key: str, c) -> torch.Tensor:
+    """DeepSeek's kv_b_proj (H·(Dn + Dv), R) from the converter's attn_k_b (H, R, Dn) and attn_v_b (H, Dv, R): each
+    head's k rows, then its v rows."""
+    blk = key.replace("model.layers.", "blk.").split(".self_attn")[0]
+    k_b, v_b = tensors[f"{blk}.attn_k_b.weight"], tensors[f"{blk}.attn_v_b.weight"]
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, c.kv_lora_rank)
 
 
 def _gpt_oss_experts(tensors: dict, names, key: str) -> torch.Tensor:

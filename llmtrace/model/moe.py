@@ -163,7 +163,8 @@ class MoEFeedForward(Module):
                 top_p, top_e = probs.topk(self.k, dim=-1)  # (B, T, K) each
             else:
                 top_e = self.choose(probs)
-                top_p = probs.gather(-1, top_e)
+                top_p, order = probs.gather(-1, top_e).sort(dim=-1, descending=True)  # most probable first
+                top_e = top_e.gather(-1, order)
         if self.renormalise:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         if self.scale != 1.0:

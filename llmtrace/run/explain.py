@@ -644,6 +644,17 @@ def kv_section(cap: Capture, config: ModelConfig, maths=None) -> dict:
     }
 
 
+def memory_section(model: Transformer, layer: int, n_positions: int, element_size: int) -> dict:
+    """s6.8 what the layer keeps for this pass's positions, as its kind declares it (model.memory): each per-token
+    buffer's shape, the bytes, and what full multi-head attention with the same heads would keep."""
+    memory = model.memory()
+    m = memory[layer].record(element_size)
+    return {"event": "explain", "section": "memory", "layer": layer, "seed_step": "s6.8", "record": m,
+            "n_positions": n_positions, "bytes": m["per_token_bytes"] * n_positions,
+            "mha_bytes": m["mha_per_token_bytes"] * n_positions,
+            "all_layers_bytes": sum(x.per_token_bytes(element_size) for x in memory) * n_positions}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 9-10. logit lens
 
@@ -721,11 +732,14 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name), maths)
     state = state_op(maths, layer, "o")[1]  # a layer that keeps a recurrent state, as its declaration says
-    if state is None:
+    # Llama's attention steps, as the layer declares them (a kind without sections of its own here yet, MLA, is
+    # taught by the steps section: each of its points with its formula)
+    attention = state is None and maths.op(layer, K_REPEATED.name) is not None
+    if attention:
         yield qkv_section(cap, c)
         yield rope_section(cap, c, head if head is not None else 0, lm.model, maths)
         yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
-    else:  # one delta-rule update on this pass's numbers, in place of the attention sections
+    elif state is not None:  # one delta-rule update on this pass's numbers, in place of the attention sections
         yield delta_rule_section(cap, maths, head if head is not None and head < cap.points[state.inputs[2]].size(1)
                                  else 0)
     yield residual_section(cap, maths)
@@ -733,7 +747,8 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
         yield router_section(cap.points, cap.resid_mid[layer], layer, c, maths=maths)
     else:
         yield ffn_section(cap, c, maths=maths)
-    yield kv_section(cap, c, maths) if state is None else state_cache_section(cap, maths, c, cap.kv_element_size)
+    yield (kv_section(cap, c, maths) if attention else state_cache_section(cap, maths, c, cap.kv_element_size)
+           if state is not None else memory_section(lm.model, layer, len(ids), cap.kv_element_size))
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 
 

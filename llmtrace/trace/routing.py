@@ -26,7 +26,9 @@ def routing_tables(probs: torch.Tensor, weights: torch.Tensor, k: int) -> list:
     probs = probs.float()
     n_top = min(probs.size(-1), 2 * k)
     top_p, top_e = probs.topk(n_top, dim=-1)  # (..., T, 2K)
-    chosen = top_e[..., :k]  # (..., T, K): the experts the model ran (its own topk over the same probabilities)
+    # (..., T, K): the experts the model ran, those with a weight, most probable first (the K most probable, unless
+    # the router's declared choice adds a bias or groups: DeepSeek V3)
+    chosen = probs.masked_fill(weights.float() == 0, float("-inf")).topk(k, dim=-1).indices
     w = weights.float().gather(-1, chosen)  # (..., T, K)
     p = probs.clamp_min(0)
     entropy = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1)  # (..., T)

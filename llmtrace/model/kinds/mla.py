@@ -120,6 +120,7 @@ class MLA(Module):
     POINTS = (Q_A, Q_A_NORM, Q_MLA, Q_NOPE, Q_PE, KV_LATENT, K_PE, C_KV, Q_ROPE, K_ROPE, LATENT_WRITE, K_NOPE, V_UP,
               MLA_SCORES, PROBS, MLA_OUT, O_PROJ)
     NORMS = {Q_A_NORM.name: "q_norm", C_KV.name: "kv_norm"}
+    OPTIONAL = (Q_A.name, Q_A_NORM.name)  # reported only where the config has a q_lora_rank (V3; not V2-Lite)
 
     def __init__(self, config):
         super().__init__()
