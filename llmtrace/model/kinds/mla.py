@@ -102,12 +102,13 @@ class HeadMatrices(nn.Module):
 
 
 def _stack(m: nn.Module) -> torch.Tensor:
-    """The (H, out, in) values of a HeadMatrices, or of a stand-in that holds them in blocks (read one head at a time
-    through its call: W_h = (I · W_hᵀ)ᵀ)."""
+    """The (H, out, in) values of a HeadMatrices, or of a module that holds them in blocks in its place
+    (--keep-quantized, --fast: read one head at a time through its call, W_h = (I · W_hᵀ)ᵀ)."""
     if isinstance(m, HeadMatrices):
         return m.weight
-    eye = torch.eye(m.in_features, dtype=m.compute, device=m.raw0.device)
-    return torch.stack([m(eye, h).T for h in range(m.n_experts)])
+    stand_in = m.weight  # (H, out, in) of the run's dtype and device, holding no data
+    eye = torch.eye(stand_in.size(2), dtype=stand_in.dtype, device=stand_in.device)
+    return torch.stack([m(eye, h).T for h in range(stand_in.size(0))])
 
 
 class MLA(Module):
@@ -241,16 +242,18 @@ class MLA(Module):
             c, k_pe = held["c_kv"], held["k_pe"]  # (B, S, R), (B, S, Dr)
             if self.hook is not None:
                 self.point(LATENT_WRITE.name, torch.arange(io.start, io.start + T))
-        # s6.4, s6.5 every slot's keys and values, up-projected from its latent (transformers' form)
-        k_nope = self.point(K_NOPE.name, torch.einsum("bsr,hrn->bshn", c, _stack(self.w_kb)))  # (B, S, H, Dn)
-        v = self.point(V_UP.name, torch.einsum("bsr,hvr->bshv", c, _stack(self.w_vb)))  # (B, S, H, Dv)
+        # s6.4, s6.5 every slot's keys and values, up-projected from its latent (transformers' form), head first
+        k_nope = c[:, None] @ _stack(self.w_kb)  # (B, 1, S, R) @ (H, R, Dn) -> (B, H, S, Dn)
+        v = c[:, None] @ _stack(self.w_vb).transpose(1, 2)  # (B, H, S, Dv)
         if self.hook is not None:
+            k_nope = self.point(K_NOPE.name, k_nope.transpose(1, 2)).transpose(1, 2)  # reported as (B, S, H, Dn)
+            v = self.point(V_UP.name, v.transpose(1, 2)).transpose(1, 2)
             y = self.attend_spelled_out(q_nope, q_pe, k_nope, k_pe, v, io.mask)
         else:
             S = c.size(1)
             qh = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B, H, T, Dq)
-            kh = torch.cat([k_nope, k_pe[:, :, None].expand(B, S, H, self.dr)], dim=-1).transpose(1, 2)  # (B, H, S, Dq)
-            y = F.scaled_dot_product_attention(qh, kh, v.transpose(1, 2), attn_mask=io.mask, scale=self.scale)
+            kh = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, self.dr)], dim=-1)  # (B, H, S, Dq)
+            y = F.scaled_dot_product_attention(qh, kh, v, attn_mask=io.mask, scale=self.scale)
         y = self.point(MLA_OUT.name, y.transpose(1, 2))  # (B, T, H, Dv)
         return self.point(O_PROJ.name, self.wo(y.reshape(B, T, H * self.dv)))  # s6.6: (B, T, D)
 
@@ -278,14 +281,15 @@ class MLA(Module):
         return self.point(Q_ROPE.name, q_pe), self.point(K_ROPE.name, k_pe)
 
     def attend_spelled_out(self, q_nope, q_pe, k_nope, k_pe, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """softmax((q_nope·k_nopeᵀ + q_rope·k_ropeᵀ)·scale + mask)·V, step by step: (B, H, T, Dv)."""
-        scores = (torch.einsum("bthn,bshn->bhts", q_nope, k_nope)
-                  + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)) * self.scale  # (B, H, T, S)
+        """softmax((q_nope·k_nopeᵀ + q_rope·k_ropeᵀ)·scale + mask)·V, step by step: q_nope (B, T, H, Dn), q_pe
+        (B, T, H, Dr), k_nope (B, H, S, Dn), k_pe (B, S, Dr), v (B, H, S, Dv) -> (B, H, T, Dv)."""
+        scores = (q_nope.transpose(1, 2) @ k_nope.transpose(-2, -1)
+                  + q_pe.transpose(1, 2) @ k_pe[:, None].transpose(-2, -1)) * self.scale  # (B, H, T, S)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         scores = self.point(MLA_SCORES.name, scores)
         probs = self.point(PROBS.name, F.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype))
-        return probs @ v.transpose(1, 2)  # (B, H, T, Dv)
+        return probs @ v  # (B, H, T, Dv)
 
 
 def yarn_mscale(factor: float, m: float) -> float:
