@@ -172,6 +172,7 @@ def _router(o, x, w, shape, **_):
         p = torch.softmax(top, dim=-1)
     else:
         pick = z + w[0] if w else z  # a choice bias chooses; the weights are the scores themselves
+        pick = pick.masked_fill(z == 0, float("-inf"))  # an ablated expert (probability 0) is never chosen
         n = o.const("groups") or 1
         if n > 1:  # only the experts of the best `groups_used` groups may be chosen
             g = pick.unflatten(-1, (n, -1))

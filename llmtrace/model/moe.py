@@ -132,6 +132,7 @@ class MoEFeedForward(Module):
         """The K experts each token runs, (B, T, K): the K best scores, each plus the choice bias where the router has
         one, among the experts of the best `groups_used` groups where it groups them."""
         pick = probs if self.choice_bias is None else probs + self.choice_bias
+        pick = pick.masked_fill(probs == 0, float("-inf"))  # an ablated expert (score −∞) is not chosen, bias or not
         if self.groups > 1:
             g = pick.unflatten(-1, (self.groups, -1))  # (B, T, groups, E / groups)
             best = g.topk(2, dim=-1).values.sum(-1) if self.group_score == "top2_sum" else g.amax(-1)

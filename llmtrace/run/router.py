@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from llmtrace.model.moe_points import EXPERT_DOWN, EXPERT_WEIGHTS, ROUTER_LOGITS, ROUTER_PROBS
+from llmtrace.model.moe_points import EXPERT_DOWN, EXPERT_WEIGHTS, ROUTER_LOGITS, ROUTER_PROBS, chosen_experts
 from llmtrace.trace.records import rounded
 
 
@@ -27,7 +27,7 @@ def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config, ma
     declared = maths.op(layer, EXPERT_WEIGHTS.name) if maths is not None else None
     scale = (declared.const("scale") if declared is not None else None) or 1.0  # a factor on the weights (DeepSeek)
     ran = weights != 0  # (T, E): the experts a token ran (the K most probable, unless a bias or groups chose)
-    chosen = probs.masked_fill(~ran, float("-inf")).topk(K, dim=-1).indices  # (T, K), most probable first
+    chosen = chosen_experts(probs, weights, K)  # (T, K), most probable first
     cut_p = probs.gather(-1, chosen)[:, -1]  # (T,): the least probability chosen
     left = probs.masked_fill(ran, float("-inf")).amax(-1)  # (T,): the best left out
     p = probs.clamp_min(0)
