@@ -64,7 +64,7 @@ def declared_formula(maths, layer: int) -> str:
     from llmtrace.model.maths import formula
 
     return "; ".join(formula(maths.op(layer, name), name, layer, maths)
-                     for name in (ROUTER_PROBS.name, EXPERT_WEIGHTS.name, "act", "routed_down", EXPERT_DOWN.name)
+                     for name in (ROUTER_PROBS.name, EXPERT_WEIGHTS.name, "act", EXPERT_DOWN.name)
                      if maths.op(layer, name) is not None)
 
 
