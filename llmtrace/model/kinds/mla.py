@@ -167,11 +167,12 @@ class MLA(Module):
                 Weight("w_dkv.weight", ("R+Dr", "D"), "s6.1", "matrix",
                        (Source("kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight", "R+Dr", "W_dkv"),)),
                 *bias("w_dkv.bias", "kv_a_proj_with_mqa.bias", "attn_kv_a_mqa.bias", "R+Dr"),
-                # kv_b_proj holds, per head, Dn rows of W_kb then Dv rows of W_vb (HF); the GGUF splits them
-                Weight("w_kb.weight", ("H", "R", "Dn"), "s6.4", "matrix",
+                # kv_b_proj holds, per head, Dn rows of W_kb then Dv rows of W_vb (HF); the GGUF splits them. Kind
+                # "heads": a stack of H matrices, one a head, each used whole (not "experts": every token uses all)
+                Weight("w_kb.weight", ("H", "R", "Dn"), "s6.4", "heads",
                        (Source("kv_b_proj.weight", "attn_k_b.weight", "H", "W_kb",
                                hf_transform=(f"head_rows:{H}:0:{dn}", "transpose")),)),
-                Weight("w_vb.weight", ("H", "Dv", "R"), "s6.5", "matrix",
+                Weight("w_vb.weight", ("H", "Dv", "R"), "s6.5", "heads",
                        (Source("kv_b_proj.weight", "attn_v_b.weight", "H", "W_vb",
                                hf_transform=(f"head_rows:{H}:{dn}:{dn + dv}",)),)),
                 Weight("wo.weight", ("D", "H*Dv"), "s6.6", "matrix",
