@@ -151,3 +151,24 @@ def test_the_family_says_what_it_changes(loaded):
     assert "best 2 of 4 groups" in text and "× 2.5" in text and "1 shared expert" in text
     v2 = " ".join(describe_changes(loaded("deepseek_v2", "gguf").config))
     assert "q projected directly" in v2 and "softmax scores" in v2 and "not renormalised" in v2 and "YaRN" in v2
+
+
+def test_the_tools_run_on_it(families, loaded, isolated, capsys):
+    """explain on an MLA layer says what the layer keeps; --keep-quantized computes the same logits from the GGUF's
+    F32 blocks (W_kb and W_vb read through their per-head call); --fast runs and says it is approximate."""
+    import llmtrace
+    from helpers import run_cli
+
+    path = families.gguf("deepseek_v3")
+    code, out, err = run_cli(capsys, "explain", PROMPT, "-m", path, "--layer", "1")
+    assert code == 0, err
+    assert "keeps c_kv [16] and k_pe [8]" in out and "would keep" in out
+    exact = loaded("deepseek_v3", "gguf")
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        want = exact.model(ids)[0]
+        kept = llmtrace.load(str(path), keep_quantized=True).loaded.model(ids)[0]
+    assert float((kept - want).abs().max()) <= 1e-5
+    code, out, err = run_cli(capsys, "generate", PROMPT, "-m", path, "-n", "2", "--fast", "--trace", "none")
+    assert code == 0, err
+    assert "--fast (approximate)" in out + err
