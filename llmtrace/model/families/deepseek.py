@@ -205,7 +205,8 @@ def changes(c) -> list[str]:
                f"(one SwiGLU of width {s['axes']['Fs']:,}) every token runs")
     dense = c.dense_layers or []
     if dense:
-        out.append(f"the first {plural(len(dense), 'layer')} of {c.n_layers} keep a dense SwiGLU (width "
+        first = "the first layer of" if len(dense) == 1 else f"the first {len(dense)} layers of"
+        out.append(f"{first} {c.n_layers} {'keeps' if len(dense) == 1 else 'keep'} a dense SwiGLU (width "
                    f"{c.ffn_dim:,})")
     return out
 
