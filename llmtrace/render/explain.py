@@ -232,7 +232,8 @@ def _layer(console: Console, ev: dict) -> None:
     t.add_row(Text("layer total", style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))
     print_fitted(console, t)
     _note(console, "2 FLOPs per multiply-add; " + ("the delta rule grows with T, not T²: each token updates a state "
-                                                   "of fixed size" if "rows" in f else
+                                                   "of fixed size" if any(r[0] == "delta" for r in f.get("rows", ()))
+                                                   else
                                                    "the scores count the full T×T square the eager path computes "
                                                    "(the causal mask then discards the upper half)"))
 

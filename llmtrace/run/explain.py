@@ -306,10 +306,29 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
     }
     if state_op(model.maths(), layer, "o")[1] is not None:  # linear attention: no scores, no P·V
         out["flops"] = linear_flops(c, n_tokens)
+    mixer = model.layers[layer].attn
+    words = getattr(mixer, "FLOP_WORDS", None)  # a kind that declares its FLOPs (model.kinds: flops(n_tokens))
+    if words:
+        rows = [[k, *words[k], v] for k, v in mixer.flops(n_tokens).items() if k != "total"]
+        ffn = layer_flops(c, n_tokens)["ffn"]
+        out["flops"] = {"rows": rows + [["ffn", "gated FFN", "2·T·D·2F + 2·T·F·D", ffn]],
+                        "total": sum(r[3] for r in rows) + ffn}
     if layer in moe_layers(c):  # a mixture of experts: a token runs K of E experts
         costs = moe_costs(model, layer, n_tokens)
-        out["flops"] |= costs.pop("flops")
-        out["flops"]["total"] = sum(v for k, v in out["flops"].items() if k != "total")
+        moe = costs.pop("flops")
+        if "rows" in out["flops"]:  # the experts in place of the dense FFN's row
+            f = out["flops"]
+            f["rows"] = [r for r in f["rows"] if r[0] != "ffn"] + [
+                ["router", "router scores", "2·T·D·E", moe["router"]],
+                ["ffn", "K SwiGLU experts a token", "K·(2·T·D·2Fe + 2·T·Fe·D)", moe["ffn"]]]
+            shared = getattr(model.layers[layer].ffn, "shared", None)  # shared experts every token runs
+            if shared is not None:
+                Fs, T, D = shared.ffn_dim, n_tokens, c.d_model
+                f["rows"].append(["shared", "shared experts", "2·T·D·2Fs + 2·T·Fs·D", 2 * T * D * 2 * Fs + 2 * T * Fs * D])
+            f["total"] = sum(r[3] for r in f["rows"])
+        else:
+            out["flops"] |= moe
+            out["flops"]["total"] = sum(v for k, v in out["flops"].items() if k != "total")
         out |= costs
     return out
 

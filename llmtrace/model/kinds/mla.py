@@ -193,6 +193,12 @@ class MLA(Module):
                "scores": 2 * n * n * H * self.dq, "pv": 2 * n * n * H * self.dv, "o": 2 * n * H * self.dv * D}
         return out | {"total": sum(out.values())}
 
+    # how explain names each part of flops() and its formula (T tokens, from an empty cache)
+    FLOP_WORDS = {"q": ("query projections", "2·T·D·H·Dq, or 2·T·(D·Rq + Rq·H·Dq)"),
+                  "latent": ("the latent and k_pe", "2·T·D·(R + Dr)"),
+                  "up": ("K and V up-projected", "2·T·R·H·(Dn + Dv)"), "scores": ("scores", "2·H·T·T·Dq"),
+                  "pv": ("weighted sum P·V", "2·H·T·T·Dv"), "o": ("output projection", "2·T·H·Dv·D")}
+
     def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
         """Each point's operation; the cached latent and k_rope span every slot (`cached`)."""
         H, dn, dq, r = self.n_heads, self.dn, self.dq, self.r
