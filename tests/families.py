@@ -77,6 +77,12 @@ _QWEN35 = {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "l
 _YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 4096}
 
+_DEEPSEEK = {"num_hidden_layers": 3, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+             "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 8, "num_experts_per_tok": 2,
+             "n_shared_experts": 1, "moe_intermediate_size": 32, "intermediate_size": 96, "first_k_dense_replace": 1}
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+
 _FAMILIES = [
     Family("llama", "llama", {"rope_parameters": _ROPE},
            "the reference: q/k rows permuted in GGUF"),
@@ -170,6 +176,20 @@ _FAMILIES = [
            "as gpt_oss with its expert matrices in MXFP4 (HF: *_blocks and *_scales; the converter repacks them into "
            "MXFP4 GGUF tensors); the model holds the values the blocks stand for", transformers_reads_gguf=False,
            mxfp4=True, pre="gpt-4o", chat_template="harmony"),
+    Family("deepseek_v3", "deepseek_v3", {**_DEEPSEEK, "q_lora_rank": 24, "n_group": 4, "topk_group": 2,
+                                          "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                                          "scoring_func": "sigmoid", "rope_parameters": _ROPE},
+           "MLA with q through a code of 24, a latent of 16 and a RoPE key of 8 (cache: 24 numbers a token a layer "
+           "against 4·(16 + 12) = 112 for MHA); layer 0 dense, then 8 routed experts (sigmoid, a random choice "
+           "bias, the best 2 of 4 groups, × 2.5) and 1 shared; scoring_func written so the converter says sigmoid",
+           transformers_reads_gguf=False),
+    Family("deepseek_v2", "deepseek_v2", {**_DEEPSEEK, "q_lora_rank": None, "v_head_dim": 8, "n_routed_experts": 4,
+                                          "n_shared_experts": 2, "topk_method": "greedy", "n_group": 1,
+                                          "topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": False,
+                                          "max_position_embeddings": 128, "rope_parameters": _DEEPSEEK_YARN},
+           "V2-Lite's shape: q projected directly; softmax router, greedy top 2 of 4, × 1.5, not renormalised; 2 "
+           "shared experts; YaRN factor 4 over 32 positions with mscale_all_dim 0.707 (scores × mscale²)",
+           transformers_reads_gguf=False),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -208,6 +228,9 @@ def make_model(family: Family, seed: int = 0):
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek V3's choice bias: large enough to change a choice
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     return model
 
 
@@ -372,11 +395,32 @@ def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | N
     ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]  # fmt: skip
     hparams = ModelBase.load_hparams(hf_dir, False)
+    _deepseek_without_v4()
     model_class = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
     with torch.inference_mode(), _tiny_vocab_routes(pre), _no_mtp(model_class, hparams):
         writer = model_class(hf_dir, ftype, out, eager=True, model_name=name or hf_dir.name)
         writer.write()
     return out
+
+
+def _deepseek_without_v4() -> None:
+    """The converter's conversion/deepseek.py, loaded without its DeepSeek-V4 classes: 0.1.1's gguf-py lacks a tensor
+    name they use (DSPARK_MARKOV_W1), so the module fails to import and its V2/V3 class with it. The V2/V3 class is
+    the converter's own, unchanged."""
+    import sys
+    import types
+
+    import conversion
+
+    if "conversion.deepseek" in sys.modules:
+        return
+    path = Path(conversion.__file__).parent / "deepseek.py"
+    source = path.read_text()
+    cut = source.index('@ModelBase.register("DeepseekV4ForCausalLM")')
+    module = types.ModuleType("conversion.deepseek")
+    module.__file__, module.__package__ = str(path), "conversion"
+    exec(compile(source[:cut], str(path), "exec"), module.__dict__)
+    sys.modules["conversion.deepseek"] = module
 
 
 @contextlib.contextmanager
@@ -437,6 +481,13 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
             up = tensors[names.get_name(key.replace("gate_up_proj", "up_proj")) + ".weight"]
             out[key] = torch.cat([gate, up], dim=1)
             continue
+        if key.endswith("self_attn.kv_b_proj.weight"):  # split by the converter for MLA's absorbed form
+            out[key] = _deepseek_kv_b(tensors, key, c)
+            continue
+        if key.endswith("e_score_correction_bias"):
+            out[key] = tensors[key.replace("model.layers.", "blk.").replace(".mlp.gate.e_score_correction_bias",
+                                                                            ".exp_probs_b.bias")]
+            continue
         if key.endswith("self_attn.sinks"):
             gguf_name = names.get_name(key) + ".weight"
         elif suffix in ("weight", "bias"):
@@ -489,6 +540,14 @@ def _qwen35_undone(key: str, t: torch.Tensor, c) -> torch.Tensor:
     if key.endswith("out_proj.weight"):
         return grouped(t, 1, dv)
     return t
+
+
+def _deepseek_kv_b(tensors: dict, key: str, c) -> torch.Tensor:
+    """DeepSeek's kv_b_proj (H·(Dn + Dv), R) from the converter's attn_k_b (H, R, Dn) and attn_v_b (H, Dv, R): each
+    head's k rows, then its v rows."""
+    blk = key.replace("model.layers.", "blk.").split(".self_attn")[0]
+    k_b, v_b = tensors[f"{blk}.attn_k_b.weight"], tensors[f"{blk}.attn_v_b.weight"]
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, c.kv_lora_rank)
 
 
 def _gpt_oss_experts(tensors: dict, names, key: str) -> torch.Tensor:

@@ -268,10 +268,16 @@ def _odd(t: torch.Tensor) -> torch.Tensor:
     return t[:, 1::2]
 
 
+def _head_rows(t: torch.Tensor, n: int, a: int, b: int) -> torch.Tensor:
+    """(n·w, in) -> (n, b − a, in): rows [a, b) of each of n heads' blocks of w rows."""
+    return t.view(n, t.size(0) // n, *t.shape[1:])[:, a:b]
+
+
 # The load transforms a weight's Source may name (model.points.TRANSFORMS says what each does): each takes the
-# tensor as read and returns a view of it in the model's layout.
+# tensor as read and returns a view of it in the model's layout. A name may carry whole-number arguments after
+# colons ("head_rows:16:0:128"), the sizes the declaring module knows.
 TRANSFORMS = {"transpose": lambda t: t.transpose(-1, -2), "even": _even, "odd": _odd,
-              "squeeze1": lambda t: t.squeeze(1), "neg_exp": lambda t: -t.exp()}
+              "squeeze1": lambda t: t.squeeze(1), "neg_exp": lambda t: -t.exp(), "head_rows": _head_rows}
 
 
 class Transformed(NamedTuple):
@@ -290,8 +296,9 @@ class Transformed(NamedTuple):
         return self.entry.key
 
     def _apply(self, t: torch.Tensor) -> torch.Tensor:
-        for name in self.transforms:
-            t = TRANSFORMS[name](t)
+        for spec in self.transforms:
+            name, *args = spec.split(":")
+            t = TRANSFORMS[name](t, *map(int, args))
         return t
 
     def read_into(self, out: torch.Tensor) -> None:

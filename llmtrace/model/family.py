@@ -93,9 +93,6 @@ def gguf_archs() -> list[str]:
 NOT_YET = {
     "qwen2_moe": "Qwen2-MoE has a shared expert (a dense SwiGLU with a sigmoid gate) beside the routed experts",
     "qwen2moe": "Qwen2-MoE has a shared expert (a dense SwiGLU with a sigmoid gate) beside the routed experts",
-    "deepseek_v2": "DeepSeek V2 has a multi-head latent attention and shared experts",
-    "deepseek_v3": "DeepSeek V3 has a sigmoid router with a selection bias, group-limited top-k and shared experts",
-    "deepseek2": "DeepSeek V2/V3 have a multi-head latent attention, shared experts and (V3) a sigmoid router",
 }
 
 

@@ -60,6 +60,9 @@ OPS = {
     "delta_rule": "S ← α·S + k⊗β(v − Sᵀk);  o = Sᵀq",  # token by token, from the carried S
     "gated_rmsnorm": "y = x / √(mean(x²) + ε) · γ · silu(z)",
     "gate": "y = x · σ(g)",  # an output gate
+    # multi-head latent attention (DeepSeek's MLA): K and V up-projected from a cached latent
+    "latent_up": "y_h = c · W_h",  # each head's keys (or values) from every cached latent c
+    "mla_scores": "s = (q_nope · k_nopeᵀ + q_rope · k_ropeᵀ) · scale",  # then the mask
 }
 
 PREV = "^"  # an operand of the layer before (see the module docstring)
@@ -269,6 +272,10 @@ WORDS = {
     "router_rest": "; 0 elsewhere",
     "order_softmax_topk": "softmax, then top-k",
     "order_topk_softmax": "top-k, then softmax",
+    "order_sigmoid_topk": "sigmoid, then top-k",
+    "router_bias": " (chosen by score + {w}, weighted by the score alone)",
+    "router_groups": ", among the experts of the best {used} of {n} groups (a group's score: {how})",
+    "router_scale": ", × {scale:g}",
     "expert_matmul": "{name} = {x} · {w}[e]ᵀ for each chosen expert e",
     "expert_matmul_bias": "{name} = {x} · {w}[e]ᵀ + b[e] for each chosen expert e",
     "sink_share": "{name} = exp(sink) / (Σ exp({x}) + exp(sink)), one sink logit per head ({w}): 1 − Σ probs, the "
@@ -282,8 +289,9 @@ WORDS = {
     "window_of": "; a window of {w}",
 }
 # the router's `order`: a key, said in the reader's language by these words' keys
-ORDERS = {"softmax_topk": "order_softmax_topk", "topk_softmax": "order_topk_softmax"}
-LEGACY_ORDERS = {"softmax, then top-k": "softmax_topk", "top-k, then softmax": "topk_softmax"}  # traces before keys
+ORDERS = {"softmax_topk": "order_softmax_topk", "topk_softmax": "order_topk_softmax", "sigmoid_topk": "order_sigmoid_topk"}
+LEGACY_ORDERS = {"softmax, then top-k": "softmax_topk", "top-k, then softmax": "topk_softmax",
+                 "sigmoid, then top-k": "sigmoid_topk"}  # traces before keys
 
 
 def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Maths"] = None,
@@ -310,6 +318,9 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
         kind = (c.get("scaling") or {}).get("rope_type")
         scaled = say("rope_scaled", kind=kind) if kind and kind != "default" else ""
         factor = say("rope_factor", f=f"{c['attention_factor']:.4g}") if c.get("attention_factor") not in (None, 1.0) else ""
+        if c.get("pairs") == "adjacent":  # DeepSeek's layout: neighbours (x_2i, x_2i+1) share an angle
+            return (f"{name}: pairs ({x[0]}_2i, {x[0]}_2i+1) turned by pos·θ_i, θ_i = {_n(c['base'])}^(−2i/{dr})"
+                    + part + scaled + factor)
         return say("rope", name=name, x=x[0], half=dr // 2, base=_n(c["base"]), dr=dr) + part + scaled + factor
     if k == "scores":
         s = f"{x[0]} · {x[1]}ᵀ · {c['scale']:.4g} ({c['scale_label']})"
@@ -338,10 +349,17 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
         return f"{name} = {arg} · {_w(o)}{rows}ᵀ{bias}{split}"
     if k in STATE_OPS:  # (English only for now: not in WORDS)
         return STATE_OPS[k](name, x, c, o)
+    if k in MLA_OPS:  # (English only for now: not in WORDS)
+        return MLA_OPS[k](name, x, c, o)
     if k == "router":
         order = say(ORDERS.get(c.get("order"), "order_softmax_topk"))
         return (say("router", name=name, order=order, k=c.get("k"), x=x[0])
-                + (say("router_norm") if c.get("renormalise") else "") + say("router_rest"))
+                + (say("router_bias", w=o.weights[0]) if o.weights else "")
+                + (say("router_groups", used=c["groups_used"], n=c["groups"],
+                       how="its best two, summed" if c.get("group_score") == "top2_sum" else "its best")
+                   if c.get("groups") else "")
+                + (say("router_norm") if c.get("renormalise") else "")
+                + (say("router_scale", scale=c["scale"]) if c.get("scale") else "") + say("router_rest"))
     return {
         "lookup": lambda: say("lookup", name=name, w=o.weights[0] if o.weights else "E"),
         "scale": lambda: f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}",
@@ -385,6 +403,19 @@ STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated Del
                                             f"per head (γ = w)"),
     "gate": lambda name, x, c, o: f"{name} = {x[0]} · σ({x[1]})",
 }
+
+
+MLA_OPS = {  # the words of multi-head latent attention's operations (DeepSeek V2/V3)
+    "latent_up": lambda name, x, c, o: (f"{name}_h = {_cached(c, x[0])} · {_w(o)}_h"
+                                        + ("ᵀ" if c.get("stored") == "out_in" else "") + ", per head"),
+    "mla_scores": lambda name, x, c, o: (f"{name} = ({x[0]} · {x[1]}ᵀ + {x[2]} · {_cached(c, x[3])}ᵀ) · "
+                                         f"{c['scale']:.4g} ({c['scale_label']})" + (
+                                             "; −∞ at later keys" if c.get("mask") else "")),
+}
+
+
+def _cached(c: dict, ref: str) -> str:
+    return f"{ref} of every cached slot" if ref in (c.get("cached") or ()) else ref
 
 
 def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"], say) -> str:

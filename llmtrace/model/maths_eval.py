@@ -80,6 +80,8 @@ def _rope(o, x, w, shape, positions=None, **_):
     v = x[0].reshape(shape)  # (B, T, heads, Dh): a whole-width norm's output split into heads
     if o.const("rotation") == "none":
         return v
+    if v.dim() == 3:  # one key shared by every head (MLA's k_pe): (B, T, Dr)
+        return _rope(o, [v[:, :, None]], w, (*shape[:2], 1, shape[-1]), positions=positions)[:, :, 0]
     inv, factor = rope_frequencies(o, positions)
     pos = positions.double()
     if pos.dim() == 1:
@@ -87,6 +89,9 @@ def _rope(o, x, w, shape, positions=None, **_):
     angle = pos[..., None] * inv  # (B, T, Dr/2)
     cos, sin = (angle.cos() * factor)[:, :, None], (angle.sin() * factor)[:, :, None]  # (B, T, 1, Dr/2)
     half = inv.numel()
+    if o.const("pairs") == "adjacent":  # (x_2i, x_2i+1) share angle i, and stay where they are
+        a, b, rest = v[..., 0:2 * half:2], v[..., 1:2 * half:2], v[..., 2 * half:]
+        return torch.cat([torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2), rest], dim=-1)
     a, b, rest = v[..., :half], v[..., half:2 * half], v[..., 2 * half:]
     return torch.cat([a * cos - b * sin, b * cos + a * sin, rest], dim=-1)
 
@@ -166,9 +171,19 @@ def _router(o, x, w, shape, **_):
         top, idx = z.topk(k, dim=-1)
         p = torch.softmax(top, dim=-1)
     else:
-        p, idx = z.topk(k, dim=-1)
+        pick = z + w[0] if w else z  # a choice bias chooses; the weights are the scores themselves
+        pick = pick.masked_fill(z == 0, float("-inf"))  # an ablated expert (probability 0) is never chosen
+        n = o.const("groups") or 1
+        if n > 1:  # only the experts of the best `groups_used` groups may be chosen
+            g = pick.unflatten(-1, (n, -1))
+            best = g.topk(2, dim=-1).values.sum(-1) if o.const("group_score") == "top2_sum" else g.amax(-1)
+            keep = torch.zeros_like(best).scatter(-1, best.topk(o.const("groups_used"), dim=-1).indices, 1.0)
+            pick = pick.masked_fill(keep.repeat_interleave(g.size(-1), dim=-1) == 0, float("-inf"))
+        idx = pick.topk(k, dim=-1).indices
+        p = z.gather(-1, idx)
         if o.const("renormalise"):
             p = p / p.sum(-1, keepdim=True)
+        p = p * (o.const("scale") or 1.0)
     return torch.zeros_like(z).scatter(-1, idx, p)
 
 
@@ -256,12 +271,25 @@ def _gate(o, x, w, shape, **_):
     return x[0] * torch.sigmoid(x[1])
 
 
+def _latent_up(o, x, w, shape, **_):
+    c = x[0]  # (B, S, R): every cached latent
+    if o.const("stored") == "out_in":  # W_h (out, R): y = c · W_hᵀ
+        return torch.einsum("bsr,hor->bsho", c, w[0])
+    return torch.einsum("bsr,hro->bsho", c, w[0])  # W_h (R, out): y = c · W_h
+
+
+def _mla_scores(o, x, w, shape, padding=None, **_):
+    q_nope, k_nope, q_rope, k_rope = x  # (B, T, H, Dn), (B, S, H, Dn), (B, T, H, Dr), (B, S, Dr)
+    s = (torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope))
+    return _mask(o, s * o.const("scale"), padding)
+
+
 _KINDS = {"stream": _stream, "lookup": _lookup, "scale": _scale, "rmsnorm": _rmsnorm, "matmul": _matmul,
           "rope": _rope, "repeat_kv": _repeat_kv, "scores": _scores, "softcap": _softcap, "softmax": _softmax,
           "weighted_sum": _weighted_sum, "glu": _glu, "add": _add, "select_last": _select_last, "router": _router,
           "expert_matmul": _expert_matmul, "expert_mix": _expert_mix, "conv1d": _conv1d, "l2norm": _l2norm,
           "slice": _slice, "sigmoid": _sigmoid, "decay": _decay, "delta_rule": _delta_rule,
-          "gated_rmsnorm": _gated_rmsnorm, "gate": _gate}
+          "gated_rmsnorm": _gated_rmsnorm, "gate": _gate, "latent_up": _latent_up, "mla_scores": _mla_scores}
 
 
 def max_error(computed: torch.Tensor, recorded: torch.Tensor) -> tuple[float, float]:

@@ -23,6 +23,7 @@ directory one tensor per expert (experts.{e}.gate_proj.weight, Mixtral's experts
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 from llmtrace.model.maths import Op, op
 from llmtrace.model.moe_points import MOE_POINTS
-from llmtrace.model.points import Source, Weight
+from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import ACTIVATIONS, Block, FeedForward, Module
 from llmtrace.units import plural
 
@@ -66,16 +67,27 @@ class MoEFeedForward(Module):
         self.expert_dim = config.expert_ffn_dim or config.ffn_dim  # Fe
         self.renormalise = config.norm_topk_prob
         self.act, self.act_name = ACTIVATIONS[config.ffn_act], config.ffn_act
+        # the router's declared variant (ModelConfig.parts["router"], none for Mixtral's): its score ("softmax" or
+        # "sigmoid"), a bias added to the scores for choosing only, a choice within the best `groups_used` of
+        # `groups` groups of experts (a group's score: the sum of its top two, or its best), and a factor on the
+        # chosen weights (DeepSeek's routed_scaling_factor)
+        r = config.parts.get("router", {})
+        self.score, self.scale = r.get("score", "softmax"), float(r.get("scale", 1.0))
+        self.groups, self.groups_used = int(r.get("groups") or 1), int(r.get("groups_used") or 1)
+        self.group_score = r.get("group_score", "top2_sum")
         E, D, Fe = self.n_experts, config.d_model, self.expert_dim
         self.router = nn.Linear(D, E, bias=False)  # (E, D): W_r
+        self.choice_bias = nn.Parameter(torch.zeros(E)) if r.get("choice_bias") else None  # (E,)
         self.w_gate = ExpertMatrices(E, Fe, D)  # (E, Fe, D)
         self.w_up = ExpertMatrices(E, Fe, D)  # (E, Fe, D)
         self.w_down = ExpertMatrices(E, D, Fe)  # (E, D, Fe)
 
     def weights(self) -> tuple[Weight, ...]:
         hf = self.HF_EXPERTS
+        bias = (Weight("choice_bias", ("E",), "s6.7", "vector", (Source(
+            "gate.e_score_correction_bias", "exp_probs_b.bias", "E", "b_choice"),)),) if self.choice_bias is not None else ()
         return (Weight("router.weight", ("E", "D"), "s6.7", "matrix",
-                       (Source("gate.weight", "ffn_gate_inp.weight", "E", "W_router"),)),
+                       (Source("gate.weight", "ffn_gate_inp.weight", "E", "W_router"),)), *bias,
                 Weight("w_gate.weight", ("E", "Fe", "D"), "s6.7", "experts",
                        (Source(hf["gate"], "ffn_gate_exps.weight", "E", "W_gate"),)),
                 Weight("w_up.weight", ("E", "Fe", "D"), "s6.7", "experts",
@@ -95,15 +107,38 @@ class MoEFeedForward(Module):
             chosen = op("router", ["router_logits"], k=self.k, renormalise=False, order="topk_softmax")
             probs, weights = chosen, chosen
         else:
-            probs = op("softmax", ["router_logits"], sink=None)
-            weights = op("router", ["router_probs"], k=self.k, renormalise=self.renormalise,
-                         order="softmax_topk")
+            probs = (op("sigmoid", ["router_logits"]) if self.score == "sigmoid" else
+                     op("softmax", ["router_logits"], sink=None))
+            weights = op("router", ["router_probs"], ["choice_bias"] if self.choice_bias is not None else [],
+                         k=self.k, renormalise=self.renormalise, order=f"{self.score}_topk",
+                         **self._choice_consts())
         return {"router_logits": op("matmul", [x], self._with_bias("router")),
                 "router_probs": probs, "expert_weights": weights,
                 "gate": op("expert_matmul", [x, "expert_weights"], self._with_bias("w_gate")),
                 "up": op("expert_matmul", [x, "expert_weights"], self._with_bias("w_up")),
                 "act": self.glu_op(),
                 "down": op("expert_mix", ["act", "expert_weights"], self._with_bias("w_down"))}
+
+    def _choice_consts(self) -> dict:
+        """The router's declared variant, where it has one (none in Mixtral's declaration)."""
+        out = {}
+        if self.groups > 1:
+            out.update(groups=self.groups, groups_used=self.groups_used, group_score=self.group_score)
+        if self.scale != 1.0:
+            out["scale"] = self.scale
+        return out
+
+    def choose(self, probs: torch.Tensor) -> torch.Tensor:
+        """The K experts each token runs, (B, T, K): the K best scores, each plus the choice bias where the router has
+        one, among the experts of the best `groups_used` groups where it groups them."""
+        pick = probs if self.choice_bias is None else probs + self.choice_bias
+        pick = pick.masked_fill(probs == 0, float("-inf"))  # an ablated expert (score −∞) is not chosen, bias or not
+        if self.groups > 1:
+            g = pick.unflatten(-1, (self.groups, -1))  # (B, T, groups, E / groups)
+            best = g.topk(2, dim=-1).values.sum(-1) if self.group_score == "top2_sum" else g.amax(-1)
+            kept = torch.zeros_like(best).scatter(-1, best.topk(self.groups_used, dim=-1).indices, 1.0)
+            pick = pick.masked_fill(kept.repeat_interleave(g.size(-1), dim=-1) == 0, float("-inf"))
+        return pick.topk(self.k, dim=-1).indices
 
     def glu_op(self) -> Op:
         """The declared operation of `glu`."""
@@ -122,10 +157,19 @@ class MoEFeedForward(Module):
             top_p = F.softmax(top_l, dim=-1, dtype=torch.float32)  # (B, T, K): a softmax over the chosen K
             probs = self.point("router_probs", torch.zeros_like(logits, dtype=torch.float32).scatter(-1, top_e, top_p))
         else:
-            probs = self.point("router_probs", F.softmax(logits, dim=-1, dtype=torch.float32))  # (B, T, E)
-            top_p, top_e = probs.topk(self.k, dim=-1)  # (B, T, K) each
+            probs = (logits.float().sigmoid() if self.score == "sigmoid" else
+                     F.softmax(logits, dim=-1, dtype=torch.float32))
+            probs = self.point("router_probs", probs)  # (B, T, E)
+            if self.choice_bias is None and self.groups == 1:
+                top_p, top_e = probs.topk(self.k, dim=-1)  # (B, T, K) each
+            else:
+                top_e = self.choose(probs)
+                top_p, order = probs.gather(-1, top_e).sort(dim=-1, descending=True)  # most probable first
+                top_e = top_e.gather(-1, order)
         if self.renormalise:
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            top_p = top_p * self.scale
         if self.hook is not None:  # the weights as one (B, T, E) tensor, 0 where not chosen: a hook may scale them
             weights = self.point("expert_weights", torch.zeros_like(probs).scatter(-1, top_e, top_p))
             top_p = weights.gather(-1, top_e)
@@ -154,7 +198,11 @@ class MoEFeedForward(Module):
         if seen is not None:
             for name, value in seen.items():
                 self.point(name, value.view(B, T, K, Fe))
-        return self.point("down", out.view(B, T, D))  # (B, T, D)
+        return self.output(x, out.view(B, T, D))  # (B, T, D)
+
+    def output(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The feed-forward's output from the chosen experts' weighted sum (B, T, D): that sum itself here."""
+        return self.point("down", routed)
 
     def flops(self, n_tokens: int) -> list[tuple]:
         """Over T tokens: the router's scores, then K experts a token (each a gated FFN of width Fe)."""
@@ -165,6 +213,78 @@ class MoEFeedForward(Module):
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """An expert's gated activation: act(gate) ⊙ up (a family with a clamped GLU changes it: gpt-oss)."""
         return self.act(gate) * up
+
+
+# shared experts (DeepSeek V2/V3): a SwiGLU every token runs, added to the routed experts' sum
+ROUTED_DOWN = Point("routed_down", "s6.7", ("T", "D"), about="the chosen experts' outputs, weighted and summed")
+SHARED_GATE = Point("shared_gate", "s6.7", ("T", "Fs"), about="the shared experts' x·W_gate: every token runs them")
+SHARED_UP = Point("shared_up", "s6.7", ("T", "Fs"), about="the shared experts' x·W_up")
+SHARED_ACT = Point("shared_act", "s6.7", ("T", "Fs"), about="the shared experts' act(gate) ⊙ up")
+SHARED_DOWN = Point("shared_down", "s6.7", ("T", "D"), about="the shared experts' output: ·W_down")
+MOE_SHARED_DOWN = replace(MOE_POINTS[-1], about="the routed experts' weighted sum plus the shared experts' output: "
+                                                "the feed-forward's output")
+
+
+class SharedExperts(FeedForward):
+    """The shared experts of a layer as one SwiGLU of width Fs (n_shared_experts · one expert's width), which every
+    token runs beside its routed experts."""
+
+    POINTS = (SHARED_GATE, SHARED_UP, SHARED_ACT, SHARED_DOWN)
+
+    def __init__(self, config, width: int):
+        Module.__init__(self)
+        self.ffn_dim = width
+        self.act, self.act_name = ACTIVATIONS[config.ffn_act], config.ffn_act
+        self.w_gate_up = nn.Linear(config.d_model, 2 * width, bias=False)  # (2Fs, D): W_gate rows, then W_up
+        self.w_down = nn.Linear(width, config.d_model, bias=False)  # (D, Fs)
+
+    def weights(self) -> tuple[Weight, ...]:
+        return (Weight("w_gate_up.weight", ("2*Fs", "D"), "s6.7", "matrix", (
+                    Source("gate_proj.weight", "ffn_gate_shexp.weight", "Fs", "W_gate,shared"),
+                    Source("up_proj.weight", "ffn_up_shexp.weight", "Fs", "W_up,shared"))),
+                Weight("w_down.weight", ("D", "Fs"), "s6.7", "matrix",
+                       (Source("down_proj.weight", "ffn_down_shexp.weight", "D", "W_down,shared"),)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split_with_sizes([self.ffn_dim, self.ffn_dim], dim=-1)  # (B, T, Fs) each
+        self.point(SHARED_GATE.name, gate)
+        self.point(SHARED_UP.name, up)
+        act = self.point(SHARED_ACT.name, self.glu(gate, up))
+        return self.point(SHARED_DOWN.name, self.w_down(act))  # (B, T, D)
+
+    def maths(self, x: str, plan) -> dict[str, Op]:
+        inner = super().maths(x, plan)
+        names = dict(zip(("gate", "up", "act", "down"), (p.name for p in self.POINTS)))
+        return {names[n]: Op(o.kind, tuple(names.get(i, i) for i in o.inputs), o.weights, o.consts)
+                for n, o in inner.items()}
+
+
+class SharedExpertsMoE(MoEFeedForward):
+    """Routed experts and shared experts side by side: output = Σ_chosen w_e · expert_e(x) + shared(x). The shared
+    width comes from the config part "shared_experts" (its axis Fs)."""
+
+    POINTS = MOE_POINTS[:-1] + (ROUTED_DOWN,) + SharedExperts.POINTS + (MOE_SHARED_DOWN,)
+    CHILDREN = {"shared": ("shared_experts", "")}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.shared = SharedExperts(config, config.parts["shared_experts"]["axes"]["Fs"])
+
+    def flops(self, n_tokens: int) -> list[tuple]:
+        """The router and the routed experts, then the shared experts every token runs."""
+        T, D, Fs = n_tokens, self.router.in_features, self.shared.ffn_dim
+        return [*super().flops(n_tokens),
+                ("shared", "shared experts", "2·T·D·2Fs + 2·T·Fs·D", 2 * T * D * 2 * Fs + 2 * T * Fs * D)]
+
+    def output(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        routed = self.point(ROUTED_DOWN.name, routed)
+        return self.point("down", routed + self.shared(x))
+
+    def maths(self, x: str, plan) -> dict[str, Op]:
+        out = super().maths(x, plan)
+        out[ROUTED_DOWN.name] = out.pop("down")
+        shared = {n: o.prefixed("shared.") for n, o in self.shared.maths(x, plan).items()}
+        return out | shared | {"down": op("add", [ROUTED_DOWN.name, SHARED_DOWN.name])}
 
 
 class MoEBlock(Block):

@@ -36,3 +36,10 @@ def moe_layers(config) -> list[int]:
     if not config.n_experts:
         return []
     return [i for i in range(config.n_layers) if i not in (config.dense_layers or ())]
+
+
+def chosen_experts(probs, weights, k: int):
+    """The K experts each token ran, (..., T, K), most probable first: those with a weight (expert_weights, 0 for the
+    others), ranked by router_probs. Not simply the K most probable: a router may choose with a bias or within groups
+    (DeepSeek V3), and an ablated expert has no weight. Tensors (..., T, E); no torch import here."""
+    return probs.float().masked_fill(weights == 0, float("-inf")).topk(k, dim=-1).indices

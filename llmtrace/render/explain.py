@@ -113,7 +113,7 @@ def render_explain(events: list[dict], console: Console) -> None:
             tensors.append(ev)
         elif kind == "lens":
             lens_rows.append(ev)
-    if _cut_short(console, events, by.get("model"), by.get("tokens"), complete="kv_cache" in by or "state_cache" in by):
+    if _cut_short(console, events, by.get("model"), by.get("tokens"), complete="kv_cache" in by or "state_cache" in by or "memory" in by):
         return
     toks = [t["text"] for t in by["tokens"]["tokens"]]
     _header(console, by["model"], by["tokens"])
@@ -138,6 +138,8 @@ def render_explain(events: list[dict], console: Console) -> None:
         _ffn(console, by["ffn"], toks)
     if "state_cache" in by:
         state_cache(console, by["state_cache"])
+    elif "memory" in by:
+        _memory(console, by["memory"])
     else:
         _kv(console, by["kv_cache"])
     _lens_here(console, lens_rows, by["model"])
@@ -548,6 +550,18 @@ def _kv(console: Console, ev: dict) -> None:
                   f"{human_bytes(ev['all_layers_bytes'])}")
     _note(console, f"with one KV head per query head this layer would write {ev['mha_bytes']:,} B; later decode steps "
                    f"read these instead of recomputing them")
+
+
+def _memory(console: Console, ev: dict) -> None:
+    """s6.8 a layer's memory as its kind declares it (an MLA layer's latent and RoPE key)."""
+    m = ev["record"]
+    parts = " and ".join(f"{name} {shape_text(shape)}" for name, shape in m["per_token"].items())
+    _title(console, f"⑧ s6.8  cache write: this layer keeps {parts} for each of {ev['n_positions']} positions")
+    console.print(f"{m['per_token_bytes']:,} B per position, {ev['bytes']:,} B for this pass; every layer together: "
+                  f"{human_bytes(ev['all_layers_bytes'])}")
+    if m["mha_per_token_bytes"]:
+        _note(console, f"full multi-head attention with these heads would keep {ev['mha_bytes']:,} B "
+                       f"({m['mha_per_token_bytes'] / max(m['per_token_bytes'], 1):.1f}× more)")
 
 
 def _cand(c: dict) -> Text:

@@ -136,6 +136,42 @@ LINES = [(re.compile(p), r) for p, r in (
      r"token runs its top (?P<k>\d+) experts, weights (?P<how>.*?); output (?P<o>.*)$",
      r"前馈网络：\g<e> 个 SwiGLU 专家（宽 \g<w>）和一个路由器；\g<p>（float32），每个词元运行概率最高的 \g<k> 个专家，"
      r"权重\g<how>；输出 \g<o>"),
+    # a layer's memory as its kind declares it (render.explain._memory: an MLA layer's latent and RoPE key)
+    (r"^(?P<n>[①-⑨]) s6.8  cache write: this layer keeps (?P<p>.*) for each of (?P<t>\d+) positions$",
+     lambda m: f"{m['n']} s6.8  写入缓存：这一层为 {m['t']} 个位置中的每一个保存 " + m["p"].replace(" and ", " 和 ")),
+    (r"^(?P<b>\S+) B per position, (?P<t>\S+) B for this pass; every layer together: (?P<a>.*)$",
+     r"每个位置 \g<b> B，本次前向 \g<t> B；所有层合计：\g<a>"),
+    (r"^full multi-head attention with these heads would keep (?P<m>\S+) B \((?P<x>\S+)× more\)$",
+     r"同样头数的完整多头注意力要保存 \g<m> B（多 \g<x>×）"),
+    # DeepSeek V2/V3 (model/families/deepseek.py)
+    (r"^multi-head latent attention: (?P<q>q through a code of (?P<rq>\S+) \(RMS-normed\)|q projected directly); K and V "
+     r"up-projected from a cached latent of (?P<r>\S+) and one RoPE key of (?P<dr>\S+) shared by the (?P<h>\d+) heads; "
+     r"each head's key (?P<dn>\d+) \+ (?P<dr2>\d+) dims, value (?P<dv>\d+)$",
+     lambda m: ("多头潜在注意力（MLA）：" + (f"q 经过宽 {m['rq']} 的低秩编码（RMS 归一化）" if m["rq"] else "q 直接投影")
+                + f"；K 和 V 由缓存的 {m['r']} 维潜变量上投影得到，另有一个 {m['dr']} 维的 RoPE 键由 {m['h']} 个头共用；"
+                  f"每个头的键 {m['dn']} + {m['dr2']} 维，值 {m['dv']} 维")),
+    (r"^the cache keeps (?P<n>\S+) numbers a token a layer, where multi-head attention with these heads would keep "
+     r"(?P<m>\S+) \((?P<x>\S+)×\); llmtrace up-projects K and V from the latent at every step, as transformers does \(the "
+     r"absorbed form folds W_kb into q and W_vb into W_o\)$",
+     r"缓存每层每个词元保存 \g<n> 个数，而同样头数的多头注意力要保存 \g<m> 个（\g<x>×）；llmtrace 与 transformers 一样，每一步"
+     r"都从潜变量上投影出 K 和 V（吸收形式则把 W_kb 并入 q、把 W_vb 并入 W_o）"),
+    (r"^scores scaled by (?P<s>\S+) \((?P<l>.*)\); RoPE on (?P<p>adjacent pairs|the halves) of the rope dims$",
+     lambda m: f"分数乘以 {m['s']}（{m['l']}）；RoPE 作用于 rope 维的" + ("相邻成对维度" if m["p"] == "adjacent pairs"
+                                                                      else "前后两半")),
+    (r"^YaRN RoPE: factor (?P<f>\S+) over an original context of (?P<n>\S+)$",
+     r"YaRN RoPE：在原始上下文 \g<n> 上放大 \g<f> 倍"),
+    (r"^feed-forward: (?P<e>\d+) routed SwiGLU experts \(width (?P<w>\S+)\), each token's top (?P<k>\d+) experts? by "
+     r"(?P<c>sigmoid scores, chosen by score \+ a correction bias \(the bias chooses, the score weighs\)|\w+ scores)"
+     r"(?:, within the best (?P<gu>\d+) of (?P<g>\d+) groups of experts)?; weights (?P<how>renormalised to sum to 1|not "
+     r"renormalised), × (?P<x>\S+); plus (?P<n>\d+) shared experts? \(one SwiGLU of width (?P<fs>\S+)\) every token runs$",
+     lambda m: (f"前馈网络：{m['e']} 个路由 SwiGLU 专家（宽 {m['w']}），每个词元按 "
+                + ("sigmoid 分数选出前 " if m["c"].startswith("sigmoid") else f"{m['c'].split()[0]} 分数选出前 ")
+                + f"{m['k']} 个专家" + ("（分数加上修正偏置来选择，权重只用分数本身）" if "bias" in m["c"] else "")
+                + (f"，只在 {m['g']} 组中最好的 {m['gu']} 组里选" if m["g"] else "")
+                + ("；权重重新归一化使和为 1" if m["how"].startswith("renormalised") else "；权重不重新归一化")
+                + f"，× {m['x']}；另有 {m['n']} 个共享专家（一个宽 {m['fs']} 的 SwiGLU），每个词元都运行")),
+    (r"^the first (?:(?P<n>\d+) layers|layer) of (?P<l>\d+) keeps? a dense SwiGLU \(width (?P<w>\S+)\)$",
+     lambda m: f"{m['l']} 层中的前 {m['n'] or 1} 层保留稠密的 SwiGLU（宽 {m['w']}）"),
     (r"^q, k and v read from one fused matrix \((?P<r>.*) rows\), split as the maths reads it$",
      r"q、k、v 从一个融合矩阵中读出（\g<r> 行），按数学公式的写法拆开"),
     (r"^RoPE on (?P<n>\d+) of (?P<d>\d+) dims of each head \(dims (?P<a>\S+) turn, (?P<b>\S+) pass unchanged\)$",

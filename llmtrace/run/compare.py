@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Union
 
 from llmtrace.errors import BadValue, FieldError, LlmtraceError, UsageError
 from llmtrace.model.llama_points import EMBED
-from llmtrace.model.moe_points import ROUTER_PROBS
+from llmtrace.model.moe_points import EXPERT_WEIGHTS, ROUTER_PROBS, chosen_experts
 from llmtrace.trace.comparison import COMPARE_SCHEMA, jsonl_events, model_points_around
 from llmtrace.units import plural
 
@@ -469,7 +469,9 @@ class RoutingFlips:
         pa, pb = points_a.get(ROUTER_PROBS.name), points_b.get(ROUTER_PROBS.name)
         if pa is None or pb is None:
             return  # a dense layer
-        chosen = [p[0].topk(self.k, dim=-1).indices.sort(dim=-1).values.tolist() for p in (pa, pb)]  # (T, K) each
+        wa, wb = points_a.get(EXPERT_WEIGHTS.name), points_b.get(EXPERT_WEIGHTS.name)
+        chosen = [(p[0].topk(self.k, dim=-1).indices if w is None else chosen_experts(p[0], w[0], self.k))
+                  .sort(dim=-1).values.tolist() for p, w in ((pa, wa), (pb, wb))]  # (T, K) each: the experts that ran
         flips = [(i, a, b) for i, (a, b) in enumerate(zip(*chosen)) if a != b]
         self.compared += len(chosen[0])
         self.per_layer[layer] = self.per_layer.get(layer, 0) + len(flips)

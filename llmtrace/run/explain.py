@@ -624,6 +624,17 @@ def kv_section(cap: Capture, config: ModelConfig, memory: list) -> dict:
     }
 
 
+def memory_section(model: Transformer, layer: int, n_positions: int, element_size: int) -> dict:
+    """s6.8 what the layer keeps for this pass's positions, as its kind declares it (model.memory): each per-token
+    buffer's shape, the bytes, and what full multi-head attention with the same heads would keep."""
+    memory = model.memory()
+    m = memory[layer].record(element_size)
+    return {"event": "explain", "section": "memory", "layer": layer, "seed_step": "s6.8", "record": m,
+            "n_positions": n_positions, "bytes": m["per_token_bytes"] * n_positions,
+            "mha_bytes": m["mha_per_token_bytes"] * n_positions,
+            "all_layers_bytes": sum(x.per_token_bytes(element_size) for x in memory) * n_positions}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 9-10. logit lens
 
@@ -709,8 +720,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     else:
         yield ffn_section(cap, c, maths=maths)
     memory = lm.model.memory()
-    if memory[layer].kind in MEMORY_SECTIONS:
-        yield MEMORY_SECTIONS[memory[layer].kind](cap, lm, maths, memory)
+    yield MEMORY_SECTIONS.get(memory[layer].kind, _memory_section)(cap, lm, maths, memory)
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 
 
@@ -730,7 +740,11 @@ def _delta_rule_sections(cap, lm, layer, head, maths):
 # explain's sections of a layer's mixer, by the keys its kind declares (EXPLAIN); a kind with none of its own is
 # taught by the generic sections (the steps table works every declared operation; the memory section below)
 MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections}
-# s6.8 by the kind of memory the layer declares (model.memory)
+def _memory_section(cap, lm, maths, memory):
+    return memory_section(lm.model, cap.layer, len(cap.ids), cap.kv_element_size)
+
+
+# s6.8 by the kind of memory the layer declares (model.memory); any other kind: its declaration, generically
 MEMORY_SECTIONS = {
     "kv": lambda cap, lm, maths, memory: kv_section(cap, lm.config, memory),
     "state": lambda cap, lm, maths, memory: state_cache_section(cap, maths, lm.config, cap.kv_element_size, memory),

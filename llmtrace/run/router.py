@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from llmtrace.model.moe_points import EXPERT_DOWN, EXPERT_WEIGHTS, ROUTER_LOGITS, ROUTER_PROBS
+from llmtrace.model.moe_points import EXPERT_DOWN, EXPERT_WEIGHTS, ROUTER_LOGITS, ROUTER_PROBS, chosen_experts
 from llmtrace.trace.records import rounded
 
 
@@ -24,8 +24,12 @@ def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config, ma
     E, K = config.n_experts, config.n_experts_used
     logits, probs = points[ROUTER_LOGITS.name].float(), points[ROUTER_PROBS.name].float()  # (T, E) each
     weights, down = points[EXPERT_WEIGHTS.name].float(), points[EXPERT_DOWN.name].float()  # (T, E), (T, D)
-    order = probs.topk(min(E, K + 1), dim=-1)  # (T, K+1): the chosen, then the best left out
-    chosen = order.indices[:, :K]
+    declared = maths.op(layer, EXPERT_WEIGHTS.name) if maths is not None else None
+    scale = (declared.const("scale") if declared is not None else None) or 1.0  # a factor on the weights (DeepSeek)
+    ran = weights != 0  # (T, E): the experts a token ran (the K most probable, unless a bias or groups chose)
+    chosen = chosen_experts(probs, weights, K)  # (T, K), most probable first
+    cut_p = probs.gather(-1, chosen)[:, -1]  # (T,): the least probability chosen
+    left = probs.masked_fill(ran, float("-inf")).amax(-1)  # (T,): the best left out
     p = probs.clamp_min(0)
     entropy = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1)  # (T,) bits
     load = torch.bincount(chosen.flatten(), minlength=E).tolist()
@@ -34,8 +38,8 @@ def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config, ma
     for t in range(probs.size(0)):
         tokens.append({
             "position": t, "logits": _rl(logits[t]), "probs": _rl(probs[t]), "experts": chosen[t].tolist(),
-            "weights": _rl(weights[t, chosen[t]]), "cut": rounded(float(order.values[t, K - 1])),
-            "next": rounded(float(order.values[t, K])) if K < E else None, "entropy": rounded(float(entropy[t])),
+            "weights": _rl(weights[t, chosen[t]]), "cut": rounded(float(cut_p[t])),
+            "next": rounded(float(left[t])) if K < E else None, "entropy": rounded(float(entropy[t])),
             "norm_down": rounded(float(down[t].norm())),
             "rel_change": rounded(float(down[t].norm() / resid_mid[t].float().norm()))})
     return {
@@ -48,8 +52,9 @@ def router_section(points: dict, resid_mid: torch.Tensor, layer: int, config, ma
         **({} if maths is None else {"formula": declared_formula(maths, layer)}),
         "expert_ffn_dim": config.expert_ffn_dim or config.ffn_dim, "tokens": tokens, "load": load,
         "imbalance": rounded(max(load) / mean) if mean else None,
-        "check_weights_sum": rounded(float((weights.sum(-1) - (1.0 if config.norm_topk_prob else
-                                                               order.values[:, :K].sum(-1))).abs().max())),
+        "check_weights_sum": rounded(float((weights.sum(-1) - scale * (1.0 if config.norm_topk_prob else
+                                                                       probs.gather(-1, chosen).sum(-1))
+                                            ).abs().max())),
     }
 
 

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from llmtrace.model.moe_points import chosen_experts
 from llmtrace.trace.stats import round_tensor
 
 
@@ -26,7 +27,7 @@ def routing_tables(probs: torch.Tensor, weights: torch.Tensor, k: int) -> list:
     probs = probs.float()
     n_top = min(probs.size(-1), 2 * k)
     top_p, top_e = probs.topk(n_top, dim=-1)  # (..., T, 2K)
-    chosen = top_e[..., :k]  # (..., T, K): the experts the model ran (its own topk over the same probabilities)
+    chosen = chosen_experts(probs, weights, k)  # (..., T, K): the experts the model ran, most probable first
     w = weights.float().gather(-1, chosen)  # (..., T, K)
     p = probs.clamp_min(0)
     entropy = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(-1)  # (..., T)
