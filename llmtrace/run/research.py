@@ -285,20 +285,22 @@ class ActivationCache(Mapping):
 
     def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
                           pos_slice: Any = None, return_labels: bool = False):
-        """The residual stream as each layer receives it, stacked: (components, B, T, D) (no B after
-        remove_batch_dim). The components are resid_pre of layers 0 .. layer-1 (with each one's resid_mid after it
-        when `incl_mid`), then the last layer's resid_post when `layer` is None (every layer). `apply_ln`: each
-        component through the norm that reads it next, computed afresh for each (the logit lens): the final norm
-        when `layer` is None, else layer `layer`'s norm before attention. `pos_slice`: an index or slice of the T
-        axis. `return_labels`: (stack, the point names). TransformerLens's `cache.accumulated_resid`; it needs the
-        stream kept: run_with_cache(names="*.resid_*")."""
+        """The residual stream as the layers receive it, stacked: (components, B, T, D) (no B after
+        remove_batch_dim). The components are resid_pre of layers 0 .. `layer` (with resid_mid after each of those
+        before `layer` when `incl_mid`); `layer` None (or -1, or the number of layers) takes every layer's and the
+        last layer's resid_post, the stream the final norm reads. `apply_ln`: each component through the norm that
+        reads the stream there, computed afresh for each (the logit lens): the final norm for every layer, else
+        `layer`'s norm before attention. `pos_slice`: an index or slice of the T axis. `return_labels`: (stack, the
+        point names). TransformerLens's `cache.accumulated_resid`; it needs the stream kept:
+        run_with_cache(names="*.resid_*")."""
         L = self._n_layers
-        upto = L if layer is None else check_layer("layer", layer, L + 1) if layer != L else L
+        upto = L if layer in (None, -1, L) else check_layer("layer", layer, L)
         labels = []
-        for i in range(upto):
-            labels += [f"{i}.resid_pre"] + ([f"{i}.resid_mid"] if incl_mid else [])
-        if layer is None or upto == L:
-            labels.append(f"{L - 1}.resid_post")
+        for i in range(upto + 1):
+            if i == L:
+                labels.append(f"{L - 1}.resid_post")
+                continue
+            labels += [f"{i}.resid_pre"] + ([f"{i}.resid_mid"] if incl_mid and i < upto else [])
         missing = [n for n in labels if n not in self._tensors]
         if missing:
             raise KeyError(f"accumulated_resid needs {missing[0]}, which this cache does not hold; keep the stream: "
@@ -307,9 +309,8 @@ class ActivationCache(Mapping):
         if apply_ln:
             stack = self._norm_before(None if upto == L else upto)(stack)
         if pos_slice is not None:
-            t_axis = self._axes[labels[0]].index("T") + 1
             index = [slice(None)] * stack.dim()
-            index[t_axis] = pos_slice
+            index[1 + self._axes[labels[0]].index("T")] = pos_slice
             stack = stack[tuple(index)]
         return (stack, labels) if return_labels else stack
 
