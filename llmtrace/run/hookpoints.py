@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, LlmtraceError
-from llmtrace.model.llama_points import ATTN_OUT, LAST
+from llmtrace.model.llama_points import (ACT, ATTN_NORM, ATTN_OUT, EMBED, FFN_NORM, FINAL_NORM, GATE, K, K_ROPE, LAST,
+                                         PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
 from llmtrace.model.points import Point
 
 Names = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -266,14 +267,14 @@ def needs_spelled_attention(info: PointInfo) -> bool:
 # sub-layer adds to the stream: the point just before resid_mid and resid_post (o_proj and down, or a family's norm
 # of them: Gemma's post_attn_norm); they are worked out from the built layer.
 TL_LAYER = {
-    "hook_resid_pre": "resid_pre", "hook_resid_mid": "resid_mid", "hook_resid_post": "resid_post",
-    "ln1.hook_normalized": "attn_norm", "ln2.hook_normalized": "ffn_norm",
-    "attn.hook_q": "q", "attn.hook_k": "k", "attn.hook_v": "v", "attn.hook_rot_q": "q_rope",
-    "attn.hook_rot_k": "k_rope", "attn.hook_attn_scores": "scores", "attn.hook_pattern": "probs",
-    "attn.hook_z": "attn_out", "mlp.hook_pre": "gate", "mlp.hook_pre_linear": "up", "mlp.hook_post": "act",
+    "hook_resid_pre": RESID_PRE.name, "hook_resid_mid": RESID_MID.name, "hook_resid_post": RESID_POST.name,
+    "ln1.hook_normalized": ATTN_NORM.name, "ln2.hook_normalized": FFN_NORM.name,
+    "attn.hook_q": Q.name, "attn.hook_k": K.name, "attn.hook_v": V.name, "attn.hook_rot_q": Q_ROPE.name,
+    "attn.hook_rot_k": K_ROPE.name, "attn.hook_attn_scores": SCORES.name, "attn.hook_pattern": PROBS.name,
+    "attn.hook_z": ATTN_OUT.name, "mlp.hook_pre": GATE.name, "mlp.hook_pre_linear": UP.name, "mlp.hook_post": ACT.name,
 }
-TL_ADDED = {"hook_attn_out": "resid_mid", "hook_mlp_out": "resid_post"}  # the point before this one
-TL_MODEL = {"hook_embed": "embed", "ln_final.hook_normalized": "final_norm"}
+TL_ADDED = {"hook_attn_out": RESID_MID.name, "hook_mlp_out": RESID_POST.name}  # the point before this one
+TL_MODEL = {"hook_embed": EMBED.name, "ln_final.hook_normalized": FINAL_NORM.name}
 # TransformerLens's hooks that have no point here, and what to take instead
 TL_NONE = {
     "hook_pos_embed": "positions are not added to the stream: RoPE turns q and k inside attention (L.q_rope, L.k_rope)",

@@ -18,7 +18,7 @@ import torch
 
 from llmtrace.errors import BadValue
 from llmtrace.model.capture import capture, layer_points
-from llmtrace.model.llama_points import FINAL_NORM, LAST
+from llmtrace.model.llama_points import ATTN_NORM, FINAL_NORM, LAST
 from llmtrace.run.generate import pad_batch
 from llmtrace.run.hookpoints import (HookError, Names, NoSuchPoint, PointInfo, as_declared, canonical, check_layer,
                                     did_you_mean, from_transformer_lens, function_name, needs_spelled_attention,
@@ -320,12 +320,12 @@ class ActivationCache(Mapping):
             raise BadValue("apply_ln", " needs the model's norms; this cache was made without the model")
         if layer is None:
             return self._model.norm
-        before = self._model.layers[layer].WIRING["attn"][0]
-        if before is None:
+        try:
+            return self._model.norm_of(layer, ATTN_NORM.name)
+        except KeyError:
             raise BadValue("apply_ln", f" with layer={layer}: layer {layer} reads the stream without a norm before "
                                        f"attention (its norms follow the sub-layers); leave layer=None for the final "
-                                       f"norm")
-        return self._model.norm_of(layer, before)
+                                       f"norm") from None
 
     def __repr__(self) -> str:
         exact = ", approximate" if self.approximate else ""
@@ -391,8 +391,8 @@ def run_with_cache(lm, prompt: Prompt, names: Names = None, layers: Optional[Seq
 def spelled_layers(model) -> list[int]:
     """The layers whose attention the attached hooks make spell out, where it has a fused form (an unobserved pass
     takes the fused kernel there)."""
-    return [i for i, block in enumerate(model.layers)
-            if getattr(block.attn, "spell_out", False) and getattr(block.attn, "fused", False)]
+    attention = [model.attention_of(i) for i in range(model.config.n_layers)]
+    return [i for i, attn in enumerate(attention) if getattr(attn, "spell_out", False) and getattr(attn, "fused", False)]
 
 
 def _one_of(names: Names, names_filter: Names) -> Names:
