@@ -462,7 +462,7 @@ def as_interventions(hooks: Sequence[Any], table: Optional[list[PointInfo]] = No
 def hooks_attached(lm, hooks: Sequence[Any], pads: Optional[Sequence[int]] = None, lengths: Sequence[int] = ()):
     """Within the block, every pass of the model runs `hooks` (the one hook, as `generate` attaches its edits); on
     exit, also by an exception, the model is as before."""
-    edits = prepare(lm, as_interventions(hooks, points_of(lm)), list(lengths))
+    edits = prepare(lm, as_interventions(hooks, points_of(lm) if hooks else None), list(lengths))
     if edits is None:
         yield
         return
@@ -493,7 +493,7 @@ def run_with_hooks(lm, prompt: Prompt, hooks: Sequence[Any] = (), chat: bool = F
     grad = grad or bool(bwd_hooks)
     if grad:
         check_grad(lm, "bwd_hooks" if bwd_hooks else "grad")
-    table = points_of(lm)
+    table = points_of(lm) if grad else []
     backward = backward_hooks(lm, table, bwd_hooks)
     with contextlib.ExitStack() as held:
         held.enter_context(grad_mode(grad))
