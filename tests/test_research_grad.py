@@ -1,9 +1,9 @@
 """Gradients through the researcher's API (issue 49 item 1): run_with_cache(grad=True) and run_with_hooks(bwd_hooks=...).
 
 The reference is transformers' own autograd on the same weights: the gradient of one logit (the last position's
-most likely token) with respect to a layer's output (a forward hook on transformers' decoder layer) and to q (a
-forward hook on its q_proj), on the families whose pass differs most from Llama's: Gemma 3 (soft (1 + w) norms, a
-window, its own score scale), gpt-oss (sinks, a mixture of experts routed through the chosen experts' weights, YaRN)
+median one: the cap of Gemma 2's logits saturates the top ones, whose gradient is then 0) with respect to a layer's output (a forward hook on transformers' decoder layer) and to q (a
+forward hook on its q_proj), on the families whose pass differs most from Llama's: Gemma 3 ((1 + w) norms, a
+window, its own score scale), Gemma 2 (soft-caps on the scores and the logits that bite), gpt-oss (sinks, a mixture of experts routed through the chosen experts' weights, YaRN)
 and Qwen3.5 (the delta rule's recurrence, a gated attention layer), from the HF directory and from the GGUF llama.cpp's
 converter writes (read back for transformers as tests/test_gemma.py and tests/test_gpt_oss.py read it).
 
@@ -21,11 +21,11 @@ from llmtrace.errors import BadValue
 from llmtrace.run.hookpoints import HookError
 
 REL = 1e-4
-GRAD_FAMILIES = ["llama", "gemma3", "gpt_oss", "qwen3_5"]
+GRAD_FAMILIES = ["llama", "gemma3", "gemma2", "gpt_oss", "qwen3_5"]
 # the layer whose output and whose q each family's check differentiates: Qwen3.5's one attention layer is its last
 # (3); its layer 1 is linear attention, so the gradient there has come back through the recurrence of layers 2 and 3
-Q_LAYER = {"llama": 1, "gemma3": 5, "gpt_oss": 1, "qwen3_5": 3}
-OUT_LAYER = {"llama": 0, "gemma3": 2, "gpt_oss": 0, "qwen3_5": 1}
+Q_LAYER = {"llama": 1, "gemma3": 5, "gemma2": 1, "gpt_oss": 1, "qwen3_5": 3}
+OUT_LAYER = {"llama": 0, "gemma3": 2, "gemma2": 0, "gpt_oss": 0, "qwen3_5": 1}
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,7 @@ def reference(families):
                 made[(name, fmt)] = families.model(name)
             else:
                 changes = {"gemma3": {"query_pre_attn_scalar": 16},  # llama.cpp's scale (tests/test_gemma.py)
+                           "gemma2": {"query_pre_attn_scalar": 16},
                            "gpt_oss": {"rope_parameters": dict(FAMILIES["gpt_oss"].config["rope_parameters"],
                                                                truncate=True)}}.get(name, {})
                 made[(name, fmt)] = hf_model_via_state_dict(families.gguf(name), FAMILIES[name], **changes)
@@ -48,7 +49,7 @@ def reference(families):
 
 
 def transformers_grads(hf, layer: int, q_layer: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """transformers' gradient of the last position's top logit with respect to decoder layer `layer`'s output and to
+    """transformers' gradient of the last position's median logit with respect to decoder layer `layer`'s output and to
     layer `q_layer`'s queries, (1, T, D) and (1, T, H, Dh): (the token, the two gradients)."""
     c = hf.config
     H = c.num_attention_heads
@@ -63,7 +64,7 @@ def transformers_grads(hf, layer: int, q_layer: int) -> tuple[int, torch.Tensor,
     finally:
         out_hook.remove()
         q_hook.remove()
-    t = int(logits[0, -1].argmax())
+    t = int(logits[0, -1].argsort()[logits.size(-1) // 2])  # a middling logit: Gemma 2's cap saturates the top one
     g_out, g_q = torch.autograd.grad(logits[0, -1, t], [seen["out"], seen["q"]])
     g_q = g_q.view(1, len(PROMPT_IDS), H, -1)
     if g_q.size(-1) == 2 * Dh:  # Qwen3.5: each head's Dh query rows, then its Dh gate rows
