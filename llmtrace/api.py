@@ -418,32 +418,66 @@ class Model:
         return filter_points(self._points, layer, step, self.config.n_layers)
 
     def run_with_cache(self, prompt, names=None, layers: Optional[Sequence[int]] = None, dtype=None, device=None,
-                       remove_batch_dim: bool = False, chat: bool = False, system: Optional[str] = None):
+                       remove_batch_dim: bool = False, chat: bool = False, system: Optional[str] = None,
+                       grad: bool = False, names_filter=None):
         """One forward pass over `prompt` (a text, a list of texts run as a left-padded batch, ids): (logits (B, T, V)
         float32, cache), the cache holding the full tensor of each point `names` picks (None: all; a name, a glob
-        "*.resid_post", a list, or a predicate on the name) in `layers`, float32 unless `dtype` says, on the model's
-        device unless `device` says. `remove_batch_dim` drops the batch axis of a one-prompt pass. TransformerLens's
-        `run_with_cache(tokens, names_filter=...)`."""
+        "*.resid_post", a list, or a predicate on the name; TransformerLens's names too) in `layers`, float32 unless
+        `dtype` says, on the model's device unless `device` says. `remove_batch_dim` drops the batch axis of a
+        one-prompt pass. `grad=True`: the logits and the kept tensors are one autograd graph (the weights stay
+        frozen), so torch.autograd.grad(logits[0, -1, t], cache["1.resid_post"]) is that logit's gradient there.
+        TransformerLens's `run_with_cache(tokens, names_filter=...)`; `names_filter=` is accepted for `names=`."""
         from llmtrace.run.research import run_with_cache
 
         return run_with_cache(self.loaded, prompt, names=names, layers=layers, dtype=dtype, device=device,
-                              remove_batch_dim=remove_batch_dim, chat=chat, system=system)
+                              remove_batch_dim=remove_batch_dim, chat=chat, system=system, grad=grad,
+                              names_filter=names_filter)
 
-    def run_with_hooks(self, prompt, hooks: Sequence[Any] = (), chat: bool = False, system: Optional[str] = None):
+    def run_with_hooks(self, prompt, hooks: Sequence[Any] = (), chat: bool = False, system: Optional[str] = None,
+                       fwd_hooks: Sequence[Any] = (), bwd_hooks: Sequence[Any] = (), grad: bool = False):
         """One forward pass over `prompt` with `hooks` attached: the logits (B, T, V), float32. A hook is a
         (name, fn) pair or llmtrace.Hook(name, fn), called fn(x, point); it returns None to observe or, at an
         editable point, the tensor the pass goes on with. The interventions (Ablate, Steer, ...) mix in.
-        TransformerLens's `run_with_hooks(tokens, fwd_hooks=[...])`."""
+        `fwd_hooks` is TransformerLens's keyword for `hooks`. `bwd_hooks`: (name, fn) pairs, fn(grad, point) called
+        with the gradient flowing back through the point when you run a backward pass from the returned logits
+        (which then carry the graph, as with `grad=True`). TransformerLens's `run_with_hooks(tokens, fwd_hooks=[...],
+        bwd_hooks=[...])`."""
         from llmtrace.run.research import run_with_hooks
 
-        return run_with_hooks(self.loaded, prompt, hooks, chat=chat, system=system)
+        return run_with_hooks(self.loaded, prompt, hooks, chat=chat, system=system, fwd_hooks=fwd_hooks,
+                              bwd_hooks=bwd_hooks, grad=grad)
 
-    def hooks(self, hooks: Sequence[Any]):
+    def hooks(self, hooks: Sequence[Any] = (), fwd_hooks: Sequence[Any] = (), bwd_hooks: Sequence[Any] = ()):
         """`with model.hooks([("3.attn_out", fn)]):` every pass inside the block runs them (run_with_cache included);
-        on exit, also by an exception, the model is unhooked. TransformerLens's `with model.hooks(fwd_hooks=...)`."""
+        on exit, also by an exception, the model is unhooked. TransformerLens's `with model.hooks(fwd_hooks=...)`.
+        Backward hooks belong to the pass that makes a graph: run_with_hooks(..., bwd_hooks=...)."""
         from llmtrace.run.research import hooks_attached
 
-        return hooks_attached(self.loaded, hooks)
+        if bwd_hooks:
+            raise BadValue("bwd_hooks", " belong to the pass that makes a graph: give them to "
+                                        "run_with_hooks(prompt, bwd_hooks=[...]), whose logits carry it")
+        return hooks_attached(self.loaded, list(hooks) + list(fwd_hooks))
+
+    def to_tokens(self, prompt, chat: bool = False, system: Optional[str] = None):
+        """The ids a pass over `prompt` runs, (B, T): a text as `generate` encodes it, a list of texts left-padded.
+        TransformerLens's `model.to_tokens`."""
+        from llmtrace.run.research import to_tokens
+
+        return to_tokens(self.loaded, prompt, chat=chat, system=system)
+
+    def to_str_tokens(self, prompt, chat: bool = False, system: Optional[str] = None) -> list:
+        """Each token of one prompt (a text or ids) as the text it stands for. TransformerLens's
+        `model.to_str_tokens`."""
+        from llmtrace.run.research import to_str_tokens
+
+        return to_str_tokens(self.loaded, prompt, chat=chat, system=system)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Model":
+        """The weights as leaves of the graph a pass with gradients makes (True), or frozen again (False, as they
+        load). A matrix kept as a GGUF's blocks (keep_quantized) has no float weights to differentiate; its biases
+        do. Returns the model."""
+        self.loaded.model.requires_grad_(requires_grad)
+        return self
 
     # -- generate
 

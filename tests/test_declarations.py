@@ -61,7 +61,7 @@ def test_declared_weights_are_the_parameters(family):
 def test_a_hook_may_replace_only_an_editable_point():
     model = tiny_model(families()[0])
     idx = torch.tensor([[1, 2, 3]])
-    with model.hooked(lambda layer, name, x: x * 0 if name == "q" else None, layers=[0]):
+    with model.hooked(lambda layer, name, x: x * 0 if name == "q_rope" else None, layers=[0]):
         with pytest.raises(ValueError, match="not editable"):
             model(idx)
     with model.hooked(lambda layer, name, x: x * 0 if name == "resid_post" else None, layers=[1]):

@@ -154,7 +154,9 @@ def test_cache_holds_exactly_what_names_pick_with_their_axes(tiny_lm):
 
 
 @pytest.mark.parametrize("names, says", [(["3.no_such"], "layer 3's points"), ("*.nothing", "matches no point"),
-                                         (["99.resid_post"], "out of range"), (["last"], "last position")])
+                                         (["99.resid_post"], "out of range"),
+                                         (["blocks.3.attn.hook_result"], "does not compute: each head's output"),
+                                         (["3.prob"], "did you mean 3.probs")])
 def test_a_name_that_is_not_a_point_names_the_keyword(tiny_lm, names, says):
     with pytest.raises(BadValue, match=says) as e:
         Model(tiny_lm).run_with_cache("The quick", names=names)
@@ -272,8 +274,8 @@ def test_a_replacement_at_a_point_that_is_not_editable_names_the_editable_ones_n
     with pytest.raises(llmtrace.HookError) as e:
         Model(tiny_lm).run_with_hooks("The quick", hooks=[("1.q_rope", lambda x, p: x * 2)])
     said = str(e.value)
-    assert "'1.q_rope'" in said and "not editable" in said and "1.attn_out (after it)" in said
-    assert "1.resid_pre (before it)" in said and e.value.point == "1.q_rope"
+    assert "'1.q_rope'" in said and "not editable" in said and "1.probs (after it)" in said
+    assert "1.v (before it)" in said and e.value.point == "1.q_rope"
     assert unhooked(tiny_lm)
 
 

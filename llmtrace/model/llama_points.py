@@ -5,7 +5,7 @@ read and drawn without it (trace.reader), and code that takes one point apart (e
 from llmtrace.model.points import Point
 
 # the model, outside the layers (s4, then s7-s9)
-EMBED = Point("embed", "s4", ("T", "D"), about="each token's row of the embedding matrix")
+EMBED = Point("embed", "s4", ("T", "D"), editable=True, about="each token's row of the embedding matrix")
 FINAL_NORM = Point("final_norm", "s8", ("T", "D"), about="RMSNorm after the last layer")
 LAST = Point("last", "s7", ("D",), about="the last position, which predicts the next token")
 LOGITS = Point("logits", "s9", ("V",), about="one score per vocabulary entry")
@@ -20,23 +20,23 @@ RESID_POST = Point("resid_post", "s6.7", ("T", "D"), editable=True, residual=Tru
                    about="stream + feed-forward: the layer's output")
 
 # the attention sub-layer (s6.1-s6.6, s6.8)
-Q = Point("q", "s6.1/s6.2", ("T", "H", "Dh"), about="queries X·Wq, split into heads")
-K = Point("k", "s6.1/s6.2", ("T", "Hkv", "Dh"), about="keys X·Wk, split into KV heads")
-V = Point("v", "s6.1/s6.2", ("T", "Hkv", "Dh"), about="values X·Wv, split into KV heads")
+Q = Point("q", "s6.1/s6.2", ("T", "H", "Dh"), editable=True, about="queries X·Wq, split into heads")
+K = Point("k", "s6.1/s6.2", ("T", "Hkv", "Dh"), editable=True, about="keys X·Wk, split into KV heads")
+V = Point("v", "s6.1/s6.2", ("T", "Hkv", "Dh"), editable=True, about="values X·Wv, split into KV heads")
 Q_ROPE = Point("q_rope", "s6.3", ("T", "H", "Dh"), about="queries rotated by their positions", input="q")
 K_ROPE = Point("k_rope", "s6.3", ("T", "Hkv", "Dh"), about="keys rotated by their positions", input="k")
 KV_WRITE = Point("kv_write", "s6.8", ("T",), stored=False, about="the cache slots this pass writes")
 K_REPEATED = Point("k_repeated", "s6.4", ("H", "S", "Dh"), stored=False,
                    about="each KV head's keys, seen by its G heads")
 SCORES = Point("scores", "s6.4", ("H", "T", "S"), about="Q·Kᵀ·scale, masked keys at -inf")
-PROBS = Point("probs", "s6.5", ("H", "T", "S"), about="softmax of the scores: each row sums to 1")
+PROBS = Point("probs", "s6.5", ("H", "T", "S"), editable=True, about="softmax of the scores: each row sums to 1")
 ATTN_OUT = Point("attn_out", "s6.5", ("T", "H", "Dh"), editable=True, about="each head's P·V")
 O_PROJ = Point("o_proj", "s6.6", ("T", "D"), editable=True, about="the heads concatenated, times Wo")
 
 # the feed-forward sub-layer (s6.7)
 GATE = Point("gate", "s6.7", ("T", "F"), about="X·W_gate")
 UP = Point("up", "s6.7", ("T", "F"), about="X·W_up")
-ACT = Point("act", "s6.7", ("T", "F"), about="act(gate) ⊙ up")
+ACT = Point("act", "s6.7", ("T", "F"), editable=True, about="act(gate) ⊙ up")
 DOWN = Point("down", "s6.7", ("T", "D"), editable=True, about="back to the width: ·W_down")
 
 

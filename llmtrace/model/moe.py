@@ -170,9 +170,13 @@ class MoEFeedForward(Module):
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         if self.scale != 1.0:
             top_p = top_p * self.scale
-        if self.hook is not None:  # the weights as one (B, T, E) tensor, 0 where not chosen: a hook may scale them
-            weights = self.point("expert_weights", torch.zeros_like(probs).scatter(-1, top_e, top_p))
-            top_p = weights.gather(-1, top_e)
+        if self.hook is not None:  # the weights as one (B, T, E) tensor, 0 where not chosen: a hook may change them
+            given = torch.zeros_like(probs).scatter(-1, top_e, top_p)
+            weights = self.point("expert_weights", given)
+            if weights is not given and bool((weights != 0).logical_and(given == 0).any()):
+                top_p, top_e = weights.topk(self.k, dim=-1)  # weight given to an expert not chosen: the K largest run
+            else:
+                top_p = weights.gather(-1, top_e)
         return top_e, top_p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,23 +186,31 @@ class MoEFeedForward(Module):
         h = x.reshape(-1, D)  # (N, D)
         chosen, weight = top_e.view(-1, K), top_p.view(-1, K)  # (N, K) each
         out = torch.zeros_like(h)  # (N, D)
-        seen: Optional[dict[str, torch.Tensor]] = None
-        if self.hook is not None:  # each token's chosen experts' gate, up and act, (N, K, Fe), for the points
-            seen = {name: h.new_zeros(h.size(0), K, Fe) for name in ("gate", "up", "act")}
-        for e in chosen.unique().tolist():  # expert by expert, in index order (as transformers adds them)
-            tokens, slot = (chosen == e).nonzero(as_tuple=True)  # the rows that chose e, and where in their K
+        rows = {e: (chosen == e).nonzero(as_tuple=True) for e in chosen.unique().tolist()}  # expert -> (tokens, slot)
+        if self.hook is not None:  # each token's chosen experts' gate, up and act, (B, T, K, Fe), as points
+            seen = self.expert_steps(h, rows)  # (N, K, Fe) each
+            self.point("gate", seen["gate"].view(B, T, K, Fe))
+            self.point("up", seen["up"].view(B, T, K, Fe))
+            act = self.point("act", seen["act"].view(B, T, K, Fe)).view(-1, K, Fe)  # the experts' W_down read it
+        for e, (tokens, slot) in rows.items():  # expert by expert, in index order (as transformers adds them)
+            a = act[tokens, slot] if self.hook is not None else self.expert_act(h[tokens], e)  # (n, Fe)
+            y = self.w_down(a, e)  # (n, D)
+            out.index_add_(0, tokens, (y * weight[tokens, slot, None]).to(out.dtype))
+        return self.output(x, out.view(B, T, D))  # (B, T, D)
+
+    def expert_act(self, xe: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's gated activation of its tokens' rows xe (n, D) -> (n, Fe)."""
+        return self.glu(self.w_gate(xe, e), self.w_up(xe, e))
+
+    def expert_steps(self, h: torch.Tensor, rows: dict) -> dict[str, torch.Tensor]:
+        """Every chosen expert's gate, up and act of h (N, D), laid out by token and slot: (N, K, Fe) each."""
+        seen = {name: h.new_zeros(h.size(0), self.k, self.expert_dim) for name in ("gate", "up", "act")}
+        for e, (tokens, slot) in rows.items():
             xe = h[tokens]  # (n, D)
             gate, up = self.w_gate(xe, e), self.w_up(xe, e)  # (n, Fe) each
-            act = self.glu(gate, up)  # (n, Fe)
-            y = self.w_down(act, e)  # (n, D)
-            out.index_add_(0, tokens, (y * weight[tokens, slot, None]).to(out.dtype))
-            if seen is not None:
-                for name, value in (("gate", gate), ("up", up), ("act", act)):
-                    seen[name][tokens, slot] = value
-        if seen is not None:
-            for name, value in seen.items():
-                self.point(name, value.view(B, T, K, Fe))
-        return self.output(x, out.view(B, T, D))  # (B, T, D)
+            for name, value in (("gate", gate), ("up", up), ("act", self.glu(gate, up))):
+                seen[name][tokens, slot] = value
+        return seen
 
     def output(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """The feed-forward's output from the chosen experts' weighted sum (B, T, D): that sum itself here."""

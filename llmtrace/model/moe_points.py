@@ -15,7 +15,7 @@ EXPERT_WEIGHTS = Point("expert_weights", "s6.7", ("T", "E"), editable=True,
                              "where the family does), 0 for the experts not chosen", input="router_probs")
 EXPERT_GATE = Point("gate", "s6.7", ("T", "K", "Fe"), about="each chosen expert's x·W_gate")
 EXPERT_UP = Point("up", "s6.7", ("T", "K", "Fe"), about="each chosen expert's x·W_up")
-EXPERT_ACT = Point("act", "s6.7", ("T", "K", "Fe"), about="each chosen expert's act(gate) ⊙ up")
+EXPERT_ACT = Point("act", "s6.7", ("T", "K", "Fe"), editable=True, about="each chosen expert's act(gate) ⊙ up")
 EXPERT_DOWN = Point("down", "s6.7", ("T", "D"), editable=True,
                     about="the chosen experts' outputs (·W_down of each), weighted and summed: the feed-forward's "
                           "output")

@@ -519,6 +519,9 @@ class Attention(Module):
     # call at 75 cached slots here). The same softmax(QK^T/sqrt(Dh))V to rounding, not bit for bit, so the exact path
     # keeps the call its parity was measured with; the fast path (checkpoint.fast) turns it on.
     fold_gqa_decode = False
+    # Whether this attention has a fused form (one scaled_dot_product_attention call) for the passes nothing observes
+    # step by step: False where a family's softmax or scores have none (a sink, a soft-cap), which always spell out.
+    fused = True
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -590,9 +593,9 @@ class Attention(Module):
         v = v.view(B, T, Hkv, Dh)  # (B, T, Hkv, Dh)
         if self.hook is not None:
             q, k = qk.split_with_sizes([H, Hkv], dim=2)  # (B, T, H, Dh), (B, T, Hkv, Dh)
-            self.point("q", q)
-            self.point("k", k)
-            self.point("v", v)
+            q_in, k_in, v = self.point("q", q), self.point("k", k), self.point("v", v)
+            if q_in is not q or k_in is not k:  # a hook replaced q or k: the pass goes on from its tensors
+                qk = torch.cat([q_in, k_in], dim=2)  # (B, T, H+Hkv, Dh)
         return qk, v
 
     def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -607,7 +610,7 @@ class Attention(Module):
     def attend(self, q, k, v, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """softmax(Q Kᵀ · scale + mask) V: q (B, H, T, Dh), k and v (B, Hkv, S, Dh) -> (B, H, T, Dh)."""
         B, H, T, Dh = q.shape
-        if self.spell_out:
+        if self.spell_out or not self.fused:
             return self.attend_spelled_out(q, k, v, mask)
         if self.fold_gqa_decode and T == 1 and mask is None:
             return F.scaled_dot_product_attention(q.reshape(B, self.n_kv_heads, H // self.n_kv_heads, Dh), k, v,

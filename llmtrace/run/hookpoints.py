@@ -15,11 +15,13 @@ cache slots a pass writes are one list for every row (no B).
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 from llmtrace.errors import BadValue, LlmtraceError
-from llmtrace.model.llama_points import LAST
+from llmtrace.model.llama_points import (ACT, ATTN_NORM, ATTN_OUT, EMBED, FFN_NORM, FINAL_NORM, GATE, K, K_ROPE, LAST,
+                                         PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
 from llmtrace.model.points import Point
 
 Names = Union[None, str, Sequence[str], Callable[[str], bool]]
@@ -136,8 +138,8 @@ def select(table: list[PointInfo], names: Names, layers: Optional[Sequence[int]]
     by_name = {p.name: p for p in table}
     if names is None:
         picked = set(by_name)
-    elif callable(names):
-        picked = {p.name for p in table if names(p.name)}
+    elif callable(names):  # asked of each point's name, and of its TransformerLens name where it has one
+        picked = {p.name for p in table if names(p.name) or _asked(names, transformer_lens_name(p, table))}
     else:
         picked = set()
         for pattern in [names] if isinstance(names, str) else list(names):
@@ -150,7 +152,22 @@ def select(table: list[PointInfo], names: Names, layers: Optional[Sequence[int]]
     return [p for p in table if p.name in picked]
 
 
+def _asked(predicate: Callable[[str], bool], name: Optional[str]) -> bool:
+    return name is not None and bool(predicate(name))
+
+
+def translated(name: str, table: list[PointInfo], field: str = "names") -> str:
+    """`name` as llmtrace names it: a TransformerLens name translated (blocks.3.attn.hook_pattern -> 3.probs), any
+    other name as it is. A TransformerLens name with no point here is a BadValue naming the keyword and saying what
+    to take instead."""
+    try:
+        return from_transformer_lens(name, table) or name
+    except NoSuchPoint as e:
+        raise BadValue(field, f": {e}") from None
+
+
 def _matches(table: list[PointInfo], by_name: dict, pattern: str, n_layers: int, field: str) -> set[str]:
+    pattern = translated(pattern, table, field)
     if any(c in pattern for c in "*?["):
         hits = {p.name for p in table if fnmatch.fnmatchcase(p.name, pattern)}
         if not hits:
@@ -158,7 +175,8 @@ def _matches(table: list[PointInfo], by_name: dict, pattern: str, n_layers: int,
         return hits
     name = canonical(pattern, n_layers, field)
     if name not in by_name:
-        raise BadValue(field, f" {pattern!r} is not a point of this model; {_near(table, name)}")
+        raise BadValue(field, f" {pattern!r} is not a point of this model{did_you_mean(name, table)}; "
+                              f"{_near(table, name)}")
     return {name}
 
 
@@ -235,6 +253,86 @@ def hook_op(info: PointInfo, fn: Callable, table: list[PointInfo]) -> Callable:
 
 
 def needs_spelled_attention(info: PointInfo) -> bool:
-    """Whether the point exists only where attention is spelled out step by step: the observed steps of the scores
-    and the softmax (s6.4, s6.5), which the fused kernel computes in one call. Its output (editable) exists always."""
-    return info.where == "attn" and not info.editable and any(s in ("s6.4", "s6.5") for s in info.step.split("/"))
+    """Whether the point exists only where attention is spelled out step by step: the steps of the scores and the
+    softmax (s6.4, s6.5: the repeated keys, the scores, the probabilities, a sink's share), which the fused kernel
+    computes in one call. Its output (attn_out, each head's P·V) exists always."""
+    return info.where == "attn" and info.point != ATTN_OUT.name and any(s in ("s6.4", "s6.5")
+                                                                         for s in info.step.split("/"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TransformerLens's names
+
+# A layer's hooks, `blocks.L.<hook>`, and the point each is here. hook_attn_out and hook_mlp_out are what each
+# sub-layer adds to the stream: the point just before resid_mid and resid_post (o_proj and down, or a family's norm
+# of them: Gemma's post_attn_norm); they are worked out from the built layer.
+TL_LAYER = {
+    "hook_resid_pre": RESID_PRE.name, "hook_resid_mid": RESID_MID.name, "hook_resid_post": RESID_POST.name,
+    "ln1.hook_normalized": ATTN_NORM.name, "ln2.hook_normalized": FFN_NORM.name,
+    "attn.hook_q": Q.name, "attn.hook_k": K.name, "attn.hook_v": V.name, "attn.hook_rot_q": Q_ROPE.name,
+    "attn.hook_rot_k": K_ROPE.name, "attn.hook_attn_scores": SCORES.name, "attn.hook_pattern": PROBS.name,
+    "attn.hook_z": ATTN_OUT.name, "mlp.hook_pre": GATE.name, "mlp.hook_pre_linear": UP.name, "mlp.hook_post": ACT.name,
+}
+TL_ADDED = {"hook_attn_out": RESID_MID.name, "hook_mlp_out": RESID_POST.name}  # the point before this one
+TL_MODEL = {"hook_embed": EMBED.name, "ln_final.hook_normalized": FINAL_NORM.name}
+# TransformerLens's hooks that have no point here, and what to take instead
+TL_NONE = {
+    "hook_pos_embed": "positions are not added to the stream: RoPE turns q and k inside attention (L.q_rope, L.k_rope)",
+    "attn.hook_result": "each head's output after Wo is not computed; L.attn_out holds each head's output before Wo "
+                        "(hook_z), L.o_proj their sum after it",
+    "ln1.hook_scale": "a norm's scale is not kept; L.attn_norm is the normed stream (ln1.hook_normalized)",
+    "ln2.hook_scale": "a norm's scale is not kept; L.ffn_norm is the normed stream (ln2.hook_normalized)",
+    "ln_final.hook_scale": "a norm's scale is not kept; final_norm is the normed stream (ln_final.hook_normalized)",
+    "hook_attn_in": "attention reads L.resid_pre (through L.attn_norm)",
+    "hook_mlp_in": "the feed-forward reads L.resid_mid (through L.ffn_norm)",
+    "hook_q_input": "q is computed from L.attn_norm", "hook_k_input": "k is computed from L.attn_norm",
+    "hook_v_input": "v is computed from L.attn_norm",
+    "mlp.hook_expert_indices": "the chosen experts are where L.expert_weights is not 0",
+}
+_TL_BLOCK = re.compile(r"^blocks\.(?P<layer>[-\w*?\[\]]+)\.(?P<hook>.+)$")
+
+
+class NoSuchPoint(LlmtraceError):
+    """A TransformerLens name with no point here; the message says what to take instead."""
+
+
+def from_transformer_lens(name: str, table: list[PointInfo]) -> Optional[str]:
+    """llmtrace's name for TransformerLens's `name` ("blocks.3.attn.hook_pattern" -> "3.probs", "hook_embed" ->
+    "embed", "blocks.*.hook_resid_post" -> "*.resid_post"); None where `name` is not a TransformerLens name. A
+    TransformerLens hook that has no point here is a NoSuchPoint saying what to take instead."""
+    if name in TL_MODEL:
+        return TL_MODEL[name]
+    m = _TL_BLOCK.match(name)
+    hook = m["hook"] if m else name
+    if hook in TL_NONE:
+        raise NoSuchPoint(f"{name!r} is TransformerLens's name of a tensor llmtrace does not compute: "
+                          f"{TL_NONE[hook].replace('L.', (m['layer'] + '.') if m else 'L.')}")
+    if not m or (hook not in TL_LAYER and hook not in TL_ADDED):
+        return None
+    layer = m["layer"]
+    if hook in TL_ADDED:  # the point just before resid_mid (resid_post) in this layer, or in layer 0 for a glob
+        n_layers = 1 + max(p.layer for p in table if p.layer is not None)
+        at = int(layer) % n_layers if layer.lstrip("-").isdigit() else 0
+        order = [p.point for p in table if p.layer == at]
+        return f"{layer}.{order[order.index(TL_ADDED[hook]) - 1]}"
+    return f"{layer}.{TL_LAYER[hook]}"
+
+
+def transformer_lens_name(info: PointInfo, table: list[PointInfo]) -> Optional[str]:
+    """TransformerLens's name of point `info` ("3.probs" -> "blocks.3.attn.hook_pattern"), None where it has none."""
+    if info.layer is None:
+        return next((tl for tl, ours in TL_MODEL.items() if ours == info.point), None)
+    order = [p.point for p in table if p.layer == info.layer]
+    added = {hook: order[order.index(after) - 1] for hook, after in TL_ADDED.items() if after in order}
+    for hook, ours in list(TL_LAYER.items()) + list(added.items()):
+        if ours == info.point:
+            return f"blocks.{info.layer}.{hook}"
+    return None
+
+
+def did_you_mean(name: str, table: list[PointInfo]) -> str:
+    """'; did you mean 3.probs?' for a name near one of the model's points, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [p.name for p in table], n=2, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""

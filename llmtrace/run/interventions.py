@@ -58,10 +58,12 @@ def resid_points(points) -> tuple[str, ...]:
 
 def part_point(points, part: str) -> str:
     """Where the output of a part is edited, from the model's declaration: a head's output is the editable attention
-    point with a head axis (the heads before Wo); the attention sub-layer's and the feed-forward's outputs are the last
-    editable point each reports."""
+    point of P·V's step (s6.5) with a head axis and a head width (each head's P·V, before Wo; q, k, v and the
+    probabilities are editable too, at other steps or without Dh); the attention sub-layer's and the feed-forward's
+    outputs are the last editable point each reports."""
     if part == "head":
-        return next(p.name for p in points.layer if p.where == "attn" and p.editable and "H" in p.axes)
+        return next(p.name for p in points.layer if p.where == "attn" and p.editable and p.step == "s6.5"
+                    and "H" in p.axes and "Dh" in p.axes)
     return [p.name for p in points.layer if p.where == part and p.editable][-1]
 
 

@@ -72,13 +72,11 @@ class Gemma2Attention(Attention):
 
     POINTS = tuple(SCORES_CAPPED if p == SCORES else p for p in inserted(Attention.POINTS, K_REPEATED.name, SCORES_RAW))
     SCALE_LABEL = "1/√query_pre_attn_scalar"
+    fused = False  # no fused kernel caps the scores
 
     def __init__(self, config):
         super().__init__(config)
         self.cap = config.attn_softcap
-
-    def attend(self, q, k, v, mask):
-        return self.attend_spelled_out(q, k, v, mask)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """cap·tanh(Q Kᵀ · scale / cap): (B, H, T, Dh), (B, Hkv, S, Dh) -> (B, H, T, S)."""

@@ -55,6 +55,7 @@ class GptOssAttention(Attention):
     kernel has no sink)."""
 
     POINTS = inserted(tuple(PROBS_SINK if p == PROBS else p for p in Attention.POINTS), SCORES.name, SINK)
+    fused = False  # no fused kernel has a sink
 
     def __init__(self, config):
         super().__init__(config)
@@ -65,9 +66,6 @@ class GptOssAttention(Attention):
         return super().weights() + (
             Weight("wo.bias", ("D",), "s6.6", "vector", (Source("o_proj.bias", "attn_output.bias", "D", "bo"),)),
             Weight("sinks", ("H",), "s6.5", "vector", (Source("sinks", "attn_sinks.weight", "H", "sink"),)))
-
-    def attend(self, q, k, v, mask):
-        return self.attend_spelled_out(q, k, v, mask)
 
     def maths(self, x: str, plan) -> dict[str, Op]:
         out = super().maths(x, plan)

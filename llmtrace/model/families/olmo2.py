@@ -49,10 +49,10 @@ class Olmo2Attention(Attention):
         H, Hkv, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.wqkv(x).split_with_sizes([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)  # (B, T, H*Dh), (B, T, Hkv*Dh) ×2
         v = v.view(B, T, Hkv, Dh)
-        if self.hook is not None:  # the projections, split into heads as Llama's q, k, v
-            self.point("q", q.view(B, T, H, Dh))
-            self.point("k", k.view(B, T, Hkv, Dh))
-            self.point("v", v)
+        if self.hook is not None:  # the projections, split into heads as Llama's q, k, v (a hook may replace them)
+            q = self.point("q", q.view(B, T, H, Dh)).reshape(B, T, H * Dh)
+            k = self.point("k", k.view(B, T, Hkv, Dh)).reshape(B, T, Hkv * Dh)
+            v = self.point("v", v)
         q = self.point(Q_NORM.name, self.q_norm(q))  # (B, T, H*Dh)
         k = self.point(K_NORM.name, self.k_norm(k))  # (B, T, Hkv*Dh)
         return torch.cat([q, k], dim=-1).view(B, T, H + Hkv, Dh), v

@@ -52,8 +52,8 @@ EPS_L2 = 1e-6  # transformers' l2norm (as the FLA kernels)
 
 # a full-attention layer's output gate
 ATTN_GATE = Point("attn_gate", "s6.1/s6.2", ("T", "H", "Dh"), about="the gate: each head's second Dh rows of Wq")
-ATTN_GATED = Point("attn_gated", "s6.6", ("T", "H", "Dh"), about="each head's P·V × sigmoid(gate), before Wo",
-                   input=ATTN_OUT.name)
+ATTN_GATED = Point("attn_gated", "s6.6", ("T", "H", "Dh"), editable=True,
+                   about="each head's P·V × sigmoid(gate), before Wo", input=ATTN_OUT.name)
 
 # a linear-attention layer (Gated DeltaNet)
 DELTA_QKV = Point("delta_qkv", "s6.1", ("T", "C"), about="X·W_qkv: q, k and v before the convolution")
@@ -71,10 +71,11 @@ DELTA_DECAY = Point("delta_decay", "s6.4", ("T", "Hv"), about="α = exp(A·softp
                     "state each token keeps", input=DELTA_A.name)
 DELTA_OUT = Point("delta_out", "s6.5", ("T", "Hv", "Dv"), editable=True, about="each token's state read with its "
                   "query, Sᵀq")
-DELTA_STATE = Point("delta_state", "s6.8", ("Hv", "Dk", "Dv"), state=True, about="the state S after this pass: "
-                    "S ← α·S + k⊗β(v − Sᵀk) per token; the same size at every step")
-CONV_STATE = Point("conv_state", "s6.8", ("C", "Kc-1"), state=True, about="the convolution's last Kc-1 inputs after "
-                   "this pass")
+DELTA_STATE = Point("delta_state", "s6.8", ("Hv", "Dk", "Dv"), state=True, editable=True,
+                    about="the state S after this pass: S ← α·S + k⊗β(v − Sᵀk) per token; the same size at every step "
+                          "(editable: the next pass reads the value a hook returns)")
+CONV_STATE = Point("conv_state", "s6.8", ("C", "Kc-1"), state=True, editable=True,
+                   about="the convolution's last Kc-1 inputs after this pass (editable: the next pass reads them)")
 DELTA_NORM = Point("delta_norm", "s6.6", ("T", "Hv", "Dv"), about="RMSNorm(Sᵀq)·γ · silu(z), per value head",
                    input=DELTA_OUT.name)
 O_PROJ_LINEAR = replace(O_PROJ, about="the value heads concatenated, times W_out (attention: the heads, times Wo)")
@@ -219,11 +220,13 @@ class GatedDeltaNet(Module):
         if self.hook is not None:
             self.point(DELTA_DECAY.name, g.exp())
         state = io.cache["state"] if io.cache is not None else torch.zeros(B, hv, self.dk, dv, device=x.device)
+        if x.requires_grad and io.cache is not None:  # a graph keeps the state it read; the cache's is written below
+            state = state.clone()
         q, k = (self.per_value_head(t).transpose(1, 2).float() for t in (q, k))  # (B, Hv, T, Dk)
         o, state = delta_rule(q, k, v.transpose(1, 2).float(), g.transpose(1, 2), beta.transpose(1, 2).float(), state)
+        state = self.point(DELTA_STATE.name, state)  # (B, Hv, Dk, Dv): a hook may replace what the next pass reads
         if io.cache is not None:
             io.cache.write("state", state)
-        self.point(DELTA_STATE.name, state)  # (B, Hv, Dk, Dv)
         o = self.point(DELTA_OUT.name, o.transpose(1, 2).to(x.dtype))  # (B, T, Hv, Dv)
         y = self.point(DELTA_NORM.name, self.norm(o, z))  # (B, T, Hv, Dv)
         return self.point(O_PROJ.name, self.w_out(y.reshape(B, T, hv * dv)))  # (B, T, D)
@@ -235,9 +238,9 @@ class GatedDeltaNet(Module):
         x = qkv.transpose(1, 2)  # (B, C, T)
         before = io.cache["conv"] if io.cache is not None else x.new_zeros(B, C, self.kc - 1)
         x = torch.cat([before.to(x.dtype), x], dim=-1)  # (B, C, Kc-1+T)
+        tail = self.point(CONV_STATE.name, x[:, :, -(self.kc - 1):])  # (B, C, Kc-1): what the next pass reads
         if io.cache is not None:
-            io.cache.write("conv", x[:, :, -(self.kc - 1):])
-        self.point(CONV_STATE.name, x[:, :, -(self.kc - 1):])
+            io.cache.write("conv", tail)
         y = F.silu(F.conv1d(x, self.conv.unsqueeze(1), groups=C)).transpose(1, 2)  # (B, T, C)
         y = self.point(DELTA_CONV.name, y)
         q, k, v = y.split_with_sizes([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
@@ -315,10 +318,8 @@ class Qwen35Attention(Attention):
         qg, k, v = self.wqkv(x).split_with_sizes([2 * H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         q, gate = qg.view(B, T, H, 2 * Dh).chunk(2, dim=-1)  # (B, T, H, Dh) each
         k, v = k.view(B, T, Hkv, Dh), v.view(B, T, Hkv, Dh)
-        if self.hook is not None:
-            self.point(Q.name, q)
-            self.point(K.name, k)
-            self.point(V.name, v)
+        if self.hook is not None:  # a hook may replace q, k, v
+            q, k, v = self.point(Q.name, q), self.point(K.name, k), self.point(V.name, v)
             self.point(ATTN_GATE.name, gate)
         q = self.point(Q_NORM.name, self.q_norm(q))
         k = self.point(K_NORM.name, self.k_norm(k))
