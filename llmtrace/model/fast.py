@@ -25,6 +25,7 @@ kernels accumulate in float32 for bfloat16 inputs; the spelled-out softmax of an
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import NamedTuple, Optional
 
@@ -406,9 +407,13 @@ def measure_kernels(shapes: list[tuple[int, int]], cold_bytes: int, rounds: int 
 
     As in a decode step, where a model's matrices do not fit the CPU's caches, each product reads its weights from
     memory: a kernel is timed over copies of its matrix (random values: the speed does not depend on them) that
-    together fill `cold_bytes` (twice the last-level cache), one call on each in turn, the best of `rounds` passes.
-    The kernels alternate within a round, so that a shared machine slows them alike."""
+    together fill `cold_bytes` (twice the last-level cache), one call on each in turn. A call is timed in the
+    process's CPU time over torch's threads (on a quiet machine its wall time; on a busy one the time other
+    processes hold the cores is left out, and a wall-clock probe there measured nonsense: 1.1 s for a 262,144-row
+    GEMV). A pass's figure is the median of its calls, the result the best of `rounds` passes; the kernels alternate
+    within a round."""
     gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
     out = {}
     for n, k in shapes:
         rows = min(n, PROBE_ROWS)
@@ -420,10 +425,12 @@ def measure_kernels(shapes: list[tuple[int, int]], cold_bytes: int, rounds: int 
             for key, base in bases.items():
                 copies = [base] + [_copy(base) for _ in range(max(1, min(512, cold_bytes // base.stored_bytes())) - 1)]
                 base(x)  # its first call (the kernel's own set-up)
-                t = time.perf_counter()
+                calls = []
                 for m in copies:
+                    t = time.process_time()
                     m(x)
-                best[key] = min(best[key], (time.perf_counter() - t) / len(copies))
+                    calls.append(time.process_time() - t)
+                best[key] = min(best[key], statistics.median(calls) / threads)
                 del copies
         out[shape_key(n, k)] = {key: round(v * 1e3 * n / rows, 4) for key, v in best.items()}
     return out
