@@ -12,6 +12,10 @@ Arms:
               cost with the machine's minute-to-minute drift (which moves whole processes by 10-20%) cancelled out
     decode    HF transformers, llmtrace (eager and --compile) and the ceiling's 63 passes in one process, one run each in
               turn, repeated: the decode ratios with that drift cancelled out
+    kernels   --fast with each kernel choice of spec["choices"] (an order for $LLMTRACE_FAST_KERNELS, or "measured"),
+              one model per choice, their greedy decodes in turn, repeated (issue 51)
+    batch     B prompts decoded as one batch (generate_batch) and one after another (generate), in turn, repeated: the
+              aggregate decode tok/s of each and their ratio per pair (issue 51)
 """
 
 from __future__ import annotations
@@ -363,7 +367,80 @@ def arm_decode(spec: dict) -> dict:
             "tokens_equal": {a: tokens[a] == tokens["hf"] for a in ("compiled", "none")}}
 
 
-ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold, "overhead": arm_overhead, "decode": arm_decode}
+def arm_batch(spec: dict) -> dict:
+    """spec["batch"] prompts (benchmarks/batch.py's), greedy, spec["new_tokens"] each, EOS ignored: as one batch and as
+    a loop of single runs, alternating, spec["pairs"] times. Decode tok/s = every row's tokens after its first / the
+    decode time (the loop: the sum of its runs' decode times). Each pair checks that the batch's rows are the loop's."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from batch import PROMPTS
+
+    import llmtrace  # the public API: a benchmark measures what users run
+    from llmtrace.run.generate import generate, generate_batch
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    lm = llmtrace.load(spec["gguf"], device="cpu", dtype=spec["dtype"], threads=spec["threads"]).loaded
+    rows = [lm.tokenizer.encode_prompt(t, chat=False, system=None)[1] for t in PROMPTS[: spec["batch"]]]
+    n = spec["new_tokens"]
+
+    def sampler():
+        return Sampler(SamplerConfig(temperature=0, seed=0), lm.config.vocab_size)
+
+    def batched() -> tuple[float, list]:
+        res = generate_batch(lm, rows, [sampler() for _ in rows], n, ignore_eos=True)
+        return res.decode_tok_s, [r.tokens for r in res.rows]
+
+    def loop() -> tuple[float, list]:
+        outs = [generate(lm, p, sampler(), n, ignore_eos=True) for p in rows]
+        return sum(len(r.tokens) - 1 for r in outs) / sum(r.decode_s for r in outs), [r.tokens for r in outs]
+
+    batched(), loop()  # warm-up
+    runs: dict[str, list[float]] = {"batched": [], "sequential": []}
+    same = True
+    for i in range(spec["pairs"]):
+        got = {}
+        for name, fn in ((("batched", batched), ("sequential", loop)) if i % 2 == 0 else
+                         (("sequential", loop), ("batched", batched))):
+            rate, got[name] = fn()
+            runs[name].append(rate)
+        same = same and got["batched"] == got["sequential"]
+    ratios = [b / s for b, s in zip(runs["batched"], runs["sequential"])]
+    return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios), "same_tokens": same}
+
+
+def arm_kernels(spec: dict) -> dict:
+    """Decode tok/s of --fast under each kernel choice, the choices alternating in this one process, spec["pairs"]
+    times; each choice's kernels (how many matrices ran on each) with it."""
+    import llmtrace  # the public API: a benchmark measures what users run
+    from llmtrace.run.generate import generate
+    from llmtrace.run.sampler import Sampler, SamplerConfig
+
+    models = {}
+    for choice in spec["choices"]:
+        os.environ.pop("LLMTRACE_FAST_KERNELS", None)
+        if choice != "measured":
+            os.environ["LLMTRACE_FAST_KERNELS"] = choice
+        models[choice] = llmtrace.load(spec["gguf"], device="cpu", fast=True, threads=spec["threads"]).loaded
+    ids = next(iter(models.values())).tokenizer.encode(spec["prompt_text"])
+
+    def one(lm) -> float:
+        res = generate(lm, ids, Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size), spec["new_tokens"],
+                       ignore_eos=True)
+        return res.decode_tok_s
+
+    for lm in models.values():  # warm-up
+        one(lm)
+    runs: dict[str, list[float]] = {c: [] for c in models}
+    names = list(models)
+    for i in range(spec["pairs"]):
+        for c in names if i % 2 == 0 else names[::-1]:
+            runs[c].append(one(models[c]))
+    base = runs[names[0]]
+    return {"runs": runs, "kernels": {c: lm.config.extra["fast"]["kernel_choice"]["kernels"] for c, lm in models.items()},
+            "ratios": {c: [a / b for a, b in zip(v, base)] for c, v in runs.items()}}
+
+
+ARMS = {"hf": arm_hf, "ceiling": arm_ceiling, "cold": arm_cold, "overhead": arm_overhead, "decode": arm_decode,
+        "batch": arm_batch, "kernels": arm_kernels}
 
 
 def main() -> None:

@@ -3,6 +3,12 @@ next-token distributions over a teacher-forced passage of real text.
 
     python benchmarks/fast_drift.py                       # the default model, benchmarks/passage.txt
     python benchmarks/fast_drift.py -m model.gguf --passage my.txt --json drift.json
+    python benchmarks/fast_drift.py --kernels measured int4,int4x2 int8 bf16     # each kernel choice (issue 51)
+    python benchmarks/fast_drift.py -m gemma3-270m --tokens 256 --kernels measured int8
+
+--kernels: one fast load per entry, each an order of preference for $LLMTRACE_FAST_KERNELS (`int8`: every quantized
+matrix requantized to int8 rows; `bf16`: every matrix dequantized to bfloat16), or `measured`: this machine's own
+choice (the probe's). Each line of the table is one such choice against the same exact logits.
 
 The passage (the opening of Jane Austen's Pride and Prejudice, 1813, public domain) is tokenized once and both
 paths run it as one prefill pass with every position's logits kept (teacher forcing: each position predicts the
@@ -47,22 +53,34 @@ def main() -> None:
     ap.add_argument("--passage", type=Path, default=HERE / "passage.txt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--kernels", nargs="+", default=["measured"], help="kernel choices to measure (see above)")
+    ap.add_argument("--tokens", type=int, help="only the passage's first TOKENS tokens")
     args = ap.parse_args()
+    import os
+
     from llmtrace.checkpoint.devices import set_threads
     import llmtrace  # the public API: a benchmark measures what users run
 
     set_threads(args.threads)
     text = args.passage.read_text()
-    out = {}
-    logits = {}
-    for name, opts in (("exact", {"dtype": "float32"}), ("fast", {"fast": True})):
-        lm = llmtrace.load(args.model, device="cpu", **opts, threads=args.threads).loaded
-        ids = lm.tokenizer.encode(text)
-        logits[name] = passage_logits(lm, ids)
+    lm = llmtrace.load(args.model, device="cpu", dtype="float32", threads=args.threads).loaded
+    ids = lm.tokenizer.encode(text)[: args.tokens]
+    exact = passage_logits(lm, ids)
+    del lm
+    out = {"model": args.model or "default", "passage": args.passage.name, "tokens": len(ids), "choices": {}}
+    print("| kernel choice | kernels that ran | same top-1 | mean KLD | p99 KLD | max KLD |\n| --- | --- | ---: | ---: | "
+          "---: | ---: |")
+    for choice in args.kernels:
+        os.environ.pop("LLMTRACE_FAST_KERNELS", None)
+        if choice != "measured":
+            os.environ["LLMTRACE_FAST_KERNELS"] = choice
+        lm = llmtrace.load(args.model, device="cpu", fast=True, threads=args.threads).loaded
+        ran = lm.config.extra["fast"]["kernel_choice"]["kernels"]
+        d = drift(exact, passage_logits(lm, ids)) | {"kernels": ran}
         del lm
-    out = {"model": args.model or "default", "passage": args.passage.name, "tokens": len(ids)}
-    out |= drift(logits["exact"], logits["fast"])
-    print(json.dumps(out, indent=1))
+        out["choices"][choice] = d
+        print(f"| {choice} | {', '.join(f'{k} x{n}' for k, n in ran.items())} | {d['same_top1']:.3f} | "
+              f"{d['mean_kld']:.2e} | {d['p99_kld']:.2e} | {d['max_kld']:.2e} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

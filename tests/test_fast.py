@@ -13,11 +13,22 @@ import torch
 from helpers import fails, run_cli
 from tiny import TinySpec, make_hf_model, token_ids, write_gguf
 from llmtrace.checkpoint.load import load_model
-from llmtrace.model.fast import (DENSE, INT4_CPU, choose_kernel, fast_linear, int4_groups, int4_reference,
-                                 kernel_table)
+from llmtrace.model.fast import (CLAIMS, DENSE, INT4_CPU, INT8_CPU, INT8_KINDS, KERNELS, candidates, fast_linear,
+                                 int4_groups, int4_reference, kernel_for, kernel_table)
 from llmtrace.model.quant import BLOCKS, GROUP_KINDS, Segment, dequantize
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: bfloat16 keeps 8 significant bits; a rounding is within eps/2, relative
+INT4 = {"by": "test", "order": ["int4", "int4x2", "bf16"]}  # the int4 kernel where a type maps onto it, else bf16
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def int4_first():
+    """This file's loads take the int4 kernel where a type maps onto it (a fixed order, not this machine's
+    measurement), so that the kernels it names are known; the probe's own tests clear it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMTRACE_FAST_KERNELS", ",".join(INT4["order"]))
+        yield
 
 
 def _blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -63,7 +74,7 @@ def test_int4_kernel_multiplies_by_the_mapped_matrix(kind):
     the bfloat16 output. 4,200 rows: more than one packing band (4,096), and a tail of 104 that the packing pads to
     a multiple of 16."""
     raw = torch.from_numpy(_blocks(kind, 4200, 256, seed=5))
-    lin = fast_linear([raw], [Segment(kind, "t")], 256, torch.device("cpu"), int4=True)
+    lin = fast_linear([raw], [Segment(kind, "t")], 256, CPU, INT4)
     assert lin.kernel.startswith(INT4_CPU)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     want = x.float() @ int4_reference(int4_groups(raw, kind)).t()
@@ -80,7 +91,7 @@ def test_types_without_an_int4_form_run_in_bf16(kind):
     raw = torch.from_numpy(rng.integers(0, 256, size=(32, 512 // block * size), dtype=np.uint8))
     if kind in ("F16", "BF16"):
         raw = torch.randn(32, 512).to(getattr(torch, {"F16": "float16", "BF16": "bfloat16"}[kind])).view(torch.uint8)
-    lin = fast_linear([raw], [Segment(kind, "t")], 512, torch.device("cpu"), int4=True)
+    lin = fast_linear([raw], [Segment(kind, "t")], 512, CPU, INT4)
     assert lin.kernel == DENSE
     want = dequantize(raw, kind).to(torch.bfloat16)  # random bytes: some scales are inf or nan, so are their weights
     torch.testing.assert_close(lin.parts[0].weight, want, rtol=0, atol=0, equal_nan=True)
@@ -125,23 +136,82 @@ def test_the_bf16_matrices_are_named_in_one_line(mixed_gguf, capsys):
     code, out, err = run_cli(capsys, "generate", "Hello", "-m", mixed_gguf, "--fast", "-n", "2", "--trace", "none")
     assert code == 0, err
     notes = [line for line in err.splitlines() if "bfloat16" in line]
-    assert len(notes) == 1 and "layers.0.ffn.w_gate_up" in notes[0] and "BF16 and F16 have no int4 form" in notes[0]
+    assert len(notes) == 1 and "layers.0.ffn.w_gate_up" in notes[0] and "BF16 and F16 have no int4 or int8 form" in notes[0]
 
 
-@torch.no_grad()
-def test_a_cpu_without_avx512_measures_and_says_which_kernels(mixed_gguf):
-    """Capability AVX2: the choice is a measurement at load, recorded with its figures. With the int4 kernel not
-    chosen, every matrix runs in bf16 and the run still works and says so."""
-    choice = choose_kernel(torch.device("cpu"), capability="AVX2")
-    assert choice["by"] == "measured at load" and choice["int4_ms"] > 0 and choice["bf16_ms"] > 0
-    assert choice["int4"] == (choice["int4_ms"] < choice["bf16_ms"])
+@pytest.mark.parametrize("kind", INT8_KINDS)
+def test_int8_kernel_requantizes_each_row_within_half_a_step(kind):
+    """The int8 kernel's claim (CLAIMS["int8"]): W requantized per row, every weight within s/2 of the file's value
+    (s: the row's largest |w| / 127, rounded up to a bfloat16); the product is x (q s)^T to the rounding of the
+    bfloat16 output. Not exact: the error is real (a row's many groups share one scale)."""
+    raw = torch.from_numpy(_blocks(kind, 300, 512, seed=6))
+    lin = fast_linear([raw], [Segment(kind, "t")], 512, CPU, {"by": "test", "order": ["int8"]})
+    assert lin.kernel == INT8_CPU and "half a step" in CLAIMS["int8"]
+    part, w = lin.parts[0], dequantize(raw, kind)
+    ok = torch.isfinite(w).all(1)  # random bytes: the K-quants' scales are sometimes inf or nan, so are their rows
+    assert ok.sum() > 200
+    w, q, s = w[ok], part.q[ok].float(), part.scale[ok].float()
+    assert (s * 127 >= w.abs().amax(1)).all() and (s * 127 <= w.abs().amax(1) * (1 + 2 * BF16_EPS) + 1e-30).all()
+    err = (q * s[:, None] - w).abs()
+    assert (err <= s[:, None] / 2 * (1 + 1e-5)).all() and err.max() > 0
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = x.float() @ (q * s[:, None]).t()
+    got = lin(x).float()[:, ok]
+    assert ((got - want).abs() <= want.abs() * BF16_EPS / 2 + 1e-4 * want.abs().max()).all()
+
+
+def test_each_type_has_its_candidates_and_the_fastest_measured_wins():
+    """A 4-bit group type may run on int4 (exact up to the scales' rounding), int8 or bf16; a 5- or 8-bit one on the
+    two-nibble int4 form instead; the K-quants with groups of 16 on int8 or bf16; floats and MXFP4 in bf16 only. Of
+    a type's candidates the one measured fastest at the matrix's shape runs it (int8 against an exact int4 form: by
+    a clear margin); without a measurement, the first in the order."""
+    assert candidates("Q4_K", CPU) == ("int4", "int8", "bf16")
+    assert candidates("Q8_0", CPU) == ("int4x2", "int8", "bf16")
+    assert candidates("Q6_K", CPU) == ("int8", "bf16")
+    assert candidates("F16", CPU) == candidates("MXFP4", CPU) == ("bf16",)
+    ms = {"by": "test", "ms": {"64x32": {"int4": 3.0, "int4x2": 1.0, "int8": 2.0, "bf16": 4.0}}}
+    assert [kernel_for(ms, k, 64, 32, CPU) for k in ("Q4_0", "Q5_0", "Q6_K", "BF16")] == ["int8", "int4x2", "int8",
+                                                                                          "bf16"]
+    close = {"by": "test", "ms": {"64x32": {"int4": 2.1, "int4x2": 2.1, "int8": 2.0, "bf16": 4.0}}}
+    assert kernel_for(close, "Q4_0", 64, 32, CPU) == "int4"  # requantized only for a clear gain (REQUANTIZED_GAIN)
+    assert kernel_for(INT4, "Q4_0", 64, 99, CPU) == "int4" and kernel_for(INT4, "Q6_K", 64, 99, CPU) == "bf16"
+
+
+def test_the_probe_measures_every_kernel_once_per_machine(tmp_path, monkeypatch, mixed_gguf):
+    """No fixed order: a load times every kernel on each of the model's matrix shapes, keeps the figures in the
+    cache directory and takes the fastest for each matrix; the next load reads them instead of measuring again, and
+    the run's kernel_choice says which kernels ran and how they were chosen."""
+    from llmtrace.checkpoint.fast import kernel_choice, load_gguf_fast
+
+    monkeypatch.delenv("LLMTRACE_FAST_KERNELS")
+    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path))
+    first = kernel_choice(CPU, [(96, 64), (64, 64)])
+    assert first["by"] == "measured at load" and set(first["ms"]) == {"96x64", "64x64"}
+    assert all(set(ms) == set(KERNELS) and min(ms.values()) > 0 for ms in first["ms"].values())
+    again = kernel_choice(CPU, [(64, 64)])
+    assert again["by"] == "measured earlier on this machine" and again["ms"]["64x64"] == first["ms"]["64x64"]
+    assert again["cache"].startswith(str(tmp_path))
+    config, model, _ = load_gguf_fast(mixed_gguf, CPU)
+    choice = config.extra["fast"]["kernel_choice"]
+    for name, m in model.named_modules():
+        if hasattr(m, "segments") and hasattr(m, "parts"):
+            n, k = m.out_features, m.in_features
+            for seg in m.segments:
+                assert kernel_for(choice, seg.kind, n, k, CPU) in ("int4", "int4x2", "int8", "bf16")
+    assert sum(choice["kernels"].values()) >= len(kernel_table(model))
+    assert torch.isfinite(model(token_ids(8, seed=1))).all()
+
+
+def test_a_fixed_kernel_order_is_taken_and_a_wrong_one_refused(capsys, monkeypatch, mixed_gguf):
+    monkeypatch.setenv("LLMTRACE_FAST_KERNELS", "bf16")
     from llmtrace.checkpoint.fast import load_gguf_fast
 
-    off = {"int4": False, "by": "measured at load", "capability": "AVX2", "int4_ms": 2.0, "bf16_ms": 1.0}
-    config, model, _ = load_gguf_fast(mixed_gguf, torch.device("cpu"), choice=off)
+    config, model, _ = load_gguf_fast(mixed_gguf, CPU)
     assert set(kernel_table(model).values()) == {DENSE}
-    assert config.extra["fast"]["kernel_choice"] == off
-    assert torch.isfinite(model(token_ids(8, seed=1))).all()
+    assert config.extra["fast"]["kernel_choice"]["by"] == "$LLMTRACE_FAST_KERNELS"
+    monkeypatch.setenv("LLMTRACE_FAST_KERNELS", "int3")
+    fails(capsys, 1, "generate", "Hello", "-m", mixed_gguf, "--fast", "-n", "1", says=("LLMTRACE_FAST_KERNELS",
+                                                                                       "int4, int4x2, int8, bf16"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -260,7 +330,10 @@ def test_fast_explain_says_it_is_not_exact(capsys, smollm_path, tmp_path):
     code, out, err = run_cli(capsys, "explain", "The capital of France is", "--fast", "--json", tmp_path / "e.json")
     assert code == 0, err
     model = json.loads((tmp_path / "e.json").read_text())["events"][0]["model"]
-    assert model["exact"] is False and model["fast"]["kernel_choice"]["int4"] in (True, False)
+    choice = model["fast"]["kernel_choice"]
+    assert model["exact"] is False and choice["int4"] is True and choice["by"] == "$LLMTRACE_FAST_KERNELS"
+    assert choice["kernels"] == {INT4_CPU: 120, f"{INT4_CPU} (two nibbles)": 1}  # 30 layers x 4 and the head
+
 
 
 @pytest.mark.slow
@@ -319,7 +392,7 @@ import json, sys, torch
 from llmtrace.checkpoint.fast import MappedEmbedding, load_gguf_fast
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith(key + ':'))
-int4 = {'int4': True, 'by': 'test'}  # the int4 kernel whatever this CPU is (it runs everywhere, if not fastest)
+int4 = {'by': 'test', 'order': ['int4', 'int4x2', 'bf16']}  # the int4 kernel whatever this CPU (it runs everywhere)
 with torch.no_grad():  # a small file first, in full: the code it runs (torch's, the tokenizer's) is the baseline's
     config, model, tok = load_gguf_fast(sys.argv[1], torch.device('cpu'), int4)
     model(torch.arange(64).view(1, 64))

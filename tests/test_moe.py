@@ -216,7 +216,7 @@ def test_fast_packs_each_expert_on_its_kernel(families):
     x = torch.randn(3, 64).to(torch.bfloat16)
     for e in (0, 5):  # expert e is its own rows of the file's one tensor, packed as one matrix would be
         alone = fast_linear([entry.raw()[e * 32 : (e + 1) * 32]], [Segment(entry.kind, entry.key)], 64,
-                            torch.device("cpu"), fast.config.extra["fast"]["kernel_choice"]["int4"])
+                            torch.device("cpu"), fast.config.extra["fast"]["kernel_choice"])
         assert torch.equal(stack(x, e), alone(x))
     idx = torch.tensor([PROMPT_IDS])
     with torch.no_grad():

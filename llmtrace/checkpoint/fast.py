@@ -13,15 +13,19 @@ ends the process with SIGBUS, as llama.cpp's mmap would. On CUDA the embedding's
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import mmap
+import os
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from llmtrace.model.fast import COMPUTE, DENSE, FastLinear, choose_kernel, fast_experts, fast_linear
-from llmtrace.model.quant import BLOCKS, GROUP_KINDS, QuantEmbedding, Segment
+from llmtrace.model.fast import (COMPUTE, DENSE, KERNELS, FastLinear, candidates, fast_experts, fast_linear, kernel_counts,
+                                 measure_kernels, shape_key)
+from llmtrace.model.quant import BLOCKS, QuantEmbedding, Segment
 from llmtrace.checkpoint.quantized import is_matrix
 from llmtrace.model.transformer import Attention
 
@@ -37,13 +41,13 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
 
     where = str(path)
     config, plan, tokenizer, facts = open_gguf_checkpoint(path)
-    choice = choice or choose_kernel(device)
     matrices = {name: parts for name, parts in plan.items() if is_matrix(name, parts)}
     for parts in matrices.values():
         for p in parts:
             if p.kind not in BLOCKS:
                 raise FieldError("fast", f" cannot run tensor {p.key} of type {p.kind} (it runs {', '.join(BLOCKS)}); "
                                  f"leave out fast to dequantize the file once", also=("fast",), before=f"{where}: ")
+    choice = choice or kernel_choice(device, matrix_shapes(matrices))
     sd = read_weights({n: ps for n, ps in plan.items() if n not in matrices}, COMPUTE, device)
     modules: dict[str, nn.Module] = {}
     for name, parts in matrices.items():
@@ -56,16 +60,16 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
                 modules[module] = QuantEmbedding(parts[0].raw().to(device), segments[0], config.d_model, COMPUTE)
             if config.tie_embeddings:  # the head multiplies by the embedding's own blocks, on its own kernel
                 modules["lm_head"] = fast_linear([FileRows(parts[0])], segments, config.d_model, device,
-                                                 choice["int4"])
+                                                 choice)
             return_freed_memory()
             continue
         if len(parts[0].shape) == 3:  # a mixture of experts' stack: each expert packed on its own
-            modules[module] = fast_experts(parts[0].raw(), segments[0], parts[0].shape, device, choice["int4"],
+            modules[module] = fast_experts(parts[0].raw(), segments[0], parts[0].shape, device, choice,
                                            bias=sd.pop(module + ".bias", None))
             return_freed_memory()
             continue
         raws = [p.raw() for p in parts]  # one matrix's blocks at a time, freed once it is packed
-        modules[module] = fast_linear(raws, segments, parts[0].shape[1], device, choice["int4"],
+        modules[module] = fast_linear(raws, segments, parts[0].shape[1], device, choice,
                                       bias=sd.pop(module + ".bias", None))
         del raws
         return_freed_memory()  # the band scratch just freed, before the next matrix allocates between it
@@ -74,8 +78,107 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
         if isinstance(m, Attention):
             m.fold_gqa_decode = True
     dense = [n for n, m in model.named_modules() if isinstance(m, FastLinear) and DENSE in m.kernel]
+    counts = kernel_counts(model)
+    choice = choice | {"int4": any(k.startswith(("int4", "int8")) for k in counts), "kernels": counts}
     config.extra = facts | {"fast": {"kernel_choice": choice, "bf16_matrices": dense}}
     return config, model, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the kernel choice: measured per machine, cached
+
+ORDER_VAR = "LLMTRACE_FAST_KERNELS"  # a fixed order of preference instead of the measurement, e.g. "int4,int4x2,bf16"
+PROBE_VERSION = 3  # bump when measure_kernels changes what it measures
+
+
+def matrix_shapes(matrices: dict) -> list[tuple[int, int]]:
+    """The (N, K) of each matrix a decode step multiplies by (an expert's for a stack; a tied embedding's as the
+    head's), each once, in the plan's order."""
+    out: dict[tuple[int, int], None] = {}
+    for parts in matrices.values():
+        shape = parts[0].shape
+        n = shape[1] if len(shape) == 3 else sum(p.shape[0] for p in parts)
+        out[(n, shape[-1])] = None
+    return list(out)
+
+
+def kernel_choice(device: torch.device, shapes: list[tuple[int, int]]) -> dict:
+    """How each matrix's kernel is chosen: {"by": ..., "ms": {"NxK": {kernel: ms}}} or {"by": ..., "order": [...]}.
+
+    CUDA: the int4 kernel where a type maps onto it, else bf16. $LLMTRACE_FAST_KERNELS: that order of preference.
+    Otherwise a probe times every kernel on every shape (model.fast.measure_kernels, about a second for a small
+    model), kept under the cache directory in a file named by this CPU (its model and flags), the torch version,
+    the capability torch dispatches and the thread count: a later load on the same machine reads it."""
+    if device.type == "cuda":
+        return {"by": "cuda", "order": ["int4", "int4x2", "bf16"]}
+    capability = torch.backends.cpu.get_cpu_capability()
+    order = os.environ.get(ORDER_VAR, "").strip()
+    if order:
+        kernels = [k.strip() for k in order.split(",") if k.strip()]
+        if not kernels or any(k not in KERNELS for k in kernels):
+            from llmtrace.errors import LlmtraceError
+
+            raise LlmtraceError(f"${ORDER_VAR} is {order!r}: give kernels from {', '.join(KERNELS)}, comma-separated")
+        return {"by": f"${ORDER_VAR}", "capability": capability, "order": kernels + ["bf16"]}
+    path = probe_file(capability)
+    known = _read_probe(path)
+    missing = [s for s in shapes if shape_key(*s) not in known]
+    if missing:
+        known |= measure_kernels(missing, cold_bytes())
+        _write_probe(path, known)
+    by = "measured at load" if missing else "measured earlier on this machine"
+    return {"by": by, "capability": capability, "threads": torch.get_num_threads(), "cache": str(path),
+            "ms": {shape_key(*s): known[shape_key(*s)] for s in shapes}}
+
+
+def probe_file(capability: str):
+    """The probe's cache file for this machine, torch, capability and thread count."""
+    from llmtrace.registry.cache import cache_dir
+
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith(("model name", "flags")):
+                cpu += line
+            if line.strip() == "":
+                break  # the first processor's lines say it
+    except OSError:
+        import platform
+
+        cpu = platform.processor() or platform.machine()
+    facts = f"{cpu}|{torch.__version__}|{capability}|{torch.get_num_threads()}|{PROBE_VERSION}"
+    return cache_dir() / "kernels" / f"{hashlib.sha256(facts.encode()).hexdigest()[:16]}.json"
+
+
+def cold_bytes() -> int:
+    """Twice the last-level cache (what the probe's copies fill so that each product reads from memory): the CPU's
+    L3 as Linux reports it, else 32 MiB; at most 256 MiB."""
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+        size = int(text.rstrip("KkMm")) << (20 if text[-1] in "Mm" else 10 if text[-1] in "Kk" else 0)
+    except (OSError, ValueError, IndexError):
+        size = 32 << 20
+    return min(2 * size, 256 << 20)
+
+
+def _read_probe(path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data["ms"] if isinstance(data.get("ms"), dict) else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _write_probe(path, ms: dict) -> None:
+    """Written whole to a temporary file, then renamed into place; a cache that cannot be written is skipped (the
+    next load measures again)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"torch": torch.__version__, "ms": ms}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 class MappedEmbedding(QuantEmbedding):
@@ -157,14 +260,17 @@ def return_freed_memory() -> None:
 
 
 def bf16_note(lm) -> Optional[str]:
-    """One line naming the matrices that run in bfloat16 on the fast path because their type has no int4 form (None
-    when every matrix runs on the int4 kernel, or when the int4 kernel was not chosen: the header says that)."""
+    """One line naming the matrices that run in bfloat16 on the fast path, whole or in part, and why: their type has
+    no quantized kernel (a float or MXFP4 matrix), or bfloat16 was measured the fastest of their kernels. None when
+    none does, or when every matrix does (the header says that)."""
     fast = lm.config.extra.get("fast")
-    if not fast or not fast["kernel_choice"]["int4"] or not fast["bf16_matrices"]:
+    if not fast or not fast["bf16_matrices"] or set(fast["kernel_choice"].get("kernels", {DENSE: 1})) == {DENSE}:
         return None
     model, names = lm.model, fast["bf16_matrices"]
-    kinds = sorted({s.kind for n in names for s in model.get_submodule(n).segments if s.kind not in GROUP_KINDS})
+    kinds = sorted({s.kind for n in names for s in model.get_submodule(n).segments
+                    if candidates(s.kind, lm.device) == ("bf16",)})
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    kinds = " and ".join(kinds) + (" have" if len(kinds) > 1 else " has")
+    why = (" and ".join(kinds) + (" have" if len(kinds) > 1 else " has") + " no int4 or int8 form" if kinds
+           else "bfloat16 was measured the fastest of their kernels here")
     return (f"`fast=True`: {len(names)} matri{'x' if len(names) == 1 else 'ces'} ({shown}) run in bfloat16, whole or in "
-            f"part: {kinds} no int4 form")
+            f"part: {why}")

@@ -1,16 +1,22 @@
-"""The fast path (`--fast`): a GGUF file's matrices run straight from their blocks on torch's own int4 kernel,
-activations in bfloat16. Approximate, and it says so: a trace of it is marked `"exact": false`.
+"""The fast path (`--fast`): a GGUF file's matrices run straight from their blocks on torch's own weight-only
+kernels, activations in bfloat16. Approximate, and it says so: a trace of it is marked `"exact": false`.
 
-Each block type whose weights come in groups of 32 with one scale and one offset (quant.affine_groups: w = s*u + z)
-maps onto torch's int4 kernel, whose groups compute w = (q - 8) * scale + zero:
-  - 4-bit types (Q4_0, Q4_1, Q4_K): q = u, scale = s, zero = z + 8s. One kernel call.
-  - 5- and 8-bit types (Q5_0, Q5_1, Q5_K, Q8_0): u = 16h + l is split into its two nibbles, each its own int4 matrix
-    side by side along K: l with (s, z + 8s) and h with (16s, 128s); the input is given twice, [x, x], so the one
-    product sums both halves: (l - 8)s + z + 8s + (h - 8)16s + 128s = s(16h + l) + z.
-The only change to the values is the rounding of scale and zero to bfloat16 (the kernel's dtype); the product
-accumulates in float32. Types with groups of 16 (Q2_K, Q3_K, Q6_K) and float matrices are dequantized once to
-bfloat16 and run on F.linear, as do all matrices when the int4 kernel is not chosen (`choose_kernel`). The token
-embedding stays in its blocks (quant.QuantEmbedding; a lookup dequantizes its rows), vectors are bfloat16.
+Each matrix runs on one of four kernels (KERNELS), chosen per matrix shape by measuring them on this machine
+(checkpoint.fast.kernel_choice: a short probe at load, cached per CPU, torch version and thread count). Each kernel
+states what it multiplies by (CLAIMS; tests/test_fast.py checks every claim):
+  - `int4`: torch's int4 kernel, for the types whose weights come in groups of 32 with one scale and one offset
+    (quant.affine_groups: w = s*u + z), 4-bit (Q4_0, Q4_1, Q4_K): q = u, scale = s, zero = z + 8s, as the kernel's
+    groups compute w = (q - 8) * scale + zero. The file's values, scale and zero rounded to bfloat16.
+  - `int4x2`: the same kernel for the 5- and 8-bit group types (Q5_0, Q5_1, Q5_K, Q8_0): u = 16h + l is split into
+    its two nibbles, each its own int4 matrix side by side along K: l with (s, z + 8s) and h with (16s, 128s); the
+    input is given twice, [x, x], so the one product sums both halves: (l - 8)s + z + 8s + (h - 8)16s + 128s =
+    s(16h + l) + z. The file's values, scale and zero rounded to bfloat16.
+  - `int8`: torch's int8 weight-only kernel, W requantized per row: W ~ q * s, q int8 in [-127, 127], s one bfloat16
+    a row (the row's largest |w| / 127, rounded up): every weight within s/2 of the file's. Any block type (the K-quants
+    with groups of 16 too), not float matrices.
+  - `bf16`: the matrix dequantized once to bfloat16, on F.linear: every weight rounded to bfloat16.
+Every product accumulates in float32. The token embedding stays in its blocks (quant.QuantEmbedding; a lookup
+dequantizes its rows: the 262,144-row table of Gemma 3 costs one row a token), vectors are bfloat16.
 
 `FastLinear` replaces the model's nn.Linear modules at build time (checkpoint.fast loads a GGUF file this way), as
 quant.QuantLinear does for --keep-quantized; the forward pass does not know. RMSNorm and softmax keep their statistics in float32 (F.rms_norm and the attention
@@ -19,6 +25,7 @@ kernels accumulate in float32 for bfloat16 inputs; the spelled-out softmax of an
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import NamedTuple, Optional
 
@@ -34,7 +41,17 @@ PACK_ROWS = 256  # rows packed at a time (a multiple of the CPU packing's 64-row
 
 INT4_CPU = "int4pack_mm_for_cpu"  # kernel names, as the trace records them
 INT4_CUDA = "int4pack_mm"
+INT8_CPU = "int8pack_mm (int8 rows)"
 DENSE = "bf16 linear"
+
+KERNELS = ("int4", "int4x2", "int8", "bf16")  # the kernels a matrix may run on (see the module's docstring)
+CLAIMS = {  # what each kernel multiplies by, against the file's values
+    "int4": "the file's values; each group's scale and zero rounded to bfloat16",
+    "int4x2": "the file's values; each group's scale and zero rounded to bfloat16 (two nibbles)",
+    "int8": "requantized per row: every weight within half a step (the row's largest |w| / 127) of the file's",
+    "bf16": "every weight rounded to bfloat16",
+}
+INT8_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # not floats, not MXFP4
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -182,6 +199,38 @@ class Int4Matmul(nn.Module):
         return self.packed.nbytes + self.scales_zeros.nbytes
 
 
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float32 -> (q (N, K) int8, s (N,) bfloat16) with w ~ q * s: s is the row's largest |w| / 127 rounded
+    up to a bfloat16 (so that no q leaves [-127, 127]), and q = round(w / s): every weight within s/2 of w."""
+    exact = w.abs().amax(dim=1).clamp_min(1e-30) / 127  # (N,)
+    s = exact.to(COMPUTE)
+    s = torch.where(s.float() < exact, (exact * (1 + 2**-7)).to(COMPUTE), s)  # rounded down: one bf16 step up
+    q = torch.round(w / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+class Int8Matmul(nn.Module):
+    """y = x W^T on torch's int8 weight-only kernel: W as int8 rows q (N, K) with one bfloat16 scale a row (int8_rows)."""
+
+    kernel = INT8_CPU
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.q = nn.Parameter(q, requires_grad=False)  # parameters, as Int4Matmul's storage (its comment says why)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.out_features = q.size(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.size(-1))  # (M, K)
+        if torch.compiler.is_compiling():  # see Int4Matmul.forward
+            x2 = x2.contiguous().as_strided(x2.shape, (x2.size(1), 1))
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scale)  # (M, N)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def stored_bytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+
 class DenseMatmul(nn.Module):
     """y = x W^T with W dequantized once to bfloat16."""
 
@@ -263,52 +312,85 @@ class FastExperts(FastLinear):
 
 
 def fast_experts(raw: torch.Tensor, segment: Segment, shape: tuple[int, int, int], device: torch.device,
-                 int4: bool, bias: Optional[torch.Tensor] = None) -> FastExperts:
+                 choice: dict, bias: Optional[torch.Tensor] = None) -> FastExperts:
     """A FastExperts of a stack's blocks, raw (E·out, bytes per row): expert e is rows [e·out, (e+1)·out)."""
     E, out, in_features = shape
-    parts = [fast_linear([raw[e * out : (e + 1) * out]], [segment], in_features, device, int4).parts[0]
+    parts = [fast_linear([raw[e * out : (e + 1) * out]], [segment], in_features, device, choice).parts[0]
              for e in range(E)]
     return FastExperts(parts, segment, shape, bias)
 
 
-def _run_key(kind: str, int4: bool) -> tuple:
-    """The kernel a segment of type `kind` runs on: ("dense",) or ("int4", split); a run of one key is one part."""
-    if not (int4 and kind in GROUP_KINDS):
-        return ("dense",)
-    return ("int4", affine_groups(torch.zeros(1, BLOCKS[kind][1], dtype=torch.uint8), kind).bits > 4)
+def candidates(kind: str, device: torch.device) -> tuple[str, ...]:
+    """The kernels a segment of GGUF type `kind` may run on (KERNELS; on CUDA the int4 kernel or bf16)."""
+    out: tuple[str, ...] = ()
+    if kind in GROUP_KINDS:
+        out += ("int4" if affine_groups(torch.zeros(1, BLOCKS[kind][1], dtype=torch.uint8), kind).bits <= 4
+                else "int4x2",)
+    if kind in INT8_KINDS and device.type == "cpu":
+        out += ("int8",)
+    return out + ("bf16",)
+
+
+REQUANTIZED_GAIN = 0.9  # int8 replaces the int4 kernel's exact mapping only if measured at most 0.9x its time
+
+
+def kernel_for(choice: dict, kind: str, n: int, k: int, device: torch.device) -> str:
+    """The kernel of a segment of type `kind` in a matrix (n, k): the fastest of its candidates in the choice's
+    measurements for that shape ("ms"), else the first of them in the choice's order ("order"). Where the int4
+    kernel maps the type exactly, the requantized int8 kernel must be clearly faster (REQUANTIZED_GAIN), so that the
+    noise of a busy machine's probe does not trade exact values for nothing."""
+    allowed = candidates(kind, device)
+    ms = choice.get("ms", {}).get(shape_key(n, k))
+    if not ms:
+        return next((c for c in choice.get("order", KERNELS) if c in allowed), "bf16")
+    cost = {c: ms.get(c, float("inf")) for c in allowed}
+    if "int8" in cost and allowed[0] in ("int4", "int4x2"):
+        cost["int8"] /= REQUANTIZED_GAIN
+    return min(allowed, key=cost.__getitem__)
+
+
+def shape_key(n: int, k: int) -> str:
+    return f"{n}x{k}"
 
 
 def _kernel_name(part: nn.Module) -> str:
     if isinstance(part, Int4Matmul):
         return part.kernel + (" (two nibbles)" if part.split else "")
-    return DENSE
+    return part.kernel
 
 
 def fast_linear(raws: list[torch.Tensor], segments: list[Segment], in_features: int, device: torch.device,
-                int4: bool, bias: Optional[torch.Tensor] = None) -> FastLinear:
+                choice: dict, bias: Optional[torch.Tensor] = None) -> FastLinear:
     """A FastLinear of a matrix's row segments (raw GGUF bytes on the CPU: tensors, or anything whose `size(0)` is
-    its rows and whose row slices are tensors, such as a reader of the file's rows). `int4`: use the int4 kernel for
-    the types that map onto it; else every segment is dense bfloat16. Each part is allocated once, for its rows, and
-    filled a band of PACK_ROWS rows at a time: the load's scratch is one band, whatever the matrix's size."""
+    its rows and whose row slices are tensors, such as a reader of the file's rows), each segment on the kernel the
+    choice gives its type at the matrix's shape (kernel_for). Each part is allocated once, for its rows, and filled a
+    band of PACK_ROWS rows at a time: the load's scratch is one band, whatever the matrix's size."""
     parts: list[nn.Module] = []
-    keys = [_run_key(seg.kind, int4) for seg in segments]
+    n = sum(r.size(0) for r in raws)
+    keys = [kernel_for(choice, seg.kind, n, in_features, device) for seg in segments]
     i = 0
     while i < len(segments):  # a run of neighbouring segments with one kernel is one part
         run = next((j for j in range(i, len(keys)) if keys[j] != keys[i]), len(keys))
-        rows = sum(r.size(0) for r in raws[i:run])
-        if keys[i] == ("dense",):
-            dense, at = torch.empty((rows, in_features), dtype=COMPUTE), 0
+        rows, key, at = sum(r.size(0) for r in raws[i:run]), keys[i], 0
+        if key == "bf16":
+            dense = torch.empty((rows, in_features), dtype=COMPUTE)
+        elif key == "int8":
+            q, scale = torch.empty((rows, in_features), dtype=torch.int8), torch.empty(rows, dtype=COMPUTE)
         else:
-            packer = Int4Packer(keys[i][1], device, rows)
+            packer = Int4Packer(key == "int4x2", device, rows)
         for raw, seg in zip(raws[i:run], segments[i:run]):
             for r in range(0, raw.size(0), PACK_ROWS):  # a band at a time: the unpacked int32 copy stays small
                 band = raw[r : r + PACK_ROWS]
-                if keys[i] == ("dense",):
-                    dense[at : at + band.size(0)] = dequantize(band, seg.kind)
-                    at += band.size(0)
+                m = band.size(0)
+                if key == "bf16":
+                    dense[at : at + m] = dequantize(band, seg.kind)
+                elif key == "int8":
+                    q[at : at + m], scale[at : at + m] = int8_rows(dequantize(band, seg.kind))
                 else:
                     packer.add(int4_groups(band, seg.kind))
-        parts.append(DenseMatmul(dense.to(device)) if keys[i] == ("dense",) else packer.finish())
+                at += m
+        parts.append(DenseMatmul(dense.to(device)) if key == "bf16" else Int8Matmul(q, scale) if key == "int8"
+                     else packer.finish())
         i = run
     return FastLinear(parts, segments, in_features, bias)
 
@@ -317,41 +399,75 @@ def fast_linear(raws: list[torch.Tensor], segments: list[Segment], in_features: 
 # the kernel choice
 
 
-def choose_kernel(device: torch.device, capability: Optional[str] = None) -> dict:
-    """Whether the int4 kernel runs this machine's matrices, and why: {"int4": bool, "by": str, ...}.
-
-    CUDA: always. A CPU whose torch dispatches AVX-512 code: yes (measured 2-5x bfloat16's F.linear, RESULTS.md).
-    Any other CPU (AVX2, ARM...): a short measurement at load, one 2048 x 2048 GEMV on each kernel (bfloat16 x), and
-    the faster one wins; on an AVX2 machine torch's int8 kernel was measured slower than float32, so it is not taken
-    on trust there."""
-    if device.type == "cuda":
-        return {"int4": True, "by": "cuda"}
-    capability = capability or torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
-        return {"int4": True, "by": "cpu capability", "capability": capability}
-    int4_ms, dense_ms = _measure_gemv()
-    return {"int4": int4_ms < dense_ms, "by": "measured at load", "capability": capability,
-            "int4_ms": round(int4_ms, 4), "bf16_ms": round(dense_ms, 4)}
+PROBE_ROWS = 8192  # a taller matrix is timed on this many rows and scaled: GEMV time grows with the rows
 
 
-def _measure_gemv(n: int = 2048, k: int = 2048, calls: int = 8) -> tuple[float, float]:
-    """Milliseconds of one (1, k) x (n, k)^T product on the int4 kernel and on bfloat16 F.linear, best of `calls`."""
+def measure_kernels(shapes: list[tuple[int, int]], cold_bytes: int, rounds: int = 3) -> dict[str, dict[str, float]]:
+    """Milliseconds of one (1, K) x (N, K)^T product on each kernel of KERNELS, for each shape: {"NxK": {kernel: ms}}.
+
+    As in a decode step, where a model's matrices do not fit the CPU's caches, each product reads its weights from
+    memory: a kernel is timed over copies of its matrix (random values: the speed does not depend on them) that
+    together fill `cold_bytes` (twice the last-level cache), one call on each in turn. A call is timed in the
+    process's CPU time over torch's threads (on a quiet machine its wall time; on a busy one the time other
+    processes hold the cores is left out, and a wall-clock probe there measured nonsense: 1.1 s for a 262,144-row
+    GEMV). A pass's figure is the median of its calls, the result the best of `rounds` passes; the kernels alternate
+    within a round."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
-    groups = Int4Groups(q, torch.full((n, k // GROUP), 0.01), torch.zeros(n, k // GROUP), split=False)
-    packer = Int4Packer(False, torch.device("cpu"), n)
-    packer.add(groups)
-    int4, dense = packer.finish(), DenseMatmul(int4_reference(groups).to(COMPUTE))
-    x = torch.randn(1, k, generator=gen).to(COMPUTE)
-    out = []
-    for fn in (int4, dense):
-        best = float("inf")
-        for _ in range(calls):
-            t = time.perf_counter()
-            fn(x)
-            best = min(best, time.perf_counter() - t)
-        out.append(best * 1e3)
-    return out[0], out[1]
+    threads = torch.get_num_threads()
+    out = {}
+    for n, k in shapes:
+        rows = min(n, PROBE_ROWS)
+        rows += -rows % 64  # the CPU packing's tile
+        x = torch.randn(1, k, generator=gen).to(COMPUTE)
+        bases = {key: _random_part(key, rows, k, gen) for key in KERNELS}
+        best = dict.fromkeys(KERNELS, float("inf"))
+        for _ in range(rounds):
+            for key, base in bases.items():
+                copies = [base] + [_copy(base) for _ in range(max(1, min(512, cold_bytes // base.stored_bytes())) - 1)]
+                base(x)  # its first call (the kernel's own set-up)
+                calls = []
+                for m in copies:
+                    t = time.process_time()
+                    m(x)
+                    calls.append(time.process_time() - t)
+                best[key] = min(best[key], statistics.median(calls) / threads)
+                del copies
+        out[shape_key(n, k)] = {key: round(v * 1e3 * n / rows, 4) for key, v in best.items()}
+    return out
+
+
+def _random_part(key: str, n: int, k: int, gen: torch.Generator) -> nn.Module:
+    if key == "bf16":
+        return DenseMatmul((torch.randn(n, k, generator=gen) * 0.02).to(COMPUTE))
+    if key == "int8":
+        return Int8Matmul(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+                          torch.full((n,), 1e-3, dtype=COMPUTE))
+    kk = 2 * k if key == "int4x2" else k
+    g = Int4Groups(torch.randint(0, 16, (n, kk), dtype=torch.int32, generator=gen), torch.full((n, kk // GROUP), 1e-2),
+                   torch.zeros(n, kk // GROUP), split=key == "int4x2")
+    packer = Int4Packer(g.split, torch.device("cpu"), n)
+    packer.add(g)
+    return packer.finish()
+
+
+def _copy(part: nn.Module) -> nn.Module:
+    """The same kernel on its own copy of the storage (another place in memory)."""
+    if isinstance(part, DenseMatmul):
+        return DenseMatmul(part.weight.detach().clone())
+    if isinstance(part, Int8Matmul):
+        return Int8Matmul(part.q.detach().clone(), part.scale.detach())
+    return Int4Matmul(part.packed.detach().clone(), part.scales_zeros.detach(), part.out_features, part.split,
+                      torch.device("cpu"))
+
+
+def kernel_counts(model: nn.Module) -> dict[str, int]:
+    """How many matrices (parts of one kernel: a fused matrix may have two) run on each kernel, by kernel name."""
+    out: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, FastLinear):
+            for p in m.parts:
+                out[_kernel_name(p)] = out.get(_kernel_name(p), 0) + 1
+    return out
 
 
 def kernel_table(model: nn.Module) -> dict[str, str]:

@@ -162,7 +162,10 @@ def sampling_words(s: dict, w) -> str:
 def fast_words(fast: dict, w) -> str:
     """The fast path in the page's words (trace.records.fast_parts is the terminal's)."""
     choice = fast["kernel_choice"]
-    kernel = w("run.v.int4") if choice["int4"] else w("run.v.bf16")
+    if choice.get("kernels"):  # the kernels by name (identifiers, not words to translate)
+        kernel = ", ".join(f"{name} ×{n}" for name, n in choice["kernels"].items())
+    else:
+        kernel = w("run.v.int4") if choice.get("int4") else w("run.v.bf16")
     return w("run.v.fast", dtype=fast["compute_dtype"], kernel=kernel, by=choice.get("capability") or choice["by"])
 
 

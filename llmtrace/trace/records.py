@@ -201,12 +201,25 @@ def fast_parts(fast: dict) -> list[str]:
     """The fast path in words, for the terminal's headers and the report: what it computes with, and why those
     kernels."""
     choice = fast["kernel_choice"]
+    return [in_words("`fast=True`: approximate, not the exact values"), f"{fast['compute_dtype']} activations, float32 norm and "
+            f"softmax statistics", kernel_words(choice)]
+
+
+def kernel_words(choice: dict) -> str:
+    """Which kernels ran the matrices, and how they were chosen: "matrices on int8pack_mm (int8 rows) x72 and
+    int4pack_mm_for_cpu (two nibbles) x1 (measured at load, AVX512, 2 threads)". A trace written before the choice
+    was per shape says int4 or bf16."""
+    how = [choice["by"]] + [str(choice[k]) for k in ("capability",) if choice.get(k)]
+    how += [f"{choice['threads']} thread{'s' if choice['threads'] != 1 else ''}"] if choice.get("threads") else []
+    kernels = choice.get("kernels")
+    if kernels:
+        named = [f"{name} x{n}" for name, n in kernels.items()]
+        return f"matrices on {' and '.join(named) if len(named) < 3 else ', '.join(named)} ({', '.join(how)})"
     why = {"cuda": "on CUDA", "cpu capability": f"CPU capability {choice.get('capability')}"}.get(
         choice["by"], f"measured at load on {choice.get('capability')}: int4 {choice.get('int4_ms')} ms, bf16 "
                       f"{choice.get('bf16_ms')} ms a GEMV")
-    kernel = "int4 kernel" if choice["int4"] else "bf16 matrices (int4 kernel not chosen)"
-    return [in_words("`fast=True`: approximate, not the exact values"), f"{fast['compute_dtype']} activations, float32 norm and "
-            f"softmax statistics", f"{kernel} ({why})"]
+    kernel = "int4 kernel" if choice.get("int4") else "bf16 matrices (int4 kernel not chosen)"
+    return f"{kernel} ({why})"
 
 
 def explain_model_record(lm) -> ExplainModelRecord:
