@@ -55,6 +55,9 @@ class Family:
     mxfp4: bool = False  # gpt-oss's expert matrices stored as the released checkpoints store them (mxfp4_experts)
     pre: str = "gpt-2"  # the tokenizer's split (tokenizer.json's pre-tokenizer; the GGUF's tokenizer.ggml.pre)
     chat_template: str = ""  # the family's own chat format, when it has one (gpt-oss's harmony); else tiny.py's
+    # config.json fields as the released checkpoints write them, put back after save_pretrained (transformers 5 renames
+    # Granite 4.0-H's layer_types to linear_attention / full_attention, which llama.cpp's converter does not read)
+    config_json: dict = field(default_factory=dict)
 
 
 COMMON = dict(
@@ -73,6 +76,13 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fac
 _QWEN35 = {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
            "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+
+_GRANITE_LAYERS = ["mamba", "mamba", "attention", "mamba"]
+_GRANITE = {"num_hidden_layers": 4, "layer_types": _GRANITE_LAYERS, "mamba_n_heads": 8, "mamba_d_head": 16,
+            "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
+            "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.4,
+            "logits_scaling": 4.0, "position_embedding_type": None}
 
 _YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 4096}
@@ -142,6 +152,16 @@ _FAMILIES = [
                                             "linear_conv_kernel_dim": 3, "tie_word_embeddings": True},
            "key and value heads alike (no reordering), kernel 3, the head tied to the "
            "embedding (as the real 0.8B)", transformers_reads_gguf=False),
+    Family("granite_hybrid", "granitemoehybrid", _GRANITE,
+           "Granite 4.0-H: Mamba2 layers 0, 1, 3 (8 heads × 16 × state 16, B and C in 2 groups, kernel 4) and attention "
+           "in layer 2 (no RoPE, scores × 0.4); 4 experts, top 2 of the raw logits, beside a shared SwiGLU; embedding × 12, "
+           "residual × 0.22, logits ÷ 4", transformers_reads_gguf=False, config_json={"layer_types": _GRANITE_LAYERS}),
+    Family("granite_hybrid_dense", "granitemoehybrid", {
+        **_GRANITE, "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 4,
+        "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 3, "num_local_experts": 0,
+        "num_experts_per_tok": 0, "tie_word_embeddings": True},
+           "as the released 350M and 1B: no experts (the shared MLP alone), the head tied; one group, kernel 3",
+           transformers_reads_gguf=False, config_json={"layer_types": ["mamba", "attention", "mamba"]}),
     Family("qwen3_moe", "qwen3_moe", {
         "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "intermediate_size": 96, "norm_topk_prob": True, "rope_parameters": _ROPE},
@@ -331,6 +351,9 @@ def write_hf_dir(path: Path, family: Family, model=None):
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config,
                                                                 "chat_template": TEMPLATES[family.chat_template]}))
+    if family.config_json:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **family.config_json}, indent=2))
     if family.tokenizer_class != "PreTrainedTokenizerFast":
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": family.tokenizer_class}))

@@ -187,6 +187,8 @@ TRANSFORMS = {
     "even": "the even entries of the axis after the first (gate of an interleaved gate/up: g0 u0 g1 u1 ...)",
     "odd": "the odd entries of the axis after the first (up of an interleaved gate/up)",
     "squeeze1": "the axis of size 1 after the first dropped: a depthwise convolution's (C, 1, Kc) held as (C, Kc)",
+    "gate_half": "the first half of the second-to-last axis (gate of a [gate; up] stack: Granite's input_linear)",
+    "up_half": "the second half of the second-to-last axis (up of a [gate; up] stack)",
     "neg_exp": "x -> −exp(x): a decay rate stored as its log (A_log), held as the negative rate A = −exp(A_log), "
                "computed in float32 as transformers computes it",
 }

@@ -92,6 +92,9 @@ class ModelConfig:
     no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
     swiglu_limit: Optional[float] = None  # a clamped GLU (gpt-oss): gate ≤ limit, −limit ≤ up ≤ limit
     swiglu_alpha: Optional[float] = None  # ... and gate·sigmoid(alpha·gate)·(up + 1)
+    # a kind's or a family's own config part, by its key (model.kinds: "mamba2"; a family's multipliers), read by its
+    # own declaration; a part's "dims" name the sizes of the axes its declarations use
+    parts: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
     @property
@@ -108,6 +111,8 @@ class ModelConfig:
             la = self.linear_attn
             out.update(Hk=la["k_heads"], Hv=la["v_heads"], Dk=la["k_dim"], Dv=la["v_dim"], Kc=la["conv_kernel"],
                        C=2 * la["k_heads"] * la["k_dim"] + la["v_heads"] * la["v_dim"])
+        for part in self.parts.values():
+            out.update(part.get("dims") or {})
         return out
 
     def layer_type(self, i: int) -> str:
