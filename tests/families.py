@@ -452,6 +452,9 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
     out = {}
     for key, ref in model.state_dict().items():
         stem, _, suffix = key.rpartition(".")
+        if arch_name == "granitehybrid":
+            out[key] = _granite_tensor(tensors, names, key, c).reshape(ref.shape)
+            continue
         if arch_name == "gpt-oss" and ".experts." in key:  # interleaved gate/up, stored for x·W: (E, D, 2F)
             out[key] = _gpt_oss_experts(tensors, names, key)
             continue
@@ -511,6 +514,37 @@ def _qwen35_undone(key: str, t: torch.Tensor, c) -> torch.Tensor:
         return grouped(t, 0, 1)
     if key.endswith("out_proj.weight"):
         return grouped(t, 1, dv)
+    return t
+
+
+def _granite_tensor(tensors: dict, names, key: str, c) -> torch.Tensor:
+    """Granite 4.0-H's HF tensor KEY from the converter's: A_log from −exp(A_log), dt_bias from ssm_dt.bias, each
+    [gate; up] stack joined again (ffn_*_exps, ffn_*_shexp, or ffn_gate/up without experts), q/k rows unpermuted."""
+    stem, _, suffix = key.rpartition(".")
+    if key.endswith("mamba.A_log"):
+        return torch.log(-tensors[names.get_name(key)])
+    if key.endswith("mamba.D"):
+        return tensors[names.get_name(key)]
+    if key.endswith("mamba.dt_bias"):
+        return tensors[names.get_name(key.replace("dt_bias", "dt_proj")) + ".bias"]
+    blk = f"blk.{key.split('.')[2]}" if key.startswith("model.layers.") else ""
+    if key.endswith(("input_linear.weight", "experts.gate_up_proj")):  # transformers 5 holds the experts so
+        experts, shared = "block_sparse_moe" in key, c.num_local_experts > 0
+        kinds = ("gate_exps", "up_exps") if experts else ("gate_shexp", "up_shexp") if shared else ("gate", "up")
+        return torch.cat([tensors[f"{blk}.ffn_{k}.weight"] for k in kinds], dim=-2)
+    if key.endswith("experts.down_proj"):
+        return tensors[f"{blk}.ffn_down_exps.weight"]
+    if key.endswith("block_sparse_moe.router.weight"):
+        return tensors[f"{blk}.ffn_gate_inp.weight"]
+    if key.endswith("shared_mlp.output_linear.weight"):
+        return tensors[f"{blk}.ffn_down{'_shexp' if c.num_local_experts else ''}.weight"]
+    if key == "lm_head.weight" and c.tie_word_embeddings:
+        return tensors["token_embd.weight"]
+    t = tensors[f"{names.get_name(stem)}.{suffix}"]
+    if key.endswith("q_proj.weight"):
+        t = _unpermute_rows(t, c.num_attention_heads)
+    elif key.endswith("k_proj.weight"):
+        t = _unpermute_rows(t, c.num_key_value_heads)
     return t
 
 
