@@ -202,9 +202,32 @@ def test_explain_on_a_mamba2_layer_checks_every_step_under_its_own_headings(fami
     assert ops["attn_scaled"] == "scale" and ops["ffn_out"] == "add"
     plan = by["model"]["maths"]["kinds"][by["model"]["maths"]["layer_kind"][0]]["plan"]
     assert plan["mixer"] == "mamba2" and plan["headings"]["s6.5"][0].startswith("the selective scan")
+    d = by["ssm_scan"]  # one update of head 0's state at the last token, worked out in float64
+    assert d["check_state_max_abs_diff"] <= 1e-5 and d["check_out_max_abs_diff"] <= 1e-5
+    assert 0 < d["a"] < 1 and d["dt"] > 0 and d["group"] == 0
+    assert d["h_before"] != d["h_after"] and d["write"] != [[0.0] * 4] * 4  # the token moved the state
     s = by["state_cache"]
     assert s["state"] == {"ssm_conv_state": [192, 3], "ssm_state": [8, 16, 16]}
-    assert s["attention_layers"] == [2]
+    assert s["state_bytes"] == 4 * (192 * 3 + 8 * 16 * 16) and s["attention_layers"] == [2]
+    assert "h ← ssm_decay·h + ssm_dt·ssm_x⊗ssm_B" in s["updates"]["ssm_state"]
+    last = {e["section"]: e for e in model.explain("The quick brown fox", layer=3, head=3).events
+            if e["event"] == "explain"}["ssm_scan"]
+    assert last["head"] == 3 and last["group"] == 0  # heads 0-3 read the first group of B and C, 4-7 the second
+    assert last["check_state_max_abs_diff"] <= 1e-5 and last["check_out_max_abs_diff"] <= 1e-5
+
+
+def test_explain_renders_a_mamba2_layer(families, capsys, monkeypatch):
+    """The terminal view of a Mamba2 layer: the update worked out and checked, under its own heading, and why no
+    cache grows."""
+    from helpers import run_cli
+
+    monkeypatch.setenv("COLUMNS", "120")
+    code, out, err = run_cli(capsys, "explain", "-m", families.hf_dir("granite_hybrid"), "The quick brown fox",
+                             "--layer", "1")
+    assert code == 0, err
+    assert "the selective scan, head 0 (B and C of group 0)" in out and "no KV cache grows here" in out
+    assert "h computed in float64 vs the state the pass left ✓" in out
+    assert "the delta rule" not in out and "α·S" not in out  # nothing of linear attention's lesson
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -223,3 +246,21 @@ def test_run_with_cache_is_transformers_hidden_states(loaded, families, name):
         assert float((cache[f"{i}.resid_post"] - h).abs().max()) <= 1e-4 * max(1.0, float(h.abs().max()))
     mamba = [i for i, t in enumerate(lm.config.layer_types) if t == "mamba"]
     assert [k for k in cache.keys() if k.endswith("ssm_state")] == [f"{i}.ssm_state" for i in mamba]
+
+
+@torch.no_grad()
+def test_each_layer_reports_its_kinds_points_in_declared_order(loaded):
+    """A Mamba2 layer reports Mamba2's points and the attention layer attention's, each in the declared order, with
+    the multiplier's points between each sub-layer and its add."""
+    lm = loaded("granite_hybrid", "hf")
+    seen = []
+    with lm.model.hooked(lambda layer, name, x: seen.append((layer, name))):
+        lm.model(torch.tensor([PROMPT_IDS[:5]]), lm.model.new_cache(8), 0, last_only=True)
+    points, maths = lm.model.declared_points(), lm.model.maths()
+    for layer in range(lm.config.n_layers):
+        names = [n for lay, n in seen if lay == layer]
+        assert names == [n for n in points.names(layer=True) if n in maths.layers[layer]]
+        assert ("ssm_state" in names) == (layer != 2) and ("scores" in names) == (layer == 2)
+        assert names.index("attn_scaled") == names.index("o_proj") + 1 and names[-2:] == ["ffn_scaled", "resid_post"]
+    assert [n for lay, n in seen if lay is None] == ["embed", "embed_scaled", "final_norm", "last", "logits_raw",
+                                                     "logits"]

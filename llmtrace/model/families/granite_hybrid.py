@@ -39,6 +39,10 @@ from llmtrace.units import plural
 
 PART = "granite"  # the config part of the multipliers
 
+
+def multiplier(config, name: str) -> float:
+    return float(config.parts.get(PART, {}).get(name, 1.0))
+
 EMBED_SCALED = Point("embed_scaled", "s4", ("T", "D"), about="the embedding × embedding_multiplier: the stream entering "
                      "layer 0", input=EMBED.name)
 LOGITS_RAW = Point("logits_raw", "s9", ("V",), about="the LM head's output before ÷ logits_scaling")
@@ -158,7 +162,7 @@ class GraniteHybridBlock(MoEBlock):
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)
-        self.residual_multiplier = float(config.parts[PART]["residual_multiplier"])
+        self.residual_multiplier = multiplier(config, "residual_multiplier")
         if isinstance(self.attn, Mamba2):  # its tensors are under mamba.
             self.CHILDREN = {**type(self).CHILDREN, "attn": ("mamba", "")}
 
@@ -208,23 +212,22 @@ class GraniteHybrid(Transformer):
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """s4: ids (B, T) -> their embedding rows × embedding_multiplier (B, T, D)."""
         x = self.point(EMBED.name, self.embed(idx))
-        return self.point(EMBED_SCALED.name, x * self.config.parts[PART]["embedding_multiplier"])
+        return self.point(EMBED_SCALED.name, x * multiplier(self.config, "embedding_multiplier"))
 
     def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         x = self.point("final_norm", self.norm(x))  # s8: (B, T, D)
         if last_only:
             x = self.point("last", x[:, -1, :])  # s7: (B, D)
         raw = self.point(LOGITS_RAW.name, self.lm_head(x))  # s9: (B, V) or (B, T, V)
-        return self.point(LOGITS.name, raw / self.config.parts[PART]["logits_scaling"])
+        return self.point(LOGITS.name, raw / multiplier(self.config, "logits_scaling"))
 
     def model_maths(self) -> dict[str, Op]:
         out = super().model_maths()
-        m = self.config.parts[PART]
         head = out[LOGITS.name]
-        return out | {EMBED_SCALED.name: op("scale", [EMBED.name], factor=m["embedding_multiplier"],
+        return out | {EMBED_SCALED.name: op("scale", [EMBED.name], factor=multiplier(self.config, "embedding_multiplier"),
                                             label="embedding_multiplier"),
                       LOGITS_RAW.name: head,
-                      LOGITS.name: op("scale", [LOGITS_RAW.name], factor=1 / m["logits_scaling"],
+                      LOGITS.name: op("scale", [LOGITS_RAW.name], factor=1 / multiplier(self.config, "logits_scaling"),
                                       label="1/logits_scaling")}
 
 

@@ -179,7 +179,7 @@ class Mamba2(Module):
         "s6.6": ("gated group norm with z, output projection + residual", "带 z 门控的分组归一化、输出投影 + 残差"),
         "s6.8": ("the state kept: a fixed size, no KV cache", "保留的状态：大小固定，没有 KV 缓存"),
     }
-    EXPLAIN = ()  # the generic steps table works every step; no section of its own yet
+    EXPLAIN = ("ssm_scan",)  # one state update worked on real numbers (run.explain)
     FLOPS_NOTE = "the scan grows with T, not T²: each token updates a state of fixed size"
 
     def flops(self, n_tokens: int) -> list[tuple]:
