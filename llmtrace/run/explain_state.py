@@ -96,6 +96,12 @@ def state_cache_section(cap, maths, config, kv_element_size: int, memory: list) 
             "updates": updates}
 
 
+def scan_op(maths, layer: int, output: str):
+    """The layer's declared Mamba2 scan making `output` ("y" or "state"), and its point; (None, None) if none."""
+    return next(((n, o) for n, o in maths.layers[layer].items() if o.kind == "ssm_scan" and o.const("output") ==
+                 output), (None, None))
+
+
 def ssm_scan_section(cap, maths, weights: dict, head: Optional[int] = None) -> dict:
     """One Mamba2 state update of head `head` (default 0) at the last prompt token, worked on real numbers and
     checked against the pass's own state and read-out. `weights`: the layer's parameters the declared operation reads
@@ -105,10 +111,8 @@ def ssm_scan_section(cap, maths, weights: dict, head: Optional[int] = None) -> d
         Δ·x ⊗ B               the write: the token's x (P) times its group's B (N), scaled by its step Δ
         h = a·h₀ + Δ·x ⊗ B
         y = h·C + D·x         the read-out with its group's C, plus the skip"""
-    y_name, o = next(((n, o) for n, o in maths.layers[cap.layer].items() if o.kind == "ssm_scan" and
-                      o.const("output") == "y"))
-    state_name, so = next(((n, o) for n, o in maths.layers[cap.layer].items() if o.kind == "ssm_scan" and
-                           o.const("output") == "state"))
+    y_name, o = scan_op(maths, cap.layer, "y")
+    state_name, so = scan_op(maths, cap.layer, "state")
     names = o.inputs[:5]  # x, B, C, Δ, a
     p = {n: cap.points[n].double() for n in names}  # (T, ...) each, no batch axis
     x_all, B_all, C_all, dt_all, a_all = (p[n] for n in names)
