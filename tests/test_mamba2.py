@@ -264,3 +264,33 @@ def test_each_layer_reports_its_kinds_points_in_declared_order(loaded):
         assert names.index("attn_scaled") == names.index("o_proj") + 1 and names[-2:] == ["ffn_scaled", "resid_post"]
     assert [n for lay, n in seen if lay is None] == ["embed", "embed_scaled", "final_norm", "last", "logits_raw",
                                                      "logits"]
+
+
+def test_compare_eval_and_the_quantized_paths_run_on_the_tiny_gguf(families, loaded, capsys, tmp_path, monkeypatch):
+    """compare of the HF directory against its GGUF finds them identical; eval scores a text from the GGUF;
+    --keep-quantized holds a q8_0 file's matrices in their blocks and computes what the dequantized file computes; the
+    fast path runs a Mamba2 layer as it is, its logits those of the exact path within bfloat16's rounding."""
+    from helpers import run_cli
+
+    from llmtrace.checkpoint.load import load_model
+
+    monkeypatch.setenv("LLMTRACE_HOME", str(tmp_path / "home"))
+    hf, gguf = families.hf_dir("granite_hybrid"), families.gguf("granite_hybrid")
+    code, out, err = run_cli(capsys, "compare", "-m", hf, "-m", gguf, "The quick brown fox")
+    assert code == 0, err
+    assert "runs agree within 0.0001 at every point and position (identical)" in out
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 6)
+    code, out, err = run_cli(capsys, "eval", str(text), "-m", gguf, "--ctx", "32", "--chunks", "2")
+    assert code == 0, err
+    assert "PPL = " in out
+    q8 = families.gguf("granite_hybrid", "q8_0")
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.no_grad():
+        kept = load_model(str(q8), device="cpu", dtype="float32", keep_quantized=True)
+        plain = load_model(str(q8), device="cpu", dtype="float32")
+        assert float((kept.model(ids) - plain.model(ids)).abs().max()) <= 1e-4
+        exact = loaded("granite_hybrid", "gguf").model(ids)[0].float()
+        fast = load_model(str(gguf), device="cpu", fast=True).model(ids)[0].float()
+    cos = torch.nn.functional.cosine_similarity(exact.flatten(), fast.flatten(), dim=0)
+    assert float(cos) > 0.99 and float((fast - exact).abs().max()) < 0.1 * float(exact.abs().max())
