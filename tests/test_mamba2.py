@@ -294,3 +294,23 @@ def test_compare_eval_and_the_quantized_paths_run_on_the_tiny_gguf(families, loa
         fast = load_model(str(gguf), device="cpu", fast=True).model(ids)[0].float()
     cos = torch.nn.functional.cosine_similarity(exact.flatten(), fast.flatten(), dim=0)
     assert float(cos) > 0.99 and float((fast - exact).abs().max()) < 0.1 * float(exact.abs().max())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_row_of_a_padded_batch_is_its_prompt_alone(loaded, name):
+    """A batch of PROMPT_IDS and a 5-token prompt (9 pads on the left): the short row's stream and logits from its
+    first real token are those of its pass alone. A pad's input is zero, so it writes nothing into the state (x and B
+    are 0) and leaves zeros in the convolution's window, as no token at all would."""
+    from llmtrace.api import Model
+
+    model = Model(loaded(name, "hf"))
+    short = PROMPT_IDS[:5]
+    logits, cache = model.run_with_cache([PROMPT_IDS, short], names=["*.resid_post", "*.ssm_state"])
+    alone_logits, alone = model.run_with_cache(short, names=["*.resid_post", "*.ssm_state"])
+    pad = cache.pads[1]
+    assert cache.pads == [0, len(PROMPT_IDS) - 5]
+    for i in range(model.config.n_layers):
+        torch.testing.assert_close(cache[f"{i}.resid_post"][1, pad:], alone[f"{i}.resid_post"][0], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1, pad:], alone_logits[0], atol=TOL, rtol=0)
+    state = next(k for k in alone.keys() if k.endswith("ssm_state"))
+    torch.testing.assert_close(cache[state][1], alone[state][0], atol=1e-5, rtol=0)

@@ -36,13 +36,14 @@ CHECKING = {"rmsnorm", "rope", "scores", "softmax", "glu", "add", "scale", "soft
 TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4) and LongRoPE's 8
 CARD_FAMILIES = ["llama", "mistral", "qwen3", "qwen3_swa", "gemma2", "gemma3", "phi3", "phi3_longrope", "olmo2",
                  "mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense", "smollm3", "gpt_oss", "gpt_oss_mxfp4",
-                 "qwen3_5"]
+                 "qwen3_5", "granite_hybrid"]
 
 
 def test_the_card_families_are_the_fixtures():
     """Every family fixture is stepped through (qwen3_tied and qwen3_5_tied are qwen3 and qwen3_5 with the head tied
-    and, for Qwen3.5, one key head per value head: the same cards)."""
-    assert set(CARD_FAMILIES) == set(FAMILIES) - {"qwen3_tied", "qwen3_5_tied"}
+    and, for Qwen3.5, one key head per value head; granite_hybrid_dense is granite_hybrid without experts: the same
+    cards)."""
+    assert set(CARD_FAMILIES) == set(FAMILIES) - {"qwen3_tied", "qwen3_5_tied", "granite_hybrid_dense"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
