@@ -41,8 +41,7 @@ def _configs(width: int, layers: int) -> dict:
 
 def _save(fields: dict, path: Path) -> int:
     import transformers
-    from families import write_hf_dir  # noqa: F401  (the tests' tokenizer writer)
-    from tiny import tiny_tokenizer, write_tokenizer
+    from tiny import tiny_tokenizer, write_tokenizer  # the tests' tokenizer
 
     fields = dict(fields)
     model_type = fields.pop("model_type")
@@ -65,8 +64,6 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
-    from helpers import greedy_ours  # noqa: F401
-
     from llmtrace.checkpoint.load import load_model
     from llmtrace.run.generate import generate
     from llmtrace.run.sampler import Sampler, SamplerConfig

@@ -43,8 +43,8 @@ PART = "granite"  # the config part of the multipliers
 def multiplier(config, name: str) -> float:
     return float(config.parts.get(PART, {}).get(name, 1.0))
 
-EMBED_SCALED = Point("embed_scaled", "s4", ("T", "D"), about="the embedding × embedding_multiplier: the stream entering "
-                     "layer 0", input=EMBED.name)
+EMBED_SCALED = Point("embed_scaled", "s4", ("T", "D"), input=EMBED.name,
+                     about="the embedding × embedding_multiplier: the stream entering layer 0")
 LOGITS_RAW = Point("logits_raw", "s9", ("V",), about="the LM head's output before ÷ logits_scaling")
 LOGITS_SCALED = replace(LOGITS, about="logits_raw ÷ logits_scaling: one score per vocabulary entry")
 ATTN_SCALED = Point("attn_scaled", "s6.6", ("T", "D"), about="the mixer's output × residual_multiplier, added to the "
@@ -223,9 +223,8 @@ class GraniteHybrid(Transformer):
 
     def model_maths(self) -> dict[str, Op]:
         out = super().model_maths()
-        head = out[LOGITS.name]
-        return out | {EMBED_SCALED.name: op("scale", [EMBED.name], factor=multiplier(self.config, "embedding_multiplier"),
-                                            label="embedding_multiplier"),
+        head, embedding = out[LOGITS.name], multiplier(self.config, "embedding_multiplier")
+        return out | {EMBED_SCALED.name: op("scale", [EMBED.name], factor=embedding, label="embedding_multiplier"),
                       LOGITS_RAW.name: head,
                       LOGITS.name: op("scale", [LOGITS_RAW.name], factor=1 / multiplier(self.config, "logits_scaling"),
                                       label="1/logits_scaling")}
@@ -323,8 +322,8 @@ def changes(c) -> list[str]:
     state = p.get("heads", 0) * p.get("head_dim", 0) * p.get("state", 0)
     attn = [i for i, t in enumerate(c.layer_types or []) if t != "mamba"]
     out = [f"{n_ssm} of {c.n_layers} layers are Mamba2: a state h of {p.get('heads')} heads × {p.get('head_dim')} × "
-           f"{p.get('state')} = {state:,} numbers per layer, updated h ← exp(Δ·A)·h + Δ·x⊗B and read y = C·h + D·x, in "
-           f"place of a KV cache that grows with every token",
+           f"{p.get('state')} = {state:,} numbers per layer, updated h ← exp(Δ·A)·h + Δ·x⊗B and read "
+           f"y = C·h + D·x, in place of a KV cache that grows with every token",
            f"Mamba2 layers: a causal convolution over the last {p.get('conv_kernel')} tokens (no RoPE), B and C in "
            f"{plural(p.get('groups', 1), 'group')}, the output RMS-normed per group after the gate silu(z)",
            f"{'layer' if len(attn) == 1 else 'layers'} {', '.join(map(str, attn))}: attention with "
@@ -334,8 +333,8 @@ def changes(c) -> list[str]:
            f"{m.get('residual_multiplier', 1):g} before the add; logits ÷ {m.get('logits_scaling', 1):g}"]
     if c.n_experts:
         out.append(f"feed-forward: {c.n_experts} SwiGLU experts (width {c.expert_ffn_dim:,}), each token's top "
-                   f"{plural(c.n_experts_used, 'expert')} of the raw router logits, softmaxed over those; plus a shared "
-                   f"SwiGLU (width {c.ffn_dim:,}) every token runs")
+                   f"{plural(c.n_experts_used, 'expert')} of the raw router logits, softmaxed over those; plus a "
+                   f"shared SwiGLU (width {c.ffn_dim:,}) every token runs")
     else:
         out.append(f"feed-forward: one SwiGLU (width {c.ffn_dim:,}, HF's shared_mlp), no experts")
     return out

@@ -114,7 +114,8 @@ class Mamba2(Module):
     def __init__(self, config):
         super().__init__()
         p = config.parts[KEY]
-        self.hs, self.hd, self.gs, self.n, self.kc = p["heads"], p["head_dim"], p["groups"], p["state"], p["conv_kernel"]
+        self.hs, self.hd, self.gs, self.n = p["heads"], p["head_dim"], p["groups"], p["state"]
+        self.kc = p["conv_kernel"]
         self.inner = self.hs * self.hd  # I
         self.channels = self.inner + 2 * self.gs * self.n  # Cs
         self.dt_limit = p.get("dt_limit")
@@ -138,7 +139,8 @@ class Mamba2(Module):
                               (Source("conv1d.bias", "ssm_conv1d.bias", "Cs", "b_conv"),)))
         return (*out,
                 Weight("dt_bias", ("Hs",), "s6.4", "vector", (Source("dt_bias", "ssm_dt.bias", "Hs", "dt_bias"),)),
-                Weight("A", ("Hs",), "s6.4", "vector", (Source("A_log", "ssm_a", "Hs", "A", hf_transform=("neg_exp",)),)),
+                Weight("A", ("Hs",), "s6.4", "vector",
+                       (Source("A_log", "ssm_a", "Hs", "A", hf_transform=("neg_exp",)),)),
                 Weight("D", ("Hs",), "s6.5", "vector", (Source("D", "ssm_d", "Hs", "D"),)),
                 Weight("w_out.weight", ("D", "I"), "s6.6", "matrix",
                        (Source("out_proj.weight", "ssm_out.weight", "D", "W_out"),)))
@@ -169,14 +171,18 @@ class Mamba2(Module):
     # -- the kind, declared (model.kinds) -----------------------------------------------------------------------
     KIND = "mamba2"
     HEADINGS = {
-        "summary": ("Mamba2: a fixed-size state per head, no KV cache", "Mamba2：每个头一个固定大小的状态，没有 KV 缓存"),
+        "summary": ("Mamba2: a fixed-size state per head, no KV cache",
+                    "Mamba2：每个头一个固定大小的状态，没有 KV 缓存"),
         "s6.1": ("pre-norm and the input projection: the gate z, x·B·C, the step dt",
                  "预归一化与输入投影：门控 z、x·B·C、步长 dt"),
         "s6.2": ("split into x (per head), B and C (per group)", "拆分：x（按头），B 与 C（按组）"),
         "s6.3": ("causal convolution over the last Kc tokens, SiLU", "因果卷积（最近 Kc 个词元），SiLU"),
-        "s6.4": ("the step Δ = softplus(dt + bias) and the decay exp(Δ·A)", "步长 Δ = softplus(dt + 偏置) 与衰减 exp(Δ·A)"),
-        "s6.5": ("the selective scan: h ← a·h + Δ·x⊗B, read y = C·h + D·x", "选择性扫描：h ← a·h + Δ·x⊗B，读出 y = C·h + D·x"),
-        "s6.6": ("gated group norm with z, output projection + residual", "带 z 门控的分组归一化、输出投影 + 残差"),
+        "s6.4": ("the step Δ = softplus(dt + bias) and the decay exp(Δ·A)",
+                 "步长 Δ = softplus(dt + 偏置) 与衰减 exp(Δ·A)"),
+        "s6.5": ("the selective scan: h ← a·h + Δ·x⊗B, read y = C·h + D·x",
+                 "选择性扫描：h ← a·h + Δ·x⊗B，读出 y = C·h + D·x"),
+        "s6.6": ("gated group norm with z, output projection + residual",
+                 "带 z 门控的分组归一化、输出投影 + 残差"),
         "s6.8": ("the state kept: a fixed size, no KV cache", "保留的状态：大小固定，没有 KV 缓存"),
     }
     EXPLAIN = ("ssm_scan",)  # one state update worked on real numbers (run.explain)
