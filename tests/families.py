@@ -55,6 +55,9 @@ class Family:
     mxfp4: bool = False  # gpt-oss's expert matrices stored as the released checkpoints store them (mxfp4_experts)
     pre: str = "gpt-2"  # the tokenizer's split (tokenizer.json's pre-tokenizer; the GGUF's tokenizer.ggml.pre)
     chat_template: str = ""  # the family's own chat format, when it has one (gpt-oss's harmony); else tiny.py's
+    # config.json fields as the released checkpoints write them, put back after save_pretrained (transformers 5 renames
+    # Granite 4.0-H's layer_types to linear_attention / full_attention, which llama.cpp's converter does not read)
+    config_json: dict = field(default_factory=dict)
 
 
 COMMON = dict(
@@ -73,6 +76,13 @@ _LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fac
 _QWEN35 = {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
            "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
+
+_GRANITE_LAYERS = ["mamba", "mamba", "attention", "mamba"]
+_GRANITE = {"num_hidden_layers": 4, "layer_types": _GRANITE_LAYERS, "mamba_n_heads": 8, "mamba_d_head": 16,
+            "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
+            "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.4,
+            "logits_scaling": 4.0, "position_embedding_type": None}
 
 _YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 4096}
@@ -148,6 +158,16 @@ _FAMILIES = [
                                             "linear_conv_kernel_dim": 3, "tie_word_embeddings": True},
            "key and value heads alike (no reordering), kernel 3, the head tied to the "
            "embedding (as the real 0.8B)", transformers_reads_gguf=False),
+    Family("granite_hybrid", "granitemoehybrid", _GRANITE,
+           "Granite 4.0-H: Mamba2 layers 0, 1, 3 (8 heads × 16 × state 16, B and C in 2 groups, kernel 4) and attention "
+           "in layer 2 (no RoPE, scores × 0.4); 4 experts, top 2 of the raw logits, beside a shared SwiGLU; embedding × 12, "
+           "residual × 0.22, logits ÷ 4", transformers_reads_gguf=False, config_json={"layer_types": _GRANITE_LAYERS}),
+    Family("granite_hybrid_dense", "granitemoehybrid", {
+        **_GRANITE, "num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 4,
+        "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_d_conv": 3, "num_local_experts": 0,
+        "num_experts_per_tok": 0, "tie_word_embeddings": True},
+           "as the released 350M and 1B: no experts (the shared MLP alone), the head tied; one group, kernel 3",
+           transformers_reads_gguf=False, config_json={"layer_types": ["mamba", "attention", "mamba"]}),
     Family("qwen3_moe", "qwen3_moe", {
         "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
         "intermediate_size": 96, "norm_topk_prob": True, "rope_parameters": _ROPE},
@@ -354,6 +374,9 @@ def write_hf_dir(path: Path, family: Family, model=None):
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config,
                                                                 "chat_template": TEMPLATES[family.chat_template]}))
+    if family.config_json:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **family.config_json}, indent=2))
     if family.tokenizer_class != "PreTrainedTokenizerFast":
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": family.tokenizer_class}))
@@ -473,6 +496,9 @@ def state_dict_from_gguf(path: Path, model) -> dict[str, torch.Tensor]:
     out = {}
     for key, ref in model.state_dict().items():
         stem, _, suffix = key.rpartition(".")
+        if arch_name == "granitehybrid":
+            out[key] = _granite_tensor(tensors, names, key, c).reshape(ref.shape)
+            continue
         if arch_name == "gpt-oss" and ".experts." in key:  # interleaved gate/up, stored for x·W: (E, D, 2F)
             out[key] = _gpt_oss_experts(tensors, names, key)
             continue
@@ -548,6 +574,37 @@ def _deepseek_kv_b(tensors: dict, key: str, c) -> torch.Tensor:
     blk = key.replace("model.layers.", "blk.").split(".self_attn")[0]
     k_b, v_b = tensors[f"{blk}.attn_k_b.weight"], tensors[f"{blk}.attn_v_b.weight"]
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, c.kv_lora_rank)
+
+
+def _granite_tensor(tensors: dict, names, key: str, c) -> torch.Tensor:
+    """Granite 4.0-H's HF tensor KEY from the converter's: A_log from −exp(A_log), dt_bias from ssm_dt.bias, each
+    [gate; up] stack joined again (ffn_*_exps, ffn_*_shexp, or ffn_gate/up without experts), q/k rows unpermuted."""
+    stem, _, suffix = key.rpartition(".")
+    if key.endswith("mamba.A_log"):
+        return torch.log(-tensors[names.get_name(key)])
+    if key.endswith("mamba.D"):
+        return tensors[names.get_name(key)]
+    if key.endswith("mamba.dt_bias"):
+        return tensors[names.get_name(key.replace("dt_bias", "dt_proj")) + ".bias"]
+    blk = f"blk.{key.split('.')[2]}" if key.startswith("model.layers.") else ""
+    if key.endswith(("input_linear.weight", "experts.gate_up_proj")):  # transformers 5 holds the experts so
+        experts, shared = "block_sparse_moe" in key, c.num_local_experts > 0
+        kinds = ("gate_exps", "up_exps") if experts else ("gate_shexp", "up_shexp") if shared else ("gate", "up")
+        return torch.cat([tensors[f"{blk}.ffn_{k}.weight"] for k in kinds], dim=-2)
+    if key.endswith("experts.down_proj"):
+        return tensors[f"{blk}.ffn_down_exps.weight"]
+    if key.endswith("block_sparse_moe.router.weight"):
+        return tensors[f"{blk}.ffn_gate_inp.weight"]
+    if key.endswith("shared_mlp.output_linear.weight"):
+        return tensors[f"{blk}.ffn_down{'_shexp' if c.num_local_experts else ''}.weight"]
+    if key == "lm_head.weight" and c.tie_word_embeddings:
+        return tensors["token_embd.weight"]
+    t = tensors[f"{names.get_name(stem)}.{suffix}"]
+    if key.endswith("q_proj.weight"):
+        t = _unpermute_rows(t, c.num_attention_heads)
+    elif key.endswith("k_proj.weight"):
+        t = _unpermute_rows(t, c.num_key_value_heads)
+    return t
 
 
 def _gpt_oss_experts(tensors: dict, names, key: str) -> torch.Tensor:

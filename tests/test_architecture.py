@@ -511,9 +511,9 @@ OP_BRANCHES_ALLOWED = {
     "llmtrace.report.page": {"glu"},
     "llmtrace.render.generate": {"rope"},
     "llmtrace.run.explain": {"cache_write", "lookup"},
-    "llmtrace.run.explain_state": {"delta_rule"},
+    "llmtrace.run.explain_state": {"delta_rule", "ssm_scan"},
     # not operations: strings that are also an operation's name
-    "llmtrace.render.explain": {"rmsnorm", "delta_rule", "router", "rope"},  # explain's section names, drawn if present
+    "llmtrace.render.explain": {"rmsnorm", "delta_rule", "ssm_scan", "router", "rope"},  # explain's section names, drawn if present
     "llmtrace.serve.runs": {"scale"},  # a request's field (an intervention's scale)
     "llmtrace.trace.recorder": {"scores"},  # the point named scores (its masked entries left out of statistics)
 }

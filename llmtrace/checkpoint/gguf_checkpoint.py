@@ -75,7 +75,7 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         n_layers=int(need("block_count")),
         d_model=d,
         n_heads=h,
-        n_kv_heads=int(meta("attention.head_count_kv") or h),
+        n_kv_heads=_kv_heads(meta("attention.head_count_kv"), h),
         head_dim=int(head_dim),
         ffn_dim=int(need("feed_forward_length")),
         vocab_size=int(vocab),
@@ -88,6 +88,14 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         attn_bias="blk.0.attn_q.bias" in names,
     )
     return ModelConfig(**(fields | family_fields(family.gguf_config, meta, where)))
+
+
+def _kv_heads(value, h: int) -> int:
+    """attention.head_count_kv: one number, or one per layer where llama.cpp's hybrids write 0 for a layer without
+    attention (its SSM layers): the attention layers' count."""
+    if isinstance(value, (list, tuple)):
+        value = max((int(v) for v in value), default=0)
+    return int(value or h)
 
 
 def _gguf_rope_scaling(meta, reader, freqs, where: str) -> Optional[dict]:

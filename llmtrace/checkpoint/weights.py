@@ -173,6 +173,8 @@ def plan_weights(entries: dict[str, Any], config: ModelConfig, fmt: str, where: 
             part = taken[key] = sd.pop(key) if key in sd else taken[key]
             if fmt == "hf" and src.hf_transform:
                 part = Transformed(part, src.hf_transform)
+            if fmt == "gguf" and len(w.shape) == 1 and len(part.shape) > 1 and math.prod(part.shape) == w.shape[0]:
+                part = AsVector(part)  # a vector llama.cpp's converter stores reshaped (Mamba2's A, D, grouped norm)
             check_shape(where, key, part, (src.rows, *w.shape[1:]))
             if permuted and src.permuted_heads:
                 part = part._replace(heads=src.permuted_heads)
@@ -241,6 +243,23 @@ def _what(param: str, math_name: str) -> str:
     return f"{param}, {math_name}" if math_name else param
 
 
+class AsVector(NamedTuple):
+    """A GGUF tensor holding a vector in another shape ((H, 1), (G, I/G)): read as the vector, values in order."""
+
+    entry: Any
+
+    @property
+    def shape(self):
+        return (math.prod(self.entry.shape),)
+
+    @property
+    def key(self):
+        return self.entry.key
+
+    def read_into(self, out: torch.Tensor) -> None:
+        self.entry.read_into(out.view(self.entry.shape))
+
+
 class Offset(NamedTuple):
     """A checkpoint tensor read with a constant added: an HF Gemma norm stores w and multiplies by 1 + w."""
 
@@ -277,7 +296,9 @@ def _head_rows(t: torch.Tensor, n: int, a: int, b: int) -> torch.Tensor:
 # tensor as read and returns a view of it in the model's layout. A name may carry whole-number arguments after
 # colons ("head_rows:16:0:128"), the sizes the declaring module knows.
 TRANSFORMS = {"transpose": lambda t: t.transpose(-1, -2), "even": _even, "odd": _odd,
-              "squeeze1": lambda t: t.squeeze(1), "neg_exp": lambda t: -t.exp(), "head_rows": _head_rows}
+              "squeeze1": lambda t: t.squeeze(1), "neg_exp": lambda t: -t.exp(), "head_rows": _head_rows,
+              "gate_half": lambda t: t.narrow(-2, 0, t.size(-2) // 2),
+              "up_half": lambda t: t.narrow(-2, t.size(-2) // 2, t.size(-2) // 2)}
 
 
 class Transformed(NamedTuple):

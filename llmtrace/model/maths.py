@@ -52,7 +52,7 @@ OPS = {
     "expert_mix": "y = Σ_k w_k · (act_k · W_down,e_kᵀ)",
     "stream": "x = the stream",  # a layer's input: the previous layer's output (no computation)
     # linear attention (Qwen3.5's Gated DeltaNet): a fixed-size state instead of a KV cache
-    "conv1d": "y_t = act(Σ_j w_j · x_{t−Kc+1+j})",  # causal, depthwise, over the carried last Kc−1 inputs
+    "conv1d": "y_t = act(Σ_j w_j · x_{t−Kc+1+j} (+ b))",  # causal, depthwise, over the carried last Kc−1 inputs
     "l2norm": "y = x / √(Σx² + ε) · c",  # per head, over the head's width
     "slice": "y = x[a:b]",  # some columns of a point, split into heads
     "sigmoid": "y = σ(x)",
@@ -63,6 +63,11 @@ OPS = {
     # multi-head latent attention (DeepSeek's MLA): K and V up-projected from a cached latent
     "latent_up": "y_h = c · W_h",  # each head's keys (or values) from every cached latent c
     "mla_scores": "s = (q_nope · k_nopeᵀ + q_rope · k_ropeᵀ) · scale",  # then the mask
+    # Mamba2 (model.kinds.mamba2): a selective state-space layer, a fixed-size state per head
+    "softplus": "Δ = softplus(x + dt_bias)",  # the step of each head and token, > 0
+    "ssm_decay": "a = exp(Δ · A)",  # A = −exp(A_log) < 0, so 0 < a < 1
+    "ssm_scan": "h ← a·h + Δ·x⊗B;  y = C·h + D·x",  # token by token, from the carried h
+    "group_gated_rmsnorm": "y = g / √(mean_group(g²) + ε) · γ,  g = x · silu(z)",
 }
 
 PREV = "^"  # an operand of the layer before (see the module docstring)
@@ -390,7 +395,8 @@ def _delta_words(name: str, x: list, c: dict) -> str:
 STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated DeltaNet)
     "conv1d": lambda name, x, c, o: (
         f"{name} = the last {c['kernel'] - 1} inputs of ({_carried(c, x[1])}, then {x[0]})" if c.get("output") == "state"
-        else f"{name}_t = {c['act']}(Σ_j w_conv,j · {x[0]}_(t−{c['kernel'] - 1}+j)), per channel, the earlier "
+        else f"{name}_t = {c['act']}(Σ_j w_conv,j · {x[0]}_(t−{c['kernel'] - 1}+j){' + b_conv' * (len(o.weights) > 1)}), "
+             f"per channel, the earlier "
              f"inputs from {_carried(c, x[1])}"),
     "l2norm": lambda name, x, c, o: (f"{name} = v / √(Σv² + {c['eps']:g})" + (f" · {c['scale']:.4g} ({c['scale_label']})"
                                      if c.get("scale", 1) != 1 else "") + f", v = {x[0]}[{c['cols'][0]}:{c['cols'][1]}] "
@@ -402,6 +408,13 @@ STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated Del
     "gated_rmsnorm": lambda name, x, c, o: (f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ · silu({x[1]}), "
                                             f"per head (γ = w)"),
     "gate": lambda name, x, c, o: f"{name} = {x[0]} · σ({x[1]})",
+    # Mamba2
+    "softplus": lambda name, x, c, o: f"{name} = softplus({x[0]} + dt_bias)" + (
+        f", clamped to [{c['limit'][0]:g}, {c['limit'][1]:g}]" if c.get("limit") else ""),
+    "ssm_decay": lambda name, x, c, o: f"{name} = exp({x[0]} · A), A = −exp(A_log) < 0",
+    "ssm_scan": lambda name, x, c, o: _scan_words(name, x, c),
+    "group_gated_rmsnorm": lambda name, x, c, o: (
+        f"{name} = g / √(mean(g²) + {c['eps']:g}) · γ over each group of {c['group']}, g = {x[0]} · silu({x[1]})"),
 }
 
 
@@ -416,6 +429,13 @@ MLA_OPS = {  # the words of multi-head latent attention's operations (DeepSeek V
 
 def _cached(c: dict, ref: str) -> str:
     return f"{ref} of every cached slot" if ref in (c.get("cached") or ()) else ref
+
+
+def _scan_words(name: str, x: list, c: dict) -> str:
+    xs, b, cc, dt, a, state = x
+    out = f"; {name}_t = {cc}·h + D·{xs}" if c.get("output") == "y" else "; the last h"
+    return (f"{name}: from h = {_carried(c, state)}, for each token h ← {a}·h + {dt}·{xs}⊗{b}{out} (head j reads "
+            f"group j // {c.get('group')} of {b} and {cc})")
 
 
 def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"], say) -> str:

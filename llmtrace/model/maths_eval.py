@@ -217,7 +217,7 @@ def _conv1d(o, x, w, shape, **_):
     xs = torch.cat([before, qkv.transpose(1, 2)], dim=-1)  # (B, C, Kc-1+T)
     if o.const("output") == "state":
         return xs[:, :, -(kc - 1):]
-    return ACTS[o.const("act")](F.conv1d(xs, w[0].unsqueeze(1), groups=C)).transpose(1, 2)
+    return ACTS[o.const("act")](F.conv1d(xs, w[0].unsqueeze(1), w[1] if len(w) > 1 else None, groups=C)).transpose(1, 2)
 
 
 def _columns(o, x, shape):
@@ -284,12 +284,46 @@ def _mla_scores(o, x, w, shape, padding=None, **_):
     return _mask(o, s * o.const("scale"), padding)
 
 
+def _softplus(o, x, w, shape, **_):
+    dt = F.softplus(x[0] + w[0])
+    lo, hi = o.const("limit") or (0.0, math.inf)
+    return dt.clamp(lo, hi)
+
+
+def _ssm_decay(o, x, w, shape, **_):
+    return torch.exp(x[0] * w[0])
+
+
+def _ssm_scan(o, x, w, shape, **_):
+    """Mamba2's recurrence from its formula: per head, h (P × N) ← a·h + Δ·x ⊗ B, y = C·h + D·x; head j reads
+    group j // (H/G) of B and C."""
+    xs, b, c, dt, a, h = x  # (B, T, H, P), (B, T, G, N) twice, (B, T, H) twice, the carried (B, H, P, N) or None
+    g = o.const("group")
+    b, c = b.repeat_interleave(g, dim=2), c.repeat_interleave(g, dim=2)  # (B, T, H, N)
+    Bn, T, H, P = xs.shape
+    h = torch.zeros(Bn, H, P, b.size(-1), dtype=xs.dtype) if h is None else h
+    ys = []
+    for t in range(T):
+        h = a[:, t, :, None, None] * h + dt[:, t, :, None, None] * xs[:, t, :, :, None] * b[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, c[:, t]) + w[0][:, None] * xs[:, t])
+    return h if o.const("output") == "state" else torch.stack(ys, dim=1)
+
+
+def _group_gated_rmsnorm(o, x, w, shape, **_):
+    v = x[0].reshape(*x[0].shape[:2], -1) * F.silu(x[1].reshape(*x[1].shape[:2], -1))  # (B, T, I)
+    grouped = v.reshape(*v.shape[:2], -1, o.const("group"))
+    y = grouped / torch.sqrt(grouped.pow(2).mean(-1, keepdim=True) + o.const("eps"))
+    return y.reshape(v.shape) * w[0]
+
+
 _KINDS = {"stream": _stream, "lookup": _lookup, "scale": _scale, "rmsnorm": _rmsnorm, "matmul": _matmul,
           "rope": _rope, "repeat_kv": _repeat_kv, "scores": _scores, "softcap": _softcap, "softmax": _softmax,
           "weighted_sum": _weighted_sum, "glu": _glu, "add": _add, "select_last": _select_last, "router": _router,
           "expert_matmul": _expert_matmul, "expert_mix": _expert_mix, "conv1d": _conv1d, "l2norm": _l2norm,
           "slice": _slice, "sigmoid": _sigmoid, "decay": _decay, "delta_rule": _delta_rule,
-          "gated_rmsnorm": _gated_rmsnorm, "gate": _gate, "latent_up": _latent_up, "mla_scores": _mla_scores}
+          "gated_rmsnorm": _gated_rmsnorm, "gate": _gate, "latent_up": _latent_up, "mla_scores": _mla_scores,
+          "softplus": _softplus, "ssm_decay": _ssm_decay, "ssm_scan": _ssm_scan,
+          "group_gated_rmsnorm": _group_gated_rmsnorm}
 
 
 def max_error(computed: torch.Tensor, recorded: torch.Tensor) -> tuple[float, float]:

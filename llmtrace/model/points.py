@@ -189,6 +189,8 @@ TRANSFORMS = {
     "squeeze1": "the axis of size 1 after the first dropped: a depthwise convolution's (C, 1, Kc) held as (C, Kc)",
     "head_rows": "head_rows:n:a:b, rows [a, b) of each of n heads' blocks of rows, as (n, b − a, in): one part of "
                  "a per-head fused matrix (MLA's kv_b_proj: each head's k_nope rows, then its v rows)",
+    "gate_half": "the first half of the second-to-last axis (gate of a [gate; up] stack: Granite's input_linear)",
+    "up_half": "the second half of the second-to-last axis (up of a [gate; up] stack)",
     "neg_exp": "x -> −exp(x): a decay rate stored as its log (A_log), held as the negative rate A = −exp(A_log), "
                "computed in float32 as transformers computes it",
 }

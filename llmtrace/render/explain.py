@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, LOGITS, RESID_MID, RESID_POST
-from llmtrace.render.explain_state import delta_rule, state_cache
+from llmtrace.render.explain_state import delta_rule, ssm_scan, state_cache
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, plural
@@ -125,6 +125,8 @@ def render_explain(events: list[dict], console: Console) -> None:
     # the mixer's sections, those its kind declared (model.kinds EXPLAIN): drawn as they are present
     if "delta_rule" in by:  # a layer whose memory is a recurrent state (render.explain_state)
         delta_rule(console, by["delta_rule"], toks)
+    if "ssm_scan" in by:  # a Mamba2 layer
+        ssm_scan(console, by["ssm_scan"], toks)
     if "qkv" in by:
         _qkv(console, by["qkv"])
     if "rope" in by:

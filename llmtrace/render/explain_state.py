@@ -61,15 +61,51 @@ def delta_rule(console: Console, ev: dict, toks: list[str]) -> None:
                    f"{dk} × {dv}, the corner shows how one token moves it")
 
 
+def ssm_scan(console: Console, ev: dict, toks: list[str]) -> None:
+    """③-⑤ for a Mamba2 layer: the state's update at the last token, for one head."""
+    h, t = ev["head"], ev["position"]
+    P, N = ev["shape_state"][1:]
+    _title(console, f"③-⑤ s6.4-s6.8  the selective scan, head {h} (B and C of group {ev['group']}), at the last "
+                    f"token ({t}: {visible(toks[t]) if t < len(toks) else t}): {ev['formula']}")
+    _note(console, f"this layer has no attention scores and no KV cache: its memory is a state h of {P} × {N} numbers "
+                   f"per head; each token writes its x (P) along its B (N), scaled by its step Δ, after the state "
+                   f"decays by a = exp(Δ·A) (0 < a < 1), and reads it back with its C")
+    console.print(f"Δ = {ev['dt']:.6g}   a = exp(Δ·A) = {ev['a']:.6g}   D = {ev['D']:.6g}")
+    t_ = Table(box=None, padding=(0, 1), header_style="bold")
+    t_.add_column("", justify="left")
+    t_.add_column("first values", justify="left")
+    t_.add_row(f"x  (the token's, first {len(ev['x'])} of {P})", _row(ev["x"]))
+    t_.add_row(f"B  (write, first {len(ev['B'])} of {N})", _row(ev["B"]))
+    t_.add_row(f"C  (read, first {len(ev['C'])} of {N})", _row(ev["C"]))
+    t_.add_row("h·C  (the read)", _row(ev["read"]))
+    t_.add_row("D·x  (the skip)", _row(ev["skip"]))
+    t_.add_row("y = h·C + D·x", _row(ev["out"]))
+    print_fitted(console, t_)
+    grid = Table(box=None, padding=(0, 1), header_style="bold")
+    for name in ("h₀ (before)", "a·h₀", "Δ·x ⊗ B (the write)", "h (after)"):
+        grid.add_column(name, justify="right")
+    for i in range(len(ev["h_before"])):
+        grid.add_row(*[" ".join(f"{v:8.4f}" for v in ev[key][i]) for key in ("h_before", "h_decayed", "write",
+                                                                              "h_after")])
+    console.print(Text(f"the state's corner (rows: head dims 0-{len(ev['h_before']) - 1} of x; columns: state dims)"))
+    print_fitted(console, grid)
+    console.print(Text.assemble("h computed in float64 vs the state the pass left ", _check(ev["check_state_max_abs_diff"]),
+                                ";  y vs the pass's read-out ", _check(ev["check_out_max_abs_diff"])))
+    _note(console, f"h₀ is the state after the earlier tokens (the same rule from zeros); the whole h is {P} × {N}, "
+                   f"the corner shows how one token moves it")
+
+
 def state_cache(console: Console, ev: dict) -> None:
     """⑧ for a state layer: what it keeps, and why nothing grows."""
     kept = ", ".join(f"{n} [{' × '.join(str(d) for d in s)}]" for n, s in ev["state"].items())
     _title(console, f"⑧ s6.8  no KV cache grows here: the layer keeps {kept} = {ev['state_bytes']:,} B (float32)")
     T, per = ev["n_tokens"], ev["kv_bytes_per_token"]
     console.print(f"after {T} tokens, after 1, or after {ev['context']:,}: the same {ev['state_bytes']:,} B. Each token "
-                  f"is folded into S (α·S + k ⊗ δ) and then dropped: nothing is kept per token.")
+                  f"is folded into the state and then dropped: nothing is kept per token.")
+    for line in (ev.get("updates") or {}).values():
+        console.print(Text("  " + line, style="dim"))
     console.print(f"an attention layer of this model (layers {', '.join(map(str, ev['attention_layers']))}) caches "
                   f"{per:,} B per token: {ev['kv_bytes_now']:,} B now, {human_bytes(ev['kv_bytes_context'])} at "
                   f"{ev['context']:,} tokens; it overtakes this state at {ev['break_even']:,} tokens")
-    _note(console, f"the price: S cannot recall a token exactly as attention can; it holds a blend that decays with α. "
+    _note(console, f"the price: the state cannot recall a token exactly as attention can; it holds a blend that decays. "
                    f"{len(ev['state_layers'])} of {len(ev['state_layers']) + len(ev['attention_layers'])} layers pay it")

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from llmtrace.model.maths import formula
 from llmtrace.model.maths_eval import apply, per_value_head
 
 CORNER = 4  # rows and columns of the state shown
@@ -80,6 +81,7 @@ def state_cache_section(cap, maths, config, kv_element_size: int, memory: list) 
     """s6.8 for a state layer: what it keeps (its carried points, the same size at every step) beside what an
     attention layer of this model caches for the same tokens (growing by 2·Hkv·Dh numbers a token)."""
     carried = [n for n, o in maths.layers[cap.layer].items() if n in (o.const("carried") or ())]
+    updates = {n: formula(maths.layers[cap.layer][n], n, cap.layer, maths) for n in carried}
     kept = {n: list(cap.points[n].shape) for n in carried if n in cap.points}
     numbers = sum(int(torch.tensor(s).prod()) for s in kept.values())
     T = len(cap.ids)
@@ -90,4 +92,53 @@ def state_cache_section(cap, maths, config, kv_element_size: int, memory: list) 
     return {"event": "explain", "section": "state_cache", "layer": cap.layer, "seed_step": "s6.8", "n_tokens": T,
             "state": kept, "state_bytes": state_bytes, "kv_bytes_per_token": per_token, "kv_bytes_now": per_token * T,
             "kv_bytes_context": per_token * config.max_seq_len, "context": config.max_seq_len, "break_even": even,
-            "attention_layers": attention_layers, "state_layers": [i for i, m in enumerate(memory) if m.constant]}
+            "attention_layers": attention_layers, "state_layers": [i for i, m in enumerate(memory) if m.constant],
+            "updates": updates}
+
+
+def scan_op(maths, layer: int, output: str):
+    """The layer's declared Mamba2 scan making `output` ("y" or "state"), and its point; (None, None) if none."""
+    return next(((n, o) for n, o in maths.layers[layer].items() if o.kind == "ssm_scan" and o.const("output") ==
+                 output), (None, None))
+
+
+def ssm_scan_section(cap, maths, weights: dict, head: Optional[int] = None) -> dict:
+    """One Mamba2 state update of head `head` (default 0) at the last prompt token, worked on real numbers and
+    checked against the pass's own state and read-out. `weights`: the layer's parameters the declared operation reads
+    (its D), by their names in the declaration. The state before the token, h₀, is the declared operation applied to
+    the earlier tokens from zeros; then
+        a·h₀                  the decay: every entry of the head's state times a = exp(Δ·A)
+        Δ·x ⊗ B               the write: the token's x (P) times its group's B (N), scaled by its step Δ
+        h = a·h₀ + Δ·x ⊗ B
+        y = h·C + D·x         the read-out with its group's C, plus the skip"""
+    y_name, o = scan_op(maths, cap.layer, "y")
+    state_name, so = scan_op(maths, cap.layer, "state")
+    names = o.inputs[:5]  # x, B, C, Δ, a
+    p = {n: cap.points[n].double() for n in names}  # (T, ...) each, no batch axis
+    x_all, B_all, C_all, dt_all, a_all = (p[n] for n in names)
+    T, Hs, P = x_all.shape
+    h, g = head or 0, o.const("group")
+    grp = h // g
+    D = weights[o.weights[0]].double()
+    before = torch.zeros(1, Hs, P, B_all.size(-1), dtype=torch.float64)
+    if T > 1:  # the state after the earlier tokens: the declared operation on their numbers
+        before = apply(so, [p[n][None, : T - 1] for n in names] + [None], [D], tuple(before.shape))
+    h0 = before[0, h]  # (P, N)
+    x, B, C, dt, a = x_all[-1, h], B_all[-1, grp], C_all[-1, grp], dt_all[-1, h], a_all[-1, h]
+    decayed = a * h0
+    write = dt * torch.outer(x, B)  # (P, N)
+    hT = decayed + write
+    y = hT @ C + D[h] * x  # (P,)
+    recorded_h, recorded_y = cap.points[state_name][h].double(), cap.points[y_name][-1, h].double()
+    c, n = CORNER, min(CORNER, B.numel())
+    return {
+        "event": "explain", "section": "ssm_scan", "layer": cap.layer, "seed_step": "s6.4-s6.8", "head": h,
+        "group": grp, "position": T - 1, "point_state": state_name, "point_out": y_name,
+        "formula": "h ← a·h + Δ·x ⊗ B;  y = h·C + D·x", "shape_state": list(cap.points[state_name].shape),
+        "dt": _r(dt), "a": _r(a), "D": _r(D[h]), "x": _rl(x[:c]), "B": _rl(B[:n]), "C": _rl(C[:n]),
+        "h_before": _rl(h0[:c, :n]), "h_decayed": _rl(decayed[:c, :n]), "write": _rl(write[:c, :n]),
+        "h_after": _rl(hT[:c, :n]), "read": _rl((hT @ C)[:c]), "skip": _rl((D[h] * x)[:c]), "out": _rl(y[:c]),
+        "check_state_max_abs_diff": _r((hT - recorded_h).abs().max()),
+        "check_out_max_abs_diff": _r((y - recorded_y).abs().max()),
+        "dt_all": _rl(dt_all[:, h]), "a_all": _rl(a_all[:, h]),
+    }
