@@ -88,7 +88,7 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
 # the kernel choice: measured per machine, cached
 
 ORDER_VAR = "LLMTRACE_FAST_KERNELS"  # a fixed order of preference instead of the measurement, e.g. "int4,int4x2,bf16"
-PROBE_VERSION = 3  # bump when measure_kernels changes what it measures
+PROBE_VERSION = 4  # bump when measure_kernels changes what it measures
 
 
 def matrix_shapes(matrices: dict) -> list[tuple[int, int]]:
