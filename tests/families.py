@@ -74,6 +74,10 @@ _QWEN35 = {"num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2, "l
            "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4,
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}}
 
+_LFM2 = {"num_hidden_layers": 4, "layer_types": ["conv", "conv", "full_attention", "conv"], "conv_L_cache": 3,
+         "norm_eps": 1e-6, "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True,
+         "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+
 _YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 4096}
 
@@ -170,6 +174,10 @@ _FAMILIES = [
            "as gpt_oss with its expert matrices in MXFP4 (HF: *_blocks and *_scales; the converter repacks them into "
            "MXFP4 GGUF tensors); the model holds the values the blocks stand for", transformers_reads_gguf=False,
            mxfp4=True, pre="gpt-4o", chat_template="harmony"),
+    Family("lfm2", "lfm2", _LFM2,
+           "3 short gated convolutions (kernel 3) around 1 attention layer (layer 2, q/k RMSNorm per head); "
+           "the FFN width adjusted from 128 to 96 (block_auto_adjust_ff_dim, multiple of 32); the head tied; "
+           "GGUF arch 'lfm2', its KV head count one number per layer (0 in a convolution layer)"),
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,

@@ -87,8 +87,9 @@ def test_every_point_declares_an_operation_of_the_vocabulary(loaded, name):
         for p in points.layer:
             o = maths.op(layer, p.name)
             if o is None:  # a layer that reports a subset of the declared points: a dense layer of a mixture of
-                # experts, or a hybrid model's layer of one mixer kind (Qwen3.5: linear attention or attention)
-                hybrid = len({plan.attention == "linear" for plan in maths.plan}) == 2
+                # experts, or a hybrid model's layer of one mixer kind (Qwen3.5: linear attention or attention;
+                # LFM2: a short convolution or attention)
+                hybrid = len({type(block.attn) for block in model.layers}) > 1
                 assert (model.config.n_experts and p.where == "ffn") or (hybrid and p.where == "attn"), (layer, p.name)
                 continue
             assert o.kind in OPS

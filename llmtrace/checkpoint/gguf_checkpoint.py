@@ -75,7 +75,7 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         n_layers=int(need("block_count")),
         d_model=d,
         n_heads=h,
-        n_kv_heads=int(meta("attention.head_count_kv") or h),
+        n_kv_heads=int(_largest(meta("attention.head_count_kv")) or h),
         head_dim=int(head_dim),
         ffn_dim=int(need("feed_forward_length")),
         vocab_size=int(vocab),
@@ -88,6 +88,11 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         attn_bias="blk.0.attn_q.bias" in names,
     )
     return ModelConfig(**(fields | family_fields(family.gguf_config, meta, where)))
+
+
+def _largest(value):
+    """A per-layer list of a count (LFM2's KV heads: 0 in a layer without attention) as the attention layers' count."""
+    return max(value) if isinstance(value, list) else value
 
 
 def _gguf_rope_scaling(meta, reader, freqs, where: str) -> Optional[dict]:

@@ -60,6 +60,7 @@ OPS = {
     "delta_rule": "S ← α·S + k⊗β(v − Sᵀk);  o = Sᵀq",  # token by token, from the carried S
     "gated_rmsnorm": "y = x / √(mean(x²) + ε) · γ · silu(z)",
     "gate": "y = x · σ(g)",  # an output gate
+    "mul": "y = a ⊙ b",  # element by element (LFM2's short convolution: its input and output gates)
 }
 
 PREV = "^"  # an operand of the layer before (see the module docstring)
@@ -350,11 +351,17 @@ def _delta_words(name: str, x: list, c: dict) -> str:
             f"({alpha}·S)ᵀ{k}){out} (value head j reads key head {reads})")
 
 
+def _conv_words(name: str, x: list, c: dict) -> str:
+    kc = c["kernel"]
+    if c.get("output") == "state":
+        return f"{name} = the last {kc - 1} inputs of ({_carried(c, x[1])}, then {x[0]})"
+    total = f"Σ_j w_conv,j · {x[0]}_(t−{kc - 1}+j)"
+    return (f"{name}_t = {c['act']}({total})" if c.get("act") else f"{name}_t = {total}") + \
+        f", per channel, the earlier inputs from {_carried(c, x[1])}"
+
+
 STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated DeltaNet)
-    "conv1d": lambda name, x, c, o: (
-        f"{name} = the last {c['kernel'] - 1} inputs of ({_carried(c, x[1])}, then {x[0]})" if c.get("output") == "state"
-        else f"{name}_t = {c['act']}(Σ_j w_conv,j · {x[0]}_(t−{c['kernel'] - 1}+j)), per channel, the earlier "
-             f"inputs from {_carried(c, x[1])}"),
+    "conv1d": lambda name, x, c, o: _conv_words(name, x, c),
     "l2norm": lambda name, x, c, o: (f"{name} = v / √(Σv² + {c['eps']:g})" + (f" · {c['scale']:.4g} ({c['scale_label']})"
                                      if c.get("scale", 1) != 1 else "") + f", v = {x[0]}[{c['cols'][0]}:{c['cols'][1]}] "
                                      f"per {c['split']} head"),
@@ -365,6 +372,7 @@ STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated Del
     "gated_rmsnorm": lambda name, x, c, o: (f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ · silu({x[1]}), "
                                             f"per head (γ = w)"),
     "gate": lambda name, x, c, o: f"{name} = {x[0]} · σ({x[1]})",
+    "mul": lambda name, x, c, o: f"{name} = {x[0]} ⊙ {x[1]}",
 }
 
 

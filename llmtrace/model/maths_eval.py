@@ -202,7 +202,8 @@ def _conv1d(o, x, w, shape, **_):
     xs = torch.cat([before, qkv.transpose(1, 2)], dim=-1)  # (B, C, Kc-1+T)
     if o.const("output") == "state":
         return xs[:, :, -(kc - 1):]
-    return ACTS[o.const("act")](F.conv1d(xs, w[0].unsqueeze(1), groups=C)).transpose(1, 2)
+    y = F.conv1d(xs, w[0].unsqueeze(1), groups=C)  # (B, C, T)
+    return (ACTS[o.const("act")](y) if o.const("act") else y).transpose(1, 2)
 
 
 def _columns(o, x, shape):
@@ -256,12 +257,16 @@ def _gate(o, x, w, shape, **_):
     return x[0] * torch.sigmoid(x[1])
 
 
+def _mul(o, x, w, shape, **_):
+    return x[0] * x[1]
+
+
 _KINDS = {"stream": _stream, "lookup": _lookup, "scale": _scale, "rmsnorm": _rmsnorm, "matmul": _matmul,
           "rope": _rope, "repeat_kv": _repeat_kv, "scores": _scores, "softcap": _softcap, "softmax": _softmax,
           "weighted_sum": _weighted_sum, "glu": _glu, "add": _add, "select_last": _select_last, "router": _router,
           "expert_matmul": _expert_matmul, "expert_mix": _expert_mix, "conv1d": _conv1d, "l2norm": _l2norm,
           "slice": _slice, "sigmoid": _sigmoid, "decay": _decay, "delta_rule": _delta_rule,
-          "gated_rmsnorm": _gated_rmsnorm, "gate": _gate}
+          "gated_rmsnorm": _gated_rmsnorm, "gate": _gate, "mul": _mul}
 
 
 def max_error(computed: torch.Tensor, recorded: torch.Tensor) -> tuple[float, float]:

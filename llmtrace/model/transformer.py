@@ -92,6 +92,8 @@ class ModelConfig:
     no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
     swiglu_limit: Optional[float] = None  # a clamped GLU (gpt-oss): gate ≤ limit, −limit ≤ up ≤ limit
     swiglu_alpha: Optional[float] = None  # ... and gate·sigmoid(alpha·gate)·(up + 1)
+    # each kind of layer's own sizes, keyed by its KIND (model.kinds), read by that kind's module alone: config by part
+    parts: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
     @property

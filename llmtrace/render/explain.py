@@ -124,7 +124,7 @@ def render_explain(events: list[dict], console: Console) -> None:
     _rmsnorm(console, by["rmsnorm"], toks)
     if "delta_rule" in by:  # a layer whose memory is a recurrent state (render.explain_state)
         delta_rule(console, by["delta_rule"], toks)
-    else:
+    elif "qkv" in by:  # attention's sections (another kind's steps are in the steps section above)
         _qkv(console, by["qkv"])
         _rope(console, by["rope"])
         _attention(console, by["attention"], heads, by["attention_map"], toks)

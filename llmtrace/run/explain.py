@@ -40,7 +40,8 @@ from llmtrace.errors import BadValue
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
-from llmtrace.run.explain_state import delta_rule_section, linear_flops, state_cache_section, state_op
+from llmtrace.run.explain_state import (delta_rule_section, linear_flops, state_cache_section, state_op,
+                                        writes_kv)
 from llmtrace.run.router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
@@ -306,6 +307,10 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
     }
     if state_op(model.maths(), layer, "o")[1] is not None:  # linear attention: no scores, no P·V
         out["flops"] = linear_flops(c, n_tokens)
+    elif hasattr(model.layers[layer].attn, "flops"):  # a kind that declares its own FLOPs (model.kinds)
+        ffn = 2 * n_tokens * c.d_model * 2 * c.ffn_dim + 2 * n_tokens * c.ffn_dim * c.d_model
+        out["flops"] = {k: v for k, v in model.layers[layer].attn.flops(n_tokens).items() if k != "total"} | {"ffn": ffn}
+        out["flops"]["total"] = sum(out["flops"].values())
     if layer in moe_layers(c):  # a mixture of experts: a token runs K of E experts
         costs = moe_costs(model, layer, n_tokens)
         out["flops"] |= costs.pop("flops")
@@ -630,7 +635,7 @@ def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO,
 
 def kv_section(cap: Capture, config: ModelConfig, maths=None) -> dict:
     c = config
-    kv_layers = c.n_layers if maths is None else sum(plan.attention != "linear" for plan in maths.plan)
+    kv_layers = c.n_layers if maths is None else sum(writes_kv(maths, i) for i in range(len(maths.layers)))
     pos = cap.points[KV_WRITE.name]
     T = int(pos.numel())
     es = cap.kv_element_size
@@ -721,19 +726,22 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
     for name in lm.model.block.NORMS:  # the layer's RMSNorms, as its block declares them
         yield rmsnorm_section(cap, lm.model, lm.points.get(name), maths)
     state = state_op(maths, layer, "o")[1]  # a layer that keeps a recurrent state, as its declaration says
-    if state is None:
+    attends = writes_kv(maths, layer)  # a layer of attention's kind: it writes K and V
+    if attends:
         yield qkv_section(cap, c)
         yield rope_section(cap, c, head if head is not None else 0, lm.model, maths)
         yield from attention_sections(cap, c, head, attn=lm.model.attention_of(layer), maths=maths)
-    else:  # one delta-rule update on this pass's numbers, in place of the attention sections
+    elif state is not None:  # one delta-rule update on this pass's numbers, in place of the attention sections
         yield delta_rule_section(cap, maths, head if head is not None and head < cap.points[state.inputs[2]].size(1)
                                  else 0)
+    # any other kind of layer (a short convolution): its steps section above shows each declared step, checked
     yield residual_section(cap, maths)
     if layer in moe_layers(c):
         yield router_section(cap.points, cap.resid_mid[layer], layer, c, maths=maths)
     else:
         yield ffn_section(cap, c, maths=maths)
-    yield kv_section(cap, c, maths) if state is None else state_cache_section(cap, maths, c, cap.kv_element_size)
+    yield kv_section(cap, c, maths) if attends else state_cache_section(cap, maths, c, cap.kv_element_size,
+                                                                                  lm.model.layers[layer].memory())
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 
 

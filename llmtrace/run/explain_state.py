@@ -38,6 +38,11 @@ def state_op(maths, layer: int, output: str):
                  output), (None, None))
 
 
+def writes_kv(maths, layer: int) -> bool:
+    """Whether the layer's declaration writes keys and values to the cache (attention's kind of memory)."""
+    return any(o.kind == "cache_write" for o in maths.layers[layer].values())
+
+
 def delta_rule_section(cap, maths, head: Optional[int] = None) -> dict:
     """One delta-rule update of value head `head` (default 0) at the last prompt token, worked on real numbers and
     checked against the pass's own state and output."""
@@ -91,7 +96,7 @@ def linear_flops(config, n_tokens: int) -> dict:
     return {"rows": [list(r) for r in rows], "total": sum(r[3] for r in rows)}
 
 
-def state_cache_section(cap, maths, config, kv_element_size: int) -> dict:
+def state_cache_section(cap, maths, config, kv_element_size: int, memory=None) -> dict:
     """s6.8 for a state layer: what it keeps (its carried points, the same size at every step) beside what an
     attention layer of this model caches for the same tokens (growing by 2·Hkv·Dh numbers a token)."""
     carried = [n for n, o in maths.layers[cap.layer].items() if n in (o.const("carried") or ())]
@@ -99,10 +104,12 @@ def state_cache_section(cap, maths, config, kv_element_size: int) -> dict:
     numbers = sum(int(torch.tensor(s).prod()) for s in kept.values())
     T = len(cap.ids)
     per_token = 2 * config.n_kv_heads * config.head_dim * kv_element_size
-    attention_layers = [i for i, plan in enumerate(maths.plan) if plan.attention != "linear"]
-    state_bytes = numbers * 4  # kept in float32
+    attention_layers = [i for i in range(len(maths.layers)) if writes_kv(maths, i)]
+    # the layer's declared memory (model.memory) when given; else float32, as a recurrent state is kept
+    state_bytes = memory.constant_bytes(kv_element_size) if memory is not None else numbers * 4
     even = -(-state_bytes // per_token) if per_token else None  # tokens at which one attention layer's cache is as big
     return {"event": "explain", "section": "state_cache", "layer": cap.layer, "seed_step": "s6.8", "n_tokens": T,
+            "memory_kind": memory.kind if memory is not None else "state",
             "state": kept, "state_bytes": state_bytes, "kv_bytes_per_token": per_token, "kv_bytes_now": per_token * T,
             "kv_bytes_context": per_token * config.max_seq_len, "context": config.max_seq_len, "break_even": even,
             "attention_layers": attention_layers, "state_layers": [i for i in range(config.n_layers)
