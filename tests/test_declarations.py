@@ -12,7 +12,9 @@ from llmtrace.model.transformer import ModelConfig, Transformer
 TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, max_seq_len=64,
             n_experts=4, n_experts_used=2, expert_ffn_dim=24,  # read by the mixture-of-experts families only
             layer_types=["linear", "conv"],  # read by the hybrid families only: Qwen3.5 "linear", LFM2 "conv"
-            linear_attn=dict(k_heads=2, v_heads=4, k_dim=8, v_dim=4, conv_kernel=4, v_order="grouped"))
+            linear_attn=dict(k_heads=2, v_heads=4, k_dim=8, v_dim=4, conv_kernel=4, v_order="grouped"),
+            # read by Gemma 4 only: 4 per-layer input numbers a layer, layer 1 reading layer 0's keys and values
+            parts={"per_layer_input": {"width": 4}, "shared_kv": {"reads": [None, 0]}})
 
 
 def tiny_model(family) -> Transformer:

@@ -55,6 +55,7 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         return None if t is None else _read_small(GGUFEntry.of(t, reader.path))
 
     meta.tensor = tensor
+    meta.has_tensor = lambda name: name in names  # whether the file holds a tensor (Gemma 4: a global layer's attn_v)
 
     def need(key):
         v = meta(key)
@@ -77,7 +78,7 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         n_heads=h,
         n_kv_heads=int(_largest(meta("attention.head_count_kv")) or h),
         head_dim=int(head_dim),
-        ffn_dim=int(need("feed_forward_length")),
+        ffn_dim=int(_largest(need("feed_forward_length"))),
         vocab_size=int(vocab),
         max_seq_len=int(meta("context_length", 4096)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
@@ -91,7 +92,8 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
 
 
 def _largest(value):
-    """A per-layer list of a count (LFM2's KV heads: 0 in a layer without attention) as the attention layers' count."""
+    """A per-layer list of a count as its largest: LFM2's KV heads (0 in a layer without attention), Gemma 4's FFN
+    widths (a KV-shared layer's may be twice the others'); the family reads the list itself."""
     return max(value) if isinstance(value, list) else value
 
 

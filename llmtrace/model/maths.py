@@ -34,7 +34,7 @@ from typing import Any, Optional
 # The vocabulary: kind -> the formula as the views write it (the catalogues translate it; model.maths_eval computes it)
 OPS = {
     "lookup": "x = E[id]",  # the embedding's row of each token id
-    "scale": "y = c · x",  # a constant factor (Gemma's √D)
+    "scale": "y = c · x",  # a constant factor (Gemma's √D), or a learned one (a weight: Gemma 4's layer scalar)
     "rmsnorm": "y = x / √(mean(x²) + ε) · γ",  # over the last axis (the width, a head, or the whole projection)
     "matmul": "y = x · Wᵀ (+ b)",  # a projection; `split` heads after it, or `merge` the heads before it
     "rope": "(x_i, x_i+d/2) rotated by pos · θ_i",  # θ_i = base^(-2i/d) over the rotary width d; or no rotation
@@ -64,6 +64,7 @@ OPS = {
 }
 
 PREV = "^"  # an operand of the layer before (see the module docstring)
+OF_LAYER = "@"  # "@j:x", the point x of layer j: an earlier layer's keys and values that a KV-shared layer reads
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,9 @@ class Maths:
         """Where an operand lives: (layer or None, point name). "^x" in layer L is x of layer L − 1 (in layer 0:
         the model's stream_in); "^x" outside the layers is x of the last layer; a name not of the layer's table is
         the model's."""
+        if ref.startswith(OF_LAYER):  # "@j:x": x of layer j (a KV-shared layer reads layer j's keys and values)
+            j, _, name = ref[len(OF_LAYER):].partition(":")
+            return int(j), name
         if ref.startswith(PREV):
             name = ref[len(PREV):]
             if layer is None:
@@ -280,10 +284,11 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
     k = o.kind
     if k == "rmsnorm":
         over = "" if c["over"] == "D" else say("per_head") if c["over"] == "Dh" else say("over_whole", axis=c["over"])
-        gamma = say("gamma_1w") if c["gamma"] != "w" else ""
+        gamma = say("gamma_1w") if c["gamma"] not in ("w", "none") else ""
+        g = "" if c["gamma"] == "none" else " · γ"  # "none": no scale (Gemma 4's norm of the values)
         if " " in x[0]:  # an operand said in words: name it x
-            return f"{name} = x / √(mean(x²) + {c['eps']:g}) · γ{gamma}{over}, x = {x[0]}"
-        return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ{gamma}{over}"
+            return f"{name} = x / √(mean(x²) + {c['eps']:g}){g}{gamma}{over}, x = {x[0]}"
+        return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}){g}{gamma}{over}"
     if k == "rope":
         if c.get("rotation") == "none":
             return say("no_rotation", name=name, x=x[0])
@@ -326,7 +331,8 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
                 + (say("router_norm") if c.get("renormalise") else "") + say("router_rest"))
     return {
         "lookup": lambda: say("lookup", name=name, w=o.weights[0] if o.weights else "E"),
-        "scale": lambda: f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}",
+        "scale": lambda: (f"{name} = {x[0]} × {_w(o) if '.' in o.weights[0] else o.weights[0]}" if o.weights else
+                          f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}"),
         "cache_write": lambda: say("cache_write", x=", ".join(x)),
         "repeat_kv": lambda: say("repeat_kv", name=name, x=x[0], g=c.get("group")),
         "weighted_sum": lambda: say("weighted_sum", name=name, x=x[0], v=x[1], g=c.get("group")),
@@ -377,6 +383,9 @@ STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated Del
 
 
 def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"], say) -> str:
+    if ref.startswith(OF_LAYER):
+        j, _, name = ref[len(OF_LAYER):].partition(":")
+        return say("prev_n", name=name, n=j)
     if not ref.startswith(PREV):
         return ref
     name = ref[len(PREV):]

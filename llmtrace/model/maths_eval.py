@@ -42,13 +42,15 @@ def _lookup(o, x, w, shape, **_):
 
 
 def _scale(o, x, w, shape, **_):
-    return x[0] * o.const("factor")
+    return x[0] * (w[0] if w else o.const("factor"))
 
 
 def _rmsnorm(o, x, w, shape, **_):
-    g = w[0]
-    v = x[0].reshape(*x[0].shape[:1], -1, g.numel())  # (B, rows, width): the width γ covers
-    y = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + o.const("eps")) * g
+    g = w[0] if w else None  # no weight: a norm without a scale (gamma "none")
+    width = g.numel() if g is not None else shape[-1]
+    v = x[0].reshape(*x[0].shape[:1], -1, width)  # (B, rows, width): the width γ covers
+    y = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + o.const("eps"))
+    y = y * g if g is not None else y
     return y.reshape(shape)
 
 

@@ -464,7 +464,8 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
         "head_dim": Dh, "rotary_dim": Dr, "rotation": "rope",
         "formula": formula(rope_op, Q_ROPE.name),
         "pairs": [{"i": i, "dims": [i, i + Dr // 2], "theta_i": _r(inv_freq[i]),
-                   "wavelength": _r(2 * math.pi / inv_freq[i].item()),
+                   # None for a pair that does not turn (θ_i = 0: Gemma 4's proportional RoPE)
+                   "wavelength": _r(2 * math.pi / inv_freq[i].item()) if inv_freq[i].item() > 0 else None,
                    "angles": _rl(positions * inv_freq[i])} for i in pairs],
         "check_q_rope_max_abs_diff": _r(q_err), "check_k_rope_max_abs_diff": _r(k_err),
         "relative": {"head": head, "kv_head": kv_head, "q_position": T - 1, "k_position": 0,

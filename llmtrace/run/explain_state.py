@@ -110,6 +110,7 @@ def state_cache_section(cap, maths, config, kv_element_size: int, memory=None) -
     even = -(-state_bytes // per_token) if per_token else None  # tokens at which one attention layer's cache is as big
     return {"event": "explain", "section": "state_cache", "layer": cap.layer, "seed_step": "s6.8", "n_tokens": T,
             "memory_kind": memory.kind if memory is not None else "state",
+            "reads": memory.reads if memory is not None else None,
             "state": kept, "state_bytes": state_bytes, "kv_bytes_per_token": per_token, "kv_bytes_now": per_token * T,
             "kv_bytes_context": per_token * config.max_seq_len, "context": config.max_seq_len, "break_even": even,
             "attention_layers": attention_layers, "state_layers": [i for i in range(config.n_layers)
