@@ -191,3 +191,28 @@ def test_the_events_validate_against_the_schema(families):
         events += model.explain("The quick brown fox", layer=layer).events
     for ev in json.loads(json.dumps(events)):
         validator.validate(ev)
+
+
+def test_the_patching_sweep_reads_the_shared_keys_and_the_per_layer_inputs(loaded):
+    """The sweep runs each layer on its own with copies of the corrupt cache: a KV-shared layer reads its earlier
+    layer's copy, and every layer gets the per-layer inputs of the corrupt run's own ids. Every cell equals the single
+    patched run."""
+    from llmtrace.run.interventions import Patch, prepare
+    from llmtrace.run.patching import patch_sweep
+
+    lm = loaded(NAME, "hf")
+    clean, corrupt = "ab cd ef", "ab ce ef"  # 7 tokens each, position 4 differs
+    sweep = patch_sweep(lm, clean, corrupt, "a", "b", at="resid_post")
+    ids = lm.tokenizer.encode(corrupt)
+    a, b = sweep["answer"]["id"], sweep["against"]["id"]
+
+    def single(interventions) -> float:
+        edits = prepare(lm, interventions, [len(ids)])
+        with torch.inference_mode(), lm.model.hooked(edits, edits.layers, spell_out=False):
+            logits = lm.model(torch.tensor([ids]), last_only=True)[0].float()
+        return (logits[a] - logits[b]).item()
+
+    worst = max(abs(c["metric"] - single([Patch(c["layer"], "resid_post", c["position"], clean)]))
+                for c in sweep["cells"])
+    assert worst < 1e-4
+    assert len({round(c["metric"], 3) for c in sweep["cells"]}) > 2
