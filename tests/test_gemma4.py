@@ -216,3 +216,22 @@ def test_the_patching_sweep_reads_the_shared_keys_and_the_per_layer_inputs(loade
                 for c in sweep["cells"])
     assert worst < 1e-4
     assert len({round(c["metric"], 3) for c in sweep["cells"]}) > 2
+
+
+def test_the_report_page_draws_a_shared_layer_from_its_declaration(browser, loaded, tmp_path):
+    """The page of a --trace full run (layers 0 and 5, the last one KV-shared): no script error; the map of the pass
+    has the shared layer's blocks with their operations, and no K, V or cache write of its own."""
+    from helpers import Opened, embedded
+
+    from llmtrace.api import Model
+
+    trace = Model(loaded(NAME, "hf")).generate("The quick brown fox", max_new_tokens=2, trace="full", layers="0,-1",
+                                               for_report=True, ignore_eos=True)
+    o = Opened(browser, trace.report(tmp_path / "gemma4.html"))
+    assert not [m for m in o.messages if m[0] in ("error", "pageerror")], o.messages
+    record = embedded(o.page.content())["maths"]["record"]
+    ops = record["kinds"][record["layer_kind"][5]]["ops"]
+    assert "kv_write" not in ops and ops["k_repeated"]["inputs"] == ["@2:k_rope"]
+    o.page.click('#passmap .mapblock[data-point="ple_act"]')
+    assert not [m for m in o.messages if m[0] in ("error", "pageerror")], o.messages
+    o.page.close()

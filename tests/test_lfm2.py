@@ -217,3 +217,24 @@ def test_the_events_validate_against_the_schema(families):
         events += model.explain("The quick brown fox", layer=layer).events
     for ev in json.loads(json.dumps(events)):
         validator.validate(ev)
+
+
+def test_the_report_page_draws_a_convolution_layer_from_its_declaration(browser, loaded, tmp_path):
+    """The page of a --trace full run (layers 0 and 3, both convolutions): no script error; the map of the pass has a
+    block per declared point of the layer with its operation."""
+    from helpers import Opened, embedded
+
+    from llmtrace.api import Model
+
+    trace = Model(loaded(NAME, "hf")).generate("The quick brown fox", max_new_tokens=2, trace="full", layers="0,-1",
+                                               for_report=True, ignore_eos=True)
+    o = Opened(browser, trace.report(tmp_path / "lfm2.html"))
+    assert not [m for m in o.messages if m[0] in ("error", "pageerror")], o.messages
+    record = embedded(o.page.content())["maths"]["record"]
+    ops = record["kinds"][record["layer_kind"][0]]["ops"]
+    blocks = dict(o.page.eval_on_selector_all("#passmap .mapblock", "bs => bs.map(b => [b.dataset.point, b.dataset.op])"))
+    assert blocks["conv_out"] == "conv1d" and blocks["conv_bx"] == "mul"
+    assert {p: blocks[p] for p in ops if p in blocks} == {p: ops[p]["op"] for p in ops if p in blocks}
+    o.page.click('#passmap .mapblock[data-point="conv_window"]')
+    assert not [m for m in o.messages if m[0] in ("error", "pageerror")], o.messages
+    o.page.close()
