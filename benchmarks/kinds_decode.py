@@ -31,8 +31,6 @@ def twin_of(family):
     """A Llama with the family's width, heads, FFN width, depth and vocabulary."""
     from families import COMMON, Family
 
-    import torch  # noqa: F401
-
     c = {**COMMON, **family.config}
     keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size",
             "tie_word_embeddings")

@@ -307,9 +307,9 @@ def layer_section(model: Transformer, layer: int, n_tokens: int) -> dict:
     }
     if state_op(model.maths(), layer, "o")[1] is not None:  # linear attention: no scores, no P·V
         out["flops"] = linear_flops(c, n_tokens)
-    elif hasattr(model.layers[layer].attn, "flops"):  # a kind that declares its own FLOPs (model.kinds)
+    elif hasattr(model.attention_of(layer), "flops"):  # a kind that declares its own FLOPs (model.kinds)
         ffn = 2 * n_tokens * c.d_model * 2 * c.ffn_dim + 2 * n_tokens * c.ffn_dim * c.d_model
-        out["flops"] = {k: v for k, v in model.layers[layer].attn.flops(n_tokens).items() if k != "total"} | {"ffn": ffn}
+        out["flops"] = {k: v for k, v in model.attention_of(layer).flops(n_tokens).items() if k != "total"} | {"ffn": ffn}
         out["flops"]["total"] = sum(out["flops"].values())
     if layer in moe_layers(c):  # a mixture of experts: a token runs K of E experts
         costs = moe_costs(model, layer, n_tokens)
@@ -741,8 +741,10 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
         yield router_section(cap.points, cap.resid_mid[layer], layer, c, maths=maths)
     else:
         yield ffn_section(cap, c, maths=maths)
-    yield kv_section(cap, c, maths) if attends else state_cache_section(cap, maths, c, cap.kv_element_size,
-                                                                                  lm.model.layers[layer].memory())
+    if attends:
+        yield kv_section(cap, c, maths)
+    else:  # what the layer keeps instead, as its kind declares it (a state, a window, another layer's K and V)
+        yield state_cache_section(cap, maths, c, cap.kv_element_size, lm.model.memory()[layer])
     yield from explain_lens(cap, lm.model, lm.tokenizer, top)
 
 

@@ -38,10 +38,10 @@ from llmtrace.model.family import Family
 from llmtrace.model.families.gemma2 import Gemma2, Gemma2Block, embed_scale
 from llmtrace.model.families.qwen3 import K_NORM, Q_NORM, Qwen3Attention
 from llmtrace.model.kinds.shared_kv import SharedKVAttention
-from llmtrace.model.llama_points import ATTN_OUT, EMBED, KV_WRITE, O_PROJ, Q, RESID_POST, V
+from llmtrace.model.llama_points import ATTN_OUT, KV_WRITE, Q, RESID_POST, V
 from llmtrace.model.maths import LayerPlan, Op, op
 from llmtrace.model.points import Point, Source, Weight, inserted
-from llmtrace.model.transformer import FeedForward, LayerInput, Module, RMSNorm
+from llmtrace.model.transformer import FeedForward, Module, RMSNorm
 
 GLOBAL, SHARED, PER_LAYER = "global_attention", "shared_kv", "per_layer_input"  # ModelConfig.parts keys
 
