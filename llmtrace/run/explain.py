@@ -432,7 +432,7 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
                 "check_q_rope_max_abs_diff": _r((cap.points[Q_ROPE.name].float() - cap.points[rope_op.inputs[0]]
                                                  .float().reshape(cap.points[Q_ROPE.name].shape)).abs().max())}
     q_in, k_in = rope_op.inputs[0], maths.op(cap.layer, K_ROPE.name).inputs[0]
-    T, Dh = len(cap.ids), c.head_dim
+    T, Dh = len(cap.ids), plan.rope.get("head_dim", c.head_dim)  # this layer's head width (Gemma 4's global: its own)
     Dr = plan.rope["rotary_dim"]  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
     table, theta = plan.rope.get("table", "global"), plan.rope["base"]
     inv_freq = torch.tensor(plan.rope["inv_freq"], dtype=torch.float32)  # (Dr/2,) θ_i of this layer, as declared
