@@ -56,7 +56,8 @@ class Family:
     pre: str = "gpt-2"  # the tokenizer's split (tokenizer.json's pre-tokenizer; the GGUF's tokenizer.ggml.pre)
     chat_template: str = ""  # the family's own chat format, when it has one (gpt-oss's harmony); else tiny.py's
     # config.json fields as the released checkpoints write them, put back after save_pretrained (transformers 5 renames
-    # Granite 4.0-H's layer_types to linear_attention / full_attention, which llama.cpp's converter does not read)
+    # Granite 4.0-H's layer_types to linear_attention / full_attention, which llama.cpp's converter does not read;
+    # Gemma 4's global_head_dim and num_global_key_value_heads are folded into its per_layer_config)
     config_json: dict = field(default_factory=dict)
 
 
@@ -83,6 +84,20 @@ _GRANITE = {"num_hidden_layers": 4, "layer_types": _GRANITE_LAYERS, "mamba_n_hea
             "num_experts_per_tok": 2, "intermediate_size": 32, "shared_intermediate_size": 48,
             "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.4,
             "logits_scaling": 4.0, "position_embedding_type": None}
+
+_LFM2 = {"num_hidden_layers": 4, "layer_types": ["conv", "conv", "full_attention", "conv"], "conv_L_cache": 3,
+         "norm_eps": 1e-6, "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True,
+         "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+
+_GEMMA4 = {"num_hidden_layers": 6, "head_dim": 16, "num_key_value_heads": 2, "attention_k_eq_v": True,
+           "num_kv_shared_layers": 2, "sliding_window": 4, "hidden_size_per_layer_input": 8,
+           "vocab_size_per_layer_input": VOCAB_SIZE, "final_logit_softcapping": 30.0, "use_double_wide_mlp": True,
+           "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+           "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+           "global_head_dim": 32, "num_global_key_value_heads": 1,
+           "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}}}
 
 _YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
          "truncate": False, "original_max_position_embeddings": 4096}
@@ -210,6 +225,19 @@ _FAMILIES = [
            "V2-Lite's shape: q projected directly; softmax router, greedy top 2 of 4, × 1.5, not renormalised; 2 "
            "shared experts; YaRN factor 4 over 32 positions with mscale_all_dim 0.707 (scores × mscale²)",
            transformers_reads_gguf=False),
+    Family("lfm2", "lfm2", _LFM2,
+           "3 short gated convolutions (kernel 3) around 1 attention layer (layer 2, q/k RMSNorm per head); "
+           "the FFN width adjusted from 128 to 96 (block_auto_adjust_ff_dim, multiple of 32); the head tied; "
+           "GGUF arch 'lfm2', its KV head count one number per layer (0 in a convolution layer)"),
+    Family("gemma4", "gemma4_text", _GEMMA4,
+           "4 sliding (window 4, head width 16, 2 KV heads, RoPE base 1e4) : 2 global (head width 32, 1 KV head, keys "
+           "as values, proportional RoPE on 25% of the pairs, base 1e6); layers 4 and 5 share the keys and values of "
+           "layers 3 and 2, with a feed-forward twice as wide; per-layer inputs of 8 numbers a layer; a learned scalar "
+           "on each layer's output; logits capped at 30. config.json gets global_head_dim and "
+           "num_global_key_value_heads back (released files have them; transformers folds them away), and the "
+           "converter's tokenizer step the byte-level route",
+           config_json={"global_head_dim": 32, "num_global_key_value_heads": 1},
+           transformers_reads_gguf=False),  # its GGUF loader takes the per-layer FFN widths for one number
     Family("qwen3_moe_dense", "qwen3_moe", {
         "num_hidden_layers": 3, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "intermediate_size": 96, "norm_topk_prob": True, "decoder_sparse_step": 1,
@@ -244,13 +272,15 @@ def make_model(family: Family, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name:
+            elif "embed_tokens" in name:  # the token table, and Gemma 4's per-layer one
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek V3's choice bias: large enough to change a choice
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: a weight of the checkpoint
+                b.copy_(0.5 + torch.rand(b.shape, generator=gen))
     return model
 
 
@@ -367,6 +397,9 @@ def write_hf_dir(path: Path, family: Family, model=None):
     path.mkdir(parents=True, exist_ok=True)
     model = model if model is not None else make_model(family)
     model.save_pretrained(str(path))
+    if family.config_json:
+        saved = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**saved, **family.config_json}, indent=2))
     if family.mxfp4:
         write_mxfp4(path, model)
     write_tokenizer(path, family_tokenizer(family))
@@ -374,9 +407,6 @@ def write_hf_dir(path: Path, family: Family, model=None):
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config,
                                                                 "chat_template": TEMPLATES[family.chat_template]}))
-    if family.config_json:
-        config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, **family.config_json}, indent=2))
     if family.tokenizer_class != "PreTrainedTokenizerFast":
         config = json.loads((path / "tokenizer_config.json").read_text())
         (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": family.tokenizer_class}))
@@ -392,17 +422,18 @@ def _tiny_vocab_routes(pre: str = "gpt-2"):
     """The two settings of the module docstring, undone afterwards."""
     from conversion import base, gemma
 
-    saved = (base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab)
+    saved = (base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab, gemma.Gemma4Model.set_vocab)
 
     def gemma2_vocab(self):
         self._set_vocab_gpt2()
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
     gemma.Gemma2Model.set_vocab = gemma2_vocab
+    gemma.Gemma4Model.set_vocab = gemma2_vocab  # its class reads only Gemma's own SentencePiece-style vocabulary
     try:
         yield
     finally:
-        base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab = saved
+        base.TextModel.get_vocab_base_pre, gemma.Gemma2Model.set_vocab, gemma.Gemma4Model.set_vocab = saved
 
 
 def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None,
@@ -420,7 +451,7 @@ def convert_to_gguf(hf_dir: Path, out: Path, outtype: str = "f32", name: str | N
     hparams = ModelBase.load_hparams(hf_dir, False)
     _deepseek_without_v4()
     model_class = get_model_class(get_model_architecture(hparams, ModelType.TEXT))
-    with torch.inference_mode(), _tiny_vocab_routes(pre), _no_mtp(model_class, hparams):
+    with torch.inference_mode(), _tiny_vocab_routes(pre), _no_mtp(model_class, hparams), _config_json_keys():
         writer = model_class(hf_dir, ftype, out, eager=True, model_name=name or hf_dir.name)
         writer.write()
     return out
@@ -444,6 +475,27 @@ def _deepseek_without_v4() -> None:
     module.__file__, module.__package__ = str(path), "conversion"
     exec(compile(source[:cut], str(path), "exec"), module.__dict__)
     sys.modules["conversion.deepseek"] = module
+
+
+@contextlib.contextmanager
+def _config_json_keys():
+    """The converter reads config.json through transformers' AutoConfig, whose Gemma 4 config folds global_head_dim
+    and num_global_key_value_heads into its per_layer_config and does not write them back: the keys the file has and
+    that reading lost are put back (nothing it read is changed)."""
+    from conversion import ModelBase
+
+    saved = ModelBase.load_hparams
+
+    def load_hparams(dir_model, is_mistral_format):
+        config = saved(dir_model, is_mistral_format)
+        raw = json.loads((Path(dir_model) / "config.json").read_text())
+        return {**{k: v for k, v in raw.items() if k not in config}, **config}
+
+    ModelBase.load_hparams = staticmethod(load_hparams)
+    try:
+        yield
+    finally:
+        ModelBase.load_hparams = saved
 
 
 @contextlib.contextmanager

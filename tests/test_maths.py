@@ -88,8 +88,8 @@ def test_every_point_declares_an_operation_of_the_vocabulary(loaded, name):
             o = maths.op(layer, p.name)
             if o is None:  # a layer that reports a subset of the declared points: a dense layer of a family with
                 # experts (Qwen3-MoE's mlp_only_layers, a dense Granite 4.0-H), or a hybrid model's layer of one mixer
-                # kind (Qwen3.5: linear attention or attention)
-                hybrid = len({plan.mixer for plan in maths.plan}) == 2
+                # kind (Qwen3.5: linear attention or attention; LFM2: a short convolution or attention)
+                hybrid = len({type(block.attn) for block in model.layers}) > 1
                 optional = getattr(model.layers[layer].attn, "OPTIONAL", ())  # points only some configs have
                 experts = any(q.where == "ffn" and "E" in q.axes for q in points.layer)
                 assert ((experts and p.where == "ffn") or (hybrid and p.where == "attn")

@@ -36,7 +36,7 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     """Config, model and tokenizer of a GGUF file for the fast path: matrices on FastLinear, the embedding in its
     blocks, vectors in bfloat16. config.extra["fast"] records the kernel choice and the matrices that run in bf16."""
     from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
-    from llmtrace.checkpoint.weights import build_model, read_weights
+    from llmtrace.checkpoint.weights import build_model, declared, read_weights
     from llmtrace.errors import FieldError
 
     where = str(path)
@@ -50,15 +50,17 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
     choice = choice or kernel_choice(device, matrix_shapes(matrices))
     sd = read_weights({n: ps for n, ps in plan.items() if n not in matrices}, COMPUTE, device)
     modules: dict[str, nn.Module] = {}
+    tables = {w.param for w in declared(config) if w.weight.kind == "embedding"}  # looked up by row: the token table, a per-layer one
     for name, parts in matrices.items():
         module = name.removesuffix(".weight")
         segments = [Segment(p.kind, p.key) for p in parts]
-        if module == "embed":
+        if name in tables:
+            width = parts[0].shape[1]
             if device.type == "cpu":
-                modules[module] = MappedEmbedding(parts[0], segments[0], config.d_model, COMPUTE)
+                modules[module] = MappedEmbedding(parts[0], segments[0], width, COMPUTE)
             else:
-                modules[module] = QuantEmbedding(parts[0].raw().to(device), segments[0], config.d_model, COMPUTE)
-            if config.tie_embeddings:  # the head multiplies by the embedding's own blocks, on its own kernel
+                modules[module] = QuantEmbedding(parts[0].raw().to(device), segments[0], width, COMPUTE)
+            if config.tie_embeddings and module == "embed":  # the head multiplies by the embedding's own blocks, on its own kernel
                 modules["lm_head"] = fast_linear([FileRows(parts[0])], segments, config.d_model, device,
                                                  choice)
             return_freed_memory()

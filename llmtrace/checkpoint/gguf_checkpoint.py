@@ -55,6 +55,7 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         return None if t is None else _read_small(GGUFEntry.of(t, reader.path))
 
     meta.tensor = tensor
+    meta.has_tensor = lambda name: name in names  # whether the file holds a tensor (Gemma 4: a global layer's attn_v)
 
     def need(key):
         v = meta(key)
@@ -75,9 +76,9 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         n_layers=int(need("block_count")),
         d_model=d,
         n_heads=h,
-        n_kv_heads=_kv_heads(meta("attention.head_count_kv"), h),
+        n_kv_heads=int(_largest(meta("attention.head_count_kv")) or h),
         head_dim=int(head_dim),
-        ffn_dim=int(need("feed_forward_length")),
+        ffn_dim=int(_largest(need("feed_forward_length"))),
         vocab_size=int(vocab),
         max_seq_len=int(meta("context_length", 4096)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
@@ -90,12 +91,10 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
     return ModelConfig(**(fields | family_fields(family.gguf_config, meta, where)))
 
 
-def _kv_heads(value, h: int) -> int:
-    """attention.head_count_kv: one number, or one per layer where llama.cpp's hybrids write 0 for a layer without
-    attention (its SSM layers): the attention layers' count."""
-    if isinstance(value, (list, tuple)):
-        value = max((int(v) for v in value), default=0)
-    return int(value or h)
+def _largest(value):
+    """A per-layer list of a count as its largest: LFM2's KV heads (0 in a layer without attention), Gemma 4's FFN
+    widths (a KV-shared layer's may be twice the others'); the family reads the list itself."""
+    return max(value) if isinstance(value, list) else value
 
 
 def _gguf_rope_scaling(meta, reader, freqs, where: str) -> Optional[dict]:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
-from llmtrace.checkpoint.weights import build_model, read_weights
+from llmtrace.checkpoint.weights import build_model, declared, read_weights
 from llmtrace.errors import FieldError
 from llmtrace.model.quant import BLOCKS, QuantEmbedding, QuantExperts, QuantLinear, Segment
 from llmtrace.model.transformer import ModelConfig, Transformer
@@ -40,6 +40,7 @@ def build_quantized(config: ModelConfig, plan: dict[str, list], device: torch.de
     matrices = {name: parts for name, parts in plan.items() if is_matrix(name, parts)}
     sd = read_weights({n: ps for n, ps in plan.items() if n not in matrices}, dtype, device)
     modules: dict[str, nn.Module] = {}
+    tables = {w.param for w in declared(config) if w.weight.kind == "embedding"}  # looked up by row: the token table, a per-layer one
     for name, parts in matrices.items():
         module = name.removesuffix(".weight")
         if len(parts[0].shape) == 3:  # a mixture of experts' stack, (E, out, in): one tensor, its rows whole blocks
@@ -49,8 +50,8 @@ def build_quantized(config: ModelConfig, plan: dict[str, list], device: torch.de
             continue
         raws = [p.raw().to(device) for p in parts]
         segments = [Segment(p.kind, p.key) for p in parts]
-        if module == "embed":
-            modules[module] = QuantEmbedding(raws[0], segments[0], config.d_model, dtype)
+        if name in tables:
+            modules[module] = QuantEmbedding(raws[0], segments[0], parts[0].shape[1], dtype)
         else:
             modules[module] = QuantLinear(raws, segments, parts[0].shape[1], dtype, bias=sd.pop(module + ".bias", None))
     if config.tie_embeddings:  # the head multiplies by the embedding's own blocks

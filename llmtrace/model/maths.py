@@ -34,7 +34,7 @@ from typing import Any, Optional
 # The vocabulary: kind -> the formula as the views write it (the catalogues translate it; model.maths_eval computes it)
 OPS = {
     "lookup": "x = E[id]",  # the embedding's row of each token id
-    "scale": "y = c · x",  # a constant factor (Gemma's √D)
+    "scale": "y = c · x",  # a constant factor (Gemma's √D), or a learned one (a weight: Gemma 4's layer scalar)
     "rmsnorm": "y = x / √(mean(x²) + ε) · γ",  # over the last axis (the width, a head, or the whole projection)
     "matmul": "y = x · Wᵀ (+ b)",  # a projection; `split` heads after it, or `merge` the heads before it
     "rope": "(x_i, x_i+d/2) rotated by pos · θ_i",  # θ_i = base^(-2i/d) over the rotary width d; or no rotation
@@ -68,9 +68,11 @@ OPS = {
     "ssm_decay": "a = exp(Δ · A)",  # A = −exp(A_log) < 0, so 0 < a < 1
     "ssm_scan": "h ← a·h + Δ·x⊗B;  y = C·h + D·x",  # token by token, from the carried h
     "group_gated_rmsnorm": "y = g / √(mean_group(g²) + ε) · γ,  g = x · silu(z)",
+    "mul": "y = a ⊙ b",  # element by element (LFM2's short convolution: its input and output gates)
 }
 
 PREV = "^"  # an operand of the layer before (see the module docstring)
+OF_LAYER = "@"  # "@j:x", the point x of layer j: an earlier layer's keys and values that a KV-shared layer reads
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,9 @@ class Maths:
         """Where an operand lives: (layer or None, point name). "^x" in layer L is x of layer L − 1 (in layer 0:
         the model's stream_in); "^x" outside the layers is x of the last layer; a name not of the layer's table is
         the model's."""
+        if ref.startswith(OF_LAYER):  # "@j:x": x of layer j (a KV-shared layer reads layer j's keys and values)
+            j, _, name = ref[len(OF_LAYER):].partition(":")
+            return int(j), name
         if ref.startswith(PREV):
             name = ref[len(PREV):]
             if layer is None:
@@ -311,10 +316,11 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
     k = o.kind
     if k == "rmsnorm":
         over = "" if c["over"] == "D" else say("per_head") if c["over"] == "Dh" else say("over_whole", axis=c["over"])
-        gamma = say("gamma_1w") if c["gamma"] != "w" else ""
+        gamma = say("gamma_1w") if c["gamma"] not in ("w", "none") else ""
+        g = "" if c["gamma"] == "none" else " · γ"  # "none": no scale (Gemma 4's norm of the values)
         if " " in x[0]:  # an operand said in words: name it x
-            return f"{name} = x / √(mean(x²) + {c['eps']:g}) · γ{gamma}{over}, x = {x[0]}"
-        return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}) · γ{gamma}{over}"
+            return f"{name} = x / √(mean(x²) + {c['eps']:g}){g}{gamma}{over}, x = {x[0]}"
+        return f"{name} = {x[0]} / √(mean({x[0]}²) + {c['eps']:g}){g}{gamma}{over}"
     if k == "rope":
         if c.get("rotation") == "none":
             return say("no_rotation", name=name, x=x[0])
@@ -367,7 +373,8 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
                 + (say("router_scale", scale=c["scale"]) if c.get("scale") else "") + say("router_rest"))
     return {
         "lookup": lambda: say("lookup", name=name, w=o.weights[0] if o.weights else "E"),
-        "scale": lambda: f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}",
+        "scale": lambda: (f"{name} = {x[0]} × {_w(o) if '.' in o.weights[0] else o.weights[0]}" if o.weights else
+                          f"{name} = {x[0]} × {c.get('label', '')} = {x[0]} × {c.get('factor', 0):.6g}"),
         "cache_write": lambda: say("cache_write", x=", ".join(x)),
         "repeat_kv": lambda: say("repeat_kv", name=name, x=x[0], g=c.get("group")),
         "weighted_sum": lambda: say("weighted_sum", name=name, x=x[0], v=x[1], g=c.get("group")),
@@ -392,12 +399,17 @@ def _delta_words(name: str, x: list, c: dict) -> str:
             f"({alpha}·S)ᵀ{k}){out} (value head j reads key head {reads})")
 
 
+def _conv_words(name: str, x: list, c: dict, o) -> str:
+    kc = c["kernel"]
+    if c.get("output") == "state":
+        return f"{name} = the last {kc - 1} inputs of ({_carried(c, x[1])}, then {x[0]})"
+    total = f"Σ_j w_conv,j · {x[0]}_(t−{kc - 1}+j){' + b_conv' * (len(o.weights) > 1)}"
+    return (f"{name}_t = {c['act']}({total})" if c.get("act") else f"{name}_t = {total}") + \
+        f", per channel, the earlier inputs from {_carried(c, x[1])}"
+
+
 STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated DeltaNet)
-    "conv1d": lambda name, x, c, o: (
-        f"{name} = the last {c['kernel'] - 1} inputs of ({_carried(c, x[1])}, then {x[0]})" if c.get("output") == "state"
-        else f"{name}_t = {c['act']}(Σ_j w_conv,j · {x[0]}_(t−{c['kernel'] - 1}+j){' + b_conv' * (len(o.weights) > 1)}), "
-             f"per channel, the earlier "
-             f"inputs from {_carried(c, x[1])}"),
+    "conv1d": lambda name, x, c, o: _conv_words(name, x, c, o),
     "l2norm": lambda name, x, c, o: (f"{name} = v / √(Σv² + {c['eps']:g})" + (f" · {c['scale']:.4g} ({c['scale_label']})"
                                      if c.get("scale", 1) != 1 else "") + f", v = {x[0]}[{c['cols'][0]}:{c['cols'][1]}] "
                                      f"per {c['split']} head"),
@@ -415,6 +427,7 @@ STATE_OPS = {  # the words of linear attention's operations (Qwen3.5's Gated Del
     "ssm_scan": lambda name, x, c, o: _scan_words(name, x, c),
     "group_gated_rmsnorm": lambda name, x, c, o: (
         f"{name} = g / √(mean(g²) + {c['eps']:g}) · γ over each group of {c['group']}, g = {x[0]} · silu({x[1]})"),
+    "mul": lambda name, x, c, o: f"{name} = {x[0]} ⊙ {x[1]}",
 }
 
 
@@ -439,6 +452,9 @@ def _scan_words(name: str, x: list, c: dict) -> str:
 
 
 def _operand_words(ref: str, layer: Optional[int], maths: Optional["Maths"], say) -> str:
+    if ref.startswith(OF_LAYER):
+        j, _, name = ref[len(OF_LAYER):].partition(":")
+        return say("prev_n", name=name, n=j)
     if not ref.startswith(PREV):
         return ref
     name = ref[len(PREV):]

@@ -42,13 +42,15 @@ def _lookup(o, x, w, shape, **_):
 
 
 def _scale(o, x, w, shape, **_):
-    return x[0] * o.const("factor")
+    return x[0] * (w[0] if w else o.const("factor"))
 
 
 def _rmsnorm(o, x, w, shape, **_):
-    g = w[0]
-    v = x[0].reshape(*x[0].shape[:1], -1, g.numel())  # (B, rows, width): the width γ covers
-    y = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + o.const("eps")) * g
+    g = w[0] if w else None  # no weight: a norm without a scale (gamma "none")
+    width = g.numel() if g is not None else shape[-1]
+    v = x[0].reshape(*x[0].shape[:1], -1, width)  # (B, rows, width): the width γ covers
+    y = v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + o.const("eps"))
+    y = y * g if g is not None else y
     return y.reshape(shape)
 
 
@@ -217,7 +219,8 @@ def _conv1d(o, x, w, shape, **_):
     xs = torch.cat([before, qkv.transpose(1, 2)], dim=-1)  # (B, C, Kc-1+T)
     if o.const("output") == "state":
         return xs[:, :, -(kc - 1):]
-    return ACTS[o.const("act")](F.conv1d(xs, w[0].unsqueeze(1), w[1] if len(w) > 1 else None, groups=C)).transpose(1, 2)
+    y = F.conv1d(xs, w[0].unsqueeze(1), w[1] if len(w) > 1 else None, groups=C)  # (B, C, T)
+    return (ACTS[o.const("act")](y) if o.const("act") else y).transpose(1, 2)
 
 
 def _columns(o, x, shape):
@@ -316,6 +319,10 @@ def _group_gated_rmsnorm(o, x, w, shape, **_):
     return y.reshape(v.shape) * w[0]
 
 
+def _mul(o, x, w, shape, **_):
+    return x[0] * x[1]
+
+
 _KINDS = {"stream": _stream, "lookup": _lookup, "scale": _scale, "rmsnorm": _rmsnorm, "matmul": _matmul,
           "rope": _rope, "repeat_kv": _repeat_kv, "scores": _scores, "softcap": _softcap, "softmax": _softmax,
           "weighted_sum": _weighted_sum, "glu": _glu, "add": _add, "select_last": _select_last, "router": _router,
@@ -323,7 +330,7 @@ _KINDS = {"stream": _stream, "lookup": _lookup, "scale": _scale, "rmsnorm": _rms
           "slice": _slice, "sigmoid": _sigmoid, "decay": _decay, "delta_rule": _delta_rule,
           "gated_rmsnorm": _gated_rmsnorm, "gate": _gate, "latent_up": _latent_up, "mla_scores": _mla_scores,
           "softplus": _softplus, "ssm_decay": _ssm_decay, "ssm_scan": _ssm_scan,
-          "group_gated_rmsnorm": _group_gated_rmsnorm}
+          "group_gated_rmsnorm": _group_gated_rmsnorm, "mul": _mul}
 
 
 def max_error(computed: torch.Tensor, recorded: torch.Tensor) -> tuple[float, float]:

@@ -339,7 +339,7 @@ def _rope(console: Console, ev: dict) -> None:
     t = _table(("pair i", "right"), ("dims", "left"), ("θ_i rad/pos", "right"), ("turn every", "right"),
                *[(f"pos {p}", "right") for p in cols])
     for p in ev["pairs"]:
-        t.add_row(str(p["i"]), f"{p['dims'][0]}, {p['dims'][1]}", f"{p['theta_i']:.3g}", f"{p['wavelength']:.3g} pos",
+        t.add_row(str(p["i"]), f"{p['dims'][0]}, {p['dims'][1]}", f"{p['theta_i']:.3g}", f"{p['wavelength']:.3g} pos" if p["wavelength"] is not None else "still",
                   *[f"{p['angles'][c]:.3g}" for c in cols])
     print_fitted(console, t)
     _note(console, "angles in radians; fast pairs (small i) turn in a few positions and see nearby order, slow pairs "

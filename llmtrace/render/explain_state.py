@@ -98,14 +98,26 @@ def ssm_scan(console: Console, ev: dict, toks: list[str]) -> None:
 def state_cache(console: Console, ev: dict) -> None:
     """⑧ for a state layer: what it keeps, and why nothing grows."""
     kept = ", ".join(f"{n} [{' × '.join(str(d) for d in s)}]" for n, s in ev["state"].items())
-    _title(console, f"⑧ s6.8  no KV cache grows here: the layer keeps {kept} = {ev['state_bytes']:,} B (float32)")
+    if ev.get("memory_kind") == "shared":  # a KV-shared layer (model.kinds.shared_kv): nothing of its own
+        _title(console, f"⑧ s6.8  nothing cached here: the layer reads layer {ev['reads']}'s keys and values")
+        console.print(f"its queries are scored against layer {ev['reads']}'s keys and read its values, every slot; it "
+                      f"computes no K or V and writes none, so a token costs this layer 0 B of cache (layer "
+                      f"{ev['reads']} pays for it, once)")
+        return
+    window = ev.get("memory_kind") == "window"  # a convolution's last inputs (model.memory's kinds), not a state
+    _title(console, f"⑧ s6.8  no KV cache grows here: the layer keeps {kept} = {ev['state_bytes']:,} B"
+                    + ("" if window else " (float32)"))
     T, per = ev["n_tokens"], ev["kv_bytes_per_token"]
-    console.print(f"after {T} tokens, after 1, or after {ev['context']:,}: the same {ev['state_bytes']:,} B. Each token "
-                  f"is folded into the state and then dropped: nothing is kept per token.")
+    console.print(f"after {T} tokens, after 1, or after {ev['context']:,}: the same {ev['state_bytes']:,} B. " + (
+        "Each token's input enters the window and the oldest leaves it: nothing older is kept." if window else
+        "Each token is folded into the state and then dropped: nothing is kept per token."))
     for line in (ev.get("updates") or {}).values():
         console.print(Text("  " + line, style="dim"))
     console.print(f"an attention layer of this model (layers {', '.join(map(str, ev['attention_layers']))}) caches "
                   f"{per:,} B per token: {ev['kv_bytes_now']:,} B now, {human_bytes(ev['kv_bytes_context'])} at "
                   f"{ev['context']:,} tokens; it overtakes this state at {ev['break_even']:,} tokens")
-    _note(console, f"the price: the state cannot recall a token exactly as attention can; it holds a blend that decays. "
-                   f"{len(ev['state_layers'])} of {len(ev['state_layers']) + len(ev['attention_layers'])} layers pay it")
+    price = ("the price: the layer sees only its last few inputs; anything older reaches it through the attention "
+             "layers" if window else "the price: the state cannot recall a token exactly as attention can; it holds "
+             "a blend that decays")
+    _note(console, f"{price}. {len(ev['state_layers'])} of {len(ev['state_layers']) + len(ev['attention_layers'])} "
+                   f"layers pay it")

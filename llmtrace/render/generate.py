@@ -463,7 +463,8 @@ class StepLayout:
                 ("top candidates (p)", max(18, three), None, None),
                 ("survivors", max(9, min(len(merged) + 1, 16)), len(full) + 2, 3 if greedy else 4),
                 ("KV len", max(6, len(str(capacity))), None, 1),
-                ("KV bytes", max(8, len(f"{capacity * kv['bytes_per_token']:,}")), None, 2), ("ms", 7, None, 5)]
+                ("KV bytes", max(8, len(f"{capacity * kv['bytes_per_token'] + kv.get('state', {}).get('bytes', 0):,}")),
+                 None, 2), ("ms", 7, None, 5)]
         if "row" in ev:  # a batch: which row the token belongs to
             cols.insert(1, ("row", 3, None, None))
         keep = fit_columns([c[1] for c in cols], [c[3] for c in cols], width)
@@ -788,7 +789,7 @@ class TerminalRenderer:
             token.append(" *", style="bold red")
         cells = {"step": str(ev["step"]), "row": str(ev.get("row", "")), "pos": str(ev["position"]), "token": token, "id": str(tok["id"]),
                  "top candidates (p)": _candidates(ev.get("topk") or [], lay.keep.get("top candidates (p)", 0)),
-                 "survivors": surv, "KV len": str(kv["seq_len"]), "KV bytes": f"{kv['bytes_used']:,}",
+                 "survivors": surv, "KV len": str(kv["seq_len"]), "KV bytes": f"{kv.get('total_bytes_used', kv['bytes_used']):,}",
                  "ms": f"{ev['ms']:.1f}"}
         t.add_row(*[cells[name] for name in lay.keep])
         if self._step_rows == 0 and not self._dropped_note:  # above the table: its rows follow one another unbroken
@@ -872,7 +873,8 @@ class TerminalRenderer:
             state = kv.get("state")
             if state:  # layers whose memory is a fixed-size state (linear attention)
                 print_parts(self.console, [
-                    f"recurrent state: {plural(len(state['layers']), 'layer')} × {state['bytes_per_layer']:,} B = "
+                    f"constant-size memory (a state or a convolution window): {plural(len(state['layers']), 'layer')} "
+                    f"× {state['bytes_per_layer']:,} B = "
                     f"{human_bytes(state['bytes'])}, the same at every step (the KV cache above is the other "
                     f"layers')", f"together {human_bytes(kv['total_bytes_used'])}"], style="dim", sep="; ")
 

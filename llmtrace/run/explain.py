@@ -408,7 +408,7 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
                 "check_q_rope_max_abs_diff": _r((cap.points[Q_ROPE.name].float() - cap.points[rope_op.inputs[0]]
                                                  .float().reshape(cap.points[Q_ROPE.name].shape)).abs().max())}
     q_in, k_in = rope_op.inputs[0], maths.op(cap.layer, K_ROPE.name).inputs[0]
-    T, Dh = len(cap.ids), c.head_dim
+    T, Dh = len(cap.ids), plan.rope.get("head_dim", c.head_dim)  # this layer's head width (Gemma 4's global: its own)
     Dr = plan.rope["rotary_dim"]  # the dims RoPE turns (Phi-3: the first partial_rotary_factor·Dh)
     table, theta = plan.rope.get("table", "global"), plan.rope["base"]
     inv_freq = torch.tensor(plan.rope["inv_freq"], dtype=torch.float32)  # (Dr/2,) θ_i of this layer, as declared
@@ -440,7 +440,8 @@ def rope_section(cap: Capture, config: ModelConfig, head: int = 0, model: Option
         "head_dim": Dh, "rotary_dim": Dr, "rotation": "rope",
         "formula": formula(rope_op, Q_ROPE.name),
         "pairs": [{"i": i, "dims": [i, i + Dr // 2], "theta_i": _r(inv_freq[i]),
-                   "wavelength": _r(2 * math.pi / inv_freq[i].item()),
+                   # None for a pair that does not turn (θ_i = 0: Gemma 4's proportional RoPE)
+                   "wavelength": _r(2 * math.pi / inv_freq[i].item()) if inv_freq[i].item() > 0 else None,
                    "angles": _rl(positions * inv_freq[i])} for i in pairs],
         "check_q_rope_max_abs_diff": _r(q_err), "check_k_rope_max_abs_diff": _r(k_err),
         "relative": {"head": head, "kv_head": kv_head, "q_position": T - 1, "k_position": 0,
@@ -759,6 +760,8 @@ def _memory_section(cap, lm, maths, memory):
 MEMORY_SECTIONS = {
     "kv": lambda cap, lm, maths, memory: kv_section(cap, lm.config, memory),
     "state": lambda cap, lm, maths, memory: state_cache_section(cap, maths, lm.config, cap.kv_element_size, memory),
+    "window": lambda cap, lm, maths, memory: state_cache_section(cap, maths, lm.config, cap.kv_element_size, memory),
+    "shared": lambda cap, lm, maths, memory: state_cache_section(cap, maths, lm.config, cap.kv_element_size, memory),
 }
 
 

@@ -86,10 +86,12 @@ def state_cache_section(cap, maths, config, kv_element_size: int, memory: list) 
     numbers = sum(int(torch.tensor(s).prod()) for s in kept.values())
     T = len(cap.ids)
     per_token = 2 * config.n_kv_heads * config.head_dim * kv_element_size
-    attention_layers = [i for i, m in enumerate(memory) if m.per_token]  # layers whose memory grows (model.memory)
-    state_bytes = numbers * 4  # kept in float32
+    mine = memory[cap.layer]  # the layer's declared memory (model.memory): a state, a window, another layer's K and V
+    attention_layers = [i for i, m in enumerate(memory) if m.per_token]  # layers whose memory grows
+    state_bytes = mine.constant_bytes(kv_element_size) if mine.constant else numbers * 4
     even = -(-state_bytes // per_token) if per_token else None  # tokens at which one attention layer's cache is as big
     return {"event": "explain", "section": "state_cache", "layer": cap.layer, "seed_step": "s6.8", "n_tokens": T,
+            "memory_kind": mine.kind, "reads": mine.reads,
             "state": kept, "state_bytes": state_bytes, "kv_bytes_per_token": per_token, "kv_bytes_now": per_token * T,
             "kv_bytes_context": per_token * config.max_seq_len, "context": config.max_seq_len, "break_even": even,
             "attention_layers": attention_layers, "state_layers": [i for i, m in enumerate(memory) if m.constant],

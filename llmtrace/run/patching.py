@@ -112,7 +112,7 @@ def sweep_metrics(model, clean_ids: list[int], corrupt_ids: list[int], answer: i
     stateful = any(m.constant for m in model.memory())  # a memory of constant size (a state), not slots
     for p in range(T):
         before = _corrupt_prefix(model, idx, p, T) if stateful else base
-        grid[:, p] = metric(_patched_at_position(model, before, entering, clean_acts, at, p, T)).double().cpu()
+        grid[:, p] = metric(_patched_at_position(model, before, entering, clean_acts, at, p, T, idx)).double().cpu()
         if on_progress is not None:
             on_progress(p + 1, T)
     return {"clean": m_clean, "corrupt": m_corrupt, "metric": grid}
@@ -127,7 +127,8 @@ def _corrupt_prefix(model, idx: torch.Tensor, p: int, T: int):
     return cache
 
 
-def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str, p: int, T: int) -> torch.Tensor:
+def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str, p: int, T: int,
+                         ids: torch.Tensor) -> torch.Tensor:
     """The L runs patched at position p, as the rows of one batch: (L, V) logits at the last position, row ℓ patched
     at layer ℓ.
 
@@ -139,8 +140,9 @@ def _patched_at_position(model, base, entering: dict, clean_acts: dict, at: str,
     L = model.config.n_layers
     memory = model.memory()
     copies: dict = {}  # layer -> its cache copy for this position's rows (a KV-shared layer reads an earlier one's)
-    idx = torch.empty(1, T - p, dtype=torch.long, device=entering[0].device)  # positions [p, T): only its size is read
-    inputs = model.layer_inputs(idx, None, p, dtype=entering[0].dtype)
+    # the corrupt run's ids of positions [p, T): their count sets the pass, and a family whose layers read the ids
+    # themselves (Gemma 4's per-layer inputs) reads them
+    inputs = model.layer_inputs(ids[:, p:], None, p, dtype=entering[0].dtype)
 
     def patch(layer: int, name: str, x: torch.Tensor) -> Optional[torch.Tensor]:
         if name != at:

@@ -283,13 +283,16 @@ class Recorder:
                 self._stat_order.extend(i for i, _, _, _ in members)
                 if self.options.level.full:
                     self._sample_group(members, m, lse)
-            if grown:
-                new = _stat_rows(torch.stack([part for _, part, _, _, _, _ in grown]).view(len(grown), -1), False)
-                rows = combine(gather([before for *_, before in grown]), new)
-                for j, (_, _, _, key, x, _) in enumerate(grown):
+            by_shape: dict[tuple, list] = {}  # the growing views of one shape (a model's layers may differ: Gemma 4)
+            for g in grown:
+                by_shape.setdefault(tuple(g[1].shape), []).append(g)
+            for same in by_shape.values():
+                new = _stat_rows(torch.stack([part for _, part, _, _, _, _ in same]).view(len(same), -1), False)
+                rows = combine(gather([before for *_, before in same]), new)
+                for j, (_, _, _, key, x, _) in enumerate(same):
                     self._growing.keep(key, x, rows, j)
-                self._stats.append(self._repeated(rows, [c for _, _, c, _, _, _ in grown]))
-                self._stat_order.extend(i for i, *_ in grown)
+                self._stats.append(self._repeated(rows, [c for _, _, c, _, _, _ in same]))
+                self._stat_order.extend(i for i, *_ in same)
 
     @staticmethod
     def _repeated(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -45,7 +45,7 @@ class Worked:
         self.full: dict[tuple, str] = {}  # (layer, point) -> "last" (the pass's last position) or "all"
         for layer, table in [(None, maths.model)] + [(i, maths.layers[i]) for i in sorted(self.layers)]:
             for name, o in table.items():
-                if o.kind == "rmsnorm":
+                if o.kind == "rmsnorm" and o.weights:  # (a norm without a scale has no γ to keep)
                     self._keep(model, layer, name, "gamma", o.weights[0])
                 elif o.kind == "softmax":
                     self.softmax_inputs.add(o.inputs[0])

@@ -1,0 +1,182 @@
+"""LFM2 (Liquid AI): most layers are short gated convolutions (model.kinds.short_conv: B·x, a causal depthwise
+convolution of length Lc, C·, W_out), whose memory is the last Lc−1 inputs of each channel; the others are GQA
+attention with Qwen3's RMSNorm on each query and key head before RoPE. As transformers' Lfm2ForCausalLM computes it
+(modeling_lfm2.py):
+
+  every layer: h += mixer(RMSNorm(h)); h += SwiGLU(RMSNorm(h))   (Llama's pre-norm block; the norms scale by w)
+  the mixer:   a ShortConv in the "conv" layers of config.layer_types, attention in the "full_attention" ones
+  the end:     the last norm is called `embedding_norm` in the checkpoint, but it is applied after the last layer,
+               as Llama's final norm is; the LM head is tied to the embedding in the released models
+
+The feed-forward's width is adjusted from the config's (block_auto_adjust_ff_dim): F = ⌊2·F₀/3⌋, times
+block_ffn_dim_multiplier, rounded up to a multiple of block_multiple_of, as transformers and llama.cpp's converter do.
+
+From GGUF (arch lfm2, llama.cpp's converter): the KV head count is one number per layer, 0 in a convolution layer,
+which is how the file says which layers are which; the kernel is shortconv.l_cache; q/k rows are in HF order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from llmtrace.errors import LlmtraceError
+from llmtrace.model.family import Family
+from llmtrace.model.families.qwen3 import Qwen3Attention
+from llmtrace.model.kinds.short_conv import KIND, ShortConv
+from llmtrace.model.llama_points import O_PROJ
+from llmtrace.model.maths import LayerPlan
+from llmtrace.model.points import Point, Source, Weight, splice
+from llmtrace.model.transformer import Block, FeedForward, Module, Transformer
+
+KERNEL = 3  # conv_L_cache of every released LFM2 (transformers' default)
+
+
+class Lfm2Attention(Qwen3Attention):
+    """Qwen3's attention (q/k RMSNorm per head, γ as stored), its tensors named as LFM2 names them."""
+
+    CHILDREN = {"q_norm": ("q_layernorm", "attn_q_norm"), "k_norm": ("k_layernorm", "attn_k_norm")}
+
+    def weights(self) -> tuple[Weight, ...]:
+        *qkv, wo = super().weights()
+        return (*qkv, Weight(wo.name, wo.shape, wo.step, wo.kind, (Source("out_proj.weight", "attn_output.weight", "D",
+                                                                         "Wo"),)))
+
+
+class Lfm2FeedForward(FeedForward):
+    """Llama's SwiGLU; the checkpoint calls W_gate, W_up, W_down w1, w3, w2."""
+
+    def weights(self) -> tuple[Weight, ...]:
+        return (Weight("w_gate_up.weight", ("2*F", "D"), "s6.7", "matrix", (
+                    Source("w1.weight", "ffn_gate.weight", "F", "W_gate"),
+                    Source("w3.weight", "ffn_up.weight", "F", "W_up"))),
+                Weight("w_down.weight", ("D", "F"), "s6.7", "matrix",
+                       (Source("w2.weight", "ffn_down.weight", "D", "W_down"),)))
+
+
+class Lfm2Block(Block):
+    """Llama's block; its mixer is a short convolution in the config's "conv" layers."""
+
+    attention = Lfm2Attention
+    short_conv = ShortConv
+    feed_forward = Lfm2FeedForward
+    CHILDREN = {"attn_norm": ("operator_norm", "attn_norm"), "attn": ("self_attn", ""),
+                "ffn_norm": ("ffn_norm", "ffn_norm"), "ffn": ("feed_forward", "")}
+
+    def __init__(self, config, layer: int):
+        super().__init__(config, layer)
+        if isinstance(self.attn, ShortConv):  # its tensors are under conv. (HF) and shortconv. (GGUF)
+            self.CHILDREN = {**type(self).CHILDREN, "attn": ("conv", "shortconv")}
+
+    def attention_of(self, config, layer: int) -> Module:
+        if config.layer_type(layer) == "conv":
+            return self.short_conv(config, int(config.parts.get(KIND, {}).get("kernel", KERNEL)))
+        return self.attention(config)
+
+    def plan(self, config, rope: Optional[dict]) -> LayerPlan:
+        """A convolution layer: no window, no RoPE (its convolution gives it order), no KV cache."""
+        if isinstance(self.attn, ShortConv):
+            return LayerPlan(KIND, None, None, "dense")
+        return super().plan(config, rope)
+
+    @classmethod
+    def layer_points(cls) -> tuple[Point, ...]:
+        """Both mixers' points (a layer reports those of its own kind): the convolution's, then attention's, one
+        o_proj."""
+        own = {p.name: p for p in cls.declared_points()}
+        conv = tuple(p for p in cls.short_conv.declared_points() if p.name != O_PROJ.name)
+        return splice(tuple(own[p.name] if isinstance(p, Point) else p for p in cls.POINTS),
+                      {"attn": conv + cls.attention.declared_points(), "ffn": cls.feed_forward.declared_points()})
+
+
+class Lfm2(Transformer):
+    block = Lfm2Block
+    CHILDREN = {**Transformer.CHILDREN, "norm": ("model.embedding_norm", "token_embd_norm")}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading a config
+
+
+def refuse(field: str, value, why: str) -> LlmtraceError:
+    return LlmtraceError(f"{field} {value!r} is not supported: {why}")
+
+
+def _kernel(value, field: str) -> dict:
+    kernel = int(value)
+    if kernel < 2:
+        raise refuse(field, value, "a short convolution needs a kernel of 2 or more")
+    return {KIND: {"kernel": kernel}}
+
+
+def _ffn_dim(cfg: dict) -> int:
+    """The feed-forward width as transformers' Lfm2MLP works it out (block_auto_adjust_ff_dim)."""
+    width = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
+    if not cfg.get("block_auto_adjust_ff_dim", True):
+        return width
+    width = int(2 * width / 3)
+    if cfg.get("block_ffn_dim_multiplier") is not None:
+        width = int(float(cfg["block_ffn_dim_multiplier"]) * width)
+        multiple = int(cfg.get("block_multiple_of") or 256)
+        width = multiple * ((width + multiple - 1) // multiple)
+    return width
+
+
+def hf_config(cfg: dict) -> dict:
+    if cfg.get("conv_bias"):
+        raise refuse("conv_bias", True, "no released LFM2 has biases in its convolution layers")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+        raise refuse("rope_parameters.rope_type", rope.get("rope_type"), "llmtrace runs LFM2's default RoPE")
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        full = cfg.get("full_attn_idxs")
+        types = ["full_attention" if full is None or i in full else "conv" for i in range(n)]
+    unknown = sorted({t for t in types if t not in ("full_attention", "conv")})
+    if unknown or len(types) != n:
+        raise refuse("layer_types", unknown[0] if unknown else f"{len(types)} entries",
+                     f"LFM2 has {n} layers, each full_attention or conv")
+    return dict(layer_types=["conv" if t == "conv" else "full" for t in types], ffn_dim=_ffn_dim(cfg),
+                rms_eps=float(cfg.get("norm_eps", 1e-5)),
+                rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 1_000_000.0),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
+                parts=_kernel(cfg.get("conv_L_cache", KERNEL), "conv_L_cache"))
+
+
+def gguf_config(meta) -> dict:
+    kv = meta("attention.head_count_kv")
+    if not isinstance(kv, list):
+        raise LlmtraceError("GGUF metadata lfm2.attention.head_count_kv is one number: an LFM2 file gives one per "
+                            "layer (0 in a convolution layer)")
+    kernel = meta("shortconv.l_cache")
+    if kernel is None:
+        raise LlmtraceError("GGUF metadata lacks lfm2.shortconv.l_cache, the convolution's kernel length")
+    return dict(layer_types=["conv" if int(h) == 0 else "full" for h in kv], parts=_kernel(kernel, "lfm2.shortconv.l_cache"))
+
+
+def changes(c) -> list[str]:
+    kernel = int(c.parts.get(KIND, {}).get("kernel", KERNEL))
+    kinds = c.layer_types or []
+    n_conv = sum(t == "conv" for t in kinds)
+    attn = [i for i, t in enumerate(kinds) if t != "conv"]
+    window = c.d_model * (kernel - 1)
+    return [f"{n_conv} of {c.n_layers} layers are short gated convolutions, not attention: B, C and x are three "
+            f"projections of the normed input; B ⊙ x is convolved causally over each channel's last {kernel} values "
+            f"(no RoPE, no scores), multiplied by C, then projected by W_out",
+            f"a convolution layer remembers only its last {kernel - 1} inputs per channel: {c.d_model} × {kernel - 1} "
+            f"= {window:,} numbers, the same at every step, in place of a KV cache that grows with every token",
+            f"the other {len(attn)} layers ({', '.join(map(str, attn))}): grouped-query attention with q/k RMSNorm per "
+            f"head (width {c.head_dim}) before RoPE",
+            f"the last norm (the checkpoint's embedding_norm) is applied after the last layer, as Llama's final norm"]
+
+
+FAMILY = Family(
+    name="lfm2",
+    title="LFM2",
+    model=Lfm2,
+    hf_types={"lfm2": "Lfm2ForCausalLM"},
+    gguf_archs={"lfm2": False},  # the converter keeps q/k rows in HF order (NEOX-style RoPE)
+    hf_config=hf_config,
+    gguf_config=gguf_config,
+    changes=changes,
+)
