@@ -98,7 +98,7 @@ def ssm_scan(console: Console, ev: dict, toks: list[str]) -> None:
 def state_cache(console: Console, ev: dict) -> None:
     """⑧ for a state layer: what it keeps, and why nothing grows."""
     kept = ", ".join(f"{n} [{' × '.join(str(d) for d in s)}]" for n, s in ev["state"].items())
-    if ev.get("memory_kind") == "shared":  # a KV-shared layer (model.kinds.shared_kv): nothing of its own
+    if ev.get("reads") is not None:  # a KV-shared layer (model.kinds.shared_kv): nothing of its own
         _title(console, f"⑧ s6.8  nothing cached here: the layer reads layer {ev['reads']}'s keys and values")
         console.print(f"its queries are scored against layer {ev['reads']}'s keys and read its values, every slot; it "
                       f"computes no K or V and writes none, so a token costs this layer 0 B of cache (layer "

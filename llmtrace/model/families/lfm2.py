@@ -75,7 +75,7 @@ class Lfm2Block(Block):
     def plan(self, config, rope: Optional[dict]) -> LayerPlan:
         """A convolution layer: no window, no RoPE (its convolution gives it order), no KV cache."""
         if isinstance(self.attn, ShortConv):
-            return LayerPlan(KIND, None, None, "dense")
+            return LayerPlan("none", None, None, "dense", mixer=KIND, headings=dict(self.attn.HEADINGS))
         return super().plan(config, rope)
 
     @classmethod

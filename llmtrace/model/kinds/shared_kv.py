@@ -96,9 +96,13 @@ class SharedKVAttention(Attention):
                 ATTN_OUT.name: op("weighted_sum", [PROBS.name, v], group=H // Hkv, cached=[v]),
                 O_PROJ.name: op("matmul", [ATTN_OUT.name], ["wo.weight"], merge="H")}
 
-    def flops(self, n_tokens: int, n_keys: Optional[int] = None) -> dict:
-        """Multiply-add FLOPs over n tokens: the query and output projections and the scores and P·V against S keys
-        (n_tokens by default); no K or V projection."""
+    EXPLAIN = ()  # no K or V of its own: the steps table works its operations; s6.8 says whose cache it reads
+
+    def flops(self, n_tokens: int, n_keys: Optional[int] = None) -> list[tuple]:
+        """Multiply-add FLOPs over n tokens, as rows: the query and output projections and the scores and P·V against
+        S keys (n_tokens by default); no K or V projection."""
         T, S, H, Dh, D = n_tokens, n_keys or n_tokens, self.n_heads, self.head_dim, self.config.d_model
-        parts = {"q": 2 * T * D * H * Dh, "scores": 2 * H * T * S * Dh, "pv": 2 * H * T * S * Dh, "o": 2 * T * H * Dh * D}
-        return parts | {"total": sum(parts.values())}
+        return [("q", "Q projection (K and V are an earlier layer's)", "2·T·D·H·Dh", 2 * T * D * H * Dh),
+                ("scores", "scores Q·Kᵀ", "2·H·T·S·Dh", 2 * H * T * S * Dh),
+                ("pv", "weighted sum P·V", "2·H·T·S·Dh", 2 * H * T * S * Dh),
+                ("o", "output projection", "2·T·H·Dh·D", 2 * T * H * Dh * D)]

@@ -50,6 +50,7 @@ POINTS = (CONV_B, CONV_C, CONV_X, CONV_BX, CONV_WINDOW, CONV_OUT, CONV_GATED, OU
 
 # The seed steps its points sit under, with this kind's own headings (English, Chinese).
 HEADINGS = {
+    "summary": ("a short gated convolution: a window of the last inputs, no KV cache", "短门控卷积：保留最近输入的窗口，没有 KV 缓存"),
     "s6.1": ("pre-norm and the B, C, x projections", "预归一化与 B、C、x 投影"),
     "s6.2": ("the input gate B ⊙ x", "输入门 B ⊙ x"),
     "s6.3": ("causal depthwise convolution", "因果逐通道卷积"),
@@ -89,11 +90,14 @@ class ShortConv(Module):
         the model's dtype, as transformers and llama.cpp keep it."""
         return Memory("window", constant={"conv": (self.width, self.kernel - 1)}, constant_float32=False)
 
-    def flops(self, n_tokens: int) -> dict:
-        """Multiply-add FLOPs (2 per multiply-add) of the mixer over n tokens: no T×T term."""
+    EXPLAIN = ()  # taught by the generic sections: the steps table works each declared operation; s6.8 its window
+    FLOPS_NOTE = "no T×T term: each token reads only the last Lc inputs of its channel"
+
+    def flops(self, n_tokens: int) -> list[tuple]:
+        """Multiply-add FLOPs (2 per multiply-add) of the mixer over n tokens, as rows: no T×T term."""
         T, D, L = n_tokens, self.width, self.kernel
-        parts = {"in": 2 * T * D * 3 * D, "gates": 2 * T * D, "conv": 2 * T * D * L, "out": 2 * T * D * D}
-        return parts | {"total": sum(parts.values())}
+        return [("in", "B, C, x projections", "2·T·D·3D", 2 * T * D * 3 * D), ("gates", "B ⊙ x and C ⊙ y", "2·T·D", 2 * T * D),
+                ("conv", "causal convolution", "2·T·D·Lc", 2 * T * D * L), ("out", "output projection", "2·T·D·D", 2 * T * D * D)]
 
     def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
         """Each point's operation (model.maths), in the forward's order; the window is `carried` from the last pass."""
