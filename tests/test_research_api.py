@@ -27,7 +27,8 @@ TOL = 1e-4
 # the families whose attention projects q, k and v per head as Llama's does (Qwen3.5's linear layers, DeepSeek's
 # latent and Granite's Mamba2 layers have their own tests: test_qwen35.py, test_deepseek.py, test_mamba2.py)
 HF_NAMES = sorted(n for n, f in FAMILIES.items()
-                  if f.model_type not in ("qwen3_5_text", "deepseek_v2", "deepseek_v3", "granitemoehybrid"))
+                  if f.model_type not in ("qwen3_5_text", "deepseek_v2", "deepseek_v3", "granitemoehybrid", "lfm2",
+                                          "gemma4_text"))
 # the converter's GGUF files, each against transformers on the weights read back from it (tests/families.py), with
 # what the file does not carry: Mistral's and Qwen3's windows are dropped (the file runs without one, as llama.cpp
 # runs it). Not here: Gemma's files lack the layer pattern and the score scale, qwen3_moe_raw's lacks norm_topk_prob,

@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Iterable, NotRequired, Optional, TypedDict
+from llmtrace.units import plural
 from llmtrace.words import in_words
 
 
@@ -210,7 +211,7 @@ def kernel_words(choice: dict) -> str:
     int4pack_mm_for_cpu (two nibbles) x1 (measured at load, AVX512, 2 threads)". A trace written before the choice
     was per shape says int4 or bf16."""
     how = [choice["by"]] + [str(choice[k]) for k in ("capability",) if choice.get(k)]
-    how += [f"{choice['threads']} thread{'s' if choice['threads'] != 1 else ''}"] if choice.get("threads") else []
+    how += [plural(choice["threads"], "thread")] if choice.get("threads") else []
     kernels = choice.get("kernels")
     if kernels:
         named = [f"{name} x{n}" for name, n in kernels.items()]
