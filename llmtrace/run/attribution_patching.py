@@ -31,9 +31,12 @@ from typing import Optional
 
 import torch
 
-from llmtrace.errors import BadValue
 from llmtrace.model.llama_points import ATTN_OUT, RESID_PRE
-from llmtrace.run.patching import _r, patch_sweep as exact_sweep, prompt_pair
+from llmtrace.run.patching import patch_sweep as exact_sweep, prompt_pair
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")
 
 
 def heads_point(block) -> str:

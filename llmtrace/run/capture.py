@@ -246,7 +246,7 @@ def _run(lm, manifest, ids, todo, out, workers, ray, threads):
             yield shard, write_shard(lm, manifest, ids, shard, out)
 
 
-def _portable(lm) -> dict:
+def portable(lm) -> dict:
     """How another process loads the same model: its file or directory, device, dtype, GGUF blocks kept or not."""
     return {"spec": str(lm.path), "device": str(lm.device), "dtype": str(lm.dtype).replace("torch.", ""),
             "keep_quantized": bool(lm.config.extra.get("keep_quantized"))}
@@ -274,7 +274,7 @@ def _on_processes(lm, manifest, ids, todo, out, workers, threads):
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker, initargs=(_portable(lm), manifest, ids, str(out), threads))
+                             initializer=_init_worker, initargs=(portable(lm), manifest, ids, str(out), threads))
     try:
         futures = [ex.submit(_worker_shard, s) for s in todo]
         for f in as_completed(futures):
@@ -302,7 +302,7 @@ def _on_ray(lm, manifest, ids, todo, out, workers, address, threads):
     from ray.util import ActorPool
 
     actor = ray.remote(num_cpus=threads or 1)(CaptureActor)
-    actors = [actor.remote(_portable(lm), manifest, ids, str(out), threads) for _ in range(workers)]
+    actors = [actor.remote(portable(lm), manifest, ids, str(out), threads) for _ in range(workers)]
     try:
         yield from ActorPool(actors).map_unordered(lambda a, s: a.shard.remote(s), todo)
     finally:

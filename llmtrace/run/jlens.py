@@ -22,7 +22,6 @@ The file: safetensors, `J.0` … `J.{L-1}` (D, D) float32, metadata {format, mod
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -149,10 +148,10 @@ def _sums(lm, ids, chunking, todo, workers, threads):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from llmtrace.run.capture import _portable
+    from llmtrace.run.capture import portable
 
     ex = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init_worker, initargs=(_portable(lm), threads))
+                             initializer=_init_worker, initargs=(portable(lm), threads))
     try:
         futures = [ex.submit(_worker_chunk, chunking.ids(ids, i)) for i in todo]
         for i, f in zip(todo, futures):  # in chunk order, whichever finishes first
