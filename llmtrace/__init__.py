@@ -36,6 +36,8 @@ _PUBLIC = {  # public name -> the module that defines it
     "HookError": "llmtrace.run.hookpoints",
     "PointInfo": "llmtrace.run.hookpoints",
     "ActivationCache": "llmtrace.run.research",
+    "read_capture": "llmtrace.run.capture",  # read_capture(DIR) -> {point: (tokens, width), "ids": ...}
+    "capture_corpus": "llmtrace.run.capture",  # what `llmtrace capture` runs
     # evaluating over a corpus (llmtrace/run/eval.py): perplexity, KLD against a second side or a base file
     "evaluate": "llmtrace.api",  # evaluate(model, text, ctx=, b=, ...) -> Evaluation
     "Evaluation": "llmtrace.api",

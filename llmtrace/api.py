@@ -447,6 +447,16 @@ class Model:
         return run_with_hooks(self.loaded, prompt, hooks, chat=chat, system=system, fwd_hooks=fwd_hooks,
                               bwd_hooks=bwd_hooks, grad=grad)
 
+    def attribute(self, prompt, target: str, against: Optional[str] = None, position: int = -1, chat: bool = False,
+                  system: Optional[str] = None):
+        """Direct logit attribution: `target`'s logit (one token; minus `against`'s when given) at `position` of one
+        prompt, split into the embedding's, each head's (through its slice of Wo), each feed-forward's or expert's
+        direct contributions, with the final norm's scale frozen at this input's value (run/attribution.py). Returns
+        an Attribution: `.logit`, `.parts` (name -> contribution, summing to the logit), `.top(n)`, `.record()`."""
+        from llmtrace.run.attribution import attribute
+
+        return attribute(self.loaded, prompt, target, against=against, position=position, chat=chat, system=system)
+
     def hooks(self, hooks: Sequence[Any] = (), fwd_hooks: Sequence[Any] = (), bwd_hooks: Sequence[Any] = ()):
         """`with model.hooks([("3.attn_out", fn)]):` every pass inside the block runs them (run_with_cache included);
         on exit, also by an exception, the model is unhooked. TransformerLens's `with model.hooks(fwd_hooks=...)`.

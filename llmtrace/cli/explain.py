@@ -7,6 +7,7 @@ they are made, then render them (llmtrace.render.explain, on stdout) and write `
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -62,6 +63,13 @@ Examples:
   llmtrace lens -p "The capital of France is" -p "Hi" --row 0   # s3: each row's padded mask, then row 0's lens
 
   llmtrace lens "The capital of France is" --patch 10.resid_post@-1 --from "The capital of Italy is"
+
+The Jacobian lens reads each layer through J_l, the average Jacobian from its output to the last layer's over a
+corpus, instead of J = I: fit it once, then read prompts through it.
+
+  llmtrace lens --fit-jacobian wiki.raw --ctx 32 --chunks 8 -o lens.safetensors
+
+  llmtrace lens "The capital of France is" --jacobian lens.safetensors
 
 """ + INTERVENTIONS_HELP
 
@@ -121,8 +129,42 @@ def lens(
     row: RowOpt = 0,
     interventions: InterventionFlags = None,
     force: ForceOpt = False,
+    fit_jacobian: Annotated[Optional[Path], typer.Option("--fit-jacobian", metavar="CORPUS", help="Fit the Jacobian "
+                            "lens over CORPUS (a UTF-8 text) and write it to -o FILE, instead of drawing a lens.",
+                            show_default=False)] = None,
+    jacobian: Annotated[Optional[Path], typer.Option("--jacobian", metavar="FILE", help="Read the prompt out through "
+                        "the Jacobian lens FILE: softmax(W_U · norm(J_l · h_l)) (J = I is the logit lens).",
+                        show_default=False)] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="With --fit-jacobian: the "
+                      "lens file to write (safetensors).", show_default=False)] = None,
+    ctx: Annotated[int, typer.Option("--ctx", "-c", help="With --fit-jacobian: tokens per chunk.")] = 64,
+    chunks: Annotated[Optional[int], typer.Option("--chunks", metavar="N", help="With --fit-jacobian: stop after N "
+                      "chunks (default: the whole text).", show_default=False)] = None,
+    workers: Annotated[int, typer.Option("--workers", metavar="N", help="With --fit-jacobian: fit on N local "
+                       "processes (their sums are added).")] = 1,
+    resume: Annotated[bool, typer.Option("--resume", help="With --fit-jacobian: go on with the interrupted fit of "
+                      "-o FILE.")] = False,
 ) -> None:
     from llmtrace.api import LensOptions
+
+    if fit_jacobian is not None:
+        from llmtrace.cli.jlens import fit_command
+
+        # --resume goes on writing the lens file it names; otherwise the rule of every output (cli.outputs)
+        check_outputs({"-o": None if output is None else str(output)},
+                      {"the corpus (--fit-jacobian)": str(fit_jacobian), "the model (-m)": load.model},
+                      force=force or resume)
+        code = fit_command(fit_jacobian, output, ctx, chunks, workers, resume, load.options(), load.threads)
+        if code:
+            raise typer.Exit(code)
+        return
+    if jacobian is not None:
+        from llmtrace.cli.jlens import readout_command
+
+        check_outputs({"--json": json_out}, prompts.inputs() | {"the lens file (--jacobian)": str(jacobian),
+                                                                "the model (-m)": load.model}, force=force)
+        readout_command(prompts.read(), jacobian, load.options(), last, top, chat, json_out)
+        return
 
     options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row,
                           interventions=interventions.parse())

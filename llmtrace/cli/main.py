@@ -25,6 +25,8 @@ import llmtrace.cli.report  # noqa: F401,E402
 import llmtrace.cli.compare  # noqa: F401,E402
 import llmtrace.cli.eval  # noqa: F401,E402
 import llmtrace.cli.patch  # noqa: F401,E402
+import llmtrace.cli.attribute  # noqa: F401,E402
+import llmtrace.cli.capture  # noqa: F401,E402
 import llmtrace.cli.serve  # noqa: F401,E402
 
 

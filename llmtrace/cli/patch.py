@@ -39,6 +39,14 @@ Examples:
       --html sweep-zh.html --lang zh     # the page in Chinese
 
 One cell equals `llmtrace generate CORRUPT -n 0 --patch L.AT@P --from CLEAN` (the same run, alone).
+
+--method attribution estimates every cell from one forward and one backward pass (attribution patching: the clean
+minus the corrupt activation, times the metric's gradient at the corrupt run), and each head's effect too; --check
+also runs the exact patches and reports how the estimates agree with them (Pearson's r, the top-10 overlap):
+
+\b
+  llmtrace patch --clean … --corrupt … --answer " Paris" --against " Rome" \\
+      --method attribution --check
 """
 
 
@@ -56,6 +64,11 @@ def patch(
     at: Annotated[Optional[str], typer.Option("--at", help="Where to patch: a residual-stream point of the layer "
                   "(resid_pre, resid_mid, resid_post). Default: the layer's output.",
                   show_default=False)] = None,
+    method: Annotated[str, typer.Option("--method", help="exact: one run per cell; attribution: every cell "
+                      "estimated from one forward and one backward pass, (clean − corrupt) · gradient, with each "
+                      "head's estimate too.")] = "exact",
+    check: Annotated[bool, typer.Option("--check", help="With --method attribution: also run the exact patches and "
+                                        "report how the estimates agree (Pearson's r, the top-k overlap).")] = False,
     load: OneDeviceLoadFlags = None,
     json_out: JsonOpt = None,
     html: Annotated[Optional[str], typer.Option("--html", metavar="FILE", help="Also write the heatmap as a "
@@ -74,13 +87,24 @@ def patch(
     for flag, text in (("--clean", clean), ("--corrupt", corrupt), ("--answer", answer), ("--against", against)):
         if text == "":
             raise UsageError(f"{flag} is empty; give some text")
+    if method not in ("exact", "attribution"):
+        raise UsageError(f"--method {method!r} is not one of exact, attribution")
+    if check and method != "attribution":
+        raise UsageError("--check compares attribution patching's estimates with the exact sweep: give --method "
+                         "attribution")
     check_outputs({"--json": json_out, "--html": html}, {"the model (-m)": load.model}, force=force)
     model_ = load_for_cli(load.options())
 
     from llmtrace.api import patch_sweep
     from llmtrace.trace.records import model_record
 
-    event = patch_sweep(model_, clean, corrupt, answer, against, at=at, on_progress=_progress())
+    if method == "attribution":
+        from llmtrace.run.attribution_patching import attribution_sweep
+
+        event = attribution_sweep(model_.loaded, clean, corrupt, answer, against, at=at, check=check,
+                                  on_progress=_progress())
+    else:
+        event = patch_sweep(model_, clean, corrupt, answer, against, at=at, on_progress=_progress())
     event["model"] = model_record(model_.loaded)
     if json_out:
         import json

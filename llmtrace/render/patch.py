@@ -40,9 +40,14 @@ def _cell(recovery: Optional[float], w: int) -> Text:
 def render_patch(ev: dict, console: Console) -> None:
     L, T = ev["n_layers"], ev["n_positions"]
     rec = {(c["layer"], c["position"]): c["recovery"] for c in ev["cells"]}
-    console.print(Text(f"activation patching at {ev['at']}: {plural(L, 'layer')} × {plural(T, 'position')}, "
-                       f"{plural(L * T, 'run')}, "
-                       f"{ev['seconds']:.1f} s", style="bold cyan"))
+    if ev.get("method") == "attribution":
+        console.print(Text(f"attribution patching at {ev['at']}: {plural(L, 'layer')} × {plural(T, 'position')}, "
+                           f"estimated from one forward and one backward pass, {ev['seconds']:.1f} s",
+                           style="bold cyan"))
+    else:
+        console.print(Text(f"activation patching at {ev['at']}: {plural(L, 'layer')} × {plural(T, 'position')}, "
+                           f"{plural(L * T, 'run')}, "
+                           f"{ev['seconds']:.1f} s", style="bold cyan"))
     console.print(Text.assemble(("clean   ", "bold"), repr(ev["clean"])))
     console.print(Text.assemble(("corrupt ", "bold"), repr(ev["corrupt"])))
     a, b = ev["answer"]["text"], ev["against"]["text"]
@@ -60,6 +65,21 @@ def render_patch(ev: dict, console: Console) -> None:
         console.print("highest: " + ", ".join(
             f"layer {c['layer']} at {c['position']} ({visible(ev['corrupt_texts'][c['position']]).strip() or '␣'}) "
             f"{c['recovery']:.2f}" for c in best))
+    if ev.get("method") == "attribution":
+        _attribution_lines(ev, console)
+
+
+def _attribution_lines(ev: dict, console: Console) -> None:
+    """The heads' estimates, and how the estimates agree with the exact patches when they ran (--check)."""
+    heads = sorted(ev.get("heads", []), key=lambda h: -abs(h["estimate"]))[:5]
+    if heads:
+        console.print("heads (patched at every position), largest estimated effect on m: " + ", ".join(
+            f"{h['layer']}.h{h['head']} {h['estimate']:+.3f}" for h in heads))
+    for grid, what in (("resid", "layer × position"), ("heads", "layer × head")):
+        a = (ev.get("agreement") or {}).get(grid)
+        if a:
+            console.print(f"against the exact patches ({what}, {a['cells']} cells): Pearson r {a['pearson']:.3f}, "
+                          f"top {a['top_k']} overlap {a['overlap']}/{a['top_k']}")
 
 
 def _token(text: str, w: int) -> str:

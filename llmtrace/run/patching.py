@@ -44,25 +44,11 @@ def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: Opt
     [{layer, position, metric, recovery}] for every layer × position. `at`: a residual-stream point the model
     declares (default: the layer's output). `encode` (default: plain text, as --from is encoded) turns the prompts
     into ids; `on_progress(done, total)` is called after each position."""
-    sweep_points = resid_points(lm.points)
-    at = at or layer_output(lm.points)
-    if at not in sweep_points:
-        raise BadValue("at", f" {at!r} is not a residual-stream point; one of {', '.join(sweep_points)}")
+    pair = prompt_pair(lm, clean, corrupt, answer, against, at, encode)
+    at, a_id, b_id, clean_ids, corrupt_ids = (pair[k] for k in ("at", "answer_id", "against_id", "clean_ids",
+                                                                "corrupt_ids"))
     tok, model = lm.tokenizer, lm.model
-    a_id, b_id = answer_token(tok, answer, "answer"), answer_token(tok, against, "against")
-    if a_id == b_id:
-        raise BadValue("against", f" {against!r} is the same token as answer; the metric would be 0 everywhere",
-                       also=("answer",))
-    encode = encode or (lambda text: tok.encode_prompt(text)[1])
-    clean_ids, corrupt_ids = encode(clean), encode(corrupt)
-    if len(clean_ids) != len(corrupt_ids):
-        raise LlmtraceError(f"the clean prompt has {plural(len(clean_ids), 'token')} and the corrupt prompt "
-                            f"{len(corrupt_ids)}; patching pairs positions, so they must have the same number of "
-                            f"tokens")
     T, L = len(corrupt_ids), lm.config.n_layers
-    if T > lm.config.max_seq_len:
-        raise LlmtraceError(f"the prompts have {plural(T, 'token')} but the context window of {lm.name} "
-                            f"is {lm.config.max_seq_len}")
     t0 = time.perf_counter()
     grid = sweep_metrics(model, clean_ids, corrupt_ids, a_id, b_id, at, on_progress)
     seconds = time.perf_counter() - t0
@@ -81,6 +67,33 @@ def patch_sweep(lm, clean: str, corrupt: str, answer: str, against: str, at: Opt
         "n_layers": L, "n_positions": T, "clean_metric": _r(m_clean), "corrupt_metric": _r(m_corrupt),
         "cells": cells, "seconds": round(seconds, 3),
     }
+
+
+def prompt_pair(lm, clean: str, corrupt: str, answer: str, against: str, at: Optional[str] = None,
+                encode: Optional[Callable[[str], list[int]]] = None) -> dict:
+    """What a sweep (exact or estimated: run.attribution_patching) checks before its passes: `at` a residual-stream
+    point (default: the layer's output), the two answers one token each and different, the prompts' ids of the same
+    length within the context window. {"at", "answer_id", "against_id", "clean_ids", "corrupt_ids"}."""
+    sweep_points = resid_points(lm.points)
+    at = at or layer_output(lm.points)
+    if at not in sweep_points:
+        raise BadValue("at", f" {at!r} is not a residual-stream point; one of {', '.join(sweep_points)}")
+    tok = lm.tokenizer
+    a_id, b_id = answer_token(tok, answer, "answer"), answer_token(tok, against, "against")
+    if a_id == b_id:
+        raise BadValue("against", f" {against!r} is the same token as answer; the metric would be 0 everywhere",
+                       also=("answer",))
+    encode = encode or (lambda text: tok.encode_prompt(text)[1])
+    clean_ids, corrupt_ids = encode(clean), encode(corrupt)
+    if len(clean_ids) != len(corrupt_ids):
+        raise LlmtraceError(f"the clean prompt has {plural(len(clean_ids), 'token')} and the corrupt prompt "
+                            f"{len(corrupt_ids)}; patching pairs positions, so they must have the same number of "
+                            f"tokens")
+    T = len(corrupt_ids)
+    if T > lm.config.max_seq_len:
+        raise LlmtraceError(f"the prompts have {plural(T, 'token')} but the context window of {lm.name} "
+                            f"is {lm.config.max_seq_len}")
+    return {"at": at, "answer_id": a_id, "against_id": b_id, "clean_ids": clean_ids, "corrupt_ids": corrupt_ids}
 
 
 def _r(x: float) -> float:
