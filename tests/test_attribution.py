@@ -26,7 +26,20 @@ def closes(r) -> None:
     assert abs(r.total - r.logit) <= TOL * max(1.0, abs(r.logit)), (r.logit, r.total)
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+# the kinds of layer direct logit attribution does not split yet (issue 49): it refuses them rather than report
+# parts that do not sum to the logit
+NOT_SPLIT = {"deepseek_v2", "deepseek_v3", "granite_hybrid", "granite_hybrid_dense", "lfm2", "gemma4"}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SPLIT & set(FAMILIES)))
+def test_a_model_whose_parts_do_not_close_is_refused(loaded, name):
+    from llmtrace.errors import LlmtraceError
+
+    with pytest.raises(LlmtraceError, match="does not split this model's layers exactly yet"):
+        attribute(loaded(name, "hf"), PROMPT_IDS, TARGET)
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) - NOT_SPLIT))
 def test_the_parts_sum_to_the_logit_on_every_family(loaded, name):
     lm = loaded(name, "hf")
     r = attribute(lm, PROMPT_IDS, TARGET)
@@ -57,7 +70,7 @@ def direct_path_change(lm, layer: int, head: int, target: int) -> float:
     norm) at its clean scale; minus the clean logit."""
     model = lm.model
     block = model.layers[layer]
-    zeroed = "delta_out" if hasattr(block.attn, "state_shapes") else "attn_out"  # a linear layer's value heads
+    zeroed = "delta_out" if block.attn.memory().constant else "attn_out"  # a linear layer's value heads
     ids = torch.tensor([PROMPT_IDS])
     clean: dict = {}
     with torch.no_grad(), model.hooked(lambda i, name, x: clean.__setitem__((i, name), x.clone()), spell_out=False):

@@ -32,8 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmtrace.errors import BadValue
-from llmtrace.model.llama_points import O_PROJ, RESID_POST
+from llmtrace.errors import BadValue, LlmtraceError
+from llmtrace.model.llama_points import LOGITS, O_PROJ, RESID_POST
+from llmtrace.model.moe_points import EXPERT_WEIGHTS
 from llmtrace.run.patching import answer_token
 from llmtrace.run.research import Prompt, encode, forward
 
@@ -155,12 +156,12 @@ def attribute(lm, prompt: Prompt, target: str, against: Optional[str] = None, po
         raise BadValue("position", f" {position} is outside the prompt's {T} tokens")
     pos = position % T
     L = lm.config.n_layers
-    after = {p.name for p in model.declared_points().after}
-    raw_logits = "logits_raw" if "logits_raw" in after else "logits"
+    head_op = model.maths().model.get(LOGITS.name)  # the logits as declared: the head's product, or a cap/scale of it
+    raw_logits = LOGITS.name if head_op is None or head_op.weights else head_op.inputs[0]  # the head reads its weight
 
     wanted: dict[Optional[int], set[str]] = {None: {model.STREAM_IN, raw_logits}}
     for i, block in enumerate(model.layers):
-        names = {_heads_point(block.attn), O_PROJ.name, "down", "expert_weights"}
+        names = {_heads_point(block.attn), O_PROJ.name, "down", EXPERT_WEIGHTS.name}
         before = block.WIRING["ffn"][0]
         names.add(before or block.WIRING["attn"][2])  # what the feed-forward reads (its experts are run again on it)
         if i == L - 1:
@@ -172,10 +173,15 @@ def attribute(lm, prompt: Prompt, target: str, against: Optional[str] = None, po
         if name in wanted.get(layer, ()) and x.dim() >= 2:
             kept[(layer, name)] = x[0, pos].detach().clone()
 
+    kinds_here = sorted({getattr(b.attn, "KIND", "attention") for b in model.layers})
+    refuse = f"direct logit attribution does not split this model's layers exactly yet (kinds: {', '.join(kinds_here)})"
     with torch.no_grad():
         with model.hooked(keep, spell_out=False):
             forward(lm, batch)
-        vectors, kinds = _parts(model, kept, wanted)
+        try:
+            vectors, kinds = _parts(model, kept, wanted)
+        except (ValueError, KeyError, IndexError, AttributeError, RuntimeError) as e:  # a layer of a kind not split
+            raise LlmtraceError(f"{refuse}: {type(e).__name__} taking its parts apart; nothing is reported") from None
         final = kept[(L - 1, RESID_POST.name)]
         gamma_s, s = _frozen_norm(model.norm, final)
         ids = [t_id] if a_id is None else [t_id, a_id]
@@ -185,13 +191,16 @@ def attribute(lm, prompt: Prompt, target: str, against: Optional[str] = None, po
         values = per_id[:, 0] - (per_id[:, 1] if a_id is not None else 0.0)
         raw = kept[(None, raw_logits)].float()
         logit = float(raw[t_id] - (raw[a_id] if a_id is not None else 0.0))
+    total = float(values.sum())
+    if abs(total - logit) > 1e-3 * max(1.0, abs(logit)):  # parts that do not close are no attribution: say so
+        raise LlmtraceError(f"{refuse}: its parts sum to {total:.4g}, not the logit {logit:.4g}; nothing is reported")
     notes = [f"the final norm's scale is frozen at this input's value (1/rms = {s:.6g}): each part's number is its "
              f"direct path to the logit"]
     if any(block.WIRING[p][1] for block in model.layers for p in ("attn", "ffn")):
         notes.append("the sub-layers' post-norms (normed before the residual add) are frozen the same way, at this "
                      "input's scale: their heads split exactly through them")
-    if raw_logits == "logits_raw":
-        notes.append("the logit is the LM head's output before the family's soft-cap (logits_raw), which is not "
+    if raw_logits != LOGITS.name:
+        notes.append(f"the logit is the LM head's output before the family's cap or scale ({raw_logits}), which is not "
                      "linear")
     piece = lambda i, text: {"text": text, "id": i, "piece": tok.piece(i)}  # noqa: E731
     return Attribution(logit, {n: float(v) for n, v in zip(names, values.tolist())}, kinds, piece(t_id, target),
@@ -245,7 +254,7 @@ def _experts(block, kept: dict, i: int) -> tuple[dict, dict]:
     ffn = block.ffn
     before = block.WIRING["ffn"][0]
     x = kept[(i, before or block.WIRING["attn"][2])][None]  # (1, D)
-    weights = kept[(i, "expert_weights")]  # (E,), 0 where not chosen
+    weights = kept[(i, EXPERT_WEIGHTS.name)]  # (E,), 0 where not chosen
     own, kind = {}, {}
     for e in weights.nonzero()[:, 0].tolist():
         y = ffn.w_down(ffn.glu(ffn.w_gate(x, e), ffn.w_up(x, e)), e)  # (1, D)

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from llmtrace.model.llama_points import ATTN_OUT, RESID_PRE
+from llmtrace.model.llama_points import ATTN_OUT, O_PROJ, RESID_PRE
 from llmtrace.run.patching import patch_sweep as exact_sweep, prompt_pair
 
 
@@ -40,8 +40,14 @@ def _r(x: float) -> float:
 
 
 def heads_point(block) -> str:
-    """The per-head output a head's patch replaces: `attn_out` (B, T, H, Dh), or a linear layer's `delta_out`."""
-    return "delta_out" if hasattr(block.attn, "state_shapes") else ATTN_OUT.name
+    """The per-head output a head's patch replaces, as the layer's kind declares its points: the last editable point of
+    (T, heads, width) before its output projection (attention's `attn_out`, Qwen3.5's gated heads, a linear layer's
+    value heads)."""
+    points = [p for p in type(block.attn).POINTS if not isinstance(p, str)]
+    names = [p.name for p in points]
+    before = points[:names.index(O_PROJ.name)] if O_PROJ.name in names else points
+    return next((p.name for p in reversed(before) if p.editable and len(p.axes) == 3 and p.axes[0] == "T"),
+                ATTN_OUT.name)
 
 
 def _metric(logits: torch.Tensor, answer: int, against: int) -> torch.Tensor:

@@ -111,15 +111,15 @@ def _check_directory(out: Path, manifest: dict, resume: bool) -> list[int]:
         raise UsageError(f"{out} is a file; -o names a directory for the shards")
     if not resume:
         if out.exists() and any(out.iterdir()):
-            what = "a capture (--resume goes on with it)" if have.exists() else "other files"
+            what = "a capture (resume=True goes on with it)" if have.exists() else "other files"
             raise UsageError(f"{out} already holds {what}; give an empty or new directory")
         return []
     if not have.exists():
-        raise UsageError(f"--resume: {out} holds no capture ({MANIFEST} is missing)")
+        raise UsageError(f"resume: {out} holds no capture ({MANIFEST} is missing)")
     old = json.loads(have.read_text(encoding="utf-8"))
     for key in SAME_ON_RESUME:
         if old.get(key) != manifest.get(key):
-            raise UsageError(f"--resume: the capture in {out} was made with another {key} "
+            raise UsageError(f"resume: the capture in {out} was made with another {key} "
                              f"({_short(old.get(key))} there, {_short(manifest.get(key))} now)")
     return [i for i, s in enumerate(manifest["shards"]) if (out / s["file"]).exists()]
 
@@ -296,7 +296,7 @@ class CaptureActor:
 
 
 def _on_ray(lm, manifest, ids, todo, out, workers, address, threads):
-    from llmtrace.run.eval_workers import start_ray
+    from llmtrace.run.ray_cluster import start_ray
 
     ray = start_ray(address)
     from ray.util import ActorPool
@@ -329,7 +329,7 @@ def read_capture(directory: Union[str, Path], points: Optional[list[str]] = None
     missing = [s["file"] for s in manifest["shards"] if not (directory / s["file"]).exists()]
     if missing:
         raise LlmtraceError(f"the capture in {directory} is unfinished: {len(missing)} of {len(manifest['shards'])} "
-                            f"shards are missing (llmtrace capture … --resume writes them)")
+                            f"shards are missing (a capture resumed writes them)")
     names = list(manifest["points"]) if points is None else list(points)
     unknown = [n for n in names if n not in manifest["points"]]
     if unknown:

@@ -101,15 +101,15 @@ def fit(model, text: str, ctx: int, out: Union[str, Path], chunks: Optional[int]
     total, done = torch.zeros(L, D, D, dtype=torch.float64), 0
     if resume:
         if not state.exists():
-            raise UsageError(f"--resume: there is no interrupted fit of {out} ({state.name} is missing)")
+            raise UsageError(f"resume: there is no interrupted fit of {out} ({state.name} is missing)")
         saved = load_file(str(state))
         old = json.loads(_metadata(state)["fit"])
         if {k: old.get(k) for k in meta} != meta:
-            raise UsageError(f"--resume: {state.name} is a fit with other settings (ctx, chunks, text or model)")
+            raise UsageError(f"resume: {state.name} is a fit with other settings (ctx, chunks, text or model)")
         total, done = saved["sum"], old["done"]
     elif out.exists() or state.exists():
-        raise UsageError(f"{out if out.exists() else state} already exists; give another -o (or --resume an "
-                         f"interrupted fit)")
+        raise UsageError(f"{out if out.exists() else state} already exists; write the lens to another file (or resume "
+                         f"an interrupted fit)")
     todo = list(range(done, n if stop_after is None else min(n, done + stop_after)))
 
     def save_state(k: int) -> None:
@@ -188,7 +188,7 @@ def read_lens(path: Union[str, Path], lm=None) -> dict[int, torch.Tensor]:
 
     path = Path(path)
     if not path.exists():
-        raise UsageError(f"{path}: no such lens file (llmtrace lens --fit-jacobian writes one)")
+        raise UsageError(f"{path}: no such lens file (a Jacobian lens fit writes one)")
     meta = json.loads(_metadata(path).get("jlens", "{}"))
     if meta.get("format") != FORMAT:
         raise LlmtraceError(f"{path} is not a Jacobian lens file of llmtrace ({FORMAT})")
