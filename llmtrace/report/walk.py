@@ -150,9 +150,10 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
                 weights.setdefault(f'{name}/{key.split("/", 1)[1]}', pack_f32(s[name]))
         if exact:  # what a worked softmax reads besides the sample (trace.worked), where it can be checked
             extra["lse"] = pack_f32(s["lse"])
-        if ev.get("full"):  # whole rows of a scores operand: (rows, heads, Dh) from row t[0] of the pass
-            f = ev["full"]
-            extra["full"] = {"t": f["t"], "heads": ev["shape"][-2], "width": ev["shape"][-1],
+        if ev.get("full"):  # whole rows of a scores operand or RoPE's input: (rows, heads, Dh) from row t[0] of the
+            f = ev["full"]  # pass; a whole projection (T, H·Dh) is one "head"
+            extra["full"] = {"t": f["t"], "heads": ev["shape"][-2] if len(ev["shape"]) > 2 else 1,
+                             "width": ev["shape"][-1],
                              "values": pack_f32(f["values"])}
         if extra:
             samples[key].append(extra)

@@ -98,7 +98,10 @@ window.llmtraceCards = function (api) {
       if (!x) return missing(t("card_input_missing", { input: at.name, layer: at.layer }));
       const c = o.consts, computed = {};
       const flat = x.n !== out.n; // the input is the whole projection (q normed before the split): head h's slice
-      const get = (i) => x.byIndex[(flat ? headOf(out.s.meta.axes, h) * out.n : 0) + i];
+      const wf = x.s.meta.full, off = flat ? headOf(out.s.meta.axes, h) * out.n : 0;
+      // the input's whole row where the trace kept it (trace/worked.py: a partner past the sample's entries)
+      const whole = wf && pass.t >= wf.t[0] && pass.t <= wf.t[1] ? api.fullRow(x.s, pass.t, wf.heads > 1 ? headOf(x.s.meta.axes, h) : 0) : null;
+      const get = (i) => (whole ? whole[off + i] : x.byIndex[off + i]);
       if (c.rotation === "none") {
         out.index.forEach((i) => { computed[i] = get(i); });
         return { computed: computed, note: t("card_no_rotation") };
@@ -241,15 +244,19 @@ window.llmtraceCards = function (api) {
       if (Number.isFinite(out.values[j])) big = Math.max(big, Math.abs(out.values[j]));
       return v;
     });
-    res.err = err; res.rel = big > 0 ? err / big : err;
+    // a check holds only over values it computed: a card with an entry it could not work out marks nothing
+    const undone = out.index.filter((ix, j) => comp[j] === undefined);
+    if (undone.length) res.missing = t("card_not_computed", { n: undone.length, of: out.index.length, entries: undone.join(", ") });
+    else { res.err = err; res.rel = big > 0 ? err / big : err; }
     const ok = res.err <= 1e-5 || res.rel <= 1e-4;
     html += (w.note ? "<p class=note>" + esc(w.note) + "</p>" : "") +
       "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
       out.index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr><tr><th scope=row>" + esc(t("computed")) + "</th>" +
       comp.map((v) => "<td class=num>" + (v === undefined ? "\u00b7" : shown(v)) + "</td>").join("") + "</tr><tr><th scope=row>" + esc(t("recorded")) +
       "</th>" + out.values.map((v) => "<td class=num>" + shown(v) + "</td>").join("") + "</tr></table></div>" +
-      "<p class=\"check " + (ok ? "ok" : "bad") + "\">" + (ok ? "\u2713 " : "\u2717 ") +
-      esc(t("card_check", { err: num(res.err, 3), rel: num(res.rel, 3) })) + "</p>";
+      (res.missing ? "<p class=\"check none\">" + esc(res.missing) + "</p>" :
+        "<p class=\"check " + (ok ? "ok" : "bad") + "\">" + (ok ? "\u2713 " : "\u2717 ") +
+        esc(t("card_check", { err: num(res.err, 3), rel: num(res.rel, 3) })) + "</p>");
     res.html = html;
     return res;
   }

@@ -1,0 +1,136 @@
+"""Issue 50: the learner's page, round 3, in Chromium on the random-weight family fixtures (tests/families.py).
+
+1. A card marks ✓ only over values it computed: OLMo 2's q/k norms span the whole projection, so RoPE's input keeps
+   whole rows (trace/worked.py) and every rotated entry is worked out; a trace without them says "not computed".
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import Opened, run_cli
+
+TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4)
+VIEWPORTS = [(1280, 900), (390, 844)]
+
+
+@pytest.fixture(scope="module")
+def reports(families, tmp_path_factory):
+    """report(name, lang="en") -> (the loaded model, the trace's events, the report page's path), made once."""
+    import llmtrace
+
+    out = tmp_path_factory.mktemp("round3")
+    runs, made = {}, {}
+
+    def get(name: str, lang: str = "en"):
+        if name not in runs:
+            model = llmtrace.load(str(families.hf_dir(name)), threads=1)
+            runs[name] = (model, model.generate(TEXT, max_new_tokens=2, trace="full", layers="0,-1", for_report=True,
+                                                ignore_eos=True))
+        if (name, lang) not in made:
+            model, run = runs[name]
+            made[(name, lang)] = (model.loaded, run.events, run.report(out / f"{name}-{lang}.html", lang=lang))
+        return made[(name, lang)]
+
+    return get
+
+
+def n_prompt(events) -> int:
+    return len(next(e for e in events if e["event"] == "tokens")["tokens"])
+
+
+def pick(page, token: int, layer: int, head: int = 0) -> None:
+    """Choose the walk-through's token, layer and head, as a learner does."""
+    for sel, v in (("#walk-token", token), ("#walk-layer", layer), ("#walk-head", head)):
+        page.select_option(sel, str(v))
+
+
+# every card of the open view: its point, op, whether it marks ✓ / ✗, and its "computed" row's cells
+CARDS = """() => Array.from(document.querySelectorAll("#walk-panel .card")).map((c) => {
+  const rows = Array.from(c.querySelectorAll("table.walkv tr"));
+  const comp = rows.length > 1 ? Array.from(rows[1].querySelectorAll("td")).map((td) => td.textContent) : [];
+  const check = c.querySelector(".check");
+  return {point: c.dataset.point, layer: c.dataset.layer, op: c.dataset.op, missing: c.dataset.missing || null,
+          err: c.dataset.maxError || null, computed: comp, check: check ? check.textContent : null};
+})"""
+
+
+def ticked_over_nothing(cards: list[dict]) -> list[str]:
+    """The cards that mark ✓ (or ✗) while an entry of their computed row is `·` (not computed)."""
+    return [f"{c['point']} (layer {c['layer']}): {c['check']!r} over {c['computed']}" for c in cards
+            if c["check"] and c["check"][:1] in "✓✗" and "·" in c["computed"]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. a ✓ over nothing
+
+
+@pytest.mark.parametrize("name", ["olmo2", "qwen3_5", "phi3", "gpt_oss"])
+def test_a_card_marks_a_check_only_over_values_it_computed(browser, reports, name):
+    """OLMo 2 (q/k normed over the whole projection), Qwen3.5 and Phi-3 (partial RoPE), gpt-oss (YaRN): at every
+    recorded layer, every head, a prefill token and a decode step, no card marks ✓ over a `·`, and every rotating
+    RoPE card computes every entry and checks."""
+    lm, events, path = reports(name)
+    n, L, H = n_prompt(events), lm.config.n_layers, lm.config.n_heads
+    o = Opened(browser, path)
+    try:
+        bad, rope = [], 0
+        for token in (n - 1, n - 4, n):
+            for layer in (0, L - 1):
+                for h in range(H):
+                    pick(o.page, token, layer, h)
+                    cards = o.page.evaluate(CARDS)
+                    bad += [f"token {token} layer {layer} head {h}: {x}" for x in ticked_over_nothing(cards)]
+                    for c in cards:
+                        if c["op"] == "rope" and c["computed"] and c["layer"] == str(layer):
+                            rope += 1
+                            if "·" in c["computed"] or not (c["check"] or "").startswith("✓"):
+                                bad.append(f"token {token} layer {layer} head {h}: {c['point']} {c['computed']} "
+                                           f"{c['check']!r}")
+        assert not bad, "\n".join(bad[:20])
+        assert rope > 0 or name == "qwen3_5"  # Qwen3.5's layer 0 is linear attention; its layer 3 rotates
+        assert not [m for m in o.messages if m[0] in ("error", "pageerror")]
+    finally:
+        o.page.close()
+
+
+def test_olmo2s_rope_input_keeps_whole_rows_where_its_sample_lacks_the_partners(reports):
+    """The trace keeps whole rows of RoPE's input (q_norm, k_norm: (T, H·Dh), normed before the split) in the layers
+    whose scores' operands it keeps whole; Llama's (T, H, Dh) rows of Dh = 16 hold every partner in the sample."""
+    from llmtrace.trace.worked import rope_needs_rows
+
+    _, events, _ = reports("olmo2")
+    whole = {(e["layer"], e["name"]) for e in events if e["event"] == "tensor" and e.get("full")
+             and e.get("step", 0) == 0}
+    assert {(0, "q_norm"), (0, "k_norm"), (1, "q_norm"), (1, "k_norm")} <= whole
+    assert rope_needs_rows(64, 16, 16) and not rope_needs_rows(16, 16, 16) and not rope_needs_rows(16, 4, 16)
+    assert rope_needs_rows(256, 64, 256)  # the real Qwen3.5: pairs (i, i + 32), the sample keeps 0-7 and 128-135
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_a_trace_without_the_partners_says_not_computed_and_marks_no_check(browser, reports, capsys, tmp_path, lang):
+    """The same OLMo 2 trace with RoPE's input's whole rows dropped (as a trace before them): the q_rope card names
+    the entries it could not work out, in the page's language, and marks neither ✓ nor ✗."""
+    _, events, _ = reports("olmo2")
+    n = n_prompt(events)
+    out = []
+    for ev in events:
+        if ev["event"] == "tensor" and ev["name"] in ("q_norm", "k_norm") and ev.get("full"):
+            ev = {k: v for k, v in ev.items() if k != "full"}
+        out.append(ev)
+    trace = tmp_path / "no-partners.jsonl"
+    trace.write_text("".join(json.dumps(e) + "\n" for e in out), encoding="utf-8")
+    page = tmp_path / f"no-partners-{lang}.html"
+    code, _, err = run_cli(capsys, "report", trace, "-o", page, "--lang", lang)
+    assert code == 0, err
+    o = Opened(browser, page)
+    try:
+        pick(o.page, n - 1, 0, 1)
+        card = next(c for c in o.page.evaluate(CARDS) if c["point"] == "q_rope")
+        assert "·" in card["computed"] and card["err"] is None and card["missing"]
+        assert card["check"] and card["check"][:1] not in "✓✗"
+        assert ("not computed" in card["check"]) == (lang == "en") and ("未计算" in card["check"]) == (lang == "zh")
+    finally:
+        o.page.close()
