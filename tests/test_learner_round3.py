@@ -134,3 +134,82 @@ def test_a_trace_without_the_partners_says_not_computed_and_marks_no_check(brows
         assert ("not computed" in card["check"]) == (lang == "en") and ("未计算" in card["check"]) == (lang == "zh")
     finally:
         o.page.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. s3 from the mask the layer used
+
+MASK = """() => { const p = document.querySelector("#walk-panel [data-seed='s3'] p[data-mask-allowed]");
+  return p ? {allowed: Number(p.dataset.maskAllowed), slots: Number(p.dataset.maskSlots), text: p.textContent} : null; }"""
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_s3_says_which_keys_the_window_hides(browser, reports, lang):
+    """gpt-oss's layer 0 (a window of 4), prompt token t: it may attend min(4, t + 1) of the pass's slots, the older
+    ones masked as outside the window and the later ones as later tokens; its global layer 1 hides only the later
+    ones; a decode step (17 slots, past the sample's 16) says the same from the layer's declared mask."""
+    lm, events, path = reports("gpt_oss", lang)
+    n = n_prompt(events)
+    window, later = ("outside the window of 4", "later tokens") if lang == "en" else ("在 4 个键的窗口之外", "后面的词元")
+    o = Opened(browser, path)
+    try:
+        pick(o.page, 9, 0, 3)
+        m = o.page.evaluate(MASK)
+        assert (m["allowed"], m["slots"]) == (4, n)
+        assert f"0–5 ({window})" in m["text"] and f"10–{n - 1} ({later})" in m["text"]
+        pick(o.page, 9, 1, 3)
+        m = o.page.evaluate(MASK)
+        assert (m["allowed"], m["slots"]) == (10, n) and window not in m["text"] and f"10–{n - 1} ({later})" in m["text"]
+        pick(o.page, n, 0, 0)  # the first decode step: n + 1 slots
+        m = o.page.evaluate(MASK)
+        assert (m["allowed"], m["slots"]) == (4, n + 1) and f"0–{n - 4} ({window})" in m["text"]
+    finally:
+        o.page.close()
+
+
+@pytest.fixture(scope="module")
+def batch_pages(families, tmp_path_factory):
+    """gpt-oss on a batch of two prompts (row 1 padded on the left): its pages for rows 0 and 1, en and zh."""
+    import llmtrace
+
+    out = tmp_path_factory.mktemp("batch3")
+    model = llmtrace.load(str(families.hf_dir("gpt_oss")), threads=1)
+    run = model.generate(["The quick brown fox jumps", "Hi"], max_new_tokens=2, trace="full", layers="0,-1",
+                         for_report=True, ignore_eos=True)
+    return {(row, lang): run.report(out / f"batch-{row}-{lang}.html", row=row, lang=lang) for row in (0, 1)
+            for lang in ("en", "zh")}
+
+
+@pytest.mark.parametrize("size", VIEWPORTS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_s3_of_a_padded_batch_row_masks_its_pad_slots_and_the_window(browser, batch_pages, size):
+    """Row 1 ("Hi", padded): its last prompt token may attend its own real slots only; the line names the pad slots
+    and the window's, and the row of cells marks each slot as the mask did. Row 0 has no pad slots and says so."""
+    from helpers import embedded
+
+    data = embedded(batch_pages[(1, "en")].read_text(encoding="utf-8"))
+    pad, n = data["pad"], len([x for x in data["tokens"] if x["step"] is None])
+    assert pad > 0
+    from test_learner_pages import open_at
+
+    o = open_at(browser, batch_pages[(1, "en")], size)
+    try:
+        pick(o.page, n - 1, 0, 0)
+        m = o.page.evaluate(MASK)
+        q = pad + n - 1
+        allowed = min(4, n)
+        assert (m["allowed"], m["slots"]) == (allowed, pad + n)
+        assert f"0–{pad - 1} (pad slots)" in m["text"] if pad > 1 else "0 (pad slots)" in m["text"]
+        cells = o.page.eval_on_selector_all("#walk-panel table.walkmask td", "tds => tds.map((t) => t.className)")
+        assert cells == ["pad"] * pad + ["window"] * (q + 1 - pad - allowed) + ["on"] * allowed
+        width = o.page.evaluate("document.documentElement.scrollWidth")
+        assert width <= size[0]
+    finally:
+        o.page.close()
+    o = open_at(browser, batch_pages[(0, "zh")], size)
+    try:
+        pick(o.page, 3, 1, 0)
+        m = o.page.evaluate(MASK)
+        assert (m["allowed"], m["slots"]) == (4, len(embedded(batch_pages[(0, "zh")].read_text())["tokens"]) - 2)
+        assert "(填充槽位)" not in m["text"] and "没有填充槽位" in o.page.inner_text("#walk-panel [data-seed='s3']")
+    finally:
+        o.page.close()

@@ -119,26 +119,53 @@
   }
   const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, sample: sample, rowOf: rowOf, positionOf: positionOf,
     slotOf: slotOf, fullRow: fullRow, keyRow: keyRow, isPad: (slot) => slot < PAD });
-  function maskLine(pass, layer, h) { // s3: the keys this token may attend, from the masked entries of its scores row
+  // s3: the mask this layer used for the query of this pass's row, slot by slot: "on" (attended), "pad" (a batch row's
+  // leading pad slot), "later" (causal), "window" (outside the layer's window of keys), "masked" (none of those):
+  // read from the recorded scores row where the trace kept every slot (a masked key is −∞ there), else from the
+  // layer's declared mask (its plan: causal, its window) and the row's padding
+  function maskOf(pass, layer, h) {
+    const plan = CARDS.planOf(layer);
+    if (plan && plan.attention === "none") return null; // a kind that reads no keys (its state carries the past)
+    const q = slotOf(pass) + pass.t, S = pass.step === 0 ? slotOf(pass) + pass.T : q + 1, W = plan && plan.window;
+    const why = (s) => (s < PAD ? "pad" : s > q ? "later" : W && q - s >= W ? "window" : "masked");
     const sc = D.points.find((p) => p.layer && p.step.split("/")[0] === "s6.4" && JSON.stringify(p.axes) === "[\"H\",\"T\",\"S\"]");
     const s = sc && sample(pass.step, layer, sc.name);
-    if (!s || !s.values || s.meta.index.length !== s.meta.shape[2]) return "";
-    const v = rowValues(s, rowOf(s.meta.axes, s.meta.shape, pass.t, h));
-    const masked = v.map((x, k) => (Number.isNaN(x) ? k : -1)).filter((k) => k >= 0);
-    return "<p>" + esc(t("mask_row", { layer: layer, head: h, allowed: v.length - masked.length, slots: v.length,
-      masked: masked.length ? masked.join(", ") : "\u2014" })) + "</p>";
-  }
-  function padRow(pass) { // s3 of a padded batch row: the query's mask row, slot by slot (pad, seen, later)
-    if (!D.batch) return "";
-    const q = pass.step === 0 ? pass.t : PAD + nPrompt + pass.step - 1, S = pass.step === 0 ? pass.T : q + 1;
-    let head = "", cells = "";
-    for (let s = 0; s < S; s++) {
-      const kind = s < PAD ? "pad" : s > q ? "later" : "on";
-      head += "<th>" + s + "</th>";
-      cells += "<td class=\"" + kind + "\" title=\"" + esc(t("mask_" + kind)) + "\">" + (kind === "on" ? "1" : kind === "pad" ? "0" : "\u2212\u221e") + "</td>";
+    const kinds = [];
+    if (s && s.values && s.meta.index.length === s.meta.shape[s.meta.shape.length - 1] && s.meta.index.length === S) {
+      const v = rowValues(s, rowOf(s.meta.axes, s.meta.shape, pass.t, h));
+      v.forEach((x, k) => kinds.push(Number.isNaN(x) || x === -Infinity ? why(k) : "on"));
+      return { q: q, S: S, kinds: kinds, from: "scores", window: W };
     }
-    return "<p>" + esc(t("pad_row", { slot: q, pads: PAD })) + "</p><div class=scroll><table class=\"maskgrid walkmask\"><tr><th>" +
-      esc(t("slot")) + "</th>" + head + "</tr><tr><th>" + q + "</th>" + cells + "</tr></table></div>";
+    for (let k = 0; k < S; k++) { const w = why(k); kinds.push(w === "masked" ? "on" : w); }
+    return { q: q, S: S, kinds: kinds, from: "plan", window: W };
+  }
+  function ranges(list) { // [0, 1, 2, 5] -> "0–2, 5"
+    const out = [];
+    list.forEach((k) => { const r = out[out.length - 1]; if (r && r[1] === k - 1) r[1] = k; else out.push([k, k]); });
+    return out.map((r) => (r[0] === r[1] ? String(r[0]) : r[0] + "\u2013" + r[1])).join(", ");
+  }
+  function maskLine(pass, layer, h) { // s3: the keys this token may attend in this layer, and why the others are masked
+    const m = maskOf(pass, layer, h);
+    if (!m) return "<p>" + esc(t("mask_no_keys", { layer: layer })) + "</p>";
+    const groups = ["pad", "window", "later", "masked"].map((kind) => {
+      const at = m.kinds.map((x, k) => (x === kind ? k : -1)).filter((k) => k >= 0);
+      return at.length ? ranges(at) + " (" + t("mask_why_" + kind, { w: m.window }) + ")" : "";
+    }).filter((x) => x);
+    const allowed = m.kinds.filter((x) => x === "on").length;
+    return "<p data-mask-allowed=\"" + allowed + "\" data-mask-slots=\"" + m.S + "\">" + esc(t(m.from === "scores" ? "mask_row" : "mask_row_plan", { layer: layer, head: h,
+      allowed: allowed, slots: m.S, masked: groups.length ? groups.join("; ") : "\u2014" })) + "</p>";
+  }
+  function padRow(pass, layer, h) { // s3 of a padded batch row: the query's mask row, slot by slot (pad, window, seen, later)
+    if (!D.batch) return "";
+    const m = maskOf(pass, layer, h);
+    if (!m) return "";
+    let head = "", cells = "";
+    m.kinds.forEach((kind, s) => {
+      head += "<th>" + s + "</th>";
+      cells += "<td class=\"" + kind + "\" title=\"" + esc(t("mask_" + kind, { w: m.window })) + "\">" + (kind === "on" ? "1" : kind === "pad" ? "0" : "\u2212\u221e") + "</td>";
+    });
+    return "<p>" + esc(PAD ? t("pad_row", { slot: m.q, pads: PAD }) : t("pad_row_none", { slot: m.q })) + "</p><div class=scroll><table class=\"maskgrid walkmask\"><tr><th>" +
+      esc(t("slot")) + "</th>" + head + "</tr><tr><th>" + m.q + "</th>" + cells + "</tr></table></div>";
   }
   function pointCard(p, pass, layer, h) {
     const lay = p.layer ? layer : "m";
@@ -178,7 +205,7 @@
           bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
           esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
       } else if (sid === "s3") {
-        body = maskLine(pass, layer, h) + padRow(pass);
+        body = maskLine(pass, layer, h) + padRow(pass, layer, h);
       } else if (sid === "s10" || sid === "s11" || sid === "s12") {
         if (sid !== "s10") return;
         const st = D.steps.find((x) => x.step === pass.step);
