@@ -213,3 +213,79 @@ def test_s3_of_a_padded_batch_row_masks_its_pad_slots_and_the_window(browser, ba
         assert "(填充槽位)" not in m["text"] and "没有填充槽位" in o.page.inner_text("#walk-panel [data-seed='s3']")
     finally:
         o.page.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. gpt-oss: the sink, YaRN's θ, the clamped GLU, the attention section's words
+
+
+def card_text(page, point: str) -> str:
+    return page.inner_text(f"#walk-panel .card[data-point='{point}']")
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_gpt_oss_cards_show_the_sink_logit_yarns_theta_and_the_clamped_glu(browser, reports, lang):
+    """Layer 0, head 3: the probs card prints the head's learned sink logit (the checkpoint's attn.sinks[3]) and the
+    scores' own log-sum-exp, which with the sink give the lse it prints; the RoPE card prints the θᵢ the model runs
+    (its plan's YaRN-blended inv_freq, not base^(−2i/d)) and YaRN's rule; the act card says g·σ(1.702·g)·(u + 1) after
+    the clamps."""
+    import math
+    import re
+
+    lm, events, path = reports("gpt_oss", lang)
+    sink = float(lm.model.get_parameter("layers.0.attn.sinks")[3])
+    inv = lm.maths.layers[0]["q_rope"].const("inv_freq")
+    o = Opened(browser, path)
+    try:
+        pick(o.page, 9, 0, 3)
+        probs = card_text(o.page, "probs")
+        assert f"{sink:.5g}" in probs.replace("−", "-")
+        lse, lse_s = (float(x) for x in re.search(r"= (-?[\d.]+)[:：].*?= (-?[\d.]+)[ （(]", probs).groups())
+        assert lse == pytest.approx(math.log(math.exp(lse_s) + math.exp(sink)), abs=2e-4)
+        assert ("learned sink logit" in probs) == (lang == "en") and ("汇点 logit" in probs) == (lang == "zh")
+        rope = card_text(o.page, "q_rope")
+        assert f"θ4 = {inv[4]:.4g}" in rope and "YaRN" in rope
+        assert f"{150000.0 ** (-8 / 16):.4g}" in rope  # the unscaled θ₄ it is not
+        act = card_text(o.page, "act")
+        assert "g · σ(1.702 · g) · (u + 1)" in act and "clamped(gate" not in act
+    finally:
+        o.page.close()
+
+
+HATCHED = """([layer, r, c]) => { const sel = document.querySelector("#att-layer");
+  sel.value = String(layer); sel.dispatchEvent(new Event("change"));
+  const cv = document.querySelector("#att-canvas"), cell = Number(cv.dataset.cell);
+  const px = cv.getContext("2d").getImageData(c * cell + 1, r * cell + 1, 2, 1).data;
+  return [[px[0], px[1], px[2]], [px[4], px[5], px[6]]].every((p) => p[0] === p[1] && p[1] === p[2] &&
+    (p[0] === 214 || p[0] === 246)); }"""
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("size", VIEWPORTS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gpt_oss_attention_section_speaks_of_its_window_and_learned_sinks(browser, reports, lang, size):
+    """The attention section's words come from the layers' declaration: layer 0's window is named and its masked
+    cells hatched (query 9, key 0: hatched in layer 0, drawn in the global layer 1), no "first token is the attention
+    sink" where the heads have learned sinks, and the sink's largest recorded share is shown. Llama keeps its words."""
+    from test_learner_pages import open_at
+
+    _, events, path = reports("gpt_oss", lang)
+    share = max(e["stats"]["max"] for e in events if e["event"] == "tensor" and e["name"] == "sink")
+    o = open_at(browser, path, size)
+    try:
+        text = o.page.inner_text("#attention")
+        assert o.page.evaluate(HATCHED, [0, 9, 0]) and not o.page.evaluate(HATCHED, [1, 9, 0])
+        assert o.page.evaluate(HATCHED, [1, 9, 10])  # a later key: hatched in every layer
+        assert f"{share:.3f}" in o.page.inner_text("#att-sink")
+        if lang == "en":
+            assert "layer 0: 4 keys" in text and "attention sink" not in text and "learned sink logit" in text
+        else:
+            assert "第 0 层：4 个键" in text and "学到的汇点" in text
+    finally:
+        o.page.close()
+    _, _, llama = reports("llama", lang)
+    o = open_at(browser, llama, size)
+    try:
+        text = o.page.inner_text("#attention")
+        assert ("the first token (the attention sink)" in text) == (lang == "en") and "learned sink" not in text
+    finally:
+        o.page.close()

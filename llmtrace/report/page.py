@@ -535,6 +535,36 @@ def heatmap_axes(d: dict) -> dict:
             "marks": [{"at": f"{(i + 0.5) * cell + 4:.1f}", "text": text(i)} for i in range(0, B, every)]}
 
 
+def attention_words(d: dict, w) -> tuple[str, str]:
+    """The attention section's words from the declaration of the layers it draws: the mask (causal, and each
+    layer's window, hatched alike) and the sink (the first token's, or the heads' learned sink logits, with the
+    largest share the trace recorded for them)."""
+    rec = (d.get("maths") or {}).get("record")
+    layers = [int(x) for x in d["attention"]["layers"] if str(x).lstrip("-").isdigit()]
+    if not rec:
+        return w("attention.intro"), w("attention.sink")
+    plans = {layer: rec["kinds"][rec["layer_kind"][layer]] for layer in layers if layer < len(rec["layer_kind"])}
+    windows = {layer: k["plan"].get("window") for layer, k in plans.items() if k["plan"].get("window")}
+    intro = w("attention.intro")
+    if windows:
+        by: dict[int, list[int]] = {}
+        for layer, win in windows.items():
+            by.setdefault(win, []).append(layer)
+        intro = w("attention.intro_window", windows="; ".join(
+            w("attention.window_of", layers=", ".join(map(str, ls)), w=f"{win:,}") for win, ls in by.items()))
+    sinks = {o_name for k in plans.values() for o_name, o in k["ops"].items()
+             if o["op"] == "softmax" and (o.get("consts") or {}).get("take") == "sink"}
+    if not sinks:
+        return intro, w("attention.sink")
+    rows = [r for name in sinks for r in ((d.get("tensors") or {}).get("points") or {}).get(name, [])
+            if r["layer"] in plans and r.get("max") is not None]
+    if not rows:
+        return intro, w("attention.learned_sink")
+    top = max(rows, key=lambda r: r["max"])
+    return intro, w("attention.learned_sink") + " " + w("attention.learned_sink_max", share=f'{top["max"]:.3f}',
+                                                        layer=top["layer"], step=top["step"])
+
+
 def section_attention(d: dict) -> Optional[dict]:
     a = d["attention"]
     if not a["maps"]:
@@ -548,7 +578,8 @@ def section_attention(d: dict) -> Optional[dict]:
     if a.get("pad"):
         binned += " " + w("attention.padded", pads=count(w, a["pad"], "pad_slot"))
     notes = " ".join(w(x["key"], **{k: v for k, v in x.items() if k != "key"}) for x in a["notes"])
-    return {"maps": True, "binned": binned, "notes": notes, "layers": a["layers"],
+    intro, sink = attention_words(d, w)
+    return {"maps": True, "binned": binned, "notes": notes, "layers": a["layers"], "intro": intro, "sink": sink,
             "heads": [w("attention.head_n", h=h) if h != "mean" else w("attention.mean") for h in a["heads"]],
             "axes": heatmap_axes(d), "gqa": gqa_diagram(d), "overview": overview(a)}
 

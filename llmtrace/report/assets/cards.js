@@ -68,6 +68,18 @@ window.llmtraceCards = function (api) {
     const here = computed[pass.t];
     return { computed: computed, note: here === undefined ? "" : t("card_sink", { share: num(here, 4) }) };
   }
+  // the θᵢ the layer runs (its declared inv_freq, scaling included) and, for a scaled RoPE, the rule that made them
+  function ropeTheta(c, inv, half, f) {
+    const shown = Array.from(inv.slice(0, 8), (v, i) => "\u03b8" + i + " = " + num(v, 4)).join(", ") + (half > 8 ? ", \u2026" : "");
+    let s = t("card_rope_theta", { last: half - 1, thetas: shown });
+    const sc = c.scaling || {}, i = Math.min(4, half - 1), plain = Math.pow(c.base, -2 * i / c.rotary_dim);
+    if (sc.rope_type === "yarn")
+      s += " " + t("card_rope_yarn", { s: sc.factor, L: sc.original_max_position_embeddings, bf: sc.beta_fast, bs: sc.beta_slow,
+        i: i, ti: num(inv[i], 4), bi: num(plain, 4), f: num(f, 4) });
+    else if (sc.rope_type && sc.rope_type !== "default")
+      s += " " + t("card_rope_scaled", { kind: sc.rope_type, i: i, ti: num(inv[i], 4), bi: num(plain, 4) });
+    return s;
+  }
   const gelu = (x) => 0.5 * x * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (x + 0.044715 * x * x * x)));
   const silu = (x) => x / (1 + Math.exp(-x));
   const ACT = { silu: silu, gelu_tanh: gelu };
@@ -115,7 +127,7 @@ window.llmtraceCards = function (api) {
         const ang = pos * inv[j], cs = Math.cos(ang) * f, sn = Math.sin(ang) * f;
         computed[i] = i < half ? a * cs - b * sn : b * cs + a * sn;
       });
-      return { computed: computed, note: t("card_rope", { pos: pos, base: c.base, dr: dr }) };
+      return { computed: computed, note: t("card_rope", { pos: pos, base: c.base, dr: dr }) + " " + ropeTheta(c, inv, half, f) };
     },
     scores(o, p, layer, pass, h, out) {
       const c = o.consts;
@@ -156,15 +168,16 @@ window.llmtraceCards = function (api) {
       if (x && !x.s.exact && (D.walk.full_layers || []).length)
         return missing(t("card_coarse", { layers: D.walk.full_layers.join(", ") }));
       if (!x || !x.s.lse) return missing(t("card_lse_missing"));
-      let lse = x.s.lse[x.row], sinkShare = null;
-      if (o.consts.sink) {
+      let lse = x.s.lse[x.row], note = t("card_softmax", { lse: num(lse) });
+      if (o.consts.sink) { // the head's learned sink logit joins the sum as one more column (gpt-oss)
         if (!out.s.sink) return missing(t("card_gamma_missing"));
-        const sk = out.s.sink[headOf(out.s.meta.axes, h) || 0], total = Math.log(Math.exp(lse - sk) + 1) + sk;
-        sinkShare = Math.exp(sk - total); lse = total;
+        const hk = headOf(out.s.meta.axes, h) || 0, sk = out.s.sink[hk], total = Math.log(Math.exp(lse - sk) + 1) + sk;
+        note = t("card_softmax_sink", { lse: num(total), lse_s: num(lse), head: hk, sink: num(sk), share: num(Math.exp(sk - total), 4) });
+        lse = total;
       }
       const computed = {};
       out.index.forEach((i) => { const v = x.byIndex[i]; computed[i] = Number.isNaN(v) || v === -Infinity ? 0 : Math.exp(v - lse); });
-      return { computed: computed, note: t("card_softmax", { lse: num(lse) }) + (sinkShare === null ? "" : " " + t("card_sink", { share: num(sinkShare, 4) })) };
+      return { computed: computed, note: note };
     },
     glu(o, p, layer, pass, h, out) {
       const g = entries(pass, source(layer, o.inputs[0]), h), u = entries(pass, source(layer, o.inputs[1]), h);
@@ -177,7 +190,8 @@ window.llmtraceCards = function (api) {
           computed[i] = a / (1 + Math.exp(-c.alpha * a)) * (b + (c.up_offset || 0));
         } else computed[i] = ACT[c.act](a) * b;
       });
-      return { computed: computed, note: t("card_glu", { act: c.act }) };
+      return { computed: computed, note: c.clamp !== null && c.clamp !== undefined ?
+        t("card_glu_clamped", { lim: c.clamp, alpha: c.alpha, off: c.up_offset || 0 }) : t("card_glu", { act: c.act }) };
     },
     add(o, p, layer, pass, h, out) {
       const sa = source(layer, o.inputs[0]), sb = source(layer, o.inputs[1]);
