@@ -289,3 +289,49 @@ def test_gpt_oss_attention_section_speaks_of_its_window_and_learned_sinks(browse
         assert ("the first token (the attention sink)" in text) == (lang == "en") and "learned sink" not in text
     finally:
         o.page.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. per-head cards name the KV head and the GQA group
+
+HEADLINES = """() => Array.from(document.querySelectorAll("#walk-panel .card")).map((c) => {
+  const p = c.querySelector(".headline");
+  return [c.dataset.point, c.dataset.layer, p ? [p.dataset.kvHead, p.dataset.group, p.textContent] : null]; })"""
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_per_head_cards_name_the_kv_head_and_the_gqa_group(browser, reports, lang):
+    """gpt-oss (4 query heads on 2 KV heads), query head 3 chosen: every card of a KV-head point (k, v, k_rope) says
+    it reads KV head 1, shared by query heads 2 and 3; every card of a query-head point says head 3 in group 1;
+    OLMo 2 (one KV head a query head) says there is no grouping."""
+    lm, events, path = reports("gpt_oss", lang)
+    axes = {p.name: p.axes for p in lm.points.layer}
+    sampled = {e["name"] for e in events if e["event"] == "tensor" and e["layer"] == 0 and e.get("sample")
+               and e.get("step", 0) == 0}
+    o = Opened(browser, path)
+    try:
+        pick(o.page, 9, 0, 3)
+        lines = {name: line for name, layer, line in o.page.evaluate(HEADLINES) if layer == "0"}
+        kv_points = [n for n in ("k", "v", "k_rope") if n in lines]
+        assert len(kv_points) == 3
+        for name, line in lines.items():
+            a = axes.get(name) or () if name in sampled else ()
+            if "Hkv" in a and "H" not in a:
+                assert line and line[:2] == ["1", "2,3"], (name, line)
+                assert ("KV head 1" in line[2] and "query heads 2, 3" in line[2]) if lang == "en" else \
+                    ("KV 头 1" in line[2] and "查询头 2, 3" in line[2])
+            elif "H" in a:
+                assert line and line[:2] == ["1", "2,3"] and ("Query head 3" in line[2] or "查询头 3" in line[2])
+            else:
+                assert line is None, name
+    finally:
+        o.page.close()
+    _, _, path = reports("olmo2", lang)
+    o = Opened(browser, path)
+    try:
+        pick(o.page, 5, 0, 2)
+        lines = {name: line for name, layer, line in o.page.evaluate(HEADLINES) if layer == "0"}
+        assert lines["k_rope"][:2] == ["2", "2"]
+        assert ("no grouping" in lines["k_rope"][2]) if lang == "en" else ("不分组" in lines["k_rope"][2])
+    finally:
+        o.page.close()

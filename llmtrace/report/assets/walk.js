@@ -167,6 +167,16 @@
     return "<p>" + esc(PAD ? t("pad_row", { slot: m.q, pads: PAD }) : t("pad_row_none", { slot: m.q })) + "</p><div class=scroll><table class=\"maskgrid walkmask\"><tr><th>" +
       esc(t("slot")) + "</th>" + head + "</tr><tr><th>" + m.q + "</th>" + cells + "</tr></table></div>";
   }
+  function headLine(axes, h) { // which head a per-head card reads: the query head and its GQA group, or the KV head
+    const kv = Math.floor(h / G), group = [];
+    for (let q = kv * G; q < (kv + 1) * G; q++) group.push(q);
+    const attr = " data-kv-head=\"" + kv + "\" data-group=\"" + group.join(",") + "\"";
+    if (axes.indexOf("Hkv") >= 0 && axes.indexOf("H") < 0)
+      return "<p class=headline" + attr + ">" + esc(t(G > 1 ? "head_kv" : "head_kv_mha", { kv: kv, h: h, group: group.join(", "), G: G })) + "</p>";
+    if (axes.indexOf("H") >= 0)
+      return "<p class=headline" + attr + ">" + esc(t(G > 1 ? "head_q" : "head_q_mha", { kv: kv, h: h, group: group.join(", "), G: G })) + "</p>";
+    return "";
+  }
   function pointCard(p, pass, layer, h) {
     const lay = p.layer ? layer : "m";
     const s = sample(pass.step, lay, p.name);
@@ -182,6 +192,7 @@
     if (!s.meta.axes) return html + "<p class=note>" + esc(t("no_axes")) + "</p></div>";
     const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
     const n = s.meta.shape[s.meta.shape.length - 1];
+    html += headLine(s.meta.axes, h);
     html += "<p>" + esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) + "</p>";
     return html + w.html + (w.err !== undefined ? "" : valuesTable(s.meta.index, [[t("value"), vals]], w.op === "scores" || w.op === "softcap")) + "</div>";
   }
