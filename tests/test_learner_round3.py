@@ -50,7 +50,7 @@ def pick(page, token: int, layer: int, head: int = 0) -> None:
 # every card of the open view: its point, op, whether it marks ✓ / ✗, and its "computed" row's cells
 CARDS = """() => Array.from(document.querySelectorAll("#walk-panel .card")).map((c) => {
   const rows = Array.from(c.querySelectorAll("table.walkv tr"));
-  const comp = rows.length > 1 ? Array.from(rows[1].querySelectorAll("td")).map((td) => td.textContent) : [];
+  const comp = rows.filter((r, k) => k % 3 === 1).flatMap((r) => Array.from(r.querySelectorAll("td")).map((td) => td.textContent));
   const check = c.querySelector(".check");
   return {point: c.dataset.point, layer: c.dataset.layer, op: c.dataset.op, missing: c.dataset.missing || null,
           err: c.dataset.maxError || null, computed: comp, check: check ? check.textContent : null};
@@ -335,3 +335,88 @@ def test_per_head_cards_name_the_kv_head_and_the_gqa_group(browser, reports, lan
         assert ("no grouping" in lines["k_rope"][2]) if lang == "en" else ("不分组" in lines["k_rope"][2])
     finally:
         o.page.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. smaller: a masked row's norm, a layer without RoPE, the map's word steps, widths
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_a_masked_scores_row_has_no_infinite_norm_and_a_layer_without_rope_is_not_rotated(browser, reports, lang):
+    """gpt-oss's layer 0 at token 9: its scores row holds −∞ at masked keys, and the card says the row has no norm
+    to show instead of "Infinity"; SmolLM3's layer 3 (no RoPE): its q_rope and k_rope cards are not subtitled as
+    rotated by their positions."""
+    _, _, path = reports("gpt_oss", lang)
+    o = Opened(browser, path)
+    try:
+        pick(o.page, 9, 0, 3)
+        scores = card_text(o.page, "scores")
+        assert "Infinity" not in o.page.inner_text("#walk-panel") and "−∞" in scores
+        assert ("norm of the row: none" in scores) if lang == "en" else ("范数：无" in scores)
+    finally:
+        o.page.close()
+    lm, _, path = reports("smollm3", lang)
+    assert lm.maths.layers[3]["q_rope"].const("rotation") == "none"
+    o = Opened(browser, path)
+    try:
+        pick(o.page, 5, 3, 0)
+        for point in ("q_rope", "k_rope"):
+            sub = o.page.inner_text(f"#walk-panel .card[data-point='{point}'] h4 .note")
+            assert ("applies no RoPE" in sub) if lang == "en" else ("不做旋转位置编码" in sub), sub
+        pick(o.page, 5, 0, 0)  # a rotating layer keeps its words
+        assert "applies no RoPE" not in o.page.inner_text("#walk-panel .card[data-point='q_rope'] h4 .note")
+    finally:
+        o.page.close()
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("size", VIEWPORTS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_map_has_a_button_for_every_step_told_in_words(browser, reports, lang, size):
+    """s1–s3, s5 and s10–s12 have no point of their own: each box of the map has a button that opens, in place, what
+    the walk says there (the token, its mask row, its position, the sampler), and closes again from the keyboard."""
+    from test_learner_pages import open_at
+
+    _, events, path = reports("gpt_oss", lang)
+    o = open_at(browser, path, size)
+    try:
+        pick(o.page, 9, 0, 3)
+        seeds = o.page.eval_on_selector_all("#passmap .mapseed", "bs => bs.map((b) => b.dataset.seedOpen)")
+        assert seeds == ["s1", "s2", "s3", "s5", "s10", "s11", "s12"]
+        o.page.click("#passmap .mapseed[data-seed-open='s3']")
+        assert o.page.get_attribute("#passmap .mapseed[data-seed-open='s3']", "aria-expanded") == "true"
+        card = o.page.inner_text("#map-card")
+        assert "0–5" in card and ("outside the window of 4" in card if lang == "en" else "窗口之外" in card)
+        o.page.press("#passmap .mapseed[data-seed-open='s3']", "Enter")
+        assert o.page.inner_text("#map-card") == ""
+        o.page.click("#passmap .mapseed[data-seed-open='s5']")
+        assert ("Position 9" in o.page.inner_text("#map-card")) if lang == "en" else "位置 9" in o.page.inner_text("#map-card")
+        box = o.page.eval_on_selector("#passmap .mapseed[data-seed-open='s12']", "b => b.getBoundingClientRect().right")
+        assert box <= size[0]
+    finally:
+        o.page.close()
+
+
+FIT = """() => ({cut: Array.from(document.querySelectorAll("#walk-panel .scroll")).filter((e) =>
+    e.scrollWidth > e.clientWidth + 1).length, tables: document.querySelectorAll("#walk-panel table.walkv").length,
+  page: document.documentElement.scrollWidth,
+  heat: document.querySelector(".att-axes").getBoundingClientRect().right})"""
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "phi3_longrope"])
+def test_walk_tables_fit_at_1280_and_the_heatmap_fits_a_phone(browser, reports, name):
+    """At 1280 px no walk table is cut and scrolled inside its card (a 16-entry sample is shown as its two halves);
+    at 390 px the heatmap (16 × 16 or more cells) and its labels fit the screen, and the page never scrolls sideways."""
+    from test_learner_pages import open_at
+
+    _, events, path = reports(name)
+    for size in VIEWPORTS:
+        o = open_at(browser, path, size)
+        try:
+            pick(o.page, n_prompt(events) - 4, 0, 1)
+            got = o.page.evaluate(FIT)
+            assert got["tables"] > 20 and got["page"] <= size[0], (size, got)
+            if size[0] == 1280:
+                assert got["cut"] == 0, got
+            assert got["heat"] <= size[0], (size, got)
+        finally:
+            o.page.close()

@@ -235,7 +235,6 @@ window.llmtraceCards = function (api) {
     const ma = a === -Infinity || Number.isNaN(a), mb = b === -Infinity || Number.isNaN(b);
     return ma && mb ? 0 : ma || mb ? Infinity : Math.abs(a - b);
   }
-  function shown(x) { return x === -Infinity || Number.isNaN(x) ? "\u2212\u221e" : num(x); }
 
   // the card of point p in `layer` ("m" outside the layers) for one pass, token row and head
   function work(p, layer, pass, h, s) {
@@ -264,10 +263,8 @@ window.llmtraceCards = function (api) {
     else { res.err = err; res.rel = big > 0 ? err / big : err; }
     const ok = res.err <= 1e-5 || res.rel <= 1e-4;
     html += (w.note ? "<p class=note>" + esc(w.note) + "</p>" : "") +
-      "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
-      out.index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr><tr><th scope=row>" + esc(t("computed")) + "</th>" +
-      comp.map((v) => "<td class=num>" + (v === undefined ? "\u00b7" : shown(v)) + "</td>").join("") + "</tr><tr><th scope=row>" + esc(t("recorded")) +
-      "</th>" + out.values.map((v) => "<td class=num>" + shown(v) + "</td>").join("") + "</tr></table></div>" +
+      api.walkTable(out.index, [[t("computed"), comp.map((v) => (v === undefined ? "\u00b7" : api.cellNum(v)))],
+        [t("recorded"), out.values.map((v) => api.cellNum(v))]]) +
       (res.missing ? "<p class=\"check none\">" + esc(res.missing) + "</p>" :
         "<p class=\"check " + (ok ? "ok" : "bad") + "\">" + (ok ? "\u2713 " : "\u2717 ") +
         esc(t("card_check", { err: num(res.err, 3), rel: num(res.rel, 3) })) + "</p>");

@@ -291,7 +291,17 @@
     }
     out.textContent = text;
   }
+  function fitAxes() { // a phone: the map and its labels scaled down together to the section's width (never up)
+    const ax = $(".att-axes"), room = ax && ax.closest("section");
+    if (!ax || !room) return;
+    ax.style.zoom = "";
+    const cs = getComputedStyle(room), free = room.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
+    const need = ax.scrollWidth;
+    if (need > free && free > 0) ax.style.zoom = String(Math.floor(1000 * free / need) / 1000);
+  }
   if (canvas && A.layers.length) {
+    fitAxes();
+    window.addEventListener("resize", fitAxes);
     ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); tellParent(); }));
     drawThumbs();
     canvas.addEventListener("mousemove", (ev) => {

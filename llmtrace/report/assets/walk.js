@@ -91,13 +91,22 @@
   function shapeText(m) {
     return "[" + m.shape.map((n, a) => (m.axes ? m.axes[a] + "=" : "") + n).join(", ") + "]";
   }
-  function valuesTable(index, cols, masked) { // one row per series ([heading, values]), one column per kept entry (index i); `masked`: a missing value is a masked −∞
-    let h = "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
-      index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr>";
-    cols.forEach((c) => {
-      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + (masked && Number.isNaN(c[1][j]) ? "\u2212\u221e" : num(c[1][j])) + "</td>").join("") + "</tr>";
-    });
-    return h + "</table></div>";
+  function cellNum(x) { // a table cell's number: 5 significant figures, short (an exponent below 0.001)
+    if (x === -Infinity || (typeof x === "number" && Number.isNaN(x))) return "\u2212\u221e";
+    if (x === null || x === undefined) return "\u00b7";
+    return x !== 0 && Math.abs(x) < 1e-3 ? Number(x).toExponential(4) : Number(x).toPrecision(5);
+  }
+  // the rows of a walk table ([heading, cells as text]), one column per kept entry (index i); a sample's two halves
+  // (its first entries and those from the middle) stacked as two tables, so that a card fits the page's width
+  function walkTable(index, rows) {
+    const parts = index.length > 8 ? [[0, index.length / 2 | 0], [index.length / 2 | 0, index.length]] : [[0, index.length]];
+    return parts.map(([a, b]) => "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
+      index.slice(a, b).map((ix) => "<th>" + ix + "</th>").join("") + "</tr>" +
+      rows.map((r) => "<tr><th scope=row>" + esc(r[0]) + "</th>" + r[1].slice(a, b).map((v) => "<td class=num>" + esc(v) + "</td>").join("") + "</tr>").join("") +
+      "</table></div>").join("");
+  }
+  function valuesTable(index, cols, masked) { // one row per series ([heading, values]); `masked`: a missing value is a masked −∞
+    return walkTable(index, cols.map((c) => [c[0], index.map((ix, j) => (!masked && Number.isNaN(c[1][j]) ? "\u2014" : cellNum(c[1][j])))]));
   }
   // the worked examples (cards.js): each point's declared operation, worked out on the recorded inputs
   function positionOf(pass) { // the token's position (RoPE's m): a batch row counts from its first real token
@@ -117,7 +126,7 @@
     const tRow = slot < T0 ? slot - OFF0 : 0; // an earlier prefill chunk's slot: not kept (tRow < 0)
     return tRow < s.meta.full.t[0] || tRow > s.meta.full.t[1] ? null : fullRow(s, tRow, kvHead);
   }
-  const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, sample: sample, rowOf: rowOf, positionOf: positionOf,
+  const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, cellNum: cellNum, walkTable: walkTable, sample: sample, rowOf: rowOf, positionOf: positionOf,
     slotOf: slotOf, fullRow: fullRow, keyRow: keyRow, isPad: (slot) => slot < PAD });
   // s3: the mask this layer used for the query of this pass's row, slot by slot: "on" (attended), "pad" (a batch row's
   // leading pad slot), "later" (causal), "window" (outside the layer's window of keys), "masked" (none of those):
@@ -177,6 +186,10 @@
       return "<p class=headline" + attr + ">" + esc(t(G > 1 ? "head_q" : "head_q_mha", { kv: kv, h: h, group: group.join(", "), G: G })) + "</p>";
     return "";
   }
+  function aboutOf(p, lay) { // what a point is; a RoPE that rotates nothing in this layer says so, not "rotated"
+    const o = D.maths ? CARDS.opOf(lay, p.name) : null;
+    return o && o.op === "rope" && o.consts && o.consts.rotation === "none" ? t("about_no_rope") : p.about || "";
+  }
   function pointCard(p, pass, layer, h) {
     const lay = p.layer ? layer : "m";
     const s = sample(pass.step, lay, p.name);
@@ -185,7 +198,7 @@
     const attr = (k, v) => (v === undefined || v === null ? "" : " data-" + k + "=\"" + esc(String(v)) + "\"");
     let html = "<div class=\"wpoint card\"" + attr("point", p.name) + attr("layer", lay) + attr("op", w.op) + attr("head", w.head) +
       attr("max-error", w.err) + attr("max-rel", w.rel) + attr("missing", w.missing) + "><h4>" + esc(p.name) + " <code>" +
-      (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(p.about || "") + "</span>" +
+      (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(aboutOf(p, lay)) + "</span>" +
       (w.op ? " <span class=op>" + esc(w.op) + "</span>" : "") + "</h4>";
     if (!s) return html + w.html + "<p class=note>" + esc(t("no_sample")) + "</p></div>";
     if (s.meta.positions) return html + w.html + "<p>" + esc(t("slots_written", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
@@ -193,10 +206,31 @@
     const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
     const n = s.meta.shape[s.meta.shape.length - 1];
     html += headLine(s.meta.axes, h);
-    html += "<p>" + esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) + "</p>";
+    html += "<p>" + (Number.isFinite(s.norms[row]) ? esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) :
+      esc(t("norm_masked"))) + "</p>"; // a scores row with a masked key (−∞) has no finite norm
     return html + w.html + (w.err !== undefined ? "" : valuesTable(s.meta.index, [[t("value"), vals]], w.op === "scores" || w.op === "softcap")) + "</div>";
   }
   const SEED = Object.keys(D.step_titles);
+  // the walk's words for a seed step with no point of its own (s1–s3, s5, s10–s12), or null: the token, the mask, the
+  // position RoPE reads, the sampler
+  function seedBody(sid, i, pass, layer, h) {
+    const tok = D.tokens[i];
+    if (sid === "s1" || sid === "s2")
+      return "<p><b class=tok>" + esc(vis(tok.text)) + "</b> \u00b7 " + esc(t("token_facts", { id: tok.id, piece: tok.piece,
+        bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
+        esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
+    if (sid === "s3") return maskLine(pass, layer, h) + padRow(pass, layer, h);
+    if (sid === "s5") {
+      if (D.points.some((p) => p.step.split("/")[0] === "s5" && p.traced !== false)) return null;
+      const plan = D.maths ? CARDS.planOf(layer) : null;
+      return "<p>" + esc(t(plan && !plan.rope ? "seed_s5_none" : "seed_s5", { pos: positionOf(pass), layer: layer })) + "</p>";
+    }
+    if (sid === "s10" || sid === "s11" || sid === "s12") {
+      const st = D.steps.find((x) => x.step === pass.step);
+      return "<p>" + esc(st && pass.t === pass.T - 1 ? t("sampler_here", { token: vis(st.token.text), step: st.step }) : t("sampler_not")) + "</p>";
+    }
+    return null;
+  }
   function drawWalk() {
     const panel = $("#walk-panel");
     if (!panel) return;
@@ -209,19 +243,10 @@
     }
     let html = "";
     SEED.forEach((sid) => {
-      let body = "";
-      if (sid === "s1" || sid === "s2") {
-        if (sid === "s2") return;
-        body = "<p><b class=tok>" + esc(vis(tok.text)) + "</b> \u00b7 " + esc(t("token_facts", { id: tok.id, piece: tok.piece,
-          bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
-          esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
-      } else if (sid === "s3") {
-        body = maskLine(pass, layer, h) + padRow(pass, layer, h);
-      } else if (sid === "s10" || sid === "s11" || sid === "s12") {
-        if (sid !== "s10") return;
-        const st = D.steps.find((x) => x.step === pass.step);
-        body = "<p>" + esc(st && pass.t === pass.T - 1 ? t("sampler_here", { token: vis(st.token.text), step: st.step }) : t("sampler_not")) + "</p>";
-      } else {
+      if (sid === "s2" || sid === "s11" || sid === "s12") return; // told with s1 and s10
+      let body = seedBody(sid, i, pass, layer, h);
+      if (body === null) {
+        body = "";
         D.points.filter((p) => p.step.split("/")[0] === sid && p.traced !== false)
           .filter((p) => !D.maths || CARDS.opOf(p.layer ? layer : "m", p.name)) // a layer's own points (a hybrid's: its kind's)
           .forEach((p) => { body += pointCard(p, pass, layer, h); });
@@ -264,7 +289,12 @@
       if (sid === "s6.8" && extra === null) extra =
         "<span class=mapnote data-kv-slots=\"" + (slotOf(c.pass) + c.pass.T) + "\">" +
         esc(t("map_kv", { slots: slotOf(c.pass) + c.pass.T })) + "</span>";
-      const buttons = pts.map((p) => {
+      const told = !pts.length && ["s1", "s2", "s3", "s5", "s10", "s11", "s12"].indexOf(sid) >= 0;
+      const seedOpen = mapOpen && mapOpen.seed === sid;
+      const seedButton = told ? "<button type=button class=\"mapblock mapseed" + (seedOpen ? " open" : "") + "\" data-seed-open=\"" + sid +
+        "\" aria-expanded=\"" + (seedOpen ? "true" : "false") + "\" aria-label=\"" + esc(sid + " " + (titleOf(sid, c.layer) || "")) + "\">" +
+        esc(t("map_open_step")) + "</button>" : "";
+      const buttons = seedButton + pts.map((p) => {
         const lay = p.layer ? c.layer : "m", o = CARDS.opOf(lay, p.name), open = mapOpen && mapOpen.name === p.name;
         return "<button type=button class=\"mapblock" + (open ? " open" : "") + "\" data-point=\"" + esc(p.name) + "\" data-layer=\"" + lay +
           "\" data-op=\"" + esc(o.op) + "\" aria-expanded=\"" + (open ? "true" : "false") + "\" aria-label=\"" + esc(sid + " " + p.name + ": " + o.op) +
@@ -277,13 +307,17 @@
     el.innerHTML = "<p class=note>" + esc(t("map_intro", { layer: c.layer, kind: (D.kind_words || [])[R.layer_kind[c.layer]] || R.layer_kind[c.layer] })) + "</p><ol class=mapflow>" + html + "</ol>" +
       "<div id=map-card aria-live=polite></div>";
     el.querySelectorAll(".mapblock").forEach((b) => b.addEventListener("click", () => {
-      const same = mapOpen && mapOpen.name === b.dataset.point;
-      mapOpen = same ? null : { name: b.dataset.point };
+      const seed = b.dataset.seedOpen;
+      const same = mapOpen && (seed ? mapOpen.seed === seed : mapOpen.name === b.dataset.point);
+      mapOpen = same ? null : seed ? { seed: seed } : { name: b.dataset.point };
       drawMap();
-      const again = el.querySelector(".mapblock[data-point=\"" + b.dataset.point + "\"]");
+      const again = el.querySelector(seed ? ".mapblock[data-seed-open=\"" + seed + "\"]" : ".mapblock[data-point=\"" + b.dataset.point + "\"]");
       if (again) again.focus();
     }));
-    if (mapOpen) {
+    if (mapOpen && mapOpen.seed) {
+      const body = seedBody(mapOpen.seed, c.i, c.pass, c.layer, c.h);
+      $("#map-card").innerHTML = body ? "<div class=\"card mapseedcard\" data-seed=\"" + mapOpen.seed + "\">" + body + "</div>" : "";
+    } else if (mapOpen) {
       const p = D.points.find((x) => x.name === mapOpen.name);
       $("#map-card").innerHTML = p ? pointCard(p, c.pass, c.layer, c.h) : "";
     }
