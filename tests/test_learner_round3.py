@@ -420,3 +420,80 @@ def test_walk_tables_fit_at_1280_and_the_heatmap_fits_a_phone(browser, reports, 
             assert got["heat"] <= size[0], (size, got)
         finally:
             o.page.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 6. serve's sliders
+
+from test_serve import press, server, tiny_dir  # noqa: E402,F401  (the live server of a tiny model, and its helper)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("size", VIEWPORTS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_serves_sampler_settings_are_labelled_sliders_with_their_number(browser, lang, size, tmp_path):
+    """Temperature, top-k and top-p (and min-p) are sliders (input type=range) named by their labels, each with its
+    number beside it and said to a screen reader (aria-valuetext: 0 is greedy, an untouched truncation off); the
+    keyboard moves them; at 390 px they fit the screen."""
+    from llmtrace.report.i18n import Words
+    from llmtrace.report.serve_page import serve_page
+    from llmtrace.serve.runs import Limits
+
+    w = Words(lang)
+    page = browser.new_page(viewport={"width": size[0], "height": size[1]})
+    try:
+        html = tmp_path / f"serve-{lang}.html"
+        html.write_text(serve_page(["tinyhf"], Limits(), lang), encoding="utf-8")
+        page.goto(html.as_uri())
+        for key, id_, shown in (("temperature", "temperature", w("js.greedy")), ("top_k", "top_k", w("js.off")),
+                                ("top_p", "top_p", w("js.off")), ("min_p", "min_p", w("js.off"))):
+            slider = page.get_by_label(w(f"whatif.{key}"), exact=True)
+            assert slider.get_attribute("id") == id_ and slider.get_attribute("type") == "range"
+            assert page.inner_text(f"#{id_}-out") == shown and slider.get_attribute("aria-valuetext") == shown
+            box = slider.bounding_box()
+            assert box["x"] + box["width"] <= size[0]
+        page.focus("#temperature")
+        page.keyboard.press("ArrowRight")
+        assert page.input_value("#temperature") == "0.05" and page.inner_text("#temperature-out") == "0.05"
+        assert page.get_attribute("#temperature", "aria-valuetext") == "0.05"
+        page.focus("#top_k")
+        for _ in range(3):
+            page.keyboard.press("ArrowRight")
+        assert page.inner_text("#top_k-out") == "3"
+        assert page.evaluate("document.documentElement.scrollWidth") <= size[0]
+    finally:
+        page.close()
+
+
+def test_moving_a_slider_resamples_the_step_and_redraws_the_distribution(server, browser):
+    """After a run, each move of a slider re-samples the chosen step on the server (no button): top-k 2 leaves two
+    tokens whose probabilities sum to 1; top-k back to off at temperature 1.5 leaves more, redrawn as bars."""
+    proc, url = server
+    page = browser.new_page()
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(url)
+        page.get_by_label("Prompt").fill("The capital of France is")
+        page.get_by_label("new tokens").fill("3")
+        page.get_by_role("button", name="Run").click()
+        page.locator("#status", has_text="done").wait_for(timeout=120_000)
+        page.locator("#step").fill("1")
+        page.focus("#temperature")
+        for _ in range(30):  # 0 → 1.5, one key press at a time, as a drag goes
+            page.keyboard.press("ArrowRight")
+        page.locator("#resample[data-temperature='1.5'] .side.again ol.dist").wait_for(timeout=60_000)
+        page.focus("#top_k")
+        page.keyboard.press("ArrowRight")
+        page.keyboard.press("ArrowRight")
+        page.locator("#resample[data-top-k='2'] .side.again ol.dist").wait_for(timeout=60_000)
+        rows = page.locator("#resample .side.again ol.dist li")
+        assert rows.count() == 2
+        probs = [float(rows.nth(i).locator(".num").inner_text()) for i in range(2)]
+        assert sum(probs) == pytest.approx(1.0, abs=2e-3)
+        assert "top-k 2" in page.inner_text("#resample") and "temperature 1.5" in page.inner_text("#resample")
+        page.keyboard.press("Home")  # top-k off again
+        page.locator("#resample[data-top-k='0'] .side.again ol.dist").wait_for(timeout=60_000)
+        assert page.locator("#resample .side.again ol.dist li").count() > 2
+        assert errors == []
+    finally:
+        page.close()
