@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -14,6 +15,22 @@ from helpers import Opened, run_cli
 
 TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4)
 VIEWPORTS = [(1280, 900), (390, 844)]
+# names that stay English on a Chinese page (test_learner_pages.ALLOWED's kind): models, methods, symbols
+ALLOWED = {"RoPE", "GQA", "KV", "RMSNorm", "SwiGLU", "GeGLU", "GLU", "softmax", "logit", "logits", "FFN", "GGUF",
+           "LongRoPE", "YaRN", "Gated", "DeltaNet", "transformers", "llama", "cpp", "query_pre_attn_scalar"}
+
+
+def open_at(browser, path, size) -> Opened:
+    """A page opened from file:// at a viewport of `size`, with its messages and requests (helpers.Opened)."""
+    o = Opened.__new__(Opened)
+    o.page = browser.new_page(viewport={"width": size[0], "height": size[1]})
+    o.messages, o.requests = [], []
+    o.page.on("console", lambda m: o.messages.append((m.type, m.text)))
+    o.page.on("pageerror", lambda e: o.messages.append(("pageerror", str(e))))
+    o.url = path.resolve().as_uri()
+    o.page.route("**/*", o._route)
+    o.page.goto(o.url)
+    return o
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +206,6 @@ def test_s3_of_a_padded_batch_row_masks_its_pad_slots_and_the_window(browser, ba
     data = embedded(batch_pages[(1, "en")].read_text(encoding="utf-8"))
     pad, n = data["pad"], len([x for x in data["tokens"] if x["step"] is None])
     assert pad > 0
-    from test_learner_pages import open_at
-
     o = open_at(browser, batch_pages[(1, "en")], size)
     try:
         pick(o.page, n - 1, 0, 0)
@@ -266,8 +281,6 @@ def test_gpt_oss_attention_section_speaks_of_its_window_and_learned_sinks(browse
     """The attention section's words come from the layers' declaration: layer 0's window is named and its masked
     cells hatched (query 9, key 0: hatched in layer 0, drawn in the global layer 1), no "first token is the attention
     sink" where the heads have learned sinks, and the sink's largest recorded share is shown. Llama keeps its words."""
-    from test_learner_pages import open_at
-
     _, events, path = reports("gpt_oss", lang)
     share = max(e["stats"]["max"] for e in events if e["event"] == "tensor" and e["name"] == "sink")
     o = open_at(browser, path, size)
@@ -374,8 +387,6 @@ def test_a_masked_scores_row_has_no_infinite_norm_and_a_layer_without_rope_is_no
 def test_the_map_has_a_button_for_every_step_told_in_words(browser, reports, lang, size):
     """s1–s3, s5 and s10–s12 have no point of their own: each box of the map has a button that opens, in place, what
     the walk says there (the token, its mask row, its position, the sampler), and closes again from the keyboard."""
-    from test_learner_pages import open_at
-
     _, events, path = reports("gpt_oss", lang)
     o = open_at(browser, path, size)
     try:
@@ -406,8 +417,6 @@ FIT = """() => ({cut: Array.from(document.querySelectorAll("#walk-panel .scroll"
 def test_walk_tables_fit_at_1280_and_the_heatmap_fits_a_phone(browser, reports, name):
     """At 1280 px no walk table is cut and scrolled inside its card (a 16-entry sample is shown as its two halves);
     at 390 px the heatmap (16 × 16 or more cells) and its labels fit the screen, and the page never scrolls sideways."""
-    from test_learner_pages import open_at
-
     _, events, path = reports(name)
     for size in VIEWPORTS:
         o = open_at(browser, path, size)
@@ -425,7 +434,38 @@ def test_walk_tables_fit_at_1280_and_the_heatmap_fits_a_phone(browser, reports, 
 # ----------------------------------------------------------------------------------------------------------------
 # 6. serve's sliders
 
-from test_serve import press, server, tiny_dir  # noqa: E402,F401  (the live server of a tiny model, and its helper)
+
+@pytest.fixture(scope="module")
+def serve_url(tmp_path_factory):
+    """`llmtrace serve` of a tiny model (tests/tiny.py), one thread: its page's address with the token."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tiny import TinySpec, write_hf_dir
+
+    path = tmp_path_factory.mktemp("tiny") / "tinyhf"
+    write_hf_dir(path, TinySpec())
+    p = subprocess.Popen([sys.executable, "-m", "llmtrace", "serve", "-m", str(path), "--port", "0", "--no-browser"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, LLMTRACE_THREADS="1"))
+    deadline, url = time.time() + 120, None
+    while time.time() < deadline and url is None:
+        m = re.search(r"(http://127\.0\.0\.1:\d+/\?token=\S+)", p.stdout.readline())
+        if m:
+            url = m.group(1)
+        elif p.poll() is not None:
+            break
+    assert url, p.stderr.read()
+    yield url
+    if p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
@@ -464,10 +504,10 @@ def test_serves_sampler_settings_are_labelled_sliders_with_their_number(browser,
         page.close()
 
 
-def test_moving_a_slider_resamples_the_step_and_redraws_the_distribution(server, browser):
+def test_moving_a_slider_resamples_the_step_and_redraws_the_distribution(serve_url, browser):
     """After a run, each move of a slider re-samples the chosen step on the server (no button): top-k 2 leaves two
     tokens whose probabilities sum to 1; top-k back to off at temperature 1.5 leaves more, redrawn as bars."""
-    proc, url = server
+    url = serve_url
     page = browser.new_page()
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -477,10 +517,12 @@ def test_moving_a_slider_resamples_the_step_and_redraws_the_distribution(server,
         page.get_by_label("new tokens").fill("3")
         page.get_by_role("button", name="Run").click()
         page.locator("#status", has_text="done").wait_for(timeout=120_000)
+        page.frame_locator("#page").locator("#whatif").wait_for(timeout=60_000)  # the run's page, loaded
         page.locator("#step").fill("1")
         page.focus("#temperature")
         for _ in range(30):  # 0 → 1.5, one key press at a time, as a drag goes
             page.keyboard.press("ArrowRight")
+        assert page.input_value("#temperature") == "1.5"
         page.locator("#resample[data-temperature='1.5'] .side.again ol.dist").wait_for(timeout=60_000)
         page.focus("#top_k")
         page.keyboard.press("ArrowRight")
@@ -497,3 +539,68 @@ def test_moving_a_slider_resamples_the_step_and_redraws_the_distribution(server,
         assert errors == []
     finally:
         page.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 7. what a family changes, in both languages
+
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "olmo2", "phi3_longrope", "qwen3", "qwen3_5",
+                                  "qwen3_moe_dense", "mixtral", "smollm3", "qwen3_swa"])
+def test_every_change_line_of_a_family_is_said_in_both_languages(families, name):
+    """Each line of what the family changes (model.family.describe_changes) is said from its family's own words,
+    by key and arguments (the model record's changes_said): in English the very line, in Chinese a Chinese one with
+    the same numbers."""
+    import llmtrace
+    from llmtrace.model.family import said_in
+    from llmtrace.trace.records import model_record
+
+    lm = llmtrace.load(str(families.hf_dir(name)), threads=1)
+    m = model_record(lm.loaded)
+    assert m["changes"] and len(m["changes_said"]) == len(m["changes"])
+    for line, said in zip(m["changes"], m["changes_said"]):
+        assert said is not None, line
+        assert said_in(m["family"], said, "en") == line
+        zh = said_in(m["family"], said, "zh")
+        assert zh and CJK.search(zh) and zh != line, line
+        assert set(re.findall(r"\d+", line.replace(",", ""))) <= set(
+            re.findall(r"\d+", zh.replace(",", ""))), (line, zh)  # the same numbers
+
+
+CHANGES_ROW = """(k) => { const th = Array.from(document.querySelectorAll("table.facts th")).find((e) => e.textContent === k);
+  return th ? th.nextElementSibling.textContent : null; }"""
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3_5"])
+@pytest.mark.parametrize("size", VIEWPORTS, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_chinese_page_says_what_the_family_changes_in_chinese(browser, reports, name, size):
+    """The run table's "相对 Llama 的改动" row on the zh page: every line Chinese, no run of three English words
+    (test_learner_pages.english_runs); the en page's row is the trace's English lines."""
+    from llmtrace.report.i18n import Words
+
+    lm, events, zh = reports(name, "zh")
+    _, _, en = reports(name, "en")
+    lines = next(e for e in events if e["event"] == "run")["model"]["changes"]
+    o = open_at(browser, zh, size)
+    try:
+        row = o.page.evaluate(CHANGES_ROW, Words("zh")("run.k.changes"))
+        assert row and len(row.split(" · ")) == len(lines)
+        words = [w.strip("()[]{},.;:!?\"'“”‘’（），。；：") for w in re.split(r"\s+", row)]
+        run, runs = [], []
+        for w in words + [""]:
+            if w and re.fullmatch(r"[A-Za-z]+(?:[-'][A-Za-z]+)*", w) and w not in ALLOWED:
+                run.append(w)
+                continue
+            if len(run) >= 3:
+                runs.append(" ".join(run))
+            run = []
+        assert not runs, runs
+    finally:
+        o.page.close()
+    o = open_at(browser, en, size)
+    try:
+        assert o.page.evaluate(CHANGES_ROW, Words("en")("run.k.changes")) == " · ".join(lines)
+    finally:
+        o.page.close()

@@ -185,6 +185,16 @@ def step_title(w, sid: str, d: dict) -> str:
     return w(f"step.{sid}", glu=glu_of(d)) if sid == "s6.7" else w(f"step.{sid}")
 
 
+def changes_in(m: dict, lang: str) -> list[str]:
+    """What the model's family changes from Llama, in the page's language: each line from its family's words by its
+    recorded key and arguments (model.family.said_in), else as the trace wrote it."""
+    from llmtrace.model.family import said_in
+
+    said = m.get("changes_said") or []
+    return [(said_in(m.get("family"), said[i], lang) if i < len(said) and said[i] else None) or line
+            for i, line in enumerate(m["changes"])]
+
+
 def kind_titles(d: dict, lang: str) -> list[dict]:
     """Per kind of layer in the maths record (its `layer_kind` index): the seed steps its kind teaches under titles of
     its own (model.kinds: a linear-attention layer's s6.3 is its convolution, not RoPE), in the page's language."""
@@ -260,7 +270,7 @@ def section_run(d: dict) -> dict:
         ("groups", groups),
         ("rope", rope_rows(d, w)),
         ("vocab", num(m["vocab_size"])),
-        *([("changes", " · ".join(m["changes"]))] if m.get("changes") else []),
+        *([("changes", " · ".join(changes_in(m, w.lang)))] if m.get("changes") else []),
         ("tied", yes if m.get("tie_embeddings") else no),
         ("device", f'{r["device"]} · {r["dtype"]}'),
         ("exact", w("run.v.exact") if not r.get("fast") else fast_words(r["fast"], w)),
@@ -553,7 +563,7 @@ def attention_words(d: dict, w) -> tuple[str, str]:
         intro = w("attention.intro_window", windows="; ".join(
             w("attention.window_of", layers=", ".join(map(str, ls)), w=f"{win:,}") for win, ls in by.items()))
     sinks = {o_name for k in plans.values() for o_name, o in k["ops"].items()
-             if o["op"] == "softmax" and (o.get("consts") or {}).get("take") == "sink"}
+             if (o.get("consts") or {}).get("take") == "sink"}  # the softmax's sink column (gpt-oss)
     if not sinks:
         return intro, w("attention.sink")
     rows = [r for name in sinks for r in ((d.get("tensors") or {}).get("points") or {}).get(name, [])

@@ -198,7 +198,7 @@
     $("#" + id + "-out").textContent = text;
     inp.setAttribute("aria-valuetext", text);
   }
-  let live = null, again = false; // the live re-sample in flight; whether the sliders moved since it was sent
+  let live = null, again = false, waiting = false; // the live re-sample in flight; moved since; waiting for a run
   async function resampleStep() {
     const box = $("#resample");
     if (!last) { box.textContent = t("serve_no_run"); return; }
@@ -218,7 +218,11 @@
     box.appendChild(side(t("serve_again"), a.step, "again", a.survivors));
   }
   async function liveResample() {
-    if (!last || controller) return; // before a run, or while one runs: the sliders only set what the next uses
+    if (!last) return; // before a run: the sliders only set what it will use
+    if (controller) { // a run (or its page) still on its way: re-sample once it is done
+      if (!waiting) { waiting = true; setTimeout(() => { waiting = false; liveResample(); }, 250); }
+      return;
+    }
     if (live) { again = true; return; }
     live = new AbortController();
     try { await resampleStep(); } catch (e) { $("#resample").textContent = t("serve_error", { error: String(e) }); }
