@@ -48,8 +48,11 @@
       if (m.m !== undefined) Object.assign(m, D.walk.metas[m.m]); // its shape, axes, rows and entries, stored once
       if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
       const x = m.x || {}; // what a worked example reads besides (report/walk.py: gamma, sink, lse, full, f32)
-      cache[key] = m.v === undefined ? { meta: m } :
-        { meta: m, values: x.f32 ? unpack(m.v, Float32Array) : unpack24(m.v), norms: unpack24(m.n) };
+      if (m.v === undefined) cache[key] = { meta: m };
+      else if (m.n === null || m.n === undefined) { // 24-bit values, then each row's norm, in one string (report/walk.py)
+        const all = unpack24(m.v), nv = all.length - m.rows;
+        cache[key] = { meta: m, values: all.subarray(0, nv), norms: all.subarray(nv) };
+      } else cache[key] = { meta: m, values: x.f32 ? unpack(m.v, Float32Array) : unpack24(m.v), norms: unpack24(m.n) };
       if (x.lse) cache[key].lse = unpack(x.lse, Float32Array);
       cache[key].exact = !!x.f32; // values to float32's 7 digits (else 24-bit floats: about 5)
       ["gamma", "sink"].forEach((k) => { // a weight's values, kept once per layer and point (report/walk.py)
