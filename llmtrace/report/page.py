@@ -917,7 +917,8 @@ def view(d: dict, w=None) -> dict:
     del d["lacking"], d["w"]
     d.pop("explain_view", None)  # laid out in the page, not read by the script
     d["tensors"] = compact_stats(d["tensors"])
-    d["words"] = w.js  # the script's texts, in the page's language
+    # the script's texts, in the page's language (the live page's own, serve_*, travel in its page: serve_page)
+    d["words"] = {k: v for k, v in w.js.items() if not k.startswith("serve_")}
     if d.get("maths") and w.maths:  # the formulas said in the page's language
         d["maths"] = maths_view({"maths": d["maths"]["record"]}, None, w.maths)
     d["step_titles"] = {st["id"]: step_title(w, st["id"], d) for st in d["pipeline"]["stages"]}
