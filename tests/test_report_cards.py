@@ -227,9 +227,11 @@ def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, reco
             lacking = unrecorded_operand(maths, lay, o, recorded_layers, untraced)
             if c["missing"] is None:
                 out.append(f"{where}: op {o.kind} but neither data-max-error nor data-missing")
-            elif lacking is None and not (o.kind == "scores" and not last_row and "whole rows" in c["missing"]):
+            elif lacking is None and not (o.kind == "scores" and not last_row and "whole rows" in c["missing"]) \
+                    and not (o.kind == "scores" and "not computed" in c["missing"]):
                 # (a long pass keeps its last query's whole rows only (trace/worked.py, ALL_QUERIES): its other
-                # tokens' q·k says so)
+                # tokens' q·k says so; a prompt prefilled in chunks keeps its last chunk's keys on the page, and a
+                # key of an earlier chunk is not computed, never ticked)
                 out.append(f"{where}: op {o.kind} unchecked (data-missing {c['missing']!r}) though every input "
                            f"is in the trace")
     for lay in (str(layer), "m"):

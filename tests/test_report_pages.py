@@ -447,7 +447,8 @@ def test_the_walk_through_shows_the_embedding_of_the_last_prompt_token_as_the_gg
     pg = o.page
     assert pg.eval_on_selector("#walk-token", "s => s.value") == str(last["index"])  # opens on the last prompt token
     card = pg.locator(".wstep[data-seed='s4'] .wpoint").first
-    index, values = (r.split("\t")[1:] for r in card.locator("table tr").all_inner_texts()[:2])
+    rows = card.locator("table tr").all_inner_texts()  # a table of index and value rows per half of the sample
+    index, values = ([x for r in rows[k::2] for x in r.split("\t")[1:]] for k in (0, 1))
     got = {int(i): float(v) for i, v in zip(index, values)}
     assert len(got) == 16
     for i, v in got.items():

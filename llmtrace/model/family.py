@@ -17,6 +17,58 @@ def _nothing(*_args) -> dict:
     return {}
 
 
+class Said(str):
+    """A line a family says, in English (it is that str), with the key of its words and their arguments, so that a
+    page in another language says it from the same words: a family declares each line in every language in its own
+    file (`Family.words`: key -> (English, Chinese), {name} filled in from the arguments)."""
+
+    key: str
+    args: dict
+
+    def record(self) -> dict:
+        return {"key": self.key, "args": self.args}
+
+
+def say(words: dict, key: str, **args) -> Said:
+    """The English line `key` of `words` with `args` filled in, carrying its key and arguments (Said)."""
+    line = Said(words[key][0].format(**args))
+    line.key, line.args = key, args
+    return line
+
+
+def said_in(family: Optional[str], said: dict, lang: str) -> Optional[str]:
+    """A line recorded as {"key", "args"} in `lang` ("en", "zh"), from the words of family `family` (or of every
+    family: WORDS below); None where neither declares the key (a trace from another version)."""
+    table = dict(WORDS)
+    try:
+        table.update(family_named(family).words if family else {})
+    except LlmtraceError:
+        pass
+    words = table.get(said.get("key"))
+    if words is None:
+        return None
+    try:
+        return words[1 if lang == "zh" and len(words) > 1 else 0].format(**(said.get("args") or {}))
+    except (KeyError, IndexError, ValueError):
+        return None
+
+
+# The lines describe_changes adds from the config itself, whatever the family.
+WORDS = {
+    "window_every": ("every layer sees only the last {w} tokens (a sliding window, not a context limit: positions go "
+                     "on to {n}; the KV cache keeps every slot)",
+                     "每一层只看最近的 {w} 个词元（滑动窗口，不是上下文上限：位置一直数到 {n}；KV 缓存保留每个槽位）"),
+    "window_one": ("layer {layer} of {layers} sees only the last {w} tokens (a sliding window, not a context limit: "
+                   "positions go on to {n}; the KV cache keeps every slot)",
+                   "{layers} 层中的第 {layer} 层只看最近的 {w} 个词元（滑动窗口，不是上下文上限：位置一直数到 {n}；KV 缓存保留每个槽位）"),
+    "window_some": ("{k} of {layers} layers see only the last {w} tokens (a sliding window, not a context limit: "
+                    "positions go on to {n}; the KV cache keeps every slot)",
+                    "{layers} 层中有 {k} 层只看最近的 {w} 个词元（滑动窗口，不是上下文上限：位置一直数到 {n}；KV 缓存保留每个槽位）"),
+    "rope_local": ("RoPE base {local} in the sliding-window layers, {base} in the global ones",
+                   "滑动窗口层的 RoPE 基数为 {local}，全局层为 {base}"),
+}
+
+
 @dataclass(frozen=True)
 class Family:
     """One family. `hf_types`: config.json model_type -> the architecture class transformers saves it with;
@@ -45,6 +97,7 @@ class Family:
     reads_rope: bool = False
     gguf_config_tensors: tuple[str, ...] = ()
     hf_wrappers: dict[str, tuple[str, str]] = field(default_factory=dict)
+    words: dict[str, tuple[str, str]] = field(default_factory=dict)  # its change lines: key -> (English, Chinese)
 
 
 @cache
@@ -111,20 +164,22 @@ def points_of(config):
     return family_named(config.family).model.declared_points()
 
 
+def said_changes(lines: list[str]) -> list[Optional[dict]]:
+    """The key and arguments of each change line (Said.record), None for a line said in English only."""
+    return [x.record() if isinstance(x, Said) else None for x in lines]
+
+
 def describe_changes(config) -> list[str]:
     """What the model of `config` changes from Llama, in the order the maths runs, with its own numbers: the family's
     account (Family.changes), then what the config itself sets (sliding windows, a second RoPE base)."""
     out = list(family_named(config.family).changes(config))
     if config.sliding_window is not None and config.layer_types:
         sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding"]
-        which = ("every layer sees" if len(sliding) == config.n_layers else
-                 f"layer {sliding[0]} of {config.n_layers} sees" if len(sliding) == 1 else
-                 f"{len(sliding)} of {config.n_layers} layers see")
-        out.append(f"{which} only the last {config.sliding_window:,} tokens (a sliding window, not a context limit: "
-                   f"positions go on to {config.max_seq_len:,}; the KV cache keeps every slot)")
+        key = "window_every" if len(sliding) == config.n_layers else "window_one" if len(sliding) == 1 else "window_some"
+        out.append(say(WORDS, key, w=f"{config.sliding_window:,}", n=f"{config.max_seq_len:,}", layers=config.n_layers,
+                       layer=sliding[0] if sliding else 0, k=len(sliding)))
     if config.rope_local_theta is not None:
-        out.append(f"RoPE base {_number(config.rope_local_theta)} in the sliding-window layers, "
-                   f"{_number(config.rope_theta)} in the global ones")
+        out.append(say(WORDS, "rope_local", local=_number(config.rope_local_theta), base=_number(config.rope_theta)))
     note = (config.extra or {}).get("window_note")
     if note:
         out.append(note)

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmtrace.model.family import say
 from llmtrace.model.maths import Op, op
 from llmtrace.model.moe_points import MOE_POINTS
 from llmtrace.model.points import Point, Source, Weight
@@ -342,13 +343,30 @@ def moe_fields(n_experts, experts_key: str, n_used, used_key: str) -> dict:
 def moe_changes(c) -> list[str]:
     """What a mixture of experts changes in Llama's layer, with the checkpoint's numbers."""
     E, K, Fe = c.n_experts, c.n_experts_used, c.expert_ffn_dim or c.ffn_dim
-    how = "renormalised to sum to 1" if c.norm_topk_prob else "as the softmax gave them (not renormalised)"
-    out = [f"feed-forward: {E} SwiGLU experts (width {Fe:,}) and a router; p = softmax(x·W_routerᵀ) in float32, each "
-           f"token runs its top {plural(K, 'expert')}, weights {how}; output Σ weight·expert(x)"]
+    out = [say(MOE_WORDS, "experts" if c.norm_topk_prob else "experts_raw", e=E, w=f"{Fe:,}", k=K,
+               top=plural(K, "expert"))]
     dense = c.dense_layers or []
     if dense:
         one = len(dense) == 1  # the layer numbers are the count here: 'layer 3 keeps', 'layers 0, 3 keep'
-        out.append(f"{'layer' if one else 'layers'} {', '.join(map(str, dense))} of {c.n_layers} "
-                   f"{'keeps' if one else 'keep'} a dense "
-                   f"SwiGLU feed-forward (width {c.ffn_dim:,})")
+        out.append(say(MOE_WORDS, "dense_one" if one else "dense", which=", ".join(map(str, dense)), n=c.n_layers,
+                       f=f"{c.ffn_dim:,}"))
     return out
+
+
+# What a mixture of experts changes, each line in English and Chinese (model.family.say); a family that says them
+# declares these words beside its own (Family.words).
+MOE_WORDS = {
+    "experts": ("feed-forward: {e} SwiGLU experts (width {w}) and a router; p = softmax(x·W_routerᵀ) in float32, each "
+                "token runs its top {top}, weights renormalised to sum to 1; output Σ weight·expert(x)",
+                "前馈网络：{e} 个 SwiGLU 专家（宽 {w}）和一个路由器；p = softmax(x·W_routerᵀ)（float32），每个词元运行"
+                "概率最高的 {k} 个专家，权重重新归一化为和 1；输出 Σ 权重·专家(x)"),
+    "experts_raw": ("feed-forward: {e} SwiGLU experts (width {w}) and a router; p = softmax(x·W_routerᵀ) in float32, "
+                    "each token runs its top {top}, weights as the softmax gave them (not renormalised); output "
+                    "Σ weight·expert(x)",
+                    "前馈网络：{e} 个 SwiGLU 专家（宽 {w}）和一个路由器；p = softmax(x·W_routerᵀ)（float32），每个词元"
+                    "运行概率最高的 {k} 个专家，权重保持 softmax 给出的值（不重新归一化）；输出 Σ 权重·专家(x)"),
+    "dense_one": ("layer {which} of {n} keeps a dense SwiGLU feed-forward (width {f})",
+                  "{n} 层中的第 {which} 层保留稠密的 SwiGLU 前馈网络（宽 {f}）"),
+    "dense": ("layers {which} of {n} keep a dense SwiGLU feed-forward (width {f})",
+              "{n} 层中的第 {which} 层保留稠密的 SwiGLU 前馈网络（宽 {f}）"),
+}

@@ -188,6 +188,16 @@ def step_title(w, sid: str, d: dict) -> str:
     return w(f"step.{sid}", glu=glu_of(d)) if sid == "s6.7" else w(f"step.{sid}")
 
 
+def changes_in(m: dict, lang: str) -> list[str]:
+    """What the model's family changes from Llama, in the page's language: each line from its family's words by its
+    recorded key and arguments (model.family.said_in), else as the trace wrote it."""
+    from llmtrace.model.family import said_in
+
+    said = m.get("changes_said") or []
+    return [(said_in(m.get("family"), said[i], lang) if i < len(said) and said[i] else None) or line
+            for i, line in enumerate(m["changes"])]
+
+
 def kind_titles(d: dict, lang: str) -> list[dict]:
     """Per kind of layer in the maths record (its `layer_kind` index): the seed steps its kind teaches under titles of
     its own (model.kinds: a linear-attention layer's s6.3 is its convolution, not RoPE), in the page's language."""
@@ -263,7 +273,7 @@ def section_run(d: dict) -> dict:
         ("groups", groups),
         ("rope", rope_rows(d, w)),
         ("vocab", num(m["vocab_size"])),
-        *([("changes", " · ".join(m["changes"]))] if m.get("changes") else []),
+        *([("changes", " · ".join(changes_in(m, w.lang)))] if m.get("changes") else []),
         ("tied", yes if m.get("tie_embeddings") else no),
         ("device", f'{r["device"]} · {r["dtype"]}'),
         ("exact", w("run.v.exact") if not r.get("fast") else fast_words(r["fast"], w)),
@@ -538,6 +548,36 @@ def heatmap_axes(d: dict) -> dict:
             "marks": [{"at": f"{(i + 0.5) * cell + 4:.1f}", "text": text(i)} for i in range(0, B, every)]}
 
 
+def attention_words(d: dict, w) -> tuple[str, str]:
+    """The attention section's words from the declaration of the layers it draws: the mask (causal, and each
+    layer's window, hatched alike) and the sink (the first token's, or the heads' learned sink logits, with the
+    largest share the trace recorded for them)."""
+    rec = (d.get("maths") or {}).get("record")
+    layers = [int(x) for x in d["attention"]["layers"] if str(x).lstrip("-").isdigit()]
+    if not rec:
+        return w("attention.intro"), w("attention.sink")
+    plans = {layer: rec["kinds"][rec["layer_kind"][layer]] for layer in layers if layer < len(rec["layer_kind"])}
+    windows = {layer: k["plan"].get("window") for layer, k in plans.items() if k["plan"].get("window")}
+    intro = w("attention.intro")
+    if windows:
+        by: dict[int, list[int]] = {}
+        for layer, win in windows.items():
+            by.setdefault(win, []).append(layer)
+        intro = w("attention.intro_window", windows="; ".join(
+            w("attention.window_of", layers=", ".join(map(str, ls)), w=f"{win:,}") for win, ls in by.items()))
+    sinks = {o_name for k in plans.values() for o_name, o in k["ops"].items()
+             if (o.get("consts") or {}).get("take") == "sink"}  # the softmax's sink column (gpt-oss)
+    if not sinks:
+        return intro, w("attention.sink")
+    rows = [r for name in sinks for r in ((d.get("tensors") or {}).get("points") or {}).get(name, [])
+            if r["layer"] in plans and r.get("max") is not None]
+    if not rows:
+        return intro, w("attention.learned_sink")
+    top = max(rows, key=lambda r: r["max"])
+    return intro, w("attention.learned_sink") + " " + w("attention.learned_sink_max", share=f'{top["max"]:.3f}',
+                                                        layer=top["layer"], step=top["step"])
+
+
 def section_attention(d: dict) -> Optional[dict]:
     a = d["attention"]
     if not a["maps"]:  # a full trace has each point's sample (the walk shows its probabilities), not whole matrices
@@ -552,7 +592,8 @@ def section_attention(d: dict) -> Optional[dict]:
     if a.get("pad"):
         binned += " " + w("attention.padded", pads=count(w, a["pad"], "pad_slot"))
     notes = " ".join(w(x["key"], **{k: v for k, v in x.items() if k != "key"}) for x in a["notes"])
-    return {"maps": True, "binned": binned, "notes": notes, "layers": a["layers"],
+    intro, sink = attention_words(d, w)
+    return {"maps": True, "binned": binned, "notes": notes, "layers": a["layers"], "intro": intro, "sink": sink,
             "heads": [w("attention.head_n", h=h) if h != "mean" else w("attention.mean") for h in a["heads"]],
             "axes": heatmap_axes(d), "gqa": gqa_diagram(d), "overview": overview(a)}
 
@@ -880,7 +921,8 @@ def view(d: dict, w=None) -> dict:
     del d["lacking"], d["w"]
     d.pop("explain_view", None)  # laid out in the page, not read by the script
     d["tensors"] = compact_stats(d["tensors"])
-    d["words"] = w.js  # the script's texts, in the page's language
+    # the script's texts, in the page's language (the live page's own, serve_*, travel in its page: serve_page)
+    d["words"] = {k: v for k, v in w.js.items() if not k.startswith("serve_")}
     if d.get("maths") and w.maths:  # the formulas said in the page's language
         d["maths"] = maths_view({"maths": d["maths"]["record"]}, None, w.maths)
     d["step_titles"] = {st["id"]: step_title(w, st["id"], d) for st in d["pipeline"]["stages"]}

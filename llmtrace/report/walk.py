@@ -108,7 +108,8 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
     shape, axes, `rows` (the recorded shape's other axes, row-major) and `ix`, the entries `indexes[ix]` kept along
     the last axis; `v` its values (rows × entries) and `n` each row's norm, packed by pack_f24 (the slots a pass
     wrote, the KV cache's point, are {"m", "positions"}) (about 5 significant
-    figures, what the page shows). A fourth entry holds what a worked example reads besides (trace.worked: gamma,
+    figures, what the page shows; a sample of 24-bit values has its norms after them in `v`, and `n` null or left out). A fourth
+    entry holds what a worked example reads besides (trace.worked: gamma,
     sink, lse, full rows, packed as float32), and "f32": the values of a softmax's input are float32, since exp(s − lse)
     needs their 7 digits. The few distinct metas and index lists are kept once: a page of every layer stays within
     2 MB."""
@@ -141,21 +142,26 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         exact = s.get("lse") is not None and ev["layer"] in full
         # a tensor of one row has no norms in its sample: its statistics' norm is that row's
         norms = unpack(s["norms"] if s.get("norms") is not None else [ev["stats"]["norm"]])
-        samples[key] = [meta({"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]),
-                              "rows": len(norms)}),
-                        (pack_f32 if exact else pack_f24)(s["values"]), pack_f24(norms)]
+        m = meta({"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]), "rows": len(norms)})
+        # 24-bit values and their rows' norms in one string (the norms after the rows × entries values): a page of
+        # every layer holds thousands of samples, and one string each keeps it within 2 MB
+        samples[key] = ([m, pack_f32(s["values"]), pack_f24(norms)] if exact else
+                        [m, pack_f24(np.concatenate([unpack(s["values"]), norms])), None])
         extra = {"f32": True} if exact else {}
         for name in ("gamma", "sink"):  # a weight's values: the same in every pass, kept once per layer and point
             if s.get(name) is not None:
                 weights.setdefault(f'{name}/{key.split("/", 1)[1]}', pack_f32(s[name]))
         if exact:  # what a worked softmax reads besides the sample (trace.worked), where it can be checked
             extra["lse"] = pack_f32(s["lse"])
-        if ev.get("full"):  # whole rows of a scores operand: (rows, heads, Dh) from row t[0] of the pass
-            f = ev["full"]
-            extra["full"] = {"t": f["t"], "heads": ev["shape"][-2], "width": ev["shape"][-1],
+        if ev.get("full"):  # whole rows of a scores operand or RoPE's input: (rows, heads, Dh) from row t[0] of the
+            f = ev["full"]  # pass; a whole projection (T, H·Dh) is one "head"
+            extra["full"] = {"t": f["t"], "heads": ev["shape"][-2] if len(ev["shape"]) > 2 else 1,
+                             "width": ev["shape"][-1],
                              "values": pack_f32(f["values"])}
         if extra:
             samples[key].append(extra)
+        elif samples[key][2] is None:
+            samples[key].pop()  # [meta, values and norms]
         steps.add(step)
         if ev["layer"] is not None:
             layers.add(ev["layer"])

@@ -23,7 +23,7 @@ from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
 from llmtrace.model.moe_points import EXPERT_WEIGHTS, ROUTER_PROBS
 from llmtrace.trace.growing import Growing, combine, gather
 from llmtrace.trace.packed import pack, pack_bytes
-from llmtrace.trace.worked import Worked
+from llmtrace.trace.worked import SAMPLE_WIDTH, Worked, sample_index
 from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
@@ -305,7 +305,7 @@ class Recorder:
     # the last axis of the recorded shape, the whole row when it has at most SAMPLE_WIDTH entries, else the first
     # SAMPLE_WIDTH/2 entries of each half (a rotate-half RoPE pairs entry i with i + n/2); and every row's L2 norm. Only
     # for tensors of at most SAMPLE_ROWS rows (the product of the other axes).
-    SAMPLE_WIDTH = 16
+    SAMPLE_WIDTH = SAMPLE_WIDTH
     SAMPLE_ROWS = 2048
 
     def _sample_group(self, members: list[tuple], m: torch.Tensor, lse: bool = False) -> None:
@@ -320,9 +320,7 @@ class Recorder:
             return
         got = self._index.get((last, m.device))
         if got is None:
-            half = self.SAMPLE_WIDTH // 2
-            index = list(range(last)) if last <= self.SAMPLE_WIDTH else (
-                list(range(half)) + list(range(last // 2, last // 2 + half)))
+            index = sample_index(last, self.SAMPLE_WIDTH)
             got = self._index[(last, m.device)] = (index, torch.tensor(index, device=m.device))
         index, at = got
         flat = m.reshape(len(members), rows, last)

@@ -66,6 +66,7 @@ class ModelRecord(TypedDict):
     arch: str
     family: str
     changes: NotRequired[list[str]]
+    changes_said: NotRequired[list[Optional[dict]]]  # each line's words' key and arguments (model.family.Said)
     n_layers: int
     d_model: int
     n_heads: int
@@ -156,11 +157,13 @@ def tensor_event(step: int, phase: str, layer: Optional[int], name: str, seed_st
 
 def model_record(lm) -> ModelRecord:
     """The model's record, from a loaded model (llmtrace.loader.LoadedModel)."""
-    from llmtrace.model.family import describe_changes
+    from llmtrace.model.family import describe_changes, said_changes
     from llmtrace.model.quant import storage_table, weight_count
 
     c = lm.config
-    return {"name": lm.name, "source": lm.source, "path": str(Path(lm.path).resolve()), "arch": c.arch, "family": c.family, "changes": describe_changes(c),
+    changes = describe_changes(c)
+    return {"name": lm.name, "source": lm.source, "path": str(Path(lm.path).resolve()), "arch": c.arch,
+            "family": c.family, "changes": [str(x) for x in changes], "changes_said": said_changes(changes),
             "n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn_dim": c.ffn_dim,
             "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
             "rope_scaling": json.loads(json.dumps(c.rope_scaling)) if c.rope_scaling is not None else None,

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.llama_points import (ATTN_NORM, EMBED, FFN_NORM, K_REPEATED, LAST, LOGITS, RESID_MID, RESID_POST,
                                          SCORES)
 from llmtrace.model.maths import LayerPlan, Op, op
@@ -233,36 +233,61 @@ def from_gguf(c) -> bool:
     return (c.extra or {}).get("format") == "gguf"
 
 
+# What Gemma changes from Llama, each line in English and Chinese (model.family.say), Gemma 3's too.
+WORDS = {
+    "embed": ("embedding × √D = √{d} ≈ {root} (s4)", "嵌入 × √D = √{d} ≈ {root}（s4）"),
+    "norm_1w": ("RMSNorm scales by 1 + w (a GGUF stores 1 + w)", "RMSNorm 乘以 1 + w（GGUF 存的是 1 + w）"),
+    "four_norms": ("four norms a layer: before attention, on its output (s6.6), before the FFN, on its output (s6.7)",
+                   "每层四个归一化：注意力之前、注意力输出上（s6.6）、FFN 之前、FFN 输出上（s6.7）"),
+    "qk_norm": ("q/k RMSNorm per head (width {dh}) after the split into heads, before RoPE",
+                "q/k 按头做 RMSNorm（宽 {dh}），在拆成多头之后、RoPE 之前"),
+    "scale_gguf": ("scores × 1/√{s}: the GGUF stores no query_pre_attn_scalar; llama.cpp's rule ({rule})",
+                   "分数 × 1/√{s}：GGUF 不存 query_pre_attn_scalar；按 llama.cpp 的规则（{rule}）"),
+    "scale_same": ("scores × 1/√{s} (query_pre_attn_scalar {s}, = Dh here)",
+                   "分数 × 1/√{s}（query_pre_attn_scalar {s}，这里等于 Dh）"),
+    "scale_other": ("scores × 1/√{s} (query_pre_attn_scalar {s}) instead of 1/√Dh = 1/√{dh}",
+                    "分数 × 1/√{s}（query_pre_attn_scalar {s}），而不是 1/√Dh = 1/√{dh}"),
+    "softcap_scores": ("scores soft-capped {cap}·tanh(s/{cap}) before the mask (s6.4)",
+                       "分数在掩码之前软截断为 {cap}·tanh(s/{cap})（s6.4）"),
+    "no_softcap_scores": ("no soft-cap on the scores (attn_logit_softcapping null)",
+                          "分数不做软截断（attn_logit_softcapping 为空）"),
+    "geglu": ("GeGLU feed-forward: gelu_tanh(x W_gate) ⊙ (x W_up), width {f}",
+              "GeGLU 前馈网络：gelu_tanh(x W_gate) ⊙ (x W_up)，宽 {f}"),
+    "softcap_logits": ("logits soft-capped {cap}·tanh(x/{cap}) (s9)", "logits 软截断为 {cap}·tanh(x/{cap})（s9）"),
+    "no_softcap_logits": ("no soft-cap on the logits (final_logit_softcapping null)",
+                          "logits 不做软截断（final_logit_softcapping 为空）"),
+    "gguf_pattern": ("the GGUF stores no layer pattern: llama.cpp's, layer i global when i % 6 = 5",
+                     "GGUF 不存层的排布：按 llama.cpp 的，i % 6 = 5 的第 i 层为全局层"),
+}
+
+
 def scale_line(c) -> str:
     """The score scale, and where it came from: config.json's query_pre_attn_scalar, or llama.cpp's rule for a GGUF
     (which does not store it)."""
     scalar = c.attn_scale ** -2
-    if from_gguf(c):
-        return (f"scores × 1/√{scalar:g}: the GGUF stores no query_pre_attn_scalar; llama.cpp's rule "
-                f"({'1/√Dh' if abs(scalar - c.head_dim) < 1e-6 * scalar else '1/√(D/H) for this size'})")
     same = abs(scalar - c.head_dim) < 1e-6 * scalar
-    return f"scores × 1/√{scalar:g} (query_pre_attn_scalar {scalar:g}{', = Dh here' if same else ''})" + (
-        "" if same else f" instead of 1/√Dh = 1/√{c.head_dim}")
+    if from_gguf(c):
+        return say(WORDS, "scale_gguf", s=f"{scalar:g}", rule="1/√Dh" if same else "1/√(D/H) for this size")
+    return say(WORDS, "scale_same" if same else "scale_other", s=f"{scalar:g}", dh=c.head_dim)
 
 
 def gemma_lines(c, qk_norm: bool) -> list[str]:
     """Gemma's changes, in the order the maths runs (Gemma 3 adds the q/k norm)."""
-    out = [f"embedding × √D = √{c.d_model} ≈ {c.d_model ** 0.5:.4g} (s4)",
-           "RMSNorm scales by 1 + w (a GGUF stores 1 + w)",
-           "four norms a layer: before attention, on its output (s6.6), before the FFN, on its output (s6.7)"]
+    out = [say(WORDS, "embed", d=c.d_model, root=f"{c.d_model ** 0.5:.4g}"), say(WORDS, "norm_1w"),
+           say(WORDS, "four_norms")]
     if qk_norm:
-        out.append(f"q/k RMSNorm per head (width {c.head_dim}) after the split into heads, before RoPE")
+        out.append(say(WORDS, "qk_norm", dh=c.head_dim))
     out.append(scale_line(c))
     return out
 
 
 def changes(c) -> list[str]:
     out = gemma_lines(c, qk_norm=False)
-    out.append(f"scores soft-capped {c.attn_softcap:g}·tanh(s/{c.attn_softcap:g}) before the mask (s6.4)"
-               if c.attn_softcap else "no soft-cap on the scores (attn_logit_softcapping null)")
-    out.append(f"GeGLU feed-forward: gelu_tanh(x W_gate) ⊙ (x W_up), width {c.ffn_dim}")
-    out.append(f"logits soft-capped {c.final_softcap:g}·tanh(x/{c.final_softcap:g}) (s9)"
-               if c.final_softcap else "no soft-cap on the logits (final_logit_softcapping null)")
+    out.append(say(WORDS, "softcap_scores", cap=f"{c.attn_softcap:g}") if c.attn_softcap else
+               say(WORDS, "no_softcap_scores"))
+    out.append(say(WORDS, "geglu", f=c.ffn_dim))
+    out.append(say(WORDS, "softcap_logits", cap=f"{c.final_softcap:g}") if c.final_softcap else
+               say(WORDS, "no_softcap_logits"))
     return out
 
 
@@ -275,4 +300,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
 )

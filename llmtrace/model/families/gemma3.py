@@ -10,9 +10,10 @@ the layer pattern (layer i global when i % 6 == 5), the local RoPE base when the
 
 from __future__ import annotations
 
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.families.gemma2 import (Gemma2Block, GemmaModel, GemmaRMSNorm, from_gguf, gemma_hf_common,
                                             gemma_lines, refuse, score_scale_gguf)
+from llmtrace.model.families.gemma2 import WORDS as GEMMA_WORDS
 from llmtrace.model.families.qwen3 import Qwen3Attention
 
 GLOBAL_EVERY = 6  # Gemma 3's pattern: 5 sliding-window layers, then a global one
@@ -95,9 +96,9 @@ def gguf_config(meta) -> dict:
 
 def changes(c) -> list[str]:
     out = gemma_lines(c, qk_norm=True)
-    out.append(f"GeGLU feed-forward: gelu_tanh(x W_gate) ⊙ (x W_up), width {c.ffn_dim}")
+    out.append(say(GEMMA_WORDS, "geglu", f=c.ffn_dim))
     if from_gguf(c) and c.layer_types:
-        out.append("the GGUF stores no layer pattern: llama.cpp's, layer i global when i % 6 = 5")
+        out.append(say(GEMMA_WORDS, "gguf_pattern"))
     return out
 
 
@@ -110,4 +111,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=GEMMA_WORDS,
 )

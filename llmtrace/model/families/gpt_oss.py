@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.maths import Op, op
 from llmtrace.model.llama_points import PROBS, SCORES
 from llmtrace.model.moe import ExpertMatrices, MoEBlock, MoEFeedForward, moe_fields
@@ -208,19 +208,33 @@ def gguf_config(meta) -> dict:
     return out
 
 
+# What gpt-oss changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "biases": ("biases on q, k, v and o", "q、k、v 和 o 带偏置"),
+    "sinks": ("attention sinks: a learned logit per head joins each softmax row and is dropped after it, so each row "
+              "of probs sums to 1 − the sink's share",
+              "注意力汇点：每个头有一个学到的 logit，加入每一行 softmax 后再去掉，所以 probs 的每一行之和为 1 减去汇点的份额"),
+    "yarn": ("YaRN RoPE: factor {f} over an original context of {L}, cos and sin × {a}",
+             "YaRN RoPE：在 {L} 的原始上下文上放大 {f} 倍，cos 和 sin 乘以 {a}"),
+    "yarn_untruncated": ("YaRN RoPE: factor {f} over an original context of {L}, cos and sin × {a} (ramp not rounded "
+                         "to whole pairs)",
+                         "YaRN RoPE：在 {L} 的原始上下文上放大 {f} 倍，cos 和 sin 乘以 {a}（斜坡不取整到整对维度）"),
+    "experts": ("feed-forward: {e} experts (width {w}) and a router with a bias; the top {k} of the raw router logits, "
+                "then a softmax over those {k}",
+                "前馈网络：{e} 个专家（宽 {w}）和一个带偏置的路由器；取路由器原始 logits 的前 {k} 个，再对这 {k} 个做 softmax"),
+    "clamped": ("experts with biases and a clamped GLU: gate ≤ {lim}, −{lim} ≤ up ≤ {lim}, gate·σ({alpha}·gate)·(up + 1)",
+                "专家带偏置，GLU 有截断：gate ≤ {lim}，−{lim} ≤ up ≤ {lim}，gate·σ({alpha}·gate)·(up + 1)"),
+}
+
+
 def changes(c) -> list[str]:
     s = c.rope_scaling or {}
-    out = ["biases on q, k, v and o",
-           f"attention sinks: a learned logit per head joins each softmax row and is dropped after it, so each row "
-           f"of probs sums to 1 − the sink's share"]
+    out = [say(WORDS, "biases"), say(WORDS, "sinks")]
     if s.get("rope_type") == "yarn":
-        out.append(f"YaRN RoPE: factor {s['factor']:g} over an original context of "
-                   f"{s['original_max_position_embeddings']:,}, cos and sin × {yarn_attention_factor(s):.4f}"
-                   f"{'' if s.get('truncate', True) else ' (ramp not rounded to whole pairs)'}")
-    out.append(f"feed-forward: {c.n_experts} experts (width {c.expert_ffn_dim:,}) and a router with a bias; the top "
-               f"{c.n_experts_used} of the raw router logits, then a softmax over those {c.n_experts_used}")
-    out.append(f"experts with biases and a clamped GLU: gate ≤ {c.swiglu_limit:g}, −{c.swiglu_limit:g} ≤ up ≤ "
-               f"{c.swiglu_limit:g}, gate·σ({c.swiglu_alpha:g}·gate)·(up + 1)")
+        out.append(say(WORDS, "yarn" if s.get("truncate", True) else "yarn_untruncated", f=f"{s['factor']:g}",
+                       L=f"{s['original_max_position_embeddings']:,}", a=f"{yarn_attention_factor(s):.4f}"))
+    out.append(say(WORDS, "experts", e=c.n_experts, w=f"{c.expert_ffn_dim:,}", k=c.n_experts_used))
+    out.append(say(WORDS, "clamped", lim=f"{c.swiglu_limit:g}", alpha=f"{c.swiglu_alpha:g}"))
     return out
 
 
@@ -233,5 +247,6 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
     reads_rope=True,
 )

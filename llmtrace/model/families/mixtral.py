@@ -4,7 +4,7 @@ permuted) that has experts: `llama.expert_count` and the 3-D `ffn_*_exps` tensor
 (Family.gguf_requires)."""
 
 from llmtrace.model.family import Family
-from llmtrace.model.moe import MoEBlock, MoEFeedForward, moe_changes, moe_fields
+from llmtrace.model.moe import MOE_WORDS, MoEBlock, MoEFeedForward, moe_changes, moe_fields
 from llmtrace.model.transformer import Block, Transformer
 
 
@@ -42,4 +42,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=moe_changes,
+    words=MOE_WORDS,
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, RESID_MID, RESID_POST, V
 from llmtrace.model.maths import LayerPlan, Op
 from llmtrace.model.points import Point, inserted
@@ -91,11 +91,20 @@ def hf_config(cfg: dict) -> dict:
     return {}
 
 
+# What OLMo 2 changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "qk_norm": ("q/k RMSNorm over the whole projection (width {q} for q, {kv} for k), before the split into heads",
+                "q/k 在整个投影上做 RMSNorm（q 宽 {q}，k 宽 {kv}），在拆成多头之前"),
+    "post_attn": ("no norm before attention: the stream goes in as it is; attention's output is RMS-normed, then added",
+                  "注意力之前不做归一化：残差流原样进入；注意力的输出先做 RMSNorm，再相加"),
+    "post_ffn": ("no norm before the feed-forward: its output is RMS-normed, then added",
+                 "前馈网络之前不做归一化：它的输出先做 RMSNorm，再相加"),
+}
+
+
 def changes(c) -> list[str]:
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    return [f"q/k RMSNorm over the whole projection (width {q:,} for q, {kv:,} for k), before the split into heads",
-            "no norm before attention: the stream goes in as it is; attention's output is RMS-normed, then added",
-            "no norm before the feed-forward: its output is RMS-normed, then added"]
+    return [say(WORDS, "qk_norm", q=f"{q:,}", kv=f"{kv:,}"), say(WORDS, "post_attn"), say(WORDS, "post_ffn")]
 
 
 FAMILY = Family(
@@ -106,4 +115,5 @@ FAMILY = Family(
     gguf_archs={"olmo2": False},  # the converter keeps q/k rows in HF order (NEOX RoPE)
     hf_config=hf_config,
     changes=changes,
+    words=WORDS,
 )

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.llama_points import K_ROPE, Q_ROPE
 from llmtrace.model.points import Source, Weight
 from llmtrace.model.transformer import Attention, Block, FeedForward, KVCache, Transformer, rope_angles
@@ -260,19 +260,31 @@ def gguf_config(meta) -> dict:
     return out
 
 
+# What Phi-3 changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "qkv": ("q, k and v read from one fused matrix ({q} + {kv} + {kv} rows), split as the maths reads it",
+            "q、k、v 从同一个融合矩阵读出（{q} + {kv} + {kv} 行），按数学的读法拆开"),
+    "partial": ("RoPE on {dr} of {dh} dims of each head (dims 0-{last} turn, {dr}-{dh_last} pass unchanged)",
+                "每个头的 {dh} 维中只有 {dr} 维做 RoPE（第 0-{last} 维旋转，第 {dr}-{dh_last} 维原样通过）"),
+    "longrope": ("LongRoPE: short factors up to {n} positions, long beyond (a cached sequence is computed again with "
+                 "them when it first passes {n}, as transformers does); cos and sin × {a}",
+                 "LongRoPE：{n} 个位置以内用短因子，超过后用长因子（缓存的序列第一次超过 {n} 时用它们重新计算，与 "
+                 "transformers 一致）；cos 和 sin 乘以 {a}"),
+    "gate_up": ("gate and up read from one fused matrix ({f} + {f} rows, gate first)",
+                "gate 和 up 从同一个融合矩阵读出（{f} + {f} 行，gate 在前）"),
+}
+
+
 def changes(c) -> list[str]:
     q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    out = [f"q, k and v read from one fused matrix ({q:,} + {kv:,} + {kv:,} rows), split as the maths reads it"]
+    out = [say(WORDS, "qkv", q=f"{q:,}", kv=f"{kv:,}")]
     if c.rotary_dim:
-        out.append(f"RoPE on {c.rotary_dim} of {c.head_dim} dims of each head (dims 0-{c.rotary_dim - 1} turn, "
-                   f"{c.rotary_dim}-{c.head_dim - 1} pass unchanged)")
+        out.append(say(WORDS, "partial", dr=c.rotary_dim, dh=c.head_dim, last=c.rotary_dim - 1, dh_last=c.head_dim - 1))
     s = c.rope_scaling or {}
     if s.get("rope_type") == "longrope":
-        n = s["original_max_position_embeddings"]
-        out.append(f"LongRoPE: short factors up to {n:,} positions, long beyond (a cached sequence is computed again "
-                   f"with them when it first passes {n:,}, as transformers does); cos and sin × "
-                   f"{s['attention_factor']:.4g}")
-    out.append(f"gate and up read from one fused matrix ({c.ffn_dim:,} + {c.ffn_dim:,} rows, gate first)")
+        out.append(say(WORDS, "longrope", n=f"{s['original_max_position_embeddings']:,}",
+                       a=f"{s['attention_factor']:.4g}"))
+    out.append(say(WORDS, "gate_up", f=f"{c.ffn_dim:,}"))
     return out
 
 
@@ -285,6 +297,7 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
     reads_rope=True,
     gguf_config_tensors=(LONG_FACTORS, SHORT_FACTORS),
 )

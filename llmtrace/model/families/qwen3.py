@@ -4,7 +4,7 @@ No bias on q, k, v. A sliding window on some layers is possible (use_sliding_win
 
 import torch
 
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.maths import LayerPlan, Op
 from llmtrace.model.points import Point, inserted
 from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
@@ -46,11 +46,20 @@ class Qwen3(Transformer):
     block = Qwen3Block
 
 
+# What Qwen3 changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "qk_norm": ("q/k RMSNorm per head (width {dh}) after the split into heads, before RoPE",
+                "q/k 按头做 RMSNorm（宽 {dh}），在拆成多头之后、RoPE 之前"),
+    "head_dim": ("head width {dh} given on its own: {heads} × {dh} = {hd}, not the width {d}",
+                 "头宽 {dh} 单独给出：{h} 个头 × {dh} = {hd}，不等于模型宽度 {d}"),
+}
+
+
 def changes(c) -> list[str]:
-    out = [f"q/k RMSNorm per head (width {c.head_dim}) after the split into heads, before RoPE"]
+    out = [say(WORDS, "qk_norm", dh=c.head_dim)]
     if c.n_heads * c.head_dim != c.d_model:
-        out.append(f"head width {c.head_dim} given on its own: {plural(c.n_heads, 'head')} × {c.head_dim} = "
-                   f"{c.n_heads * c.head_dim}, not the width {c.d_model}")
+        out.append(say(WORDS, "head_dim", dh=c.head_dim, heads=plural(c.n_heads, "head"), h=c.n_heads,
+                       hd=c.n_heads * c.head_dim, d=c.d_model))
     return out
 
 
@@ -61,4 +70,5 @@ FAMILY = Family(
     hf_types={"qwen3": "Qwen3ForCausalLM"},
     gguf_archs={"qwen3": False},  # the converter keeps q/k rows in HF order (NEOX RoPE)
     changes=changes,
+    words=WORDS,
 )

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.families.gemma2 import GemmaRMSNorm
 from llmtrace.model.families.qwen3 import K_NORM, Q_NORM
 from llmtrace.model.llama_points import ATTN_OUT, K, O_PROJ, Q, V
@@ -440,23 +440,41 @@ def changes(c) -> list[str]:
     kinds = c.layer_types or []
     n_linear = sum(t == "linear" for t in kinds)
     state = la.get("v_heads", 0) * la.get("k_dim", 0) * la.get("v_dim", 0)
-    out = [f"{n_linear} of {c.n_layers} layers are linear attention (Gated DeltaNet): a state S of {la.get('v_heads')} "
-           f"× {la.get('k_dim')} × {la.get('v_dim')} = {state:,} numbers per layer, updated by the delta rule "
-           f"S ← α·S + k⊗β(v − Sᵀk), in place of a KV cache that grows with every token",
-           f"linear layers: a causal convolution over the last {la.get('conv_kernel')} tokens (no RoPE), q and k "
-           f"L2-normalized, the output RMS-normed and gated by silu(x W_z)",
-           f"the other {c.n_layers - n_linear} layers: attention with an output gate (sigmoid of a second half of each "
-           f"head's Wq rows) and q/k RMSNorm per head (width {c.head_dim})"]
+    out = [say(WORDS, "linear", k=n_linear, n=c.n_layers, h=la.get("v_heads"), dk=la.get("k_dim"), dv=la.get("v_dim"),
+               state=f"{state:,}"),
+           say(WORDS, "linear_parts", kernel=la.get("conv_kernel")),
+           say(WORDS, "gated_attention", k=c.n_layers - n_linear, dh=c.head_dim)]
     if c.rotary_dim:
-        out.append(f"RoPE on {c.rotary_dim} of {c.head_dim} dims of each head")
-    out.append("every RMSNorm but the gated one scales by 1 + w")
+        out.append(say(WORDS, "partial", dr=c.rotary_dim, dh=c.head_dim))
+    out.append(say(WORDS, "norm_1w"))
     if (c.extra or {}).get("text_model_of"):
-        out.append(f"the text model of a {c.extra['text_model_of']} checkpoint: its vision encoder (and any "
-                   f"multi-token-prediction layers) left out")
+        out.append(say(WORDS, "text_model", of=c.extra["text_model_of"]))
     if la.get("v_order") == "tiled" and la.get("v_heads") != la.get("k_heads"):
-        out.append("value heads in llama.cpp's tiled order (head j reads key head j mod "
-                   f"{la.get('k_heads')}), as the GGUF stores them")
+        out.append(say(WORDS, "tiled", k=la.get("k_heads")))
     return out
+
+
+# What Qwen3.5 changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "linear": ("{k} of {n} layers are linear attention (Gated DeltaNet): a state S of {h} × {dk} × {dv} = {state} "
+               "numbers per layer, updated by the delta rule S ← α·S + k⊗β(v − Sᵀk), in place of a KV cache that grows "
+               "with every token",
+               "{n} 层中有 {k} 层是线性注意力（Gated DeltaNet）：每层一个 {h} × {dk} × {dv} = {state} 个数的状态 S，"
+               "按 delta 规则 S ← α·S + k⊗β(v − Sᵀk) 更新，代替随每个词元增长的 KV 缓存"),
+    "linear_parts": ("linear layers: a causal convolution over the last {kernel} tokens (no RoPE), q and k "
+                     "L2-normalized, the output RMS-normed and gated by silu(x W_z)",
+                     "线性层：对最近 {kernel} 个词元做因果卷积（不做 RoPE），q 和 k 做 L2 归一化，输出先做 RMSNorm，"
+                     "再由 silu(x W_z) 门控"),
+    "gated_attention": ("the other {k} layers: attention with an output gate (sigmoid of a second half of each head's "
+                        "Wq rows) and q/k RMSNorm per head (width {dh})",
+                        "其余 {k} 层：带输出门的注意力（门是每个头 Wq 后一半行的 sigmoid），q/k 按头做 RMSNorm（宽 {dh}）"),
+    "partial": ("RoPE on {dr} of {dh} dims of each head", "每个头的 {dh} 维中只有 {dr} 维做 RoPE"),
+    "norm_1w": ("every RMSNorm but the gated one scales by 1 + w", "除门控的那个以外，每个 RMSNorm 都乘以 1 + w"),
+    "text_model": ("the text model of a {of} checkpoint: its vision encoder (and any multi-token-prediction layers) "
+                   "left out", "{of} 检查点中的文本模型：视觉编码器（以及多词元预测层）不读"),
+    "tiled": ("value heads in llama.cpp's tiled order (head j reads key head j mod {k}), as the GGUF stores them",
+              "值头按 llama.cpp 的平铺顺序（第 j 个头读第 j mod {k} 个键头），与 GGUF 的存法一致"),
+}
 
 
 FAMILY = Family(
@@ -468,5 +486,6 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
     hf_wrappers={"qwen3_5": ("Qwen3_5ForConditionalGeneration", "model.language_model.")},
 )

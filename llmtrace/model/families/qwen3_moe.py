@@ -9,8 +9,8 @@ model whose config says false computes what llama.cpp computes, not what transfo
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
-from llmtrace.model.families.qwen3 import Qwen3Attention, changes as qwen3_changes
-from llmtrace.model.moe import MoEBlock, moe_changes, moe_fields
+from llmtrace.model.families.qwen3 import WORDS as QWEN3_WORDS, Qwen3Attention, changes as qwen3_changes
+from llmtrace.model.moe import MOE_WORDS, MoEBlock, moe_changes, moe_fields
 from llmtrace.model.transformer import Transformer
 from llmtrace.units import plural
 
@@ -60,4 +60,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=lambda c: qwen3_changes(c) + moe_changes(c),
+    words={**QWEN3_WORDS, **MOE_WORDS},
 )

@@ -8,7 +8,7 @@ A GGUF (arch `smollm3`, q/k rows permuted as Llama's) has no key for this: llama
 (its smollm3 graph skips RoPE where (layer + 1) % 4 == 0), and so does this file's reading of one."""
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.units import noun
 from llmtrace.model.transformer import Transformer
 
@@ -41,11 +41,22 @@ def gguf_config(meta) -> dict:
 def changes(c) -> list[str]:
     layers = c.no_rope_layers or []
     if not layers:
-        return ["every layer applies RoPE (no_rope_layers all 1)"]
-    which = ", ".join(map(str, layers))
-    gguf = " (the GGUF has no key for them: llama.cpp's every 4th)" if (c.extra or {}).get("format") == "gguf" else ""
-    return [f"no RoPE in {noun(len(layers), 'layer')} {which} of {c.n_layers}{gguf}: q and k go unrotated, "
-            f"so attention there sees content, not position"]
+        return [say(WORDS, "all_rope")]
+    gguf = (c.extra or {}).get("format") == "gguf"
+    return [say(WORDS, "no_rope_gguf" if gguf else "no_rope", layer=noun(len(layers), "layer"),
+                which=", ".join(map(str, layers)), n=c.n_layers)]
+
+
+# What SmolLM3 changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "all_rope": ("every layer applies RoPE (no_rope_layers all 1)", "每一层都做 RoPE（no_rope_layers 全为 1）"),
+    "no_rope": ("no RoPE in {layer} {which} of {n}: q and k go unrotated, so attention there sees content, not "
+                "position", "{n} 层中的第 {which} 层不做 RoPE：q 和 k 不旋转，所以那里的注意力看内容，不看位置"),
+    "no_rope_gguf": ("no RoPE in {layer} {which} of {n} (the GGUF has no key for them: llama.cpp's every 4th): q and "
+                     "k go unrotated, so attention there sees content, not position",
+                     "{n} 层中的第 {which} 层不做 RoPE（GGUF 没有对应的键：按 llama.cpp 的每 4 层一层）：q 和 k 不旋转，"
+                     "所以那里的注意力看内容，不看位置"),
+}
 
 
 FAMILY = Family(
@@ -57,4 +68,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
 )

@@ -68,6 +68,18 @@ window.llmtraceCards = function (api) {
     const here = computed[pass.t];
     return { computed: computed, note: here === undefined ? "" : t("card_sink", { share: num(here, 4) }) };
   }
+  // the θᵢ the layer runs (its declared inv_freq, scaling included) and, for a scaled RoPE, the rule that made them
+  function ropeTheta(c, inv, half, f) {
+    const shown = Array.from(inv.slice(0, 8), (v, i) => "\u03b8" + i + " = " + num(v, 4)).join(", ") + (half > 8 ? ", \u2026" : "");
+    let s = t("card_rope_theta", { last: half - 1, thetas: shown });
+    const sc = c.scaling || {}, i = Math.min(4, half - 1), plain = Math.pow(c.base, -2 * i / c.rotary_dim);
+    if (sc.rope_type === "yarn")
+      s += " " + t("card_rope_yarn", { s: sc.factor, L: sc.original_max_position_embeddings, bf: sc.beta_fast, bs: sc.beta_slow,
+        i: i, ti: num(inv[i], 4), bi: num(plain, 4), f: num(f, 4) });
+    else if (sc.rope_type && sc.rope_type !== "default")
+      s += " " + t("card_rope_scaled", { kind: sc.rope_type, i: i, ti: num(inv[i], 4), bi: num(plain, 4) });
+    return s;
+  }
   const gelu = (x) => 0.5 * x * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (x + 0.044715 * x * x * x)));
   const silu = (x) => x / (1 + Math.exp(-x));
   const ACT = { silu: silu, gelu_tanh: gelu };
@@ -98,7 +110,10 @@ window.llmtraceCards = function (api) {
       if (!x) return missing(t("card_input_missing", { input: at.name, layer: at.layer }));
       const c = o.consts, computed = {};
       const flat = x.n !== out.n; // the input is the whole projection (q normed before the split): head h's slice
-      const get = (i) => x.byIndex[(flat ? headOf(out.s.meta.axes, h) * out.n : 0) + i];
+      const wf = x.s.meta.full, off = flat ? headOf(out.s.meta.axes, h) * out.n : 0;
+      // the input's whole row where the trace kept it (trace/worked.py: a partner past the sample's entries)
+      const whole = wf && pass.t >= wf.t[0] && pass.t <= wf.t[1] ? api.fullRow(x.s, pass.t, wf.heads > 1 ? headOf(x.s.meta.axes, h) : 0) : null;
+      const get = (i) => (whole ? whole[off + i] : x.byIndex[off + i]);
       if (c.rotation === "none") {
         out.index.forEach((i) => { computed[i] = get(i); });
         return { computed: computed, note: t("card_no_rotation") };
@@ -112,7 +127,7 @@ window.llmtraceCards = function (api) {
         const ang = pos * inv[j], cs = Math.cos(ang) * f, sn = Math.sin(ang) * f;
         computed[i] = i < half ? a * cs - b * sn : b * cs + a * sn;
       });
-      return { computed: computed, note: t("card_rope", { pos: pos, base: c.base, dr: dr }) };
+      return { computed: computed, note: t("card_rope", { pos: pos, base: c.base, dr: dr }) + " " + ropeTheta(c, inv, half, f) };
     },
     scores(o, p, layer, pass, h, out) {
       const c = o.consts;
@@ -153,15 +168,16 @@ window.llmtraceCards = function (api) {
       if (x && !x.s.exact && (D.walk.full_layers || []).length)
         return missing(t("card_coarse", { layers: D.walk.full_layers.join(", ") }));
       if (!x || !x.s.lse) return missing(t("card_lse_missing"));
-      let lse = x.s.lse[x.row], sinkShare = null;
-      if (o.consts.sink) {
+      let lse = x.s.lse[x.row], note = t("card_softmax", { lse: num(lse) });
+      if (o.consts.sink) { // the head's learned sink logit joins the sum as one more column (gpt-oss)
         if (!out.s.sink) return missing(t("card_gamma_missing"));
-        const sk = out.s.sink[headOf(out.s.meta.axes, h) || 0], total = Math.log(Math.exp(lse - sk) + 1) + sk;
-        sinkShare = Math.exp(sk - total); lse = total;
+        const hk = headOf(out.s.meta.axes, h) || 0, sk = out.s.sink[hk], total = Math.log(Math.exp(lse - sk) + 1) + sk;
+        note = t("card_softmax_sink", { lse: num(total), lse_s: num(lse), head: hk, sink: num(sk), share: num(Math.exp(sk - total), 4) });
+        lse = total;
       }
       const computed = {};
       out.index.forEach((i) => { const v = x.byIndex[i]; computed[i] = Number.isNaN(v) || v === -Infinity ? 0 : Math.exp(v - lse); });
-      return { computed: computed, note: t("card_softmax", { lse: num(lse) }) + (sinkShare === null ? "" : " " + t("card_sink", { share: num(sinkShare, 4) })) };
+      return { computed: computed, note: note };
     },
     glu(o, p, layer, pass, h, out) {
       const g = entries(pass, source(layer, o.inputs[0]), h), u = entries(pass, source(layer, o.inputs[1]), h);
@@ -174,7 +190,8 @@ window.llmtraceCards = function (api) {
           computed[i] = a / (1 + Math.exp(-c.alpha * a)) * (b + (c.up_offset || 0));
         } else computed[i] = ACT[c.act](a) * b;
       });
-      return { computed: computed, note: t("card_glu", { act: c.act }) };
+      return { computed: computed, note: c.clamp !== null && c.clamp !== undefined ?
+        t("card_glu_clamped", { lim: c.clamp, alpha: c.alpha, off: c.up_offset || 0 }) : t("card_glu", { act: c.act }) };
     },
     add(o, p, layer, pass, h, out) {
       const sa = source(layer, o.inputs[0]), sb = source(layer, o.inputs[1]);
@@ -218,7 +235,6 @@ window.llmtraceCards = function (api) {
     const ma = a === -Infinity || Number.isNaN(a), mb = b === -Infinity || Number.isNaN(b);
     return ma && mb ? 0 : ma || mb ? Infinity : Math.abs(a - b);
   }
-  function shown(x) { return x === -Infinity || Number.isNaN(x) ? "\u2212\u221e" : num(x); }
 
   // the card of point p in `layer` ("m" outside the layers) for one pass, token row and head
   function work(p, layer, pass, h, s) {
@@ -241,15 +257,17 @@ window.llmtraceCards = function (api) {
       if (Number.isFinite(out.values[j])) big = Math.max(big, Math.abs(out.values[j]));
       return v;
     });
-    res.err = err; res.rel = big > 0 ? err / big : err;
+    // a check holds only over values it computed: a card with an entry it could not work out marks nothing
+    const undone = out.index.filter((ix, j) => comp[j] === undefined);
+    if (undone.length) res.missing = t("card_not_computed", { n: undone.length, of: out.index.length, entries: undone.join(", ") });
+    else { res.err = err; res.rel = big > 0 ? err / big : err; }
     const ok = res.err <= 1e-5 || res.rel <= 1e-4;
     html += (w.note ? "<p class=note>" + esc(w.note) + "</p>" : "") +
-      "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
-      out.index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr><tr><th scope=row>" + esc(t("computed")) + "</th>" +
-      comp.map((v) => "<td class=num>" + (v === undefined ? "\u00b7" : shown(v)) + "</td>").join("") + "</tr><tr><th scope=row>" + esc(t("recorded")) +
-      "</th>" + out.values.map((v) => "<td class=num>" + shown(v) + "</td>").join("") + "</tr></table></div>" +
-      "<p class=\"check " + (ok ? "ok" : "bad") + "\">" + (ok ? "\u2713 " : "\u2717 ") +
-      esc(t("card_check", { err: num(res.err, 3), rel: num(res.rel, 3) })) + "</p>";
+      api.walkTable(out.index, [[t("computed"), comp.map((v) => (v === undefined ? "\u00b7" : api.cellNum(v)))],
+        [t("recorded"), out.values.map((v) => api.cellNum(v))]]) +
+      (res.missing ? "<p class=\"check none\">" + esc(res.missing) + "</p>" :
+        "<p class=\"check " + (ok ? "ok" : "bad") + "\">" + (ok ? "\u2713 " : "\u2717 ") +
+        esc(t("card_check", { err: num(res.err, 3), rel: num(res.rel, 3) })) + "</p>");
     res.html = html;
     return res;
   }

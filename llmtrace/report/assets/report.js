@@ -167,8 +167,18 @@
   let cursor = null; // [row, col] under the mouse or the keyboard
   const PAD = A.pad || 0; // a batch row's leading pad slots (s3): the maps are by slot, its token i is slot PAD + i
   function padBin(b) { return A.bins[b][1] <= PAD; }
-  function masked(r, c) { // never attended: a later key (the causal mask), or a pad slot (the padding mask)
-    return A.bins[c][0] >= A.bins[r][1] || padBin(c) || padBin(r);
+  const R = D.maths && D.maths.record;
+  function windowOf(layer) { // the window of keys a layer declares (its plan), or null
+    const k = R && !Number.isNaN(Number(layer)) && R.kinds[R.layer_kind[Number(layer)]];
+    return (k && k.plan && k.plan.window) || null;
+  }
+  function outsideWindow(layer, r, c) { // every key of bin c is the window or more back from every query of bin r
+    const W = windowOf(layer);
+    return !!W && A.bins[r][0] - (A.bins[c][1] - 1) >= W;
+  }
+  function masked(r, c, layer) { // never attended: a later key (the causal mask), a pad slot (the padding mask), or a
+    // key outside the layer's window
+    return A.bins[c][0] >= A.bins[r][1] || padBin(c) || padBin(r) || (layer !== undefined && outsideWindow(layer, r, c));
   }
   function queryRow() { // the bin of the query that produced the chosen step's token
     if (!steps.length || A.source !== "maps") return null;
@@ -185,12 +195,12 @@
       let ranks = null;
       if (scale === "rank") {
         const vis = [];
-        for (let c = 0; c < B; c++) if (!masked(r, c)) vis.push(c);
+        for (let c = 0; c < B; c++) if (!masked(r, c, layer)) vis.push(c);
         vis.sort((a, b) => m[off + r * B + a] - m[off + r * B + b]);
         ranks = new Map(vis.map((c, k) => [c, vis.length > 1 ? k / (vis.length - 1) : 1]));
       }
       for (let c = 0; c < B; c++) {
-        const hatch = masked(r, c);
+        const hatch = masked(r, c, layer);
         const v = m[off + r * B + c];
         let col;
         if (!hatch) {
@@ -275,12 +285,23 @@
     if (cursor) {
       const [r, c] = cursor, B = A.bins.length;
       const v = mapOf($("#att-layer").value)[Number($("#att-head").value) * B * B + r * B + c];
-      const why = padBin(r) || padBin(c) ? tr("masked_pad") : tr("masked_later");
-      text += " " + tr("query_key", { q: label(r), k: label(c) }) + ": " + (masked(r, c) ? why : v.toFixed(5));
+      const layer = $("#att-layer").value;
+      const why = padBin(r) || padBin(c) ? tr("masked_pad") : outsideWindow(layer, r, c) && !masked(r, c) ? tr("masked_window") : tr("masked_later");
+      text += " " + tr("query_key", { q: label(r), k: label(c) }) + ": " + (masked(r, c, layer) ? why : v.toFixed(5));
     }
     out.textContent = text;
   }
+  function fitAxes() { // a phone: the map and its labels scaled down together to the section's width (never up)
+    const ax = $(".att-axes"), room = ax && ax.closest("section");
+    if (!ax || !room) return;
+    ax.style.zoom = "";
+    const cs = getComputedStyle(room), free = room.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight);
+    const need = ax.scrollWidth;
+    if (need > free && free > 0) ax.style.zoom = String(Math.floor(1000 * free / need) / 1000);
+  }
   if (canvas && A.layers.length) {
+    fitAxes();
+    window.addEventListener("resize", fitAxes);
     ["#att-layer", "#att-head", "#att-scale"].forEach((s) => $(s).addEventListener("change", () => { drawThumbs(); drawAttention(); tellParent(); }));
     drawThumbs();
     canvas.addEventListener("mousemove", (ev) => {

@@ -127,6 +127,7 @@
     document.documentElement.lang = lang === "zh" ? "zh-Hans" : lang;
     document.querySelectorAll("[data-w]").forEach((e) => { if (W[e.dataset.w]) e.textContent = W[e.dataset.w]; });
     document.querySelectorAll("[data-w-title]").forEach((e) => { if (W[e.dataset.wTitle]) e.title = W[e.dataset.wTitle]; });
+    SLIDERS.forEach(showSlider); // "0 (greedy)", "off" in the new language
   }
   $("#lang").addEventListener("change", () => {
     speak($("#lang").value);
@@ -165,29 +166,74 @@
       table.appendChild(tr);
     });
     box.appendChild(table);
-    if (survivors) {
+    if (survivors) { // the distribution after the last stage, as bars (redrawn at each move of a slider)
       box.appendChild(el("p", t("serve_left")));
-      box.appendChild(el("p", survivors.map((c) => vis(c.text) + " " + fmt(c.prob, 3)).join("  "), "tok"));
+      const dist = el("ol", undefined, "dist");
+      survivors.forEach((c) => {
+        const li = el("li");
+        li.dataset.id = String(c.id);
+        li.appendChild(el("span", vis(c.text), "tok"));
+        li.appendChild(el("span", fmt(c.prob, 3), "num"));
+        const bar = el("span", undefined, "bar");
+        bar.style.width = (160 * c.prob).toFixed(1) + "px";
+        li.appendChild(bar);
+        dist.appendChild(li);
+      });
+      box.appendChild(dist);
     }
     return box;
   }
-  $("#resample-step").addEventListener("click", () => guarded(async () => {
+  // ---------------------------------------------------------------------------------------------- the sliders
+  // temperature, top-k, top-p and min-p as sliders, each with its number beside it (and said to a screen reader: 0 is
+  // greedy, a truncation that cuts nothing is off); once a run is done, moving one re-samples the chosen step on the
+  // server at once (one request at a time, the latest settings next), the distribution redrawn
+  const SLIDERS = ["temperature", "top_k", "top_p", "min_p"];
+  function said(id, v) {
+    if (id === "temperature" && v === 0) return t("greedy");
+    if ((id === "top_k" && v === 0) || (id === "top_p" && v === 1) || (id === "min_p" && v === 0)) return t("off");
+    return String(v);
+  }
+  function showSlider(id) {
+    const inp = $("#" + id), text = said(id, Number(inp.value));
+    $("#" + id + "-out").textContent = text;
+    inp.setAttribute("aria-valuetext", text);
+  }
+  let live = null, again = false, waiting = false; // the live re-sample in flight; moved since; waiting for a run
+  async function resampleStep() {
     const box = $("#resample");
     if (!last) { box.textContent = t("serve_no_run"); return; }
     const step = Number($("#step").value), o = options();
     const body = { run: last.got.runId, step: step, temperature: o.temperature, top_k: o.top_k, top_p: o.top_p,
       min_p: o.min_p };
-    const r = await fetch("/api/resample", { method: "POST", signal: controller.signal, headers: AUTH,
+    const r = await fetch("/api/resample", { method: "POST", signal: (live || controller).signal, headers: AUTH,
       body: JSON.stringify(body) });
     const a = await r.json();
     if (!r.ok) { box.textContent = t("serve_error", { error: a.error }); return; }
     box.textContent = "";
+    box.dataset.temperature = String(body.temperature); box.dataset.topK = String(body.top_k); box.dataset.topP = String(body.top_p);
     box.appendChild(el("p", t("serve_resample_title", { step: step, t: body.temperature === 0 ? t("greedy") : body.temperature,
       k: body.top_k === 0 ? t("off") : body.top_k, p: body.top_p === 1 ? t("off") : body.top_p,
       m: body.min_p === 0 ? t("off") : body.min_p, draw: a.draw === "fresh" ? t("serve_draw_fresh") : t("serve_draw_run") })));
     if (last.got.steps[step]) box.appendChild(side(t("serve_own"), last.got.steps[step], "own", null));
     box.appendChild(side(t("serve_again"), a.step, "again", a.survivors));
-  }));
+  }
+  async function liveResample() {
+    if (!last) return; // before a run: the sliders only set what it will use
+    if (controller) { // a run (or its page) still on its way: re-sample once it is done
+      if (!waiting) { waiting = true; setTimeout(() => { waiting = false; liveResample(); }, 250); }
+      return;
+    }
+    if (live) { again = true; return; }
+    live = new AbortController();
+    try { await resampleStep(); } catch (e) { $("#resample").textContent = t("serve_error", { error: String(e) }); }
+    live = null;
+    if (again) { again = false; liveResample(); }
+  }
+  SLIDERS.forEach((id) => {
+    showSlider(id);
+    $("#" + id).addEventListener("input", () => { showSlider(id); liveResample(); });
+  });
+  $("#resample-step").addEventListener("click", () => guarded(resampleStep));
 
   // ---------------------------------------------------------------------------------------------- ablate and compare
   function textDiff(before, after, what) { // the ablated run against the run before, token by token
@@ -258,8 +304,8 @@
     }
     if (d.llmtrace === "step" && Number.isFinite(d.step)) $("#step").value = String(d.step);
     if (d.llmtrace === "sampler") { // the what-if sliders: the settings a re-sample runs with
-      ["temperature", "top_k", "top_p", "min_p"].forEach((k) => {
-        if (Number.isFinite(d[k])) $("#" + k).value = String(d[k]);
+      SLIDERS.forEach((k) => {
+        if (Number.isFinite(d[k])) { $("#" + k).value = String(d[k]); showSlider(k); }
       });
     }
   });

@@ -48,8 +48,11 @@
       if (m.m !== undefined) Object.assign(m, D.walk.metas[m.m]); // its shape, axes, rows and entries, stored once
       if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
       const x = m.x || {}; // what a worked example reads besides (report/walk.py: gamma, sink, lse, full, f32)
-      cache[key] = m.v === undefined ? { meta: m } :
-        { meta: m, values: x.f32 ? unpack(m.v, Float32Array) : unpack24(m.v), norms: unpack24(m.n) };
+      if (m.v === undefined) cache[key] = { meta: m };
+      else if (m.n === null || m.n === undefined) { // 24-bit values, then each row's norm, in one string (report/walk.py)
+        const all = unpack24(m.v), nv = all.length - m.rows;
+        cache[key] = { meta: m, values: all.subarray(0, nv), norms: all.subarray(nv) };
+      } else cache[key] = { meta: m, values: x.f32 ? unpack(m.v, Float32Array) : unpack24(m.v), norms: unpack24(m.n) };
       if (x.lse) cache[key].lse = unpack(x.lse, Float32Array);
       cache[key].exact = !!x.f32; // values to float32's 7 digits (else 24-bit floats: about 5)
       ["gamma", "sink"].forEach((k) => { // a weight's values, kept once per layer and point (report/walk.py)
@@ -91,13 +94,22 @@
   function shapeText(m) {
     return "[" + m.shape.map((n, a) => (m.axes ? m.axes[a] + "=" : "") + n).join(", ") + "]";
   }
-  function valuesTable(index, cols, masked) { // one row per series ([heading, values]), one column per kept entry (index i); `masked`: a missing value is a masked −∞
-    let h = "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
-      index.map((ix) => "<th>" + ix + "</th>").join("") + "</tr>";
-    cols.forEach((c) => {
-      h += "<tr><th scope=row>" + esc(c[0]) + "</th>" + index.map((ix, j) => "<td class=num>" + (masked && Number.isNaN(c[1][j]) ? "\u2212\u221e" : num(c[1][j])) + "</td>").join("") + "</tr>";
-    });
-    return h + "</table></div>";
+  function cellNum(x) { // a table cell's number: 5 significant figures, short (an exponent below 0.001)
+    if (x === -Infinity || (typeof x === "number" && Number.isNaN(x))) return "\u2212\u221e";
+    if (x === null || x === undefined) return "\u00b7";
+    return x !== 0 && Math.abs(x) < 1e-3 ? Number(x).toExponential(4) : Number(x).toPrecision(5);
+  }
+  // the rows of a walk table ([heading, cells as text]), one column per kept entry (index i); a sample's two halves
+  // (its first entries and those from the middle) stacked as two tables, so that a card fits the page's width
+  function walkTable(index, rows) {
+    const parts = index.length > 8 ? [[0, index.length / 2 | 0], [index.length / 2 | 0, index.length]] : [[0, index.length]];
+    return parts.map(([a, b]) => "<div class=scroll><table class=\"stats walkv\"><tr><th scope=row>" + esc(t("index")) + "</th>" +
+      index.slice(a, b).map((ix) => "<th>" + ix + "</th>").join("") + "</tr>" +
+      rows.map((r) => "<tr><th scope=row>" + esc(r[0]) + "</th>" + r[1].slice(a, b).map((v) => "<td class=num>" + esc(v) + "</td>").join("") + "</tr>").join("") +
+      "</table></div>").join("");
+  }
+  function valuesTable(index, cols, masked) { // one row per series ([heading, values]); `masked`: a missing value is a masked −∞
+    return walkTable(index, cols.map((c) => [c[0], index.map((ix, j) => (!masked && Number.isNaN(c[1][j]) ? "\u2014" : cellNum(c[1][j])))]));
   }
   // the worked examples (cards.js): each point's declared operation, worked out on the recorded inputs
   function positionOf(pass) { // the token's position (RoPE's m): a batch row counts from its first real token
@@ -117,28 +129,69 @@
     const tRow = slot < T0 ? slot - OFF0 : 0; // an earlier prefill chunk's slot: not kept (tRow < 0)
     return tRow < s.meta.full.t[0] || tRow > s.meta.full.t[1] ? null : fullRow(s, tRow, kvHead);
   }
-  const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, sample: sample, rowOf: rowOf, positionOf: positionOf,
+  const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, cellNum: cellNum, walkTable: walkTable, sample: sample, rowOf: rowOf, positionOf: positionOf,
     slotOf: slotOf, fullRow: fullRow, keyRow: keyRow, isPad: (slot) => slot < PAD });
-  function maskLine(pass, layer, h) { // s3: the keys this token may attend, from the masked entries of its scores row
+  // s3: the mask this layer used for the query of this pass's row, slot by slot: "on" (attended), "pad" (a batch row's
+  // leading pad slot), "later" (causal), "window" (outside the layer's window of keys), "masked" (none of those):
+  // read from the recorded scores row where the trace kept every slot (a masked key is −∞ there), else from the
+  // layer's declared mask (its plan: causal, its window) and the row's padding
+  function maskOf(pass, layer, h) {
+    const plan = CARDS.planOf(layer);
+    if (plan && plan.attention === "none") return null; // a kind that reads no keys (its state carries the past)
+    const q = slotOf(pass) + pass.t, S = pass.step === 0 ? slotOf(pass) + pass.T : q + 1, W = plan && plan.window;
+    const why = (s) => (s < PAD ? "pad" : s > q ? "later" : W && q - s >= W ? "window" : "masked");
     const sc = D.points.find((p) => p.layer && p.step.split("/")[0] === "s6.4" && JSON.stringify(p.axes) === "[\"H\",\"T\",\"S\"]");
     const s = sc && sample(pass.step, layer, sc.name);
-    if (!s || !s.values || s.meta.index.length !== s.meta.shape[2]) return "";
-    const v = rowValues(s, rowOf(s.meta.axes, s.meta.shape, pass.t, h));
-    const masked = v.map((x, k) => (Number.isNaN(x) ? k : -1)).filter((k) => k >= 0);
-    return "<p>" + esc(t("mask_row", { layer: layer, head: h, allowed: v.length - masked.length, slots: v.length,
-      masked: masked.length ? masked.join(", ") : "\u2014" })) + "</p>";
-  }
-  function padRow(pass) { // s3 of a padded batch row: the query's mask row, slot by slot (pad, seen, later)
-    if (!D.batch) return "";
-    const q = pass.step === 0 ? pass.t : PAD + nPrompt + pass.step - 1, S = pass.step === 0 ? pass.T : q + 1;
-    let head = "", cells = "";
-    for (let s = 0; s < S; s++) {
-      const kind = s < PAD ? "pad" : s > q ? "later" : "on";
-      head += "<th>" + s + "</th>";
-      cells += "<td class=\"" + kind + "\" title=\"" + esc(t("mask_" + kind)) + "\">" + (kind === "on" ? "1" : kind === "pad" ? "0" : "\u2212\u221e") + "</td>";
+    const kinds = [];
+    if (s && s.values && s.meta.index.length === s.meta.shape[s.meta.shape.length - 1] && s.meta.index.length === S) {
+      const v = rowValues(s, rowOf(s.meta.axes, s.meta.shape, pass.t, h));
+      v.forEach((x, k) => kinds.push(Number.isNaN(x) || x === -Infinity ? why(k) : "on"));
+      return { q: q, S: S, kinds: kinds, from: "scores", window: W };
     }
-    return "<p>" + esc(t("pad_row", { slot: q, pads: PAD })) + "</p><div class=scroll><table class=\"maskgrid walkmask\"><tr><th>" +
-      esc(t("slot")) + "</th>" + head + "</tr><tr><th>" + q + "</th>" + cells + "</tr></table></div>";
+    for (let k = 0; k < S; k++) { const w = why(k); kinds.push(w === "masked" ? "on" : w); }
+    return { q: q, S: S, kinds: kinds, from: "plan", window: W };
+  }
+  function ranges(list) { // [0, 1, 2, 5] -> "0–2, 5"
+    const out = [];
+    list.forEach((k) => { const r = out[out.length - 1]; if (r && r[1] === k - 1) r[1] = k; else out.push([k, k]); });
+    return out.map((r) => (r[0] === r[1] ? String(r[0]) : r[0] + "\u2013" + r[1])).join(", ");
+  }
+  function maskLine(pass, layer, h) { // s3: the keys this token may attend in this layer, and why the others are masked
+    const m = maskOf(pass, layer, h);
+    if (!m) return "<p>" + esc(t("mask_no_keys", { layer: layer })) + "</p>";
+    const groups = ["pad", "window", "later", "masked"].map((kind) => {
+      const at = m.kinds.map((x, k) => (x === kind ? k : -1)).filter((k) => k >= 0);
+      return at.length ? ranges(at) + " (" + t("mask_why_" + kind, { w: m.window }) + ")" : "";
+    }).filter((x) => x);
+    const allowed = m.kinds.filter((x) => x === "on").length;
+    return "<p data-mask-allowed=\"" + allowed + "\" data-mask-slots=\"" + m.S + "\">" + esc(t(m.from === "scores" ? "mask_row" : "mask_row_plan", { layer: layer, head: h,
+      allowed: allowed, slots: m.S, masked: groups.length ? groups.join("; ") : "\u2014" })) + "</p>";
+  }
+  function padRow(pass, layer, h) { // s3 of a padded batch row: the query's mask row, slot by slot (pad, window, seen, later)
+    if (!D.batch) return "";
+    const m = maskOf(pass, layer, h);
+    if (!m) return "";
+    let head = "", cells = "";
+    m.kinds.forEach((kind, s) => {
+      head += "<th>" + s + "</th>";
+      cells += "<td class=\"" + kind + "\" title=\"" + esc(t("mask_" + kind, { w: m.window })) + "\">" + (kind === "on" ? "1" : kind === "pad" ? "0" : "\u2212\u221e") + "</td>";
+    });
+    return "<p>" + esc(PAD ? t("pad_row", { slot: m.q, pads: PAD }) : t("pad_row_none", { slot: m.q })) + "</p><div class=scroll><table class=\"maskgrid walkmask\"><tr><th>" +
+      esc(t("slot")) + "</th>" + head + "</tr><tr><th>" + m.q + "</th>" + cells + "</tr></table></div>";
+  }
+  function headLine(axes, h) { // which head a per-head card reads: the query head and its GQA group, or the KV head
+    const kv = Math.floor(h / G), group = [];
+    for (let q = kv * G; q < (kv + 1) * G; q++) group.push(q);
+    const attr = " data-kv-head=\"" + kv + "\" data-group=\"" + group.join(",") + "\"";
+    if (axes.indexOf("Hkv") >= 0 && axes.indexOf("H") < 0)
+      return "<p class=headline" + attr + ">" + esc(t(G > 1 ? "head_kv" : "head_kv_mha", { kv: kv, h: h, group: group.join(", "), G: G })) + "</p>";
+    if (axes.indexOf("H") >= 0)
+      return "<p class=headline" + attr + ">" + esc(t(G > 1 ? "head_q" : "head_q_mha", { kv: kv, h: h, group: group.join(", "), G: G })) + "</p>";
+    return "";
+  }
+  function aboutOf(p, lay) { // what a point is; a RoPE that rotates nothing in this layer says so, not "rotated"
+    const o = D.maths ? CARDS.opOf(lay, p.name) : null;
+    return o && o.op === "rope" && o.consts && o.consts.rotation === "none" ? t("about_no_rope") : p.about || "";
   }
   function pointCard(p, pass, layer, h) {
     const lay = p.layer ? layer : "m";
@@ -148,17 +201,39 @@
     const attr = (k, v) => (v === undefined || v === null ? "" : " data-" + k + "=\"" + esc(String(v)) + "\"");
     let html = "<div class=\"wpoint card\"" + attr("point", p.name) + attr("layer", lay) + attr("op", w.op) + attr("head", w.head) +
       attr("max-error", w.err) + attr("max-rel", w.rel) + attr("missing", w.missing) + "><h4>" + esc(p.name) + " <code>" +
-      (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(p.about || "") + "</span>" +
+      (s ? esc(shapeText(s.meta)) : "") + "</code> <span class=note>" + esc(aboutOf(p, lay)) + "</span>" +
       (w.op ? " <span class=op>" + esc(w.op) + "</span>" : "") + "</h4>";
     if (!s) return html + w.html + "<p class=note>" + esc(t("no_sample")) + "</p></div>";
     if (s.meta.positions) return html + w.html + "<p>" + esc(t("slots_written", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
     if (!s.meta.axes) return html + "<p class=note>" + esc(t("no_axes")) + "</p></div>";
     const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
     const n = s.meta.shape[s.meta.shape.length - 1];
-    html += "<p>" + esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) + "</p>";
+    html += headLine(s.meta.axes, h);
+    html += "<p>" + (Number.isFinite(s.norms[row]) ? esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) :
+      esc(t("norm_masked"))) + "</p>"; // a scores row with a masked key (−∞) has no finite norm
     return html + w.html + (w.err !== undefined ? "" : valuesTable(s.meta.index, [[t("value"), vals]], w.op === "scores" || w.op === "softcap")) + "</div>";
   }
   const SEED = Object.keys(D.step_titles);
+  // the walk's words for a seed step with no point of its own (s1–s3, s5, s10–s12), or null: the token, the mask, the
+  // position RoPE reads, the sampler
+  function seedBody(sid, i, pass, layer, h) {
+    const tok = D.tokens[i];
+    if (sid === "s1" || sid === "s2")
+      return "<p><b class=tok>" + esc(vis(tok.text)) + "</b> \u00b7 " + esc(t("token_facts", { id: tok.id, piece: tok.piece,
+        bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
+        esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
+    if (sid === "s3") return maskLine(pass, layer, h) + padRow(pass, layer, h);
+    if (sid === "s5") {
+      if (D.points.some((p) => p.step.split("/")[0] === "s5" && p.traced !== false)) return null;
+      const plan = D.maths ? CARDS.planOf(layer) : null;
+      return "<p>" + esc(t(plan && !plan.rope ? "seed_s5_none" : "seed_s5", { pos: positionOf(pass), layer: layer })) + "</p>";
+    }
+    if (sid === "s10" || sid === "s11" || sid === "s12") {
+      const st = D.steps.find((x) => x.step === pass.step);
+      return "<p>" + esc(st && pass.t === pass.T - 1 ? t("sampler_here", { token: vis(st.token.text), step: st.step }) : t("sampler_not")) + "</p>";
+    }
+    return null;
+  }
   function drawWalk() {
     const panel = $("#walk-panel");
     if (!panel) return;
@@ -171,19 +246,10 @@
     }
     let html = "";
     SEED.forEach((sid) => {
-      let body = "";
-      if (sid === "s1" || sid === "s2") {
-        if (sid === "s2") return;
-        body = "<p><b class=tok>" + esc(vis(tok.text)) + "</b> \u00b7 " + esc(t("token_facts", { id: tok.id, piece: tok.piece,
-          bytes: tok.bytes.map((b) => b.toString(16).padStart(2, "0")).join(" ") })) + " \u00b7 " +
-          esc(t("position", { pos: pass.position })) + " \u00b7 " + esc(pass.step === 0 ? t("pass_prefill", { t: pass.t, T: pass.T }) : t("pass_decode", { step: pass.step })) + "</p>";
-      } else if (sid === "s3") {
-        body = maskLine(pass, layer, h) + padRow(pass);
-      } else if (sid === "s10" || sid === "s11" || sid === "s12") {
-        if (sid !== "s10") return;
-        const st = D.steps.find((x) => x.step === pass.step);
-        body = "<p>" + esc(st && pass.t === pass.T - 1 ? t("sampler_here", { token: vis(st.token.text), step: st.step }) : t("sampler_not")) + "</p>";
-      } else {
+      if (sid === "s2" || sid === "s11" || sid === "s12") return; // told with s1 and s10
+      let body = seedBody(sid, i, pass, layer, h);
+      if (body === null) {
+        body = "";
         D.points.filter((p) => p.step.split("/")[0] === sid && p.traced !== false)
           .filter((p) => !D.maths || CARDS.opOf(p.layer ? layer : "m", p.name)) // a layer's own points (a hybrid's: its kind's)
           .forEach((p) => { body += pointCard(p, pass, layer, h); });
@@ -226,7 +292,12 @@
       if (sid === "s6.8" && extra === null) extra =
         "<span class=mapnote data-kv-slots=\"" + (slotOf(c.pass) + c.pass.T) + "\">" +
         esc(t("map_kv", { slots: slotOf(c.pass) + c.pass.T })) + "</span>";
-      const buttons = pts.map((p) => {
+      const told = !pts.length && ["s1", "s2", "s3", "s5", "s10", "s11", "s12"].indexOf(sid) >= 0;
+      const seedOpen = mapOpen && mapOpen.seed === sid;
+      const seedButton = told ? "<button type=button class=\"mapblock mapseed" + (seedOpen ? " open" : "") + "\" data-seed-open=\"" + sid +
+        "\" aria-expanded=\"" + (seedOpen ? "true" : "false") + "\" aria-label=\"" + esc(sid + " " + (titleOf(sid, c.layer) || "")) + "\">" +
+        esc(t("map_open_step")) + "</button>" : "";
+      const buttons = seedButton + pts.map((p) => {
         const lay = p.layer ? c.layer : "m", o = CARDS.opOf(lay, p.name), open = mapOpen && mapOpen.name === p.name;
         return "<button type=button class=\"mapblock" + (open ? " open" : "") + "\" data-point=\"" + esc(p.name) + "\" data-layer=\"" + lay +
           "\" data-op=\"" + esc(o.op) + "\" aria-expanded=\"" + (open ? "true" : "false") + "\" aria-label=\"" + esc(sid + " " + p.name + ": " + o.op) +
@@ -239,13 +310,17 @@
     el.innerHTML = "<p class=note>" + esc(t("map_intro", { layer: c.layer, kind: (D.kind_words || [])[R.layer_kind[c.layer]] || R.layer_kind[c.layer] })) + "</p><ol class=mapflow>" + html + "</ol>" +
       "<div id=map-card aria-live=polite></div>";
     el.querySelectorAll(".mapblock").forEach((b) => b.addEventListener("click", () => {
-      const same = mapOpen && mapOpen.name === b.dataset.point;
-      mapOpen = same ? null : { name: b.dataset.point };
+      const seed = b.dataset.seedOpen;
+      const same = mapOpen && (seed ? mapOpen.seed === seed : mapOpen.name === b.dataset.point);
+      mapOpen = same ? null : seed ? { seed: seed } : { name: b.dataset.point };
       drawMap();
-      const again = el.querySelector(".mapblock[data-point=\"" + b.dataset.point + "\"]");
+      const again = el.querySelector(seed ? ".mapblock[data-seed-open=\"" + seed + "\"]" : ".mapblock[data-point=\"" + b.dataset.point + "\"]");
       if (again) again.focus();
     }));
-    if (mapOpen) {
+    if (mapOpen && mapOpen.seed) {
+      const body = seedBody(mapOpen.seed, c.i, c.pass, c.layer, c.h);
+      $("#map-card").innerHTML = body ? "<div class=\"card mapseedcard\" data-seed=\"" + mapOpen.seed + "\">" + body + "</div>" : "";
+    } else if (mapOpen) {
       const p = D.points.find((x) => x.name === mapOpen.name);
       $("#map-card").innerHTML = p ? pointCard(p, c.pass, c.layer, c.h) : "";
     }
