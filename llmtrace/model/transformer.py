@@ -420,7 +420,7 @@ class KVCache:
         devices = device if isinstance(device, (list, tuple)) else [device] * config.n_layers
         self.memory = memory or [kv_memory(config.n_kv_heads, config.head_dim, config.n_heads)] * config.n_layers
         self.layers: list = []
-        for i, (m, d) in enumerate(zip(self.memory, devices)):
+        for m, d in zip(self.memory, devices):
             if m.reads is not None:  # a KV-shared layer: the earlier layer's own buffers, nothing allocated
                 self.layers.append(self.layers[m.reads])
                 continue
