@@ -4,7 +4,8 @@
 The blocks of one page run in order in one namespace (a page's later blocks use what its earlier ones made: the
 model, the prompt), in a temporary directory, on the default model the pages name (SmolLM2-135M, from the tests'
 cache). A page whose block reads a file that the page's own shell lines make (eval.md's `json.txt`, api.md's two saved
-runs for `diff`) gets that file made the way the page makes it, before its blocks run.
+runs for `diff`, research-api.md's captured `acts`) gets that file made the way the page makes it, before its blocks
+run.
 """
 
 import re
@@ -49,6 +50,12 @@ def made_by_the_page(page: str, where: Path) -> None:
         for name, dtype in (("cpu.json", "float32"), ("gpu.json", "bfloat16")):
             model = llmtrace.load("smollm2-135m-instruct", device="cpu", dtype=dtype)
             model.generate("The capital of France is", max_new_tokens=4, temperature=0).save(str(where / name))
+    if page == "research-api.md":  # `llmtrace capture wiki.raw … --points 6.resid_post,6.attn_out --ctx 128 -o acts`
+        import llmtrace
+
+        text = subprocess.run([sys.executable, "-m", "pydoc", "json"], capture_output=True, text=True, check=True)
+        model = llmtrace.load("smollm2-135m-instruct", device="cpu")
+        llmtrace.capture_corpus(model, text.stdout, "6.resid_post,6.attn_out", 128, where / "acts", chunks=2)
 
 
 def test_the_pages_have_python_blocks_and_the_parser_finds_them():
