@@ -226,14 +226,14 @@ def arm_overhead(spec: dict) -> dict:
     at which step events reach the sink (the decode steps alone), and the whole run's time."""
     import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.api import GenerateOptions
-    from llmtrace.trace.sinks import JsonlSink
+    from llmtrace.trace.writers import JsonlWriter
 
     model = llmtrace.load(spec["gguf"], device=spec["device"], dtype=spec["dtype"], threads=spec["threads"])
     text = spec.get("prompt_text") or model.tokenizer.decode(spec["prompt_ids"])
     levels = ["none", "steps", "layers", "full"]
 
     def one(level: str) -> tuple[float, float]:
-        sink = JsonlSink(os.devnull)  # every event encoded and written, as with --jsonl FILE
+        sink = JsonlWriter(os.devnull)  # every event encoded and written, as with --jsonl FILE
         steps: list[float] = []
 
         def clock(ev: dict) -> None:

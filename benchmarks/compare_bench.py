@@ -87,7 +87,7 @@ def main() -> None:
     from llmtrace.run.sampler import Sampler, SamplerConfig
     from llmtrace.trace.options import TraceOptions
     from llmtrace.trace.recorder import Recorder
-    from llmtrace.trace.sinks import JsonlSink
+    from llmtrace.trace.writers import JsonlWriter
 
     set_threads(args.threads)
     a = llmtrace.load(args.model, device="cpu", dtype="float32", threads=args.threads).loaded
@@ -98,7 +98,7 @@ def main() -> None:
     text = a.tokenizer.decode(ids)
 
     def full() -> float:
-        sink = JsonlSink(os.devnull)
+        sink = JsonlWriter(os.devnull)
         rec = Recorder(TraceOptions(level="full"), [sink], run_info={"prompt": text})
         t = time.perf_counter()
         generate(a, ids, Sampler(SamplerConfig(temperature=0.0), a.config.vocab_size), max(args.new, 0),

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.checkpoint.devices import set_threads
     from llmtrace.run.sampler import Sampler, SamplerConfig
-    from llmtrace.trace.sinks import JsonDocSink, JsonlSink
+    from llmtrace.trace.writers import JsonDocWriter, JsonlWriter
     from llmtrace.trace.recorder import Recorder
     from llmtrace.trace.options import TraceOptions
 
@@ -85,8 +85,8 @@ def main(argv=None) -> int:
     ids = lm.tokenizer.encode(args.prompt)
     at = {args.at, args.tokens} | (set(range(args.every, args.tokens, args.every)) if args.every else set())
     with tempfile.TemporaryDirectory() as tmp:
-        jsonl = JsonlSink(str(Path(tmp) / "trace.jsonl"))
-        sinks = [jsonl] + ([JsonDocSink(str(Path(tmp) / "trace.json"))] if args.json else [])
+        jsonl = JsonlWriter(str(Path(tmp) / "trace.jsonl"))
+        sinks = [jsonl] + ([JsonDocWriter(str(Path(tmp) / "trace.json"))] if args.json else [])
         recorder = Recorder(TraceOptions(level="steps"), sinks, run_info={"prompt": args.prompt})
         probe = Probe(recorder, at)
         t0 = time.perf_counter()

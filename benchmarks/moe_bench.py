@@ -119,9 +119,9 @@ def ledger(gguf: str, args) -> None:
             if ev.get("event") == "routing":
                 sizes.append(len(json.dumps(ev, ensure_ascii=False)) + 1)
 
-        from llmtrace.trace.sinks import JsonlSink
+        from llmtrace.trace.writers import JsonlWriter
 
-        rec = Recorder(TraceOptions(level=level), [JsonlSink(os.devnull), count], run_info={"prompt": PROMPT})
+        rec = Recorder(TraceOptions(level=level), [JsonlWriter(os.devnull), count], run_info={"prompt": PROMPT})
         sampler = Sampler(SamplerConfig(temperature=0.0), lm.config.vocab_size)
         t = time.perf_counter()
         result = generate(lm, ids, sampler, args.tokens, ignore_eos=True, observer=rec)

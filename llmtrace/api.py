@@ -9,7 +9,7 @@
     model.lens("The capital of France is")                   # a Trace, as `llmtrace lens`
     llmtrace.read_trace("trace.jsonl")                       # a saved trace, as a Trace
 
-Its place: above run/ (the loop, the sampler, explain), trace/ (recorder, sinks, reader) and report/ (the page), which
+Its place: above run/ (the loop, the sampler, explain), trace/ (recorder, writers, reader) and report/ (the page), which
 it wires together, and below cli/, whose commands parse flags into the option values defined here, call these
 functions, and add only the terminal view, the output files and the exit code. Each option value checks its fields
 when it is made, before any model loads, and raises BadValue naming the field (`temperature`); the CLI names the flag.
@@ -303,18 +303,18 @@ class Trace:
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write the trace: `.jsonl` one event per line, `.json` one document (what `show` and `report` read)."""
-        from llmtrace.trace.sinks import JsonDocSink, JsonlSink
+        from llmtrace.trace.writers import JsonDocWriter, JsonlWriter
 
         path = Path(path)
         if path.suffix == ".jsonl":
-            sink = JsonlSink(str(path))
+            sink = JsonlWriter(str(path))
             try:
                 for ev in self.events:
                     sink(ev)
             finally:
                 sink.close()
         elif path.suffix == ".json":
-            doc = JsonDocSink(str(path))
+            doc = JsonDocWriter(str(path))
             for ev in self.events:
                 doc(ev)
             doc.write()

@@ -3,7 +3,7 @@
 Everything llmtrace saves whole (JSON documents, converted models, downloads) is written to a temporary name in the
 same directory, flushed, and renamed over the target only once it is complete (`atomic_path`, `atomic_dir`). An
 existing file of the same name is replaced only then. (A JSONL stream is the exception: it is written in place, line by
-line, so that it can be followed; see `sinks.JsonlSink`.) A device or a pipe (/dev/null, /dev/stdout) is written in place:
+line, so that it can be followed; see `writers.JsonlWriter`.) A device or a pipe (/dev/null, /dev/stdout) is written in place:
 there is nothing to rename over it.
 """
 

@@ -179,7 +179,7 @@ def test_sigint_with_jsonl_on_stdout(smollm_path, tmp_path):
 def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkeypatch, real_model, tmp_path):
     """Every write call carries whole lines; a pass's tensor events go out with its step event, before the next
     forward pass begins. So a reader following the file sees each step as it ends, and never half a line."""
-    import llmtrace.trace.sinks as sinks
+    import llmtrace.trace.writers as writers
 
     target = tmp_path / "t.jsonl"
     writes: list[bytes] = []
@@ -196,7 +196,7 @@ def test_each_write_is_whole_lines_and_a_step_is_out_when_it_ends(capsys, monkey
         on_disk_at_forward.append(len(complete_lines(target)))
         return forward(*args, **kwargs)
 
-    monkeypatch.setattr(sinks.os, "write", recording_write)
+    monkeypatch.setattr(writers.os, "write", recording_write)
     monkeypatch.setattr(real_model.model, "forward", observed_forward)
     code, _, err = run_cli(capsys, "generate", PROMPT, "-n", "3", "--ignore-eos", "--trace", "layers", "--layers", "0",
                         "--jsonl", target)
@@ -224,9 +224,9 @@ def real_model(monkeypatch, smollm):
 
 def sigint_on_event(monkeypatch, kind: str) -> None:
     """Deliver a real SIGINT to this process while the JSONL sink writes the first event of this kind."""
-    from llmtrace.trace.sinks import JsonlSink
+    from llmtrace.trace.writers import JsonlWriter
 
-    write = JsonlSink.__call__
+    write = JsonlWriter.__call__
     sent = []
 
     def call(self, event):
@@ -235,7 +235,7 @@ def sigint_on_event(monkeypatch, kind: str) -> None:
             signal.raise_signal(signal.SIGINT)
         write(self, event)
 
-    monkeypatch.setattr(JsonlSink, "__call__", call)
+    monkeypatch.setattr(JsonlWriter, "__call__", call)
 
 
 def test_ctrl_c_in_a_forward_pass(capsys, monkeypatch, real_model, tmp_path):

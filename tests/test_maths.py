@@ -1,5 +1,5 @@
 """The maths declaration's own truth (model.maths): every point's declared operation, applied in float64 to the
-recorded inputs of a real pass (model.maths_eval), reproduces the recorded output, for every family fixture, in a
+recorded inputs of a real pass (model.recompute), reproduces the recorded output, for every family fixture, in a
 prefill past every window and in a decode step; and the plan says what each layer does."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 from families import FAMILIES, PROMPT_IDS
 from llmtrace.model.capture import capture
 from llmtrace.model.maths import OPS, Maths
-from llmtrace.model.maths_eval import apply, max_error
+from llmtrace.model.recompute import apply, max_error
 
 NAMES = list(FAMILIES)
 REL, ABS = 1e-4, 1e-5
@@ -142,7 +142,7 @@ def test_the_schema_and_the_evaluator_know_exactly_the_declared_operations():
     one kind with nothing to recompute."""
     import json
 
-    from llmtrace.model.maths_eval import _KINDS
+    from llmtrace.model.recompute import _KINDS
     from llmtrace.trace.events import schema_path
 
     schema = json.loads(schema_path().read_text(encoding="utf-8"))

@@ -14,7 +14,7 @@ the operation the model declares for it.
    tests/norope_family.py).
 3. The layer without RoPE is what the model runs: llmtrace matches transformers' SmolLM3 (which skips RoPE there),
    the same weights with RoPE in every layer give other logits, and the layer equals a float64 computation of its
-   declared operations, chained from its input (model.maths_eval), which a rotating RoPE would not.
+   declared operations, chained from its input (model.recompute), which a rotating RoPE would not.
 """
 
 from __future__ import annotations
@@ -591,9 +591,9 @@ def test_rope_in_every_layer_gives_other_logits(norope_lm):
 
 def chain_layer(model, maths, layer: int, seen: dict, ids: torch.Tensor, rope_op=None) -> dict:
     """Every point of `layer` computed in float64 from its input alone (the layer's resid_pre as the pass had it),
-    each declared operation applied to the values the chain made before (model.maths_eval). `rope_op` replaces
+    each declared operation applied to the values the chain made before (model.recompute). `rope_op` replaces
     q_rope's and k_rope's operation (a rotating one), to show what the chain would give."""
-    from llmtrace.model.maths_eval import apply
+    from llmtrace.model.recompute import apply
 
     made: dict = {}
     positions = torch.arange(ids.size(1))
@@ -618,7 +618,7 @@ def test_the_layer_without_rope_is_its_declared_maths_in_float64(norope_lm):
     """Layer 1, computed in float64 from its resid_pre through its declared operations alone, gives the model's
     resid_post within 1e-4 relative; with layer 0's rotating RoPE in place of its own it does not."""
     from llmtrace.model.capture import capture
-    from llmtrace.model.maths_eval import max_error
+    from llmtrace.model.recompute import max_error
 
     model, maths = norope_lm.model, norope_lm.maths
     ids = torch.tensor([IDS])

@@ -196,9 +196,9 @@ def _run(command: str, pass_of, load_args, jsonl: Optional[str], json_out: Optio
     replaced only once the run has an event to write (a Ctrl-C during the load leaves it as it was; on stdout the
     stream is then that summary alone)."""
     from llmtrace.fsutil import sigint_deferred
-    from llmtrace.trace.sinks import JsonlSink
+    from llmtrace.trace.writers import JsonlWriter
 
-    jsonl_sink = JsonlSink(jsonl) if jsonl else None
+    jsonl_sink = JsonlWriter(jsonl) if jsonl else None
     try:
         _release()
         model_ = load_for_cli(load_args)
@@ -220,11 +220,11 @@ def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: 
             lang: str = "en") -> None:
     """The document and the page (not of a pass cut short by Ctrl-C: the stream and the document say how far it got);
     the view to stdout, or to stderr (if a terminal) when stdout carries data."""
-    from llmtrace.trace.sinks import JsonDocSink
+    from llmtrace.trace.writers import JsonDocWriter
 
     events = trace.events
     if json_out:
-        doc = JsonDocSink(json_out)
+        doc = JsonDocWriter(json_out)
         for ev in events:
             doc(ev)
         doc.write()

@@ -187,11 +187,11 @@ def generate(
 
     from llmtrace.fsutil import sigint_deferred
     from llmtrace.trace.events import NOT_STARTED, summary_event
-    from llmtrace.trace.sinks import JsonlSink
+    from llmtrace.trace.writers import JsonlWriter
 
     # The stream exists from here on (its file is created by its first event), so that a Ctrl-C during the load
     # (or a compile) still ends a stream on stdout with a summary; a file is replaced only once the run has begun.
-    jsonl_sink = JsonlSink(jsonl) if jsonl else None
+    jsonl_sink = JsonlWriter(jsonl) if jsonl else None
     try:
         import llmtrace.api  # noqa: F401  (imported while Ctrl-C is held, as all before: llmtrace/sigint.py)
         import llmtrace.checkpoint.load  # noqa: F401
@@ -215,10 +215,10 @@ def generate(
 
 def run(model, prompts, options, *, jsonl_sink, json_out, html=None, lang: str = "en") -> None:
     """Everything after the load: the API's generate with the CLI's sinks (the stream, the document, the view), then
-    the outputs. `jsonl_sink` (a `sinks.JsonlSink` or None) is opened and closed by the caller."""
+    the outputs. `jsonl_sink` (a `writers.JsonlWriter` or None) is opened and closed by the caller."""
     from llmtrace.console import make_console
     from llmtrace.render.generate import TerminalRenderer
-    from llmtrace.trace.sinks import JsonDocSink
+    from llmtrace.trace.writers import JsonDocWriter
 
     batch = isinstance(prompts, list) and len(prompts) > 1
     machine_on_stdout = json_out == "-" or (jsonl_sink is not None and jsonl_sink.target == "-")
@@ -228,7 +228,7 @@ def run(model, prompts, options, *, jsonl_sink, json_out, html=None, lang: str =
     elif sys.stderr.isatty():
         view_console = make_console(stderr=True)
     sinks = []
-    doc_sink = JsonDocSink(json_out) if json_out else None
+    doc_sink = JsonDocWriter(json_out) if json_out else None
     if jsonl_sink:
         sinks.append(jsonl_sink)
     if doc_sink:

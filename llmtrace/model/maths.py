@@ -21,7 +21,7 @@ a window of W, or none), the RoPE (base, rotary width, scaling) or none, a dense
 norms present. Layers with the same plan share one table of operations in the record (`kinds`, `layer_kind`).
 
 A family that changes a step declares that step's operation in its own file (model.families); a new kind of step is
-one word added to `OPS` and one function in model.maths_eval, which applies any declared operation to recorded inputs
+one word added to `OPS` and one function in model.recompute, which applies any declared operation to recorded inputs
 in float64: the declaration's own check.
 """
 
@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# The vocabulary: kind -> the formula as the views write it (the catalogues translate it; model.maths_eval computes it)
+# The vocabulary: kind -> the formula as the views write it (the catalogues translate it; model.recompute computes it)
 OPS = {
     "lookup": "x = E[id]",  # the embedding's row of each token id
     "scale": "y = c · x",  # a constant factor (Gemma's √D), or a learned one (a weight: Gemma 4's layer scalar)

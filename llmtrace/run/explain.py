@@ -19,7 +19,7 @@ Sections, in the order of the seed table (s6.1-s6.8, then s8-s9 applied early):
     residual   attention output against the residual stream; how far the layer moved each token's vector
     ffn        SwiGLU shapes, gate statistics, the units most active for the last token, the residual update
     router     (a mixture-of-experts layer, instead of ffn) every token's router: all E probabilities, the K experts
-               it ran and their weights, the cut; the layer's expert load (run/router.py)
+               it ran and their weights, the cut; the layer's expert load (run/explain_router.py)
     kv_cache   the positions and bytes this layer writes
     lens       the final norm and LM head applied after attention and after the FFN (top-k, beside the real output)
 """
@@ -42,13 +42,13 @@ from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
 from llmtrace.run.explain_state import (delta_rule_section, scan_op, ssm_scan_section, state_cache_section,
                                         state_op)
-from llmtrace.run.router import moe_costs, router_section
+from llmtrace.run.explain_router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
 from llmtrace.model.points import SEED_STEPS
 from llmtrace.model.maths import attention_words, formula, glu_name, rope_words
-from llmtrace.model.maths_eval import ACTS, apply, max_error
+from llmtrace.model.recompute import ACTS, apply, max_error
 from llmtrace.model.points import Points
 from llmtrace.model.transformer import ModelConfig, Transformer, apply_rope, kv_bytes_per_position, rope_angles
 from llmtrace.trace.records import (SIGNIFICANT_DIGITS, batch_event, candidate_records, dtype_name, explain_model_record,

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from llmtrace.model.maths import formula
-from llmtrace.model.maths_eval import apply, per_value_head
+from llmtrace.model.recompute import apply, per_value_head
 
 CORNER = 4  # rows and columns of the state shown
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from llmtrace.errors import BadValue, LlmtraceError, UsageError, one_line
-from llmtrace.trace.sinks import dumps
+from llmtrace.trace.writers import dumps
 
 # The keywords a request may give, per kind of run (beside "prompt" and "model").
 GENERATE_KEYS = {"max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",

@@ -6,7 +6,7 @@
   Statistics stay on the device until the pass ends and then cross to the host in one transfer;
 - the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
 
-Events go to sinks (the JSONL stream and JSON document of `sinks.py`, the terminal renderer). Renderers never see the
+Events go to sinks (the JSONL stream and JSON document of `writers.py`, the terminal renderer). Renderers never see the
 model, only events, so a saved trace can be shown again without it (`llmtrace show`).
 """
 
@@ -28,7 +28,7 @@ from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
                                     tensor_event, tokens_event)
-from llmtrace.trace.sinks import ORJSON_OPTIONS as _ORJSON
+from llmtrace.trace.writers import ORJSON_OPTIONS as _ORJSON
 from llmtrace.trace.stats import (rounded_floats, rounded_rows as _rounded_rows, stat_rows as _stat_rows,
                                   summaries as _summaries)
 from llmtrace.trace.options import TraceOptions
@@ -74,7 +74,7 @@ class TensorEvent(dict):
     """A tensor event: a plain dict to every sink, which also carries its own JSON text.
 
     A full trace writes 574 of them per step. The recorder writes every tensor event's line itself once it is whole
-    (trace.sinks.dumps_bytes: UTF-8 bytes, as a file receives them); `line` holds it, and the JSONL sink and the
+    (trace.writers.dumps_bytes: UTF-8 bytes, as a file receives them); `line` holds it, and the JSONL sink and the
     server write it as it is (tests/test_trace.py parses every line of a full trace back to its event). `line` is
     unset until the recorder has made it, and must not be set on an event that is changed afterwards."""
 
@@ -475,7 +475,7 @@ class Recorder:
                     ev["values"] = extra["values"].tolist()
                 if "full" in extra:
                     ev["full"] = {"t": extra["full"]["t"], "values": pack(extra["full"]["values"].numpy())}
-            ev.line = orjson.dumps(ev, option=_ORJSON)  # trace.sinks.dumps_bytes, inlined: 574 a step
+            ev.line = orjson.dumps(ev, option=_ORJSON)  # trace.writers.dumps_bytes, inlined: 574 a step
         self.emit_many([ev for ev, _, _ in self._pending])
         self._pending.clear()
         self._emit_routing()

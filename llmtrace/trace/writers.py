@@ -58,7 +58,7 @@ def _write_stdout(data: bytes) -> None:
     raw.flush()
 
 
-class JsonlSink:
+class JsonlWriter:
     """One JSON object per line to FILE (`-` is stdout), written as the events come.
 
     FILE is created, or emptied if it exists, by the first event, so a command that fails before its run starts leaves
@@ -121,7 +121,7 @@ class JsonlSink:
                 self._fd = None
 
 
-class JsonDocSink:
+class JsonDocWriter:
     """Collects every event; `write()` saves one JSON document atomically (never a half-written file)."""
 
     def __init__(self, target: str):
