@@ -12,6 +12,7 @@ import torch
 
 from families import FAMILIES, PROMPT_IDS, hf_model_from_gguf, hf_model_via_state_dict, prompt_ids
 from helpers import fails, logits_tol, run_cli
+from llmtrace.model.families.gemma2 import score_cap
 
 GEMMAS = ["gemma3", "gemma2"]
 PROMPT = "The quick brown fox jumps over the lazy dog"  # more tokens than the window (4)
@@ -94,13 +95,14 @@ def test_gemma3_config_reads_as_transformers(loaded):
         assert config.layer_types == ["sliding"] * 5 + ["full"] and config.sliding_window == 4
         assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
         assert config.ffn_act == "gelu_tanh" and config.tie_embeddings and config.head_dim == 16
-        assert config.attn_softcap is None and config.final_softcap is None
+        assert score_cap(config) is None and config.final_softcap is None
 
 
 def test_gemma2_config_reads_the_caps(loaded):
     for fmt in ("hf", "gguf"):
         c = loaded("gemma2", fmt).config
-        assert (c.attn_softcap, c.final_softcap) == (10.0, 5.0)
+        assert (score_cap(c), c.final_softcap) == (10.0, 5.0)
+        assert c.parts == {"softcap": {"cap": 10.0}}  # its own config part, read by its own attention
         assert c.layer_types == ["sliding", "full"] and c.sliding_window == 4
 
 
@@ -232,7 +234,7 @@ def test_defaults_are_transformers_when_a_config_leaves_them_out(families, tmp_p
         cfg.pop(key, None)
     ours = config_from_hf(cfg, "config.json")
     theirs = transformers.Gemma2Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
-    assert (ours.attn_softcap, ours.final_softcap) == (theirs.attn_logit_softcapping, theirs.final_logit_softcapping)
+    assert (score_cap(ours), ours.final_softcap) == (theirs.attn_logit_softcapping, theirs.final_logit_softcapping)
     assert ours.sliding_window == theirs.sliding_window and ours.head_dim == theirs.head_dim
     assert ours.layer_types == [t.split("_")[0] for t in theirs.layer_types]
     assert ours.attn_scale == theirs.query_pre_attn_scalar ** -0.5 and ours.tie_embeddings is True

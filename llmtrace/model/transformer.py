@@ -78,7 +78,6 @@ class ModelConfig:
     layer_types: Optional[list] = None  # per layer "full" or "sliding"; None: every layer full
     rope_local_theta: Optional[float] = None  # a separate RoPE base for the sliding-window layers (Gemma 3)
     rotary_dim: Optional[int] = None  # RoPE turns only the first rotary_dim dims of each head (Phi-3); None: all Dh
-    attn_softcap: Optional[float] = None  # scores become cap·tanh(scores/cap) before the mask (Gemma 2)
     final_softcap: Optional[float] = None  # the logits likewise (Gemma 2)
     n_experts: int = 0  # E: a mixture-of-experts feed-forward's experts (0: a dense feed-forward)
     n_experts_used: int = 0  # K: experts each token is routed to
@@ -90,8 +89,6 @@ class ModelConfig:
     # j % Hk, the order llama.cpp's converter writes)
     linear_attn: Optional[dict] = None
     no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
-    swiglu_limit: Optional[float] = None  # a clamped GLU (gpt-oss): gate ≤ limit, −limit ≤ up ≤ limit
-    swiglu_alpha: Optional[float] = None  # ... and gate·sigmoid(alpha·gate)·(up + 1)
     # a kind's own config part, read by its own declaration (model.kinds): part name -> its fields, with "axes" the
     # sizes of the axis names its points and weights use ({"mla": {"axes": {"R": 512, ...}, ...}})
     parts: dict = field(default_factory=dict)

@@ -76,7 +76,7 @@ class Gemma2Attention(Attention):
 
     def __init__(self, config):
         super().__init__(config)
-        self.cap = config.attn_softcap
+        self.cap = score_cap(config)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """cap·tanh(Q Kᵀ · scale / cap): (B, H, T, Dh), (B, Hkv, S, Dh) -> (B, H, T, S)."""
@@ -205,9 +205,21 @@ def hf_config(cfg: dict) -> dict:
     if "sliding_attention" in rope or "full_attention" in rope:
         raise refuse("rope_parameters", "per layer type", "Gemma 2 has one RoPE for every layer")
     out = gemma_hf_common(cfg, 4096, 8192, lambda i: "sliding_attention" if i % 2 == 0 else "full_attention")
-    out.update(attn_softcap=_cap(cfg, "attn_logit_softcapping", 50.0),
+    out.update(parts=_score_cap(_cap(cfg, "attn_logit_softcapping", 50.0)),
                final_softcap=_cap(cfg, "final_logit_softcapping", 30.0))
     return out
+
+
+SCORE_CAP = "softcap"  # the config part of the scores' soft-cap (ModelConfig.parts): {"cap": 50.0}
+
+
+def _score_cap(cap: Optional[float]) -> dict:
+    return {SCORE_CAP: {"cap": cap}} if cap else {}
+
+
+def score_cap(config) -> Optional[float]:
+    """The scores' soft-cap, or None (no cap)."""
+    return config.parts.get(SCORE_CAP, {}).get("cap")
 
 
 def _cap(cfg: dict, key: str, default: float) -> Optional[float]:
@@ -222,7 +234,7 @@ def gguf_config(meta) -> dict:
     window = meta("attention.sliding_window")
     # llama.cpp's defaults where the file says nothing: caps 50 and 30, the window on even layers (set_swa_pattern(2))
     out = dict(ffn_act="gelu_tanh", attn_scale=score_scale_gguf(meta, n, 46),
-               attn_softcap=float(meta("attn_logit_softcapping", 50.0)),
+               parts=_score_cap(float(meta("attn_logit_softcapping", 50.0))),
                final_softcap=float(meta("final_logit_softcapping", 30.0)))
     if window:
         out.update(sliding_window=int(window), layer_types=["sliding" if i % 2 == 0 else "full" for i in range(n)])
@@ -283,7 +295,7 @@ def gemma_lines(c, qk_norm: bool) -> list[str]:
 
 def changes(c) -> list[str]:
     out = gemma_lines(c, qk_norm=False)
-    out.append(say(WORDS, "softcap_scores", cap=f"{c.attn_softcap:g}") if c.attn_softcap else
+    out.append(say(WORDS, "softcap_scores", cap=f"{score_cap(c):g}") if score_cap(c) else
                say(WORDS, "no_softcap_scores"))
     out.append(say(WORDS, "geglu", f=c.ffn_dim))
     out.append(say(WORDS, "softcap_logits", cap=f"{c.final_softcap:g}") if c.final_softcap else

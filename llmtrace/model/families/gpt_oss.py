@@ -8,7 +8,8 @@
   - a mixture of experts (model/moe.py) whose router has a bias and chooses differently: the top K of the raw
     logits, then a softmax over those K alone (MoEFeedForward.choice "topk_softmax");
   - experts with biases and a clamped GLU: gate ≤ limit, −limit ≤ up ≤ limit, out = gate·σ(α·gate)·(up + 1),
-    α = 1.702, limit 7 (swiglu_alpha, swiglu_limit; a GGUF stores neither: llama.cpp's values).
+    α = 1.702, limit 7 (config.json's swiglu_alpha, swiglu_limit, kept in the config part "glu_clamp"; a GGUF stores
+    neither: llama.cpp's values).
 
 Layouts. An HF directory stores the experts for x·W: `experts.gate_up_proj` (E, D, 2F) with gate and up interleaved
 along the last axis (g0 u0 g1 u1 ...), its bias (E, 2F) likewise, `experts.down_proj` (E, F, D). The declaration
@@ -39,6 +40,7 @@ from llmtrace.model.points import Point, Source, Weight, inserted
 from llmtrace.model.transformer import Attention, Block, Transformer, rope_angles
 
 ALPHA, LIMIT = 1.702, 7.0  # llama.cpp's gpt-oss graph hard-codes both; a GGUF has no key for them
+CLAMP = "glu_clamp"  # its config part (ModelConfig.parts): {"alpha": α, "limit": the clamp}
 
 SINK = Point("sink", "s6.5", ("H", "T"), about="the sink's share of each softmax row (its learned logit per head "
              "joined the row as one more column): 1 − Σ probs", input="scores")
@@ -98,8 +100,8 @@ class GptOssFeedForward(MoEFeedForward):
         self.w_gate = ExpertMatrices(E, Fe, D, bias=True)
         self.w_up = ExpertMatrices(E, Fe, D, bias=True)
         self.w_down = ExpertMatrices(E, D, Fe, bias=True)
-        self.alpha = ALPHA if config.swiglu_alpha is None else config.swiglu_alpha
-        self.limit = LIMIT if config.swiglu_limit is None else config.swiglu_limit
+        clamp = config.parts.get(CLAMP, {})  # its own config part (ModelConfig.parts)
+        self.alpha, self.limit = clamp.get("alpha", ALPHA), clamp.get("limit", LIMIT)
 
     def weights(self) -> tuple[Weight, ...]:
         def w(name, shape, kind, hf, gguf, rows, math_name, transform=()):
@@ -182,15 +184,19 @@ def hf_config(cfg: dict) -> dict:
                         "num_experts_per_tok")
     return fields | {"expert_ffn_dim": int(cfg["intermediate_size"]), "norm_topk_prob": False,
                      "rope_theta": float(cfg.get("rope_theta") or rope.get("rope_theta") or 150000.0),
-                     "rope_scaling": scaling, "swiglu_alpha": float(cfg.get("swiglu_alpha", ALPHA)),
-                     "swiglu_limit": float(cfg.get("swiglu_limit", LIMIT))}
+                     "rope_scaling": scaling,
+                     "parts": _clamp(float(cfg.get("swiglu_alpha", ALPHA)), float(cfg.get("swiglu_limit", LIMIT)))}
+
+
+def _clamp(alpha: float, limit: float) -> dict:
+    return {CLAMP: {"alpha": alpha, "limit": limit}}
 
 
 def gguf_config(meta) -> dict:
     fields = moe_fields(meta("expert_count"), "expert_count", meta("expert_used_count"), "expert_used_count")
     n = int(meta("block_count"))
     out = fields | {"expert_ffn_dim": int(meta("expert_feed_forward_length") or meta("feed_forward_length")),
-                    "norm_topk_prob": False, "swiglu_alpha": ALPHA, "swiglu_limit": LIMIT, "attn_bias": True}
+                    "norm_topk_prob": False, "parts": _clamp(ALPHA, LIMIT), "attn_bias": True}
     if meta("rope.scaling.type") == "yarn":
         out["rope_scaling"] = {
             "rope_type": "yarn", "factor": float(meta("rope.scaling.factor")),
@@ -234,7 +240,8 @@ def changes(c) -> list[str]:
         out.append(say(WORDS, "yarn" if s.get("truncate", True) else "yarn_untruncated", f=f"{s['factor']:g}",
                        L=f"{s['original_max_position_embeddings']:,}", a=f"{yarn_attention_factor(s):.4f}"))
     out.append(say(WORDS, "experts", e=c.n_experts, w=f"{c.expert_ffn_dim:,}", k=c.n_experts_used))
-    out.append(say(WORDS, "clamped", lim=f"{c.swiglu_limit:g}", alpha=f"{c.swiglu_alpha:g}"))
+    clamp = c.parts.get(CLAMP, {})
+    out.append(say(WORDS, "clamped", lim=f"{clamp.get('limit', LIMIT):g}", alpha=f"{clamp.get('alpha', ALPHA):g}"))
     return out
 
 
