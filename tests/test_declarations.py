@@ -2,6 +2,7 @@
 are the ones it declares, in that order; the weights it declares are its parameters, with their shapes; a trace
 carries the declaration, and a trace written before it did is read with Llama's."""
 
+import json
 import pytest
 import torch
 
@@ -68,3 +69,17 @@ def test_a_hook_may_replace_only_an_editable_point():
             model(idx)
     with model.hooked(lambda layer, name, x: x * 0 if name == "resid_post" else None, layers=[1]):
         assert torch.equal(model(idx)[0, :, :], model.head(torch.zeros(1, 3, TINY["d_model"]))[0])
+
+
+def test_a_cached_conversion_written_before_config_parts_still_loads():
+    """A GGUF conversion cached by an older llmtrace keeps the fields that are now a kind's config part
+    (ModelConfig.parts): they move into their part rather than fail the load (and discard the cache)."""
+    from dataclasses import asdict
+
+    from llmtrace.checkpoint.conversion import _config_from_json, _config_to_json
+
+    old = asdict(ModelConfig()) | {"attn_softcap": 50.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+    c = _config_from_json(json.dumps(old))
+    assert c.parts == {"softcap": {"cap": 50.0}, "glu_clamp": {"alpha": 1.702, "limit": 7.0}}
+    assert _config_from_json(_config_to_json(c)) == c  # and a new one reads back as written
+    assert _config_from_json(json.dumps(asdict(ModelConfig()) | {"attn_softcap": None})).parts == {}

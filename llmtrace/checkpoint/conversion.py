@@ -27,7 +27,7 @@ def _config_to_json(c: ModelConfig) -> str:
 
 
 def _config_from_json(text: str) -> ModelConfig:
-    return ModelConfig(**json.loads(text))
+    return ModelConfig.from_dict(json.loads(text))
 
 
 def convert_gguf(path: Path, dest: Path) -> None:

@@ -55,6 +55,11 @@ from llmtrace.model.points import (DeclaredSource, DeclaredWeight, Point, Points
 Hook = Callable[[Optional[int], str, torch.Tensor], Optional[torch.Tensor]]
 
 
+# fields of an older ModelConfig that are now a config part: old field -> (part, key)
+MOVED_TO_PARTS = {"attn_softcap": ("softcap", "cap"), "swiglu_alpha": ("glu_clamp", "alpha"),
+                  "swiglu_limit": ("glu_clamp", "limit")}
+
+
 @dataclass
 class ModelConfig:
     arch: str = "llama"  # source architecture name (llama, mistral, qwen2, qwen3, gemma3, ...), for display
@@ -93,6 +98,17 @@ class ModelConfig:
     # sizes of the axis names its points and weights use ({"mla": {"axes": {"R": 512, ...}, ...}})
     parts: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """A config as `asdict` wrote it, also by an older llmtrace (a cached GGUF conversion): fields that became a
+        kind's own config part move into `parts`, None values dropped."""
+        d, parts = dict(d), dict(d.get("parts") or {})
+        for old, (part, key) in MOVED_TO_PARTS.items():
+            value = d.pop(old, None)
+            if value is not None:
+                parts.setdefault(part, {})[key] = value
+        return cls(**{**d, "parts": parts})
 
     @property
     def group_size(self) -> int:
