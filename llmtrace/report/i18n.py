@@ -13,6 +13,7 @@ from llmtrace.errors import BadValue
 
 LANGS = ("en", "zh")
 HTML_LANG = {"en": "en", "zh": "zh-Hans"}
+MATHS = "maths."  # the keys of the formulas' words: their operation kinds declare them (model.maths)
 
 
 @functools.cache
@@ -36,7 +37,7 @@ class Words:
         self._texts = _load("en") | (_load(lang) if lang != "en" else {})
 
     def __call__(self, key: str, **values) -> str:
-        text = self._texts[key]
+        text = self.maths[key[len(MATHS):]] if key.startswith(MATHS) else self._texts[key]
         return text.format(**values) if values else text
 
     def has(self, key: str) -> bool:
@@ -47,8 +48,11 @@ class Words:
 
     @property
     def maths(self) -> dict[str, str]:
-        """The words of the formulas (model.maths.WORDS) in this language: the catalogue's "maths." keys."""
-        return {k[6:]: v for k, v in self._texts.items() if k.startswith("maths.")}
+        """The words of the formulas in this language, as each operation kind declares them (model.maths.words_in),
+        not a catalogue's: `w("maths.window_of", ...)` reads one of them."""
+        from llmtrace.model.maths import words_in
+
+        return words_in(self.lang)
 
     @property
     def js(self) -> dict[str, str]:
