@@ -271,7 +271,7 @@ def _scan(o, x, w, shape, **_):
 
 def _scan_line(o, name, x, c, say):
     xs, b, cc, dt, a, state = x
-    out = say("ssm_out", name=name, c=cc, x=xs) if c.get("output") == "y" else say("ssm_last")
+    out = say("ssm_scan_y", name=name, c=cc, x=xs) if c.get("output") == "y" else say("ssm_scan_last")
     return say("ssm_scan", name=name, state=carried_words(c, state, say), a=a, dt=dt, x=xs, b=b, c=cc, out=out,
                g=c.get("group"))
 
@@ -296,8 +296,8 @@ declare(
                          "j // {g} of {b} and {c})",
                          "{name}：从 h = {state} 开始，逐个词元 h ← {a}·h + {dt}·{x}⊗{b}{out}（头 j 读取 {b} 与 {c} 的第 "
                          "j // {g} 组）"),
-            "ssm_out": ("; {name}_t = {c}·h + D·{x}", "；{name}_t = {c}·h + D·{x}"),
-            "ssm_last": ("; the last h", "；取最后的 h")}, _scan),
+            "ssm_scan_y": ("; {name}_t = {c}·h + D·{x}", "；{name}_t = {c}·h + D·{x}"),
+            "ssm_scan_last": ("; the last h", "；取最后的 h")}, _scan),
     OpKind("group_gated_rmsnorm", "y = g / √(mean_group(g²) + ε) · γ,  g = x · silu(z)",
            lambda o, name, x, c, say: say("group_gated_rmsnorm", name=name, eps=f"{c['eps']:g}", group=c["group"],
                                           x=x[0], z=x[1]),
