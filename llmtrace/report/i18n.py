@@ -1,7 +1,9 @@
 """The words of the HTML pages, one catalogue per language: report/catalogue/LANG.json, a flat object of keys to
 texts ({name} marks a value filled in). English is complete; another language gives the keys it translates and falls
 back to English for the rest (tests/test_report_pages.py checks that Chinese translates every key). The terms follow
-the seed documents' own: 分词, 词元, 嵌入, 旋转位置编码, 注意力, 前馈网络, 残差, 归一化, 采样, 温度, KV 缓存."""
+the seed documents' own: 分词, 词元, 嵌入, 旋转位置编码, 注意力, 前馈网络, 残差, 归一化, 采样, 温度, KV 缓存. The formulas'
+words ("maths.<word>") are not in a catalogue: each operation kind declares its own, in both languages
+(model.maths.words_in)."""
 
 from __future__ import annotations
 
