@@ -143,7 +143,8 @@ def test_each_operation_kind_is_declared_once_with_its_words_and_its_evaluator()
     only one kind of layer uses in that layer's file."""
     import json
 
-    from llmtrace.model.maths import LANGS, SHARED_WORDS, OpKind, declare, words_in
+    from llmtrace.errors import LlmtraceError
+    from llmtrace.model.maths import LANGS, SHARED_WORDS, Op, OpKind, declare, words_in
     from llmtrace.trace.events import schema_path
 
     kinds = op_kinds()
@@ -155,8 +156,10 @@ def test_each_operation_kind_is_declared_once_with_its_words_and_its_evaluator()
     assert "enum" not in schema["$defs"]["op_decl"]["properties"]["op"]  # the registry is the one list
     en, zh = (words_in(lang) for lang in LANGS)
     assert en.keys() == zh.keys() >= set(SHARED_WORDS) and all(en[w] != zh[w] or "{" in en[w] for w in en)
-    with pytest.raises(ValueError, match="unknown operation 'sqrt'"):
+    with pytest.raises(LlmtraceError, match="names an operation 'sqrt' that no kind"):  # a trace read back
         Maths.from_record({"model": {"x": {"op": "sqrt"}}, "kinds": [], "layer_kind": []})
+    with pytest.raises(ValueError, match="unknown operation 'sqrt'"):  # a model's own declaration
+        Op("sqrt")
     with pytest.raises(ValueError, match="declared in llmtrace.model.ops and in"):
         declare("elsewhere", OpKind("rmsnorm", "y = x", lambda *a: ""))
     with pytest.raises(ValueError, match="need an English and a Chinese text"):

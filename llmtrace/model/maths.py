@@ -38,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, Callable, Optional
 
+from llmtrace.errors import LlmtraceError
+
 # ----------------------------------------------------------------------------------------------------------------
 # the operation kinds: each declared once, in one registry
 
@@ -142,6 +144,9 @@ def op(kind: str, inputs=(), weights=(), **consts) -> Op:
 
 
 def op_from_record(r: dict) -> Op:
+    if r.get("op") not in op_kinds():  # a trace of another version: one line, not a traceback
+        raise LlmtraceError(f"the trace's maths names an operation {r.get('op')!r} that no kind of this llmtrace "
+                            "declares (a trace written by another version?)")
     consts = dict(r.get("consts") or {})
     if consts.get("order") in LEGACY_ORDERS:  # a trace written when the order was an English phrase
         consts["order"] = LEGACY_ORDERS[consts["order"]]
@@ -308,6 +313,12 @@ LANGS = ("en", "zh")  # the languages every word is declared in, in the order of
 def words_in(lang: str = "en") -> dict[str, str]:
     """Every formula word in one language: the shared ones and each declared operation kind's (a page in Chinese
     passes words_in("zh") to formula(), and its catalogue reads them as "maths.<word>")."""
+    return dict(_words(lang, len(op_kinds())))
+
+
+@cache
+def _words(lang: str, n_kinds: int) -> dict[str, str]:
+    """words_in's table, made once per language and number of declared kinds."""
     i = LANGS.index(lang) if lang in LANGS else 0
     out = {w: said[i] for w, said in SHARED_WORDS.items()}
     for k in op_kinds().values():
@@ -326,7 +337,8 @@ def formula(o: Op, name: str, layer: Optional[int] = None, maths: Optional["Math
     beside the point `name` of `layer` (None: outside the layers; −1: any layer of its kind). Each kind says its own
     line (OpKind.line); explain, the report and serve take them from here; `words` says them in another language
     (words_in)."""
-    W = words_in("en") if not words else {**words_in("en"), **words}
+    english = _words("en", len(op_kinds()))
+    W = english if not words else {**english, **words}
     say = lambda key, **v: W[key].format(**v)  # noqa: E731
     x = [_operand_words(i, layer, maths, say) for i in o.inputs]
     return op_kind(o.kind).line(o, name, x, dict(o.consts), say)
