@@ -7,7 +7,7 @@ import torch
 
 from families import FAMILIES, PROMPT_IDS
 from llmtrace.model.capture import capture
-from llmtrace.model.maths import OPS, Maths
+from llmtrace.model.maths import Maths, op_kinds
 from llmtrace.model.recompute import apply, max_error
 
 NAMES = list(FAMILIES)
@@ -95,7 +95,7 @@ def test_every_point_declares_an_operation_of_the_vocabulary(loaded, name):
                 assert ((experts and p.where == "ffn") or (hybrid and p.where == "attn")
                         or p.name in optional), (layer, p.name)
                 continue
-            assert o.kind in OPS
+            assert o.kind in op_kinds()
     for p in points.model:
         assert maths.op(None, p.name) is not None, p.name
     assert Maths.from_record(maths.record()) == maths  # the trace's record reads back to the same declaration
@@ -136,15 +136,49 @@ def test_gemma3s_plan_gives_each_layer_its_own_rope_and_window(loaded):
     assert len(record["kinds"]) == 2 and record["layer_kind"] == [0] * 5 + [1]
 
 
-def test_the_schema_and_the_evaluator_know_exactly_the_declared_operations():
-    """One home per operation kind: model.maths.OPS. The trace schema's list of kinds and the float64 evaluator's
-    table are checked equal to it (a kind added in one place and not the others fails here); the cache's write is the
-    one kind with nothing to recompute."""
+def test_each_operation_kind_is_declared_once_with_its_words_and_its_evaluator():
+    """One home per operation kind (model.maths.OpKind, in one registry): its key, its formula line with its words in
+    English and Chinese, its float64 evaluator. The trace schema does not list the kinds (a second list to keep
+    equal); the cache's write is the one kind with nothing to recompute. The generic kinds live in model/ops.py, a kind
+    only one kind of layer uses in that layer's file."""
     import json
 
-    from llmtrace.model.recompute import _KINDS
+    from llmtrace.errors import LlmtraceError
+    from llmtrace.model.maths import LANGS, SHARED_WORDS, Op, OpKind, declare, words_in
     from llmtrace.trace.events import schema_path
 
+    kinds = op_kinds()
+    assert {"rmsnorm", "matmul", "ssm_scan", "latent_up", "delta_rule", "mul"} <= set(kinds)
+    assert {k for k, d in kinds.items() if d.evaluate is None} == {"cache_write"}
+    assert kinds["ssm_scan"].module == "llmtrace.model.kinds.mamba2" and kinds["rmsnorm"].module == "llmtrace.model.ops"
+    assert kinds["latent_up"].module == "llmtrace.model.kinds.mla"
     schema = json.loads(schema_path().read_text(encoding="utf-8"))
-    assert set(schema["$defs"]["op_decl"]["properties"]["op"]["enum"]) == set(OPS)
-    assert set(_KINDS) == set(OPS) - {"cache_write"}
+    assert "enum" not in schema["$defs"]["op_decl"]["properties"]["op"]  # the registry is the one list
+    en, zh = (words_in(lang) for lang in LANGS)
+    assert en.keys() == zh.keys() >= set(SHARED_WORDS) and all(en[w] != zh[w] or "{" in en[w] for w in en)
+    with pytest.raises(LlmtraceError, match="names an operation 'sqrt' that no kind"):  # a trace read back
+        Maths.from_record({"model": {"x": {"op": "sqrt"}}, "kinds": [], "layer_kind": []})
+    with pytest.raises(ValueError, match="unknown operation 'sqrt'"):  # a model's own declaration
+        Op("sqrt")
+    with pytest.raises(ValueError, match="declared in llmtrace.model.ops and in"):
+        declare("elsewhere", OpKind("rmsnorm", "y = x", lambda *a: ""))
+    with pytest.raises(ValueError, match="need an English and a Chinese text"):
+        OpKind("probe", "y = x", lambda *a: "", {"probe": ("only English",)})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_formula_is_said_in_chinese(loaded, name):
+    """The zh page's formulas come from the declarations' own Chinese words: no state, MLA or Mamba2 line falls back
+    to English (a line may still carry a constant a family writes, such as a scale's label)."""
+    import re
+
+    from llmtrace.model.maths import formula, words_in
+
+    maths = loaded(name, "hf").model.maths()
+    zh = words_in("zh")
+    english = re.compile(r"\b(of|the|per|each|from|for|before|split|into|pairs|turned|row|chosen|elsewhere)\b")
+    said = {n: formula(o, n, layer, maths, zh) for layer in range(len(maths.layers))
+            for n, o in maths.layers[layer].items()} | {n: formula(o, n, None, maths, zh) for n, o in maths.model.items()}
+    labels = {str(o.const("scale_label")) for t in maths.layers for o in t.values() if o.const("scale_label")}
+    left = {n: s for n, s in said.items() if english.search(re.sub("|".join(map(re.escape, labels)) or "^$", "", s))}
+    assert not left, left

@@ -134,6 +134,8 @@ def localized(events: list[dict], lang: str) -> list[dict]:
                 e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names))
         elif sec == "rmsnorm":
             e = dict(e, formula=said(e["layer"], e["norm"], e["formula"]))
+        elif sec == "state_cache":  # each carried state's update, as its declared operation says it
+            e = dict(e, updates={n: said(e["layer"], n, f) for n, f in (e.get("updates") or {}).items()})
         elif sec == "rope":
             rope = next((n for n, o in maths.layers[e["layer"]].items() if o.kind == "rope"), None)  # q's, declared first
             e = dict(e, formula=said(e["layer"], rope, e["formula"]) if rope else e["formula"])

@@ -1,7 +1,9 @@
 """The words of the HTML pages, one catalogue per language: report/catalogue/LANG.json, a flat object of keys to
 texts ({name} marks a value filled in). English is complete; another language gives the keys it translates and falls
 back to English for the rest (tests/test_report_pages.py checks that Chinese translates every key). The terms follow
-the seed documents' own: 分词, 词元, 嵌入, 旋转位置编码, 注意力, 前馈网络, 残差, 归一化, 采样, 温度, KV 缓存."""
+the seed documents' own: 分词, 词元, 嵌入, 旋转位置编码, 注意力, 前馈网络, 残差, 归一化, 采样, 温度, KV 缓存. The formulas'
+words ("maths.<word>") are not in a catalogue: each operation kind declares its own, in both languages
+(model.maths.words_in)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from llmtrace.errors import BadValue
 
 LANGS = ("en", "zh")
 HTML_LANG = {"en": "en", "zh": "zh-Hans"}
+MATHS = "maths."  # the keys of the formulas' words: their operation kinds declare them (model.maths)
 
 
 @functools.cache
@@ -36,7 +39,7 @@ class Words:
         self._texts = _load("en") | (_load(lang) if lang != "en" else {})
 
     def __call__(self, key: str, **values) -> str:
-        text = self._texts[key]
+        text = self.maths[key[len(MATHS):]] if key.startswith(MATHS) else self._texts[key]
         return text.format(**values) if values else text
 
     def has(self, key: str) -> bool:
@@ -47,8 +50,11 @@ class Words:
 
     @property
     def maths(self) -> dict[str, str]:
-        """The words of the formulas (model.maths.WORDS) in this language: the catalogue's "maths." keys."""
-        return {k[6:]: v for k, v in self._texts.items() if k.startswith("maths.")}
+        """The words of the formulas in this language, as each operation kind declares them (model.maths.words_in),
+        not a catalogue's: `w("maths.window_of", ...)` reads one of them."""
+        from llmtrace.model.maths import words_in
+
+        return words_in(self.lang)
 
     @property
     def js(self) -> dict[str, str]:

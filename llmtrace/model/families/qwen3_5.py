@@ -43,9 +43,10 @@ from llmtrace.model.family import Family, say
 from llmtrace.model.families.gemma2 import GemmaRMSNorm
 from llmtrace.model.families.qwen3 import K_NORM, Q_NORM
 from llmtrace.model.llama_points import ATTN_OUT, K, O_PROJ, Q, V
-from llmtrace.model.maths import LayerPlan, Op, op
+from llmtrace.model.maths import LayerPlan, Op, OpKind, carried_words, declare, op
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight, inserted, splice
+from llmtrace.model.recompute import per_value_head
 from llmtrace.model.transformer import Attention, Block, LayerInput, Module, RMSNorm, Transformer
 
 EPS_L2 = 1e-6  # transformers' l2norm (as the FLA kernels)
@@ -255,6 +256,84 @@ class GatedDeltaNet(Module):
         if r == 1:
             return x
         return x.repeat(1, 1, r, 1) if self.tiled else x.repeat_interleave(r, dim=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# linear attention's operations (model.maths.OpKind): each formula line with its words, and its float64 evaluator
+
+
+def _columns(o, x, shape):
+    a, b = o.const("cols")
+    return x[0][..., a:b].reshape(shape)
+
+
+def _l2norm(o, x, w, shape, **_):
+    v = _columns(o, x, shape)
+    return v / torch.sqrt((v * v).sum(-1, keepdim=True) + o.const("eps")) * o.const("scale")
+
+
+def _l2norm_line(o, name, x, c, say):
+    scale = f" · {c['scale']:.4g} ({c['scale_label']})" if c.get("scale", 1) != 1 else ""
+    return (f"{name} = v / √(Σv² + {c['eps']:g}){scale}"
+            + say("l2norm_of", x=x[0], a=c["cols"][0], b=c["cols"][1], split=c["split"]))
+
+
+def _decay(o, x, w, shape, **_):
+    return torch.exp(w[0] * F.softplus(x[0] + w[1]))
+
+
+def _delta_rule_eval(o, x, w, shape, **_):
+    q, k, v, alpha, beta, state = x  # (B, T, Hk, Dk) twice, (B, T, Hv, Dv), (B, T, Hv) twice, carried S or None
+    g, order = o.const("group"), o.const("v_order")
+    q, k = per_value_head(q, g, order), per_value_head(k, g, order)
+    B, T, Hv, Dv = v.shape
+    S = torch.zeros(B, Hv, q.size(-1), Dv, dtype=v.dtype) if state is None else state
+    out = []
+    for t in range(T):
+        S = alpha[:, t, :, None, None] * S
+        delta = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    return S if o.const("output") == "state" else torch.stack(out, dim=1)
+
+
+def _delta_rule_line(o, name, x, c, say):
+    q, k, v, alpha, beta, state = x
+    reads = "j mod Hk" if c.get("v_order") == "tiled" else f"j // {c.get('group')}"
+    out = say("delta_out", name=name, q=q) if c.get("output") == "o" else say("delta_last")
+    return say("delta_rule", name=name, state=carried_words(c, state, say), alpha=alpha, k=k, beta=beta, v=v,
+               out=out, reads=reads)
+
+
+def _gated_rmsnorm(o, x, w, shape, **_):
+    h, z = x
+    return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + o.const("eps")) * w[0] * F.silu(z)
+
+
+declare(
+    __name__,
+    OpKind("l2norm", "y = x / √(Σx² + ε) · c", _l2norm_line,
+           {"l2norm_of": (", v = {x}[{a}:{b}] per {split} head", "，v = {x}[{a}:{b}]，每个 {split} 头各自计算")},
+           _l2norm),
+    OpKind("sigmoid", "y = σ(x)", lambda o, name, x, c, say: f"{name} = σ({x[0]})", {},
+           lambda o, x, w, shape, **_: torch.sigmoid(x[0])),
+    OpKind("decay", "α = exp(A · softplus(x + dt_bias))",
+           lambda o, name, x, c, say: f"{name} = exp(A · softplus({x[0]} + dt_bias)), A = −exp(A_log) < 0", {}, _decay),
+    OpKind("delta_rule", "S ← α·S + k⊗β(v − Sᵀk);  o = Sᵀq", _delta_rule_line,
+           {"delta_rule": ("{name}: from S = {state}, for each token S ← {alpha}·S + {k} ⊗ {beta}·({v} − "
+                           "({alpha}·S)ᵀ{k}){out} (value head j reads key head {reads})",
+                           "{name}：从 S = {state} 开始，逐个词元 S ← {alpha}·S + {k} ⊗ {beta}·({v} − "
+                           "({alpha}·S)ᵀ{k}){out}（值头 j 读取键头 {reads}）"),
+            "delta_out": ("; {name}_t = Sᵀ{q}", "；{name}_t = Sᵀ{q}"),
+            "delta_last": ("; the last S", "；取最后的 S")}, _delta_rule_eval),
+    OpKind("gated_rmsnorm", "y = x / √(mean(x²) + ε) · γ · silu(z)",
+           lambda o, name, x, c, say: say("gated_rmsnorm", name=name, x=x[0], z=x[1], eps=f"{c['eps']:g}"),
+           {"gated_rmsnorm": ("{name} = {x} / √(mean({x}²) + {eps}) · γ · silu({z}), per head (γ = w)",
+                              "{name} = {x} / √(mean({x}²) + {eps}) · γ · silu({z})，按头计算（γ = w）")},
+           _gated_rmsnorm),
+    OpKind("gate", "y = x · σ(g)", lambda o, name, x, c, say: f"{name} = {x[0]} · σ({x[1]})", {},
+           lambda o, x, w, shape, **_: x[0] * torch.sigmoid(x[1])),
+)
 
 
 class Qwen35Attention(Attention):

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrace.model.llama_points import O_PROJ
-from llmtrace.model.maths import LayerPlan, Op, op
+from llmtrace.model.maths import LayerPlan, Op, OpKind, carried_words, declare, op
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module, RMSNorm
@@ -243,3 +243,65 @@ class Mamba2(Module):
         self.point(SSM_CONV_STATE.name, x[:, :, -(self.kc - 1):])
         y = F.conv1d(x, self.conv.unsqueeze(1), self.conv_bias, groups=Cs)  # (B, Cs, T)
         return self.point(SSM_CONV.name, F.silu(y).transpose(1, 2))  # (B, T, Cs)
+
+
+# -- its operations (model.maths.OpKind): each formula line with its words, and its float64 evaluator ------------
+
+
+def _softplus(o, x, w, shape, **_):
+    dt = F.softplus(x[0] + w[0])
+    lo, hi = o.const("limit") or (0.0, math.inf)
+    return dt.clamp(lo, hi)
+
+
+def _scan(o, x, w, shape, **_):
+    """The recurrence from its formula: per head, h (P × N) ← a·h + Δ·x ⊗ B, y = C·h + D·x; head j reads group
+    j // (Hs/Gs) of B and C."""
+    xs, b, c, dt, a, h = x  # (B, T, Hs, P), (B, T, Gs, N) twice, (B, T, Hs) twice, the carried (B, Hs, P, N) or None
+    g = o.const("group")
+    b, c = b.repeat_interleave(g, dim=2), c.repeat_interleave(g, dim=2)  # (B, T, Hs, N)
+    Bn, T, H, P = xs.shape
+    h = torch.zeros(Bn, H, P, b.size(-1), dtype=xs.dtype) if h is None else h
+    ys = []
+    for t in range(T):
+        h = a[:, t, :, None, None] * h + dt[:, t, :, None, None] * xs[:, t, :, :, None] * b[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, c[:, t]) + w[0][:, None] * xs[:, t])
+    return h if o.const("output") == "state" else torch.stack(ys, dim=1)
+
+
+def _scan_line(o, name, x, c, say):
+    xs, b, cc, dt, a, state = x
+    out = say("ssm_scan_y", name=name, c=cc, x=xs) if c.get("output") == "y" else say("ssm_scan_last")
+    return say("ssm_scan", name=name, state=carried_words(c, state, say), a=a, dt=dt, x=xs, b=b, c=cc, out=out,
+               g=c.get("group"))
+
+
+def _group_gated_rmsnorm(o, x, w, shape, **_):
+    v = x[0].reshape(*x[0].shape[:2], -1) * F.silu(x[1].reshape(*x[1].shape[:2], -1))  # (B, T, I)
+    grouped = v.reshape(*v.shape[:2], -1, o.const("group"))
+    y = grouped / torch.sqrt(grouped.pow(2).mean(-1, keepdim=True) + o.const("eps"))
+    return y.reshape(v.shape) * w[0]
+
+
+declare(
+    __name__,
+    OpKind("softplus", "Δ = softplus(x + dt_bias)",
+           lambda o, name, x, c, say: f"{name} = softplus({x[0]} + dt_bias)" + (
+               say("softplus_clamp", lo=f"{c['limit'][0]:g}", hi=f"{c['limit'][1]:g}") if c.get("limit") else ""),
+           {"softplus_clamp": (", clamped to [{lo}, {hi}]", "，截断到 [{lo}, {hi}]")}, _softplus),
+    OpKind("ssm_decay", "a = exp(Δ · A)", lambda o, name, x, c, say: f"{name} = exp({x[0]} · A), A = −exp(A_log) < 0",
+           {}, lambda o, x, w, shape, **_: torch.exp(x[0] * w[0])),
+    OpKind("ssm_scan", "h ← a·h + Δ·x⊗B;  y = C·h + D·x", _scan_line,
+           {"ssm_scan": ("{name}: from h = {state}, for each token h ← {a}·h + {dt}·{x}⊗{b}{out} (head j reads group "
+                         "j // {g} of {b} and {c})",
+                         "{name}：从 h = {state} 开始，逐个词元 h ← {a}·h + {dt}·{x}⊗{b}{out}（头 j 读取 {b} 与 {c} 的第 "
+                         "j // {g} 组）"),
+            "ssm_scan_y": ("; {name}_t = {c}·h + D·{x}", "；{name}_t = {c}·h + D·{x}"),
+            "ssm_scan_last": ("; the last h", "；取最后的 h")}, _scan),
+    OpKind("group_gated_rmsnorm", "y = g / √(mean_group(g²) + ε) · γ,  g = x · silu(z)",
+           lambda o, name, x, c, say: say("group_gated_rmsnorm", name=name, eps=f"{c['eps']:g}", group=c["group"],
+                                          x=x[0], z=x[1]),
+           {"group_gated_rmsnorm": ("{name} = g / √(mean(g²) + {eps}) · γ over each group of {group}, g = {x} · silu({z})",
+                                    "{name} = g / √(mean(g²) + {eps}) · γ，每 {group} 个一组分别计算，g = {x} · silu({z})")},
+           _group_gated_rmsnorm),
+)

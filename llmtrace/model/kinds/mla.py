@@ -43,7 +43,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrace.model.llama_points import ATTN_OUT, O_PROJ, PROBS, SCORES
-from llmtrace.model.maths import LayerPlan, Op, op
+from llmtrace.model.maths import LayerPlan, Op, OpKind, cached_words, declare, op, weight_name
+from llmtrace.model.ops import masked
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module, RMSNorm, apply_rope
@@ -306,3 +307,32 @@ class MLA(Module):
 def yarn_mscale(factor: float, m: float) -> float:
     """YaRN's mscale: 0.1·m·ln(factor) + 1 (1 for factor ≤ 1)."""
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+# -- its operations (model.maths.OpKind): each formula line with its words, and its float64 evaluator ------------
+
+
+def _latent_up(o, x, w, shape, **_):
+    c = x[0]  # (B, S, R): every cached latent
+    if o.const("stored") == "out_in":  # W_h (out, R): y = c · W_hᵀ
+        return torch.einsum("bsr,hor->bsho", c, w[0])
+    return torch.einsum("bsr,hro->bsho", c, w[0])  # W_h (R, out): y = c · W_h
+
+
+def _scores(o, x, w, shape, padding=None, **_):
+    q_nope, k_nope, q_rope, k_rope = x  # (B, T, H, Dn), (B, S, H, Dn), (B, T, H, Dr), (B, S, Dr)
+    s = (torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope))
+    return masked(o, s * o.const("scale"), padding)
+
+
+declare(
+    __name__,
+    OpKind("latent_up", "y_h = c · W_h",
+           lambda o, name, x, c, say: say("latent_up", name=name, c=cached_words(c, x[0], say), w=weight_name(o),
+                                          t="ᵀ" if c.get("stored") == "out_in" else ""),
+           {"latent_up": ("{name}_h = {c} · {w}_h{t}, per head", "{name}_h = {c} · {w}_h{t}，按头计算")}, _latent_up),
+    OpKind("mla_scores", "s = (q_nope · k_nopeᵀ + q_rope · k_ropeᵀ) · scale",
+           lambda o, name, x, c, say: (f"{name} = ({x[0]} · {x[1]}ᵀ + {x[2]} · {cached_words(c, x[3], say)}ᵀ) · "
+                                       f"{c['scale']:.4g} ({c['scale_label']})" + (say("mask") if c.get("mask") else "")),
+           {}, _scores),
+)

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrace.model.llama_points import O_PROJ
-from llmtrace.model.maths import LayerPlan, Op, op
+from llmtrace.model.maths import LayerPlan, Op, OpKind, declare, op
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module
@@ -136,3 +136,12 @@ class ShortConv(Module):
             io.cache.write("conv", window)
         self.point(CONV_WINDOW.name, window)
         return F.conv1d(x, self.conv.unsqueeze(1), groups=D).transpose(1, 2)  # (B, T, D)
+
+
+# -- its operation (model.maths.OpKind): the gates, element by element ---------------------------------------------
+
+declare(
+    __name__,
+    OpKind("mul", "y = a ⊙ b", lambda o, name, x, c, say: f"{name} = {x[0]} ⊙ {x[1]}", {},
+           lambda o, x, w, shape, **_: x[0] * x[1]),
+)
