@@ -67,7 +67,7 @@ def nbits_sessions(shapes, bits: int, group: int = 32) -> list:
         return []
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = torch.get_num_threads(), 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as torch's threads: no spinning between calls
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no spinning between calls, as torch
     rng = np.random.default_rng(0)
     out = []
     for n, k in shapes:

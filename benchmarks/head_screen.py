@@ -70,7 +70,8 @@ def main() -> None:
             left = (c + r) >= (c - r).max()
             top = int(y.argmax())
             gap = float(y.topk(2).values.diff().abs())
-            print(f"| {step} | {int(left.sum()):,} | {float(left.float().mean()):.0%} | {bool(left[0, top])} | {gap:.2f} |")
+            share = float(left.float().mean())
+            print(f"| {step} | {int(left.sum()):,} | {share:.0%} | {bool(left[0, top])} | {gap:.2f} |")
             idx = torch.tensor([[top]])
 
 

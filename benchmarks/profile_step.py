@@ -12,9 +12,9 @@ the matrix products (aten::mm/bmm), the time of all other aten ops, how many ate
 (Python: module calls, the trace's bookkeeping, event encoding). The matrix products alone are compared with the
 measured ceiling: one pass of matrix-vector products over the same weights, timed in the same process.
 
---fast: the model's GGUF (-m; the default model's by default) on the fast path; the ceiling is then one pass of its int4 products alone (every
-FastLinear's kernel called back to back on a bfloat16 vector). --pieces: what each piece of the step costs in place,
-between the int4 products (which evict the caches each op runs from, so an op costs ~2-3x its cost in a loop of its
+--fast: the model's GGUF (-m; by default the default model's) on the fast path; the ceiling is then one pass of its
+products alone (every FastLinear's kernel called back to back on a bfloat16 vector). --pieces: what each piece of the
+step costs in place, between the products (which evict the caches each op runs from, so an op costs ~2-3x its cost in a loop of its
 own): the step timed with one piece at a time replaced by a stand-in of the same shapes, alternating with the whole
 step, medians of process CPU time (timing only; the stand-ins compute nothing).
 """
