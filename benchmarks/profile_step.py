@@ -15,8 +15,8 @@ measured ceiling: one pass of matrix-vector products over the same weights, time
 --fast: the model's GGUF (-m; by default the default model's) on the fast path; the ceiling is then one pass of its
 products alone (every FastLinear's kernel called back to back on a bfloat16 vector). --pieces: what each piece of the
 step costs in place, between the products (which evict the caches each op runs from, so an op costs ~2-3x its cost
-in a loop of its own): the step timed with one piece at a time replaced by a stand-in of the same shapes, alternating with the whole
-step, medians of process CPU time (timing only; the stand-ins compute nothing).
+in a loop of its own): the step timed with one piece at a time replaced by a stand-in of the same shapes,
+alternating with the whole step, medians of process CPU time (timing only; the stand-ins compute nothing).
 """
 
 from __future__ import annotations
