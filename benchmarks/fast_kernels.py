@@ -1,10 +1,17 @@
 """Passes per second of torch's own matrix-vector kernels over a model's matrices (issue 24's table).
 
     python benchmarks/fast_kernels.py                  # SmolLM2-135M and Llama-3.2-1B shapes, 2 threads
+    pip install onnxruntime onnx                       # optional: onnxruntime's MatMulNBits arms (benchmark only)
 
 A pass is every matrix of the model once, for one token (B=1, T=1): per layer the fused QKV, the output projection,
 the fused gate/up and the down projection, plus the LM head. Weights are random (the kernels' speed does not depend
 on the values). The arms alternate round by round in one process; the figure is the best round of each arm.
+
+With onnxruntime (and onnx, to write the graphs) installed, two more arms: its `MatMulNBits` contrib operator on
+4-bit and on 8-bit blocks of 32 with int8 activations (`accuracy_level=4`), one session a matrix as a model would hold
+them, float32 activations in and out (the call's own cost included). Q4_0 blocks map onto the 4-bit form without loss
+(zero point 8) and Q8_0 onto the 8-bit one (zero point 128); the types with a float minimum (Q4_1, the K-quants) need
+float zero points, which its int8 path does not take (measured: ~40x slower than torch's int4 kernel).
 """
 
 from __future__ import annotations
@@ -42,6 +49,39 @@ def arms(shapes):
         i4.append((packed, torch.rand(k // g, n, 2, dtype=torch.bfloat16)))
     out["_weight_int4pack_mm_for_cpu, bf16 activations, group 32"] = (
         torch.bfloat16, [lambda x, w=w, sz=sz: torch._weight_int4pack_mm_for_cpu(x, w, g, sz) for w, sz in i4])
+    for bits in (4, 8):
+        sessions = nbits_sessions(shapes, bits)
+        if sessions:
+            out[f"onnxruntime MatMulNBits, {bits}-bit, int8 activations, group 32"] = (
+                torch.float32, [lambda x, s=s: s.run(None, {"A": x.numpy()})[0] for s in sessions])
+    return out
+
+
+def nbits_sessions(shapes, bits: int, group: int = 32) -> list:
+    """One onnxruntime session a matrix, each one MatMulNBits node over random blocks ([] without onnxruntime/onnx)."""
+    try:
+        import numpy as np
+        import onnxruntime as ort
+        from onnx import TensorProto, helper
+    except ImportError:
+        return []
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads, opts.inter_op_num_threads = torch.get_num_threads(), 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no spinning between calls, as torch
+    rng = np.random.default_rng(0)
+    out = []
+    for n, k in shapes:
+        b = rng.integers(0, 256, (n, k // group, group * bits // 8), dtype=np.uint8)
+        s = rng.random(n * k // group, dtype=np.float32) * 1e-2
+        node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
+                                block_size=group, accuracy_level=4)
+        graph = helper.make_graph([node], "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, k])],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, n])],
+                                  [helper.make_tensor("B", TensorProto.UINT8, b.shape, b.tobytes(), raw=True),
+                                   helper.make_tensor("S", TensorProto.FLOAT, s.shape, s.tobytes(), raw=True)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        out.append(ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]))
     return out
 
 
@@ -52,7 +92,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0, help="per arm and round")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
+    print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()} (ATEN_CPU_CAPABILITY holds "
+          f"torch, not onnxruntime), {args.threads} threads")
     for model, dims in SHAPES.items():
         shapes = matrices(*dims)
         best: dict[str, float] = {}

@@ -5,17 +5,18 @@
     python benchmarks/profile_step.py --threads 2 --levels none --compiled   # also the torch.compile'd step
                                                                               # (one more compile: ~2 min the first time)
     python benchmarks/profile_step.py --fast --threads 1 --levels none --pieces   # the --fast path (GGUF, int4)
+    python benchmarks/profile_step.py --fast -m gemma3-270m --threads 1 --levels none --pieces   # another model
 
 For each mode it profiles --steps decode steps after a 64-token prompt and prints, per step: wall time, the time inside
 the matrix products (aten::mm/bmm), the time of all other aten ops, how many aten ops ran, and the time outside aten
 (Python: module calls, the trace's bookkeeping, event encoding). The matrix products alone are compared with the
 measured ceiling: one pass of matrix-vector products over the same weights, timed in the same process.
 
---fast: the default model's GGUF on the fast path; the ceiling is then one pass of its int4 products alone (every
-FastLinear's kernel called back to back on a bfloat16 vector). --pieces: what each piece of the step costs in place,
-between the int4 products (which evict the caches each op runs from, so an op costs ~2-3x its cost in a loop of its
-own): the step timed with one piece at a time replaced by a stand-in of the same shapes, alternating with the whole
-step, medians of process CPU time (timing only; the stand-ins compute nothing).
+--fast: the model's GGUF (-m; by default the default model's) on the fast path; the ceiling is then one pass of its
+products alone (every FastLinear's kernel called back to back on a bfloat16 vector). --pieces: what each piece of the
+step costs in place, between the products (which evict the caches each op runs from, so an op costs ~2-3x its cost
+in a loop of its own): the step timed with one piece at a time replaced by a stand-in of the same shapes,
+alternating with the whole step, medians of process CPU time (timing only; the stand-ins compute nothing).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
 
 
 def int4_ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
-    """--fast: one pass of the int4 products a decode step makes (each FastLinear's kernels on a bfloat16 vector):
+    """--fast: one pass of the products a decode step makes (each FastLinear's kernels on a bfloat16 vector):
     (best pass, mean pass), in ms."""
     from llmtrace.model.fast import FastLinear
 
@@ -69,8 +70,7 @@ def int4_ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
     for m in model.modules():
         if isinstance(m, FastLinear):
             for part in m.parts:
-                k = part.scales_zeros.size(0) * 32 if hasattr(part, "packed") else part.weight.size(1)
-                calls.append((part, torch.randn(1, k // 2 if getattr(part, "split", False) else k, dtype=torch.bfloat16)))
+                calls.append((part, torch.randn(1, m.in_features, dtype=torch.bfloat16)))  # a split part doubles it
     times = []
     with torch.inference_mode():
         for _ in range(passes):
@@ -84,12 +84,12 @@ def int4_ceiling_ms(model, passes: int = 30) -> tuple[float, float]:
 def pieces(lm, ids: list[int], rounds: int = 8) -> None:
     """Each piece's cost in place (see the module's docstring): the step with the piece stubbed, against the step."""
     import llmtrace.model.transformer as T
-    from llmtrace.model.fast import Int4Matmul
+    from llmtrace.model.fast import DenseMatmul, Int4Matmul, Int8Matmul
 
     m = lm.model
     zeros: dict = {}
 
-    def int4_stub(self, x):
+    def product_stub(self, x):
         key = (tuple(x.shape), self.out_features)
         if key not in zeros:
             zeros[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
@@ -99,15 +99,21 @@ def pieces(lm, ids: list[int], rounds: int = 8) -> None:
         gate, up = self.w_gate_up(x).split_with_sizes([self.ffn_dim, self.ffn_dim], dim=-1)
         return self.w_down(gate)
 
-    stubs = {  # name: (owner, attribute, stand-in)
-        "RMSNorm (61 calls)": (T.RMSNorm, "forward", lambda self, x: x),
-        "RoPE (30)": (T, "apply_rope", lambda x, cos, sin: x),
-        "fused attention (30)": (T.F, "scaled_dot_product_attention", lambda q, k, v, **kw: q),
-        "KV cache write (30)": (T.LayerKV, "update", lambda self, start, k, v: (self.k[:, :, :start + 1],
-                                                                               self.v[:, :, :start + 1])),
-        "silu(gate) * up (30)": (T.FeedForward, "forward", silu_mul_stub),
-        "int4 products (121)": (Int4Matmul, "forward", int4_stub),
+    kinds = (Int4Matmul, Int8Matmul, DenseMatmul)
+    count = lambda *types: sum(isinstance(x, types) for x in m.modules())  # noqa: E731
+    L = m.config.n_layers
+    stubs = {  # name: [(owner, attribute, stand-in), ...]
+        f"RMSNorm ({count(T.RMSNorm)} calls)": [(T.RMSNorm, "forward", lambda self, x: x)],
+        f"RoPE ({L})": [(T, "apply_rope", lambda x, cos, sin: x)],
+        f"fused attention ({L})": [(T.F, "scaled_dot_product_attention", lambda q, k, v, **kw: q)],
+        f"KV cache write ({L})": [(T.LayerKV, "update", lambda self, start, k, v: (self.k[:, :, :start + 1],
+                                                                                 self.v[:, :, :start + 1]))],
+        f"act(gate) * up ({L})": [(T.FeedForward, "forward", silu_mul_stub)],
+        f"matrix products ({count(*kinds)}: int4, int8 and bf16 parts)": [(k, "forward", product_stub) for k in kinds],
     }
+    if hasattr(m.lm_head, "parts"):  # the head's share of the products
+        stubs[f"of which the LM head ({m.lm_head.kernel})"] = [(m.lm_head, "forward", lambda x: product_stub(
+            m.lm_head, x))]
     clock = time.process_time
     with torch.inference_mode():
         cache = m.new_cache(len(ids) + 2)
@@ -125,13 +131,15 @@ def pieces(lm, ids: list[int], rounds: int = 8) -> None:
         runs: dict[str, list[float]] = {n: [] for n in ["whole step", *stubs]}
         for r in range(rounds):
             for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
-                if name in stubs:
-                    owner, attr, stub = stubs[name]
-                    real = getattr(owner, attr)
+                real = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in stubs.get(name, ())]
+                for owner, attr, stub in stubs.get(name, ()):
                     setattr(owner, attr, stub)
                 runs[name] += steps()
-                if name in stubs:
-                    setattr(owner, attr, real)
+                for owner, attr, was in real:
+                    if isinstance(owner, torch.nn.Module):
+                        delattr(owner, attr)  # the instance's stand-in gone: its class's method again
+                    else:
+                        setattr(owner, attr, was)
     whole = statistics.median(runs["whole step"]) * 1e3
     print(f"\nin place (process CPU time, median of {len(runs['whole step'])} steps each): whole step {whole:.2f} ms")
     for name in stubs:
@@ -198,12 +206,13 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12, help="rows of the per-op table to print")
     p.add_argument("--levels", nargs="*", default=["none", "full"])
     p.add_argument("--compiled", action="store_true", help="then compile the decode step (--compile) and profile it")
-    p.add_argument("--fast", action="store_true", help="the --fast path (the default model's GGUF, int4 kernels)")
+    p.add_argument("--fast", action="store_true", help="the --fast path (the model's GGUF, int4 kernels)")
+    p.add_argument("-m", "--model", default=None, help="a registry name or GGUF file (default: the default model)")
     p.add_argument("--pieces", action="store_true", help="then each piece's cost in place (see above)")
     args = p.parse_args()
     set_threads(args.threads)
     how = {"fast": True} if args.fast else {"dtype": "float32"}
-    lm = llmtrace.load(None, device="cpu", threads=args.threads, **how).loaded
+    lm = llmtrace.load(args.model, device="cpu", threads=args.threads, **how).loaded
     ids = lm.tokenizer.encode("Quantum mechanics is a fundamental theory in physics that " * 8)[:64]
     ceiling = int4_ceiling_ms if args.fast else ceiling_ms
     ceil, sustained = ceiling(lm.model)
