@@ -48,11 +48,16 @@
     const H = broken ? cap : B.h;
     const box = svg("svg", { width: r3(B.w), height: r3(H + (broken ? 6 : 0)), "aria-hidden": "true" });
     let drawn = 0;
+    const full = B.list.filter((b) => b.w === B.w).length; // the whole bands are one rect (no seams between them)
+    [[0, full * (B.list[0].h), B.w], ...B.list.slice(full).map((b) => [b.y, b.h, b.w])].forEach(([y, h0, w]) => {
+      const h = Math.min(h0, H - y);
+      if (h <= 0 || w <= 0) return;
+      svg("rect", { class: "sz-band", x: 0, y: r3(y), width: r3(w), height: r3(h) }, box);
+      drawn += w * h;
+    });
     B.list.forEach((b, k) => {
       if (b.y >= H) return;
       const h = Math.min(b.h, H - b.y);
-      svg("rect", { class: "sz-band", x: 0, y: r3(b.y), width: r3(b.w), height: r3(h) }, box);
-      drawn += b.w * h;
       if (k && b.h >= 6) svg("line", { class: "sz-fold", x1: 0, x2: r3(b.w), y1: r3(b.y), y2: r3(b.y) }, box);
       if (e.split > 1 && (e.cols / e.split) * c >= 4) { // the slices across (heads): a thin line where each begins
         for (let s = 1; s < e.split; s++) {
