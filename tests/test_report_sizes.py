@@ -199,6 +199,24 @@ def test_smollm2s_boxes_are_the_traces_shapes_at_every_step_and_layer(smol):
     assert len(S["lists"]) <= len(S["steps"]) * len(S["layers"])
 
 
+def test_gemma3s_262144_logits_are_cut_and_drawn_whole_on_a_phone(browser, gemma3_path, tmp_path):
+    """The real Gemma 3 270M, in Chinese at 390 px: the logits over 262,144 entries are cut (the only box cut), the
+    part drawn is the part the note says, and whole they are drawn to the same scale as every other box."""
+    import llmtrace
+
+    lm = llmtrace.load(str(gemma3_path), threads=1)
+    run = lm.generate("The capital of France is", max_new_tokens=1, trace="full", layers="0,-1", for_report=True,
+                      ignore_eos=True)
+    o = open_at(browser, run.report(tmp_path / "gemma-zh.html", lang="zh"), VIEWPORTS[1])
+    try:
+        seen = walk_views(o, run.events, "zh", VIEWPORTS[1])
+        first = seen[(0, 0)]
+        assert [b["name"] for b in first if b["can"]] == ["logits"] and by_name(first)["logits"]["n"] == 262144
+        assert by_name(first)["logits"]["broken"] and "完整画出" in o.page.inner_text("#sizes-fig")
+    finally:
+        o.page.close()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # a linear-attention and a Mamba2 hybrid: their own tensors, a state of constant size, a cache only where they attend
 
