@@ -939,19 +939,24 @@ def compact_stats(t: dict) -> dict:
     """The per-layer statistics as the page stores them: per point, one list per field (report.js makes them rows
     again), each number to 4 significant figures (what the stage panel shows), the shape once per step. The points
     recorded at the same steps and layers (most of them) share one grid of steps and layers, `grids[i]`, named by
-    their "grid": an all-layers page keeps it once, not once per point."""
+    their "grid", and those of one shape at every step one `shapes[j]`: an all-layers page keeps each once, not once
+    per point."""
     def sig4(x):
         return None if x is None else float(f"{x:.4g}")
 
-    points, grids, grid_ix = {}, [], {}
+    def once(kept: list, index: dict, value) -> int:
+        i = index.setdefault(repr(value), len(kept))
+        if i == len(kept):
+            kept.append(value)
+        return i
+
+    points, grids, shapes, ix = {}, [], [], ({}, {})
     for name, rows in t["points"].items():
-        grid = {"step": [r["step"] for r in rows], "layer": [r["layer"] for r in rows]}
-        i = grid_ix.setdefault(repr(grid), len(grids))
-        if i == len(grids):
-            grids.append(grid)
-        points[name] = {"grid": i, **{k: [sig4(r[k]) for r in rows] for k in ("mean", "std", "min", "max", "norm")},
-                        "shapes": {str(r["step"]): r["shape"] for r in rows}}
-    return dict(t, points=points, grids=grids)
+        grid = once(grids, ix[0], {"step": [r["step"] for r in rows], "layer": [r["layer"] for r in rows]})
+        shape = once(shapes, ix[1], {str(r["step"]): r["shape"] for r in rows})
+        points[name] = {"grid": grid, **{k: [sig4(r[k]) for r in rows] for k in ("mean", "std", "min", "max", "norm")},
+                        "shapes": shape}
+    return dict(t, points=points, grids=grids, shapes=shapes)
 
 
 def about(point: dict, w) -> str:

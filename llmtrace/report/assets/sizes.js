@@ -3,7 +3,7 @@
 // network; everything comes from the section's own JSON (#sizes-data): the boxes, their captions and the views.
 //   a box       rows × cols cells of c × c px (c² px² an element): rows the pass's tokens, cols the rest
 //   folding     a box wider than the section wraps its columns into bands, one under the other (area unchanged)
-//   breaking    a box much taller than the layer's own is cut at CAP px with a tear, and a button draws it whole
+//   breaking    a box larger and much taller than the layer's largest is cut with a tear; a button draws it whole
 "use strict";
 (function () {
   const el = document.getElementById("sizes-data");
