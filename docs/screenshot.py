@@ -62,6 +62,7 @@ def make_all(model: list[str], out: Path) -> None:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
         shoot(browser, tmp / "report.html", str(out / "report.png"), "tokens")
         shoot(browser, tmp / "report.html", str(out / "walk.png"), "walk", [("#walk-layer", "0")])
+        shoot(browser, tmp / "report.html", str(out / "sizes.png"), "sizes")
         shoot(browser, tmp / "report.html", str(out / "whatif.png"), "whatif", [("#wi-temperature", "1.5")])
         shoot(browser, tmp / "zh.html", str(out / "report-zh.png"), "pipeline")
         shoot(browser, tmp / "explain.html", str(out / "explain.png"), "explain")

@@ -111,7 +111,8 @@ def test_residual_norms_and_kv_are_the_traces(recorded):
     for s in d["kv"]["steps"]:
         assert s["bytes_used"] == s["seq_len"] * bpt
     q = d["tensors"]["points"]["q"]  # a list per field (page.compact_stats), to the 4 figures the panel shows
-    stats = dict(zip(zip(q["step"], q["layer"]), q["norm"]))
+    grid = d["tensors"]["grids"][q["grid"]]  # its steps and layers, shared with the points recorded at the same ones
+    stats = dict(zip(zip(grid["step"], grid["layer"]), q["norm"]))
     for e in (e for e in events if e["event"] == "tensor" and e["name"] == "q"):
         assert stats[(e["step"], e["layer"])] == float(f'{e["stats"]["norm"]:.4g}')
 

@@ -228,6 +228,7 @@ def test_the_page_of_a_run_is_the_report(tiny):
         run_id = next(e["id"] for e in evs if e["event"] == "run_id")
         page = c.get(f"/api/page?run={run_id}", headers=AUTH)
         assert page.status_code == 200 and 'id="whatif"' in page.text and 'id="walk"' in page.text
+        assert 'id="sizes-data"' in page.text  # the pass's tensors to scale (tests/test_report_sizes.py)
         assert "温度" in c.get(f"/api/page?run={run_id}&lang=zh", headers=AUTH).text
         assert c.get("/api/page?run=nope", headers=AUTH).status_code == 404
         assert c.post("/api/explain", headers=AUTH, json={"prompt": PROMPT, "layer": 1}).status_code == 200
@@ -456,9 +457,20 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     frame.locator("#whatif").wait_for(timeout=60_000)
     assert frame.locator("#walk").count() == 1
     assert page.locator("#page").is_visible() and not page.locator("#page-note").is_visible()  # the page took its place
+    # the size of things in the frame: each box's drawn area its count; the K cache a slot longer at the next step
+    from test_report_sizes import DRAWN
+
+    def drawn():
+        cell = float(frame.locator("#sizes-fig").get_attribute("data-cell"))
+        boxes = {b["name"]: b for b in frame.locator("#sizes-fig").evaluate(f"() => ({DRAWN})()")}
+        assert all(b["area"] == pytest.approx(b["n"] * cell * cell, rel=0.03) for b in boxes.values()
+                   if not b["broken"] and b["n"] * cell * cell >= 1)
+        return boxes
+    before = drawn()["cache.k"]["shape"][0]
 
     # re-sample: the what-if slider's temperature, the step the page shows, the real sampler on the server
     frame.locator("#step-next").click()
+    assert drawn()["cache.k"]["shape"][0] == before + 1
     expect(page.locator("#step")).to_have_value("1")
     frame.locator("#wi-temperature").evaluate("e => { e.value = '1.5'; e.dispatchEvent(new Event('input')); }")
     expect(page.locator("#temperature")).to_have_value("1.5")  # the what-if sliders set what a re-sample runs with

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from llmtrace.report.data import AFTER_EMBEDDING
+from llmtrace.report.sizes import section_sizes
 from llmtrace.report.walk import maths_view
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.units import human_bytes, plural
@@ -883,6 +884,7 @@ SECTIONS = (
     ("explain", section_explain),
     ("batch", section_batch),
     ("pipeline", section_pipeline),
+    ("sizes", section_sizes),  # the pass's tensors drawn to scale (report.sizes, assets/sizes.js)
     ("walk", section_walk),
     ("tokens", section_tokens),
     ("steps", section_steps),
@@ -935,16 +937,26 @@ def view(d: dict, w=None) -> dict:
 
 def compact_stats(t: dict) -> dict:
     """The per-layer statistics as the page stores them: per point, one list per field (report.js makes them rows
-    again), each number to 4 significant figures (what the stage panel shows), the shape once per step."""
+    again), each number to 4 significant figures (what the stage panel shows), the shape once per step. The points
+    recorded at the same steps and layers (most of them) share one grid of steps and layers, `grids[i]`, named by
+    their "grid", and those of one shape at every step one `shapes[j]`: an all-layers page keeps each once, not once
+    per point."""
     def sig4(x):
         return None if x is None else float(f"{x:.4g}")
 
-    points = {}
+    def once(kept: list, index: dict, value) -> int:
+        i = index.setdefault(repr(value), len(kept))
+        if i == len(kept):
+            kept.append(value)
+        return i
+
+    points, grids, shapes, ix = {}, [], [], ({}, {})
     for name, rows in t["points"].items():
-        points[name] = {"step": [r["step"] for r in rows], "layer": [r["layer"] for r in rows],
-                        **{k: [sig4(r[k]) for r in rows] for k in ("mean", "std", "min", "max", "norm")},
-                        "shapes": {str(r["step"]): r["shape"] for r in rows}}
-    return dict(t, points=points)
+        grid = once(grids, ix[0], {"step": [r["step"] for r in rows], "layer": [r["layer"] for r in rows]})
+        shape = once(shapes, ix[1], {str(r["step"]): r["shape"] for r in rows})
+        points[name] = {"grid": grid, **{k: [sig4(r[k]) for r in rows] for k in ("mean", "std", "min", "max", "norm")},
+                        "shapes": shape}
+    return dict(t, points=points, grids=grids, shapes=shapes)
 
 
 def about(point: dict, w) -> str:
@@ -983,8 +995,8 @@ def render(d: dict, lang: str = "en") -> str:
     from llmtrace.report.i18n import Words
 
     # the package's own stylesheet and script, inlined as they are (escaping would break them); no trace text in them
-    assets = {"css": markupsafe.Markup(_asset("report.css")),
+    assets = {"css": markupsafe.Markup(_asset("report.css") + _asset("sizes.css")),
               "script": markupsafe.Markup(_asset("report.js") + "\n" + _asset("cards.js") + "\n" +
-                                                _asset("walk.js"))}
+                                                _asset("walk.js") + "\n" + _asset("sizes.js"))}
     v = view(d, Words(lang))
     return environment().get_template("report.html.j2").render(v=v, w=v["w"], **assets)

@@ -78,9 +78,9 @@
 
   // ---------------------------------------------------------------------------------------------- the pipeline
   Object.keys(D.tensors.points).forEach((n) => { // stored a list per field (page.compact_stats): rows again
-    const c = D.tensors.points[n];
-    D.tensors.points[n] = c.step.map((s, i) => ({ step: s, layer: c.layer[i], mean: c.mean[i], std: c.std[i], min: c.min[i],
-      max: c.max[i], norm: c.norm[i], shape: c.shapes[String(s)] }));
+    const c = D.tensors.points[n], g = D.tensors.grids[c.grid]; // its steps and layers, its shapes: shared (page.py)
+    D.tensors.points[n] = g.step.map((s, i) => ({ step: s, layer: g.layer[i], mean: c.mean[i], std: c.std[i], min: c.min[i],
+      max: c.max[i], norm: c.norm[i], shape: D.tensors.shapes[c.shapes][String(s)] }));
   });
   let stage = null;
   function showStage(id) {
