@@ -267,6 +267,15 @@ def test_a_lens_in_the_reference_format_reads_as_the_same_lens(loaded, families,
         assert torch.equal(half[layer], lens[layer].half().float()), layer
     assert lens_info(tmp_path / "ref.pt") == {"format": "jlens", "d_model": D, "n_prompts": 2,
                                               "source_layers": list(range(L - 1)), "metadata": meta}
+    torch.save({"jacobian_sum": {layer: 4 * lens[layer] for layer in range(L - 1)}, "n_done": 4, "next_idx": 4,
+                "target_layer": L - 1}, tmp_path / "sums.pt")  # the reference's fit checkpoint: sums over n_done
+    sums = read_lens(tmp_path / "sums.pt", lm)
+    for layer in range(L - 1):
+        torch.testing.assert_close(sums[layer], lens[layer], atol=1e-6, rtol=0)
+    torch.save({"J": {0: lens[0]}, "n_prompts": 2, "source_layers": [0], "d_model": D,
+                "metadata": {"target_layer": 0}}, tmp_path / "target.pt")
+    with pytest.raises(LlmtraceError, match="not the last layer's"):
+        read_lens(tmp_path / "target.pt", lm)
     with pytest.raises(LlmtraceError, match="no matrix for layer 0"):
         read_lens(reference(tmp_path / "part.pt", layers=range(1, L)), lm)
     with pytest.raises(LlmtraceError, match="width 8"):

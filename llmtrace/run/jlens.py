@@ -234,7 +234,12 @@ def _read(path: Path) -> tuple[dict[int, torch.Tensor], dict]:
         raise UsageError(f"{path}: no such lens file (a Jacobian lens fit writes one)")
     if is_torch_zip(path):
         obj = read_torch_zip(path)
-        J = obj.get("J") if isinstance(obj, dict) else None
+        obj = obj if isinstance(obj, dict) else {}
+        J, n = obj.get("J"), obj.get("n_prompts")
+        if J is None and isinstance(obj.get("jacobian_sum"), dict) and isinstance(obj.get("n_done"), int) \
+                and obj["n_done"] > 0:  # the reference's fit checkpoint: the sums over n_done prompts
+            n = obj["n_done"]
+            J = {k: v.float() / n if isinstance(v, torch.Tensor) else v for k, v in obj["jacobian_sum"].items()}
         if not isinstance(J, dict) or not J or not all(isinstance(k, int) and isinstance(v, torch.Tensor)
                                                        for k, v in J.items()):
             raise LlmtraceError(f"{path} is a torch.save file but not a Jacobian lens of the reference format (a "
@@ -242,10 +247,12 @@ def _read(path: Path) -> tuple[dict[int, torch.Tensor], dict]:
         d = obj.get("d_model", next(iter(J.values())).size(-1))
         if any(v.shape != (d, d) for v in J.values()):
             raise LlmtraceError(f"{path}: its matrices are not all ({d}, {d}), the width it gives")
-        meta = {"format": REFERENCE, "d_model": d, "n_prompts": obj.get("n_prompts"),
-                "source_layers": sorted(J)}
-        if isinstance(obj.get("metadata"), dict):
-            meta["metadata"] = obj["metadata"]
+        meta = {"format": REFERENCE, "d_model": d, "n_prompts": n, "source_layers": sorted(J)}
+        extra = dict(obj["metadata"]) if isinstance(obj.get("metadata"), dict) else {}
+        if "target_layer" in obj:
+            extra.setdefault("target_layer", obj["target_layer"])
+        if extra:
+            meta["metadata"] = extra
         return {k: v.float() for k, v in J.items()}, meta
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -278,6 +285,10 @@ def read_lens(path: Union[str, Path], lm=None) -> dict[int, torch.Tensor]:
     if meta["d_model"] != D or max(lens) >= L:
         raise LlmtraceError(f"{path} is a lens of width {meta['d_model']} over layers up to {max(lens)}; this model "
                             f"has {L} layers, width {D}")
+    target = meta.get("metadata", {}).get("target_layer", L - 1)
+    if target != L - 1:
+        raise LlmtraceError(f"{path} maps each layer to layer {target}'s output, not the last layer's ({L - 1}): "
+                            f"the lens reads through the model's head only from the last layer")
     missing = [layer for layer in range(L - 1) if layer not in lens]
     if missing:
         raise LlmtraceError(f"{path} has no matrix for layer{'s' if len(missing) > 1 else ''} "
