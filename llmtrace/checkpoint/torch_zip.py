@@ -78,126 +78,132 @@ def read_torch_zip(path: Union[str, Path]) -> Any:
 
 def _walk(data: bytes, storage_bytes, path: Path) -> Any:
     """Interpret the opcodes of `data` (a pickle) over plain values and the tensor rebuild only."""
-    stack: list[Any] = []
-    memo: dict[int, Any] = {}
-    tensors: dict[str, torch.Tensor] = {}  # a storage's bytes, read once (two views of one storage share it)
+    machine = _Machine(storage_bytes, path)
+    for op, arg, _ in pickletools.genops(data):
+        if op.name == "STOP":
+            break
+        machine.step(op.name, arg)
+    if len(machine.stack) != 1:
+        raise machine.refuse("a malformed stream")
+    return machine.stack[0]
 
-    def refuse(what: str) -> LlmtraceError:
-        return LlmtraceError(f"{path}: its pickle holds {what}, which llmtrace does not run (only plain values and "
-                             f"tensors are read from a torch.save file)")
 
-    def since_mark() -> list:
+LITERALS = {"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG", "BINFLOAT", "FLOAT", "BINUNICODE",
+            "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING", "SHORT_BINSTRING"}
+CONSTANTS = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}
+EMPTY = {"EMPTY_DICT": dict, "EMPTY_LIST": list, "EMPTY_TUPLE": tuple}
+
+
+class _Machine:
+    """The pickle machine's stack and memo, with the few operations a torch.save of plain values and tensors uses."""
+
+    def __init__(self, storage_bytes, path: Path):
+        self.stack: list[Any] = []
+        self.memo: dict[int, Any] = {}
+        self.storages: dict[str, torch.Tensor] = {}  # a storage's elements, read once (views of it share them)
+        self.storage_bytes, self.path = storage_bytes, path
+
+    def refuse(self, what: str) -> LlmtraceError:
+        return LlmtraceError(f"{self.path}: its pickle holds {what}, which llmtrace does not run (only plain values "
+                             f"and tensors are read from a torch.save file)")
+
+    def since_mark(self) -> list:
+        stack = self.stack
         for i in range(len(stack) - 1, -1, -1):
             if isinstance(stack[i], _Mark):
                 items = stack[i + 1:]
                 del stack[i:]
                 return items
-        raise refuse("a broken MARK")
+        raise self.refuse("a broken MARK")
 
-    def rebuild(args: tuple) -> torch.Tensor:
-        if len(args) < 5 or not isinstance(args[0], _Storage):
-            raise refuse("a tensor rebuilt from something other than a storage")
-        storage, offset, size, stride = args[0], args[1], tuple(args[2]), tuple(args[3])
-        if len(args) > 5 and args[5] not in ({}, None):
-            raise refuse("a tensor with backward hooks")
-        if storage.key not in tensors:
-            raw = storage_bytes(storage)
-            item = torch.empty((), dtype=storage.dtype).element_size()
-            if len(raw) != storage.numel * item:
-                raise LlmtraceError(f"{path}: storage {storage.key} holds {len(raw)} bytes, not {storage.numel} "
-                                    f"elements of {storage.dtype}")
-            tensors[storage.key] = torch.frombuffer(bytearray(raw), dtype=storage.dtype) if raw else \
-                torch.empty(0, dtype=storage.dtype)
-        flat = tensors[storage.key]
-        if len(size) != len(stride) or any(not isinstance(v, int) or v < 0 for v in (offset, *size, *stride)):
-            raise refuse("a tensor of a malformed shape")
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else offset - 1
-        if last >= flat.numel():
-            raise refuse("a tensor reaching past its storage")
-        return flat.as_strided(size, stride, offset).clone()
-
-    for op, arg, _ in pickletools.genops(data):
-        name = op.name
+    def step(self, name: str, arg) -> None:
+        stack = self.stack
         if name in ("PROTO", "FRAME"):
-            continue
-        if name == "STOP":
-            break
-        if name in ("BINPUT", "LONG_BINPUT", "PUT"):
-            memo[int(arg)] = stack[-1]
-        elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1]
+            return
+        if name in LITERALS:
+            stack.append(arg)
+        elif name in CONSTANTS:
+            stack.append(CONSTANTS[name])
+        elif name in EMPTY:
+            stack.append(EMPTY[name]())
+        elif name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
+            self.memo[len(self.memo) if name == "MEMOIZE" else int(arg)] = stack[-1]
         elif name in ("BINGET", "LONG_BINGET", "GET"):
-            if int(arg) not in memo:
-                raise refuse("a reference to nothing")
-            stack.append(memo[int(arg)])
+            if int(arg) not in self.memo:
+                raise self.refuse("a reference to nothing")
+            stack.append(self.memo[int(arg)])
         elif name == "MARK":
             stack.append(_Mark())
-        elif name in ("BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG", "BINFLOAT", "FLOAT",
-                      "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
-                      "SHORT_BINSTRING"):
-            stack.append(arg)
-        elif name in ("NONE", "NEWTRUE", "NEWFALSE"):
-            stack.append({"NONE": None, "NEWTRUE": True, "NEWFALSE": False}[name])
-        elif name == "EMPTY_DICT":
-            stack.append({})
-        elif name == "EMPTY_LIST":
-            stack.append([])
-        elif name == "EMPTY_TUPLE":
-            stack.append(())
         elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
             n = int(name[-1])
             items = tuple(stack[-n:])
             del stack[-n:]
             stack.append(items)
-        elif name == "TUPLE":
-            stack.append(tuple(since_mark()))
-        elif name == "LIST":
-            stack.append(list(since_mark()))
-        elif name == "DICT":
-            items = since_mark()
-            stack.append(dict(zip(items[::2], items[1::2])))
-        elif name == "APPEND":
-            value = stack.pop()
-            _list(stack[-1], refuse).append(value)
-        elif name == "APPENDS":
-            items = since_mark()
-            _list(stack[-1], refuse).extend(items)
-        elif name == "SETITEM":
-            value, key = stack.pop(), stack.pop()
-            _dict(stack[-1], refuse)[_key(key, refuse)] = value
-        elif name == "SETITEMS":
-            items = since_mark()
-            d = _dict(stack[-1], refuse)
+        elif name in ("TUPLE", "LIST", "DICT"):
+            items = self.since_mark()
+            stack.append(tuple(items) if name == "TUPLE" else list(items) if name == "LIST" else
+                         dict(zip(items[::2], items[1::2])))
+        else:
+            self.build(name, arg)
+
+    def build(self, name: str, arg) -> None:
+        """The opcodes that fill a container, name a global or call one."""
+        stack = self.stack
+        if name in ("APPEND", "APPENDS"):
+            items = [stack.pop()] if name == "APPEND" else self.since_mark()
+            _list(stack[-1], self.refuse).extend(items)
+        elif name in ("SETITEM", "SETITEMS"):
+            items = [stack.pop(-2), stack.pop()] if name == "SETITEM" else self.since_mark()
+            d = _dict(stack[-1], self.refuse)
             for k, v in zip(items[::2], items[1::2]):
-                d[_key(k, refuse)] = v
+                d[_key(k, self.refuse)] = v
         elif name in ("GLOBAL", "STACK_GLOBAL"):
             if name == "GLOBAL":
                 module, _, attr = arg.partition(" ")
             else:
                 attr, module = stack.pop(), stack.pop()
-            g = (module, attr)
-            if g not in (REBUILD, ORDERED_DICT) and not (module == "torch" and attr in STORAGES):
-                raise refuse(f"a reference to {module}.{attr}")
+            if (module, attr) not in (REBUILD, ORDERED_DICT) and not (module == "torch" and attr in STORAGES):
+                raise self.refuse(f"a reference to {module}.{attr}")
             stack.append(_Global(module, attr))
         elif name == "BINPERSID":
             pid = stack.pop()
             if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Global)
                     and pid[1].module == "torch" and pid[1].name in STORAGES and isinstance(pid[4], int)):
-                raise refuse(f"a persistent reference of an unknown kind ({_short(pid)})")
+                raise self.refuse(f"a persistent reference of an unknown kind ({_short(pid)})")
             stack.append(_Storage(STORAGES[pid[1].name], str(pid[2]), pid[4]))
         elif name == "REDUCE":
             args, fn = stack.pop(), stack.pop()
             if fn == _Global(*ORDERED_DICT) and args == ():
                 stack.append({})
             elif fn == _Global(*REBUILD) and isinstance(args, tuple):
-                stack.append(rebuild(args))
+                stack.append(self.rebuild(args))
             else:
-                raise refuse(f"a call of {_short(fn)}")
+                raise self.refuse(f"a call of {_short(fn)}")
         else:
-            raise refuse(f"the opcode {name}")
-    if len(stack) != 1:
-        raise refuse("a malformed stream")
-    return stack[0]
+            raise self.refuse(f"the opcode {name}")
+
+    def rebuild(self, args: tuple) -> torch.Tensor:
+        """torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks, ...): a copy."""
+        if len(args) < 5 or not isinstance(args[0], _Storage):
+            raise self.refuse("a tensor rebuilt from something other than a storage")
+        storage, offset, size, stride = args[0], args[1], tuple(args[2]), tuple(args[3])
+        if len(args) > 5 and args[5] not in ({}, None):
+            raise self.refuse("a tensor with backward hooks")
+        if storage.key not in self.storages:
+            raw = self.storage_bytes(storage)
+            item = torch.empty((), dtype=storage.dtype).element_size()
+            if len(raw) != storage.numel * item:
+                raise LlmtraceError(f"{self.path}: storage {storage.key} holds {len(raw)} bytes, not "
+                                    f"{storage.numel} elements of {storage.dtype}")
+            self.storages[storage.key] = torch.frombuffer(bytearray(raw), dtype=storage.dtype) if raw else \
+                torch.empty(0, dtype=storage.dtype)
+        flat = self.storages[storage.key]
+        if len(size) != len(stride) or any(not isinstance(v, int) or v < 0 for v in (offset, *size, *stride)):
+            raise self.refuse("a tensor of a malformed shape")
+        last = offset + sum((n - 1) * st for n, st in zip(size, stride)) if all(size) else offset - 1
+        if last >= flat.numel():
+            raise self.refuse("a tensor reaching past its storage")
+        return flat.as_strided(size, stride, offset).clone()
 
 
 def _list(x, refuse) -> list:
