@@ -97,6 +97,23 @@ def test_the_sweep_reports_its_agreement_with_the_exact_grids(loaded):
     json.dumps(ev)
 
 
+
+def test_the_figures_docs_report_on_the_real_gemma_3(gemma3_path):
+    """docs/compare.md and docs/research-api.md give attribution patching's agreement on the real Gemma 3 270M (the
+    suite's Q4_K_M GGUF in float32): these are its figures, to the digits the pages print."""
+    from llmtrace.checkpoint.load import load_model
+
+    lm = load_model(str(gemma3_path), device="cpu", dtype="float32")
+    ev = attribution_sweep(lm, "The Eiffel Tower is in the city of", "The Colosseum is in the city of", " Paris",
+                           " Rome", check=True)
+    assert (ev["n_layers"], ev["n_positions"]) == (18, 9)
+    assert (ev["clean_metric"], ev["corrupt_metric"]) == (pytest.approx(3.996, abs=5e-4),
+                                                          pytest.approx(-11.032, abs=5e-4))
+    resid, heads = ev["agreement"]["resid"], ev["agreement"]["heads"]
+    assert (resid["cells"], heads["cells"]) == (162, 72)
+    assert resid["pearson"] == pytest.approx(0.919, abs=5e-4) and resid["overlap"] == 7
+    assert heads["pearson"] == pytest.approx(0.973, abs=5e-4) and heads["overlap"] == 9
+
 def test_agreement_counts_what_it_says():
     x = torch.tensor([3.0, -2.0, 0.5, 0.1, float("nan")])
     assert agreement(x, 2 * x, 2) == {"pearson": 1.0, "top_k": 2, "overlap": 2, "cells": 4}

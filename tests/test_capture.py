@@ -89,6 +89,23 @@ def test_two_workers_write_what_one_does(loaded, tmp_path):
         torch.testing.assert_close(two[n], one[n], atol=1e-6, rtol=0)
 
 
+
+@pytest.mark.slow  # Ray starts a local cluster: about 10 s
+def test_ray_actors_write_what_one_process_does(loaded, tmp_path, one_thread):
+    ray = pytest.importorskip("ray")
+    lm = loaded("llama", "hf")
+    opts = dict(dtype="float32", chunks=4, shard_chunks=1, batch=2, threads=1)
+    capture_corpus(lm, TEXT, POINTS, CTX, tmp_path / "one", **opts)
+    try:
+        r = capture_corpus(lm, TEXT, POINTS, CTX, tmp_path / "ray", workers=2, ray="local", **opts)
+        assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}  # --ray local: on loopback only
+    finally:
+        ray.shutdown()
+    assert sorted(r.written) == [0, 1, 2, 3] and not r.interrupted
+    # each shard is the same passes over the same chunks, whichever process ran them: the same bytes
+    for f in sorted((tmp_path / "one").iterdir()):
+        assert (tmp_path / "ray" / f.name).read_bytes() == f.read_bytes(), f.name
+
 def test_what_a_capture_refuses(loaded, tmp_path):
     lm = loaded("llama", "hf")
     with pytest.raises(BadValue, match="'1.resid_psot' is not a point"):

@@ -17,6 +17,7 @@ from llmtrace.cli.batch_input import PromptFlags
 from llmtrace.cli.options import (INTERVENTIONS_HELP, ChatOpt, ForceOpt, HtmlOpt, InterventionFlags, JsonlOpt, JsonOpt,
                                   LoadFlags, LangOpt, SystemOpt, flag_groups, load_for_cli, write_html)
 from llmtrace.cli.outputs import check_outputs, control_vector_files
+from llmtrace.errors import UsageError
 from llmtrace import sigint
 from llmtrace.console import make_console
 from llmtrace.render.explain import render_explain, render_lens
@@ -69,7 +70,7 @@ corpus, instead of J = I: fit it once, then read prompts through it.
 
   llmtrace lens --fit-jacobian wiki.raw --ctx 32 --chunks 8 -o lens.safetensors
 
-  llmtrace lens "The capital of France is" --jacobian lens.safetensors
+  llmtrace lens "The capital of France is" --jacobian lens.safetensors --html jlens.html
 
 """ + INTERVENTIONS_HELP
 
@@ -141,7 +142,10 @@ def lens(
     chunks: Annotated[Optional[int], typer.Option("--chunks", metavar="N", help="With --fit-jacobian: stop after N "
                       "chunks (default: the whole text).", show_default=False)] = None,
     workers: Annotated[int, typer.Option("--workers", metavar="N", help="With --fit-jacobian: fit on N local "
-                       "processes (their sums are added).")] = 1,
+                       "processes (or N Ray actors with --ray); their sums are added in chunk order.")] = 1,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="With --fit-jacobian: run the "
+                   "workers as Ray actors on the cluster at ADDRESS (auto, ray://host:10001, or local).",
+                   show_default=False)] = None,
     resume: Annotated[bool, typer.Option("--resume", help="With --fit-jacobian: go on with the interrupted fit of "
                       "-o FILE.")] = False,
 ) -> None:
@@ -154,16 +158,19 @@ def lens(
         check_outputs({"-o": None if output is None else str(output)},
                       {"the corpus (--fit-jacobian)": str(fit_jacobian), "the model (-m)": load.model},
                       force=force or resume)
-        code = fit_command(fit_jacobian, output, ctx, chunks, workers, resume, load.options(), load.threads)
+        code = fit_command(fit_jacobian, output, ctx, chunks, workers, ray, resume, load.options(), load.threads)
         if code:
             raise typer.Exit(code)
         return
     if jacobian is not None:
         from llmtrace.cli.jlens import readout_command
 
-        check_outputs({"--json": json_out}, prompts.inputs() | {"the lens file (--jacobian)": str(jacobian),
-                                                                "the model (-m)": load.model}, force=force)
-        readout_command(prompts.read(), jacobian, load.options(), last, top, chat, json_out)
+        if lang != "en":
+            raise UsageError("the Jacobian lens page is in English only: leave out --lang")
+        check_outputs({"--json": json_out, "--html": html},
+                      prompts.inputs() | {"the lens file (--jacobian)": str(jacobian), "the model (-m)": load.model},
+                      force=force)
+        readout_command(prompts.read(), jacobian, load.options(), last, top, chat, json_out, html)
         return
 
     options = LensOptions(positions=positions, last=last, layers=layers, top=top, chat=chat, system=system, row=row,
