@@ -31,23 +31,12 @@ from typing import Optional
 
 import torch
 
-from llmtrace.model.llama_points import ATTN_OUT, O_PROJ, RESID_PRE
+from llmtrace.model.llama_points import RESID_PRE
 from llmtrace.run.patching import patch_sweep as exact_sweep, prompt_pair
 
 
 def _r(x: float) -> float:
     return float(f"{x:.6g}")
-
-
-def heads_point(block) -> str:
-    """The per-head output a head's patch replaces, as the layer's kind declares its points: the last editable point of
-    (T, heads, width) before its output projection (attention's `attn_out`, Qwen3.5's gated heads, a linear layer's
-    value heads)."""
-    points = [p for p in type(block.attn).POINTS if not isinstance(p, str)]
-    names = [p.name for p in points]
-    before = points[:names.index(O_PROJ.name)] if O_PROJ.name in names else points
-    return next((p.name for p in reversed(before) if p.editable and len(p.axes) == 3 and p.axes[0] == "T"),
-                ATTN_OUT.name)
 
 
 def _metric(logits: torch.Tensor, answer: int, against: int) -> torch.Tensor:
@@ -60,7 +49,7 @@ def _run(model, ids: list[int], at: str, grad: bool) -> tuple[torch.Tensor, dict
     tensors keep their gradients for a backward pass from the metric."""
     keep: dict = {}
     L = model.config.n_layers
-    grid = {(i, at) for i in range(L)} | {(i, heads_point(model.layers[i])) for i in range(L)}
+    grid = {(i, at) for i in range(L)} | {(i, h) for i, h in enumerate(model.heads_points()) if h is not None}
 
     def hook(layer, name, x):
         if layer is None:
@@ -92,11 +81,14 @@ def estimate(lm, clean_ids: list[int], corrupt_ids: list[int], answer: int, agai
     resid = torch.stack([((clean[(i, at)] - corrupt[(i, at)]) * corrupt[(i, at)].grad)[0].double().sum(-1)
                          for i in range(L)])  # (L, T)
     heads = []
-    for i in range(L):
-        key = (i, heads_point(model.layers[i]))
+    for i, point in enumerate(model.heads_points()):
+        if point is None:  # a mixer without heads (a short convolution): no head cells in this layer
+            heads.append(torch.zeros(0, dtype=torch.float64))
+            continue
+        key = (i, point)
         d = (clean[key] - corrupt[key]) * corrupt[key].grad  # (1, T, H, Dh)
         heads.append(d[0].double().sum(dim=(0, 2)))  # (H,)
-    width = max(h.numel() for h in heads)
+    width = max(1, max(h.numel() for h in heads))
     head_grid = torch.full((L, width), float("nan"), dtype=torch.float64)
     for i, h in enumerate(heads):
         head_grid[i, : h.numel()] = h.detach().cpu()
@@ -112,10 +104,10 @@ def exact_heads(lm, clean_ids: list[int], corrupt_ids: list[int], answer: int, a
     _, clean = _run(model, clean_ids, RESID_PRE.name, grad=False)
     idx = torch.tensor([corrupt_ids], dtype=torch.long, device=model.embed.weight.device)
     m0 = float(_metric(model(idx), answer, against))
-    widths = [clean[(i, heads_point(model.layers[i]))].size(2) for i in range(L)]
-    out = torch.full((L, max(widths)), float("nan"), dtype=torch.float64)
-    for i in range(L):
-        point = heads_point(model.layers[i])
+    points = model.heads_points()
+    widths = [0 if p is None else clean[(i, p)].size(2) for i, p in enumerate(points)]
+    out = torch.full((L, max(1, max(widths))), float("nan"), dtype=torch.float64)
+    for i, point in enumerate(points):
         for h in range(widths[i]):
             def patch(layer, name, x, i=i, h=h, point=point):
                 if layer == i and name == point:

@@ -69,9 +69,10 @@ class ShortConv(Module):
     POINTS = POINTS
     HEADINGS = HEADINGS
 
-    def __init__(self, config, kernel: int):
+    def __init__(self, config, kernel: Optional[int] = None):
         super().__init__()
         D = config.d_model
+        kernel = kernel or int(config.parts[KIND]["kernel"])  # Lc: its config part's, unless given
         self.width, self.kernel = D, kernel
         self.w_in = nn.Linear(D, 3 * D, bias=False)  # (3D, D): W_B rows, then W_C, then W_x
         self.conv = nn.Parameter(torch.empty(D, kernel))  # (D, Lc): one kernel per channel
