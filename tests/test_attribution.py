@@ -26,30 +26,29 @@ def closes(r) -> None:
     assert abs(r.total - r.logit) <= TOL * max(1.0, abs(r.logit)), (r.logit, r.total)
 
 
-# the kinds of layer direct logit attribution does not split yet (issue 49): it refuses them rather than report
-# parts that do not sum to the logit
-NOT_SPLIT: set = set()
+# The kinds of part each family's layers add (besides the embedding), from what its layers are: the test fails when a
+# kind of layer is not split as its block declares it.
+KINDS = {"llama": {"head", "ffn"}, "olmo2": {"head", "ffn"}, "gemma2": {"head", "ffn"}, "mixtral": {"head", "expert"},
+         "gpt_oss": {"head", "attn_bias", "expert"}, "qwen3_5": {"linear_head", "head", "ffn"},
+         "deepseek_v2": {"head", "ffn", "expert", "shared_experts"},
+         "deepseek_v3": {"head", "ffn", "expert", "shared_experts"},
+         "granite_hybrid": {"mamba2", "head", "expert", "shared_experts"}, "granite_hybrid_dense": {"mamba2", "head", "ffn"},
+         "lfm2": {"short_conv", "head", "ffn"}, "gemma4": {"head", "ffn", "ple"}}
 
 
-@pytest.mark.parametrize("name", sorted(NOT_SPLIT & set(FAMILIES)))
-def test_a_model_whose_parts_do_not_close_is_refused(loaded, name):
-    from llmtrace.errors import LlmtraceError
-
-    with pytest.raises(LlmtraceError, match="does not split this model's layers exactly yet"):
-        attribute(loaded(name, "hf"), PROMPT_IDS, TARGET)
-
-
-@pytest.mark.parametrize("name", sorted(set(FAMILIES) - NOT_SPLIT))
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_the_parts_sum_to_the_logit_on_every_family(loaded, name):
     lm = loaded(name, "hf")
     r = attribute(lm, PROMPT_IDS, TARGET)
     closes(r)
     logits = Model(lm).run_with_hooks(PROMPT_IDS)[0, -1]
-    if lm.config.final_softcap is None:  # the model's own logit, the one the parts add up to
+    if lm.config.final_softcap is None:  # the model's own logit, the one the parts add up to (Granite's ÷ its scaling)
         assert abs(r.logit - float(logits[r.target["id"]])) <= TOL
-    heads = sum(k in ("head", "linear_head") for k in r.kinds.values())
-    assert heads >= lm.config.n_layers  # every layer's mixer split into heads
     assert list(r.parts)[0] == "embed"
+    if name in KINDS:
+        assert set(r.kinds.values()) == KINDS[name] | {"embed"}
+    layers = {k.split(".")[0] for k in r.by_layer() if k != "embed"}
+    assert layers == {str(i) for i in range(lm.config.n_layers)}  # every layer adds parts
     if lm.config.n_experts:
         assert any(k == "expert" for k in r.kinds.values())
     diff = attribute(lm, PROMPT_IDS, TARGET, against=AGAINST)
@@ -59,7 +58,16 @@ def test_the_parts_sum_to_the_logit_on_every_family(loaded, name):
         assert diff.parts[n] == pytest.approx(r.parts[n] - one.parts[n], abs=TOL)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "olmo2", "mixtral", "qwen3_moe", "phi3"])
+def test_the_notes_say_what_was_frozen_and_scaled(loaded):
+    """Gemma 4: post-norms frozen, the layer scalar, the soft-cap; Granite: the multipliers and the logits' scale."""
+    notes = " ".join(attribute(loaded("gemma4", "hf"), PROMPT_IDS, TARGET).notes)
+    assert "post-norms" in notes and "layer scalar" in notes and "soft-cap (logits_raw)" in notes
+    notes = " ".join(attribute(loaded("granite_hybrid", "hf"), PROMPT_IDS, TARGET).notes)
+    assert "residual multiplier" in notes and "× 0.25" in notes and "post-norms" not in notes
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "olmo2", "mixtral", "qwen3_moe", "phi3", "qwen3_5", "deepseek_v3",
+                                  "granite_hybrid", "lfm2", "gemma4"])
 def test_the_parts_sum_to_the_logit_from_a_gguf(loaded, name):
     closes(attribute(loaded(name, "gguf"), PROMPT_IDS, TARGET, against=AGAINST))
 
@@ -213,3 +221,35 @@ def test_the_command_writes_the_parts_as_json_and_a_page(families, capsys, tmp_p
     assert code == 2 and assert_one_line_error(err, "--target")
     code, _, err = run_cli(capsys, "attribute", "the quick", "-m", model, "--target", "every")
     assert code == 2 and assert_one_line_error(err, "--target", "one token")
+
+
+def test_parallel_mixers_are_a_declaration(loaded):
+    """A block whose feed-forward reads the layer's input beside attention (Falcon-H1's and GPT-J's parallel wiring:
+    x + attn(norm(x)) + ffn(norm(x))) is two declared additions, the second reading resid_pre through the same norm:
+    its forward pass is that formula, computed by hand from the same weights, and its direct logit attribution closes."""
+    import copy
+
+    from llmtrace.model.transformer import Block, Transformer
+    from llmtrace.model.wiring import Addition
+
+    class ParallelBlock(Block):
+        WIRING = (Addition("attn", "resid_mid", norm="attn_norm"),
+                  Addition("ffn", "resid_post", norm="attn_norm", reads="resid_pre"))
+
+    class Parallel(Transformer):
+        block = ParallelBlock
+
+    llama = loaded("llama", "hf")
+    lm = copy.copy(llama)
+    lm.model = Parallel(lm.config).eval()
+    lm.model.load_state_dict(llama.model.state_dict())
+    x = torch.randn(1, len(PROMPT_IDS), lm.config.d_model, generator=torch.Generator().manual_seed(0))
+    block = lm.model.layers[0]
+    io = lm.model.layer_inputs(torch.tensor([PROMPT_IDS]))[0]
+    with torch.no_grad():
+        h = block.attn_norm(x)
+        assert torch.allclose(block(x, io), x + block.attn(h, io) + block.ffn(h), atol=1e-5)
+        assert not torch.allclose(block(x, io), llama.model.layers[0](x, io), atol=1e-3)  # not Llama's sequential add
+    r = attribute(lm, PROMPT_IDS, TARGET)
+    closes(r)
+    assert {"0.attn", "0.ffn"} <= set(r.by_layer())

@@ -10,9 +10,10 @@ so the corrupt run, its gradient with respect to every point of the grid, and th
 whole grid at once:
   - the residual stream (the sweep's `at` point, default the layer's output) at every (layer, position): the dot
     product over the width D at that position, the grid of `llmtrace patch`;
-  - each head (the hookable per-head output before the output projection: `attn_out`, a linear-attention layer's
-    value heads `delta_out`) at every (layer, head), patched at every position: the dot product over positions and
-    the head's width.
+  - each head (the hookable per-head output before the output projection, as the model declares it per layer,
+    `model.heads_points()`: `attn_out`, a linear-attention layer's value heads `delta_out`, a Mamba2 layer's read-out)
+    at every (layer, head), patched at every position: the dot product over positions and the head's width; a layer
+    whose mixer has no heads (a short convolution) has no head cells.
 The gradient flows through the model's own forward (torch.enable_grad): the stream entering layer 0 is made a leaf
 that requires a gradient (the weights stay frozen), each point of the grid keeps its gradient (`retain_grad`), one
 backward pass from m fills them all.

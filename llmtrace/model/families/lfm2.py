@@ -21,11 +21,9 @@ from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
 from llmtrace.model.families.qwen3 import Qwen3Attention
 from llmtrace.model.hybrid import HybridBlock
-from llmtrace.model.kinds.short_conv import KIND, ShortConv
+from llmtrace.model.kinds.short_conv import KERNEL, KIND, ShortConv
 from llmtrace.model.points import Source, Weight
 from llmtrace.model.transformer import FeedForward, Transformer
-
-KERNEL = 3  # conv_L_cache of every released LFM2 (transformers' default)
 
 
 class Lfm2Attention(Qwen3Attention):
