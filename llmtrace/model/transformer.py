@@ -27,7 +27,9 @@ The model never formats, stores or prints anything itself, and holds no state be
 
 Families. This file is Llama. A family (model/families/) is a small file of differences: subclasses of these modules
 that change a step (Qwen3 norms q and k per head before RoPE), chosen through the class attributes `Transformer.block`,
-`Block.attention`, `Block.feed_forward`; numbers (a score scale, a window) come from the config.
+`Block.attention`, `Block.feed_forward`, and `Block.WIRING`, how each part enters the residual stream (model.wiring:
+pre-norm here; post-norms, sandwich norms, a residual multiplier, a rescale of the stream elsewhere); numbers (a score
+scale, a window) come from the config.
 """
 
 from __future__ import annotations
