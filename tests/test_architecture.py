@@ -414,9 +414,9 @@ def test_point_names_are_spelled_only_in_the_model():
 
 
 # Modules that take each block apart and so read model.layers (each with why); a new one must be declared here.
-# Direct logit attribution and attribution patching read each block's wiring, norms and output projection: a
-# model-side declaration of a layer's direct paths would take them off this list (issue 49's follow-up).
-LAYER_WALKS = {"llmtrace.run.attribution", "llmtrace.run.attribution_patching"}
+# None now: direct logit attribution and attribution patching read the blocks' declared wiring (model.wiring(),
+# model.direct_parts, model.heads_points()).
+LAYER_WALKS: set[str] = set()
 
 
 def test_nothing_above_the_model_walks_its_layers():

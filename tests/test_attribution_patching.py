@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from llmtrace.run.attribution_patching import agreement, attribution_sweep, estimate, heads_point
+from llmtrace.run.attribution_patching import agreement, attribution_sweep, estimate
 from llmtrace.run.patching import patch_sweep
 
 CLEAN, CORRUPT = "the quick brown fox jumps", "the quick brown box jumps"  # the same number of tokens in tiny.py's BPE
@@ -69,7 +69,7 @@ def test_each_estimate_is_the_derivative_of_the_patched_metric(loaded, name):
         for p in range(len(corrupt)):
             f = lambda e: patched_metric(model, corrupt, a, b, layer, at, (p,), e * d[0, p])  # noqa: E731
             assert float(est["resid"][layer, p]) == pytest.approx((f(EPS) - f(-EPS)) / (2 * EPS), **TOL)
-        point = heads_point(model.layers[layer])
+        point = model.heads_points()[layer]
         dz = acts[("clean", layer, point)] - acts[("corrupt", layer, point)]  # (1, T, H, Dh)
         for h in range(dz.size(2)):
             f = lambda e: patched_metric(model, corrupt, a, b, layer, point, (slice(None), h), e * dz[0, :, h])  # noqa

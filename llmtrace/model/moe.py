@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from llmtrace.model.family import say
 from llmtrace.model.maths import Op, op
-from llmtrace.model.moe_points import MOE_POINTS
+from llmtrace.model.moe_points import EXPERT_WEIGHTS, MOE_POINTS
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import ACTIVATIONS, Block, FeedForward, Module
 from llmtrace.units import plural
@@ -226,6 +226,24 @@ class MoEFeedForward(Module):
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """An expert's gated activation: act(gate) ⊙ up (a family with a clamped GLU changes it: gpt-oss)."""
         return self.act(gate) * up
+
+    def direct_points(self) -> tuple[str, ...]:
+        """What its split reads (model.wiring): the expert weights, and the shared experts' output where it has them."""
+        shared = getattr(self, "shared", None)
+        return (EXPERT_WEIGHTS.name,) + ((shared.output_point(),) if shared is not None else ())
+
+    def direct_parts(self, x: torch.Tensor, got) -> dict[str, tuple[str, torch.Tensor]]:
+        """Its output at one position by expert: each chosen expert run again on the input x (D,), times its weight
+        ("expertE"); the shared experts' output as one part ("shared") where it has them."""
+        weights = got(EXPERT_WEIGHTS.name)  # (E,), 0 where not chosen
+        out = {}
+        for e in weights.nonzero()[:, 0].tolist():
+            y = self.w_down(self.expert_act(x[None], e), e)  # (1, D)
+            out[f"expert{e}"] = ("expert", y[0].float() * weights[e].float())
+        shared = getattr(self, "shared", None)
+        if shared is not None:
+            out["shared"] = ("shared_experts", got(shared.output_point()).float())
+        return out
 
 
 # shared experts (DeepSeek V2/V3): a SwiGLU every token runs, added to the routed experts' sum

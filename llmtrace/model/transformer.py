@@ -27,7 +27,9 @@ The model never formats, stores or prints anything itself, and holds no state be
 
 Families. This file is Llama. A family (model/families/) is a small file of differences: subclasses of these modules
 that change a step (Qwen3 norms q and k per head before RoPE), chosen through the class attributes `Transformer.block`,
-`Block.attention`, `Block.feed_forward`; numbers (a score scale, a window) come from the config.
+`Block.attention`, `Block.feed_forward`, and `Block.WIRING`, how each part enters the residual stream (model.wiring:
+pre-norm here; post-norms, sandwich norms, a residual multiplier, a rescale of the stream elsewhere); numbers (a score
+scale, a window) come from the config.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from llmtrace.model.memory import Memory, kv_memory
 from llmtrace.model.memory import totals as memory_totals
 from llmtrace.model.points import (DeclaredSource, DeclaredWeight, Point, Points, Source, Weight, axis_size, splice,
                                    with_where)
+from llmtrace.model.wiring import Addition, LayerWiring, Path, Rescale, split_heads
 
 # A hook is called as hook(layer, name, tensor), layer None outside the decoder layers, and returns None (it observed)
 # or, at an editable point, the tensor the pass goes on with.
@@ -178,6 +181,43 @@ class Module(nn.Module):
 
     def weights(self) -> tuple[Weight, ...]:
         return ()
+
+    # -- its direct paths into the residual stream (model.wiring) ----------------------------------------------
+
+    # (the point of its merged heads (T, heads, width), the attribute of the output projection that reads them) in an
+    # attention-like sub-layer, whose output then splits by head; None: its output is one part
+    HEADS: Optional[tuple[str, str]] = None
+    HEAD_KIND = "head"  # what a head's part is called ("linear_head": a linear-attention layer's value heads)
+
+    @classmethod
+    def output_point(cls) -> str:
+        """The point of what this sub-layer hands back: its last."""
+        return cls.declared_points()[-1].name
+
+    def direct_points(self) -> tuple[str, ...]:
+        """The points `direct_parts` reads."""
+        return (self.HEADS[0],) if self.HEADS else (self.output_point(),)
+
+    def direct_parts(self, x: torch.Tensor, got: Callable[[str], torch.Tensor]) -> dict[str, tuple[str, torch.Tensor]]:
+        """Its output at one position split into the parts that sum to it: {name: (kind, (D,) float32)}. `x` is
+        its input (D,), `got(point)` a point's value at that position. By head where it declares HEADS; else one
+        part, named by its kind."""
+        if self.HEADS:
+            point, proj = self.HEADS
+            return {n: (self.HEAD_KIND if k == "head" else k, v)
+                    for n, (k, v) in split_heads(getattr(self, proj), got(point)).items()}
+        name = getattr(self, "KIND", None) or self.WHERE
+        return {name: (name, got(self.output_point()).float())}
+
+    @classmethod
+    def heads_point(cls) -> Optional[str]:
+        """The per-head output a head's patch replaces: the last editable point of (T, heads, width) before the
+        output projection (attention's attn_out, Qwen3.5's gated heads, a linear layer's value heads, Mamba2's
+        read-out); None where the sub-layer has none (a short convolution)."""
+        points = list(cls.declared_points())
+        names = [p.name for p in points]
+        before = points[:names.index(O_PROJ.name)] if O_PROJ.name in names else points
+        return next((p.name for p in reversed(before) if p.editable and len(p.axes) == 3 and p.axes[0] == "T"), None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -564,6 +604,7 @@ class Attention(Module):
 
     # -- the kind, declared (model.kinds) -----------------------------------------------------------------------
     KIND = "attention"
+    HEADS = (ATTN_OUT.name, "wo")  # its output splits by head: the heads' outputs through Wo's columns (model.wiring)
     HEADINGS: dict = {}  # s6.1-s6.8 as the seed table names them (model.points.SEED_STEPS)
     EXPLAIN = ("attention",)  # explain's sections for this kind (run.explain), besides the generic ones
     FLOPS_NOTE = "the scores count the full T×T square the eager path computes (the causal mask then discards the upper half)"
@@ -735,9 +776,12 @@ class Block(Module):
     CHILDREN = {"attn_norm": ("input_layernorm", "attn_norm"), "attn": ("self_attn", ""),
                 "ffn_norm": ("post_attention_layernorm", "ffn_norm"), "ffn": ("mlp", "")}
     NORMS = {ATTN_NORM.name: "attn_norm", FFN_NORM.name: "ffn_norm"}  # point -> the RMSNorm that makes it
-    # The residual wiring, declared: each sub-layer's norm before it and after it (a point of NORMS, or None), and
-    # the point its output is added at. Llama norms the input only; Gemma both; OLMo 2 the output only.
-    WIRING = {"attn": (ATTN_NORM.name, None, RESID_MID.name), "ffn": (FFN_NORM.name, None, RESID_POST.name)}
+    # The residual wiring, declared (model.wiring): each addition to the stream in order, with its norms, its factor
+    # and the point the stream has after it; and a rescale of the whole stream at the end (none in Llama). Llama norms
+    # each sub-layer's input only; Gemma its input and its output; OLMo 2 its output only.
+    WIRING: tuple[Addition, ...] = (Addition("attn", RESID_MID.name, norm=ATTN_NORM.name),
+                                    Addition("ffn", RESID_POST.name, norm=FFN_NORM.name))
+    RESCALE: Optional[Rescale] = None
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -751,8 +795,7 @@ class Block(Module):
                 m.layer = layer
 
     def attention_of(self, config: ModelConfig, layer: int) -> Module:
-        """This layer's attention: `attention` in every layer of Llama (a hybrid family mixes kinds: Qwen3.5's linear
-        attention in three layers of four; their points are a subset of the declared ones)."""
+        """This layer's attention: `attention` in every layer of Llama (a hybrid family mixes kinds: model.hybrid)."""
         return self.attention(config)
 
     def feed_forward_of(self, config: ModelConfig, layer: int) -> Module:
@@ -779,35 +822,88 @@ class Block(Module):
                 "note": self.attn.FLOPS_NOTE}
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
-        x = self.point("resid_pre", x)  # (B, T, D)
-        x = self.sublayer("attn", x, lambda h: self.attn(h, io))  # s6.6 residual 1: x + attention
-        return self.sublayer("ffn", x, self.ffn)  # s6.7 residual 2: x + feed-forward
+        """The stream through each declared addition (s6.6 residual 1: x + attention; s6.7 residual 2: x +
+        feed-forward), then the rescale where the block has one."""
+        x = self.point(RESID_PRE.name, x)  # (B, T, D)
+        seen = {RESID_PRE.name: x}  # the stream and the normed inputs so far, for a part that reads an earlier one
+        for add in self.WIRING:
+            h = seen[add.reads] if add.reads else x  # (B, T, D)
+            if add.norm:
+                h = seen[add.norm] if add.norm in seen else self.point(add.norm, getattr(self, self.NORMS[add.norm])(h))
+                seen[add.norm] = h
+            h = self.run(add.part, h, io)  # (B, T, D)
+            if add.post_norm:
+                h = self.point(add.post_norm, getattr(self, self.NORMS[add.post_norm])(h))
+            if add.factor:
+                h = self.point(add.scaled, h * getattr(self, add.factor))
+            x = seen[add.total] = self.point(add.total, x + h)
+        if self.RESCALE:
+            x = self.point(self.RESCALE.total, x * getattr(self, self.RESCALE.factor))
+        return x
 
-    def sublayer(self, part: str, x: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """x + the sub-layer, wired as WIRING declares: its input normed (or not), its output normed (or not)."""
-        before, after, total = self.WIRING[part]
-        h = self.point(before, getattr(self, self.NORMS[before])(x)) if before else x  # (B, T, D)
-        h = run(h)  # (B, T, D)
-        if after:
-            h = self.point(after, getattr(self, self.NORMS[after])(h))
-        return self.point(total, x + h)
+    def run(self, part: str, h: torch.Tensor, io: LayerInput) -> torch.Tensor:
+        """The sub-layer `part` on its input h (B, T, D): a sequence mixer also reads the layer's input (RoPE, the mask,
+        its cache); a feed-forward works token by token. A family's step of its own is its override."""
+        module = getattr(self, part)
+        return module(h, io) if module.WHERE == "attn" else module(h)
+
+    def part_maths(self, part: str, x: str, plan: LayerPlan) -> dict[str, Op]:
+        """The operations of a step of the block's own (Addition.output: no module), reading point x."""
+        raise NotImplementedError(f"{type(self).__name__} declares no maths for its part {part!r}")
 
     def maths(self, plan: LayerPlan) -> dict[str, Op]:
-        """Every point of this layer with its operation: the stream, the norms, the sub-layers, the adds."""
+        """Every point of this layer with its operation: the stream, the norms, the sub-layers, the adds, each as
+        WIRING declares them."""
         out = {RESID_PRE.name: op("stream", [PREV + RESID_POST.name])}
         x = RESID_PRE.name
-        for part, module in (("attn", self.attn), ("ffn", self.ffn)):
-            before, after, total = self.WIRING[part]
-            if before:
-                out[before] = getattr(self, self.NORMS[before]).op(x, self.NORMS[before] + ".")
-            inner = module.maths(before or x, plan)
-            out.update({n: o.prefixed(part + ".") for n, o in inner.items()})
-            h = module.declared_points()[-1].name  # the sub-layer's output
-            if after:
-                out[after] = getattr(self, self.NORMS[after]).op(h, self.NORMS[after] + ".")
-            out[total] = op("add", [x, after or h])
-            x = total
+        for add in self.WIRING:
+            src = add.reads or x
+            if add.norm and add.norm not in out:
+                out[add.norm] = getattr(self, self.NORMS[add.norm]).op(src, self.NORMS[add.norm] + ".")
+            module = getattr(self, add.part, None)
+            if isinstance(module, Module):
+                inner = module.maths(add.norm or src, plan)
+                out.update({n: o.prefixed(add.part + ".") for n, o in inner.items()})
+                h = module.output_point()
+            else:
+                out.update(self.part_maths(add.part, add.norm or src, plan))
+                h = add.output
+            if add.post_norm:
+                out[add.post_norm] = getattr(self, self.NORMS[add.post_norm]).op(h, self.NORMS[add.post_norm] + ".")
+                h = add.post_norm
+            if add.factor:
+                out[add.scaled] = op("scale", [h], factor=float(getattr(self, add.factor)), label=add.factor)
+                h = add.scaled
+            out[add.total] = op("add", [x, h])
+            x = add.total
+        if self.RESCALE:
+            out[self.RESCALE.total] = op("scale", [x], [self.RESCALE.factor], label=self.RESCALE.factor)
         return out
+
+    # -- its direct paths, for a direct logit attribution (model.wiring) ---------------------------------------
+
+    def wiring(self) -> LayerWiring:
+        """WIRING resolved for this layer: each addition's output point, the point it reads, the points its split
+        reads, its factor as a number; the stream's rescale as a number."""
+        paths, x = [], RESID_PRE.name
+        for add in self.WIRING:
+            module = getattr(self, add.part, None)
+            sub = isinstance(module, Module)
+            output = module.output_point() if sub else add.output
+            capture = module.direct_points() if sub else (output,)
+            factor = float(getattr(self, add.factor)) if add.factor else 1.0
+            paths.append(Path(add, add.norm or add.reads or x, output, capture, factor))
+            x = add.total
+        rescale = float(getattr(self, self.RESCALE.factor)) if self.RESCALE else 1.0
+        return LayerWiring(tuple(paths), self.RESCALE.total if self.RESCALE else x, rescale)
+
+    def direct_parts(self, path: Path, got: Callable[[str], torch.Tensor]) -> dict[str, tuple[str, torch.Tensor]]:
+        """The parts of one addition's output at one position (before its post-norm and factor), {name: (kind,
+        (D,) float32)}: its sub-layer's split (Module.direct_parts), or one part for a step of the block's own."""
+        module = getattr(self, path.part, None)
+        if isinstance(module, Module):
+            return module.direct_parts(got(path.input), got)
+        return {path.part: (path.part, got(path.output).float())}
 
     def plan(self, config: ModelConfig, rope: Optional[dict]) -> LayerPlan:
         """This layer's plan, with the RoPE the model gives it."""
@@ -913,6 +1009,19 @@ class Transformer(Module):
         owner = self if layer is None else self.layers[layer]
         return getattr(owner, owner.NORMS[point])
 
+    def wiring(self) -> tuple[LayerWiring, ...]:
+        """Each layer's residual wiring as its block declares it (model.wiring): the additions, their points, norms and
+        factors, and the stream's rescale. What a direct logit attribution iterates over."""
+        return tuple(block.wiring() for block in self.layers)
+
+    def direct_parts(self, layer: int, path: Path, got: Callable[[str], torch.Tensor]) -> dict[str, tuple]:
+        """One addition of `layer` split into its parts at one position (Block.direct_parts): {name: (kind, (D,))}."""
+        return self.layers[layer].direct_parts(path, got)
+
+    def heads_points(self) -> list[Optional[str]]:
+        """Each layer's per-head output a head's patch replaces (Module.heads_point), None where its mixer has none."""
+        return [block.attn.heads_point() for block in self.layers]
+
     def attention_of(self, layer: int) -> Attention:
         """The attention sub-layer of `layer`, for code that reruns one of its steps on captured tensors (explain
         recomputes the scores with the layer's own `scores`: its scale, a family's soft-cap)."""
@@ -965,6 +1074,17 @@ class Transformer(Module):
                 FINAL_NORM.name: self.norm.op(PREV + RESID_POST.name, "norm."),
                 LAST.name: op("select_last", [FINAL_NORM.name]),
                 LOGITS.name: op("matmul", [LAST.name], [head], tied=self.config.tie_embeddings)}
+
+    def logit_path(self) -> tuple[str, float]:
+        """What a direct logit attribution splits: (the point that is the LM head's product times a constant, that
+        constant). The logits themselves and 1 in Llama; Granite's logits and 1/logits_scaling (a scale is linear);
+        the head's product before the family's soft-cap and 1 where what follows it is not linear (Gemma 2)."""
+        head = self.model_maths()[LOGITS.name]
+        if head.weights:
+            return LOGITS.name, 1.0
+        if head.kind == "scale":
+            return LOGITS.name, float(head.const("factor"))
+        return head.inputs[0], 1.0
 
     # -- forward -----------------------------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ so the corrupt run, its gradient with respect to every point of the grid, and th
 whole grid at once:
   - the residual stream (the sweep's `at` point, default the layer's output) at every (layer, position): the dot
     product over the width D at that position, the grid of `llmtrace patch`;
-  - each head (the hookable per-head output before the output projection: `attn_out`, a linear-attention layer's
-    value heads `delta_out`) at every (layer, head), patched at every position: the dot product over positions and
-    the head's width.
+  - each head (the hookable per-head output before the output projection, as the model declares it per layer,
+    `model.heads_points()`: `attn_out`, a linear-attention layer's value heads `delta_out`, a Mamba2 layer's read-out)
+    at every (layer, head), patched at every position: the dot product over positions and the head's width; a layer
+    whose mixer has no heads (a short convolution) has no head cells.
 The gradient flows through the model's own forward (torch.enable_grad): the stream entering layer 0 is made a leaf
 that requires a gradient (the weights stay frozen), each point of the grid keeps its gradient (`retain_grad`), one
 backward pass from m fills them all.
@@ -31,23 +32,12 @@ from typing import Optional
 
 import torch
 
-from llmtrace.model.llama_points import ATTN_OUT, O_PROJ, RESID_PRE
+from llmtrace.model.llama_points import RESID_PRE
 from llmtrace.run.patching import patch_sweep as exact_sweep, prompt_pair
 
 
 def _r(x: float) -> float:
     return float(f"{x:.6g}")
-
-
-def heads_point(block) -> str:
-    """The per-head output a head's patch replaces, as the layer's kind declares its points: the last editable point of
-    (T, heads, width) before its output projection (attention's `attn_out`, Qwen3.5's gated heads, a linear layer's
-    value heads)."""
-    points = [p for p in type(block.attn).POINTS if not isinstance(p, str)]
-    names = [p.name for p in points]
-    before = points[:names.index(O_PROJ.name)] if O_PROJ.name in names else points
-    return next((p.name for p in reversed(before) if p.editable and len(p.axes) == 3 and p.axes[0] == "T"),
-                ATTN_OUT.name)
 
 
 def _metric(logits: torch.Tensor, answer: int, against: int) -> torch.Tensor:
@@ -60,7 +50,7 @@ def _run(model, ids: list[int], at: str, grad: bool) -> tuple[torch.Tensor, dict
     tensors keep their gradients for a backward pass from the metric."""
     keep: dict = {}
     L = model.config.n_layers
-    grid = {(i, at) for i in range(L)} | {(i, heads_point(model.layers[i])) for i in range(L)}
+    grid = {(i, at) for i in range(L)} | {(i, h) for i, h in enumerate(model.heads_points()) if h is not None}
 
     def hook(layer, name, x):
         if layer is None:
@@ -92,11 +82,14 @@ def estimate(lm, clean_ids: list[int], corrupt_ids: list[int], answer: int, agai
     resid = torch.stack([((clean[(i, at)] - corrupt[(i, at)]) * corrupt[(i, at)].grad)[0].double().sum(-1)
                          for i in range(L)])  # (L, T)
     heads = []
-    for i in range(L):
-        key = (i, heads_point(model.layers[i]))
+    for i, point in enumerate(model.heads_points()):
+        if point is None:  # a mixer without heads (a short convolution): no head cells in this layer
+            heads.append(torch.zeros(0, dtype=torch.float64))
+            continue
+        key = (i, point)
         d = (clean[key] - corrupt[key]) * corrupt[key].grad  # (1, T, H, Dh)
         heads.append(d[0].double().sum(dim=(0, 2)))  # (H,)
-    width = max(h.numel() for h in heads)
+    width = max(1, max(h.numel() for h in heads))
     head_grid = torch.full((L, width), float("nan"), dtype=torch.float64)
     for i, h in enumerate(heads):
         head_grid[i, : h.numel()] = h.detach().cpu()
@@ -112,10 +105,10 @@ def exact_heads(lm, clean_ids: list[int], corrupt_ids: list[int], answer: int, a
     _, clean = _run(model, clean_ids, RESID_PRE.name, grad=False)
     idx = torch.tensor([corrupt_ids], dtype=torch.long, device=model.embed.weight.device)
     m0 = float(_metric(model(idx), answer, against))
-    widths = [clean[(i, heads_point(model.layers[i]))].size(2) for i in range(L)]
-    out = torch.full((L, max(widths)), float("nan"), dtype=torch.float64)
-    for i in range(L):
-        point = heads_point(model.layers[i])
+    points = model.heads_points()
+    widths = [0 if p is None else clean[(i, p)].size(2) for i, p in enumerate(points)]
+    out = torch.full((L, max(1, max(widths))), float("nan"), dtype=torch.float64)
+    for i, point in enumerate(points):
         for h in range(widths[i]):
             def patch(layer, name, x, i=i, h=h, point=point):
                 if layer == i and name == point:

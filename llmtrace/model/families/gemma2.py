@@ -26,6 +26,7 @@ from llmtrace.model.llama_points import (ATTN_NORM, EMBED, FFN_NORM, K_REPEATED,
 from llmtrace.model.maths import LayerPlan, Op, op
 from llmtrace.model.points import Point, Source, Weight, inserted
 from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer, grouped_matmul
+from llmtrace.model.wiring import Addition
 from llmtrace.units import plural
 
 EMBED_SCALED = Point("embed_scaled", "s4", ("T", "D"), about="the embedding × √D: the stream entering layer 0",
@@ -104,8 +105,8 @@ class Gemma2Block(Block):
                 "post_ffn_norm": ("post_feedforward_layernorm", "post_ffw_norm")}
     NORMS = {ATTN_NORM.name: "attn_norm", POST_ATTN_NORM.name: "post_attn_norm", FFN_NORM.name: "ffn_norm",
              POST_FFN_NORM.name: "post_ffn_norm"}
-    WIRING = {"attn": (ATTN_NORM.name, POST_ATTN_NORM.name, RESID_MID.name),
-              "ffn": (FFN_NORM.name, POST_FFN_NORM.name, RESID_POST.name)}
+    WIRING = (Addition("attn", RESID_MID.name, norm=ATTN_NORM.name, post_norm=POST_ATTN_NORM.name),
+              Addition("ffn", RESID_POST.name, norm=FFN_NORM.name, post_norm=POST_FFN_NORM.name))
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)

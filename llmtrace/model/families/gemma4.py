@@ -42,6 +42,7 @@ from llmtrace.model.llama_points import ATTN_OUT, KV_WRITE, Q, RESID_POST, V
 from llmtrace.model.maths import LayerPlan, Op, op
 from llmtrace.model.points import Point, Source, Weight, inserted
 from llmtrace.model.transformer import FeedForward, Module, RMSNorm
+from llmtrace.model.wiring import Addition, Rescale
 
 GLOBAL, SHARED, PER_LAYER = "global_attention", "shared_kv", "per_layer_input"  # ModelConfig.parts keys
 
@@ -66,7 +67,7 @@ PLE_ACT = Point("ple_act", "s6.7", ("T", "P"), about="gelu(gate) ⊙ the per-lay
 PLE_PROJ = Point("ple_proj", "s6.7", ("T", "D"), about="× W_proj, back to the width D")
 PLE_NORM = Point("ple_norm", "s6.7", ("T", "D"), about="RMSNorm of the projection, before the residual add",
                  input="ple_proj")
-RESID_PLE = Point("resid_ple", "s6.7", ("T", "D"), about="stream + the per-layer input's part")
+RESID_PLE = Point("resid_ple", "s6.7", ("T", "D"), editable=True, about="stream + the per-layer input's part")
 RESID_SCALED = replace(RESID_POST, about="(stream + per-layer input) × the layer's learned scalar: the layer's output")
 
 
@@ -217,7 +218,11 @@ class Gemma4Block(Gemma2Block):
         PLE_GATE, PLE_IN, PLE_ACT, PLE_PROJ, PLE_NORM, RESID_PLE, RESID_SCALED)
     CHILDREN = {**Gemma2Block.CHILDREN, "ple_norm": ("post_per_layer_input_norm", "post_norm")}
     NORMS = {**Gemma2Block.NORMS, PLE_NORM.name: "ple_norm"}
-    WIRING = {**Gemma2Block.WIRING, "ffn": (*Gemma2Block.WIRING["ffn"][:2], RESID_FFN.name)}
+    # Gemma 2's two additions (the feed-forward's now ends at resid_ffn), the per-layer input's (a step of the block's
+    # own, post-normed), then the whole stream × the layer's learned scalar
+    WIRING = (Gemma2Block.WIRING[0], replace(Gemma2Block.WIRING[1], total=RESID_FFN.name),
+              Addition("ple", RESID_PLE.name, post_norm=PLE_NORM.name, output=PLE_PROJ.name))
+    RESCALE = Rescale("layer_scalar", RESID_POST.name)
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)
@@ -253,28 +258,21 @@ class Gemma4Block(Gemma2Block):
                 Weight("layer_scalar", ("1",), "s6.7", "vector",
                        (Source("layer_scalar", "layer_output_scale.weight", "1", "s_layer"),)))
 
-    def forward(self, x: torch.Tensor, io) -> torch.Tensor:
-        x = self.point("resid_pre", x)  # (B, T, D)
-        x = self.sublayer("attn", x, lambda h: self.attn(h, io))  # s6.6
-        x = self.sublayer("ffn", x, self.ffn)  # s6.7: resid_ffn
-        g = self.point(PLE_GATE.name, self.ple_gate(x))  # (B, T, P)
+    def run(self, part: str, h: torch.Tensor, io) -> torch.Tensor:
+        """The per-layer input's step (the stream h (B, T, D) as it is after the feed-forward): W_proj (gelu(W_gate h)
+        ⊙ this layer's P numbers); the mixer and the feed-forward as Llama's."""
+        if part != "ple":
+            return super().run(part, h, io)
+        g = self.point(PLE_GATE.name, self.ple_gate(h))  # (B, T, P)
         p = self.point(PLE_IN.name, io.per_layer)  # (B, T, P)
         a = self.point(PLE_ACT.name, F.gelu(g, approximate="tanh") * p)
-        h = self.point(PLE_PROJ.name, self.ple_proj(a))  # (B, T, D)
-        h = self.point(PLE_NORM.name, self.ple_norm(h))
-        x = self.point(RESID_PLE.name, x + h)
-        return self.point(RESID_POST.name, x * self.layer_scalar)
+        return self.point(PLE_PROJ.name, self.ple_proj(a))  # (B, T, D)
 
-    def maths(self, plan: LayerPlan) -> dict[str, Op]:
-        out = super().maths(plan)
-        return out | {
-            PLE_GATE.name: op("matmul", [RESID_FFN.name], ["ple_gate.weight"]),
-            PLE_IN.name: op("slice", [PLE.name], cols=self.ple_cols, split="P"),
-            PLE_ACT.name: op("glu", [PLE_GATE.name, PLE_IN.name], act="gelu_tanh", clamp=None),
-            PLE_PROJ.name: op("matmul", [PLE_ACT.name], ["ple_proj.weight"]),
-            PLE_NORM.name: self.ple_norm.op(PLE_PROJ.name, "ple_norm."),
-            RESID_PLE.name: op("add", [RESID_FFN.name, PLE_NORM.name]),
-            RESID_POST.name: op("scale", [RESID_PLE.name], ["layer_scalar"], label="layer_scalar")}
+    def part_maths(self, part: str, x: str, plan: LayerPlan) -> dict[str, Op]:
+        return {PLE_GATE.name: op("matmul", [x], ["ple_gate.weight"]),
+                PLE_IN.name: op("slice", [PLE.name], cols=self.ple_cols, split="P"),
+                PLE_ACT.name: op("glu", [PLE_GATE.name, PLE_IN.name], act="gelu_tanh", clamp=None),
+                PLE_PROJ.name: op("matmul", [PLE_ACT.name], ["ple_proj.weight"])}
 
 
 class Gemma4(Gemma2):

@@ -21,7 +21,6 @@ llama.cpp reads as its use-RoPE flag: llmtrace follows the file.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 
@@ -30,10 +29,11 @@ from llmtrace.model.family import Family
 from llmtrace.model.kinds import mamba2
 from llmtrace.model.kinds.mamba2 import Mamba2
 from llmtrace.model.llama_points import EMBED, LAST, LOGITS, O_PROJ
+from llmtrace.model.hybrid import HybridBlock
 from llmtrace.model.maths import LayerPlan, Op, op
-from llmtrace.model.moe import MoEBlock, MoEFeedForward, moe_fields
+from llmtrace.model.moe import MoEFeedForward, moe_fields
 from llmtrace.model.moe_points import EXPERT_DOWN, MOE_POINTS
-from llmtrace.model.points import Point, Source, Weight, inserted, splice
+from llmtrace.model.points import Point, Source, Weight, inserted
 from llmtrace.model.transformer import Attention, Block, FeedForward, Module, Transformer
 from llmtrace.units import plural
 
@@ -148,59 +148,26 @@ class GraniteMoE(MoEFeedForward):
         return [*super().flops(n_tokens), *self.shared.flops(n_tokens)]
 
 
-class GraniteHybridBlock(MoEBlock):
+class GraniteHybridBlock(HybridBlock):
     """Pre-norm, each sub-layer's output × residual_multiplier before the add; the mixer is Mamba2 in the config's
-    "mamba" layers."""
+    "mamba" layers (its tensors under mamba. in an HF file)."""
 
     attention = GraniteAttention
-    ssm = Mamba2
+    mixers = {"mamba": Mamba2}
+    MIXER_KEYS = {"mamba": ("mamba", "")}
     feed_forward = GraniteMoE
     dense_feed_forward = DenseMLP
     POINTS = inserted(inserted(Block.POINTS, "attn", ATTN_SCALED), "ffn", FFN_SCALED)
     CHILDREN = {**Block.CHILDREN, "ffn": ("", "")}
-    SCALED = {"attn": ATTN_SCALED.name, "ffn": FFN_SCALED.name}
+    WIRING = tuple(replace(add, factor="residual_multiplier", scaled=scaled)
+                   for add, scaled in zip(Block.WIRING, (ATTN_SCALED.name, FFN_SCALED.name)))
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)
         self.residual_multiplier = multiplier(config, "residual_multiplier")
-        if isinstance(self.attn, Mamba2):  # its tensors are under mamba.
-            self.CHILDREN = {**type(self).CHILDREN, "attn": ("mamba", "")}
-
-    def attention_of(self, config, layer: int) -> Module:
-        return (self.ssm if config.layer_type(layer) == "mamba" else self.attention)(config)
 
     def feed_forward_of(self, config, layer: int) -> Module:
         return (self.feed_forward if config.n_experts else self.dense_feed_forward)(config)
-
-    def sublayer(self, part, x, run):
-        """x + residual_multiplier · the sub-layer of its normed input."""
-        before, _, total = self.WIRING[part]
-        h = run(self.point(before, getattr(self, self.NORMS[before])(x)))  # (B, T, D)
-        return self.point(total, x + self.point(self.SCALED[part], h * self.residual_multiplier))
-
-    def maths(self, plan: LayerPlan) -> dict[str, Op]:
-        out = {}
-        for name, o in super().maths(plan).items():  # each add's second operand goes through the multiplier first
-            part = next((p for p, (_, _, total) in self.WIRING.items() if total == name), None)
-            if part is not None:
-                out[self.SCALED[part]] = op("scale", [o.inputs[1]], factor=self.residual_multiplier,
-                                            label="residual_multiplier")
-                o = op("add", [o.inputs[0], self.SCALED[part]])
-            out[name] = o
-        return out
-
-    def plan(self, config, rope: Optional[dict]) -> LayerPlan:
-        """A Mamba2 layer: no keys to attend, no RoPE (its convolution gives it order), no KV cache."""
-        p = super().plan(config, rope)
-        return replace(p, attention="none", window=None, rope=None) if isinstance(self.attn, Mamba2) else p
-
-    @classmethod
-    def layer_points(cls) -> tuple[Point, ...]:
-        """Both mixers' points (a layer reports those of its own kind): Mamba2's, then attention's, one o_proj."""
-        own = {p.name: p for p in cls.declared_points()}
-        ssm = tuple(p for p in cls.ssm.declared_points() if p.name != O_PROJ.name)
-        return splice(tuple(own[p.name] if isinstance(p, Point) else p for p in cls.POINTS),
-                      {"attn": ssm + cls.attention.declared_points(), "ffn": cls.feed_forward.declared_points()})
 
 
 class GraniteHybrid(Transformer):

@@ -17,18 +17,13 @@ which is how the file says which layers are which; the kernel is shortconv.l_cac
 
 from __future__ import annotations
 
-from typing import Optional
-
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.family import Family
 from llmtrace.model.families.qwen3 import Qwen3Attention
-from llmtrace.model.kinds.short_conv import KIND, ShortConv
-from llmtrace.model.llama_points import O_PROJ
-from llmtrace.model.maths import LayerPlan
-from llmtrace.model.points import Point, Source, Weight, splice
-from llmtrace.model.transformer import Block, FeedForward, Module, Transformer
-
-KERNEL = 3  # conv_L_cache of every released LFM2 (transformers' default)
+from llmtrace.model.hybrid import HybridBlock
+from llmtrace.model.kinds.short_conv import KERNEL, KIND, ShortConv
+from llmtrace.model.points import Source, Weight
+from llmtrace.model.transformer import FeedForward, Transformer
 
 
 class Lfm2Attention(Qwen3Attention):
@@ -53,39 +48,16 @@ class Lfm2FeedForward(FeedForward):
                        (Source("w2.weight", "ffn_down.weight", "D", "W_down"),)))
 
 
-class Lfm2Block(Block):
-    """Llama's block; its mixer is a short convolution in the config's "conv" layers."""
+class Lfm2Block(HybridBlock):
+    """Llama's block; its mixer is a short convolution in the config's "conv" layers (its tensors under conv. in an
+    HF file, shortconv. in a GGUF)."""
 
     attention = Lfm2Attention
-    short_conv = ShortConv
+    mixers = {"conv": ShortConv}
+    MIXER_KEYS = {"conv": ("conv", "shortconv")}
     feed_forward = Lfm2FeedForward
     CHILDREN = {"attn_norm": ("operator_norm", "attn_norm"), "attn": ("self_attn", ""),
                 "ffn_norm": ("ffn_norm", "ffn_norm"), "ffn": ("feed_forward", "")}
-
-    def __init__(self, config, layer: int):
-        super().__init__(config, layer)
-        if isinstance(self.attn, ShortConv):  # its tensors are under conv. (HF) and shortconv. (GGUF)
-            self.CHILDREN = {**type(self).CHILDREN, "attn": ("conv", "shortconv")}
-
-    def attention_of(self, config, layer: int) -> Module:
-        if config.layer_type(layer) == "conv":
-            return self.short_conv(config, int(config.parts.get(KIND, {}).get("kernel", KERNEL)))
-        return self.attention(config)
-
-    def plan(self, config, rope: Optional[dict]) -> LayerPlan:
-        """A convolution layer: no window, no RoPE (its convolution gives it order), no KV cache."""
-        if isinstance(self.attn, ShortConv):
-            return LayerPlan("none", None, None, "dense", mixer=KIND, headings=dict(self.attn.HEADINGS))
-        return super().plan(config, rope)
-
-    @classmethod
-    def layer_points(cls) -> tuple[Point, ...]:
-        """Both mixers' points (a layer reports those of its own kind): the convolution's, then attention's, one
-        o_proj."""
-        own = {p.name: p for p in cls.declared_points()}
-        conv = tuple(p for p in cls.short_conv.declared_points() if p.name != O_PROJ.name)
-        return splice(tuple(own[p.name] if isinstance(p, Point) else p for p in cls.POINTS),
-                      {"attn": conv + cls.attention.declared_points(), "ffn": cls.feed_forward.declared_points()})
 
 
 class Lfm2(Transformer):

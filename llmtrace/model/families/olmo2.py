@@ -18,6 +18,7 @@ from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, RESID_MID, RESID_PO
 from llmtrace.model.maths import LayerPlan, Op
 from llmtrace.model.points import Point, inserted
 from llmtrace.model.transformer import Attention, Block, RMSNorm, Transformer
+from llmtrace.model.wiring import Addition
 
 Q_NORM = Point("q_norm", "s6.1/s6.2", ("T", "H*Dh"), about="the queries RMS-normalized over their whole width (γ of "
                "width H·Dh), before the split into heads", input="q")
@@ -71,7 +72,8 @@ class Olmo2Block(Block):
     CHILDREN = {"attn": ("self_attn", ""), "post_attn_norm": ("post_attention_layernorm", "post_attention_norm"),
                 "ffn": ("mlp", ""), "post_ffn_norm": ("post_feedforward_layernorm", "post_ffw_norm")}
     NORMS = {POST_ATTN_NORM.name: "post_attn_norm", POST_FFN_NORM.name: "post_ffn_norm"}
-    WIRING = {"attn": (None, POST_ATTN_NORM.name, RESID_MID.name), "ffn": (None, POST_FFN_NORM.name, RESID_POST.name)}
+    WIRING = (Addition("attn", RESID_MID.name, post_norm=POST_ATTN_NORM.name),
+              Addition("ffn", RESID_POST.name, post_norm=POST_FFN_NORM.name))
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)

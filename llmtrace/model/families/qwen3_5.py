@@ -45,7 +45,8 @@ from llmtrace.model.families.qwen3 import K_NORM, Q_NORM
 from llmtrace.model.llama_points import ATTN_OUT, K, O_PROJ, Q, V
 from llmtrace.model.maths import LayerPlan, Op, OpKind, carried_words, declare, op
 from llmtrace.model.memory import Memory
-from llmtrace.model.points import Point, Source, Weight, inserted, splice
+from llmtrace.model.hybrid import HybridBlock
+from llmtrace.model.points import Point, Source, Weight, inserted
 from llmtrace.model.recompute import per_value_head
 from llmtrace.model.transformer import Attention, Block, LayerInput, Module, RMSNorm, Transformer
 
@@ -178,6 +179,8 @@ class GatedDeltaNet(Module):
 
     # -- the kind, declared (model.kinds) -----------------------------------------------------------------------
     KIND = "linear_attention"
+    HEADS = (DELTA_NORM.name, "w_out")  # its output splits by value head: the norm works within each head
+    HEAD_KIND = "linear_head"
     HEADINGS = {
         "summary": ("linear attention: a fixed-size state, no KV cache", "线性注意力：固定大小的状态，没有 KV 缓存"),
         "s6.1": ("pre-norm and projections: q, k, v, the gate z, β's and α's inputs",
@@ -345,6 +348,7 @@ class Qwen35Attention(Attention):
     CHILDREN = {"q_norm": ("q_norm", "attn_q_norm"), "k_norm": ("k_norm", "attn_k_norm")}
     NORMS = {Q_NORM.name: "q_norm", K_NORM.name: "k_norm"}
     ROTATED = (Q_NORM.name, K_NORM.name)
+    HEADS = (ATTN_GATED.name, "wo")  # the gated heads are what Wo reads
 
     def __init__(self, config):
         super().__init__(config)
@@ -405,37 +409,19 @@ class Qwen35Attention(Attention):
         return torch.cat([q, k], dim=2), v, gate
 
 
-class Qwen35Block(Block):
-    """Llama's block with (1 + w) norms; its mixer is linear attention in the config's "linear" layers."""
+class Qwen35Block(HybridBlock):
+    """Llama's block with (1 + w) norms; its mixer is linear attention in the config's "linear" layers (its tensors
+    under linear_attn. in an HF file)."""
 
     attention = Qwen35Attention
-    linear_attention = GatedDeltaNet
+    mixers = {"linear": GatedDeltaNet}
+    MIXER_KEYS = {"linear": ("linear_attn", "")}
     CHILDREN = {**Block.CHILDREN, "ffn_norm": ("post_attention_layernorm", "post_attention_norm")}
 
     def __init__(self, config, layer: int):
         super().__init__(config, layer)
         self.attn_norm = GemmaRMSNorm(config.d_model, config.rms_eps)
         self.ffn_norm = GemmaRMSNorm(config.d_model, config.rms_eps, step="s6.7")
-        if isinstance(self.attn, GatedDeltaNet):  # its tensors are under linear_attn.
-            self.CHILDREN = {**type(self).CHILDREN, "attn": ("linear_attn", "")}
-
-    def attention_of(self, config, layer: int) -> Module:
-        return (self.linear_attention if config.layer_type(layer) == "linear" else self.attention)(config)
-
-    def plan(self, config, rope: Optional[dict]) -> LayerPlan:
-        """A linear layer: no keys to attend, no RoPE (its convolution gives it order), no KV cache."""
-        if isinstance(self.attn, GatedDeltaNet):
-            return LayerPlan("none", None, None, "dense", mixer=self.attn.KIND, headings=dict(self.attn.HEADINGS))
-        return super().plan(config, rope)
-
-    @classmethod
-    def layer_points(cls) -> tuple[Point, ...]:
-        """Both mixers' points (a layer reports those of its own kind): the linear layer's, then attention's, one
-        o_proj."""
-        own = {p.name: p for p in cls.declared_points()}
-        linear = tuple(p for p in cls.linear_attention.declared_points() if p.name != O_PROJ.name)
-        return splice(tuple(own[p.name] if isinstance(p, Point) else p for p in cls.POINTS),
-                      {"attn": linear + cls.attention.declared_points(), "ffn": cls.feed_forward.declared_points()})
 
 
 class Qwen35(Transformer):

@@ -123,6 +123,7 @@ class MLA(Module):
               MLA_SCORES, PROBS, MLA_OUT, O_PROJ)
     NORMS = {Q_A_NORM.name: "q_norm", C_KV.name: "kv_norm"}
     OPTIONAL = (Q_A.name, Q_A_NORM.name)  # reported only where the config has a q_lora_rank (V3; not V2-Lite)
+    HEADS = (MLA_OUT.name, "wo")  # its output splits by head, as attention's (model.wiring)
 
     def __init__(self, config):
         super().__init__()

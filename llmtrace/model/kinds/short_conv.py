@@ -33,6 +33,7 @@ from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module
 
 KIND = "short_conv"
+KERNEL = 3  # Lc where the config part says none: conv_L_cache of every released LFM2 (transformers' default)
 
 CONV_B = Point("conv_b", "s6.1", ("T", "D"), about="X·W_B: the input gate")
 CONV_C = Point("conv_c", "s6.1", ("T", "D"), about="X·W_C: the output gate")
@@ -69,9 +70,10 @@ class ShortConv(Module):
     POINTS = POINTS
     HEADINGS = HEADINGS
 
-    def __init__(self, config, kernel: int):
+    def __init__(self, config, kernel: Optional[int] = None):
         super().__init__()
         D = config.d_model
+        kernel = kernel or int(config.parts.get(KIND, {}).get("kernel", KERNEL))  # Lc: its config part's, unless given
         self.width, self.kernel = D, kernel
         self.w_in = nn.Linear(D, 3 * D, bias=False)  # (3D, D): W_B rows, then W_C, then W_x
         self.conv = nn.Parameter(torch.empty(D, kernel))  # (D, Lc): one kernel per channel
