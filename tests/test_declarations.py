@@ -12,8 +12,7 @@ from llmtrace.model.transformer import ModelConfig, Transformer
 
 TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, max_seq_len=64,
             n_experts=4, n_experts_used=2, expert_ffn_dim=24,  # read by the mixture-of-experts families only
-            layer_types=["linear", "conv"],  # read by the hybrid families only: Qwen3.5 "linear", LFM2 "conv"
-            linear_attn=dict(k_heads=2, v_heads=4, k_dim=8, v_dim=4, conv_kernel=4, v_order="grouped"))
+            layer_types=["linear", "conv"])  # read by the hybrid families only: Qwen3.5 "linear", LFM2 "conv"
 # the config parts of a family's kinds (ModelConfig.parts), given to that family only: their axis names are the
 # kind's own (MLA's Dv is its value head width, not linear attention's)
 PARTS = {"deepseek": dict(mla=dict(q_lora_rank=16, kv_lora_rank=12, nope=8, rope=4, v=6, scale=12 ** -0.5,
@@ -21,7 +20,10 @@ PARTS = {"deepseek": dict(mla=dict(q_lora_rank=16, kv_lora_rank=12, nope=8, rope
                           router=dict(score="sigmoid", choice_bias=True, groups=2, groups_used=1, scale=2.0),
                           shared_experts=dict(n=1, axes=dict(Fs=24))),
          # Gemma 4: 4 per-layer input numbers a layer, layer 1 reading layer 0's keys and values
-         "gemma4": {"per_layer_input": {"width": 4}, "shared_kv": {"reads": [None, 0]}}}
+         "gemma4": {"per_layer_input": {"width": 4}, "shared_kv": {"reads": [None, 0]}},
+         # Qwen3.5: its linear-attention layer's sizes
+         "qwen3_5": {"linear_attention": dict(k_heads=2, v_heads=4, k_dim=8, v_dim=4, conv_kernel=4, v_order="grouped",
+                                              axes=dict(Hk=2, Hv=4, Dk=8, Dv=4, Kc=4, C=48))}}
 
 
 def tiny_model(family) -> Transformer:

@@ -556,3 +556,21 @@ def test_ctrl_c_in_the_pass_of_explain_and_lens_ends_the_stream_with_an_interrup
     assert f"the {command} run was interrupted (Ctrl-C) before its pass was taken apart" in " ".join(out.split())
     code, shown, err = run_cli(capsys, "show", stream)
     assert code == 0 and err == "" and shown == out
+
+
+def test_a_conversion_an_older_llmtrace_wrote_is_converted_again(tiny_gguf, capsys):
+    """A cached conversion whose config names a field ModelConfig no longer has (an older llmtrace wrote it): the
+    load converts the GGUF again, says so on stderr, and runs as a fresh conversion does."""
+    import json
+
+    from llmtrace.checkpoint.load import load_model
+    from llmtrace.registry.cache import converted_dir
+
+    first = load_model(str(tiny_gguf), device="cpu")
+    path = converted_dir(tiny_gguf) / "llmtrace_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"linear_attn": None}))
+    again = load_model(str(tiny_gguf), device="cpu")
+    assert again.converted and "written by an older llmtrace (its config has linear_attn)" in capsys.readouterr().err
+    assert "linear_attn" not in json.loads(path.read_text())
+    ids = torch.tensor([[5, 6, 7]])
+    torch.testing.assert_close(again.model(ids), first.model(ids), rtol=0, atol=0)

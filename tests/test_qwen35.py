@@ -42,7 +42,7 @@ def test_logits_at_every_position_and_greedy_match_transformers(families, loaded
     reference = families.model(name)
     assert lm.config.family == "qwen3_5"
     assert lm.config.layer_types == ["linear", "linear", "linear", "full"]
-    assert lm.config.linear_attn["v_order"] == ("grouped" if fmt == "hf" else "tiled")
+    assert lm.config.parts["linear_attention"]["v_order"] == ("grouped" if fmt == "hf" else "tiled")
     assert lm.config.rotary_dim == 4 and lm.config.tie_embeddings == (name == "qwen3_5_tied")
     stepwise, _ = _stepwise(reference, PROMPT_IDS)
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_the_state_after_the_prompt_is_transformers_cache_state(families, loaded
         assert S.shape == mine.shape and float(S.abs().max()) > 0.1
         assert float((mine - S).abs().max()) <= rounding_tol(mine, exact.layers[i]["state"])
         conv = theirs.get_conv_state(i, state_idx=0)  # (1, C, Kc): it keeps one input more than the kernel needs
-        kc, mine = lm.config.linear_attn["conv_kernel"], cache.layers[i]["conv"]
+        kc, mine = lm.config.parts["linear_attention"]["conv_kernel"], cache.layers[i]["conv"]
         assert float((mine - conv[..., -(kc - 1):]).abs().max()) <= rounding_tol(mine, exact.layers[i]["conv"])
     keys, T = theirs.layers[3].keys, len(PROMPT_IDS)  # (1, Hkv, T, Dh)
     mine = cache.layers[3].k[:, :, :T]
@@ -144,7 +144,7 @@ def test_the_trace_reports_the_state_beside_the_kv_cache(families):
     model = llmtrace.load(str(families.hf_dir("qwen3_5")), device="cpu")
     run = model.generate("The quick brown fox", max_new_tokens=3, trace="full")
     kv = [e["kv_cache"] for e in run.events if e["event"] == "step"]
-    la = model.config.linear_attn
+    la = model.config.parts["linear_attention"]
     per_layer = 4 * (la["v_heads"] * la["k_dim"] * la["v_dim"] + (2 * la["k_heads"] * la["k_dim"] + la["v_heads"]
                                                                    * la["v_dim"]) * (la["conv_kernel"] - 1))
     c = model.config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 
@@ -14,7 +14,7 @@ from llmtrace.console import progress_to_stderr
 from llmtrace.errors import LlmtraceError
 from llmtrace.checkpoint.gguf_checkpoint import open_gguf_checkpoint
 from llmtrace.checkpoint.weights import check_shape, expected_shapes, safetensors_entries, write_safetensors
-from llmtrace.model.transformer import ModelConfig
+from llmtrace.model.transformer import MOVED_TO_PARTS, ModelConfig
 from llmtrace.registry.cache import CONVERSION_SOURCE, conversion_source
 from llmtrace.units import human_bytes
 
@@ -26,8 +26,17 @@ def _config_to_json(c: ModelConfig) -> str:
     return json.dumps(asdict(c), indent=1)
 
 
+class OutdatedConversion(Exception):
+    """A cached conversion's config names a field this llmtrace's ModelConfig no longer has."""
+
+
 def _config_from_json(text: str) -> ModelConfig:
-    return ModelConfig.from_dict(json.loads(text))
+    d = json.loads(text)
+    known = {f.name for f in fields(ModelConfig)} | set(MOVED_TO_PARTS)
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise OutdatedConversion(f"its config has {', '.join(unknown)}")
+    return ModelConfig.from_dict(d)
 
 
 def convert_gguf(path: Path, dest: Path) -> None:

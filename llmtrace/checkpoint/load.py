@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from llmtrace.checkpoint.choices import check_combination, check_fast_device
-from llmtrace.checkpoint.conversion import convert_gguf, open_converted
+from llmtrace.checkpoint.conversion import OutdatedConversion, convert_gguf, open_converted
 from llmtrace.checkpoint.devices import pick_device, pick_dtype
 from llmtrace.checkpoint.hf_checkpoint import config_from_hf, hf_entries, text_model
 from llmtrace.checkpoint.loaded import LoadedModel
@@ -130,6 +130,15 @@ def open_checkpoint(resolved) -> Checkpoint:
             convert_gguf(resolved.path, dest)
         try:
             config, plan, tokenizer = open_converted(dest)
+        except OutdatedConversion as e:  # written by an older llmtrace: convert it again, once
+            import shutil
+
+            shutil.rmtree(dest, ignore_errors=True)
+            print(f"the cached conversion of {resolved.path.name} was written by an older llmtrace ({e}): "
+                  f"converting it again", file=sys.stderr, flush=True)
+            convert_gguf(resolved.path, dest)
+            config, plan, tokenizer = open_converted(dest)
+            converted = True
         except Exception as e:  # a damaged cache entry: convert again next time
             import shutil
 

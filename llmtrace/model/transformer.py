@@ -92,10 +92,6 @@ class ModelConfig:
     expert_ffn_dim: Optional[int] = None  # one expert's hidden width (None: ffn_dim)
     norm_topk_prob: bool = True  # the K chosen probabilities renormalised to sum to 1
     dense_layers: Optional[list] = None  # layers whose feed-forward is dense in a mixture-of-experts model
-    # a linear-attention layer's sizes (layer_types "linear": Qwen3.5's Gated DeltaNet): conv_kernel, k_heads,
-    # v_heads, k_dim, v_dim, and v_order ("grouped": value head j reads key head j // (Hv/Hk), HF's order; "tiled":
-    # j % Hk, the order llama.cpp's converter writes)
-    linear_attn: Optional[dict] = None
     no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
     # a kind's own config part, read by its own declaration (model.kinds): part name -> its fields, with "axes" the
     # sizes of the axis names its points and weights use ({"mla": {"axes": {"R": 512, ...}, ...}})
@@ -123,10 +119,6 @@ class ModelConfig:
         out = {"D": self.d_model, "H": self.n_heads, "Hkv": self.n_kv_heads, "Dh": self.head_dim,
                "F": self.ffn_dim, "V": self.vocab_size, "G": self.group_size, "E": self.n_experts,
                "K": self.n_experts_used, "Fe": self.expert_ffn_dim or self.ffn_dim}
-        if self.linear_attn:
-            la = self.linear_attn
-            out.update(Hk=la["k_heads"], Hv=la["v_heads"], Dk=la["k_dim"], Dv=la["v_dim"], Kc=la["conv_kernel"],
-                       C=2 * la["k_heads"] * la["k_dim"] + la["v_heads"] * la["v_dim"])
         for part in self.parts.values():
             out.update(part.get("axes", {}))
         return out

@@ -125,7 +125,7 @@ class GatedDeltaNet(Module):
 
     def __init__(self, config):
         super().__init__()
-        la = config.linear_attn
+        la = config.parts[PART]  # its own config part (ModelConfig.parts)
         self.hk, self.hv, self.dk, self.dv, self.kc = (la["k_heads"], la["v_heads"], la["k_dim"], la["v_dim"],
                                                        la["conv_kernel"])
         self.tiled = la.get("v_order") == "tiled"
@@ -440,6 +440,8 @@ def refuse(field: str, value, why: str) -> LlmtraceError:
     return LlmtraceError(f"{field} {value!r} is not supported: {why}")
 
 
+PART = "linear_attention"  # the config part of its linear-attention layers (ModelConfig.parts)
+
 LAYER_TYPES = {"linear_attention": "linear", "full_attention": "full"}
 
 
@@ -478,7 +480,16 @@ def hf_config(cfg: dict) -> dict:
                            cfg.get("linear_conv_kernel_dim", 4), "linear attention sizes")
     return dict(head_dim=head_dim, rotary_dim=_rotary(head_dim, factor, "partial_rotary_factor"),
                 layer_types=[LAYER_TYPES[t] for t in types], rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                ffn_act="silu", linear_attn=linear | {"v_order": "grouped"}, attn_bias=False)
+                ffn_act="silu", parts=_part(linear, "grouped"), attn_bias=False)
+
+
+def _part(linear: dict, v_order: str) -> dict:
+    """The config part of a linear-attention layer: its sizes, the order its value heads read the key heads in
+    ("grouped": value head j reads key head j // (Hv/Hk), HF's order; "tiled": j % Hk, the order llama.cpp's converter
+    writes), and the axes its points and weights are declared in."""
+    hk, hv, dk, dv = linear["k_heads"], linear["v_heads"], linear["k_dim"], linear["v_dim"]
+    axes = dict(Hk=hk, Hv=hv, Dk=dk, Dv=dv, Kc=linear["conv_kernel"], C=2 * hk * dk + hv * dv)
+    return {PART: {**linear, "v_order": v_order, "axes": axes}}
 
 
 def gguf_config(meta) -> dict:
@@ -497,11 +508,11 @@ def gguf_config(meta) -> dict:
     dr = int(meta("rope.dimension_count") or head_dim)
     return dict(head_dim=head_dim, rotary_dim=_rotary(head_dim, dr / head_dim, "qwen35.rope.dimension_count"),
                 layer_types=["linear" if (i + 1) % every else "full" for i in range(n)],
-                linear_attn=linear | {"v_order": "tiled"})
+                parts=_part(linear, "tiled"))
 
 
 def changes(c) -> list[str]:
-    la = c.linear_attn or {}
+    la = c.parts.get(PART, {})
     kinds = c.layer_types or []
     n_linear = sum(t == "linear" for t in kinds)
     state = la.get("v_heads", 0) * la.get("k_dim", 0) * la.get("v_dim", 0)
