@@ -548,7 +548,8 @@ CJK = re.compile(r"[\u4e00-\u9fff]")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "olmo2", "phi3_longrope", "qwen3", "qwen3_5",
-                                  "qwen3_moe_dense", "mixtral", "smollm3", "qwen3_swa"])
+                                  "qwen3_moe_dense", "mixtral", "smollm3", "qwen3_swa", "deepseek_v3", "deepseek_v2",
+                                  "granite_hybrid", "granite_hybrid_dense", "lfm2", "gemma4"])
 def test_every_change_line_of_a_family_is_said_in_both_languages(families, name):
     """Each line of what the family changes (model.family.describe_changes) is said from its family's own words,
     by key and arguments (the model record's changes_said): in English the very line, in Chinese a Chinese one with
@@ -573,7 +574,7 @@ CHANGES_ROW = """(k) => { const th = Array.from(document.querySelectorAll("table
   return th ? th.nextElementSibling.textContent : null; }"""
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3_5"])
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3_5", "deepseek_v3", "granite_hybrid", "lfm2", "gemma4"])
 @pytest.mark.parametrize("size", VIEWPORTS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_chinese_page_says_what_the_family_changes_in_chinese(browser, reports, name, size):
     """The run table's "相对 Llama 的改动" row on the zh page: every line Chinese, no run of three English words
