@@ -548,7 +548,8 @@ CJK = re.compile(r"[\u4e00-\u9fff]")
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt_oss", "olmo2", "phi3_longrope", "qwen3", "qwen3_5",
-                                  "qwen3_moe_dense", "mixtral", "smollm3", "qwen3_swa"])
+                                  "qwen3_moe_dense", "mixtral", "smollm3", "qwen3_swa", "deepseek_v3", "deepseek_v2",
+                                  "granite_hybrid", "granite_hybrid_dense", "lfm2", "gemma4"])
 def test_every_change_line_of_a_family_is_said_in_both_languages(families, name):
     """Each line of what the family changes (model.family.describe_changes) is said from its family's own words,
     by key and arguments (the model record's changes_said): in English the very line, in Chinese a Chinese one with
@@ -569,11 +570,42 @@ def test_every_change_line_of_a_family_is_said_in_both_languages(families, name)
             re.findall(r"\d+", zh.replace(",", ""))), (line, zh)  # the same numbers
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "granite_hybrid", "lfm2", "gemma4", "gemma3"])
+def test_the_chinese_explain_page_says_what_the_family_changes_from_its_words(families, capsys, tmp_path, name):
+    """explain --html --lang zh: the block "与 Llama 的不同之处" holds each line of what the family changes as its
+    family's words say it in Chinese (model.family.said_in), none of them left in English."""
+    from helpers import run_cli
+
+    import llmtrace
+    from llmtrace.model.family import said_in
+    from llmtrace.report.explain_words import english_run
+    from llmtrace.trace.records import model_record
+
+    m = model_record(llmtrace.load(str(families.hf_dir(name)), threads=1).loaded)
+    out = tmp_path / "explain.html"
+    code, _, err = run_cli(capsys, "explain", "hello", "-m", families.hf_dir(name), "--layer", "0", "--html", out,
+                           "--lang", "zh")
+    assert code == 0, err
+    html = out.read_text()
+    block = html[html.index("与 Llama 的不同之处"):]
+    block = re.sub(r"<[^>]+>", " ", block[:block.index("</table>")])
+    for line, said in zip(m["changes"], m["changes_said"]):
+        zh = said_in(m["family"], said, "zh")
+        assert html_unescaped(zh) in re.sub(r"\s+", " ", html_unescaped(block)), (name, zh)
+        assert not english_run(zh), zh
+
+
+def html_unescaped(text: str) -> str:
+    import html
+
+    return re.sub(r"\s+", " ", html.unescape(text))
+
+
 CHANGES_ROW = """(k) => { const th = Array.from(document.querySelectorAll("table.facts th")).find((e) => e.textContent === k);
   return th ? th.nextElementSibling.textContent : null; }"""
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3_5"])
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss", "qwen3_5", "deepseek_v3", "granite_hybrid", "lfm2", "gemma4"])
 @pytest.mark.parametrize("size", VIEWPORTS, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_the_chinese_page_says_what_the_family_changes_in_chinese(browser, reports, name, size):
     """The run table's "相对 Llama 的改动" row on the zh page: every line Chinese, no run of three English words

@@ -10,7 +10,8 @@ The layer has E SwiGLU experts and a router W_r (E, D). For each token x (the ff
     w_e = p_e / Σ_chosen p  if the family renormalises,     else w_e = p_e
     out = Σ_chosen w_e · W_down,e (act(x W_gate,eᵀ) ⊙ x W_up,eᵀ)
 It is computed expert by expert, as transformers does: each expert gathers the tokens that chose it, runs on those
-rows only, and adds its weighted output back at their places (index_add), so a token costs K experts, not E.
+rows only, and adds its weighted output back at their places (index_add), so a token costs K experts, not E. A decode
+step's single token skips the gathering (one_token): the same K outputs added in the same order, the same sums.
 
 Points (model/moe_points.py): router_logits (editable: an ablated expert's score is -inf, so the next best is
 chosen), router_probs, expert_weights (editable: scaling an expert's weight scales its output), then Llama's gate,
@@ -137,8 +138,9 @@ class MoEFeedForward(Module):
         if self.groups > 1:
             g = pick.unflatten(-1, (self.groups, -1))  # (B, T, groups, E / groups)
             best = g.topk(2, dim=-1).values.sum(-1) if self.group_score == "top2_sum" else g.amax(-1)
-            kept = torch.zeros_like(best).scatter(-1, best.topk(self.groups_used, dim=-1).indices, 1.0)
-            pick = pick.masked_fill(kept.repeat_interleave(g.size(-1), dim=-1) == 0, float("-inf"))
+            # 0 on the kept groups, −∞ on the others, added to their experts' scores (+0 changes no score)
+            off = torch.full_like(best, float("-inf")).scatter_(-1, best.topk(self.groups_used, dim=-1).indices, 0.0)
+            pick = (g + off.unsqueeze(-1)).flatten(-2)
         return pick.topk(self.k, dim=-1).indices
 
     def glu_op(self) -> Op:
@@ -185,6 +187,8 @@ class MoEFeedForward(Module):
         K, Fe = self.k, self.expert_dim
         top_e, top_p = self.route(x)  # (B, T, K) each
         h = x.reshape(-1, D)  # (N, D)
+        if h.size(0) == 1 and self.hook is None:  # one token, nothing observed: a decode step
+            return self.output(x, self.one_token(h, top_e.view(K), top_p.view(K)).view(B, T, D))
         chosen, weight = top_e.view(-1, K), top_p.view(-1, K)  # (N, K) each
         out = torch.zeros_like(h)  # (N, D)
         rows = {e: (chosen == e).nonzero(as_tuple=True) for e in chosen.unique().tolist()}  # expert -> (tokens, slot)
@@ -198,6 +202,17 @@ class MoEFeedForward(Module):
             y = self.w_down(a, e)  # (n, D)
             out.index_add_(0, tokens, (y * weight[tokens, slot, None]).to(out.dtype))
         return self.output(x, out.view(B, T, D))  # (B, T, D)
+
+    def one_token(self, h: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One token's weighted sum, h (1, D), chosen and weight (K,): its experts' outputs added in index order, the
+        sums forward's index_add makes, without gathering rows for each expert (the cost of a decode step)."""
+        experts, weights = chosen.tolist(), weight.tolist()  # each float32 weight exactly, as a Python float
+        out = None
+        for j in sorted(range(self.k), key=experts.__getitem__):
+            e = experts[j]
+            y = (self.w_down(self.expert_act(h, e), e) * weights[j]).to(h.dtype)  # (1, D)
+            out = y if out is None else out + y
+        return out
 
     def expert_act(self, xe: torch.Tensor, e: int) -> torch.Tensor:
         """Expert e's gated activation of its tokens' rows xe (n, D) -> (n, Fe)."""

@@ -95,6 +95,20 @@ def explain_blocks(events: list[dict], lang: str = "en") -> list[dict]:
     return [translated(b) for b in blocks] if lang == "zh" else blocks
 
 
+def said_changes(e: dict, lang: str) -> dict:
+    """The model section's "what it changes" lines from its family's words in `lang` (model.family.said_in, by each
+    line's recorded key and arguments), as the page's run table says them; a line without words stays as recorded."""
+    m = e.get("model") if e.get("event") == "explain" and e.get("section") == "model" else None
+    if not m or not m.get("changes_said"):
+        return e
+    from llmtrace.model.family import said_in
+
+    said = m["changes_said"]
+    lines = [(said_in(m.get("family"), said[i], lang) if i < len(said) and said[i] else None) or line
+             for i, line in enumerate(m.get("changes") or [])]
+    return dict(e, model=dict(m, changes=lines))
+
+
 def localized(events: list[dict], lang: str) -> list[dict]:
     """The events with each formula the model's declaration makes said in the page's language (model.maths.formula
     with the catalogue's "maths." words): the steps' table, the norms, RoPE and the GLU."""
@@ -103,6 +117,7 @@ def localized(events: list[dict], lang: str) -> list[dict]:
     from llmtrace.model.maths import Maths, formula
     from llmtrace.report.i18n import Words
 
+    events = [said_changes(e, lang) for e in events]
     head = next((e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
     maths = Maths.from_record((head or {}).get("maths"))
     words = Words(lang).maths

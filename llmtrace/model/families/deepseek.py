@@ -28,7 +28,7 @@ import math
 
 from llmtrace.errors import LlmtraceError
 from llmtrace.model.families.gpt_oss import YARN_KEYS, yarn_attention_factor
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.kinds.mla import MLA, yarn_mscale
 from llmtrace.model.maths import LayerPlan
 from llmtrace.model.moe import MoEBlock, SharedExpertsMoE, moe_fields
@@ -178,36 +178,75 @@ def gguf_config(meta) -> dict:
                         int(meta("expert_shared_count") or 0), width)}
 
 
+# What DeepSeek changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "mla_code": ("multi-head latent attention: q through a code of {rq} (RMS-normed); K and V up-projected from a "
+                 "cached latent of {r} and one RoPE key of {dr} shared by the {h} heads; each head's key {dn} + {dr} "
+                 "dims, value {dv}",
+                 "多头潜在注意力（MLA）：q 先经过宽 {rq} 的低秩编码（做 RMSNorm）；K 和 V 由缓存中宽 {r} 的潜变量上投影"
+                 "得到，另有一个 {dr} 维的 RoPE 键由 {h} 个头共享；每个头的键 {dn} + {dr} 维，值 {dv} 维"),
+    "mla_direct": ("multi-head latent attention: q projected directly; K and V up-projected from a cached latent of "
+                   "{r} and one RoPE key of {dr} shared by the {h} heads; each head's key {dn} + {dr} dims, value {dv}",
+                   "多头潜在注意力（MLA）：q 直接投影得到；K 和 V 由缓存中宽 {r} 的潜变量上投影得到，另有一个 {dr} 维的 "
+                   "RoPE 键由 {h} 个头共享；每个头的键 {dn} + {dr} 维，值 {dv} 维"),
+    "latent_cache": ("the cache keeps {latent} numbers a token a layer, where multi-head attention with these heads "
+                     "would keep {mha} ({x}×); llmtrace up-projects K and V from the latent at every step, as "
+                     "transformers does (the absorbed form folds W_kb into q and W_vb into W_o)",
+                     "KV 缓存每层每个词元只存 {latent} 个数，同样头数的多头注意力要存 {mha} 个（{x} 倍）；llmtrace 与 "
+                     "transformers 一样，每一步都由潜变量上投影出 K 和 V（吸收形式把 W_kb 并入 q、把 W_vb 并入 W_o）"),
+    "scale_adjacent": ("scores scaled by {s} ({label}); RoPE on adjacent pairs of the rope dims",
+                       "分数 × {s}（{label}）；RoPE 作用在 rope 维度中相邻的两维一对上"),
+    "scale_halves": ("scores scaled by {s} ({label}); RoPE on the halves of the rope dims",
+                     "分数 × {s}（{label}）；RoPE 把 rope 维度的前一半与后一半配成对"),
+    "yarn": ("YaRN RoPE: factor {f} over an original context of {L}", "YaRN RoPE：在 {L} 的原始上下文上放大 {f} 倍"),
+    "dense_one": ("the first layer of {n} keeps a dense SwiGLU (width {f})",
+                  "{n} 层中的第一层保留稠密的 SwiGLU 前馈网络（宽 {f}）"),
+    "dense_some": ("the first {k} layers of {n} keep a dense SwiGLU (width {f})",
+                   "{n} 层中的前 {k} 层保留稠密的 SwiGLU 前馈网络（宽 {f}）"),
+}
+
+# the routed experts' line, one key per router: how it scores (a choice bias or not), whether it groups the experts,
+# whether it renormalises the chosen weights; each part in both languages
+_SCORES = {"bias": ("sigmoid scores, chosen by score + a correction bias (the bias chooses, the score weighs)",
+                    "按 sigmoid 分数取最高的，选时分数加上校正偏置（偏置决定选谁，分数决定权重）"),
+           "sigmoid": ("sigmoid scores", "按 sigmoid 分数取最高的"),
+           "softmax": ("softmax scores", "按 softmax 分数取最高的")}
+_GROUPS = {"grouped": (", within the best {gu} of {g} groups of experts", "，只在 {g} 组专家中最好的 {gu} 组里选"),
+           "all": ("", "")}
+_WEIGHTS = {"renorm": ("renormalised to sum to 1", "重新归一化为和 1"), "raw": ("not renormalised", "不重新归一化")}
+WORDS |= {f"experts_{s}_{g}_{w}": (
+    "feed-forward: {e} routed SwiGLU experts (width {fe}), each token's top {top} by " + s_en + g_en + "; weights "
+    + w_en + ", × {scale}; plus {shared} (one SwiGLU of width {fs}) every token runs",
+    "前馈网络：{e} 个路由 SwiGLU 专家（宽 {fe}），每个词元运行其中 {k} 个：" + s_zh + g_zh + "；权重" + w_zh
+    + "，再 × {scale}；另有 {n} 个共享专家（合成一个宽 {fs} 的 SwiGLU），每个词元都运行")
+    for s, (s_en, s_zh) in _SCORES.items() for g, (g_en, g_zh) in _GROUPS.items()
+    for w, (w_en, w_zh) in _WEIGHTS.items()}
+
+
 def changes(c) -> list[str]:
     m, r, s = c.parts["mla"], c.parts["router"], c.parts["shared_experts"]
     H = c.n_heads
-    q = (f"q through a code of {m['q_lora_rank']:,} (RMS-normed)" if m["q_lora_rank"] else "q projected directly")
     latent, mha = m["kv_lora_rank"] + m["rope"], H * (m["nope"] + m["rope"] + m["v"])
-    out = [f"multi-head latent attention: {q}; K and V up-projected from a cached latent of {m['kv_lora_rank']:,} "
-           f"and one RoPE key of {m['rope']} shared by the {H} heads; each head's key {m['nope']} + {m['rope']} dims, "
-           f"value {m['v']}",
-           f"the cache keeps {latent:,} numbers a token a layer, where multi-head attention with these heads would "
-           f"keep {mha:,} ({mha / latent:.1f}×); llmtrace up-projects K and V from the latent at every step, as "
-           f"transformers does (the absorbed form folds W_kb into q and W_vb into W_o)",
-           f"scores scaled by {m['scale']:.4g} ({m['scale_label']}); RoPE on "
-           + ("adjacent pairs of the rope dims" if m["pairs"] == "adjacent" else "the halves of the rope dims")]
+    sizes = dict(r=f"{m['kv_lora_rank']:,}", dr=m["rope"], h=H, dn=m["nope"], dv=m["v"])
+    out = [say(WORDS, "mla_code", rq=f"{m['q_lora_rank']:,}", **sizes) if m["q_lora_rank"] else
+           say(WORDS, "mla_direct", **sizes),
+           say(WORDS, "latent_cache", latent=f"{latent:,}", mha=f"{mha:,}", x=f"{mha / latent:.1f}"),
+           say(WORDS, "scale_adjacent" if m["pairs"] == "adjacent" else "scale_halves", s=f"{m['scale']:.4g}",
+               label=m["scale_label"])]
     if c.rope_scaling:
-        out.append(f"YaRN RoPE: factor {c.rope_scaling['factor']:g} over an original context of "
-                   f"{c.rope_scaling['original_max_position_embeddings']:,}")
+        out.append(say(WORDS, "yarn", f=f"{c.rope_scaling['factor']:g}",
+                       L=f"{c.rope_scaling['original_max_position_embeddings']:,}"))
     E, K, Fe = c.n_experts, c.n_experts_used, c.expert_ffn_dim
-    choice = ("sigmoid scores, chosen by score + a correction bias (the bias chooses, the score weighs)"
-              if r.get("choice_bias") else f"{r['score']} scores")
-    groups = (f", within the best {r['groups_used']} of {r['groups']} groups of experts" if r.get("groups", 1) > 1
-              else "")
-    how = "renormalised to sum to 1" if c.norm_topk_prob else "not renormalised"
-    out.append(f"feed-forward: {E} routed SwiGLU experts (width {Fe:,}), each token's top {plural(K, 'expert')} by "
-               f"{choice}{groups}; weights {how}, × {r.get('scale', 1.0):g}; plus {plural(s['n'], 'shared expert')} "
-               f"(one SwiGLU of width {s['axes']['Fs']:,}) every token runs")
+    score = "bias" if r.get("choice_bias") else r["score"]
+    grouped = "grouped" if r.get("groups", 1) > 1 else "all"
+    key = f"experts_{score}_{grouped}_{'renorm' if c.norm_topk_prob else 'raw'}"
+    out.append(say(WORDS, key, e=E, fe=f"{Fe:,}", top=plural(K, "expert"), k=K, g=r.get("groups", 1),
+                   gu=r.get("groups_used", 1), scale=f"{r.get('scale', 1.0):g}", shared=plural(s["n"], "shared expert"),
+                   n=s["n"], fs=f"{s['axes']['Fs']:,}"))
     dense = c.dense_layers or []
     if dense:
-        first = "the first layer of" if len(dense) == 1 else f"the first {len(dense)} layers of"
-        out.append(f"{first} {c.n_layers} {'keeps' if len(dense) == 1 else 'keep'} a dense SwiGLU (width "
-                   f"{c.ffn_dim:,})")
+        out.append(say(WORDS, "dense_one" if len(dense) == 1 else "dense_some", k=len(dense), n=c.n_layers,
+                       f=f"{c.ffn_dim:,}"))
     return out
 
 
@@ -220,5 +259,6 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
     reads_rope=True,
 )

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.families.gemma2 import Gemma2, Gemma2Block, embed_scale
 from llmtrace.model.families.qwen3 import K_NORM, Q_NORM, Qwen3Attention
 from llmtrace.model.kinds.shared_kv import SharedKVAttention
@@ -458,31 +458,59 @@ def gguf_config(meta) -> dict:
                 parts=_parts(types, n_shared, max(ffn) != min(ffn), global_, ple))
 
 
+# What Gemma 4 changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "embed_norms": ("embedding × √D = √{d} ≈ {root} (s4); every RMSNorm scales by w as stored (Gemma 2 and 3: 1 + w)",
+                    "嵌入 × √D = √{d} ≈ {root}（s4）；每个 RMSNorm 直接乘以存储的 w（Gemma 2 和 3 是 1 + w）"),
+    "per_layer": ("per-layer inputs: a second table gives each token {p} numbers for each of the {n} layers, added "
+                  "to a projection of its embedding (× 1/√D, normed per layer), × 1/√2; after its feed-forward each "
+                  "layer adds RMSNorm(W_proj (gelu(W_gate h) ⊙ its {p} numbers)) to the stream",
+                  "逐层输入：第二张嵌入表给每个词元在 {n} 层的每一层各 {p} 个数，加上它的嵌入的一个投影（× 1/√D，逐层做"
+                  "归一化），再 × 1/√2；每层在前馈网络之后把 RMSNorm(W_proj (gelu(W_gate h) ⊙ 这 {p} 个数)) 加到残差流上"),
+    "four_norms": ("four norms a layer (before and after attention, before and after the FFN); each layer's output × a "
+                   "learned scalar",
+                   "每层四个归一化（注意力前后、前馈网络前后）；每层的输出 × 一个学到的标量"),
+    "qkv_norms": ("q/k RMSNorm per head, and the values RMS-normed without a scale; scores not scaled (the norms set "
+                  "their size)",
+                  "q/k 按头做 RMSNorm，值做不带缩放权重的 RMS 归一化；分数不再缩放（大小由归一化决定）"),
+    "global": ("{g} of {n} layers are global: head width {dh} (the sliding ones {dh_local}), {kv} KV heads, RoPE base "
+               "{base} on the first {share} of each head's pairs (proportional RoPE)",
+               "{n} 层中有 {g} 层是全局层：头宽 {dh}（滑动窗口层为 {dh_local}），{kv} 个 KV 头，RoPE 基数 {base}，只作用"
+               "在每个头前 {share} 的维度对上（比例 RoPE）"),
+    "global_k_eq_v": ("{g} of {n} layers are global: head width {dh} (the sliding ones {dh_local}), {kv} KV heads, "
+                      "RoPE base {base} on the first {share} of each head's pairs (proportional RoPE); the key "
+                      "projection is also the values (attention_k_eq_v)",
+                      "{n} 层中有 {g} 层是全局层：头宽 {dh}（滑动窗口层为 {dh_local}），{kv} 个 KV 头，RoPE 基数 {base}，"
+                      "只作用在每个头前 {share} 的维度对上（比例 RoPE）；键的投影同时也是值（attention_k_eq_v）"),
+    "shared": ("the last {k} layers compute no keys or values: {reads} from the cache and writes none (its KV cache "
+               "costs nothing per token)",
+               "最后 {k} 层不计算键和值：{reads_zh}，从 KV 缓存读取，自己不写入（它们的 KV 缓存每个词元不占空间）"),
+    "shared_wide": ("the last {k} layers compute no keys or values: {reads} from the cache and writes none (its KV "
+                    "cache costs nothing per token); their feed-forward is twice as wide",
+                    "最后 {k} 层不计算键和值：{reads_zh}，从 KV 缓存读取，自己不写入（它们的 KV 缓存每个词元不占空间）；"
+                    "它们的前馈网络宽一倍"),
+    "geglu": ("GeGLU feed-forward: gelu_tanh(x W_gate) ⊙ (x W_up), width {f}",
+              "GeGLU 前馈网络：gelu_tanh(x W_gate) ⊙ (x W_up)，宽 {f}"),
+    "softcap": ("logits soft-capped: {cap}·tanh(logits / {cap})", "logits 软截断：{cap}·tanh(logits / {cap})"),
+}
+
+
 def changes(c) -> list[str]:
     g, P = global_part(c), ple_width(c)
     reads = c.parts.get(SHARED, {}).get("reads") or []
     shared = [(i, j) for i, j in enumerate(reads) if j is not None]
     n_global = sum(is_global(c, i) for i in range(c.n_layers))
-    out = [f"embedding × √D = √{c.d_model} ≈ {math.sqrt(c.d_model):.1f} (s4); every RMSNorm scales by w as stored "
-           f"(Gemma 2 and 3: 1 + w)",
-           f"per-layer inputs: a second table gives each token {P} numbers for each of the {c.n_layers} layers, added to "
-           f"a projection of its embedding (× 1/√D, normed per layer), × 1/√2; after its feed-forward each layer adds "
-           f"RMSNorm(W_proj (gelu(W_gate h) ⊙ its {P} numbers)) to the stream",
-           "four norms a layer (before and after attention, before and after the FFN); each layer's output × a learned "
-           "scalar",
-           f"q/k RMSNorm per head, and the values RMS-normed without a scale; scores not scaled (the norms set their "
-           f"size)",
-           f"{n_global} of {c.n_layers} layers are global: head width {g['head_dim']} (the sliding ones {c.head_dim}), "
-           f"{g['kv_heads']} KV heads, RoPE base {c.rope_theta:,.0f} on the first {g['rotary']:.0%} of each head's pairs "
-           f"(proportional RoPE)" + ("; the key projection is also the values (attention_k_eq_v)" if g["k_eq_v"] else "")]
-    if shared:
-        out.append(f"the last {len(shared)} layers compute no keys or values: "
-                   + ", ".join(f"layer {i} reads layer {j}'s" for i, j in shared)
-                   + " from the cache and writes none (its KV cache costs nothing per token)"
-                   + ("; their feed-forward is twice as wide" if c.parts.get(SHARED, {}).get("wide_ffn") else ""))
-    out.append(f"GeGLU feed-forward: gelu_tanh(x W_gate) ⊙ (x W_up), width {c.ffn_dim}")
+    out = [say(WORDS, "embed_norms", d=c.d_model, root=f"{math.sqrt(c.d_model):.1f}"),
+           say(WORDS, "per_layer", p=P, n=c.n_layers), say(WORDS, "four_norms"), say(WORDS, "qkv_norms"),
+           say(WORDS, "global_k_eq_v" if g["k_eq_v"] else "global", g=n_global, n=c.n_layers, dh=g["head_dim"],
+               dh_local=c.head_dim, kv=g["kv_heads"], base=f"{c.rope_theta:,.0f}", share=f"{g['rotary']:.0%}")]
+    if shared:  # the pairs (layer, the layer it reads) said in each language: the list is the words' argument
+        out.append(say(WORDS, "shared_wide" if c.parts.get(SHARED, {}).get("wide_ffn") else "shared", k=len(shared),
+                       reads=", ".join(f"layer {i} reads layer {j}'s" for i, j in shared),
+                       reads_zh="，".join(f"第 {i} 层读第 {j} 层的" for i, j in shared)))
+    out.append(say(WORDS, "geglu", f=c.ffn_dim))
     if c.final_softcap:
-        out.append(f"logits soft-capped: {c.final_softcap:g}·tanh(logits / {c.final_softcap:g})")
+        out.append(say(WORDS, "softcap", cap=f"{c.final_softcap:g}"))
     return out
 
 
@@ -495,6 +523,7 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
     reads_rope=True,
     gguf_config_tensors=("rope_freqs.weight",),
     hf_wrappers={"gemma4": ("Gemma4ForConditionalGeneration", "model.language_model.")},

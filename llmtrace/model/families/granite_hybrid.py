@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.kinds import mamba2
 from llmtrace.model.kinds.mamba2 import Mamba2
 from llmtrace.model.llama_points import EMBED, LAST, LOGITS, O_PROJ
@@ -283,27 +283,62 @@ def gguf_config(meta) -> dict:
                    need["expert_shared_feed_forward_length"], multipliers, "GGUF")
 
 
+# What Granite 4.0-H changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "mamba2": ("{k} of {n} layers are Mamba2: a state h of {h} heads × {dh} × {ds} = {state} numbers per layer, "
+               "updated h ← exp(Δ·A)·h + Δ·x⊗B and read y = C·h + D·x, in place of a KV cache that grows with every "
+               "token",
+               "{n} 层中有 {k} 层是 Mamba2：每层一个 {h} 个头 × {dh} × {ds} = {state} 个数的状态 h，按 "
+               "h ← exp(Δ·A)·h + Δ·x⊗B 更新，按 y = C·h + D·x 读出，代替随每个词元增长的 KV 缓存"),
+    "mamba2_parts": ("Mamba2 layers: a causal convolution over the last {kernel} tokens (no RoPE), B and C in "
+                     "{groups}, the output RMS-normed per group after the gate silu(z)",
+                     "Mamba2 层：对最近 {kernel} 个词元做因果卷积（不做 RoPE），B 和 C 分成 {g} 组，输出先乘以门 silu(z)，"
+                     "再按组做 RMSNorm"),
+    "attention_one_rope": ("layer {which}: attention with {kv} KV heads, scores scaled by attention_multiplier {a} "
+                           "(not 1/√Dh), RoPE",
+                           "第 {which} 层：注意力，{kv} 个 KV 头，分数 × attention_multiplier {a}（不是 1/√Dh），做 RoPE"),
+    "attention_some_rope": ("layers {which}: attention with {kv} KV heads, scores scaled by attention_multiplier {a} "
+                            "(not 1/√Dh), RoPE",
+                            "第 {which} 层：注意力，{kv} 个 KV 头，分数 × attention_multiplier {a}（不是 1/√Dh），做 "
+                            "RoPE"),
+    "attention_one": ("layer {which}: attention with {kv} KV heads, scores scaled by attention_multiplier {a} (not "
+                      "1/√Dh), no RoPE: it sees content, not position",
+                      "第 {which} 层：注意力，{kv} 个 KV 头，分数 × attention_multiplier {a}（不是 1/√Dh），不做 RoPE："
+                      "它看内容，不看位置"),
+    "attention_some": ("layers {which}: attention with {kv} KV heads, scores scaled by attention_multiplier {a} (not "
+                       "1/√Dh), no RoPE: it sees content, not position",
+                       "第 {which} 层：注意力，{kv} 个 KV 头，分数 × attention_multiplier {a}（不是 1/√Dh），不做 "
+                       "RoPE：它们看内容，不看位置"),
+    "multipliers": ("embedding × {e}; each sub-layer's output × residual_multiplier {r} before the add; logits ÷ {l}",
+                    "嵌入 × {e}；每个子层的输出在加回残差之前 × residual_multiplier {r}；logits ÷ {l}"),
+    "experts": ("feed-forward: {e} SwiGLU experts (width {w}), each token's top {top} of the raw router logits, "
+                "softmaxed over those; plus a shared SwiGLU (width {f}) every token runs",
+                "前馈网络：{e} 个 SwiGLU 专家（宽 {w}），每个词元取路由器原始 logits 最高的 {k} 个，再对这 {k} 个做 "
+                "softmax；另有一个共享的 SwiGLU（宽 {f}），每个词元都运行"),
+    "shared_only": ("feed-forward: one SwiGLU (width {f}, HF's shared_mlp), no experts",
+                    "前馈网络：一个 SwiGLU（宽 {f}，即 HF 的 shared_mlp），没有专家"),
+}
+
+
 def changes(c) -> list[str]:
     p, m = c.parts.get(mamba2.KEY, {}), c.parts.get(PART, {})
     n_ssm = sum(t == "mamba" for t in c.layer_types or [])
     state = p.get("heads", 0) * p.get("head_dim", 0) * p.get("state", 0)
     attn = [i for i, t in enumerate(c.layer_types or []) if t != "mamba"]
-    out = [f"{n_ssm} of {c.n_layers} layers are Mamba2: a state h of {p.get('heads')} heads × {p.get('head_dim')} × "
-           f"{p.get('state')} = {state:,} numbers per layer, updated h ← exp(Δ·A)·h + Δ·x⊗B and read "
-           f"y = C·h + D·x, in place of a KV cache that grows with every token",
-           f"Mamba2 layers: a causal convolution over the last {p.get('conv_kernel')} tokens (no RoPE), B and C in "
-           f"{plural(p.get('groups', 1), 'group')}, the output RMS-normed per group after the gate silu(z)",
-           f"{'layer' if len(attn) == 1 else 'layers'} {', '.join(map(str, attn))}: attention with "
-           f"{c.n_kv_heads} KV heads, scores scaled by attention_multiplier {c.attn_scale:g} (not 1/√Dh), "
-           + ("RoPE" if len(c.no_rope_layers or ()) < c.n_layers else "no RoPE: it sees content, not position"),
-           f"embedding × {m.get('embedding_multiplier', 1):g}; each sub-layer's output × residual_multiplier "
-           f"{m.get('residual_multiplier', 1):g} before the add; logits ÷ {m.get('logits_scaling', 1):g}"]
+    rope = len(c.no_rope_layers or ()) < c.n_layers
+    out = [say(WORDS, "mamba2", k=n_ssm, n=c.n_layers, h=p.get("heads"), dh=p.get("head_dim"), ds=p.get("state"),
+               state=f"{state:,}"),
+           say(WORDS, "mamba2_parts", kernel=p.get("conv_kernel"), groups=plural(p.get("groups", 1), "group"),
+               g=p.get("groups", 1)),
+           say(WORDS, f"attention_{'one' if len(attn) == 1 else 'some'}{'_rope' if rope else ''}",
+               which=", ".join(map(str, attn)), kv=c.n_kv_heads, a=f"{c.attn_scale:g}"),
+           say(WORDS, "multipliers", e=f"{m.get('embedding_multiplier', 1):g}",
+               r=f"{m.get('residual_multiplier', 1):g}", l=f"{m.get('logits_scaling', 1):g}")]
     if c.n_experts:
-        out.append(f"feed-forward: {c.n_experts} SwiGLU experts (width {c.expert_ffn_dim:,}), each token's top "
-                   f"{plural(c.n_experts_used, 'expert')} of the raw router logits, softmaxed over those; plus a "
-                   f"shared SwiGLU (width {c.ffn_dim:,}) every token runs")
+        out.append(say(WORDS, "experts", e=c.n_experts, w=f"{c.expert_ffn_dim:,}",
+                       top=plural(c.n_experts_used, "expert"), k=c.n_experts_used, f=f"{c.ffn_dim:,}"))
     else:
-        out.append(f"feed-forward: one SwiGLU (width {c.ffn_dim:,}, HF's shared_mlp), no experts")
+        out.append(say(WORDS, "shared_only", f=f"{c.ffn_dim:,}"))
     return out
 
 
@@ -316,4 +351,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
 )

@@ -18,7 +18,7 @@ which is how the file says which layers are which; the kernel is shortconv.l_cac
 from __future__ import annotations
 
 from llmtrace.errors import LlmtraceError
-from llmtrace.model.family import Family
+from llmtrace.model.family import Family, say
 from llmtrace.model.families.qwen3 import Qwen3Attention
 from llmtrace.model.hybrid import HybridBlock
 from llmtrace.model.kinds.short_conv import KERNEL, KIND, ShortConv
@@ -126,20 +126,34 @@ def gguf_config(meta) -> dict:
     return dict(layer_types=["conv" if int(h) == 0 else "full" for h in kv], parts=_kernel(kernel, "lfm2.shortconv.l_cache"))
 
 
+# What LFM2 changes from Llama, each line in English and Chinese (model.family.say).
+WORDS = {
+    "conv": ("{k} of {n} layers are short gated convolutions, not attention: B, C and x are three projections of the "
+             "normed input; B ⊙ x is convolved causally over each channel's last {kernel} values (no RoPE, no scores), "
+             "multiplied by C, then projected by W_out",
+             "{n} 层中有 {k} 层是短门控卷积，不是注意力：B、C 和 x 是归一化后输入的三个投影；B ⊙ x 在每个通道最近的 "
+             "{kernel} 个值上做因果卷积（不做 RoPE，没有注意力分数），乘以 C，再由 W_out 投影"),
+    "window": ("a convolution layer remembers only its last {m} inputs per channel: {d} × {m} = {w} numbers, the same "
+               "at every step, in place of a KV cache that grows with every token",
+               "卷积层只记住每个通道最近的 {m} 个输入：{d} × {m} = {w} 个数，每一步都一样，代替随每个词元增长的 KV 缓存"),
+    "attention": ("the other {k} layers ({which}): grouped-query attention with q/k RMSNorm per head (width {dh}) "
+                  "before RoPE",
+                  "其余 {k} 层（第 {which} 层）：分组查询注意力 GQA，q/k 在 RoPE 之前按头做 RMSNorm（宽 {dh}）"),
+    "last_norm": ("the last norm (the checkpoint's embedding_norm) is applied after the last layer, as Llama's final "
+                  "norm",
+                  "最后的归一化（检查点里叫 embedding_norm）放在最后一层之后，与 Llama 的最终归一化相同"),
+}
+
+
 def changes(c) -> list[str]:
     kernel = int(c.parts.get(KIND, {}).get("kernel", KERNEL))
     kinds = c.layer_types or []
     n_conv = sum(t == "conv" for t in kinds)
     attn = [i for i, t in enumerate(kinds) if t != "conv"]
-    window = c.d_model * (kernel - 1)
-    return [f"{n_conv} of {c.n_layers} layers are short gated convolutions, not attention: B, C and x are three "
-            f"projections of the normed input; B ⊙ x is convolved causally over each channel's last {kernel} values "
-            f"(no RoPE, no scores), multiplied by C, then projected by W_out",
-            f"a convolution layer remembers only its last {kernel - 1} inputs per channel: {c.d_model} × {kernel - 1} "
-            f"= {window:,} numbers, the same at every step, in place of a KV cache that grows with every token",
-            f"the other {len(attn)} layers ({', '.join(map(str, attn))}): grouped-query attention with q/k RMSNorm per "
-            f"head (width {c.head_dim}) before RoPE",
-            f"the last norm (the checkpoint's embedding_norm) is applied after the last layer, as Llama's final norm"]
+    return [say(WORDS, "conv", k=n_conv, n=c.n_layers, kernel=kernel),
+            say(WORDS, "window", m=kernel - 1, d=c.d_model, w=f"{c.d_model * (kernel - 1):,}"),
+            say(WORDS, "attention", k=len(attn), which=", ".join(map(str, attn)), dh=c.head_dim),
+            say(WORDS, "last_norm")]
 
 
 FAMILY = Family(
@@ -151,4 +165,5 @@ FAMILY = Family(
     hf_config=hf_config,
     gguf_config=gguf_config,
     changes=changes,
+    words=WORDS,
 )

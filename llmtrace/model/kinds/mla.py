@@ -286,8 +286,9 @@ class MLA(Module):
             if self.pairs == "adjacent":
                 half = self.dr // 2
                 c, s = cos[..., :half].to(q_pe.dtype), sin[..., :half].to(q_pe.dtype)  # (T, Dr/2) or (B, T, Dr/2)
-                q_pe = rotate_pairs(q_pe, c.unsqueeze(-2), s.unsqueeze(-2))
-                k_pe = rotate_pairs(k_pe, c, s)
+                pe = torch.cat([q_pe, k_pe.unsqueeze(-2)], dim=-2)  # (B, T, H + 1, Dr): the heads' q_pe, then k_pe
+                pe = rotate_pairs(pe, c.unsqueeze(-2), s.unsqueeze(-2))  # one rotation for both (elementwise: the same)
+                q_pe, k_pe = pe[..., :-1, :], pe[..., -1, :]
             else:
                 q_pe = apply_rope(q_pe, cos, sin)
                 k_pe = apply_rope(k_pe[:, :, None], cos, sin)[:, :, 0]
