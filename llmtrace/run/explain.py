@@ -43,6 +43,7 @@ from llmtrace.run.interventions import prepare, record
 from llmtrace.run.explain_state import (delta_rule_section, scan_op, ssm_scan_section, state_cache_section,
                                         state_op)
 from llmtrace.run.explain_router import moe_costs, router_section
+from llmtrace.run.explain_latent import latent_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
@@ -346,7 +347,7 @@ def qkv_section(cap: Capture, config: ModelConfig) -> dict:
     return {
         "event": "explain", "section": "qkv", "layer": cap.layer, "seed_step": "s6.1-s6.2",
         "shapes": [
-            {"name": "x̂ (attn_norm output)", "shape": [T, D]},
+            {"name": "x̂ = attn_norm(x)", "shape": [T, D]},
             {"name": "Q = x̂ Wq", "shape": [T, H * Dh], "split": [T, H, Dh], "heads_first": [H, T, Dh],
              "captured": list(cap.points[Q.name].shape)},
             {"name": "K = x̂ Wk", "shape": [T, Hkv * Dh], "split": [T, Hkv, Dh], "heads_first": [Hkv, T, Dh],
@@ -589,7 +590,7 @@ def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO,
         "event": "explain", "section": "ffn", "layer": cap.layer, "seed_step": "s6.7",
         "formula": f"FFN(x) = W_down ({fn}(x W_gate) ⊙ (x W_up)), {defined}", "kind": kind, "activation": fn,
         "declared": formula(glu, ACT.name),
-        "shapes": [{"name": "x̂ (ffn_norm output)", "shape": [T, D]}, {"name": "gate = x̂ W_gate", "shape": [T, Fd]},
+        "shapes": [{"name": "x̂ = ffn_norm(x')", "shape": [T, D]}, {"name": "gate = x̂ W_gate", "shape": [T, Fd]},
                    {"name": "up = x̂ W_up", "shape": [T, Fd]}, {"name": f"act = {fn}(gate) ⊙ up", "shape": [T, Fd]},
                    {"name": "down = act W_down", "shape": [T, D]}],
         "near_zero_threshold": near_zero,
@@ -749,7 +750,13 @@ def _ssm_scan_sections(cap, lm, layer, head, maths):
                            else 0)
 
 
-MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections}
+def _latent_sections(cap, lm, layer, head, maths):
+    """An MLA layer's cache beside MHA's and GQA's, and its absorbed form worked on this pass's numbers."""
+    yield latent_section(cap, lm.model, maths, head if head is not None else 0)
+
+
+MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections,
+                  "latent": _latent_sections}
 
 
 def _memory_section(cap, lm, maths, memory):
