@@ -20,7 +20,7 @@ def deepseek(tmp_path_factory):
 
 
 def latent_of(events: list[dict]) -> dict:
-    return next(e for e in events if e.get("section") == "latent")
+    return next(e for e in events if e.get("section") == "latent_cache")
 
 
 def test_an_mla_layer_shows_its_latent_beside_mha_and_gqa(deepseek):
@@ -66,3 +66,39 @@ def test_explain_draws_the_latent_in_both_languages(deepseek):
         text = "\n".join("".join(g["text"] for g in b["segments"]) for b in explain_blocks(events, lang)
                          if b["kind"] != "table" and b["kind"] != "grid")
         assert words in text and "✗" not in text, text
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    import llmtrace
+    from families import FAMILIES, write_hf_dir
+
+    path = tmp_path_factory.mktemp("explain-kinds") / "lfm2"
+    write_hf_dir(path, FAMILIES["lfm2"])
+    return llmtrace.load(str(path), threads=1)
+
+
+def test_a_convolution_layer_is_worked_on_one_channel(lfm2):
+    """lfm2's fixture: layer 0 a short convolution of 3 taps over D = 64 channels (tests/families.py)."""
+    ev = next(e for e in lfm2.explain(PROMPT, layer=0).events if e.get("section") == "convolution")
+    t, L = ev["position"], ev["kernel"]
+    assert (L, ev["width"]) == (3, 64) and [r["position"] for r in ev["rows"]] == [t - 2, t - 1, t]
+    assert abs(sum(r["product"] for r in ev["rows"]) - ev["sum"]) <= 1e-4 * max(1.0, abs(ev["sum"]))
+    assert ev["check"] <= 1e-4 * max(1.0, abs(ev["sum"]))  # the pass's own conv_out
+    assert abs(ev["gated"] - ev["gated_pass"]) <= 1e-4 * max(1.0, abs(ev["gated"]))
+    assert ev["window"] == [r["input"] for r in ev["rows"][1:]] and ev["window_check"] == 0  # the last Lc−1 inputs
+
+
+def test_a_wrong_convolution_input_is_seen(lfm2):
+    from llmtrace.model.kinds.short_conv import CONV_BX
+    from llmtrace.run.explain import capture
+    from llmtrace.run.explain_conv import conv_section
+
+    lm = lfm2.loaded
+    cap = capture(lm.model, lm.tokenizer.encode(PROMPT), 0)
+    right = conv_section(cap, lm.model, lm.maths)
+    assert right["check"] <= 1e-4 * max(1.0, abs(right["sum"]))
+    cap.points[CONV_BX.name] = cap.points[CONV_BX.name].clone()
+    cap.points[CONV_BX.name][right["position"] - 1, right["channel"]] += 1.0  # one input inside the kernel's reach
+    wrong = conv_section(cap, lm.model, lm.maths, channel=right["channel"])
+    assert wrong["check"] > 1e-3 and wrong["window_check"] > 0.5

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from llmtrace.model.llama_points import ATTN_NORM, FFN_NORM, LOGITS, RESID_MID, RESID_POST
 from llmtrace.render.explain_latent import latent
-from llmtrace.render.explain_state import delta_rule, ssm_scan, state_cache
+from llmtrace.render.explain_state import conv_window, delta_rule, ssm_scan, state_cache
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.render.say import Say, verbatim
 from llmtrace.trace.reader import trace_points
@@ -149,8 +149,10 @@ def render_explain(events: list[dict], console: Console, say: Optional[Say] = No
         delta_rule(console, by["delta_rule"], toks, say)
     if "ssm_scan" in by:  # a Mamba2 layer
         ssm_scan(console, by["ssm_scan"], toks, say)
-    if "latent" in by:  # a multi-head latent attention layer (render.explain_latent)
-        latent(console, by["latent"], say)
+    if "convolution" in by:  # a short convolution layer
+        conv_window(console, by["convolution"], toks, say)
+    if "latent_cache" in by:  # a multi-head latent attention layer (render.explain_latent)
+        latent(console, by["latent_cache"], say)
     if "qkv" in by:
         _qkv(console, by["qkv"], say)
     if "rope" in by:

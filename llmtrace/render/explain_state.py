@@ -123,3 +123,30 @@ def state_cache(console: Console, ev: dict, say: Say) -> None:
     price = say("explain.window.price" if window else "explain.state.price")
     _note(console, say("explain.state.pay", price=price, n=len(ev["state_layers"]),
                        of=len(ev["state_layers"]) + len(ev["attention_layers"])))
+
+
+def conv_window(console: Console, ev: dict, toks: list[str], say: Say) -> None:
+    """③ for a short convolution layer: one channel's convolution at the last token, and the window it leaves."""
+    d, t, L = ev["channel"], ev["position"], ev["kernel"]
+    console.print()
+    console.print(Text.assemble(Text(say("explain.conv.title", channel=d, L=L), style="bold cyan"), _at(toks, t)))
+    _note(console, say("explain.conv.what", L=L, D=ev["width"]))
+    grid = Table(box=None, padding=(0, 1), header_style="bold")
+    for key, just in (("explain.col.pos", "right"), ("explain.col.token", "left"), ("explain.conv.input", "right"),
+                      ("explain.conv.weight", "right"), ("explain.conv.product", "right")):
+        grid.add_column(say(key, L=L), justify=just)
+    for r in ev["rows"]:
+        p = r["position"]
+        where = verbatim(visible(toks[p])) if 0 <= p < len(toks) else Text(say("explain.conv.before"), style="dim")
+        grid.add_row(str(p), where, f"{r['input']:.4f}", f"{r['weight']:.4f}", f"{r['product']:.4f}")
+    print_fitted(console, grid)
+    console.print(Text.assemble(f"z = Σ = {ev['sum']:.6g}   ", say("explain.conv.vs_pass", value=f"{ev['pass']:.6g}"),
+                                _check(ev["check"])))
+    console.print(f"y = C · z = {ev['gate']:.6g} × {ev['sum']:.6g} = {ev['gated']:.6g}   "
+                  + say("explain.conv.gated_pass", value=f"{ev['gated_pass']:.6g}"))
+    window = "  ".join(f"{x:.4f}" for x in ev["window"])
+    line = Text(say("explain.conv.window", n=L - 1, lo=t - L + 2, hi=t, values=window))
+    if ev.get("window_check") is not None:
+        line.append_text(Text("  ") + _check(ev["window_check"]))
+    console.print(line)
+    _note(console, say("explain.conv.memory", n=L - 1, D=ev["width"], total=ev["width"] * (L - 1)))

@@ -43,6 +43,7 @@ from llmtrace.run.interventions import prepare, record
 from llmtrace.run.explain_state import (delta_rule_section, scan_op, ssm_scan_section, state_cache_section,
                                         state_op)
 from llmtrace.run.explain_router import moe_costs, router_section
+from llmtrace.run.explain_conv import conv_section
 from llmtrace.run.explain_latent import latent_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
@@ -755,8 +756,15 @@ def _latent_sections(cap, lm, layer, head, maths):
     yield latent_section(cap, lm.model, maths, head if head is not None else 0)
 
 
+def _conv_sections(cap, lm, layer, head, maths):
+    """A short convolution worked on one channel at the last token, and the window it leaves."""
+    section = conv_section(cap, lm.model, maths)
+    if section is not None:
+        yield section
+
+
 MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections,
-                  "latent": _latent_sections}
+                  "latent_cache": _latent_sections, "convolution": _conv_sections}
 
 
 def _memory_section(cap, lm, maths, memory):

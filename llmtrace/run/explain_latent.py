@@ -61,7 +61,7 @@ def latent_section(cap, model, maths, head: int = 0) -> dict:
     mla = model.attention_of(layer)
     H, R, Dr, Dn, Dv = mla.n_heads, mla.r, mla.dr, mla.dn, mla.dv
     es = cap.kv_element_size
-    out = {"event": "explain", "section": "latent", "layer": layer, "seed_step": "s6.4-s6.5", "head": head,
+    out = {"event": "explain", "section": "latent_cache", "layer": layer, "seed_step": "s6.4-s6.5", "head": head,
            "sizes": {"H": H, "R": R, "Dr": Dr, "Dn": Dn, "Dv": Dv}, "element_size": es,
            "latent_numbers": R + Dr, "latent_bytes": (R + Dr) * es,
            "cache_rows": cache_rows(H, Dn + Dr + Dv, es), "form": "up_projected"}

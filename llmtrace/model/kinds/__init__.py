@@ -14,7 +14,7 @@ forward pass it declares, in its own file:
   rows (key, label, formula, FLOPs), the label an (English, Chinese) pair, and `FLOPS_NOTE`, what they count, a pair
   too: explain says them in the view's language (render.say.Say.pick);
 - `EXPLAIN`: explain's own sections for the kind (run.explain's MIXER_SECTIONS: "attention", "delta_rule",
-  "ssm_scan", "latent"), their words in explain's catalogues (render/catalogue/);
+  "ssm_scan", "latent_cache", "convolution"), their words in explain's catalogues (render/catalogue/);
 - `HEADINGS`: the seed steps its points sit under, each with the heading a learner reads for this kind, in English
   and Chinese ({"s6.3": ("causal convolution", "因果卷积"), ...}); a step it does not name keeps the seed table's
   heading. A kind that is not attention never borrows attention's headings.

@@ -184,7 +184,7 @@ class MLA(Module):
         return Memory("latent", per_token={"c_kv": (self.r,), "k_pe": (self.dr,)},
                       mha_per_token=self.n_heads * (self.dq + self.dv))
 
-    EXPLAIN = ("latent",)  # its cache beside MHA's and GQA's, the absorbed form on real numbers (run.explain_latent)
+    EXPLAIN = ("latent_cache",)  # its cache beside MHA's and GQA's, the absorbed form on real numbers (run.explain_latent)
     FLOPS_NOTE = ("the up-projection of every cached slot is paid at every pass, as llmtrace runs it; the absorbed "
                   "form folds W_kb into q and W_vb into the output and would not pay it",
                   "按 llmtrace 的运行方式，每次前向都要为每个缓存槽位付出上投影的代价；吸收形式把 W_kb 并入 q、把 W_vb "

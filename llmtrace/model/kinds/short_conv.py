@@ -90,7 +90,7 @@ class ShortConv(Module):
         the model's dtype, as transformers and llama.cpp keep it."""
         return Memory("window", constant={"conv": (self.width, self.kernel - 1)}, constant_float32=False)
 
-    EXPLAIN = ()  # taught by the generic sections: the steps table works each declared operation; s6.8 its window
+    EXPLAIN = ("convolution",)  # one channel's convolution and the window it leaves (run.explain_conv); s6.8 its window
     FLOPS_NOTE = ("no T×T term: each token reads only the last Lc inputs of its channel",
                   "没有 T×T 项：每个词元只读取它那个通道最近的 Lc 个输入")
 
