@@ -102,3 +102,19 @@ def test_a_wrong_convolution_input_is_seen(lfm2):
     cap.points[CONV_BX.name][right["position"] - 1, right["channel"]] += 1.0  # one input inside the kernel's reach
     wrong = conv_section(cap, lm.model, lm.maths, channel=right["channel"])
     assert wrong["check"] > 1e-3 and wrong["window_check"] > 0.5
+
+
+def test_a_kv_shared_layer_is_checked_against_the_layer_it_reads(tmp_path):
+    """gemma4's fixture: layer 4 computes no K or V and reads layer 3's (tests/families.py). explain keeps layer 3's
+    cached keys and values, so the shared layer's keys and P·V are recomputed from them, not left unchecked."""
+    import llmtrace
+    from families import FAMILIES, write_hf_dir
+
+    write_hf_dir(tmp_path / "gemma4", FAMILIES["gemma4"])
+    events = llmtrace.load(str(tmp_path / "gemma4"), threads=1).explain(PROMPT, layer=4).events
+    by = {e["section"]: e for e in events if e["event"] == "explain"}
+    assert by["state_cache"]["reads"] == 3
+    steps = {r["op"]: r for r in by["steps"]["steps"]}
+    for op in ("repeat_kv", "weighted_sum"):  # keys from layer 3's k_rope, P·V from layer 3's values
+        assert "of layer 3" in steps[op]["formula"] and steps[op]["check"] is not None and steps[op]["check"]["ok"]
+    assert steps["repeat_kv"]["check"]["max_abs"] == 0  # the same numbers: read, not recomputed

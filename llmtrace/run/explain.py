@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -110,6 +110,9 @@ class Capture:
     logits: torch.Tensor  # (T, V) the model's own output
     kv_element_size: int  # bytes per cached number
     declared: Optional[Points] = None  # the model's declared points (model.points.Points)
+    # the points of other layers the chosen layer's operations read ((layer, name) -> tensor): a KV-shared layer's
+    # keys and values, which an earlier layer computed and cached
+    read: dict = field(default_factory=dict)
 
     @property
     def x_in(self) -> torch.Tensor:
@@ -124,6 +127,9 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
     `edits` (llmtrace.run.interventions.prepare): the interventions of this pass, or None."""
     L = model.config.n_layers
     streams = (RESID_MID.name, RESID_POST.name)
+    maths = model.maths() if layer is not None else None
+    read = {maths.operand(layer, ref) for o in maths.layers[layer].values() for ref in o.inputs} if maths else set()
+    read = {(j, name) for j, name in read if j is not None and j != layer}  # another layer's point: kept too
     stream_in = model.STREAM_IN  # the model point entering layer 0 (the embedding, or Gemma's embedding × √D)
     idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)  # (1, T)
     cache = model.new_cache(len(ids))
@@ -131,8 +137,10 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
         if edits is not None:
             held.enter_context(model.hooked(edits, edits.layers, spell_out=edits.spell_out))
         kept = held.enter_context(capture_points(
-            model, lambda lay, name: lay is None and name in (EMBED.name, stream_in) or lay == layer or name in streams,
-            layers=range(L), attention=[] if layer is None else [layer], spell_out=True))
+            model, lambda lay, name: (lay is None and name in (EMBED.name, stream_in) or lay == layer or name in streams
+                                      or (lay, name) in read),
+            layers=range(L), attention=[] if layer is None else sorted({layer, *(j for j, _ in read)}),
+            spell_out=True))
         logits = model(idx, cache, 0)[0]  # (T, V)
     points = {name: (x if name == KV_WRITE.name else x[0]) for (lay, name), x in kept.items() if lay == layer}
     if K_REPEATED.name in points:  # (Hkv, G, S, Dh) -> (H, S, Dh), as `generate` records it
@@ -140,7 +148,8 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
     return Capture(ids=list(ids), layer=layer, points=points, embed=kept[(None, stream_in)][0],
                    resid_mid=[kept[(i, RESID_MID.name)][0] for i in range(L)],
                    resid_post=[kept[(i, RESID_POST.name)][0] for i in range(L)],
-                   logits=logits, kv_element_size=cache.element_size, declared=model.declared_points())
+                   logits=logits, kv_element_size=cache.element_size, declared=model.declared_points(),
+                   read={(j, name): kept[(j, name)][0] for j, name in read if (j, name) in kept})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -201,6 +210,8 @@ def _operand(cap: Capture, maths, ref: str) -> Optional[torch.Tensor]:
     layer, name = maths.operand(cap.layer, ref)
     if layer == cap.layer:
         return cap.points.get(name)
+    if (layer, name) in cap.read:  # another layer's point this layer reads (a KV-shared layer's keys)
+        return cap.read[(layer, name)]
     if layer is None:
         return cap.embed if name == maths.stream_in else None
     return {RESID_POST.name: cap.resid_post, RESID_MID.name: cap.resid_mid}.get(name, [None] * (layer + 1))[layer]
