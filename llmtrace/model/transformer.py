@@ -764,7 +764,8 @@ class Block(Module):
         """The layer's FLOPs over a pass of T tokens, as its parts declare them: each part by its key, the rows as
         explain shows them, the total, and the mixer's note on what it counts."""
         rows = [*self.attn.flops(n_tokens), *self.ffn.flops(n_tokens)]
-        return {**{r[0]: r[3] for r in rows}, "rows": [list(r) for r in rows], "total": sum(r[3] for r in rows),
+        return {**{r[0]: r[3] for r in rows}, "rows": [[k, list(label), f, n] for k, label, f, n in rows],  # as JSON
+                "total": sum(r[3] for r in rows),
                 "note": self.attn.FLOPS_NOTE[0], "note_words": list(self.attn.FLOPS_NOTE)}
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
