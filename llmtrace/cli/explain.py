@@ -15,7 +15,7 @@ import typer
 from llmtrace.cli.app import app
 from llmtrace.cli.batch_input import PromptFlags
 from llmtrace.cli.options import (INTERVENTIONS_HELP, ChatOpt, ForceOpt, HtmlOpt, InterventionFlags, JsonlOpt, JsonOpt,
-                                  LoadFlags, LangOpt, SystemOpt, flag_groups, load_for_cli, write_html)
+                                  LoadFlags, SystemOpt, ViewLangOpt, flag_groups, load_for_cli, write_html)
 from llmtrace.cli.outputs import check_outputs, control_vector_files
 from llmtrace.errors import UsageError
 from llmtrace import sigint
@@ -94,7 +94,7 @@ def explain(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
-    lang: LangOpt = "en",
+    lang: ViewLangOpt = "en",
     load: LoadFlags = None,
     row: RowOpt = 0,
     interventions: InterventionFlags = None,
@@ -125,7 +125,7 @@ def lens(
     jsonl: JsonlOpt = None,
     json_out: JsonOpt = None,
     html: HtmlOpt = None,
-    lang: LangOpt = "en",
+    lang: ViewLangOpt = "en",
     load: LoadFlags = None,
     row: RowOpt = 0,
     interventions: InterventionFlags = None,
@@ -237,7 +237,9 @@ def _output(trace, render, jsonl: Optional[str], json_out: Optional[str], html: 
         doc.write()
     if html and not trace.interrupted:
         write_html(events, html, trace.tokenizer, lang=lang)
-    if "-" not in (jsonl, json_out):
-        render(events, make_console())
-    elif sys.stderr.isatty():
-        render(events, make_console(stderr=True))
+    if "-" not in (jsonl, json_out) or sys.stderr.isatty():
+        from llmtrace.render.say import Say
+        from llmtrace.report.explain_view import localized
+
+        view = localized(events, lang) if render is render_explain else events  # its formulas in the view's language
+        render(view, make_console(stderr="-" in (jsonl, json_out)), Say(lang))

@@ -303,6 +303,9 @@ def html_lang(value: str) -> str:
 LangOpt = Annotated[str, typer.Option(
     "--lang", help="The language of the HTML page's words: en or zh (Simplified Chinese, in the seed documents' "
     "terms). The terminal stays English.", callback=html_lang)]
+ViewLangOpt = Annotated[str, typer.Option(
+    "--lang", help="The language of the view and of the HTML page's words: en or zh (Simplified Chinese, in the seed "
+    "documents' terms); formulas, tokens and names stay as they are.", callback=html_lang)]
 
 
 def check_lang(lang: str, html: Optional[str]) -> None:

@@ -235,8 +235,9 @@ class MoEFeedForward(Module):
     def flops(self, n_tokens: int) -> list[tuple]:
         """Over T tokens: the router's scores, then K experts a token (each a gated FFN of width Fe)."""
         T, D, E, K, Fe = n_tokens, self.router.in_features, self.n_experts, self.k, self.expert_dim
-        return [("router", "router scores", "2·T·D·E", 2 * T * D * E),
-                ("ffn", "K gated experts a token", "K·(2·T·D·2Fe + 2·T·Fe·D)", K * (2 * T * D * 2 * Fe + 2 * T * Fe * D))]
+        return [("router", ("router scores", "路由器分数"), "2·T·D·E", 2 * T * D * E),
+                ("ffn", ("K gated experts a token", "每个词元 K 个门控专家"),
+                 "K·(2·T·D·2Fe + 2·T·Fe·D)", K * (2 * T * D * 2 * Fe + 2 * T * Fe * D))]
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """An expert's gated activation: act(gate) ⊙ up (a family with a clamped GLU changes it: gpt-oss)."""
@@ -320,7 +321,7 @@ class SharedExpertsMoE(MoEFeedForward):
         """The router and the routed experts, then the shared experts every token runs."""
         T, D, Fs = n_tokens, self.router.in_features, self.shared.ffn_dim
         return [*super().flops(n_tokens),
-                ("shared", "shared experts", "2·T·D·2Fs + 2·T·Fs·D", 2 * T * D * 2 * Fs + 2 * T * Fs * D)]
+                ("shared", ("shared experts", "共享专家"), "2·T·D·2Fs + 2·T·Fs·D", 2 * T * D * 2 * Fs + 2 * T * Fs * D)]
 
     def output(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         routed = self.point(ROUTED_DOWN.name, routed)

@@ -599,19 +599,21 @@ class Attention(Module):
     HEADS = (ATTN_OUT.name, "wo")  # its output splits by head: the heads' outputs through Wo's columns (model.wiring)
     HEADINGS: dict = {}  # s6.1-s6.8 as the seed table names them (model.points.SEED_STEPS)
     EXPLAIN = ("attention",)  # explain's sections for this kind (run.explain), besides the generic ones
-    FLOPS_NOTE = "the scores count the full T×T square the eager path computes (the causal mask then discards the upper half)"
+    FLOPS_NOTE = ("the scores count the full T×T square the eager path computes (the causal mask then discards the upper half)",
+                  "分数按 eager 路径计算的完整 T×T 方阵计数（因果掩码随后丢弃上半部分）")  # (English, Chinese), as HEADINGS
 
     def memory(self) -> Memory:
         """s6.8 what the layer keeps: K and V of each KV head, one entry a token."""
         return kv_memory(self.n_kv_heads, self.head_dim, self.n_heads)
 
     def flops(self, n_tokens: int) -> list[tuple]:
-        """Its matrix products over a pass of T tokens, (key, label, formula, FLOPs), 2 per multiply-add."""
+        """Its matrix products over a pass of T tokens, (key, label, formula, FLOPs), 2 per multiply-add; the label as
+        explain says it, (English, Chinese)."""
         T, D, H, Hkv, Dh = n_tokens, self.config.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        return [("qkv", "Q, K, V projections", "2·T·D·(H + 2·Hkv)·Dh", 2 * T * D * (H + 2 * Hkv) * Dh),
-                ("scores", "scores Q·Kᵀ", "2·H·T·T·Dh", 2 * H * T * T * Dh),
-                ("pv", "weighted sum P·V", "2·H·T·T·Dh", 2 * H * T * T * Dh),
-                ("o", "output projection", "2·T·H·Dh·D", 2 * T * H * Dh * D)]
+        return [("qkv", ("Q, K, V projections", "Q、K、V 投影"), "2·T·D·(H + 2·Hkv)·Dh", 2 * T * D * (H + 2 * Hkv) * Dh),
+                ("scores", ("scores Q·Kᵀ", "分数 Q·Kᵀ"), "2·H·T·T·Dh", 2 * H * T * T * Dh),
+                ("pv", ("weighted sum P·V", "加权求和 P·V"), "2·H·T·T·Dh", 2 * H * T * T * Dh),
+                ("o", ("output projection", "输出投影"), "2·T·H·Dh·D", 2 * T * H * Dh * D)]
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         B, T, _ = x.shape
@@ -745,7 +747,7 @@ class FeedForward(Module):
     def flops(self, n_tokens: int) -> list[tuple]:
         """Its matrix products over T tokens: gate and up, then down."""
         T, D, Fd = n_tokens, self.w_down.out_features, self.ffn_dim
-        return [("ffn", "gated FFN", "2·T·D·2F + 2·T·F·D", 2 * T * D * 2 * Fd + 2 * T * Fd * D)]
+        return [("ffn", ("gated FFN", "门控前馈网络"), "2·T·D·2F + 2·T·F·D", 2 * T * D * 2 * Fd + 2 * T * Fd * D)]
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """act(gate) ⊙ up: the seam where a family changes the gated activation (GeGLU, a clamped GLU)."""
@@ -810,8 +812,9 @@ class Block(Module):
         """The layer's FLOPs over a pass of T tokens, as its parts declare them: each part by its key, the rows as
         explain shows them, the total, and the mixer's note on what it counts."""
         rows = [*self.attn.flops(n_tokens), *self.ffn.flops(n_tokens)]
-        return {**{r[0]: r[3] for r in rows}, "rows": [list(r) for r in rows], "total": sum(r[3] for r in rows),
-                "note": self.attn.FLOPS_NOTE}
+        return {**{r[0]: r[3] for r in rows}, "rows": [[k, list(label), f, n] for k, label, f, n in rows],  # as JSON
+                "total": sum(r[3] for r in rows),
+                "note": self.attn.FLOPS_NOTE[0], "note_words": list(self.attn.FLOPS_NOTE)}
 
     def forward(self, x: torch.Tensor, io: LayerInput) -> torch.Tensor:
         """The stream through each declared addition (s6.6 residual 1: x + attention; s6.7 residual 2: x +

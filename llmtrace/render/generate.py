@@ -21,6 +21,7 @@ from llmtrace.model.llama_points import DOWN, KV_WRITE, LOGITS, O_PROJ, PROBS, R
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes, noun, plural
 from llmtrace.words import in_words
+from llmtrace.render.say import Say, verbatim
 
 DETAIL_ROWS = 40  # a pass with at most this many recorded points is shown point by point, else one line per layer
 GAP = 2  # columns between two table columns (padding 1 on each side, none at the edges)
@@ -99,19 +100,26 @@ def storage_parts(rows: list[dict]) -> list[str]:
     return [f"{t} {b:g} B/weight{f' on {k}' if k else ''} ×{n}" for (t, b, k), n in groups.items()]
 
 
-def print_changes(console: Console, m: dict) -> None:
+def print_changes(console: Console, m: dict, say=None) -> None:
     """What the model's family changes from Llama (the model record's `changes`), one line each, in the order the
-    maths runs; nothing for Llama itself."""
+    maths runs, in the language of `say` (render.say.Say; English without one): each line from its family's words
+    by its recorded key (model.family.said_in); nothing for Llama itself."""
     changes = m.get("changes") or []
     if changes:
         from rich.table import Table
 
-        console.print(Text(f"{m.get('family', m.get('arch', '?'))}: what it changes from Llama", style="bold"))
+        from llmtrace.model.family import said_in
+
+        say = say or Say()
+        said = m.get("changes_said") or []
+        family = m.get("family", m.get("arch", "?"))
+        console.print(Text.assemble(verbatim(family), say("explain.changes"), style="bold"))
         grid = Table.grid(padding=(0, 1))
         grid.add_column(width=3, justify="right")
         grid.add_column(overflow="fold")
-        for line in changes:
-            grid.add_row("·", line)
+        for i, line in enumerate(changes):
+            grid.add_row("·", (said_in(m.get("family"), said[i], say.lang) if i < len(said) and said[i] else None)
+                       or line)
         console.print(grid)
 
 

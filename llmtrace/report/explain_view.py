@@ -5,7 +5,10 @@ console that keeps what it is given instead of drawing it, each table made an HT
 
 One renderer serves both, so the page holds every table, figure and note of the terminal, in the same order, with
 the same numbers; the browser lays them out. Colours (the attention shades, the lens's probabilities) come through
-as each segment's colour; text is escaped by the template like any other.
+as each segment's colour; text is escaped by the template like any other. The page's language is the renderer's:
+it says every line from its catalogue (render.say), so a Chinese page is Chinese because each line was said in
+Chinese, not translated after the fact; a segment the renderer printed as it is (a formula, a token, a name) is
+marked "verbatim".
 """
 
 from __future__ import annotations
@@ -13,14 +16,18 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rich.console import Console
+from rich.style import Style
 from rich.table import Table
 from rich.text import Text
 
+from llmtrace.render.say import Say
+
 
 def _segments(t: Any) -> list[dict]:
-    """A cell or a line as [{"text", "colour" (#rrggbb or None), "bold"}], from a rich Text's spans."""
+    """A cell or a line as [{"text", "colour" (#rrggbb or None), "bold", "verbatim"}], from a rich Text's spans
+    (verbatim: a formula, a token or a name, render.say.verbatim)."""
     if not isinstance(t, Text):
-        return [{"text": str(t), "colour": None, "bold": False}]
+        return [{"text": str(t), "colour": None, "bold": False, "verbatim": False}]
     out, plain = [], t.plain
     cuts = sorted({0, len(plain)} | {s.start for s in t.spans} | {s.end for s in t.spans})
     base = t.style if not isinstance(t.style, str) or t.style else None
@@ -28,17 +35,16 @@ def _segments(t: Any) -> list[dict]:
         if a >= b:
             continue
         styles = [base] + [s.style for s in t.spans if s.start <= a and b <= s.end]
-        colour, bold = None, False
+        colour, bold, kept = None, False, False
         for st in styles:
             if not st:
                 continue
-            from rich.style import Style
-
             style = Style.parse(st) if isinstance(st, str) else st
             if style.color is not None and not style.color.is_default:
                 colour = style.color.get_truecolor().hex
             bold = bold or bool(style.bold)
-        out.append({"text": plain[a:b], "colour": colour, "bold": bold})
+            kept = kept or bool(style.meta.get("verbatim"))
+        out.append({"text": plain[a:b], "colour": colour, "bold": bold, "verbatim": kept})
     return out
 
 
@@ -50,7 +56,7 @@ def _table(t: Table) -> list[dict]:
         return [b for col in cells for x in col for b in (_table(x) if isinstance(x, Table) else [])]
     rows = [[_segments(cells[c][r]) for c in range(len(cells))] for r in range(t.row_count)]
     title = t.title.plain if isinstance(t.title, Text) else t.title
-    header = [str(c.header) for c in t.columns] if t.show_header else None
+    header = [c.header.plain if isinstance(c.header, Text) else str(c.header) for c in t.columns] if t.show_header else None
     return [{"kind": "table", "title": title or None, "header": header,
              "right": [c.justify == "right" for c in t.columns], "rows": rows}]
 
@@ -71,28 +77,28 @@ class Blocks(Console):
                 continue
             text = obj if isinstance(obj, Text) else Text(str(obj), style=style or "")
             kind = "title" if "bold cyan" in str(text.style) else "note" if str(text.style) == "dim" else "text"
-            self.blocks.append({"kind": kind, "segments": _segments(text)})
+            role = text.style.meta.get("role") if isinstance(text.style, Style) else None
+            self.blocks.append({"kind": kind, "segments": _segments(text)} | ({"role": role} if role else {}))
 
 
 def explain_blocks(events: list[dict], lang: str = "en") -> list[dict]:
-    """The terminal explain's output as blocks, from the trace's events: the attention map's text art made a grid
-    (attention_grid), and every line in the page's language (explain_words) where it is
-    not English."""
+    """The terminal explain's output as blocks, from the trace's events, said in the page's language (the renderer's
+    catalogue, render.say; the formulas the model declares in that language: `localized`): the attention map's text
+    art made a grid (attention_grid)."""
     from llmtrace.render.explain import render_explain
 
-    console = Blocks()
-    render_explain(localized(events, lang), console)
+    console, say = Blocks(), Say(lang)
+    render_explain(localized(events, lang), console, say)
     steps = next((e for e in events if e.get("event") == "explain" and e.get("section") == "steps"), None)
-    table = next((b for b in console.blocks if b["kind"] == "table" and (b["header"] or [])[:2] == ["point", "op"]),
-                 None)
+    columns = [say("explain.col.point"), say("explain.col.op")]
+    table = next((b for b in console.blocks if b["kind"] == "table" and (b["header"] or [])[:2] == columns), None)
     if steps is not None and table is not None and len(table["rows"]) == len(steps["steps"]):
         # each step's row carries its point, its declared operation and its check, for a reader or a test
         table["row_attrs"] = [{"point": r["point"], "op": r["op"], "layer": steps["layer"]}
                               | ({"max-error": r["check"]["max_abs"], "max-rel": r["check"]["max_rel"]}
                                  if r["check"] else {}) for r in steps["steps"]]
-    blocks = with_grid(console.blocks, next((e for e in events if e.get("event") == "explain"
-                                             and e.get("section") == "attention_map"), None), events)
-    return [translated(b) for b in blocks] if lang == "zh" else blocks
+    return with_grid(console.blocks, next((e for e in events if e.get("event") == "explain"
+                                           and e.get("section") == "attention_map"), None), events)
 
 
 def said_changes(e: dict, lang: str) -> dict:
@@ -132,9 +138,7 @@ def localized(events: list[dict], lang: str) -> list[dict]:
     for e in events:
         sec = e.get("section") if e.get("event") == "explain" else None
         if sec == "steps":
-            e = dict(e, steps=[dict(r, formula=said(e["layer"], r["point"], r["formula"])) for r in e["steps"]],
-                     plan=dict(e["plan"], rope_words=words.get("rope_none", e["plan"]["rope_words"])
-                               if not e["plan"].get("rope") else e["plan"]["rope_words"]))
+            e = dict(e, steps=[dict(r, formula=said(e["layer"], r["point"], r["formula"])) for r in e["steps"]])
         elif sec == "attention":  # the declared scores, softmax and P·V, as explain joins them
             table = maths.layers[e["layer"]]
             names = [n for n, o in table.items() if o.kind in ("scores", "softcap", "softmax", "weighted_sum")]
@@ -147,6 +151,8 @@ def localized(events: list[dict], lang: str) -> list[dict]:
                 names = ([first] if first in table and table[first].kind == "softmax" else []) + [router] + [
                     n for n, o in table.items() if o.kind in ("glu", "expert_mix")]
                 e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names))
+        elif sec == "state_cache" and e.get("updates"):  # the declared updates of the state it keeps
+            e = dict(e, updates={n: said(e["layer"], n, text) for n, text in e["updates"].items()})
         elif sec == "rmsnorm":
             e = dict(e, formula=said(e["layer"], e["norm"], e["formula"]))
         elif sec == "state_cache":  # each carried state's update, as its declared operation says it
@@ -163,8 +169,7 @@ def with_grid(blocks: list[dict], amap: Optional[dict], events: list[dict]) -> l
     by one grid block: a real table, each column a key under its own label."""
     if amap is None:
         return blocks
-    start = next((i for i, b in enumerate(blocks) if b["kind"] == "text"
-                  and "".join(g["text"] for g in b["segments"]).startswith("attention map,")), None)
+    start = next((i for i, b in enumerate(blocks) if b.get("role") == "attention_map"), None)
     if start is None:
         return blocks
     tokens = next((e.get("tokens") for e in events if e.get("event") == "tokens"), None) or []
@@ -203,24 +208,3 @@ def attention_grid(amap: dict, tokens: list) -> dict:
                 cells.append({"bg": colour(x), "fg": ink(x), "p": "—" if v is None else f"{v:.2f}"})
         rows.append({"label": label(lo, hi), "cells": cells})
     return {"kind": "grid", "columns": [str(lo) for lo, _ in bins], "rows": rows, "window": bool(window)}
-
-
-def translated(b: dict) -> dict:
-    """One block in Chinese (report.explain_words); "en": True where English words are left (the page says so)."""
-    from llmtrace.report.explain_words import english_run, translate_line
-
-    if b["kind"] == "grid":
-        return b
-    if b["kind"] == "table":
-        out = dict(b, title=translate_line(b["title"]) if b["title"] else None,
-                   header=[translate_line(h) for h in b["header"]] if b["header"] else None,
-                   rows=[[[dict(g, text=translate_line(g["text"])) for g in c] for c in row] for row in b["rows"]])
-        texts = [out["title"] or ""] + (out["header"] or []) + [g["text"] for row in out["rows"] for c in row for g in c]
-        return out | {"en": any(english_run(t) for t in texts)}
-    segs = b["segments"]
-    if len({(g["colour"], g["bold"]) for g in segs}) == 1:  # one style: the whole line at once
-        text = translate_line("".join(g["text"] for g in segs))
-        segs = [dict(segs[0], text=text)]
-    else:
-        segs = [dict(g, text=translate_line(g["text"])) for g in segs]
-    return dict(b, segments=segs, en=english_run("".join(g["text"] for g in segs)))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -43,6 +43,8 @@ from llmtrace.run.interventions import prepare, record
 from llmtrace.run.explain_state import (delta_rule_section, scan_op, ssm_scan_section, state_cache_section,
                                         state_op)
 from llmtrace.run.explain_router import moe_costs, router_section
+from llmtrace.run.explain_conv import conv_section
+from llmtrace.run.explain_latent import latent_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
@@ -108,6 +110,9 @@ class Capture:
     logits: torch.Tensor  # (T, V) the model's own output
     kv_element_size: int  # bytes per cached number
     declared: Optional[Points] = None  # the model's declared points (model.points.Points)
+    # the points of other layers the chosen layer's operations read ((layer, name) -> tensor): a KV-shared layer's
+    # keys and values, which an earlier layer computed and cached
+    read: dict = field(default_factory=dict)
 
     @property
     def x_in(self) -> torch.Tensor:
@@ -122,6 +127,9 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
     `edits` (llmtrace.run.interventions.prepare): the interventions of this pass, or None."""
     L = model.config.n_layers
     streams = (RESID_MID.name, RESID_POST.name)
+    maths = model.maths() if layer is not None else None
+    read = {maths.operand(layer, ref) for o in maths.layers[layer].values() for ref in o.inputs} if maths else set()
+    read = {(j, name) for j, name in read if j is not None and j != layer}  # another layer's point: kept too
     stream_in = model.STREAM_IN  # the model point entering layer 0 (the embedding, or Gemma's embedding × √D)
     idx = torch.tensor([ids], dtype=torch.long, device=model.embed.weight.device)  # (1, T)
     cache = model.new_cache(len(ids))
@@ -129,8 +137,10 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
         if edits is not None:
             held.enter_context(model.hooked(edits, edits.layers, spell_out=edits.spell_out))
         kept = held.enter_context(capture_points(
-            model, lambda lay, name: lay is None and name in (EMBED.name, stream_in) or lay == layer or name in streams,
-            layers=range(L), attention=[] if layer is None else [layer], spell_out=True))
+            model, lambda lay, name: (lay is None and name in (EMBED.name, stream_in) or lay == layer or name in streams
+                                      or (lay, name) in read),
+            layers=range(L), attention=[] if layer is None else sorted({layer, *(j for j, _ in read)}),
+            spell_out=True))
         logits = model(idx, cache, 0)[0]  # (T, V)
     points = {name: (x if name == KV_WRITE.name else x[0]) for (lay, name), x in kept.items() if lay == layer}
     if K_REPEATED.name in points:  # (Hkv, G, S, Dh) -> (H, S, Dh), as `generate` records it
@@ -138,7 +148,8 @@ def capture(model: Transformer, ids: list[int], layer: Optional[int] = None, edi
     return Capture(ids=list(ids), layer=layer, points=points, embed=kept[(None, stream_in)][0],
                    resid_mid=[kept[(i, RESID_MID.name)][0] for i in range(L)],
                    resid_post=[kept[(i, RESID_POST.name)][0] for i in range(L)],
-                   logits=logits, kv_element_size=cache.element_size, declared=model.declared_points())
+                   logits=logits, kv_element_size=cache.element_size, declared=model.declared_points(),
+                   read={(j, name): kept[(j, name)][0] for j, name in read if (j, name) in kept})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,6 +210,8 @@ def _operand(cap: Capture, maths, ref: str) -> Optional[torch.Tensor]:
     layer, name = maths.operand(cap.layer, ref)
     if layer == cap.layer:
         return cap.points.get(name)
+    if (layer, name) in cap.read:  # another layer's point this layer reads (a KV-shared layer's keys)
+        return cap.read[(layer, name)]
     if layer is None:
         return cap.embed if name == maths.stream_in else None
     return {RESID_POST.name: cap.resid_post, RESID_MID.name: cap.resid_mid}.get(name, [None] * (layer + 1))[layer]
@@ -346,7 +359,7 @@ def qkv_section(cap: Capture, config: ModelConfig) -> dict:
     return {
         "event": "explain", "section": "qkv", "layer": cap.layer, "seed_step": "s6.1-s6.2",
         "shapes": [
-            {"name": "x̂ (attn_norm output)", "shape": [T, D]},
+            {"name": "x̂ = attn_norm(x)", "shape": [T, D]},
             {"name": "Q = x̂ Wq", "shape": [T, H * Dh], "split": [T, H, Dh], "heads_first": [H, T, Dh],
              "captured": list(cap.points[Q.name].shape)},
             {"name": "K = x̂ Wk", "shape": [T, Hkv * Dh], "split": [T, Hkv, Dh], "heads_first": [Hkv, T, Dh],
@@ -589,7 +602,7 @@ def ffn_section(cap: Capture, config: ModelConfig, near_zero: float = NEAR_ZERO,
         "event": "explain", "section": "ffn", "layer": cap.layer, "seed_step": "s6.7",
         "formula": f"FFN(x) = W_down ({fn}(x W_gate) ⊙ (x W_up)), {defined}", "kind": kind, "activation": fn,
         "declared": formula(glu, ACT.name),
-        "shapes": [{"name": "x̂ (ffn_norm output)", "shape": [T, D]}, {"name": "gate = x̂ W_gate", "shape": [T, Fd]},
+        "shapes": [{"name": "x̂ = ffn_norm(x')", "shape": [T, D]}, {"name": "gate = x̂ W_gate", "shape": [T, Fd]},
                    {"name": "up = x̂ W_up", "shape": [T, Fd]}, {"name": f"act = {fn}(gate) ⊙ up", "shape": [T, Fd]},
                    {"name": "down = act W_down", "shape": [T, D]}],
         "near_zero_threshold": near_zero,
@@ -749,7 +762,20 @@ def _ssm_scan_sections(cap, lm, layer, head, maths):
                            else 0)
 
 
-MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections}
+def _latent_sections(cap, lm, layer, head, maths):
+    """An MLA layer's cache beside MHA's and GQA's, and its absorbed form worked on this pass's numbers."""
+    yield latent_section(cap, lm.model, maths, head if head is not None else 0)
+
+
+def _conv_sections(cap, lm, layer, head, maths):
+    """A short convolution worked on one channel at the last token, and the window it leaves."""
+    section = conv_section(cap, lm.model, maths)
+    if section is not None:
+        yield section
+
+
+MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections,
+                  "latent_cache": _latent_sections, "convolution": _conv_sections}
 
 
 def _memory_section(cap, lm, maths, memory):

@@ -101,7 +101,7 @@ class SharedMLP(FeedForward):
                 SHARED_DOWN.name: op("matmul", [SHARED_ACT.name], ["w_down.weight"])}
 
     def flops(self, n_tokens: int) -> list[tuple]:
-        return [("shared", "shared MLP", *super().flops(n_tokens)[0][2:])]
+        return [("shared", ("shared MLP", "共享 MLP"), *super().flops(n_tokens)[0][2:])]
 
 
 class DenseMLP(FeedForward):

@@ -145,7 +145,8 @@ class GatedDeltaNet(Module):
                     Source("in_proj_z.weight", "attn_gate.weight", "Hv*Dv", "W_z"),
                     Source("in_proj_b.weight", "ssm_beta.weight", "Hv", "W_b"),
                     Source("in_proj_a.weight", "ssm_alpha.weight", "Hv", "W_a"))),
-                Weight("conv", ("C", "Kc"), "s6.3", "conv", (Source("conv1d.weight", "ssm_conv1d.weight", "C", "w_conv", hf_transform=("squeeze1",)),)),
+                Weight("conv", ("C", "Kc"),
+                       "s6.3", "conv", (Source("conv1d.weight", "ssm_conv1d.weight", "C", "w_conv", hf_transform=("squeeze1",)),)),
                 Weight("dt_bias", ("Hv",), "s6.4", "vector", (Source("dt_bias", "ssm_dt.bias", "Hv", "dt_bias"),)),
                 Weight("A", ("Hv",), "s6.4", "vector", (Source("A_log", "ssm_a", "Hv", "A", hf_transform=("neg_exp",)),)),
                 Weight("w_out.weight", ("D", "Hv*Dv"), "s6.6", "matrix",
@@ -193,17 +194,19 @@ class GatedDeltaNet(Module):
         "s6.8": ("the state kept: a fixed size, no KV cache", "保留的状态：大小固定，没有 KV 缓存"),
     }
     EXPLAIN = ("delta_rule",)
-    FLOPS_NOTE = "the delta rule grows with T, not T²: each token updates a state of fixed size"
+    FLOPS_NOTE = ("the delta rule grows with T, not T²: each token updates a state of fixed size",
+                  "delta 规则随 T 增长，而不是 T²：每个词元更新一个固定大小的状态")
 
     def flops(self, n_tokens: int) -> list[tuple]:
         """Over T tokens: the projections, the convolution, the delta rule (per token and value head: decay Dk·Dv,
         Sᵀk, the write and Sᵀq, ~7·Dk·Dv; linear in T, no T×T square), the output projection."""
         T, D = n_tokens, self.w_out.out_features
         hv, hk, dk, dv, kc, C = self.hv, self.hk, self.dk, self.dv, self.kc, self.channels
-        return [("in", "q, k, v, z, b, a projections", "2·T·D·(C + Hv·Dv + 2·Hv)", 2 * T * D * (C + hv * dv + 2 * hv)),
-                ("conv", "causal convolution", "2·T·C·Kc", 2 * T * C * kc),
-                ("delta", "delta rule (no T×T scores)", "7·T·Hv·Dk·Dv", 7 * T * hv * dk * dv),
-                ("o", "output projection", "2·T·Hv·Dv·D", 2 * T * hv * dv * D)]
+        return [("in", ("q, k, v, z, b, a projections", "q、k、v、z、b、a 投影"),
+                 "2·T·D·(C + Hv·Dv + 2·Hv)", 2 * T * D * (C + hv * dv + 2 * hv)),
+                ("conv", ("causal convolution", "因果卷积"), "2·T·C·Kc", 2 * T * C * kc),
+                ("delta", ("delta rule (no T×T scores)", "delta 规则（没有 T×T 分数）"), "7·T·Hv·Dk·Dv", 7 * T * hv * dk * dv),
+                ("o", ("output projection", "输出投影"), "2·T·Hv·Dv·D", 2 * T * hv * dv * D)]
 
     def memory(self) -> Memory:
         """s6.8 the layer's memory, without the batch axis: the same size at every step."""

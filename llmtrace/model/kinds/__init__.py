@@ -10,8 +10,11 @@ forward pass it declares, in its own file:
 - `memory()`: what it keeps between passes (model.memory.Memory: per-token entries, a constant-size state, or an
   earlier layer's entries it reads); `KVCache` allocates exactly that and hands it to the layer as `io.cache`
   (a LayerKV for K and V, a LayerSlots for other per-token entries, a LayerState for constant tensors);
-- `flops(n_tokens)`: multiply-add FLOPs (2 per multiply-add) of its matrix products over a pass of n tokens, as a
-  dict of named parts with "total";
+- `flops(n_tokens)`: multiply-add FLOPs (2 per multiply-add) of its matrix products over a pass of n tokens, as
+  rows (key, label, formula, FLOPs), the label an (English, Chinese) pair, and `FLOPS_NOTE`, what they count, a pair
+  too: explain says them in the view's language (render.say.Say.pick);
+- `EXPLAIN`: explain's own sections for the kind (run.explain's MIXER_SECTIONS: "attention", "delta_rule",
+  "ssm_scan", "latent_cache", "convolution"), their words in explain's catalogues (render/catalogue/);
 - `HEADINGS`: the seed steps its points sit under, each with the heading a learner reads for this kind, in English
   and Chinese ({"s6.3": ("causal convolution", "因果卷积"), ...}); a step it does not name keeps the seed table's
   heading. A kind that is not attention never borrows attention's headings.

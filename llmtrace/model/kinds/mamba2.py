@@ -186,17 +186,18 @@ class Mamba2(Module):
         "s6.8": ("the state kept: a fixed size, no KV cache", "保留的状态：大小固定，没有 KV 缓存"),
     }
     EXPLAIN = ("ssm_scan",)  # one state update worked on real numbers (run.explain)
-    FLOPS_NOTE = "the scan grows with T, not T²: each token updates a state of fixed size"
+    FLOPS_NOTE = ("the scan grows with T, not T²: each token updates a state of fixed size",
+                  "扫描随 T 增长，而不是 T²：每个词元更新一个固定大小的状态")
 
     def flops(self, n_tokens: int) -> list[tuple]:
         """Over T tokens: the input projection, the convolution, the scan (per token and head: the decay, Δ·x⊗B and
         the add, 3·P·N, then C·h, 2·P·N; linear in T, no T×T square), the output projection."""
         T, D = n_tokens, self.w_out.out_features
         I, Cs, hs, P, N, kc = self.inner, self.channels, self.hs, self.hd, self.n, self.kc
-        return [("in", "z, x·B·C, dt projection", "2·T·D·(I + Cs + Hs)", 2 * T * D * (I + Cs + hs)),
-                ("conv", "causal convolution", "2·T·Cs·Kc", 2 * T * Cs * kc),
-                ("scan", "selective scan (no T×T scores)", "5·T·Hs·P·N", 5 * T * hs * P * N),
-                ("o", "output projection", "2·T·I·D", 2 * T * I * D)]
+        return [("in", ("z, x·B·C, dt projection", "z、x·B·C、dt 投影"), "2·T·D·(I + Cs + Hs)", 2 * T * D * (I + Cs + hs)),
+                ("conv", ("causal convolution", "因果卷积"), "2·T·Cs·Kc", 2 * T * Cs * kc),
+                ("scan", ("selective scan (no T×T scores)", "选择性扫描（没有 T×T 分数）"), "5·T·Hs·P·N", 5 * T * hs * P * N),
+                ("o", ("output projection", "输出投影"), "2·T·I·D", 2 * T * I * D)]
 
     def memory(self) -> Memory:
         """s6.8 the layer's memory, without the batch axis: the same size at every step."""

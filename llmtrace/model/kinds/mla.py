@@ -186,9 +186,11 @@ class MLA(Module):
         return Memory("latent", per_token={"c_kv": (self.r,), "k_pe": (self.dr,)},
                       mha_per_token=self.n_heads * (self.dq + self.dv))
 
-    EXPLAIN = ()  # taught by the generic sections: the steps table works each declared operation; s6.8 its memory
+    EXPLAIN = ("latent_cache",)  # its cache beside MHA's and GQA's, the absorbed form on real numbers (run.explain_latent)
     FLOPS_NOTE = ("the up-projection of every cached slot is paid at every pass, as llmtrace runs it; the absorbed "
-                  "form folds W_kb into q and W_vb into the output and would not pay it")
+                  "form folds W_kb into q and W_vb into the output and would not pay it",
+                  "按 llmtrace 的运行方式，每次前向都要为每个缓存槽位付出上投影的代价；吸收形式把 W_kb 并入 q、把 W_vb "
+                  "并入输出，就不必付出")
 
     def flops(self, n_tokens: int) -> list[tuple]:
         """Multiply-add FLOPs (2 a multiply-add) of a pass of n tokens from an empty cache, in the form llmtrace runs
@@ -200,10 +202,12 @@ class MLA(Module):
         return [(k, *self.FLOP_WORDS[k], v) for k, v in out.items()]
 
     # how explain names each part of flops() and its formula (T tokens, from an empty cache)
-    FLOP_WORDS = {"q": ("query projections", "2·T·D·H·Dq, or 2·T·(D·Rq + Rq·H·Dq)"),
-                  "latent": ("the latent and k_pe", "2·T·D·(R + Dr)"),
-                  "up": ("K and V up-projected", "2·T·R·H·(Dn + Dv)"), "scores": ("scores", "2·H·T·T·Dq"),
-                  "pv": ("weighted sum P·V", "2·H·T·T·Dv"), "o": ("output projection", "2·T·H·Dv·D")}
+    FLOP_WORDS = {"q": (("query projections", "查询投影"), "2·T·D·H·Dq, or 2·T·(D·Rq + Rq·H·Dq)"),
+                  "latent": (("the latent and k_pe", "潜变量与 k_pe"), "2·T·D·(R + Dr)"),
+                  "up": (("K and V up-projected", "K 和 V 的上投影"), "2·T·R·H·(Dn + Dv)"),
+                  "scores": (("scores", "分数"), "2·H·T·T·Dq"),
+                  "pv": (("weighted sum P·V", "加权求和 P·V"), "2·H·T·T·Dv"),
+                  "o": (("output projection", "输出投影"), "2·T·H·Dv·D")}
 
     def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
         """Each point's operation; the cached latent and k_rope span every slot (`cached`)."""

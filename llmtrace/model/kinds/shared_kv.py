@@ -102,7 +102,8 @@ class SharedKVAttention(Attention):
         """Multiply-add FLOPs over n tokens, as rows: the query and output projections and the scores and P·V against
         S keys (n_tokens by default); no K or V projection."""
         T, S, H, Dh, D = n_tokens, n_keys or n_tokens, self.n_heads, self.head_dim, self.config.d_model
-        return [("q", "Q projection (K and V are an earlier layer's)", "2·T·D·H·Dh", 2 * T * D * H * Dh),
-                ("scores", "scores Q·Kᵀ", "2·H·T·S·Dh", 2 * H * T * S * Dh),
-                ("pv", "weighted sum P·V", "2·H·T·S·Dh", 2 * H * T * S * Dh),
-                ("o", "output projection", "2·T·H·Dh·D", 2 * T * H * Dh * D)]
+        return [("q", ("Q projection (K and V are an earlier layer's)", "Q 投影（K 和 V 来自更早的一层）"),
+                 "2·T·D·H·Dh", 2 * T * D * H * Dh),
+                ("scores", ("scores Q·Kᵀ", "分数 Q·Kᵀ"), "2·H·T·S·Dh", 2 * H * T * S * Dh),
+                ("pv", ("weighted sum P·V", "加权求和 P·V"), "2·H·T·S·Dh", 2 * H * T * S * Dh),
+                ("o", ("output projection", "输出投影"), "2·T·H·Dh·D", 2 * T * H * Dh * D)]

@@ -92,14 +92,17 @@ class ShortConv(Module):
         the model's dtype, as transformers and llama.cpp keep it."""
         return Memory("window", constant={"conv": (self.width, self.kernel - 1)}, constant_float32=False)
 
-    EXPLAIN = ()  # taught by the generic sections: the steps table works each declared operation; s6.8 its window
-    FLOPS_NOTE = "no T×T term: each token reads only the last Lc inputs of its channel"
+    EXPLAIN = ("convolution",)  # one channel's convolution and the window it leaves (run.explain_conv); s6.8 its window
+    FLOPS_NOTE = ("no T×T term: each token reads only the last Lc inputs of its channel",
+                  "没有 T×T 项：每个词元只读取它那个通道最近的 Lc 个输入")
 
     def flops(self, n_tokens: int) -> list[tuple]:
         """Multiply-add FLOPs (2 per multiply-add) of the mixer over n tokens, as rows: no T×T term."""
         T, D, L = n_tokens, self.width, self.kernel
-        return [("in", "B, C, x projections", "2·T·D·3D", 2 * T * D * 3 * D), ("gates", "B ⊙ x and C ⊙ y", "2·T·D", 2 * T * D),
-                ("conv", "causal convolution", "2·T·D·Lc", 2 * T * D * L), ("out", "output projection", "2·T·D·D", 2 * T * D * D)]
+        return [("in", ("B, C, x projections", "B、C、x 投影"), "2·T·D·3D", 2 * T * D * 3 * D),
+                ("gates", ("B ⊙ x and C ⊙ y", "B ⊙ x 与 C ⊙ y"), "2·T·D", 2 * T * D),
+                ("conv", ("causal convolution", "因果卷积"), "2·T·D·Lc", 2 * T * D * L),
+                ("out", ("output projection", "输出投影"), "2·T·D·D", 2 * T * D * D)]
 
     def maths(self, x: str, plan: LayerPlan) -> dict[str, Op]:
         """Each point's operation (model.maths), in the forward's order; the window is `carried` from the last pass."""
