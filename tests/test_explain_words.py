@@ -110,7 +110,7 @@ UNITS = {"KiB", "MiB", "GiB", "TiB"}  # the byte units (units.human_bytes), the 
 # Families whose change lines ("what it changes from Llama") are still said in English only: their Chinese words are
 # on their way from the session that adds the four families of issue 48 (their family files). Their lines are left
 # out of the check below by their exact text; everything else on their pages is checked.
-CHANGES_IN_ENGLISH = {"deepseek", "lfm2", "gemma4", "granite_hybrid"}
+CHANGES_IN_ENGLISH: set = set()  # every family says its change lines in both languages now (issue 48)
 
 
 def unsaid_changes(events: list[dict]) -> set[str]:
@@ -123,7 +123,7 @@ def declared_words(events: list[dict]) -> set[str]:
     """The words the page may show outside its catalogue: the words of the Chinese texts the model declares (a
     family's change lines, a kind's headings, FLOPs rows and note: [English, Chinese] pairs in the events), the
     Chinese catalogues' own terms (RoPE, softmax, KV), and names (every string of the events without a space:
-    point names, operation kinds, the activation's name)."""
+    point names, operation kinds, the activation's name), and the formula labels of the declared constants."""
     from llmtrace.model.family import WORDS, families
 
     out = set(UNITS)
@@ -133,7 +133,9 @@ def declared_words(events: list[dict]) -> set[str]:
 
     def walk(x):
         if isinstance(x, dict):
-            for v in x.values():
+            for k, v in x.items():
+                if k.endswith("label") and isinstance(v, str):  # a constant's formula label ("1/√Dq × mscale²")
+                    out.update(words_of(v))
                 walk(v)
         elif isinstance(x, (list, tuple)):
             if len(x) == 2 and all(isinstance(s, str) for s in x) and CJK.search(x[1]):

@@ -578,7 +578,6 @@ def test_the_chinese_explain_page_says_what_the_family_changes_from_its_words(fa
 
     import llmtrace
     from llmtrace.model.family import said_in
-    from llmtrace.report.explain_words import english_run
     from llmtrace.trace.records import model_record
 
     m = model_record(llmtrace.load(str(families.hf_dir(name)), threads=1).loaded)
@@ -593,6 +592,17 @@ def test_the_chinese_explain_page_says_what_the_family_changes_from_its_words(fa
         zh = said_in(m["family"], said, "zh")
         assert html_unescaped(zh) in re.sub(r"\s+", " ", html_unescaped(block)), (name, zh)
         assert not english_run(zh), zh
+
+
+def english_run(text: str, n: int = 3) -> bool:
+    """Whether `text` has n English words in a row (names with _ . or digits are not words)."""
+    run = 0
+    for token in text.split():
+        word = token.strip("()[]{},.;:!?\"'“”‘’")
+        run = run + 1 if word and re.fullmatch(r"[A-Za-z]+(?:[-'][A-Za-z]+)*", word) else 0
+        if run >= n:
+            return True
+    return False
 
 
 def html_unescaped(text: str) -> str:
