@@ -28,27 +28,24 @@ import torch
 
 from families import FAMILIES
 from helpers import Opened, check_run, embedded, run_cli
+from llmtrace.model.maths import OPS
 from llmtrace.trace.packed import pack, unpack
 
 ABS, REL = 1e-5, 1e-4  # the issue's tolerance: a card checks within 1e-5 absolute or 1e-4 relative
-# the operations a card works out on real numbers and checks (issue 39, item 4 and the card contract)
-CHECKING = {"rmsnorm", "rope", "scores", "softmax", "glu", "add", "scale", "softcap", "router", "select_last", "stream"}
+# the operations a card shows computed and checks (issue 39, item 4; issue 47 item 3: every declared kind, computed
+# by the one evaluator when the trace is recorded; the cache's write has nothing to compute)
+CHECKING = set(OPS) - {"cache_write"}
 TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4) and LongRoPE's 8
 CARD_FAMILIES = ["llama", "mistral", "qwen3", "qwen3_swa", "gemma2", "gemma3", "phi3", "phi3_longrope", "olmo2",
                  "mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense", "smollm3", "gpt_oss", "gpt_oss_mxfp4",
-                 "qwen3_5", "granite_hybrid", "lfm2"]
-# The page's cards recompute rope, the router and the softmax in cards.js (issue 47 item 3 moves that to the one
-# evaluator): its rope turns halves, not DeepSeek's adjacent pairs, and its router knows no choice bias, groups or
-# scale, so DeepSeek's cards wait for that rework; explain's steps check every DeepSeek operation meanwhile.
-# Gemma 4's norms without γ and its layer scalar (a scale by a weight) are likewise not in cards.js yet.
-CARDS_PENDING = {"deepseek_v3", "deepseek_v2", "gemma4"}
+                 "qwen3_5", "granite_hybrid", "lfm2", "deepseek_v3", "deepseek_v2", "gemma4"]
 
 
 def test_the_card_families_are_the_fixtures():
     """Every family fixture is stepped through (qwen3_tied and qwen3_5_tied are qwen3 and qwen3_5 with the head tied
     and, for Qwen3.5, one key head per value head; granite_hybrid_dense is granite_hybrid without experts: the same
     cards)."""
-    assert set(CARD_FAMILIES) == set(FAMILIES) - {"qwen3_tied", "qwen3_5_tied", "granite_hybrid_dense"} - CARDS_PENDING
+    assert set(CARD_FAMILIES) == set(FAMILIES) - {"qwen3_tied", "qwen3_5_tied", "granite_hybrid_dense"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,15 +220,12 @@ def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, reco
             if not within(c["err"], c["rel"]):
                 out.append(f"{where}: op {o.kind}, computed vs trace max error {c['err']} (rel {c['rel']}) "
                            f"> {ABS:g} abs / {REL:g} rel")
-        elif o.kind in CHECKING:
+        elif o.kind in CHECKING and name in kept.get((step, "m" if lay == "m" else layer), ()):
+            # (a point without a sample, the broadcast k_repeated, shows its formula and no values)
             lacking = unrecorded_operand(maths, lay, o, recorded_layers, untraced)
             if c["missing"] is None:
                 out.append(f"{where}: op {o.kind} but neither data-max-error nor data-missing")
-            elif lacking is None and not (o.kind == "scores" and not last_row and "whole rows" in c["missing"]) \
-                    and not (o.kind == "scores" and "not computed" in c["missing"]):
-                # (a long pass keeps its last query's whole rows only (trace/worked.py, ALL_QUERIES): its other
-                # tokens' q·k says so; a prompt prefilled in chunks keeps its last chunk's keys on the page, and a
-                # key of an earlier chunk is not computed, never ticked)
+            elif lacking is None:
                 out.append(f"{where}: op {o.kind} unchecked (data-missing {c['missing']!r}) though every input "
                            f"is in the trace")
     for lay in (str(layer), "m"):
@@ -256,15 +250,17 @@ def test_every_card_is_the_declared_operation_checked_beside_the_trace(browser, 
     assert_cards_hold(card_problems(lm, events, path, browser))
 
 
-def report_of_changed_trace(capsys, tmp_path, events, layer: int, name: str, changed_row) -> object:
-    """`llmtrace report` of the trace `events` with the prefill's recorded sample of point `name` of `layer` moved by
-    1 % in the rows `changed_row(row)` picks (the rows: the recorded shape's other axes, row-major)."""
+def report_of_changed_trace(capsys, tmp_path, events, layer: int, name: str, changed_row, computed=False) -> object:
+    """`llmtrace report` of the trace `events` with the prefill's recorded sample of point `name` of `layer` (or,
+    `computed`, the values the trace computed for its card) moved by 1 % in the rows `changed_row(row)` picks (the
+    rows: the recorded shape's other axes, row-major)."""
     out = []
     for ev in events:
         if ev["event"] == "tensor" and ev.get("step", 0) == 0 and ev["layer"] == layer and ev["name"] == name:
             ev = json.loads(json.dumps(ev))
-            rows = unpack(ev["sample"]["values"], len(ev["sample"]["index"]))
-            ev["sample"]["values"] = pack([row * 1.01 if changed_row(i) else row for i, row in enumerate(rows)])
+            at = ev["sample"]["computed"] if computed else ev["sample"]
+            rows = unpack(at["values"], len(ev["sample"]["index"]))
+            at["values"] = pack([row * 1.01 if changed_row(i) else row for i, row in enumerate(rows)])
         out.append(ev)
     trace = tmp_path / f"changed-{name}.jsonl"
     trace.write_text("".join(json.dumps(e) + "\n" for e in out), encoding="utf-8")
@@ -294,14 +290,15 @@ def test_a_card_shows_a_wrong_trace_value_as_a_failed_check(browser, reports, ca
     assert card_errors(browser, page, n - 1, 0, [0], "act") == {0: [False]}
 
 
-def test_a_card_reads_the_input_of_its_own_head_and_row(browser, reports, capsys, tmp_path):
-    """Issue 39: a card read head 0's input while it showed another head's output. Layer 0's recorded q_norm moved
-    in one row only (the last prompt token, head 2): the q_rope card fails there and nowhere else, not at head 0 of
-    that token, not at head 2 of the token before."""
+def test_a_card_shows_the_computed_values_of_its_own_head_and_row(browser, reports, capsys, tmp_path):
+    """Issue 39: a card read head 0's input while it showed another head's output. The values the trace computed for
+    layer 0's q_rope moved in one row only (the last prompt token, head 2): the q_rope card fails there and nowhere
+    else, not at head 0 of that token, not at head 2 of the token before."""
     lm, events, _ = reports("gemma3")
     n = len(next(e for e in events if e["event"] == "tokens")["tokens"])
     H = lm.config.n_heads
-    page = report_of_changed_trace(capsys, tmp_path, events, 0, "q_norm", lambda row: row == (n - 1) * H + 2)
+    page = report_of_changed_trace(capsys, tmp_path, events, 0, "q_rope", lambda row: row == (n - 1) * H + 2,
+                                   computed=True)
     assert card_errors(browser, page, n - 1, 0, list(range(H)), "q_rope") == {0: [True], 1: [True], 2: [False],
                                                                               3: [True]}
     assert card_errors(browser, page, n - 2, 0, [2], "q_rope") == {2: [True]}
