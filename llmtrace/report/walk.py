@@ -100,17 +100,31 @@ def pack_f32(values) -> str:
     return values if isinstance(values, str) else pack(values)
 
 
-def pack_f24(values) -> str:
-    """Numbers as float32 without their last 8 bits (rounded to nearest), 3 bytes each, little-endian, base64: about
-    5 significant figures (relative error below 2e-5), what the walk-through shows. A trace's packed values, a list
-    (None for a non-finite value) or an array."""
+def f24_bytes(values) -> np.ndarray:
+    """Numbers as float32 without their last 8 bits (rounded to nearest): (n, 3) bytes, little-endian (pack_f24)."""
     f = unpack(values).astype("<f4")
     a = f.view("<u4").astype(np.uint64)
     sign, mag = a & 0x80000000, a & 0x7FFFFFFF
     mag = np.where(np.isfinite(f), np.minimum(mag + 0x80, 0x7F7FFFFF), mag)  # rounding never makes an infinity
     a = (sign | mag).astype(np.uint32)
-    b = a.view(np.uint8).reshape(-1, 4)[:, 1:]  # the three high bytes of each little-endian float32
-    return base64.b64encode(b.tobytes()).decode("ascii")
+    return a.view(np.uint8).reshape(-1, 4)[:, 1:]  # the three high bytes of each little-endian float32
+
+
+def pack_f24(values) -> str:
+    """Numbers as float32 without their last 8 bits (rounded to nearest), 3 bytes each, little-endian, base64: about
+    5 significant figures (relative error below 2e-5), what the walk-through shows. A trace's packed values, a list
+    (None for a non-finite value) or an array."""
+    return base64.b64encode(f24_bytes(values).tobytes()).decode("ascii")
+
+
+def pack_f24_beside(values: np.ndarray, shown: np.ndarray) -> dict:
+    """`values` as pack_f24 would show them, where most equal the `shown` ones to those 24 bits (a card's computed
+    values beside the recorded ones): "same", a bit per entry (1: the shown entry's 24 bits, little-endian bit
+    order), and "v", pack_f24 of the others only. Lossless against pack_f24, and a fraction of its size."""
+    a, b = f24_bytes(values), f24_bytes(shown)
+    same = (a == b).all(axis=1)
+    return {"same": base64.b64encode(np.packbits(same, bitorder="little").tobytes()).decode("ascii"),
+            "v": base64.b64encode(a[~same].tobytes()).decode("ascii")}
 
 
 def pack_ids(values: list[int], vocab: int) -> str:
@@ -126,9 +140,10 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
     pack_f24 (about 5 significant figures, what the page shows) (the slots a pass wrote, the KV cache's point, are
     {"m", "positions"}). `x`, where the trace computed the point's card (trace.cards): "c" the computed values (rows ×
     entries, pack_f24), "e" each row's largest |computed − recorded| and that over the row's largest |recorded|
-    (worked out here in float64, from the trace's own numbers: rows × 2, float32), "aux" the numbers its words print
-    (per row), "dot" a matrix product's first kept entry as Σ_j x_j·W_ij. The few distinct metas and index lists are
-    kept once: a page of every layer stays within 2 MB."""
+    (worked out here in float64, from the trace's own numbers: rows × 2, pack_f24), "aux" the numbers its words print
+    (per row), "dot" a matrix product's first kept entry as Σ_j x_j·W_ij, its weight rows ("w", "b") in
+    "dot_weights" once per layer and point where every pass reads the same. The few distinct metas and index lists
+    are kept once: a page of every layer stays within 2 MB."""
     by_name = {p["name"]: p for p in points}
     samples: dict[str, Any] = {}
     indexes: list[list[int]] = []
@@ -140,6 +155,7 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         return metas.index(m)
 
     layers, steps, carded = set(), set(), set()
+    dot_weights: dict[str, dict] = {}  # "LAYER/NAME" -> a dot product's weight rows (and bias), kept once
     for ev in tensors:
         s = ev.get("sample")
         step = ev.get("step", 0)
@@ -161,7 +177,13 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
         samples[key] = [m, pack_f24(np.concatenate([values, norms]))]
         c = s.get("computed")
         if c is not None:
-            samples[key] += [None, card_values(c, values, len(s["index"]))]
+            x = card_values(c, values, len(s["index"]))
+            at = key.split("/", 1)[1]
+            for name in ("w", "b"):  # a weight row is the same in every pass: kept once per layer and point
+                d = x.get("dot") or {}
+                if name in d and dot_weights.setdefault(at, {}).setdefault(name, d[name]) == d[name]:
+                    del d[name]
+            samples[key] += [None, x]
             if ev["layer"] is not None:
                 carded.add(ev["layer"])
         steps.add(step)
@@ -172,7 +194,7 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
     rows = [ev["shape"][0] for ev in tensors if ev.get("step", 0) == 0 and ev["layer"] is not None and ev.get("shape")
             and (axes_of(ev, by_name) or [None])[0] == "T"]
     return {"samples": samples, "metas": metas, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps),
-            "card_layers": sorted(carded), "prefill_rows": rows[-1] if rows else None}
+            "card_layers": sorted(carded), "dot_weights": dot_weights, "prefill_rows": rows[-1] if rows else None}
 
 
 def row_errors(computed: np.ndarray, recorded: np.ndarray) -> np.ndarray:
@@ -193,13 +215,13 @@ def card_values(c: dict, recorded: np.ndarray, k: int) -> dict:
     """A point's computed sample (trace.cards) as the page carries it: the values, each row's difference from the
     recorded values (float64), the words' numbers and a matrix product's dot product."""
     computed = unpack(c["values"]).reshape(-1, k)
-    out: dict[str, Any] = {"c": pack_f24(computed.reshape(-1)),
-                           "e": pack_f32(row_errors(computed, recorded.reshape(-1, k)).reshape(-1))}
+    out: dict[str, Any] = {"c": pack_f24_beside(computed.reshape(-1), recorded.reshape(-1)),
+                           "e": pack_f24(row_errors(computed, recorded.reshape(-1, k)).reshape(-1))}
     if c.get("aux"):
         out["aux"] = {name: pack_f32(v) for name, v in c["aux"].items()}
     if c.get("dot"):
         d = c["dot"]
-        out["dot"] = {"i": d["i"], "j": d["j"], "n": d.get("n")} | {
+        out["dot"] = {"i": d["i"], "k": len(d["j"]), "n": d["n"], "xg": d["xg"], "wg": d["wg"]} | {
             name: pack_f24(d[name]) for name in ("x", "w", "p", "rest", "b") if d.get(name) is not None}
     return out
 

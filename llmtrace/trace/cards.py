@@ -10,8 +10,8 @@ tensors by `model.recompute.apply`, then sampled at exactly the rows and entries
     aux      per row, the few numbers the card's words print (a norm's rms; a softmax's log-sum-exp, and with a learned
              sink its logit, the scores' own log-sum-exp and the sink's share)
     dot      a matrix product's first kept output entry of every row worked as y_i = Σ_j x_j · W_ij (+ b_i): the
-             input row's and the weight row's entries at the input's kept entries j, their products, the sum of the
-             other terms and the bias
+             input row's and the weight row's first entries j (each input row once; each weight row once a point and
+             pass, or a row's own expert's), their products, the sum of the other terms and the bias
 
 An operand spanning the KV cache (an operation's `cached`) is every pass's tensor so far, joined along the slots; a
 `carried` one is the tensor the pass before left (None before the first pass). A matrix product reads only the weight
@@ -172,9 +172,10 @@ class Cards:
             out["aux"] = {k: pack(_per_row(v, r, rows).float().cpu().numpy()) for k, v in made["aux"].items()}
         if made["dot"] is not None:
             d = made["dot"]
-            out["dot"] = {"i": index[0], "j": d["j"], "n": d["n"]} | {
-                k: pack(d[k][r: r + 1].reshape(rows, -1).float().cpu().numpy()) for k in ("x", "w", "p", "rest", "b")
-                if d.get(k) is not None}
+            per_batch = {"x", "p", "rest"} | ({"w", "b"} if d["per_row"] else set())
+            out["dot"] = {"i": index[0], "j": d["j"], "n": d["n"], "xg": d["xg"], "wg": d["wg"]} | {
+                k: pack((d[k][r] if k in per_batch else d[k]).reshape(-1).float().cpu().numpy())
+                for k in ("x", "w", "p", "rest", "b") if d.get(k) is not None}
         return out
 
 
@@ -226,25 +227,23 @@ def columns(o, args: list, weights: list, shape: tuple, index: list[int]) -> tor
     return apply(o, [inverse], [weights[0][unique.to(at.device)][:, at]], (*shape[:-1], k))
 
 
-def _dot(a: torch.Tensor, W: torch.Tensor, bias: Optional[torch.Tensor], groups: int, k: int, lead: int) -> dict:
-    """Per output row (the input's rows × the groups, row-major), the first kept entry's dot product."""
-    rows_w = W.reshape(groups, k, -1)[:, 0]  # (groups, D): each group's first kept entry's weight row
-    x = a.reshape(*a.shape[:lead], 1, a.size(-1)).expand(*a.shape[:lead], groups, a.size(-1))
-    wr = rows_w.expand(*a.shape[:lead], groups, a.size(-1))
-    b = bias.reshape(groups, k)[:, 0].expand(*a.shape[:lead], groups) if bias is not None else None
-    return _terms(x, wr, b)
+DOT_TERMS = 8  # a dot product's card shows its first 8 terms, and the sum of the others
 
 
-def _terms(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> dict:
-    """y = Σ_j x_j·w_j (+ b) of every row, told at the input's kept entries j: x_j, w_j, x_j·w_j, the sum of the
-    other terms, b."""
-    j = sample_index(x.size(-1))
-    at = torch.tensor(j)
-    p = x * w
-    shown = p.index_select(-1, at)
-    rest = p.sum(-1) - shown.sum(-1)
-    return {"j": j, "n": x.size(-1), "x": x.index_select(-1, at), "w": w.index_select(-1, at), "p": shown,
-            "rest": rest, "b": bias}
+def _terms(x: torch.Tensor, w: torch.Tensor, xg: int, bias: Optional[torch.Tensor], per_row: bool) -> dict:
+    """y = Σ_j x_j·w_j (+ b) of every output row, told at its first entries j. x (B, input rows, D): each input row
+    is read by `xg` output rows in turn; w (groups, D), cycled over the output rows (one weight row per group, the same
+    in every pass), or with `per_row` (B, rows, D), a row's own (an expert's, as chosen). Kept: x and w at j (each
+    input row and weight row once), the products at j and the sum of the other terms of every output row, the bias
+    (like w)."""
+    n, B = x.size(-1), x.size(0)
+    j = list(range(min(DOT_TERMS, n)))
+    xr = x.repeat_interleave(xg, dim=1)  # (B, rows, D)
+    wr = w if per_row else w[None].repeat(B, xr.size(1) // w.size(0), 1)
+    p = xr * wr
+    shown = p[..., : len(j)]
+    return {"j": j, "n": n, "xg": xg, "wg": wr.size(1) if per_row else w.size(0), "x": x[..., : len(j)],
+            "w": w[..., : len(j)], "p": shown, "rest": p.sum(-1) - shown.sum(-1), "b": bias, "per_row": per_row}
 
 
 def dot_rows(o, args: list, weights: list, shape: tuple, first: int) -> Optional[dict]:
@@ -252,19 +251,19 @@ def dot_rows(o, args: list, weights: list, shape: tuple, first: int) -> Optional
     or None for an operation that is not one dot product per entry."""
     if o.kind == "matmul":
         a = (args[0].flatten(-2) if o.const("merge") else args[0]).double()
-        lead = a.dim() - 1
-        groups = math.prod(shape[lead:-1])
+        groups = math.prod(shape[a.dim() - 1:-1])
         features = torch.arange(groups, device=weights[0].device) * shape[-1] + first
         rows = _feature_rows(o, shape[-1], features)
-        W = weights[0][rows].double()
+        W = weights[0][rows].double()  # (groups, D): the weight row each group's entry reads
         b = weights[1][rows].double() if len(weights) > 1 else None
-        return _dot(a, W, b, groups, 1, lead)
+        return _terms(a.reshape(a.size(0), -1, a.size(-1)), W, groups, b, False)
     if o.kind == "expert_matmul":
         h, chosen = args[0].double(), args[1]
         idx = chosen.topk(shape[-2], dim=-1).indices  # (B, T, K): the chosen experts, as the evaluator takes them
         wrow = weights[0][:, first].double()[idx]  # (B, T, K, D): entry `first`'s row of each chosen expert
-        bias = weights[1][:, first].double()[idx] if len(weights) > 1 else None
-        return _terms(h[:, :, None, :].expand_as(wrow), wrow, bias)
+        bias = weights[1][:, first].double()[idx].reshape(h.size(0), -1) if len(weights) > 1 else None
+        return _terms(h.reshape(h.size(0), -1, h.size(-1)), wrow.reshape(h.size(0), -1, h.size(-1)), shape[-2],
+                      bias, True)
     return None
 
 

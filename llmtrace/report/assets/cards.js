@@ -90,17 +90,18 @@ window.llmtraceCards = function (api) {
     router: (o) => t("card_router", { k: o.consts.k }),
   };
   // a matrix product's first kept output entry of this row as y_i = Σ_j x_j·W_ij (+ b_i): the input row's and the
-  // weight row's entries at the input's kept entries j, their products, the other terms' sum and the bias, as the
-  // trace computed them (trace/cards.py)
+  // weight row's first entries j, their products, the other terms' sum and the bias, as the trace computed them
+  // (trace/cards.py: each input row kept once, read by d.xg output rows in turn; d.wg weight rows, cycled)
   function dotHtml(d, o, layer, name, row, y) {
     if (!d) return "";
-    const k = d.j.length, at = (v) => Array.from(v.slice(row * k, (row + 1) * k));
+    const k = d.j.length, at = (v, r) => Array.from(v.slice(r * k, (r + 1) * k));
+    const xr = Math.floor(row / d.xg), wr = row % d.wg; // the input row this output row reads, and its weight row
     const input = source(layer, o.inputs[0]).name, w = (o.weights || [])[0] || "W";
     let html = "<div class=dot data-dot-entry=\"" + d.i + "\"><p>" + esc(t("card_dot", { i: d.i, out: name, input: input, w: w, n: d.n })) + "</p>" +
-      api.walkTable(d.j, [["x\u2c7c (" + input + ")", at(d.x).map(api.cellNum)], ["W\u1d62\u2c7c (" + w + ")", at(d.w).map(api.cellNum)],
-        ["x\u2c7c\u00b7W\u1d62\u2c7c", at(d.p).map(api.cellNum)]]);
+      api.walkTable(d.j, [["x\u2c7c (" + input + ")", at(d.x, xr).map(api.cellNum)], ["W\u1d62\u2c7c (" + w + ")", at(d.w, wr).map(api.cellNum)],
+        ["x\u2c7c\u00b7W\u1d62\u2c7c", at(d.p, row).map(api.cellNum)]]);
     html += "<p class=note data-dot-rest>" + esc(t(d.b ? "card_dot_rest_bias" : "card_dot_rest", { m: d.n - k, rest: api.cellNum(d.rest[row]),
-      b: d.b ? api.cellNum(d.b[row]) : "", out_i: name + "[" + d.i + "]", y: api.cellNum(y) })) + "</p></div>";
+      b: d.b ? api.cellNum(d.b[wr]) : "", out_i: name + "[" + d.i + "]", y: api.cellNum(y) })) + "</p></div>";
     return html;
   }
 
@@ -111,9 +112,16 @@ window.llmtraceCards = function (api) {
     if (!x) return (s._card = null);
     const aux = {};
     Object.keys(x.aux || {}).forEach((k) => { aux[k] = api.unpack(x.aux[k]); });
-    const dot = x.dot ? Object.assign({}, x.dot) : null;
-    if (dot) ["x", "w", "p", "rest", "b"].forEach((k) => { if (dot[k]) dot[k] = api.unpack24(dot[k]); });
-    return (s._card = { values: api.unpack24(x.c), errors: api.unpack(x.e), aux: aux, dot: dot });
+    const dot = x.dot ? Object.assign({}, (D.walk.dot_weights || {})[s.meta.at] || {}, x.dot) : null; // w, b: kept once
+    if (dot) {
+      ["x", "w", "p", "rest", "b"].forEach((k) => { if (dot[k]) dot[k] = api.unpack24(dot[k]); });
+      dot.j = Array.from({ length: dot.k }, (v, i) => i); // its first k terms
+    }
+    // the computed values: an entry whose 24 bits equal the recorded one's is marked in "same", the others follow
+    const same = api.bytes(x.c.same), other = api.unpack24(x.c.v), values = new Float32Array(s.values.length);
+    let o = 0;
+    for (let i = 0; i < values.length; i++) values[i] = (same[i >> 3] >> (i & 7)) & 1 ? s.values[i] : other[o++];
+    return (s._card = { values: values, errors: api.unpack24(x.e), aux: aux, dot: dot });
   }
 
   // the card of point p in `layer` ("m" outside the layers) for one pass, token row and head

@@ -47,6 +47,7 @@
       if (Array.isArray(m)) m = D.walk.samples[key] = { m: m[0], v: m[1], n: m[2], x: m[3] }; // [meta, values, norms, extra]
       if (m.m !== undefined) Object.assign(m, D.walk.metas[m.m]); // its shape, axes, rows and entries, stored once
       if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
+      m.at = layer + "/" + name; // its layer and point (a dot product's weight rows are kept once for each)
       if (m.v === undefined) cache[key] = { meta: m };
       else if (m.n === null || m.n === undefined) { // 24-bit values, then each row's norm, in one string (report/walk.py)
         const all = unpack24(m.v), nv = all.length - m.rows;
@@ -110,7 +111,7 @@
   const T0 = PAD + nPrompt; // the prefill's slots; decode step j writes slot T0 + j - 1
   function slotOf(pass) { return pass.step === 0 ? pass.off : T0 + pass.step - 1; } // the pass's first slot
   const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, cellNum: cellNum, walkTable: walkTable, sample: sample, rowOf: rowOf, positionOf: positionOf,
-    unpack: (b64) => unpack(b64, Float32Array), unpack24: unpack24 });
+    unpack: (b64) => unpack(b64, Float32Array), unpack24: unpack24, bytes: (b64) => unpack(b64, Uint8Array) });
   // s3: the mask this layer used for the query of this pass's row, slot by slot: "on" (attended), "pad" (a batch row's
   // leading pad slot), "later" (causal), "window" (outside the layer's window of keys), "masked" (none of those):
   // read from the recorded scores row where the trace kept every slot (a masked key is −∞ there), else from the
