@@ -67,6 +67,8 @@ class Cards:
         self.ids: Optional[torch.Tensor] = None  # this pass's token ids (B, T)
         self.positions: Optional[torch.Tensor] = None  # (B, T) or (T,)
         self.padding: Optional[torch.Tensor] = None  # (B, S): False at pad slots
+        self.slots = 0  # the cache's slots after this pass
+        self.first = 0  # this pass's first slot
 
     def wants(self, layer: Optional[int]) -> bool:
         return layer is None or layer in self.layers
@@ -75,8 +77,11 @@ class Cards:
         if (layer, name) in self.need:
             self.seen[(layer, name)] = x
 
-    def begin(self, ids: Optional[torch.Tensor], positions: torch.Tensor, padding: Optional[torch.Tensor]) -> None:
+    def begin(self, ids: Optional[torch.Tensor], positions: torch.Tensor, padding: Optional[torch.Tensor],
+              first: int) -> None:
+        """A pass over slots [first, first + T): its ids (None where unknown), positions and padding."""
         self.ids, self.positions, self.padding = ids, positions, padding
+        self.first, self.slots = first, first + positions.size(-1)
 
     def end(self) -> None:
         """The pass is over: its cached operands join the history, its carried ones are the next pass's."""
@@ -113,12 +118,17 @@ class Cards:
                 continue
             where = self.maths.operand(layer, ref)
             if ref in (o.const("carried") or ()):
+                if where not in self.before and self.first > 0:
+                    return None  # the state an unobserved pass left (a long prompt's earlier prefill chunks)
                 args.append(self.before.get(where))
                 continue
             if where not in self.seen:
                 return None
-            if ref in (o.const("cached") or ()) and self.history.get(where):
-                args.append(torch.cat(self.history[where] + [self.seen[where]], dim=1))
+            if ref in (o.const("cached") or ()):
+                joined = torch.cat(self.history.get(where, []) + [self.seen[where]], dim=1)
+                if joined.size(1) != self.slots:
+                    return None  # slots written by an unobserved pass (a long prompt's earlier prefill chunks)
+                args.append(joined)
                 continue
             args.append(self.seen[where])
         return args

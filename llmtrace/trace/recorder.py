@@ -452,7 +452,8 @@ class Recorder:
             ids = [r[start: start + n_tokens] for r in self._ids]
             self._cards.begin(torch.tensor(ids) if all(len(r) == n_tokens for r in ids) else None,
                               torch.tensor([r[start: start + n_tokens] for r in self._positions]),
-                              torch.tensor([r[: start + n_tokens] for r in self._mask]).bool() if self._rows > 1 else None)
+                              torch.tensor([r[: start + n_tokens] for r in self._mask]).bool() if self._rows > 1 else None,
+                              start)
 
     def after_forward(self, step: int) -> None:
         self._reduce_queue()
