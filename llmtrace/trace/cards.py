@@ -147,11 +147,15 @@ class Cards:
         if args is None or any(w is None for w in weights):
             return None
         shape = tuple(out.shape)
+        # on the host, in float64 (the evaluator's constants and positions are host tensors); a matrix product's
+        # weight rows are gathered where they are, then moved
+        args = [a.detach().cpu() if torch.is_tensor(a) else a for a in args]
         with torch.no_grad():
             if o.kind in ROWWISE and shape[-1] > len(index):
                 y = columns(o, args, weights, shape, index)
                 made = {"y": y, "index": index}
             else:
+                weights = [w.cpu() for w in weights]
                 y = apply(o, args, weights, shape, positions=self.positions, padding=self.padding)
                 if y is None:
                     return None
@@ -168,7 +172,7 @@ class Cards:
         if made is None:
             return None
         r = 0 if row is None else row
-        y, recorded = made["y"], self.seen[(layer, name)]
+        y, recorded = made["y"], self.seen[(layer, name)].detach().cpu()
         last = recorded.shape[-1]
         if made["index"] is None:
             y = y[r: r + 1].reshape(-1, last)[:, index]
@@ -226,15 +230,15 @@ def columns(o, args: list, weights: list, shape: tuple, index: list[int]) -> tor
         trailing = shape[lead:]  # the output's axes after the input's rows: (…, last)
         features = (torch.arange(math.prod(trailing[:-1]), device=at.device)[:, None] * shape[-1] + at[None])
         rows = _feature_rows(o, shape[-1], features.reshape(-1))
-        w = [weights[0][rows]] + ([weights[1][rows]] if len(weights) > 1 else [])
+        w = [weights[0][rows].cpu()] + ([weights[1][rows].cpu()] if len(weights) > 1 else [])
         plain = replace(o, consts=tuple((c, v) for c, v in o.consts if c not in ("rows", "blocks")))
         return apply(plain, args, w, (*shape[:lead], *trailing[:-1], k))
     if o.kind in ("expert_matmul", "expert_mix"):  # W (E, out, in): the kept outputs' rows of every expert
-        w = [weights[0][:, at]] + ([weights[1][:, at]] if len(weights) > 1 else [])
+        w = [weights[0][:, at].cpu()] + ([weights[1][:, at].cpu()] if len(weights) > 1 else [])
         return apply(o, args, w, (*shape[:-1], k))
     ids = args[0]  # lookup: the pass's ids' rows, at the kept entries
     unique, inverse = torch.unique(ids, return_inverse=True)
-    return apply(o, [inverse], [weights[0][unique.to(at.device)][:, at]], (*shape[:-1], k))
+    return apply(o, [inverse], [weights[0][unique.to(at.device)][:, at].cpu()], (*shape[:-1], k))
 
 
 DOT_TERMS = 8  # a dot product's card shows its first 8 terms, and the sum of the others
@@ -264,14 +268,14 @@ def dot_rows(o, args: list, weights: list, shape: tuple, first: int) -> Optional
         groups = math.prod(shape[a.dim() - 1:-1])
         features = torch.arange(groups, device=weights[0].device) * shape[-1] + first
         rows = _feature_rows(o, shape[-1], features)
-        W = weights[0][rows].double()  # (groups, D): the weight row each group's entry reads
-        b = weights[1][rows].double() if len(weights) > 1 else None
+        W = weights[0][rows].cpu().double()  # (groups, D): the weight row each group's entry reads
+        b = weights[1][rows].cpu().double() if len(weights) > 1 else None
         return _terms(a.reshape(a.size(0), -1, a.size(-1)), W, groups, b, False)
     if o.kind == "expert_matmul":
         h, chosen = args[0].double(), args[1]
         idx = chosen.topk(shape[-2], dim=-1).indices  # (B, T, K): the chosen experts, as the evaluator takes them
-        wrow = weights[0][:, first].double()[idx]  # (B, T, K, D): entry `first`'s row of each chosen expert
-        bias = weights[1][:, first].double()[idx].reshape(h.size(0), -1) if len(weights) > 1 else None
+        wrow = weights[0][:, first].cpu().double()[idx]  # (B, T, K, D): entry `first`'s row of each chosen expert
+        bias = weights[1][:, first].cpu().double()[idx].reshape(h.size(0), -1) if len(weights) > 1 else None
         return _terms(h.reshape(h.size(0), -1, h.size(-1)), wrow.reshape(h.size(0), -1, h.size(-1)), shape[-2],
                       bias, True)
     return None

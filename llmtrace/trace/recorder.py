@@ -192,7 +192,7 @@ class Recorder:
             wanted = self._memo[(layer, name)] = (self._wanted(layer, name), self._dumped(layer, name))
         if self._shape_table is not None:
             self._note_shape(layer, name, x)
-        if self._cards is not None and self._cards.wants(layer):
+        if self._cards is not None:  # the card layers' points and the operands they read (trace.cards)
             self._cards.keep(layer, name, x)
         if not wanted[0]:
             return  # the common case of a point nobody asked for: a dictionary look-up
@@ -449,6 +449,10 @@ class Recorder:
         if step == 0 and self.options.level.records:
             self._shape_table = []
         if self._cards is not None:  # the pass's ids, positions and mask, as the model sees them
+            for r in range(len(self._positions)):  # a finished row of a batch still runs: its slots go on
+                while len(self._positions[r]) < start + n_tokens:
+                    self._positions[r].append(self._positions[r][-1] + 1 if self._positions[r] else 0)
+                    self._mask[r].append(1)
             ids = [r[start: start + n_tokens] for r in self._ids]
             self._cards.begin(torch.tensor(ids) if all(len(r) == n_tokens for r in ids) else None,
                               torch.tensor([r[start: start + n_tokens] for r in self._positions]),
