@@ -1,7 +1,7 @@
 """Issue 50: the learner's page, round 3, in Chromium on the random-weight family fixtures (tests/families.py).
 
-1. A card marks ✓ only over values it computed: OLMo 2's q/k norms span the whole projection, so RoPE's input keeps
-   whole rows (trace/worked.py) and every rotated entry is worked out; a trace without them says "not computed".
+1. A card marks ✓ only over values it computed: every card of the card layers carries the values the one float64
+   evaluator computed when the trace was recorded (trace/cards.py); a trace without them says "not computed".
 """
 
 from __future__ import annotations
@@ -113,42 +113,61 @@ def test_a_card_marks_a_check_only_over_values_it_computed(browser, reports, nam
         o.page.close()
 
 
-def test_olmo2s_rope_input_keeps_whole_rows_where_its_sample_lacks_the_partners(reports):
-    """The trace keeps whole rows of RoPE's input (q_norm, k_norm: (T, H·Dh), normed before the split) in the layers
-    whose scores' operands it keeps whole; Llama's (T, H, Dh) rows of Dh = 16 hold every partner in the sample."""
-    from llmtrace.trace.worked import rope_needs_rows
+def test_the_trace_carries_each_cards_computed_values_at_its_samples_entries(reports):
+    """Issue 47 item 3: in the card layers every point with a declared operation carries the values the one float64
+    evaluator computed (trace.cards), at exactly the rows and entries of its sample, and their difference from the
+    recorded values; OLMo 2's RoPE (q/k normed over the whole projection) included, with every entry computed."""
+    from llmtrace.trace.packed import unpack
 
-    _, events, _ = reports("olmo2")
-    whole = {(e["layer"], e["name"]) for e in events if e["event"] == "tensor" and e.get("full")
-             and e.get("step", 0) == 0}
-    assert {(0, "q_norm"), (0, "k_norm"), (1, "q_norm"), (1, "k_norm")} <= whole
-    assert rope_needs_rows(64, 16, 16) and not rope_needs_rows(16, 16, 16) and not rope_needs_rows(16, 4, 16)
-    assert rope_needs_rows(256, 64, 256)  # the real Qwen3.5: pairs (i, i + 32), the sample keeps 0-7 and 128-135
+    lm, events, _ = reports("olmo2")
+    L = lm.config.n_layers
+    seen = set()
+    for e in events:
+        if e["event"] != "tensor" or not e.get("sample") or lm.maths.op(e["layer"], e["name"]) is None:
+            continue
+        c = e["sample"].get("computed")
+        assert c is not None or e["layer"] not in (None, 0, L - 1), (e["layer"], e["name"])
+        if c is None:
+            continue
+        got, rec = unpack(c["values"]), unpack(e["sample"]["values"])
+        assert got.shape == rec.shape and not (got != got).any(), (e["layer"], e["name"])
+        a, r = c["error"]
+        assert a is not None and (a <= 1e-5 or r <= 1e-4), (e["layer"], e["name"], c["error"])
+        seen.add((e["layer"], e["name"]))
+    assert {(0, "q_rope"), (0, "k_rope"), (L - 1, "q_rope"), (0, "q"), (None, "logits")} <= seen
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
-def test_a_trace_without_the_partners_says_not_computed_and_marks_no_check(browser, reports, capsys, tmp_path, lang):
-    """The same OLMo 2 trace with RoPE's input's whole rows dropped (as a trace before them): the q_rope card names
-    the entries it could not work out, in the page's language, and marks neither ✓ nor ✗."""
+def test_a_trace_without_computed_values_says_not_computed_and_marks_no_check(browser, reports, capsys, tmp_path,
+                                                                              lang):
+    """The same OLMo 2 trace with q_rope's computed values dropped (as a trace written before the cards were
+    computed): the q_rope card says its values were not computed, in the page's language, shows no computed row and
+    marks neither ✓ nor ✗; nothing is worked out in the page instead."""
     _, events, _ = reports("olmo2")
     n = n_prompt(events)
     out = []
     for ev in events:
-        if ev["event"] == "tensor" and ev["name"] in ("q_norm", "k_norm") and ev.get("full"):
-            ev = {k: v for k, v in ev.items() if k != "full"}
+        if ev["event"] == "tensor" and ev["name"] == "q_rope" and ev.get("sample", {}).get("computed"):
+            ev = json.loads(json.dumps(ev))
+            del ev["sample"]["computed"]
         out.append(ev)
-    trace = tmp_path / "no-partners.jsonl"
+    trace = tmp_path / "uncomputed.jsonl"
     trace.write_text("".join(json.dumps(e) + "\n" for e in out), encoding="utf-8")
-    page = tmp_path / f"no-partners-{lang}.html"
+    page = tmp_path / f"uncomputed-{lang}.html"
     code, _, err = run_cli(capsys, "report", trace, "-o", page, "--lang", lang)
     assert code == 0, err
     o = Opened(browser, page)
     try:
         pick(o.page, n - 1, 0, 1)
         card = next(c for c in o.page.evaluate(CARDS) if c["point"] == "q_rope")
-        assert "·" in card["computed"] and card["err"] is None and card["missing"]
+        assert card["err"] is None and card["missing"]
+        rows = o.page.evaluate("""() => Array.from(document.querySelectorAll(
+          "#walk-panel .card[data-point='q_rope'] table.walkv")).map((t) => t.querySelectorAll("tr").length)""")
+        assert rows and all(r == 2 for r in rows), rows  # its entries and the recorded values: no computed row
         assert card["check"] and card["check"][:1] not in "✓✗"
         assert ("not computed" in card["check"]) == (lang == "en") and ("未计算" in card["check"]) == (lang == "zh")
+        k = next(c for c in o.page.evaluate(CARDS) if c["point"] == "k_rope")  # its neighbour is still computed
+        assert k["check"].startswith("✓") and "·" not in k["computed"]
     finally:
         o.page.close()
 

@@ -28,27 +28,25 @@ import torch
 
 from families import FAMILIES
 from helpers import Opened, check_run, embedded, run_cli
+from llmtrace.model.maths import OPS
+from llmtrace.run.generate import PREFILL_CHUNK
 from llmtrace.trace.packed import pack, unpack
 
 ABS, REL = 1e-5, 1e-4  # the issue's tolerance: a card checks within 1e-5 absolute or 1e-4 relative
-# the operations a card works out on real numbers and checks (issue 39, item 4 and the card contract)
-CHECKING = {"rmsnorm", "rope", "scores", "softmax", "glu", "add", "scale", "softcap", "router", "select_last", "stream"}
+# the operations a card shows computed and checks (issue 39, item 4; issue 47 item 3: every declared kind, computed
+# by the one evaluator when the trace is recorded; the cache's write has nothing to compute)
+CHECKING = set(OPS) - {"cache_write"}
 TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4) and LongRoPE's 8
 CARD_FAMILIES = ["llama", "mistral", "qwen3", "qwen3_swa", "gemma2", "gemma3", "phi3", "phi3_longrope", "olmo2",
                  "mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense", "smollm3", "gpt_oss", "gpt_oss_mxfp4",
-                 "qwen3_5", "granite_hybrid", "lfm2"]
-# The page's cards recompute rope, the router and the softmax in cards.js (issue 47 item 3 moves that to the one
-# evaluator): its rope turns halves, not DeepSeek's adjacent pairs, and its router knows no choice bias, groups or
-# scale, so DeepSeek's cards wait for that rework; explain's steps check every DeepSeek operation meanwhile.
-# Gemma 4's norms without γ and its layer scalar (a scale by a weight) are likewise not in cards.js yet.
-CARDS_PENDING = {"deepseek_v3", "deepseek_v2", "gemma4"}
+                 "qwen3_5", "granite_hybrid", "lfm2", "deepseek_v3", "deepseek_v2", "gemma4"]
 
 
 def test_the_card_families_are_the_fixtures():
     """Every family fixture is stepped through (qwen3_tied and qwen3_5_tied are qwen3 and qwen3_5 with the head tied
     and, for Qwen3.5, one key head per value head; granite_hybrid_dense is granite_hybrid without experts: the same
     cards)."""
-    assert set(CARD_FAMILIES) == set(FAMILIES) - {"qwen3_tied", "qwen3_5_tied", "granite_hybrid_dense"} - CARDS_PENDING
+    assert set(CARD_FAMILIES) == set(FAMILIES) - {"qwen3_tied", "qwen3_5_tied", "granite_hybrid_dense"}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -181,7 +179,7 @@ def card_problems(lm, events, path, browser) -> list[str]:
                     view = got["heads"][str(h)]
                     at = f"{where}, head {h}"
                     problems += view_problems(view, at, maths, axes, kept, step, layer, h, G, t == T - 1,
-                                              recorded_layers, untraced)
+                                              recorded_layers, untraced, n_prompt > PREFILL_CHUNK)
         problems += [f"page error: {m}" for m in o.messages if m[0] in ("error", "pageerror")]
         if o.requests != [o.url]:
             problems.append(f"the page asked the network for {o.requests[1:]}")
@@ -190,7 +188,8 @@ def card_problems(lm, events, path, browser) -> list[str]:
     return problems
 
 
-def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, recorded_layers, untraced) -> list[str]:
+def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, recorded_layers, untraced,
+                  chunked=False) -> list[str]:
     """The card contract on one drawn view (a token, a layer, a head)."""
     out = []
     if not view["picked"]:
@@ -223,15 +222,14 @@ def view_problems(view, at, maths, axes, kept, step, layer, h, G, last_row, reco
             if not within(c["err"], c["rel"]):
                 out.append(f"{where}: op {o.kind}, computed vs trace max error {c['err']} (rel {c['rel']}) "
                            f"> {ABS:g} abs / {REL:g} rel")
-        elif o.kind in CHECKING:
+        elif o.kind in CHECKING and name in kept.get((step, "m" if lay == "m" else layer), ()):
+            # (a point without a sample, the broadcast k_repeated, shows its formula and no values)
             lacking = unrecorded_operand(maths, lay, o, recorded_layers, untraced)
             if c["missing"] is None:
                 out.append(f"{where}: op {o.kind} but neither data-max-error nor data-missing")
-            elif lacking is None and not (o.kind == "scores" and not last_row and "whole rows" in c["missing"]) \
-                    and not (o.kind == "scores" and "not computed" in c["missing"]):
-                # (a long pass keeps its last query's whole rows only (trace/worked.py, ALL_QUERIES): its other
-                # tokens' q·k says so; a prompt prefilled in chunks keeps its last chunk's keys on the page, and a
-                # key of an earlier chunk is not computed, never ticked)
+            elif lacking is None and not (chunked and (o.const("cached") or o.const("carried"))):
+                # (a prompt prefilled in chunks is observed in its last chunk only: an operand spanning the earlier
+                # chunks' slots, or a state they left, is not in the trace, and the card says it was not computed)
                 out.append(f"{where}: op {o.kind} unchecked (data-missing {c['missing']!r}) though every input "
                            f"is in the trace")
     for lay in (str(layer), "m"):
@@ -256,15 +254,17 @@ def test_every_card_is_the_declared_operation_checked_beside_the_trace(browser, 
     assert_cards_hold(card_problems(lm, events, path, browser))
 
 
-def report_of_changed_trace(capsys, tmp_path, events, layer: int, name: str, changed_row) -> object:
-    """`llmtrace report` of the trace `events` with the prefill's recorded sample of point `name` of `layer` moved by
-    1 % in the rows `changed_row(row)` picks (the rows: the recorded shape's other axes, row-major)."""
+def report_of_changed_trace(capsys, tmp_path, events, layer: int, name: str, changed_row, computed=False) -> object:
+    """`llmtrace report` of the trace `events` with the prefill's recorded sample of point `name` of `layer` (or,
+    `computed`, the values the trace computed for its card) moved by 1 % in the rows `changed_row(row)` picks (the
+    rows: the recorded shape's other axes, row-major)."""
     out = []
     for ev in events:
         if ev["event"] == "tensor" and ev.get("step", 0) == 0 and ev["layer"] == layer and ev["name"] == name:
             ev = json.loads(json.dumps(ev))
-            rows = unpack(ev["sample"]["values"], len(ev["sample"]["index"]))
-            ev["sample"]["values"] = pack([row * 1.01 if changed_row(i) else row for i, row in enumerate(rows)])
+            at = ev["sample"]["computed"] if computed else ev["sample"]
+            rows = unpack(at["values"], len(ev["sample"]["index"]))
+            at["values"] = pack([row * 1.01 if changed_row(i) else row for i, row in enumerate(rows)])
         out.append(ev)
     trace = tmp_path / f"changed-{name}.jsonl"
     trace.write_text("".join(json.dumps(e) + "\n" for e in out), encoding="utf-8")
@@ -294,17 +294,68 @@ def test_a_card_shows_a_wrong_trace_value_as_a_failed_check(browser, reports, ca
     assert card_errors(browser, page, n - 1, 0, [0], "act") == {0: [False]}
 
 
-def test_a_card_reads_the_input_of_its_own_head_and_row(browser, reports, capsys, tmp_path):
-    """Issue 39: a card read head 0's input while it showed another head's output. Layer 0's recorded q_norm moved
-    in one row only (the last prompt token, head 2): the q_rope card fails there and nowhere else, not at head 0 of
-    that token, not at head 2 of the token before."""
+def test_a_card_shows_the_computed_values_of_its_own_head_and_row(browser, reports, capsys, tmp_path):
+    """Issue 39: a card read head 0's input while it showed another head's output. The values the trace computed for
+    layer 0's q_rope moved in one row only (the last prompt token, head 2): the q_rope card fails there and nowhere
+    else, not at head 0 of that token, not at head 2 of the token before."""
     lm, events, _ = reports("gemma3")
     n = len(next(e for e in events if e["event"] == "tokens")["tokens"])
     H = lm.config.n_heads
-    page = report_of_changed_trace(capsys, tmp_path, events, 0, "q_norm", lambda row: row == (n - 1) * H + 2)
+    page = report_of_changed_trace(capsys, tmp_path, events, 0, "q_rope", lambda row: row == (n - 1) * H + 2,
+                                   computed=True)
     assert card_errors(browser, page, n - 1, 0, list(range(H)), "q_rope") == {0: [True], 1: [True], 2: [False],
                                                                               3: [True]}
     assert card_errors(browser, page, n - 2, 0, [2], "q_rope") == {2: [True]}
+
+
+DOT = """(point) => { const d = document.querySelector(`#walk-panel .card[data-point='${point}'] .dot`);
+  if (!d) return null;
+  const rows = Array.from(d.querySelectorAll("table.walkv tr")).map((r) => Array.from(r.querySelectorAll("td"))
+    .map((td) => Number(td.textContent))).filter((r) => r.length);
+  return {entry: Number(d.dataset.dotEntry), rows: rows, rest: d.querySelector("[data-dot-rest]").textContent,
+          check: d.closest(".card").querySelector(".check").textContent}; }"""
+
+
+def numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text.replace("−", "-"))]
+
+
+@pytest.mark.parametrize("name, point", [("gemma3", "q"), ("gemma3", "logits"), ("mixtral", "gate"),
+                                         ("deepseek_v3", "o_proj"), ("gpt_oss", "q")])
+def test_a_matmul_card_works_one_entry_as_the_dot_product_of_both_rows(browser, reports, name, point):
+    """Issue 50 item 5: a matrix product's card shows one output entry as Σ_j x_j·W_ij: the input row's and the
+    weight row's first entries (both visible), their products, the sum of the other terms; they add up to the value
+    computed, which is checked. For Gemma 3's q (head 2) the weight row is the checkpoint's row of that head's entry
+    and x the recorded attn_norm row; the logits head reads one row of a vocabulary-wide matrix, Mixtral's gate a
+    chosen expert's."""
+    lm, events, path = reports(name)
+    n = len(next(e for e in events if e["event"] == "tokens")["tokens"])
+    o = Opened(browser, path)
+    try:
+        o.page.evaluate(COLLECT, [n - 1, 0, [2]])
+        got = o.page.evaluate(DOT, point)
+    finally:
+        o.page.close()
+    assert got is not None, f"no dot product on the {point} card"
+    assert got["check"].startswith("✓")
+    x, w, p = got["rows"]
+    assert len(x) == len(w) == len(p) == 8
+    for a, b, c in zip(x, w, p):
+        assert c == pytest.approx(a * b, rel=1e-3, abs=1e-6)
+    text = got["rest"]
+    rest, y = numbers(text.split(":", 1)[1])[0], numbers(text.split("=")[-1])[0]
+    bias = numbers(text.split("bᵢ =")[1])[0] if "bᵢ =" in text else 0.0
+    assert ("bᵢ =" in text) == (name == "gpt_oss")  # gpt-oss's projections have a bias
+    assert sum(p) + rest + bias == pytest.approx(y, rel=1e-3, abs=1e-4)
+    if name == "gemma3" and point == "q":
+        o_q = lm.maths.op(0, "q")
+        Dh = lm.config.head_dim
+        W = lm.model.get_parameter("layers.0." + o_q.weights[0]).detach().double()
+        assert w == pytest.approx(W[2 * Dh + got["entry"], :8].tolist(), rel=1e-4, abs=1e-6)
+        norm = next(e for e in events if e["event"] == "tensor" and e["layer"] == 0 and e["name"] == "attn_norm"
+                    and e["step"] == 0)
+        rows = unpack(norm["sample"]["values"], len(norm["sample"]["index"]))
+        assert x == pytest.approx(rows[n - 1][:8].tolist(), rel=1e-4, abs=1e-6)
 
 
 def test_masked_scores_read_minus_infinity_outside_this_layers_window(browser, reports):

@@ -42,6 +42,10 @@ def declared_points(run: Optional[dict], head: Optional[dict], tensors: list[dic
 def axes_of(ev: dict, by_name: dict[str, dict]) -> Optional[list[str]]:
     """The axes of a tensor event: its own `axes`, else its point's declared ones where they describe its shape."""
     axes = ev.get("axes") or (by_name.get(ev["name"]) or {}).get("axes")
+    if axes and "K" in axes and len(axes) == len(ev["shape"]) + 1:  # a dense layer of a family with experts (DeepSeek's
+        axes = [a for a in axes if a != "K"]  # first layers): its feed-forward points have no axis of chosen experts
+    if axes and axes[0] == "H" and len(axes) == len(ev["shape"]) - 1:  # the repeated keys as recorded: (Hkv, G, ...)
+        axes = ["Hkv", "G"] + list(axes[1:])
     return list(axes) if axes and len(axes) == len(ev["shape"]) else None
 
 
@@ -75,7 +79,19 @@ def maths_view(run: Optional[dict], head: Optional[dict], words: Optional[dict] 
     kinds = [{n: formula(o, n, -1, maths, words) for n, o in maths.layers[first[k]].items()}
              for k in range(len(record["kinds"]))]
     return {"record": record, "formulas": {"model": {n: formula(o, n, None, maths, words) for n, o in maths.model.items()},
-                                           "kinds": kinds}}
+                                           "kinds": kinds},
+            "rope": [{n: rope_words(o) for n, o in maths.layers[first[k]].items() if rope_words(o)}
+                     for k in range(len(record["kinds"]))]}
+
+
+def rope_words(o) -> Optional[dict]:
+    """What a RoPE card prints beside the θᵢ the layer declares: an entry i and the unscaled base^(−2i/d) there,
+    which a scaled RoPE (YaRN, LongRoPE, ...) does not run."""
+    c = o.const
+    if o.kind != "rope" or c("rotation") == "none" or not c("rotary_dim") or not c("base"):
+        return None
+    i = min(4, c("rotary_dim") // 2 - 1)
+    return {"i": i, "plain": c("base") ** (-2 * i / c("rotary_dim"))}
 
 
 def pack_f32(values) -> str:
@@ -84,17 +100,31 @@ def pack_f32(values) -> str:
     return values if isinstance(values, str) else pack(values)
 
 
-def pack_f24(values) -> str:
-    """Numbers as float32 without their last 8 bits (rounded to nearest), 3 bytes each, little-endian, base64: about
-    5 significant figures (relative error below 2e-5), what the walk-through shows. A trace's packed values, a list
-    (None for a non-finite value) or an array."""
+def f24_bytes(values) -> np.ndarray:
+    """Numbers as float32 without their last 8 bits (rounded to nearest): (n, 3) bytes, little-endian (pack_f24)."""
     f = unpack(values).astype("<f4")
     a = f.view("<u4").astype(np.uint64)
     sign, mag = a & 0x80000000, a & 0x7FFFFFFF
     mag = np.where(np.isfinite(f), np.minimum(mag + 0x80, 0x7F7FFFFF), mag)  # rounding never makes an infinity
     a = (sign | mag).astype(np.uint32)
-    b = a.view(np.uint8).reshape(-1, 4)[:, 1:]  # the three high bytes of each little-endian float32
-    return base64.b64encode(b.tobytes()).decode("ascii")
+    return a.view(np.uint8).reshape(-1, 4)[:, 1:]  # the three high bytes of each little-endian float32
+
+
+def pack_f24(values) -> str:
+    """Numbers as float32 without their last 8 bits (rounded to nearest), 3 bytes each, little-endian, base64: about
+    5 significant figures (relative error below 2e-5), what the walk-through shows. A trace's packed values, a list
+    (None for a non-finite value) or an array."""
+    return base64.b64encode(f24_bytes(values).tobytes()).decode("ascii")
+
+
+def pack_f24_beside(values: np.ndarray, shown: np.ndarray) -> dict:
+    """`values` as pack_f24 would show them, where most equal the `shown` ones to those 24 bits (a card's computed
+    values beside the recorded ones): "same", a bit per entry (1: the shown entry's 24 bits, little-endian bit
+    order), and "v", pack_f24 of the others only. Lossless against pack_f24, and a fraction of its size."""
+    a, b = f24_bytes(values), f24_bytes(shown)
+    same = (a == b).all(axis=1)
+    return {"same": base64.b64encode(np.packbits(same, bitorder="little").tobytes()).decode("ascii"),
+            "v": base64.b64encode(a[~same].tobytes()).decode("ascii")}
 
 
 def pack_ids(values: list[int], vocab: int) -> str:
@@ -103,16 +133,17 @@ def pack_ids(values: list[int], vocab: int) -> str:
 
 
 def walk(tensors: list[dict], points: list[dict]) -> dict:
-    """The walk-through's values: {"samples": {"STEP/LAYER/NAME": [m, v, n]}, "metas": [...], "indexes": [...],
-    "layers": [...], "steps": [...]}, LAYER "m" for a point outside the layers. A sample's meta `metas[m]` gives its
-    shape, axes, `rows` (the recorded shape's other axes, row-major) and `ix`, the entries `indexes[ix]` kept along
-    the last axis; `v` its values (rows × entries) and `n` each row's norm, packed by pack_f24 (the slots a pass
-    wrote, the KV cache's point, are {"m", "positions"}) (about 5 significant
-    figures, what the page shows; a sample of 24-bit values has its norms after them in `v`, and `n` null or left out). A fourth
-    entry holds what a worked example reads besides (trace.worked: gamma,
-    sink, lse, full rows, packed as float32), and "f32": the values of a softmax's input are float32, since exp(s − lse)
-    needs their 7 digits. The few distinct metas and index lists are kept once: a page of every layer stays within
-    2 MB."""
+    """The walk-through's values: {"samples": {"STEP/LAYER/NAME": [m, v, n, x]}, "metas": [...], "indexes": [...],
+    "layers": [...], "steps": [...], "card_layers": [...]}, LAYER "m" for a point outside the layers. A sample's meta
+    `metas[m]` gives its shape, axes, `rows` (the recorded shape's other axes, row-major) and `ix`, the entries
+    `indexes[ix]` kept along the last axis; `v` its values (rows × entries) and each row's norm after them, packed by
+    pack_f24 (about 5 significant figures, what the page shows) (the slots a pass wrote, the KV cache's point, are
+    {"m", "positions"}). `x`, where the trace computed the point's card (trace.cards): "c" the computed values (rows ×
+    entries, pack_f24), "e" each row's largest |computed − recorded| and that over the row's largest |recorded|
+    (worked out here in float64, from the trace's own numbers: rows × 2, pack_f24), "aux" the numbers its words print
+    (per row), "dot" a matrix product's first kept entry as Σ_j x_j·W_ij, its weight rows ("w", "b") in
+    "dot_weights" once per layer and point where every pass reads the same. The few distinct metas and index lists
+    are kept once: a page of every layer stays within 2 MB."""
     by_name = {p["name"]: p for p in points}
     samples: dict[str, Any] = {}
     indexes: list[list[int]] = []
@@ -123,9 +154,8 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
             metas.append(m)
         return metas.index(m)
 
-    layers, steps = set(), set()
-    weights: dict[str, str] = {}  # "gamma/LAYER/NAME" or "sink/LAYER/NAME" -> the values a worked example reads
-    full = {ev["layer"] for ev in tensors if ev.get("full") and ev["layer"] is not None}  # q/k kept whole (worked.py)
+    layers, steps, carded = set(), set(), set()
+    dot_weights: dict[str, dict] = {}  # "LAYER/NAME" -> a dot product's weight rows (and bias), kept once
     for ev in tensors:
         s = ev.get("sample")
         step = ev.get("step", 0)
@@ -138,30 +168,24 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
             continue
         if s["index"] not in indexes:
             indexes.append(s["index"])
-        # a softmax's input in a layer whose q·k is worked out whole: exp(s − lse) needs its 7 digits, not f24's 5
-        exact = s.get("lse") is not None and ev["layer"] in full
         # a tensor of one row has no norms in its sample: its statistics' norm is that row's
         norms = unpack(s["norms"] if s.get("norms") is not None else [ev["stats"]["norm"]])
         m = meta({"shape": ev["shape"], "axes": axes_of(ev, by_name), "ix": indexes.index(s["index"]), "rows": len(norms)})
         # 24-bit values and their rows' norms in one string (the norms after the rows × entries values): a page of
         # every layer holds thousands of samples, and one string each keeps it within 2 MB
-        samples[key] = ([m, pack_f32(s["values"]), pack_f24(norms)] if exact else
-                        [m, pack_f24(np.concatenate([unpack(s["values"]), norms])), None])
-        extra = {"f32": True} if exact else {}
-        for name in ("gamma", "sink"):  # a weight's values: the same in every pass, kept once per layer and point
-            if s.get(name) is not None:
-                weights.setdefault(f'{name}/{key.split("/", 1)[1]}', pack_f32(s[name]))
-        if exact:  # what a worked softmax reads besides the sample (trace.worked), where it can be checked
-            extra["lse"] = pack_f32(s["lse"])
-        if ev.get("full"):  # whole rows of a scores operand or RoPE's input: (rows, heads, Dh) from row t[0] of the
-            f = ev["full"]  # pass; a whole projection (T, H·Dh) is one "head"
-            extra["full"] = {"t": f["t"], "heads": ev["shape"][-2] if len(ev["shape"]) > 2 else 1,
-                             "width": ev["shape"][-1],
-                             "values": pack_f32(f["values"])}
-        if extra:
-            samples[key].append(extra)
-        elif samples[key][2] is None:
-            samples[key].pop()  # [meta, values and norms]
+        values = unpack(s["values"])
+        samples[key] = [m, pack_f24(np.concatenate([values, norms]))]
+        c = s.get("computed")
+        if c is not None:
+            x = card_values(c, values, len(s["index"]))
+            at = key.split("/", 1)[1]
+            for name in ("w", "b"):  # a weight row is the same in every pass: kept once per layer and point
+                d = x.get("dot") or {}
+                if name in d and dot_weights.setdefault(at, {}).setdefault(name, d[name]) == d[name]:
+                    del d[name]
+            samples[key] += [None, x]
+            if ev["layer"] is not None:
+                carded.add(ev["layer"])
         steps.add(step)
         if ev["layer"] is not None:
             layers.add(ev["layer"])
@@ -170,7 +194,36 @@ def walk(tensors: list[dict], points: list[dict]) -> dict:
     rows = [ev["shape"][0] for ev in tensors if ev.get("step", 0) == 0 and ev["layer"] is not None and ev.get("shape")
             and (axes_of(ev, by_name) or [None])[0] == "T"]
     return {"samples": samples, "metas": metas, "indexes": indexes, "layers": sorted(layers), "steps": sorted(steps),
-            "full_layers": sorted(full), "weights": weights, "prefill_rows": rows[-1] if rows else None}
+            "card_layers": sorted(carded), "dot_weights": dot_weights, "prefill_rows": rows[-1] if rows else None}
+
+
+def row_errors(computed: np.ndarray, recorded: np.ndarray) -> np.ndarray:
+    """(rows, 2): each row's largest |computed − recorded| (a masked entry, −∞ or a missing value in an older trace,
+    against −∞: none) and that over the row's largest finite |recorded|; NaN for a row with an entry not computed."""
+    masked_c, masked_r = np.isneginf(computed), np.isneginf(recorded) | np.isnan(recorded)
+    with np.errstate(invalid="ignore"):
+        d = np.where(masked_c & masked_r, 0.0, np.abs(computed - recorded))
+    d = np.where(masked_c ^ masked_r, np.inf, d)
+    absolute = d.max(axis=1)
+    big = np.where(np.isfinite(recorded), np.abs(recorded), 0.0).max(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        relative = np.where(big > 0, absolute / np.where(big > 0, big, 1.0), absolute)
+    return np.stack([absolute, relative], axis=1)
+
+
+def card_values(c: dict, recorded: np.ndarray, k: int) -> dict:
+    """A point's computed sample (trace.cards) as the page carries it: the values, each row's difference from the
+    recorded values (float64), the words' numbers and a matrix product's dot product."""
+    computed = unpack(c["values"]).reshape(-1, k)
+    out: dict[str, Any] = {"c": pack_f24_beside(computed.reshape(-1), recorded.reshape(-1)),
+                           "e": pack_f24(row_errors(computed, recorded.reshape(-1, k)).reshape(-1))}
+    if c.get("aux"):
+        out["aux"] = {name: pack_f32(v) for name, v in c["aux"].items()}
+    if c.get("dot"):
+        d = c["dot"]
+        out["dot"] = {"i": d["i"], "k": len(d["j"]), "n": d["n"], "xg": d["xg"], "wg": d["wg"]} | {
+            name: pack_f24(d[name]) for name in ("x", "w", "p", "rest", "b") if d.get(name) is not None}
+    return out
 
 
 def step_logits(steps: list[dict], tensors: list[dict], points: list[dict]) -> dict:

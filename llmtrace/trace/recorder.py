@@ -22,8 +22,9 @@ import torch
 from llmtrace.model.llama_points import KV_WRITE, SCORES, llama_points
 from llmtrace.model.moe_points import EXPERT_WEIGHTS, ROUTER_PROBS
 from llmtrace.trace.growing import Growing, combine, gather
-from llmtrace.trace.packed import pack, pack_bytes
-from llmtrace.trace.worked import SAMPLE_WIDTH, Worked, sample_index
+from llmtrace.trace.packed import pack_bytes
+from llmtrace.trace.cards import Cards
+from llmtrace.trace.worked import SAMPLE_WIDTH, sample_index
 from llmtrace.version import __version__
 from llmtrace.trace.events import SCHEMA_ID, summary_event
 from llmtrace.trace.records import (batch_event, candidate_records, model_record, path_record, rounded as _round,
@@ -102,7 +103,7 @@ class Recorder:
         self._queued = 0  # elements in self._taps
         self._layouts: dict[tuple, tuple] = {}  # see _layout; cleared after each pass
         self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
-        self._samples: list[tuple[list[int], list[int], torch.Tensor, torch.Tensor]] = []  # see _sample_group
+        self._samples: list[tuple[list[int], list[int], torch.Tensor, Optional[torch.Tensor]]] = []  # _sample_group
         self._stat_order: list[int] = []  # the stat index of each row of those blocks
         self._n_stats = 0
         self._shape_table: Optional[list[dict]] = None
@@ -114,7 +115,10 @@ class Recorder:
         self._load = ExpertLoad()  # tokens per expert of each MoE layer, for the summary
         self._start = 0  # the first slot of this pass
         self._batched = False  # on_start was told of a batch (generate_batch): on_end gets a BatchResult
-        self._worked = None  # at --trace full, what the report's worked examples read besides the samples (worked.py)
+        self._cards = None  # at --trace full, the worked cards computed by the one evaluator (trace/cards.py)
+        self._ids: list[list[int]] = [[]]  # each row's token ids so far (the embedding's operand, for the cards)
+        self._positions: list[list[int]] = [[]]  # each row's positions so far (a batch row counts from its first token)
+        self._mask: list[list[int]] = [[]]  # each row's attention mask so far (0 at a pad slot)
         self._growing = Growing()  # the KV cache's broadcast views, reduced by the slots each pass adds (growing.py)
         self._written: dict[Optional[int], tuple[int, int]] = {}  # this pass: layer -> [first, last] slot written
 
@@ -188,6 +192,8 @@ class Recorder:
             wanted = self._memo[(layer, name)] = (self._wanted(layer, name), self._dumped(layer, name))
         if self._shape_table is not None:
             self._note_shape(layer, name, x)
+        if self._cards is not None:  # the card layers' points and the operands they read (trace.cards)
+            self._cards.keep(layer, name, x)
         if not wanted[0]:
             return  # the common case of a point nobody asked for: a dictionary look-up
         if self.tensors is not None and name in self._stored:
@@ -221,8 +227,7 @@ class Recorder:
             shape = list(full_shape[1:]) if name != KV_WRITE.name else list(full_shape)
             view = None if distinct is x else (distinct.shape, distinct.stride())
             # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
-            group = (distinct.shape, x.dtype, x.device, name == "scores",
-                     self._worked is not None and name in self._worked.softmax_inputs)
+            group = (distinct.shape, x.dtype, x.device, name == "scores")
             layout = self._layouts[key] = (shape, view, repeats, group, _dtype_name(x.dtype))
         return layout
 
@@ -234,7 +239,6 @@ class Recorder:
             return  # a pass nothing recorded (every pass of --trace none and most of --trace steps)
         groups: dict[tuple, list[tuple]] = {}  # key -> [(stat index, distinct entries, repeats, growing key or None)]
         step, phase, layouts, step_of, pending = self.step, self.phase, self._layouts, self._step_of, self._pending
-        full = self._worked.full if self._worked is not None else {}
         i = self._n_stats
         grown: list[tuple] = []  # (stat index, the slots this pass wrote, repeats, key, whole view, last pass's row)
         for layer, name, x, dumped, row in self._taps:  # 574 a decode step at --trace full: kept lean
@@ -256,9 +260,6 @@ class Recorder:
                 extra = {"positions": [positions[0], positions[-1]] if positions else []}
                 if positions and positions[-1] - positions[0] + 1 == len(positions):
                     self._written[layer] = (positions[0], positions[-1])
-            if (layer, name) in full:
-                rows = self._worked.full_rows(layer, name, x)
-                extra = extra if rows is None else (extra or {}) | {"full": rows}
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
                 extra = (extra or {}) | {"values": (values[0] if name != KV_WRITE.name else values).detach().float().cpu()}
@@ -271,7 +272,7 @@ class Recorder:
         self._taps.clear()
         self._queued = 0
         with torch.no_grad():  # the statistics are observations, never part of a graph
-            for (_, _, _, finite_only, lse), members in groups.items():
+            for (_, _, _, finite_only), members in groups.items():
                 m = torch.stack([x for _, x, _, _ in members])
                 rows = _stat_rows(m.view(len(members), -1), finite_only)
                 if any(c != 1 for _, _, c, _ in members):  # broadcast views: every distinct element stands for c
@@ -282,7 +283,7 @@ class Recorder:
                 self._stats.append(rows)
                 self._stat_order.extend(i for i, _, _, _ in members)
                 if self.options.level.full:
-                    self._sample_group(members, m, lse)
+                    self._sample_group(members, m)
             by_shape: dict[tuple, list] = {}  # the growing views of one shape (a model's layers may differ: Gemma 4)
             for g in grown:
                 by_shape.setdefault(tuple(g[1].shape), []).append(g)
@@ -308,10 +309,9 @@ class Recorder:
     SAMPLE_WIDTH = SAMPLE_WIDTH
     SAMPLE_ROWS = 2048
 
-    def _sample_group(self, members: list[tuple], m: torch.Tensor, lse: bool = False) -> None:
+    def _sample_group(self, members: list[tuple], m: torch.Tensor) -> None:
         """Keep the sample of every member of one statistics group (m: the members stacked), to be moved to the host
-        with the pass's statistics. A broadcast view (repeats > 1) or an integer tensor has none. `lse`: the group is a
-        softmax's input, whose rows' log-sum-exp the worked softmax reads (trace.worked)."""
+        with the pass's statistics. A broadcast view (repeats > 1) or an integer tensor has none."""
         if not m.is_floating_point() or m.dim() < 2 or any(c != 1 for _, _, c, _ in members):
             return
         last = m.shape[-1]
@@ -324,21 +324,19 @@ class Recorder:
             got = self._index[(last, m.device)] = (index, torch.tensor(index, device=m.device))
         index, at = got
         flat = m.reshape(len(members), rows, last)
-        # the norms and log-sum-exps are kept as float32 (trace.packed), so they are taken in float32 (a float64 copy
-        # of the group cost more than the rest of the sample); bfloat16 and float16 are widened first
+        # the norms are kept as float32 (trace.packed), so they are taken in float32 (a float64 copy of the group cost
+        # more than the rest of the sample); bfloat16 and float16 are widened first
         wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
         # a tensor of one row (a decode step's hidden states, most of a full trace's points) has no norms: its
         # statistics hold that row's norm
         self._samples.append(([i for i, _, _, _ in members], index, flat.index_select(-1, at),
-                              torch.linalg.vector_norm(wide, dim=-1) if rows > 1 else None,
-                              torch.logsumexp(wide, dim=-1) if lse else None))
+                              torch.linalg.vector_norm(wide, dim=-1) if rows > 1 else None))
 
     def _take_samples(self) -> dict[int, dict]:
-        """The pass's samples, by stat index: {"index", "values" (rows × entries)[, "norms"][, "lse"]}, each packed as
+        """The pass's samples, by stat index: {"index", "values" (rows × entries)[, "norms"]}, each packed as
         float32 (trace.packed); "norms" only for more than one row. Every group's values cross to the host together,
         as one float32 array whose slices are the members' packed bytes: a few calls a pass, nothing per float."""
-        parts = [t.reshape(-1) for _, _, values, norms, lse in self._samples for t in (values, norms, lse)
-                 if t is not None]
+        parts = [t.reshape(-1) for _, _, values, norms in self._samples for t in (values, norms) if t is not None]
         data = memoryview(torch.cat(parts).float().cpu().numpy().astype("<f4", copy=False).tobytes())
         offset = 0
 
@@ -354,19 +352,14 @@ class Recorder:
             return out
 
         out = {}
-        for members, index, values, norms, lse in self._samples:
+        for members, index, values, norms in self._samples:
             vals = take(values, len(members))
-            if norms is None and lse is None:
+            if norms is None:
                 out.update({i: {"index": index, "values": v} for i, v in zip(members, vals)})
                 continue
-            nrm = take(norms, len(members)) if norms is not None else None
-            lses = take(lse, len(members)) if lse is not None else None
+            nrm = take(norms, len(members))
             for k, i in enumerate(members):
-                out[i] = {"index": index, "values": vals[k]}
-                if nrm is not None:
-                    out[i]["norms"] = nrm[k]
-                if lses is not None:
-                    out[i]["lse"] = lses[k]
+                out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
         self._samples.clear()
         return out
 
@@ -411,8 +404,11 @@ class Recorder:
         c = self._config = lm.config
         self._declare(lm.points)
         if self.options.level.full:
-            self._worked = Worked(lm, self.options.layers)
+            self._cards = Cards(lm, self.options.layers)
         self._rows = len(batch) if batch is not None else 1
+        self._ids = [list(p) for p in batch] if batch is not None else [list(prompt_ids)]
+        self._positions = [list(range(len(p))) for p in self._ids]
+        self._mask = [[1] * len(p) for p in self._ids]
         self._batched = batch is not None
         self.run_info["n_layers"] = c.n_layers
         self._tok = lm.tokenizer
@@ -440,6 +436,9 @@ class Recorder:
     def on_batch(self, layout) -> None:
         """s3: the padded batch as the first pass sees it (generate.BatchLayout)."""
         self._pads = [row.count(0) for row in layout.attention_mask]
+        self._ids = [list(r) for r in layout.ids]
+        self._positions = [list(r) for r in layout.position_ids]
+        self._mask = [list(r) for r in layout.attention_mask]
         self.emit(batch_event(self._tok, layout))
 
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
@@ -449,6 +448,16 @@ class Recorder:
         self._n_tokens, self._start = n_tokens, start
         if step == 0 and self.options.level.records:
             self._shape_table = []
+        if self._cards is not None:  # the pass's ids, positions and mask, as the model sees them
+            for r in range(len(self._positions)):  # a finished row of a batch still runs: its slots go on
+                while len(self._positions[r]) < start + n_tokens:
+                    self._positions[r].append(self._positions[r][-1] + 1 if self._positions[r] else 0)
+                    self._mask[r].append(1)
+            ids = [r[start: start + n_tokens] for r in self._ids]
+            self._cards.begin(torch.tensor(ids) if all(len(r) == n_tokens for r in ids) else None,
+                              torch.tensor([r[start: start + n_tokens] for r in self._positions]),
+                              torch.tensor([r[: start + n_tokens] for r in self._mask]).bool() if self._rows > 1 else None,
+                              start)
 
     def after_forward(self, step: int) -> None:
         self._reduce_queue()
@@ -457,15 +466,16 @@ class Recorder:
             for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
                 values[i] = row
         samples = self._take_samples() if self._samples else {}
-        weights = self._worked.weights if self._worked is not None else {}
+        cards = self._cards
         for ev, stat_index, extra in self._pending:
             mean, std, lo, hi, norm, count = values[stat_index]
             ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
             if stat_index in samples:
                 ev["sample"] = samples[stat_index]
-                if (ev["layer"], ev["name"]) in weights:  # a norm's γ, a softmax's sinks (trace.worked)
-                    ev["sample"] = ev["sample"] | self._worked.sample_extra(ev["layer"], ev["name"],
-                                                                            ev["sample"]["index"])
+                if cards is not None and cards.wants(ev["layer"]):  # the worked card's values (trace.cards)
+                    got = cards.sampled(ev["layer"], ev["name"], ev["sample"]["index"], ev.get("row"))
+                    if got is not None:
+                        ev["sample"]["computed"] = got
             if ev["name"] == SCORES.name:
                 ev["masked"] = int(math.prod(ev["shape"]) - count)
             if extra is not None:
@@ -473,9 +483,9 @@ class Recorder:
                     ev["positions"] = extra["positions"]
                 if "values" in extra:
                     ev["values"] = extra["values"].tolist()
-                if "full" in extra:
-                    ev["full"] = {"t": extra["full"]["t"], "values": pack(extra["full"]["values"].numpy())}
             ev.line = orjson.dumps(ev, option=_ORJSON)  # trace.writers.dumps_bytes, inlined: 574 a step
+        if cards is not None:
+            cards.end()
         self.emit_many([ev for ev, _, _ in self._pending])
         self._pending.clear()
         self._emit_routing()
@@ -554,6 +564,11 @@ class Recorder:
 
     def on_step(self, rec, row: Optional[int] = None) -> None:
         tok = self._tok
+        r = row or 0
+        if self._cards is not None and r < len(self._ids):  # the token the next pass reads, at the next position
+            self._ids[r].append(rec.token)
+            self._positions[r].append(self._positions[r][-1] + 1 if self._positions[r] else 0)
+            self._mask[r].append(1)
         ev: dict[str, Any] = {
             "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
             **({} if row is None else {"row": row}),

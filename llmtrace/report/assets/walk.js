@@ -47,19 +47,12 @@
       if (Array.isArray(m)) m = D.walk.samples[key] = { m: m[0], v: m[1], n: m[2], x: m[3] }; // [meta, values, norms, extra]
       if (m.m !== undefined) Object.assign(m, D.walk.metas[m.m]); // its shape, axes, rows and entries, stored once
       if (m.ix !== undefined) m.index = D.walk.indexes[m.ix]; // the entries kept along the last axis
-      const x = m.x || {}; // what a worked example reads besides (report/walk.py: gamma, sink, lse, full, f32)
+      m.at = layer + "/" + name; // its layer and point (a dot product's weight rows are kept once for each)
       if (m.v === undefined) cache[key] = { meta: m };
       else if (m.n === null || m.n === undefined) { // 24-bit values, then each row's norm, in one string (report/walk.py)
         const all = unpack24(m.v), nv = all.length - m.rows;
         cache[key] = { meta: m, values: all.subarray(0, nv), norms: all.subarray(nv) };
-      } else cache[key] = { meta: m, values: x.f32 ? unpack(m.v, Float32Array) : unpack24(m.v), norms: unpack24(m.n) };
-      if (x.lse) cache[key].lse = unpack(x.lse, Float32Array);
-      cache[key].exact = !!x.f32; // values to float32's 7 digits (else 24-bit floats: about 5)
-      ["gamma", "sink"].forEach((k) => { // a weight's values, kept once per layer and point (report/walk.py)
-        const w = (D.walk.weights || {})[k + "/" + layer + "/" + name];
-        if (w) cache[key][k] = unpack(w, Float32Array);
-      });
-      if (x.full) m.full = x.full;
+      } else cache[key] = { meta: m, values: unpack24(m.v), norms: unpack24(m.n) }; // (a page before the norms joined)
     }
     return cache[key];
   }
@@ -117,20 +110,8 @@
   }
   const T0 = PAD + nPrompt; // the prefill's slots; decode step j writes slot T0 + j - 1
   function slotOf(pass) { return pass.step === 0 ? pass.off : T0 + pass.step - 1; } // the pass's first slot
-  function fullRow(s, tRow, head) { // a whole row (Dh entries) of a point kept whole (sample.full)
-    const f = s.meta.full;
-    if (!f._v) f._v = unpack(f.values, Float32Array);
-    const at = ((tRow - f.t[0]) * f.heads + head) * f.width;
-    return Array.from(f._v.slice(at, at + f.width));
-  }
-  function keyRow(at, slot, kvHead) { // the key of a cache slot, from the pass that wrote it
-    const step = slot < T0 ? 0 : slot - T0 + 1, s = sample(step, at.layer, at.name);
-    if (!s || !s.meta.full) return null;
-    const tRow = slot < T0 ? slot - OFF0 : 0; // an earlier prefill chunk's slot: not kept (tRow < 0)
-    return tRow < s.meta.full.t[0] || tRow > s.meta.full.t[1] ? null : fullRow(s, tRow, kvHead);
-  }
   const CARDS = window.llmtraceCards({ D: D, t: t, esc: esc, num: num, cellNum: cellNum, walkTable: walkTable, sample: sample, rowOf: rowOf, positionOf: positionOf,
-    slotOf: slotOf, fullRow: fullRow, keyRow: keyRow, isPad: (slot) => slot < PAD });
+    unpack: (b64) => unpack(b64, Float32Array), unpack24: unpack24, bytes: (b64) => unpack(b64, Uint8Array) });
   // s3: the mask this layer used for the query of this pass's row, slot by slot: "on" (attended), "pad" (a batch row's
   // leading pad slot), "later" (causal), "window" (outside the layer's window of keys), "masked" (none of those):
   // read from the recorded scores row where the trace kept every slot (a masked key is −∞ there), else from the

@@ -1,0 +1,302 @@
+"""The report's worked cards, computed when the trace is recorded (--trace full), by the one float64 evaluator.
+
+In the card layers (trace.worked.full_row_layers: the selected layers when there are at most four, else the first and
+the last) and outside the layers, every point with a declared operation (model.maths) is computed from the pass's own
+tensors by `model.recompute.apply`, then sampled at exactly the rows and entries the point's recorded sample keeps
+(trace.recorder), and carried in that sample as `computed`:
+
+    values   the computed sample, packed like the recorded values (trace.packed)
+    error    [largest |computed − recorded|, that over the largest |recorded|] over the sample, in float64
+    aux      per row, the few numbers the card's words print (a norm's rms; a softmax's log-sum-exp, and with a learned
+             sink its logit, the scores' own log-sum-exp and the sink's share)
+    dot      a matrix product's first kept output entry of every row worked as y_i = Σ_j x_j · W_ij (+ b_i): the
+             input row's and the weight row's first entries j (each input row once; each weight row once a point and
+             pass, or a row's own expert's), their products, the sum of the other terms and the bias
+
+An operand spanning the KV cache (an operation's `cached`) is every pass's tensor so far, joined along the slots; a
+`carried` one is the tensor the pass before left (None before the first pass). A matrix product reads only the weight
+rows of its kept output entries (`columns`), so that a 262k-row head is never turned into float64. Nothing here names
+a point or a family: the operations say what is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from llmtrace.model.recompute import apply, max_error
+from llmtrace.trace.packed import pack
+from llmtrace.trace.worked import full_row_layers, sample_index
+
+# operations whose weights are read a row (or a column) at a time: only the kept entries' rows are gathered
+ROWWISE = ("matmul", "expert_matmul", "expert_mix", "lookup")
+
+
+class Cards:
+    """What the worked cards need, worked out once from the model's declaration at the start of a run; `keep` is
+    told every point of an observed pass, `sampled` answers a point's computed sample at the end of the pass."""
+
+    def __init__(self, lm, selected: Optional[list[int]]):
+        self.maths, self.model = lm.maths, lm.model
+        n = lm.config.n_layers
+        self.layers = full_row_layers(selected, n)
+        self.tables = [(None, self.maths.model)] + [(i, self.maths.layers[i]) for i in self.layers]
+        self.need: set[tuple] = set()  # the points a pass keeps: the card layers' and every operand they read
+        self.cached: set[tuple] = set()  # operands spanning the cache: every pass's tensor is kept
+        self.carried: set[tuple] = set()  # operands carried from the pass before
+        for layer, table in self.tables:
+            for name, o in table.items():
+                self.need.add((layer, name))
+                for ref in o.inputs:
+                    if ref == "ids":
+                        continue
+                    where = self.maths.operand(layer, ref)
+                    self.need.add(where)
+                    if ref in (o.const("carried") or ()):
+                        self.carried.add(where)
+                    elif ref in (o.const("cached") or ()):
+                        self.cached.add(where)
+        self.seen: dict[tuple, torch.Tensor] = {}  # this pass's tensors
+        self.history: dict[tuple, list[torch.Tensor]] = {}  # cached operands: each earlier pass's
+        self.before: dict[tuple, torch.Tensor] = {}  # carried operands: the pass before's
+        self._made: dict[tuple, Optional[dict]] = {}  # this pass: (layer, name) -> {"y", "index" or None, "dot", "aux"}
+        self._weights: dict[tuple, torch.Tensor] = {}
+        self.ids: Optional[torch.Tensor] = None  # this pass's token ids (B, T)
+        self.positions: Optional[torch.Tensor] = None  # (B, T) or (T,)
+        self.padding: Optional[torch.Tensor] = None  # (B, S): False at pad slots
+        self.slots = 0  # the cache's slots after this pass
+        self.first = 0  # this pass's first slot
+
+    def wants(self, layer: Optional[int]) -> bool:
+        return layer is None or layer in self.layers
+
+    def keep(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
+        if (layer, name) in self.need:
+            self.seen[(layer, name)] = x
+
+    def begin(self, ids: Optional[torch.Tensor], positions: torch.Tensor, padding: Optional[torch.Tensor],
+              first: int) -> None:
+        """A pass over slots [first, first + T): its ids (None where unknown), positions and padding."""
+        self.ids, self.positions, self.padding = ids, positions, padding
+        self.first, self.slots = first, first + positions.size(-1)
+
+    def end(self) -> None:
+        """The pass is over: its cached operands join the history, its carried ones are the next pass's."""
+        for where in self.cached:
+            if where in self.seen:
+                self.history.setdefault(where, []).append(self.seen[where].detach().clone())
+        for where in self.carried:
+            if where in self.seen:
+                self.before[where] = self.seen[where].detach().clone()
+        self.seen.clear()
+        self._made.clear()
+
+    # -- one point ---------------------------------------------------------------------------------------------
+
+    def _weight(self, layer: Optional[int], name: str) -> Optional[torch.Tensor]:
+        key = (layer, name)
+        if key not in self._weights:
+            try:
+                w = self.model.get_parameter(("" if layer is None else f"layers.{layer}.") + name).detach()
+            except AttributeError:  # a weight held quantized or packed: nothing to compute with
+                w = None
+            if w is not None and (not w.is_floating_point() or w.device.type == "meta"):
+                w = None
+            self._weights[key] = w
+        return self._weights[key]
+
+    def _operands(self, layer: Optional[int], o) -> Optional[list]:
+        args = []
+        for ref in o.inputs:
+            if ref == "ids":
+                if self.ids is None:
+                    return None
+                args.append(self.ids)
+                continue
+            where = self.maths.operand(layer, ref)
+            if ref in (o.const("carried") or ()):
+                if where not in self.before and self.first > 0:
+                    return None  # the state an unobserved pass left (a long prompt's earlier prefill chunks)
+                args.append(self.before.get(where))
+                continue
+            if where not in self.seen:
+                return None
+            if ref in (o.const("cached") or ()):
+                joined = torch.cat(self.history.get(where, []) + [self.seen[where]], dim=1)
+                if joined.size(1) != self.slots:
+                    return None  # slots written by an unobserved pass (a long prompt's earlier prefill chunks)
+                args.append(joined)
+                continue
+            args.append(self.seen[where])
+        return args
+
+    def _make(self, layer: Optional[int], name: str, index: list[int]) -> Optional[dict]:
+        key = (layer, name, len(index))
+        if key in self._made:
+            return self._made[key]
+        self._made[key] = None
+        o = self.maths.op(layer, name)
+        out = self.seen.get((layer, name))
+        if o is None or out is None:
+            return None
+        args = self._operands(layer, o)
+        weights = [self._weight(layer, w) for w in o.weights]
+        if args is None or any(w is None for w in weights):
+            return None
+        shape = tuple(out.shape)
+        # on the host, in float64 (the evaluator's constants and positions are host tensors); a matrix product's
+        # weight rows are gathered where they are, then moved
+        args = [a.detach().cpu() if torch.is_tensor(a) else a for a in args]
+        with torch.no_grad():
+            if o.kind in ROWWISE and shape[-1] > len(index):
+                y = columns(o, args, weights, shape, index)
+                made = {"y": y, "index": index}
+            else:
+                weights = [w.cpu() for w in weights]
+                y = apply(o, args, weights, shape, positions=self.positions, padding=self.padding)
+                if y is None:
+                    return None
+                made = {"y": y, "index": None}
+            made["dot"] = dot_rows(o, args, weights, shape, index[0])
+            made["aux"] = _aux(o, args, weights, shape)
+        self._made[key] = made
+        return made
+
+    def sampled(self, layer: Optional[int], name: str, index: list[int], row: Optional[int]) -> Optional[dict]:
+        """The computed sample of one recorded point (`row`: a batch's row, None for one prompt), or None where it
+        was not computed (an operand not in the pass, a weight held quantized, an operation with nothing to check)."""
+        made = self._make(layer, name, index)
+        if made is None:
+            return None
+        r = 0 if row is None else row
+        y, recorded = made["y"], self.seen[(layer, name)].detach().cpu()
+        last = recorded.shape[-1]
+        if made["index"] is None:
+            y = y[r: r + 1].reshape(-1, last)[:, index]
+        else:  # only the kept entries were computed
+            y = y[r: r + 1].reshape(-1, len(index))
+        rec = recorded[r: r + 1].reshape(-1, last)[:, index].double()
+        absolute, relative = max_error(y, rec)
+        out = {"values": pack(y.float().cpu().numpy()), "error": [_num(absolute), _num(relative)]}
+        rows = y.size(0)
+        if made["aux"]:
+            out["aux"] = {k: pack(_per_row(v, r, rows).float().cpu().numpy()) for k, v in made["aux"].items()}
+        if made["dot"] is not None:
+            d = made["dot"]
+            per_batch = {"x", "p", "rest"} | ({"w", "b"} if d["per_row"] else set())
+            out["dot"] = {"i": index[0], "j": d["j"], "n": d["n"], "xg": d["xg"], "wg": d["wg"]} | {
+                k: pack((d[k][r] if k in per_batch else d[k]).reshape(-1).float().cpu().numpy())
+                for k in ("x", "w", "p", "rest", "b") if d.get(k) is not None}
+        return out
+
+
+def _num(v: float) -> Optional[float]:
+    return float(f"{v:.4g}") if math.isfinite(v) else None
+
+
+def _per_row(v: torch.Tensor, r: int, rows: int) -> torch.Tensor:
+    """An aux value (B, ...) as one number per sample row of batch row r: a value per norm row spread over the
+    sample's rows when a norm row spans several of them."""
+    v = v[r: r + 1].reshape(-1)
+    return v.repeat_interleave(rows // v.numel()) if rows % v.numel() == 0 and v.numel() < rows else v[:rows]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a matrix product's kept entries
+
+
+def _feature_rows(o, shape_last: int, features: torch.Tensor) -> torch.Tensor:
+    """The rows of a matmul's weight that output features `features` read (its declared `rows` and `blocks`)."""
+    f = features
+    blocks = o.const("blocks")
+    if blocks:  # each head's rows are n blocks of the output's width; this point is block i
+        n, i = blocks
+        f = (f // shape_last) * n * shape_last + i * shape_last + f % shape_last
+    rows = o.const("rows")
+    return f + rows[0] if rows is not None else f
+
+
+def columns(o, args: list, weights: list, shape: tuple, index: list[int]) -> torch.Tensor:
+    """The kept output entries (`index` along the last axis) of a matrix product, by `apply` on the weight rows they
+    read only (gathered, then made float64 there): (B, ..., len(index))."""
+    k = len(index)
+    at = torch.tensor(index, device=weights[0].device)
+    if o.kind == "matmul":
+        a = args[0].flatten(-2) if o.const("merge") else args[0]
+        lead = a.dim() - 1
+        trailing = shape[lead:]  # the output's axes after the input's rows: (…, last)
+        features = (torch.arange(math.prod(trailing[:-1]), device=at.device)[:, None] * shape[-1] + at[None])
+        rows = _feature_rows(o, shape[-1], features.reshape(-1))
+        w = [weights[0][rows].cpu()] + ([weights[1][rows].cpu()] if len(weights) > 1 else [])
+        plain = replace(o, consts=tuple((c, v) for c, v in o.consts if c not in ("rows", "blocks")))
+        return apply(plain, args, w, (*shape[:lead], *trailing[:-1], k))
+    if o.kind in ("expert_matmul", "expert_mix"):  # W (E, out, in): the kept outputs' rows of every expert
+        w = [weights[0][:, at].cpu()] + ([weights[1][:, at].cpu()] if len(weights) > 1 else [])
+        return apply(o, args, w, (*shape[:-1], k))
+    ids = args[0]  # lookup: the pass's ids' rows, at the kept entries
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    return apply(o, [inverse], [weights[0][unique.to(at.device)][:, at].cpu()], (*shape[:-1], k))
+
+
+DOT_TERMS = 8  # a dot product's card shows its first 8 terms, and the sum of the others
+
+
+def _terms(x: torch.Tensor, w: torch.Tensor, xg: int, bias: Optional[torch.Tensor], per_row: bool) -> dict:
+    """y = Σ_j x_j·w_j (+ b) of every output row, told at its first entries j. x (B, input rows, D): each input row
+    is read by `xg` output rows in turn; w (groups, D), cycled over the output rows (one weight row per group, the same
+    in every pass), or with `per_row` (B, rows, D), a row's own (an expert's, as chosen). Kept: x and w at j (each
+    input row and weight row once), the products at j and the sum of the other terms of every output row, the bias
+    (like w)."""
+    n, B = x.size(-1), x.size(0)
+    j = list(range(min(DOT_TERMS, n)))
+    xr = x.repeat_interleave(xg, dim=1)  # (B, rows, D)
+    wr = w if per_row else w[None].repeat(B, xr.size(1) // w.size(0), 1)
+    p = xr * wr
+    shown = p[..., : len(j)]
+    return {"j": j, "n": n, "xg": xg, "wg": wr.size(1) if per_row else w.size(0), "x": x[..., : len(j)],
+            "w": w[..., : len(j)], "p": shown, "rest": p.sum(-1) - shown.sum(-1), "b": bias, "per_row": per_row}
+
+
+def dot_rows(o, args: list, weights: list, shape: tuple, first: int) -> Optional[dict]:
+    """A matrix product's output entry `first` of every row as its dot product (the weight row it reads gathered),
+    or None for an operation that is not one dot product per entry."""
+    if o.kind == "matmul":
+        a = (args[0].flatten(-2) if o.const("merge") else args[0]).double()
+        groups = math.prod(shape[a.dim() - 1:-1])
+        features = torch.arange(groups, device=weights[0].device) * shape[-1] + first
+        rows = _feature_rows(o, shape[-1], features)
+        W = weights[0][rows].cpu().double()  # (groups, D): the weight row each group's entry reads
+        b = weights[1][rows].cpu().double() if len(weights) > 1 else None
+        return _terms(a.reshape(a.size(0), -1, a.size(-1)), W, groups, b, False)
+    if o.kind == "expert_matmul":
+        h, chosen = args[0].double(), args[1]
+        idx = chosen.topk(shape[-2], dim=-1).indices  # (B, T, K): the chosen experts, as the evaluator takes them
+        wrow = weights[0][:, first].cpu().double()[idx]  # (B, T, K, D): entry `first`'s row of each chosen expert
+        bias = weights[1][:, first].cpu().double()[idx].reshape(h.size(0), -1) if len(weights) > 1 else None
+        return _terms(h.reshape(h.size(0), -1, h.size(-1)), wrow.reshape(h.size(0), -1, h.size(-1)), shape[-2],
+                      bias, True)
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the numbers a card's words print
+
+
+def _aux(o, args: list, weights: list, shape: tuple) -> Optional[dict]:
+    if o.kind == "rmsnorm":
+        g = weights[0] if weights else None
+        width = g.numel() if g is not None else shape[-1]
+        v = args[0].double().reshape(args[0].size(0), -1, width)
+        return {"rms": torch.sqrt(v.pow(2).mean(-1) + o.const("eps"))}
+    if o.kind == "softmax" and o.const("take") != "sink":
+        s = args[0].double()  # (B, H, T, S)
+        own = torch.logsumexp(s, dim=-1)
+        if o.const("sink") is None:
+            return {"lse": own}
+        sink = weights[0].double().reshape(1, -1, 1).expand_as(own)
+        total = torch.logaddexp(own, sink)
+        return {"lse": total, "lse_s": own, "sink": sink, "share": torch.exp(sink - total)}
+    return None
