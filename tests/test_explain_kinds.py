@@ -47,7 +47,7 @@ def test_a_wrong_latent_is_seen(deepseek):
     changed after the pass (one entry of one slot) no longer gives it."""
     from llmtrace.model.kinds.mla import C_KV
     from llmtrace.run.explain import capture
-    from llmtrace.run.explain_latent import latent_section
+    from llmtrace.model.kinds.mla import latent_section
 
     lm = deepseek.loaded
     ids = lm.tokenizer.encode(PROMPT)
@@ -92,7 +92,7 @@ def test_a_convolution_layer_is_worked_on_one_channel(lfm2):
 def test_a_wrong_convolution_input_is_seen(lfm2):
     from llmtrace.model.kinds.short_conv import CONV_BX
     from llmtrace.run.explain import capture
-    from llmtrace.run.explain_conv import conv_section
+    from llmtrace.model.kinds.short_conv import conv_section
 
     lm = lfm2.loaded
     cap = capture(lm.model, lm.tokenizer.encode(PROMPT), 0)

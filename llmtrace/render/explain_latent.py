@@ -1,4 +1,4 @@
-"""explain's view of a multi-head latent attention layer (run.explain_latent's `latent` record): what its cache
+"""explain's view of a multi-head latent attention layer (the `latent_cache` section model.kinds.mla computes): what its cache
 keeps per token beside MHA and GQA with the same heads, and its absorbed form worked on the pass's numbers. Every
 line by its key in the view's catalogue (render.say)."""
 
@@ -61,7 +61,7 @@ def _cache(console: Console, ev: dict, say: Say, z: dict) -> None:
     for name, just in ((say("explain.latent.col.cache"), "left"), (say("explain.latent.col.numbers"), "right"),
                        (say("explain.latent.col.bytes"), "right"), (say("explain.latent.col.vs"), "right")):
         t.add_column(name, justify=just)
-    t.add_row(Text(say("explain.latent.row.mla", R=z["R"], Dr=z["Dr"]), style="bold"), f"{n:,}", f"{b:,}", "1×")
+    t.add_row(Text(say("explain.latent.row.latent", R=z["R"], Dr=z["Dr"]), style="bold"), f"{n:,}", f"{b:,}", "1×")
     for r in ev["cache_rows"]:
         what = say.n("explain.latent.row.mha" if r["kv_heads"] == z["H"] else "explain.latent.row.gqa", r["kv_heads"],
                      Dq=z["Dn"] + z["Dr"], Dv=z["Dv"])

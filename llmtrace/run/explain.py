@@ -43,8 +43,6 @@ from llmtrace.run.interventions import prepare, record
 from llmtrace.run.explain_state import (delta_rule_section, scan_op, ssm_scan_section, state_cache_section,
                                         state_op)
 from llmtrace.run.explain_router import moe_costs, router_section
-from llmtrace.run.explain_conv import conv_section
-from llmtrace.run.explain_latent import latent_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
                                          LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
@@ -728,7 +726,7 @@ def iter_explain_events(lm, ids: list[int], layer: int, head: Optional[int] = No
         yield rmsnorm_section(cap, lm.model, lm.points.get(name), maths)
     mixer = lm.model.attention_of(layer)  # the layer's kind: its own sections, as it declares them (model.kinds)
     for key in mixer.EXPLAIN:
-        yield from MIXER_SECTIONS[key](cap, lm, layer, head, maths)
+        yield from MIXER_SECTIONS.get(key, _own_section(mixer, key))(cap, lm, layer, head, maths)
     yield residual_section(cap, maths)
     if layer in moe_layers(c):
         yield router_section(cap.points, cap.resid_mid[layer], layer, c, maths=maths)
@@ -762,20 +760,16 @@ def _ssm_scan_sections(cap, lm, layer, head, maths):
                            else 0)
 
 
-def _latent_sections(cap, lm, layer, head, maths):
-    """An MLA layer's cache beside MHA's and GQA's, and its absorbed form worked on this pass's numbers."""
-    yield latent_section(cap, lm.model, maths, head if head is not None else 0)
+MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections}
 
 
-def _conv_sections(cap, lm, layer, head, maths):
-    """A short convolution worked on one channel at the last token, and the window it leaves."""
-    section = conv_section(cap, lm.model, maths)
-    if section is not None:
-        yield section
-
-
-MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections,
-                  "latent_cache": _latent_sections, "convolution": _conv_sections}
+def _own_section(mixer, key: str):
+    """A section a kind computes itself (its `explain(key, cap, model, maths, head)`, in its own file)."""
+    def sections(cap, lm, layer, head, maths):
+        section = mixer.explain(key, cap, lm.model, maths, head)
+        if section is not None:
+            yield section
+    return sections
 
 
 def _memory_section(cap, lm, maths, memory):
