@@ -520,9 +520,9 @@ OP_BRANCHES_ALLOWED = {
     "llmtrace.report.page": {"glu"},
     "llmtrace.render.generate": {"rope"},
     "llmtrace.run.explain": {"cache_write", "lookup"},
-    "llmtrace.run.explain_state": {"delta_rule", "ssm_scan"},
+    "llmtrace.run.explain_state": {"delta_rule"},
     # not operations: strings that are also an operation's name
-    "llmtrace.render.explain": {"rmsnorm", "delta_rule", "ssm_scan", "router", "rope"},  # explain's section names, drawn if present
+    "llmtrace.render.explain": {"rmsnorm", "delta_rule", "router", "rope"},  # explain's section names, drawn if present
     "llmtrace.serve.runs": {"scale"},  # a request's field (an intervention's scale)
     "llmtrace.trace.recorder": {"scores"},  # the point named scores (its masked entries left out of statistics)
 }
@@ -574,13 +574,7 @@ COST_ALLOWED = {
 }
 # Files that still speak a kind's vocabulary because the piece that would take it off them is other hands' work:
 # (family, file) -> why. Remove an entry when its file reads the declaration instead; a new entry is not a way out.
-COST_UNTIL_DECLARED = {
-    ("granite_hybrid", "run/explain.py"): "explain's sections keyed by an operation kind (MIXER_SECTIONS: "
-                                          "'ssm_scan'), until a kind declares its explain sections (h47explain)",
-    ("granite_hybrid", "run/explain_state.py"): "the state section finds the layer's 'ssm_scan' op by its key",
-    ("granite_hybrid", "render/explain.py"): "the terminal draws the 'ssm_scan' section by its name",
-    ("granite_hybrid", "trace/trace.schema.json"): "the explain event's list of sections names 'ssm_scan'",
-}
+COST_UNTIL_DECLARED: dict = {}  # (family, file) -> why it still speaks of the family: none left
 SPLIT = re.compile(r"[./:#]")
 
 

@@ -202,7 +202,7 @@ def test_explain_on_a_mamba2_layer_checks_every_step_under_its_own_headings(fami
     assert ops["attn_scaled"] == "scale" and ops["ffn_out"] == "add"
     plan = by["model"]["maths"]["kinds"][by["model"]["maths"]["layer_kind"][0]]["plan"]
     assert plan["mixer"] == "mamba2" and plan["headings"]["s6.5"][0].startswith("the selective scan")
-    d = by["ssm_scan"]  # one update of head 0's state at the last token, worked out in float64
+    d = by["state_update"]  # one update of head 0's state at the last token, worked out in float64
     assert d["check_state_max_abs_diff"] <= 1e-5 and d["check_out_max_abs_diff"] <= 1e-5
     assert 0 < d["a"] < 1 and d["dt"] > 0 and d["group"] == 0
     assert d["h_before"] != d["h_after"] and d["write"] != [[0.0] * 4] * 4  # the token moved the state
@@ -211,7 +211,7 @@ def test_explain_on_a_mamba2_layer_checks_every_step_under_its_own_headings(fami
     assert s["state_bytes"] == 4 * (192 * 3 + 8 * 16 * 16) and s["attention_layers"] == [2]
     assert "h ← ssm_decay·h + ssm_dt·ssm_x⊗ssm_B" in s["updates"]["ssm_state"]
     last = {e["section"]: e for e in model.explain("The quick brown fox", layer=3, head=3).events
-            if e["event"] == "explain"}["ssm_scan"]
+            if e["event"] == "explain"}["state_update"]
     assert last["head"] == 3 and last["group"] == 0  # heads 0-3 read the first group of B and C, 4-7 the second
     assert last["check_state_max_abs_diff"] <= 1e-5 and last["check_out_max_abs_diff"] <= 1e-5
 

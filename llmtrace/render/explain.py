@@ -147,8 +147,8 @@ def render_explain(events: list[dict], console: Console, say: Optional[Say] = No
     # the mixer's sections, those its kind declared (model.kinds EXPLAIN): drawn as they are present
     if "delta_rule" in by:  # a layer whose memory is a recurrent state (render.explain_state)
         delta_rule(console, by["delta_rule"], toks, say)
-    if "ssm_scan" in by:  # a Mamba2 layer
-        ssm_scan(console, by["ssm_scan"], toks, say)
+    if "state_update" in by:  # a Mamba2 layer
+        ssm_scan(console, by["state_update"], toks, say)
     if "convolution" in by:  # a short convolution layer
         conv_window(console, by["convolution"], toks, say)
     if "latent_cache" in by:  # a multi-head latent attention layer (render.explain_latent)

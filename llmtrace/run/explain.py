@@ -40,8 +40,7 @@ from llmtrace.errors import BadValue
 from llmtrace.trace.indices import parse_indices
 from llmtrace.run.generate import check_context
 from llmtrace.run.interventions import prepare, record
-from llmtrace.run.explain_state import (delta_rule_section, scan_op, ssm_scan_section, state_cache_section,
-                                        state_op)
+from llmtrace.run.explain_state import delta_rule_section, state_cache_section, state_op
 from llmtrace.run.explain_router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
 from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
@@ -752,15 +751,7 @@ def _delta_rule_sections(cap, lm, layer, head, maths):
 
 # explain's sections of a layer's mixer, by the keys its kind declares (EXPLAIN); a kind with none of its own is
 # taught by the generic sections (the steps table works every declared operation; the memory section below)
-def _ssm_scan_sections(cap, lm, layer, head, maths):
-    """One Mamba2 state update on this pass's numbers, in place of the attention sections."""
-    y = scan_op(maths, layer, "y")[1]
-    weights = {w: lm.model.get_parameter(f"layers.{layer}.{w}").detach() for w in y.weights}
-    yield ssm_scan_section(cap, maths, weights, head if head is not None and head < cap.points[y.inputs[0]].size(1)
-                           else 0)
-
-
-MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections, "ssm_scan": _ssm_scan_sections}
+MIXER_SECTIONS = {"attention": _attention_sections, "delta_rule": _delta_rule_sections}
 
 
 def _own_section(mixer, key: str):

@@ -14,8 +14,8 @@ forward pass it declares, in its own file:
   rows (key, label, formula, FLOPs), the label an (English, Chinese) pair, and `FLOPS_NOTE`, what they count, a pair
   too: explain says them in the view's language (render.say.Say.pick);
 - `EXPLAIN`: explain's own sections for the kind, by key: a section the kind computes itself is its method
-  `explain(key, cap, model, maths, head)` in its own file (MLA's "latent_cache", the short convolution's
-  "convolution"); the older shared ones are run.explain's MIXER_SECTIONS ("attention", "delta_rule", "ssm_scan");
+  `explain(key, cap, model, maths, head)` in its own file (MLA's "latent_cache", Mamba2's "state_update", the short
+  convolution's "convolution"); the older shared ones are run.explain's MIXER_SECTIONS ("attention", "delta_rule");
   their words in explain's catalogues (render/catalogue/);
 - `HEADINGS`: the seed steps its points sit under, each with the heading a learner reads for this kind, in English
   and Chinese ({"s6.3": ("causal convolution", "因果卷积"), ...}); a step it does not name keeps the seed table's

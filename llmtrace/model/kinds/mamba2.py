@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -185,7 +186,14 @@ class Mamba2(Module):
                  "带 z 门控的分组归一化、输出投影 + 残差"),
         "s6.8": ("the state kept: a fixed size, no KV cache", "保留的状态：大小固定，没有 KV 缓存"),
     }
-    EXPLAIN = ("ssm_scan",)  # one state update worked on real numbers (run.explain)
+    EXPLAIN = ("state_update",)  # one state update worked on real numbers (below)
+
+    def explain(self, key: str, cap, model, maths, head: Optional[int]) -> Optional[dict]:
+        """explain's section `key` of this layer (one of EXPLAIN), from the pass's capture: one head's state update."""
+        y = scan_op(maths, cap.layer, "y")[1]
+        weights = {w: model.get_parameter(f"layers.{cap.layer}.{w}").detach() for w in y.weights}
+        return scan_section(cap, maths, weights, head if head is not None and head < cap.points[y.inputs[0]].size(1)
+                            else 0)
     FLOPS_NOTE = ("the scan grows with T, not T²: each token updates a state of fixed size",
                   "扫描随 T 增长，而不是 T²：每个词元更新一个固定大小的状态")
 
@@ -306,3 +314,67 @@ declare(
                                     "{name} = g / √(mean(g²) + {eps}) · γ，每 {group} 个一组分别计算，g = {x} · silu({z})")},
            _group_gated_rmsnorm),
 )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# explain's own section of a Mamba2 layer ("state_update", its EXPLAIN key; run.explain calls Mamba2.explain)
+
+SHOWN_CORNER = 4  # rows and columns of the state shown
+
+
+def _round(x) -> float:
+    return float(f"{float(x):.6g}")
+
+
+def _rows(t: torch.Tensor) -> list:
+    return [_round(v) for v in t.reshape(-1).tolist()] if t.dim() <= 1 else [_rows(r) for r in t]
+
+
+def scan_op(maths, layer: int, output: str):
+    """The layer's declared Mamba2 scan making `output` ("y" or "state"), and its point; (None, None) if none."""
+    return next(((n, o) for n, o in maths.layers[layer].items() if o.kind == "ssm_scan" and o.const("output") ==
+                 output), (None, None))
+
+
+def scan_section(cap, maths, weights: dict, head: Optional[int] = None) -> dict:
+    """One Mamba2 state update of head `head` (default 0) at the last prompt token, worked on real numbers and
+    checked against the pass's own state and read-out. `weights`: the layer's parameters the declared operation reads
+    (its D), by their names in the declaration. The state before the token, h₀, is the declared operation applied to
+    the earlier tokens from zeros; then
+        a·h₀                  the decay: every entry of the head's state times a = exp(Δ·A)
+        Δ·x ⊗ B               the write: the token's x (P) times its group's B (N), scaled by its step Δ
+        h = a·h₀ + Δ·x ⊗ B
+        y = h·C + D·x         the read-out with its group's C, plus the skip"""
+    y_name, o = scan_op(maths, cap.layer, "y")
+    state_name, so = scan_op(maths, cap.layer, "state")
+    names = o.inputs[:5]  # x, B, C, Δ, a
+    p = {n: cap.points[n].double() for n in names}  # (T, ...) each, no batch axis
+    x_all, B_all, C_all, dt_all, a_all = (p[n] for n in names)
+    T, Hs, P = x_all.shape
+    h, g = head or 0, o.const("group")
+    grp = h // g
+    D = weights[o.weights[0]].double()
+    before = torch.zeros(1, Hs, P, B_all.size(-1), dtype=torch.float64)
+    if T > 1:  # the state after the earlier tokens: the declared operation on their numbers
+        from llmtrace.model.recompute import apply
+
+        before = apply(so, [p[n][None, : T - 1] for n in names] + [None], [D], tuple(before.shape))
+    h0 = before[0, h]  # (P, N)
+    x, B, C, dt, a = x_all[-1, h], B_all[-1, grp], C_all[-1, grp], dt_all[-1, h], a_all[-1, h]
+    decayed = a * h0
+    write = dt * torch.outer(x, B)  # (P, N)
+    hT = decayed + write
+    y = hT @ C + D[h] * x  # (P,)
+    recorded_h, recorded_y = cap.points[state_name][h].double(), cap.points[y_name][-1, h].double()
+    c, n = SHOWN_CORNER, min(SHOWN_CORNER, B.numel())
+    return {
+        "event": "explain", "section": "state_update", "layer": cap.layer, "seed_step": "s6.4-s6.8", "head": h,
+        "group": grp, "position": T - 1, "point_state": state_name, "point_out": y_name,
+        "formula": "h ← a·h + Δ·x ⊗ B;  y = h·C + D·x", "shape_state": list(cap.points[state_name].shape),
+        "dt": _round(dt), "a": _round(a), "D": _round(D[h]), "x": _rows(x[:c]), "B": _rows(B[:n]), "C": _rows(C[:n]),
+        "h_before": _rows(h0[:c, :n]), "h_decayed": _rows(decayed[:c, :n]), "write": _rows(write[:c, :n]),
+        "h_after": _rows(hT[:c, :n]), "read": _rows((hT @ C)[:c]), "skip": _rows((D[h] * x)[:c]), "out": _rows(y[:c]),
+        "check_state_max_abs_diff": _round((hT - recorded_h).abs().max()),
+        "check_out_max_abs_diff": _round((y - recorded_y).abs().max()),
+        "dt_all": _rows(dt_all[:, h]), "a_all": _rows(a_all[:, h]),
+    }
