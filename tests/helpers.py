@@ -131,6 +131,36 @@ class Opened:
             route.abort()
 
 
+def open_at(browser, path, size) -> Opened:
+    """A page opened from file:// at a viewport of `size` (width, height), with its messages and requests (Opened)."""
+    o = Opened.__new__(Opened)
+    o.page = browser.new_page(viewport={"width": size[0], "height": size[1]})
+    o.messages, o.requests = [], []
+    o.page.on("console", lambda m: o.messages.append((m.type, m.text)))
+    o.page.on("pageerror", lambda e: o.messages.append(("pageerror", str(e))))
+    o.url = path.resolve().as_uri()
+    o.page.route("**/*", o._route)
+    o.page.goto(o.url)
+    return o
+
+
+# every box the report's sizes section drew (report/sizes.py, assets/sizes.js), as a script for page.evaluate: its
+# caption's parts, its role, whether it is cut (and its button), and its bands' rendered area
+DRAWN = """() => Array.from(document.querySelectorAll("#sizes-fig li.sz-tile")).map((li) => {
+  const svg = li.querySelector("svg");
+  const area = Array.from(li.querySelectorAll("rect.sz-band")).reduce((a, r) => {
+    const b = r.getBoundingClientRect(); return a + b.width * b.height; }, 0);
+  const btn = li.querySelector(".sz-broken button");
+  return {name: li.dataset.name, n: Number(li.dataset.n), shape: li.dataset.shape.split(",").map(Number),
+          label: li.querySelector(".sz-cap b").textContent, text: li.querySelector(".sz-cap code").textContent,
+          cap: li.querySelector(".sz-cap").textContent, role: ["cache", "state"].find((r) => li.classList.contains("sz-" + r)) || "",
+          group: li.closest(".sz-group").dataset.group, area: area, hidden: svg.getAttribute("aria-hidden"),
+          broken: btn ? btn.getAttribute("aria-expanded") === "false" : false, can: !!btn,
+          note: li.querySelector(".sz-broken") ? li.querySelector(".sz-broken").textContent : "",
+          full: Number(svg.dataset.full), right: li.getBoundingClientRect().right};
+})"""
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # two tiny models that differ in one number (compare, diff and the comparison page)
 

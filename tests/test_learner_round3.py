@@ -11,26 +11,13 @@ import re
 
 import pytest
 
-from helpers import Opened, run_cli
+from helpers import Opened, open_at, run_cli
 
 TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4)
 VIEWPORTS = [(1280, 900), (390, 844)]
 # names that stay English on a Chinese page (test_learner_pages.ALLOWED's kind): models, methods, symbols
 ALLOWED = {"RoPE", "GQA", "KV", "RMSNorm", "SwiGLU", "GeGLU", "GLU", "softmax", "logit", "logits", "FFN", "GGUF",
            "LongRoPE", "YaRN", "Gated", "DeltaNet", "transformers", "llama", "cpp", "query_pre_attn_scalar"}
-
-
-def open_at(browser, path, size) -> Opened:
-    """A page opened from file:// at a viewport of `size`, with its messages and requests (helpers.Opened)."""
-    o = Opened.__new__(Opened)
-    o.page = browser.new_page(viewport={"width": size[0], "height": size[1]})
-    o.messages, o.requests = [], []
-    o.page.on("console", lambda m: o.messages.append((m.type, m.text)))
-    o.page.on("pageerror", lambda e: o.messages.append(("pageerror", str(e))))
-    o.url = path.resolve().as_uri()
-    o.page.route("**/*", o._route)
-    o.page.goto(o.url)
-    return o
 
 
 @pytest.fixture(scope="module")

@@ -13,25 +13,10 @@ import re
 
 import pytest
 
-from test_learner_round3 import open_at
+from helpers import DRAWN, open_at
 
 VIEWPORTS = [(1280, 900), (390, 844)]
 COUNT_WORD = {"en": "numbers", "zh": "个数"}
-
-# every box drawn: its caption's parts, its role, whether it is cut (and its button), and its bands' rendered area
-DRAWN = """() => Array.from(document.querySelectorAll("#sizes-fig li.sz-tile")).map((li) => {
-  const svg = li.querySelector("svg");
-  const area = Array.from(li.querySelectorAll("rect.sz-band")).reduce((a, r) => {
-    const b = r.getBoundingClientRect(); return a + b.width * b.height; }, 0);
-  const btn = li.querySelector(".sz-broken button");
-  return {name: li.dataset.name, n: Number(li.dataset.n), shape: li.dataset.shape.split(",").map(Number),
-          label: li.querySelector(".sz-cap b").textContent, text: li.querySelector(".sz-cap code").textContent,
-          cap: li.querySelector(".sz-cap").textContent, role: ["cache", "state"].find((r) => li.classList.contains("sz-" + r)) || "",
-          group: li.closest(".sz-group").dataset.group, area: area, hidden: svg.getAttribute("aria-hidden"),
-          broken: btn ? btn.getAttribute("aria-expanded") === "false" : false, can: !!btn,
-          note: li.querySelector(".sz-broken") ? li.querySelector(".sz-broken").textContent : "",
-          full: Number(svg.dataset.full), right: li.getBoundingClientRect().right};
-})"""
 
 
 def shape_text(shape, axes) -> str:

@@ -458,7 +458,7 @@ def test_serve_end_to_end_prompt_run_shows_the_greedy_text(server, tiny, browser
     assert frame.locator("#walk").count() == 1
     assert page.locator("#page").is_visible() and not page.locator("#page-note").is_visible()  # the page took its place
     # the size of things in the frame: each box's drawn area its count; the K cache a slot longer at the next step
-    from test_report_sizes import DRAWN
+    from helpers import DRAWN
 
     def drawn():
         cell = float(frame.locator("#sizes-fig").get_attribute("data-cell"))

@@ -21,8 +21,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from llmtrace.report import sizes
 from llmtrace.report.data import AFTER_EMBEDDING
-from llmtrace.report.sizes import section_sizes
 from llmtrace.report.walk import maths_view
 from llmtrace.trace.events import SCHEMA_ID
 from llmtrace.units import human_bytes, plural
@@ -877,6 +877,12 @@ def section_explain(d: dict) -> Optional[dict]:
     """An explain page: every table, figure and note the terminal explain prints (report.explain_view)."""
     blocks = d.get("explain_view")
     return {"blocks": blocks} if blocks else None
+
+
+def section_sizes(d: dict) -> Optional[dict]:
+    """The pass's tensors drawn to scale (report.sizes, assets/sizes.js), under this page's titles of the seed steps
+    and of the kinds of layer, with its note on what a trace lacks."""
+    return sizes.section(d, kind_titles=kind_titles, kind_words=kind_words, step_title=step_title, missing=missing)
 
 
 SECTIONS = (

@@ -1,8 +1,8 @@
 """The size of things: every tensor of one pass drawn to scale (issue 50 item 7), the report's "sizes" section.
 
-    data(d)          the boxes of every kept step and recorded layer, from the trace's own shapes (its tensor events,
+    data(d, w, ...)  the boxes of every kept step and recorded layer, from the trace's own shapes (its tensor events,
                      its declared points' axes, each layer's declared memory and the cache's length after each step)
-    section_sizes(d) the section's controls and that data; assets/sizes.js draws the boxes to the page's width and
+    section(d, ...)  the section's controls and that data; assets/sizes.js draws the boxes to the page's width and
                      captions each (before any script runs, the pipeline section lists the same shapes)
 
 A box is one tensor: its rows are the tensor's tokens (its T axis; S for the keys a layer reads; else its next-to-last
@@ -58,119 +58,155 @@ def shape_text(shape: list[int], axes: Optional[list[str]]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def data(d: dict, w) -> Optional[dict]:
-    """The boxes the script draws: {"entries": [box, ...], "groups": [{id, title}], "views": {"STEP/LAYER": [[group,
-    [entry, ...]], ...]}, "steps", "layers", "layer_words", "seq"}. A box is {name, label, shape, axes, n, rows, cols,
-    split, text, count, role} (role "" a tensor of the pass, "cache" what grows a row each token, "state" what keeps
-    its size); entries and groups are kept once and the views index them. None without recorded shapes."""
-    table = d["tensors"]["points"]
-    if not table:
-        return None
-    points = d["points"]
-    declared = {p["name"]: p for p in points}
-    order = {p["name"]: i for i, p in enumerate(points)}
-    mem = d["run"]["model"].get("memory") or []
-    rec = (d.get("maths") or {}).get("record") or {}
-    layer_kind = rec.get("layer_kind") or []
-    # the slots the cache holds after each step's pass: a batch's padded length (its tensors' S), else the row's
-    seq = {s["step"]: (s.get("kv") or {}).get("batch_seq_len") or (s.get("kv") or {}).get("seq_len") for s in d["steps"]}
-
-    # every recorded shape: (step, layer) -> [(name, shape)], layer None outside the layers
+def recorded(table: dict) -> dict[tuple[int, Optional[int]], list[tuple[str, list[int]]]]:
+    """Every recorded shape: (step, layer) -> [(name, shape)], layer None outside the layers."""
     at: dict[tuple[int, Optional[int]], list[tuple[str, list[int]]]] = {}
     for name, rows in table.items():
         for r in rows:
             at.setdefault((r["step"], r["layer"]), []).append((name, r["shape"]))
-    steps = sorted({s for s, _ in at})
-    layers = sorted({lay for _, lay in at if lay is not None})
+    return at
 
-    entries: list[dict] = []
-    entry_ix: dict[tuple, int] = {}
-    groups: list[dict] = []
-    group_ix: dict[tuple, int] = {}
 
-    def entry(name: str, label: str, shape: list[int], axes: Optional[list[str]], role: str, model: bool) -> int:
+def cache_slots(steps: list[dict]) -> dict[int, Optional[int]]:
+    """The slots the cache holds after each step's pass: a batch's padded length (its tensors' S), else the row's."""
+    return {s["step"]: (s.get("kv") or {}).get("batch_seq_len") or (s.get("kv") or {}).get("seq_len") for s in steps}
+
+
+class Boxes:
+    """One trace's boxes, worked out from its recorded shapes and declared memory: `entries` and `groups` are kept
+    once, and each view (`of`) lists indices into them. `title(sid, kind)` is a seed step's group title under a kind
+    of layer (None outside the layers)."""
+
+    def __init__(self, d: dict, w, title):
+        self.w, self.title = w, title
+        self.at = recorded(d["tensors"]["points"])
+        self.declared = {p["name"]: p for p in d["points"]}
+        self.order = {p["name"]: i for i, p in enumerate(d["points"])}
+        self.mem = d["run"]["model"].get("memory") or []
+        self.layer_kind = ((d.get("maths") or {}).get("record") or {}).get("layer_kind") or []
+        self.seq = cache_slots(d["steps"])
+        self.entries: list[dict] = []
+        self.groups: list[dict] = []
+        self.entry_ix: dict[tuple, int] = {}
+        self.group_ix: dict[tuple, int] = {}
+
+    def entry(self, name: str, label: str, shape: list[int], axes: Optional[list[str]], role: str, model: bool) -> int:
+        """The index of a box, kept once."""
         key = (name, label, tuple(shape), tuple(axes or ()), role, model)
-        if key not in entry_ix:
+        if key not in self.entry_ix:
             rows, cols, split = grid(shape, axes)
             n = math.prod(shape)
-            entry_ix[key] = len(entries)
-            entries.append({"name": name, "label": label, "shape": shape, "axes": axes, "n": n, "rows": rows,
-                            "cols": cols, "split": split, "text": shape_text(shape, axes),
-                            "count": w("sizes.count", n=f"{n:,}"), "role": role, "model": model,
-                            "note": w(f"sizes.role.{role}") if role else ""})
-        return entry_ix[key]
+            self.entry_ix[key] = len(self.entries)
+            self.entries.append({"name": name, "label": label, "shape": shape, "axes": axes, "n": n, "rows": rows,
+                                 "cols": cols, "split": split, "text": shape_text(shape, axes),
+                                 "count": self.w("sizes.count", n=f"{n:,}"), "role": role, "model": model,
+                                 "note": self.w(f"sizes.role.{role}") if role else ""})
+        return self.entry_ix[key]
 
-    from llmtrace.report.page import kind_titles, kind_words, step_title
+    def kind(self, layer: Optional[int]) -> Optional[int]:
+        """The kind of a layer in the maths record (None outside the layers or without one)."""
+        return self.layer_kind[layer] if layer is not None and layer < len(self.layer_kind) else None
 
-    own_titles = kind_titles(d, w.lang)
-
-    def group(sid: str, layer: Optional[int]) -> int:
+    def group(self, sid: str, layer: Optional[int]) -> int:
         """A seed step's group, titled as the layer's kind teaches it (a linear-attention layer's s6.3 is its
-        convolution), else as the seed table does."""
-        kind = layer_kind[layer] if layer is not None and layer < len(layer_kind) else None
-        title = (own_titles[kind].get(sid) if kind is not None and kind < len(own_titles) else None) or (
-            step_title(w, sid, d) if w.has(f"step.{sid}") else sid)
+        convolution), else as the seed table does; kept once."""
+        title = self.title(sid, self.kind(layer))
         key = (sid, title)
-        if key not in group_ix:
-            group_ix[key] = len(groups)
-            groups.append({"id": sid, "title": title})
-        return group_ix[key]
+        if key not in self.group_ix:
+            self.group_ix[key] = len(self.groups)
+            self.groups.append({"id": sid, "title": title})
+        return self.group_ix[key]
 
-    def axes_for(name: str, shape: list[int]) -> Optional[list[str]]:
-        axes = (declared.get(name) or {}).get("axes")
+    def axes_for(self, name: str, shape: list[int]) -> Optional[list[str]]:
+        axes = (self.declared.get(name) or {}).get("axes")
         return list(axes) if axes and len(axes) == len(shape) else None
 
-    def boxes_of(step: int, layer: Optional[int]) -> list[tuple[str, int]]:
+    def of(self, step: int, layer: Optional[int]) -> list[tuple[str, int]]:
         """(seed group, entry) of one step's recorded points in a layer (or outside the layers), in forward order,
-        with the layer's memory at s6.8: the cache it grows (its entries × the slots after this pass), and the
-        constant state it keeps where no recorded point is that state."""
-        here = sorted(at.get((step, layer), []), key=lambda x: order.get(x[0], len(order)))
-        m = mem[layer] if layer is not None and layer < len(mem) else None
+        then the layer's memory at s6.8 (`memory`)."""
+        here = sorted(self.at.get((step, layer), []), key=lambda x: self.order.get(x[0], len(self.order)))
+        m = self.mem[layer] if layer is not None and layer < len(self.mem) else None
         constants = {tuple(s): k for k, s in ((m or {}).get("constant") or {}).items()}
         out, seen_state = [], set()
         for name, shape in here:
-            decl = declared.get(name) or {}
-            sid = seed_group(decl.get("step") or "")
+            sid = seed_group((self.declared.get(name) or {}).get("step") or "")
             role = "state" if sid == MEMORY_STEP and tuple(shape) in constants else ""
             if role:
                 seen_state.add(tuple(shape))
-            out.append((sid, entry(name, name, shape, axes_for(name, shape), role, layer is None)))
+            out.append((sid, self.entry(name, name, shape, self.axes_for(name, shape), role, layer is None)))
         if m is not None and m.get("reads") is None:
-            slots = seq.get(step)
-            for key, per in (m.get("per_token") or {}).items():
-                if slots is None:
-                    break
-                own = (declared.get(key) or {}).get("axes") or []
-                named = ["S"] + [a for a in own if a != "T"] if len(own) == len(per) + 1 else None
-                out.append((MEMORY_STEP, entry(f"cache.{key}", w("sizes.cache", name=key), [slots, *per], named, "cache", False)))
-            for shape, key in constants.items():
-                if shape not in seen_state:
-                    out.append((MEMORY_STEP, entry(f"state.{key}", w("sizes.state", name=key), list(shape), None, "state", False)))
+            out += self.memory(m, self.seq.get(step), constants, seen_state)
         return out
 
-    from llmtrace.report.data import SEED_TABLE
+    def memory(self, m: dict, slots: Optional[int], constants: dict, seen_state: set) -> list[tuple[str, int]]:
+        """A layer's memory at s6.8: the cache it grows (its entries × the `slots` after this pass), and the constant
+        state it keeps where no recorded point is that state."""
+        out = []
+        for key, per in (m.get("per_token") or {}).items():
+            if slots is None:
+                break
+            own = (self.declared.get(key) or {}).get("axes") or []
+            named = ["S"] + [a for a in own if a != "T"] if len(own) == len(per) + 1 else None
+            out.append((MEMORY_STEP, self.entry(f"cache.{key}", self.w("sizes.cache", name=key), [slots, *per], named,
+                                                "cache", False)))
+        for shape, key in constants.items():
+            if shape not in seen_state:
+                out.append((MEMORY_STEP, self.entry(f"state.{key}", self.w("sizes.state", name=key), list(shape),
+                                                    None, "state", False)))
+        return out
 
-    rank = {sid: i for i, sid in enumerate(SEED_TABLE)}
-    views: dict[str, dict] = {}
-    ref = 0  # the most elements of one view's own boxes (its layer's; the model's without layers): the scale's measure
-    for step in steps:
-        model_boxes = boxes_of(step, None)
-        for layer in layers or [None]:
-            own = boxes_of(step, layer) if layer is not None else model_boxes
-            by: dict[str, list[int]] = {}
-            for sid, e in sorted(model_boxes + own if layer is not None else own,
-                                 key=lambda b: rank.get(b[0], len(rank))):  # a stable sort: forward order kept
-                by.setdefault(sid, []).append(e)
-            ref = max(ref, sum(entries[e]["n"] for _, e in own))
-            views[f"{step}/{'m' if layer is None else layer}"] = {
-                "g": [[group(sid, layer), es] for sid, es in by.items()],
-                "max": max((e for _, e in own), key=lambda e: entries[e]["n"]) if own else None}
-    kinds = kind_words(d, w)
-    layer_words = {str(lay): w("sizes.layer", layer=lay) + (
-        f" · {kinds[layer_kind[lay]]}" if lay < len(layer_kind) and layer_kind[lay] < len(kinds) and
-        len(set(layer_kind)) > 1 else "") for lay in layers}
-    return {"entries": entries, "groups": groups, "views": views, "steps": steps, "layers": layers, "ref": ref,
-            "layer_words": layer_words, "seq": {str(k): v for k, v in seq.items()}}
+    def views(self, steps: list[int], layers: list[int]) -> tuple[dict[str, dict], int]:
+        """{"STEP/LAYER" ("m" for the model's without layers): {"g": [[group, [entry, ...]], ...] in the seed table's
+        order, "max": its largest own entry}}, and the scale's measure: the most elements of one view's own boxes
+        (its layer's; the model's without layers)."""
+        from llmtrace.report.data import SEED_TABLE
+
+        rank = {sid: i for i, sid in enumerate(SEED_TABLE)}
+        views: dict[str, dict] = {}
+        ref = 0
+        for step in steps:
+            model_boxes = self.of(step, None)
+            for layer in layers or [None]:
+                own = self.of(step, layer) if layer is not None else model_boxes
+                by: dict[str, list[int]] = {}
+                for sid, e in sorted(model_boxes + own if layer is not None else own,
+                                     key=lambda b: rank.get(b[0], len(rank))):  # a stable sort: forward order kept
+                    by.setdefault(sid, []).append(e)
+                ref = max(ref, sum(self.entries[e]["n"] for _, e in own))
+                views[f"{step}/{'m' if layer is None else layer}"] = {
+                    "g": [[self.group(sid, layer), es] for sid, es in by.items()],
+                    "max": max((e for _, e in own), key=lambda e: self.entries[e]["n"]) if own else None}
+        return views, ref
+
+    def layer_words(self, layers: list[int], kinds: list[str]) -> dict[str, str]:
+        """Each layer's name in the select, with its kind's words where the model has layers of more than one kind."""
+        lk = self.layer_kind
+        return {str(lay): self.w("sizes.layer", layer=lay) + (
+            f" · {kinds[lk[lay]]}" if lay < len(lk) and lk[lay] < len(kinds) and len(set(lk)) > 1 else "")
+            for lay in layers}
+
+
+def data(d: dict, w, titles: list[dict], step_title, kinds: list[str]) -> Optional[dict]:
+    """The boxes the script draws: {"entries": [box, ...], "groups": [{id, title}], "views": {"STEP/LAYER": [[group,
+    [entry, ...]], ...]}, "steps", "layers", "layer_words", "seq"}. A box is {name, label, shape, axes, n, rows, cols,
+    split, text, count, role} (role "" a tensor of the pass, "cache" what grows a row each token, "state" what keeps
+    its size); entries and groups are kept once and the views index them. None without recorded shapes. The page's
+    words: `titles` the seed steps each kind of layer titles its own way, `step_title(sid)` the seed table's title
+    and `kinds` each kind of layer's words (report.page's kind_titles, step_title and kind_words)."""
+    if not d["tensors"]["points"]:
+        return None
+
+    def title(sid: str, kind: Optional[int]) -> str:
+        return (titles[kind].get(sid) if kind is not None and kind < len(titles) else None) or (
+            step_title(sid) if w.has(f"step.{sid}") else sid)
+
+    boxes = Boxes(d, w, title)
+    steps = sorted({s for s, _ in boxes.at})
+    layers = sorted({lay for _, lay in boxes.at if lay is not None})
+    views, ref = boxes.views(steps, layers)
+    return {"entries": boxes.entries, "groups": boxes.groups, "views": views, "steps": steps, "layers": layers,
+            "ref": ref, "layer_words": boxes.layer_words(layers, kinds),
+            "seq": {str(k): v for k, v in boxes.seq.items()}}
 
 
 SCRIPT_WORDS = ("scale", "step", "nearest", "broken", "whole", "break", "folded")
@@ -199,16 +235,16 @@ def packed(s: dict, w) -> dict:
     return dict(out, entries=boxes, words=words, views=views, lists=lists)
 
 
-def section_sizes(d: dict) -> Optional[dict]:
+def section(d: dict, *, kind_titles, kind_words, step_title, missing) -> Optional[dict]:
     """The section: its layer choice and the data the script draws from (its own <script>: the page's main data does
     not carry it). The script writes each box's caption (its name, shape and count), the text the drawing stands for;
-    before any script runs, the pipeline section above lists the same shapes."""
-    from llmtrace.report.page import missing
-
+    before any script runs, the pipeline section above lists the same shapes. The page passes in its own functions
+    of the same names (report.page: its titles of the seed steps and of the kinds of layer, its note on what a trace
+    lacks), so that this module does not import the page."""
     if d["kind"] != "generate":  # a generate page's section: explain and lens pages show a layer, not a pass
         return None
     w = d["w"]
-    s = data(d, w)
+    s = data(d, w, kind_titles(d, w.lang), lambda sid: step_title(w, sid, d), kind_words(d, w))
     if s is None:
         note = missing(d, "sizes", "`trace='layers'` or `trace='full'`")
         return {"only_missing": note} if note else None

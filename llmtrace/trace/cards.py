@@ -29,7 +29,7 @@ import torch
 
 from llmtrace.model.recompute import apply, max_error
 from llmtrace.trace.packed import pack
-from llmtrace.trace.worked import full_row_layers, sample_index
+from llmtrace.trace.worked import full_row_layers
 
 # operations whose weights are read a row (or a column) at a time: only the kept entries' rows are gathered
 ROWWISE = ("matmul", "expert_matmul", "expert_mix", "lookup")
