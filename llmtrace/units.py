@@ -33,3 +33,14 @@ def plural(n: int, word: str, plural: Optional[str] = None) -> str:  # noqa: A00
 def noun(n: int, word: str, plural: Optional[str] = None) -> str:  # noqa: A002
     """The word alone, as plural() counts it: 'layer' for 1, 'layers' for any other n ('in layers 0, 3')."""
     return word if n == 1 else (plural or word + "s")
+
+
+def sig6(x) -> float:
+    """A number to 6 significant digits, as explain's worked sections print them."""
+    return float(f"{float(x):.6g}")
+
+
+def sig6_rows(t) -> list:
+    """A tensor's values to 6 significant digits: a list for a vector (or a flattened scalar), a list of lists for a
+    matrix (explain's corners of a state)."""
+    return [sig6(v) for v in t.reshape(-1).tolist()] if t.dim() <= 1 else [sig6_rows(r) for r in t]

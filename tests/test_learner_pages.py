@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Opened, embedded
+from helpers import embedded, open_at
 
 VIEWPORTS = [(1280, 900), (390, 844)]
 
@@ -118,18 +118,6 @@ def _limits():
     from llmtrace.serve.runs import Limits
 
     return Limits()
-
-
-def open_at(browser, path: Path, size: tuple[int, int]) -> Opened:
-    o = Opened.__new__(Opened)
-    o.page = browser.new_page(viewport={"width": size[0], "height": size[1]})
-    o.messages, o.requests = [], []
-    o.page.on("console", lambda m: o.messages.append((m.type, m.text)))
-    o.page.on("pageerror", lambda e: o.messages.append(("pageerror", str(e))))
-    o.url = path.resolve().as_uri()
-    o.page.route("**/*", o._route)
-    o.page.goto(o.url)
-    return o
 
 
 KINDS = ["report", "batch", "explain", "lens", "compare", "diff", "patch", "serve"]

@@ -20,16 +20,9 @@ import torch
 
 from llmtrace.model.maths import formula
 from llmtrace.model.recompute import apply, per_value_head
+from llmtrace.units import sig6, sig6_rows
 
 CORNER = 4  # rows and columns of the state shown
-
-
-def _r(x) -> float:
-    return float(f"{float(x):.6g}")
-
-
-def _rl(t: torch.Tensor) -> list:
-    return [_r(v) for v in t.reshape(-1).tolist()] if t.dim() <= 1 else [_rl(r) for r in t]
 
 
 def state_op(maths, layer: int, output: str):
@@ -67,13 +60,13 @@ def delta_rule_section(cap, maths, head: Optional[int] = None) -> dict:
         "event": "explain", "section": "delta_rule", "layer": cap.layer, "seed_step": "s6.4-s6.8", "head": h,
         "position": T - 1, "point_state": state_name, "point_out": out_name,
         "formula": "S ← α·S + k ⊗ β·(v − (α·S)ᵀk);  o = Sᵀq", "shape_state": list(cap.points[state_name].shape),
-        "alpha": _r(alpha[-1]), "beta": _r(beta[-1]), "k": _rl(k[-1][:c]), "q": _rl(q[-1][:c]), "v": _rl(v[-1][:n]),
-        "held": _rl(held[:n]), "delta": _rl(delta[:n]), "norm_k": _r(k[-1].norm()),
-        "S_before": _rl(S0[:c, :n]), "S_decayed": _rl(decayed[:c, :n]), "write": _rl(torch.outer(k[-1], delta)[:c, :n]),
-        "S_after": _rl(S[:c, :n]), "out": _rl(out[:n]),
-        "check_state_max_abs_diff": _r((S - recorded_S).abs().max()),
-        "check_out_max_abs_diff": _r((out - recorded_o).abs().max()),
-        "alpha_all": _rl(alpha), "beta_all": _rl(beta),
+        "alpha": sig6(alpha[-1]), "beta": sig6(beta[-1]), "k": sig6_rows(k[-1][:c]), "q": sig6_rows(q[-1][:c]), "v": sig6_rows(v[-1][:n]),
+        "held": sig6_rows(held[:n]), "delta": sig6_rows(delta[:n]), "norm_k": sig6(k[-1].norm()),
+        "S_before": sig6_rows(S0[:c, :n]), "S_decayed": sig6_rows(decayed[:c, :n]), "write": sig6_rows(torch.outer(k[-1], delta)[:c, :n]),
+        "S_after": sig6_rows(S[:c, :n]), "out": sig6_rows(out[:n]),
+        "check_state_max_abs_diff": sig6((S - recorded_S).abs().max()),
+        "check_out_max_abs_diff": sig6((out - recorded_o).abs().max()),
+        "alpha_all": sig6_rows(alpha), "beta_all": sig6_rows(beta),
     }
 
 

@@ -37,6 +37,7 @@ from llmtrace.model.maths import LayerPlan, Op, OpKind, carried_words, declare, 
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module, RMSNorm
+from llmtrace.units import sig6, sig6_rows
 
 KEY = "mamba2"  # the config part and the kind
 
@@ -322,14 +323,6 @@ declare(
 SHOWN_CORNER = 4  # rows and columns of the state shown
 
 
-def _round(x) -> float:
-    return float(f"{float(x):.6g}")
-
-
-def _rows(t: torch.Tensor) -> list:
-    return [_round(v) for v in t.reshape(-1).tolist()] if t.dim() <= 1 else [_rows(r) for r in t]
-
-
 def scan_op(maths, layer: int, output: str):
     """The layer's declared Mamba2 scan making `output` ("y" or "state"), and its point; (None, None) if none."""
     return next(((n, o) for n, o in maths.layers[layer].items() if o.kind == "ssm_scan" and o.const("output") ==
@@ -371,10 +364,10 @@ def scan_section(cap, maths, weights: dict, head: Optional[int] = None) -> dict:
         "event": "explain", "section": "state_update", "layer": cap.layer, "seed_step": "s6.4-s6.8", "head": h,
         "group": grp, "position": T - 1, "point_state": state_name, "point_out": y_name,
         "formula": "h ← a·h + Δ·x ⊗ B;  y = h·C + D·x", "shape_state": list(cap.points[state_name].shape),
-        "dt": _round(dt), "a": _round(a), "D": _round(D[h]), "x": _rows(x[:c]), "B": _rows(B[:n]), "C": _rows(C[:n]),
-        "h_before": _rows(h0[:c, :n]), "h_decayed": _rows(decayed[:c, :n]), "write": _rows(write[:c, :n]),
-        "h_after": _rows(hT[:c, :n]), "read": _rows((hT @ C)[:c]), "skip": _rows((D[h] * x)[:c]), "out": _rows(y[:c]),
-        "check_state_max_abs_diff": _round((hT - recorded_h).abs().max()),
-        "check_out_max_abs_diff": _round((y - recorded_y).abs().max()),
-        "dt_all": _rows(dt_all[:, h]), "a_all": _rows(a_all[:, h]),
+        "dt": sig6(dt), "a": sig6(a), "D": sig6(D[h]), "x": sig6_rows(x[:c]), "B": sig6_rows(B[:n]), "C": sig6_rows(C[:n]),
+        "h_before": sig6_rows(h0[:c, :n]), "h_decayed": sig6_rows(decayed[:c, :n]), "write": sig6_rows(write[:c, :n]),
+        "h_after": sig6_rows(hT[:c, :n]), "read": sig6_rows((hT @ C)[:c]), "skip": sig6_rows((D[h] * x)[:c]), "out": sig6_rows(y[:c]),
+        "check_state_max_abs_diff": sig6((hT - recorded_h).abs().max()),
+        "check_out_max_abs_diff": sig6((y - recorded_y).abs().max()),
+        "dt_all": sig6_rows(dt_all[:, h]), "a_all": sig6_rows(a_all[:, h]),
     }

@@ -48,6 +48,7 @@ from llmtrace.model.ops import masked
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module, RMSNorm, apply_rope
+from llmtrace.units import sig6, sig6_rows
 
 KIND = "mla"
 
@@ -367,14 +368,6 @@ declare(
 SHOWN = 6  # slots and dims shown
 
 
-def _r(x) -> float:
-    return float(f"{float(x):.6g}")
-
-
-def _rl(t: torch.Tensor) -> list:
-    return [_r(v) for v in t.reshape(-1).tolist()]
-
-
 def _weight(model, layer: int, op) -> Optional[torch.Tensor]:
     """The (H, ·, ·) stack an up-projection reads, float64; None where the run holds it otherwise (quantized)."""
     try:
@@ -426,9 +419,9 @@ def latent_section(cap, model, maths, head: int = 0) -> dict:
     o_pass = cap.points[MLA_OUT.name][t, head].double().cpu()  # (Dv,)
     return out | {"worked": {
         "position": t, "slots": S, "q_latent_width": R,
-        "scores_up": _rl(up[:SHOWN]), "scores_absorbed": _rl(absorbed[:SHOWN]),
-        "scores_diff": _r((up - absorbed).abs().max()),
-        "out_up": _rl(o_up[:SHOWN]), "out_absorbed": _rl(o_abs[:SHOWN]), "out_pass": _rl(o_pass[:SHOWN]),
-        "out_diff": _r((o_up - o_abs).abs().max()), "out_pass_diff": _r((o_up - o_pass).abs().max()),
+        "scores_up": sig6_rows(up[:SHOWN]), "scores_absorbed": sig6_rows(absorbed[:SHOWN]),
+        "scores_diff": sig6((up - absorbed).abs().max()),
+        "out_up": sig6_rows(o_up[:SHOWN]), "out_absorbed": sig6_rows(o_abs[:SHOWN]), "out_pass": sig6_rows(o_pass[:SHOWN]),
+        "out_diff": sig6((o_up - o_abs).abs().max()), "out_pass_diff": sig6((o_up - o_pass).abs().max()),
         # multiply-adds × 2 of one decode step over S cached slots, for the up-projection and for the absorbed form
         "flops_up": 2 * S * R * H * (Dn + Dv), "flops_absorbed": 2 * H * R * (Dn + Dv)}}

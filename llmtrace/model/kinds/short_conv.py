@@ -31,6 +31,7 @@ from llmtrace.model.maths import LayerPlan, Op, OpKind, declare, op
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module
+from llmtrace.units import sig6
 
 KIND = "short_conv"
 KERNEL = 3  # Lc where the config part says none: conv_L_cache of every released LFM2 (transformers' default)
@@ -170,10 +171,6 @@ declare(
 # and the window the layer keeps after the pass, its whole memory for that channel: v_(t−Lc+2..t),d. Each computed in
 # float64 beside the value the pass kept.
 
-def _r(x) -> float:
-    return float(f"{float(x):.6g}")
-
-
 def _kernel(model, layer: int, op) -> Optional[torch.Tensor]:
     """(D, Lc) the layer's depthwise kernel, float64; None where the run holds it otherwise."""
     try:
@@ -199,15 +196,15 @@ def conv_section(cap, model, maths, channel: Optional[int] = None) -> Optional[d
     for j in range(L):
         p = t - L + 1 + j
         x = float(v[p, d]) if p >= 0 else 0.0
-        rows.append({"position": p, "input": _r(x), "weight": _r(w[d, j]), "product": _r(x * float(w[d, j]))})
+        rows.append({"position": p, "input": sig6(x), "weight": sig6(w[d, j]), "product": sig6(x * float(w[d, j]))})
     total = sum(float(w[d, j]) * (float(v[t - L + 1 + j, d]) if t - L + 1 + j >= 0 else 0.0) for j in range(L))
     gated = float(c[t, d]) * total
     window = cap.points.get(CONV_WINDOW.name)
     kept = window[d].double().cpu() if window is not None else None  # (Lc-1,) the window after the pass
     want = torch.tensor([float(v[p, d]) if p >= 0 else 0.0 for p in range(t - L + 2, t + 1)], dtype=torch.float64)
     return {"event": "explain", "section": "convolution", "layer": layer, "seed_step": "s6.3", "channel": d,
-            "position": t, "kernel": L, "width": D, "rows": rows, "sum": _r(total), "pass": _r(z[t, d]),
-            "check": _r(abs(total - float(z[t, d]))), "gate": _r(c[t, d]), "gated": _r(gated),
-            "gated_pass": _r(cap.points[CONV_GATED.name][t, d]),
-            "window": [_r(x) for x in want.tolist()],
-            "window_check": None if kept is None else _r((kept - want).abs().max())}
+            "position": t, "kernel": L, "width": D, "rows": rows, "sum": sig6(total), "pass": sig6(z[t, d]),
+            "check": sig6(abs(total - float(z[t, d]))), "gate": sig6(c[t, d]), "gated": sig6(gated),
+            "gated_pass": sig6(cap.points[CONV_GATED.name][t, d]),
+            "window": [sig6(x) for x in want.tolist()],
+            "window_check": None if kept is None else sig6((kept - want).abs().max())}
