@@ -28,14 +28,14 @@ import torch
 
 from families import FAMILIES
 from helpers import Opened, check_run, embedded, run_cli
-from llmtrace.model.maths import OPS
+from llmtrace.model.maths import op_kinds
 from llmtrace.run.generate import PREFILL_CHUNK
 from llmtrace.trace.packed import pack, unpack
 
 ABS, REL = 1e-5, 1e-4  # the issue's tolerance: a card checks within 1e-5 absolute or 1e-4 relative
 # the operations a card shows computed and checks (issue 39, item 4; issue 47 item 3: every declared kind, computed
 # by the one evaluator when the trace is recorded; the cache's write has nothing to compute)
-CHECKING = set(OPS) - {"cache_write"}
+CHECKING = set(op_kinds()) - {"cache_write"}
 TEXT = "The quick brown fox"  # 13 tokens of tests/tiny.py's tokenizer: past every fixture's window (4) and LongRoPE's 8
 CARD_FAMILIES = ["llama", "mistral", "qwen3", "qwen3_swa", "gemma2", "gemma3", "phi3", "phi3_longrope", "olmo2",
                  "mixtral", "qwen3_moe", "qwen3_moe_raw", "qwen3_moe_dense", "smollm3", "gpt_oss", "gpt_oss_mxfp4",
