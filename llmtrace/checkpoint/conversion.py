@@ -47,7 +47,7 @@ def convert_gguf(path: Path, dest: Path) -> None:
     config, plan, tokenizer, facts = open_gguf_checkpoint(path)
     config.extra = facts
     size = 4 * sum(math.prod(shape) for shape in expected_shapes(config).values())  # float32 bytes
-    print(f"writing the float32 conversion of {path.name} once, for fast later loads ({human_bytes(size)}): {dest}",
+    print(f"converting {path.name} to float32 once, for fast later loads ({human_bytes(size)}),\n  into {dest}",
           file=sys.stderr, flush=True)
     progress, stop = progress_to_stderr(f"converting {path.name}")
     try:

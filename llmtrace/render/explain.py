@@ -215,7 +215,7 @@ def _header(console: Console, m: dict, tokens: dict, say: Say) -> None:
 
     print_changes(console, info, say)
     if info.get("storage"):
-        print_parts(console, [say("explain.header.weights"), *storage_parts(info["storage"])])
+        print_parts(console, [say("explain.header.weights"), *storage_parts(info["storage"], say("unit.per_weight"))])
     if m.get("interventions"):
         print_parts(console, [say("explain.header.interventions"), *(iv["label"] for iv in m["interventions"])],
                     style="yellow")
@@ -248,7 +248,7 @@ def _layer(console: Console, ev: dict, say: Say) -> None:
                   f"{p['numel'] / ev['layer_params']:.1%}")
     t.add_row("", Text(say("explain.layer.total"), style="bold"), "", Text(f"{ev['layer_params']:,}", style="bold"),
               "100%")
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     _note(console, say("explain.layer.share", share=f"{ev['share']:.2%}", params=f"{ev['model_params']:,}",
                        layers=f"{ev['share_of_layers']:.2%}", embedding=f"{ev['embedding_params']:,}"))
     if "model_active_params" in ev:  # a mixture of experts
@@ -261,7 +261,7 @@ def _layer(console: Console, ev: dict, say: Say) -> None:
     for _, label, formula, value in f["rows"]:  # as the layer's kinds declare them: the label an (en, zh) pair
         t.add_row(say.pick(label), verbatim(formula), f"{value:,}")
     t.add_row(Text(say("explain.layer.total"), style="bold"), "", Text(f"{f['total']:,} ({_si(f['total'])})", style="bold"))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     note = f.get("note_words") or f.get("note")  # the mixer's note, an (en, zh) pair (a trace before: English)
     _note(console, say("explain.flops.note") + (say("explain.sep") + say.pick(note) if note else ""))
 
@@ -297,7 +297,7 @@ def _rmsnorm(console: Console, evs: list[dict], toks: list[str], say: Say) -> No
             t.add_row("…", "", *[""] * (len(t.columns) - 2))
             continue
         t.add_row(str(i), _tokt(toks[i]), *cells(*(e["tokens"][i] for e in evs)))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     _note(console, say("explain.rmsnorm.why", sqrt_d=f"{a['d_model'] ** 0.5:.2f}"))
 
 
@@ -309,7 +309,7 @@ def _qkv(console: Console, ev: dict, say: Say) -> None:
     for s in ev["shapes"]:
         t.add_row(*_names(s["name"], shape_text(s["shape"]), shape_text(s["split"]) if "split" in s else "",
                           shape_text(s["heads_first"]) if "heads_first" in s else ""))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     if Hkv < H:
         console.print(Text(say("explain.qkv.gqa", g=ev["group_size"]), style="bold"))
         for g, qs in enumerate(ev["groups"]):
@@ -401,14 +401,14 @@ def _rope(console: Console, ev: dict, say: Say) -> None:
             "explain.rope.still")
         t.add_row(str(p["i"]), f"{p['dims'][0]}, {p['dims'][1]}", f"{p['theta_i']:.3g}", turn,
                   *[f"{p['angles'][c]:.3g}" for c in cols])
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     _note(console, say("explain.rope.angles"))
     r = ev["relative"]
     console.print(Text(say("explain.rope.relative", head=r["head"], kv=r["kv_head"]), style="bold"))
     t = _table(("d = m − n", "right"), *[(f"n = {s}", "right") for s in r["shifts"]], (say("explain.col.spread"), "right"))
     for d, row, dev in zip(r["distances"], r["scores"], r["deviation_by_distance"]):
         t.add_row(str(d), *[f"{v:.6f}" for v in row], fmt_num(dev))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     ok = r["max_deviation"] <= 1e-4
     console.print(Text(("✓ " if ok else "✗ ") + say("explain.rope.same", spread=fmt_num(r["max_deviation"])),
                        style="green" if ok else "red"))
@@ -451,8 +451,8 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
         grid.add_row(scores, probs)
         console.print(grid)
     else:
-        print_fitted(console, scores)
-        print_fitted(console, probs)
+        print_fitted(console, scores, say)
+        print_fitted(console, probs, say)
     if ex["positions"] < T:
         _note(console, say.n("explain.attention.first", ex["positions"], T=T))
     # for each head, the position each query attends to most
@@ -468,7 +468,7 @@ def _attention(console: Console, ev: dict, heads: list[dict], amap: dict, toks: 
             t.add_row(str(i), _tokt(toks[i], 10), *[f"{h['argmax'][i]}:{h['weight'][i]:.2f}" for h in chunk])
         t.add_row("", Text(say("explain.attention.mean_on_0"), style="dim"),
                   *[Text(f"{h['first_token_weight']:.2f}", style="dim") for h in chunk])
-        print_fitted(console, t)
+        print_fitted(console, t, say)
     _heatmap(console, amap, toks, say)
 
 
@@ -528,7 +528,7 @@ def _residual(console: Console, ev: dict, toks: list[str], say: Say) -> None:
         r = ev["tokens"][i]
         t.add_row(str(i), _tokt(toks[i]), fmt_num(r["norm_in"]), fmt_num(r["norm_attn"]), fmt_num(r["attn_to_stream"]),
                   _f(r["cos_attn_stream"], 3), _f(r["cos_attn"], 5), fmt_num(r["rel_change_layer"]), _f(r["cos_layer"], 5))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     _note(console, say("explain.residual.why"))
 
 
@@ -552,7 +552,7 @@ def _ffn(console: Console, ev: dict, toks: list[str], say: Say) -> None:
         r = ev["tokens"][i]
         t.add_row(str(i), _tokt(toks[i]), f"{r['near_zero_fraction']:.1%}", fmt_num(r["norm_act"]), fmt_num(r["norm_down"]),
                   fmt_num(r["rel_change"]), _f(r["cos"], 5))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     tu = ev["top_units"]
     line = Text(say("explain.ffn.top", pos=tu["position"]), style="bold")
     line.append_text(_tokt(toks[tu["position"]], style="bold"))
@@ -562,7 +562,7 @@ def _ffn(console: Console, ev: dict, toks: list[str], say: Say) -> None:
                ("act", "right"))
     for u in tu["units"]:
         t.add_row(str(u["unit"]), fmt_num(u["gate"]), fmt_num(u["silu_gate"]), fmt_num(u["up"]), fmt_num(u["act"]))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
 
 
 def active_share(n_active: int, n_total: int, say: Optional[Say] = None) -> str:
@@ -596,7 +596,7 @@ def _router(console: Console, ev: dict, toks: list[str], say: Say, shown: int = 
         weights = " ".join(f"e{e} {w:.2f}".replace(" 0.", " .") for e, w in zip(r["experts"], r["weights"]))
         t.add_row(str(r["position"]), _tokt(toks[r["position"]]), *cells, weights, _f(r["entropy"], 2),
                   fmt_num(r["rel_change"]))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     gap = [r["cut"] - r["next"] for r in ev["tokens"] if r["next"] is not None]
     how = say("explain.router.renormalised" if ev["renormalised"] else "explain.router.as_given")
     margin = say("explain.router.margin", m=f"{min(gap):.3f}") if gap else ""
@@ -641,7 +641,7 @@ def _lens_here(console: Console, rows: list[dict], m: dict, say: Say) -> None:
                (say("explain.lens.real", last=L - 1), "left"))
     for k in range(len(final["topk"])):
         t.add_row(str(k + 1), _cand(mid["topk"][k]), _cand(post["topk"][k]), _cand(final["topk"][k]))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
 
 
 def _tensors(console: Console, tensors: list[dict], points, say: Say) -> None:
@@ -656,7 +656,7 @@ def _tensors(console: Console, tensors: list[dict], points, say: Say) -> None:
         t.add_row(*_names(ev.get("seed_step") or "", ev["name"],
                           shape_text(ev["shape"], axes_for(points, ev["name"], ev["shape"]))),
                   fmt_num(s["mean"]), fmt_num(s["std"]), fmt_num(s["min"]), fmt_num(s["max"]), fmt_num(s["norm"]))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -699,7 +699,7 @@ def render_lens(events: list[dict], console: Console, say: Optional[Say] = None)
             else:
                 line.append(_tokt(c["text"], w - 1) + "*" if hit else _tokt(c["text"], w))
         t.add_row(str(layer), *line)
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     if styled:
         legend = Text(say("lens.legend"))
         for lo, style in PROB_STYLES:

@@ -37,7 +37,7 @@ def latent(console: Console, ev: dict, say: Say) -> None:
     t.add_column(say("explain.latent.first_slots", n=len(w["scores_up"]), S=w["slots"]), justify="left")
     t.add_row(verbatim("q_nope · (c_s W_kb)"), _row(w["scores_up"]))
     t.add_row(verbatim("(W_kb q_nope) · c_s"), _row(w["scores_absorbed"]))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     console.print(Text.assemble(say("explain.latent.same_scores", R=z["R"]), _check(w["scores_diff"], 1e-9 * max(1.0, *map(abs, w["scores_up"])))))
     t = Table(box=None, padding=(0, 1), header_style="bold")
     t.add_column("", justify="left")
@@ -45,7 +45,7 @@ def latent(console: Console, ev: dict, say: Say) -> None:
     t.add_row(verbatim("Σ P_s (c_s W_vbᵀ)"), _row(w["out_up"]))
     t.add_row(verbatim("(Σ P_s c_s) W_vbᵀ"), _row(w["out_absorbed"]))
     t.add_row(say("explain.latent.pass"), _row(w["out_pass"]))
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     console.print(Text.assemble(say("explain.latent.same_out"), _check(w["out_diff"], 1e-9), say("explain.latent.vs_pass"),
                                 _check(w["out_pass_diff"], 1e-4)))
     _note = lambda text: console.print(Text(text, style="dim"))  # noqa: E731
@@ -66,6 +66,6 @@ def _cache(console: Console, ev: dict, say: Say, z: dict) -> None:
         what = say.n("explain.latent.row.mha" if r["kv_heads"] == z["H"] else "explain.latent.row.gqa", r["kv_heads"],
                      Dq=z["Dn"] + z["Dr"], Dv=z["Dv"])
         t.add_row(what, f"{r['numbers']:,}", f"{r['bytes']:,}", f"{r['numbers'] / n:.2f}×")
-    print_fitted(console, t)
+    print_fitted(console, t, say)
     width = z["Dn"] + z["Dr"] + z["Dv"]
     console.print(Text(say("explain.latent.equal", g=f"{n / width:.2f}", width=width), style="dim"))

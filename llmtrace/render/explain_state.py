@@ -56,7 +56,7 @@ def delta_rule(console: Console, ev: dict, toks: list[str], say: Say) -> None:
     t_.add_row(say("explain.delta.held"), _row(ev["held"]))
     t_.add_row("δ = β·(v − m)", _row(ev["delta"]))
     t_.add_row(say("explain.delta.out"), _row(ev["out"]))
-    print_fitted(console, t_)
+    print_fitted(console, t_, say)
     grid = Table(box=None, padding=(0, 1), header_style="bold")
     for key in ("explain.delta.s_before", "explain.delta.s_decayed", "explain.delta.write", "explain.delta.s_after"):
         grid.add_column(say(key), justify="right")
@@ -64,7 +64,7 @@ def delta_rule(console: Console, ev: dict, toks: list[str], say: Say) -> None:
         grid.add_row(*[" ".join(f"{v:8.4f}" for v in ev[key][i]) for key in ("S_before", "S_decayed", "write",
                                                                               "S_after")])
     console.print(Text(say("explain.delta.corner", last=len(ev["S_before"]) - 1)))
-    print_fitted(console, grid)
+    print_fitted(console, grid, say)
     console.print(Text.assemble(say("explain.delta.check_state"), _check(ev["check_state_max_abs_diff"]),
                                 say("explain.delta.check_out"), _check(ev["check_out_max_abs_diff"])))
     _note(console, say("explain.delta.whole", dk=dk, dv=dv))
@@ -88,7 +88,7 @@ def ssm_scan(console: Console, ev: dict, toks: list[str], say: Say) -> None:
     t_.add_row(say("explain.scan.read"), _row(ev["read"]))
     t_.add_row(say("explain.scan.skip"), _row(ev["skip"]))
     t_.add_row("y = h·C + D·x", _row(ev["out"]))
-    print_fitted(console, t_)
+    print_fitted(console, t_, say)
     grid = Table(box=None, padding=(0, 1), header_style="bold")
     for key in ("explain.scan.h_before", "explain.scan.h_decayed", "explain.scan.write", "explain.scan.h_after"):
         grid.add_column(say(key), justify="right")
@@ -96,7 +96,7 @@ def ssm_scan(console: Console, ev: dict, toks: list[str], say: Say) -> None:
         grid.add_row(*[" ".join(f"{v:8.4f}" for v in ev[key][i]) for key in ("h_before", "h_decayed", "write",
                                                                               "h_after")])
     console.print(Text(say("explain.scan.corner", last=len(ev["h_before"]) - 1)))
-    print_fitted(console, grid)
+    print_fitted(console, grid, say)
     console.print(Text.assemble(say("explain.scan.check_state"), _check(ev["check_state_max_abs_diff"]),
                                 say("explain.scan.check_out"), _check(ev["check_out_max_abs_diff"])))
     _note(console, say("explain.scan.whole", P=P, N=N))
@@ -139,7 +139,7 @@ def conv_window(console: Console, ev: dict, toks: list[str], say: Say) -> None:
         p = r["position"]
         where = verbatim(visible(toks[p])) if 0 <= p < len(toks) else Text(say("explain.conv.before"), style="dim")
         grid.add_row(str(p), where, f"{r['input']:.4f}", f"{r['weight']:.4f}", f"{r['product']:.4f}")
-    print_fitted(console, grid)
+    print_fitted(console, grid, say)
     console.print(Text.assemble(f"z = Σ = {ev['sum']:.6g}   ", say("explain.conv.vs_pass", value=f"{ev['pass']:.6g}"),
                                 _check(ev["check"])))
     console.print(f"y = C · z = {ev['gate']:.6g} × {ev['sum']:.6g} = {ev['gated']:.6g}   "

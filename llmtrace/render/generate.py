@@ -90,14 +90,14 @@ def axes_for(points, name: str, shape) -> Optional[list]:
     return list(p.axes) if p is not None and len(p.axes) == len(shape) else None
 
 
-def storage_parts(rows: list[dict]) -> list[str]:
+def storage_parts(rows: list[dict], unit: str = "B/weight") -> list[str]:
     """The model's matrices grouped by storage (and kernel, on the fast path): ['Q4_1 0.625 B/weight ×120',
     'Q8_0 1.0625 B/weight ×1'], or ['Q4_1 0.625 B/weight on int4pack_mm_for_cpu ×120', …]."""
     groups: dict[tuple, int] = {}
     for r in rows:
         key = (r["type"], r["bytes_per_weight"], r.get("kernel"))
         groups[key] = groups.get(key, 0) + 1
-    return [f"{t} {b:g} B/weight{f' on {k}' if k else ''} ×{n}" for (t, b, k), n in groups.items()]
+    return [f"{t} {b:g} {unit}{f' on {k}' if k else ''} ×{n}" for (t, b, k), n in groups.items()]
 
 
 def print_changes(console: Console, m: dict, say=None) -> None:
@@ -223,9 +223,13 @@ def print_columns(console: Console, columns: list[Column], rows: list[list[str]]
     return [c.name for c, k in zip(columns, keep) if not k]
 
 
-def columns_left_out(console: Console, names: list[str]) -> Text:
+def columns_left_out(console: Console, names: list[str], say=None) -> Text:
     """The note under a table that had to leave columns out: a terminal can be widened; a pipe or a file has the
-    width of $COLUMNS, else 100 (the README says so), and the note just says what that width left out."""
+    width of $COLUMNS, else 100 (the README says so), and the note just says what that width left out. `say`: the
+    view's words (render.say.Say), for a view in another language."""
+    if say is not None:
+        key = "table.narrow" if console.is_terminal else "table.left_out"
+        return Text(say(key, names=say("table.sep").join(names), width=console.width), style="dim")
     if console.is_terminal:
         return Text(f"(narrow console: {', '.join(names)} left out; widen it, or see --json)", style="dim")
     return Text(f"(left out to fit {console.width} columns: {', '.join(names)}; see --json)", style="dim")
@@ -238,7 +242,7 @@ def print_table(console: Console, columns: list[Column], rows: list[list[Cell]])
     console.print(t)
 
 
-def print_fitted(console: Console, table: Table) -> None:
+def print_fitted(console: Console, table: Table, say=None) -> None:
     """Print a Table already filled so that no number in it is cut: every column keeps its full width (min_width)
     except token text, which gives way first; when that is not enough the rightmost columns are left out, with a note
     that names them."""
@@ -262,7 +266,7 @@ def print_fitted(console: Console, table: Table) -> None:
         if not bends(col):
             col.min_width, col.no_wrap, col.overflow = natural(col), True, "fold"
     if dropped:  # above the table, as every table's note
-        console.print(columns_left_out(console, dropped))
+        console.print(columns_left_out(console, dropped, say))
     console.print(table)
 
 
