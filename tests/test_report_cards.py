@@ -683,3 +683,21 @@ def test_the_layer_without_rope_is_its_declared_maths_in_float64(norope_lm):
         assert absolute <= ABS or relative <= REL, (name, absolute, relative)
     rotated = chain_layer(model, maths, 1, seen, ids, rope_op=maths.op(0, "q_rope"))
     assert max_error(rotated["resid_post"], seen[(1, "resid_post")])[1] > 1e-3
+
+
+def test_the_page_computes_no_maths_of_its_own():
+    """Every worked value comes from the one evaluator (trace/cards.py): the cards' script has no maths at all, and
+    the walk-through's only exp is the live what-if sampler's (re-sampling a step at another temperature)."""
+    from pathlib import Path
+
+    import llmtrace.report
+
+    assets = Path(llmtrace.report.__file__).parent / "assets"
+    maths = re.compile(r"Math\.(exp|log|log1p|tanh|sqrt|pow|expm1)\b")
+    assert not maths.findall((assets / "cards.js").read_text())
+    walk = (assets / "walk.js").read_text()
+    found = [walk[:m.start()].count("\n") + 1 for m in maths.finditer(walk)]
+    start = walk.index("function whatif(")  # the sampler's function, and its end: the next top-level line of the IIFE
+    end = walk.index("\n  }\n", start)
+    lines = range(walk[:start].count("\n") + 1, walk[:end].count("\n") + 2)
+    assert found and all(line in lines for line in found), (found, lines)

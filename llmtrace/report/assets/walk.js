@@ -188,9 +188,8 @@
     if (s.meta.positions) return html + w.html + "<p>" + esc(t("slots_written", { slots: s.meta.positions.join("\u2013") })) + "</p></div>";
     if (!s.meta.axes) return html + "<p class=note>" + esc(t("no_axes")) + "</p></div>";
     const row = rowOf(s.meta.axes, s.meta.shape, pass.t, h), vals = rowValues(s, row);
-    const n = s.meta.shape[s.meta.shape.length - 1];
     html += headLine(s.meta.axes, h);
-    html += "<p>" + (Number.isFinite(s.norms[row]) ? esc(t("norm")) + ": " + num(s.norms[row]) + " \u00b7 " + esc(t("rms", { n: n, rms: num(s.norms[row] / Math.sqrt(n)) })) :
+    html += "<p>" + (Number.isFinite(s.norms[row]) ? esc(t("norm")) + ": " + num(s.norms[row]) :
       esc(t("norm_masked"))) + "</p>"; // a scores row with a masked key (−∞) has no finite norm
     return html + w.html + (w.err !== undefined ? "" : valuesTable(s.meta.index, [[t("value"), vals]], w.op === "scores" || w.op === "softcap")) + "</div>";
   }
