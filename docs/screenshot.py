@@ -39,6 +39,19 @@ def shoot(browser, page_path, out: str, section: str = "steps", actions=()) -> N
     print(f"wrote {out}", file=sys.stderr)
 
 
+def shoot_card(browser, page_path, out: str, point: str = "gate") -> None:
+    """One worked card of the walk-through's map (layer 0, the first prompt token's pass), the card alone."""
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+    page.goto(Path(page_path).resolve().as_uri())
+    page.click(f'.mapblock[data-point="{point}"]')
+    card = page.locator("#map-card .wpoint")
+    card.scroll_into_view_if_needed()
+    card.screenshot(path=out)
+    page.close()
+    print(f"wrote {out}", file=sys.stderr)
+
+
 def llmtrace(*args: str) -> None:
     print("llmtrace " + " ".join(args), file=sys.stderr)
     subprocess.run([sys.executable, "-m", "llmtrace", *args], check=True, stdout=subprocess.DEVNULL)
@@ -62,6 +75,7 @@ def make_all(model: list[str], out: Path) -> None:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=ARGS)
         shoot(browser, tmp / "report.html", str(out / "report.png"), "tokens")
         shoot(browser, tmp / "report.html", str(out / "walk.png"), "walk", [("#walk-layer", "0")])
+        shoot_card(browser, tmp / "report.html", str(out / "card.png"))
         shoot(browser, tmp / "report.html", str(out / "sizes.png"), "sizes")
         shoot(browser, tmp / "report.html", str(out / "whatif.png"), "whatif", [("#wi-temperature", "1.5")])
         shoot(browser, tmp / "zh.html", str(out / "report-zh.png"), "pipeline")

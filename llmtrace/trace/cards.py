@@ -64,6 +64,7 @@ class Cards:
         self.before: dict[tuple, torch.Tensor] = {}  # carried operands: the pass before's
         self._made: dict[tuple, Optional[dict]] = {}  # this pass: (layer, name) -> {"y", "index" or None, "dot", "aux"}
         self._weights: dict[tuple, torch.Tensor] = {}
+        self._rows: dict[tuple, list] = {}  # a matrix product's gathered weight rows: the same in every pass
         self.ids: Optional[torch.Tensor] = None  # this pass's token ids (B, T)
         self.positions: Optional[torch.Tensor] = None  # (B, T) or (T,)
         self.padding: Optional[torch.Tensor] = None  # (B, S): False at pad slots
@@ -152,7 +153,7 @@ class Cards:
         args = [a.detach().cpu() if torch.is_tensor(a) else a for a in args]
         with torch.no_grad():
             if o.kind in ROWWISE and shape[-1] > len(index):
-                y = columns(o, args, weights, shape, index)
+                y = columns(o, args, weights, shape, index, self._rows)
                 made = {"y": y, "index": index}
             else:
                 weights = [w.cpu() for w in weights]
@@ -160,7 +161,7 @@ class Cards:
                 if y is None:
                     return None
                 made = {"y": y, "index": None}
-            made["dot"] = dot_rows(o, args, weights, shape, index[0])
+            made["dot"] = dot_rows(o, args, weights, shape, index[0], self._rows)
             made["aux"] = _aux(o, args, weights, shape)
         self._made[key] = made
         return made
@@ -219,9 +220,19 @@ def _feature_rows(o, shape_last: int, features: torch.Tensor) -> torch.Tensor:
     return f + rows[0] if rows is not None else f
 
 
-def columns(o, args: list, weights: list, shape: tuple, index: list[int]) -> torch.Tensor:
+def _gather(memo: Optional[dict], key: tuple, make):
+    """`make()`, kept in `memo` under `key` (weights are frozen: the rows a pass gathers are every pass's)."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def columns(o, args: list, weights: list, shape: tuple, index: list[int], memo: Optional[dict] = None) -> torch.Tensor:
     """The kept output entries (`index` along the last axis) of a matrix product, by `apply` on the weight rows they
-    read only (gathered, then made float64 there): (B, ..., len(index))."""
+    read only (gathered, then made float64 there): (B, ..., len(index)). `memo`: gathered rows kept from pass to
+    pass."""
     k = len(index)
     at = torch.tensor(index, device=weights[0].device)
     if o.kind == "matmul":
@@ -229,12 +240,12 @@ def columns(o, args: list, weights: list, shape: tuple, index: list[int]) -> tor
         lead = a.dim() - 1
         trailing = shape[lead:]  # the output's axes after the input's rows: (…, last)
         features = (torch.arange(math.prod(trailing[:-1]), device=at.device)[:, None] * shape[-1] + at[None])
-        rows = _feature_rows(o, shape[-1], features.reshape(-1))
-        w = [weights[0][rows].cpu()] + ([weights[1][rows].cpu()] if len(weights) > 1 else [])
+        w = _gather(memo, ("columns", id(o), id(weights[0]), tuple(index), tuple(trailing)), lambda: [
+            t[_feature_rows(o, shape[-1], features.reshape(-1))].cpu() for t in weights[:2]])
         plain = replace(o, consts=tuple((c, v) for c, v in o.consts if c not in ("rows", "blocks")))
         return apply(plain, args, w, (*shape[:lead], *trailing[:-1], k))
     if o.kind in ("expert_matmul", "expert_mix"):  # W (E, out, in): the kept outputs' rows of every expert
-        w = [weights[0][:, at].cpu()] + ([weights[1][:, at].cpu()] if len(weights) > 1 else [])
+        w = _gather(memo, ("experts", id(o), id(weights[0]), tuple(index)), lambda: [t[:, at].cpu() for t in weights[:2]])
         return apply(o, args, w, (*shape[:-1], k))
     ids = args[0]  # lookup: the pass's ids' rows, at the kept entries
     unique, inverse = torch.unique(ids, return_inverse=True)
@@ -260,16 +271,16 @@ def _terms(x: torch.Tensor, w: torch.Tensor, xg: int, bias: Optional[torch.Tenso
             "w": w[..., : len(j)], "p": shown, "rest": p.sum(-1) - shown.sum(-1), "b": bias, "per_row": per_row}
 
 
-def dot_rows(o, args: list, weights: list, shape: tuple, first: int) -> Optional[dict]:
+def dot_rows(o, args: list, weights: list, shape: tuple, first: int, memo: Optional[dict] = None) -> Optional[dict]:
     """A matrix product's output entry `first` of every row as its dot product (the weight row it reads gathered),
     or None for an operation that is not one dot product per entry."""
     if o.kind == "matmul":
         a = (args[0].flatten(-2) if o.const("merge") else args[0]).double()
         groups = math.prod(shape[a.dim() - 1:-1])
         features = torch.arange(groups, device=weights[0].device) * shape[-1] + first
-        rows = _feature_rows(o, shape[-1], features)
-        W = weights[0][rows].cpu().double()  # (groups, D): the weight row each group's entry reads
-        b = weights[1][rows].cpu().double() if len(weights) > 1 else None
+        W, b = _gather(memo, ("dot", id(o), id(weights[0]), first, groups), lambda: [
+            t[_feature_rows(o, shape[-1], features)].cpu().double() for t in weights[:2]] + [None] * (2 - len(weights)))
+        # W (groups, D): the weight row each group's entry reads
         return _terms(a.reshape(a.size(0), -1, a.size(-1)), W, groups, b, False)
     if o.kind == "expert_matmul":
         h, chosen = args[0].double(), args[1]
