@@ -511,9 +511,6 @@ def test_nothing_above_the_model_branches_on_a_kind_of_layer_or_memory():
 # Where a view branches on an operation's kind (each is the view of that one operation: the float64 evaluator's
 # table is in model/; these pick which recorded values a card or section shows). A new branch must be declared.
 OP_BRANCHES_ALLOWED = {
-    # the worked cards: a matrix product (or a lookup) computed at its kept entries only, reading only those weight
-    # rows; the numbers a norm's and a softmax's words print
-    "llmtrace.trace.cards": {"matmul", "expert_matmul", "expert_mix", "lookup", "rmsnorm", "softmax"},
     "llmtrace.report.walk": {"rope"},  # the unscaled θᵢ a scaled RoPE's card names beside the θᵢ it runs
     "llmtrace.report.explain_view": {"scores", "softcap", "softmax", "weighted_sum", "router", "glu", "expert_mix", "rope",
                                      "rmsnorm"},  # (rmsnorm: the section's name)

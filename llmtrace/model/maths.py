@@ -52,7 +52,11 @@ class OpKind:
     constants, `say(word, **values)` one of the words in the reader's language), `words` ({word: (English, Chinese)}:
     every word `line` says), `evaluate` (the point in float64 from its operands' and weights' tensors:
     `evaluate(o, x, w, out_shape, positions=, padding=)`, model.recompute.apply calls it; None: nothing to recompute,
-    as for the slots a cache write names) and `module` (where it is declared)."""
+    as for the slots a cache write names), what its worked card reads beside that (trace.cards): `kept` (only the
+    sampled outputs, from the weight rows they read: `kept(o, x, w, out_shape, index, memo)`, for a weight read a row
+    at a time, so that a 262k-row head is never made float64), `dot` (one output per row as the dot product of the
+    input row and the weight row: `dot(o, x, w, out_shape, first, memo)`) and `aux` (the numbers its card prints, per
+    row: `aux(o, x, w, out_shape)`), and `module` (where it is declared)."""
 
     key: str
     short: str
@@ -60,6 +64,9 @@ class OpKind:
     words: dict = field(default_factory=dict)
     evaluate: Optional[Callable[..., Any]] = None
     module: str = ""
+    kept: Optional[Callable[..., Any]] = None
+    dot: Optional[Callable[..., Any]] = None
+    aux: Optional[Callable[..., Any]] = None
 
     def __post_init__(self):
         bad = [w for w, said in self.words.items() if not (isinstance(said, tuple) and len(said) == 2 and all(said))]

@@ -9,6 +9,8 @@ the operation, its operands' tensors in float64 (x), its weights' (w) and the po
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,125 @@ from llmtrace.model.recompute import ACTS
 
 # ----------------------------------------------------------------------------------------------------------------
 # the stream, the embedding, a scale, a norm, a projection
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a worked card reads beside the evaluated point (OpKind.kept, .dot, .aux; trace.cards calls them)
+
+DOT_TERMS = 8  # a dot product's card shows its first 8 terms, and the sum of the others
+
+
+def _gather(memo, key: tuple, make):
+    """`make()`, kept in `memo` under `key` (weights are frozen: the rows one pass gathers are every pass's)."""
+    if memo is None:
+        return make()
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _feature_rows(o, shape_last: int, features: torch.Tensor) -> torch.Tensor:
+    """The rows of a matmul's weight that output features `features` read (its declared `rows` and `blocks`)."""
+    f = features
+    blocks = o.const("blocks")
+    if blocks:  # each head's rows are n blocks of the output's width; this point is block i
+        n, i = blocks
+        f = (f // shape_last) * n * shape_last + i * shape_last + f % shape_last
+    rows = o.const("rows")
+    return f + rows[0] if rows is not None else f
+
+
+def _terms(x: torch.Tensor, w: torch.Tensor, xg: int, bias, per_row: bool) -> dict:
+    """y = Σ_j x_j·w_j (+ b) of every output row, told at its first entries j. x (B, input rows, D): each input row
+    is read by `xg` output rows in turn; w (groups, D), cycled over the output rows (one weight row per group, the same
+    in every pass), or with `per_row` (B, rows, D), a row's own (an expert's, as chosen). Kept: x and w at j (each
+    input row and weight row once), the products at j and the sum of the other terms of every output row, the bias
+    (like w)."""
+    n, B = x.size(-1), x.size(0)
+    j = list(range(min(DOT_TERMS, n)))
+    xr = x.repeat_interleave(xg, dim=1)  # (B, rows, D)
+    wr = w if per_row else w[None].repeat(B, xr.size(1) // w.size(0), 1)
+    p = xr * wr
+    shown = p[..., : len(j)]
+    return {"j": j, "n": n, "xg": xg, "wg": wr.size(1) if per_row else w.size(0), "x": x[..., : len(j)],
+            "w": w[..., : len(j)], "p": shown, "rest": p.sum(-1) - shown.sum(-1), "b": bias, "per_row": per_row}
+
+
+def _matmul_kept(o, x, w, shape, index, memo=None):
+    """The kept output entries (`index` along the last axis) from the weight rows they read only (gathered, then
+    made float64): (B, ..., len(index))."""
+    from dataclasses import replace
+
+    from llmtrace.model.recompute import apply
+
+    at = torch.tensor(index, device=w[0].device)
+    a = x[0].flatten(-2) if o.const("merge") else x[0]
+    lead = a.dim() - 1
+    trailing = shape[lead:]  # the output's axes after the input's rows: (…, last)
+    features = (torch.arange(math.prod(trailing[:-1]), device=at.device)[:, None] * shape[-1] + at[None])
+    rows = _gather(memo, ("kept", id(o), id(w[0]), tuple(index), tuple(trailing)), lambda: [
+        t[_feature_rows(o, shape[-1], features.reshape(-1))].cpu() for t in w[:2]])
+    plain = replace(o, consts=tuple((c, v) for c, v in o.consts if c not in ("rows", "blocks")))
+    return apply(plain, x, rows, (*shape[:lead], *trailing[:-1], len(index)))
+
+
+def _experts_kept(o, x, w, shape, index, memo=None):
+    """W (E, out, in): the kept outputs' rows of every expert."""
+    from llmtrace.model.recompute import apply
+
+    at = torch.tensor(index, device=w[0].device)
+    rows = _gather(memo, ("kept", id(o), id(w[0]), tuple(index)), lambda: [t[:, at].cpu() for t in w[:2]])
+    return apply(o, x, rows, (*shape[:-1], len(index)))
+
+
+def _lookup_kept(o, x, w, shape, index, memo=None):
+    """The pass's ids' rows of the table, at the kept entries."""
+    from llmtrace.model.recompute import apply
+
+    at = torch.tensor(index, device=w[0].device)
+    unique, inverse = torch.unique(x[0], return_inverse=True)
+    return apply(o, [inverse], [w[0][unique.to(at.device)][:, at].cpu()], (*shape[:-1], len(index)))
+
+
+def _matmul_dot(o, x, w, shape, first, memo=None):
+    """Output entry `first` of every row as its dot product (the weight row it reads gathered)."""
+    a = (x[0].flatten(-2) if o.const("merge") else x[0]).double()
+    groups = math.prod(shape[a.dim() - 1:-1])
+    features = torch.arange(groups, device=w[0].device) * shape[-1] + first
+    W, b = _gather(memo, ("dot", id(o), id(w[0]), first, groups), lambda: [
+        t[_feature_rows(o, shape[-1], features)].cpu().double() for t in w[:2]] + [None] * (2 - len(w)))
+    return _terms(a.reshape(a.size(0), -1, a.size(-1)), W, groups, b, False)  # W (groups, D): each group's row
+
+
+def _expert_dot(o, x, w, shape, first, memo=None):
+    """Output entry `first` of each chosen expert's product, with that expert's weight row."""
+    h, chosen = x[0].double(), x[1]
+    idx = chosen.topk(shape[-2], dim=-1).indices  # (B, T, K): the chosen experts, as the evaluator takes them
+    wrow = w[0][:, first].cpu().double()[idx]  # (B, T, K, D): entry `first`'s row of each chosen expert
+    bias = w[1][:, first].cpu().double()[idx].reshape(h.size(0), -1) if len(w) > 1 else None
+    return _terms(h.reshape(h.size(0), -1, h.size(-1)), wrow.reshape(h.size(0), -1, h.size(-1)), shape[-2], bias, True)
+
+
+def _rmsnorm_aux(o, x, w, shape):
+    """The rms of each row the norm divides by."""
+    g = w[0] if w else None
+    width = g.numel() if g is not None else shape[-1]
+    v = x[0].double().reshape(x[0].size(0), -1, width)
+    return {"rms": torch.sqrt(v.pow(2).mean(-1) + o.const("eps"))}
+
+
+def _softmax_aux(o, x, w, shape):
+    """Each row's log-sum-exp; with a learned sink, the sink's logit, the scores' own lse and the sink's share."""
+    if o.const("take") == "sink":
+        return None
+    s = x[0].double()  # (B, H, T, S)
+    own = torch.logsumexp(s, dim=-1)
+    if o.const("sink") is None:
+        return {"lse": own}
+    sink = w[0].double().reshape(1, -1, 1).expand_as(own)
+    total = torch.logaddexp(own, sink)
+    return {"lse": total, "lse_s": own, "sink": sink, "share": torch.exp(sink - total)}
 
 
 def _stream(o, x, w, shape, **_):
@@ -98,16 +219,18 @@ declare(
     OpKind("stream", "x = the stream", lambda o, name, x, c, say: f"{name} = {x[0]}", {}, _stream),
     OpKind("lookup", "x = E[id]", lambda o, name, x, c, say: say("lookup", name=name, w=o.weights[0] if o.weights
                                                                  else "E"),
-           {"lookup": ("{name} = row id of {w} for each token", "{name} = 每个词元取 {w} 的第 id 行")}, _lookup),
+           {"lookup": ("{name} = row id of {w} for each token", "{name} = 每个词元取 {w} 的第 id 行")}, _lookup,
+           kept=_lookup_kept),
     OpKind("scale", "y = c · x", _scale_line, {}, _scale),
     OpKind("rmsnorm", "y = x / √(mean(x²) + ε) · γ", _rmsnorm_line,
            {"per_head": (", per head (width Dh)", "，按头计算（宽度 Dh）"),
             "over_whole": (", over the whole {axis}", "，在整个 {axis} 上计算"),
-            "gamma_1w": (" (γ = 1 + w)", "（γ = 1 + w）")}, _rmsnorm),
+            "gamma_1w": (" (γ = 1 + w)", "（γ = 1 + w）")}, _rmsnorm, aux=_rmsnorm_aux),
     OpKind("matmul", "y = x · Wᵀ (+ b)", _matmul_line,
            {"split_H": (", split into H heads", "，拆成 H 个头"), "split_Hkv": (", split into Hkv heads", "，拆成 Hkv 个头"),
             "merge": ("concat(heads of {x})", "concat({x} 的各头)"),
-            "block_of": (" (block {i} of each head's {n})", "（每个头 {n} 块中的第 {i} 块）")}, _matmul),
+            "block_of": (" (block {i} of each head's {n})", "（每个头 {n} 块中的第 {i} 块）")}, _matmul,
+           kept=_matmul_kept, dot=_matmul_dot),
     OpKind("slice", "y = x[a:b]", lambda o, name, x, c, say: say("slice", name=name, x=x[0], a=c["cols"][0],
                                                                  b=c["cols"][1], split=c["split"]),
            {"slice": ("{name} = {x}[{a}:{b}], split into {split} heads", "{name} = {x}[{a}:{b}]，拆成 {split} 个头")},
@@ -256,7 +379,7 @@ declare(
             "sink_share": ("{name} = exp(sink) / (Σ exp({x}) + exp(sink)), one sink logit per head ({w}): 1 − Σ probs, "
                            "the share of each row no key gets",
                            "{name} = exp(sink) / (Σ exp({x}) + exp(sink))，每个头一个汇点 logit（{w}）：1 − Σ probs，"
-                           "即每行没有分给任何键的份额")}, _softmax),
+                           "即每行没有分给任何键的份额")}, _softmax, aux=_softmax_aux),
     OpKind("weighted_sum", "o = Σ_s p_s · v_s", lambda o, name, x, c, say: say("weighted_sum", name=name, x=x[0],
                                                                                v=x[1], g=c.get("group")),
            {"weighted_sum": ("{name} = {x} · {v} (each query head reading KV head h // {g})",
@@ -367,9 +490,11 @@ declare(
                                           x=x[0], w=weight_name(o)),
            {"expert_matmul": ("{name} = {x} · {w}[e]ᵀ for each chosen expert e", "{name} = {x} · {w}[e]ᵀ，对每个被选中的专家 e"),
             "expert_matmul_bias": ("{name} = {x} · {w}[e]ᵀ + b[e] for each chosen expert e",
-                                   "{name} = {x} · {w}[e]ᵀ + b[e]，对每个被选中的专家 e")}, _expert_matmul),
+                                   "{name} = {x} · {w}[e]ᵀ + b[e]，对每个被选中的专家 e")}, _expert_matmul,
+           kept=_experts_kept, dot=_expert_dot),
     OpKind("expert_mix", "y = Σ_k w_k · (act_k · W_down,e_kᵀ)",
-           lambda o, name, x, c, say: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)", {}, _expert_mix),
+           lambda o, name, x, c, say: f"{name} = Σ_e weight_e · ({x[0]}_e · W_down[e]ᵀ)", {}, _expert_mix,
+           kept=_experts_kept),
 )
 
 # ----------------------------------------------------------------------------------------------------------------

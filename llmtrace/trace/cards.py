@@ -14,25 +14,24 @@ tensors by `model.recompute.apply`, then sampled at exactly the rows and entries
              pass, or a row's own expert's), their products, the sum of the other terms and the bias
 
 An operand spanning the KV cache (an operation's `cached`) is every pass's tensor so far, joined along the slots; a
-`carried` one is the tensor the pass before left (None before the first pass). A matrix product reads only the weight
-rows of its kept output entries (`columns`), so that a 262k-row head is never turned into float64. Nothing here names
-a point or a family: the operations say what is read.
+`carried` one is the tensor the pass before left (None before the first pass). What a card reads beyond the point is
+the operation kind's own declaration (model.maths.OpKind: `kept`, a matrix product's kept outputs from only the weight
+rows they read, so that a 262k-row head is never turned into float64; `dot`; `aux`). Nothing here names a point, a
+family or an operation kind: the declarations say what is read.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Optional
 
 import torch
 
+from llmtrace.model.maths import op_kind
 from llmtrace.model.recompute import apply, max_error
 from llmtrace.trace.packed import pack
 from llmtrace.trace.worked import full_row_layers
 
-# operations whose weights are read a row (or a column) at a time: only the kept entries' rows are gathered
-ROWWISE = ("matmul", "expert_matmul", "expert_mix", "lookup")
 
 
 class Cards:
@@ -152,8 +151,9 @@ class Cards:
         # weight rows are gathered where they are, then moved
         args = [a.detach().cpu() if torch.is_tensor(a) else a for a in args]
         with torch.no_grad():
-            if o.kind in ROWWISE and shape[-1] > len(index):
-                y = columns(o, args, weights, shape, index, self._rows)
+            kind = op_kind(o.kind)
+            if kind.kept is not None and shape[-1] > len(index):  # its weight read a row at a time: the kept rows
+                y = kind.kept(o, args, weights, shape, index, self._rows)
                 made = {"y": y, "index": index}
             else:
                 weights = [w.cpu() for w in weights]
@@ -161,8 +161,8 @@ class Cards:
                 if y is None:
                     return None
                 made = {"y": y, "index": None}
-            made["dot"] = dot_rows(o, args, weights, shape, index[0], self._rows)
-            made["aux"] = _aux(o, args, weights, shape)
+            made["dot"] = kind.dot(o, args, weights, shape, index[0], self._rows) if kind.dot else None
+            made["aux"] = kind.aux(o, args, weights, shape) if kind.aux else None
         self._made[key] = made
         return made
 
@@ -203,111 +203,3 @@ def _per_row(v: torch.Tensor, r: int, rows: int) -> torch.Tensor:
     sample's rows when a norm row spans several of them."""
     v = v[r: r + 1].reshape(-1)
     return v.repeat_interleave(rows // v.numel()) if rows % v.numel() == 0 and v.numel() < rows else v[:rows]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# a matrix product's kept entries
-
-
-def _feature_rows(o, shape_last: int, features: torch.Tensor) -> torch.Tensor:
-    """The rows of a matmul's weight that output features `features` read (its declared `rows` and `blocks`)."""
-    f = features
-    blocks = o.const("blocks")
-    if blocks:  # each head's rows are n blocks of the output's width; this point is block i
-        n, i = blocks
-        f = (f // shape_last) * n * shape_last + i * shape_last + f % shape_last
-    rows = o.const("rows")
-    return f + rows[0] if rows is not None else f
-
-
-def _gather(memo: Optional[dict], key: tuple, make):
-    """`make()`, kept in `memo` under `key` (weights are frozen: the rows a pass gathers are every pass's)."""
-    if memo is None:
-        return make()
-    if key not in memo:
-        memo[key] = make()
-    return memo[key]
-
-
-def columns(o, args: list, weights: list, shape: tuple, index: list[int], memo: Optional[dict] = None) -> torch.Tensor:
-    """The kept output entries (`index` along the last axis) of a matrix product, by `apply` on the weight rows they
-    read only (gathered, then made float64 there): (B, ..., len(index)). `memo`: gathered rows kept from pass to
-    pass."""
-    k = len(index)
-    at = torch.tensor(index, device=weights[0].device)
-    if o.kind == "matmul":
-        a = args[0].flatten(-2) if o.const("merge") else args[0]
-        lead = a.dim() - 1
-        trailing = shape[lead:]  # the output's axes after the input's rows: (…, last)
-        features = (torch.arange(math.prod(trailing[:-1]), device=at.device)[:, None] * shape[-1] + at[None])
-        w = _gather(memo, ("columns", id(o), id(weights[0]), tuple(index), tuple(trailing)), lambda: [
-            t[_feature_rows(o, shape[-1], features.reshape(-1))].cpu() for t in weights[:2]])
-        plain = replace(o, consts=tuple((c, v) for c, v in o.consts if c not in ("rows", "blocks")))
-        return apply(plain, args, w, (*shape[:lead], *trailing[:-1], k))
-    if o.kind in ("expert_matmul", "expert_mix"):  # W (E, out, in): the kept outputs' rows of every expert
-        w = _gather(memo, ("experts", id(o), id(weights[0]), tuple(index)), lambda: [t[:, at].cpu() for t in weights[:2]])
-        return apply(o, args, w, (*shape[:-1], k))
-    ids = args[0]  # lookup: the pass's ids' rows, at the kept entries
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    return apply(o, [inverse], [weights[0][unique.to(at.device)][:, at].cpu()], (*shape[:-1], k))
-
-
-DOT_TERMS = 8  # a dot product's card shows its first 8 terms, and the sum of the others
-
-
-def _terms(x: torch.Tensor, w: torch.Tensor, xg: int, bias: Optional[torch.Tensor], per_row: bool) -> dict:
-    """y = Σ_j x_j·w_j (+ b) of every output row, told at its first entries j. x (B, input rows, D): each input row
-    is read by `xg` output rows in turn; w (groups, D), cycled over the output rows (one weight row per group, the same
-    in every pass), or with `per_row` (B, rows, D), a row's own (an expert's, as chosen). Kept: x and w at j (each
-    input row and weight row once), the products at j and the sum of the other terms of every output row, the bias
-    (like w)."""
-    n, B = x.size(-1), x.size(0)
-    j = list(range(min(DOT_TERMS, n)))
-    xr = x.repeat_interleave(xg, dim=1)  # (B, rows, D)
-    wr = w if per_row else w[None].repeat(B, xr.size(1) // w.size(0), 1)
-    p = xr * wr
-    shown = p[..., : len(j)]
-    return {"j": j, "n": n, "xg": xg, "wg": wr.size(1) if per_row else w.size(0), "x": x[..., : len(j)],
-            "w": w[..., : len(j)], "p": shown, "rest": p.sum(-1) - shown.sum(-1), "b": bias, "per_row": per_row}
-
-
-def dot_rows(o, args: list, weights: list, shape: tuple, first: int, memo: Optional[dict] = None) -> Optional[dict]:
-    """A matrix product's output entry `first` of every row as its dot product (the weight row it reads gathered),
-    or None for an operation that is not one dot product per entry."""
-    if o.kind == "matmul":
-        a = (args[0].flatten(-2) if o.const("merge") else args[0]).double()
-        groups = math.prod(shape[a.dim() - 1:-1])
-        features = torch.arange(groups, device=weights[0].device) * shape[-1] + first
-        W, b = _gather(memo, ("dot", id(o), id(weights[0]), first, groups), lambda: [
-            t[_feature_rows(o, shape[-1], features)].cpu().double() for t in weights[:2]] + [None] * (2 - len(weights)))
-        # W (groups, D): the weight row each group's entry reads
-        return _terms(a.reshape(a.size(0), -1, a.size(-1)), W, groups, b, False)
-    if o.kind == "expert_matmul":
-        h, chosen = args[0].double(), args[1]
-        idx = chosen.topk(shape[-2], dim=-1).indices  # (B, T, K): the chosen experts, as the evaluator takes them
-        wrow = weights[0][:, first].cpu().double()[idx]  # (B, T, K, D): entry `first`'s row of each chosen expert
-        bias = weights[1][:, first].cpu().double()[idx].reshape(h.size(0), -1) if len(weights) > 1 else None
-        return _terms(h.reshape(h.size(0), -1, h.size(-1)), wrow.reshape(h.size(0), -1, h.size(-1)), shape[-2],
-                      bias, True)
-    return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the numbers a card's words print
-
-
-def _aux(o, args: list, weights: list, shape: tuple) -> Optional[dict]:
-    if o.kind == "rmsnorm":
-        g = weights[0] if weights else None
-        width = g.numel() if g is not None else shape[-1]
-        v = args[0].double().reshape(args[0].size(0), -1, width)
-        return {"rms": torch.sqrt(v.pow(2).mean(-1) + o.const("eps"))}
-    if o.kind == "softmax" and o.const("take") != "sink":
-        s = args[0].double()  # (B, H, T, S)
-        own = torch.logsumexp(s, dim=-1)
-        if o.const("sink") is None:
-            return {"lse": own}
-        sink = weights[0].double().reshape(1, -1, 1).expand_as(own)
-        total = torch.logaddexp(own, sink)
-        return {"lse": total, "lse_s": own, "sink": sink, "share": torch.exp(sink - total)}
-    return None
