@@ -447,13 +447,15 @@ def test_the_walk_through_shows_the_embedding_of_the_last_prompt_token_as_the_gg
     pg = o.page
     assert pg.eval_on_selector("#walk-token", "s => s.value") == str(last["index"])  # opens on the last prompt token
     card = pg.locator(".wstep[data-seed='s4'] .wpoint").first
-    rows = card.locator("table tr").all_inner_texts()  # a table of index and value rows per half of the sample
-    index, values = ([x for r in rows[k::2] for x in r.split("\t")[1:]] for k in (0, 1))
+    # per half of the sample a table: its index row, the computed row, the trace's row
+    rows = [r.split("\t") for r in card.locator("table tr").all_inner_texts()]
+    index = [x for r in rows if r[0].strip() == "i" for x in r[1:]]
+    values = [x for r in rows if r[0].strip() == "in the trace" for x in r[1:]]
     got = {int(i): float(v) for i, v in zip(index, values)}
     assert len(got) == 16
     for i, v in got.items():
         assert abs(v - table[i]) <= 1e-4 * max(1.0, abs(table[i])), (i, v, table[i])
-    norm = float(card.inner_text().split(": ")[1].split(" ")[0])
+    norm = float(re.search(r": (\S+)", card.inner_text()).group(1))  # "norm of the row: 8.2759"
     assert abs(norm - float((table.astype("float64") ** 2).sum() ** 0.5)) < 1e-3
     for sid in ("s6.1", "s6.3", "s6.4", "s6.5", "s6.7", "s8", "s9"):  # the token goes all the way through
         assert pg.locator(f".wstep[data-seed='{sid}'] .wpoint").count() >= 1, sid

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from llmtrace.errors import BadValue, LlmtraceError, UsageError
+from llmtrace.units import noun
 from llmtrace.model.llama_points import RESID_POST, RESID_PRE
 
 FORMAT = "llmtrace.jlens/1"
@@ -291,7 +292,7 @@ def read_lens(path: Union[str, Path], lm=None) -> dict[int, torch.Tensor]:
                             f"the lens reads through the model's head only from the last layer")
     missing = [layer for layer in range(L - 1) if layer not in lens]
     if missing:
-        raise LlmtraceError(f"{path} has no matrix for layer{'s' if len(missing) > 1 else ''} "
+        raise LlmtraceError(f"{path} has no matrix for {noun(len(missing), 'layer')} "
                             f"{', '.join(map(str, missing[:8]))}{', …' if len(missing) > 8 else ''}: llmtrace reads "
                             f"a lens of every layer")
     lens.setdefault(L - 1, torch.eye(D))  # the last layer's output is h_L itself
