@@ -172,3 +172,19 @@ def test_the_tools_run_on_it(families, loaded, isolated, capsys):
     code, out, err = run_cli(capsys, "generate", PROMPT, "-m", path, "-n", "2", "--fast", "--trace", "none")
     assert code == 0, err
     assert "--fast (approximate)" in out + err
+
+
+def test_the_pages_memory_chart_names_the_latent_not_gqa(families, capsys, tmp_path):
+    """The KV section's chart of a DeepSeek run: its own line is the latent cache (MLA), beside full multi-head
+    attention's, never called GQA (it was: the title was Llama's)."""
+    import html
+
+    from helpers import run_cli
+
+    page = tmp_path / "page.html"
+    code, _, err = run_cli(capsys, "generate", "hello there", "-m", families.hf_dir("deepseek_v3"), "-n", "2",
+                           "--html", page)
+    assert code == 0, err
+    text = html.unescape(page.read_text())
+    assert "this model's cache (MLA: a latent per token)" in text and "full multi-head attention would need" in text
+    assert "this model's cache (GQA)" not in text

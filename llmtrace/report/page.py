@@ -692,8 +692,12 @@ def section_kv(d: dict) -> Optional[dict]:
     pts = [(s["step"], s["bytes_used"]) for s in kv["steps"]]
     mha = [(s["step"], s["mha_bytes_used"]) for s in kv["steps"]]
     w = d["w"]
-    series = [("mha", mha, w("kv.mha_title")), ("gqa", pts, w("kv.gqa_title"))]
     state = kv.get("state")
+    boxes = memory_boxes(m, w, int(kv["per_layer"]), state)
+    kinds = {b["kind"] for b in boxes["boxes"]}  # the legend: each kind of memory present
+    # the line of what this model keeps per token, named by what it is: MLA's latent, GQA's fewer KV heads, or MHA's
+    own = "kv.latent_title" if "latent" in kinds else "kv.gqa_title" if m["n_kv_heads"] < m["n_heads"] else "kv.own_title"
+    series = [("mha", mha, w("kv.mha_title")), ("gqa", pts, w(own))]
     if state:  # the recurrent states: a flat line; and the sum, which grows only by the KV cache's positions
         series += [("state", [(s["step"], state["bytes"]) for s in kv["steps"]], w("kv.state")),
                    ("total", [(s["step"], s["bytes_used"] + state["bytes"]) for s in kv["steps"]], w("kv.total"))]
@@ -702,8 +706,6 @@ def section_kv(d: dict) -> Optional[dict]:
     per_layer = kv["per_layer"]
     el = kv["element_size"]
     n_kv = kv.get("kv_layers", m["n_layers"])
-    boxes = memory_boxes(m, w, int(per_layer), state)
-    kinds = {b["kind"] for b in boxes["boxes"]}  # the legend: each kind of memory present
     return {"chart": chart, "n_heads": m["n_heads"], "n_kv_heads": m["n_kv_heads"], "boxes": boxes,
             "intro": w("kv.intro") if boxes["uniform_kv"] else memory_intro(boxes, w),
             "legend": [{"kind": k, "text": w(f"kv.kind.{k}")} for k in MEMORY_ORDER if k in kinds],
