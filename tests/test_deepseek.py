@@ -186,5 +186,5 @@ def test_the_pages_memory_chart_names_the_latent_not_gqa(families, capsys, tmp_p
                            "--html", page)
     assert code == 0, err
     text = html.unescape(page.read_text())
-    assert "this model's cache (MLA: a latent per token)" in text and "full multi-head attention would need" in text
-    assert "this model's cache (GQA)" not in text
+    assert "this model's cache: a compressed latent, one entry a token (MLA)" in text
+    assert "full multi-head attention would need" in text and "(GQA)" not in text

@@ -49,3 +49,13 @@ def max_error(computed: torch.Tensor, recorded: torch.Tensor) -> tuple[float, fl
     absolute = float(d.max()) if d.numel() else 0.0
     scale = float(b[torch.isfinite(b)].abs().max()) if torch.isfinite(b).any() else 1.0
     return absolute, absolute / max(scale, 1e-30) if math.isfinite(absolute) else math.inf
+
+
+def declared_weight(model, layer: int, o: Op) -> Optional[torch.Tensor]:
+    """The first weight `o` reads in `layer` of `model`, in float64 on the host (explain's worked sections); None
+    where the run holds it otherwise (quantized or packed)."""
+    try:
+        w = model.get_parameter(f"layers.{layer}.{o.weights[0]}")
+    except AttributeError:
+        return None
+    return w.detach().double().cpu() if w.is_floating_point() else None

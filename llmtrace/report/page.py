@@ -695,9 +695,9 @@ def section_kv(d: dict) -> Optional[dict]:
     state = kv.get("state")
     boxes = memory_boxes(m, w, int(kv["per_layer"]), state)
     kinds = {b["kind"] for b in boxes["boxes"]}  # the legend: each kind of memory present
-    # the line of what this model keeps per token, named by what it is: MLA's latent, GQA's fewer KV heads, or MHA's
-    own = "kv.latent_title" if "latent" in kinds else "kv.gqa_title" if m["n_kv_heads"] < m["n_heads"] else "kv.own_title"
-    series = [("mha", mha, w("kv.mha_title")), ("gqa", pts, w(own))]
+    # the line of what this model keeps per token, named by what its layers keep (K and V, MLA's latent, ...)
+    own = w("kv.own_line", what=" + ".join(w(f"kv.kind.{k}") for k in boxes["grow_kinds"]) or w("kv.kind.none"))
+    series = [("mha", mha, w("kv.mha_title")), ("gqa", pts, own)]
     if state:  # the recurrent states: a flat line; and the sum, which grows only by the KV cache's positions
         series += [("state", [(s["step"], state["bytes"]) for s in kv["steps"]], w("kv.state")),
                    ("total", [(s["step"], s["bytes_used"] + state["bytes"]) for s in kv["steps"]], w("kv.total"))]
@@ -754,6 +754,7 @@ def memory_boxes(m: dict, w, per_layer: int, state: Optional[dict]) -> dict:
         and not mem[0]["constant_bytes"]
     shapes = " + ".join(f"{n} ({' × '.join(map(str, s))})" for n, s in (mem[0].get("per_token") or {}).items())
     return {"boxes": boxes, "parts": parts, "uniform": uniform, "shapes": shapes if uniform else "",
+            "grow_kinds": list(dict.fromkeys(k for k, _ in growing)),
             "uniform_kv": uniform,
             "n_grow": sum(growing.values()), "n_fixed": sum(1 for r in mem if r["constant_bytes"]),
             "n_shared": sum(1 for r in mem if r.get("reads") is not None), "n": len(mem)}

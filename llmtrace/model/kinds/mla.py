@@ -48,6 +48,7 @@ from llmtrace.model.ops import masked
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module, RMSNorm, apply_rope
+from llmtrace.model.recompute import declared_weight
 from llmtrace.units import sig6, sig6_rows
 
 KIND = "mla"
@@ -368,15 +369,6 @@ declare(
 SHOWN = 6  # slots and dims shown
 
 
-def _weight(model, layer: int, op) -> Optional[torch.Tensor]:
-    """The (H, ·, ·) stack an up-projection reads, float64; None where the run holds it otherwise (quantized)."""
-    try:
-        w = model.get_parameter(f"layers.{layer}.{op.weights[0]}")
-    except AttributeError:
-        return None
-    return w.detach().double().cpu() if w.is_floating_point() else None
-
-
 def cache_rows(n_heads: int, width: int, element_size: int) -> list[dict]:
     """What a layer would cache per token with G KV heads of K and V `width` numbers together, G = H, H/2, ..., 1
     (MHA at G = H, GQA below, MQA at 1)."""
@@ -401,8 +393,8 @@ def latent_section(cap, model, maths, head: int = 0) -> dict:
            "sizes": {"H": H, "R": R, "Dr": Dr, "Dn": Dn, "Dv": Dv}, "element_size": es,
            "latent_numbers": R + Dr, "latent_bytes": (R + Dr) * es,
            "cache_rows": cache_rows(H, Dn + Dr + Dv, es), "form": "up_projected"}
-    w_kb = _weight(model, layer, maths.op(layer, K_NOPE.name))  # (H, R, Dn)
-    w_vb = _weight(model, layer, maths.op(layer, V_UP.name))  # (H, Dv, R)
+    w_kb = declared_weight(model, layer, maths.op(layer, K_NOPE.name))  # (H, R, Dn)
+    w_vb = declared_weight(model, layer, maths.op(layer, V_UP.name))  # (H, Dv, R)
     c, q = cap.points.get(C_KV.name), cap.points.get(Q_NOPE.name)
     if w_kb is None or w_vb is None or c is None or q is None:
         return out | {"worked": None}

@@ -31,6 +31,7 @@ from llmtrace.model.maths import LayerPlan, Op, OpKind, declare, op
 from llmtrace.model.memory import Memory
 from llmtrace.model.points import Point, Source, Weight
 from llmtrace.model.transformer import LayerInput, Module
+from llmtrace.model.recompute import declared_weight
 from llmtrace.units import sig6
 
 KIND = "short_conv"
@@ -171,20 +172,11 @@ declare(
 # and the window the layer keeps after the pass, its whole memory for that channel: v_(t−Lc+2..t),d. Each computed in
 # float64 beside the value the pass kept.
 
-def _kernel(model, layer: int, op) -> Optional[torch.Tensor]:
-    """(D, Lc) the layer's depthwise kernel, float64; None where the run holds it otherwise."""
-    try:
-        w = model.get_parameter(f"layers.{layer}.{op.weights[0]}")
-    except AttributeError:
-        return None
-    return w.detach().double().cpu() if w.is_floating_point() else None
-
-
 def conv_section(cap, model, maths, channel: Optional[int] = None) -> Optional[dict]:
     """One channel's convolution at the last token (module docstring): by default the channel whose convolution
     output is largest there."""
     layer = cap.layer
-    w = _kernel(model, layer, maths.op(layer, CONV_OUT.name))
+    w = declared_weight(model, layer, maths.op(layer, CONV_OUT.name))
     v, z, c = (cap.points.get(p.name) for p in (CONV_BX, CONV_OUT, CONV_C))
     if w is None or v is None or z is None or c is None:
         return None
