@@ -134,8 +134,8 @@ def open_checkpoint(resolved) -> Checkpoint:
             import shutil
 
             shutil.rmtree(dest, ignore_errors=True)
-            print(f"the cached conversion of {resolved.path.name} was written by an older llmtrace ({e}): "
-                  f"converting it again", file=sys.stderr, flush=True)
+            print(f"the cached conversion of {resolved.path.name} was written by an older llmtrace ({e}):\n"
+                  f"  converting it again", file=sys.stderr, flush=True)
             convert_gguf(resolved.path, dest)
             config, plan, tokenizer = open_converted(dest)
             converted = True
