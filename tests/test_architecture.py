@@ -517,7 +517,6 @@ OP_BRANCHES_ALLOWED = {
     "llmtrace.report.page": {"glu"},
     "llmtrace.render.generate": {"rope"},
     "llmtrace.run.explain": {"cache_write", "lookup"},
-    "llmtrace.run.explain_state": {"delta_rule"},
     # not operations: strings that are also an operation's name
     "llmtrace.render.explain": {"rmsnorm", "delta_rule", "router", "rope"},  # explain's section names, drawn if present
     "llmtrace.serve.runs": {"scale"},  # a request's field (an intervention's scale)

@@ -745,8 +745,10 @@ def _attention_sections(cap, lm, layer, head, maths):
 
 def _delta_rule_sections(cap, lm, layer, head, maths):
     """One delta-rule update on this pass's numbers, in place of the attention sections."""
-    state = state_op(maths, layer, "o")[1]
-    yield delta_rule_section(cap, maths, head if head is not None and head < cap.points[state.inputs[2]].size(1) else 0)
+    mixer = lm.model.attention_of(layer)
+    state = state_op(mixer, maths, layer, "o")[1]
+    yield delta_rule_section(cap, mixer, maths, head if head is not None and head < cap.points[state.inputs[2]].size(1)
+                             else 0)
 
 
 # explain's sections of a layer's mixer, by the keys its kind declares (EXPLAIN); a kind with none of its own is

@@ -25,18 +25,18 @@ from llmtrace.units import sig6, sig6_rows
 CORNER = 4  # rows and columns of the state shown
 
 
-def state_op(maths, layer: int, output: str):
-    """The layer's declared delta-rule operation making `output` ("o" or "state"), and its point; (None, None) if
-    the layer has none."""
-    return next(((n, o) for n, o in maths.layers[layer].items() if o.kind == "delta_rule" and o.const("output") ==
-                 output), (None, None))
+def state_op(mixer, maths, layer: int, output: str):
+    """The point of the layer's recurrence making `output` ("o" or "state"), as its kind names it (RECURRENCE), and
+    its declared operation."""
+    name = mixer.RECURRENCE[output]
+    return name, maths.op(layer, name)
 
 
-def delta_rule_section(cap, maths, head: Optional[int] = None) -> dict:
+def delta_rule_section(cap, mixer, maths, head: Optional[int] = None) -> dict:
     """One delta-rule update of value head `head` (default 0) at the last prompt token, worked on real numbers and
     checked against the pass's own state and output."""
-    out_name, o = state_op(maths, cap.layer, "o")
-    state_name, _ = state_op(maths, cap.layer, "state")
+    out_name, o = state_op(mixer, maths, cap.layer, "o")
+    state_name, _ = state_op(mixer, maths, cap.layer, "state")
     q_name, k_name, v_name, a_name, b_name = o.inputs[:5]
     p = {n: cap.points[n].double() for n in (q_name, k_name, v_name, a_name, b_name)}  # (T, ...) each, no batch axis
     T, h = p[v_name].size(0), head or 0

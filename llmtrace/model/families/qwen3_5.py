@@ -194,6 +194,8 @@ class GatedDeltaNet(Module):
         "s6.8": ("the state kept: a fixed size, no KV cache", "保留的状态：大小固定，没有 KV 缓存"),
     }
     EXPLAIN = ("delta_rule",)
+    # the points explain's delta-rule section works on: the output read from the state, and the state it leaves
+    RECURRENCE = {"o": DELTA_OUT.name, "state": DELTA_STATE.name}
     FLOPS_NOTE = ("the delta rule grows with T, not T²: each token updates a state of fixed size",
                   "delta 规则随 T 增长，而不是 T²：每个词元更新一个固定大小的状态")
 
