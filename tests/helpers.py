@@ -226,6 +226,33 @@ def greedy_hf(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def greedy_hf_cached(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation through its own cache, EOS a token like any other (greedy_hf forbids EOS with
+    min_new_tokens, which a tiny vocabulary's greedy path may pick early)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(config=model.config), []
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            logits = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1]
+    return out
+
+
+def stepwise_hf(model, ids: list[int]):
+    """transformers fed one token at a time through its cache (its decode path: a recurrence, a convolution's update,
+    a shared layer's read): every position's logits, and the cache it leaves."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        rows = [model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in ids]
+    return torch.stack(rows), cache
+
+
 def greedy_ours(lm, ids: list[int], n: int) -> list[int]:
     """llmtrace's greedy continuation of ids through its generation loop (KV cache), n tokens, EOS ignored."""
     from llmtrace.run.generate import generate

@@ -5,7 +5,7 @@ the keys and values of layers 3 and 2 from the cache and write none (model.kinds
 
 import pytest
 import torch
-from helpers import greedy_ours
+from helpers import greedy_ours, greedy_hf_cached, stepwise_hf
 
 from families import PROMPT_IDS
 
@@ -15,26 +15,8 @@ NAME = "gemma4"
 TOL = 1e-4  # the logits reach ~27 under the cap of 30; float32 differences are ~4e-5
 
 
-def _greedy_hf(model, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation through its own cache, EOS a token like any other."""
-    from transformers import DynamicCache
-
-    cache, out = DynamicCache(config=model.config), []
-    with torch.no_grad():
-        logits = model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
-        for _ in range(n):
-            out.append(int(logits.argmax()))
-            logits = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1]
-    return out
 
 
-def _stepwise(model, ids: list[int]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        rows = [model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in ids]
-    return torch.stack(rows), cache
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -46,12 +28,12 @@ def test_logits_at_every_position_and_greedy_match_transformers(families, loaded
     assert c.parts["global_attention"] == {"head_dim": 32, "kv_heads": 1, "k_eq_v": True, "rotary": 0.25}
     assert c.parts["shared_kv"] == {"reads": [None, None, None, None, 3, 2], "wide_ffn": True}
     assert c.ffn_dim == 128 and c.final_softcap == 30.0 and c.attn_scale == 1.0
-    stepwise, _ = _stepwise(reference, PROMPT_IDS)  # transformers' decode path, position by position
+    stepwise, _ = stepwise_hf(reference, PROMPT_IDS)  # transformers' decode path, position by position
     with torch.no_grad():
         ours, theirs = lm.model(torch.tensor([PROMPT_IDS]))[0], reference(torch.tensor([PROMPT_IDS])).logits[0]
     assert float(theirs.abs().max()) > 20  # the cap bends the logits without flattening them
     assert float((ours - theirs).abs().max()) <= TOL and float((ours - stepwise).abs().max()) <= TOL
-    assert greedy_ours(lm, PROMPT_IDS, 8) == _greedy_hf(reference, PROMPT_IDS, 8)  # through both caches
+    assert greedy_ours(lm, PROMPT_IDS, 8) == greedy_hf_cached(reference, PROMPT_IDS, 8)  # through both caches
 
 
 def test_prompt_ids_are_transformers(families, loaded):
@@ -67,7 +49,7 @@ def test_the_cache_after_the_prompt_is_transformers_and_shared_layers_hold_no_bu
     """Layers 0-3 hold transformers' keys and values; layers 4 and 5 hold the same objects as layers 3 and 2 (nothing
     allocated), and their reading leaves those unchanged."""
     lm = loaded(NAME, fmt)
-    _, theirs = _stepwise(families.model(NAME), PROMPT_IDS)
+    _, theirs = stepwise_hf(families.model(NAME), PROMPT_IDS)
     cache = lm.model.new_cache(len(PROMPT_IDS))
     with torch.no_grad():
         lm.model(torch.tensor([PROMPT_IDS]), cache, 0)

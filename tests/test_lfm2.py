@@ -5,7 +5,7 @@ and that a window taken one token off makes the decode step wrong."""
 
 import pytest
 import torch
-from helpers import greedy_ours
+from helpers import greedy_ours, greedy_hf_cached, stepwise_hf
 
 from families import FAMILIES, PROMPT_IDS, hf_model_from_gguf
 
@@ -15,28 +15,8 @@ NAME = "lfm2"
 TOL = 1e-4  # the logits reach ~40; float32 differences are ~1e-5
 
 
-def _greedy_hf(model, ids: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation through its own cache, EOS a token like any other (helpers.greedy_hf forbids
-    EOS with min_new_tokens, and this tiny model's greedy path picks the tiny vocabulary's EOS at its second step)."""
-    from transformers import DynamicCache
-
-    cache, out = DynamicCache(config=model.config), []
-    with torch.no_grad():
-        logits = model(torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
-        for _ in range(n):
-            out.append(int(logits.argmax()))
-            logits = model(torch.tensor([[out[-1]]]), cache=cache, use_cache=True).logits[0, -1]
-    return out
 
 
-def _stepwise(model, ids: list[int]):
-    """transformers fed one token at a time through its cache: every position's logits, and the cache it leaves."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        rows = [model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in ids]
-    return torch.stack(rows), cache
 
 
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
@@ -45,11 +25,11 @@ def test_logits_at_every_position_and_greedy_match_transformers(families, loaded
     reference = families.model(NAME)
     assert lm.config.family == "lfm2" and lm.config.layer_types == ["conv", "conv", "full", "conv"]
     assert lm.config.ffn_dim == 96 and lm.config.tie_embeddings and lm.config.parts == {"short_conv": {"kernel": 3}}
-    stepwise, _ = _stepwise(reference, PROMPT_IDS)  # transformers' decode path (its conv update), position by position
+    stepwise, _ = stepwise_hf(reference, PROMPT_IDS)  # transformers' decode path (its conv update), position by position
     with torch.no_grad():
         ours, theirs = lm.model(torch.tensor([PROMPT_IDS]))[0], reference(torch.tensor([PROMPT_IDS])).logits[0]
     assert float((ours - theirs).abs().max()) <= TOL and float((ours - stepwise).abs().max()) <= TOL
-    assert greedy_ours(lm, PROMPT_IDS, 8) == _greedy_hf(reference, PROMPT_IDS, 8)  # through both caches
+    assert greedy_ours(lm, PROMPT_IDS, 8) == greedy_hf_cached(reference, PROMPT_IDS, 8)  # through both caches
 
 
 def test_the_gguf_is_transformers_reading_of_it(families, loaded):
@@ -59,7 +39,7 @@ def test_the_gguf_is_transformers_reading_of_it(families, loaded):
     with torch.no_grad():
         a, b = lm.model(torch.tensor([PROMPT_IDS]))[0], theirs(torch.tensor([PROMPT_IDS])).logits[0]
     assert float((a - b).abs().max()) <= TOL
-    assert greedy_ours(lm, PROMPT_IDS, 6) == _greedy_hf(theirs, PROMPT_IDS, 6)
+    assert greedy_ours(lm, PROMPT_IDS, 6) == greedy_hf_cached(theirs, PROMPT_IDS, 6)
 
 
 def test_prompt_ids_are_transformers(families, loaded):
@@ -75,7 +55,7 @@ def test_the_window_after_the_prompt_is_transformers_conv_state(families, loaded
     """Each convolution layer's window after the prompt is the last Lc−1 inputs of transformers' conv state (it keeps
     Lc); the attention layer's keys are its cache's keys; nothing else is kept."""
     lm = loaded(NAME, fmt)
-    _, theirs = _stepwise(families.model(NAME), PROMPT_IDS)
+    _, theirs = stepwise_hf(families.model(NAME), PROMPT_IDS)
     cache = lm.model.new_cache(len(PROMPT_IDS))
     with torch.no_grad():
         lm.model(torch.tensor([PROMPT_IDS]), cache, 0)
@@ -106,7 +86,7 @@ def test_a_window_one_token_off_breaks_the_parity(families, loaded, monkeypatch)
     not the last Lc−1) computes the prompt's pass alike but every decode step wrong, against transformers."""
     lm = loaded(NAME, "hf")
     reference = families.model(NAME)
-    stepwise, _ = _stepwise(reference, PROMPT_IDS)
+    stepwise, _ = stepwise_hf(reference, PROMPT_IDS)
 
     def decoded(model) -> torch.Tensor:
         cache = model.new_cache(len(PROMPT_IDS))

@@ -9,7 +9,7 @@ permuted, gate and up split), checked against the same transformers model."""
 
 import pytest
 import torch
-from helpers import check_run, greedy_hf, greedy_ours
+from helpers import check_run, greedy_hf, greedy_ours, stepwise_hf
 
 from families import PROMPT_IDS
 
@@ -17,15 +17,6 @@ NAMES = ["granite_hybrid", "granite_hybrid_dense"]
 TOL = 1e-4
 
 
-def _stepwise(model, ids: list[int]):
-    """transformers fed one token at a time through its cache: every position's logits by the recurrence, and the
-    cache it leaves."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        rows = [model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in ids]
-    return torch.stack(rows), cache
 
 
 def _tol(logits: torch.Tensor) -> float:
@@ -42,7 +33,7 @@ def test_logits_at_every_position_and_greedy_match_transformers(families, loaded
     assert lm.config.layer_types == (["mamba", "mamba", "full", "mamba"] if name == "granite_hybrid"
                                      else ["mamba", "full", "mamba"])
     assert lm.config.no_rope_layers == list(range(lm.config.n_layers))  # no RoPE anywhere, as in HF and llama.cpp
-    stepwise, _ = _stepwise(reference, PROMPT_IDS)
+    stepwise, _ = stepwise_hf(reference, PROMPT_IDS)
     with torch.no_grad():
         ours, prefill = lm.model(torch.tensor([PROMPT_IDS]))[0], reference(torch.tensor([PROMPT_IDS])).logits[0]
     assert float((ours - stepwise).abs().max()) <= _tol(stepwise)  # the recurrence, as transformers decodes
@@ -69,7 +60,7 @@ def test_the_state_after_the_prompt_is_transformers_cache_state(families, loaded
     the cache's."""
     lm = loaded("granite_hybrid", fmt)
     model = families.model("granite_hybrid")
-    _, stepped = _stepwise(model, PROMPT_IDS)
+    _, stepped = stepwise_hf(model, PROMPT_IDS)
     with torch.no_grad():
         prefilled = model(torch.tensor([PROMPT_IDS]), use_cache=True).past_key_values
         cache = lm.model.new_cache(len(PROMPT_IDS))

@@ -9,22 +9,13 @@ order: it is checked against the same transformers model."""
 
 import pytest
 import torch
-from helpers import check_run, float64_twin, greedy_hf, greedy_ours, rounding_tol
+from helpers import check_run, float64_twin, greedy_hf, greedy_ours, rounding_tol, stepwise_hf
 
-from families import FAMILIES, PROMPT_IDS
+from families import PROMPT_IDS
 
 NAMES = ["qwen3_5", "qwen3_5_tied"]
 
 
-def _stepwise(model, ids: list[int]):
-    """transformers fed one token at a time through its cache: every position's logits by the recurrent form, and
-    the cache it leaves."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        rows = [model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1] for t in ids]
-    return torch.stack(rows), cache
 
 
 def _exact(lm, ids: list[int]):
@@ -44,7 +35,7 @@ def test_logits_at_every_position_and_greedy_match_transformers(families, loaded
     assert lm.config.layer_types == ["linear", "linear", "linear", "full"]
     assert lm.config.parts["linear_attention"]["v_order"] == ("grouped" if fmt == "hf" else "tiled")
     assert lm.config.rotary_dim == 4 and lm.config.tie_embeddings == (name == "qwen3_5_tied")
-    stepwise, _ = _stepwise(reference, PROMPT_IDS)
+    stepwise, _ = stepwise_hf(reference, PROMPT_IDS)
     with torch.no_grad():
         ours, prefill = lm.model(torch.tensor([PROMPT_IDS]))[0], reference(torch.tensor([PROMPT_IDS])).logits[0]
     tol = rounding_tol(ours, _exact(lm, PROMPT_IDS)[0])  # 8x the pass's own float32 error (helpers.ROUNDING_MARGIN)
@@ -71,7 +62,7 @@ def test_the_state_after_the_prompt_is_transformers_cache_state(families, loaded
     holds (recurrent_states, conv_states) after the same prompt fed token by token; the attention layer's keys are
     the cache's."""
     lm = loaded(name, "hf")
-    _, theirs = _stepwise(families.model(name), PROMPT_IDS)
+    _, theirs = stepwise_hf(families.model(name), PROMPT_IDS)
     cache = lm.model.new_cache(len(PROMPT_IDS))
     with torch.no_grad():
         lm.model(torch.tensor([PROMPT_IDS]), cache, 0)
