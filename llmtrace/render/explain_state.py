@@ -39,67 +39,55 @@ def _at(toks: list[str], t: int) -> Text:
     return Text.assemble(f"({t}: ", verbatim(visible(toks[t]) if t < len(toks) else str(t)), ")")
 
 
-def delta_rule(console: Console, ev: dict, toks: list[str], say: Say) -> None:
-    """③-⑤ for a linear-attention layer: the state's update at the last token, for one value head."""
-    h, t = ev["head"], ev["position"]
-    dk, dv = ev["shape_state"][1:]
+def _recurrence(console: Console, ev: dict, toks: list[str], say: Say, key: str, title: dict, what: dict,
+                scalars: str, rows: list[tuple[str, str]], states: list[tuple[str, str]]) -> None:
+    """One recurrent state's update at the last token, for one head: its title and formula, the scalars that decay and
+    write it, the first entries of the vectors it reads and writes (rows: label, event key), the state's corner before,
+    decayed, written and after (states: header key, event key), and the two checks against the pass."""
     console.print()
-    console.print(Text.assemble(Text(say("explain.delta.title", head=h), style="bold cyan"), _at(toks, t),
+    console.print(Text.assemble(Text(say(f"{key}.title", **title), style="bold cyan"), _at(toks, ev["position"]),
                                 Text(": ", style="bold cyan"), verbatim(ev["formula"], "bold cyan")))
-    _note(console, say("explain.delta.what", dk=dk, dv=dv))
-    console.print(f"α = {ev['alpha']:.6g}   β = {ev['beta']:.6g}   ‖k‖ = {ev['norm_k']:.4g} "
-                  + say("explain.delta.l2"))
+    _note(console, say(f"{key}.what", **what))
+    console.print(scalars)
     t_ = Table(box=None, padding=(0, 1), header_style="bold")
     t_.add_column("", justify="left")
-    t_.add_column(say("explain.delta.first", n=len(ev["v"]), dv=dv), justify="left")
-    t_.add_row(say("explain.delta.v"), _row(ev["v"]))
-    t_.add_row(say("explain.delta.held"), _row(ev["held"]))
-    t_.add_row("δ = β·(v − m)", _row(ev["delta"]))
-    t_.add_row(say("explain.delta.out"), _row(ev["out"]))
+    t_.add_column(say(f"{key}.first", n=len(ev[rows[0][1]]), **what), justify="left")
+    for label, name in rows:
+        t_.add_row(label, _row(ev[name]))
     print_fitted(console, t_, say)
     grid = Table(box=None, padding=(0, 1), header_style="bold")
-    for key in ("explain.delta.s_before", "explain.delta.s_decayed", "explain.delta.write", "explain.delta.s_after"):
-        grid.add_column(say(key), justify="right")
-    for i in range(len(ev["S_before"])):
-        grid.add_row(*[" ".join(f"{v:8.4f}" for v in ev[key][i]) for key in ("S_before", "S_decayed", "write",
-                                                                              "S_after")])
-    console.print(Text(say("explain.delta.corner", last=len(ev["S_before"]) - 1)))
+    for header, _ in states:
+        grid.add_column(say(header), justify="right")
+    first = ev[states[0][1]]
+    for i in range(len(first)):
+        grid.add_row(*[" ".join(f"{v:8.4f}" for v in ev[name][i]) for _, name in states])
+    console.print(Text(say(f"{key}.corner", last=len(first) - 1)))
     print_fitted(console, grid, say)
-    console.print(Text.assemble(say("explain.delta.check_state"), _check(ev["check_state_max_abs_diff"]),
-                                say("explain.delta.check_out"), _check(ev["check_out_max_abs_diff"])))
-    _note(console, say("explain.delta.whole", dk=dk, dv=dv))
+    console.print(Text.assemble(say(f"{key}.check_state"), _check(ev["check_state_max_abs_diff"]),
+                                say(f"{key}.check_out"), _check(ev["check_out_max_abs_diff"])))
+    _note(console, say(f"{key}.whole", **what))
+
+
+def delta_rule(console: Console, ev: dict, toks: list[str], say: Say) -> None:
+    """③-⑤ for a linear-attention layer: the state's update at the last token, for one value head."""
+    dk, dv = ev["shape_state"][1:]
+    _recurrence(console, ev, toks, say, "explain.delta", {"head": ev["head"]}, {"dk": dk, "dv": dv},
+                f"α = {ev['alpha']:.6g}   β = {ev['beta']:.6g}   ‖k‖ = {ev['norm_k']:.4g} " + say("explain.delta.l2"),
+                [(say("explain.delta.v"), "v"), (say("explain.delta.held"), "held"), ("δ = β·(v − m)", "delta"),
+                 (say("explain.delta.out"), "out")], [("explain.delta.s_before", "S_before"), ("explain.delta.s_decayed", "S_decayed"),
+                 ("explain.delta.write", "write"), ("explain.delta.s_after", "S_after")])
 
 
 def ssm_scan(console: Console, ev: dict, toks: list[str], say: Say) -> None:
     """③-⑤ for a Mamba2 layer: the state's update at the last token, for one head."""
-    h, t = ev["head"], ev["position"]
     P, N = ev["shape_state"][1:]
-    console.print()
-    console.print(Text.assemble(Text(say("explain.scan.title", head=h, group=ev["group"]), style="bold cyan"),
-                                _at(toks, t), Text(": ", style="bold cyan"), verbatim(ev["formula"], "bold cyan")))
-    _note(console, say("explain.scan.what", P=P, N=N))
-    console.print(f"Δ = {ev['dt']:.6g}   a = exp(Δ·A) = {ev['a']:.6g}   D = {ev['D']:.6g}")
-    t_ = Table(box=None, padding=(0, 1), header_style="bold")
-    t_.add_column("", justify="left")
-    t_.add_column(say("explain.scan.first"), justify="left")
-    t_.add_row(say("explain.scan.x", n=len(ev["x"]), P=P), _row(ev["x"]))
-    t_.add_row(say("explain.scan.B", n=len(ev["B"]), N=N), _row(ev["B"]))
-    t_.add_row(say("explain.scan.C", n=len(ev["C"]), N=N), _row(ev["C"]))
-    t_.add_row(say("explain.scan.read"), _row(ev["read"]))
-    t_.add_row(say("explain.scan.skip"), _row(ev["skip"]))
-    t_.add_row("y = h·C + D·x", _row(ev["out"]))
-    print_fitted(console, t_, say)
-    grid = Table(box=None, padding=(0, 1), header_style="bold")
-    for key in ("explain.scan.h_before", "explain.scan.h_decayed", "explain.scan.write", "explain.scan.h_after"):
-        grid.add_column(say(key), justify="right")
-    for i in range(len(ev["h_before"])):
-        grid.add_row(*[" ".join(f"{v:8.4f}" for v in ev[key][i]) for key in ("h_before", "h_decayed", "write",
-                                                                              "h_after")])
-    console.print(Text(say("explain.scan.corner", last=len(ev["h_before"]) - 1)))
-    print_fitted(console, grid, say)
-    console.print(Text.assemble(say("explain.scan.check_state"), _check(ev["check_state_max_abs_diff"]),
-                                say("explain.scan.check_out"), _check(ev["check_out_max_abs_diff"])))
-    _note(console, say("explain.scan.whole", P=P, N=N))
+    _recurrence(console, ev, toks, say, "explain.scan", {"head": ev["head"], "group": ev["group"]}, {"P": P, "N": N},
+                f"Δ = {ev['dt']:.6g}   a = exp(Δ·A) = {ev['a']:.6g}   D = {ev['D']:.6g}",
+                [(say("explain.scan.x", n=len(ev["x"]), P=P), "x"), (say("explain.scan.B", n=len(ev["B"]), N=N), "B"),
+                 (say("explain.scan.C", n=len(ev["C"]), N=N), "C"), (say("explain.scan.read"), "read"),
+                 (say("explain.scan.skip"), "skip"), ("y = h·C + D·x", "out")],
+                [("explain.scan.h_before", "h_before"), ("explain.scan.h_decayed", "h_decayed"),
+                 ("explain.scan.write", "write"), ("explain.scan.h_after", "h_after")])
 
 
 def state_cache(console: Console, ev: dict, say: Say) -> None:
