@@ -508,20 +508,12 @@ def test_nothing_above_the_model_branches_on_a_kind_of_layer_or_memory():
     assert not found, "a branch on a kind outside llmtrace/model/ (let the kind declare it):\n" + "\n".join(found)
 
 
-# Where a view branches on an operation's kind (each is the view of that one operation: the float64 evaluator's
-# table is in model/; these pick which recorded values a card or section shows). A new branch must be declared.
-OP_BRANCHES_ALLOWED = {
-    "llmtrace.report.walk": {"rope"},  # the unscaled θᵢ a scaled RoPE's card names beside the θᵢ it runs
-    "llmtrace.report.explain_view": {"scores", "softcap", "softmax", "weighted_sum", "router", "glu", "expert_mix", "rope",
-                                     "rmsnorm"},  # (rmsnorm: the section's name)
-    "llmtrace.report.page": {"glu"},
-    "llmtrace.render.generate": {"rope"},
-    "llmtrace.run.explain": {"cache_write", "lookup"},
-    # not operations: strings that are also an operation's name
-    "llmtrace.render.explain": {"rmsnorm", "delta_rule", "router", "rope"},  # explain's section names, drawn if present
-    "llmtrace.serve.runs": {"scale"},  # a request's field (an intervention's scale)
-    "llmtrace.trace.recorder": {"scores"},  # the point named scores (its masked entries left out of statistics)
-}
+# Where a module above the model branches on an operation's kind, with why: none. A view reads what the kind
+# declares (OpKind.role: the rotation, the gated activation; OpKind.card: the numbers a card prints from the constants;
+# OpKind.evaluate: whether there is anything to recompute), or the points explain's lines say (ATTENTION_LINE,
+# ROUTER_LINE); explain's sections are named through trace.events.Section (a section's key is not an operation's,
+# though "rope" and "router" read alike). Only a branch a file format forces may be added here, with its reason.
+OP_BRANCHES_ALLOWED: dict[str, set[str]] = {}
 
 
 def test_branches_on_an_operation_kind_are_declared():
@@ -535,6 +527,32 @@ def test_branches_on_an_operation_kind_are_declared():
             if s in op_kinds() and s not in OP_BRANCHES_ALLOWED.get(m, set()):
                 found.append(f"{SOURCES[m]}:{line} {s!r}")
     assert not found, "a branch on an operation kind outside llmtrace/model/:\n" + "\n".join(found)
+
+
+def test_the_operation_check_sees_a_branch_on_a_kind():
+    from llmtrace.model.maths import op_kinds
+
+    tree = ast.parse('if o.kind in ("scores", "softmax"):\n    pass\nif ev["section"] == Section.ROPE:\n    pass\n')
+    assert [s for _, s in compared_strings(tree) if s in op_kinds()] == ["scores", "softmax"]
+
+
+def test_explain_sections_are_the_schemas_and_the_kinds():
+    """explain's section keys are declared once (trace.events.Section): the schema's enum lists exactly those, and
+    every section a kind of layer declares (EXPLAIN) is one of them."""
+    import importlib
+    import json
+
+    from llmtrace.trace.events import schema_path, sections
+
+    schema = json.loads(schema_path().read_text(encoding="utf-8"))
+    assert list(sections()) == schema["$defs"]["explain"]["properties"]["section"]["enum"]
+    declared = set()
+    for m in SOURCES:
+        if layer_of(m) == "model" and any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "EXPLAIN"
+                                          for t in n.targets) for n in ast.walk(TREES[m])):
+            declared |= {k for v in vars(importlib.import_module(m)).values() if isinstance(v, type)
+                         for k in getattr(v, "EXPLAIN", ())}
+    assert declared and declared <= set(sections()), declared - set(sections())
 
 
 def test_no_script_compares_a_kind_or_an_english_phrase():

@@ -11,8 +11,8 @@ from llmtrace.model.llama_points import llama_points
 from llmtrace.model.transformer import ModelConfig, Transformer
 
 TINY = dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, vocab_size=64, max_seq_len=64,
-            n_experts=4, n_experts_used=2, expert_ffn_dim=24,  # read by the mixture-of-experts families only
             layer_types=["linear", "conv"])  # read by the hybrid families only: Qwen3.5 "linear", LFM2 "conv"
+EXPERTS = {"experts": dict(n=4, k=2, width=24)}  # the experts' config part: read by the mixture-of-experts families only
 # the config parts of a family's kinds (ModelConfig.parts), given to that family only: their axis names are the
 # kind's own (MLA's Dv is its value head width, not linear attention's)
 PARTS = {"deepseek": dict(mla=dict(q_lora_rank=16, kv_lora_rank=12, nope=8, rope=4, v=6, scale=12 ** -0.5,
@@ -28,7 +28,7 @@ PARTS = {"deepseek": dict(mla=dict(q_lora_rank=16, kv_lora_rank=12, nope=8, rope
 
 def tiny_model(family) -> Transformer:
     torch.manual_seed(0)
-    return family.model(ModelConfig(family=family.name, parts=PARTS.get(family.name, {}), **TINY)).eval()
+    return family.model(ModelConfig(family=family.name, parts=EXPERTS | PARTS.get(family.name, {}), **TINY)).eval()
 
 
 def test_the_legacy_declaration_is_llamas():
@@ -85,3 +85,20 @@ def test_a_cached_conversion_written_before_config_parts_still_loads():
     assert c.parts == {"softcap": {"cap": 50.0}, "glu_clamp": {"alpha": 1.702, "limit": 7.0}}
     assert _config_from_json(_config_to_json(c)) == c  # and a new one reads back as written
     assert _config_from_json(json.dumps(asdict(ModelConfig()) | {"attn_softcap": None})).parts == {}
+
+
+def test_a_cached_conversion_of_experts_still_loads():
+    """A conversion cached when a mixture of experts' numbers were ModelConfig fields (n_experts, ...) reads them into
+    the experts' config part, which its declaration (model.moe) reads; a dense model's old fields (0 experts,
+    renormalise true) say nothing and make no part."""
+    from dataclasses import asdict
+
+    from llmtrace.checkpoint.conversion import _config_from_json, _config_to_json
+
+    fields = {"n_experts": 8, "n_experts_used": 2, "expert_ffn_dim": 96, "norm_topk_prob": False, "dense_layers": [0]}
+    c = _config_from_json(json.dumps(asdict(ModelConfig()) | fields))
+    assert c.parts == {"experts": {"n": 8, "k": 2, "width": 96, "renormalise": False, "dense_layers": [0]}}
+    assert (c.n_experts, c.n_experts_used, c.expert_ffn_dim, c.norm_topk_prob, c.dense_layers) == (8, 2, 96, False, [0])
+    assert _config_from_json(_config_to_json(c)) == c
+    dense = {"n_experts": 0, "n_experts_used": 0, "expert_ffn_dim": None, "norm_topk_prob": True, "dense_layers": None}
+    assert _config_from_json(json.dumps(asdict(ModelConfig()) | dense)).parts == {}

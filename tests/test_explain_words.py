@@ -224,6 +224,28 @@ def test_the_zh_explain_page_of_every_family_is_chinese(family, family_events):
         en = explain_blocks(events, "en")
         assert len(en) == len(blocks)  # the same lines, said in each language
         assert [b["kind"] for b in en] == [b["kind"] for b in blocks]
+        assert line_points(events, "zh") == line_points(events, "en")  # and each one-line formula, the same points
+
+
+def line_points(events: list[dict], lang: str) -> dict[str, list[str]]:
+    """The points each one-line formula of explain says (attention's, the router's), in order, as said in `lang`: each
+    part of the line starts with its point's name ("probs = softmax(...)", "expert_weights: ...")."""
+    from llmtrace.report.explain_view import localized
+
+    out = {}
+    for e in localized(events, lang):
+        if e.get("event") == "explain" and e.get("section") in ("attention", "router") and e.get("formula"):
+            parts = e["formula"].split(" ｜ ") if lang == "zh" else re.split(r"; (?=[A-Za-z_]\w* ?[=:])", e["formula"])
+            out[e["section"]] = [re.match(r"[A-Za-z_]\w*", p.strip()).group(0) for p in parts]
+    return out
+
+
+def test_the_line_check_sees_another_point():
+    """A Chinese line that says the router's softmax among attention's points is not English's line."""
+    events = [{"event": "explain", "section": "attention", "formula": "probs = softmax(scores); attn_out = probs · v"}]
+    assert line_points(events, "en") == {"attention": ["probs", "attn_out"]}
+    zh = [dict(events[0], formula="probs = softmax(scores) ｜ router_probs = softmax(router_logits)")]
+    assert line_points(zh, "zh") != line_points(events, "en")
 
 
 def test_the_page_check_sees_an_english_line():

@@ -88,7 +88,7 @@ def config_from_gguf(reader, where: str) -> ModelConfig:
         tie_embeddings="output.weight" not in names,
         attn_bias="blk.0.attn_q.bias" in names,
     )
-    return ModelConfig(**(fields | family_fields(family.gguf_config, meta, where)))
+    return ModelConfig.from_dict(fields | family_fields(family.gguf_config, meta, where))
 
 
 def _largest(value):

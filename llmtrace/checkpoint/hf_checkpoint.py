@@ -129,7 +129,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             ffn_act=hf_activation(cfg, where),
             **hf_window(cfg, n_layers, where),
         )
-        config = ModelConfig(**(fields | family_fields(family.hf_config, cfg, where)))
+        config = ModelConfig.from_dict(fields | family_fields(family.hf_config, cfg, where))
         if prefix is not None:  # what the text model was read from, for the run header
             config.extra = {"text_model_of": (outer.get("architectures") or [outer.get("model_type")])[0]}
         return config

@@ -73,7 +73,9 @@ WORDS = {
 class Family:
     """One family. `hf_types`: config.json model_type -> the architecture class transformers saves it with;
     `gguf_archs`: GGUF general.architecture -> whether llama.cpp's converter reordered q/k rows for its RoPE pairing.
-    `hf_config(cfg)` and `gguf_config(meta)` return the config fields this family adds (ModelConfig's names), reading
+    `hf_config(cfg)` and `gguf_config(meta)` return the config fields this family adds (ModelConfig's names; a mixture
+    of experts' n_experts, n_experts_used, expert_ffn_dim, norm_topk_prob and dense_layers, which
+    ModelConfig.from_dict files into the experts' config part, model.transformer.MOVED_TO_PARTS), reading
     config.json (a dict) or GGUF metadata (`meta(key)`, key without the arch prefix); they raise LlmtraceError naming
     a field whose value this family cannot run. `changes(config)`: what this family changes from Llama, one short
     line per change, in the order the maths runs, with the checkpoint's own numbers. `reads_rope`: hf_config and

@@ -32,6 +32,8 @@ SCORES = Point("scores", "s6.4", ("H", "T", "S"), about="Q·Kᵀ·scale, masked 
 PROBS = Point("probs", "s6.5", ("H", "T", "S"), editable=True, about="softmax of the scores: each row sums to 1")
 ATTN_OUT = Point("attn_out", "s6.5", ("T", "H", "Dh"), editable=True, about="each head's P·V")
 O_PROJ = Point("o_proj", "s6.6", ("T", "D"), editable=True, about="the heads concatenated, times Wo")
+# the points whose formulas make attention's one line in explain (scores, softmax, P·V), in every language
+ATTENTION_LINE = (SCORES.name, PROBS.name, ATTN_OUT.name)
 
 # the feed-forward sub-layer (s6.7)
 GATE = Point("gate", "s6.7", ("T", "F"), about="X·W_gate")

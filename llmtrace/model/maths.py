@@ -56,7 +56,13 @@ class OpKind:
     sampled outputs, from the weight rows they read: `kept(o, x, w, out_shape, index, memo)`, for a weight read a row
     at a time, so that a 262k-row head is never made float64), `dot` (one output per row as the dot product of the
     input row and the weight row: `dot(o, x, w, out_shape, first, memo)`) and `aux` (the numbers its card prints, per
-    row: `aux(o, x, w, out_shape)`), and `module` (where it is declared)."""
+    row: `aux(o, x, w, out_shape)`), and `module` (where it is declared).
+
+    What the views read of a point of this kind, declared here so that no view compares a kind's key: `role` (what
+    a view may ask a point to be, one of ROLES: ROTATION, the points that turn q and k by their positions, which the
+    run's summary names; ACTIVATION, a gated activation, whose name, SwiGLU or GeGLU, the page's step title says;
+    "" for none) and `card` (the numbers a worked card prints from the operation's constants alone, beside the
+    recorded values: `card(o)` -> {...} or None; RoPE's, the unscaled θᵢ a scaled RoPE does not run)."""
 
     key: str
     short: str
@@ -67,11 +73,21 @@ class OpKind:
     kept: Optional[Callable[..., Any]] = None
     dot: Optional[Callable[..., Any]] = None
     aux: Optional[Callable[..., Any]] = None
+    role: str = ""
+    card: Optional[Callable[..., Optional[dict]]] = None
 
     def __post_init__(self):
         bad = [w for w, said in self.words.items() if not (isinstance(said, tuple) and len(said) == 2 and all(said))]
         if bad:
             raise ValueError(f"operation {self.key!r}: words {bad} need an English and a Chinese text")
+        if self.role not in ROLES:
+            raise ValueError(f"operation {self.key!r}: role {self.role!r} is none of {ROLES}")
+
+
+# The roles a view may ask an operation kind for (OpKind.role): the views read a role, never a kind's key.
+ROTATION = "rotation"  # turns q and k by their positions (RoPE): the summary names the points that do
+ACTIVATION = "activation"  # a gated activation: the page's step title names the model's (SwiGLU, GeGLU)
+ROLES = ("", ROTATION, ACTIVATION)
 
 
 OP_KINDS: dict[str, OpKind] = {}  # key -> its declaration (declare() fills it; op_kinds() imports every declarer)
@@ -115,6 +131,19 @@ def op_kind(key: str) -> OpKind:
     if found is None:
         raise ValueError(f"unknown operation {key!r}: the declared kinds are {', '.join(sorted(OP_KINDS))}")
     return found
+
+
+def card_numbers(o: "Op") -> Optional[dict]:
+    """The numbers the worked card of `o` prints from its constants alone (its kind's `card`), or None."""
+    card = op_kind(o.kind).card
+    return None if card is None else card(o)
+
+
+def has_role(kind: str, role: str) -> bool:
+    """Whether the operation kind `kind` (a key, as a record writes it) plays `role` (one of ROLES); False for a key
+    no kind of this version declares."""
+    declared = op_kinds().get(kind)
+    return declared is not None and declared.role == role
 
 
 PREV = "^"  # an operand of the layer before (see the module docstring)

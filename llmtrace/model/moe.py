@@ -35,7 +35,7 @@ from llmtrace.model.family import say
 from llmtrace.model.maths import Op, op
 from llmtrace.model.moe_points import EXPERT_WEIGHTS, MOE_POINTS
 from llmtrace.model.points import Point, Source, Weight
-from llmtrace.model.transformer import ACTIVATIONS, Block, FeedForward, Module
+from llmtrace.model.transformer import ACTIVATIONS, EXPERTS, Block, FeedForward, Module
 from llmtrace.units import plural
 
 
@@ -65,9 +65,10 @@ class MoEFeedForward(Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_experts, self.k = config.n_experts, config.n_experts_used
-        self.expert_dim = config.expert_ffn_dim or config.ffn_dim  # Fe
-        self.renormalise = config.norm_topk_prob
+        e = config.parts[EXPERTS]  # its own config part: E, K, one expert's width, whether the K weights renormalise
+        self.n_experts, self.k = int(e["n"]), int(e["k"])
+        self.expert_dim = e.get("width") or config.ffn_dim  # Fe
+        self.renormalise = bool(e.get("renormalise", True))
         self.act, self.act_name = ACTIVATIONS[config.ffn_act], config.ffn_act
         # the router's declared variant (ModelConfig.parts["router"], none for Mixtral's): its score ("softmax" or
         # "sigmoid"), a bias added to the scores for choosing only, a choice within the best `groups_used` of

@@ -21,6 +21,9 @@ EXPERT_DOWN = Point("down", "s6.7", ("T", "D"), editable=True,
                           "output")
 
 MOE_POINTS = (ROUTER_LOGITS, ROUTER_PROBS, EXPERT_WEIGHTS, EXPERT_GATE, EXPERT_UP, EXPERT_ACT, EXPERT_DOWN)
+# the points whose formulas make the router's one line in explain (the choice rule, the experts' gated activation,
+# the weighted sum), in every language
+ROUTER_LINE = (ROUTER_PROBS.name, EXPERT_WEIGHTS.name, EXPERT_ACT.name, EXPERT_DOWN.name)
 
 
 def expert_points(points) -> tuple[str, str]:

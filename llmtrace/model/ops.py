@@ -10,11 +10,13 @@ the operation, its operands' tensors in float64 (x), its weights' (w) and the po
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from llmtrace.model.maths import OpKind, carried_words, declare, glu_name, mask_words, number, weight_name
+from llmtrace.model.maths import (ACTIVATION, ROTATION, OpKind, carried_words, declare, glu_name, mask_words, number,
+                                  weight_name)
 from llmtrace.model.recompute import ACTS
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -285,6 +287,16 @@ def _rope_line(o, name, x, c, say):
     return say(pairs, name=name, x=x[0], half=dr // 2, base=number(c["base"]), dr=dr) + part + scaled + factor
 
 
+def _rope_card(o) -> Optional[dict]:
+    """What a RoPE card prints beside the θᵢ the layer declares: an entry i and the unscaled base^(−2i/d) there,
+    which a scaled RoPE (YaRN, LongRoPE, ...) does not run; None where the layer turns nothing."""
+    c = o.const
+    if c("rotation") == "none" or not c("rotary_dim") or not c("base"):
+        return None
+    i = min(4, c("rotary_dim") // 2 - 1)
+    return {"i": i, "plain": c("base") ** (-2 * i / c("rotary_dim"))}
+
+
 def _repeat_kv(o, x, w, shape, **_):
     k = x[0].transpose(1, 2)  # (B, Hkv, T, Dh)
     return k.repeat_interleave(o.const("group"), dim=1)  # (B, H, T, Dh)
@@ -359,7 +371,7 @@ declare(
             "rope_adjacent": ("{name}: pairs ({x}_2i, {x}_2i+1) turned by pos·θ_i, θ_i = {base}^(−2i/{dr})",
                               "{name}：相邻的每一对 ({x}_2i, {x}_2i+1) 旋转 pos·θ_i，θ_i = {base}^(−2i/{dr})"),
             "rope_part": (" (the first {dr} of {dh} dims)", "（只转前 {dr} 维，共 {dh} 维）"),
-            "rope_factor": (", cos and sin × {f}", "，cos 与 sin × {f}")}, _rope),
+            "rope_factor": (", cos and sin × {f}", "，cos 与 sin × {f}")}, _rope, role=ROTATION, card=_rope_card),
     OpKind("cache_write", "K, V → cache[slots]", lambda o, name, x, c, say: say("cache_write", x=", ".join(x)),
            {"cache_write": ("{x} → the cache's slots for this pass", "{x} → 本次前向在缓存中的槽位")}),
     OpKind("repeat_kv", "K_h = K_{h // G}", lambda o, name, x, c, say: say("repeat_kv", name=name, x=x[0],
@@ -483,7 +495,7 @@ ROUTER_WORDS = {
 
 declare(
     __name__,
-    OpKind("glu", "y = act(gate) ⊙ up", _glu_line, {}, _glu),
+    OpKind("glu", "y = act(gate) ⊙ up", _glu_line, {}, _glu, role=ACTIVATION),
     OpKind("router", "w = top-k(softmax(logits))", _router_line, ROUTER_WORDS, _router),
     OpKind("expert_matmul", "y_k = x · W_{e_k}ᵀ",
            lambda o, name, x, c, say: say("expert_matmul_bias" if len(o.weights) > 1 else "expert_matmul", name=name,

@@ -58,9 +58,15 @@ from llmtrace.model.wiring import Addition, LayerWiring, Path, Rescale, split_he
 Hook = Callable[[Optional[int], str, torch.Tensor], Optional[torch.Tensor]]
 
 
-# fields of an older ModelConfig that are now a config part: old field -> (part, key)
+# fields of an older ModelConfig that are now a config part: old field -> (part, key). A checkpoint's reader may
+# still give a family's numbers by these names; ModelConfig.from_dict files each into its part.
+EXPERTS = "experts"  # the config part of a mixture-of-experts feed-forward (model.moe), read by its declaration
 MOVED_TO_PARTS = {"attn_softcap": ("softcap", "cap"), "swiglu_alpha": ("glu_clamp", "alpha"),
-                  "swiglu_limit": ("glu_clamp", "limit")}
+                  "swiglu_limit": ("glu_clamp", "limit"),
+                  "n_experts": (EXPERTS, "n"), "n_experts_used": (EXPERTS, "k"), "expert_ffn_dim": (EXPERTS, "width"),
+                  "norm_topk_prob": (EXPERTS, "renormalise"), "dense_layers": (EXPERTS, "dense_layers")}
+# the values those fields had when they said nothing (a dense model's): not filed into a part
+SAID_NOTHING = {"n_experts": 0, "n_experts_used": 0, "norm_topk_prob": True}
 
 
 @dataclass
@@ -87,14 +93,10 @@ class ModelConfig:
     rope_local_theta: Optional[float] = None  # a separate RoPE base for the sliding-window layers (Gemma 3)
     rotary_dim: Optional[int] = None  # RoPE turns only the first rotary_dim dims of each head (Phi-3); None: all Dh
     final_softcap: Optional[float] = None  # the logits likewise (Gemma 2)
-    n_experts: int = 0  # E: a mixture-of-experts feed-forward's experts (0: a dense feed-forward)
-    n_experts_used: int = 0  # K: experts each token is routed to
-    expert_ffn_dim: Optional[int] = None  # one expert's hidden width (None: ffn_dim)
-    norm_topk_prob: bool = True  # the K chosen probabilities renormalised to sum to 1
-    dense_layers: Optional[list] = None  # layers whose feed-forward is dense in a mixture-of-experts model
     no_rope_layers: Optional[list] = None  # layers that rotate nothing (SmolLM3's every 4th): q, k go on unturned
     # a kind's own config part, read by its own declaration (model.kinds): part name -> its fields, with "axes" the
-    # sizes of the axis names its points and weights use ({"mla": {"axes": {"R": 512, ...}, ...}})
+    # sizes of the axis names its points and weights use ({"mla": {"axes": {"R": 512, ...}, ...}}); a mixture of
+    # experts' is "experts" (model.moe: n, k, width, renormalise, dense_layers; the properties below read it)
     parts: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # facts kept for display only (source format, quantization, ...)
 
@@ -102,12 +104,35 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         """A config as `asdict` wrote it, also by an older llmtrace (a cached GGUF conversion): fields that became a
         kind's own config part move into `parts`, None values dropped."""
-        d, parts = dict(d), dict(d.get("parts") or {})
+        d, parts = dict(d), {name: dict(part) for name, part in (d.get("parts") or {}).items()}
         for old, (part, key) in MOVED_TO_PARTS.items():
             value = d.pop(old, None)
-            if value is not None:
+            if value is not None and not (old in SAID_NOTHING and value == SAID_NOTHING[old]):
                 parts.setdefault(part, {})[key] = value
         return cls(**{**d, "parts": parts})
+
+    # a mixture of experts' numbers, from its config part (EXPERTS; a dense feed-forward has none): E, K, Fe, whether
+    # the K chosen weights are renormalised to sum to 1, the layers whose feed-forward stays dense
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.parts.get(EXPERTS, {}).get("n", 0))
+
+    @property
+    def n_experts_used(self) -> int:
+        return int(self.parts.get(EXPERTS, {}).get("k", 0))
+
+    @property
+    def expert_ffn_dim(self) -> Optional[int]:
+        return self.parts.get(EXPERTS, {}).get("width")
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return bool(self.parts.get(EXPERTS, {}).get("renormalise", True))
+
+    @property
+    def dense_layers(self) -> Optional[list]:
+        return self.parts.get(EXPERTS, {}).get("dense_layers")
 
     @property
     def group_size(self) -> int:

@@ -20,6 +20,7 @@ from llmtrace.render.explain_latent import latent
 from llmtrace.render.explain_state import conv_window, delta_rule, ssm_scan, state_cache
 from llmtrace.render.generate import axes_for, fmt_num, print_fitted, shape_text, visible
 from llmtrace.render.say import Say, verbatim
+from llmtrace.trace.events import Section
 from llmtrace.trace.reader import trace_points
 from llmtrace.units import human_bytes
 from llmtrace.words import in_words
@@ -116,16 +117,26 @@ def _cut_short(console: Console, events: list[dict], model: Optional[dict], toke
 # the explain view
 
 
+# the sections a kind of layer declares for its own mixer (model.kinds EXPLAIN), each with its view, in the order
+# they are drawn: (console, event, the prompt's tokens, say)
+KIND_SECTIONS = (
+    (Section.DELTA_RULE, delta_rule),  # a layer whose memory is a recurrent state (render.explain_state)
+    (Section.STATE_UPDATE, ssm_scan),  # a Mamba2 layer
+    (Section.CONVOLUTION, conv_window),  # a short convolution layer
+    (Section.LATENT_CACHE, lambda console, ev, toks, say: latent(console, ev, say)),  # MLA (render.explain_latent)
+)
+
+
 def render_explain(events: list[dict], console: Console, say: Optional[Say] = None) -> None:
     say = say or Say()
     by = {}
     heads, tensors, lens_rows = [], [], []
     for ev in events:
         kind = ev["event"]
-        if kind == "explain" and ev["section"] == "attention_head":
+        if kind == "explain" and ev["section"] == Section.ATTENTION_HEAD:
             heads.append(ev)
-        elif kind == "explain" and ev["section"] == "rmsnorm":
-            by.setdefault("rmsnorm", []).append(ev)
+        elif kind == "explain" and ev["section"] == Section.RMSNORM:
+            by.setdefault(Section.RMSNORM, []).append(ev)
         elif kind == "explain":
             by[ev["section"]] = ev
         elif kind == "tokens":
@@ -134,43 +145,37 @@ def render_explain(events: list[dict], console: Console, say: Optional[Say] = No
             tensors.append(ev)
         elif kind == "lens":
             lens_rows.append(ev)
-    if _cut_short(console, events, by.get("model"), by.get("tokens"),
-                  complete="kv_cache" in by or "state_cache" in by or "memory" in by, say=say):
+    if _cut_short(console, events, by.get(Section.MODEL), by.get("tokens"),
+                  complete=Section.KV_CACHE in by or Section.STATE_CACHE in by or Section.MEMORY in by, say=say):
         return
     toks = [t["text"] for t in by["tokens"]["tokens"]]
-    _header(console, by["model"], by["tokens"], say)
+    _header(console, by[Section.MODEL], by["tokens"], say)
     _batch_masks(console, events, say)
-    _layer(console, by["layer"], say)
-    if "steps" in by:
-        _steps(console, by["steps"], say)
-    _rmsnorm(console, by["rmsnorm"], toks, say)
-    # the mixer's sections, those its kind declared (model.kinds EXPLAIN): drawn as they are present
-    if "delta_rule" in by:  # a layer whose memory is a recurrent state (render.explain_state)
-        delta_rule(console, by["delta_rule"], toks, say)
-    if "state_update" in by:  # a Mamba2 layer
-        ssm_scan(console, by["state_update"], toks, say)
-    if "convolution" in by:  # a short convolution layer
-        conv_window(console, by["convolution"], toks, say)
-    if "latent_cache" in by:  # a multi-head latent attention layer (render.explain_latent)
-        latent(console, by["latent_cache"], say)
-    if "qkv" in by:
-        _qkv(console, by["qkv"], say)
-    if "rope" in by:
-        _rope(console, by["rope"], say)
-    if "attention" in by:
-        _attention(console, by["attention"], heads, by["attention_map"], toks, say)
-    _residual(console, by["residual"], toks, say)
-    if "router" in by:
-        _router(console, by["router"], toks, say)
+    _layer(console, by[Section.LAYER], say)
+    if Section.STEPS in by:
+        _steps(console, by[Section.STEPS], say)
+    _rmsnorm(console, by[Section.RMSNORM], toks, say)
+    for key, view in KIND_SECTIONS:  # the mixer's own sections, those its kind declared: drawn as they are present
+        if key in by:
+            view(console, by[key], toks, say)
+    if Section.QKV in by:
+        _qkv(console, by[Section.QKV], say)
+    if Section.ROPE in by:
+        _rope(console, by[Section.ROPE], say)
+    if Section.ATTENTION in by:
+        _attention(console, by[Section.ATTENTION], heads, by[Section.ATTENTION_MAP], toks, say)
+    _residual(console, by[Section.RESIDUAL], toks, say)
+    if Section.ROUTER in by:
+        _router(console, by[Section.ROUTER], toks, say)
     else:
-        _ffn(console, by["ffn"], toks, say)
-    if "state_cache" in by:
-        state_cache(console, by["state_cache"], say)
-    elif "memory" in by:
-        _memory(console, by["memory"], say)
+        _ffn(console, by[Section.FFN], toks, say)
+    if Section.STATE_CACHE in by:
+        state_cache(console, by[Section.STATE_CACHE], say)
+    elif Section.MEMORY in by:
+        _memory(console, by[Section.MEMORY], say)
     else:
-        _kv(console, by["kv_cache"], say)
-    _lens_here(console, lens_rows, by["model"], say)
+        _kv(console, by[Section.KV_CACHE], say)
+    _lens_here(console, lens_rows, by[Section.MODEL], say)
     _tensors(console, tensors, trace_points(events), say)
 
 

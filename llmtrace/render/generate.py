@@ -898,13 +898,14 @@ def _rope_words(points: list[dict], maths: Optional[dict]) -> tuple[str, str]:
         return " and ".join(p["name"] for p in points if p.get("seed_step") == "s6.3" and p["layer"] == 0), \
             "in every layer"
     plans = [maths["kinds"][k]["plan"] for k in maths["layer_kind"]]
-    names = dict.fromkeys(n for kind in maths["kinds"] for n, o in kind["ops"].items() if o["op"] == "rope")
+    from llmtrace.model.maths import ROTATION, attention_words, has_role, plan_from_record
+
+    names = dict.fromkeys(n for kind in maths["kinds"] for n, o in kind["ops"].items() if has_role(o["op"], ROTATION))
     turning = [i for i, plan in enumerate(plans) if plan.get("rope")]
     if len(turning) == len(plans):
         return " and ".join(names), "in every layer"
     if not turning:
         return " and ".join(names), "in no layer: no layer turns q and k"
-    from llmtrace.model.maths import attention_words, plan_from_record
 
     other = plan_from_record(plans[next(i for i in range(len(plans)) if i not in turning)])
     return " and ".join(names), (f"in {noun(len(turning), 'layer')} {', '.join(map(str, turning))} only "

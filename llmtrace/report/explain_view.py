@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmtrace.render.say import Say
+from llmtrace.trace.events import Section
 
 
 def _segments(t: Any) -> list[dict]:
@@ -89,7 +90,7 @@ def explain_blocks(events: list[dict], lang: str = "en") -> list[dict]:
 
     console, say = Blocks(), Say(lang)
     render_explain(localized(events, lang), console, say)
-    steps = next((e for e in events if e.get("event") == "explain" and e.get("section") == "steps"), None)
+    steps = next((e for e in events if e.get("event") == "explain" and e.get("section") == Section.STEPS), None)
     columns = [say("explain.col.point"), say("explain.col.op")]
     table = next((b for b in console.blocks if b["kind"] == "table" and (b["header"] or [])[:2] == columns), None)
     if steps is not None and table is not None and len(table["rows"]) == len(steps["steps"]):
@@ -98,13 +99,13 @@ def explain_blocks(events: list[dict], lang: str = "en") -> list[dict]:
                               | ({"max-error": r["check"]["max_abs"], "max-rel": r["check"]["max_rel"]}
                                  if r["check"] else {}) for r in steps["steps"]]
     return with_grid(console.blocks, next((e for e in events if e.get("event") == "explain"
-                                           and e.get("section") == "attention_map"), None), events)
+                                           and e.get("section") == Section.ATTENTION_MAP), None), events)
 
 
 def said_changes(e: dict, lang: str) -> dict:
     """The model section's "what it changes" lines from its family's words in `lang` (model.family.said_in, by each
     line's recorded key and arguments), as the page's run table says them; a line without words stays as recorded."""
-    m = e.get("model") if e.get("event") == "explain" and e.get("section") == "model" else None
+    m = e.get("model") if e.get("event") == "explain" and e.get("section") == Section.MODEL else None
     if not m or not m.get("changes_said"):
         return e
     from llmtrace.model.family import said_in
@@ -120,11 +121,13 @@ def localized(events: list[dict], lang: str) -> list[dict]:
     with the catalogue's "maths." words): the steps' table, the norms, RoPE and the GLU."""
     if lang == "en":
         return events
+    from llmtrace.model.llama_points import ATTENTION_LINE, Q_ROPE
     from llmtrace.model.maths import Maths, formula
+    from llmtrace.model.moe_points import ROUTER_LINE
     from llmtrace.report.i18n import Words
 
     events = [said_changes(e, lang) for e in events]
-    head = next((e for e in events if e.get("event") == "explain" and e.get("section") == "model"), None)
+    head = next((e for e in events if e.get("event") == "explain" and e.get("section") == Section.MODEL), None)
     maths = Maths.from_record((head or {}).get("maths"))
     words = Words(lang).maths
     if maths is None or not words:
@@ -134,32 +137,27 @@ def localized(events: list[dict], lang: str) -> list[dict]:
         o = maths.op(layer, name)
         return text if o is None else formula(o, name, layer, maths, words)
 
+    def line(layer: int, names) -> str:
+        """The points explain's one line says (declared in model: ATTENTION_LINE, ROUTER_LINE), joined."""
+        return " ｜ ".join(formula(maths.op(layer, n), n, layer, maths, words) for n in names
+                          if maths.op(layer, n) is not None)
+
     out = []
     for e in events:
         sec = e.get("section") if e.get("event") == "explain" else None
-        if sec == "steps":
+        if sec == Section.STEPS:
             e = dict(e, steps=[dict(r, formula=said(e["layer"], r["point"], r["formula"])) for r in e["steps"]])
-        elif sec == "attention":  # the declared scores, softmax and P·V, as explain joins them
-            table = maths.layers[e["layer"]]
-            names = [n for n, o in table.items() if o.kind in ("scores", "softcap", "softmax", "weighted_sum")]
-            e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names[-3:]))
-        elif sec == "router" and e.get("layer") is not None:  # the declared choice rule, GLU and weighted sum
-            table = maths.layers[e["layer"]]
-            router = next((n for n, o in table.items() if o.kind == "router"), None)
-            if router is not None:
-                first = table[router].inputs[0]
-                names = ([first] if first in table and table[first].kind == "softmax" else []) + [router] + [
-                    n for n, o in table.items() if o.kind in ("glu", "expert_mix")]
-                e = dict(e, formula=" ｜ ".join(formula(table[n], n, e["layer"], maths, words) for n in names))
-        elif sec == "state_cache" and e.get("updates"):  # the declared updates of the state it keeps
-            e = dict(e, updates={n: said(e["layer"], n, text) for n, text in e["updates"].items()})
-        elif sec == "rmsnorm":
+        elif sec == Section.ATTENTION:  # the declared scores, softmax and P·V, as explain joins them
+            e = dict(e, formula=line(e["layer"], ATTENTION_LINE))
+        elif sec == Section.ROUTER and e.get("layer") is not None:  # the declared choice rule, GLU and weighted sum
+            if maths.op(e["layer"], ROUTER_LINE[0]) is not None:
+                e = dict(e, formula=line(e["layer"], ROUTER_LINE))
+        elif sec == Section.STATE_CACHE:  # each carried state's update, as its declared operation says it
+            e = dict(e, updates={n: said(e["layer"], n, text) for n, text in (e.get("updates") or {}).items()})
+        elif sec == Section.RMSNORM:
             e = dict(e, formula=said(e["layer"], e["norm"], e["formula"]))
-        elif sec == "state_cache":  # each carried state's update, as its declared operation says it
-            e = dict(e, updates={n: said(e["layer"], n, f) for n, f in (e.get("updates") or {}).items()})
-        elif sec == "rope":
-            rope = next((n for n, o in maths.layers[e["layer"]].items() if o.kind == "rope"), None)  # q's, declared first
-            e = dict(e, formula=said(e["layer"], rope, e["formula"]) if rope else e["formula"])
+        elif sec == Section.ROPE:  # q's rotation, as explain's section says it
+            e = dict(e, formula=said(e["layer"], Q_ROPE.name, e["formula"]))
         out.append(e)
     return out
 

@@ -172,13 +172,13 @@ def fast_words(fast: dict, w) -> str:
 
 def glu_of(d: dict) -> str:
     """The gated activation's name as the model declares it (layer 0's act), e.g. SwiGLU or GeGLU."""
-    from llmtrace.model.maths import glu_name, op_from_record
+    from llmtrace.model.maths import ACTIVATION, glu_name, has_role, op_from_record
 
     rec = (d.get("maths") or {}).get("record")
     if not rec:
         return "SwiGLU"  # a trace written before the maths was declared: Llama's
-    for kind in rec["kinds"]:
-        act = next((o for o in kind["ops"].values() if o["op"] == "glu"), None)
+    for kind in rec["kinds"]:  # the first gated activation the model declares (OpKind.role)
+        act = next((o for o in kind["ops"].values() if has_role(o["op"], ACTIVATION)), None)
         if act:
             return glu_name(op_from_record(act))
     return "GLU"

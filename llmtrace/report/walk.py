@@ -69,7 +69,7 @@ def maths_view(run: Optional[dict], head: Optional[dict], words: Optional[dict] 
     """The model's declared maths for the page (model.maths): the trace's record, and each point's formula with its
     layer kind's constants, written once here (maths.formula, in the page's `words`) so that the page shows what
     explain prints. None for a trace written before the maths was declared."""
-    from llmtrace.model.maths import Maths, formula
+    from llmtrace.model.maths import Maths, card_numbers, formula
 
     record = (run or {}).get("maths") or (head or {}).get("maths")
     maths = Maths.from_record(record)
@@ -80,18 +80,10 @@ def maths_view(run: Optional[dict], head: Optional[dict], words: Optional[dict] 
              for k in range(len(record["kinds"]))]
     return {"record": record, "formulas": {"model": {n: formula(o, n, None, maths, words) for n, o in maths.model.items()},
                                            "kinds": kinds},
-            "rope": [{n: rope_words(o) for n, o in maths.layers[first[k]].items() if rope_words(o)}
+            # the numbers each card prints from its operation's constants alone, as the kind declares them
+            # (OpKind.card: RoPE's unscaled θᵢ, the only kind that has any; the page reads them as `rope`)
+            "rope": [{n: card for n, o in maths.layers[first[k]].items() if (card := card_numbers(o))}
                      for k in range(len(record["kinds"]))]}
-
-
-def rope_words(o) -> Optional[dict]:
-    """What a RoPE card prints beside the θᵢ the layer declares: an entry i and the unscaled base^(−2i/d) there,
-    which a scaled RoPE (YaRN, LongRoPE, ...) does not run."""
-    c = o.const
-    if o.kind != "rope" or c("rotation") == "none" or not c("rotary_dim") or not c("base"):
-        return None
-    i = min(4, c("rotary_dim") // 2 - 1)
-    return {"i": i, "plain": c("base") ** (-2 * i / c("rotary_dim"))}
 
 
 def pack_f32(values) -> str:

@@ -43,10 +43,11 @@ from llmtrace.run.interventions import prepare, record
 from llmtrace.run.explain_state import delta_rule_section, state_cache_section, state_op
 from llmtrace.run.explain_router import moe_costs, router_section
 from llmtrace.model.capture import capture as capture_points
-from llmtrace.model.llama_points import (ACT, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE, KV_WRITE, O_PROJ,
-                                         LOGITS, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE, SCORES, UP, V)
+from llmtrace.model.llama_points import (ACT, ATTENTION_LINE, ATTN_OUT, DOWN, EMBED, GATE, K, K_REPEATED, K_ROPE,
+                                         KV_WRITE, LOGITS, O_PROJ, PROBS, Q, Q_ROPE, RESID_MID, RESID_POST, RESID_PRE,
+                                         SCORES, UP, V)
 from llmtrace.model.points import SEED_STEPS
-from llmtrace.model.maths import attention_words, formula, glu_name, rope_words
+from llmtrace.model.maths import attention_words, formula, glu_name, op_kind, rope_words
 from llmtrace.model.recompute import ACTS, apply, max_error
 from llmtrace.model.points import Points
 from llmtrace.model.transformer import ModelConfig, Transformer, apply_rope, kv_bytes_per_position, rope_angles
@@ -227,8 +228,8 @@ def step_check(cap: Capture, model: Transformer, maths, name: str, o) -> Optiona
     """The declared operation of point `name` recomputed in float64 from the pass's own operands, beside the value
     the pass reported: {"max_abs", "max_rel", "ok"}; None where the pass did not keep an operand or a weight."""
     out = cap.points.get(name)
-    if out is None or o.kind in ("cache_write", "lookup") or not torch.is_tensor(out):
-        return None
+    if out is None or op_kind(o.kind).evaluate is None or not torch.is_tensor(out):
+        return None  # no tensor, or nothing to recompute (the slots a cache write names: the kind has no evaluator)
     carried = o.const("carried") or ()  # a recurrent state before this pass: none, the pass starts from an empty cache
     args = [None if ref in carried else _operand(cap, maths, ref) for ref in o.inputs]
     weights = [_weight(model, f"layers.{cap.layer}.{w}") for w in o.weights]
@@ -486,8 +487,7 @@ def scores_before_mask(cap: Capture, config: ModelConfig, attn=None) -> torch.Te
 def attention_formula(maths, layer: int) -> str:
     """The attention of `layer` as the model declares it: its scores (scale, soft-cap, mask, window), its softmax
     (a sink where the family has one), P·V."""
-    return "; ".join(formula(maths.op(layer, n), n) for n in (SCORES.name, PROBS.name, ATTN_OUT.name)
-                     if maths.op(layer, n) is not None)
+    return "; ".join(formula(maths.op(layer, n), n) for n in ATTENTION_LINE if maths.op(layer, n) is not None)
 
 
 def bin_edges(n: int, max_cells: int = MAP_CELLS) -> list[tuple[int, int]]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from llmtrace.model.moe_points import EXPERT_DOWN, EXPERT_WEIGHTS, ROUTER_LOGITS, ROUTER_PROBS, chosen_experts
+from llmtrace.model.moe_points import (EXPERT_DOWN, EXPERT_WEIGHTS, ROUTER_LINE, ROUTER_LOGITS, ROUTER_PROBS,
+                                      chosen_experts)
 from llmtrace.trace.records import rounded
 
 
@@ -63,8 +64,7 @@ def declared_formula(maths, layer: int) -> str:
     gpt-oss's top-k then softmax), the experts' gated activation (a clamped GLU) and the weighted sum."""
     from llmtrace.model.maths import formula
 
-    return "; ".join(formula(maths.op(layer, name), name, layer, maths)
-                     for name in (ROUTER_PROBS.name, EXPERT_WEIGHTS.name, "act", EXPERT_DOWN.name)
+    return "; ".join(formula(maths.op(layer, name), name, layer, maths) for name in ROUTER_LINE
                      if maths.op(layer, name) is not None)
 
 

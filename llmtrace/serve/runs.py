@@ -28,6 +28,7 @@ EXPLAIN_KEYS = {"layer", "head", "top", "chat", "system", "ablate", "scale"}
 LENS_KEYS = {"positions", "layers", "top", "chat", "system", "ablate", "scale"}
 PATCH_KEYS = {"clean", "corrupt", "answer", "against", "at"}
 COMPARE_KEYS = {"b_model", "max_new_tokens", "chat", "system", "tolerance", "b_ablate", "b_scale"}
+INTERVENTIONS = ("ablate", "scale")  # the keywords that are interventions, parsed apart (interventions())
 KEYS = {"generate": GENERATE_KEYS, "explain": EXPLAIN_KEYS, "lens": LENS_KEYS, "patch": PATCH_KEYS,
         "compare": COMPARE_KEYS}
 
@@ -113,7 +114,7 @@ def options_of(kind: str, body: dict, limits: Limits) -> tuple[Any, Any]:
         raise BadValue("prompt", f" is {len(prompt):,} characters; this server takes at most {limits.prompt_chars:,}")
     if kind == "compare":
         return prompt, compare_options(body, limits)
-    given = {k: v for k, v in body.items() if k not in ("prompt", "model", "ablate", "scale")}
+    given = {k: v for k, v in body.items() if k not in ("prompt", "model") and k not in INTERVENTIONS}
     given["interventions"] = interventions(body)
     if kind == "generate":
         check_tokens(given.setdefault("max_new_tokens", min(32, limits.max_new_tokens)), limits)

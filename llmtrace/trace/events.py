@@ -47,6 +47,38 @@ class Level(str, Enum):
             raise BadValue("trace", f" must be one of {', '.join(LEVELS)}, not {value!r}")
         return cls(value)
 
+class Section:
+    """explain's sections by key: the `section` of an explain event (the schema's enum, checked equal by a test). The
+    views branch on a section through these names; a section's key is not an operation's, though some read alike
+    (the rope section works the rotation; the router section the choice of experts). A kind of layer's own sections
+    are its EXPLAIN keys (model.kinds), listed here too."""
+
+    MODEL = "model"
+    LAYER = "layer"
+    STEPS = "steps"
+    RMSNORM = "rmsnorm"
+    QKV = "qkv"
+    ROPE = "rope"
+    ATTENTION = "attention"
+    ATTENTION_HEAD = "attention_head"
+    ATTENTION_MAP = "attention_map"
+    RESIDUAL = "residual"
+    FFN = "ffn"
+    ROUTER = "router"
+    KV_CACHE = "kv_cache"
+    DELTA_RULE = "delta_rule"
+    STATE_UPDATE = "state_update"
+    STATE_CACHE = "state_cache"
+    MEMORY = "memory"
+    LATENT_CACHE = "latent_cache"
+    CONVOLUTION = "convolution"
+
+
+def sections() -> tuple[str, ...]:
+    """Every section key, in the schema's order."""
+    return tuple(v for k, v in vars(Section).items() if k.isupper())
+
+
 def schema_path() -> Path:
     return Path(__file__).with_name("trace.schema.json")
 

@@ -227,7 +227,7 @@ class Recorder:
             shape = list(full_shape[1:]) if name != KV_WRITE.name else list(full_shape)
             view = None if distinct is x else (distinct.shape, distinct.stride())
             # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
-            group = (distinct.shape, x.dtype, x.device, name == "scores")
+            group = (distinct.shape, x.dtype, x.device, name == SCORES.name)
             layout = self._layouts[key] = (shape, view, repeats, group, _dtype_name(x.dtype))
         return layout
 

@@ -228,7 +228,7 @@ def _common(types: list[str], rope: bool, heads, head_dim, groups, state, kernel
     experts = moe_fields(n_experts, "num_local_experts", n_used, "num_experts_per_tok") if n_experts else {}
     mamba_layers = [i for i, t in enumerate(types) if t == "mamba"]
     return dict(layer_types=types, ffn_dim=int(shared_width), expert_ffn_dim=int(expert_width) if experts else None,
-                **experts, norm_topk_prob=False, attn_scale=multipliers.pop("attention_multiplier"),
+                **experts, **({"norm_topk_prob": False} if experts else {}), attn_scale=multipliers.pop("attention_multiplier"),
                 no_rope_layers=mamba_layers if rope else list(range(len(types))),
                 parts={mamba2.KEY: mamba2.config_part(n_heads, hd, g, int(state), int(kernel), True, dt_limit),
                        PART: multipliers})
