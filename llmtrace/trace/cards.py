@@ -35,8 +35,9 @@ from llmtrace.trace.worked import full_row_layers
 
 
 class Cards:
-    """What the worked cards need, worked out once from the model's declaration at the start of a run; `keep` is
-    told every point of an observed pass, `sampled` answers a point's computed sample at the end of the pass."""
+    """What the worked cards need, worked out once from the model's declaration at the start of a run; each pass's
+    points of `need` are kept in its CardPass (begin), and `sampled` answers a point's computed sample once the pass
+    is over."""
 
     def __init__(self, lm, selected: Optional[list[int]]):
         self.maths, self.model = lm.maths, lm.model
@@ -62,22 +63,16 @@ class Cards:
         self.before: dict[tuple, torch.Tensor] = {}  # carried operands: the pass before's
         self._weights: dict[tuple, torch.Tensor] = {}
         self._rows: dict[tuple, list] = {}  # a matrix product's gathered weight rows: the same in every pass
-        self.current: Optional[CardPass] = None  # the pass the model is running (begin), whose points keep fills
 
     def wants(self, layer: Optional[int]) -> bool:
         return layer is None or layer in self.layers
 
-    def keep(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
-        if (layer, name) in self.need and self.current is not None:
-            self.current.seen[(layer, name)] = x
-
     def begin(self, ids: Optional[torch.Tensor], positions: torch.Tensor, padding: Optional[torch.Tensor],
               first: int) -> "CardPass":
-        """A pass over slots [first, first + T): its ids (None where unknown), positions and padding. The pass's
-        points go to the CardPass returned (and kept as `current`), which `sampled` and `end` are then given: the
-        model may run the next pass while this one's cards are computed (trace.recorder's worker)."""
-        self.current = CardPass(ids, positions, padding, first)
-        return self.current
+        """A pass over slots [first, first + T): its ids (None where unknown), positions and padding. The recorder
+        puts the pass's points of `need` in the CardPass returned (its `seen`), and gives it to `sampled` and `end`:
+        the model may run the next pass while this one's cards are made (trace.recorder's worker)."""
+        return CardPass(ids, positions, padding, first)
 
     def end(self, p: "CardPass") -> None:
         """Pass `p` is over, its cards made: its cached operands join the history, its carried ones are the next

@@ -230,16 +230,16 @@ class Recorder:
         # Called at every named point of every observed pass (574 per step at --trace full): it only keeps the tensor.
         # Shapes, events and statistics are made for the whole batch in _reduce_queue.
         p = self._pass
-        if name in ROUTING and layer is not None and self.options.level.every_pass and \
-                self._layer_selected(layer):  # the router ledger: a routing event per MoE layer per pass
-            p.routes.setdefault(layer, {})[name] = x
-        wanted = self._memo.get((layer, name))
+        key = (layer, name)
+        wanted = self._memo.get(key)
         if wanted is None:
-            wanted = self._memo[(layer, name)] = (self._wanted(layer, name), self._dumped(layer, name))
+            wanted = self._memo[key] = self._decide(layer, name)
+        if wanted[3]:  # the router ledger: a routing event per MoE layer per pass
+            p.routes.setdefault(layer, {})[name] = x
         if p.shape_table is not None:
             self._note_shape(p, layer, name, x)
-        if self._cards is not None:  # the card layers' points and the operands they read (trace.cards)
-            self._cards.keep(layer, name, x)
+        if wanted[2] and p.cards is not None:  # the card layers' points and the operands they read (trace.cards)
+            p.cards.seen[key] = x
         if not wanted[0]:
             return  # the common case of a point nobody asked for: a dictionary look-up
         if self.tensors is not None and name in self._stored:
@@ -253,6 +253,13 @@ class Recorder:
         if p.queued >= self.QUEUE_ELEMENTS:  # (a long prefill) reduced here, once the worker has no pass of its own
             self._settle()
             self._reduce_queue(p)
+
+    def _decide(self, layer: Optional[int], name: str) -> tuple[bool, bool, bool, bool]:
+        """What a pass does with a point, worked out once: (its statistics are recorded, its values dumped, the cards
+        read it, it is routing's)."""
+        return (self._wanted(layer, name), self._dumped(layer, name),
+                self._cards is not None and (layer, name) in self._cards.need,
+                name in ROUTING and layer is not None and self.options.level.every_pass and self._layer_selected(layer))
 
     def _note_shape(self, p: "_Pass", layer: Optional[int], name: str, x: torch.Tensor) -> None:
         """The prefill's shape table: each point once, from the model-level points and the first layer that reports
@@ -515,20 +522,19 @@ class Recorder:
         when the pass after this one is over (or at the end of the run): a step's events come a pass later, never
         out of order, and byte for byte what the pass makes inline (LLMTRACE_TRACE_INLINE=1)."""
         p, self._pass = self._pass, _Pass(step, self.phase, 0, 0)
-        if self._cards is not None:
-            self._cards.current = None
         if self._worker is None:
             self._settle()
             self._deliver(self._finish(p))
             return
         mode = torch.is_inference_mode_enabled()
-        job = self._worker.submit(self._finish_in, p, mode)
+        job = self._worker.submit(self._in_mode, mode, lambda: self._finish(p))
         self._backlog.append(job)
         self._drain(until=job)  # the pass before's events, while the worker makes this one's
 
-    def _finish_in(self, p: "_Pass", inference: bool) -> list:
+    @staticmethod
+    def _in_mode(inference: bool, make: Callable[[], list]) -> list:
         with torch.inference_mode(inference):  # the worker's thread does not inherit the loop's mode
-            return self._finish(p)
+            return make()
 
     def _finish(self, p: "_Pass") -> list:
         """A pass's events, in order, made whole: its tensor events (their lines written), its routing events and its
@@ -665,12 +671,20 @@ class Recorder:
         return ev
 
     def on_step(self, rec, row: Optional[int] = None) -> None:
-        tok = self._tok
         r = row or 0
         if self._cards is not None and r < len(self._ids):  # the token the next pass reads, at the next position
             self._ids[r].append(rec.token)
             self._positions[r].append(self._positions[r][-1] + 1 if self._positions[r] else 0)
             self._mask[r].append(1)
+        if self._worker is not None and self._backlog:  # made in the worker too (its ledger's logits: ~1 ms)
+            mode = torch.is_inference_mode_enabled()
+            self._backlog.append(self._worker.submit(self._in_mode, mode, lambda: [self._step_event(rec, row)]))
+        else:
+            self.emit(self._step_event(rec, row))
+
+    def _step_event(self, rec, row: Optional[int]) -> dict:
+        """A step's event (a StepRecord, and the row of a batch): its token, the sampler's ledger, the KV cache."""
+        tok = self._tok
         ev: dict[str, Any] = {
             "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
             **({} if row is None else {"row": row}),
@@ -690,7 +704,7 @@ class Recorder:
                 ev["logits"] = logits_record(led.raw, self.options.logits_top)
         ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
         ev["ms"] = round(rec.ms, 3)
-        self.emit(ev)
+        return ev
 
     def on_prediction(self, ledger, position: int, kv, row: Optional[int] = None) -> None:
         """A prefill-only run (-n 0): what the model would predict at `position`; no token was taken."""
