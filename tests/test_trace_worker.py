@@ -149,3 +149,35 @@ def test_a_ctrl_c_leaves_a_whole_trace(tiny_lm, monkeypatch):
     assert steps == list(range(len(steps))) and events[-1]["tokens"] == result.tokens
     assert len(result.tokens) == len(steps) == 3
     assert {e["step"] for e in events if e["event"] == "tensor"} == {0, 1, 2, 3}  # pass 3 too, as inline
+
+
+def test_a_failed_run_sends_what_was_made(tiny_lm, monkeypatch):
+    """An exception out of the model in the fourth pass: the run raises it, and the sinks have received the same events
+    as inline (the three passes before it and their steps), the worker's included."""
+    import llmtrace
+    from llmtrace.api import GenerateOptions
+    from llmtrace.run import generate as loop
+
+    forward = loop.forward_step
+
+    def failing(*a, **k):
+        failing.calls += 1
+        if failing.calls == 4:
+            raise RuntimeError("the model failed")
+        return forward(*a, **k)
+
+    got = {}
+    for inline in (False, True):
+        if inline:
+            monkeypatch.setenv(INLINE_ENV, "1")
+        else:
+            monkeypatch.delenv(INLINE_ENV, raising=False)
+        failing.calls = 0
+        monkeypatch.setattr(loop, "forward_step", failing)
+        events: list[dict] = []
+        options = GenerateOptions.of(max_new_tokens=6, ignore_eos=True, trace="full", seed=1)
+        with pytest.raises(RuntimeError, match="the model failed"):
+            llmtrace.Model(tiny_lm).generate_with(PROMPT, options, sinks=[events.append])
+        got[inline] = lines(events)
+    assert got[False] == got[True]
+    assert sum(line.startswith(b'{"event":"step"') for line in got[False]) == 3

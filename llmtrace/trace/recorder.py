@@ -600,6 +600,18 @@ class Recorder:
                 backlog.popleft()
                 self._deliver([item])
 
+    def abandon(self) -> None:
+        """The run failed (an exception out of the generation loop): what the worker made before it reaches the sinks,
+        in order, as the inline recorder would have sent it; nothing more is raised."""
+        try:
+            self._drain()
+        except Exception:  # the failure itself, or a pass that failed with it: it is the caller's to report
+            self._backlog.clear()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=False)
+                self._worker = None
+
     def _settle(self) -> None:
         """Every pass the worker holds made and delivered: the worker and the backlog are empty."""
         self._drain()
