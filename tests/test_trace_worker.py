@@ -9,6 +9,7 @@ worker raises reaches the caller as itself; a Ctrl-C leaves a whole trace.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 import orjson
@@ -62,7 +63,9 @@ def traced(lm, level: str, *, inline: bool, monkeypatch, n: int = 5, layers=None
 
 
 def same_bytes(lm, monkeypatch, level="full", **kw) -> list[dict]:
+    switch = sys.getswitchinterval()
     worker, where = traced(lm, level, inline=False, monkeypatch=monkeypatch, **kw)
+    assert sys.getswitchinterval() == switch  # the worker's shorter interval ends with the run
     inline, where_inline = traced(lm, level, inline=True, monkeypatch=monkeypatch, **kw)
     a, b = lines(worker), lines(inline)
     assert len(a) == len(b)

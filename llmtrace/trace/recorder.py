@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -42,6 +43,9 @@ ROUTING = (ROUTER_PROBS.name, EXPERT_WEIGHTS.name)  # what a routing event is ma
 # Set (to anything) to make each observed pass's events in the generation loop's own thread, as it ends, rather than
 # in the recorder's worker while the next pass runs: the same bytes, one pass sooner, without the overlap.
 INLINE_ENV = "LLMTRACE_TRACE_INLINE"
+# While the worker runs, Python hands its lock between the two threads at least this often (its default: 5 ms), so that
+# the loop, back from a matrix product, does not wait a whole interval behind the worker's Python (benchmarks/RESULTS.md)
+SWITCH_S = 0.001
 
 
 
@@ -141,6 +145,7 @@ class Recorder:
         self._index: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # (row width, device) -> a sample's entries
         self._pass = _Pass(0, "prefill", 0, 0)  # the pass the model is running (before_forward makes each)
         self._worker: Optional[ThreadPoolExecutor] = None  # where a pass is finished while the next one runs
+        self._switch = sys.getswitchinterval()  # Python's, restored when the worker stops
         self._backlog: deque = deque()  # what waits to reach the sinks, in order: a pass's Future, or an event
         self._config = None  # the model's config, from on_start
         self._declare(llama_points())  # the model's own declaration replaces Llama's at on_start
@@ -463,6 +468,8 @@ class Recorder:
             threads = torch.get_num_threads()  # torch's setting is the calling thread's: the worker takes the same
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="llmtrace-trace",
                                               initializer=torch.set_num_threads, initargs=(threads,))
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch, SWITCH_S))
         self._rows = len(batch) if batch is not None else 1
         self._ids = [list(p) for p in batch] if batch is not None else [list(prompt_ids)]
         self._positions = [list(range(len(p))) for p in self._ids]
@@ -608,9 +615,13 @@ class Recorder:
         except Exception:  # the failure itself, or a pass that failed with it: it is the caller's to report
             self._backlog.clear()
         finally:
-            if self._worker is not None:
-                self._worker.shutdown(wait=False)
-                self._worker = None
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)  # nothing is left in it: the backlog is empty
+            self._worker = None
+            sys.setswitchinterval(self._switch)
 
     def _settle(self) -> None:
         """Every pass the worker holds made and delivered: the worker and the backlog are empty."""
@@ -726,9 +737,7 @@ class Recorder:
 
     def on_end(self, result) -> None:
         self._settle()  # every pass's events before the summary
-        if self._worker is not None:
-            self._worker.shutdown()
-            self._worker = None
+        self._stop_worker()
         self._growing.clear()  # nothing of the run's cache is held after it
         ev = batch_summary_event(result) if self._batched else summary_event(result)
         loads = self._load.records()
