@@ -52,7 +52,7 @@ def traced(lm, level: str, *, inline: bool, monkeypatch, n: int = 5, layers=None
     monkeypatch.setattr(cards_module.Cards, "sampled", noted)
     events: list[dict] = []
     rec = Recorder(TraceOptions(level=level, layers=layers), [events.append], run_info={"prompt": PROMPT})
-    greedy = lambda: Sampler(SamplerConfig(temperature=0.0, seed=1), lm.config.vocab_size)  # noqa: E731
+    greedy = lambda: Sampler(SamplerConfig(temperature=0.0, seed=1), lm.config.vocab_size)
     ids = lm.tokenizer.encode(PROMPT)
     if batch:
         generate_batch(lm, [ids, ids[:3]], [greedy(), greedy()], n, ignore_eos=True, observer=rec)

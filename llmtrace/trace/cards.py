@@ -158,7 +158,8 @@ class Cards:
         p.made[key] = made
         return made
 
-    def sampled(self, p: "CardPass", layer: Optional[int], name: str, index: list[int], row: Optional[int]) -> Optional[dict]:
+    def sampled(self, p: "CardPass", layer: Optional[int], name: str, index: list[int],
+                row: Optional[int]) -> Optional[dict]:
         """The computed sample of one recorded point (`row`: a batch's row, None for one prompt), or None where it
         was not computed (an operand not in the pass, a weight held quantized, an operation with nothing to check)."""
         made = self._make(p, layer, name, index)

@@ -6,6 +6,9 @@
   Statistics stay on the device until the pass ends and then cross to the host in one transfer;
 - the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
 
+At --trace layers and full a pass's events are made in the recorder's worker thread while the model runs the next
+pass (after_forward), and reach the sinks from the loop's thread a pass later, in order (the backlog, _drain).
+
 Events go to sinks (the JSONL stream and JSON document of `writers.py`, the terminal renderer). Renderers never see the
 model, only events, so a saved trace can be shown again without it (`llmtrace show`).
 """
@@ -43,8 +46,9 @@ ROUTING = (ROUTER_PROBS.name, EXPERT_WEIGHTS.name)  # what a routing event is ma
 # Set (to anything) to make each observed pass's events in the generation loop's own thread, as it ends, rather than
 # in the recorder's worker while the next pass runs: the same bytes, one pass sooner, without the overlap.
 INLINE_ENV = "LLMTRACE_TRACE_INLINE"
-# While the worker runs, Python hands its lock between the two threads at least this often (its default: 5 ms), so that
-# the loop, back from a matrix product, does not wait a whole interval behind the worker's Python (benchmarks/RESULTS.md)
+# While the worker runs, Python hands its lock between the two threads at least this often (its default: 5 ms), so
+# that the loop, back from a matrix product, does not wait a whole interval behind the worker's Python
+# (benchmarks/RESULTS.md)
 SWITCH_S = 0.001
 
 
