@@ -236,7 +236,7 @@ def arm_overhead(spec: dict) -> dict:
     at which step events reach the sink (the decode steps alone), and the whole run's time.
 
     Beside the wall clock, per decode step: the generation loop's thread's CPU time (the sinks run in it; at --trace
-    layers and full the recorder's worker makes each pass's events in a thread of its own, whose CPU time is not
+    full the recorder's worker makes each pass's events in a thread of its own, whose CPU time is not
     the loop's: it shows in the wall clock only as what it delays the loop), the process's CPU time (both threads),
     and the wall clock less the loop thread's wait for a CPU (what other processes on a shared machine add)."""
     import llmtrace  # the public API: a benchmark measures what users run

@@ -1,9 +1,10 @@
-"""The recorder's worker (issue 51 item 3): at --trace layers and full an observed pass's events (statistics, samples,
-worked cards) are made in a thread of the recorder's own while the model runs the next pass, and reach the sinks a
-pass later. What reaches them is the inline recorder's, byte for byte and in the same order
-(LLMTRACE_TRACE_INLINE=1 makes them in the loop's thread), for the tiny Llama, families with experts (routing events),
-a recurrent state (carried operands) and a KV-shared cache, a batch, and the real SmolLM2 (slow); an exception the
-worker raises reaches the caller as itself; a Ctrl-C leaves a whole trace.
+"""The recorder's worker (issue 51 item 3): at --trace full an observed pass's events (statistics, samples, worked
+cards) are made in a thread of the recorder's own while the model runs the next pass, and reach the sinks a pass
+later. What reaches them is the inline recorder's, byte for byte and in the same order (LLMTRACE_TRACE_INLINE=1 makes
+them in the loop's thread), for the tiny Llama, families with experts (routing events), a recurrent state (carried
+operands) and a KV-shared cache, a batch, and the real SmolLM2 (slow); --trace layers stays inline (each step out as
+it ends: tests/test_interrupt.py); an exception the worker raises reaches the caller as itself; a Ctrl-C or a failed
+run leaves what the inline recorder would have sent.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@
   Statistics stay on the device until the pass ends and then cross to the host in one transfer;
 - the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
 
-At --trace layers and full a pass's events are made in the recorder's worker thread while the model runs the next
-pass (after_forward), and reach the sinks from the loop's thread a pass later, in order (the backlog, _drain).
+At --trace full a pass's events are made in the recorder's worker thread while the model runs the next pass
+(after_forward), and reach the sinks from the loop's thread a pass later, in order (the backlog, _drain). At the other
+levels a pass's events are out before the next pass begins (tests/test_interrupt.py: a reader following the file
+sees each step as it ends).
 
 Events go to sinks (the JSONL stream and JSON document of `writers.py`, the terminal renderer). Renderers never see the
 model, only events, so a saved trace can be shown again without it (`llmtrace show`).
@@ -468,7 +470,7 @@ class Recorder:
         self._declare(lm.points)
         if self.options.level.full:
             self._cards = Cards(lm, self.options.layers)
-        if self.options.level.every_pass and self._worker is None and not os.environ.get(INLINE_ENV):
+        if self.options.level.full and self._worker is None and not os.environ.get(INLINE_ENV):
             threads = torch.get_num_threads()  # torch's setting is the calling thread's: the worker takes the same
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="llmtrace-trace",
                                               initializer=torch.set_num_threads, initargs=(threads,))
