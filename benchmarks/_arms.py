@@ -220,10 +220,25 @@ def arm_cold(spec: dict) -> dict:
 # the cost of tracing, measured in one process
 
 
+def _runqueue_s() -> float:
+    """Seconds this thread has waited for a CPU while ready to run (Linux's schedstat; 0 where there is none): what a
+    shared machine adds to a wall-clock time that a quiet one would not."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def arm_overhead(spec: dict) -> dict:
     """The trace levels through the public API, as `llmtrace generate --trace LEVEL --jsonl FILE` runs them (the
     1,000 largest logits of each step at --trace full included): each level's untraced-decode ratio, from the times
-    at which step events reach the sink (the decode steps alone), and the whole run's time."""
+    at which step events reach the sink (the decode steps alone), and the whole run's time.
+
+    Beside the wall clock, per decode step: the generation loop's thread's CPU time (the sinks run in it; at --trace
+    full the recorder's worker makes each pass's events in a thread of its own, whose CPU time is not
+    the loop's: it shows in the wall clock only as what it delays the loop), the process's CPU time (both threads),
+    and the wall clock less the loop thread's wait for a CPU (what other processes on a shared machine add)."""
     import llmtrace  # the public API: a benchmark measures what users run
     from llmtrace.api import GenerateOptions
     from llmtrace.trace.writers import JsonlWriter
@@ -234,12 +249,12 @@ def arm_overhead(spec: dict) -> dict:
 
     def one(level: str) -> tuple[float, float]:
         sink = JsonlWriter(os.devnull)  # every event encoded and written, as with --jsonl FILE
-        steps: list[float] = []
+        steps: list[tuple[float, float, float, float]] = []
 
         def clock(ev: dict) -> None:
             if ev.get("event") == "step":
                 _sync(spec["device"])
-                steps.append(time.perf_counter())
+                steps.append((time.perf_counter(), time.thread_time(), time.process_time(), _runqueue_s()))
 
         options = GenerateOptions.of(max_new_tokens=spec["new_tokens"], ignore_eos=True, trace=level)
         _sync(spec["device"])
@@ -249,20 +264,27 @@ def arm_overhead(spec: dict) -> dict:
         finally:
             sink.close()
         _sync(spec["device"])
-        return time.perf_counter() - t, (steps[-1] - steps[0]) / (len(steps) - 1)
+        per = [(b - a) / (len(steps) - 1) for a, b in zip(steps[0], steps[-1])]
+        per[3] = per[0] - per[3]  # the wall clock less the wait for a CPU
+        return time.perf_counter() - t, per
 
     for level in levels:  # warm-up: first calls, allocator
         one(level)
     times: dict[str, list[float]] = {lv: [] for lv in levels}
-    step_s: dict[str, list[float]] = {lv: [] for lv in levels}
+    views = ("step_seconds", "loop_cpu_seconds", "process_cpu_seconds", "wall_less_runqueue_seconds")
+    per_step: dict[str, dict[str, list[float]]] = {v: {lv: [] for lv in levels} for v in views}
     for r in range(spec.get("overhead_pairs", 8)):
         for level in levels if r % 2 == 0 else levels[::-1]:
-            whole, per_step = one(level)
+            whole, each = one(level)
             times[level].append(whole)
-            step_s[level].append(per_step)
+            for v, x in zip(views, each):
+                per_step[v][level].append(x)
+    step_s = per_step["step_seconds"]
     # time per decode step, traced / untraced (> 1: slower); its inverse is the speed ratio the issue's targets name
     ratios = {lv: [t / n for t, n in zip(step_s[lv], step_s["none"])] for lv in levels[1:]}
-    return {"seconds": times, "step_seconds": step_s, "ratios": ratios,
+    other = {v: {lv: [t / n for t, n in zip(per_step[v][lv], per_step[v]["none"])] for lv in levels[1:]}
+             for v in views[1:]}
+    return {"seconds": times, **per_step, "ratios": ratios, "other_ratios": other, "load_avg": os.getloadavg(),
             "median_ratio": {lv: statistics.median(v) for lv, v in ratios.items()},
             "speed_ratio": {lv: statistics.median(n / t for t, n in zip(step_s[lv], step_s["none"]))
                             for lv in levels[1:]}}

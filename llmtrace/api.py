@@ -648,11 +648,16 @@ class GenerateRun:
         recorder = Recorder(self.trace, [*sinks, kept], run_info=run_info, tensors=store)
         common = dict(stop_texts=tuple(options.stop), ignore_eos=options.ignore_eos, observer=recorder,
                       on_prefill_progress=prefill_progress(), interventions=list(options.interventions))
-        if self.samplers is not None:
-            result = generate_batch(lm, [i for _, i in self.encoded], self.samplers, options.max_new_tokens, **common)
-        else:
-            result = generate(lm, self.encoded[0][1], self.sampler, options.max_new_tokens, on_text=on_text,
-                              compiled=compiled, **common)
+        try:
+            if self.samplers is not None:
+                result = generate_batch(lm, [i for _, i in self.encoded], self.samplers, options.max_new_tokens,
+                                        **common)
+            else:
+                result = generate(lm, self.encoded[0][1], self.sampler, options.max_new_tokens, on_text=on_text,
+                                  compiled=compiled, **common)
+        except Exception:
+            recorder.abandon()  # the passes its worker finished reach the sinks, as they would have inline
+            raise
         if store is not None:
             store.write()  # before the caller writes the trace document, which names it
         return Trace(events, tokenizer=lm.tokenizer, result=result, notes=self.notes)

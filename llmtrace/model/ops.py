@@ -79,7 +79,7 @@ def _matmul_kept(o, x, w, shape, index, memo=None):
     trailing = shape[lead:]  # the output's axes after the input's rows: (…, last)
     features = (torch.arange(math.prod(trailing[:-1]), device=at.device)[:, None] * shape[-1] + at[None])
     rows = _gather(memo, ("kept", id(o), id(w[0]), tuple(index), tuple(trailing)), lambda: [
-        t[_feature_rows(o, shape[-1], features.reshape(-1))].cpu() for t in w[:2]])
+        t[_feature_rows(o, shape[-1], features.reshape(-1))].cpu().double() for t in w[:2]])  # float64 once a run
     plain = replace(o, consts=tuple((c, v) for c, v in o.consts if c not in ("rows", "blocks")))
     return apply(plain, x, rows, (*shape[:lead], *trailing[:-1], len(index)))
 
@@ -89,7 +89,7 @@ def _experts_kept(o, x, w, shape, index, memo=None):
     from llmtrace.model.recompute import apply
 
     at = torch.tensor(index, device=w[0].device)
-    rows = _gather(memo, ("kept", id(o), id(w[0]), tuple(index)), lambda: [t[:, at].cpu() for t in w[:2]])
+    rows = _gather(memo, ("kept", id(o), id(w[0]), tuple(index)), lambda: [t[:, at].cpu().double() for t in w[:2]])
     return apply(o, x, rows, (*shape[:-1], len(index)))
 
 

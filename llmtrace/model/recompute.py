@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,11 +44,16 @@ def per_value_head(x: torch.Tensor, group: int, order: str) -> torch.Tensor:
 def max_error(computed: torch.Tensor, recorded: torch.Tensor) -> tuple[float, float]:
     """The largest absolute difference (−∞ against −∞ counts as none) and the largest relative one (against the
     recorded value's largest magnitude)."""
-    a, b = computed.double(), recorded.double()
-    same_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
-    d = torch.where(same_inf, torch.zeros_like(a), (a - b).abs())
-    absolute = float(d.max()) if d.numel() else 0.0
-    scale = float(b[torch.isfinite(b)].abs().max()) if torch.isfinite(b).any() else 1.0
+    # in numpy: the same float64 operations as torch's, at a tenth of the cost per call on the few entries a card
+    # holds (every card of a traced pass is checked here: trace.cards)
+    a = computed.detach().double().cpu().numpy()
+    b = recorded.detach().double().cpu().numpy()
+    with np.errstate(invalid="ignore"):  # inf − inf: nan, as torch gives it
+        same_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+        d = np.where(same_inf, 0.0, np.abs(a - b))
+    absolute = float(d.max()) if d.size else 0.0
+    finite = np.isfinite(b)
+    scale = float(np.abs(b[finite]).max()) if finite.any() else 1.0
     return absolute, absolute / max(scale, 1e-30) if math.isfinite(absolute) else math.inf
 
 

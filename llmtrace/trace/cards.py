@@ -35,8 +35,9 @@ from llmtrace.trace.worked import full_row_layers
 
 
 class Cards:
-    """What the worked cards need, worked out once from the model's declaration at the start of a run; `keep` is
-    told every point of an observed pass, `sampled` answers a point's computed sample at the end of the pass."""
+    """What the worked cards need, worked out once from the model's declaration at the start of a run; each pass's
+    points of `need` are kept in its CardPass (begin), and `sampled` answers a point's computed sample once the pass
+    is over."""
 
     def __init__(self, lm, selected: Optional[list[int]]):
         self.maths, self.model = lm.maths, lm.model
@@ -58,41 +59,32 @@ class Cards:
                         self.carried.add(where)
                     elif ref in (o.const("cached") or ()):
                         self.cached.add(where)
-        self.seen: dict[tuple, torch.Tensor] = {}  # this pass's tensors
         self.history: dict[tuple, list[torch.Tensor]] = {}  # cached operands: each earlier pass's
         self.before: dict[tuple, torch.Tensor] = {}  # carried operands: the pass before's
-        self._made: dict[tuple, Optional[dict]] = {}  # this pass: (layer, name) -> {"y", "index" or None, "dot", "aux"}
         self._weights: dict[tuple, torch.Tensor] = {}
         self._rows: dict[tuple, list] = {}  # a matrix product's gathered weight rows: the same in every pass
-        self.ids: Optional[torch.Tensor] = None  # this pass's token ids (B, T)
-        self.positions: Optional[torch.Tensor] = None  # (B, T) or (T,)
-        self.padding: Optional[torch.Tensor] = None  # (B, S): False at pad slots
-        self.slots = 0  # the cache's slots after this pass
-        self.first = 0  # this pass's first slot
 
     def wants(self, layer: Optional[int]) -> bool:
         return layer is None or layer in self.layers
 
-    def keep(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
-        if (layer, name) in self.need:
-            self.seen[(layer, name)] = x
-
     def begin(self, ids: Optional[torch.Tensor], positions: torch.Tensor, padding: Optional[torch.Tensor],
-              first: int) -> None:
-        """A pass over slots [first, first + T): its ids (None where unknown), positions and padding."""
-        self.ids, self.positions, self.padding = ids, positions, padding
-        self.first, self.slots = first, first + positions.size(-1)
+              first: int) -> "CardPass":
+        """A pass over slots [first, first + T): its ids (None where unknown), positions and padding. The recorder
+        puts the pass's points of `need` in the CardPass returned (its `seen`), and gives it to `sampled` and `end`:
+        the model may run the next pass while this one's cards are made (trace.recorder's worker)."""
+        return CardPass(ids, positions, padding, first)
 
-    def end(self) -> None:
-        """The pass is over: its cached operands join the history, its carried ones are the next pass's."""
+    def end(self, p: "CardPass") -> None:
+        """Pass `p` is over, its cards made: its cached operands join the history, its carried ones are the next
+        pass's. Passes end in the order they ran."""
         for where in self.cached:
-            if where in self.seen:
-                self.history.setdefault(where, []).append(self.seen[where].detach().clone())
+            if where in p.seen:
+                self.history.setdefault(where, []).append(p.seen[where].detach().clone())
         for where in self.carried:
-            if where in self.seen:
-                self.before[where] = self.seen[where].detach().clone()
-        self.seen.clear()
-        self._made.clear()
+            if where in p.seen:
+                self.before[where] = p.seen[where].detach().clone()
+        p.seen.clear()
+        p.made.clear()
 
     # -- one point ---------------------------------------------------------------------------------------------
 
@@ -108,41 +100,41 @@ class Cards:
             self._weights[key] = w
         return self._weights[key]
 
-    def _operands(self, layer: Optional[int], o) -> Optional[list]:
+    def _operands(self, p: "CardPass", layer: Optional[int], o) -> Optional[list]:
         args = []
         for ref in o.inputs:
             if ref == "ids":
-                if self.ids is None:
+                if p.ids is None:
                     return None
-                args.append(self.ids)
+                args.append(p.ids)
                 continue
             where = self.maths.operand(layer, ref)
             if ref in (o.const("carried") or ()):
-                if where not in self.before and self.first > 0:
+                if where not in self.before and p.first > 0:
                     return None  # the state an unobserved pass left (a long prompt's earlier prefill chunks)
                 args.append(self.before.get(where))
                 continue
-            if where not in self.seen:
+            if where not in p.seen:
                 return None
             if ref in (o.const("cached") or ()):
-                joined = torch.cat(self.history.get(where, []) + [self.seen[where]], dim=1)
-                if joined.size(1) != self.slots:
+                joined = torch.cat(self.history.get(where, []) + [p.seen[where]], dim=1)
+                if joined.size(1) != p.slots:
                     return None  # slots written by an unobserved pass (a long prompt's earlier prefill chunks)
                 args.append(joined)
                 continue
-            args.append(self.seen[where])
+            args.append(p.seen[where])
         return args
 
-    def _make(self, layer: Optional[int], name: str, index: list[int]) -> Optional[dict]:
+    def _make(self, p: "CardPass", layer: Optional[int], name: str, index: list[int]) -> Optional[dict]:
         key = (layer, name, len(index))
-        if key in self._made:
-            return self._made[key]
-        self._made[key] = None
+        if key in p.made:
+            return p.made[key]
+        p.made[key] = None
         o = self.maths.op(layer, name)
-        out = self.seen.get((layer, name))
+        out = p.seen.get((layer, name))
         if o is None or out is None:
             return None
-        args = self._operands(layer, o)
+        args = self._operands(p, layer, o)
         weights = [self._weight(layer, w) for w in o.weights]
         if args is None or any(w is None for w in weights):
             return None
@@ -157,23 +149,24 @@ class Cards:
                 made = {"y": y, "index": index}
             else:
                 weights = [w.cpu() for w in weights]
-                y = apply(o, args, weights, shape, positions=self.positions, padding=self.padding)
+                y = apply(o, args, weights, shape, positions=p.positions, padding=p.padding)
                 if y is None:
                     return None
                 made = {"y": y, "index": None}
             made["dot"] = kind.dot(o, args, weights, shape, index[0], self._rows) if kind.dot else None
             made["aux"] = kind.aux(o, args, weights, shape) if kind.aux else None
-        self._made[key] = made
+        p.made[key] = made
         return made
 
-    def sampled(self, layer: Optional[int], name: str, index: list[int], row: Optional[int]) -> Optional[dict]:
+    def sampled(self, p: "CardPass", layer: Optional[int], name: str, index: list[int],
+                row: Optional[int]) -> Optional[dict]:
         """The computed sample of one recorded point (`row`: a batch's row, None for one prompt), or None where it
         was not computed (an operand not in the pass, a weight held quantized, an operation with nothing to check)."""
-        made = self._make(layer, name, index)
+        made = self._make(p, layer, name, index)
         if made is None:
             return None
         r = 0 if row is None else row
-        y, recorded = made["y"], self.seen[(layer, name)].detach().cpu()
+        y, recorded = made["y"], p.seen[(layer, name)].detach().cpu()
         last = recorded.shape[-1]
         if made["index"] is None:
             y = y[r: r + 1].reshape(-1, last)[:, index]
@@ -192,6 +185,21 @@ class Cards:
                 k: pack((d[k][r] if k in per_batch else d[k]).reshape(-1).float().cpu().numpy())
                 for k in ("x", "w", "p", "rest", "b") if d.get(k) is not None}
         return out
+
+
+class CardPass:
+    """One pass as its cards read it: its ids (B, T) or None where unknown, positions (B, T) or (T,), padding (B, S)
+    (False at pad slots) or None, its first slot and the cache's slots after it, the tensors of its points that the
+    cards read (`seen`) and the cards made so far (`made`)."""
+
+    __slots__ = ("ids", "positions", "padding", "first", "slots", "seen", "made")
+
+    def __init__(self, ids: Optional[torch.Tensor], positions: torch.Tensor, padding: Optional[torch.Tensor],
+                 first: int):
+        self.ids, self.positions, self.padding = ids, positions, padding
+        self.first, self.slots = first, first + positions.size(-1)
+        self.seen: dict[tuple, torch.Tensor] = {}
+        self.made: dict[tuple, Optional[dict]] = {}  # (layer, name, entries) -> {"y", "index" or None, "dot", "aux"}
 
 
 def _num(v: float) -> Optional[float]:

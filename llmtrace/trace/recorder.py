@@ -6,6 +6,11 @@
   Statistics stay on the device until the pass ends and then cross to the host in one transfer;
 - the generation loop's observer, which turns each step (token, sampler ledger, KV cache, timing) into an event.
 
+At --trace full a pass's events are made in the recorder's worker thread while the model runs the next pass
+(after_forward), and reach the sinks from the loop's thread a pass later, in order (the backlog, _drain). At the other
+levels a pass's events are out before the next pass begins (tests/test_interrupt.py: a reader following the file
+sees each step as it ends).
+
 Events go to sinks (the JSONL stream and JSON document of `writers.py`, the terminal renderer). Renderers never see the
 model, only events, so a saved trace can be shown again without it (`llmtrace show`).
 """
@@ -14,6 +19,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import orjson
@@ -36,6 +45,13 @@ from llmtrace.trace.options import TraceOptions
 from llmtrace.trace.routing import ExpertLoad, routing_event, routing_tables
 
 ROUTING = (ROUTER_PROBS.name, EXPERT_WEIGHTS.name)  # what a routing event is made of (trace.routing)
+# Set (to anything) to make each observed pass's events in the generation loop's own thread, as it ends, rather than
+# in the recorder's worker while the next pass runs: the same bytes, one pass sooner, without the overlap.
+INLINE_ENV = "LLMTRACE_TRACE_INLINE"
+# While the worker runs, Python hands its lock between the two threads at least this often (its default: 5 ms), so
+# that the loop, back from a matrix product, does not wait a whole interval behind the worker's Python
+# (benchmarks/RESULTS.md)
+SWITCH_S = 0.001
 
 
 
@@ -82,6 +98,42 @@ class TensorEvent(dict):
     __slots__ = ("line",)  # no per-event __dict__; unset until the recorder makes the line (getattr(ev, "line", None))
 
 
+class _Pass:
+    """One observed pass as the recorder keeps it: what the model's observer was told (`taps`: (layer, name, tensor,
+    dumped, row or None), `routes`, the prefill's `shape_table`, the cards' `cards`: trace.cards.CardPass), and what
+    reducing it makes (`pending`: (tensor event without its stats, stat index, extra fields or None); `stats`: (n, 5)
+    blocks of reduced statistics and `stat_order` the stat index of each row; `samples` (_sample_group); `written`:
+    layer -> [first, last] slot written; `layouts`: see _layout). A pass is reduced and finished in the worker while
+    the next one, a new _Pass, fills."""
+
+    __slots__ = ("step", "phase", "start", "n_tokens", "taps", "queued", "routes", "shape_table", "cards", "pending",
+                 "stats", "stat_order", "n_stats", "samples", "written", "layouts")
+
+    def __init__(self, step: int, phase: str, start: int, n_tokens: int):
+        self.step, self.phase, self.start, self.n_tokens = step, phase, start, n_tokens
+        self.taps: list[tuple] = []
+        self.queued = 0  # elements in taps
+        self.routes: dict[int, dict[str, torch.Tensor]] = {}  # MoE layer -> its router_probs, expert weights
+        self.shape_table: Optional[list[dict]] = None
+        self.cards = None
+        self.pending: list[tuple[TensorEvent, int, Optional[dict]]] = []
+        self.stats: list[torch.Tensor] = []
+        self.stat_order: list[int] = []
+        self.n_stats = 0
+        self.samples: list[tuple[list[int], list[int], torch.Tensor, Optional[torch.Tensor]]] = []
+        self.written: dict[Optional[int], tuple[int, int]] = {}
+        self.layouts: dict[tuple, tuple] = {}
+
+
+class _Many:
+    """Events that go to the sinks together (Recorder.emit_many)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: list[dict]):
+        self.events = events
+
+
 class Recorder:
     """Records one generation run as events and passes each event to the sinks as it happens. A pure observer: the
     generation loop opens the observation scope it asks for (`observation`) and hands it every fact it reports."""
@@ -94,33 +146,24 @@ class Recorder:
         self.run_info = run_info or {}
         self.step = 0
         self.phase = "prefill"
-        self._pending: list[tuple[TensorEvent, int, Optional[dict]]] = []  # (tensor event without its stats,
-        #                                                                       stat index, extra fields or None)
         self._wanted_memo: dict[bool, dict] = {True: {}, False: {}}  # is prefill -> {(layer, name): (wanted, dumped)}
         self._memo = self._wanted_memo[True]  # this pass's (before_forward)
         self._index: dict[tuple, tuple[list[int], torch.Tensor]] = {}  # (row width, device) -> a sample's entries
-        self._taps: list[tuple] = []  # (layer, name, tensor, dumped, row or None), kept for _reduce_queue
-        self._queued = 0  # elements in self._taps
-        self._layouts: dict[tuple, tuple] = {}  # see _layout; cleared after each pass
-        self._stats: list[torch.Tensor] = []  # (n, 5) blocks of reduced statistics, this pass
-        self._samples: list[tuple[list[int], list[int], torch.Tensor, Optional[torch.Tensor]]] = []  # _sample_group
-        self._stat_order: list[int] = []  # the stat index of each row of those blocks
-        self._n_stats = 0
-        self._shape_table: Optional[list[dict]] = None
+        self._pass = _Pass(0, "prefill", 0, 0)  # the pass the model is running (before_forward makes each)
+        self._worker: Optional[ThreadPoolExecutor] = None  # where a pass is finished while the next one runs
+        self._switch = sys.getswitchinterval()  # Python's, restored when the worker stops
+        self._backlog: deque = deque()  # what waits to reach the sinks, in order: a pass's Future, or an event
         self._config = None  # the model's config, from on_start
         self._declare(llama_points())  # the model's own declaration replaces Llama's at on_start
         self._rows = 1  # rows of the batch (on_start): with more than one, every tensor is recorded per row
         self._pads = [0]  # each row's pad slots (on_batch), so that a routing event gives each row's own positions
-        self._routes: dict[int, dict[str, torch.Tensor]] = {}  # this pass: MoE layer -> its router_probs, weights
         self._load = ExpertLoad()  # tokens per expert of each MoE layer, for the summary
-        self._start = 0  # the first slot of this pass
         self._batched = False  # on_start was told of a batch (generate_batch): on_end gets a BatchResult
         self._cards = None  # at --trace full, the worked cards computed by the one evaluator (trace/cards.py)
         self._ids: list[list[int]] = [[]]  # each row's token ids so far (the embedding's operand, for the cards)
         self._positions: list[list[int]] = [[]]  # each row's positions so far (a batch row counts from its first token)
         self._mask: list[list[int]] = [[]]  # each row's attention mask so far (0 at a pad slot)
         self._growing = Growing()  # the KV cache's broadcast views, reduced by the slots each pass adds (growing.py)
-        self._written: dict[Optional[int], tuple[int, int]] = {}  # this pass: layer -> [first, last] slot written
 
     # -- plumbing ---------------------------------------------------------------------------------------------
 
@@ -134,6 +177,13 @@ class Recorder:
         self._axes = {p.name: list(p.axes) for p in points}
 
     def emit(self, event: dict) -> None:
+        """One event to every sink, after whatever waits before it (a pass the worker is finishing: _drain)."""
+        if self._backlog:
+            self._backlog.append(event)
+        else:
+            self._send(event)
+
+    def _send(self, event: dict) -> None:
         for sink in self.sinks:
             sink(event)
 
@@ -141,6 +191,12 @@ class Recorder:
         """Events in order, to each sink in turn: a sink with a `many` method (the JSONL sink) takes the whole list at
         once (a pass's 574 tensor events at --trace full), any other sink one event at a time. Only for events
         that end nothing (no step, no summary): a sink writes what it holds at the event that follows."""
+        if self._backlog:
+            self._backlog.append(_Many(events))
+        else:
+            self._send_many(events)
+
+    def _send_many(self, events: list[dict]) -> None:
         for sink in self.sinks:
             many = getattr(sink, "many", None)
             if many is not None:
@@ -184,72 +240,81 @@ class Recorder:
     def __call__(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
         # Called at every named point of every observed pass (574 per step at --trace full): it only keeps the tensor.
         # Shapes, events and statistics are made for the whole batch in _reduce_queue.
-        if name in ROUTING and layer is not None and self.options.level.every_pass and \
-                self._layer_selected(layer):  # the router ledger: a routing event per MoE layer per pass
-            self._routes.setdefault(layer, {})[name] = x
-        wanted = self._memo.get((layer, name))
+        p = self._pass
+        key = (layer, name)
+        wanted = self._memo.get(key)
         if wanted is None:
-            wanted = self._memo[(layer, name)] = (self._wanted(layer, name), self._dumped(layer, name))
-        if self._shape_table is not None:
-            self._note_shape(layer, name, x)
-        if self._cards is not None:  # the card layers' points and the operands they read (trace.cards)
-            self._cards.keep(layer, name, x)
+            wanted = self._memo[key] = self._decide(layer, name)
+        if wanted[3]:  # the router ledger: a routing event per MoE layer per pass
+            p.routes.setdefault(layer, {})[name] = x
+        if p.shape_table is not None:
+            self._note_shape(p, layer, name, x)
+        if wanted[2] and p.cards is not None:  # the card layers' points and the operands they read (trace.cards)
+            p.cards.seen[key] = x
         if not wanted[0]:
             return  # the common case of a point nobody asked for: a dictionary look-up
         if self.tensors is not None and name in self._stored:
             self.tensors.keep(self.step, layer, name, x)
         if self._rows > 1:  # a batch: one event per row (kv_write's positions are the same slots for every row)
             for r in range(self._rows):
-                self._taps.append((layer, name, x if name == KV_WRITE.name else x[r : r + 1], wanted[1], r))
+                p.taps.append((layer, name, x if name == KV_WRITE.name else x[r : r + 1], wanted[1], r))
         else:
-            self._taps.append((layer, name, x, wanted[1], None))
-        self._queued += x.numel()
-        if self._queued >= self.QUEUE_ELEMENTS:
-            self._reduce_queue()
+            p.taps.append((layer, name, x, wanted[1], None))
+        p.queued += x.numel()
+        if p.queued >= self.QUEUE_ELEMENTS:  # (a long prefill) reduced here, once the worker has no pass of its own
+            self._settle()
+            self._reduce_queue(p)
 
-    def _note_shape(self, layer: Optional[int], name: str, x: torch.Tensor) -> None:
+    def _decide(self, layer: Optional[int], name: str) -> tuple[bool, bool, bool, bool]:
+        """What a pass does with a point, worked out once: (its statistics are recorded, its values dumped, the cards
+        read it, it is routing's)."""
+        return (self._wanted(layer, name), self._dumped(layer, name),
+                self._cards is not None and (layer, name) in self._cards.need,
+                name in ROUTING and layer is not None and self.options.level.every_pass and self._layer_selected(layer))
+
+    def _note_shape(self, p: "_Pass", layer: Optional[int], name: str, x: torch.Tensor) -> None:
         """The prefill's shape table: each point once, from the model-level points and the first layer that reports
         it (layer 0, or in a hybrid model the first layer of its kind)."""
         if name in self._traced and not any(r["name"] == name and (r["layer"] is None) == (layer is None)
-                                            for r in self._shape_table):
-            self._shape_table.append({"layer": layer, "name": name, "shape": list(self._layout(name, x)[0]),
-                                      "dtype": _dtype_name(x.dtype)})
+                                            for r in p.shape_table):
+            p.shape_table.append({"layer": layer, "name": name, "shape": list(self._layout(p, name, x)[0]),
+                                  "dtype": _dtype_name(x.dtype)})
 
-    def _layout(self, name: str, x: torch.Tensor) -> tuple:
+    def _layout(self, p: "_Pass", name: str, x: torch.Tensor) -> tuple:
         """What a point's tensor layout means for the trace, worked out once per pass for all the layers that share it:
         (recorded shape, the view of its distinct entries or None, how often each repeats, statistics group key, dtype
         name). The recorded shape drops the batch dimension, except for kv_write (its tensor is the positions
         written). The key is the one _reduce_queue looks up first."""
         key = (name, x.shape, x.stride(), x.dtype)
-        layout = self._layouts.get(key)
+        layout = p.layouts.get(key)
         if layout is None:
             full_shape, distinct, repeats = _unbroadcast(x)
             shape = list(full_shape[1:]) if name != KV_WRITE.name else list(full_shape)
             view = None if distinct is x else (distinct.shape, distinct.stride())
             # tensors of one shape are stacked and reduced together; scores leave out their masked (-inf) entries
             group = (distinct.shape, x.dtype, x.device, name == SCORES.name)
-            layout = self._layouts[key] = (shape, view, repeats, group, _dtype_name(x.dtype))
+            layout = p.layouts[key] = (shape, view, repeats, group, _dtype_name(x.dtype))
         return layout
 
-    def _reduce_queue(self) -> None:
+    def _reduce_queue(self, p: "_Pass") -> None:
         """Events and statistics of every tensor kept since the last call. Tensors of one shape are stacked into a
         matrix and reduced along its rows, so a pass costs a few reductions per distinct shape (about ten) rather than
         a few per tensor (hundreds)."""
-        if not self._taps:
+        if not p.taps:
             return  # a pass nothing recorded (every pass of --trace none and most of --trace steps)
         groups: dict[tuple, list[tuple]] = {}  # key -> [(stat index, distinct entries, repeats, growing key or None)]
-        step, phase, layouts, step_of, pending = self.step, self.phase, self._layouts, self._step_of, self._pending
-        i = self._n_stats
+        step, phase, layouts, step_of, pending = p.step, p.phase, p.layouts, self._step_of, p.pending
+        i = p.n_stats
         grown: list[tuple] = []  # (stat index, the slots this pass wrote, repeats, key, whole view, last pass's row)
-        for layer, name, x, dumped, row in self._taps:  # 574 a decode step at --trace full: kept lean
+        for layer, name, x, dumped, row in p.taps:  # 574 a decode step at --trace full: kept lean
             layout = layouts.get((name, x.shape, x.stride(), x.dtype))
-            shape, view, repeats, group, dtype = layout if layout is not None else self._layout(name, x)
+            shape, view, repeats, group, dtype = layout if layout is not None else self._layout(p, name, x)
             distinct = x if view is None else x.as_strided(*view)
             if repeats == 1:
                 groups.setdefault(group, []).append((i, distinct, repeats, None))
             else:  # a broadcast view of the KV cache (k_repeated): reduce only what this pass wrote (trace.growing)
                 key = (layer, name, row)
-                split = None if group[3] else self._growing.split(key, distinct, self._written.get(layer))
+                split = None if group[3] else self._growing.split(key, distinct, p.written.get(layer))
                 if split is None:
                     groups.setdefault(group, []).append((i, distinct, repeats, key))
                 else:
@@ -259,7 +324,7 @@ class Recorder:
                 positions = x.tolist()
                 extra = {"positions": [positions[0], positions[-1]] if positions else []}
                 if positions and positions[-1] - positions[0] + 1 == len(positions):
-                    self._written[layer] = (positions[0], positions[-1])
+                    p.written[layer] = (positions[0], positions[-1])
             if dumped:
                 values = x if repeats == 1 else x.reshape(x.size(0), *shape)  # a dump holds every entry, repeats included
                 extra = (extra or {}) | {"values": (values[0] if name != KV_WRITE.name else values).detach().float().cpu()}
@@ -268,9 +333,9 @@ class Recorder:
                 event["row"] = row
             pending.append((event, i, extra))
             i += 1
-        self._n_stats = i
-        self._taps.clear()
-        self._queued = 0
+        p.n_stats = i
+        p.taps.clear()
+        p.queued = 0
         with torch.no_grad():  # the statistics are observations, never part of a graph
             for (_, _, _, finite_only), members in groups.items():
                 m = torch.stack([x for _, x, _, _ in members])
@@ -280,10 +345,10 @@ class Recorder:
                         if key is not None:
                             self._growing.keep(key, x, rows, j)
                     rows = self._repeated(rows, [c for _, _, c, _ in members])
-                self._stats.append(rows)
-                self._stat_order.extend(i for i, _, _, _ in members)
+                p.stats.append(rows)
+                p.stat_order.extend(i for i, _, _, _ in members)
                 if self.options.level.full:
-                    self._sample_group(members, m)
+                    self._sample_group(p, members, m)
             by_shape: dict[tuple, list] = {}  # the growing views of one shape (a model's layers may differ: Gemma 4)
             for g in grown:
                 by_shape.setdefault(tuple(g[1].shape), []).append(g)
@@ -292,8 +357,8 @@ class Recorder:
                 rows = combine(gather([before for *_, before in same]), new)
                 for j, (_, _, _, key, x, _) in enumerate(same):
                     self._growing.keep(key, x, rows, j)
-                self._stats.append(self._repeated(rows, [c for _, _, c, _, _, _ in same]))
-                self._stat_order.extend(i for i, *_ in same)
+                p.stats.append(self._repeated(rows, [c for _, _, c, _, _, _ in same]))
+                p.stat_order.extend(i for i, *_ in same)
 
     @staticmethod
     def _repeated(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -309,7 +374,7 @@ class Recorder:
     SAMPLE_WIDTH = SAMPLE_WIDTH
     SAMPLE_ROWS = 2048
 
-    def _sample_group(self, members: list[tuple], m: torch.Tensor) -> None:
+    def _sample_group(self, p: "_Pass", members: list[tuple], m: torch.Tensor) -> None:
         """Keep the sample of every member of one statistics group (m: the members stacked), to be moved to the host
         with the pass's statistics. A broadcast view (repeats > 1) or an integer tensor has none."""
         if not m.is_floating_point() or m.dim() < 2 or any(c != 1 for _, _, c, _ in members):
@@ -329,14 +394,14 @@ class Recorder:
         wide = flat if flat.dtype in (torch.float32, torch.float64) else flat.float()
         # a tensor of one row (a decode step's hidden states, most of a full trace's points) has no norms: its
         # statistics hold that row's norm
-        self._samples.append(([i for i, _, _, _ in members], index, flat.index_select(-1, at),
+        p.samples.append(([i for i, _, _, _ in members], index, flat.index_select(-1, at),
                               torch.linalg.vector_norm(wide, dim=-1) if rows > 1 else None))
 
-    def _take_samples(self) -> dict[int, dict]:
+    def _take_samples(self, p: "_Pass") -> dict[int, dict]:
         """The pass's samples, by stat index: {"index", "values" (rows × entries)[, "norms"]}, each packed as
         float32 (trace.packed); "norms" only for more than one row. Every group's values cross to the host together,
         as one float32 array whose slices are the members' packed bytes: a few calls a pass, nothing per float."""
-        parts = [t.reshape(-1) for _, _, values, norms in self._samples for t in (values, norms) if t is not None]
+        parts = [t.reshape(-1) for _, _, values, norms in p.samples for t in (values, norms) if t is not None]
         data = memoryview(torch.cat(parts).float().cpu().numpy().astype("<f4", copy=False).tobytes())
         offset = 0
 
@@ -352,7 +417,7 @@ class Recorder:
             return out
 
         out = {}
-        for members, index, values, norms in self._samples:
+        for members, index, values, norms in p.samples:
             vals = take(values, len(members))
             if norms is None:
                 out.update({i: {"index": index, "values": v} for i, v in zip(members, vals)})
@@ -360,7 +425,7 @@ class Recorder:
             nrm = take(norms, len(members))
             for k, i in enumerate(members):
                 out[i] = {"index": index, "values": vals[k], "norms": nrm[k]}
-        self._samples.clear()
+        p.samples.clear()
         return out
 
     # -- the generation loop's observer ------------------------------------------------------------------------
@@ -405,6 +470,12 @@ class Recorder:
         self._declare(lm.points)
         if self.options.level.full:
             self._cards = Cards(lm, self.options.layers)
+        if self.options.level.full and self._worker is None and not os.environ.get(INLINE_ENV):
+            threads = torch.get_num_threads()  # torch's setting is the calling thread's: the worker takes the same
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="llmtrace-trace",
+                                              initializer=torch.set_num_threads, initargs=(threads,))
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._switch, SWITCH_S))
         self._rows = len(batch) if batch is not None else 1
         self._ids = [list(p) for p in batch] if batch is not None else [list(prompt_ids)]
         self._positions = [list(range(len(p))) for p in self._ids]
@@ -444,36 +515,57 @@ class Recorder:
     def before_forward(self, step: int, phase: str, start: int, n_tokens: int) -> None:
         self.step, self.phase = step, phase
         self._memo = self._wanted_memo[step == 0]
-        self._written = {}
-        self._n_tokens, self._start = n_tokens, start
+        p = self._pass = _Pass(step, phase, start, n_tokens)
         if step == 0 and self.options.level.records:
-            self._shape_table = []
+            p.shape_table = []
         if self._cards is not None:  # the pass's ids, positions and mask, as the model sees them
             for r in range(len(self._positions)):  # a finished row of a batch still runs: its slots go on
                 while len(self._positions[r]) < start + n_tokens:
                     self._positions[r].append(self._positions[r][-1] + 1 if self._positions[r] else 0)
                     self._mask[r].append(1)
             ids = [r[start: start + n_tokens] for r in self._ids]
-            self._cards.begin(torch.tensor(ids) if all(len(r) == n_tokens for r in ids) else None,
-                              torch.tensor([r[start: start + n_tokens] for r in self._positions]),
-                              torch.tensor([r[: start + n_tokens] for r in self._mask]).bool() if self._rows > 1 else None,
-                              start)
+            p.cards = self._cards.begin(torch.tensor(ids) if all(len(r) == n_tokens for r in ids) else None,
+                                        torch.tensor([r[start: start + n_tokens] for r in self._positions]),
+                                        torch.tensor([r[: start + n_tokens] for r in self._mask]).bool()
+                                        if self._rows > 1 else None, start)
 
     def after_forward(self, step: int) -> None:
-        self._reduce_queue()
-        values: list = [None] * self._n_stats  # (mean, std, min, max, norm, count) of each recorded tensor
-        if self._stats:  # one transfer for the whole pass, then rounded in one batch
-            for i, row in zip(self._stat_order, _rounded_rows(_summaries(torch.cat(self._stats)))):
+        """The pass is over: its events are made (statistics, samples, worked cards) and reach the sinks. With a
+        worker (`_worker`) they are made there while the model runs the next pass, and reach the sinks, in order,
+        when the pass after this one is over (or at the end of the run): a step's events come a pass later, never
+        out of order, and byte for byte what the pass makes inline (LLMTRACE_TRACE_INLINE=1)."""
+        p, self._pass = self._pass, _Pass(step, self.phase, 0, 0)
+        if self._worker is None:
+            self._settle()
+            self._deliver(self._finish(p))
+            return
+        mode = torch.is_inference_mode_enabled()
+        job = self._worker.submit(self._in_mode, mode, lambda: self._finish(p))
+        self._backlog.append(job)
+        self._drain(until=job)  # the pass before's events, while the worker makes this one's
+
+    @staticmethod
+    def _in_mode(inference: bool, make: Callable[[], list]) -> list:
+        with torch.inference_mode(inference):  # the worker's thread does not inherit the loop's mode
+            return make()
+
+    def _finish(self, p: "_Pass") -> list:
+        """A pass's events, in order, made whole: its tensor events (their lines written), its routing events and its
+        shape table, as [events of emit_many, event, ...]."""
+        self._reduce_queue(p)
+        values: list = [None] * p.n_stats  # (mean, std, min, max, norm, count) of each recorded tensor
+        if p.stats:  # one transfer for the whole pass, then rounded in one batch
+            for i, row in zip(p.stat_order, _rounded_rows(_summaries(torch.cat(p.stats)))):
                 values[i] = row
-        samples = self._take_samples() if self._samples else {}
-        cards = self._cards
-        for ev, stat_index, extra in self._pending:
+        samples = self._take_samples(p) if p.samples else {}
+        cards = self._cards if p.cards is not None else None
+        for ev, stat_index, extra in p.pending:
             mean, std, lo, hi, norm, count = values[stat_index]
             ev["stats"] = {"mean": mean, "std": std, "min": lo, "max": hi, "norm": norm}
             if stat_index in samples:
                 ev["sample"] = samples[stat_index]
                 if cards is not None and cards.wants(ev["layer"]):  # the worked card's values (trace.cards)
-                    got = cards.sampled(ev["layer"], ev["name"], ev["sample"]["index"], ev.get("row"))
+                    got = cards.sampled(p.cards, ev["layer"], ev["name"], ev["sample"]["index"], ev.get("row"))
                     if got is not None:
                         ev["sample"]["computed"] = got
             if ev["name"] == SCORES.name:
@@ -485,27 +577,71 @@ class Recorder:
                     ev["values"] = extra["values"].tolist()
             ev.line = orjson.dumps(ev, option=_ORJSON)  # trace.writers.dumps_bytes, inlined: 574 a step
         if cards is not None:
-            cards.end()
-        self.emit_many([ev for ev, _, _ in self._pending])
-        self._pending.clear()
-        self._emit_routing()
-        self._layouts.clear()
-        self._stats.clear()
-        self._stat_order.clear()
-        self._n_stats = 0
-        if self._shape_table is not None:
-            self.emit({"event": "shapes", "step": step, "phase": self.phase, "n_tokens": self._n_tokens,
-                       "n_layers": self._config.n_layers, "points": [self._shape_entry(r) for r in self._shape_table]})
-            self._shape_table = None
+            cards.end(p.cards)
+        out: list = [_Many([ev for ev, _, _ in p.pending])] if p.pending else []
+        out.extend(self._routing(p))
+        if p.shape_table is not None:
+            out.append({"event": "shapes", "step": p.step, "phase": p.phase, "n_tokens": p.n_tokens,
+                        "n_layers": self._config.n_layers, "points": [self._shape_entry(r) for r in p.shape_table]})
+        return out
 
-    def _emit_routing(self) -> None:
-        """One routing event per MoE layer observed in this pass (and per row of a batch), its positions each row's
+    def _deliver(self, out: list) -> None:
+        """A pass's events (_finish) to the sinks, now."""
+        for item in out:
+            if isinstance(item, _Many):
+                self._send_many(item.events)
+            else:
+                self._send(item)
+
+    def _drain(self, until=None) -> None:
+        """What waits in the backlog to the sinks, in order, up to `until` (a pass's job; None: all of it), waiting
+        for the worker where it must. An exception the worker raised is raised here, as the pass inline would."""
+        backlog = self._backlog
+        while backlog and backlog[0] is not until:
+            item = backlog[0]
+            if isinstance(item, Future):
+                try:
+                    out = item.result()  # a Ctrl-C while waiting leaves the pass in the backlog: on_end sends it
+                except KeyboardInterrupt:
+                    raise
+                except BaseException:
+                    backlog.popleft()
+                    raise
+                backlog.popleft()
+                self._deliver(out)
+            else:
+                backlog.popleft()
+                self._deliver([item])
+
+    def abandon(self) -> None:
+        """The run failed (an exception out of the generation loop): what the worker made before it reaches the sinks,
+        in order, as the inline recorder would have sent it; nothing more is raised."""
+        try:
+            self._drain()
+        except Exception:  # the failure itself, or a pass that failed with it: it is the caller's to report
+            self._backlog.clear()
+        finally:
+            self._stop_worker()
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False)  # nothing is left in it: the backlog is empty
+            self._worker = None
+            sys.setswitchinterval(self._switch)
+
+    def _settle(self) -> None:
+        """Every pass the worker holds made and delivered: the worker and the backlog are empty."""
+        self._drain()
+
+    def _routing(self, p: "_Pass") -> list[dict]:
+        """One routing event per MoE layer observed in pass `p` (and per row of a batch), its positions each row's
         own (a row's pad slots left out); each counts towards the summary's expert load."""
-        routes, self._routes = self._routes, {}
+        routes = p.routes
         layers = [layer for layer in sorted(routes) if len(routes[layer]) == len(ROUTING)]
         if not layers:
-            return
+            return []
         c = self._config
+        out = []
         with torch.no_grad():  # every layer's (B, T, E) stacked: one pass over them all (trace.routing)
             probs = torch.stack([routes[layer][ROUTER_PROBS.name] for layer in layers])
             weights = torch.stack([routes[layer][EXPERT_WEIGHTS.name] for layer in layers])
@@ -514,13 +650,14 @@ class Recorder:
         for i, layer in enumerate(layers):
             for r in range(probs.size(1)):
                 pad = self._pads[r] if r < len(self._pads) else 0
-                first = max(0, pad - self._start)  # slots of this pass before the row's first real token
-                positions = list(range(self._start + first - pad, self._start + T - pad))
+                first = max(0, pad - p.start)  # slots of this pass before the row's first real token
+                positions = list(range(p.start + first - pad, p.start + T - pad))
                 mine = {key: value[first:] for key, value in tables[i][r].items()}
-                ev = routing_event(self.step, self.phase, layer, positions, mine, c.n_experts_used, c.n_experts,
+                ev = routing_event(p.step, p.phase, layer, positions, mine, c.n_experts_used, c.n_experts,
                                    c.norm_topk_prob, row=r if self._rows > 1 else None)
                 self._load.add(ev)
-                self.emit(ev)
+                out.append(ev)
+        return out
 
     def _shape_entry(self, r: dict) -> dict:
         """A shape table row with its seed step and, where they describe it, its axes (kv_write's slots, the logits
@@ -563,12 +700,20 @@ class Recorder:
         return ev
 
     def on_step(self, rec, row: Optional[int] = None) -> None:
-        tok = self._tok
         r = row or 0
         if self._cards is not None and r < len(self._ids):  # the token the next pass reads, at the next position
             self._ids[r].append(rec.token)
             self._positions[r].append(self._positions[r][-1] + 1 if self._positions[r] else 0)
             self._mask[r].append(1)
+        if self._worker is not None and self._backlog:  # made in the worker too (its ledger's logits: ~1 ms)
+            mode = torch.is_inference_mode_enabled()
+            self._backlog.append(self._worker.submit(self._in_mode, mode, lambda: [self._step_event(rec, row)]))
+        else:
+            self.emit(self._step_event(rec, row))
+
+    def _step_event(self, rec, row: Optional[int]) -> dict:
+        """A step's event (a StepRecord, and the row of a batch): its token, the sampler's ledger, the KV cache."""
+        tok = self._tok
         ev: dict[str, Any] = {
             "event": "step", "step": rec.step, "phase": rec.phase, "position": rec.position,
             **({} if row is None else {"row": row}),
@@ -588,7 +733,7 @@ class Recorder:
                 ev["logits"] = logits_record(led.raw, self.options.logits_top)
         ev["kv_cache"] = self._kv_event(rec.kv, rec.position if row is not None else None)
         ev["ms"] = round(rec.ms, 3)
-        self.emit(ev)
+        return ev
 
     def on_prediction(self, ledger, position: int, kv, row: Optional[int] = None) -> None:
         """A prefill-only run (-n 0): what the model would predict at `position`; no token was taken."""
@@ -597,6 +742,8 @@ class Recorder:
                    "topk": self._topk(ledger), "kv_cache": self._kv_event(kv, position if row is not None else None)})
 
     def on_end(self, result) -> None:
+        self._settle()  # every pass's events before the summary
+        self._stop_worker()
         self._growing.clear()  # nothing of the run's cache is held after it
         ev = batch_summary_event(result) if self._batched else summary_event(result)
         loads = self._load.records()
