@@ -1,0 +1,110 @@
+"""A batch's matrix products through oneDNN, with the weights packed once (issue 51 item 4).
+
+Beside the model, as model/compiled.py is: the model's maths is unchanged, only the kernel that multiplies changes.
+
+Why. A decode step of B rows multiplies a (B, K) block by every (N, K) weight matrix. At B = 1 that reads the weights
+and is bound by memory; at B = 16 it is bound by the arithmetic, and there torch's float32 product (MKL's sgemm on
+this AMD EPYC) reaches ~40 GFLOP/s on one core where oneDNN's, given the weights laid out once in its own blocked
+format, reaches ~65-75: (16, 576) x (576, 3072) in 0.9 against 1.5 ms, the 49,152-row head in 12-13 against 28-30 ms
+(benchmarks/RESULTS.md, "B = 16 against the loop, third pass"). Both are float32 products of the same numbers; they
+differ in the order of the additions only (~1e-5 relative on a logit), as MKL's own M = 1 and M = 16 kernels do.
+
+What it costs. A packed copy of every float32 matrix the batch multiplies (the layout is oneDNN's own, so the copy
+cannot share the model's storage): as many bytes again as the model's matrices, made once (~1 s for SmolLM2-135M on
+one core) and kept by whoever holds the `PackedProducts` (the batch loop keeps it with the loaded model). A weight
+changed in place after packing (its version counter moved) is packed again the next time the products are turned on.
+
+`packed_products(model)` is None where it does not apply: not on the CPU, not float32, or torch built without oneDNN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+PACK_ROWS = 16  # the rows oneDNN is told to expect when it lays a weight out (the batch it was measured at)
+# oneDNN sums each output over all K inputs in one running float32 sum, whose rounding error grows with K: against
+# float64 it lands 2-4x farther than torch's own product (K = 1536: 1.5e-4 against 5.2e-5 on random (16, K) blocks). Cut
+# into blocks of 192 inputs, each summed by oneDNN and the blocks' sums added, it lands where MKL's does (5.2e-5),
+# still faster; so each weight is packed as its K / 192 blocks of columns.
+K_BLOCK = 192
+
+
+def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) -> (..., N): the same x Wᵀ + b as nn.Linear, by oneDNN on the packed blocks of W's columns, each
+    block's product added in turn (the bias with the first)."""
+    blocks = self._packed_blocks
+    *lead, K = x.shape
+    xs = x.reshape(-1, len(blocks), K_BLOCK).transpose(0, 1).contiguous()  # (K / 192, M, 192): one copy, each block whole
+    y = torch.ops.mkldnn._linear_pointwise(xs[0], blocks[0], self.bias, "none", [], "")  # (M, N)
+    for xb, w in zip(xs[1:], blocks[1:]):
+        y += torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")
+    return y.view(*lead, y.size(-1))
+
+
+def pack(w: torch.Tensor) -> list[torch.Tensor]:
+    """A weight (N, K) as oneDNN's packed copies of its column blocks [0, 192), [192, 384), ..."""
+    with torch.no_grad():
+        return [torch.ops.mkldnn._reorder_linear_weight(w[:, i : i + K_BLOCK].contiguous(), PACK_ROWS)
+                for i in range(0, w.size(1), K_BLOCK)]
+
+
+class PackedProducts:
+    """Every float32 nn.Linear of a model with its weight packed for oneDNN; `active()` runs them on it."""
+
+    def __init__(self, model: nn.Module):
+        self.linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
+                        and m.in_features % K_BLOCK == 0]  # (a width not a multiple of 192 keeps torch's product)
+        self.packed: dict[int, tuple[int, list]] = {}  # id(linear) -> (the weight's version, its packed blocks)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Pack each weight not packed yet, or changed in place since (its version counter moved)."""
+        for m in self.linears:
+            w = m.weight
+            got = self.packed.get(id(m))
+            if got is None or got[0] != w._version:
+                self.packed[id(m)] = (w._version, pack(w.detach()))
+
+    @property
+    def nbytes(self) -> int:
+        """The packed copies' bytes (float32, the matrices' own size)."""
+        return sum(m.weight.numel() * 4 for m in self.linears)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Within the block each of these linears multiplies by its packed weight; on exit they are as before."""
+        self.refresh()
+        for m in self.linears:
+            m._packed_blocks = self.packed[id(m)][1]
+            m.forward = types.MethodType(_packed_forward, m)
+        try:
+            yield self
+        finally:
+            for m in self.linears:
+                del m.forward
+                del m._packed_blocks
+
+
+def packed_products(model: nn.Module) -> Optional[PackedProducts]:
+    """The model's products packed for oneDNN, or None where that does not apply (see the module's docstring)."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cpu" or p.dtype != torch.float32:
+        return None
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    return PackedProducts(model)
+
+
+def matrix_bytes(model: nn.Module) -> int:
+    """What packing would add: the bytes of the model's float32 nn.Linear weights (a tied head counted once)."""
+    seen, total = set(), 0
+    for m in model.modules():
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            total += m.weight.numel() * 4
+    return total
