@@ -4,13 +4,12 @@ Beside the model, as model/compiled.py is: the model's maths is unchanged, only 
 
 Why. A decode step of B rows multiplies a (B, K) block by every (N, K) weight matrix. At B = 1 that reads the weights
 and is bound by memory; at B = 16 it is bound by the arithmetic, and there torch's float32 product (MKL's sgemm on
-this AMD EPYC) reaches ~40 GFLOP/s on one core where oneDNN's, given the weights laid out once in its own blocked
-format, reaches ~65-75: (16, 576) x (576, 3072) in 0.9 against 1.5 ms, the 49,152-row head in 12-13 against 28-30 ms
-(benchmarks/RESULTS.md, "B = 16 against the loop, third pass"). Both are float32 products of the same numbers; they
-differ in the order of the additions only (~1e-5 relative on a logit), as MKL's own M = 1 and M = 16 kernels do.
+this AMD EPYC, one core) takes 1.35-1.56 ms for (16, 576) x (576, 3,072) and 28-30 ms for the 49,152-row head, where
+oneDNN on its own packed layout, in the blocks of 192 below, takes 1.09 and 15.5 ms (benchmarks/RESULTS.md, "B = 16
+against the loop, third pass"). At B = 16 the two give the same bits: MKL sums in blocks of 192 too.
 
 What it costs. A packed copy of every float32 matrix the batch multiplies (the layout is oneDNN's own, so the copy
-cannot share the model's storage): as many bytes again as the model's matrices, made once (~1 s for SmolLM2-135M on
+cannot share the model's storage): as many bytes again as the model's matrices, made once (0.55 s CPU for SmolLM2-135M on
 one core) and kept by whoever holds the `PackedProducts` (the batch loop keeps it with the loaded model). A weight
 changed in place after packing (its version counter moved) is packed again the next time the products are turned on.
 
@@ -69,11 +68,6 @@ class PackedProducts:
             got = self.packed.get(id(m))
             if got is None or got[0] != w._version:
                 self.packed[id(m)] = (w._version, pack(w.detach()))
-
-    @property
-    def nbytes(self) -> int:
-        """The packed copies' bytes (float32, the matrices' own size)."""
-        return sum(m.weight.numel() * 4 for m in self.linears)
 
     @contextlib.contextmanager
     def active(self):
