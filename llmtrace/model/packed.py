@@ -9,8 +9,8 @@ oneDNN on its own packed layout, in the blocks of 192 below, takes 1.09 and 15.5
 against the loop, third pass"). At B = 16 the two give the same bits: MKL sums in blocks of 192 too.
 
 What it costs. A packed copy of every float32 matrix the batch multiplies (the layout is oneDNN's own, so the copy
-cannot share the model's storage): as many bytes again as the model's matrices, made once (0.55 s CPU for SmolLM2-135M on
-one core) and kept by whoever holds the `PackedProducts` (the batch loop keeps it with the loaded model). A weight
+cannot share the model's storage): as many bytes again as the model's matrices, made once (0.55 s of one core for
+SmolLM2-135M) and kept by whoever holds the `PackedProducts` (the batch loop keeps it with the loaded model). A weight
 changed in place after packing (its version counter moved) is packed again the next time the products are turned on.
 
 `packed_products(model)` is None where it does not apply: not on the CPU, not float32, or torch built without oneDNN.
