@@ -38,7 +38,7 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     block's product added in turn (the bias with the first)."""
     blocks = self._packed_blocks
     *lead, K = x.shape
-    xs = x.reshape(-1, len(blocks), K_BLOCK).transpose(0, 1).contiguous()  # (K / 192, M, 192): one copy, each block whole
+    xs = x.reshape(-1, len(blocks), K_BLOCK).transpose(0, 1).contiguous()  # (K / 192, M, 192), one copy
     y = torch.ops.mkldnn._linear_pointwise(xs[0], blocks[0], self.bias, "none", [], "")  # (M, N)
     for xb, w in zip(xs[1:], blocks[1:]):
         y += torch.ops.mkldnn._linear_pointwise(xb, w, None, "none", [], "")
