@@ -392,41 +392,79 @@ def arm_decode(spec: dict) -> dict:
 def arm_batch(spec: dict) -> dict:
     """spec["batch"] prompts (benchmarks/batch.py's), greedy, spec["new_tokens"] each, EOS ignored: as one batch and as
     a loop of single runs, alternating, spec["pairs"] times. Decode tok/s = every row's tokens after its first / the
-    decode time (the loop: the sum of its runs' decode times). Each pair checks that the batch's rows are the loop's."""
+    decode time (the loop: the sum of its runs' decode times). Each pair checks that the batch's rows are the loop's.
+
+    With spec["torch_products"] a third arm, the batch on torch's own products (model.packed turned off: the batch
+    before issue 51 item 4), joins the alternation. Each arm also gets a CPU-time rate: its tokens after the first over
+    the process CPU time of the whole call less that of the same call generating one token (the prefill and the first
+    token); at 1 thread the load of other processes moves it far less than the wall-clock rate."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from batch import PROMPTS
 
     import llmtrace  # the public API: a benchmark measures what users run
+    import llmtrace.run.generate as generation
     from llmtrace.run.generate import generate, generate_batch
     from llmtrace.run.sampler import Sampler, SamplerConfig
 
     lm = llmtrace.load(spec["gguf"], device="cpu", dtype=spec["dtype"], threads=spec["threads"]).loaded
     rows = [lm.tokenizer.encode_prompt(t, chat=False, system=None)[1] for t in PROMPTS[: spec["batch"]]]
     n = spec["new_tokens"]
+    packed_products = generation.batch_products
 
     def sampler():
         return Sampler(SamplerConfig(temperature=0, seed=0), lm.config.vocab_size)
 
-    def batched() -> tuple[float, list]:
-        res = generate_batch(lm, rows, [sampler() for _ in rows], n, ignore_eos=True)
+    def batch_of(k: int):
+        res = generate_batch(lm, rows, [sampler() for _ in rows], k, ignore_eos=True)
         return res.decode_tok_s, [r.tokens for r in res.rows]
 
-    def loop() -> tuple[float, list]:
-        outs = [generate(lm, p, sampler(), n, ignore_eos=True) for p in rows]
-        return sum(len(r.tokens) - 1 for r in outs) / sum(r.decode_s for r in outs), [r.tokens for r in outs]
+    def loop_of(k: int):
+        outs = [generate(lm, p, sampler(), k, ignore_eos=True) for p in rows]
+        decode_s = sum(r.decode_s for r in outs)  # 0 when k is 1: only the prefill ran
+        return sum(len(r.tokens) - 1 for r in outs) / decode_s if decode_s else 0.0, [r.tokens for r in outs]
 
-    batched(), loop()  # warm-up
-    runs: dict[str, list[float]] = {"batched": [], "sequential": []}
+    def torch_batch_of(k: int):
+        generation.batch_products = lambda lm: None
+        try:
+            return batch_of(k)
+        finally:
+            generation.batch_products = packed_products
+
+    def timed(fn):
+        t = time.process_time()
+        rate, tokens = fn(n)
+        cpu = time.process_time() - t
+        t = time.process_time()
+        fn(1)
+        cpu -= time.process_time() - t
+        return rate, sum(len(x) - 1 for x in tokens) / cpu, tokens
+
+    arms = {"batched": batch_of, "sequential": loop_of}
+    if spec.get("torch_products"):
+        arms["batched, torch products"] = torch_batch_of
+    for fn in arms.values():  # warm-up (the first batch packs the weights)
+        fn(4)
+    runs: dict[str, list[float]] = {a: [] for a in arms}
+    cpu: dict[str, list[float]] = {a: [] for a in arms}
+    load: list[float] = []
     same = True
+    names = list(arms)
     for i in range(spec["pairs"]):
         got = {}
-        for name, fn in ((("batched", batched), ("sequential", loop)) if i % 2 == 0 else
-                         (("sequential", loop), ("batched", batched))):
-            rate, got[name] = fn()
+        for name in names if i % 2 == 0 else names[::-1]:
+            rate, cpu_rate, got[name] = timed(arms[name])
             runs[name].append(rate)
-        same = same and got["batched"] == got["sequential"]
+            cpu[name].append(cpu_rate)
+        load.append(os.getloadavg()[0])
+        same = same and all(got[a] == got["sequential"] for a in got)
     ratios = [b / s for b, s in zip(runs["batched"], runs["sequential"])]
-    return {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios), "same_tokens": same}
+    out = {"runs": runs, "ratios": ratios, "median_ratio": statistics.median(ratios), "same_tokens": same,
+           "cpu_tok_s": cpu, "cpu_ratios": [b / s for b, s in zip(cpu["batched"], cpu["sequential"])], "load": load,
+           "threads": spec["threads"]}
+    if spec.get("torch_products"):
+        out["before_ratios"] = [b / s for b, s in zip(runs["batched, torch products"], runs["sequential"])]
+        out["before_cpu_ratios"] = [b / s for b, s in zip(cpu["batched, torch products"], cpu["sequential"])]
+    return out
 
 
 def arm_kernels(spec: dict) -> dict:

@@ -385,3 +385,17 @@ def test_lens_shows_each_rows_combined_causal_and_padding_mask(capsys, smollm, m
         assert batch["combined_mask"][r] == want
     assert next(e for e in events if e["event"] == "tokens")["count"] == 1  # row 1 ("Hi") is the one taken apart
     assert "row 1: 1 real token" in out and "░" in out
+
+
+def test_a_batch_multiplies_on_packed_weights_and_leaves_the_model_as_it_was(smollm, batch_run):
+    # model.packed: the batch's rows above (tokens and logits against each row alone) ran on these products
+    import torch.nn as nn
+
+    from llmtrace.model.packed import PackedProducts
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    assert isinstance(smollm.packed, PackedProducts)
+    linears = [m for m in smollm.model.modules() if type(m) is nn.Linear]
+    assert len(smollm.packed.linears) == len(linears) == 4 * smollm.config.n_layers + 1  # qkv, o, gate/up, down; head
+    assert not any("forward" in m.__dict__ for m in linears)  # each back on torch's product after the run

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,8 @@ class LoadedModel:
     dtype: torch.dtype
     load_s: float  # seconds spent loading (conversion included on a cold GGUF load)
     converted: bool  # True if this load had to convert a GGUF (cold start)
+    # the batch loop's packed products (model.packed.PackedProducts), made on the first batch and kept with the model
+    packed: object = field(default=None, repr=False, compare=False)
 
     @property
     def points(self):

@@ -26,7 +26,9 @@ from typing import Callable, Optional, Protocol, Sequence, Union
 
 import torch
 
+from llmtrace.checkpoint.placement import available_memory
 from llmtrace.model.compiled import CompiledDecode, decode_step
+from llmtrace.model.packed import PackedProducts, matrix_bytes, packed_products
 from llmtrace.errors import BadValue, FieldError, LlmtraceError
 from llmtrace.fsutil import sigint_deferred
 from llmtrace.checkpoint.loaded import LoadedModel
@@ -494,6 +496,9 @@ class _Loop:
         idx = torch.tensor(self.layout.ids, dtype=torch.long, device=self.device)  # (B, T)
         start, step = 0, 0
         with contextlib.ExitStack() as held:
+            products = batch_products(self.lm) if self.B > 1 else None
+            if products is not None:  # a batch's products by oneDNN on packed weights (model.packed)
+                held.enter_context(products.active())
             if self.edits is not None:
                 held.enter_context(self.model.hooked(self.edits, self.edits.layers, spell_out=self.edits.spell_out))
             while True:
@@ -613,6 +618,15 @@ class _Loop:
             with sigint_deferred():
                 self.observer.on_end(self.result if self.batched else first)
         return self.result
+
+
+def batch_products(lm: LoadedModel) -> Optional[PackedProducts]:
+    """The products a batch of several rows runs on: the model's float32 matrices packed for oneDNN (model.packed),
+    made on the first batch and kept with the loaded model; None (torch's own products) where packing does not apply
+    or its copy of the matrices would take more than half the memory left."""
+    if lm.packed is None and matrix_bytes(lm.model) * 2 <= available_memory():
+        lm.packed = packed_products(lm.model)
+    return lm.packed
 
 
 def _padding(layout: BatchLayout, mask: torch.Tensor, T: int, device) -> dict:
