@@ -6,7 +6,9 @@ converter keeps in F32 (too narrow for a block of 32, or vectors) run in bfloat1
 
 What each family's fast path claims, and what is checked here:
   - with every matrix dequantized to bfloat16 (LLMTRACE_FAST_KERNELS=bf16) it computes what the exact path computes
-    in bfloat16: the same logits, bit for bit (the fast path changes the dtype and the kernels, nothing else);
+    in bfloat16 (the fast path changes the dtype and the kernels; its RMSNorm, model.fast.FastRMSNorm, rounds a
+    value in ~10^5 one bfloat16 step apart from F.rms_norm): the same top-1 everywhere, and a KLD from the exact
+    path's bfloat16 logits under a tenth of what bfloat16 itself costs (measured: the same bits, KLD 0);
   - on the quantized kernels its drift from the exact float32 path is of the order of what bfloat16 alone costs:
     mean KLD(exact ‖ fast) within 8x the exact path's own in bfloat16, and at most two of the 14 positions' top-1
     more lost than bfloat16 loses (measured, 1 thread: KLD 1.6-4.3x on int4 forms, 0.9-2.0x on int8 rows; top-1 the
@@ -55,9 +57,11 @@ def test_fast_on_the_new_families_states_its_drift(name, q8, isolated, monkeypat
     bf16 = _load(path, monkeypatch, dtype="bfloat16").model(ids)[0]
     dense = _load(path, monkeypatch, "bf16", fast=True)
     assert set(dense.config.extra["fast"]["kernel_choice"]["kernels"]) == {DENSE}
-    assert torch.equal(dense.model(ids)[0], bf16)  # the fast path in bf16 is the exact path in bf16
-
     bf16_kld = float(_kld(exact, bf16).mean())
+    same_as_bf16 = dense.model(ids)[0]  # the fast path in bf16 is the exact path in bf16
+    assert torch.equal(same_as_bf16.argmax(-1), bf16.argmax(-1))
+    assert float(_kld(bf16, same_as_bf16).mean()) <= bf16_kld / 10
+
     bf16_same = int((exact.argmax(-1) == bf16.argmax(-1)).sum())
     assert bf16_kld > 0  # bfloat16 moves the logits: the bound below is not zero by accident
     for key, (order, kernel) in ORDERS.items():
