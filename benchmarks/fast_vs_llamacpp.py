@@ -62,7 +62,8 @@ print(json.dumps({"decode_tok_s": t["predicted_per_second"], "prefill_tok_s": t[
 
 # llama.cpp through llama-cpp-python, for a build of one's own (an AVX2-only one: fast_arms.py --llamacpp-avx2): greedy
 # decode of n tokens after the prompt, EOS ignored, llama.cpp's own timing of its decode calls (llama_perf_context:
-# t_eval_ms over n_eval one-token evaluations; the argmax in Python between them is left out). `system` is the build's
+# t_eval_ms over n_eval one-token evaluations, the first after the prompt not counted by llama.cpp, so n + 1 are made;
+# the argmax in Python between them is left out). `system` is the build's
 # own line of the instruction sets it was compiled for (AVX512 = 0 in an AVX2-only build).
 LLAMA_CPP_PYTHON = r"""
 import json, sys
@@ -73,8 +74,9 @@ llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_
 ids = llm.tokenize(prompt.encode(), add_bos=True)
 llama_cpp.llama_perf_context_reset(llm.ctx)
 llm.eval(ids)
-for _ in range(n):
-    llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+vocab = llm.n_vocab()
+for _ in range(n + 1):  # the last position's logits, as llama.cpp left them; its timing counts all but the first
+    llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))])
 perf = llama_cpp.llama_perf_context(llm.ctx)
 print(json.dumps({"decode_tok_s": 1e3 * perf.n_eval / perf.t_eval_ms, "prefill_tok_s": 1e3 * perf.n_p_eval / perf.t_p_eval_ms,
                   "prompt_tokens": len(ids), "predicted_n": perf.n_eval, "build": "llama-cpp-python " + llama_cpp.__version__,
