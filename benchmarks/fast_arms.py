@@ -3,6 +3,7 @@
     pip install xllamacpp                      # llama.cpp's library (benchmark only; without it that arm is left out)
     python benchmarks/fast_arms.py --out fast_arms.md            # 2 threads, 3 rounds, 32 tokens, both capabilities
     python benchmarks/fast_arms.py --capabilities avx2 --models gemma3 --rounds 2 --no-extra
+    python benchmarks/moe_gguf.py /tmp/moe.Q8_0.gguf && python benchmarks/fast_arms.py --models /tmp/moe.Q8_0.gguf
 
 For each capability (`default`: what torch dispatches on this CPU; `avx2`: ATEN_CPU_CAPABILITY=avx2, torch's AVX2
 kernels on the same machine) and each model (SmolLM2-135M Q4_1, the default; the real Gemma 3 270M Q4_K_M):
@@ -12,8 +13,11 @@ kernels on the same machine) and each model (SmolLM2-135M Q4_1, the default; the
   (xllamacpp, its own `predicted_per_second`), llmtrace exact float32, `--fast` eager, `--fast --compile`,
   `--keep-quantized` (llmtrace's summary `decode_tok_s`). The table gives each arm's median over the rounds, its
   ratio to llama.cpp per round (median and spread), and the kernels each --fast run chose (its `run` event).
-  llama.cpp dispatches its own kernels: ATEN_CPU_CAPABILITY holds torch, not llama.cpp, so its figure is this CPU's
-  best under both capabilities.
+  llama.cpp dispatches its own kernels: ATEN_CPU_CAPABILITY holds torch, not llama.cpp, so xllamacpp's figure is
+  this CPU's best (its AVX-512 code, on an AVX-512 CPU) under both capabilities. `--llamacpp-avx2 PYTHON` gives an
+  interpreter with llama-cpp-python built for AVX2 without AVX-512 (below): under the avx2 capability that build is
+  the llama.cpp arm, the baseline of the ratios, and xllamacpp runs beside it as `llama.cpp (xllamacpp)`; each table
+  says which build its llama.cpp arm is, with the instruction sets the build reports.
 - **trace** (default model, exact float32, one process): `--trace steps` and `--trace full` against `--trace none`,
   one --tokens generation each in turn, --pairs times (benchmarks/_arms.py's `overhead` arm): untraced step time /
   traced step time per pair.
@@ -22,6 +26,16 @@ kernels on the same machine) and each model (SmolLM2-135M Q4_1, the default; the
 
 torch and OpenMP are pinned to --threads in every process, as is llama.cpp. The table is written to --out (markdown)
 and the figures to --json; progress goes to stderr with the load average.
+
+An AVX2-only llama.cpp (what a CPU without AVX-512 runs), in a virtual environment of its own (about 25 minutes of
+two busy cores):
+
+    python -m venv /work/venv-llamacpp-avx2
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+      -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF \
+      -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+      /work/venv-llamacpp-avx2/bin/pip install --no-binary :all: llama-cpp-python numpy
+    python benchmarks/fast_arms.py --llamacpp-avx2 /work/venv-llamacpp-avx2/bin/python --out fast_arms.md
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PROMPT = "Quantum mechanics is a fundamental theory in physics that"
 MODELS = {"smollm2": None, "gemma3": "gemma3-270m"}  # registry names (None: the default model)
+XLLAMACPP = "llama.cpp (xllamacpp)"  # the wheel's build beside one's own (--llamacpp-avx2)
 ARMS = {"llama.cpp": None, "exact float32": (), "--fast": ("--fast",), "--fast --compile": ("--fast", "--compile"),
         "--keep-quantized": ("--keep-quantized",)}
 
@@ -57,24 +72,36 @@ def torch_capability(env: dict) -> str:
     return out.stdout.strip()
 
 
-def decode_arms(gguf: str, args, env: dict, have_llama: bool) -> dict[str, list[dict]]:
-    """Each arm's runs over the rounds (dicts with decode_tok_s and, for llmtrace, its kernels)."""
-    from fast_vs_llamacpp import llama_cpp, llmtrace, load_average
+def decode_arms(gguf: str, args, env: dict, have_llama: bool, own_build: str = "") -> dict[str, list[dict]]:
+    """Each arm's runs over the rounds (dicts with decode_tok_s and, for llmtrace, its kernels). `own_build`: an
+    interpreter whose llama-cpp-python is the llama.cpp arm (xllamacpp then runs as `llama.cpp (xllamacpp)`)."""
+    from fast_vs_llamacpp import llama_cpp, llama_cpp_python, llmtrace, load_average
 
-    arms = [a for a in ARMS if (have_llama or ARMS[a] is not None) and a in args.arms]
+    arms = [a for a in ARMS if (have_llama or own_build or ARMS[a] is not None) and a in args.arms]
+    if own_build and have_llama and "llama.cpp" in arms:
+        arms.insert(1, XLLAMACPP)
     os.environ.clear()
     os.environ.update(env)  # fast_vs_llamacpp's runners start their processes with this environment
+    refused: dict[str, str] = {}
     if "--fast --compile" in arms:  # fills Inductor's cache: the rounds' compiles load it
-        llmtrace(gguf, args.threads, PROMPT, 4, "--fast", "--compile")
+        try:
+            llmtrace(gguf, args.threads, PROMPT, 4, "--fast", "--compile")
+        except RuntimeError as e:  # llmtrace's one line (a mixture of experts is not compiled)
+            refused["--fast --compile"] = str(e)
+            arms.remove("--fast --compile")
+            log(f"  --fast --compile: {e}")
     runs: dict[str, list[dict]] = {a: [] for a in arms}
     for r in range(args.rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
-            extra = ARMS[arm]
-            out = (llama_cpp(gguf, args.threads, PROMPT, args.tokens) if extra is None
-                   else llmtrace(gguf, args.threads, PROMPT, args.tokens, *extra))
+            if arm == "llama.cpp" and own_build:
+                out = llama_cpp_python(own_build, gguf, args.threads, PROMPT, args.tokens)
+            elif arm in ("llama.cpp", XLLAMACPP):
+                out = llama_cpp(gguf, args.threads, PROMPT, args.tokens) | {"build": "xllamacpp"}
+            else:
+                out = llmtrace(gguf, args.threads, PROMPT, args.tokens, *ARMS[arm])
             runs[arm].append(out)
             log(f"  round {r + 1}: {arm}: {out['decode_tok_s']:.1f} tok/s (load {load_average()})")
-    return runs
+    return runs | {a: [{"refused": why}] for a, why in refused.items()}
 
 
 def in_process(arm: str, spec: dict, env: dict) -> dict:
@@ -104,14 +131,33 @@ def kernels_of(run: dict) -> str:
 def decode_table(name: str, runs: dict[str, list[dict]]) -> list[str]:
     base_arm = "llama.cpp" if "llama.cpp" in runs else "exact float32"
     base = [r["decode_tok_s"] for r in runs[base_arm]]
-    out = [f"| {name} | arm | decode tok/s (median) | / {base_arm} (median, spread over rounds) | kernels |",
-           "| --- | --- | ---: | ---: | --- |"]
+    out = []
+    if base_arm == "llama.cpp":
+        first = runs["llama.cpp"][0]
+        out = [f"llama.cpp arm: {first.get('build', 'xllamacpp')}"
+               + (f" (built for: {_isa(first['system'])})" if first.get("system") else "") + "", ""]
+    out += [f"| {name} | arm | decode tok/s (median) | / {base_arm} (median, spread over rounds) | kernels |",
+            "| --- | --- | ---: | ---: | --- |"]
     for arm, rs in runs.items():
+        if "refused" in rs[0]:
+            out.append(f"| | `{arm}` | refused: {rs[0]['refused'].removeprefix('error: ')} | | |")
+            continue
         tok = [r["decode_tok_s"] for r in rs]
         ratios = [a / b for a, b in zip(tok, base)]
         out.append(f"| | `{arm}` | {statistics.median(tok):.1f} | {statistics.median(ratios):.2f} "
                    f"({spread(ratios)}) | {kernels_of(rs[0])} |")
     return out
+
+
+def _isa(system: str) -> str:
+    """The instruction sets a llama.cpp build says it uses (llama_print_system_info: "CPU : SSE3 = 1 | AVX2 = 1 |
+    ...") -> "SSE3, AVX2, ...", with "no AVX512" where it has none."""
+    names = []
+    for part in system.replace(":", "|").split("|"):
+        key, _, value = part.partition("=")
+        if value.strip() == "1":
+            names.append(key.strip())
+    return ", ".join(names) + ("" if any(n.startswith("AVX512") for n in names) else "; no AVX512")
 
 
 def log(msg: str) -> None:
@@ -125,8 +171,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens of the decode arms")
     ap.add_argument("--pairs", type=int, default=4, help="alternations of the trace and batch arms")
     ap.add_argument("--capabilities", default="default,avx2", help="comma-separated: default, avx2")
-    ap.add_argument("--models", default="smollm2,gemma3", help="comma-separated: " + ", ".join(MODELS))
+    ap.add_argument("--models", default="smollm2,gemma3",
+                    help="comma-separated: " + ", ".join(MODELS) + ", or a GGUF file's path (the MoE shape: "
+                         "benchmarks/moe_gguf.py FILE)")
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated decode arms: " + ", ".join(ARMS))
+    ap.add_argument("--llamacpp-avx2", metavar="PYTHON", default="",
+                    help="an interpreter with llama-cpp-python built for AVX2 only: the llama.cpp arm under avx2")
     ap.add_argument("--no-extra", action="store_true", help="leave out the trace and batch arms")
     ap.add_argument("--out", type=Path, default=Path("fast_arms.md"), help="the tables, as markdown")
     ap.add_argument("--json", type=Path, help="every figure, as JSON")
@@ -143,7 +193,8 @@ def main() -> None:
         os.environ[var] = str(args.threads)
     from llmtrace.registry.resolve import resolve
 
-    models = {m: str(resolve(MODELS[m]).path) for m in args.models.split(",")}
+    models = {m if m in MODELS else Path(m).stem: str(resolve(MODELS[m]).path) if m in MODELS else str(Path(m).resolve())
+              for m in args.models.split(",")}
     base_env = dict(os.environ)
     t0 = time.time()
     found: dict = {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds, "capabilities": {}}
@@ -159,7 +210,7 @@ def main() -> None:
         lines += ["", f"## capability `{cap}` (torch dispatches `{torch_cap}`)", ""]
         for name, gguf in (models.items() if args.arms else ()):
             log(f" {name}: decode arms")
-            runs = decode_arms(gguf, args, env, have_llama)
+            runs = decode_arms(gguf, args, env, have_llama, args.llamacpp_avx2 if cap == "avx2" else "")
             entry["models"][name] = runs
             lines += decode_table(f"{name} ({Path(gguf).name})", runs) + [""]
         if not args.no_extra:

@@ -60,6 +60,29 @@ print(json.dumps({"decode_tok_s": t["predicted_per_second"], "prefill_tok_s": t[
                   "prompt_tokens": t["prompt_n"], "predicted_n": t["predicted_n"]}))
 """
 
+# llama.cpp through llama-cpp-python, for a build of one's own (an AVX2-only one: fast_arms.py --llamacpp-avx2): greedy
+# decode of n tokens after the prompt, EOS ignored, llama.cpp's own timing of its decode calls (llama_perf_context:
+# t_eval_ms over n_eval one-token evaluations, the first after the prompt not counted by llama.cpp, so n + 1 are made;
+# the argmax in Python between them is left out). `system` is the build's
+# own line of the instruction sets it was compiled for (AVX512 = 0 in an AVX2-only build).
+LLAMA_CPP_PYTHON = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+path, threads, prompt, n = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+llm = llama_cpp.Llama(model_path=path, n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
+ids = llm.tokenize(prompt.encode(), add_bos=True)
+llama_cpp.llama_perf_context_reset(llm.ctx)
+llm.eval(ids)
+vocab = llm.n_vocab()
+for _ in range(n + 1):  # the last position's logits, as llama.cpp left them; its timing counts all but the first
+    llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))])
+perf = llama_cpp.llama_perf_context(llm.ctx)
+print(json.dumps({"decode_tok_s": 1e3 * perf.n_eval / perf.t_eval_ms, "prefill_tok_s": 1e3 * perf.n_p_eval / perf.t_p_eval_ms,
+                  "prompt_tokens": len(ids), "predicted_n": perf.n_eval, "build": "llama-cpp-python " + llama_cpp.__version__,
+                  "system": llama_cpp.llama_print_system_info().decode()}))
+"""
+
 LLMTRACE = r"""
 import json, sys
 from pathlib import Path
@@ -101,6 +124,19 @@ def llama_cpp(gguf: str, threads: int, prompt: str, tokens: int) -> dict:
                           capture_output=True, text=True, check=True)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     decoded(out["predicted_n"], tokens, "llama.cpp")
+    return out
+
+
+def llama_cpp_python(python: str, gguf: str, threads: int, prompt: str, tokens: int) -> dict:
+    """llama.cpp through llama-cpp-python installed for the interpreter PYTHON (a build of one's own), pinned to
+    `threads` (OMP_NUM_THREADS too: an OpenMP build spins that many)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([python, "-c", LLAMA_CPP_PYTHON, gguf, str(threads), prompt, str(tokens)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{python}: " + (proc.stderr.strip().splitlines() or ["?"])[-1])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    decoded(out["predicted_n"], tokens, "llama.cpp (" + python + ")")
     return out
 
 

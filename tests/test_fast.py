@@ -160,6 +160,36 @@ def test_int8_kernel_requantizes_each_row_within_half_a_step(kind):
     assert ((got - want).abs() <= want.abs() * BF16_EPS / 2 + 1e-4 * want.abs().max()).all()
 
 
+@torch.inference_mode()
+def test_fast_rmsnorm_is_the_norm_to_one_bfloat16_rounding():
+    """model.fast.FastRMSNorm (one layer norm over [x, −x], scaled by [γ, 0]) against the norm computed in float64
+    from the same bfloat16 inputs: each output within one bfloat16 rounding of it (eps/2 relative, as F.rms_norm's
+    own), and F.rms_norm's bits in all but a few values; a (B, T, D) input of several tokens comes back contiguous
+    (the int4 kernel takes nothing else); γ changed in place is seen. The claim can fail: without the −x half the
+    layer norm subtracts the mean."""
+    from llmtrace.model.fast import use_fast_norms
+    from llmtrace.model.transformer import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.copy_(torch.randn(576, generator=g) * 0.5 + 1)
+    x = (torch.randn(4, 25, 576, generator=g) * 3 + 0.5).to(torch.bfloat16)
+    own = norm(x)
+    holder = torch.nn.Sequential(norm)
+    assert use_fast_norms(holder) == 1 and type(norm).__name__ == "RMSNorm" and isinstance(norm, RMSNorm)
+    fast = norm(x)
+    assert fast.is_contiguous() and fast.dtype == torch.bfloat16
+    xd = x.double()
+    want = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    for y in (own, fast):
+        assert ((y.double() - want).abs() <= want.abs() * BF16_EPS / 2 * (1 + 1e-3) + 1e-30).all()
+    assert (fast == own).float().mean() > 0.999
+    centred = torch.nn.functional.layer_norm(x.float(), (576,), norm.weight.float(), None, 1e-5)  # mean subtracted
+    assert not ((centred.double() - want).abs() <= want.abs() * BF16_EPS).all()
+    norm.weight.mul_(2)  # γ changed in place (as a test of --freeze does) is the fast norm's γ too
+    assert torch.equal(norm(x), (fast.float() * 2).to(torch.bfloat16))
+
+
 def test_each_type_has_its_candidates_and_the_fastest_measured_wins():
     """A 4-bit group type may run on int4 (exact up to the scales' rounding), int8 or bf16; a 5- or 8-bit one on the
     two-nibble int4 form instead; the K-quants with groups of 16 on int8 or bf16; floats and MXFP4 in bf16 only. Of
@@ -261,8 +291,11 @@ def test_explain_counts_a_packed_or_quantized_model_by_its_weights(smollm, fast_
     of 100.75 of the model)."""
     from llmtrace.run.explain import layer_section
 
+    from llmtrace.model.fast import FastRMSNorm
+
     exact = layer_section(smollm.model, 3, 5)
     assert exact["model_params"] == 134_515_008  # SmolLM2-135M, its tied embedding once
+    assert sum(isinstance(m, FastRMSNorm) for m in fast_smollm.model.modules()) == 61  # 2 a layer and the final one
     for lm in (fast_smollm, load_model(str(smollm_path), device="cpu", keep_quantized=True)):
         got = layer_section(lm.model, 3, 5)
         assert got["model_params"] == exact["model_params"] and got["layer_params"] == exact["layer_params"]

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from llmtrace.model.fast import (COMPUTE, DENSE, KERNELS, FastLinear, candidates, fast_experts, fast_linear, kernel_counts,
-                                 measure_kernels, shape_key)
+                                 measure_kernels, shape_key, use_fast_norms)
 from llmtrace.model.quant import BLOCKS, QuantEmbedding, Segment
 from llmtrace.checkpoint.quantized import is_matrix
 from llmtrace.model.transformer import Attention
@@ -76,6 +76,7 @@ def load_gguf_fast(path, device: torch.device, choice: Optional[dict] = None):
         del raws
         return_freed_memory()  # the band scratch just freed, before the next matrix allocates between it
     model = build_model(config, sd, device, COMPUTE, modules)
+    use_fast_norms(model)  # RMSNorm in three calls instead of ~30 (model.fast.FastRMSNorm)
     for m in model.modules():  # decode attention as G query rows per KV head (model.transformer.Attention)
         if isinstance(m, Attention):
             m.fold_gqa_decode = True
