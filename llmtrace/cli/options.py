@@ -88,7 +88,7 @@ FastOpt = Annotated[
     bool,
     typer.Option("--fast", help="GGUF only: run the matrices straight from their quantized blocks on torch's int4 "
                  "kernel, activations in bfloat16. Several times faster, and approximate: the trace says "
-                 "\"exact\": false (README: how far it drifts)."),
+                 "\"exact\": false; `llmtrace compare --b-fast` measures how far it drifts (docs/performance.md)."),
 ]
 DeviceMapOpt = Annotated[
     Optional[str],

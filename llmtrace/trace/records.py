@@ -206,7 +206,8 @@ def fast_parts(fast: dict) -> list[str]:
     kernels."""
     choice = fast["kernel_choice"]
     return [in_words("`fast=True`: approximate, not the exact values"), f"{fast['compute_dtype']} activations, float32 norm and "
-            f"softmax statistics", kernel_words(choice)]
+            f"softmax statistics", kernel_words(choice),
+            in_words("how far it drifts from the exact path: `llmtrace compare --b-fast`")]
 
 
 def kernel_words(choice: dict) -> str:
