@@ -129,7 +129,7 @@ def kernel_choice(device: torch.device, shapes: list[tuple[int, int]]) -> dict:
     missing = [s for s in shapes if shape_key(*s) not in known]
     if missing:
         if sys.stderr.isatty():  # progress, as a conversion's: the first --fast load on a machine waits for this
-            print(f"measuring --fast's kernels on this CPU, once: {len(missing)} matrix shapes (kept in {path})",
+            print(f"measuring the fast path's kernels on this CPU, once: {len(missing)} matrix shapes (kept in {path})",
                   file=sys.stderr, flush=True)
         known |= measure_kernels(missing, cold_bytes())
         _write_probe(path, known)

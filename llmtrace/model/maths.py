@@ -167,7 +167,7 @@ class Op:
 
     def record(self) -> dict:
         return {"op": self.kind, "inputs": list(self.inputs), "weights": list(self.weights),
-                "consts": dict(self.consts)}
+                "consts": dict(self.consts), "role": op_kind(self.kind).role}  # (a view reads it without the registry)
 
     def prefixed(self, prefix: str) -> "Op":
         """The same operation with its weights named from a parent module ("attn." + "wqkv.weight")."""

@@ -900,7 +900,10 @@ def _rope_words(points: list[dict], maths: Optional[dict]) -> tuple[str, str]:
     plans = [maths["kinds"][k]["plan"] for k in maths["layer_kind"]]
     from llmtrace.model.maths import ROTATION, attention_words, has_role, plan_from_record
 
-    names = dict.fromkeys(n for kind in maths["kinds"] for n, o in kind["ops"].items() if has_role(o["op"], ROTATION))
+    def rotates(o: dict) -> bool:  # the record's role (so that `show` needs no torch); a trace before roles: the registry
+        return o["role"] == ROTATION if "role" in o else has_role(o["op"], ROTATION)
+
+    names = dict.fromkeys(n for kind in maths["kinds"] for n, o in kind["ops"].items() if rotates(o))
     turning = [i for i, plan in enumerate(plans) if plan.get("rope")]
     if len(turning) == len(plans):
         return " and ".join(names), "in every layer"
