@@ -227,6 +227,32 @@ def test_help_examples_are_one_per_line_and_help_uses_the_width(capsys, monkeypa
         assert widest > 120  # paragraphs use the room (click's default stops at 80)
 
 
+def test_help_examples_at_80_columns_are_broken_as_shell_lines_that_run_as_written(capsys, monkeypatch):
+    """At 80 columns a long example is not rewrapped as prose (which split commands mid-word, e.g. a quoted prompt):
+    it is broken between its words with a shell continuation, never between a flag and its value, each row within
+    the width; joined again it is the example as the command declares it."""
+    from llmtrace.cli.generate import GENERATE_HELP
+
+    monkeypatch.setenv("COLUMNS", "80")
+    joined, too_wide = [], []
+    for command in COMMANDS:
+        _, out, _ = run_cli(capsys, command, "--help")
+        lines, i = out.splitlines(), 0
+        while i < len(lines):
+            line = lines[i]
+            while line.endswith(" \\") and i + 1 < len(lines):
+                too_wide += [lines[i]] if len(lines[i]) > 80 else []
+                ends_in_flag = lines[i][:-2].rstrip().split()[-1].startswith("-")
+                i += 1
+                assert not ends_in_flag or lines[i].strip()[:1] in "-#", lines[i]  # a flag stays with its value
+                line = line[:-2] + " " + lines[i].strip()
+            joined.append(line.strip())
+            i += 1
+    assert not too_wide, too_wide
+    dry = next(x.strip() for x in GENERATE_HELP.splitlines() if "--dry-multiplier" in x and x.strip().startswith("llm"))
+    assert dry in joined and len(dry) > 80  # a long one, made of three rows, runs as written
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # --json and --jsonl in every command the documentation names (issue 20; the sentence moved from the README to
 # docs/commands.md in issue 38)

@@ -3,6 +3,8 @@
 from typing import Annotated
 
 import typer
+import typer._click.core as _core
+import typer._click.formatting as _formatting
 from typer.core import TyperGroup
 
 
@@ -18,6 +20,63 @@ def _reader_may_go(method):
         except BrokenPipeError:
             raise ReaderGone() from None
     return method_or_reader_gone
+
+
+def _shell_words(line: str) -> list[str]:
+    """A command line's words, split at spaces outside quotes (the quotes kept): where a line may be broken."""
+    words, word, quote = [], "", None
+    for ch in line:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == " ":
+            if word:
+                words.append(word)
+            word = ""
+            continue
+        word += ch
+    return words + ([word] if word else [])
+
+
+def _example_lines(par: str, width: int) -> str:
+    """A paragraph of `llmtrace …` example lines, kept as written ("\b": click does not rewrap it); a line longer
+    than `width` is broken between its words with a shell continuation (` \\`), so that it can be copied and run as
+    it is, and never between a flag and its value. A trailing comment (after two spaces and #) is one piece."""
+    lines = par.split("\n")
+    if not all(line.startswith("  ") and "llmtrace " in line for line in lines if line.strip()):
+        return par  # prose, or a table: click wraps it
+    out = ["\b"]
+    for line in lines:
+        lead = " " * (len(line) - len(line.lstrip()))
+        command, sep, comment = line.strip().partition("  #")
+        words = []
+        for w in _shell_words(command):  # a flag stays on the line of its value
+            if words and words[-1].startswith("-") and " " not in words[-1] and not w.startswith("-"):
+                words[-1] += " " + w
+            else:
+                words.append(w)
+        words += [sep.strip() + comment] if sep else []
+        row = lead + words[0]
+        for w in words[1:]:
+            if len(row) + 1 + len(w) + 2 > width:
+                out.append(row + " \\")
+                row = lead + "    " + w
+            else:
+                row += " " + w
+        out.append(row)
+    return "\n".join(out)
+
+
+class HelpFormatter(_formatting.HelpFormatter):
+    """click's help formatter, but an example is never rewrapped in the middle of a command (_example_lines)."""
+
+    def write_text(self, text: str) -> None:
+        width = self.width - self.current_indent
+        super().write_text("\n\n".join(_example_lines(par, width) for par in text.split("\n\n")))
+
+
+_core.Context.formatter_class = HelpFormatter  # typer's Context is click's (vendored in typer._click)
 
 
 class Commands(TyperGroup):
