@@ -48,6 +48,9 @@ def _example_lines(par: str, width: int) -> str:
         return par  # prose, or a table: click wraps it
     out = ["\b"]
     for line in lines:
+        if len(line) <= width:  # as written, its comment's alignment kept
+            out.append(line)
+            continue
         lead = " " * (len(line) - len(line.lstrip()))
         command, sep, comment = line.strip().partition("  #")
         words = []
