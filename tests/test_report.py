@@ -489,3 +489,13 @@ def test_trace_text_reaches_the_page_escaped(browser, smollm, tmp_path):
     assert "script" in chips and ">" in "".join(chips)  # the prompt's tokens, as text
     assert o.messages == [] and o.requests == [o.url]
     o.page.close()
+
+
+def test_the_run_tables_layer_ranges_are_said_in_the_pages_language():
+    """The RoPE row's layer ranges come from the catalogue: the Chinese page said "layers 0–29" in English."""
+    from llmtrace.report.i18n import Words
+    from llmtrace.report.page import layer_ranges
+
+    assert layer_ranges([0, 1, 2, 4], Words("en")) == "layers 0–2, 4"
+    assert layer_ranges([3], Words("en")) == "layer 3"
+    assert layer_ranges(list(range(30)), Words("zh")) == "第 0–29 层"

@@ -245,18 +245,18 @@ def rope_rows(d: dict, w) -> str:
         plan = plan_from_record(rec["kinds"][k]["plan"])
         words = rope_words(plan, w.maths) + (w("maths.window_of", w=f"{plan.window:,}") if plan.window else "")
         by.setdefault(words, []).append(layer)
-    return " · ".join(w("run.rope_layers", rope=words, layers=layer_ranges(layers)) for words, layers in by.items())
+    return " · ".join(w("run.rope_layers", rope=words, layers=layer_ranges(layers, w)) for words, layers in by.items())
 
 
-def layer_ranges(layers: list[int]) -> str:
-    """[0, 1, 2, 4] -> 'layers 0–2, 4'."""
+def layer_ranges(layers: list[int], w) -> str:
+    """[0, 1, 2, 4] -> 'layers 0–2, 4' (in the page's language: w, its words)."""
     parts, start = [], None
     for i, x in enumerate(layers):
         start = x if start is None else start
         if i + 1 == len(layers) or layers[i + 1] != x + 1:
             parts.append(f"{start}" if start == x else f"{start}–{x}")
             start = None
-    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(parts)
+    return w("run.layer_one" if len(layers) == 1 else "run.layer_many", n=", ".join(parts))
 
 
 def section_run(d: dict) -> dict:
